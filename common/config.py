@@ -1,0 +1,198 @@
+"""Typed schema shared by every recipe, registered in Hydra's ConfigStore, plus value checks.
+
+Composition (scripts/train.py) catches unknown keys and wrong types through these
+dataclasses; `validate` then catches impossible values. Both raise `ConfigError`, which
+the launcher prints as one line. Recipe-specific sections (`model`, `diffusion`, ...) have
+their own schemas in `recipes/<family>/config.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration: printed as one line, no traceback."""
+
+
+@dataclass
+class RecipeInfo:
+    name: str = MISSING  # e.g. dit_tiny
+    family: str = MISSING  # dit | vlm | llm: picks recipes/<family>/train.py
+
+
+@dataclass
+class RunConfig:
+    dir: str = ""  # empty: outputs/<recipe>/<timestamp>, chosen by rank 0 and broadcast
+    resume: str = "auto"  # auto | never | <checkpoint path>
+    dry_run: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    seed: int = 0
+    log_every: int = 10
+    micro_batch_size: int = 32
+    grad_accum: int = 1
+    sample_every: int = 0  # 0: samples only at the end
+    progress_bar: bool = True
+    eval: bool = True  # run the recipe's evaluation after training
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # 0: only the final checkpoint
+    keep: int = 2
+    final: bool = True  # save one at the end of training
+
+
+@dataclass
+class ParallelConfig:
+    zero_stage: int = 0  # DeepSpeed ZeRO stage (DiT, VLM)
+    dp: int = -1  # data-parallel degree; -1 = world_size / (tp * pp)
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0  # 0 = pp
+    timeout_s: int = 600  # collective timeout: a hang becomes an error
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "cosine"  # constant | cosine | linear
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio (cosine, linear)
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class TogglesConfig:
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8
+    tf32: bool = True
+    compile: bool = False
+    activation_checkpointing: str = "none"  # none | full | selective
+    attention: str = "sdpa"  # sdpa | flash | eager
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = False
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    repeat: int = 1
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"
+    root: str = "data/cache/digits"  # relative paths are relative to the repo checkout
+    prepare: bool = True  # build packaged datasets (digits) when missing
+    num_workers: int = 1
+    shuffle_buffer: int = 256
+    max_corrupt_shards: int = 0
+    image_size: int = 16
+
+
+@dataclass
+class TrainConfig:
+    recipe: RecipeInfo = field(default_factory=RecipeInfo)
+    run: RunConfig = field(default_factory=RunConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    toggles: TogglesConfig = field(default_factory=TogglesConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # Recipe-specific sections; their schemas come from recipes/<family>/config.py.
+    model: Any = MISSING
+    diffusion: Any = None
+
+
+FAMILIES = ("dit",)
+
+CHOICES = {
+    "recipe.family": FAMILIES,
+    "toggles.precision": ("fp32", "bf16", "fp16", "fp8"),
+    "toggles.activation_checkpointing": ("none", "full", "selective"),
+    "toggles.attention": ("sdpa", "flash", "eager"),
+    "optim.schedule": ("constant", "cosine", "linear"),
+    "parallel.zero_stage": (0, 1, 2, 3),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+}
+
+POSITIVE = (
+    "trainer.max_steps",
+    "trainer.log_every",
+    "trainer.micro_batch_size",
+    "trainer.grad_accum",
+    "checkpoint.keep",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.timeout_s",
+    "data.shuffle_buffer",
+    "data.image_size",
+    "profile.active",
+)
+NON_NEGATIVE = (
+    "trainer.sample_every",
+    "checkpoint.every",
+    "optim.lr",
+    "optim.weight_decay",
+    "optim.warmup_steps",
+    "optim.grad_clip",
+    "data.num_workers",
+    "data.max_corrupt_shards",
+    "profile.wait",
+    "profile.warmup",
+    "profile.repeat",
+)
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check values the type system cannot: choices, ranges, cross-key rules."""
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+    for key in POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
+    for key in NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
+    if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
+        raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be -1 (derive from world size) or >= 1")
+    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
+    if not (0.0 <= cfg.optim.beta1 < 1.0 and 0.0 <= cfg.optim.beta2 < 1.0):
+        raise ConfigError("optim.beta1 and optim.beta2 must be in [0, 1)")
+    resume = cfg.run.resume
+    if resume not in ("auto", "never") and not Path(resume).exists():
+        raise ConfigError(f"run.resume={resume}: no such path (use auto, never, or a checkpoint path)")
+
+
+def register() -> None:
+    """Put the shared schema into Hydra's ConfigStore (idempotent)."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)

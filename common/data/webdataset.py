@@ -1,0 +1,319 @@
+"""Resumable WebDataset loader: shards split by rank then worker, seeded shuffles, exact mid-epoch resume.
+
+Layout. Rank ``r`` of ``W`` reads ``urls[r::W]``; DataLoader worker ``w`` of ``N`` inside that
+rank reads ``urls[r::W][w::N]`` (explicit slicing rather than webdataset's split_by_node /
+split_by_worker, so the assignment does not depend on torch.distributed being initialised
+and is visible in one line). Each (epoch, rank, worker) gets its own ``random.Random``
+seeded from (seed, epoch, rank, worker): it orders the worker's shards and drives
+webdataset's shuffle buffer. Nothing reads the process-global RNGs.
+
+Position. Workers batch (full batches only) and attach a small header to every batch:
+worker id, how many raw samples it has drawn from its shuffled stream so far, and which of
+its shards turned out corrupt. The main process does not trust the DataLoader's worker
+interleaving; it merges the workers' batches itself in a fixed round-robin order (worker
+0, 1, ..., skipping workers that have finished the epoch). The resumable position is
+therefore: epoch, the worker whose turn is next, and per worker the header of the last
+batch the caller received. ``load_state_dict`` hands those to fresh workers, which replay
+the same shuffled raw stream, drop the first ``drawn`` samples without decoding them
+(cheap) and continue -- the round-robin resumes at the saved turn, so the batch sequence
+continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import logging
+import os
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+from webdataset.tariterators import group_by_keys, tar_file_expander
+
+log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+
+
+def _rng(seed: int, epoch: int, rank: int, worker: int) -> random.Random:
+    # A str seed is hashed with SHA-512 by `random` (independent of PYTHONHASHSEED), so
+    # nearby integer tuples still give unrelated streams.
+    return random.Random(f"kiln.webdataset/{seed}/{epoch}/{rank}/{worker}")
+
+
+def _is_local(url: str) -> bool:
+    return "://" not in url and not url.startswith("pipe:")
+
+
+def _brief(exc: BaseException) -> str:
+    # webdataset appends the stream and url to exception args; the url is logged separately.
+    message = str(exc.args[0]) if exc.args else str(exc)
+    return f"{type(exc).__name__}: {message.split(' @ ')[0]}"
+
+
+def _read_shard(url: str) -> Iterator[dict]:
+    """Raw samples of one shard, using webdataset's own tar parsing and key grouping."""
+    stream = wds.gopen(url)
+    with contextlib.closing(stream):
+        # reraise handler: the caller decides what a broken shard means (skip + count).
+        yield from group_by_keys(tar_file_expander([{"url": url, "stream": stream}]))
+
+
+class _EpochStream(IterableDataset):
+    """One epoch of one rank. Runs inside each DataLoader worker (or in-process if num_workers=0).
+
+    Yields ``{"worker", "drawn", "batches", "bad", "batch"}`` per full batch, then one
+    ``{"worker", "end": True, "bad"}`` marker so the main process knows the worker is done
+    and learns about corrupt shards found after its last batch.
+    """
+
+    def __init__(self, *, urls: list[str], decode: Callable[[dict], Any], collate: Callable, batch_size: int,
+                 rank: int, world_size: int, num_workers: int, seed: int, shuffle_buffer: int, shuffle_shards: bool,
+                 epoch: int, resume: list[dict] | None, known_bad: frozenset[str] = frozenset()):
+        super().__init__()
+        self.urls, self.decode, self.collate = urls, decode, collate
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.num_slots = max(1, num_workers)
+        self.seed, self.shuffle_buffer, self.shuffle_shards = seed, shuffle_buffer, shuffle_shards
+        self.epoch, self.resume = epoch, resume
+        self.known_bad = known_bad  # found in earlier epochs: only used to not repeat the warning
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        shards = self.urls[self.rank :: self.world_size][worker :: self.num_slots]
+        rng = _rng(self.seed, self.epoch, self.rank, worker)
+        if self.shuffle_shards:
+            rng.shuffle(shards)
+        start = self.resume[worker] if self.resume else {"drawn": 0, "batches": 0, "bad": {}}
+        # url -> reason. Seeded from the saved position: those shards were found corrupt
+        # (perhaps by decoding a sample we now skip without decoding) before the stop point.
+        bad: dict[str, str] = dict(start["bad"])
+
+        def raw_samples() -> Iterator[dict]:
+            # Reads every shard to its end (or first tar error) whatever `bad` holds, so the raw
+            # stream -- and hence the shuffle -- is a function of the data and the seed only.
+            for url in shards:
+                try:
+                    yield from _read_shard(url)
+                except Exception as exc:  # tarfile.ReadError, truncated member, gzip error, ...
+                    mark_bad(url, f"unreadable tar: {_brief(exc)}")
+
+        def mark_bad(url: str, reason: str) -> None:
+            if url not in bad:
+                bad[url] = reason
+                level = logging.DEBUG if url in self.known_bad else logging.WARNING
+                log.log(level, "skipping rest of corrupt shard %s (rank %d, worker %d): %s", url, self.rank, worker, reason)
+
+        stream: Iterator[dict] = raw_samples()
+        if self.shuffle_buffer > 0:
+            stream = wds.shuffle(bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(stream)
+
+        drawn, batches, batch = 0, start["batches"], []
+        for sample in stream:
+            drawn += 1
+            if drawn <= start["drawn"]:
+                continue  # fast-forward: already consumed by the caller before the resume; not decoded
+            url = sample.get("__url__")
+            if url in bad:
+                continue  # "skip the rest of a corrupt shard", also for samples still in the shuffle buffer
+            try:
+                batch.append(self.decode(sample))
+            except Exception as exc:
+                mark_bad(url, f"sample {sample.get('__key__')!r} failed to decode: {_brief(exc)}")
+                continue
+            if len(batch) == self.batch_size:
+                batches += 1
+                yield {"worker": worker, "drawn": drawn, "batches": batches, "bad": dict(bad), "batch": self.collate(batch)}
+                batch = []
+        # The final partial batch is dropped: every batch has exactly batch_size samples.
+        yield {"worker": worker, "end": True, "bad": dict(bad)}
+
+
+class ResumableLoader:
+    """Endless iterator of per-rank batches over epochs 0, 1, 2, ... with an exact, JSON-able position.
+
+    Build with :func:`build_webdataset_loader`. One DataLoader iterator lives for one epoch
+    (batches within an epoch come from the same workers); the next epoch starts fresh
+    workers with the new epoch's seeds.
+    """
+
+    def __init__(self, *, urls: list[str], decode: Callable[[dict], Any], batch_size: int, rank: int, world_size: int,
+                 num_workers: int, seed: int, shuffle_buffer: int, shuffle_shards: bool, collate: Callable | None,
+                 max_corrupt_shards: int, pin_memory: bool):
+        self._cfg = dict(urls=list(urls), decode=decode, collate=collate or default_collate, batch_size=batch_size,
+                         rank=rank, world_size=world_size, num_workers=num_workers, seed=seed,
+                         shuffle_buffer=shuffle_buffer, shuffle_shards=shuffle_shards)
+        self._num_workers = num_workers
+        self._num_slots = max(1, num_workers)
+        self._max_corrupt = max_corrupt_shards
+        self._pin_memory = pin_memory
+        self._corrupt: dict[str, str] = {}  # distinct shards skipped on this rank, all epochs
+        self._reset_epoch(0, next_worker=0, positions=None)
+
+    # -- position -------------------------------------------------------------------------------
+
+    def _reset_epoch(self, epoch: int, *, next_worker: int, positions: list[dict] | None) -> None:
+        self._epoch = epoch
+        self._next_worker = next_worker
+        self._positions = positions or [{"drawn": 0, "batches": 0, "bad": {}} for _ in range(self._num_slots)]
+        self._finished = [False] * self._num_slots
+        self._queues: list[collections.deque] = [collections.deque() for _ in range(self._num_slots)]
+        self._epoch_iter: Iterator[dict] | None = None  # started lazily, with the positions above
+
+    def _layout(self) -> dict:
+        c = self._cfg
+        # Shard basenames, not full paths: a run may resume on a machine that mounts the data elsewhere.
+        names = hashlib.sha1("\n".join(os.path.basename(u) for u in c["urls"]).encode()).hexdigest()[:16]
+        return {k: c[k] for k in ("rank", "world_size", "num_workers", "batch_size", "seed", "shuffle_buffer", "shuffle_shards")} | {
+            "num_urls": len(c["urls"]), "url_names_sha1": names}
+
+    def state_dict(self) -> dict:
+        """Position after the last batch handed out. Small and JSON-able; one per rank."""
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "next_worker": self._next_worker,
+            "workers": [dict(p, bad=dict(p["bad"])) for p in self._positions],
+            "corrupt_shards": dict(self._corrupt),
+            "layout": self._layout(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where the run that saved ``state`` stopped (same urls, seed, ranks, workers)."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"loader state version {state.get('version')!r} is not {_STATE_VERSION}")
+        # An exact resume replays the same shuffles over the same shard split; refuse otherwise
+        # rather than silently repeating or skipping data.
+        mine = self._layout()
+        for key, value in state["layout"].items():
+            if mine.get(key) != value:
+                raise ValueError(f"cannot resume the data loader: {key} was {value} when saved, now {mine.get(key)}")
+        workers = [dict(w, bad=dict(w["bad"])) for w in state["workers"]]
+        self.close()
+        self._corrupt = dict(state["corrupt_shards"])
+        self._reset_epoch(int(state["epoch"]), next_worker=int(state["next_worker"]), positions=workers)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def corrupt_shards(self) -> int:
+        """Distinct shards on this rank skipped so far (a shard bad in every epoch counts once)."""
+        return len(self._corrupt)
+
+    # -- iteration --------------------------------------------------------------------------------
+
+    def _start_epoch(self) -> Iterator[dict]:
+        resumed = any(p["drawn"] or p["batches"] or p["bad"] for p in self._positions)
+        dataset = _EpochStream(**self._cfg, epoch=self._epoch, resume=self._positions if resumed else None,
+                               known_bad=frozenset(self._corrupt))
+        # A dedicated generator: DataLoader draws its worker base seed from it instead of the
+        # global torch RNG, so building/iterating the loader leaves the caller's RNG untouched.
+        gen = torch.Generator().manual_seed(_rng(self._cfg["seed"], self._epoch, self._cfg["rank"], -1).getrandbits(63))
+        loader = DataLoader(dataset, batch_size=None, num_workers=self._num_workers, generator=gen,
+                            pin_memory=self._pin_memory, persistent_workers=False)
+        return iter(loader)
+
+    def _absorb_bad(self, bad: dict[str, str]) -> None:
+        new = {u: r for u, r in bad.items() if u not in self._corrupt}
+        if not new:
+            return
+        self._corrupt.update(new)
+        if len(self._corrupt) > self._max_corrupt:
+            listing = "; ".join(f"{u} ({r})" for u, r in self._corrupt.items())
+            raise RuntimeError(f"{len(self._corrupt)} corrupt shard(s) skipped on rank {self._cfg['rank']}, "
+                               f"more than max_corrupt_shards={self._max_corrupt}: {listing}")
+
+    def _next_batch(self) -> Any | None:
+        """Next batch of this epoch in round-robin worker order, or None when every worker is done."""
+        while not all(self._finished):
+            w = self._next_worker
+            if self._finished[w]:
+                self._next_worker = (w + 1) % self._num_slots
+                continue
+            while not self._queues[w]:
+                # Pull until worker w's next item arrives; others' items wait in their queues
+                # (at most about prefetch_factor * num_workers of them).
+                if self._epoch_iter is None:
+                    self._epoch_iter = self._start_epoch()
+                item = next(self._epoch_iter)  # cannot run dry: w has not sent its end marker
+                self._queues[item["worker"]].append(item)
+            item = self._queues[w].popleft()
+            self._absorb_bad(item["bad"])
+            self._next_worker = (w + 1) % self._num_slots
+            if item.get("end"):
+                self._finished[w] = True
+                continue
+            self._positions[w] = {"drawn": item["drawn"], "batches": item["batches"], "bad": item["bad"]}
+            return item["batch"]
+        return None
+
+    def __iter__(self) -> Iterator[Any]:
+        # State lives on self, so a second iter() continues where the first one stopped.
+        while True:
+            batch = self._next_batch()
+            if batch is not None:
+                yield batch
+                continue
+            if sum(p["batches"] for p in self._positions) == 0:
+                raise ValueError(f"rank {self._cfg['rank']} produced no full batch of {self._cfg['batch_size']} in epoch "
+                                 f"{self._epoch}: each worker's shards hold fewer samples than one batch")
+            self.close()
+            self._reset_epoch(self._epoch + 1, next_worker=0, positions=None)
+
+    def close(self) -> None:
+        """Stop this epoch's workers (they restart lazily on the next batch request)."""
+        it, self._epoch_iter = self._epoch_iter, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()  # deterministic teardown instead of waiting for garbage collection
+
+
+def build_webdataset_loader(
+    urls: list[str], *,
+    decode: Callable[[dict], Any],
+    batch_size: int,
+    rank: int, world_size: int,
+    num_workers: int = 0,
+    seed: int = 0,
+    shuffle_buffer: int = 256,
+    collate: Callable | None = None,
+    max_corrupt_shards: int = 0,
+    shuffle_shards: bool = True,
+    pin_memory: bool = False,
+) -> ResumableLoader:
+    """Resumable loader over WebDataset tar shards for one rank; see the module docstring.
+
+    ``decode`` maps a raw sample (``"__key__"``, ``"__url__"``, and one bytes value per file
+    extension) to what ``collate`` batches; it must be picklable (module-level function or
+    functools.partial) and deterministic -- resumed workers skip samples without decoding
+    them, so any randomness in decode should come from the sample (e.g. its key), not a
+    global RNG. Corrupt shards are skipped (logged, counted) until more than
+    ``max_corrupt_shards`` distinct ones were seen on this rank, then RuntimeError.
+    """
+    urls = [str(u) for u in urls]
+    if not urls:
+        raise ValueError("no shard urls given (empty url list)")
+    for name, value, low in (("batch_size", batch_size, 1), ("world_size", world_size, 1), ("num_workers", num_workers, 0),
+                             ("shuffle_buffer", shuffle_buffer, 0), ("max_corrupt_shards", max_corrupt_shards, 0)):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
+    missing = [u for u in urls if _is_local(u) and not os.path.isfile(u)]
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} shard file(s) missing, first: {missing[0]}")
+    readers = world_size * max(1, num_workers)
+    if len(urls) < readers:
+        # Every (rank, worker) must own at least one shard, or it would yield nothing.
+        raise ValueError(f"{len(urls)} shards cannot feed {world_size} ranks x {max(1, num_workers)} workers; "
+                         f"write more shards or lower data.num_workers")
+    return ResumableLoader(urls=urls, decode=decode, batch_size=batch_size, rank=rank, world_size=world_size,
+                           num_workers=num_workers, seed=seed, shuffle_buffer=shuffle_buffer, shuffle_shards=shuffle_shards,
+                           collate=collate, max_corrupt_shards=max_corrupt_shards, pin_memory=pin_memory)

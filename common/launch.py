@@ -1,0 +1,125 @@
+"""The one entrypoint behind scripts/train.py: compose + validate the config, join the process
+group, fix run.dir on every rank, and hand over to recipes/<family>/train.py.
+
+User mistakes (bad key, bad value, impossible layout, missing file) end the run with one
+line on stderr and exit code 2, before anything is written.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from common.config import FAMILIES, ConfigError, TrainConfig, register, validate
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+USAGE = """usage: python scripts/train.py recipe=<name> [key=value ...] [--cfg]
+       torchrun --nproc_per_node N scripts/train.py recipe=<name> [key=value ...]
+
+  recipes: {recipes}
+  --cfg    print the composed config and exit
+Config keys: configs/train.yaml and its groups; see README.md."""
+
+
+def _error(message: str) -> "SystemExit":
+    if os.environ.get("RANK", "0") == "0":
+        print(f"kiln: error: {message}", file=sys.stderr, flush=True)
+    return SystemExit(2)
+
+
+def _recipes() -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
+
+
+def _explain(exc: Exception) -> str:
+    """One line from Hydra/OmegaConf's multi-line composition errors."""
+    from hydra.errors import MissingConfigException
+
+    if isinstance(exc, MissingConfigException):
+        first = str(exc).splitlines()[0]
+        if "recipe/" in first:
+            return f"no such recipe ({first.split(': ', 1)[-1]}); available: {', '.join(_recipes())}"
+        return first
+    cause = exc.__cause__ or exc
+    key = getattr(cause, "full_key", None)
+    message = str(cause).splitlines()[0]
+    if key and "not in" in message:
+        return f"unknown config key '{key}' ({message})"
+    if key:
+        return f"bad value for '{key}': {message}"
+    return " ".join(str(exc).split())
+
+
+def compose(overrides: list[str]) -> TrainConfig:
+    """Composed, typed and validated config (raises ConfigError)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register()
+    for family in FAMILIES:
+        importlib.import_module(f"recipes.{family}.config").register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            raw = hydra_compose(config_name="train", overrides=overrides)
+        cfg: TrainConfig = OmegaConf.to_object(raw)
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(_explain(exc)) from None
+    validate(cfg)
+    importlib.import_module(f"recipes.{cfg.recipe.family}.config").validate(cfg)
+    return cfg
+
+
+def resolve_run_dir(cfg: TrainConfig) -> Path:
+    """run.dir as given, else outputs/<recipe>/<timestamp> chosen by rank 0 for every rank."""
+    from common.distributed import broadcast_object
+
+    chosen = cfg.run.dir or f"outputs/{cfg.recipe.name}/{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path(broadcast_object(chosen)).resolve()
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE.format(recipes=", ".join(_recipes())))
+        return 0
+    print_cfg = "--cfg" in argv
+    overrides = [a for a in argv if a != "--cfg"]
+    try:
+        cfg = compose(overrides)
+        if print_cfg:
+            print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            return 0
+        from common.toggles import apply_global_toggles, check_toggles
+
+        check_toggles(cfg.toggles)
+    except ConfigError as exc:
+        raise _error(str(exc)) from None
+
+    from common.distributed import init_distributed, teardown
+
+    dist = init_distributed(cfg.parallel.timeout_s)
+    try:
+        apply_global_toggles(cfg.toggles)
+        recipe = importlib.import_module(f"recipes.{cfg.recipe.family}.train")
+        run_dir = None
+        if not cfg.run.dry_run:
+            run_dir = resolve_run_dir(cfg)
+            if dist.is_main:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+                print(f"kiln: {cfg.recipe.name} on {dist.world_size} rank(s), device {dist.device}, run.dir={run_dir}", flush=True)
+        recipe.main(cfg, dist, run_dir)
+        if dist.is_main and run_dir is not None:
+            print(f"kiln: done; outputs in {run_dir}", flush=True)
+    except (ConfigError, FileNotFoundError) as exc:
+        raise _error(str(exc)) from None
+    finally:
+        teardown()
+    return 0

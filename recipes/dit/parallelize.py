@@ -1,0 +1,81 @@
+"""Apply the toggles and DeepSpeed ZeRO to a DiT, in the fixed order: kernels → AC → compile → ZeRO."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from diffusers import DiTTransformer2DModel
+from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+
+from common.config import TrainConfig
+from common.deepspeed import build_deepspeed_config
+from common.toggles import apply_fp8, compile_blocks
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) self-attention through torch SDPA; the CPU reference of `flash_kernel`."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+def flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from flash_attn import flash_attn_func  # CUDA-only package: imported on use
+
+    return flash_attn_func(q, k, v, dropout_p=0.0, causal=False)
+
+
+class KernelAttnProcessor:
+    """DiT self-attention with a pluggable (B, S, H, D) kernel: flash-attn on CUDA.
+
+    The projections mirror diffusers' AttnProcessor2_0 for the DiT's attention (no mask,
+    no cross-attention, no q/k norm); tests check it against AttnProcessor2_0 on CPU with
+    `sdpa_kernel`, so the flash path differs only in the kernel call.
+    """
+
+    def __init__(self, kernel: Kernel):
+        self.kernel = kernel
+
+    def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states=None, attention_mask=None, temb=None, **_):
+        if encoder_hidden_states is not None or attention_mask is not None or attn.norm_q is not None:
+            raise ValueError("KernelAttnProcessor handles unmasked self-attention only")
+        residual = hidden_states
+        b, s, _ = hidden_states.shape
+        q, k, v = (proj(hidden_states).view(b, s, attn.heads, -1) for proj in (attn.to_q, attn.to_k, attn.to_v))
+        out = self.kernel(q, k, v).reshape(b, s, -1).to(q.dtype)
+        out = attn.to_out[1](attn.to_out[0](out))
+        if attn.residual_connection:
+            out = out + residual
+        return out / attn.rescale_output_factor
+
+
+def set_attention(model: DiTTransformer2DModel, backend: str) -> None:
+    make = {"sdpa": AttnProcessor2_0, "eager": AttnProcessor, "flash": lambda: KernelAttnProcessor(flash_kernel)}[backend]
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.set_processor(make())
+
+
+def parallelize(model: DiTTransformer2DModel, cfg: TrainConfig, world_size: int, lr_scheduler: Callable):
+    """Returns the DeepSpeed engine wrapping `model` (ZeRO stage from `parallel.zero_stage`)."""
+    import deepspeed
+
+    t = cfg.toggles
+    set_attention(model, t.attention)
+    if t.precision == "fp8":
+        apply_fp8(model)
+    if t.activation_checkpointing == "full":
+        model.enable_gradient_checkpointing()  # recompute every block in backward
+    if t.compile:
+        compile_blocks(model.transformer_blocks)
+    ds_config = build_deepspeed_config(cfg, world_size)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=ds_config,
+        lr_scheduler=lr_scheduler,
+    )
+    return engine

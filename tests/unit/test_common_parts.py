@@ -1,0 +1,67 @@
+"""Small common pieces: LR schedule, EMA, metrics files, ZeRO memory arithmetic, toggles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.config import ConfigError, OptimConfig, TogglesConfig
+from common.deepspeed import zero_state_bytes
+from common.ema import EMA
+from common.metrics import plot_loss_curve, rewind_jsonl
+from common.optim import lr_factor
+from common.toggles import check_toggles
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    cfg = OptimConfig(lr=1.0, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    factors = [lr_factor(s, cfg, 110) for s in range(111)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+    assert factors[110] == pytest.approx(0.1)
+    assert lr_factor(50, OptimConfig(schedule="constant"), 100) == 1.0
+
+
+def test_ema_tracks_and_swaps_back():
+    model = torch.nn.Linear(3, 2)
+    ema = EMA(model, decay=0.5)
+    start = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(2.0)
+    ema.update(step=1)
+    assert torch.allclose(ema.shadow[0], start + 1.0)
+    trained = model.weight.detach().clone()
+    with ema.swapped():
+        assert torch.allclose(model.weight, start + 1.0)
+    assert torch.equal(model.weight, trained)
+
+
+def test_zero_memory_matches_the_zero_paper():
+    # Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 GPUs, mixed precision + Adam.
+    gb = 1e9
+    n, dp = 7.5e9, 64
+    assert zero_state_bytes(n, 0, dp, "bf16")["total"] / gb == pytest.approx(120, rel=0.01)
+    assert zero_state_bytes(n, 1, dp, "bf16")["total"] / gb == pytest.approx(31.4, rel=0.01)
+    assert zero_state_bytes(n, 2, dp, "bf16")["total"] / gb == pytest.approx(16.6, rel=0.01)
+    assert zero_state_bytes(n, 3, dp, "bf16")["total"] / gb == pytest.approx(1.9, rel=0.02)
+
+
+def test_metrics_rewind_and_plot(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s, "lr": 0.1}) + "\n" for s in range(1, 21)))
+    rewind_jsonl(path, 10)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(1, 11))
+    plot_loss_curve(path, tmp_path / "loss.png")
+    from PIL import Image
+
+    assert Image.open(tmp_path / "loss.png").size[0] > 100
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only expectations")
+@pytest.mark.parametrize("toggles", [TogglesConfig(attention="flash"), TogglesConfig(precision="fp8"), TogglesConfig(precision="fp16")])
+def test_gpu_only_toggles_fail_clearly_on_cpu(toggles):
+    with pytest.raises(ConfigError, match="toggles"):
+        check_toggles(toggles)
+    check_toggles(TogglesConfig(precision="bf16"))  # bf16 is fine on CPU

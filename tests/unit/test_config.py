@@ -1,0 +1,93 @@
+"""Every shipped config composes and validates; user mistakes fail with one line, nothing written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError
+from common.launch import compose
+from tests.conftest import REPO, TRAIN
+
+RECIPES = sorted(p.stem for p in (REPO / "configs" / "recipe").glob("*.yaml"))
+GROUP_OPTIONS = [
+    (group.name, p.stem)
+    for group in sorted((REPO / "configs").iterdir())
+    if group.is_dir() and group.name not in ("recipe", "model", "diffusion")
+    for p in sorted(group.glob("*.yaml"))
+]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes(recipe):
+    cfg = compose([f"recipe={recipe}"])
+    assert cfg.recipe.name == recipe
+    assert cfg.recipe.family in ("dit", "vlm", "llm")
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+def test_every_group_option_composes(group, option):
+    cfg = compose(["recipe=dit_tiny", f"{group}={option}"])
+    assert cfg is not None
+
+
+def test_recipe_is_a_delta_over_the_defaults():
+    tiny, big = compose(["recipe=dit_tiny"]), compose(["recipe=dit_2b"])
+    assert tiny.model.num_layers == 4 and big.model.num_layers == 28
+    assert big.parallel.zero_stage == 2 and big.toggles.precision == "bf16"
+    assert big.toggles.activation_checkpointing == "full"
+
+
+def test_overrides_are_typed():
+    cfg = compose(["recipe=dit_tiny", "trainer.max_steps=7", "optim.lr=0.5"])
+    assert cfg.trainer.max_steps == 7 and cfg.optim.lr == 0.5
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("trainer.max_stepz=3", "trainer.max_stepz"),
+        ("model.num_layerz=2", "model.num_layerz"),
+        ("trainer.max_steps=abc", "trainer.max_steps"),
+        ("toggles.precision=fp9", "toggles.precision"),
+        ("parallel.zero_stage=4", "parallel.zero_stage"),
+        ("trainer.micro_batch_size=0", "trainer.micro_batch_size"),
+        ("data.image_size=15", "data.image_size"),
+        ("recipe=nope", "no such recipe"),
+        ("run.resume=/does/not/exist", "run.resume"),
+        ("toggles.activation_checkpointing=selective", "selective"),
+    ],
+)
+def test_bad_values_raise_config_error(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        compose(["recipe=dit_tiny", override])
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("trainer.max_stepz=3", "max_stepz"),
+        ("toggles.attention=flash", "toggles.attention=flash"),
+        ("toggles.precision=fp8", "toggles.precision=fp8"),
+        ("toggles.precision=fp16", "toggles.precision=fp16"),
+    ],
+)
+def test_cli_mistakes_print_one_line_and_write_nothing(tmp_path: Path, override, needle):
+    import torch
+
+    if torch.cuda.is_available() and "max_stepz" not in override:
+        pytest.skip("hardware checks pass on this machine")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, TRAIN, "recipe=dit_tiny", override, f"run.dir={run_dir}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kiln: error:") and needle in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not run_dir.exists()
