@@ -58,3 +58,30 @@ def zero_state_bytes(num_params: int, stage: int, dp: int, precision: str) -> di
     grads = num_params * g / (dp if stage >= 2 else 1)
     optim = num_params * k / (dp if stage >= 1 else 1)
     return {"weights": weights, "grads": grads, "optimizer": optim, "total": weights + grads + optim}
+
+
+def local_state_bytes(engine) -> int:
+    """Measured bytes of weights + optimizer state (incl. fp32 master copies) held by this rank.
+
+    Counts each tensor storage once: ZeRO keeps flat buffers that many views share.
+    Gradients are left out: DeepSpeed frees or reuses them between steps.
+    """
+    import torch
+
+    storages: dict[int, int] = {}
+
+    def add(t) -> None:
+        if torch.is_tensor(t) and t.numel() > 0:
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+
+    for p in engine.module.parameters():
+        add(p.ds_tensor if hasattr(p, "ds_tensor") else p.data)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            add(p)
+    for state in inner.state.values():
+        for value in state.values():
+            add(value)
+    return sum(storages.values())

@@ -17,7 +17,7 @@ from diffusers import DDPMScheduler, DiTTransformer2DModel
 
 from common.checkpoint import CheckpointManager, read_meta
 from common.config import ConfigError, TrainConfig
-from common.deepspeed import zero_state_bytes
+from common.deepspeed import local_state_bytes, zero_state_bytes
 from common.distributed import DistInfo, all_reduce_mean, barrier
 from common.ema import EMA
 from common.metrics import MetricsLogger
@@ -119,6 +119,7 @@ class DiTTrainer:
         self.engine.train()
         batches = iter(self.loader)
         timer = StepTimer()
+        start_step = self.step
         with maybe_profile(cfg.profile, self.run_dir, self.dist.rank) as prof:
             while self.step < t.max_steps:
                 log_now = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.max_steps
@@ -126,6 +127,8 @@ class DiTTrainer:
                 start = time.perf_counter()
                 stats = self.train_step(batches, timer)
                 self.step += 1
+                if self.step == start_step + 1:
+                    self.record_memory()  # optimizer state exists after the first step
                 step_time = time.perf_counter() - start
                 prof.step()
                 metrics.advance()
@@ -146,6 +149,22 @@ class DiTTrainer:
         if cfg.checkpoint.final:
             self.save_checkpoint()
         metrics.close()
+
+    def record_memory(self) -> None:
+        """memory.json: measured per-rank weight + optimizer-state bytes beside the ZeRO formula."""
+        import torch.distributed as tdist
+
+        measured = [None] * self.dist.world_size
+        tdist.all_gather_object(measured, local_state_bytes(self.engine))
+        if self.dist.is_main:
+            n = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.parameters())
+            predicted = zero_state_bytes(n, self.cfg.parallel.zero_stage, self.dist.world_size, self.cfg.toggles.precision)
+            info = {
+                "zero_stage": self.cfg.parallel.zero_stage, "world_size": self.dist.world_size, "num_params": n,
+                "per_rank_state_bytes": measured,
+                "predicted_weights_plus_optimizer_bytes": predicted["weights"] + predicted["optimizer"],
+            }
+            (self.run_dir / "memory.json").write_text(json.dumps(info, indent=2))
 
     # ---- checkpoints ----------------------------------------------------------------------
     def rank_state(self) -> dict:

@@ -1,0 +1,31 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kiln-installed
+# CPU installs pin torch to the release on this machine's disk (an unpinned torch pulls CUDA).
+PIP_INSTALL := $(PY) -m pip install -q -c constraints/cpu.txt
+
+.PHONY: install demo test data clean
+
+$(STAMP): pyproject.toml constraints/cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PIP_INSTALL) torch==2.13.0
+	$(PIP_INSTALL) -e '.[test,export]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+data: install
+	$(PY) -m data.prepare_digits --out data/cache/digits
+
+# Trains dit_tiny end to end on CPU (train -> samples -> eval -> export), a few minutes.
+demo: data
+	$(PY) scripts/train.py recipe=dit_tiny
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf outputs data/cache .pytest_cache

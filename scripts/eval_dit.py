@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Score an exported DiT: sample N digits per class and classify them with an SVM fitted on real digits.
+
+    python scripts/eval_dit.py EXPORT_DIR [--per-class 50] [--steps 50] [--guidance 2.0] [--data data/cache/digits] [--out eval.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("export", type=Path, help="run.dir/export of a DiT run")
+    ap.add_argument("--per-class", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=None, help="DDIM steps (default: the run's)")
+    ap.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the run's)")
+    ap.add_argument("--data", default="data/cache/digits", help="digit shards (classifier training data)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--grid", type=Path, default=None, help="also write a sample grid PNG here")
+    ap.add_argument("--out", type=Path, default=None, help="write the scores as JSON here")
+    args = ap.parse_args(argv)
+    if not (args.export / "kiln.json").exists():
+        print(f"eval_dit: error: {args.export} is not a Kiln DiT export (no kiln.json)", file=sys.stderr)
+        return 2
+
+    import torch
+    from diffusers import DDPMScheduler, DiTTransformer2DModel
+
+    from data.prepare_digits import ensure_digits_shards
+    from recipes.dit.evaluate import class_labels, fit_digit_classifier, score_samples
+    from recipes.dit.sampling import sample_images, save_grid
+
+    info = json.loads((args.export / "kiln.json").read_text())
+    model = DiTTransformer2DModel.from_pretrained(args.export / "transformer").eval()
+    scheduler = DDPMScheduler.from_pretrained(args.export / "scheduler")
+    labels = class_labels(info["num_classes"], args.per_class)
+    images = sample_images(
+        model, dict(scheduler.config), labels, null_class=info["null_class"], image_size=info["image_size"],
+        in_channels=model.config.in_channels, steps=args.steps or info["sample_steps"],
+        guidance_scale=info["guidance_scale"] if args.guidance is None else args.guidance,
+        generator=torch.Generator().manual_seed(args.seed), device=torch.device("cpu"),
+    )
+    ensure_digits_shards(args.data)
+    clf, real_acc = fit_digit_classifier(args.data, info["image_size"], args.seed)
+    result = {**score_samples(clf, images, labels, info["num_classes"]), "classifier_accuracy_on_real_val": real_acc}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    if args.grid:
+        save_grid(images[:: max(1, args.per_class // 8)], rows=info["num_classes"], path=args.grid)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
