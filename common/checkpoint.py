@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from common.config import ConfigError
+from common.errors import ConfigError
 from common.distributed import DistInfo, barrier
 
 STEP_PREFIX = "step_"

@@ -15,9 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-
-class ConfigError(ValueError):
-    """A user mistake in the configuration: printed as one line, no traceback."""
+from common.errors import ConfigError
 
 
 @dataclass

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from common.config import FAMILIES, ConfigError, TrainConfig, register, validate
+from common.config import FAMILIES, TrainConfig, register, validate
+from common.errors import ConfigError, UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 USAGE = """usage: python scripts/train.py recipe=<name> [key=value ...] [--cfg]
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> int:
         recipe.main(cfg, dist, run_dir)
         if dist.is_main and run_dir is not None:
             print(f"kiln: done; outputs in {run_dir}", flush=True)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (UserError, FileNotFoundError) as exc:
         raise _error(str(exc)) from None
     finally:
         teardown()

@@ -12,7 +12,8 @@ import importlib.util
 
 import torch
 
-from common.config import ConfigError, TogglesConfig
+from common.config import TogglesConfig
+from common.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 

@@ -35,6 +35,8 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from common.errors import DataError
+
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
@@ -193,7 +195,7 @@ class ResumableLoader:
         mine = self._layout()
         for key, value in state["layout"].items():
             if mine.get(key) != value:
-                raise ValueError(f"cannot resume the data loader: {key} was {value} when saved, now {mine.get(key)}")
+                raise DataError(f"cannot resume the data loader: {key} was {value} when saved, now {mine.get(key)}")
         workers = [dict(w, bad=dict(w["bad"])) for w in state["workers"]]
         self.close()
         self._corrupt = dict(state["corrupt_shards"])
@@ -228,7 +230,7 @@ class ResumableLoader:
         self._corrupt.update(new)
         if len(self._corrupt) > self._max_corrupt:
             listing = "; ".join(f"{u} ({r})" for u, r in self._corrupt.items())
-            raise RuntimeError(f"{len(self._corrupt)} corrupt shard(s) skipped on rank {self._cfg['rank']}, "
+            raise DataError(f"{len(self._corrupt)} corrupt shard(s) skipped on rank {self._cfg['rank']}, "
                                f"more than max_corrupt_shards={self._max_corrupt}: {listing}")
 
     def _next_batch(self) -> Any | None:
@@ -263,7 +265,7 @@ class ResumableLoader:
                 yield batch
                 continue
             if sum(p["batches"] for p in self._positions) == 0:
-                raise ValueError(f"rank {self._cfg['rank']} produced no full batch of {self._cfg['batch_size']} in epoch "
+                raise DataError(f"rank {self._cfg['rank']} produced no full batch of {self._cfg['batch_size']} in epoch "
                                  f"{self._epoch}: each worker's shards hold fewer samples than one batch")
             self.close()
             self._reset_epoch(self._epoch + 1, next_worker=0, positions=None)
@@ -312,7 +314,7 @@ def build_webdataset_loader(
     readers = world_size * max(1, num_workers)
     if len(urls) < readers:
         # Every (rank, worker) must own at least one shard, or it would yield nothing.
-        raise ValueError(f"{len(urls)} shards cannot feed {world_size} ranks x {max(1, num_workers)} workers; "
+        raise DataError(f"{len(urls)} shards cannot feed {world_size} ranks x {max(1, num_workers)} workers; "
                          f"write more shards or lower data.num_workers")
     return ResumableLoader(urls=urls, decode=decode, batch_size=batch_size, rank=rank, world_size=world_size,
                            num_workers=num_workers, seed=seed, shuffle_buffer=shuffle_buffer, shuffle_shards=shuffle_shards,

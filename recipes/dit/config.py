@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import ConfigError, TrainConfig
+from common.config import TrainConfig
+from common.errors import ConfigError
 
 
 @dataclass
@@ -27,10 +28,9 @@ class DiTModelConfig:
 class DiffusionConfig:
     num_train_timesteps: int = 1000
     beta_schedule: str = "squaredcos_cap_v2"
-    prediction_type: str = "epsilon"
+    prediction_type: str = "v_prediction"  # or epsilon
     class_dropout: float = 0.1  # label dropout for classifier-free guidance
     ema_decay: float = 0.999
-    ema_warmup_steps: int = 0  # plain copy of the weights before this step
     sample_steps: int = 50  # DDIM steps for sample grids and eval
     guidance_scale: float = 2.0
     samples_per_class: int = 8  # sample grid: one row per class

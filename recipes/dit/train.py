@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from diffusers import DDPMScheduler, DiTTransformer2DModel
 
 from common.checkpoint import CheckpointManager, read_meta
-from common.config import ConfigError, TrainConfig
+from common.config import TrainConfig
+from common.errors import ConfigError
 from common.deepspeed import local_state_bytes, zero_state_bytes
 from common.distributed import DistInfo, all_reduce_mean, barrier
 from common.ema import EMA
@@ -62,7 +63,7 @@ class DiTTrainer:
         # Plain fp32 DDP-style training (ZeRO-0) keeps whole gradients on p.grad, and its
         # optimizer does not report a gradient norm: compute it there ourselves.
         self.full_grads = cfg.parallel.zero_stage == 0 and self.dtype == torch.float32
-        self.ema = EMA(self.model, cfg.diffusion.ema_decay, cfg.diffusion.ema_warmup_steps)
+        self.ema = EMA(self.model, cfg.diffusion.ema_decay)
         self.sample_gen = torch.Generator().manual_seed(cfg.trainer.seed + 12345)
         seed_everything(cfg.trainer.seed + 1 + dist.rank)  # per-rank noise, timesteps, label drops
 
@@ -148,6 +149,7 @@ class DiTTrainer:
                     self.save_checkpoint()
         if cfg.checkpoint.final:
             self.save_checkpoint()
+        self.loader.close()
         metrics.close()
 
     def record_memory(self) -> None:

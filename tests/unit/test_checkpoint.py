@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.checkpoint import CheckpointManager
-from common.config import ConfigError
+from common.errors import ConfigError
 from common.distributed import DistInfo
 
 SOLO = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

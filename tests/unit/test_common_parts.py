@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from common.config import ConfigError, OptimConfig, TogglesConfig
+from common.config import OptimConfig, TogglesConfig
+from common.errors import ConfigError
 from common.deepspeed import zero_state_bytes
 from common.ema import EMA
 from common.metrics import plot_loss_curve, rewind_jsonl
@@ -30,11 +31,13 @@ def test_ema_tracks_and_swaps_back():
     start = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.add_(2.0)
-    ema.update(step=1)
-    assert torch.allclose(ema.shadow[0], start + 1.0)
+    ema.update(step=0)  # warm-up decay (1 + 0) / (10 + 0) = 0.1
+    assert torch.allclose(ema.shadow[0], start + 1.8)
+    ema.update(step=100)  # capped at 0.5
+    assert torch.allclose(ema.shadow[0], start + 1.9)
     trained = model.weight.detach().clone()
     with ema.swapped():
-        assert torch.allclose(model.weight, start + 1.0)
+        assert torch.allclose(model.weight, start + 1.9)
     assert torch.equal(model.weight, trained)
 
 

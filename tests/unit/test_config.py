@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError
+from common.errors import ConfigError
 from common.launch import compose
 from tests.conftest import REPO, TRAIN
 

@@ -13,6 +13,7 @@ import torch
 import webdataset as wds
 
 from common.data.webdataset import build_webdataset_loader
+from common.errors import DataError
 
 # Uneven shard sizes so that workers (and ranks) produce different numbers of batches and
 # drop partial batches of different sizes.
@@ -164,9 +165,9 @@ def test_resume_rejects_other_layout(shards):
     loader = make(urls, num_workers=0)
     take(loader, 3)
     other = make(urls, num_workers=2)
-    with pytest.raises(ValueError, match="num_workers"):
+    with pytest.raises(DataError, match="num_workers"):
         other.load_state_dict(loader.state_dict())
-    with pytest.raises(ValueError, match="url_names"):
+    with pytest.raises(DataError, match="url_names"):
         make(list(reversed(urls)), num_workers=0).load_state_dict(loader.state_dict())
 
 
@@ -188,7 +189,7 @@ def test_global_rng_untouched(shards, num_workers):
 
 def test_build_time_errors(shards, tmp_path):
     urls, _ = shards
-    with pytest.raises(ValueError, match=r"4 shards cannot feed 2 ranks x 4 workers; write more shards or lower data.num_workers"):
+    with pytest.raises(DataError, match=r"4 shards cannot feed 2 ranks x 4 workers; write more shards or lower data.num_workers"):
         make(urls[:4], world_size=2, num_workers=4)
     make(urls[:4], world_size=2, num_workers=2)  # exactly enough is fine
     with pytest.raises(ValueError, match="empty"):
@@ -202,7 +203,7 @@ def test_build_time_errors(shards, tmp_path):
 
 def test_too_few_samples_for_a_batch_is_an_error(tmp_path):
     urls, _ = write_shards(tmp_path, sizes=[1, 1])
-    with pytest.raises(ValueError, match="no full batch"):
+    with pytest.raises(DataError, match="no full batch"):
         take(make(urls), 1)
 
 
@@ -261,7 +262,7 @@ def test_corrupt_shards_are_skipped_and_counted(tmp_path, caplog):
 def test_too_many_corrupt_shards_raise(tmp_path, num_workers):
     urls, _ = _corrupt_set(tmp_path)
     loader = make(urls, num_workers=num_workers, max_corrupt_shards=2)
-    with pytest.raises(RuntimeError, match=r"3 corrupt shard\(s\) skipped on rank 0, more than max_corrupt_shards=2"):
+    with pytest.raises(DataError, match=r"3 corrupt shard\(s\) skipped on rank 0, more than max_corrupt_shards=2"):
         take(loader, 40)
     assert loader.corrupt_shards == 3
 
