@@ -104,6 +104,8 @@ class DataConfig:
     shuffle_buffer: int = 256
     max_corrupt_shards: int = 0
     image_size: int = 16
+    packing: bool = False  # pack variable-length samples into rows of max_seq_len (VLM, LLM)
+    max_seq_len: int = 256
 
 
 @dataclass
@@ -119,10 +121,11 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     # Recipe-specific sections; their schemas come from recipes/<family>/config.py.
     model: Any = MISSING
-    diffusion: Any = None
+    diffusion: Any = None  # DiT
+    vlm: Any = None  # VLM
 
 
-FAMILIES = ("dit",)
+FAMILIES = ("dit", "vlm")
 
 CHOICES = {
     "recipe.family": FAMILIES,
@@ -145,6 +148,7 @@ POSITIVE = (
     "parallel.timeout_s",
     "data.shuffle_buffer",
     "data.image_size",
+    "data.max_seq_len",
     "profile.active",
 )
 NON_NEGATIVE = (

@@ -1,10 +1,22 @@
-"""The DeepSpeed config dict, derived from the Hydra config in this one place (no JSON files)."""
+"""DeepSpeed for the ZeRO recipes (DiT, VLM): the config dict derived from the Hydra config in
+this one place (no JSON files), engine creation, checkpoints, gradient norm, state bytes."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from common.checkpoint import CheckpointManager, read_meta
 from common.config import TrainConfig
+from common.distributed import DistInfo
+from common.errors import ConfigError
+from common.memory import zero_state_bytes
+from common.optim import lr_factor
 
 
 def build_deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
@@ -47,19 +59,6 @@ def build_deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     return ds
 
 
-def zero_state_bytes(num_params: int, stage: int, dp: int, precision: str) -> dict[str, float]:
-    """Per-rank bytes of weights, gradients and Adam state under ZeRO (Rajbhandari et al. 2020).
-
-    Mixed precision keeps 2-byte weights and gradients plus a 12-byte fp32 copy, momentum
-    and variance per parameter (K=12); fp32 keeps 4 + 4 + 8.
-    """
-    w, g, k = (2, 2, 12) if precision in ("bf16", "fp16", "fp8") else (4, 4, 8)
-    weights = num_params * w / (dp if stage >= 3 else 1)
-    grads = num_params * g / (dp if stage >= 2 else 1)
-    optim = num_params * k / (dp if stage >= 1 else 1)
-    return {"weights": weights, "grads": grads, "optimizer": optim, "total": weights + grads + optim}
-
-
 def local_state_bytes(engine) -> int:
     """Measured bytes of weights + optimizer state (incl. fp32 master copies) held by this rank.
 
@@ -85,3 +84,93 @@ def local_state_bytes(engine) -> int:
         for value in state.values():
             add(value)
     return sum(storages.values())
+
+
+def initialize(model: torch.nn.Module, cfg: TrainConfig, world_size: int):
+    """A DeepSpeed engine over `model`'s trainable parameters, with Kiln's LR schedule."""
+    import deepspeed
+
+    schedule = functools.partial(lr_factor, cfg=cfg.optim, max_steps=cfg.trainer.max_steps)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=build_deepspeed_config(cfg, world_size),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+    )
+    return engine
+
+
+def full_grad_norm(engine) -> torch.Tensor | None:
+    """Norm of the whole (all-reduced) gradients where they sit on `p.grad`: ZeRO-0 in fp32.
+
+    Call after backward at an accumulation boundary, before `engine.step()`. ZeRO-1/2/3 and
+    the bf16/fp16 optimizers report the norm themselves (`engine.get_global_grad_norm()`);
+    DeepSpeed's plain fp32 path does not, so it is computed here.
+    """
+    if engine.zero_optimization_stage() > 0 or not engine.is_gradient_accumulation_boundary():
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if not grads or grads[0].dtype != torch.float32:
+        return None
+    return torch.nn.utils.get_total_norm(grads)
+
+
+def grad_norm(engine, pre_step_norm: torch.Tensor | None) -> float:
+    norm = pre_step_norm if pre_step_norm is not None else engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float("nan")
+
+
+def save_checkpoint(ckpt: CheckpointManager, engine, step: int, rank_state: dict, meta: dict) -> None:
+    """Engine state (model, optimizer, LR schedule; ZeRO shards per rank) + this rank's own state."""
+
+    def write(tmp: Path) -> None:
+        engine.save_checkpoint(str(tmp.parent), tag=tmp.name, save_latest=False)
+        torch.save(rank_state, tmp / f"rank{ckpt.dist.rank:05d}.pt")
+
+    ckpt.save(step, write, meta=meta)
+
+
+def load_checkpoint(engine, path: Path, dist: DistInfo, *, load_optimizer: bool = True) -> dict:
+    """Restore the engine from `path`; returns this rank's saved state."""
+    meta = read_meta(path)
+    if load_optimizer and meta["world_size"] != dist.world_size:
+        raise ConfigError(
+            f"run.resume: {path} was written by {meta['world_size']} ranks; this run has {dist.world_size} "
+            "(resume with the same number of ranks)"
+        )
+    engine.load_checkpoint(
+        str(path.parent), tag=path.name, load_optimizer_states=load_optimizer,
+        load_lr_scheduler_states=load_optimizer, load_module_only=not load_optimizer,
+    )
+    rank_file = path / f"rank{dist.rank:05d}.pt"
+    return torch.load(rank_file, weights_only=False) if rank_file.exists() else {}
+
+
+def gathered(model: torch.nn.Module, zero_stage: int):
+    """Full weights on every rank for the duration (ZeRO-3 partitions them)."""
+    if zero_stage < 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+
+
+def record_state_bytes(engine, cfg: TrainConfig, dist: DistInfo, path: Path) -> None:
+    """memory.json: measured per-rank weight + optimizer-state bytes beside the ZeRO formula.
+
+    Collective; call after the first optimizer step (Adam state is created lazily)."""
+    import torch.distributed as tdist
+
+    measured = [None] * dist.world_size
+    tdist.all_gather_object(measured, local_state_bytes(engine))
+    if dist.is_main:
+        params = list(engine.module.parameters())
+        n = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
+        trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params if p.requires_grad)
+        predicted = zero_state_bytes(trainable, cfg.parallel.zero_stage, dist.world_size, cfg.toggles.precision)
+        info = {
+            "zero_stage": cfg.parallel.zero_stage, "world_size": dist.world_size,
+            "num_params": n, "trainable_params": trainable, "per_rank_state_bytes": measured,
+            "predicted_weights_plus_optimizer_bytes": predicted["weights"] + predicted["optimizer"],
+        }
+        path.write_text(json.dumps(info, indent=2))

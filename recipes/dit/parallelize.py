@@ -10,7 +10,7 @@ from diffusers import DiTTransformer2DModel
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
 from common.config import TrainConfig
-from common.deepspeed import build_deepspeed_config
+from common.deepspeed import initialize
 from common.toggles import apply_fp8, compile_blocks
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -59,10 +59,8 @@ def set_attention(model: DiTTransformer2DModel, backend: str) -> None:
             module.set_processor(make())
 
 
-def parallelize(model: DiTTransformer2DModel, cfg: TrainConfig, world_size: int, lr_scheduler: Callable):
+def parallelize(model: DiTTransformer2DModel, cfg: TrainConfig, world_size: int):
     """Returns the DeepSpeed engine wrapping `model` (ZeRO stage from `parallel.zero_stage`)."""
-    import deepspeed
-
     t = cfg.toggles
     set_attention(model, t.attention)
     if t.precision == "fp8":
@@ -71,11 +69,4 @@ def parallelize(model: DiTTransformer2DModel, cfg: TrainConfig, world_size: int,
         model.enable_gradient_checkpointing()  # recompute every block in backward
     if t.compile:
         compile_blocks(model.transformer_blocks)
-    ds_config = build_deepspeed_config(cfg, world_size)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=ds_config,
-        lr_scheduler=lr_scheduler,
-    )
-    return engine
+    return initialize(model, cfg, world_size)

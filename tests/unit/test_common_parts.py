@@ -9,7 +9,7 @@ import torch
 
 from common.config import OptimConfig, TogglesConfig
 from common.errors import ConfigError
-from common.deepspeed import zero_state_bytes
+from common.memory import zero_state_bytes
 from common.ema import EMA
 from common.metrics import plot_loss_curve, rewind_jsonl
 from common.optim import lr_factor

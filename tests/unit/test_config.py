@@ -16,7 +16,7 @@ RECIPES = sorted(p.stem for p in (REPO / "configs" / "recipe").glob("*.yaml"))
 GROUP_OPTIONS = [
     (group.name, p.stem)
     for group in sorted((REPO / "configs").iterdir())
-    if group.is_dir() and group.name not in ("recipe", "model", "diffusion")
+    if group.is_dir() and group.name not in ("recipe", "model", "diffusion", "vlm")  # family-specific
     for p in sorted(group.glob("*.yaml"))
 ]
 

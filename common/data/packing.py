@@ -1,0 +1,234 @@
+"""Sequence packing: bin variable-length samples into fixed-length rows, with per-sample attention isolation.
+
+One metadata structure -- ``cu_seqlens`` / ``max_seqlen`` over the flattened ``[R*L]`` token
+stream -- drives both attention paths:
+
+* CPU (``sdpa`` / ``eager``): a 4D block-diagonal causal mask ``[R, 1, L, L]`` derived from the
+  same segments, plus per-sample ``position_ids``. transformers does not isolate packed samples
+  from ``position_ids`` alone on CPU (PITFALLS.md: cross-sample attention leaks), so the mask is
+  explicit.
+* CUDA (``flash``): rows flattened into one ``[1, R*L]`` row; ``cu_seq_lens_{q,k}`` and
+  ``max_length_{q,k}`` go to the model as FlashAttentionKwargs and reach ``flash_attn_varlen_func``.
+
+Segments are the samples AND each row's padding tail (its own segment), so flash never lets a
+sample attend to padding, and the 4D mask built from the same segments attends exactly as
+flash does. Packing changes speed, not math: with the first label of every sample masked (see
+``_build``), the loss with packing on equals the loss with packing off (``pad_samples``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100  # transformers' CrossEntropy ignore_index
+
+
+def pack_ffd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """First-fit-decreasing bin packing of ``lengths`` into bins of ``capacity``; returns indices per bin.
+
+    Deterministic: items are taken longest first, ties by ascending index, and each goes into
+    the lowest-numbered bin with room. Within a bin, indices are in placement order. FFD uses at
+    most 11/9 * OPT + 6/9 bins (Dosa 2007).
+    """
+    if capacity <= 0:
+        raise ValueError(f"capacity must be positive, got {capacity}")
+    for n in lengths:
+        if n < 0:
+            raise ValueError(f"sample length must be >= 0, got {n}")
+        if n > capacity:
+            raise ValueError(f"sample of length {n} exceeds the packing capacity {capacity} (data.max_seq_len)")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    # Remaining room per bin; bins [0, num_bins) are open, the rest are empty. Bin `num_bins` is
+    # always empty, so argmax (first True) over the open bins plus that one always finds a fit.
+    room = np.full(len(lengths) + 1, capacity, dtype=np.int64)
+    bins: list[list[int]] = []
+    for i in order:
+        b = int(np.argmax(room[: len(bins) + 1] >= lengths[i]))
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(i)
+        room[b] -= lengths[i]
+    return bins
+
+
+@dataclass
+class PackedBatch:
+    """A micro batch laid out as ``R`` rows of ``L`` tokens, with the sample boundaries it holds."""
+
+    input_ids: torch.Tensor  # [R, L] long; pad_id where empty
+    labels: torch.Tensor  # [R, L] long; -100 where ignored, at each sample's first position, and on padding
+    position_ids: torch.Tensor  # [R, L] long; restart at 0 for every sample; 0 on padding
+    seq_lens: list[list[int]]  # per row, the lengths of its samples, in order
+    order: list[int]  # sample indices in row-major order of the flattened batch
+    cu_seqlens: torch.Tensor  # int32 [S+1]: segment boundaries over [R*L]; samples and padding tails
+    max_seqlen: int  # longest segment (padding tails included: flash sizes its grid by it)
+    num_real_tokens: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def row_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def utilization(self) -> float:
+        """Fraction of token slots that hold sample tokens (the rest is padding compute)."""
+        return self.num_real_tokens / self.input_ids.numel()
+
+    def segment_ids(self) -> torch.Tensor:
+        """[R, L] long: index of the cu_seqlens segment each token belongs to."""
+        boundaries = self.cu_seqlens[1:-1].long()
+        flat = torch.arange(self.input_ids.numel())
+        return torch.bucketize(flat, boundaries, right=True).view_as(self.input_ids)
+
+    def attention_mask_4d(self, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+        """[R, 1, L, L] mask: query q may attend key k iff both are in the same segment and k <= q.
+
+        Causal within each sample, nothing across samples, real tokens never see padding. Padding
+        tails are segments too, so each padding query attends causally within its tail -- at least
+        to itself. That keeps every softmax row finite: a fully masked row can give NaN, and in the
+        next layer a NaN value reaches real tokens through 0 * NaN in the weighted sum. It is also
+        exactly what flash_attn_varlen_func does with ``cu_seqlens``, so both paths agree even at
+        padding positions (which no loss reads).
+
+        ``dtype=torch.bool``: True = attend (SDPA). A floating dtype gives the additive form (0 or
+        the dtype's min), which eager attention needs: it *adds* the mask to the scores, so a bool
+        mask there would be silently wrong.
+        """
+        seg = self.segment_ids()
+        pos = torch.arange(self.row_len)
+        causal = pos[None, :] <= pos[:, None]  # [L(q), L(k)]
+        allowed = (seg[:, :, None] == seg[:, None, :]) & causal
+        allowed = allowed[:, None]
+        if dtype == torch.bool:
+            return allowed
+        if not dtype.is_floating_point:
+            raise ValueError(f"attention mask dtype must be bool or floating, got {dtype}")
+        return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+    def model_inputs(self, attention: str, device: torch.device | str | None = None) -> dict:
+        """Keyword arguments for a transformers causal LM / Llava forward under ``toggles.attention``.
+
+        ``sdpa``: bool 4D mask; ``eager``: additive fp32 4D mask (promotes fine against bf16/fp16
+        scores); ``flash``: one ``[1, R*L]`` row and FlashAttentionKwargs -- no attention_mask, since
+        transformers only takes the varlen path with explicit cu_seq_lens when the mask is None.
+        """
+        if attention in ("sdpa", "eager"):
+            mask_dtype = torch.bool if attention == "sdpa" else torch.float32
+            inputs = {
+                "input_ids": self.input_ids,
+                "labels": self.labels,
+                "position_ids": self.position_ids,
+                "attention_mask": self.attention_mask_4d(mask_dtype),
+            }
+        elif attention == "flash":
+            inputs = {
+                "input_ids": self.input_ids.reshape(1, -1),
+                "labels": self.labels.reshape(1, -1),
+                "position_ids": self.position_ids.reshape(1, -1),
+                "cu_seq_lens_q": self.cu_seqlens,
+                "cu_seq_lens_k": self.cu_seqlens,
+                # Python ints: flash_attn_varlen_func takes ints; a tensor would be read back from the GPU.
+                "max_length_q": self.max_seqlen,
+                "max_length_k": self.max_seqlen,
+            }
+        else:
+            raise ValueError(f"toggles.attention must be one of sdpa, eager, flash; got {attention!r}")
+        if device is not None:
+            inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        return inputs
+
+
+def _as_tensors(samples: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, labels) of each sample as 1-D long tensors, checked for equal, non-zero length."""
+    out = []
+    for i, s in enumerate(samples):
+        ids = torch.as_tensor(s["input_ids"], dtype=torch.long).reshape(-1)
+        lab = torch.as_tensor(s["labels"], dtype=torch.long).reshape(-1)
+        if ids.numel() != lab.numel():
+            raise ValueError(f"sample {i}: input_ids has {ids.numel()} tokens but labels has {lab.numel()}")
+        if ids.numel() == 0:
+            raise ValueError(f"sample {i} is empty")
+        out.append((ids, lab))
+    return out
+
+
+def _build(
+    tensors: list[tuple[torch.Tensor, torch.Tensor]], rows: list[list[int]], row_len: int, pad_id: int
+) -> PackedBatch:
+    """Lay out samples as ``rows`` (lists of sample indices) of ``row_len`` tokens each."""
+    num_rows = len(rows)
+    input_ids = torch.full((num_rows, row_len), pad_id, dtype=torch.long)
+    labels = torch.full((num_rows, row_len), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((num_rows, row_len), dtype=torch.long)
+    seq_lens: list[list[int]] = []
+    segments: list[int] = []
+    for r, row in enumerate(rows):
+        start = 0
+        seq_lens.append([])
+        for i in row:
+            ids, lab = tensors[i]
+            n = ids.numel()
+            input_ids[r, start : start + n] = ids
+            labels[r, start : start + n] = lab
+            # transformers shifts labels inside the loss: position t's label is predicted from
+            # token t-1. At a sample's first position that token is the previous sample's last
+            # (or the previous row's last, once flattened for flash), so the label is masked.
+            # Unpacked, the shift never reads it either -- on and off see the same label set.
+            labels[r, start] = IGNORE_INDEX
+            position_ids[r, start : start + n] = torch.arange(n)
+            seq_lens[r].append(n)
+            segments.append(n)
+            start += n
+        if start < row_len:
+            segments.append(row_len - start)  # the padding tail is its own segment
+    cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(segments, dtype=torch.int64), 0).to(torch.int32)
+    return PackedBatch(
+        input_ids=input_ids,
+        labels=labels,
+        position_ids=position_ids,
+        seq_lens=seq_lens,
+        order=[i for row in rows for i in row],
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(segments),
+        num_real_tokens=sum(map(sum, seq_lens)),
+    )
+
+
+def pack_samples(samples: list[dict], max_seq_len: int, pad_id: int) -> PackedBatch:
+    """Packing on: FFD-pack ``samples`` into rows of exactly ``max_seq_len`` tokens.
+
+    ``samples``: dicts with ``input_ids`` and ``labels`` (1-D LongTensor or list of ints, same
+    length; callers have already put -100 on prompt/image tokens).
+
+    The VLM reorders ``pixel_values`` by ``PackedBatch.order`` so images line up with the
+    ``<image>`` tokens in row-major order.
+    """
+    if not samples:
+        raise ValueError("cannot pack an empty list of samples")
+    tensors = _as_tensors(samples)
+    rows = pack_ffd([ids.numel() for ids, _ in tensors], max_seq_len)
+    return _build(tensors, rows, max_seq_len, pad_id)
+
+
+def pad_samples(samples: list[dict], pad_id: int, max_seq_len: int | None = None) -> PackedBatch:
+    """Packing off: one sample per row, padded to the longest sample (or to ``max_seq_len``: fixed shapes).
+
+    Same structure and label masking as ``pack_samples``, so the two give the same loss.
+    """
+    if not samples:
+        raise ValueError("cannot pad an empty list of samples")
+    tensors = _as_tensors(samples)
+    lengths = [ids.numel() for ids, _ in tensors]
+    row_len = max(lengths) if max_seq_len is None else max_seq_len
+    for n in lengths:
+        if n > row_len:
+            raise ValueError(f"sample of length {n} exceeds data.max_seq_len {row_len}")
+    return _build(tensors, [[i] for i in range(len(tensors))], row_len, pad_id)

@@ -1,0 +1,89 @@
+"""Held-out evaluation: the VLM answers questions about unseen digit images; accuracy and a picture."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import torch
+import webdataset as wds
+from PIL import Image
+
+
+def load_eval_samples(urls: list[str], limit: int) -> list[dict]:
+    """The first `limit` held-out samples (shard order, no shuffle): image, question, label."""
+    out = []
+    for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
+        conv = json.loads(sample["json"])
+        out.append({"image": Image.open(io.BytesIO(sample["png"])).convert("RGB"), "question": conv["question"], "label": int(conv["label"])})
+        if len(out) == limit:
+            break
+    return out
+
+
+@torch.no_grad()
+def generate_answers(model, processor, samples: list[dict], *, max_new_tokens: int, device: torch.device,
+                     batch_size: int = 32) -> list[str]:
+    """Greedy answers, batched with left padding (every rank runs the same batches under ZeRO-3)."""
+    from data.prepare_vlm_digits import prompt_messages
+
+    tokenizer = processor.tokenizer
+    tokenizer.padding_side = "left"
+    dtype = next(model.parameters()).dtype
+    answers: list[str] = []
+    for i in range(0, len(samples), batch_size):
+        chunk = samples[i : i + batch_size]
+        prompts = [processor.apply_chat_template(prompt_messages(s["question"]), add_generation_prompt=True, tokenize=False) for s in chunk]
+        batch = processor(text=prompts, images=[s["image"] for s in chunk], return_tensors="pt", padding=True).to(device)
+        batch["pixel_values"] = batch["pixel_values"].to(dtype)
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        answers += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    tokenizer.padding_side = "right"
+    return [a.strip() for a in answers]
+
+
+def score(samples: list[dict], answers: list[str]) -> dict:
+    from data.prepare_vlm_digits import parse_answer
+
+    predicted = [parse_answer(a) for a in answers]
+    labels = [s["label"] for s in samples]
+    per_class = {}
+    for c in sorted(set(labels)):
+        idx = [i for i, y in enumerate(labels) if y == c]
+        per_class[str(c)] = sum(predicted[i] == c for i in idx) / len(idx)
+    return {
+        "accuracy": sum(p == y for p, y in zip(predicted, labels)) / len(labels),
+        "per_class_accuracy": per_class,
+        "unparsable": sum(p is None for p in predicted),
+        "num_samples": len(labels),
+        "chance": 0.1,
+        "examples": [{"question": s["question"], "answer": a, "label": s["label"]} for s, a in zip(samples[:10], answers[:10])],
+    }
+
+
+def save_answer_grid(samples: list[dict], answers: list[str], path: Path, n: int = 20) -> None:
+    """Images with their generated answers (green when right, red when wrong)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from data.prepare_vlm_digits import parse_answer
+
+    n = min(n, len(samples))
+    cols = 5
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * 2.4, rows * 2.6), dpi=100)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, s, a in zip(axes.flat, samples[:n], answers[:n]):
+        ax.imshow(s["image"].convert("L"), cmap="gray", interpolation="nearest")
+        ok = parse_answer(a) == s["label"]
+        ax.set_title(f"{a[:22]!r}", fontsize=8, color="green" if ok else "red")
+    fig.suptitle("held-out digits and the model's answers")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
