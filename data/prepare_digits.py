@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
-import os
-import shutil
 import sys
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from data import shards
+from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
+
 SOURCE = "sklearn.datasets.load_digits"
 IMAGE_SIZE = 8
 NUM_CLASSES = 10
-SPLITS = ("train", "val")
-META_NAME = "meta.json"
 # load_digits pixels are 0..16 (4x4 blocks counted over a 32x32 bitmap); PNG wants 0..255.
 _MAX_PIXEL = 16
 
@@ -78,10 +76,12 @@ def decode_digit_sample(sample: dict) -> dict:
     return {"image": torch.from_numpy(image.copy()).unsqueeze(0), "label": label}
 
 
-def _write_shards(out: Path, split: str, rows: np.ndarray, images: np.ndarray, labels: np.ndarray, num_shards: int) -> list[dict]:
+def _write_shards(out: Path, split: str, rows: np.ndarray, images: np.ndarray, labels: np.ndarray, num_shards: int,
+                  extra_fields: Callable[[str, int], dict] | None = None) -> list[dict]:
+    """One split's shards; ``extra_fields(key, label)`` adds fields to each sample after png and cls."""
     import webdataset as wds
 
-    shards = []
+    written = []
     # array_split: consecutive chunks whose sizes differ by at most one ("spread evenly").
     for shard_id, chunk in enumerate(np.array_split(rows, num_shards)):
         name = f"{split}-{shard_id:06d}.tar"
@@ -89,40 +89,24 @@ def _write_shards(out: Path, split: str, rows: np.ndarray, images: np.ndarray, l
         # float mtime makes tarfile add a 1 KiB PAX header to every member.
         with wds.TarWriter(str(out / name), mtime=0) as sink:
             for row in chunk:
-                sink.write({"__key__": f"{split}_{row:06d}", "png": encode_png(images[row]), "cls": int(labels[row])})
-        shards.append({"name": name, "samples": len(chunk), "bytes": (out / name).stat().st_size})
-    return shards
+                key, label = f"{split}_{row:06d}", int(labels[row])
+                sample = {"__key__": key, "png": encode_png(images[row]), "cls": label}
+                if extra_fields is not None:
+                    sample.update(extra_fields(key, label))
+                sink.write(sample)
+        written.append({"name": name, "samples": len(chunk), "bytes": (out / name).stat().st_size})
+    return written
+
+
+def load_split(*, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """:func:`load_source_digits` and its :func:`split_indices`: (images, labels, {split: rows})."""
+    images, labels = load_source_digits()
+    return images, labels, split_indices(labels, val_fraction=val_fraction, seed=seed)
 
 
 def read_meta(root: str | Path) -> dict[str, Any] | None:
     """Parsed meta.json of a complete dataset in ``root``, or None if there is none / it is incomplete."""
-    root = Path(root)
-    try:
-        meta = json.loads((root / META_NAME).read_text())
-        for split in SPLITS:
-            info = meta["splits"][split]
-            for name, size in zip(info["shards"], info["shard_bytes"], strict=True):
-                if (root / name).stat().st_size != size:
-                    return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return meta
-
-
-def _settings(meta: dict) -> dict:
-    return {
-        "train_shards": len(meta["splits"]["train"]["shards"]),
-        "val_shards": len(meta["splits"]["val"]["shards"]),
-        "val_fraction": meta.get("val_fraction"),
-        "seed": meta.get("seed"),
-    }
-
-
-def _with_urls(root: Path, meta: dict) -> dict:
-    meta = dict(meta)
-    for split in SPLITS:
-        meta[f"{split}_urls"] = [str((root / name).resolve()) for name in meta["splits"][split]["shards"]]
-    return meta
+    return shards.read_meta(root)
 
 
 def build_digits_shards(
@@ -133,31 +117,9 @@ def build_digits_shards(
     A complete dataset with other settings is left alone (``built_now`` False); callers compare.
     """
     out = Path(out).absolute()
-    if train_shards < 1 or val_shards < 1:
-        raise ValueError(f"train_shards and val_shards must be >= 1 (got {train_shards}, {val_shards})")
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1) (got {val_fraction})")
-    existing = read_meta(out)
-    if existing is not None and not force:
-        return existing, False
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} exists and is not a directory")
-    if existing is None and out.is_dir() and any(out.iterdir()) and not force:
-        # Never delete files we did not write: a non-empty dir without our meta.json is the user's.
-        raise ValueError(f"{out} is not empty and holds no complete digits dataset; choose an empty directory or pass --force")
 
-    images, labels = load_source_digits()
-    rows = split_indices(labels, val_fraction=val_fraction, seed=seed)
-    counts = {"train": train_shards, "val": val_shards}
-    for split in SPLITS:
-        if len(rows[split]) < counts[split]:
-            raise ValueError(f"{len(rows[split])} {split} samples cannot fill {counts[split]} shards")
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build next to `out` (same filesystem) so the final rename is atomic.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        meta: dict[str, Any] = {
+    def start_meta(tmp: Path) -> dict[str, Any]:
+        return {
             "source": SOURCE,
             "image_size": IMAGE_SIZE,
             "num_classes": NUM_CLASSES,
@@ -166,42 +128,12 @@ def build_digits_shards(
             "seed": seed,
             "val_fraction": val_fraction,
         }
-        for split in SPLITS:
-            shards = _write_shards(tmp, split, rows[split], images, labels, counts[split])
-            meta["splits"][split] = {
-                "shards": [s["name"] for s in shards],
-                "samples": sum(s["samples"] for s in shards),
-                "shard_samples": [s["samples"] for s in shards],
-                "shard_bytes": [s["bytes"] for s in shards],
-            }
-        (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a shared data dir should be readable by others
-        _move_into_place(tmp, out, force=force)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    final = read_meta(out)
-    if final is None:
-        raise RuntimeError(f"{out}: dataset written but {META_NAME} does not validate")
-    return final, True
 
-
-def _move_into_place(tmp: Path, out: Path, *, force: bool) -> None:
-    try:
-        os.rename(tmp, out)  # atomic; also replaces an empty directory
-        return
-    except OSError:
-        if not out.exists():
-            raise
-    # `out` is non-empty: either another process finished the same build first, or --force.
-    if not force:
-        if read_meta(out) is not None:
-            return  # another process won the race with a complete dataset; ours is discarded
-        raise ValueError(f"{out} appeared while building and holds no complete digits dataset; not replacing it")
-    trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.rename(out, trash / "old")
-    os.rename(tmp, out)
-    shutil.rmtree(trash, ignore_errors=True)
+    return shards.build_atomically(
+        out, train_shards=train_shards, val_shards=val_shards, val_fraction=val_fraction, force=force, dataset="digits",
+        read_meta=read_meta, load=lambda: load_split(val_fraction=val_fraction, seed=seed), start_meta=start_meta,
+        write_shards=_write_shards,
+    )
 
 
 def ensure_digits_shards(root: str | Path, *, train_shards: int = 8, val_shards: int = 2, seed: int = 0, val_fraction: float = 0.15) -> dict:
@@ -214,11 +146,9 @@ def ensure_digits_shards(root: str | Path, *, train_shards: int = 8, val_shards:
     root = Path(root).absolute()
     meta, _ = build_digits_shards(root, train_shards=train_shards, val_shards=val_shards, val_fraction=val_fraction, seed=seed)
     wanted = {"train_shards": train_shards, "val_shards": val_shards, "val_fraction": val_fraction, "seed": seed}
-    have = _settings(meta)
-    if have != wanted:
-        diff = ", ".join(f"{k}={have[k]} (wanted {wanted[k]})" for k in wanted if have[k] != wanted[k])
-        raise ValueError(f"{root} holds digits shards built with {diff}; delete it or rebuild with `python -m data.prepare_digits --out {root} --force`")
-    return _with_urls(root, meta)
+    shards.require_settings(root, shards.split_settings(meta), wanted, holds="digits shards",
+                            rebuild=f"`python -m data.prepare_digits --out {root} --force`")
+    return shards.with_urls(root, meta)
 
 
 def load_split_arrays(root: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -231,7 +161,7 @@ def load_split_arrays(root: str | Path, split: str) -> tuple[np.ndarray, np.ndar
     meta = read_meta(root)
     if meta is None:
         raise FileNotFoundError(f"no complete digits dataset in {root} (run `python -m data.prepare_digits --out {root}`)")
-    urls = _with_urls(root, meta)[f"{split}_urls"]
+    urls = shards.with_urls(root, meta)[f"{split}_urls"]
     images, labels = [], []
     for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
         decoded = decode_digit_sample(sample)
@@ -243,25 +173,8 @@ def load_split_arrays(root: str | Path, split: str) -> tuple[np.ndarray, np.ndar
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    def positive_int(text: str) -> int:
-        value = int(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-        return value
-
-    def fraction(text: str) -> float:
-        value = float(text)
-        if not 0.0 < value < 1.0:
-            raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
-        return value
-
-    parser = argparse.ArgumentParser(prog="python -m data.prepare_digits", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="output directory (created; must be empty or a previous digits build)")
-    parser.add_argument("--train-shards", type=positive_int, default=8)
-    parser.add_argument("--val-shards", type=positive_int, default=2)
-    parser.add_argument("--val-fraction", type=fraction, default=0.15, help="share of samples held out for val (stratified)")
-    parser.add_argument("--seed", type=int, default=0, help="split seed")
-    parser.add_argument("--force", action="store_true", help="rebuild even if a complete dataset is there (replaces DIR)")
+    parser = shards.arg_parser("python -m data.prepare_digits", __doc__.splitlines()[0],
+                               "output directory (created; must be empty or a previous digits build)")
     return parser.parse_args(argv)
 
 
@@ -269,24 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     out = args.out.absolute()
     wanted = {"train_shards": args.train_shards, "val_shards": args.val_shards, "val_fraction": args.val_fraction, "seed": args.seed}
-    try:
-        meta, built = build_digits_shards(out, **wanted, force=args.force)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not built:
-        have = _settings(meta)
-        if have != wanted:
-            diff = ", ".join(f"{k}={have[k]}" for k in wanted if have[k] != wanted[k])
-            print(f"error: {out} already holds digits shards built with {diff}; pass --force to rebuild", file=sys.stderr)
-            return 1
-        print(f"{out}/{META_NAME} exists; nothing to do (pass --force to rebuild)")
-        return 0
-    splits = meta["splits"]
-    print(
-        f"wrote {out}: train {splits['train']['samples']} samples in {len(splits['train']['shards'])} shards, "
-        f"val {splits['val']['samples']} samples in {len(splits['val']['shards'])} shards (seed {meta['seed']})"
-    )
+    meta, rc = shards.cli_build(build_digits_shards, out, wanted, force=args.force, settings=shards.split_settings,
+                                holds="digits shards", show_wanted=False)
+    if meta is None:
+        return rc
+    print(shards.summary(out, meta))
     return 0
 
 

@@ -34,20 +34,19 @@ Like prepare_digits, the directory appears at once (built next to DIR, then rena
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import io
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from data import prepare_digits as digits
+from data import shards
+from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
 
 if TYPE_CHECKING:  # transformers is slow to import; load it only where it is used
     from transformers import LlavaProcessor, PreTrainedTokenizerFast
@@ -55,8 +54,6 @@ if TYPE_CHECKING:  # transformers is slow to import; load it only where it is us
 SOURCE = digits.SOURCE
 SOURCE_IMAGE_SIZE = digits.IMAGE_SIZE
 NUM_CLASSES = digits.NUM_CLASSES
-SPLITS = digits.SPLITS
-META_NAME = "meta.json"
 PROCESSOR_DIR = "processor"
 IGNORE_INDEX = -100  # label of tokens that are not trained on (torch cross_entropy's ignore_index)
 
@@ -322,64 +319,36 @@ def _text_fingerprint() -> str:
     return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
 
 
-def _write_shards(out: Path, split: str, rows: np.ndarray, images: np.ndarray, labels: np.ndarray, num_shards: int,
-                  seed: int) -> list[dict]:
-    import webdataset as wds
-
-    shards = []
-    # Same chunking, keys and PNG bytes as prepare_digits; json added.
-    for shard_id, chunk in enumerate(np.array_split(rows, num_shards)):
-        name = f"{split}-{shard_id:06d}.tar"
-        with wds.TarWriter(str(out / name), mtime=0) as sink:  # int mtime: byte-identical rebuilds
-            for row in chunk:
-                key = f"{split}_{row:06d}"
-                text = choose_text(key, int(labels[row]), seed)
-                sink.write({
-                    "__key__": key,
-                    "png": digits.encode_png(images[row]),
-                    "cls": int(labels[row]),
-                    "json": json.dumps(text, sort_keys=True).encode(),
-                })
-        shards.append({"name": name, "samples": len(chunk), "bytes": (out / name).stat().st_size})
-    return shards
+def _text_fields(key: str, label: int, *, seed: int) -> dict:
+    """What a VLM sample adds to a prepare_digits sample: its question/answer json."""
+    return {"json": json.dumps(choose_text(key, label, seed), sort_keys=True).encode()}
 
 
 def _file_sizes(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
 
 
+def _processor_complete(root: Path, meta: dict) -> bool:
+    files = meta["processor_files"]
+    return bool(files) and shards.sizes_match(root / meta["processor"], files.items())
+
+
 def read_meta(root: str | Path) -> dict[str, Any] | None:
     """Parsed meta.json of a complete VLM digits dataset in ``root`` (shards and processor), else None."""
-    root = Path(root)
-    meta = digits.read_meta(root)  # validates meta.json and every shard's size
-    if meta is None:
-        return None
-    try:
-        files = meta["processor_files"]
-        proc = root / meta["processor"]
-        if not files or any((proc / name).stat().st_size != size for name, size in files.items()):
-            return None
-    except (OSError, KeyError, TypeError, AttributeError):
-        return None
-    return meta
+    return shards.read_meta(root, also_complete=_processor_complete)
 
 
 def _settings(meta: dict) -> dict:
     return {
         "image_size": meta.get("image_size"),
         "patch_size": meta.get("patch_size"),
-        "train_shards": len(meta["splits"]["train"]["shards"]),
-        "val_shards": len(meta["splits"]["val"]["shards"]),
-        "val_fraction": meta.get("val_fraction"),
-        "seed": meta.get("seed"),
+        **shards.split_settings(meta),
         "text_fingerprint": meta.get("text_fingerprint"),
     }
 
 
 def _with_paths(root: Path, meta: dict) -> dict:
-    meta = dict(meta)
-    for split in SPLITS:
-        meta[f"{split}_urls"] = [str((root / name).resolve()) for name in meta["splits"][split]["shards"]]
+    meta = shards.with_urls(root, meta)
     meta["processor_dir"] = str((root / meta["processor"]).resolve())
     return meta
 
@@ -394,33 +363,12 @@ def build_vlm_digits(
     """
     out = Path(out).absolute()
     _check_sizes(image_size, patch_size)
-    if train_shards < 1 or val_shards < 1:
-        raise ValueError(f"train_shards and val_shards must be >= 1 (got {train_shards}, {val_shards})")
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1) (got {val_fraction})")
-    existing = read_meta(out)
-    if existing is not None and not force:
-        return existing, False
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} exists and is not a directory")
-    if existing is None and out.is_dir() and any(out.iterdir()) and not force:
-        # Never delete files we did not write: a non-empty dir without our meta.json is the user's.
-        raise ValueError(f"{out} is not empty and holds no complete VLM digits dataset; choose an empty directory or pass --force")
 
-    images, labels = digits.load_source_digits()
-    rows = digits.split_indices(labels, val_fraction=val_fraction, seed=seed)  # the digits split, unchanged
-    counts = {"train": train_shards, "val": val_shards}
-    for split in SPLITS:
-        if len(rows[split]) < counts[split]:
-            raise ValueError(f"{len(rows[split])} {split} samples cannot fill {counts[split]} shards")
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build next to `out` (same filesystem) so the final rename is atomic.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    def start_meta(tmp: Path) -> dict[str, Any]:
         processor = build_processor(image_size=image_size, patch_size=patch_size)
         processor.save_pretrained(str(tmp / PROCESSOR_DIR))
-        meta: dict[str, Any] = {
+        os.chmod(tmp / PROCESSOR_DIR, 0o755)  # readable by others, like the dataset dir
+        return {
             "source": SOURCE,
             "source_image_size": SOURCE_IMAGE_SIZE,
             "image_size": image_size,
@@ -439,47 +387,13 @@ def build_vlm_digits(
             "answer_templates": list(ANSWER_TEMPLATES),
             "text_fingerprint": _text_fingerprint(),
         }
-        for split in SPLITS:
-            shards = _write_shards(tmp, split, rows[split], images, labels, counts[split], seed)
-            meta["splits"][split] = {
-                "shards": [s["name"] for s in shards],
-                "samples": sum(s["samples"] for s in shards),
-                "shard_samples": [s["samples"] for s in shards],
-                "shard_bytes": [s["bytes"] for s in shards],
-            }
-        (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
-        for path in (tmp, tmp / PROCESSOR_DIR):
-            os.chmod(path, 0o755)  # mkdtemp makes it 0700; a shared data dir should be readable by others
-        _move_into_place(tmp, out, force=force)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    final = read_meta(out)
-    if final is None:
-        raise RuntimeError(f"{out}: dataset written but {META_NAME} does not validate")
-    return final, True
 
-
-def _move_into_place(tmp: Path, out: Path, *, force: bool) -> None:
-    try:
-        os.rename(tmp, out)  # atomic; also replaces an empty directory
-        return
-    except OSError:
-        if not out.exists():
-            raise
-    # `out` is non-empty: either another process finished the same build first, or --force.
-    if not force:
-        if read_meta(out) is not None:
-            return  # another process won the race with a complete dataset; ours is discarded
-        raise ValueError(f"{out} appeared while building and holds no complete VLM digits dataset; not replacing it")
-    trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.rename(out, trash / "old")
-    os.rename(tmp, out)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _mismatch(have: dict, wanted: dict) -> str:
-    return ", ".join(f"{k}={have[k]} (wanted {wanted[k]})" for k in wanted if have[k] != wanted[k])
+    # The digits split, chunking, keys and PNG bytes, unchanged; each sample gets its json added.
+    return shards.build_atomically(
+        out, train_shards=train_shards, val_shards=val_shards, val_fraction=val_fraction, force=force, dataset="VLM digits",
+        read_meta=read_meta, load=lambda: digits.load_split(val_fraction=val_fraction, seed=seed), start_meta=start_meta,
+        write_shards=functools.partial(digits._write_shards, extra_fields=functools.partial(_text_fields, seed=seed)),
+    )
 
 
 def ensure_vlm_digits(root: str | Path, *, image_size: int = 16, patch_size: int = 4, train_shards: int = 8, val_shards: int = 2,
@@ -495,10 +409,8 @@ def ensure_vlm_digits(root: str | Path, *, image_size: int = 16, patch_size: int
                                val_shards=val_shards, val_fraction=val_fraction, seed=seed)
     wanted = {"image_size": image_size, "patch_size": patch_size, "train_shards": train_shards, "val_shards": val_shards,
               "val_fraction": val_fraction, "seed": seed, "text_fingerprint": _text_fingerprint()}
-    have = _settings(meta)
-    if have != wanted:
-        raise ValueError(f"{root} holds VLM digits data built with {_mismatch(have, wanted)}; delete it or rebuild with "
-                         f"`python -m data.prepare_vlm_digits --out {root} --force` (plus your settings)")
+    shards.require_settings(root, _settings(meta), wanted, holds="VLM digits data",
+                            rebuild=f"`python -m data.prepare_vlm_digits --out {root} --force` (plus your settings)")
     return _with_paths(root, meta)
 
 
@@ -506,27 +418,13 @@ def ensure_vlm_digits(root: str | Path, *, image_size: int = 16, patch_size: int
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    def positive_int(text: str) -> int:
-        value = int(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-        return value
+    def sizes(parser: argparse.ArgumentParser, positive_int) -> None:
+        parser.add_argument("--image-size", type=positive_int, default=16, help="side the processor resizes the 8x8 digits to")
+        parser.add_argument("--patch-size", type=positive_int, default=4, help="vision tower patch size (image tokens = (size/patch)^2)")
 
-    def fraction(text: str) -> float:
-        value = float(text)
-        if not 0.0 < value < 1.0:
-            raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
-        return value
-
-    parser = argparse.ArgumentParser(prog="python -m data.prepare_vlm_digits", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="output directory (created; must be empty or a previous build)")
-    parser.add_argument("--image-size", type=positive_int, default=16, help="side the processor resizes the 8x8 digits to")
-    parser.add_argument("--patch-size", type=positive_int, default=4, help="vision tower patch size (image tokens = (size/patch)^2)")
-    parser.add_argument("--train-shards", type=positive_int, default=8)
-    parser.add_argument("--val-shards", type=positive_int, default=2)
-    parser.add_argument("--val-fraction", type=fraction, default=0.15, help="share of samples held out for val (stratified)")
-    parser.add_argument("--seed", type=int, default=0, help="split seed; also picks each sample's question and answer style")
-    parser.add_argument("--force", action="store_true", help="rebuild even if a complete dataset is there (replaces DIR)")
+    parser = shards.arg_parser("python -m data.prepare_vlm_digits", __doc__.splitlines()[0],
+                               "output directory (created; must be empty or a previous build)", extra=sizes,
+                               seed_help="split seed; also picks each sample's question and answer style")
     args = parser.parse_args(argv)
     if args.image_size % args.patch_size:
         parser.error(f"--image-size {args.image_size} must be a multiple of --patch-size {args.patch_size}")
@@ -538,24 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.absolute()
     wanted = {"image_size": args.image_size, "patch_size": args.patch_size, "train_shards": args.train_shards,
               "val_shards": args.val_shards, "val_fraction": args.val_fraction, "seed": args.seed}
-    try:
-        meta, built = build_vlm_digits(out, **wanted, force=args.force)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not built:
-        wanted["text_fingerprint"] = _text_fingerprint()
-        have = _settings(meta)
-        if have != wanted:
-            print(f"error: {out} already holds VLM digits data built with {_mismatch(have, wanted)}; pass --force to rebuild",
-                  file=sys.stderr)
-            return 1
-        print(f"{out}/{META_NAME} exists; nothing to do (pass --force to rebuild)")
-        return 0
-    splits = meta["splits"]
+    meta, rc = shards.cli_build(build_vlm_digits, out, wanted, force=args.force, settings=_settings, holds="VLM digits data",
+                                show_wanted=True, also_wanted={"text_fingerprint": _text_fingerprint()})
+    if meta is None:
+        return rc
     print(
-        f"wrote {out}: train {splits['train']['samples']} samples in {len(splits['train']['shards'])} shards, "
-        f"val {splits['val']['samples']} samples in {len(splits['val']['shards'])} shards (seed {meta['seed']}); "
+        f"{shards.summary(out, meta)}; "
         f"processor in {out / PROCESSOR_DIR}: vocab {meta['vocab_size']}, {meta['image_size']}px images -> "
         f"{meta['num_image_tokens']} image tokens"
     )

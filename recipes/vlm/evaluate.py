@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import textwrap
 from pathlib import Path
 
 import torch
@@ -75,13 +76,13 @@ def save_answer_grid(samples: list[dict], answers: list[str], path: Path, n: int
     n = min(n, len(samples))
     cols = 5
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * 2.4, rows * 2.6), dpi=100)
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * 2.4, rows * 2.9), dpi=100)
     for ax in axes.flat:
         ax.axis("off")
     for ax, s, a in zip(axes.flat, samples[:n], answers[:n]):
         ax.imshow(s["image"].convert("L"), cmap="gray", interpolation="nearest")
         ok = parse_answer(a) == s["label"]
-        ax.set_title(f"{a[:22]!r}", fontsize=8, color="green" if ok else "red")
+        ax.set_title(textwrap.fill(repr(a), 24), fontsize=8, color="green" if ok else "red")
     fig.suptitle("held-out digits and the model's answers")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,232 @@
+"""What the train/val WebDataset shard builders in ``data`` share: meta.json bookkeeping and
+validation, the atomic build and the common CLI pieces.
+
+A dataset directory holds ``{split}-NNNNNN.tar`` shards for each split in :data:`SPLITS` and a
+``meta.json`` that records every shard's name, sample count and byte size. The directory is
+built next to its final place, ``meta.json`` is written last and the whole directory is then
+renamed into place, so a directory whose meta.json validates is always complete. Used by
+``data.prepare_digits`` and ``data.prepare_vlm_digits``; ``dataset`` arguments only name the
+dataset in error messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SPLITS = ("train", "val")
+META_NAME = "meta.json"
+
+# (tmp dir, split, rows, images, labels, num_shards) -> [{"name", "samples", "bytes"}, ...]
+ShardWriter = Callable[[Path, str, np.ndarray, np.ndarray, np.ndarray, int], list[dict]]
+
+
+def sizes_match(folder: Path, sizes: Iterable[tuple[str, int]]) -> bool:
+    """Whether each named file in ``folder`` has its recorded byte size (OSError if one is missing)."""
+    return all((folder / name).stat().st_size == size for name, size in sizes)
+
+
+def read_meta(root: str | Path, also_complete: Callable[[Path, dict], bool] | None = None) -> dict[str, Any] | None:
+    """Parsed meta.json in ``root`` if every shard it lists is there with its recorded size, else None.
+
+    ``also_complete(root, meta)``, if given, checks whatever else the dataset holds; a malformed
+    meta.json (KeyError, TypeError, AttributeError, ...) there also reads as incomplete.
+    """
+    root = Path(root)
+    try:
+        meta = json.loads((root / META_NAME).read_text())
+        for split in SPLITS:
+            info = meta["splits"][split]
+            if not sizes_match(root, zip(info["shards"], info["shard_bytes"], strict=True)):
+                return None
+        if also_complete is not None and not also_complete(root, meta):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return meta
+
+
+def split_settings(meta: dict) -> dict:
+    """The split settings a dataset was built with (compare with what a caller wants)."""
+    return {
+        "train_shards": len(meta["splits"]["train"]["shards"]),
+        "val_shards": len(meta["splits"]["val"]["shards"]),
+        "val_fraction": meta.get("val_fraction"),
+        "seed": meta.get("seed"),
+    }
+
+
+def mismatch(have: dict, wanted: dict, *, show_wanted: bool = True) -> str:
+    """``"seed=0 (wanted 1), ..."`` for the keys of ``wanted`` whose value in ``have`` differs."""
+    return ", ".join(f"{k}={have[k]}" + (f" (wanted {wanted[k]})" if show_wanted else "") for k in wanted if have[k] != wanted[k])
+
+
+def require_settings(root: Path, have: dict, wanted: dict, *, holds: str, rebuild: str) -> None:
+    """ValueError unless a dataset's settings ``have`` equal ``wanted``; the message names ``rebuild`` (a command)."""
+    if have != wanted:
+        raise ValueError(f"{root} holds {holds} built with {mismatch(have, wanted)}; delete it or rebuild with {rebuild}")
+
+
+def with_urls(root: Path, meta: dict) -> dict:
+    """A copy of ``meta`` with ``{split}_urls``: the absolute paths of each split's shards."""
+    meta = dict(meta)
+    for split in SPLITS:
+        meta[f"{split}_urls"] = [str((root / name).resolve()) for name in meta["splits"][split]["shards"]]
+    return meta
+
+
+def build_atomically(
+    out: Path,
+    *,
+    train_shards: int,
+    val_shards: int,
+    val_fraction: float,
+    force: bool,
+    dataset: str,
+    read_meta: Callable[[Path], dict | None],
+    load: Callable[[], tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]],
+    start_meta: Callable[[Path], dict[str, Any]],
+    write_shards: ShardWriter,
+) -> tuple[dict, bool]:
+    """Build a dataset in ``out`` unless a complete one (per ``read_meta``) is there. Returns (meta, built_now).
+
+    ``load()`` gives (images, labels, {split: rows}); it is only called when building.
+    ``start_meta(tmp)`` writes whatever goes beside the shards into the temp dir and returns the
+    meta dict, with a ``"splits"`` key where the shard bookkeeping goes (its place sets the key
+    order in meta.json). ``write_shards`` writes one split's shards into the temp dir.
+    """
+    if train_shards < 1 or val_shards < 1:
+        raise ValueError(f"train_shards and val_shards must be >= 1 (got {train_shards}, {val_shards})")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1) (got {val_fraction})")
+    existing = read_meta(out)
+    if existing is not None and not force:
+        return existing, False
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
+    if existing is None and out.is_dir() and any(out.iterdir()) and not force:
+        # Never delete files we did not write: a non-empty dir without our meta.json is the user's.
+        raise ValueError(f"{out} is not empty and holds no complete {dataset} dataset; choose an empty directory or pass --force")
+
+    images, labels, rows = load()
+    counts = {"train": train_shards, "val": val_shards}
+    for split in SPLITS:
+        if len(rows[split]) < counts[split]:
+            raise ValueError(f"{len(rows[split])} {split} samples cannot fill {counts[split]} shards")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build next to `out` (same filesystem) so the final rename is atomic.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        meta = start_meta(tmp)
+        for split in SPLITS:
+            shards = write_shards(tmp, split, rows[split], images, labels, counts[split])
+            meta["splits"][split] = {
+                "shards": [s["name"] for s in shards],
+                "samples": sum(s["samples"] for s in shards),
+                "shard_samples": [s["samples"] for s in shards],
+                "shard_bytes": [s["bytes"] for s in shards],
+            }
+        (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a shared data dir should be readable by others
+        move_into_place(tmp, out, force=force, dataset=dataset, read_meta=read_meta)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    final = read_meta(out)
+    if final is None:
+        raise RuntimeError(f"{out}: dataset written but {META_NAME} does not validate")
+    return final, True
+
+
+def move_into_place(tmp: Path, out: Path, *, force: bool, dataset: str, read_meta: Callable[[Path], dict | None]) -> None:
+    try:
+        os.rename(tmp, out)  # atomic; also replaces an empty directory
+        return
+    except OSError:
+        if not out.exists():
+            raise
+    # `out` is non-empty: either another process finished the same build first, or --force.
+    if not force:
+        if read_meta(out) is not None:
+            return  # another process won the race with a complete dataset; ours is discarded
+        raise ValueError(f"{out} appeared while building and holds no complete {dataset} dataset; not replacing it")
+    trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rename(out, trash / "old")
+    os.rename(tmp, out)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    return value
+
+
+def arg_parser(prog: str, description: str, out_help: str,
+               extra: Callable[[argparse.ArgumentParser, Callable[[str], int]], None] | None = None,
+               seed_help: str = "split seed") -> argparse.ArgumentParser:
+    """``--out``, then what ``extra(parser, positive_int)`` adds, then the split arguments and ``--force``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--out", required=True, type=Path, help=out_help)
+    if extra is not None:
+        extra(parser, _positive_int)
+    parser.add_argument("--train-shards", type=_positive_int, default=8)
+    parser.add_argument("--val-shards", type=_positive_int, default=2)
+    parser.add_argument("--val-fraction", type=_fraction, default=0.15, help="share of samples held out for val (stratified)")
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
+    parser.add_argument("--force", action="store_true", help="rebuild even if a complete dataset is there (replaces DIR)")
+    return parser
+
+
+def cli_build(build: Callable[..., tuple[dict, bool]], out: Path, wanted: dict, *, force: bool, settings: Callable[[dict], dict],
+              holds: str, show_wanted: bool, also_wanted: dict | None = None) -> tuple[dict | None, int]:
+    """A CLI's ``build(out, **wanted, force=force)``: (meta, 0) when it built, else (None, exit code).
+
+    Exit codes: 2 after printing a ValueError; for a complete dataset already there, 0 if
+    ``settings(meta)`` equals ``wanted`` plus ``also_wanted``, else 1 (after saying what differs).
+    """
+    try:
+        meta, built = build(out, **wanted, force=force)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None, 2
+    if built:
+        return meta, 0
+    wanted = {**wanted, **(also_wanted or {})}
+    have = settings(meta)
+    if have != wanted:
+        print(f"error: {out} already holds {holds} built with {mismatch(have, wanted, show_wanted=show_wanted)}; "
+              "pass --force to rebuild", file=sys.stderr)
+        return None, 1
+    print(f"{out}/{META_NAME} exists; nothing to do (pass --force to rebuild)")
+    return None, 0
+
+
+def summary(out: Path, meta: dict) -> str:
+    """``wrote DIR: train N samples in K shards, val ... (seed S)``."""
+    splits = meta["splits"]
+    return (
+        f"wrote {out}: train {splits['train']['samples']} samples in {len(splits['train']['shards'])} shards, "
+        f"val {splits['val']['samples']} samples in {len(splits['val']['shards'])} shards (seed {meta['seed']})"
+    )
