@@ -1,4 +1,4 @@
-"""DiT building blocks: attention backends agree, label dropout is ours, dry run sizes dit_2b."""
+"""Recipe building blocks: DiT attention backends agree, label dropout is ours, dry runs size the big recipes."""
 
 from __future__ import annotations
 
@@ -76,4 +76,11 @@ def test_dry_run_prints_size_and_writes_nothing(tmp_path):
     proc = run_train(["recipe=dit_2b", "run.dry_run=true", f"run.dir={run_dir}", "parallel.dp=8"], timeout=300)
     assert "(2.26B)" in proc.stdout and "ZeRO stage 2 over dp=8" in proc.stdout
     assert "GiB" in proc.stdout
+    assert not run_dir.exists()
+
+
+def test_vlm_7b_dry_run_reports_llava_15_size(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(["recipe=vlm_7b", "run.dry_run=true", f"run.dir={run_dir}", "parallel.dp=8"], timeout=300)
+    assert "7,063,427,072 parameters (7.06B)" in proc.stdout and "ZeRO stage 3 over dp=8" in proc.stdout
     assert not run_dir.exists()
