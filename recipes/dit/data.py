@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from common.data.webdataset import build_webdataset_loader
-from common.distributed import DistInfo, barrier
 from common.config import TrainConfig
+from common.data import prepare_dataset
+from common.data.webdataset import build_webdataset_loader
+from common.distributed import DistInfo
 
 
 def to_model_space(images_u8: torch.Tensor, image_size: int) -> torch.Tensor:
@@ -32,20 +33,10 @@ def decode_sample(sample: dict, image_size: int) -> dict:
 
 
 def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
-    """Build the digit shards on rank 0 if they are missing; every rank gets the metadata."""
+    """The digit shards' meta on every rank (rank 0 builds them if missing)."""
     from data.prepare_digits import ensure_digits_shards
 
-    if dist.is_main:
-        if not cfg.data.prepare:
-            from pathlib import Path
-
-            if not (Path(cfg.data.root) / "meta.json").exists():
-                raise FileNotFoundError(f"data.root={cfg.data.root}: no meta.json (run python -m data.prepare_digits --out {cfg.data.root})")
-        meta = ensure_digits_shards(cfg.data.root)
-    barrier()
-    if not dist.is_main:
-        meta = ensure_digits_shards(cfg.data.root)  # already built: just reads meta.json
-    return meta
+    return prepare_dataset(cfg.data, dist, lambda: ensure_digits_shards(cfg.data.root), "data.prepare_digits")
 
 
 def build_train_loader(cfg: TrainConfig, dist: DistInfo, urls: list[str]):

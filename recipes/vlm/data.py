@@ -3,29 +3,24 @@
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
 from common.config import TrainConfig
+from common.data import prepare_dataset
 from common.data.packing import PackedBatch, pack_samples, pad_samples
 from common.data.webdataset import build_webdataset_loader
-from common.distributed import DistInfo, barrier
+from common.distributed import DistInfo
 
 
 def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
-    """Build the image–text shards, tokenizer and processor on rank 0 if missing; meta on every rank."""
+    """Shards, tokenizer and processor meta on every rank (rank 0 builds them if missing)."""
     from data.prepare_vlm_digits import ensure_vlm_digits
 
-    kwargs = dict(image_size=cfg.model.image_size, patch_size=cfg.model.patch_size)
-    if dist.is_main:
-        if not cfg.data.prepare and not (Path(cfg.data.root) / "meta.json").exists():
-            raise FileNotFoundError(f"data.root={cfg.data.root}: no meta.json (run python -m data.prepare_vlm_digits --out {cfg.data.root})")
-        meta = ensure_vlm_digits(cfg.data.root, **kwargs)
-    barrier()
-    if not dist.is_main:
-        meta = ensure_vlm_digits(cfg.data.root, **kwargs)  # already built: reads meta.json
-    return meta
+    def ensure() -> dict:
+        return ensure_vlm_digits(cfg.data.root, image_size=cfg.model.image_size, patch_size=cfg.model.patch_size)
+
+    return prepare_dataset(cfg.data, dist, ensure, "data.prepare_vlm_digits")
 
 
 def collate(samples: list[dict], *, packing: bool, max_seq_len: int, pad_id: int, attention: str) -> dict:
