@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from common.config import FAMILIES, TrainConfig, register, validate
 from common.errors import ConfigError, UserError
+from common.parallel_dims import ParallelDims
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 USAGE = """usage: python scripts/train.py recipe=<name> [key=value ...] [--cfg]
@@ -111,6 +112,7 @@ def main(argv: list[str]) -> int:
         recipe = importlib.import_module(f"recipes.{cfg.recipe.family}.train")
         run_dir = None
         if not cfg.run.dry_run:
+            ParallelDims.from_config(cfg.parallel, dist.world_size)  # an impossible layout stops here
             run_dir = resolve_run_dir(cfg)
             if dist.is_main:
                 run_dir.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,8 @@ def validate(cfg: TrainConfig) -> None:
     inner = m.num_attention_heads * m.attention_head_dim
     if inner % m.norm_num_groups:
         raise ConfigError(f"model.num_attention_heads*attention_head_dim={inner} must be divisible by model.norm_num_groups={m.norm_num_groups}")
+    if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp} parallel.pp={cfg.parallel.pp}: the DiT recipe shards with ZeRO data parallelism only (tp=pp=1)")
     if cfg.toggles.activation_checkpointing == "selective":
         raise ConfigError("toggles.activation_checkpointing=selective is not offered by the DiT recipe; use none or full")
     if d.prediction_type not in ("epsilon", "v_prediction"):
