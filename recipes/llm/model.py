@@ -276,7 +276,9 @@ class Transformer(nn.Module):
                 raise ValueError(f"expected hidden states [B, S, D] (no tok_embeddings), got shape "
                                  f"{tuple(tokens_or_hidden.shape)}")
             h = tokens_or_hidden
-        seqlen = h.shape[1]
+        # From the input, not h: under sequence parallelism the embedding output may be a
+        # sequence shard, while token ids (and the RoPE positions) cover the whole row.
+        seqlen = tokens_or_hidden.shape[1]
         if seqlen > self.args.max_seq_len:
             # Positions never exceed the row length, so this bounds the table lookup without a
             # device sync on position_ids.max().
