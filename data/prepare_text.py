@@ -1,0 +1,401 @@
+"""Tokenize CPython's pydoc help topics into WebDataset shards (train / held-out val) with a byte-level BPE.
+
+    python -m data.prepare_text --out data/text [--vocab-size 2048] [--train-shards 8] [--val-shards 2]
+                                [--val-fraction 0.1] [--seed 0] [--force]
+
+Corpus: ``pydoc_data.topics.topics`` (about 80 help topics, ~465 KB of English reference
+text that ships with Python; no download). Topics are split train / val (seeded), so no
+topic is seen in both; each topic is then cut at paragraph boundaries into documents of at
+most :data:`MAX_DOC_CHARS` characters (losslessly: a topic's documents concatenate back to it).
+The tokenizer is a byte-level BPE trained on the train documents only, saved as a
+``PreTrainedTokenizerFast`` in ``DIR/tokenizer`` (loads offline with ``AutoTokenizer``); like
+Llama's it adds ``<s>`` and not ``</s>``, so ``tokenizer(text)`` at serving time starts the
+way every training document does.
+
+Each sample is ``{__key__: "train_000123", ids.npy: <s> + tokens + </s> as a uint16 array
+(int32 above 65,536 tokens), txt: the document's text}``; the number in the key is the
+document's index in :func:`load_documents`, so keys are unique across splits and every
+sample traces back to its topic. ``DIR/meta.json`` (document and token counts per split,
+vocab size, shards, seed) is written last and the directory appears at once (see
+``data.shards``). The corpus depends on the Python version: meta.json records the version
+and the corpus hash; a dataset is reused as built whatever Python reads it later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from data import shards
+from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+SOURCE = "pydoc_data.topics.topics"
+TOKENIZER_DIR = "tokenizer"
+MAX_DOC_CHARS = 2000
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+# Order fixes the ids: <pad>=0, <s>=1, </s>=2 (Llama's bos/eos ids), <unk>=3.
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+# 256 byte tokens + the special tokens: a byte-level BPE cannot be smaller.
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+DEFAULT_VAL_FRACTION = 0.1
+MIN_VAL_TOPICS = 2
+
+# Everything about how text becomes samples, apart from the CLI settings. Any change here
+# changes the fingerprint, so an older build is refused instead of silently reused.
+_PREP_RECIPE = {
+    "max_doc_chars": MAX_DOC_CHARS,
+    "chunking": "split after blank-line runs, then after newlines, then hard; greedy merge; lossless",
+    "split": "topics, numpy default_rng(seed).permutation of sorted names, max(2, round(f * n)) to val",
+    "special_tokens": list(SPECIAL_TOKENS),
+    "bpe": "tokenizers BPE, ByteLevel(add_prefix_space=False) pre-tokenizer + decoder, no normalizer, full byte alphabet",
+    "sample_ids": "<s> + tokens + </s>",
+}
+
+
+class Document(NamedTuple):
+    topic: str
+    part: int  # index of this piece within its topic
+    text: str
+
+
+# --- corpus ------------------------------------------------------------------------------------------
+
+
+def load_topics() -> dict[str, str]:
+    """``pydoc_data.topics.topics`` in sorted topic order."""
+    from pydoc_data.topics import topics
+
+    return {name: topics[name] for name in sorted(topics)}
+
+
+def corpus_sha256(topics: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(topics, sort_keys=True).encode()).hexdigest()
+
+
+# Zero-width split points: after a run of blank lines (a paragraph boundary), after a newline.
+_PARAGRAPH_END = re.compile(r"(?<=\n\n)(?!\n)")
+_LINE_END = re.compile(r"(?<=\n)(?!\n)")
+
+
+def chunk_text(text: str, max_chars: int = MAX_DOC_CHARS) -> list[str]:
+    """Cut ``text`` into pieces of at most ``max_chars`` characters, preferably at paragraph boundaries.
+
+    Lossless: ``"".join(chunk_text(t)) == t``. Paragraphs (with the blank lines after them) are
+    merged greedily; a paragraph longer than ``max_chars`` is cut after lines, and a longer line
+    hard at ``max_chars``. Deterministic.
+    """
+    if max_chars < 1:
+        raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+    units: list[str] = []
+    for paragraph in _PARAGRAPH_END.split(text):
+        if len(paragraph) <= max_chars:
+            units.append(paragraph)
+            continue
+        for line in _LINE_END.split(paragraph):
+            units.extend(line[i : i + max_chars] for i in range(0, len(line), max_chars))
+    chunks: list[str] = []
+    for unit in units:
+        if chunks and len(chunks[-1]) + len(unit) <= max_chars:
+            chunks[-1] += unit
+        elif unit:
+            chunks.append(unit)
+    return chunks
+
+
+def load_documents(topics: dict[str, str] | None = None, *, max_chars: int = MAX_DOC_CHARS) -> list[Document]:
+    """Every topic cut by :func:`chunk_text`, in topic order then part order (the keys' numbering)."""
+    topics = load_topics() if topics is None else topics
+    return [Document(name, part, text) for name in topics for part, text in enumerate(chunk_text(topics[name], max_chars))]
+
+
+def split_topics(names: list[str], *, val_fraction: float, seed: int) -> dict[str, list[str]]:
+    """Seeded train/val split of topic names (sorted within each split): ``max(2, round(f * n))`` go to val."""
+    names = sorted(names)
+    num_val = max(MIN_VAL_TOPICS, round(val_fraction * len(names)))
+    if num_val >= len(names):
+        raise ValueError(f"{len(names)} topics cannot give {num_val} val topics and leave any for train")
+    order = np.random.default_rng(seed).permutation(len(names))
+    val = {names[i] for i in order[:num_val]}
+    return {"train": [n for n in names if n not in val], "val": [n for n in names if n in val]}
+
+
+# --- tokenizer -----------------------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on ``texts`` (deterministic), as a PreTrainedTokenizerFast that adds ``<s>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+    # Byte-level with no normalizer: every string encodes and decodes back unchanged, so
+    # <unk> never occurs; it is set because the tokenizer API (and some servers) expect one.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    # add_bos_token given explicitly: transformers then installs (and saves) the "<s> $A"
+    # post-processor, Llama's convention. clean_up_tokenization_spaces=False: the legacy
+    # clean-up rewrites " ." etc. on decode and would break decode(encode(x)) == x.
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        add_bos_token=True,
+        add_eos_token=False,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def load_tokenizer(root: str | Path) -> PreTrainedTokenizerFast:
+    """The dataset's tokenizer, offline. ``root`` is the dataset dir or its ``tokenizer`` dir."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    root = Path(root)
+    path = root / TOKENIZER_DIR if (root / TOKENIZER_DIR).is_dir() else root
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise TypeError(f"{path} holds a {type(tokenizer).__name__}, expected a PreTrainedTokenizerFast")
+    return tokenizer
+
+
+def encode_documents(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> list[np.ndarray]:
+    """``<s> + tokens + </s>`` of each text, as uint16 arrays (int32 if the vocab does not fit in 16 bits)."""
+    dtype = np.uint16 if len(tokenizer) <= 1 << 16 else np.int32
+    # The tokenizer adds <s> itself (its post-processor): samples start exactly like served prompts.
+    ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    return [np.asarray([*row, tokenizer.eos_token_id], dtype=dtype) for row in ids]
+
+
+# --- samples -------------------------------------------------------------------------------------------
+
+
+def encode_ids(ids: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, ids, allow_pickle=False)
+    return buf.getvalue()
+
+
+def decode_document(sample: dict) -> dict:
+    """Raw WebDataset sample -> ``{"input_ids": LongTensor[T]}`` (``<s>`` + tokens + ``</s>``).
+
+    Module-level (hence picklable) so that it can be handed to DataLoader workers as the
+    ``decode`` of ``common.data.webdataset.build_webdataset_loader``.
+    """
+    import torch
+
+    ids = np.load(io.BytesIO(sample["ids.npy"]), allow_pickle=False)
+    if ids.ndim != 1 or ids.size < 2 or ids.dtype.kind not in "iu":
+        raise ValueError(f"{sample.get('__key__')}: expected a 1-D integer array of >= 2 ids, got {ids.dtype} {ids.shape}")
+    return {"input_ids": torch.from_numpy(ids.astype(np.int64))}
+
+
+def chunk_document(ids: torch.Tensor, max_len: int) -> list[torch.Tensor]:
+    """Consecutive pieces of a 1-D ``ids`` of at most ``max_len`` tokens each (all full but the last).
+
+    ``torch.cat(pieces)`` equals ``ids``: nothing overlaps or is dropped. Each piece is packed as
+    its own sample, so the first token of a piece gets no next-token target across the cut
+    (one lost target per cut). Pieces are views into ``ids``.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+    return list(ids.split(max_len)) if ids.numel() else []
+
+
+# --- shards, meta, atomic build ----------------------------------------------------------------------------
+
+
+def _prep_fingerprint() -> str:
+    """Changes whenever how documents are cut or tokenized changes: old builds are then stale."""
+    return hashlib.sha256(json.dumps(_PREP_RECIPE, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _write_shards(out: Path, split: str, rows: np.ndarray, texts: list[str], ids: list[np.ndarray], num_shards: int) -> list[dict]:
+    """One split's shards (``data.shards.ShardWriter``; the "images" and "labels" are texts and id arrays)."""
+    import webdataset as wds
+
+    written = []
+    # array_split: consecutive chunks whose sizes differ by at most one ("spread evenly").
+    for shard_id, chunk in enumerate(np.array_split(rows, num_shards)):
+        name = f"{split}-{shard_id:06d}.tar"
+        # mtime fixed (an int: a float adds a PAX header per member) so the same seed gives the same bytes.
+        with wds.TarWriter(str(out / name), mtime=0) as sink:
+            for row in chunk:
+                sink.write({"__key__": f"{split}_{row:06d}", "ids.npy": encode_ids(ids[row]), "txt": texts[row]})
+        written.append({"name": name, "samples": len(chunk), "bytes": (out / name).stat().st_size})
+    return written
+
+
+def _file_sizes(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _tokenizer_complete(root: Path, meta: dict) -> bool:
+    files = meta["tokenizer_files"]
+    return bool(files) and shards.sizes_match(root / meta["tokenizer"], files.items())
+
+
+def read_meta(root: str | Path) -> dict[str, Any] | None:
+    """Parsed meta.json of a complete text dataset in ``root`` (shards and tokenizer), else None."""
+    return shards.read_meta(root, also_complete=_tokenizer_complete)
+
+
+def _settings(meta: dict) -> dict:
+    return {
+        "vocab_size": meta.get("requested_vocab_size"),
+        **shards.split_settings(meta),
+        "prep_fingerprint": meta.get("prep_fingerprint"),
+    }
+
+
+def _with_paths(root: Path, meta: dict) -> dict:
+    meta = shards.with_urls(root, meta)
+    meta["tokenizer_dir"] = str((root / meta["tokenizer"]).resolve())
+    return meta
+
+
+def build_text_shards(
+    out: str | Path, *, vocab_size: int = 2048, train_shards: int = 8, val_shards: int = 2,
+    val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = 0, force: bool = False,
+) -> tuple[dict, bool]:
+    """Build the dataset in ``out`` unless a complete one is there. Returns (meta, built_now).
+
+    A complete dataset with other settings is left alone (``built_now`` False); callers compare.
+    """
+    out = Path(out).absolute()
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+    built: dict[str, Any] = {}  # what load() makes and start_meta() records
+
+    def load() -> tuple[list[str], list[np.ndarray], dict[str, np.ndarray]]:
+        topics = load_topics()
+        docs = load_documents(topics)
+        split = split_topics(list(topics), val_fraction=val_fraction, seed=seed)
+        in_val = set(split["val"])
+        rng = np.random.default_rng(seed)
+        # Written in a seeded order, so each shard holds a mix of topics (and similar token counts).
+        rows = {s: rng.permutation(np.asarray([i for i, d in enumerate(docs) if (d.topic in in_val) == (s == "val")],
+                                              dtype=np.int64)) for s in SPLITS}
+        texts = [d.text for d in docs]
+        # Train documents only: val text must stay unseen, by the tokenizer too.
+        tokenizer = train_tokenizer([texts[i] for i in sorted(rows["train"])], vocab_size)
+        ids = encode_documents(tokenizer, texts)
+        built.update(topics=topics, split=split, rows=rows, tokenizer=tokenizer, ids=ids)
+        return texts, ids, rows
+
+    def start_meta(tmp: Path) -> dict[str, Any]:
+        tokenizer, rows, ids = built["tokenizer"], built["rows"], built["ids"]
+        tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+        os.chmod(tmp / TOKENIZER_DIR, 0o755)  # readable by others, like the dataset dir
+        return {
+            "source": SOURCE,
+            "python_version": platform.python_version(),
+            "corpus_sha256": corpus_sha256(built["topics"]),
+            "max_doc_chars": MAX_DOC_CHARS,
+            "splits": {},
+            "seed": seed,
+            "val_fraction": val_fraction,
+            "documents": {s: len(rows[s]) for s in SPLITS},
+            "tokens": {s: int(sum(len(ids[i]) for i in rows[s])) for s in SPLITS},
+            "topics": built["split"],
+            "ids_dtype": np.dtype(ids[0].dtype).name,
+            "vocab_size": len(tokenizer),
+            "requested_vocab_size": vocab_size,
+            "special_tokens": {"pad": PAD, "bos": BOS, "eos": EOS, "unk": UNK},
+            "special_token_ids": {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id,
+                                  "eos": tokenizer.eos_token_id, "unk": tokenizer.unk_token_id},
+            "tokenizer": TOKENIZER_DIR,
+            "tokenizer_files": _file_sizes(tmp / TOKENIZER_DIR),
+            "prep_fingerprint": _prep_fingerprint(),
+        }
+
+    return shards.build_atomically(
+        out, train_shards=train_shards, val_shards=val_shards, val_fraction=val_fraction, force=force, dataset="text",
+        read_meta=read_meta, load=load, start_meta=start_meta, write_shards=_write_shards,
+    )
+
+
+def ensure_text_shards(root: str | Path, *, vocab_size: int = 2048, train_shards: int = 8, val_shards: int = 2, seed: int = 0,
+                       val_fraction: float = DEFAULT_VAL_FRACTION) -> dict:
+    """Parsed meta.json of the text dataset under ``root``, building it first if missing.
+
+    Adds absolute ``train_urls`` / ``val_urls`` and ``tokenizer_dir``. Not rank-aware: call it
+    on rank 0 and barrier before other ranks read (``common.data.prepare_dataset``). A complete
+    dataset built with other settings (or by an older version of this file) raises ValueError
+    rather than being reused.
+    """
+    root = Path(root).absolute()
+    meta, _ = build_text_shards(root, vocab_size=vocab_size, train_shards=train_shards, val_shards=val_shards,
+                                val_fraction=val_fraction, seed=seed)
+    wanted = {"vocab_size": vocab_size, "train_shards": train_shards, "val_shards": val_shards,
+              "val_fraction": val_fraction, "seed": seed, "prep_fingerprint": _prep_fingerprint()}
+    shards.require_settings(root, _settings(meta), wanted, holds="text data",
+                            rebuild=f"`python -m data.prepare_text --out {root} --force` (plus your settings)")
+    return _with_paths(root, meta)
+
+
+# --- CLI ---------------------------------------------------------------------------------------------
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    def vocab(parser: argparse.ArgumentParser, positive_int) -> None:
+        parser.add_argument("--vocab-size", type=positive_int, default=2048,
+                            help=f"BPE vocabulary size, special tokens included (>= {MIN_VOCAB_SIZE})")
+
+    parser = shards.arg_parser("python -m data.prepare_text", __doc__.splitlines()[0],
+                               "output directory (created; must be empty or a previous text build)", extra=vocab,
+                               seed_help="seed of the topic split and of the shard order")
+    # Held out by topic here (not stratified); the shared default (0.15) suits the digits.
+    parser.set_defaults(val_fraction=DEFAULT_VAL_FRACTION)
+    args = parser.parse_args(argv)
+    if args.vocab_size < MIN_VOCAB_SIZE:
+        parser.error(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {args.vocab_size}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    out = args.out.absolute()
+    wanted = {"vocab_size": args.vocab_size, "train_shards": args.train_shards, "val_shards": args.val_shards,
+              "val_fraction": args.val_fraction, "seed": args.seed}
+    meta, rc = shards.cli_build(build_text_shards, out, wanted, force=args.force, settings=_settings, holds="text data",
+                                show_wanted=True, also_wanted={"prep_fingerprint": _prep_fingerprint()})
+    if meta is None:
+        return rc
+    note = "" if meta["vocab_size"] == args.vocab_size else f" (asked for {args.vocab_size}: the corpus has no more merges)"
+    print(
+        f"{shards.summary(out, meta)}; "
+        f"tokens train {meta['tokens']['train']:,} / val {meta['tokens']['val']:,} "
+        f"from {len(meta['topics']['train'])} / {len(meta['topics']['val'])} topics; "
+        f"tokenizer in {out / TOKENIZER_DIR}: vocab {meta['vocab_size']}{note}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
