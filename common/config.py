@@ -125,7 +125,7 @@ class TrainConfig:
     vlm: Any = None  # VLM
 
 
-FAMILIES = ("dit", "vlm")
+FAMILIES = ("dit", "vlm", "llm")
 
 CHOICES = {
     "recipe.family": FAMILIES,

@@ -66,6 +66,17 @@ def test_bad_values_raise_config_error(override, needle):
         compose(["recipe=dit_tiny", override])
 
 
+@pytest.mark.parametrize("override,needle", [
+    ("parallel.pp=2", "pipeline parallelism is not in the LLM recipe yet"),
+    ("parallel.tp=4", "parallel.tp=4 must divide model.n_kv_heads=2"),
+    ("parallel.zero_stage=2", "FSDP2"),
+    ("data.max_seq_len=512", "exceeds model.max_seq_len=256"),
+])
+def test_llm_layout_mistakes(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
+        compose(["recipe=llm_tiny", override])
+
+
 @pytest.mark.parametrize(
     "override,needle",
     [

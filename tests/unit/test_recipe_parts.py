@@ -84,3 +84,9 @@ def test_vlm_7b_dry_run_reports_llava_15_size(tmp_path):
     proc = run_train(["recipe=vlm_7b", "run.dry_run=true", f"run.dir={run_dir}", "parallel.dp=8"], timeout=300)
     assert "7,063,427,072 parameters (7.06B)" in proc.stdout and "ZeRO stage 3 over dp=8" in proc.stdout
     assert not run_dir.exists()
+
+
+def test_llm_8b_dry_run_reports_llama3_size(tmp_path):
+    proc = run_train(["recipe=llm_8b", "run.dry_run=true", f"run.dir={tmp_path / 'run'}", "parallel.dp=4"], timeout=300)
+    assert "8,030,261,248 parameters (8.03B)" in proc.stdout and "dp=4 tp=8 pp=1" in proc.stdout
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,249 @@
+"""LLM recipe: a Llama trained with DTensor tensor parallelism + FSDP2 data parallelism on packed
+documents, sharded DCP checkpoints that reshard on resume, and a Hugging Face export.
+
+Read top to bottom: setup (data, mesh, model, optimizer, resume) → train_step → train → export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+
+from common.checkpoint import CheckpointManager
+from common.config import TrainConfig
+from common.distributed import DistInfo, barrier
+from common.loop import run_training_loop
+from common.memory import activation_bytes, print_estimate, zero_state_bytes
+from common.optim import lr_factor
+from common.parallel_dims import ParallelDims
+from common.profiling import StepTimer
+from common.seed import seed_everything
+from recipes.llm.data import build_train_loader, local_batch, prepare_data
+from recipes.llm.model import LlamaArgs, Transformer, to_hf_config, to_hf_state_dict
+from recipes.llm.parallelize import parallelize
+
+
+def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
+    m = cfg.model
+    return LlamaArgs(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                     vocab_size=m.vocab_size or vocab_size, ffn_dim=m.ffn_dim, norm_eps=m.norm_eps,
+                     rope_theta=m.rope_theta, max_seq_len=m.max_seq_len)
+
+
+class LLMTrainer:
+    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from data.prepare_text import load_tokenizer
+
+        self.cfg, self.dist, self.run_dir = cfg, dist, run_dir
+        self.device = dist.device
+        self.meta = prepare_data(cfg, dist)
+        self.tokenizer = load_tokenizer(cfg.data.root)
+        self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.loader = build_train_loader(cfg, self.meta["train_urls"], self.dims.dp)
+        self.args = llama_args(cfg, len(self.tokenizer))
+
+        # Build on meta, parallelize, materialize; then copy in rank 0's seeded full init so
+        # every layout starts from the same weights (a "seed checkpoint").
+        with torch.device("meta"):
+            model = Transformer(self.args)
+        self.model = parallelize(model, self.mesh, cfg)
+        self.model.to_empty(device=self.device)
+        self.model.init_weights()  # materializes the RoPE table; weights are overwritten below
+        full = None
+        if dist.is_main:
+            reference = Transformer(self.args)
+            reference.init_weights(seed=cfg.trainer.seed)
+            full = reference.state_dict()
+        set_model_state_dict(self.model, full or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           weight_decay=o.weight_decay, foreach=True)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, functools.partial(lr_factor, cfg=o, max_steps=cfg.trainer.max_steps))
+        seed_everything(cfg.trainer.seed + 1)
+
+        self.step = 0
+        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
+        resume_from = self.ckpt.resolve_resume(cfg.run.resume)
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+            if dist.is_main:
+                print(f"kiln: resumed from {resume_from} at step {self.step}", flush=True)
+
+    # ---- one optimizer step -------------------------------------------------------------
+    def micro_step_loss(self, documents: list[dict]) -> tuple[torch.Tensor, float, int, int]:
+        """Loss whose dp-average of gradients equals the gradient of the global token mean."""
+        packed = local_batch(documents, dp_rank=self.dp_rank, dp=self.dims.dp,
+                             max_seq_len=self.cfg.data.max_seq_len, pad_id=self.tokenizer.pad_token_id)
+        inputs = packed.model_inputs("sdpa", device=self.device)
+        labels = inputs["labels"][:, 1:]
+        local_tokens = (labels != -100).sum()
+        global_tokens = local_tokens.clone()
+        tdist.all_reduce(global_tokens, group=self.mesh["dp"].get_group())
+        with self.autocast():
+            logits = self.model(inputs["input_ids"], position_ids=inputs["position_ids"], attn_mask=inputs["attention_mask"])
+        with self.loss_context():
+            loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+        loss = loss_sum / global_tokens.clamp(min=1) * self.dims.dp  # FSDP averages over dp
+        return loss, loss_sum.detach(), int(global_tokens), packed.input_ids.numel()
+
+    def train_step(self, timer: StepTimer) -> dict:
+        total, tokens, slots = torch.zeros((), device=self.device), 0, 0
+        accum = self.cfg.trainer.grad_accum
+        for _ in range(accum):
+            with timer.phase("data_wait"):
+                documents = next(self.batches)
+            with timer.phase("forward"):
+                loss, loss_sum, n_tokens, n_slots = self.micro_step_loss(documents)
+            with timer.phase("backward"):
+                (loss / accum).backward()
+            total += loss_sum.float() / max(1, n_tokens) / accum
+            tokens, slots = tokens + n_tokens, slots + n_slots
+        with timer.phase("optimizer"):
+            clip = self.cfg.optim.grad_clip or float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        tdist.all_reduce(total, group=self.mesh["dp"].get_group())
+        return {
+            "loss": float(total),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "tokens": tokens,
+            "token_utilization": tokens / (slots * self.dims.dp / 1.0) if slots else 0.0,
+        }
+
+    def autocast(self):
+        bf16 = self.cfg.toggles.precision in ("bf16", "fp8") and self.dims.dp == 1  # FSDP's policy casts otherwise
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+    def loss_context(self):
+        if self.dims.tp > 1 and self.cfg.model.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    # ---- the loop (common/loop.py) and its hooks -------------------------------------------
+    def train(self) -> None:
+        self.model.train()
+        self.batches = iter(self.loader)
+        run_training_loop(self)
+        self.loader.close()
+
+    def after_first_step(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    # ---- sharded checkpoints (torch.distributed.checkpoint) ------------------------------
+    def save_checkpoint(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        def write(tmp: Path) -> None:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+            if self.dist.is_main:  # layout-independent: one global data stream, no per-rank RNG use
+                torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(),
+                            "data": self.loader.state_dict()}, tmp / "trainer.pt")
+
+        layout = {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp}
+        self.ckpt.save(self.step, write, meta={"recipe": self.cfg.recipe.name, "layout": layout})
+
+    def load_checkpoint(self, path: Path) -> None:
+        """DCP reshards: a checkpoint written under one (dp, tp) layout loads under another."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        trainer = torch.load(path / "trainer.pt", weights_only=False)
+        self.step = trainer["step"]
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        self.loader.load_state_dict(trainer["data"])
+
+    # ---- export -----------------------------------------------------------------------------
+    def export(self) -> Path:
+        """A Hugging Face LlamaForCausalLM folder (safetensors + tokenizer) from the sharded model."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
+        if self.dist.is_main:
+            write_hf_export(full, self.args, self.tokenizer, tmp)
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+        barrier()
+        return out
+
+
+def write_hf_export(state_dict: dict, args: LlamaArgs, tokenizer, out: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    shutil.rmtree(out, ignore_errors=True)
+    hf = LlamaForCausalLM(to_hf_config(args, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                       pad_token_id=tokenizer.pad_token_id))
+    hf.load_state_dict(to_hf_state_dict(state_dict, args))
+    hf.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def sample_generation(export: Path, prompt: str = "The with statement", max_new_tokens: int = 40) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    ids = tokenizer(prompt, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def dry_run(cfg: TrainConfig, dist: DistInfo) -> None:
+    """Size the Llama on the meta device for the configured layout; allocates nothing."""
+    args = llama_args(cfg, vocab_size=cfg.model.vocab_size or 2048)
+    with torch.device("meta"):
+        model = Transformer(args)
+    n = sum(p.numel() for p in model.parameters())
+    p = cfg.parallel
+    tp, pp = p.tp, p.pp
+    dp = p.dp if p.dp > 0 else max(1, dist.world_size // (tp * pp))
+    # FSDP shards weights, grads and Adam state over dp (ZeRO-3 arithmetic) after TP/PP split them.
+    states = zero_state_bytes(n // (tp * pp), 3 if dp > 1 else 0, dp, cfg.toggles.precision)
+    activations = activation_bytes(seq=cfg.data.max_seq_len, batch=cfg.trainer.micro_batch_size, hidden=args.dim,
+                                   layers=args.n_layers // pp, recompute=cfg.toggles.activation_checkpointing,
+                                   precision=cfg.toggles.precision) / tp
+    print_estimate(f"recipe {cfg.recipe.name}: Llama", n, states, activations,
+                   f"per device: dp={dp} tp={tp} pp={pp}, {cfg.toggles.precision}, micro batch "
+                   f"{cfg.trainer.micro_batch_size} x {cfg.data.max_seq_len} tokens, AC {cfg.toggles.activation_checkpointing}")
+
+
+def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path | None) -> None:
+    if cfg.run.dry_run:
+        if dist.is_main:
+            dry_run(cfg, dist)
+        return
+    trainer = LLMTrainer(cfg, dist, run_dir)
+    trainer.train()
+    out = trainer.export()
+    if dist.is_main:
+        text = sample_generation(out)
+        (run_dir / "samples").mkdir(exist_ok=True)
+        (run_dir / "samples" / "generation.txt").write_text(text + "\n")
+        print(f"kiln: exported to {out}\nkiln: sample: {text!r}", flush=True)

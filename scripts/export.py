@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""Consolidate an LLM run's sharded (DCP) checkpoint into a Hugging Face folder, in one process.
+
+    python scripts/export.py RUN_DIR [--checkpoint PATH] [--out DIR]
+
+Works whatever parallel layout wrote the checkpoint. The folder loads with
+AutoModelForCausalLM/AutoTokenizer offline and serves with `vllm serve DIR --tensor-parallel-size N`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--checkpoint", default="auto", help="a step_* dir (default: the run's latest)")
+    ap.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/export")
+    args = ap.parse_args(argv)
+    if not (args.run_dir / "config.yaml").exists():
+        print(f"export: error: {args.run_dir} has no config.yaml (not a Kiln run dir)", file=sys.stderr)
+        return 2
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    from common.checkpoint import CheckpointManager
+    from common.errors import UserError
+    from data.prepare_text import load_tokenizer
+    from recipes.llm.model import Transformer
+    from recipes.llm.train import llama_args, write_hf_export
+
+    cfg = OmegaConf.load(args.run_dir / "config.yaml")
+    if cfg.recipe.family != "llm":
+        print(f"export: error: {args.run_dir} is a {cfg.recipe.family} run; this script exports LLM runs", file=sys.stderr)
+        return 2
+    try:
+        if args.checkpoint == "auto":
+            ckpt = CheckpointManager.__new__(CheckpointManager)
+            ckpt.root = args.run_dir / "checkpoints"
+            path = ckpt.latest()
+        else:
+            path = Path(args.checkpoint)
+        if path is None or not (path / "dcp").exists():
+            raise UserError(f"no complete DCP checkpoint under {args.run_dir}")
+    except UserError as exc:
+        print(f"export: error: {exc}", file=sys.stderr)
+        return 2
+    tokenizer = load_tokenizer(cfg.data.root)
+    largs = llama_args(cfg, len(tokenizer))
+    model = Transformer(largs)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path / "dcp"))  # no process group: loads every shard here
+    out = args.out or args.run_dir / "export"
+    write_hf_export(state["model"], largs, tokenizer, out)
+    print(f"export: {path} -> {out} ({sum(t.numel() for t in state['model'].values()):,} parameters)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
