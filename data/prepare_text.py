@@ -251,18 +251,9 @@ def _write_shards(out: Path, split: str, rows: np.ndarray, texts: list[str], ids
     return written
 
 
-def _file_sizes(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-
-
-def _tokenizer_complete(root: Path, meta: dict) -> bool:
-    files = meta["tokenizer_files"]
-    return bool(files) and shards.sizes_match(root / meta["tokenizer"], files.items())
-
-
 def read_meta(root: str | Path) -> dict[str, Any] | None:
     """Parsed meta.json of a complete text dataset in ``root`` (shards and tokenizer), else None."""
-    return shards.read_meta(root, also_complete=_tokenizer_complete)
+    return shards.read_meta(root, also_complete=shards.asset_complete("tokenizer"))
 
 
 def _settings(meta: dict) -> dict:
@@ -271,12 +262,6 @@ def _settings(meta: dict) -> dict:
         **shards.split_settings(meta),
         "prep_fingerprint": meta.get("prep_fingerprint"),
     }
-
-
-def _with_paths(root: Path, meta: dict) -> dict:
-    meta = shards.with_urls(root, meta)
-    meta["tokenizer_dir"] = str((root / meta["tokenizer"]).resolve())
-    return meta
 
 
 def build_text_shards(
@@ -330,7 +315,7 @@ def build_text_shards(
             "special_token_ids": {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id,
                                   "eos": tokenizer.eos_token_id, "unk": tokenizer.unk_token_id},
             "tokenizer": TOKENIZER_DIR,
-            "tokenizer_files": _file_sizes(tmp / TOKENIZER_DIR),
+            "tokenizer_files": shards.file_sizes(tmp / TOKENIZER_DIR),
             "prep_fingerprint": _prep_fingerprint(),
         }
 
@@ -356,7 +341,7 @@ def ensure_text_shards(root: str | Path, *, vocab_size: int = 2048, train_shards
               "val_fraction": val_fraction, "seed": seed, "prep_fingerprint": _prep_fingerprint()}
     shards.require_settings(root, _settings(meta), wanted, holds="text data",
                             rebuild=f"`python -m data.prepare_text --out {root} --force` (plus your settings)")
-    return _with_paths(root, meta)
+    return shards.with_urls(root, meta, asset="tokenizer")
 
 
 # --- CLI ---------------------------------------------------------------------------------------------

@@ -324,18 +324,9 @@ def _text_fields(key: str, label: int, *, seed: int) -> dict:
     return {"json": json.dumps(choose_text(key, label, seed), sort_keys=True).encode()}
 
 
-def _file_sizes(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-
-
-def _processor_complete(root: Path, meta: dict) -> bool:
-    files = meta["processor_files"]
-    return bool(files) and shards.sizes_match(root / meta["processor"], files.items())
-
-
 def read_meta(root: str | Path) -> dict[str, Any] | None:
     """Parsed meta.json of a complete VLM digits dataset in ``root`` (shards and processor), else None."""
-    return shards.read_meta(root, also_complete=_processor_complete)
+    return shards.read_meta(root, also_complete=shards.asset_complete("processor"))
 
 
 def _settings(meta: dict) -> dict:
@@ -345,12 +336,6 @@ def _settings(meta: dict) -> dict:
         **shards.split_settings(meta),
         "text_fingerprint": meta.get("text_fingerprint"),
     }
-
-
-def _with_paths(root: Path, meta: dict) -> dict:
-    meta = shards.with_urls(root, meta)
-    meta["processor_dir"] = str((root / meta["processor"]).resolve())
-    return meta
 
 
 def build_vlm_digits(
@@ -380,7 +365,7 @@ def build_vlm_digits(
             "seed": seed,
             "val_fraction": val_fraction,
             "processor": PROCESSOR_DIR,
-            "processor_files": _file_sizes(tmp / PROCESSOR_DIR),
+            "processor_files": shards.file_sizes(tmp / PROCESSOR_DIR),
             "vocab_size": len(processor.tokenizer),
             "special_tokens": list(SPECIAL_TOKENS),
             "questions": list(QUESTIONS),
@@ -411,7 +396,7 @@ def ensure_vlm_digits(root: str | Path, *, image_size: int = 16, patch_size: int
               "val_fraction": val_fraction, "seed": seed, "text_fingerprint": _text_fingerprint()}
     shards.require_settings(root, _settings(meta), wanted, holds="VLM digits data",
                             rebuild=f"`python -m data.prepare_vlm_digits --out {root} --force` (plus your settings)")
-    return _with_paths(root, meta)
+    return shards.with_urls(root, meta, asset="processor")
 
 
 # --- CLI ---------------------------------------------------------------------------------------------

@@ -76,12 +76,31 @@ def require_settings(root: Path, have: dict, wanted: dict, *, holds: str, rebuil
         raise ValueError(f"{root} holds {holds} built with {mismatch(have, wanted)}; delete it or rebuild with {rebuild}")
 
 
-def with_urls(root: Path, meta: dict) -> dict:
-    """A copy of ``meta`` with ``{split}_urls``: the absolute paths of each split's shards."""
+def with_urls(root: Path, meta: dict, asset: str | None = None) -> dict:
+    """A copy of ``meta`` with ``{split}_urls``: the absolute paths of each split's shards, and
+    ``{asset}_dir`` for a dataset that ships a side folder (its tokenizer or processor)."""
     meta = dict(meta)
     for split in SPLITS:
         meta[f"{split}_urls"] = [str((root / name).resolve()) for name in meta["splits"][split]["shards"]]
+    if asset is not None:
+        meta[f"{asset}_dir"] = str((root / meta[asset]).resolve())
     return meta
+
+
+def file_sizes(folder: Path) -> dict[str, int]:
+    """Name -> size of the files in a side folder, recorded in meta.json as ``{asset}_files``."""
+    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def asset_complete(asset: str):
+    """A ``read_meta`` completeness check: the side folder ``meta[asset]`` holds every file
+    recorded in ``meta[asset + "_files"]`` at its recorded size."""
+
+    def complete(root: Path, meta: dict) -> bool:
+        files = meta[f"{asset}_files"]
+        return bool(files) and sizes_match(root / meta[asset], files.items())
+
+    return complete
 
 
 def build_atomically(

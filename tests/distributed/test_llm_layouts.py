@@ -23,6 +23,7 @@ def runs(tmp_path_factory):
     layouts = {
         "single": (1, [f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
         "tp2": (2, ["parallel.tp=2", f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
+        "tp2_loss_parallel": (2, ["parallel.tp=2", "model.loss_parallel=true", f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
         "dp2": (2, [f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"]),
         "tp2_dp2": (4, ["parallel.tp=2", f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"]),
     }
@@ -34,7 +35,7 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2", "tp2_dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_loss_parallel", "dp2", "tp2_dp2"])
 def test_losses_match_single_process(runs, layout):
     ref, got = losses(runs["single"]), losses(runs[layout])
     assert sorted(got) == list(range(1, STEPS + 1))
