@@ -27,7 +27,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export: error: {args.run_dir} has no config.yaml (not a Kiln run dir)", file=sys.stderr)
         return 2
 
-    import torch
     import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
 

@@ -37,7 +37,16 @@ def validate(cfg: TrainConfig) -> None:
     if m.n_kv_heads % p.tp or m.ffn_dim % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide model.n_kv_heads={m.n_kv_heads} and model.ffn_dim={m.ffn_dim}")
     if p.pp > 1:
-        raise ConfigError("parallel.pp>1: pipeline parallelism is not in the LLM recipe yet (tp and dp are)")
+        stages = p.pp * (2 if p.pp_schedule == "interleaved_1f1b" else 1)
+        if m.n_layers < stages:
+            raise ConfigError(f"parallel.pp={p.pp} with pp_schedule={p.pp_schedule} needs {stages} pipeline stages "
+                              f"but model.n_layers={m.n_layers}")
+        if m.loss_parallel:
+            raise ConfigError("model.loss_parallel is not supported with parallel.pp>1 yet")
+        if p.pp_microbatches < 0:
+            raise ConfigError("parallel.pp_microbatches must be >= 0 (0 = parallel.pp)")
+        if p.pp_schedule == "interleaved_1f1b" and (p.pp_microbatches or p.pp) % p.pp:
+            raise ConfigError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_microbatches divisible by parallel.pp")
     if p.zero_stage:
         raise ConfigError("parallel.zero_stage: the LLM recipe shards with FSDP2 over parallel.dp, not DeepSpeed ZeRO")
     if cfg.data.max_seq_len > m.max_seq_len:

@@ -25,13 +25,15 @@ from recipes.llm.model import Transformer
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    parallelize_module(model, tp_mesh, {
+    plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         # Loss parallel keeps the logits sharded over the vocabulary (no all-gather of [B,S,V]).
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
-    })
+    }
+    # Pipeline stages lack some ends; between stages the hidden state is the local sequence shard.
+    parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if getattr(model, k) is not None})
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
@@ -74,13 +76,20 @@ def apply_ac(model: Transformer, mode: str) -> None:
         model.layers[name] = checkpoint_wrapper(block, **kwargs)
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, precision: str) -> None:
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, precision: str, pipeline: bool = False) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype_for(precision), reduce_dtype=torch.float32)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    if not pipeline:
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        return
+    # Under PP the stages run views of this module (recipes/llm/pipeline.py), never its own
+    # forward, so a root FSDP unit would never unshard: shard the ends as units of their own.
+    for name in ("tok_embeddings", "norm", "output"):
+        if getattr(model, name) is not None:
+            fully_shard(getattr(model, name), mesh=dp_mesh, mp_policy=mp)
 
 
 def param_dtype_for(precision: str) -> torch.dtype:
@@ -97,6 +106,6 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: TrainConfig) -> Trans
         for block in model.layers.values():
             block.compile()
     if dp > 1:
-        apply_fsdp(model, mesh["dp"], cfg.toggles.precision)
+        apply_fsdp(model, mesh["dp"], cfg.toggles.precision, pipeline=mesh["pp"].size() > 1)
     return model
 

@@ -27,6 +27,7 @@ from common.seed import seed_everything
 from recipes.llm.data import build_train_loader, local_batch, prepare_data
 from recipes.llm.model import LlamaArgs, Transformer, to_hf_config, to_hf_state_dict
 from recipes.llm.parallelize import parallelize
+from recipes.llm.pipeline import Pipeline, clip_grad_norm_, split_for_rank, virtual_stages
 
 
 def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
@@ -53,9 +54,13 @@ class LLMTrainer:
         self.args = llama_args(cfg, len(self.tokenizer))
 
         # Build on meta, parallelize, materialize; then copy in rank 0's seeded full init so
-        # every layout starts from the same weights (a "seed checkpoint").
+        # every layout starts from the same weights (a "seed checkpoint"). Under pipeline
+        # parallelism self.model is this rank's part: the layers/ends of its stages (same FQNs).
+        pp = self.dims.pp
         with torch.device("meta"):
             model = Transformer(self.args)
+        if pp > 1:
+            split_for_rank(model, self.mesh["pp"].get_local_rank(), pp, virtual_stages(cfg.parallel.pp_schedule))
         self.model = parallelize(model, self.mesh, cfg)
         self.model.to_empty(device=self.device)
         self.model.init_weights()  # materializes the RoPE table; weights are overwritten below
@@ -64,7 +69,10 @@ class LLMTrainer:
             reference = Transformer(self.args)
             reference.init_weights(seed=cfg.trainer.seed)
             full = reference.state_dict()
-        set_model_state_dict(self.model, full or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # strict=False under PP: rank 0's full dict holds the other stages' keys too.
+        set_model_state_dict(self.model, full or {}, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=pp == 1))
+        self.pipeline = Pipeline(self.model, cfg, self.mesh, self.device) if pp > 1 else None
 
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -95,8 +103,21 @@ class LLMTrainer:
             logits = self.model(inputs["input_ids"], position_ids=inputs["position_ids"], attn_mask=inputs["attention_mask"])
         with self.loss_context():
             loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+            if hasattr(loss_sum, "full_tensor"):  # loss parallel: a replicated DTensor scalar
+                loss_sum = loss_sum.full_tensor()
         loss = loss_sum / global_tokens.clamp(min=1) * self.dims.dp  # FSDP averages over dp
         return loss, loss_sum.detach(), int(global_tokens), packed.input_ids.numel()
+
+    def pipeline_micro_step(self, documents: list[dict], accum: int) -> tuple[torch.Tensor, int, int]:
+        """micro_step_loss + backward under PP: the schedule runs forward and backward per microbatch."""
+        packed = local_batch(documents, dp_rank=self.dp_rank, dp=self.dims.dp,
+                             max_seq_len=self.cfg.data.max_seq_len, pad_id=self.tokenizer.pad_token_id)
+        global_tokens = (packed.labels[:, 1:] != -100).sum().to(self.device)
+        tdist.all_reduce(global_tokens, group=self.mesh["dp"].get_group())
+        scale = self.dims.dp / max(1, int(global_tokens)) / accum  # micro_step_loss's normalization
+        with self.autocast():
+            loss_sum = self.pipeline.step(packed, self.tokenizer.pad_token_id, scale)
+        return loss_sum, int(global_tokens), packed.input_ids.numel()
 
     def train_step(self, timer: StepTimer) -> dict:
         total, tokens, slots = torch.zeros((), device=self.device), 0, 0
@@ -104,20 +125,29 @@ class LLMTrainer:
         for _ in range(accum):
             with timer.phase("data_wait"):
                 documents = next(self.batches)
-            with timer.phase("forward"):
-                loss, loss_sum, n_tokens, n_slots = self.micro_step_loss(documents)
-            with timer.phase("backward"):
-                (loss / accum).backward()
+            if self.pipeline is not None:
+                with timer.phase("forward"):  # forward and backward, interleaved by the schedule
+                    loss_sum, n_tokens, n_slots = self.pipeline_micro_step(documents, accum)
+            else:
+                with timer.phase("forward"):
+                    loss, loss_sum, n_tokens, n_slots = self.micro_step_loss(documents)
+                with timer.phase("backward"), self.loss_context():
+                    (loss / accum).backward()
             total += loss_sum.float() / max(1, n_tokens) / accum
             tokens, slots = tokens + n_tokens, slots + n_slots
         with timer.phase("optimizer"):
             clip = self.cfg.optim.grad_clip or float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            if self.pipeline is not None:  # the norm spans every stage's gradients
+                grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.mesh["pp"].get_group())
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         tdist.all_reduce(total, group=self.mesh["dp"].get_group())
+        if self.pipeline is not None:  # only the last stage computed the loss
+            tdist.all_reduce(total, group=self.mesh["pp"].get_group())
         return {
             "loss": float(total),
             "lr": self.scheduler.get_last_lr()[0],
@@ -184,7 +214,15 @@ class LLMTrainer:
         """A Hugging Face LlamaForCausalLM folder (safetensors + tokenizer) from the sharded model."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.dims.pp > 1:
+            # Each rank holds its stages' weights (disjoint FQNs): consolidate, then gather the stages.
+            part = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            parts = [None] * self.dims.pp
+            tdist.all_gather_object(parts, {k: v.detach().cpu() for k, v in part.items()},
+                                    group=self.mesh["pp"].get_group())
+            full = {k: v for p in parts for k, v in p.items()}
+        else:
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
         if self.dist.is_main:
             write_hf_export(full, self.args, self.tokenizer, tmp)

@@ -67,7 +67,7 @@ def test_bad_values_raise_config_error(override, needle):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("parallel.pp=2", "pipeline parallelism is not in the LLM recipe yet"),
+    ("parallel.pp=8", "needs 8 pipeline stages but model.n_layers=4"),
     ("parallel.tp=4", "parallel.tp=4 must divide model.n_kv_heads=2"),
     ("parallel.zero_stage=2", "FSDP2"),
     ("data.max_seq_len=512", "exceeds model.max_seq_len=256"),

@@ -1,0 +1,205 @@
+"""Pipeline parallelism for the LLM recipe (torch.distributed.pipelining, torchtitan-style manual split).
+
+Split
+    The model is cut into ``pp * v`` stages of consecutive layers (``v = 2`` virtual stages per
+    rank for ``interleaved_1f1b``, else 1). Rank ``r`` of the ``pp`` mesh dimension owns stages
+    ``r, r + pp, ...`` (the loop-style placement ScheduleInterleaved1F1B expects). Stage 0 keeps
+    ``tok_embeddings``, the last stage keeps ``norm`` and ``output``.
+
+    Each rank builds ONE meta ``Transformer`` and deletes every layer/end it owns in no stage: the
+    "rank model". Because ``layers`` is a ModuleDict keyed by the global layer index, every FQN is
+    unchanged, so the rank model is what the trainer parallelizes, initializes, optimizes and
+    checkpoints (DCP merges the disjoint per-rank FQNs into one checkpoint that any layout --
+    or ``scripts/export.py`` in one process -- can load). The per-stage modules handed to
+    ``PipelineStage`` are thin ``Transformer`` views that *share* the rank model's submodules
+    (one view per stage; for 1F1B/GPipe the single view holds everything the rank has).
+
+Masking across stages
+    Packed rows need per-document ``position_ids`` and the block-diagonal causal 4-D mask in
+    every layer, i.e. in every stage. They are passed as keyword arguments of
+    ``schedule.step(...)``: the schedule splits kwargs into microbatches along dim 0 like the
+    positional input, and ``PipelineStage.forward_one_chunk`` gives each stage its microbatch's
+    kwargs (only positional args travel stage to stage, over P2P). Every rank of a pipeline packs
+    the same documents (the data stream is global and sliced by dp rank only), so each rank has
+    the whole microbatch's mask and positions locally: nothing extra is sent, and the
+    non-differentiable mask/positions never enter the P2P/backward path.
+
+Fixed shapes
+    ``PipelineStage`` infers the shapes of the tensors it sends/receives once (first step) and
+    keeps those buffers. The microbatch shape is therefore fixed for the run:
+    ``[rows_per_microbatch, max_seq_len]``, with ``rows_per_microbatch = ceil(micro_batch_size /
+    M)`` (M = ``parallel.pp_microbatches``, 0 = pp). One schedule step ("round") processes
+    ``M * rows_per_microbatch`` rows. The packed batch (FFD, as without PP) is padded with empty
+    rows -- pad tokens, labels -100, position 0, a causal mask inside the row -- up to a whole
+    number of rounds; the number of rounds is the max over all ranks (all-reduce), so the FSDP
+    and P2P collectives stay matched. Gradients accumulate over rounds. Empty rows add compute
+    but no loss: the loss is a token sum divided by the global token count (as
+    ``LLMTrainer.micro_step_loss``), so the losses equal the non-pipelined run's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from torch import nn
+
+from common.config import TrainConfig
+from common.data.packing import IGNORE_INDEX, PackedBatch
+from recipes.llm.model import Transformer
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def virtual_stages(schedule: str) -> int:
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def num_microbatches(cfg: TrainConfig) -> int:
+    p = cfg.parallel
+    return p.pp_microbatches or p.pp
+
+
+def stage_layer_ids(n_layers: int, n_stages: int) -> list[list[int]]:
+    """Consecutive layer indices per stage; the first ``n_layers % n_stages`` stages get one more."""
+    if n_layers < n_stages:
+        raise ValueError(f"{n_layers} layers cannot fill {n_stages} pipeline stages")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (s < extra)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def rank_stages(pp_rank: int, pp: int, v: int) -> list[int]:
+    """Loop placement: rank r owns stages r, r + pp, ..."""
+    return [pp_rank + i * pp for i in range(v)]
+
+
+def split_for_rank(model: Transformer, pp_rank: int, pp: int, v: int) -> Transformer:
+    """Delete (in place) every layer and end this rank owns in no stage; FQNs are kept."""
+    n_stages = pp * v
+    layer_ids = stage_layer_ids(model.args.n_layers, n_stages)
+    mine = rank_stages(pp_rank, pp, v)
+    keep = {str(i) for s in mine for i in layer_ids[s]}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if 0 not in mine:
+        model.tok_embeddings = None
+    if n_stages - 1 not in mine:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def _stage_view(rank_model: Transformer, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+    """A Transformer whose submodules are the rank model's own (shared, not copied)."""
+    with torch.device("meta"):
+        view = Transformer(rank_model.args)
+    view.layers = nn.ModuleDict({str(i): rank_model.layers[str(i)] for i in layer_ids})
+    view.tok_embeddings = rank_model.tok_embeddings if first else None
+    view.norm = rank_model.norm if last else None
+    view.output = rank_model.output if last else None
+    view.rope_cache = rank_model.rope_cache
+    return view
+
+
+def pad_rows(packed: PackedBatch, num_rows: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Model inputs of ``packed`` grown to ``num_rows`` rows with empty rows (pad, -100, pos 0, causal)."""
+    inputs = packed.model_inputs("sdpa")
+    extra = num_rows - packed.num_rows
+    if extra < 0:
+        raise ValueError(f"packed batch has {packed.num_rows} rows, more than {num_rows}")
+    if extra == 0:
+        return inputs
+    L = packed.row_len
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    fill = {
+        "input_ids": torch.full((extra, L), pad_id, dtype=torch.long),
+        "labels": torch.full((extra, L), IGNORE_INDEX, dtype=torch.long),
+        "position_ids": torch.zeros((extra, L), dtype=torch.long),
+        "attention_mask": causal.expand(extra, 1, L, L),
+    }
+    return {k: torch.cat([inputs[k], fill[k]]) for k in fill}
+
+
+class Pipeline:
+    """The rank's PipelineStages and schedule over the (already parallelized, materialized) rank model."""
+
+    def __init__(self, rank_model: Transformer, cfg: TrainConfig, mesh, device: torch.device):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        p = cfg.parallel
+        if p.pp_schedule not in SCHEDULES:
+            raise ValueError(f"parallel.pp_schedule must be one of {SCHEDULES}, got {p.pp_schedule!r}")
+        self.pp, self.v = p.pp, virtual_stages(p.pp_schedule)
+        self.m = num_microbatches(cfg)
+        self.rows_per_microbatch = max(1, math.ceil(cfg.trainer.micro_batch_size / self.m))
+        self.round_rows = self.m * self.rows_per_microbatch
+        self.device = device
+        self.pp_group = mesh["pp"].get_group()
+        pp_rank = mesh["pp"].get_local_rank()
+        n_stages = self.pp * self.v
+        layer_ids = stage_layer_ids(rank_model.args.n_layers, n_stages)
+        self.stage_ids = rank_stages(pp_rank, self.pp, self.v)
+        self.is_first = 0 in self.stage_ids
+        self.is_last = n_stages - 1 in self.stage_ids
+        self.stages = [
+            PipelineStage(_stage_view(rank_model, layer_ids[s], s == 0, s == n_stages - 1), s, n_stages, device,
+                          group=self.pp_group)
+            for s in self.stage_ids
+        ]
+        self._scale = 1.0  # set per step: dp / (global tokens * grad_accum)
+        kw = dict(n_microbatches=self.m, loss_fn=self._loss_fn, scale_grads=False)
+        if p.pp_schedule == "interleaved_1f1b":
+            self.schedule = ScheduleInterleaved1F1B(self.stages, **kw)
+        else:
+            cls = ScheduleGPipe if p.pp_schedule == "gpipe" else Schedule1F1B
+            self.schedule = cls(self.stages[0], **kw)
+
+    def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Token-sum CE of one microbatch over the global token count: micro_step_loss's normalization."""
+        loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss_sum * self._scale
+
+    def rounds_for(self, packed: PackedBatch) -> int:
+        n = torch.tensor(math.ceil(packed.num_rows / self.round_rows), device=self.device)
+        tdist.all_reduce(n, op=tdist.ReduceOp.MAX)  # every rank: matched P2P and FSDP collectives
+        return int(n)
+
+    def step(self, packed: PackedBatch, pad_id: int, scale: float) -> torch.Tensor:
+        """Forward + backward of the whole packed batch, gradients scaled by ``scale``; returns this
+        rank's CE token sum (0 off the last stage)."""
+        self._scale = scale
+        loss_sum = torch.zeros((), device=self.device)
+        rounds = self.rounds_for(packed)
+        inputs = {k: v.to(self.device) for k, v in pad_rows(packed, rounds * self.round_rows, pad_id).items()}
+        for r in range(rounds):
+            losses: list[torch.Tensor] = []
+            rows = slice(r * self.round_rows, (r + 1) * self.round_rows)
+            args = (inputs["input_ids"][rows],) if self.is_first else ()
+            target = inputs["labels"][rows] if self.is_last else None
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False,
+                               position_ids=inputs["position_ids"][rows], attn_mask=inputs["attention_mask"][rows])
+            if losses:  # last stage: the scaled microbatch losses
+                loss_sum += torch.stack([x.detach() for x in losses]).sum() / scale
+        return loss_sum
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group) -> torch.Tensor:
+    """Clip by the norm over ALL stages' gradients (each rank holds only its stages' parameters)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    sq = norm.float() ** 2
+    tdist.all_reduce(sq, group=pp_group)
+    total = sq.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
