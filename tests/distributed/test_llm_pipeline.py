@@ -78,3 +78,9 @@ def test_tp2_pp2_losses_match_single_process(single, tmp_path):
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), f"tp2 pp2 step {step}"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()  # gathered from 4 ranks
+    tok = AutoTokenizer.from_pretrained(tmp_path / "export")
+    ids = tok("The with statement", return_tensors="pt")
+    assert model.generate(**ids, max_new_tokens=6, do_sample=False).shape[1] > ids["input_ids"].shape[1]
