@@ -20,16 +20,15 @@ class LoopTrainer(Protocol):
     dist: DistInfo
     run_dir: object
     step: int
+    loader: object  # common/data/webdataset.ResumableLoader; the loop sets `batches = iter(loader)`
 
     def train_step(self, timer: StepTimer) -> dict:
         """One optimizer step. Returns loggable stats; `samples` / `tokens` (global counts this
         step) become samples_per_s / tokens_per_s."""
 
-    def after_first_step(self) -> None: ...
-
-    def after_step(self) -> None: ...
-
     def save_checkpoint(self) -> None: ...
+
+    # Optional hooks: after_first_step() (e.g. measure optimizer state), after_step() (e.g. samples).
 
 
 def run_training_loop(trainer: LoopTrainer) -> None:
@@ -38,6 +37,9 @@ def run_training_loop(trainer: LoopTrainer) -> None:
                             progress_bar=t.progress_bar)
     timer = StepTimer()
     start_step = trainer.step
+    trainer.batches = iter(trainer.loader)
+    after_first_step = getattr(trainer, "after_first_step", lambda: None)
+    after_step = getattr(trainer, "after_step", lambda: None)
     with maybe_profile(cfg.profile, trainer.run_dir, trainer.dist.rank) as prof:
         while trainer.step < t.max_steps:
             log_now = (trainer.step + 1) % t.log_every == 0 or trainer.step + 1 == t.max_steps
@@ -49,14 +51,15 @@ def run_training_loop(trainer: LoopTrainer) -> None:
             prof.step()
             metrics.advance()
             if trainer.step == start_step + 1:
-                trainer.after_first_step()
+                after_first_step()
             if log_now:
                 metrics.log(trainer.step, step_record(stats, step_time, timer.pop()))
-            trainer.after_step()
+            after_step()
             if cfg.checkpoint.every and trainer.step % cfg.checkpoint.every == 0:
                 trainer.save_checkpoint()
     if cfg.checkpoint.final:
         trainer.save_checkpoint()
+    trainer.loader.close()
     metrics.close()
 
 

@@ -104,9 +104,7 @@ class DiTTrainer:
     # ---- the loop (common/loop.py) and its hooks -------------------------------------------
     def train(self) -> None:
         self.engine.train()
-        self.batches = iter(self.loader)
         run_training_loop(self)
-        self.loader.close()
 
     def after_first_step(self) -> None:
         # Adam state exists after the first step: measure what each rank holds.

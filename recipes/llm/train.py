@@ -170,15 +170,7 @@ class LLMTrainer:
     # ---- the loop (common/loop.py) and its hooks -------------------------------------------
     def train(self) -> None:
         self.model.train()
-        self.batches = iter(self.loader)
         run_training_loop(self)
-        self.loader.close()
-
-    def after_first_step(self) -> None:
-        pass
-
-    def after_step(self) -> None:
-        pass
 
     # ---- sharded checkpoints (torch.distributed.checkpoint) ------------------------------
     def save_checkpoint(self) -> None:

@@ -109,15 +109,10 @@ class VLMTrainer:
     # ---- the loop (common/loop.py) and its hooks -------------------------------------------
     def train(self) -> None:
         self.engine.train()
-        self.batches = iter(self.loader)
         run_training_loop(self)
-        self.loader.close()
 
     def after_first_step(self) -> None:
         ds.record_state_bytes(self.engine, self.cfg, self.dist, self.run_dir / "memory.json")
-
-    def after_step(self) -> None:
-        pass
 
     # ---- checkpoints ----------------------------------------------------------------------
     def rank_state(self) -> dict:
