@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP_INSTALL) torch==2.13.0
-	$(PIP_INSTALL) -e '.[test,export]'
+	$(PIP_INSTALL) -e '.[test,export,serve]'
 	touch $(STAMP)
 
 install: $(STAMP)
