@@ -1,0 +1,279 @@
+"""Serving an exported LLM/VLM folder: the `serve` config schema, engine choice, and the command
+lines of the two engines (vLLM on GPUs, `transformers serve` with continuous batching on CPU).
+
+Neither engine is re-implemented here. The only adapter is for `transformers serve`, which
+resolves the `model` of a request like `from_pretrained` (a hub id or a path) and lists
+`/v1/models` from the Hugging Face cache: we give each server a private cache holding one
+entry named after `serve.served_model_name` whose files are symlinks into the export, and run
+it offline. The request name, the listed name and the loaded folder then agree, as with
+`vllm serve --served-model-name`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+
+from common.errors import ConfigError, UserError
+
+ENGINES = ("auto", "vllm", "transformers")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # spelled the same by both engines
+# Hub-style id: the cache encodes "/" as "--", and transformers serve splits names at "@" and ":".
+NAME = re.compile(r"^[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*(?:/[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*)?$")
+
+# The LLM export is a base model without a chat template; both engines refuse chat requests
+# without one. A base LM continues text, so the chat is the messages' text, one paragraph each.
+BASE_LM_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{{- message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join(' ') -}}"
+    "{%- endif -%}{{- '\\n\\n' -}}"
+    "{%- endfor -%}"
+)
+
+
+@dataclass
+class ServeSection:
+    model: str = ""  # the export folder (<run.dir>/export); required
+    engine: str = "auto"  # auto (vllm with CUDA + vllm, else transformers) | vllm | transformers
+    host: str = "127.0.0.1"  # 0.0.0.0 to accept connections from other machines
+    port: int = 8000
+    served_model_name: str = ""  # empty: the run's recipe name, else the folder's name
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dry_run: bool = False  # print the engine's command line and exit
+    # vLLM only
+    tensor_parallel_size: int = 1
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.9
+    # transformers serve only
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    continuous_batching: bool = True  # LLMs only: transformers serve runs VLM requests one at a time
+    # KV-cache blocks (of 256 tokens) for continuous batching. 0 sizes it like on a GPU, from free
+    # memory: on CPU that is 90% of the RAM, touched at the first request (9 GB here for a 1M-param model).
+    cb_num_blocks: int = 64
+    cb_max_batch_tokens: int = 0  # tokens per forward pass; 0: transformers' default
+    log_level: str = "warning"
+
+
+@dataclass
+class ServeConfig:
+    serve: ServeSection = field(default_factory=ServeSection)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="serve_schema", node=ServeConfig)
+
+
+def validate(s: ServeSection) -> None:
+    if not s.model:
+        raise ConfigError("serve.model is required: the export folder to serve (serve.model=<run.dir>/export)")
+    for key, allowed in (("engine", ENGINES), ("dtype", DTYPES)):
+        if getattr(s, key) not in allowed:
+            raise ConfigError(f"serve.{key}={getattr(s, key)!r} is not allowed; choose one of: {', '.join(allowed)}")
+    if not 0 < s.port < 65536:
+        raise ConfigError(f"serve.port={s.port} must be in 1..65535")
+    if s.served_model_name and not NAME.match(s.served_model_name):
+        raise ConfigError(f"serve.served_model_name={s.served_model_name!r}: use letters, digits, '_', '.', "
+                          "single '-' and at most one '/' (like a hub id)")
+    if s.tensor_parallel_size < 1:
+        raise ConfigError(f"serve.tensor_parallel_size={s.tensor_parallel_size} must be >= 1")
+    if not 0.0 < s.gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"serve.gpu_memory_utilization={s.gpu_memory_utilization} must be in (0, 1]")
+    for key in ("max_model_len", "cb_num_blocks", "cb_max_batch_tokens"):
+        if getattr(s, key) < 0:
+            raise ConfigError(f"serve.{key}={getattr(s, key)} must be >= 0 (0: automatic)")
+
+
+def compose(overrides: list[str]) -> ServeSection:
+    """configs/serve.yaml + overrides, typed and validated (raises ConfigError with one line)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from common.launch import CONFIG_DIR, _explain
+
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg: ServeConfig = OmegaConf.to_object(hydra_compose(config_name="serve", overrides=overrides))
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(_explain(exc)) from None
+    validate(cfg.serve)
+    return cfg.serve
+
+
+def check_export(path: str) -> Path:
+    """The export folder, or a one-line UserError saying what the folder is instead."""
+    folder = Path(path).expanduser().resolve()
+    if not folder.is_dir():
+        raise UserError(f"serve.model={path}: no such folder (pass <run.dir>/export of an llm or vlm run)")
+    if (folder / "kiln.json").exists() or (folder / "transformer").is_dir():
+        raise UserError(f"serve.model={path} is a DiT export; sample it with scripts/sample_dit.py")
+    if not (folder / "config.json").exists() and (folder / "export" / "config.json").exists():
+        raise UserError(f"serve.model={path} is a run folder; serve its export: serve.model={folder / 'export'}")
+    missing = [what for what, ok in (
+        ("config.json", (folder / "config.json").exists()),
+        ("*.safetensors weights", any(folder.glob("*.safetensors"))),
+        ("tokenizer", (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()),
+    ) if not ok]
+    if missing:
+        raise UserError(f"serve.model={path} is not a Hugging Face model export (missing {', '.join(missing)})")
+    return folder
+
+
+def default_served_name(export: Path) -> str:
+    """The recipe name of the run that wrote <run.dir>/export (its config.yaml), else the folder name."""
+    run_config = export.parent / "config.yaml"
+    if export.name == "export" and run_config.exists():
+        from omegaconf import OmegaConf
+
+        name = OmegaConf.select(OmegaConf.load(run_config), "recipe.name", default=None)
+        if name and NAME.match(str(name)):
+            return str(name)
+    name = export.parent.name if export.name == "export" else export.name
+    return name if NAME.match(name) else "model"
+
+
+def is_multimodal(export: Path) -> bool:
+    return "vision_config" in json.loads((export / "config.json").read_text())
+
+
+def has_chat_template(export: Path) -> bool:
+    if (export / "chat_template.jinja").exists() or (export / "chat_template.json").exists():
+        return True
+    tokenizer_config = export / "tokenizer_config.json"
+    return tokenizer_config.exists() and bool(json.loads(tokenizer_config.read_text()).get("chat_template"))
+
+
+def choose_engine(requested: str, cuda: bool | None = None, vllm: bool | None = None) -> tuple[str, str]:
+    """(engine, why): auto takes vLLM only where it can run, a CUDA device and the package."""
+    if requested != "auto":
+        return requested, "requested"
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if vllm is None:
+        vllm = importlib.util.find_spec("vllm") is not None
+    if cuda and vllm:
+        return "vllm", "auto: CUDA device and vllm available"
+    missing = [what for what, ok in (("no CUDA device", cuda), ("vllm not installed", vllm)) if not ok]
+    return "transformers", f"auto: {' and '.join(missing)}"
+
+
+def state_dir(export: Path, s: ServeSection) -> Path:
+    """A per-server scratch folder (the private HF cache, a chat template), reused across restarts."""
+    key = hashlib.sha1(f"{export}|{s.served_model_name}|{s.host}:{s.port}".encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"kiln-serve-{os.getuid()}" / key
+
+
+def write_chat_template(export: Path, folder: Path) -> Path | None:
+    """A chat template file for an export that has none (the base LLM), else None."""
+    if has_chat_template(export):
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "chat_template.jinja"
+    path.write_text(BASE_LM_CHAT_TEMPLATE)
+    return path
+
+
+def vllm_command(s: ServeSection, export: Path, name: str, chat_template: Path | None) -> list[str]:
+    cmd = ["vllm", "serve", str(export), "--served-model-name", name, "--host", s.host, "--port", str(s.port),
+           "--tensor-parallel-size", str(s.tensor_parallel_size), "--dtype", s.dtype,
+           "--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    if s.max_model_len:
+        cmd += ["--max-model-len", str(s.max_model_len)]
+    if chat_template is not None:
+        cmd += ["--chat-template", str(chat_template)]
+    return cmd
+
+
+def build_hub_cache(export: Path, name: str, cache: Path, chat_template: Path | None) -> Path:
+    """A one-model Hugging Face cache: models--<name>/snapshots/<rev>/ of symlinks into the export.
+
+    `transformers serve` then loads `name` offline from it and lists it at /v1/models (which
+    scans the cache; without a cache folder that endpoint fails with "Cache directory not found").
+    """
+    shutil.rmtree(cache, ignore_errors=True)
+    repo = cache / f"models--{name.replace('/', '--')}"
+    revision = hashlib.sha1(str(export).encode()).hexdigest()
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    for file in export.iterdir():
+        if file.is_file():
+            (snapshot / file.name).symlink_to(file)
+    if chat_template is not None:
+        (snapshot / "chat_template.jinja").symlink_to(chat_template)
+    return snapshot
+
+
+def transformers_command(s: ServeSection, name: str) -> list[str]:
+    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", name, "--host", s.host,
+           "--port", str(s.port), "--device", s.device, "--dtype", s.dtype, "--log-level", s.log_level,
+           "--continuous-batching" if s.continuous_batching else "--no-continuous-batching"]
+    if s.cb_num_blocks:
+        cmd += ["--cb-num-blocks", str(s.cb_num_blocks)]
+    if s.cb_max_batch_tokens:
+        cmd += ["--cb-max-batch-tokens", str(s.cb_max_batch_tokens)]
+    return cmd
+
+
+def transformers_env(cache: Path) -> dict[str, str]:
+    return {
+        "HF_HUB_CACHE": str(cache),  # the private one-model cache above
+        "HF_HUB_OFFLINE": "1",  # resolve the served name from that cache, never from the hub
+        "HF_HUB_DISABLE_UPDATE_CHECK": "1",  # the CLI otherwise asks PyPI for a newer release at start
+    }
+
+
+@dataclass
+class Launch:
+    engine: str
+    why: str
+    name: str
+    argv: list[str]
+    env: dict[str, str]  # added to the environment
+    cwd: Path | None
+    notes: list[str]
+
+
+def plan(s: ServeSection) -> Launch:
+    """Everything needed to exec the server (raises UserError/ConfigError with one line)."""
+    export = check_export(s.model)
+    name = s.served_model_name or default_served_name(export)
+    engine, why = choose_engine(s.engine)
+    notes = []
+    scratch = state_dir(export, s)
+    chat_template = write_chat_template(export, scratch)
+    if chat_template is not None:
+        notes.append("the export has no chat template (a base LM): chat messages are joined as plain text")
+    if engine == "vllm":
+        if shutil.which("vllm") is None and not s.dry_run:
+            raise UserError("serve.engine=vllm: the vllm command is not installed (pip install -e '.[gpu]' on a GPU node)")
+        return Launch(engine, why, name, vllm_command(s, export, name, chat_template), {}, None, notes)
+    if s.tensor_parallel_size > 1:
+        raise ConfigError(f"serve.tensor_parallel_size={s.tensor_parallel_size} needs serve.engine=vllm")
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        raise UserError("serve.engine=transformers needs the serve extra: pip install -e '.[serve]'")
+    if s.continuous_batching and is_multimodal(export):
+        notes.append("transformers serve batches LLMs only: this VLM's requests run one at a time")
+    cache = scratch / "hub"
+    build_hub_cache(export, name, cache, chat_template)
+    # The server's working folder holds nothing but the cache: a local folder named like the
+    # model would otherwise shadow it (from_pretrained tries a relative path first).
+    return Launch(engine, why, name, transformers_command(s, name), transformers_env(cache), scratch, notes)

@@ -1,0 +1,45 @@
+#!/usr/bin/env python
+"""Serve an exported LLM/VLM folder with an OpenAI-compatible API: python scripts/serve.py serve.model=<export dir>."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from common.errors import UserError  # noqa: E402
+from common.launch import _error  # noqa: E402
+from common.serving import compose, plan  # noqa: E402
+
+USAGE = """usage: python scripts/serve.py serve.model=<run.dir>/export [serve.KEY=VALUE ...]
+
+  serve.engine=auto|vllm|transformers   auto: vllm with a CUDA GPU and vllm installed, else transformers serve (CPU)
+  serve.host, serve.port, serve.served_model_name, serve.dtype, serve.dry_run=true (print the command, exit)
+  vllm: serve.tensor_parallel_size, serve.max_model_len, serve.gpu_memory_utilization
+  transformers: serve.device, serve.continuous_batching, serve.cb_num_blocks, serve.cb_max_batch_tokens
+All keys and defaults: common/serving.py (ServeSection); README.md, section Serving."""
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    try:
+        s = compose(argv)
+        launch = plan(s)
+    except UserError as exc:
+        raise _error(str(exc)) from None
+    print(f"kiln: serving {s.model} as '{launch.name}' on http://{s.host}:{s.port}/v1 "
+          f"with engine={launch.engine} ({launch.why})", flush=True)
+    for note in launch.notes:
+        print(f"kiln: note: {note}", flush=True)
+    print("kiln: " + " ".join(launch.argv), flush=True)
+    if s.dry_run:
+        return 0
+    if launch.cwd is not None:
+        os.chdir(launch.cwd)
+    # exec: the engine becomes this process, so signals (Ctrl-C, SLURM, a test's terminate) reach it directly.
+    os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
