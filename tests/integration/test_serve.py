@@ -35,7 +35,7 @@ def _http(url: str, body: bytes | None = None) -> tuple[int, str]:
 
 
 @contextmanager
-def serving(export, log_path, *overrides):
+def serving(export, log_path, *overrides, startup_s=180):
     """scripts/serve.py on a free port until /health answers; always stopped afterwards."""
     port = _free_port()
     log = open(log_path, "w")
@@ -43,7 +43,7 @@ def serving(export, log_path, *overrides):
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + startup_s
         while True:
             if proc.poll() is not None:
                 raise AssertionError(f"server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
@@ -53,7 +53,7 @@ def serving(export, log_path, *overrides):
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise AssertionError(f"server not up in 180 s:\n{log_path.read_text()[-4000:]}")
+                raise AssertionError(f"server not up in {startup_s} s:\n{log_path.read_text()[-4000:]}")
             time.sleep(0.5)
         yield base, openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
     finally:
@@ -165,3 +165,19 @@ def test_vlm_answers_about_an_image(vlm):
     stream = client.chat.completions.create(model=name, max_tokens=8, temperature=0, stream=True,
                                             messages=[{"role": "user", "content": [image, question]}])
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
+
+
+@pytest.mark.gpu
+def test_vllm_serves_the_llm_export(tmp_path):
+    pytest.importorskip("vllm", reason="needs vllm (pip install -e '.[gpu]')")
+    run_train(["recipe=llm_tiny", "trainer.max_steps=20", f"run.dir={tmp_path}", *FAST])
+    with serving(tmp_path / "export", tmp_path / "serve.log", "serve.engine=vllm",
+                 "serve.gpu_memory_utilization=0.3", startup_s=600) as (_, client):
+        assert [m.id for m in client.models.list().data] == ["llm_tiny"]
+        reply = client.chat.completions.create(model="llm_tiny", max_tokens=8, temperature=0,
+                                               messages=[{"role": "user", "content": "The with statement"}])
+        assert reply.choices[0].message.content and reply.usage.completion_tokens <= 8
+        with ThreadPoolExecutor(16) as pool:
+            texts = list(pool.map(lambda i: client.completions.create(
+                model="llm_tiny", prompt=f"Topic {i}", max_tokens=8).choices[0].text, range(16)))
+        assert len(texts) == 16 and all(isinstance(t, str) for t in texts)

@@ -1,0 +1,147 @@
+"""scripts/serve.py's config, engine choice and engine command lines (no server started)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from common.errors import ConfigError, UserError
+from common.serving import (
+    ServeSection,
+    build_hub_cache,
+    check_export,
+    choose_engine,
+    compose,
+    default_served_name,
+    plan,
+    transformers_command,
+    vllm_command,
+)
+from tests.conftest import REPO
+
+SERVE = str(REPO / "scripts" / "serve.py")
+
+
+@pytest.fixture
+def export(tmp_path):
+    """A run folder as llm_tiny leaves it: config.yaml + export/ (a tokenizer, config, weights)."""
+    (tmp_path / "config.yaml").write_text("recipe:\n  name: llm_tiny\n  family: llm\n")
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (folder / "model.safetensors").write_bytes(b"0")
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+def _serve(*args):
+    return subprocess.run([sys.executable, SERVE, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "serve.model is required"),
+    (["serve.model=/nonexistent/export"], "no such folder"),
+    (["serve.model=x", "serve.prot=1"], "unknown config key 'serve.prot'"),
+])
+def test_user_mistakes_end_in_one_line_and_exit_2(args, message):
+    proc = _serve(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("kiln: error: ") and message in proc.stderr
+    assert proc.stderr.count("\n") == 1 and not proc.stdout
+
+
+@pytest.mark.parametrize("override, message", [
+    ("serve.engine=tgi", "serve.engine='tgi' is not allowed"),
+    ("serve.dtype=fp8", "serve.dtype='fp8' is not allowed"),
+    ("serve.port=abc", "bad value for 'serve.port'"),
+    ("serve.port=0", "serve.port=0 must be in 1..65535"),
+    ("serve.served_model_name=a@b", "serve.served_model_name='a@b'"),
+    ("serve.gpu_memory_utilization=1.5", "serve.gpu_memory_utilization=1.5 must be in (0, 1]"),
+    ("serve.cb_num_blocks=-1", "serve.cb_num_blocks=-1 must be >= 0"),
+])
+def test_bad_values_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        compose(["serve.model=x", override])
+
+
+def test_folders_that_are_not_llm_or_vlm_exports(export, tmp_path):
+    with pytest.raises(UserError, match="is a run folder; serve its export"):
+        check_export(str(export.parent))
+    dit = tmp_path / "dit"
+    (dit / "transformer").mkdir(parents=True)
+    with pytest.raises(UserError, match="is a DiT export"):
+        check_export(str(dit))
+    (export / "model.safetensors").unlink()
+    with pytest.raises(UserError, match=r"missing \*.safetensors weights"):
+        check_export(str(export))
+
+
+def test_served_name_defaults_to_the_recipe_then_the_folder(export, tmp_path):
+    assert default_served_name(export) == "llm_tiny"
+    (export.parent / "config.yaml").unlink()
+    assert default_served_name(export) == export.parent.name
+    assert default_served_name(tmp_path / "my-model") == "my-model"
+
+
+@pytest.mark.parametrize("cuda, vllm, engine, why", [
+    (True, True, "vllm", "CUDA device and vllm available"),
+    (True, False, "transformers", "vllm not installed"),
+    (False, True, "transformers", "no CUDA device"),
+    (False, False, "transformers", "no CUDA device and vllm not installed"),
+])
+def test_auto_takes_vllm_only_with_cuda_and_vllm(cuda, vllm, engine, why):
+    assert choose_engine("auto", cuda=cuda, vllm=vllm) == (engine, f"auto: {why}")
+    assert choose_engine("transformers", cuda=True, vllm=True) == ("transformers", "requested")
+
+
+def test_vllm_command_line(export, tmp_path):
+    s = ServeSection(model=str(export), host="0.0.0.0", port=8001, tensor_parallel_size=4, max_model_len=4096,
+                     dtype="bfloat16", gpu_memory_utilization=0.85)
+    template = tmp_path / "chat_template.jinja"
+    assert vllm_command(s, export, "llm_tiny", template) == [
+        "vllm", "serve", str(export), "--served-model-name", "llm_tiny", "--host", "0.0.0.0", "--port", "8001",
+        "--tensor-parallel-size", "4", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.85",
+        "--max-model-len", "4096", "--chat-template", str(template)]
+    # max_model_len=0 leaves it to vLLM (the model's max_position_embeddings); no template when the export has one
+    assert "--max-model-len" not in vllm_command(ServeSection(model="x"), export, "n", None)
+    assert "--chat-template" not in vllm_command(ServeSection(model="x"), export, "n", None)
+
+
+def test_dry_run_prints_the_vllm_command_without_vllm(export):
+    proc = _serve(f"serve.model={export}", "serve.engine=vllm", "serve.dry_run=true", "serve.port=9001")
+    assert proc.returncode == 0, proc.stderr
+    command = proc.stdout.strip().splitlines()[-1]
+    assert command.startswith(f"kiln: vllm serve {export} --served-model-name llm_tiny --host 127.0.0.1 --port 9001")
+    assert "--chat-template" in command  # the base LM export has none
+
+
+def test_transformers_command_and_its_one_model_cache(export, tmp_path):
+    from huggingface_hub import scan_cache_dir
+
+    s = ServeSection(model=str(export), port=8002, cb_num_blocks=32, cb_max_batch_tokens=512)
+    cmd = transformers_command(s, "kiln/llm")
+    assert cmd[1:5] == ["-m", "transformers.cli.transformers", "serve", "kiln/llm"]
+    assert cmd[cmd.index("--port") + 1] == "8002" and "--continuous-batching" in cmd
+    assert cmd[cmd.index("--cb-num-blocks") + 1] == "32" and cmd[cmd.index("--cb-max-batch-tokens") + 1] == "512"
+    assert "--no-continuous-batching" in transformers_command(ServeSection(continuous_batching=False), "n")
+
+    # What /v1/models lists and from_pretrained resolves offline: one repo, named as served.
+    snapshot = build_hub_cache(export, "kiln/llm", tmp_path / "hub", None)
+    repos = scan_cache_dir(tmp_path / "hub").repos
+    assert [(r.repo_id, sorted(r.refs)) for r in repos] == [("kiln/llm", ["main"])]
+    assert (snapshot / "model.safetensors").resolve() == (export / "model.safetensors").resolve()
+
+
+def test_plan_for_the_cpu_engine(export):
+    launch = plan(ServeSection(model=str(export), engine="transformers"))
+    assert launch.name == "llm_tiny" and launch.engine == "transformers"
+    assert launch.env["HF_HUB_OFFLINE"] == "1" and (launch.cwd / "hub").is_dir()
+    # the base LM gets a plain-text chat template next to its symlinked files
+    snapshot = next((launch.cwd / "hub" / "models--llm_tiny" / "snapshots").iterdir())
+    assert (snapshot / "chat_template.jinja").exists() and (snapshot / "config.json").is_symlink()
+    with pytest.raises(ConfigError, match="needs serve.engine=vllm"):
+        plan(ServeSection(model=str(export), engine="transformers", tensor_parallel_size=2))
