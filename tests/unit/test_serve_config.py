@@ -145,3 +145,26 @@ def test_plan_for_the_cpu_engine(export):
     assert (snapshot / "chat_template.jinja").exists() and (snapshot / "config.json").is_symlink()
     with pytest.raises(ConfigError, match="needs serve.engine=vllm"):
         plan(ServeSection(model=str(export), engine="transformers", tensor_parallel_size=2))
+
+
+def test_gpu_launch_scripts(export, tmp_path):
+    scripts = [REPO / "scripts" / "serve_gpu.sh", REPO / "scripts" / "slurm" / "serve.sbatch"]
+    for script in scripts:
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    # A stand-in for srun that runs its command here, so the batch script runs end to end (dry run).
+    (tmp_path / "bin").mkdir()
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text('#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    srun.chmod(0o755)
+    env = {"PATH": f"{srun.parent}:/usr/bin:/bin", "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "7",
+           "CUDA_VISIBLE_DEVICES": "0,1", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(scripts[1]), f"serve.model={export}", "serve.port=8123", "serve.dry_run=true"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("kiln: job 7 serves on http://") and ":8123/v1" in lines[0]
+    assert lines[-1].startswith(f"kiln: vllm serve {export} --served-model-name llm_tiny --host 0.0.0.0 --port 8123 "
+                                "--tensor-parallel-size 2")
+    no_gpu = subprocess.run(["bash", str(scripts[0]), f"serve.model={export}", "serve.dry_run=true"], capture_output=True, text=True,
+                            env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert no_gpu.returncode == 2 and no_gpu.stderr.startswith("kiln: error: no GPU visible")

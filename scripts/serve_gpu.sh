@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Serve an LLM/VLM export with vLLM on this GPU node, tensor-parallel over every visible GPU:
+#   scripts/serve_gpu.sh serve.model=<run.dir>/export [serve.KEY=VALUE ...]   (later keys win)
+# A model whose head count the GPU count does not divide (the tiny ones): add serve.tensor_parallel_size=1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ -v CUDA_VISIBLE_DEVICES ]]; then  # set by SLURM and users; empty hides every GPU
+  IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+  gpus=${#visible[@]}
+else
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+(( gpus > 0 )) || { echo "kiln: error: no GPU visible on $(hostname) (nvidia-smi found none)" >&2; exit 2; }
+
+export HF_HUB_OFFLINE=1                   # exports are local folders; compute nodes often have no internet
+export VLLM_WORKER_MULTIPROC_METHOD=spawn # tensor-parallel workers must not fork an initialized CUDA context
+export TOKENIZERS_PARALLELISM=false       # silence the fork warning of HF tokenizers in vLLM's workers
+
+python=${PYTHON:-python}
+[[ -z "${PYTHON:-}" && -x .venv/bin/python ]] && python=.venv/bin/python  # the Makefile's venv, when there is one
+exec "$python" scripts/serve.py serve.engine=vllm serve.host=0.0.0.0 serve.tensor_parallel_size="$gpus" "$@"
