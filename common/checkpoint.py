@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from common import faults
 from common.errors import ConfigError
 from common.distributed import DistInfo, barrier
 
@@ -88,6 +89,7 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         barrier()
         write(tmp)
+        faults.during_checkpoint(step)
         barrier()  # every rank's shard is on disk before the rename makes it visible
         if self.dist.is_main:
             info = {"step": step, "world_size": self.dist.world_size, "time": time.time(), **(meta or {})}

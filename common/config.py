@@ -41,6 +41,9 @@ class TrainerConfig:
     sample_every: int = 0  # 0: samples only at the end
     progress_bar: bool = True
     eval: bool = True  # run the recipe's evaluation after training
+    # A step with a non-finite loss or gradient is skipped (weights untouched) and counted; this
+    # many in a row stop the run with a checkpoint of the last good weights. 0: never stop.
+    max_bad_steps: int = 5
 
 
 @dataclass
@@ -153,6 +156,7 @@ POSITIVE = (
 )
 NON_NEGATIVE = (
     "trainer.sample_every",
+    "trainer.max_bad_steps",
     "checkpoint.every",
     "optim.lr",
     "optim.weight_decay",

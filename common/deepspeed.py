@@ -97,7 +97,20 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, world_size: int):
         config=build_deepspeed_config(cfg, world_size),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
     )
+    if not hasattr(engine.optimizer, "overflow"):
+        # ZeRO-1/2/3 and DeepSpeed's bf16/fp16 optimizers skip a step whose gradients are not
+        # finite (and report the norm as inf). ZeRO-0 in fp32 steps the plain torch optimizer,
+        # which has no such check: drop its gradients then, and AdamW leaves every parameter
+        # and its state as they are. (The hook runs after DeepSpeed's gradient clipping.)
+        engine.optimizer.register_step_pre_hook(_skip_nonfinite_step)
     return engine
+
+
+def _skip_nonfinite_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if params and not torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in params])):
+        for p in params:
+            p.grad = None
 
 
 def full_grad_norm(engine) -> torch.Tensor | None:

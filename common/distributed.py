@@ -48,10 +48,13 @@ def init_distributed(timeout_s: int = 600) -> DistInfo:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Sub-groups (DeepSpeed's, DeviceMesh's) come from new_group() without a timeout, which takes
+    # these module defaults (30 min for gloo), not the default group's: make them parallel.timeout_s.
+    dist.distributed_c10d.default_pg_timeout = timeout
+    dist.distributed_c10d.default_pg_nccl_timeout = timeout
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
@@ -81,3 +84,43 @@ def all_reduce_mean(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item() / dist.get_world_size())
+
+
+# ---- naming the rank behind a collective timeout -------------------------------------------
+# Every rank writes the step it starts into the process group's store; a rank whose collective
+# times out says so in the store too. Ranks that never report a timeout while their peers did
+# are the ones stuck outside the collective: those are the ones to name.
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def heartbeat(step: int) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        _store().set(f"kiln/step/{dist.get_rank()}", str(step))
+
+
+def is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, dist.DistBackendError)) and ("timed out" in text or "timeout" in text)
+
+
+def describe_timeout(timeout_s: int, grace_s: float = 5.0) -> str:
+    """One line for a collective timeout on this rank, naming the ranks that look stuck."""
+    import time
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    head = f"rank {rank}: a collective timed out after {timeout_s} s (parallel.timeout_s)"
+    try:
+        store = _store()
+        store.set_timeout(datetime.timedelta(seconds=grace_s))
+        store.set(f"kiln/timeout/{rank}", "1")
+        time.sleep(grace_s)  # peers waiting in the same collective time out together
+        timed_out = {r for r in range(world) if store.check([f"kiln/timeout/{r}"])}
+        steps = {r: store.get(f"kiln/step/{r}").decode() for r in range(world) if store.check([f"kiln/step/{r}"])}
+    except Exception:  # the store is served from rank 0's host, which may be gone
+        return f"{head}; another rank died or hangs"
+    stuck = [f"rank {r} (last started step {steps.get(r, '?')})" for r in range(world) if r not in timed_out]
+    where = f" at step {steps[rank]}" if rank in steps else ""
+    return f"{head}{where}; not in the collective: {', '.join(stuck) or 'unknown'}"

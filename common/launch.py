@@ -104,7 +104,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         raise _error(str(exc)) from None
 
-    from common.distributed import init_distributed, teardown
+    from common.distributed import describe_timeout, init_distributed, is_timeout, teardown
+    from common.loop import Stopped
 
     dist = init_distributed(cfg.parallel.timeout_s)
     try:
@@ -123,6 +124,16 @@ def main(argv: list[str]) -> int:
             print(f"kiln: done; outputs in {run_dir}", flush=True)
     except (UserError, FileNotFoundError) as exc:
         raise _error(str(exc)) from None
+    except Stopped as exc:  # a stop signal: checkpoint written, exit as the signal would
+        if dist.is_main:
+            print(f"kiln: {exc}", flush=True)
+        return exc.exit_code
+    except Exception as exc:
+        if not is_timeout(exc):
+            raise
+        # Every rank that timed out says so (rank 0 may be the stuck one); no traceback.
+        print(f"kiln: error: {describe_timeout(cfg.parallel.timeout_s)}", file=sys.stderr, flush=True)
+        os._exit(1)  # destroying a process group with a peer stuck mid-collective can block
     finally:
         teardown()
     return 0

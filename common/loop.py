@@ -1,16 +1,26 @@
-"""The step loop every recipe runs: timing, metrics, profiling, and checkpoint cadence.
+"""The step loop every recipe runs: timing, metrics, profiling, checkpoint cadence, and the
+fault handling that must not differ between recipes (stop signals, non-finite steps).
 
 A recipe's Trainer supplies the parts that differ (its `train_step`, what to do after a
-step); this function owns the parts that must not differ between recipes.
+step); this function owns the rest.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import signal
+import subprocess
 import time
 from typing import Protocol
 
+import torch
+import torch.distributed as tdist
+
+from common import faults
 from common.config import TrainConfig
-from common.distributed import DistInfo
+from common.distributed import DistInfo, heartbeat
+from common.errors import UserError
 from common.metrics import MetricsLogger
 from common.profiling import StepTimer, maybe_profile
 
@@ -24,11 +34,24 @@ class LoopTrainer(Protocol):
 
     def train_step(self, timer: StepTimer) -> dict:
         """One optimizer step. Returns loggable stats; `samples` / `tokens` (global counts this
-        step) become samples_per_s / tokens_per_s."""
+        step) become samples_per_s / tokens_per_s. A non-finite `loss` or `grad_norm` (the same
+        on every rank) means the recipe left the weights untouched: the loop counts it."""
 
     def save_checkpoint(self) -> None: ...
 
     # Optional hooks: after_first_step() (e.g. measure optimizer state), after_step() (e.g. samples).
+
+
+class Stopped(Exception):
+    """The run stopped early after writing a checkpoint; `exit_code` is what the process returns."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class TooManyBadSteps(UserError):
+    pass
 
 
 def run_training_loop(trainer: LoopTrainer) -> None:
@@ -40,27 +63,91 @@ def run_training_loop(trainer: LoopTrainer) -> None:
     trainer.batches = iter(trainer.loader)
     after_first_step = getattr(trainer, "after_first_step", lambda: None)
     after_step = getattr(trainer, "after_step", lambda: None)
-    with maybe_profile(cfg.profile, trainer.run_dir, trainer.dist.rank) as prof:
-        while trainer.step < t.max_steps:
-            log_now = (trainer.step + 1) % t.log_every == 0 or trainer.step + 1 == t.max_steps
-            timer.enabled = log_now or cfg.profile.enabled
-            start = time.perf_counter()
-            stats = trainer.train_step(timer)
-            step_time = time.perf_counter() - start
-            trainer.step += 1
-            prof.step()
-            metrics.advance()
-            if trainer.step == start_step + 1:
-                after_first_step()
-            if log_now:
-                metrics.log(trainer.step, step_record(stats, step_time, timer.pop()))
-            after_step()
-            if cfg.checkpoint.every and trainer.step % cfg.checkpoint.every == 0:
-                trainer.save_checkpoint()
-    if cfg.checkpoint.final:
-        trainer.save_checkpoint()
-    trainer.loader.close()
-    metrics.close()
+    stop = StopSignals()
+    bad_in_row, bad_total, saved_at = 0, 0, None
+    try:
+        with maybe_profile(cfg.profile, trainer.run_dir, trainer.dist.rank) as prof:
+            while trainer.step < t.max_steps:
+                heartbeat(trainer.step + 1)
+                faults.before_step(trainer.step + 1)
+                log_now = (trainer.step + 1) % t.log_every == 0 or trainer.step + 1 == t.max_steps
+                timer.enabled = log_now or cfg.profile.enabled
+                start = time.perf_counter()
+                stats = trainer.train_step(timer)
+                step_time = time.perf_counter() - start
+                trainer.step += 1
+                prof.step()
+                metrics.advance()
+                bad = not (math.isfinite(stats.get("loss", 0.0)) and math.isfinite(stats.get("grad_norm", 0.0)))
+                bad_in_row, bad_total = (bad_in_row + 1 if bad else 0), bad_total + bad
+                if trainer.step == start_step + 1:
+                    after_first_step()
+                if log_now or bad:
+                    metrics.log(trainer.step, step_record({**stats, "skipped_steps": bad_total}, step_time, timer.pop()))
+                if t.max_bad_steps and bad_in_row >= t.max_bad_steps:
+                    # Skipped steps never touched the weights: this checkpoint holds the last good ones.
+                    trainer.save_checkpoint()
+                    raise TooManyBadSteps(
+                        f"{bad_in_row} steps in a row had a non-finite loss or gradient (steps "
+                        f"{trainer.step - bad_in_row + 1}-{trainer.step}, trainer.max_bad_steps={t.max_bad_steps}); "
+                        f"stopped with the weights of step {trainer.step - bad_in_row} saved as checkpoint step "
+                        f"{trainer.step} in {trainer.run_dir}/checkpoints")
+                if not bad:
+                    after_step()
+                if cfg.checkpoint.every and trainer.step % cfg.checkpoint.every == 0:
+                    trainer.save_checkpoint()
+                    saved_at = trainer.step
+                signum = stop.agreed(trainer.dist)
+                if signum:
+                    if saved_at != trainer.step:
+                        trainer.save_checkpoint()
+                    raise stop.stopped(trainer.step, trainer.run_dir, trainer.dist)
+        if cfg.checkpoint.final:
+            trainer.save_checkpoint()
+    finally:
+        stop.restore()
+        trainer.loader.close()
+        metrics.close()
+
+
+class StopSignals:
+    """SIGTERM / SIGUSR1 (SLURM preemption and time-limit warnings; torchrun forwards them):
+    finish the step, checkpoint, exit. Ranks may get the signal at different steps, so they
+    agree through an all-reduce each step and all stop after the same one."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def agreed(self, dist: DistInfo) -> int:
+        if dist.world_size == 1:
+            return self.received
+        flag = torch.tensor([self.received], dtype=torch.int64, device=dist.device)
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def stopped(self, step: int, run_dir, dist: DistInfo) -> Stopped:
+        signum = self.received or int(signal.SIGTERM)  # a rank that got none stops with its peers
+        name = signal.Signals(signum).name
+        job = os.environ.get("SLURM_JOB_ID")
+        requeued = ""
+        if signum == signal.SIGUSR1 and job and dist.is_main:
+            # SLURM's time-limit warning (#SBATCH --signal=USR1@...): put the job back in the queue;
+            # it restarts with the same run.dir and resumes from this checkpoint (run.resume=auto).
+            done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+            requeued = f"; requeued SLURM job {job}" if done.returncode == 0 else \
+                f"; scontrol requeue {job} failed: {done.stderr.strip()}"
+        return Stopped(f"{name} received: stopped after step {step} with a checkpoint in {run_dir}/checkpoints"
+                       f"{requeued}; run.resume=auto continues from it", 128 + signum)
 
 
 def step_record(stats: dict, step_time: float, phases: dict[str, float]) -> dict:

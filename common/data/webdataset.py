@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import random
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -220,7 +221,8 @@ class ResumableLoader:
         # global torch RNG, so building/iterating the loader leaves the caller's RNG untouched.
         gen = torch.Generator().manual_seed(_rng(self._cfg["seed"], self._epoch, self._cfg["rank"], -1).getrandbits(63))
         loader = DataLoader(dataset, batch_size=None, num_workers=self._num_workers, generator=gen,
-                            pin_memory=self._pin_memory, persistent_workers=False)
+                            pin_memory=self._pin_memory, persistent_workers=False,
+                            worker_init_fn=_ignore_stop_signals)
         return iter(loader)
 
     def _absorb_bad(self, bad: dict[str, str]) -> None:
@@ -319,3 +321,10 @@ def build_webdataset_loader(
     return ResumableLoader(urls=urls, decode=decode, batch_size=batch_size, rank=rank, world_size=world_size,
                            num_workers=num_workers, seed=seed, shuffle_buffer=shuffle_buffer, shuffle_shards=shuffle_shards,
                            collate=collate, max_corrupt_shards=max_corrupt_shards, pin_memory=pin_memory)
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """SLURM signals every process of a job: workers leave SIGTERM/SIGUSR1 to the trainer, which
+    checkpoints and exits (common/loop.py); the workers go when their parent does."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)

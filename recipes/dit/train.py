@@ -6,6 +6,7 @@ Read top to bottom: setup (data, model, engine, resume) → train_step → train
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
 
-from common import deepspeed as ds
+from common import deepspeed as ds, faults
 from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.memory import activation_bytes, print_estimate, zero_state_bytes
@@ -84,22 +85,24 @@ class DiTTrainer:
             with timer.phase("data_wait"):
                 batch = next(self.batches)
             with timer.phase("forward"):
-                loss = self.diffusion_loss(batch)
+                loss = faults.poison_loss(self.diffusion_loss(batch), self.step + 1)
             with timer.phase("backward"):
                 self.engine.backward(loss)  # all-reduces gradients at the accumulation boundary
                 pre_step_norm = ds.full_grad_norm(self.engine)
             with timer.phase("optimizer"):
-                self.engine.step()  # steps the optimizer and lr only at the accumulation boundary
+                self.engine.step()  # optimizer and lr step at the accumulation boundary
             losses.append(loss.item())
-        self.ema.update(self.step)
         t = self.cfg.trainer
-        return {
+        stats = {
             "loss": all_reduce_mean(sum(losses) / len(losses), self.device),
             "lr": self.engine.get_lr()[0],
             "grad_norm": ds.grad_norm(self.engine, pre_step_norm),
             "samples": t.micro_batch_size * t.grad_accum * self.dist.world_size,
             "corrupt_shards": self.loader.corrupt_shards,
         }
+        if math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"]):  # else the step was skipped
+            self.ema.update(self.step)
+        return stats
 
     # ---- the loop (common/loop.py) and its hooks -------------------------------------------
     def train(self) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
+from common import faults
 from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
@@ -106,6 +107,7 @@ class LLMTrainer:
             if hasattr(loss_sum, "full_tensor"):  # loss parallel: a replicated DTensor scalar
                 loss_sum = loss_sum.full_tensor()
         loss = loss_sum / global_tokens.clamp(min=1) * self.dims.dp  # FSDP averages over dp
+        loss = faults.poison_loss(loss, self.step + 1)
         return loss, loss_sum.detach(), int(global_tokens), packed.input_ids.numel()
 
     def pipeline_micro_step(self, documents: list[dict], accum: int) -> tuple[torch.Tensor, int, int]:
@@ -115,6 +117,7 @@ class LLMTrainer:
         global_tokens = (packed.labels[:, 1:] != -100).sum().to(self.device)
         tdist.all_reduce(global_tokens, group=self.mesh["dp"].get_group())
         scale = self.dims.dp / max(1, int(global_tokens)) / accum  # micro_step_loss's normalization
+        scale = faults.poison_loss(scale, self.step + 1)
         with self.autocast():
             loss_sum = self.pipeline.step(packed, self.tokenizer.pad_token_id, scale)
         return loss_sum, int(global_tokens), packed.input_ids.numel()
@@ -142,9 +145,10 @@ class LLMTrainer:
             else:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            self.optimizer.step()
+            if torch.isfinite(grad_norm):  # the same on every rank; else skip (common/loop.py counts it)
+                self.optimizer.step()
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
         tdist.all_reduce(total, group=self.mesh["dp"].get_group())
         if self.pipeline is not None:  # only the last stage computed the loss
             tdist.all_reduce(total, group=self.mesh["pp"].get_group())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from common import deepspeed as ds
+from common import deepspeed as ds, faults
 from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.distributed import DistInfo, all_reduce_mean, barrier
@@ -87,7 +87,7 @@ class VLMTrainer:
                 inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
                 if "attention_mask" in inputs and inputs["attention_mask"].dtype != torch.bool:
                     inputs["attention_mask"] = inputs["attention_mask"].to(self.dtype)
-                loss = self.engine(**inputs).loss
+                loss = faults.poison_loss(self.engine(**inputs).loss, self.step + 1)
             with timer.phase("backward"):
                 self.engine.backward(loss)
                 pre_step_norm = ds.full_grad_norm(self.engine)

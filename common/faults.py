@@ -1,0 +1,70 @@
+"""Fault injection for the fault-tolerance tests: NaN losses, crashes, hangs, a kill mid-checkpoint.
+
+Faults come from the environment so that no user config carries them:
+
+    KILN_FAULTS="nan_loss@5,nan_loss@6,crash@7:1,hang@4:1,kill_in_checkpoint@10"
+
+`kind@STEP[:RANK]`: STEP is the optimizer step being computed (1-based, as logged); RANK
+defaults to every rank. `crash` fires only in the first attempt of a torchrun job
+(TORCHELASTIC_RESTART_COUNT=0), so a restarted worker gets past it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("nan_loss", "crash", "hang", "kill_in_checkpoint")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None
+
+
+def parse(spec: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        kind, _, where = item.partition("@")
+        step, _, rank = where.partition(":")
+        if kind not in KINDS or not step.isdigit() or (rank and not rank.isdigit()):
+            raise ValueError(f"KILN_FAULTS: bad item {item!r} (expected kind@STEP[:RANK], kind in {KINDS})")
+        faults.append(Fault(kind, int(step), int(rank) if rank else None))
+    return faults
+
+
+_FAULTS = parse(os.environ.get("KILN_FAULTS", ""))
+
+
+def _active(kind: str, step: int) -> bool:
+    rank = int(os.environ.get("RANK", "0"))
+    return any(f.kind == kind and f.step == step and f.rank in (None, rank) for f in _FAULTS)
+
+
+def before_step(step: int) -> None:
+    """Crash or hang this rank at the start of `step` if asked to."""
+    if _active("crash", step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        print(f"kiln: fault injection: rank {os.environ.get('RANK', '0')} crashes at step {step}", flush=True)
+        os._exit(13)
+    if _active("hang", step):
+        print(f"kiln: fault injection: rank {os.environ.get('RANK', '0')} hangs at step {step}", flush=True)
+        while True:
+            time.sleep(3600)
+
+
+def poison_loss(loss: torch.Tensor | float, step: int) -> torch.Tensor | float:
+    """loss * NaN on an injected step: a NaN loss whose backward gives NaN gradients.
+    (The pipeline schedule passes its loss scale through here instead of the loss.)"""
+    return loss * float("nan") if _active("nan_loss", step) else loss
+
+
+def during_checkpoint(step: int) -> None:
+    """SIGKILL this process after a checkpoint's files are written but before it is committed."""
+    if _active("kill_in_checkpoint", step):
+        os.kill(os.getpid(), signal.SIGKILL)
