@@ -1,6 +1,10 @@
-"""Memory arithmetic for dry runs: ZeRO model states and transformer activations per device."""
+"""Memory arithmetic for dry runs and the layout planner: model states, activations, layouts per GPU."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 GIB = 2**30
 
@@ -11,11 +15,9 @@ def zero_state_bytes(num_params: int, stage: int, dp: int, precision: str) -> di
     Mixed precision keeps 2-byte weights and gradients plus a 12-byte fp32 copy, momentum
     and variance per parameter (K=12); fp32 keeps 4 + 4 + 8.
     """
-    w, g, k = (2, 2, 12) if precision in ("bf16", "fp16", "fp8") else (4, 4, 8)
-    weights = num_params * w / (dp if stage >= 3 else 1)
-    grads = num_params * g / (dp if stage >= 2 else 1)
-    optim = num_params * k / (dp if stage >= 1 else 1)
-    return {"weights": weights, "grads": grads, "optimizer": optim, "total": weights + grads + optim}
+    per_param = MIXED_ADAM if precision in ("bf16", "fp16", "fp8") else FP32_ADAM
+    states = model_state_bytes(num_params, stage, dp, per_param)
+    return {key: states[key] for key in ("weights", "grads", "optimizer", "total")}
 
 
 def activation_bytes(*, seq: int, batch: int, hidden: int, layers: int, recompute: str, precision: str) -> float:
@@ -34,3 +36,364 @@ def print_estimate(title: str, num_params: int, states: dict[str, float], activa
     for key, value in rows:
         print(f"  {key:<14}{value / GIB:10.2f} GiB")
     print(f"  {'total':<14}{sum(v for _, v in rows) / GIB:10.2f} GiB   {note}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner's arithmetic (scripts/plan.py): model states per ZeRO stage / FSDP, activations per
+# layer counted tensor by tensor, pipeline in-flight microbatches, layouts and their ranking.
+# Everything is bytes per GPU; GB = 1e9 (the ZeRO paper's unit), GiB = 2**30 (what we print).
+# ---------------------------------------------------------------------------------------------
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of weights, gradients and optimizer state (the ZeRO paper's 2 + 2 + K)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+
+
+# Rajbhandari et al. 2020 §3.1: mixed-precision Adam keeps fp16 weights and grads (2 + 2) and
+# K = 12 bytes of fp32 master weights, momentum and variance.
+MIXED_ADAM = StateBytes(2, 2, 12)
+FP32_ADAM = StateBytes(4, 4, 8)
+# DeepSpeed's ZeRO-1/2 optimizer also holds an fp32 copy of its gradient partition for the step:
+# "18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit"
+# (deepspeed/runtime/zero/stage_1_and_2.py, estimate_zero2_model_states_mem_needs), i.e. K = 16.
+DEEPSPEED_MIXED = StateBytes(2, 2, 16)
+# FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) shards the fp32 parameters
+# themselves and keeps fp32 sharded gradients; the bf16 copies exist only while a unit is gathered.
+FSDP_MIXED = StateBytes(4, 4, 8)
+
+
+def model_state_bytes(num_params: float, stage: int, dp: int, per_param: StateBytes,
+                      gathered_params: float = 0.0, compute_bytes: int = 2) -> dict[str, float]:
+    """Per-rank weights, gradients and optimizer state under ZeRO stage 0-3 (Rajbhandari et al. 2020,
+    Figure 1: P_os shards the optimizer state, P_os+g also the gradients, P_os+g+p also the weights).
+
+    Stage 3 (and FSDP full shard) also holds one gathered unit at a time: its weights and gradients
+    in the compute dtype (DeepSpeed's estimate_zero3_model_states_mem_needs counts 4 bytes x the
+    largest layer for 16-bit).
+    """
+    weights = num_params * per_param.weights / (dp if stage >= 3 else 1)
+    grads = num_params * per_param.grads / (dp if stage >= 2 else 1)
+    optim = num_params * per_param.optimizer / (dp if stage >= 1 else 1)
+    gathered = 2 * compute_bytes * gathered_params if stage >= 3 and dp > 1 else 0.0
+    return {"weights": weights, "grads": grads, "optimizer": optim, "gathered": gathered,
+            "total": weights + grads + optim + gathered}
+
+
+# ---- activations --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Block:
+    """One transformer layer, described by the ops that decide what it keeps for backward.
+
+    Korthikanti et al. 2022 (§4.1) count the tensors a GPT-3 layer saves; these switches say
+    which of those ops a given architecture has, so the same count covers Llama and DiT too.
+    """
+
+    hidden: int
+    heads: int
+    ffn: int  # MLP inner size (4h in GPT-3)
+    kv_heads: int = 0  # 0: as many as heads (multi-head attention)
+    norm: str = "layernorm"  # layernorm | rmsnorm (fp32 statistics) | adaln_zero (DiT)
+    mlp: str = "gelu"  # gelu: fc1 -> gelu -> fc2 | swiglu: down(silu(gate) * up)
+    dropout: bool = True  # on attention probabilities, attention output and MLP output
+    attention: str = "eager"  # eager: softmax(QK^T)V keeps a*s*s scores | fused: flash/SDPA kernels keep out + logsumexp
+    repeat_kv: bool = True  # GQA: k/v repeated to every query head before the kernel (kept at full size)
+    dense_mask: bool = False  # fused SDPA handed a [b,1,s,s] bool mask converts it to a bias per layer and keeps it
+    megatron_sp: bool = True  # TP+SP: linears keep their sequence shard (Megatron); False: DTensor keeps the gathered input
+    selective: str = "attention_core"  # selective AC keeps: all but the s^2 attention core (Korthikanti §5) | save_matmuls
+
+    @property
+    def kv_fraction(self) -> float:
+        return 1.0 if self.repeat_kv or not self.kv_heads else self.kv_heads / self.heads
+
+
+class Saved(NamedTuple):
+    name: str
+    nbytes: float
+    tp_sharded: bool  # divided by the tensor-parallel degree (with sequence parallelism)
+    quadratic: bool = False  # grows with s^2: what Korthikanti's selective recomputation drops
+
+
+def _norm_saved(block: Block, where: str, sbh: float, sb: float, e: int) -> list[Saved]:
+    if block.norm == "layernorm":  # keeps its input (Korthikanti: 2sbh); the output is the next linear's input
+        return [Saved(f"{where} norm input", e * sbh, True)]
+    if block.norm == "rmsnorm":
+        # HF/Kiln RMSNorm: x.float() * rsqrt(mean(x^2)) then weight * h.to(dtype): pow and mul keep the
+        # fp32 input, mul keeps 1/rms, the weight multiply keeps the normalized x.
+        return [Saved(f"{where} norm input (fp32)", 4 * sbh, True), Saved(f"{where} norm 1/rms", 4 * sb, True),
+                Saved(f"{where} norm normalized", e * sbh, True)]
+    # adaLN-Zero (Peebles & Xie 2023): LayerNorm input, its output (kept by the (1 + scale) multiply),
+    # and the sub-block's output (kept by the gate multiply).
+    return [Saved(f"{where} norm input", e * sbh, True), Saved(f"{where} norm output", e * sbh, True),
+            Saved(f"{where} gated output", e * sbh, True)]
+
+
+def _attention_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
+    sbh, a, kv = s * b * block.hidden, block.heads, block.kv_fraction
+    if block.attention == "fused":
+        # Flash/SDPA kernels keep q, k, v, their output and the fp32 logsumexp, never the scores; they
+        # write the output as [b, s, a, d], so the reshape before the projection is a view of it.
+        out = [Saved("q, k, v", e * sbh * (1 + 2 * kv), True), Saved("attention output", e * sbh, True),
+               Saved("logsumexp", 4 * a * s * b, True)]
+        if block.dense_mask:  # broadcast over heads: every TP rank converts and keeps the whole mask
+            out.append(Saved("attention mask as bias", e * b * s * s, False, quadratic=True))
+        return out
+    out = [Saved("q, k", e * sbh * (1 + kv), True), Saved("softmax output", e * a * s * s * b, True, quadratic=True)]
+    if block.dropout:
+        out += [Saved("softmax dropout mask", a * s * s * b, True, quadratic=True),
+                Saved("softmax dropout output", e * a * s * s * b, True, quadratic=True)]
+    return out + [Saved("v", e * sbh * kv, True), Saved("projection input", e * sbh, True)]
+
+
+def _mlp_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
+    sbf = s * b * block.ffn
+    if block.mlp == "gelu":
+        return [Saved("gelu input", e * sbf, True), Saved("fc2 input", e * sbf, True)]
+    return [Saved("gate, silu(gate), up, product", 4 * e * sbf, True)]
+
+
+def _save_matmuls_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
+    """Selective AC with the LLM recipe's policy (recipes/llm/parallelize.py:_save_matmuls): keep the
+    outputs of the matmuls and the attention kernel, recompute norms, rope, activations from the
+    layer input. Row-parallel outputs are kept as full-sequence partial sums, before reduce-scatter."""
+    sbh, sbf = s * b * block.hidden, s * b * block.ffn
+    kv = (block.kv_heads or block.heads) / block.heads
+    return [Saved("layer input", e * sbh, True), Saved("q, k, v projections", e * sbh * (1 + 2 * kv), True),
+            Saved("attention output", e * sbh, True), Saved("logsumexp", 4 * block.heads * s * b, True),
+            Saved("output projection", e * sbh, False), Saved("gate, up projections", 2 * e * sbf, True),
+            Saved("down projection", e * sbh, False)]
+
+
+def layer_saved(block: Block, *, seq: int, batch: int, act_bytes: int, recompute: str = "none") -> list[Saved]:
+    """Every tensor one layer keeps for backward (generalized Korthikanti et al. 2022, §4.1 and §5).
+
+    With GPT-3's ops in 16-bit (layernorm, 4h gelu MLP, dropout, eager attention) the sum is exactly
+    s·b·h·34 + 5·a·s²·b; `full` keeps only the layer input (2·s·b·h), `selective` drops the s² terms.
+    Masks of dropout are 1 byte; softmax statistics of layernorm are not counted (as in the paper).
+    """
+    s, b, e = seq, batch, act_bytes
+    sbh, sb = s * b * block.hidden, s * b
+    if recompute == "full":
+        return [Saved("layer input", e * sbh, True)]
+    if recompute == "selective" and block.selective == "save_matmuls":
+        return _save_matmuls_saved(block, s, b, e)
+    out = _norm_saved(block, "attention", sbh, sb, e) + [Saved("qkv input", e * sbh, block.megatron_sp)]
+    out += _attention_saved(block, s, b, e)
+    if block.dropout:
+        out.append(Saved("attention dropout mask", sbh, True))
+    out += _norm_saved(block, "mlp", sbh, sb, e) + [Saved("mlp input", e * sbh, block.megatron_sp)]
+    out += _mlp_saved(block, s, b, e)
+    if block.dropout:
+        out.append(Saved("mlp dropout mask", sbh, True))
+    if recompute == "selective":
+        out = [t for t in out if not t.quadratic]
+    return out
+
+
+def per_gpu_bytes(saved: list[Saved], tp: int = 1) -> float:
+    return sum(t.nbytes / (tp if t.tp_sharded else 1) for t in saved)
+
+
+def layer_activation_bytes(block: Block, *, seq: int, batch: int, act_bytes: int, tp: int = 1,
+                           recompute: str = "none") -> float:
+    """Bytes one layer keeps for backward on one GPU of a tp-way tensor (+ sequence) parallel group."""
+    return per_gpu_bytes(layer_saved(block, seq=seq, batch=batch, act_bytes=act_bytes, recompute=recompute), tp)
+
+
+def head_saved(block: Block, *, seq: int, batch: int, vocab: int, act_bytes: int, loss: bool = True,
+               vocab_parallel: bool = False) -> list[Saved]:
+    """What a language model keeps after its last layer: the final norm, the output projection's
+    input (gathered over TP), and with the loss the fp32 log-probabilities that cross_entropy's
+    log_softmax keeps (the recipes upcast the logits first). At 8k tokens x 128k vocabulary the
+    last term alone is 4 GiB per sequence: the logits matter."""
+    sbh, sb = seq * batch * block.hidden, seq * batch
+    out = _norm_saved(block, "final", sbh, sb, act_bytes) + [Saved("head input", act_bytes * sbh, block.megatron_sp)]
+    if loss:
+        out.append(Saved("log-probabilities (fp32)", 4 * sb * vocab, vocab_parallel))
+    return out
+
+
+def logits_transient_bytes(*, seq: int, batch: int, vocab: int, act_bytes: int, tp: int = 1,
+                           vocab_parallel: bool = False) -> float:
+    """Live only around the loss: the logits in the compute dtype and their fp32 copy."""
+    return seq * batch * vocab * (act_bytes + 4) / (tp if vocab_parallel else 1)
+
+
+def microbatches_in_flight(schedule: str, pp: int, microbatches: int, rank: int) -> float:
+    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of its layers.
+
+    GPipe keeps all m. 1F1B (Narayanan et al. 2021) warms rank r up with p - r forwards, so the first
+    stage holds p. Interleaved 1F1B (v = 2 chunks of 1/v of the rank's layers): torch's schedule warms
+    up with (v-1)·p + 2·(p-1-r) chunk forwards; for r = 0 that is Korthikanti §4.2.3's L·(1 + (p-1)/(p·v)).
+    """
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(pp - rank, microbatches)
+    v = 2
+    return min((v - 1) * pp + 2 * (pp - 1 - rank) + 1, microbatches * v) / v
+
+
+# ---- layouts and the plan -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory: int  # bytes: memory.total as nvidia-smi reports it
+    per_node: int = 8
+
+
+GPUS = {g.name: g for g in (
+    GPU("h100_80gb", 81559 * 2**20),
+    GPU("h200_141gb", 143771 * 2**20),
+    GPU("a100_80gb", 81920 * 2**20),
+    GPU("a100_40gb", 40960 * 2**20),
+)}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner knows about a recipe's model: shapes from its config, parameter counts from
+    its own builder on the meta device (scripts/plan.py fills it in)."""
+
+    name: str
+    block: Block
+    layers: int
+    seq: int
+    micro_batch: int
+    layer_params: int  # trainable parameters of one transformer layer
+    first_params: int  # trainable parameters outside the layers on the first pipeline stage (embeddings)
+    last_params: int = 0  # ... on the last stage (final norm, output projection)
+    frozen_params: int = 0  # never trained (the VLM's vision tower): weights only
+    gather_unit_params: int = 0  # ZeRO-3 / FSDP: the largest unit gathered at once
+    vocab: int = 0  # > 0: the last stage computes logits and a cross-entropy over this vocabulary
+    precision: str = "bf16"
+    sharding: str = "deepspeed"  # deepspeed: the layout's ZeRO stage | fsdp: FSDP2 full shard whenever dp > 1
+    ac_modes: tuple[str, ...] = ("none", "full")
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0  # 0: pp
+    vocab_parallel: bool = False  # TP keeps the logits sharded over the vocabulary (loss parallel)
+
+    @property
+    def total_params(self) -> int:
+        return self.layers * self.layer_params + self.first_params + self.last_params + self.frozen_params
+
+    @property
+    def act_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int  # FSDP full shard counts as 3
+    ac: str
+
+    def sharding(self, spec: ModelSpec) -> str:
+        if spec.sharding == "fsdp":
+            return "fsdp" if self.zero_stage == 3 else "none"
+        return f"zero{self.zero_stage}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(spec: ModelSpec, gpus: int, gpus_per_node: int = 8) -> list[Layout]:
+    """dp·tp·pp = gpus with tp inside a node and dividing the heads, pp dividing the layers; every
+    ZeRO stage (FSDP: full shard whenever dp > 1, as the LLM recipe does) and AC mode."""
+    out = []
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node or spec.block.heads % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            if spec.layers % pp:
+                continue
+            dp = gpus // (tp * pp)
+            out += [Layout(dp, tp, pp, stage, ac) for stage in _zero_stages(spec, dp) for ac in spec.ac_modes]
+    return out
+
+
+def _zero_stages(spec: ModelSpec, dp: int) -> tuple[int, ...]:
+    if dp == 1:
+        return (0,)  # nothing to shard over
+    return (3,) if spec.sharding == "fsdp" else (0, 1, 2, 3)
+
+
+def _state_bytes_per_param(spec: ModelSpec) -> StateBytes:
+    if spec.sharding == "fsdp":
+        return FSDP_MIXED  # fp32 parameters either way; bf16 only changes the gathered copies
+    return FP32_ADAM if spec.precision == "fp32" else DEEPSPEED_MIXED
+
+
+def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, float]:
+    """Peak bytes on one GPU of pipeline rank `rank`: states + stored activations + the largest
+    transient (the logits around the loss, or one layer recomputed in backward under AC)."""
+    p, tp, e = layout.pp, layout.tp, spec.act_bytes
+    first, last = rank == 0, rank == p - 1
+    layers = spec.layers // p
+    params = (layers * spec.layer_params + first * spec.first_params + last * spec.last_params) / tp
+    states = model_state_bytes(params, layout.zero_stage, layout.dp, _state_bytes_per_param(spec),
+                               gathered_params=spec.gather_unit_params / tp, compute_bytes=e)
+    states["weights"] += spec.frozen_params * e / (layout.dp if layout.zero_stage >= 3 else 1)
+    if spec.sharding == "fsdp" and layout.dp == 1 and e == 2:
+        states["gathered"] += 2 * params  # no FSDP policy to cast: autocast caches bf16 weight copies
+
+    microbatches = spec.pp_microbatches or p
+    rows = math.ceil(spec.micro_batch / microbatches) if p > 1 else spec.micro_batch
+    shape = dict(seq=spec.seq, batch=rows, act_bytes=e)
+    per_microbatch = layers * layer_activation_bytes(spec.block, tp=tp, recompute=layout.ac, **shape)
+    transient = layer_activation_bytes(spec.block, tp=tp, **shape) if layout.ac != "none" else 0.0
+    if last and spec.vocab:
+        per_microbatch += per_gpu_bytes(head_saved(spec.block, vocab=spec.vocab, vocab_parallel=spec.vocab_parallel,
+                                                   **shape), tp)
+        transient = max(transient, logits_transient_bytes(vocab=spec.vocab, tp=tp, vocab_parallel=spec.vocab_parallel,
+                                                          **shape))
+    activations = microbatches_in_flight(spec.pp_schedule, p, microbatches, rank) * per_microbatch
+    parts = {k: states[k] for k in ("weights", "grads", "optimizer", "gathered")}
+    parts.update(activations=activations, transient=transient)
+    return {**parts, "total": sum(parts.values()), "rank": rank}
+
+
+def estimate(spec: ModelSpec, layout: Layout) -> dict[str, float]:
+    """The worst pipeline rank: the first holds the most microbatches, the last the logits."""
+    return max((estimate_rank(spec, layout, r) for r in {0, layout.pp - 1}), key=lambda d: d["total"])
+
+
+AC_COST = {"none": 0, "selective": 1, "full": 2}
+
+
+def rank_key(layout: Layout, total: float) -> tuple:
+    """Best first, by a simple throughput heuristic:
+    1. less recomputation: full AC re-runs every forward (~+33% FLOPs), selective only cheap ops;
+    2. a smaller model-parallel group tp·pp: TP collectives sit on the critical path of every layer,
+       and PP adds the bubble (p-1)/(m+p-1) (Narayanan et al. 2021);
+    3. at equal tp·pp, less pp (the bubble costs more than intra-node TP);
+    4. a lower ZeRO stage: stage 3 gathers the weights in forward and backward, 1.5x the traffic
+       of stages 0-2 (Rajbhandari et al. 2020 §7);
+    5. less memory."""
+    return (AC_COST[layout.ac], layout.tp * layout.pp, layout.pp, layout.zero_stage, total)
+
+
+def plan(spec: ModelSpec, gpus: int, gpu: GPU, headroom: float = 0.9,
+         allowed: Callable[[Layout], bool] = lambda layout: True) -> list[dict]:
+    """Every candidate layout the recipe allows, with its per-GPU estimate and whether it fits in
+    headroom x the GPU's memory; fitting layouts first, best first."""
+    budget = gpu.memory * headroom
+    rows = []
+    for layout in candidate_layouts(spec, gpus, gpu.per_node):
+        if allowed(layout):
+            est = estimate(spec, layout)
+            rows.append({"layout": layout, **est, "fits": est["total"] <= budget})
+    return sorted(rows, key=lambda r: (not r["fits"], rank_key(r["layout"], r["total"])))
