@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Plan parallel layouts for a recipe: per-GPU memory of every layout it allows, those that fit, best first.
+
+    python scripts/plan.py recipe=llm_8b cluster.gpus=8 cluster.gpu=h100_80gb [key=value ...] [--all] [--json]
+
+cluster.gpus      number of GPUs (required)
+cluster.gpu       one of: {gpus}
+cluster.headroom  fraction of GPU memory the plan may fill (default 0.9: allocator fragmentation,
+                  CUDA context, NCCL and kernel workspaces)
+--all             also list the layouts that do not fit
+--json            print the plan as JSON instead of a table
+
+Other key=value arguments are recipe overrides (trainer.micro_batch_size=2, data.max_seq_len=4096,
+toggles.precision=fp32, ...); parallel.* and toggles.activation_checkpointing are what the plan varies.
+The arithmetic, its sources and the ranking rule are in common/memory.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import torch  # noqa: E402
+
+from common.config import TrainConfig  # noqa: E402
+from common.errors import ConfigError  # noqa: E402
+from common.memory import GIB, GPUS, Block, Layout, ModelSpec, plan  # noqa: E402
+
+
+@dataclasses.dataclass
+class Cluster:
+    gpus: int = 0
+    gpu: str = "h100_80gb"
+    headroom: float = 0.9
+
+
+def parse_cluster(argv: list[str]) -> tuple[Cluster, list[str]]:
+    """Split the planner's own cluster.* keys off the recipe overrides and check them."""
+    cluster, overrides = Cluster(), []
+    fields = {f.name: f.type for f in dataclasses.fields(Cluster)}
+    for arg in argv:
+        if not arg.startswith("cluster."):
+            overrides.append(arg)
+            continue
+        key, _, value = arg[len("cluster."):].partition("=")
+        if key not in fields:
+            raise ConfigError(f"unknown key 'cluster.{key}'; cluster keys: {', '.join(fields)}")
+        kind = {"int": (int, "an integer"), "float": (float, "a number")}.get(fields[key], (str, "a name"))
+        try:
+            setattr(cluster, key, kind[0](value))
+        except ValueError:
+            raise ConfigError(f"bad value for 'cluster.{key}': {value!r} is not {kind[1]}") from None
+    if cluster.gpus < 1:
+        raise ConfigError("cluster.gpus=N (the number of GPUs, >= 1) is required")
+    if cluster.gpu not in GPUS:
+        raise ConfigError(f"unknown cluster.gpu={cluster.gpu!r}; choose one of: {', '.join(GPUS)}")
+    if not 0.0 < cluster.headroom <= 1.0:
+        raise ConfigError(f"cluster.headroom={cluster.headroom} must be in (0, 1]")
+    return cluster, overrides
+
+
+# ---- the recipes' models, built on the meta device by their own builders --------------------------
+
+def _count(module: torch.nn.Module | None, trainable_only: bool = False) -> int:
+    if module is None:
+        return 0
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+def _largest_module(model: torch.nn.Module) -> int:
+    """DeepSpeed ZeRO-3 gathers module by module: the largest module's own parameters (its rule in
+    deepspeed/runtime/zero/stage3.py:model_to_params)."""
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+
+def llm_spec(cfg: TrainConfig) -> ModelSpec:
+    from recipes.llm.model import Transformer
+    from recipes.llm.train import llama_args
+
+    args = llama_args(cfg, vocab_size=cfg.model.vocab_size or 2048)  # dry_run's assumption without a tokenizer
+    with torch.device("meta"):
+        model = Transformer(args)
+    layer, first = _count(model.layers["0"]), _count(model.tok_embeddings)
+    last = _count(model.norm) + _count(model.output)
+    # SDPA with the packed documents' [b,1,s,s] bool mask; DTensor TP keeps the gathered linear inputs.
+    block = Block(hidden=args.dim, heads=args.n_heads, ffn=args.ffn_dim, kv_heads=args.n_kv_heads, norm="rmsnorm",
+                  mlp="swiglu", dropout=False, attention="fused", dense_mask=True, megatron_sp=False,
+                  selective="save_matmuls")
+    p = cfg.parallel
+    return ModelSpec(cfg.recipe.name, block, layers=args.n_layers, seq=cfg.data.max_seq_len,
+                     micro_batch=cfg.trainer.micro_batch_size, layer_params=layer, first_params=first,
+                     last_params=last, gather_unit_params=max(layer, first + last),  # FSDP units: blocks, root
+                     vocab=args.vocab_size, precision=cfg.toggles.precision, sharding="fsdp",
+                     ac_modes=("none", "selective", "full"), pp_schedule=p.pp_schedule,
+                     pp_microbatches=p.pp_microbatches, vocab_parallel=cfg.model.loss_parallel)
+
+
+def dit_spec(cfg: TrainConfig) -> ModelSpec:
+    from recipes.dit.model import build_model
+
+    m = cfg.model
+    with torch.device("meta"):
+        model = build_model(m, cfg.data.image_size)
+    first_block = model.transformer_blocks[0]
+    layer = _count(first_block)
+    block = Block(hidden=m.num_attention_heads * m.attention_head_dim, heads=m.num_attention_heads,
+                  ffn=first_block.ff.net[-1].in_features, norm="adaln_zero", mlp="gelu", dropout=m.dropout > 0,
+                  attention="eager" if cfg.toggles.attention == "eager" else "fused")
+    return ModelSpec(cfg.recipe.name, block, layers=m.num_layers, seq=(cfg.data.image_size // m.patch_size) ** 2,
+                     micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
+                     first_params=_count(model) - m.num_layers * layer, gather_unit_params=_largest_module(model),
+                     precision=cfg.toggles.precision)
+
+
+def vlm_spec(cfg: TrainConfig) -> ModelSpec:
+    from recipes.vlm.model import build_model, llava_config
+    from recipes.vlm.parallelize import freeze_for_stage
+
+    m = cfg.model
+    vocab = m.vocab_size or 1024  # dry_run's assumption without a tokenizer
+    config = llava_config(m, vocab_size=vocab, image_token_id=vocab - 1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with torch.device("meta"):
+        model = build_model(config, "sdpa")
+    freeze_for_stage(model, cfg.vlm.stage)
+    layer = _count(model.model.language_model.layers[0], trainable_only=True)
+    trainable = _count(model, trainable_only=True)
+    # The frozen vision tower runs without autograd: it keeps nothing. The text rows are taken at
+    # their longest, micro_batch x max_seq_len tokens (image tokens included).
+    block = Block(hidden=m.text_hidden_size, heads=m.text_heads, ffn=m.text_intermediate_size, kv_heads=m.text_kv_heads,
+                  norm="rmsnorm", mlp="swiglu", dropout=False,
+                  attention="eager" if cfg.toggles.attention == "eager" else "fused",
+                  dense_mask=cfg.toggles.attention == "sdpa")
+    return ModelSpec(cfg.recipe.name, block, layers=m.text_layers, seq=cfg.data.max_seq_len,
+                     micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
+                     first_params=trainable - m.text_layers * layer, frozen_params=_count(model) - trainable,
+                     gather_unit_params=_largest_module(model), vocab=vocab, precision=cfg.toggles.precision)
+
+
+SPECS = {"llm": llm_spec, "dit": dit_spec, "vlm": vlm_spec}
+
+
+def with_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:
+    zero = layout.zero_stage if cfg.recipe.family != "llm" else 0  # the LLM's sharding is FSDP, not a ZeRO key
+    parallel = dataclasses.replace(cfg.parallel, dp=layout.dp, tp=layout.tp, pp=layout.pp, zero_stage=zero)
+    toggles = dataclasses.replace(cfg.toggles, activation_checkpointing=layout.ac)
+    return dataclasses.replace(cfg, parallel=parallel, toggles=toggles)
+
+
+def recipe_allows(cfg: TrainConfig):
+    """The recipe's own validation decides which layouts it can run (e.g. DiT/VLM: tp = pp = 1)."""
+    validate = importlib.import_module(f"recipes.{cfg.recipe.family}.config").validate
+
+    def allows(layout: Layout) -> bool:
+        try:
+            validate(with_layout(cfg, layout))
+        except ConfigError:
+            return False
+        return True
+
+    return allows
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+COLUMNS = ("weights", "grads", "optimizer", "gathered", "activations", "transient", "total")
+HEADERS = ("weights", "grads", "optim", "gathered", "activ", "transient", "total")
+
+
+def table(spec: ModelSpec, rows: list[dict], cluster: Cluster, configured: Layout, show_all: bool = False) -> str:
+    gpu = GPUS[cluster.gpu]
+    budget = gpu.memory * cluster.headroom
+    fit = sum(r["fits"] for r in rows)
+    lines = [f"{spec.name}: {spec.total_params:,} parameters, {spec.precision}, micro batch {spec.micro_batch} x "
+             f"{spec.seq} tokens on {cluster.gpus} x {gpu.name} ({gpu.memory / GIB:.1f} GiB, plan to "
+             f"{budget / GIB:.1f} GiB at headroom {cluster.headroom})",
+             f"{fit} of {len(rows)} layouts the recipe allows fit; GiB per GPU at the worst pipeline rank",
+             "",
+             f"{'#':>3} {'dp':>3} {'tp':>3} {'pp':>3} {'shard':>6} {'AC':>9} " + " ".join(f"{h:>9}" for h in HEADERS)
+             + "   use"]
+    for i, r in enumerate(rows if show_all else rows[:fit], 1):
+        lay = r["layout"]
+        mark = "*" if lay == configured else " "
+        cells = " ".join(f"{r[c] / GIB:9.2f}" for c in COLUMNS)
+        note = "" if r["fits"] else "  does not fit"
+        lines.append(f"{i:>3}{mark}{lay.dp:>3} {lay.tp:>3} {lay.pp:>3} {lay.sharding(spec):>6} {lay.ac:>9} {cells} "
+                     f"{r['total'] / gpu.memory:5.0%}{note}")
+    lines += ["", "* the recipe's configured layout. Ranked: less recomputation, smaller tp*pp, less pp, lower ZeRO "
+                  "stage, less memory (common/memory.py:rank_key).",
+              "gathered: ZeRO-3/FSDP unit (or autocast bf16 copies); transient: logits at the loss or one layer "
+              "recomputed in backward."]
+    return "\n".join(lines)
+
+
+def as_json(spec: ModelSpec, rows: list[dict], cluster: Cluster) -> str:
+    gpu = GPUS[cluster.gpu]
+    layouts = [{**dataclasses.asdict(r["layout"]), "sharding": r["layout"].sharding(spec), "fits": r["fits"],
+                "pipeline_rank": r["rank"], **{f"{c}_bytes": r[c] for c in COLUMNS}} for r in rows]
+    return json.dumps({"recipe": spec.name, "params": spec.total_params, "gpu": gpu.name, "gpus": cluster.gpus,
+                       "gpu_memory_bytes": gpu.memory, "headroom": cluster.headroom, "layouts": layouts}, indent=2)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.format(gpus=", ".join(GPUS)))
+        return 0
+    flags = {a for a in argv if a in ("--all", "--json")}
+    try:
+        from common.launch import compose
+
+        cluster, overrides = parse_cluster([a for a in argv if a not in flags])
+        cfg = compose(overrides)
+    except ConfigError as exc:
+        print(f"kiln: error: {exc}", file=sys.stderr)
+        return 2
+    spec = SPECS[cfg.recipe.family](cfg)
+    rows = plan(spec, cluster.gpus, GPUS[cluster.gpu], cluster.headroom, allowed=recipe_allows(cfg))
+    if "--json" in flags:
+        print(as_json(spec, rows, cluster))
+        return 0
+    p = cfg.parallel
+    configured = Layout(cluster.gpus // (p.tp * p.pp), p.tp, p.pp,
+                        p.zero_stage if spec.sharding == "deepspeed" else (3 if cluster.gpus > p.tp * p.pp else 0),
+                        cfg.toggles.activation_checkpointing)
+    print(table(spec, rows, cluster, configured, show_all="--all" in flags))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
