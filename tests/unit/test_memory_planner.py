@@ -1,0 +1,257 @@
+"""The memory planner: ZeRO arithmetic against the paper and DeepSpeed, activations against bytes
+autograd really keeps, and scripts/plan.py end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.launch import compose
+from common.memory import (DEEPSPEED_MIXED, GB, GPUS, MIXED_ADAM, Block, Layout, StateBytes, estimate, head_saved,
+                           layer_activation_bytes, microbatches_in_flight, model_state_bytes, per_gpu_bytes)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_plan_script():
+    spec = importlib.util.spec_from_file_location("kiln_script_plan", REPO / "scripts" / "plan.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+plan_script = load_plan_script()
+
+
+# ---- a) Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 GPUs, K = 12 --------------------
+
+@pytest.mark.parametrize("stage, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1(stage, expected_gb):
+    states = model_state_bytes(7.5e9, stage, 64, MIXED_ADAM)
+    assert round(states["total"] / GB, 1) == expected_gb
+
+
+# ---- b) DeepSpeed's own estimators --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def recipe_sizes() -> list[tuple[str, int, int]]:
+    """(recipe, parameters, largest module) from the recipes' own builders on the meta device. All
+    trainable and 16-bit mixed precision: what DeepSpeed's estimators assume."""
+    sizes = []
+    for name, build in (("dit_2b", plan_script.dit_spec), ("llm_8b", plan_script.llm_spec)):
+        spec = build(compose([f"recipe={name}"]))
+        sizes.append((name, spec.total_params, spec.gather_unit_params if name == "dit_2b" else
+                       spec.first_params))  # the LLM's largest module: its embedding table
+    return sizes
+
+
+@pytest.mark.parametrize("gpus_per_node, nodes", [(1, 1), (8, 1), (8, 4), (4, 16)])
+def test_zero2_matches_deepspeed_estimator(recipe_sizes, gpus_per_node, nodes):
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    n_gpus = gpus_per_node * nodes
+    for _, params, _ in recipe_sizes + [("gpt-7.5b", int(7.5e9), 0)]:
+        _, ds_gpu = estimate_zero2_model_states_mem_needs(params, gpus_per_node, nodes, cpu_offload=False)
+        # DeepSpeed: 2 bytes of 16-bit weights + 18 bytes (16-bit and fp32 grads, fp32 weights, Adam) / N.
+        ours = model_state_bytes(params, 2, n_gpus, DEEPSPEED_MIXED)["total"]
+        assert ours == pytest.approx(ds_gpu, abs=1)
+
+
+@pytest.mark.parametrize("gpus_per_node, nodes", [(8, 1), (8, 4), (4, 16)])
+def test_zero3_matches_deepspeed_estimator(recipe_sizes, gpus_per_node, nodes):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    n_gpus = gpus_per_node * nodes
+    for _, params, largest in recipe_sizes:
+        _, ds_gpu, ds_largest = estimate_zero3_model_states_mem_needs(
+            params, largest, gpus_per_node, nodes, cpu_offload=False, cpu_offload_params=False)
+        # DeepSpeed's stage-3 estimator: 18 bytes / N (16-bit weights + fp32 weights, grads, Adam) plus
+        # the largest layer gathered as 16-bit weights and grads (4 bytes each parameter).
+        exact = model_state_bytes(params, 3, n_gpus, StateBytes(2, 0, 16), gathered_params=largest)
+        assert exact["gathered"] == ds_largest
+        assert exact["total"] == pytest.approx(ds_gpu, abs=1)
+        # The planner also counts the 16-bit gradient partition stage 3 allocates
+        # (stage3.py: grad_partitions_flat_buffer): 2 bytes / N above DeepSpeed's estimate.
+        planner = model_state_bytes(params, 3, n_gpus, DEEPSPEED_MIXED, gathered_params=largest)
+        assert planner["total"] - ds_gpu == pytest.approx(2 * params / n_gpus, abs=1)
+
+
+# ---- c) activations: the generalized count, and bytes autograd keeps on CPU ----------------------
+
+def test_gpt3_layer_reduces_to_korthikanti():
+    """Layernorm, 4h gelu MLP, dropout, eager attention, 16-bit: s·b·h·34 + 5·a·s²·b per layer."""
+    s, b, h, a = 2048, 4, 12288, 96
+    gpt3 = Block(hidden=h, heads=a, ffn=4 * h)
+    shape = dict(seq=s, batch=b, act_bytes=2)
+    assert layer_activation_bytes(gpt3, **shape) == s * b * h * 34 + 5 * a * s * s * b
+    assert layer_activation_bytes(gpt3, tp=8, **shape) == (s * b * h * 34 + 5 * a * s * s * b) / 8  # TP + SP
+    assert layer_activation_bytes(gpt3, recompute="selective", **shape) == s * b * h * 34
+    assert layer_activation_bytes(gpt3, recompute="full", **shape) == 2 * s * b * h
+    fused = Block(hidden=h, heads=a, ffn=4 * h, attention="fused")  # flash: no scores, out + logsumexp kept
+    assert layer_activation_bytes(fused, **shape) == s * b * h * 34 + 4 * a * s * b
+
+
+def test_pipeline_in_flight_microbatches():
+    assert [microbatches_in_flight("1f1b", 4, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert microbatches_in_flight("gpipe", 4, 8, 0) == 8
+    p, v = 4, 2  # Korthikanti §4.2.3: the first stage of an interleaved schedule holds L·(1 + (p-1)/(p·v))
+    assert microbatches_in_flight("interleaved_1f1b", p, 8, 0) == p * (1 + (p - 1) / (p * v))
+
+
+def saved_bytes(run, exclude: list[torch.Tensor]) -> tuple[int, object]:
+    """Bytes of the unique storages autograd saves for backward while `run()` executes, leaving out
+    `exclude` (parameters, buffers, the batch itself)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()  # keeping `out` keeps the graph, so no saved storage is freed and reused meanwhile
+    return sum(kept.values()), out
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    from recipes.llm.model import Transformer
+    from recipes.llm.train import llama_args
+
+    cfg = compose(["recipe=llm_tiny"])
+    assert cfg.toggles.precision == "fp32"
+    spec = plan_script.llm_spec(cfg)
+    args = llama_args(cfg, vocab_size=spec.vocab)
+    b, s = cfg.trainer.micro_batch_size, cfg.data.max_seq_len
+    gen = torch.Generator().manual_seed(0)
+    batch = {"tokens": torch.randint(0, args.vocab_size, (b, s), generator=gen),
+             "positions": torch.arange(s).repeat(b, 1),
+             "mask": torch.ones(b, 1, s, s, dtype=torch.bool).tril(),  # the recipe's 4D mask, one document per row
+             "labels": torch.randint(0, args.vocab_size, (b * (s - 1),), generator=gen)}
+    return spec, lambda: Transformer(args), batch
+
+
+def measure_llm(tiny_llm, ac: str, loss: bool) -> tuple[float, float]:
+    from recipes.llm.parallelize import apply_ac
+
+    spec, build, batch = tiny_llm
+    torch.manual_seed(0)
+    model = build()
+    model.init_weights(seed=0)
+    if ac != "none":
+        apply_ac(model, ac)  # as recipes/llm/parallelize.py does
+
+    def forward():
+        logits = model(batch["tokens"], position_ids=batch["positions"], attn_mask=batch["mask"])
+        if not loss:
+            return logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"], reduction="sum")  # the recipe's
+
+    exclude = [*model.parameters(), *model.buffers(), *batch.values()]
+    measured, _ = saved_bytes(forward, exclude)
+    shape = dict(seq=spec.seq, batch=spec.micro_batch, act_bytes=4)
+    predicted = spec.layers * layer_activation_bytes(spec.block, recompute=ac, **shape)
+    predicted += per_gpu_bytes(head_saved(spec.block, vocab=spec.vocab, loss=loss, **shape))
+    return measured, predicted
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("loss", [False, True])
+def test_llm_tiny_activations_match_saved_tensors(tiny_llm, ac, loss):
+    """One fp32 forward of the real llm_tiny at the recipe's 8 x 256 tokens. Not modelled: the RoPE
+    cos/sin gathered by position_ids ([2, b, s, head_dim] fp32, shared by every layer)."""
+    measured, predicted = measure_llm(tiny_llm, ac, loss)
+    print(f"llm_tiny AC={ac} loss={loss}: predicted {predicted:,.0f} B, measured {measured:,.0f} B, "
+          f"ratio {predicted / measured:.3f}")
+    assert predicted == pytest.approx(measured, rel=0.15)
+
+
+def test_dit_tiny_activations_match_saved_tensors():
+    """The adaLN-Zero block of diffusers' DiT, fp32, the recipe's micro batch. Not modelled: every block's
+    own timestep/label embedding and modulation vectors (b x 6h: no sequence dimension)."""
+    from recipes.dit.model import build_model
+    from recipes.dit.parallelize import set_attention
+
+    cfg = compose(["recipe=dit_tiny"])
+    spec = plan_script.dit_spec(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.data.image_size)
+    set_attention(model, cfg.toggles.attention)
+    b, size = cfg.trainer.micro_batch_size, cfg.data.image_size
+    x, t, y = torch.randn(b, cfg.model.in_channels, size, size), torch.randint(0, 1000, (b,)), torch.randint(0, 10, (b,))
+    measured, _ = saved_bytes(lambda: model(x, timestep=t, class_labels=y).sample,
+                              [*model.parameters(), *model.buffers(), x, t, y])
+    predicted = spec.layers * layer_activation_bytes(spec.block, seq=spec.seq, batch=b, act_bytes=4)
+    print(f"dit_tiny AC=none: predicted {predicted:,.0f} B, measured {measured:,.0f} B, ratio {predicted / measured:.3f}")
+    assert predicted == pytest.approx(measured, rel=0.15)
+
+
+# ---- d) the planner ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm_8b():
+    cfg = compose(["recipe=llm_8b"])
+    return cfg, plan_script.llm_spec(cfg)
+
+
+def test_llm_8b_needs_sharding_on_8_h100(llm_8b):
+    _, spec = llm_8b
+    budget = GPUS["h100_80gb"].memory * 0.9
+    # 8.03B x 16 bytes of weights, grads and Adam state on every GPU: 128 GB before any activation.
+    assert estimate(spec, Layout(dp=8, tp=1, pp=1, zero_stage=0, ac="full"))["total"] > budget
+    assert estimate(spec, Layout(dp=8, tp=1, pp=1, zero_stage=3, ac="full"))["total"] < budget
+
+
+def test_plan_lists_fitting_layouts_best_first(llm_8b):
+    cfg, spec = llm_8b
+    gpu = GPUS["h100_80gb"]
+    rows = plan_script.plan(spec, 8, gpu, 0.9, allowed=plan_script.recipe_allows(cfg))
+    fits = [r for r in rows if r["fits"]]
+    assert fits and len(fits) < len(rows)
+    assert all(r["total"] <= 0.9 * gpu.memory for r in fits)
+    assert all(r["total"] > 0.9 * gpu.memory for r in rows[len(fits):])
+    # No recomputation without sharding at 8k tokens: pure FSDP-8 keeps ~60 GiB of activations.
+    assert Layout(8, 1, 1, 3, "none") in [r["layout"] for r in rows[len(fits):]]
+    assert fits[0]["layout"].ac == "none"
+    assert all(r["layout"].dp * r["layout"].tp * r["layout"].pp == 8 for r in rows)
+
+
+def test_plan_respects_recipe_layout_rules():
+    """DiT/VLM recipes shard with ZeRO only: every layout has tp = pp = 1, all stages, no selective AC."""
+    cfg = compose(["recipe=dit_2b"])
+    rows = plan_script.plan(plan_script.dit_spec(cfg), 8, GPUS["h100_80gb"], allowed=plan_script.recipe_allows(cfg))
+    layouts = {r["layout"] for r in rows}
+    assert {(lay.tp, lay.pp) for lay in layouts} == {(1, 1)}
+    assert {lay.zero_stage for lay in layouts} == {0, 1, 2, 3} and {lay.ac for lay in layouts} == {"none", "full"}
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plan_cli_table_and_json(capsys):
+    assert plan_script.main(["recipe=llm_8b", "cluster.gpus=8", "cluster.gpu=h100_80gb"]) == 0
+    table = capsys.readouterr().out
+    assert "of 30 layouts the recipe allows fit" in table and "does not fit" not in table
+    assert plan_script.main(["recipe=llm_8b", "cluster.gpus=8", "cluster.gpu=h100_80gb", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["params"] == 8_030_261_248 and plan["gpu_memory_bytes"] == GPUS["h100_80gb"].memory
+    assert any(lay["fits"] for lay in plan["layouts"]) and not all(lay["fits"] for lay in plan["layouts"])
+
+
+def test_plan_cli_unknown_gpu_is_one_line_exit_2():
+    proc = run_plan("recipe=llm_tiny", "cluster.gpus=8", "cluster.gpu=b200")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("kiln: error: unknown cluster.gpu='b200'")
+    assert all(name in proc.stderr for name in GPUS)
