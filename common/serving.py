@@ -17,8 +17,15 @@ import json
 import os
 import re
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -277,3 +284,52 @@ def plan(s: ServeSection) -> Launch:
     # The server's working folder holds nothing but the cache: a local folder named like the
     # model would otherwise shadow it (from_pretrained tries a relative path first).
     return Launch(engine, why, name, transformers_command(s, name), transformers_env(cache), scratch, notes)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http(url: str, body: bytes | None = None, timeout: float = 60) -> tuple[int, str]:
+    """(status, text) of a GET (or a JSON POST when `body` is given); HTTP errors are returned, not raised."""
+    request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@contextmanager
+def running_server(export: str | Path, *overrides: str, log_path: str | Path, startup_s: float = 180) -> Iterator[str]:
+    """scripts/serve.py on a free local port, up once /health answers 200; yields the base URL and
+    always stops the server (SIGTERM: uvicorn's graceful shutdown; SIGKILL after 20 s)."""
+    port = free_port()
+    serve = Path(__file__).resolve().parent.parent / "scripts" / "serve.py"
+    base = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, str(serve), f"serve.model={export}", f"serve.port={port}", *overrides],
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + startup_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited {proc.returncode}:\n{Path(log_path).read_text()[-4000:]}")
+                try:
+                    if http(f"{base}/health", timeout=5)[0] == 200:
+                        break
+                except OSError:  # not listening yet
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not up in {startup_s:.0f} s:\n{Path(log_path).read_text()[-4000:]}")
+                time.sleep(0.5)
+            yield base
+        finally:
+            proc.terminate()  # scripts/serve.py exec'd the engine: the signal reaches the server itself
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -11,7 +11,7 @@ if [[ -v CUDA_VISIBLE_DEVICES ]]; then  # set by SLURM and users; empty hides ev
 else
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi
-(( gpus > 0 )) || { echo "kiln: error: no GPU visible on $(hostname) (nvidia-smi found none)" >&2; exit 2; }
+(( gpus > 0 )) || { echo "kiln: error: no GPU visible on $(hostname) (CUDA_VISIBLE_DEVICES, nvidia-smi)" >&2; exit 2; }
 
 export HF_HUB_OFFLINE=1                   # exports are local folders; compute nodes often have no internet
 export VLLM_WORKER_MULTIPROC_METHOD=spawn # tensor-parallel workers must not fork an initialized CUDA context

@@ -6,64 +6,24 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
 
-from tests.conftest import REPO, _free_port, run_train
+from common.serving import http as _http, running_server
+from tests.conftest import run_train
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
 pytestmark = pytest.mark.integration
 
-SERVE = str(REPO / "scripts" / "serve.py")
 FAST = ["trainer.progress_bar=false", "trainer.eval=false", "checkpoint.final=false", "trainer.log_every=5"]
-
-
-def _http(url: str, body: bytes | None = None) -> tuple[int, str]:
-    request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 @contextmanager
 def serving(export, log_path, *overrides, startup_s=180):
-    """scripts/serve.py on a free port until /health answers; always stopped afterwards."""
-    port = _free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, SERVE, f"serve.model={export}", f"serve.port={port}", *overrides],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if _http(f"{base}/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server not up in {startup_s} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
+    with running_server(export, *overrides, log_path=log_path, startup_s=startup_s) as base:
         yield base, openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    finally:
-        proc.terminate()  # scripts/serve.py exec'd the server: this is uvicorn's graceful shutdown
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
