@@ -1,0 +1,205 @@
+"""FLOPs of a train step (counted with torch's FlopCounterMode), device peak FLOP/s, and MFU.
+
+Wiring into the step loop (common/loop.py)::
+
+    from common.flops import FlopCounter, mfu, peak_flops, precision_key
+
+    with FlopCounter() as fc:                # first step only: counting dispatches every op in Python
+        stats = trainer.train_step(timer)
+    flops = fc.global_flops()                # collective: the job's FLOPs per optimizer step
+    peak = peak_flops(dist.device, precision_key(cfg.toggles))   # per device, FLOP/s
+    # every logged step (drop the counted first step's time: counting slows it):
+    record.update(flops_per_step=flops, achieved_tflops=flops / step_time / world_size / 1e12,
+                  mfu=mfu(flops, step_time, peak, world_size))
+
+Steps whose shapes change (packed LLM/VLM rows: the row count varies) do work proportional to
+their slots, so scale: ``flops * slots / counted_slots`` with slots = tokens / token_utilization.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import (FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count,
+                                      shape_wrapper)
+
+
+def _cpu_flash_attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_flash_attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def _shard_count(out) -> int:
+    """How many ranks split the computation of a DTensor op's output (1 for plain tensors).
+
+    torch's counter sees a DTensor op once, at global shapes, and not the local op DTensor then
+    runs. An output that is sharded or partial on a mesh dimension was computed in pieces over
+    that dimension; a replicated one was computed whole on every rank.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for leaf in pytree.tree_leaves(out):
+        if isinstance(leaf, DTensor):
+            mesh = leaf.device_mesh
+            return math.prod(mesh.size(i) for i, p in enumerate(leaf.placements) if not p.is_replicate())
+    return 1
+
+
+def _local(formula):
+    """A raw-argument formula that counts this rank's share of a DTensor op."""
+    def count(*args, out_val=None, **kwargs):
+        return formula(*args, out_val=out_val, **kwargs) // _shard_count(out_val)
+
+    count._get_raw = True
+    return count
+
+
+def _formulas() -> dict:
+    # torch's registry knows the CUDA SDPA kernels but not the CPU flash kernel that
+    # F.scaled_dot_product_attention picks on CPU, which would then count as zero FLOPs.
+    cpu_attention = {
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flops,
+    }
+    raw = {**flop_registry, **{op: shape_wrapper(f) for op, f in cpu_attention.items()}}
+    return {op: _local(f) for op, f in raw.items()}
+
+
+class FlopCounter:
+    """``with FlopCounter() as fc: <forward + backward + optimizer step>``; then ``fc.flops``.
+
+    Counts the matmul, convolution and attention FLOPs that run on this rank, forward and
+    backward (the optimizer's elementwise updates are not counted, by convention: MFU counts
+    model FLOPs). FLOPs of a multiply-add are 2. Attention is counted without the causal
+    discount, as the 6N + 12LHS formula and the PaLM MFU definition do.
+
+    Under DTensor tensor parallelism torch's counter sees the *global* (unsharded) shapes, so
+    each TP rank reports the FLOPs of its whole TP group; ``flops`` divides by the TP degree
+    found on the DTensors it saw so that, in every layout, ``flops`` is this rank's share and the
+    sum over ranks is the job's FLOPs per step.
+    """
+
+    def __init__(self) -> None:
+        self._mode = FlopCounterMode(display=False, custom_mapping=_formulas())
+        self.flops = 0
+
+    def __enter__(self) -> FlopCounter:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self.flops = self._mode.get_total_flops()
+
+    def by_op(self) -> dict[str, int]:
+        return {str(op): n for op, n in self._mode.get_flop_counts().get("Global", {}).items()}
+
+    def global_flops(self) -> int:
+        """Sum of ``flops`` over all ranks (every rank must call it: it is a collective)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.flops
+        total = torch.tensor(float(self.flops), dtype=torch.float64,
+                             device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(total)
+        return int(total.item())
+
+
+def count_step_flops(fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), flops)``: FLOPs that one call of ``fn`` runs on this rank."""
+    with FlopCounter() as fc:
+        result = fn(*args, **kwargs)
+    return result, fc.flops
+
+
+# Dense (no sparsity) tensor-core peaks in TFLOP/s from NVIDIA's datasheets: H100 SXM5 / H200
+# SXM ("H100 Tensor Core GPU" and "H200 Tensor Core GPU" datasheets; the sparse figures there are
+# twice these), H100 PCIe, H100 NVL / H200 NVL, and A100 (SXM4 and PCIe share the peaks; "A100
+# Tensor Core GPU" datasheet). fp32 is the non-tensor-core rate; tf32 is fp32 matmuls on tensor
+# cores (toggles.tf32). A100 has no fp8.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 SXM": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0, "fp8": 1513.0},
+    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
+    "H200 SXM": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+    "H200 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+}
+
+
+def gpu_model(device_name: str) -> str | None:
+    """The PEAK_TFLOPS row of a ``torch.cuda.get_device_name()`` string, or None.
+
+    Names seen: "NVIDIA H100 80GB HBM3" (SXM5), "NVIDIA H100 PCIe", "NVIDIA H100 NVL",
+    "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe".
+    """
+    name = device_name.upper()
+    for chip in ("H200", "H100"):
+        if chip in name:
+            if "NVL" in name:
+                return f"{chip} NVL"
+            return "H100 PCIe" if chip == "H100" and "PCIE" in name else f"{chip} SXM"
+    return "A100" if "A100" in name else None
+
+
+def precision_key(toggles) -> str:
+    """The PEAK_TFLOPS column for Kiln's toggles: fp32 matmuls run as tf32 when toggles.tf32 is on."""
+    return "tf32" if toggles.precision == "fp32" and toggles.tf32 else toggles.precision
+
+
+def peak_flops(device: torch.device | str, precision: str, override: float | None = None) -> float:
+    """Peak FLOP/s of one device: ``override`` if given, the datasheet table on a known GPU, or a
+    measured fp32/bf16 matmul rate on CPU. An unknown GPU raises ValueError (pass override)."""
+    if override is not None:
+        if override <= 0:
+            raise ValueError(f"peak FLOP/s override must be positive, got {override}")
+        return float(override)
+    device = torch.device(device)
+    if device.type == "cpu":
+        dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}.get(precision)
+        if dtype is None:
+            raise ValueError(f"no CPU matmul peak for precision {precision!r} (fp32, bf16)")
+        return measure_cpu_matmul_peak(dtype)
+    if device.type != "cuda":
+        raise ValueError(f"no peak FLOP/s for device type {device.type!r}; pass override")
+    name = torch.cuda.get_device_name(device)
+    model = gpu_model(name)
+    if model is None:
+        raise ValueError(f"no peak FLOP/s table for {name!r} (known: {', '.join(PEAK_TFLOPS)}); pass override")
+    table = PEAK_TFLOPS[model]
+    if precision not in table:
+        raise ValueError(f"{model} has no {precision} peak (has {', '.join(table)})")
+    return table[precision] * 1e12
+
+
+@functools.cache
+def measure_cpu_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 1024, budget_s: float = 0.3) -> float:
+    """Best FLOP/s of ``size``-square matmuls over about ``budget_s`` seconds, after one warm-up
+    (which lets oneDNN/MKL pick kernels and page in buffers). Uses torch's current thread count,
+    so under torchrun (OMP_NUM_THREADS=1) it is the rate of one rank. Cached per process."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    out = torch.empty(size, size, dtype=dtype)
+    torch.mm(a, b, out=out)
+    best, deadline = math.inf, time.perf_counter() + budget_s
+    for _ in range(50):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+        if time.perf_counter() > deadline:
+            break
+    return 2 * size**3 / best
+
+
+def mfu(flops_per_step: float, step_time_s: float, peak: float, world_size: int = 1) -> float:
+    """Model FLOPs utilization: the job's FLOPs per step over what ``world_size`` devices at
+    ``peak`` FLOP/s could do in the step's time."""
+    return flops_per_step / (step_time_s * peak * world_size)
