@@ -303,7 +303,8 @@ def http(url: str, body: bytes | None = None, timeout: float = 60) -> tuple[int,
 
 
 @contextmanager
-def running_server(export: str | Path, *overrides: str, log_path: str | Path, startup_s: float = 180) -> Iterator[str]:
+def running_server(export: str | Path, *overrides: str, log_path: str | Path, startup_s: float = 180,
+                   env: dict[str, str] | None = None) -> Iterator[str]:
     """scripts/serve.py on a free local port, up once /health answers 200; yields the base URL and
     always stops the server (SIGTERM: uvicorn's graceful shutdown; SIGKILL after 20 s)."""
     port = free_port()
@@ -311,7 +312,7 @@ def running_server(export: str | Path, *overrides: str, log_path: str | Path, st
     base = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, str(serve), f"serve.model={export}", f"serve.port={port}", *overrides],
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         try:
             deadline = time.monotonic() + startup_s
             while True:

@@ -32,7 +32,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,4,16", help="concurrent requests to the server, comma-separated")
     p.add_argument("--dit-steps", type=int, default=50, help="DDIM steps per DiT sampling run")
     p.add_argument("--dit-images", default="1,20", help="images per DiT sampling run (CFG doubles the batch)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="intra-op threads for PyTorch and onnxruntime")
+    # One thread by default: these models are too small to gain from more, and on a shared machine a
+    # second OpenMP thread waiting at barriers for a busy core made model.generate over 10x slower (measured).
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads of every engine (server, generate, ORT)")
     p.add_argument("--only", choices=("llm", "dit"), help="run one of the two benchmarks")
     p.add_argument("--quick", action="store_true", help="fewer tokens and DiT steps (about a minute)")
     p.add_argument("--markdown", help="also write the tables to this file")
@@ -91,13 +93,15 @@ async def _completions(base: str, name: str, texts: list[str], max_tokens: int, 
     return tokens, seconds
 
 
-def bench_server(export: Path, texts: list[str], max_tokens: int, levels: list[int], log: Path) -> dict[int, tuple]:
+def bench_server(export: Path, texts: list[str], max_tokens: int, levels: list[int], threads: int,
+                 log: Path) -> dict[int, tuple]:
     """{concurrency: (generated tokens, seconds)} through scripts/serve.py (engine=transformers)."""
     from common.serving import running_server
 
     name = "bench"
     results = {}
-    with running_server(export, "serve.engine=transformers", f"serve.served_model_name={name}", log_path=log) as base:
+    with running_server(export, "serve.engine=transformers", f"serve.served_model_name={name}", log_path=log,
+                        env={"OMP_NUM_THREADS": str(threads)}) as base:
         asyncio.run(_completions(base, name, texts[:2], max_tokens, 2))  # warm-up: loads CB, its cache, kernels
         for c in levels:
             results[c] = asyncio.run(_completions(base, name, texts, max_tokens, c))
@@ -112,11 +116,11 @@ def llm_table(args: argparse.Namespace, workdir: Path) -> str:
     gen_tokens, gen_s = bench_generate(export, texts, args.max_tokens)
     base_rate = gen_tokens / gen_s
     print(f"bench_serve: model.generate one at a time: {base_rate:.0f} tokens/s", flush=True)
-    served = bench_server(export, texts, args.max_tokens, levels, workdir / "serve.log")
+    served = bench_server(export, texts, args.max_tokens, levels, args.threads, workdir / "serve.log")
     rows = [("`model.generate`, one request at a time", gen_tokens, gen_s)]
     rows += [(f"transformers serve (CB), {c} concurrent", *served[c]) for c in levels]
     lines = [f"LLM serving on CPU ({export.name if not args.llm else export}; {args.requests} requests of "
-             f"{args.max_tokens} new tokens, greedy; {os.cpu_count()} cores)", "",
+             f"{args.max_tokens} new tokens, greedy; {args.threads} thread(s) per engine)", "",
              "| engine | tokens | seconds | tokens/s | vs generate |", "|---|---:|---:|---:|---:|"]
     for label, tokens, secs in rows:
         lines.append(f"| {label} | {tokens} | {secs:.2f} | {tokens / secs:.0f} | {tokens / secs / base_rate:.2f}x |")
@@ -138,7 +142,6 @@ def dit_table(args: argparse.Namespace, workdir: Path) -> str:
     size, channels = cfg.data.image_size, cfg.model.in_channels
     onnx_path = export_onnx(model, workdir / "dit.onnx", image_size=size, in_channels=channels)
     parity = max(check_parity(model, onnx_path).values())  # raises above 1e-5: never time a wrong graph
-    torch.set_num_threads(args.threads)
     backends = {"torch": model, "onnxruntime": OnnxDiT(onnx_path, threads=args.threads)}
     scheduler = dict(noise_scheduler(cfg).config)
 
@@ -166,7 +169,10 @@ def dit_table(args: argparse.Namespace, workdir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> str:
+    import torch
+
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="kiln-bench-serve-") as tmp:
         tables = []
         if args.only in (None, "llm"):
