@@ -1,12 +1,11 @@
-"""Serving an exported LLM/VLM folder: the `serve` config schema, engine choice, and the command
-lines of the two engines (vLLM on GPUs, `transformers serve` with continuous batching on CPU).
+"""Serve an exported LLM/VLM folder: the `serve` config schema, engine choice, engine command lines.
 
-Neither engine is re-implemented here. The only adapter is for `transformers serve`, which
-resolves the `model` of a request like `from_pretrained` (a hub id or a path) and lists
-`/v1/models` from the Hugging Face cache: we give each server a private cache holding one
-entry named after `serve.served_model_name` whose files are symlinks into the export, and run
-it offline. The request name, the listed name and the loaded folder then agree, as with
-`vllm serve --served-model-name`.
+The engines are vLLM on GPUs and `transformers serve` with continuous batching on CPU; neither is
+re-implemented here. The one adapter is for `transformers serve`, which resolves a request's
+`model` like `from_pretrained` (a hub id or a path) and lists `/v1/models` from the Hugging Face
+cache: each server gets a private cache holding one entry named `serve.served_model_name` whose
+files are symlinks into the export, and runs offline. The requested name, the listed name and the
+loaded folder then agree, as with `vllm serve --served-model-name`.
 """
 
 from __future__ import annotations
@@ -259,12 +258,23 @@ class Launch:
     notes: list[str]
 
 
+VLLM_ONLY = ("max_model_len", "gpu_memory_utilization")
+TRANSFORMERS_ONLY = ("device", "continuous_batching", "cb_num_blocks", "cb_max_batch_tokens", "log_level")
+
+
+def ignored_keys(s: ServeSection, engine: str) -> list[str]:
+    """Keys set away from their default that the chosen engine does not read."""
+    default = ServeSection()
+    other = TRANSFORMERS_ONLY if engine == "vllm" else VLLM_ONLY
+    return [f"serve.{k}" for k in other if getattr(s, k) != getattr(default, k)]
+
+
 def plan(s: ServeSection) -> Launch:
     """Everything needed to exec the server (raises UserError/ConfigError with one line)."""
     export = check_export(s.model)
     name = s.served_model_name or default_served_name(export)
     engine, why = choose_engine(s.engine)
-    notes = []
+    notes = [f"{', '.join(keys)} not used by engine={engine}"] if (keys := ignored_keys(s, engine)) else []
     scratch = state_dir(export, s)
     chat_template = write_chat_template(export, scratch)
     if chat_template is not None:

@@ -143,6 +143,9 @@ def test_plan_for_the_cpu_engine(export):
     # the base LM gets a plain-text chat template next to its symlinked files
     snapshot = next((launch.cwd / "hub" / "models--llm_tiny" / "snapshots").iterdir())
     assert (snapshot / "chat_template.jinja").exists() and (snapshot / "config.json").is_symlink()
+    assert not launch.notes[1:]
+    ignored = plan(ServeSection(model=str(export), engine="transformers", max_model_len=128))
+    assert ignored.notes[0] == "serve.max_model_len not used by engine=transformers"
     with pytest.raises(ConfigError, match="needs serve.engine=vllm"):
         plan(ServeSection(model=str(export), engine="transformers", tensor_parallel_size=2))
 
