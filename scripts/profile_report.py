@@ -63,15 +63,16 @@ def report(run_dir: Path) -> str:
     lines.append(f"{'step':14}" + "".join(f"{cell(c['step_s'], c['step_s']):>20}" for c in columns.values()))
     for row in ROWS:
         lines.append(f"{row:14}" + "".join(f"{cell(c['seconds'][row], c['step_s']):>20}" for c in columns.values()))
-    unit = "kernels/step" if o["device"] == "cuda" else "ops/step"
-    lines.append(f"{unit:14}" + "".join(f"{c['ops_per_step']:>11.0f} ({c['median_op_us']:4.1f} µs)"
-                                         for c in columns.values()))
+    unit = "kernels" if o["device"] == "cuda" else "ops"  # top-level ops of the main thread on CPU
+    ops = [f"{c['ops_per_step']:.0f}/step, {c['median_op_us']:.1f} µs" for c in columns.values()]
+    lines.append(f"{unit + ', median':14}" + "".join(f"{cell:>20}" for cell in ops))
     lines.append(f"{'overhead':14}" + "".join(f"{overhead_percent(c):>19.1f}%" for c in columns.values()))
     m = b["metrics"]
     if m is not None:
         parts = " ".join(f"{k} {v:.1f}%" for k, v in m["percent"].items())
-        lines.append(f"metrics.jsonl (rank 0, logged steps {m['steps'][0]}-{m['steps'][1]}, mean): "
-                     f"step {m['step_s']:.4f} s = {parts} (communication and idle fall inside these phases)")
+        lines.append(f"metrics.jsonl (rank 0, mean of logged steps {m['steps'][0]}-{m['steps'][1]}): "
+                     f"step {m['step_s']:.4f} s = {parts}")
+        lines.append("  (the whole run by StepTimer; communication and idle are inside its phases)")
     v = b["verdict"]
     lines.append(f"verdict: {v['label']}: {v['reason']}")
     lines.append(f"evidence: {v['evidence']}")
