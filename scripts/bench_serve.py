@@ -35,12 +35,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # One thread by default: these models are too small to gain from more, and on a shared machine a
     # second OpenMP thread waiting at barriers for a busy core made model.generate over 10x slower (measured).
     p.add_argument("--threads", type=int, default=1, help="intra-op threads of every engine (server, generate, ORT)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per cell; the fastest counts (timeit's rule: "
+                   "slower runs measure other load on the machine, not the engine)")
     p.add_argument("--only", choices=("llm", "dit"), help="run one of the two benchmarks")
     p.add_argument("--quick", action="store_true", help="fewer tokens and DiT steps (about a minute)")
     p.add_argument("--markdown", help="also write the tables to this file")
     args = p.parse_args(argv)
     if args.quick:
-        args.max_tokens, args.dit_steps = min(args.max_tokens, 32), min(args.dit_steps, 10)
+        args.max_tokens, args.dit_steps, args.repeat = min(args.max_tokens, 32), min(args.dit_steps, 10), 1
     return args
 
 
@@ -59,7 +61,12 @@ def train_llm(run_dir: Path) -> Path:
     return run_dir / "export"
 
 
-def bench_generate(export: Path, texts: list[str], max_tokens: int) -> tuple[int, float]:
+def best(runs: list[tuple[int, float]]) -> tuple[int, float]:
+    """The fastest of several (tokens, seconds) runs."""
+    return max(runs, key=lambda r: r[0] / r[1])
+
+
+def bench_generate(export: Path, texts: list[str], max_tokens: int, repeat: int) -> tuple[int, float]:
     """(generated tokens, seconds) of greedy `model.generate`, one prompt at a time."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -68,11 +75,14 @@ def bench_generate(export: Path, texts: list[str], max_tokens: int) -> tuple[int
     model = AutoModelForCausalLM.from_pretrained(export).eval()
     encoded = [tokenizer(t, return_tensors="pt") for t in texts]
     kwargs = {"max_new_tokens": max_tokens, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
-    with torch.no_grad():
-        model.generate(**encoded[0], **kwargs)  # warm-up
+    def run() -> tuple[int, float]:
         start = time.perf_counter()
         tokens = sum(model.generate(**e, **kwargs).shape[-1] - e["input_ids"].shape[-1] for e in encoded)
-    return tokens, time.perf_counter() - start
+        return tokens, time.perf_counter() - start
+
+    with torch.no_grad():
+        model.generate(**encoded[0], **kwargs)  # warm-up
+        return best([run() for _ in range(repeat)])
 
 
 async def _completions(base: str, name: str, texts: list[str], max_tokens: int, concurrency: int) -> tuple[int, float]:
@@ -93,7 +103,7 @@ async def _completions(base: str, name: str, texts: list[str], max_tokens: int, 
     return tokens, seconds
 
 
-def bench_server(export: Path, texts: list[str], max_tokens: int, levels: list[int], threads: int,
+def bench_server(export: Path, texts: list[str], max_tokens: int, levels: list[int], threads: int, repeat: int,
                  log: Path) -> dict[int, tuple]:
     """{concurrency: (generated tokens, seconds)} through scripts/serve.py (engine=transformers)."""
     from common.serving import running_server
@@ -104,7 +114,7 @@ def bench_server(export: Path, texts: list[str], max_tokens: int, levels: list[i
                         env={"OMP_NUM_THREADS": str(threads)}) as base:
         asyncio.run(_completions(base, name, texts[:2], max_tokens, 2))  # warm-up: loads CB, its cache, kernels
         for c in levels:
-            results[c] = asyncio.run(_completions(base, name, texts, max_tokens, c))
+            results[c] = best([asyncio.run(_completions(base, name, texts, max_tokens, c)) for _ in range(repeat)])
             print(f"bench_serve: server, {c} concurrent: {results[c][0] / results[c][1]:.0f} tokens/s", flush=True)
     return results
 
@@ -113,14 +123,14 @@ def llm_table(args: argparse.Namespace, workdir: Path) -> str:
     export = Path(args.llm) if args.llm else train_llm(workdir / "llm_tiny")
     texts = prompts(args.requests)
     levels = [int(c) for c in args.concurrency.split(",")]
-    gen_tokens, gen_s = bench_generate(export, texts, args.max_tokens)
+    gen_tokens, gen_s = bench_generate(export, texts, args.max_tokens, args.repeat)
     base_rate = gen_tokens / gen_s
     print(f"bench_serve: model.generate one at a time: {base_rate:.0f} tokens/s", flush=True)
-    served = bench_server(export, texts, args.max_tokens, levels, args.threads, workdir / "serve.log")
+    served = bench_server(export, texts, args.max_tokens, levels, args.threads, args.repeat, workdir / "serve.log")
     rows = [("`model.generate`, one request at a time", gen_tokens, gen_s)]
     rows += [(f"transformers serve (CB), {c} concurrent", *served[c]) for c in levels]
-    lines = [f"LLM serving on CPU ({export.name if not args.llm else export}; {args.requests} requests of "
-             f"{args.max_tokens} new tokens, greedy; {args.threads} thread(s) per engine)", "",
+    lines = [f"LLM serving on CPU ({args.llm or 'llm_tiny trained 30 steps'}; {args.requests} requests of "
+             f"{args.max_tokens} new tokens, greedy; {args.threads} thread(s) per engine; best of {args.repeat})", "",
              "| engine | tokens | seconds | tokens/s | vs generate |", "|---|---:|---:|---:|---:|"]
     for label, tokens, secs in rows:
         lines.append(f"| {label} | {tokens} | {secs:.2f} | {tokens / secs:.0f} | {tokens / secs / base_rate:.2f}x |")
@@ -152,12 +162,15 @@ def dit_table(args: argparse.Namespace, workdir: Path) -> str:
             steps=steps, guidance_scale=cfg.diffusion.guidance_scale, generator=torch.Generator().manual_seed(0),
             device=torch.device("cpu"))
         run(2)  # warm-up
-        start = time.perf_counter()
-        run(args.dit_steps)
-        return args.dit_steps / (time.perf_counter() - start)
+        times = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            run(args.dit_steps)
+            times.append(time.perf_counter() - start)
+        return args.dit_steps / min(times)
 
-    lines = [f"DiT denoising on CPU (dit_tiny, {size}x{size}, CFG, {args.dit_steps} DDIM steps, {args.threads} threads; "
-             f"onnxruntime vs PyTorch max rel err {parity:.1e})", "",
+    lines = [f"DiT denoising on CPU (dit_tiny, {size}x{size}, CFG, {args.dit_steps} DDIM steps, {args.threads} thread(s); "
+             f"best of {args.repeat}; onnxruntime vs PyTorch max rel err {parity:.1e})", "",
              "| images per run | PyTorch eager steps/s | onnxruntime steps/s | onnxruntime / PyTorch |",
              "|---:|---:|---:|---:|"]
     for images in (int(i) for i in args.dit_images.split(",")):
