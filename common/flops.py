@@ -76,14 +76,16 @@ class FlopCounter:
     """``with FlopCounter() as fc: <forward + backward + optimizer step>``; then ``fc.flops``.
 
     Counts the matmul, convolution and attention FLOPs that run on this rank, forward and
-    backward (the optimizer's elementwise updates are not counted, by convention: MFU counts
-    model FLOPs). FLOPs of a multiply-add are 2. Attention is counted without the causal
-    discount, as the 6N + 12LHS formula and the PaLM MFU definition do.
+    backward (2 per multiply-add; elementwise ops and the optimizer update are not counted, as
+    in every MFU convention). Attention is counted without the causal discount, as the
+    6N + 12LHS formula and PaLM's MFU do, but its backward includes the Q K^T that the fused
+    kernels recompute (torch's formula: 5 matmuls, not 4). Activation checkpointing's recomputed
+    forward is counted too, which makes the ratio a hardware rather than a model FLOPs utilization.
 
-    Under DTensor tensor parallelism torch's counter sees the *global* (unsharded) shapes, so
-    each TP rank reports the FLOPs of its whole TP group; ``flops`` divides by the TP degree
-    found on the DTensors it saw so that, in every layout, ``flops`` is this rank's share and the
-    sum over ranks is the job's FLOPs per step.
+    ``flops`` is this rank's share in every layout, so the sum over ranks is the job's FLOPs per
+    step: DTensor ops (tensor parallelism) count their global shapes once, divided over the mesh
+    dimensions their output is sharded or partial on; FSDP2 computes on gathered plain weights
+    and data parallel ranks each count their own batch.
     """
 
     def __init__(self) -> None:
@@ -107,8 +109,8 @@ class FlopCounter:
 
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.flops
-        total = torch.tensor(float(self.flops), dtype=torch.float64,
-                             device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        total = torch.tensor(self.flops, dtype=torch.int64, device=device)
         dist.all_reduce(total)
         return int(total.item())
 

@@ -1,4 +1,4 @@
-"""FLOP counting (tiny Llama vs 6N + attention, DTensor TP shares, the three recipes' train steps),
+"""FLOP counting (tiny Llama vs 6N + attention, TP and FSDP2 shares, the three recipes' train steps),
 peak FLOP/s tables, measured CPU peak, MFU."""
 
 from __future__ import annotations
@@ -91,26 +91,32 @@ def run_ranks(job: str, args: tuple, world: int, tmp_path: Path) -> list:
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
 
 
-def _tp_llama_flops() -> dict:
+def _parallel_llama_flops() -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from recipes.llm.parallelize import apply_tp
+    from recipes.llm.parallelize import apply_fsdp, apply_tp
 
+    world = dist.get_world_size()
     model, tokens = tiny_llama()
-    apply_tp(model, init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",)), loss_parallel=False)
-    with FlopCounter() as fc:
+    apply_tp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), loss_parallel=False)
+    with FlopCounter() as tp:
         llama_step(model, tokens)
-    return {"flops": fc.flops, "global": fc.global_flops(), "by_op": fc.by_op()}
+    model, tokens = tiny_llama()
+    apply_fsdp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), "fp32")
+    with FlopCounter() as fsdp:
+        llama_step(model, tokens)
+    return {"tp": tp.flops, "tp_global": tp.global_flops(), "fsdp": fsdp.flops}
 
 
-def test_tensor_parallel_ranks_count_their_share(tmp_path):
-    """DTensor ops are seen at global shapes; each TP rank must report its half of the work."""
+def test_parallel_ranks_count_their_share(tmp_path):
+    """DTensor ops are seen at global shapes: each TP rank must report half the work. FSDP2 ranks
+    gather whole weights and run their own batch: each reports all of it."""
     model, tokens = tiny_llama()
     _, single = count_step_flops(llama_step, model, tokens)
-    ranks = run_ranks("_tp_llama_flops", (), 2, tmp_path)
-    assert [r["flops"] for r in ranks] == [single // 2, single // 2]
-    assert all(r["global"] == single for r in ranks)
+    ranks = run_ranks("_parallel_llama_flops", (), 2, tmp_path)
+    assert [r["tp"] for r in ranks] == [single // 2, single // 2]
+    assert all(r["tp_global"] == single and r["fsdp"] == single for r in ranks)
 
 
 TRAINERS = {"dit": "DiTTrainer", "vlm": "VLMTrainer", "llm": "LLMTrainer"}
