@@ -105,7 +105,9 @@ def main(argv: list[str]) -> int:
         raise _error(str(exc)) from None
 
     from common.distributed import describe_timeout, init_distributed, is_timeout, teardown
-    from common.loop import Stopped
+    from common.loop import STOP_SIGNALS, Stopped
+
+    STOP_SIGNALS.install()  # from here on SIGTERM/SIGUSR1 mean: checkpoint after the next step
 
     dist = init_distributed(cfg.parallel.timeout_s)
     try:
@@ -125,8 +127,6 @@ def main(argv: list[str]) -> int:
     except (UserError, FileNotFoundError) as exc:
         raise _error(str(exc)) from None
     except Stopped as exc:  # a stop signal: checkpoint written, exit as the signal would
-        if dist.is_main:
-            print(f"kiln: {exc}", flush=True)
         return exc.exit_code
     except Exception as exc:
         if not is_timeout(exc):

@@ -63,7 +63,6 @@ def run_training_loop(trainer: LoopTrainer) -> None:
     trainer.batches = iter(trainer.loader)
     after_first_step = getattr(trainer, "after_first_step", lambda: None)
     after_step = getattr(trainer, "after_step", lambda: None)
-    stop = StopSignals()
     bad_in_row, bad_total, saved_at = 0, 0, None
     try:
         with maybe_profile(cfg.profile, trainer.run_dir, trainer.dist.rank) as prof:
@@ -97,36 +96,35 @@ def run_training_loop(trainer: LoopTrainer) -> None:
                 if cfg.checkpoint.every and trainer.step % cfg.checkpoint.every == 0:
                     trainer.save_checkpoint()
                     saved_at = trainer.step
-                signum = stop.agreed(trainer.dist)
+                signum = STOP_SIGNALS.agreed(trainer.dist)
                 if signum:
                     if saved_at != trainer.step:
                         trainer.save_checkpoint()
-                    raise stop.stopped(trainer.step, trainer.run_dir, trainer.dist)
+                    raise STOP_SIGNALS.stop(signum, trainer.step, trainer.run_dir, trainer.dist)
         if cfg.checkpoint.final:
             trainer.save_checkpoint()
     finally:
-        stop.restore()
         trainer.loader.close()
         metrics.close()
 
 
 class StopSignals:
     """SIGTERM / SIGUSR1 (SLURM preemption and time-limit warnings; torchrun forwards them):
-    finish the step, checkpoint, exit. Ranks may get the signal at different steps, so they
-    agree through an all-reduce each step and all stop after the same one."""
+    finish the step, checkpoint, exit. Installed by the launcher before the run is set up, so an
+    early signal is not lost. Ranks may get the signal at different steps, so they agree through
+    an all-reduce after each step and all stop after the same one."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self) -> None:
         self.received = 0
-        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def install(self) -> None:
+        for s in self.SIGNALS:
+            signal.signal(s, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
-
-    def restore(self) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
 
     def agreed(self, dist: DistInfo) -> int:
         if dist.world_size == 1:
@@ -135,19 +133,24 @@ class StopSignals:
         tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
         return int(flag.item())
 
-    def stopped(self, step: int, run_dir, dist: DistInfo) -> Stopped:
-        signum = self.received or int(signal.SIGTERM)  # a rank that got none stops with its peers
+    def stop(self, signum: int, step: int, run_dir, dist: DistInfo) -> Stopped:
+        """Say so (before a requeue can kill the job), requeue on SLURM's time-limit warning."""
         name = signal.Signals(signum).name
         job = os.environ.get("SLURM_JOB_ID")
-        requeued = ""
-        if signum == signal.SIGUSR1 and job and dist.is_main:
-            # SLURM's time-limit warning (#SBATCH --signal=USR1@...): put the job back in the queue;
-            # it restarts with the same run.dir and resumes from this checkpoint (run.resume=auto).
-            done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-            requeued = f"; requeued SLURM job {job}" if done.returncode == 0 else \
-                f"; scontrol requeue {job} failed: {done.stderr.strip()}"
-        return Stopped(f"{name} received: stopped after step {step} with a checkpoint in {run_dir}/checkpoints"
-                       f"{requeued}; run.resume=auto continues from it", 128 + signum)
+        if dist.is_main:
+            print(f"kiln: {name} received: stopped after step {step} with a checkpoint in {run_dir}/checkpoints; "
+                  "run.resume=auto continues from it", flush=True)
+            if signum == signal.SIGUSR1 and job:
+                # #SBATCH --signal=USR1@...: put the job back in the queue; it restarts with the same
+                # job id, hence the same run.dir, and resumes from this checkpoint.
+                print(f"kiln: requeueing SLURM job {job}", flush=True)
+                done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+                if done.returncode:
+                    print(f"kiln: scontrol requeue {job} failed: {done.stderr.strip()}", flush=True)
+        return Stopped(f"stopped by {name}", 128 + signum)
+
+
+STOP_SIGNALS = StopSignals()
 
 
 def step_record(stats: dict, step_time: float, phases: dict[str, float]) -> dict:
