@@ -182,22 +182,33 @@ def peak_flops(device: torch.device | str, precision: str, override: float | Non
     return table[precision] * 1e12
 
 
+def measure_cpu_matmul_peak(dtype: torch.dtype = torch.float32) -> float:
+    """Matmul FLOP/s of this process's CPU threads: one thread's best rate times torch's thread
+    count (under torchrun, OMP_NUM_THREADS=1: the rate of one rank).
+
+    Measured on one thread because a multi-threaded matmul waits for its slowest thread: on a
+    shared 2-core machine two threads measured 3 to 68 GFLOP/s from run to run, one thread a
+    steady 100 (and two threads 198 when the machine was quiet). Cached per process.
+    """
+    return torch.get_num_threads() * _one_thread_matmul_peak(dtype)
+
+
 @functools.cache
-def measure_cpu_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 1024, budget_s: float = 0.3) -> float:
-    """Best FLOP/s of ``size``-square matmuls over about ``budget_s`` seconds, after one warm-up
-    (which lets oneDNN/MKL pick kernels and page in buffers). Uses torch's current thread count,
-    so under torchrun (OMP_NUM_THREADS=1) it is the rate of one rank. Cached per process."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    out = torch.empty(size, size, dtype=dtype)
-    torch.mm(a, b, out=out)
-    best, deadline = math.inf, time.perf_counter() + budget_s
-    for _ in range(50):
-        start = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best = min(best, time.perf_counter() - start)
-        if time.perf_counter() > deadline:
-            break
+def _one_thread_matmul_peak(dtype: torch.dtype, size: int = 512, repeats: int = 40) -> float:
+    """Best of ``repeats`` ``size``-square matmuls after a warm-up (oneDNN/MKL pick kernels,
+    buffers page in); a few ms each, so the best one ran without being preempted."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        out = torch.mm(a, b)
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
     return 2 * size**3 / best
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.flops import (PEAK_TFLOPS, FlopCounter, count_step_flops, gpu_model, measure_cpu_matmul_peak, mfu,
+from common.flops import (PEAK_TFLOPS, FlopCounter, _one_thread_matmul_peak, count_step_flops, gpu_model, mfu,
                           peak_flops, precision_key)
 from recipes.llm.model import LLAMA_CONFIGS, Transformer, flops_per_token
 
@@ -211,7 +211,7 @@ def test_precision_key_maps_tf32_toggle():
 def test_cpu_peak_is_measured_fast_and_cached():
     import time
 
-    measure_cpu_matmul_peak.cache_clear()
+    _one_thread_matmul_peak.cache_clear()
     start = time.perf_counter()
     peak = peak_flops("cpu", "fp32")
     elapsed = time.perf_counter() - start
