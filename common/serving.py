@@ -320,9 +320,10 @@ def running_server(export: str | Path, *overrides: str, log_path: str | Path, st
     port = free_port()
     serve = Path(__file__).resolve().parent.parent / "scripts" / "serve.py"
     base = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
+    # Its own TMPDIR, so the per-server state (state_dir) goes away with the server.
+    with open(log_path, "w") as log, tempfile.TemporaryDirectory(prefix="kiln-serve-") as tmp:
         proc = subprocess.Popen([sys.executable, str(serve), f"serve.model={export}", f"serve.port={port}", *overrides],
-                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": tmp, **(env or {})})
         try:
             deadline = time.monotonic() + startup_s
             while True:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -38,8 +40,10 @@ def export(tmp_path):
     return folder
 
 
-def _serve(*args):
-    return subprocess.run([sys.executable, SERVE, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+def _serve(*args, tmp="/nonexistent"):
+    """scripts/serve.py; its per-server scratch state (a dry run writes some) goes under `tmp`."""
+    return subprocess.run([sys.executable, SERVE, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(tmp)})
 
 
 @pytest.mark.parametrize("args, message", [
@@ -111,12 +115,12 @@ def test_vllm_command_line(export, tmp_path):
     assert "--chat-template" not in vllm_command(ServeSection(model="x"), export, "n", None)
 
 
-def test_dry_run_prints_the_vllm_command_without_vllm(export):
-    proc = _serve(f"serve.model={export}", "serve.engine=vllm", "serve.dry_run=true", "serve.port=9001")
+def test_dry_run_prints_the_vllm_command_without_vllm(export, tmp_path):
+    proc = _serve(f"serve.model={export}", "serve.engine=vllm", "serve.dry_run=true", "serve.port=9001", tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr
     command = proc.stdout.strip().splitlines()[-1]
     assert command.startswith(f"kiln: vllm serve {export} --served-model-name llm_tiny --host 127.0.0.1 --port 9001")
-    assert "--chat-template" in command  # the base LM export has none
+    assert f"--chat-template {tmp_path}/" in command  # the base LM export has none
 
 
 def test_transformers_command_and_its_one_model_cache(export, tmp_path):
@@ -136,7 +140,8 @@ def test_transformers_command_and_its_one_model_cache(export, tmp_path):
     assert (snapshot / "model.safetensors").resolve() == (export / "model.safetensors").resolve()
 
 
-def test_plan_for_the_cpu_engine(export):
+def test_plan_for_the_cpu_engine(export, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where state_dir puts the per-server cache
     launch = plan(ServeSection(model=str(export), engine="transformers"))
     assert launch.name == "llm_tiny" and launch.engine == "transformers"
     assert launch.env["HF_HUB_OFFLINE"] == "1" and (launch.cwd / "hub").is_dir()
@@ -159,7 +164,7 @@ def test_gpu_launch_scripts(export, tmp_path):
     srun = tmp_path / "bin" / "srun"
     srun.write_text('#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
     srun.chmod(0o755)
-    env = {"PATH": f"{srun.parent}:/usr/bin:/bin", "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "7",
+    env = {"PATH": f"{srun.parent}:/usr/bin:/bin", "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "7", "TMPDIR": str(tmp_path),
            "CUDA_VISIBLE_DEVICES": "0,1", "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(scripts[1]), f"serve.model={export}", "serve.port=8123", "serve.dry_run=true"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
