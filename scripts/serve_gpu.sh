@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Serve an LLM/VLM export with vLLM on this GPU node, tensor-parallel over every visible GPU:
-#   scripts/serve_gpu.sh serve.model=<run.dir>/export [serve.KEY=VALUE ...]   (later keys win)
+#   scripts/serve_gpu.sh serve.model=<run.dir>/export [serve.KEY=VALUE ...]   (later keys win; KILN_PYTHON=...)
 # A model whose head count the GPU count does not divide (the tiny ones): add serve.tensor_parallel_size=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +17,5 @@ export HF_HUB_OFFLINE=1                   # exports are local folders; compute n
 export VLLM_WORKER_MULTIPROC_METHOD=spawn # tensor-parallel workers must not fork an initialized CUDA context
 export TOKENIZERS_PARALLELISM=false       # silence the fork warning of HF tokenizers in vLLM's workers
 
-python=${PYTHON:-python}
-[[ -z "${PYTHON:-}" && -x .venv/bin/python ]] && python=.venv/bin/python  # the Makefile's venv, when there is one
+python=${KILN_PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 exec "$python" scripts/serve.py serve.engine=vllm serve.host=0.0.0.0 serve.tensor_parallel_size="$gpus" "$@"
