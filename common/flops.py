@@ -24,8 +24,8 @@ import time
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils.flop_counter import (FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count,
-                                      shape_wrapper)
+from torch.utils.flop_counter import (FlopCounterMode, _FlopCounterMode, flop_registry, sdpa_backward_flop_count,
+                                      sdpa_flop_count, shape_wrapper)
 
 
 def _cpu_flash_attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
@@ -72,6 +72,23 @@ def _formulas() -> dict:
     return {op: _local(f) for op, f in raw.items()}
 
 
+class _GlobalFlopCounterMode(FlopCounterMode):
+    """FlopCounterMode without its per-module breakdown: the module tracker's autograd hooks make
+    pipelining's stage backward (autograd.grad) fail, and they reorder gradient accumulation
+    enough to change the counted step's last bits."""
+
+    def __enter__(self):
+        self.flop_counts.clear()
+        self.mode = _FlopCounterMode(self)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *args):
+        b = self.mode.__exit__(*args)
+        self.mode = None
+        return b
+
+
 class FlopCounter:
     """``with FlopCounter() as fc: <forward + backward + optimizer step>``; then ``fc.flops``.
 
@@ -89,7 +106,7 @@ class FlopCounter:
     """
 
     def __init__(self) -> None:
-        self._mode = FlopCounterMode(display=False, custom_mapping=_formulas())
+        self._mode = _GlobalFlopCounterMode(display=False, custom_mapping=_formulas())
         self.flops = 0
 
     def __enter__(self) -> FlopCounter:
