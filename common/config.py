@@ -96,6 +96,8 @@ class ProfileConfig:
     record_shapes: bool = False
     profile_memory: bool = False
     with_stack: bool = False
+    count_flops: bool = True  # count the first step's FLOPs: achieved TFLOP/s and MFU per logged step
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0: the built-in GPU table, or a measured CPU matmul peak
 
 
 @dataclass
@@ -165,6 +167,7 @@ NON_NEGATIVE = (
     "data.num_workers",
     "data.max_corrupt_shards",
     "profile.wait",
+    "profile.peak_tflops",
     "profile.warmup",
     "profile.repeat",
 )

@@ -7,11 +7,14 @@ step); this function owns the rest.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -63,6 +66,7 @@ def run_training_loop(trainer: LoopTrainer) -> None:
     trainer.batches = iter(trainer.loader)
     after_first_step = getattr(trainer, "after_first_step", lambda: None)
     after_step = getattr(trainer, "after_step", lambda: None)
+    flops = StepFlops(cfg, trainer.dist, metrics, trainer.run_dir, fresh=start_step == 0)
     bad_in_row, bad_total, saved_at = 0, 0, None
     try:
         with maybe_profile(cfg.profile, trainer.run_dir, trainer.dist.rank) as prof:
@@ -71,9 +75,13 @@ def run_training_loop(trainer: LoopTrainer) -> None:
                 faults.before_step(trainer.step + 1)
                 log_now = (trainer.step + 1) % t.log_every == 0 or trainer.step + 1 == t.max_steps
                 timer.enabled = log_now or cfg.profile.enabled
+                first = trainer.step == start_step
                 start = time.perf_counter()
-                stats = trainer.train_step(timer)
+                with flops.counter(first) as counter:
+                    stats = trainer.train_step(timer)
                 step_time = time.perf_counter() - start
+                phases = timer.pop()
+                flops.counted(counter, stats)
                 trainer.step += 1
                 prof.step()
                 metrics.advance()
@@ -82,7 +90,8 @@ def run_training_loop(trainer: LoopTrainer) -> None:
                 if trainer.step == start_step + 1:
                     after_first_step()
                 if log_now or bad:
-                    metrics.log(trainer.step, step_record({**stats, "skipped_steps": bad_total}, step_time, timer.pop()))
+                    rates = {} if first else flops.rates(stats, step_time)  # counting slows its step
+                    metrics.log(trainer.step, step_record({**stats, "skipped_steps": bad_total, **rates}, step_time, phases))
                 if t.max_bad_steps and bad_in_row >= t.max_bad_steps:
                     # Skipped steps never touched the weights: this checkpoint holds the last good ones.
                     trainer.save_checkpoint()
@@ -106,6 +115,57 @@ def run_training_loop(trainer: LoopTrainer) -> None:
     finally:
         trainer.loader.close()
         metrics.close()
+
+
+class StepFlops:
+    """FLOPs per step counted once, on a fresh run's first step (common/flops.py: counting
+    dispatches every op through Python), then achieved TFLOP/s per device and MFU per logged step.
+
+    Counting can change the last bits of that step's gradients (ops dispatch differently under
+    the counting mode), so a resumed run does not count again, which would break bitwise resume:
+    it reads the count from run.dir/flops.json. Packed LLM/VLM steps vary in rows: their work
+    scales with token slots (tokens over utilization).
+    """
+
+    def __init__(self, cfg: TrainConfig, dist: DistInfo, metrics: MetricsLogger, run_dir, fresh: bool):
+        from common.flops import peak_flops, precision_key
+
+        self.enabled, self.world, self.fresh = cfg.profile.count_flops, dist.world_size, fresh
+        self.path, self.is_main = Path(run_dir) / "flops.json", dist.is_main
+        self.flops = self.work = self.peak = None
+        if self.enabled and not fresh and self.path.exists():
+            saved = json.loads(self.path.read_text())
+            self.flops, self.work = saved["flops_per_step"], saved["work"]
+        if self.enabled:
+            try:
+                self.peak = peak_flops(dist.device, precision_key(cfg.toggles), cfg.profile.peak_tflops * 1e12 or None)
+            except ValueError as exc:  # an unknown GPU: no MFU rather than a wrong one
+                metrics.write(f"kiln: no MFU ({exc}; set profile.peak_tflops)")
+
+    def counter(self, first_step: bool):
+        from common.flops import FlopCounter
+
+        return FlopCounter() if self.enabled and self.fresh and first_step else contextlib.nullcontext()
+
+    @staticmethod
+    def _work(stats: dict) -> float:
+        return stats["tokens"] / stats["token_utilization"] if stats.get("token_utilization") else 1.0
+
+    def counted(self, counter, stats: dict) -> None:
+        if counter is None:
+            return
+        self.flops, self.work = counter.global_flops(), self._work(stats)  # collective
+        if self.is_main:
+            self.path.write_text(json.dumps({"flops_per_step": self.flops, "work": self.work}))
+
+    def rates(self, stats: dict, step_time: float) -> dict:
+        if not self.flops:
+            return {}
+        flops = self.flops * self._work(stats) / self.work
+        out = {"flops_per_step": flops, "achieved_tflops": flops / step_time / self.world / 1e12}
+        if self.peak:
+            out["mfu"] = flops / (step_time * self.peak * self.world)
+        return out
 
 
 class StopSignals:
