@@ -68,11 +68,18 @@ def _read_shard(url: str) -> Iterator[dict]:
 
 
 class _EpochStream(IterableDataset):
-    """One epoch of one rank. Runs inside each DataLoader worker (or in-process if num_workers=0).
+    """The epochs of one rank, one pass per epoch. Runs inside each DataLoader worker (or in-process
+    if num_workers=0).
 
-    Yields ``{"worker", "drawn", "batches", "bad", "batch"}`` per full batch, then one
-    ``{"worker", "end": True, "bad"}`` marker so the main process knows the worker is done
-    and learns about corrupt shards found after its last batch.
+    Workers persist across epochs, and DataLoader starts one pass of a worker's copy of this
+    dataset per iter() of the loader: pass n is epoch ``epoch + n``, and only the first pass
+    continues from ``resume``. When DataLoader asks for more after a pass's end marker (it
+    prefetches), the worker starts the next epoch and keeps its first item for the next pass, so
+    refilling the shuffle buffer overlaps the end of this epoch.
+
+    Each pass yields ``{"worker", "epoch", "drawn", "batches", "bad", "batch"}`` per full batch,
+    then one ``{"worker", "epoch", "end": True, "bad"}`` marker so the main process knows the
+    worker is done and learns about corrupt shards found after its last batch.
     """
 
     def __init__(self, *, urls: list[str], decode: Callable[[dict], Any], collate: Callable, batch_size: int,
@@ -85,15 +92,35 @@ class _EpochStream(IterableDataset):
         self.seed, self.shuffle_buffer, self.shuffle_shards = seed, shuffle_buffer, shuffle_shards
         self.epoch, self.resume = epoch, resume
         self.known_bad = known_bad  # found in earlier epochs: only used to not repeat the warning
+        self.passes = 0
+        self.ahead: tuple[int, Iterator[dict], dict] | None = None  # (epoch, its stream, its first item)
 
     def __iter__(self) -> Iterator[dict]:
+        epoch, resume = self.epoch + self.passes, self.resume if self.passes == 0 else None
+        self.passes += 1
+        return self._pass(epoch, resume)
+
+    def _pass(self, epoch: int, resume: list[dict] | None) -> Iterator[dict]:
+        if self.ahead is not None and self.ahead[0] == epoch:
+            _, items, first = self.ahead
+            yield first
+        else:
+            items = self._one_epoch(epoch, resume)
+        self.ahead = None
+        yield from items
+        # Only reached when DataLoader prefetches past the end marker, i.e. while the main process
+        # still works through this epoch's last batches.
+        items = self._one_epoch(epoch + 1, None)
+        self.ahead = (epoch + 1, items, next(items))
+
+    def _one_epoch(self, epoch: int, resume: list[dict] | None) -> Iterator[dict]:
         info = get_worker_info()
         worker = 0 if info is None else info.id
         shards = self.urls[self.rank :: self.world_size][worker :: self.num_slots]
-        rng = _rng(self.seed, self.epoch, self.rank, worker)
+        rng = _rng(self.seed, epoch, self.rank, worker)
         if self.shuffle_shards:
             rng.shuffle(shards)
-        start = self.resume[worker] if self.resume else {"drawn": 0, "batches": 0, "bad": {}}
+        start = resume[worker] if resume else {"drawn": 0, "batches": 0, "bad": {}}
         # url -> reason. Seeded from the saved position: those shards were found corrupt
         # (perhaps by decoding a sample we now skip without decoding) before the stop point.
         bad: dict[str, str] = dict(start["bad"])
@@ -132,18 +159,22 @@ class _EpochStream(IterableDataset):
                 continue
             if len(batch) == self.batch_size:
                 batches += 1
-                yield {"worker": worker, "drawn": drawn, "batches": batches, "bad": dict(bad), "batch": self.collate(batch)}
+                yield {"worker": worker, "epoch": epoch, "drawn": drawn, "batches": batches, "bad": dict(bad),
+                       "batch": self.collate(batch)}
                 batch = []
+        # A worker always reads the same shards, so what it found corrupt is known in its later epochs.
+        self.known_bad = self.known_bad | frozenset(bad)
         # The final partial batch is dropped: every batch has exactly batch_size samples.
-        yield {"worker": worker, "end": True, "bad": dict(bad)}
+        yield {"worker": worker, "epoch": epoch, "end": True, "bad": dict(bad)}
 
 
 class ResumableLoader:
     """Endless iterator of per-rank batches over epochs 0, 1, 2, ... with an exact, JSON-able position.
 
-    Build with :func:`build_webdataset_loader`. One DataLoader iterator lives for one epoch
-    (batches within an epoch come from the same workers); the next epoch starts fresh
-    workers with the new epoch's seeds.
+    Build with :func:`build_webdataset_loader`. The DataLoader's workers persist across epochs:
+    restarting them cost a fork and a refilled pipeline, a data-wait spike at every epoch boundary.
+    Each epoch is one iter() of the DataLoader (a fresh pass over the worker's shards with that
+    epoch's seeds); workers are only started anew after ``close()`` or ``load_state_dict``.
     """
 
     def __init__(self, *, urls: list[str], decode: Callable[[dict], Any], batch_size: int, rank: int, world_size: int,
@@ -157,6 +188,7 @@ class ResumableLoader:
         self._max_corrupt = max_corrupt_shards
         self._pin_memory = pin_memory
         self._corrupt: dict[str, str] = {}  # distinct shards skipped on this rank, all epochs
+        self._loader: DataLoader | None = None  # built lazily, kept across epochs
         self._reset_epoch(0, next_worker=0, positions=None)
 
     # -- position -------------------------------------------------------------------------------
@@ -167,7 +199,7 @@ class ResumableLoader:
         self._positions = positions or [{"drawn": 0, "batches": 0, "bad": {}} for _ in range(self._num_slots)]
         self._finished = [False] * self._num_slots
         self._queues: list[collections.deque] = [collections.deque() for _ in range(self._num_slots)]
-        self._epoch_iter: Iterator[dict] | None = None  # started lazily, with the positions above
+        self._epoch_iter: Iterator[dict] | None = None  # this epoch's pass, started lazily
 
     def _layout(self) -> dict:
         c = self._cfg
@@ -214,16 +246,17 @@ class ResumableLoader:
     # -- iteration --------------------------------------------------------------------------------
 
     def _start_epoch(self) -> Iterator[dict]:
-        resumed = any(p["drawn"] or p["batches"] or p["bad"] for p in self._positions)
-        dataset = _EpochStream(**self._cfg, epoch=self._epoch, resume=self._positions if resumed else None,
-                               known_bad=frozenset(self._corrupt))
-        # A dedicated generator: DataLoader draws its worker base seed from it instead of the
-        # global torch RNG, so building/iterating the loader leaves the caller's RNG untouched.
-        gen = torch.Generator().manual_seed(_rng(self._cfg["seed"], self._epoch, self._cfg["rank"], -1).getrandbits(63))
-        loader = DataLoader(dataset, batch_size=None, num_workers=self._num_workers, generator=gen,
-                            pin_memory=self._pin_memory, persistent_workers=False,
-                            worker_init_fn=_ignore_stop_signals)
-        return iter(loader)
+        if self._loader is None:  # (re)start workers at the current position, within its epoch
+            resumed = any(p["drawn"] or p["batches"] or p["bad"] for p in self._positions)
+            dataset = _EpochStream(**self._cfg, epoch=self._epoch, resume=self._positions if resumed else None,
+                                   known_bad=frozenset(self._corrupt))
+            # A dedicated generator: DataLoader draws its worker base seed from it instead of the
+            # global torch RNG, so building/iterating the loader leaves the caller's RNG untouched.
+            gen = torch.Generator().manual_seed(_rng(self._cfg["seed"], self._epoch, self._cfg["rank"], -1).getrandbits(63))
+            self._loader = DataLoader(dataset, batch_size=None, num_workers=self._num_workers, generator=gen,
+                                      pin_memory=self._pin_memory, persistent_workers=self._num_workers > 0,
+                                      worker_init_fn=_ignore_stop_signals)
+        return iter(self._loader)  # with persistent workers: their next pass, i.e. the next epoch
 
     def _absorb_bad(self, bad: dict[str, str]) -> None:
         new = {u: r for u, r in bad.items() if u not in self._corrupt}
@@ -250,6 +283,8 @@ class ResumableLoader:
                 item = next(self._epoch_iter)  # cannot run dry: w has not sent its end marker
                 self._queues[item["worker"]].append(item)
             item = self._queues[w].popleft()
+            if item["epoch"] != self._epoch:  # a pass per iter() is DataLoader's contract; never guess
+                raise RuntimeError(f"data loader worker {w} sent epoch {item['epoch']} during epoch {self._epoch}")
             self._absorb_bad(item["bad"])
             self._next_worker = (w + 1) % self._num_slots
             if item.get("end"):
@@ -269,14 +304,20 @@ class ResumableLoader:
             if sum(p["batches"] for p in self._positions) == 0:
                 raise DataError(f"rank {self._cfg['rank']} produced no full batch of {self._cfg['batch_size']} in epoch "
                                  f"{self._epoch}: each worker's shards hold fewer samples than one batch")
-            self.close()
+            # Every worker sent its end marker: nothing of this epoch is in flight. The workers stay;
+            # the next iter() of the DataLoader starts their pass over the next epoch.
             self._reset_epoch(self._epoch + 1, next_worker=0, positions=None)
 
     def close(self) -> None:
-        """Stop this epoch's workers (they restart lazily on the next batch request)."""
-        it, self._epoch_iter = self._epoch_iter, None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()  # deterministic teardown instead of waiting for garbage collection
+        """Stop the workers; the next batch request starts new ones at the position handed out so far."""
+        loader, self._loader = self._loader, None
+        workers = getattr(loader, "_iterator", None)  # where DataLoader keeps persistent workers
+        if workers is None:
+            workers = self._epoch_iter
+        if workers is not None and hasattr(workers, "_shutdown_workers"):
+            workers._shutdown_workers()  # deterministic teardown instead of waiting for garbage collection
+        # Batches received but not handed out are dropped: the new workers produce them again.
+        self._reset_epoch(self._epoch, next_worker=self._next_worker, positions=self._positions)
 
 
 def build_webdataset_loader(
