@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kiln-installed
 # CPU installs pin torch to the release on this machine's disk (an unpinned torch pulls CUDA).
 PIP_INSTALL := $(PY) -m pip install -q -c constraints/cpu.txt
 
-.PHONY: install demo test data clean
+.PHONY: install demo test data clean bench
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ data: install
 # Trains dit_tiny end to end on CPU (train -> samples -> eval -> export), a few minutes.
 demo: data
 	$(PY) scripts/train.py recipe=dit_tiny
+
+# Benchmarks side by side in one run (overhead, AC, ZeRO, data wait, scaling, packing, pipeline,
+# serving): outputs/bench/bench.md and bench.json, about 15 min on a 2-core CPU.
+bench: data
+	$(PY) scripts/bench.py
 
 test: install
 	$(PY) -m pytest -q
