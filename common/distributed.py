@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,11 @@ def init_distributed(timeout_s: int = 600) -> DistInfo:
     dist.distributed_c10d.default_pg_timeout = timeout
     dist.distributed_c10d.default_pg_nccl_timeout = timeout
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
+        # torchrun keeps one store across restarts (--max-restarts): without a per-attempt prefix,
+        # restarted ranks read the dead ranks' gloo addresses and fail to connect.
+        store, _, _ = next(rendezvous("env://", rank, world, timeout=timeout))
+        store = dist.PrefixStore(f"kiln/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 

@@ -217,7 +217,8 @@ def _one_thread_matmul_peak(dtype: torch.dtype, size: int = 512, repeats: int = 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        gen = torch.Generator().manual_seed(0)  # the global RNG belongs to training: resume must replay it
+        a, b = (torch.randn(size, size, generator=gen).to(dtype) for _ in range(2))
         out = torch.mm(a, b)
         best = math.inf
         for _ in range(repeats):
