@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from common import faults
 from common.checkpoint import CheckpointManager
@@ -38,9 +39,15 @@ def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
                      rope_theta=m.rope_theta, max_seq_len=m.max_seq_len)
 
 
+# Optimizer state keyed per parameter FQN ("param_groups.<fqn>.lr", ...). Nested, `param_groups` is
+# one object that DCP saves from a single rank: under pipeline parallelism each stage's groups name
+# different parameters, and the other stages would load groups without their hyperparameters.
+FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class LLMTrainer:
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         from data.prepare_text import load_tokenizer
 
@@ -182,7 +189,7 @@ class LLMTrainer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         def write(tmp: Path) -> None:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=FLAT_OPTIM)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
             if self.dist.is_main:  # layout-independent: one global data stream, no per-rank RNG use
                 torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(),
@@ -196,10 +203,11 @@ class LLMTrainer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=FLAT_OPTIM)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path / "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=FLAT_OPTIM)
         trainer = torch.load(path / "trainer.pt", weights_only=False)
         self.step = trainer["step"]
         self.scheduler.load_state_dict(trainer["scheduler"])
@@ -208,7 +216,7 @@ class LLMTrainer:
     # ---- export -----------------------------------------------------------------------------
     def export(self) -> Path:
         """A Hugging Face LlamaForCausalLM folder (safetensors + tokenizer) from the sharded model."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         if self.dims.pp > 1:
             # Each rank holds its stages' weights (disjoint FQNs): consolidate, then gather the stages.
