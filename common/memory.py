@@ -64,6 +64,19 @@ FP32_ADAM = StateBytes(4, 4, 8)
 # "18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit"
 # (deepspeed/runtime/zero/stage_1_and_2.py, estimate_zero2_model_states_mem_needs), i.e. K = 16.
 DEEPSPEED_MIXED = StateBytes(2, 2, 16)
+# In fp32 its ZeRO-1/2 optimizer still keeps a separate fp32 partition of the weights for the
+# step (measured on dit_tiny, 2 ranks: +4 B/param/dp over FP32_ADAM), i.e. K = 12; ZeRO-0 steps a
+# plain torch optimizer and ZeRO-3 steps its fp32 partitions in place (K = 8).
+DEEPSPEED_FP32_ZERO12 = StateBytes(4, 4, 12)
+
+
+def deepspeed_state_bytes(stage: int, precision: str) -> StateBytes:
+    """Bytes per parameter of what DeepSpeed allocates at a ZeRO stage and precision."""
+    if precision != "fp32":
+        return DEEPSPEED_MIXED
+    return DEEPSPEED_FP32_ZERO12 if stage in (1, 2) else FP32_ADAM
+
+
 # FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) shards the fp32 parameters
 # themselves and keeps fp32 sharded gradients; the bf16 copies exist only while a unit is gathered.
 FSDP_MIXED = StateBytes(4, 4, 8)
@@ -331,10 +344,10 @@ def _zero_stages(spec: ModelSpec, dp: int) -> tuple[int, ...]:
     return (3,) if spec.sharding == "fsdp" else (0, 1, 2, 3)
 
 
-def _state_bytes_per_param(spec: ModelSpec) -> StateBytes:
+def _state_bytes_per_param(spec: ModelSpec, stage: int) -> StateBytes:
     if spec.sharding == "fsdp":
         return FSDP_MIXED  # fp32 parameters either way; bf16 only changes the gathered copies
-    return FP32_ADAM if spec.precision == "fp32" else DEEPSPEED_MIXED
+    return deepspeed_state_bytes(stage, spec.precision)
 
 
 def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, float]:
@@ -344,7 +357,7 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     first, last = rank == 0, rank == p - 1
     layers = spec.layers // p
     params = (layers * spec.layer_params + first * spec.first_params + last * spec.last_params) / tp
-    states = model_state_bytes(params, layout.zero_stage, layout.dp, _state_bytes_per_param(spec),
+    states = model_state_bytes(params, layout.zero_stage, layout.dp, _state_bytes_per_param(spec, layout.zero_stage),
                                gathered_params=spec.gather_unit_params / tp, compute_bytes=e)
     states["weights"] += spec.frozen_params * e / (layout.dp if layout.zero_stage >= 3 else 1)
     if spec.sharding == "fsdp" and layout.dp == 1 and e == 2:
