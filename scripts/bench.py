@@ -452,9 +452,11 @@ def bench_ac(opts) -> Section:
 # ---- ZeRO: measured per-rank model-state bytes vs the memory planner -----------------------------
 
 def bench_zero(opts) -> Section:
-    from common.memory import FP32_ADAM, model_state_bytes
+    from common.launch import compose
+    from common.memory import deepspeed_state_bytes, model_state_bytes
 
     stages, world = opts.pick([0, 1, 2, 3], [0, 3]), 2
+    precision = compose(["recipe=dit_tiny"]).toggles.precision
     rows, data = [], {}
     for stage in stages:
         say(f"zero: dit_tiny, stage {stage}, {world} ranks (torchrun)")
@@ -462,8 +464,8 @@ def bench_zero(opts) -> Section:
         train_run(opts, "dit_tiny", [f"parallel.zero_stage={stage}", "trainer.max_steps=2", "trainer.log_every=1"],
                   run_dir, nproc=world)
         info = json.loads((run_dir / "memory.json").read_text())
-        # The planner's per-rank states for this recipe (fp32: DeepSpeed keeps no separate 16-bit copy).
-        plan = model_state_bytes(info["trainable_params"], stage, world, FP32_ADAM)
+        # The planner's per-rank states: what it assumes DeepSpeed allocates at this stage and precision.
+        plan = model_state_bytes(info["trainable_params"], stage, world, deepspeed_state_bytes(stage, precision))
         planned = plan["weights"] + plan["optimizer"]  # memory.json measures weights + optimizer, not grads
         measured = info["per_rank_state_bytes"]
         data[stage] = {"measured": measured, "planner": plan, "num_params": info["num_params"]}
@@ -477,13 +479,12 @@ def bench_zero(opts) -> Section:
                 for d in data.values())
     s.targets.append(Target(f"measured within {TARGET_ZERO_MATCH:.0%} of common/memory.py at every stage",
                             f"worst {worst:.1%} off", worst <= TARGET_ZERO_MATCH))
-    s.notes.append(f"{data[stages[0]]['num_params']:,} parameters, fp32. measured: run.dir/memory.json "
+    s.notes.append(f"{data[stages[0]]['num_params']:,} parameters, {precision}. measured: run.dir/memory.json "
                    "(common/deepspeed.py record_state_bytes: unique storages of weights, ZeRO partitions, the "
                    "optimizer's fp32 params and Adam moments after the first step; gradients are freed between "
-                   "steps, so not counted); planner: common/memory.py model_state_bytes(..., FP32_ADAM).")
-    s.notes.append("DeepSpeed's ZeRO-1/2 optimizer clones this rank's partition as its fp32 master weights even when the "
-                   "weights already are fp32 (deepspeed/runtime/zero/stage_1_and_2.py), +4 B/param/dp that FP32_ADAM "
-                   "does not count; ZeRO-3 reuses the partition when the dtypes match (stage3.py).")
+                   "steps, so not counted); planner: common/memory.py model_state_bytes with deepspeed_state_bytes "
+                   "(in fp32, ZeRO-1/2 keep an extra fp32 weight partition for the step: DeepSpeed's "
+                   "stage_1_and_2.py clones it even when the weights are fp32; ZeRO-3 steps its partition in place).")
     s.data = {str(k): v for k, v in data.items()}
     return s
 
