@@ -23,18 +23,19 @@ def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
     return prepare_dataset(cfg.data, dist, ensure, "data.prepare_vlm_digits")
 
 
-def collate(samples: list[dict], *, packing: bool, max_seq_len: int, pad_id: int, attention: str) -> dict:
-    """Runs in the loader workers: the micro-batch as model inputs, plus token accounting.
+def collate(samples: list[dict], *, packing: bool, max_seq_len: int, pad_id: int) -> dict:
+    """Runs in the loader workers: the packed micro-batch, its images, and token accounting.
 
     Packing only regroups the same samples into fewer rows, so the loss (a token mean over
-    the micro-batch) is the same with packing on or off.
+    the micro-batch) is the same with packing on or off. The trainer turns the PackedBatch into
+    model inputs: a 4D mask is rows x L x L, too big to pass between processes every step.
     """
     packed: PackedBatch = pack_samples(samples, max_seq_len, pad_id) if packing else pad_samples(samples, pad_id)
-    inputs = packed.model_inputs(attention)
     # Images in the order their <image> tokens appear in the row-major flattened batch.
-    inputs["pixel_values"] = torch.stack([samples[i]["pixel_values"] for i in packed.order])
+    pixel_values = torch.stack([samples[i]["pixel_values"] for i in packed.order])
     slots = packed.input_ids.numel()
-    return {"inputs": inputs, "real_tokens": packed.num_real_tokens, "slots": slots, "samples": len(samples)}
+    return {"packed": packed, "pixel_values": pixel_values, "real_tokens": packed.num_real_tokens, "slots": slots,
+            "samples": len(samples)}
 
 
 def build_train_loader(cfg: TrainConfig, dist: DistInfo, urls: list[str], processor):
@@ -45,7 +46,7 @@ def build_train_loader(cfg: TrainConfig, dist: DistInfo, urls: list[str], proces
         decode=functools.partial(encode_sample, processor=processor),
         collate=functools.partial(
             collate, packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len,
-            pad_id=processor.tokenizer.pad_token_id, attention=cfg.toggles.attention,
+            pad_id=processor.tokenizer.pad_token_id,
         ),
         batch_size=cfg.trainer.micro_batch_size,
         rank=dist.rank,

@@ -83,8 +83,8 @@ class VLMTrainer:
             with timer.phase("data_wait"):
                 batch = next(self.batches)
             with timer.phase("forward"):
-                inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch["inputs"].items()}
-                inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+                inputs = batch["packed"].model_inputs(self.cfg.toggles.attention, device=self.device)
+                inputs["pixel_values"] = batch["pixel_values"].to(self.device, self.dtype)
                 if "attention_mask" in inputs and inputs["attention_mask"].dtype != torch.bool:
                     inputs["attention_mask"] = inputs["attention_mask"].to(self.dtype)
                 loss = faults.poison_loss(self.engine(**inputs).loss, self.step + 1)
