@@ -197,6 +197,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
     if not (0.0 <= cfg.optim.beta1 < 1.0 and 0.0 <= cfg.optim.beta2 < 1.0):
         raise ConfigError("optim.beta1 and optim.beta2 must be in [0, 1)")
+    if cfg.toggles.attention == "flash" and cfg.toggles.precision not in ("bf16", "fp16", "fp8"):
+        raise ConfigError(f"toggles.attention=flash needs toggles.precision=bf16 or fp16 (flash kernels have no "
+                          f"{cfg.toggles.precision} path); got toggles.precision={cfg.toggles.precision}")
     resume = cfg.run.resume
     if resume not in ("auto", "never") and not Path(resume).exists():
         raise ConfigError(f"run.resume={resume}: no such path (use auto, never, or a checkpoint path)")

@@ -11,12 +11,14 @@ defaults to every rank. `crash` fires only in the first attempt of a torchrun jo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from dataclasses import dataclass
 
-import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 KINDS = ("nan_loss", "crash", "hang", "kill_in_checkpoint")
 
@@ -58,10 +60,20 @@ def before_step(step: int) -> None:
             time.sleep(3600)
 
 
-def poison_loss(loss: torch.Tensor | float, step: int) -> torch.Tensor | float:
-    """loss * NaN on an injected step: a NaN loss whose backward gives NaN gradients.
-    (The pipeline schedule passes its loss scale through here instead of the loss.)"""
-    return loss * float("nan") if _active("nan_loss", step) else loss
+class _PoisonLosses(TorchFunctionMode):
+    """Multiplies the result of every loss function by NaN: a NaN loss whose backward gives NaN
+    gradients, whichever recipe, model library or pipeline stage computes the loss."""
+
+    LOSSES = (F.cross_entropy, F.mse_loss)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * float("nan") if func in self.LOSSES else out
+
+
+def poisoned_losses(step: int):
+    """Around a train step (common/trainer.py): on an injected `nan_loss` step every loss is NaN."""
+    return _PoisonLosses() if _active("nan_loss", step) else contextlib.nullcontext()
 
 
 def during_checkpoint(step: int) -> None:

@@ -1,6 +1,6 @@
 """FLOPs of a train step (counted with torch's FlopCounterMode), device peak FLOP/s, and MFU.
 
-Wiring into the step loop (common/loop.py)::
+Wiring into the step loop (common/trainer.py, StepFlops)::
 
     from common.flops import FlopCounter, mfu, peak_flops, precision_key
 

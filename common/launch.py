@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
         raise _error(str(exc)) from None
 
     from common.distributed import describe_timeout, init_distributed, is_timeout, teardown
-    from common.loop import STOP_SIGNALS, Stopped
+    from common.trainer import STOP_SIGNALS, Stopped
 
     STOP_SIGNALS.install()  # from here on SIGTERM/SIGUSR1 mean: checkpoint after the next step
 

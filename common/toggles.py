@@ -1,21 +1,24 @@
-"""Optimization toggles shared by every recipe: precision, TF32, compile, attention backend.
+"""Optimization toggles, one meaning in every recipe: precision, TF32, compile, activation
+checkpointing, attention backend.
 
-`check_toggles` runs before anything is written, so an impossible toggle on this machine
-(flash without CUDA, fp8 on a GPU without fp8 units) ends the run with one line.
-Activation checkpointing is applied by each recipe's parallelize function, which knows its
-block structure; the toggle's value is validated here.
+`check_toggles` runs before anything is written, so a toggle this machine cannot honour (flash
+without CUDA, fp8 on a GPU without fp8 units) ends the run with one line; a value a recipe cannot
+honour is refused by the recipe's own `validate` at composition. `apply_toggles` is the one
+function every recipe's `parallelize` calls to apply the model-level toggles, in torchtitan's
+order (after tensor parallelism, before FSDP/ZeRO): fp8 linears -> activation checkpointing per
+block -> torch.compile per block. Which modules are "blocks" is the only thing a recipe says.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
+from torch import nn
 
 from common.config import TogglesConfig
 from common.errors import ConfigError
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def _cuda_capability() -> tuple[int, int] | None:
@@ -46,25 +49,64 @@ def apply_global_toggles(t: TogglesConfig) -> None:
     torch.set_float32_matmul_precision("high" if t.tf32 else "highest")
 
 
-def param_dtype(t: TogglesConfig) -> torch.dtype:
-    """Dtype of weights and activations in compute (fp8 keeps bf16 weights, fp8 matmuls)."""
-    return DTYPES[t.precision]
-
-
 def apply_fp8(model: torch.nn.Module) -> torch.nn.Module:
     """Swap nn.Linear layers for torchao's float8 training linears (dynamic scaling).
 
-    Layers whose dimensions are not multiples of 16 stay in bf16: fp8 GEMMs need them.
+    Layers whose dimensions are not multiples of 16 stay in bf16: fp8 GEMMs need them. So does a
+    language model's output projection (torchtitan's default too: its logits feed the loss).
     """
     from torchao.float8 import convert_to_float8_training
 
-    def fits(module: torch.nn.Module, _fqn: str) -> bool:
-        return isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+    def fits(module: torch.nn.Module, fqn: str) -> bool:
+        return (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+                and fqn.rsplit(".", 1)[-1] not in ("output", "lm_head"))
 
     return convert_to_float8_training(model, module_filter_fn=fits)
 
 
-def compile_blocks(blocks: torch.nn.ModuleList) -> None:
-    """torch.compile each repeated block in place: one graph reused by every layer."""
-    for block in blocks:
-        block.compile()
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """Selective AC policy: keep the outputs of matmuls and of the attention kernel, recompute the
+    cheap ops (norms, activations, rope, adds) -- most of the memory for little recompute."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(model: nn.Module, mode: str, block_types: tuple[type[nn.Module], ...]) -> list[nn.Module]:
+    """Wrap every block in place: `full` recomputes the whole block in backward, `selective` only its
+    cheap ops (`_save_matmuls`). Returns the wrappers. checkpoint_wrapper's state-dict hooks drop its
+    prefix, so checkpoints and exports keep the model's own parameter names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kwargs = {"preserve_rng_state": False}  # no dropout inside the blocks: nothing random to replay
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    wrapped: list[nn.Module] = []
+
+    def wrap(block: nn.Module) -> nn.Module:
+        wrapped.append(checkpoint_wrapper(block, **kwargs))
+        return wrapped[-1]
+
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap, check_fn=lambda m: isinstance(m, block_types))
+    return wrapped
+
+
+def apply_toggles(model: nn.Module, t: TogglesConfig, *, block_types: tuple[type[nn.Module], ...],
+                  fp8_module: nn.Module | None = None) -> None:
+    """fp8 (on `fp8_module`, default the whole model) -> activation checkpointing of every
+    `block_types` module -> torch.compile of each block (its AC wrapper when there is one: compile
+    traces the recompute too)."""
+    if t.precision == "fp8":
+        apply_fp8(model if fp8_module is None else fp8_module)
+    blocks = [m for m in model.modules() if isinstance(m, block_types)]
+    if t.activation_checkpointing != "none":
+        blocks = apply_ac(model, t.activation_checkpointing, block_types)
+    if t.compile:
+        for block in blocks:  # one graph per block, reused by every layer of the same shape
+            block.compile()

@@ -366,6 +366,6 @@ def build_webdataset_loader(
 
 def _ignore_stop_signals(worker_id: int) -> None:
     """SLURM signals every process of a job: workers leave SIGTERM/SIGUSR1 to the trainer, which
-    checkpoints and exits (common/loop.py); the workers go when their parent does."""
+    checkpoints and exits (common/trainer.py); the workers go when their parent does."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)

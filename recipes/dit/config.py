@@ -57,8 +57,6 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"model.num_attention_heads*attention_head_dim={inner} must be divisible by model.norm_num_groups={m.norm_num_groups}")
     if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} parallel.pp={cfg.parallel.pp}: the DiT recipe shards with ZeRO data parallelism only (tp=pp=1)")
-    if cfg.toggles.activation_checkpointing == "selective":
-        raise ConfigError("toggles.activation_checkpointing=selective is not offered by the DiT recipe; use none or full")
     if d.prediction_type not in ("epsilon", "v_prediction"):
         raise ConfigError(f"diffusion.prediction_type={d.prediction_type!r} is not allowed; choose epsilon or v_prediction")
     if not 0.0 <= d.class_dropout < 1.0:

@@ -1,4 +1,4 @@
-"""Apply the toggles and DeepSpeed ZeRO to a DiT, in the fixed order: kernels → AC → compile → ZeRO."""
+"""Apply the toggles and DeepSpeed ZeRO to a DiT, in the fixed order: kernels → fp8 → AC → compile → ZeRO."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from diffusers import DiTTransformer2DModel
+from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
 from common.config import TrainConfig
 from common.deepspeed import initialize
-from common.toggles import apply_fp8, compile_blocks
+from common.toggles import apply_toggles
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -61,12 +62,6 @@ def set_attention(model: DiTTransformer2DModel, backend: str) -> None:
 
 def parallelize(model: DiTTransformer2DModel, cfg: TrainConfig, world_size: int):
     """Returns the DeepSpeed engine wrapping `model` (ZeRO stage from `parallel.zero_stage`)."""
-    t = cfg.toggles
-    set_attention(model, t.attention)
-    if t.precision == "fp8":
-        apply_fp8(model)
-    if t.activation_checkpointing == "full":
-        model.enable_gradient_checkpointing()  # recompute every block in backward
-    if t.compile:
-        compile_blocks(model.transformer_blocks)
+    set_attention(model, cfg.toggles.attention)
+    apply_toggles(model, cfg.toggles, block_types=(BasicTransformerBlock,))
     return initialize(model, cfg, world_size)

@@ -6,7 +6,6 @@ Read top to bottom: setup (data, model, engine, resume) → train_step → train
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -14,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
 
-from common import deepspeed as ds, faults
+from common import deepspeed as ds
 from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.memory import activation_bytes, print_estimate, zero_state_bytes
 from common.distributed import DistInfo, all_reduce_mean, barrier
 from common.ema import EMA
-from common.loop import run_training_loop
 from common.profiling import StepTimer
-from common.seed import rng_state, seed_everything, set_rng_state
+from common.seed import seed_everything
+from common.trainer import StepStats, Trainer, TrainState
 from recipes.dit.data import build_train_loader, prepare_data
 from recipes.dit.evaluate import class_labels, fit_digit_classifier, score_samples
 from recipes.dit.model import build_model, null_class
@@ -40,13 +39,11 @@ def noise_scheduler(cfg: TrainConfig) -> DDPMScheduler:
     )
 
 
-class DiTTrainer:
+class DiTTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
-        self.cfg, self.dist, self.run_dir = cfg, dist, run_dir
-        self.device = dist.device
-
+        super().__init__(cfg, dist, run_dir)
         meta = prepare_data(cfg, dist)
-        self.loader = build_train_loader(cfg, dist, meta["train_urls"])
+        loader = build_train_loader(cfg, dist, meta["train_urls"])
 
         self.scheduler = noise_scheduler(cfg)
         seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
@@ -56,14 +53,15 @@ class DiTTrainer:
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
         self.ema = EMA(self.model, cfg.diffusion.ema_decay)
-        self.sample_gen = torch.Generator().manual_seed(cfg.trainer.seed + 12345)
         seed_everything(cfg.trainer.seed + 1 + dist.rank)  # per-rank noise, timesteps, label drops
+        # Per-rank RNG streams (noise, timesteps, label drops) and the EMA shard resume with the step.
+        self.state = TrainState(loader, rng=True, extras={"ema": self.ema})
 
-        self.step = 0
         self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
         resume_from = self.ckpt.resolve_resume(cfg.run.resume)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
+        self.engine.train()
 
     # ---- one optimizer step -------------------------------------------------------------
     def diffusion_loss(self, batch: dict) -> torch.Tensor:
@@ -79,13 +77,13 @@ class DiTTrainer:
         target = noise if self.cfg.diffusion.prediction_type == "epsilon" else self.scheduler.get_velocity(x0, noise, t)
         return F.mse_loss(pred.float(), target)
 
-    def train_step(self, timer: StepTimer) -> dict:
+    def train_step(self, batches, timer: StepTimer) -> StepStats:
         losses = []
         for _ in range(self.cfg.trainer.grad_accum):
             with timer.phase("data_wait"):
-                batch = next(self.batches)
+                batch = next(batches)
             with timer.phase("forward"):
-                loss = faults.poison_loss(self.diffusion_loss(batch), self.step + 1)
+                loss = self.diffusion_loss(batch)
             with timer.phase("backward"):
                 self.engine.backward(loss)  # all-reduces gradients at the accumulation boundary
                 pre_step_norm = ds.full_grad_norm(self.engine)
@@ -93,57 +91,36 @@ class DiTTrainer:
                 self.engine.step()  # optimizer and lr step at the accumulation boundary
             losses.append(loss.item())
         t = self.cfg.trainer
-        stats = {
-            "loss": all_reduce_mean(sum(losses) / len(losses), self.device),
-            "lr": self.engine.get_lr()[0],
-            "grad_norm": ds.grad_norm(self.engine, pre_step_norm),
-            "samples": t.micro_batch_size * t.grad_accum * self.dist.world_size,
-            "corrupt_shards": self.loader.corrupt_shards,
-        }
-        if math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"]):  # else the step was skipped
-            self.ema.update(self.step)
+        stats = StepStats(
+            loss=all_reduce_mean(sum(losses) / len(losses), self.device),
+            grad_norm=ds.grad_norm(self.engine, pre_step_norm),
+            lr=self.engine.get_lr()[0],
+            samples=t.micro_batch_size * t.grad_accum * self.dist.world_size,
+            corrupt_shards=self.state.loader.corrupt_shards,
+        )
+        if stats.finite:  # else DeepSpeed skipped the step
+            self.ema.update(self.state.step)
         return stats
 
-    # ---- the loop (common/loop.py) and its hooks -------------------------------------------
-    def train(self) -> None:
-        self.engine.train()
-        run_training_loop(self)
-
+    # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_first_step(self) -> None:
         # Adam state exists after the first step: measure what each rank holds.
         ds.record_state_bytes(self.engine, self.cfg, self.dist, self.run_dir / "memory.json")
 
     def after_step(self) -> None:
         every = self.cfg.trainer.sample_every
-        if every and self.step % every == 0:
-            self.save_samples(f"step_{self.step:07d}.png")
+        if every and self.state.step % every == 0:
+            self.save_samples(f"step_{self.state.step:07d}.png")
 
-    # ---- checkpoints ----------------------------------------------------------------------
-    def rank_state(self) -> dict:
-        """What DeepSpeed's checkpoint lacks, per rank: RNG streams, data position, EMA shard."""
-        return {
-            "step": self.step,
-            "rng": rng_state(),
-            "sample_gen": self.sample_gen.get_state(),
-            "data": self.loader.state_dict(),
-            "ema": self.ema.state_dict(),
-        }
-
-    def load_rank_state(self, state: dict) -> None:
-        self.step = state["step"]
-        set_rng_state(state["rng"])
-        self.sample_gen.set_state(state["sample_gen"])
-        self.loader.load_state_dict(state["data"])
-        self.ema.load_state_dict(state["ema"])
-
+    # ---- checkpoints: DeepSpeed's engine state + this rank's TrainState ---------------------
     def save_checkpoint(self) -> None:
         meta = {"recipe": self.cfg.recipe.name, "zero_stage": self.cfg.parallel.zero_stage}
-        ds.save_checkpoint(self.ckpt, self.engine, self.step, self.rank_state(), meta)
+        ds.save_checkpoint(self.ckpt, self.engine, self.state.step, self.state.state_dict(), meta)
 
     def load_checkpoint(self, path: Path) -> None:
-        self.load_rank_state(ds.load_checkpoint(self.engine, path, self.dist))
+        self.state.load_state_dict(ds.load_checkpoint(self.engine, path, self.dist))
         if self.dist.is_main:
-            print(f"kiln: resumed from {path} at step {self.step}", flush=True)
+            print(f"kiln: resumed from {path} at step {self.state.step}", flush=True)
 
     # ---- samples, evaluation, export --------------------------------------------------------
     def generate(self, labels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -164,7 +141,8 @@ class DiTTrainer:
     def save_samples(self, name: str) -> None:
         per_class = self.cfg.diffusion.samples_per_class
         labels = class_labels(self.cfg.model.num_classes, per_class)
-        images = self.generate(labels, self.sample_gen)
+        # Seeded by the step: the same grid for the same weights, with or without a resume in between.
+        images = self.generate(labels, torch.Generator().manual_seed(self.cfg.trainer.seed + 12345 + self.state.step))
         if self.dist.is_main:
             save_grid(images, rows=self.cfg.model.num_classes, path=self.run_dir / "samples" / name)
 
@@ -176,7 +154,7 @@ class DiTTrainer:
             return None
         clf, real_acc = fit_digit_classifier(self.cfg.data.root, self.cfg.data.image_size, self.cfg.trainer.seed)
         result = score_samples(clf, images, labels, self.cfg.model.num_classes)
-        result.update(classifier_accuracy_on_real_val=real_acc, chance=1.0 / self.cfg.model.num_classes, step=self.step)
+        result.update(classifier_accuracy_on_real_val=real_acc, chance=1.0 / self.cfg.model.num_classes, step=self.state.step)
         (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
         save_grid(images[:: max(1, d.eval_samples_per_class // 8)], rows=self.cfg.model.num_classes, path=self.run_dir / "samples" / "eval.png")
         return result
@@ -191,7 +169,7 @@ class DiTTrainer:
                 self.model.save_pretrained(tmp / "transformer", safe_serialization=True)
                 self.scheduler.save_pretrained(tmp / "scheduler")
                 info = {
-                    "recipe": self.cfg.recipe.name, "step": self.step, "image_size": self.cfg.data.image_size,
+                    "recipe": self.cfg.recipe.name, "step": self.state.step, "image_size": self.cfg.data.image_size,
                     "num_classes": self.cfg.model.num_classes, "null_class": self.null_class,
                     "sample_steps": self.cfg.diffusion.sample_steps, "guidance_scale": self.cfg.diffusion.guidance_scale,
                 }
@@ -230,7 +208,7 @@ def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path | None) -> None:
             dry_run(cfg, dist)
         return
     trainer = DiTTrainer(cfg, dist, run_dir)
-    trainer.train()
+    trainer.fit()
     trainer.save_samples("final.png")
     if cfg.trainer.eval:
         result = trainer.evaluate()

@@ -51,5 +51,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("parallel.zero_stage: the LLM recipe shards with FSDP2 over parallel.dp, not DeepSpeed ZeRO")
     if cfg.data.max_seq_len > m.max_seq_len:
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if cfg.toggles.precision == "fp16":
+        # Loss-scaled fp16 under FSDP2 (a sharded grad scaler) is not implemented; bf16 needs no scaling.
+        raise ConfigError("toggles.precision=fp16 is not offered by the LLM recipe; use bf16 (or fp32)")
+    if cfg.toggles.precision == "fp8" and p.tp > 1:
+        # torchao's float8 linears need their own tensor-parallel styles (Float8ColwiseParallel, ...).
+        raise ConfigError(f"toggles.precision=fp8 with parallel.tp={p.tp}: the LLM recipe converts to fp8 without "
+                          "tensor parallelism only (parallel.tp=1)")
     if cfg.toggles.attention == "flash":
         raise ConfigError("toggles.attention=flash is not in the LLM recipe yet; use sdpa")

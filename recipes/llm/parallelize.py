@@ -1,4 +1,4 @@
-"""Apply parallelism to the Llama in the fixed order TP/SP → AC → compile → FSDP2 (torchtitan style).
+"""Apply parallelism to the Llama in the fixed order TP/SP → fp8 → AC → compile → FSDP2 (torchtitan style).
 
 Megatron-style tensor parallelism with DTensor: attention q/k/v and MLP w1/w3 split by
 columns, wo and w2 by rows; the norms run sequence-parallel (activations sharded along the
@@ -6,8 +6,6 @@ sequence between the TP regions). FSDP2 then shards every block (and the root) o
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,7 +19,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from common.config import TrainConfig
-from recipes.llm.model import Transformer
+from common.toggles import apply_toggles
+from recipes.llm.model import Transformer, TransformerBlock
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
@@ -52,30 +51,6 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> No
         })
 
 
-def _save_matmuls(ctx, op, *args, **kwargs):
-    """Selective AC policy: keep matmul and attention outputs, recompute the cheap ops
-    (norms, activations, rope, adds) — most of the memory for little recompute."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
-    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def apply_ac(model: Transformer, mode: str) -> None:
-    """Wrap each block: `full` recomputes the whole block in backward, `selective` only its cheap ops."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    for name, block in list(model.layers.items()):
-        kwargs = {"preserve_rng_state": False}
-        if mode == "selective":
-            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
-        model.layers[name] = checkpoint_wrapper(block, **kwargs)
-
-
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, precision: str, pipeline: bool = False) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -100,11 +75,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: TrainConfig) -> Trans
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
     if tp > 1:
         apply_tp(model, mesh["tp"], cfg.model.loss_parallel)
-    if cfg.toggles.activation_checkpointing != "none":
-        apply_ac(model, cfg.toggles.activation_checkpointing)
-    if cfg.toggles.compile:
-        for block in model.layers.values():
-            block.compile()
+    apply_toggles(model, cfg.toggles, block_types=(TransformerBlock,))  # fp8 (tp = 1 only), AC, compile
     if dp > 1:
         apply_fsdp(model, mesh["dp"], cfg.toggles.precision, pipeline=mesh["pp"].size() > 1)
     return model

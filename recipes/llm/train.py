@@ -16,16 +16,15 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from common import faults
 from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
-from common.loop import run_training_loop
 from common.memory import activation_bytes, print_estimate, zero_state_bytes
 from common.optim import lr_factor
 from common.parallel_dims import ParallelDims
 from common.profiling import StepTimer
 from common.seed import seed_everything
+from common.trainer import StepStats, Trainer, TrainState
 from recipes.llm.data import build_train_loader, local_batch, prepare_data
 from recipes.llm.model import LlamaArgs, Transformer, to_hf_config, to_hf_state_dict
 from recipes.llm.parallelize import parallelize
@@ -45,20 +44,19 @@ def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
 FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class LLMTrainer:
+class LLMTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         from data.prepare_text import load_tokenizer
 
-        self.cfg, self.dist, self.run_dir = cfg, dist, run_dir
-        self.device = dist.device
+        super().__init__(cfg, dist, run_dir)
         self.meta = prepare_data(cfg, dist)
         self.tokenizer = load_tokenizer(cfg.data.root)
         self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.mesh["dp"].get_local_rank()
-        self.loader = build_train_loader(cfg, self.meta["train_urls"], self.dims.dp)
+        loader = build_train_loader(cfg, self.meta["train_urls"], self.dims.dp)
         self.args = llama_args(cfg, len(self.tokenizer))
 
         # Build on meta, parallelize, materialize; then copy in rank 0's seeded full init so
@@ -88,14 +86,17 @@ class LLMTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(lr_factor, cfg=o, max_steps=cfg.trainer.max_steps))
         seed_everything(cfg.trainer.seed + 1)
+        # Layout-independent: one global data stream and no per-rank random draws, so rank 0's copy
+        # (step, data position, LR schedule) resumes any layout.
+        self.state = TrainState(loader, rng=False, extras={"scheduler": self.scheduler})
 
-        self.step = 0
         self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
         resume_from = self.ckpt.resolve_resume(cfg.run.resume)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
             if dist.is_main:
-                print(f"kiln: resumed from {resume_from} at step {self.step}", flush=True)
+                print(f"kiln: resumed from {resume_from} at step {self.state.step}", flush=True)
+        self.model.train()
 
     # ---- one optimizer step -------------------------------------------------------------
     def micro_step_loss(self, documents: list[dict]) -> tuple[torch.Tensor, float, int, int]:
@@ -114,7 +115,6 @@ class LLMTrainer:
             if hasattr(loss_sum, "full_tensor"):  # loss parallel: a replicated DTensor scalar
                 loss_sum = loss_sum.full_tensor()
         loss = loss_sum / global_tokens.clamp(min=1) * self.dims.dp  # FSDP averages over dp
-        loss = faults.poison_loss(loss, self.step + 1)
         return loss, loss_sum.detach(), int(global_tokens), packed.input_ids.numel()
 
     def pipeline_micro_step(self, documents: list[dict], accum: int) -> tuple[torch.Tensor, int, int]:
@@ -124,17 +124,16 @@ class LLMTrainer:
         global_tokens = (packed.labels[:, 1:] != -100).sum().to(self.device)
         tdist.all_reduce(global_tokens, group=self.mesh["dp"].get_group())
         scale = self.dims.dp / max(1, int(global_tokens)) / accum  # micro_step_loss's normalization
-        scale = faults.poison_loss(scale, self.step + 1)
         with self.autocast():
             loss_sum = self.pipeline.step(packed, self.tokenizer.pad_token_id, scale)
         return loss_sum, int(global_tokens), packed.input_ids.numel()
 
-    def train_step(self, timer: StepTimer) -> dict:
+    def train_step(self, batches, timer: StepTimer) -> StepStats:
         total, tokens, slots = torch.zeros((), device=self.device), 0, 0
         accum = self.cfg.trainer.grad_accum
         for _ in range(accum):
             with timer.phase("data_wait"):
-                documents = next(self.batches)
+                documents = next(batches)
             if self.pipeline is not None:
                 with timer.phase("forward"):  # forward and backward, interleaved by the schedule
                     loss_sum, n_tokens, n_slots = self.pipeline_micro_step(documents, accum)
@@ -152,20 +151,20 @@ class LLMTrainer:
             else:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            if torch.isfinite(grad_norm):  # the same on every rank; else skip (common/loop.py counts it)
+            if torch.isfinite(grad_norm):  # the same on every rank; else skip (common/trainer.py counts it)
                 self.optimizer.step()
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         tdist.all_reduce(total, group=self.mesh["dp"].get_group())
         if self.pipeline is not None:  # only the last stage computed the loss
             tdist.all_reduce(total, group=self.mesh["pp"].get_group())
-        return {
-            "loss": float(total),
-            "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": float(grad_norm),
-            "tokens": tokens,
-            "token_utilization": tokens / (slots * self.dims.dp / 1.0) if slots else 0.0,
-        }
+        return StepStats(
+            loss=float(total),
+            grad_norm=float(grad_norm),
+            lr=self.scheduler.get_last_lr()[0],
+            tokens=tokens,
+            token_utilization=tokens / (slots * self.dims.dp) if slots else 0.0,
+        )
 
     def autocast(self):
         bf16 = self.cfg.toggles.precision in ("bf16", "fp8") and self.dims.dp == 1  # FSDP's policy casts otherwise
@@ -178,11 +177,6 @@ class LLMTrainer:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    # ---- the loop (common/loop.py) and its hooks -------------------------------------------
-    def train(self) -> None:
-        self.model.train()
-        run_training_loop(self)
-
     # ---- sharded checkpoints (torch.distributed.checkpoint) ------------------------------
     def save_checkpoint(self) -> None:
         import torch.distributed.checkpoint as dcp
@@ -191,12 +185,11 @@ class LLMTrainer:
         def write(tmp: Path) -> None:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=FLAT_OPTIM)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
-            if self.dist.is_main:  # layout-independent: one global data stream, no per-rank RNG use
-                torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(),
-                            "data": self.loader.state_dict()}, tmp / "trainer.pt")
+            if self.dist.is_main:  # the TrainState is the same on every rank (see __init__)
+                torch.save(self.state.state_dict(), tmp / "trainer.pt")
 
         layout = {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp}
-        self.ckpt.save(self.step, write, meta={"recipe": self.cfg.recipe.name, "layout": layout})
+        self.ckpt.save(self.state.step, write, meta={"recipe": self.cfg.recipe.name, "layout": layout})
 
     def load_checkpoint(self, path: Path) -> None:
         """DCP reshards: a checkpoint written under one (dp, tp) layout loads under another."""
@@ -208,10 +201,7 @@ class LLMTrainer:
         dcp.load(state, checkpoint_id=str(path / "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=FLAT_OPTIM)
-        trainer = torch.load(path / "trainer.pt", weights_only=False)
-        self.step = trainer["step"]
-        self.scheduler.load_state_dict(trainer["scheduler"])
-        self.loader.load_state_dict(trainer["data"])
+        self.state.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
 
     # ---- export -----------------------------------------------------------------------------
     def export(self) -> Path:
@@ -282,7 +272,7 @@ def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path | None) -> None:
             dry_run(cfg, dist)
         return
     trainer = LLMTrainer(cfg, dist, run_dir)
-    trainer.train()
+    trainer.fit()
     out = trainer.export()
     if dist.is_main:
         text = sample_generation(out)

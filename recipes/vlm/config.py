@@ -65,5 +65,3 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("vlm.init_from is for vlm.stage=finetune (align starts from fresh weights)")
     if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} parallel.pp={cfg.parallel.pp}: the VLM recipe shards with ZeRO data parallelism only (tp=pp=1)")
-    if cfg.toggles.activation_checkpointing == "selective":
-        raise ConfigError("toggles.activation_checkpointing=selective is not offered by the VLM recipe; use none or full")

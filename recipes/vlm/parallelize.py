@@ -1,12 +1,13 @@
-"""Freeze per training stage, then apply toggles and DeepSpeed ZeRO: kernels → AC → compile → ZeRO."""
+"""Freeze per training stage, then apply toggles and DeepSpeed ZeRO: kernels → fp8 → AC → compile → ZeRO."""
 
 from __future__ import annotations
 
 from transformers import LlavaForConditionalGeneration
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from common import deepspeed as ds
 from common.config import TrainConfig
-from common.toggles import apply_fp8, compile_blocks
+from common.toggles import apply_toggles
 
 
 def freeze_for_stage(model: LlavaForConditionalGeneration, stage: str) -> None:
@@ -23,12 +24,7 @@ def parallelize(model: LlavaForConditionalGeneration, cfg: TrainConfig, world_si
     """Returns the DeepSpeed engine over the trainable parameters (attention kernel already chosen
     when the model was built: `toggles.attention` → attn_implementation)."""
     freeze_for_stage(model, cfg.vlm.stage)
-    language_model = model.model.language_model
-    if cfg.toggles.precision == "fp8":
-        apply_fp8(language_model)
-    if cfg.toggles.activation_checkpointing == "full":
-        # Recompute every decoder and vision layer in backward (non-reentrant: works with frozen inputs).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.toggles.compile:
-        compile_blocks(language_model.layers)
+    # Blocks: every decoder and vision encoder layer (the layers transformers itself checkpoints);
+    # fp8 only in the language model (the tower's widths are often not multiples of 16).
+    apply_toggles(model, cfg.toggles, block_types=(GradientCheckpointingLayer,), fp8_module=model.model.language_model)
     return ds.initialize(model, cfg, world_size)

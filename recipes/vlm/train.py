@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from common import deepspeed as ds, faults
+from common import deepspeed as ds
 from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.distributed import DistInfo, all_reduce_mean, barrier
 from common.errors import ConfigError
-from common.loop import run_training_loop
 from common.memory import activation_bytes, print_estimate, zero_state_bytes
 from common.profiling import StepTimer
-from common.seed import rng_state, seed_everything, set_rng_state
+from common.seed import seed_everything
+from common.trainer import StepStats, Trainer, TrainState
 from recipes.vlm.data import build_train_loader, prepare_data
 from recipes.vlm.evaluate import generate_answers, load_eval_samples, save_answer_grid, score
 from recipes.vlm.model import build_model, llava_config
@@ -48,46 +48,49 @@ def resolve_init(init_from: str) -> Path:
     raise ConfigError(f"vlm.init_from={init_from}: no exported model there (expected an align run dir with export/)")
 
 
-class VLMTrainer:
+class VLMTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         from data.prepare_vlm_digits import load_processor
 
-        self.cfg, self.dist, self.run_dir = cfg, dist, run_dir
-        self.device = dist.device
+        super().__init__(cfg, dist, run_dir)
         self.meta = prepare_data(cfg, dist)
         self.processor = load_processor(cfg.data.root)
-        self.loader = build_train_loader(cfg, dist, self.meta["train_urls"], self.processor)
+        loader = build_train_loader(cfg, dist, self.meta["train_urls"], self.processor)
 
         seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
         model = build_model(model_config(cfg, self.processor.tokenizer), cfg.toggles.attention)
         if cfg.vlm.init_from:
             self.init_from = resolve_init(cfg.vlm.init_from)
             model.load_state_dict(type(model).from_pretrained(self.init_from).state_dict())
+            if dist.is_main:
+                print(f"kiln: vlm.init_from: loaded all {sum(p.numel() for p in model.parameters()):,} weights "
+                      f"(vision tower, projector, language model) from {self.init_from}", flush=True)
         self.engine = parallelize(model, cfg, dist.world_size)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
         seed_everything(cfg.trainer.seed + 1 + dist.rank)
+        self.state = TrainState(loader, rng=True)
 
-        self.step = 0
         self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
         resume_from = self.ckpt.resolve_resume(cfg.run.resume)
         if resume_from is not None:
-            self.load_rank_state(ds.load_checkpoint(self.engine, resume_from, dist))
+            self.state.load_state_dict(ds.load_checkpoint(self.engine, resume_from, dist))
             if dist.is_main:
-                print(f"kiln: resumed from {resume_from} at step {self.step}", flush=True)
+                print(f"kiln: resumed from {resume_from} at step {self.state.step}", flush=True)
+        self.engine.train()
 
     # ---- one optimizer step -------------------------------------------------------------
-    def train_step(self, timer: StepTimer) -> dict:
+    def train_step(self, batches, timer: StepTimer) -> StepStats:
         losses, real, slots, samples = [], 0, 0, 0
         for _ in range(self.cfg.trainer.grad_accum):
             with timer.phase("data_wait"):
-                batch = next(self.batches)
+                batch = next(batches)
             with timer.phase("forward"):
                 inputs = batch["packed"].model_inputs(self.cfg.toggles.attention, device=self.device)
                 inputs["pixel_values"] = batch["pixel_values"].to(self.device, self.dtype)
                 if "attention_mask" in inputs and inputs["attention_mask"].dtype != torch.bool:
                     inputs["attention_mask"] = inputs["attention_mask"].to(self.dtype)
-                loss = faults.poison_loss(self.engine(**inputs).loss, self.step + 1)
+                loss = self.engine(**inputs, use_cache=False).loss  # no KV cache in training (and none recomputed)
             with timer.phase("backward"):
                 self.engine.backward(loss)
                 pre_step_norm = ds.full_grad_norm(self.engine)
@@ -96,36 +99,24 @@ class VLMTrainer:
             losses.append(loss.item())
             real, slots, samples = real + batch["real_tokens"], slots + batch["slots"], samples + batch["samples"]
         world = self.dist.world_size
-        return {
-            "loss": all_reduce_mean(sum(losses) / len(losses), self.device),
-            "lr": self.engine.get_lr()[0],
-            "grad_norm": ds.grad_norm(self.engine, pre_step_norm),
-            "token_utilization": all_reduce_mean(real / slots, self.device),
-            "tokens": all_reduce_mean(real, self.device) * world,
-            "samples": samples * world,
-            "corrupt_shards": self.loader.corrupt_shards,
-        }
+        return StepStats(
+            loss=all_reduce_mean(sum(losses) / len(losses), self.device),
+            grad_norm=ds.grad_norm(self.engine, pre_step_norm),
+            lr=self.engine.get_lr()[0],
+            samples=samples * world,
+            tokens=round(all_reduce_mean(real, self.device) * world),
+            token_utilization=all_reduce_mean(real / slots, self.device),
+            corrupt_shards=self.state.loader.corrupt_shards,
+        )
 
-    # ---- the loop (common/loop.py) and its hooks -------------------------------------------
-    def train(self) -> None:
-        self.engine.train()
-        run_training_loop(self)
-
+    # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_first_step(self) -> None:
         ds.record_state_bytes(self.engine, self.cfg, self.dist, self.run_dir / "memory.json")
 
-    # ---- checkpoints ----------------------------------------------------------------------
-    def rank_state(self) -> dict:
-        return {"step": self.step, "rng": rng_state(), "data": self.loader.state_dict()}
-
-    def load_rank_state(self, state: dict) -> None:
-        self.step = state["step"]
-        set_rng_state(state["rng"])
-        self.loader.load_state_dict(state["data"])
-
+    # ---- checkpoints: DeepSpeed's engine state + this rank's TrainState ---------------------
     def save_checkpoint(self) -> None:
         meta = {"recipe": self.cfg.recipe.name, "zero_stage": self.cfg.parallel.zero_stage, "stage": self.cfg.vlm.stage}
-        ds.save_checkpoint(self.ckpt, self.engine, self.step, self.rank_state(), meta)
+        ds.save_checkpoint(self.ckpt, self.engine, self.state.step, self.state.state_dict(), meta)
 
     # ---- evaluation and export ------------------------------------------------------------
     def evaluate(self) -> dict | None:
@@ -136,7 +127,7 @@ class VLMTrainer:
         self.model.train()
         if not self.dist.is_main:
             return None
-        result = {**score(samples, answers), "step": self.step, "stage": self.cfg.vlm.stage}
+        result = {**score(samples, answers), "step": self.state.step, "stage": self.cfg.vlm.stage}
         (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
         save_answer_grid(samples, answers, self.run_dir / "samples" / "eval.png")
         return result
@@ -191,7 +182,7 @@ def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path | None) -> None:
             dry_run(cfg, dist)
         return
     trainer = VLMTrainer(cfg, dist, run_dir)
-    trainer.train()
+    trainer.fit()
     if cfg.trainer.eval:
         result = trainer.evaluate()
         if result is not None:

@@ -1,0 +1,312 @@
+"""The step contract every recipe's Trainer implements, and the one loop (`Trainer.fit`) that drives it.
+
+Why one base class that owns the loop, rather than a loop in each trainer: what happens around a
+step must not differ between recipes -- stop signals and the ranks' agreement on them, skipped
+non-finite steps, checkpoint cadence, FLOPs and MFU, metrics, the profiler, the heartbeat that
+names a hung rank, fault injection for the tests -- and three copies would drift. What differs is
+declared as methods the recipe implements:
+
+    train_step(batches, timer) -> StepStats   one optimizer step; pulls its micro-batches from
+                                              `batches`, the iterator `fit` was handed
+    save_checkpoint()                         everything `TrainState` and the engine hold
+    after_first_step(), after_step()          hooks; no-ops unless the recipe overrides them
+
+A recipe's trainer reads top to bottom: setup in __init__ (data, model, engine, `self.state`,
+resume), `train_step`, checkpoints, then evaluation/export. `fit` below is the order of events of
+a step; benchmarks drive the same seams (`fit(batches=...)`, `train_step`, the hooks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as tdist
+
+from common import faults
+from common.config import TrainConfig
+from common.distributed import DistInfo, heartbeat
+from common.errors import UserError
+from common.metrics import MetricsLogger
+from common.profiling import StepTimer, maybe_profile
+from common.seed import rng_state, set_rng_state
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one optimizer step reports, the same on every rank (the recipe reduces over ranks).
+
+    A non-finite `loss` or `grad_norm` means the recipe left the weights untouched (DeepSpeed's
+    overflow check, the LLM's norm check): the loop counts the step as skipped.
+    """
+
+    loss: float
+    grad_norm: float
+    lr: float
+    samples: int = 0  # global samples this step -> samples_per_s
+    tokens: int = 0  # global real (non-padding) tokens this step -> tokens_per_s
+    token_utilization: float | None = None  # packed rows: real tokens / token slots
+    corrupt_shards: int | None = None  # distinct corrupt shards skipped so far (this rank)
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+    @property
+    def work(self) -> float:
+        """What a step's FLOPs scale with: token slots of packed rows (they vary per step), else 1."""
+        return self.tokens / self.token_utilization if self.token_utilization else 1.0
+
+    def record(self, step_time: float) -> dict[str, Any]:
+        """The metrics.jsonl fields: counts become rates, unset optional fields are left out."""
+        out: dict[str, Any] = {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm}
+        if self.samples:
+            out["samples_per_s"] = self.samples / step_time
+        if self.tokens:
+            out["tokens_per_s"] = self.tokens / step_time
+        if self.token_utilization is not None:
+            out["token_utilization"] = self.token_utilization
+        if self.corrupt_shards is not None:
+            out["corrupt_shards"] = self.corrupt_shards
+        return out
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class TrainState:
+    """The step counter and everything a resume restores besides the model and optimizer (which the
+    engine -- DeepSpeed or DCP -- saves itself): the data position, the RNG streams when the recipe
+    draws from them per rank, and the recipe's extras (an EMA shard, an LR scheduler).
+
+    `state_dict()` is what a checkpoint stores for this rank; `load_state_dict` puts it back, so a
+    resumed run continues bit for bit.
+    """
+
+    def __init__(self, loader, *, rng: bool = True, extras: dict[str, Stateful] | None = None):
+        self.step = 0
+        self.loader = loader
+        self.rng = rng
+        self.extras = extras or {}
+
+    def state_dict(self) -> dict:
+        state = {"step": self.step, "data": self.loader.state_dict()}
+        if self.rng:
+            state["rng"] = rng_state()
+        return state | {name: part.state_dict() for name, part in self.extras.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.loader.load_state_dict(state["data"])
+        if self.rng:
+            set_rng_state(state["rng"])
+        for name, part in self.extras.items():
+            part.load_state_dict(state[name])
+
+
+class Stopped(Exception):
+    """The run stopped early after writing a checkpoint; `exit_code` is what the process returns."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class TooManyBadSteps(UserError):
+    pass
+
+
+class Trainer(ABC):
+    """Base of every recipe's trainer. Subclasses set `self.state` (a TrainState) in __init__."""
+
+    state: TrainState
+
+    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
+        self.cfg, self.dist, self.run_dir = cfg, dist, run_dir
+        self.device = dist.device
+
+    # ---- what a recipe implements --------------------------------------------------------------
+    @abstractmethod
+    def train_step(self, batches: Iterator, timer: StepTimer) -> StepStats:
+        """One optimizer step over `trainer.grad_accum` micro-batches drawn from `batches`."""
+
+    @abstractmethod
+    def save_checkpoint(self) -> None:
+        """Collective: the engine's state plus `self.state.state_dict()` at `self.state.step`."""
+
+    def after_first_step(self) -> None:
+        """Runs once after the first step of this process (e.g. measure the optimizer's state)."""
+
+    def after_step(self) -> None:
+        """Runs after every step that was not skipped (e.g. sample grids)."""
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def fit(self, batches: Iterable | None = None) -> None:
+        """Train from `self.state.step` to `trainer.max_steps`. `batches` defaults to the state's
+        loader; a benchmark passes batches it holds in memory."""
+        cfg, t, state = self.cfg, self.cfg.trainer, self.state
+        batches = iter(state.loader if batches is None else batches)
+        metrics = MetricsLogger(self.run_dir, self.dist, max_steps=t.max_steps, start_step=state.step,
+                                progress_bar=t.progress_bar)
+        timer = StepTimer()
+        start_step = state.step
+        flops = StepFlops(cfg, self.dist, metrics, self.run_dir, fresh=start_step == 0)
+        bad_in_row, bad_total, saved_at = 0, 0, None
+        try:
+            with maybe_profile(cfg.profile, self.run_dir, self.dist.rank) as prof:
+                while state.step < t.max_steps:
+                    step = state.step + 1  # the step being computed, 1-based as logged
+                    heartbeat(step)
+                    faults.before_step(step)
+                    log_now = step % t.log_every == 0 or step == t.max_steps
+                    timer.enabled = log_now or cfg.profile.enabled
+                    first = state.step == start_step
+                    start = time.perf_counter()
+                    with flops.counter(first) as counter, faults.poisoned_losses(step):
+                        stats = self.train_step(batches, timer)
+                    step_time = time.perf_counter() - start
+                    phases = timer.pop()
+                    flops.counted(counter, stats)
+                    state.step = step
+                    prof.step()
+                    metrics.advance()
+                    bad = not stats.finite
+                    bad_in_row, bad_total = (bad_in_row + 1 if bad else 0), bad_total + bad
+                    if first:
+                        self.after_first_step()
+                    if log_now or bad:
+                        rates = {} if first else flops.rates(stats, step_time)  # counting slows its step
+                        record = {**stats.record(step_time), "skipped_steps": bad_total, **rates,
+                                  "step_time_s": step_time, "data_wait_s": phases.pop("data_wait_s", 0.0), **phases}
+                        metrics.log(step, record)
+                    if t.max_bad_steps and bad_in_row >= t.max_bad_steps:
+                        # Skipped steps never touched the weights: this checkpoint holds the last good ones.
+                        self.save_checkpoint()
+                        raise TooManyBadSteps(
+                            f"{bad_in_row} steps in a row had a non-finite loss or gradient (steps "
+                            f"{step - bad_in_row + 1}-{step}, trainer.max_bad_steps={t.max_bad_steps}); "
+                            f"stopped with the weights of step {step - bad_in_row} saved as checkpoint step "
+                            f"{step} in {self.run_dir}/checkpoints")
+                    if not bad:
+                        self.after_step()
+                    if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                        self.save_checkpoint()
+                        saved_at = step
+                    signum = STOP_SIGNALS.agreed(self.dist)
+                    if signum:
+                        if saved_at != step:
+                            self.save_checkpoint()
+                        raise STOP_SIGNALS.stop(signum, step, self.run_dir, self.dist)
+            if cfg.checkpoint.final:
+                self.save_checkpoint()
+        finally:
+            state.loader.close()
+            metrics.close()
+
+
+class StepFlops:
+    """FLOPs per step counted once, on a fresh run's first step (common/flops.py: counting
+    dispatches every op through Python), then achieved TFLOP/s per device and MFU per logged step.
+
+    Counting can change the last bits of that step's gradients (ops dispatch differently under
+    the counting mode), so a resumed run does not count again, which would break bitwise resume:
+    it reads the count from run.dir/flops.json. Packed LLM/VLM steps vary in rows: their work
+    scales with token slots (`StepStats.work`).
+    """
+
+    def __init__(self, cfg: TrainConfig, dist: DistInfo, metrics: MetricsLogger, run_dir, fresh: bool):
+        from common.flops import peak_flops, precision_key
+
+        self.enabled, self.world, self.fresh = cfg.profile.count_flops, dist.world_size, fresh
+        self.path, self.is_main = Path(run_dir) / "flops.json", dist.is_main
+        self.flops = self.work = self.peak = None
+        if self.enabled and not fresh and self.path.exists():
+            saved = json.loads(self.path.read_text())
+            self.flops, self.work = saved["flops_per_step"], saved["work"]
+        if self.enabled:
+            try:
+                self.peak = peak_flops(dist.device, precision_key(cfg.toggles), cfg.profile.peak_tflops * 1e12 or None)
+            except ValueError as exc:  # an unknown GPU: no MFU rather than a wrong one
+                metrics.write(f"kiln: no MFU ({exc}; set profile.peak_tflops)")
+
+    def counter(self, first_step: bool):
+        from common.flops import FlopCounter
+
+        return FlopCounter() if self.enabled and self.fresh and first_step else contextlib.nullcontext()
+
+    def counted(self, counter, stats: StepStats) -> None:
+        if counter is None:
+            return
+        self.flops, self.work = counter.global_flops(), stats.work  # collective
+        if self.is_main:
+            self.path.write_text(json.dumps({"flops_per_step": self.flops, "work": self.work}))
+
+    def rates(self, stats: StepStats, step_time: float) -> dict:
+        from common.flops import mfu
+
+        if not self.flops:
+            return {}
+        flops = self.flops * stats.work / self.work
+        out = {"flops_per_step": flops, "achieved_tflops": flops / step_time / self.world / 1e12}
+        if self.peak:
+            out["mfu"] = mfu(flops, step_time, self.peak, self.world)
+        return out
+
+
+class StopSignals:
+    """SIGTERM / SIGUSR1 (SLURM preemption and time-limit warnings; torchrun forwards them):
+    finish the step, checkpoint, exit. Installed by the launcher before the run is set up, so an
+    early signal is not lost. Ranks may get the signal at different steps, so they agree through
+    an all-reduce after each step and all stop after the same one."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def install(self) -> None:
+        for s in self.SIGNALS:
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def agreed(self, dist: DistInfo) -> int:
+        if dist.world_size == 1:
+            return self.received
+        flag = torch.tensor([self.received], dtype=torch.int64, device=dist.device)
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def stop(self, signum: int, step: int, run_dir, dist: DistInfo) -> Stopped:
+        """Say so (before a requeue can kill the job), requeue on SLURM's time-limit warning."""
+        name = signal.Signals(signum).name
+        job = os.environ.get("SLURM_JOB_ID")
+        if dist.is_main:
+            print(f"kiln: {name} received: stopped after step {step} with a checkpoint in {run_dir}/checkpoints; "
+                  "run.resume=auto continues from it", flush=True)
+            if signum == signal.SIGUSR1 and job:
+                # #SBATCH --signal=USR1@...: put the job back in the queue; it restarts with the same
+                # job id, hence the same run.dir, and resumes from this checkpoint.
+                print(f"kiln: requeueing SLURM job {job}", flush=True)
+                done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+                if done.returncode:
+                    print(f"kiln: scontrol requeue {job} failed: {done.stderr.strip()}", flush=True)
+        return Stopped(f"stopped by {name}", 128 + signum)
+
+
+STOP_SIGNALS = StopSignals()
