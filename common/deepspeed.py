@@ -15,16 +15,16 @@ from common.checkpoint import CheckpointManager, read_meta
 from common.config import TrainConfig
 from common.distributed import DistInfo
 from common.errors import ConfigError
-from common.memory import zero_state_bytes
+from common.memory import deepspeed_state_bytes, model_state_bytes
 from common.optim import lr_factor
 
 
-def build_deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+def build_deepspeed_config(cfg: TrainConfig, dp: int) -> dict[str, Any]:
     t, o = cfg.trainer, cfg.optim
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum,
-        "train_batch_size": t.micro_batch_size * t.grad_accum * world_size,
+        "train_batch_size": t.micro_batch_size * t.grad_accum * dp,
         "gradient_clipping": o.grad_clip,
         "optimizer": {
             "type": "AdamW",
@@ -86,7 +86,7 @@ def local_state_bytes(engine) -> int:
     return sum(storages.values())
 
 
-def initialize(model: torch.nn.Module, cfg: TrainConfig, world_size: int):
+def initialize(model: torch.nn.Module, cfg: TrainConfig, dp: int):
     """A DeepSpeed engine over `model`'s trainable parameters, with Kiln's LR schedule."""
     import deepspeed
 
@@ -94,7 +94,7 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, world_size: int):
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=build_deepspeed_config(cfg, world_size),
+        config=build_deepspeed_config(cfg, dp),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
     )
     if not hasattr(engine.optimizer, "overflow"):
@@ -168,8 +168,10 @@ def gathered(model: torch.nn.Module, zero_stage: int):
     return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
 
 
-def record_state_bytes(engine, cfg: TrainConfig, dist: DistInfo, path: Path) -> None:
-    """memory.json: measured per-rank weight + optimizer-state bytes beside the ZeRO formula.
+def record_state_bytes(engine, cfg: TrainConfig, dist: DistInfo, dp: int, path: Path) -> None:
+    """memory.json: measured per-rank weight + optimizer-state bytes beside the memory model's
+    prediction (common/memory.py: the bytes DeepSpeed allocates at this stage and precision, frozen
+    weights in the compute dtype; the numbers run.dry_run and scripts/plan.py use).
 
     Collective; call after the first optimizer step (Adam state is created lazily)."""
     import torch.distributed as tdist
@@ -180,10 +182,12 @@ def record_state_bytes(engine, cfg: TrainConfig, dist: DistInfo, path: Path) -> 
         params = list(engine.module.parameters())
         n = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
         trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params if p.requires_grad)
-        predicted = zero_state_bytes(trainable, cfg.parallel.zero_stage, dist.world_size, cfg.toggles.precision)
+        stage, precision = cfg.parallel.zero_stage, cfg.toggles.precision
+        states = model_state_bytes(trainable, stage, dp, deepspeed_state_bytes(stage, precision))
+        frozen = (n - trainable) * (4 if precision == "fp32" else 2) / (dp if stage == 3 else 1)
         info = {
-            "zero_stage": cfg.parallel.zero_stage, "world_size": dist.world_size,
+            "zero_stage": stage, "world_size": dist.world_size, "dp": dp,
             "num_params": n, "trainable_params": trainable, "per_rank_state_bytes": measured,
-            "predicted_weights_plus_optimizer_bytes": predicted["weights"] + predicted["optimizer"],
+            "predicted_weights_plus_optimizer_bytes": states["weights"] + states["optimizer"] + frozen,
         }
         path.write_text(json.dumps(info, indent=2))

@@ -87,6 +87,19 @@ def resolve_run_dir(cfg: TrainConfig) -> Path:
     return Path(broadcast_object(chosen)).resolve()
 
 
+def dry_run(cfg: TrainConfig, spec, world_size: int) -> None:
+    """`run.dry_run=true`: the model's size and the per-GPU memory of the configured layout, from the one
+    memory model (common/memory.py; scripts/plan.py prints the same numbers for every layout)."""
+    from common.memory import configured_layout, dry_run_report
+
+    dims = ParallelDims.for_sizing(cfg.parallel, world_size)
+    layout = configured_layout(spec, dp=dims.dp, tp=dims.tp, pp=dims.pp, zero_stage=cfg.parallel.zero_stage,
+                               ac=cfg.toggles.activation_checkpointing)
+    print(dry_run_report(spec, layout))
+    if cfg.parallel.dp <= 0:
+        print("(sized for this launch's world size; set parallel.dp=N to size for N GPUs)")
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.format(recipes=", ".join(_recipes())))
@@ -113,16 +126,18 @@ def main(argv: list[str]) -> int:
     try:
         apply_global_toggles(cfg.toggles)
         recipe = importlib.import_module(f"recipes.{cfg.recipe.family}.train")
-        run_dir = None
-        if not cfg.run.dry_run:
-            ParallelDims.from_config(cfg.parallel, dist.world_size)  # an impossible layout stops here
-            run_dir = resolve_run_dir(cfg)
+        if cfg.run.dry_run:
             if dist.is_main:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-                print(f"kiln: {cfg.recipe.name} on {dist.world_size} rank(s), device {dist.device}, run.dir={run_dir}", flush=True)
+                dry_run(cfg, recipe.memory_spec(cfg), dist.world_size)
+            return 0
+        ParallelDims.from_config(cfg.parallel, dist.world_size)  # an impossible layout stops here
+        run_dir = resolve_run_dir(cfg)
+        if dist.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            print(f"kiln: {cfg.recipe.name} on {dist.world_size} rank(s), device {dist.device}, run.dir={run_dir}", flush=True)
         recipe.main(cfg, dist, run_dir)
-        if dist.is_main and run_dir is not None:
+        if dist.is_main:
             print(f"kiln: done; outputs in {run_dir}", flush=True)
     except (UserError, FileNotFoundError) as exc:
         raise _error(str(exc)) from None

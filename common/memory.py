@@ -1,50 +1,23 @@
-"""Memory arithmetic for dry runs and the layout planner: model states, activations, layouts per GPU."""
+"""The memory model: per-GPU bytes of model states and activations for a recipe's model and a layout.
+
+One model for every place that predicts memory: `run.dry_run` (common/launch.py), the measured
+run.dir/memory.json next to its prediction (common/deepspeed.py), and the layout planner
+(scripts/plan.py, common/tools/planner.py). Each recipe describes its model as a `ModelSpec`
+(`recipes/<family>/train.py:memory_spec`, counted from its own builder on the meta device);
+`estimate(spec, layout)` does the rest.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
-GIB = 2**30
-
-
-def zero_state_bytes(num_params: int, stage: int, dp: int, precision: str) -> dict[str, float]:
-    """Per-rank bytes of weights, gradients and Adam state under ZeRO (Rajbhandari et al. 2020).
-
-    Mixed precision keeps 2-byte weights and gradients plus a 12-byte fp32 copy, momentum
-    and variance per parameter (K=12); fp32 keeps 4 + 4 + 8.
-    """
-    per_param = MIXED_ADAM if precision in ("bf16", "fp16", "fp8") else FP32_ADAM
-    states = model_state_bytes(num_params, stage, dp, per_param)
-    return {key: states[key] for key in ("weights", "grads", "optimizer", "total")}
-
-
-def activation_bytes(*, seq: int, batch: int, hidden: int, layers: int, recompute: str, precision: str) -> float:
-    """Korthikanti et al. (2022): s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit. Flash/SDPA
-    kernels do not keep the a·s² score matrices, so the 5·a·s/h term is dropped; full
-    recomputation keeps only each layer's 2·s·b·h input. fp32 doubles everything."""
-    per_layer = (2 if recompute == "full" else 34) * seq * batch * hidden
-    return per_layer * layers * (2.0 if precision == "fp32" else 1.0)
-
-
-def print_estimate(title: str, num_params: int, states: dict[str, float], activations: float, note: str,
-                   frozen_bytes: float = 0.0) -> None:
-    print(f"{title}: {num_params:,} parameters ({num_params / 1e9:.2f}B)")
-    rows = [("weights", states["weights"] + frozen_bytes), ("grads", states["grads"]),
-            ("optimizer", states["optimizer"]), ("activations", activations)]
-    for key, value in rows:
-        print(f"  {key:<14}{value / GIB:10.2f} GiB")
-    print(f"  {'total':<14}{sum(v for _, v in rows) / GIB:10.2f} GiB   {note}")
-
-
-# ---------------------------------------------------------------------------------------------
-# The planner's arithmetic (scripts/plan.py): model states per ZeRO stage / FSDP, activations per
-# layer counted tensor by tensor, pipeline in-flight microbatches, layouts and their ranking.
-# Everything is bytes per GPU; GB = 1e9 (the ZeRO paper's unit), GiB = 2**30 (what we print).
-# ---------------------------------------------------------------------------------------------
-
+# Everything is bytes per GPU: model states per ZeRO stage / FSDP, activations per layer counted
+# tensor by tensor, pipeline in-flight microbatches. GB = 1e9 (the ZeRO paper's unit), GiB = 2**30
+# (what we print).
 GB = 1e9
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -256,22 +229,7 @@ def microbatches_in_flight(schedule: str, pp: int, microbatches: int, rank: int)
     return min((v - 1) * pp + 2 * (pp - 1 - rank) + 1, microbatches * v) / v
 
 
-# ---- layouts and the plan -----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class GPU:
-    name: str
-    memory: int  # bytes: memory.total as nvidia-smi reports it
-    per_node: int = 8
-
-
-GPUS = {g.name: g for g in (
-    GPU("h100_80gb", 81559 * 2**20),
-    GPU("h200_141gb", 143771 * 2**20),
-    GPU("a100_80gb", 81920 * 2**20),
-    GPU("a100_40gb", 40960 * 2**20),
-)}
-
+# ---- a model and a layout ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -319,31 +277,6 @@ class Layout:
         return f"zero{self.zero_stage}"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def candidate_layouts(spec: ModelSpec, gpus: int, gpus_per_node: int = 8) -> list[Layout]:
-    """dp·tp·pp = gpus with tp inside a node and dividing the heads, pp dividing the layers; every
-    ZeRO stage (FSDP: full shard whenever dp > 1, as the LLM recipe does) and AC mode."""
-    out = []
-    for tp in _divisors(gpus):
-        if tp > gpus_per_node or spec.block.heads % tp:
-            continue
-        for pp in _divisors(gpus // tp):
-            if spec.layers % pp:
-                continue
-            dp = gpus // (tp * pp)
-            out += [Layout(dp, tp, pp, stage, ac) for stage in _zero_stages(spec, dp) for ac in spec.ac_modes]
-    return out
-
-
-def _zero_stages(spec: ModelSpec, dp: int) -> tuple[int, ...]:
-    if dp == 1:
-        return (0,)  # nothing to shard over
-    return (3,) if spec.sharding == "fsdp" else (0, 1, 2, 3)
-
-
 def _state_bytes_per_param(spec: ModelSpec, stage: int) -> StateBytes:
     if spec.sharding == "fsdp":
         return FSDP_MIXED  # fp32 parameters either way; bf16 only changes the gathered copies
@@ -384,29 +317,47 @@ def estimate(spec: ModelSpec, layout: Layout) -> dict[str, float]:
     return max((estimate_rank(spec, layout, r) for r in {0, layout.pp - 1}), key=lambda d: d["total"])
 
 
-AC_COST = {"none": 0, "selective": 1, "full": 2}
 
 
-def rank_key(layout: Layout, total: float) -> tuple:
-    """Best first, by a simple throughput heuristic:
-    1. less recomputation: full AC re-runs every forward (~+33% FLOPs), selective only cheap ops;
-    2. a smaller model-parallel group tp·pp: TP collectives sit on the critical path of every layer,
-       and PP adds the bubble (p-1)/(m+p-1) (Narayanan et al. 2021);
-    3. at equal tp·pp, less pp (the bubble costs more than intra-node TP);
-    4. a lower ZeRO stage: stage 3 gathers the weights in forward and backward, 1.5x the traffic
-       of stages 0-2 (Rajbhandari et al. 2020 §7);
-    5. less memory."""
-    return (AC_COST[layout.ac], layout.tp * layout.pp, layout.pp, layout.zero_stage, total)
+def configured_layout(spec: ModelSpec, *, dp: int, tp: int, pp: int, zero_stage: int, ac: str) -> Layout:
+    """The Layout a config describes: FSDP recipes shard fully whenever dp > 1 (counted as stage 3)."""
+    stage = (3 if dp > 1 else 0) if spec.sharding == "fsdp" else zero_stage
+    return Layout(dp=dp, tp=tp, pp=pp, zero_stage=stage, ac=ac)
 
 
-def plan(spec: ModelSpec, gpus: int, gpu: GPU, headroom: float = 0.9,
-         allowed: Callable[[Layout], bool] = lambda layout: True) -> list[dict]:
-    """Every candidate layout the recipe allows, with its per-GPU estimate and whether it fits in
-    headroom x the GPU's memory; fitting layouts first, best first."""
-    budget = gpu.memory * headroom
-    rows = []
-    for layout in candidate_layouts(spec, gpus, gpu.per_node):
-        if allowed(layout):
-            est = estimate(spec, layout)
-            rows.append({"layout": layout, **est, "fits": est["total"] <= budget})
-    return sorted(rows, key=lambda r: (not r["fits"], rank_key(r["layout"], r["total"])))
+def describe_sharding(spec: ModelSpec, layout: Layout) -> str:
+    if spec.sharding == "fsdp":
+        return f"FSDP over dp={layout.dp}" if layout.zero_stage == 3 else "no sharding (dp=1)"
+    return f"ZeRO stage {layout.zero_stage} over dp={layout.dp}"
+
+
+def dry_run_report(spec: ModelSpec, layout: Layout) -> str:
+    """What `run.dry_run=true` prints: the size and the per-GPU estimate of the configured layout, in
+    the planner's columns (scripts/plan.py lists the same numbers for every layout)."""
+    est = estimate(spec, layout)
+    n = spec.total_params
+    states = est["weights"] + est["grads"] + est["optimizer"] + est["gathered"]
+    lines = [f"recipe {spec.name}: {n:,} parameters ({n / 1e9:.2f}B)",
+             f"per GPU at dp={layout.dp} tp={layout.tp} pp={layout.pp}, {describe_sharding(spec, layout)}, "
+             f"{spec.precision}, micro batch {spec.micro_batch} x {spec.seq} tokens, AC {layout.ac}"
+             + (f" (pipeline rank {est['rank']}, the fullest)" if layout.pp > 1 else "") + ":"]
+    lines += [f"  {key:<12}{est[key] / GIB:10.2f} GiB" for key in MEMORY_COLUMNS]
+    lines.append(f"model states per GPU: {states:,.0f} bytes (weights {est['weights']:,.0f} + grads {est['grads']:,.0f} "
+                 f"+ optimizer {est['optimizer']:,.0f} + gathered {est['gathered']:,.0f})")
+    return "\n".join(lines)
+
+
+MEMORY_COLUMNS = ("weights", "grads", "optimizer", "gathered", "activations", "transient", "total")
+
+
+def count_params(module, trainable_only: bool = False) -> int:
+    """Parameters of a module (0 for None: a pipeline stage may lack its ends)."""
+    if module is None:
+        return 0
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+def largest_module_params(model) -> int:
+    """DeepSpeed ZeRO-3 gathers module by module: the largest module's own parameters (its rule in
+    deepspeed/runtime/zero/stage3.py:model_to_params)."""
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())

@@ -30,6 +30,13 @@ class ParallelDims:
             )
         return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=world_size)
 
+    @classmethod
+    def for_sizing(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
+        """The layout a dry run sizes: `parallel.dp` when set (a laptop sizes a cluster's layout), else
+        what this launch's ranks leave after tp and pp."""
+        dp = p.dp if p.dp > 0 else max(1, world_size // (p.tp * p.pp))
+        return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=dp * p.tp * p.pp)
+
     def build_mesh(self, device_type: str):
         """A 3-D mesh ("pp", "dp", "tp"): tp innermost, so tensor-parallel peers are neighbours
         (same node on a GPU cluster), pp outermost (crosses nodes least often per step)."""

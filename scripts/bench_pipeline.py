@@ -22,17 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed(stage, busy: list[float]) -> None:
@@ -123,10 +116,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.multiprocessing as mp
 
+    from common.distributed import free_port
+
     p = 2
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, p, port, opts, queue)) for r in range(p)]
     for proc in procs:
         proc.start()

@@ -25,11 +25,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-import torch  # noqa: E402
-
 from common.config import TrainConfig  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
-from common.memory import GIB, GPUS, Block, Layout, ModelSpec, plan  # noqa: E402
+from common.memory import GIB, MEMORY_COLUMNS, Layout, ModelSpec, configured_layout  # noqa: E402
+from common.tools.planner import GPUS, plan  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -64,84 +63,9 @@ def parse_cluster(argv: list[str]) -> tuple[Cluster, list[str]]:
     return cluster, overrides
 
 
-# ---- the recipes' models, built on the meta device by their own builders --------------------------
-
-def _count(module: torch.nn.Module | None, trainable_only: bool = False) -> int:
-    if module is None:
-        return 0
-    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
-
-
-def _largest_module(model: torch.nn.Module) -> int:
-    """DeepSpeed ZeRO-3 gathers module by module: the largest module's own parameters (its rule in
-    deepspeed/runtime/zero/stage3.py:model_to_params)."""
-    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-
-
-def llm_spec(cfg: TrainConfig) -> ModelSpec:
-    from recipes.llm.model import Transformer
-    from recipes.llm.train import llama_args
-
-    args = llama_args(cfg, vocab_size=cfg.model.vocab_size or 2048)  # dry_run's assumption without a tokenizer
-    with torch.device("meta"):
-        model = Transformer(args)
-    layer, first = _count(model.layers["0"]), _count(model.tok_embeddings)
-    last = _count(model.norm) + _count(model.output)
-    # SDPA with the packed documents' [b,1,s,s] bool mask; DTensor TP keeps the gathered linear inputs.
-    block = Block(hidden=args.dim, heads=args.n_heads, ffn=args.ffn_dim, kv_heads=args.n_kv_heads, norm="rmsnorm",
-                  mlp="swiglu", dropout=False, attention="fused", dense_mask=True, megatron_sp=False,
-                  selective="save_matmuls")
-    p = cfg.parallel
-    return ModelSpec(cfg.recipe.name, block, layers=args.n_layers, seq=cfg.data.max_seq_len,
-                     micro_batch=cfg.trainer.micro_batch_size, layer_params=layer, first_params=first,
-                     last_params=last, gather_unit_params=max(layer, first + last),  # FSDP units: blocks, root
-                     vocab=args.vocab_size, precision=cfg.toggles.precision, sharding="fsdp",
-                     ac_modes=("none", "selective", "full"), pp_schedule=p.pp_schedule,
-                     pp_microbatches=p.pp_microbatches, vocab_parallel=cfg.model.loss_parallel)
-
-
-def dit_spec(cfg: TrainConfig) -> ModelSpec:
-    from recipes.dit.model import build_model
-
-    m = cfg.model
-    with torch.device("meta"):
-        model = build_model(m, cfg.data.image_size)
-    first_block = model.transformer_blocks[0]
-    layer = _count(first_block)
-    block = Block(hidden=m.num_attention_heads * m.attention_head_dim, heads=m.num_attention_heads,
-                  ffn=first_block.ff.net[-1].in_features, norm="adaln_zero", mlp="gelu", dropout=m.dropout > 0,
-                  attention="eager" if cfg.toggles.attention == "eager" else "fused")
-    return ModelSpec(cfg.recipe.name, block, layers=m.num_layers, seq=(cfg.data.image_size // m.patch_size) ** 2,
-                     micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
-                     first_params=_count(model) - m.num_layers * layer, gather_unit_params=_largest_module(model),
-                     precision=cfg.toggles.precision)
-
-
-def vlm_spec(cfg: TrainConfig) -> ModelSpec:
-    from recipes.vlm.model import build_model, llava_config
-    from recipes.vlm.parallelize import freeze_for_stage
-
-    m = cfg.model
-    vocab = m.vocab_size or 1024  # dry_run's assumption without a tokenizer
-    config = llava_config(m, vocab_size=vocab, image_token_id=vocab - 1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    with torch.device("meta"):
-        model = build_model(config, "sdpa")
-    freeze_for_stage(model, cfg.vlm.stage)
-    layer = _count(model.model.language_model.layers[0], trainable_only=True)
-    trainable = _count(model, trainable_only=True)
-    # The frozen vision tower runs without autograd: it keeps nothing. The text rows are taken at
-    # their longest, micro_batch x max_seq_len tokens (image tokens included).
-    block = Block(hidden=m.text_hidden_size, heads=m.text_heads, ffn=m.text_intermediate_size, kv_heads=m.text_kv_heads,
-                  norm="rmsnorm", mlp="swiglu", dropout=False,
-                  attention="eager" if cfg.toggles.attention == "eager" else "fused",
-                  dense_mask=cfg.toggles.attention == "sdpa")
-    return ModelSpec(cfg.recipe.name, block, layers=m.text_layers, seq=cfg.data.max_seq_len,
-                     micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
-                     first_params=trainable - m.text_layers * layer, frozen_params=_count(model) - trainable,
-                     gather_unit_params=_largest_module(model), vocab=vocab, precision=cfg.toggles.precision)
-
-
-SPECS = {"llm": llm_spec, "dit": dit_spec, "vlm": vlm_spec}
+def model_spec(cfg: TrainConfig) -> ModelSpec:
+    """The recipe's own description of its model (recipes/<family>/train.py:memory_spec), as run.dry_run uses."""
+    return importlib.import_module(f"recipes.{cfg.recipe.family}.train").memory_spec(cfg)
 
 
 def with_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:
@@ -167,7 +91,7 @@ def recipe_allows(cfg: TrainConfig):
 
 # ---- output -------------------------------------------------------------------------------------
 
-COLUMNS = ("weights", "grads", "optimizer", "gathered", "activations", "transient", "total")
+COLUMNS = MEMORY_COLUMNS
 HEADERS = ("weights", "grads", "optim", "gathered", "activ", "transient", "total")
 
 
@@ -217,15 +141,14 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 2
-    spec = SPECS[cfg.recipe.family](cfg)
+    spec = model_spec(cfg)
     rows = plan(spec, cluster.gpus, GPUS[cluster.gpu], cluster.headroom, allowed=recipe_allows(cfg))
     if "--json" in flags:
         print(as_json(spec, rows, cluster))
         return 0
     p = cfg.parallel
-    configured = Layout(cluster.gpus // (p.tp * p.pp), p.tp, p.pp,
-                        p.zero_stage if spec.sharding == "deepspeed" else (3 if cluster.gpus > p.tp * p.pp else 0),
-                        cfg.toggles.activation_checkpointing)
+    configured = configured_layout(spec, dp=cluster.gpus // (p.tp * p.pp), tp=p.tp, pp=p.pp, zero_stage=p.zero_stage,
+                                   ac=cfg.toggles.activation_checkpointing)
     print(table(spec, rows, cluster, configured, show_all="--all" in flags))
     return 0
 

@@ -60,8 +60,8 @@ def set_attention(model: DiTTransformer2DModel, backend: str) -> None:
             module.set_processor(make())
 
 
-def parallelize(model: DiTTransformer2DModel, cfg: TrainConfig, world_size: int):
+def parallelize(model: DiTTransformer2DModel, cfg: TrainConfig, dp: int):
     """Returns the DeepSpeed engine wrapping `model` (ZeRO stage from `parallel.zero_stage`)."""
     set_attention(model, cfg.toggles.attention)
     apply_toggles(model, cfg.toggles, block_types=(BasicTransformerBlock,))
-    return initialize(model, cfg, world_size)
+    return initialize(model, cfg, dp)

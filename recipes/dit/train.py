@@ -16,7 +16,8 @@ from diffusers import DDPMScheduler
 from common import deepspeed as ds
 from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
-from common.memory import activation_bytes, print_estimate, zero_state_bytes
+from common.parallel_dims import ParallelDims
+from common.memory import Block, ModelSpec, count_params, largest_module_params
 from common.distributed import DistInfo, all_reduce_mean, barrier
 from common.ema import EMA
 from common.profiling import StepTimer
@@ -49,7 +50,8 @@ class DiTTrainer(Trainer):
         seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
         model = build_model(cfg.model, cfg.data.image_size)
         self.null_class = null_class(model)
-        self.engine = parallelize(model, cfg, dist.world_size)
+        self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
+        self.engine = parallelize(model, cfg, self.dims.dp)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
         self.ema = EMA(self.model, cfg.diffusion.ema_decay)
@@ -105,7 +107,7 @@ class DiTTrainer(Trainer):
     # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_first_step(self) -> None:
         # Adam state exists after the first step: measure what each rank holds.
-        ds.record_state_bytes(self.engine, self.cfg, self.dist, self.run_dir / "memory.json")
+        ds.record_state_bytes(self.engine, self.cfg, self.dist, self.dims.dp, self.run_dir / "memory.json")
 
     def after_step(self) -> None:
         every = self.cfg.trainer.sample_every
@@ -180,33 +182,23 @@ class DiTTrainer(Trainer):
         return out
 
 
-def dry_run(cfg: TrainConfig, dist: DistInfo) -> None:
-    """Size the model on the meta device and estimate per-device memory; allocates nothing."""
-    with torch.device("meta"):
-        model = build_model(cfg.model, cfg.data.image_size)
-    n = sum(p.numel() for p in model.parameters())
-    dp = cfg.parallel.dp if cfg.parallel.dp > 0 else dist.world_size
+def memory_spec(cfg: TrainConfig) -> ModelSpec:
+    """The DiT for the memory model (common/memory.py): built on the meta device, counted."""
     m = cfg.model
-    activations = activation_bytes(
-        seq=(cfg.data.image_size // m.patch_size) ** 2, batch=cfg.trainer.micro_batch_size,
-        hidden=m.num_attention_heads * m.attention_head_dim, layers=m.num_layers,
-        recompute=cfg.toggles.activation_checkpointing, precision=cfg.toggles.precision,
-    )
-    print_estimate(
-        f"recipe {cfg.recipe.name}: DiTTransformer2DModel", n,
-        zero_state_bytes(n, cfg.parallel.zero_stage, dp, cfg.toggles.precision), activations,
-        f"per device: ZeRO stage {cfg.parallel.zero_stage} over dp={dp}, {cfg.toggles.precision}, "
-        f"micro batch {cfg.trainer.micro_batch_size}, AC {cfg.toggles.activation_checkpointing}",
-    )
-    if cfg.parallel.dp <= 0:
-        print("(sized for this launch's world size; set parallel.dp=N to size for N GPUs)")
+    with torch.device("meta"):
+        model = build_model(m, cfg.data.image_size)
+    first_block = model.transformer_blocks[0]
+    layer = count_params(first_block)
+    block = Block(hidden=m.num_attention_heads * m.attention_head_dim, heads=m.num_attention_heads,
+                  ffn=first_block.ff.net[-1].in_features, norm="adaln_zero", mlp="gelu", dropout=m.dropout > 0,
+                  attention="eager" if cfg.toggles.attention == "eager" else "fused")
+    return ModelSpec(cfg.recipe.name, block, layers=m.num_layers, seq=(cfg.data.image_size // m.patch_size) ** 2,
+                     micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
+                     first_params=count_params(model) - m.num_layers * layer,
+                     gather_unit_params=largest_module_params(model), precision=cfg.toggles.precision)
 
 
-def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path | None) -> None:
-    if cfg.run.dry_run:
-        if dist.is_main:
-            dry_run(cfg, dist)
-        return
+def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
     trainer = DiTTrainer(cfg, dist, run_dir)
     trainer.fit()
     trainer.save_samples("final.png")

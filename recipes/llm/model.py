@@ -58,18 +58,6 @@ class LlamaArgs:
         return self.dim // self.n_heads
 
 
-LLAMA_CONFIGS: dict[str, LlamaArgs] = {
-    # Trains on one CPU in minutes; 4 layers so pipeline tests can split it 2 or 4 ways.
-    # ffn_dim 344 = 8/3 * 128 rounded up to a multiple of 8. vocab_size is a placeholder the
-    # recipe replaces with its tokenizer's.
-    "llm_tiny": LlamaArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=344,
-                          rope_theta=10000.0, max_seq_len=256),
-    # Llama-3-8B shapes: 8,030,261,248 parameters.
-    "llm_8b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
-                        rope_theta=500000.0, max_seq_len=8192),
-}
-
-
 # --------------------------------------------------------------------------------------------
 # RoPE
 #
@@ -305,26 +293,6 @@ def _seeded_rng(seed: int | None, params: Iterator[nn.Parameter]) -> Iterator[No
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
         yield
-
-
-def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    """Parameter count (shared weights once); works on meta-built models."""
-    n = sum(p.numel() for p in model.parameters())
-    emb = getattr(model, "tok_embeddings", None)
-    if exclude_embedding and emb is not None:
-        n -= emb.weight.numel()
-    return n
-
-
-def flops_per_token(args: LlamaArgs, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): ``6 N + 12 L H hd S`` (PaLM appendix B).
-
-    N excludes the input embedding (a lookup, not a matmul) but includes the output projection.
-    """
-    a = args
-    layer = 2 * a.dim * a.n_heads * a.head_dim + 2 * a.dim * a.n_kv_heads * a.head_dim + 3 * a.dim * a.ffn_dim
-    n = a.n_layers * layer + a.dim * a.vocab_size
-    return 6.0 * n + 12.0 * a.n_layers * a.n_heads * a.head_dim * seq_len
 
 
 # --------------------------------------------------------------------------------------------

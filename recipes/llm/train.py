@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
-from common.memory import activation_bytes, print_estimate, zero_state_bytes
+from common.memory import Block, ModelSpec, count_params
 from common.optim import lr_factor
 from common.parallel_dims import ParallelDims
 from common.profiling import StepTimer
@@ -247,30 +247,28 @@ def sample_generation(export: Path, prompt: str = "The with statement", max_new_
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
-def dry_run(cfg: TrainConfig, dist: DistInfo) -> None:
-    """Size the Llama on the meta device for the configured layout; allocates nothing."""
+def memory_spec(cfg: TrainConfig) -> ModelSpec:
+    """The Llama for the memory model (common/memory.py): built on the meta device, counted. Without
+    model.vocab_size the vocabulary is assumed (the tokenizer is not read)."""
     args = llama_args(cfg, vocab_size=cfg.model.vocab_size or 2048)
     with torch.device("meta"):
         model = Transformer(args)
-    n = sum(p.numel() for p in model.parameters())
+    layer, first = count_params(model.layers["0"]), count_params(model.tok_embeddings)
+    last = count_params(model.norm) + count_params(model.output)
+    # SDPA with the packed documents' [b,1,s,s] bool mask; DTensor TP keeps the gathered linear inputs.
+    block = Block(hidden=args.dim, heads=args.n_heads, ffn=args.ffn_dim, kv_heads=args.n_kv_heads, norm="rmsnorm",
+                  mlp="swiglu", dropout=False, attention="fused", dense_mask=True, megatron_sp=False,
+                  selective="save_matmuls")
     p = cfg.parallel
-    tp, pp = p.tp, p.pp
-    dp = p.dp if p.dp > 0 else max(1, dist.world_size // (tp * pp))
-    # FSDP shards weights, grads and Adam state over dp (ZeRO-3 arithmetic) after TP/PP split them.
-    states = zero_state_bytes(n // (tp * pp), 3 if dp > 1 else 0, dp, cfg.toggles.precision)
-    activations = activation_bytes(seq=cfg.data.max_seq_len, batch=cfg.trainer.micro_batch_size, hidden=args.dim,
-                                   layers=args.n_layers // pp, recompute=cfg.toggles.activation_checkpointing,
-                                   precision=cfg.toggles.precision) / tp
-    print_estimate(f"recipe {cfg.recipe.name}: Llama", n, states, activations,
-                   f"per device: dp={dp} tp={tp} pp={pp}, {cfg.toggles.precision}, micro batch "
-                   f"{cfg.trainer.micro_batch_size} x {cfg.data.max_seq_len} tokens, AC {cfg.toggles.activation_checkpointing}")
+    return ModelSpec(cfg.recipe.name, block, layers=args.n_layers, seq=cfg.data.max_seq_len,
+                     micro_batch=cfg.trainer.micro_batch_size, layer_params=layer, first_params=first,
+                     last_params=last, gather_unit_params=max(layer, first + last),  # FSDP units: blocks, root
+                     vocab=args.vocab_size, precision=cfg.toggles.precision, sharding="fsdp",
+                     ac_modes=("none", "selective", "full"), pp_schedule=p.pp_schedule,
+                     pp_microbatches=p.pp_microbatches, vocab_parallel=cfg.model.loss_parallel)
 
 
-def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path | None) -> None:
-    if cfg.run.dry_run:
-        if dist.is_main:
-            dry_run(cfg, dist)
-        return
+def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
     trainer = LLMTrainer(cfg, dist, run_dir)
     trainer.fit()
     out = trainer.export()

@@ -20,11 +20,11 @@ def freeze_for_stage(model: LlavaForConditionalGeneration, stage: str) -> None:
         model.lm_head.requires_grad_(True)
 
 
-def parallelize(model: LlavaForConditionalGeneration, cfg: TrainConfig, world_size: int):
+def parallelize(model: LlavaForConditionalGeneration, cfg: TrainConfig, dp: int):
     """Returns the DeepSpeed engine over the trainable parameters (attention kernel already chosen
     when the model was built: `toggles.attention` → attn_implementation)."""
     freeze_for_stage(model, cfg.vlm.stage)
     # Blocks: every decoder and vision encoder layer (the layers transformers itself checkpoints);
     # fp8 only in the language model (the tower's widths are often not multiples of 16).
     apply_toggles(model, cfg.toggles, block_types=(GradientCheckpointingLayer,), fp8_module=model.model.language_model)
-    return ds.initialize(model, cfg, world_size)
+    return ds.initialize(model, cfg, dp)

@@ -18,7 +18,8 @@ from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.distributed import DistInfo, all_reduce_mean, barrier
 from common.errors import ConfigError
-from common.memory import activation_bytes, print_estimate, zero_state_bytes
+from common.parallel_dims import ParallelDims
+from common.memory import Block, ModelSpec, count_params, largest_module_params
 from common.profiling import StepTimer
 from common.seed import seed_everything
 from common.trainer import StepStats, Trainer, TrainState
@@ -65,7 +66,8 @@ class VLMTrainer(Trainer):
             if dist.is_main:
                 print(f"kiln: vlm.init_from: loaded all {sum(p.numel() for p in model.parameters()):,} weights "
                       f"(vision tower, projector, language model) from {self.init_from}", flush=True)
-        self.engine = parallelize(model, cfg, dist.world_size)
+        self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
+        self.engine = parallelize(model, cfg, self.dims.dp)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
         seed_everything(cfg.trainer.seed + 1 + dist.rank)
@@ -111,7 +113,7 @@ class VLMTrainer(Trainer):
 
     # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_first_step(self) -> None:
-        ds.record_state_bytes(self.engine, self.cfg, self.dist, self.run_dir / "memory.json")
+        ds.record_state_bytes(self.engine, self.cfg, self.dist, self.dims.dp, self.run_dir / "memory.json")
 
     # ---- checkpoints: DeepSpeed's engine state + this rank's TrainState ---------------------
     def save_checkpoint(self) -> None:
@@ -146,8 +148,9 @@ class VLMTrainer(Trainer):
         return out
 
 
-def dry_run(cfg: TrainConfig, dist: DistInfo) -> None:
-    """Size the LLaVA on the meta device; allocates nothing and reads no data."""
+def memory_spec(cfg: TrainConfig) -> ModelSpec:
+    """The LLaVA for the memory model (common/memory.py): built on the meta device, frozen per stage, counted.
+    Without model.vocab_size the vocabulary is assumed (the tokenizer is not read)."""
     from recipes.vlm.parallelize import freeze_for_stage
 
     m = cfg.model
@@ -156,31 +159,21 @@ def dry_run(cfg: TrainConfig, dist: DistInfo) -> None:
     with torch.device("meta"):
         model = build_model(config, "sdpa")
     freeze_for_stage(model, cfg.vlm.stage)
-    n = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    dp = cfg.parallel.dp if cfg.parallel.dp > 0 else dist.world_size
-    states = zero_state_bytes(trainable, cfg.parallel.zero_stage, dp, cfg.toggles.precision)
-    frozen = (n - trainable) * (4 if cfg.toggles.precision == "fp32" else 2) / (dp if cfg.parallel.zero_stage == 3 else 1)
-    activations = activation_bytes(
-        seq=cfg.data.max_seq_len, batch=cfg.trainer.micro_batch_size, hidden=m.text_hidden_size,
-        layers=m.text_layers, recompute=cfg.toggles.activation_checkpointing, precision=cfg.toggles.precision,
-    )
-    print_estimate(
-        f"recipe {cfg.recipe.name}: LlavaForConditionalGeneration ({trainable:,} trainable in stage {cfg.vlm.stage})",
-        n, states, activations,
-        f"per device: ZeRO stage {cfg.parallel.zero_stage} over dp={dp}, {cfg.toggles.precision}, "
-        f"micro batch {cfg.trainer.micro_batch_size} x {cfg.data.max_seq_len} tokens, AC {cfg.toggles.activation_checkpointing}",
-        frozen_bytes=frozen,
-    )
-    if not m.vocab_size:
-        print(f"(vocab size assumed {vocab}; set model.vocab_size to size it exactly)")
+    layer = count_params(model.model.language_model.layers[0], trainable_only=True)
+    trainable = count_params(model, trainable_only=True)
+    # The frozen vision tower runs without autograd: it keeps nothing. The text rows are taken at
+    # their longest, micro_batch x max_seq_len tokens (image tokens included).
+    block = Block(hidden=m.text_hidden_size, heads=m.text_heads, ffn=m.text_intermediate_size, kv_heads=m.text_kv_heads,
+                  norm="rmsnorm", mlp="swiglu", dropout=False,
+                  attention="eager" if cfg.toggles.attention == "eager" else "fused",
+                  dense_mask=cfg.toggles.attention == "sdpa")
+    return ModelSpec(cfg.recipe.name, block, layers=m.text_layers, seq=cfg.data.max_seq_len,
+                     micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
+                     first_params=trainable - m.text_layers * layer, frozen_params=count_params(model) - trainable,
+                     gather_unit_params=largest_module_params(model), vocab=vocab, precision=cfg.toggles.precision)
 
 
-def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path | None) -> None:
-    if cfg.run.dry_run:
-        if dist.is_main:
-            dry_run(cfg, dist)
-        return
+def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
     trainer = VLMTrainer(cfg, dist, run_dir)
     trainer.fit()
     if cfg.trainer.eval:

@@ -9,7 +9,6 @@ import torch
 
 from common.config import OptimConfig, TogglesConfig
 from common.errors import ConfigError
-from common.memory import zero_state_bytes
 from common.ema import EMA
 from common.metrics import plot_loss_curve, rewind_jsonl
 from common.optim import lr_factor
@@ -39,16 +38,6 @@ def test_ema_tracks_and_swaps_back():
     with ema.swapped():
         assert torch.allclose(model.weight, start + 1.9)
     assert torch.equal(model.weight, trained)
-
-
-def test_zero_memory_matches_the_zero_paper():
-    # Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 GPUs, mixed precision + Adam.
-    gb = 1e9
-    n, dp = 7.5e9, 64
-    assert zero_state_bytes(n, 0, dp, "bf16")["total"] / gb == pytest.approx(120, rel=0.01)
-    assert zero_state_bytes(n, 1, dp, "bf16")["total"] / gb == pytest.approx(31.4, rel=0.01)
-    assert zero_state_bytes(n, 2, dp, "bf16")["total"] / gb == pytest.approx(16.6, rel=0.01)
-    assert zero_state_bytes(n, 3, dp, "bf16")["total"] / gb == pytest.approx(1.9, rel=0.02)
 
 
 def test_metrics_rewind_and_plot(tmp_path):

@@ -58,7 +58,7 @@ def test_overrides_are_typed():
         ("data.image_size=15", "data.image_size"),
         ("recipe=nope", "no such recipe"),
         ("run.resume=/does/not/exist", "run.resume"),
-        ("toggles.activation_checkpointing=selective", "selective"),
+        ("toggles.attention=flash", "toggles.attention=flash needs toggles.precision=bf16"),
     ],
 )
 def test_bad_values_raise_config_error(override, needle):
@@ -71,10 +71,12 @@ def test_bad_values_raise_config_error(override, needle):
     ("parallel.tp=4", "parallel.tp=4 must divide model.n_kv_heads=2"),
     ("parallel.zero_stage=2", "FSDP2"),
     ("data.max_seq_len=512", "exceeds model.max_seq_len=256"),
+    ("toggles.precision=fp16", "toggles.precision=fp16 is not offered by the LLM recipe"),
+    ("toggles.precision=fp8 parallel.tp=2", "the LLM recipe converts to fp8 without tensor parallelism"),
 ])
 def test_llm_layout_mistakes(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
-        compose(["recipe=llm_tiny", override])
+        compose(["recipe=llm_tiny", *override.split()])
 
 
 @pytest.mark.parametrize(
@@ -86,16 +88,19 @@ def test_llm_layout_mistakes(override, needle):
         ("toggles.precision=fp16", "toggles.precision=fp16"),
         ("parallel.dp=4", "parallel.dp*tp*pp=4*1*1=4 but the job has 1 ranks"),
         ("parallel.tp=2", "ZeRO data parallelism only"),
+        ("recipe=llm_tiny toggles.precision=fp16", "toggles.precision=fp16 is not offered by the LLM recipe"),
+        ("recipe=llm_tiny toggles.precision=fp8", "toggles.precision=fp8"),
     ],
 )
 def test_cli_mistakes_print_one_line_and_write_nothing(tmp_path: Path, override, needle):
+    """A toggle no recipe or machine can honour stops every recipe the same way: one line, exit 2."""
     import torch
 
-    if torch.cuda.is_available() and override.startswith("toggles"):
+    if torch.cuda.is_available() and "toggles." in override and "not offered" not in needle:
         pytest.skip("hardware checks pass on this machine")
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, TRAIN, "recipe=dit_tiny", override, f"run.dir={run_dir}"],
+        [sys.executable, TRAIN, "recipe=dit_tiny", *override.split(), f"run.dir={run_dir}"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2

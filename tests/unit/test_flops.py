@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,26 @@ import torch.nn.functional as F
 
 from common.flops import (PEAK_TFLOPS, FlopCounter, _one_thread_matmul_peak, count_step_flops, gpu_model, mfu,
                           peak_flops, precision_key)
-from recipes.llm.model import LLAMA_CONFIGS, Transformer, flops_per_token
+from common.distributed import free_port
+from common.launch import compose
+from recipes.llm.model import LlamaArgs, Transformer
+from recipes.llm.train import llama_args
 
-ARGS = LLAMA_CONFIGS["llm_tiny"]
+ARGS = llama_args(compose(["recipe=llm_tiny"]), vocab_size=512)
 BATCH, SEQ = 2, 128
 
 # torch counts SDPA backward as 5 matmuls (the 4 of the gradients plus the recomputed Q K^T that
 # flash/efficient kernels redo), the 6N + 12LHS formula as 4: counted attention = 3.5/3 of it.
 SDPA_BACKWARD_RECOMPUTE = 3.5 / 3
+
+
+def flops_per_token(args: LlamaArgs, seq_len: int) -> float:
+    """The independent reference: training FLOPs per token ``6 N + 12 L H hd S`` (PaLM, appendix B),
+    N without the input embedding (a lookup) but with the output projection."""
+    a = args
+    layer = 2 * a.dim * a.n_heads * a.head_dim + 2 * a.dim * a.n_kv_heads * a.head_dim + 3 * a.dim * a.ffn_dim
+    n = a.n_layers * layer + a.dim * a.vocab_size
+    return 6.0 * n + 12.0 * a.n_layers * a.n_heads * a.head_dim * seq_len
 
 
 def llama_step(model: torch.nn.Module, tokens: torch.Tensor) -> None:
@@ -66,12 +77,6 @@ def test_llama_counted_flops_match_6n_plus_attention():
 
 # ---- processes with a process group ------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, job: str, args: tuple, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -87,7 +92,7 @@ def _worker(rank: int, world: int, port: int, job: str, args: tuple, out: str) -
 
 
 def run_ranks(job: str, args: tuple, world: int, tmp_path: Path) -> list:
-    torch.multiprocessing.spawn(_worker, args=(world, _free_port(), job, args, str(tmp_path)), nprocs=world)
+    torch.multiprocessing.spawn(_worker, args=(world, free_port(), job, args, str(tmp_path)), nprocs=world)
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
 
 
@@ -131,21 +136,21 @@ def _recipe_step_flops(overrides: list[str]) -> dict:
     family = cfg.recipe.family
     trainer = getattr(importlib.import_module(f"recipes.{family}.train"), TRAINERS[family])(
         cfg, init_distributed(), Path(cfg.run.dir))
-    trainer.batches = iter(trainer.loader)
+    batches = iter(trainer.state.loader)
     try:
         with FlopCounter() as fc:
-            stats = trainer.train_step(StepTimer())
+            stats = trainer.train_step(batches, StepTimer())
         # The same step's forward alone: backward should add about twice the forward.
         with FlopCounter() as forward, torch.no_grad():
             if family == "llm":
-                trainer.micro_step_loss(next(trainer.batches))
+                trainer.micro_step_loss(next(batches))
             elif family == "dit":
-                trainer.diffusion_loss(next(trainer.batches))
+                trainer.diffusion_loss(next(batches))
     finally:
-        trainer.loader.close()
+        trainer.state.loader.close()
     result = {"flops": fc.flops, "forward": forward.flops, "by_op": fc.by_op()}
     if family == "llm":  # the model computes on every slot of its packed rows, padding included
-        slots = round(stats["tokens"] / stats["token_utilization"])
+        slots = round(stats.tokens / stats.token_utilization)
         linear, seq = flops_per_token(trainer.args, 0), cfg.data.max_seq_len
         result["expected"] = slots * (linear + (flops_per_token(trainer.args, seq) - linear) * SDPA_BACKWARD_RECOMPUTE)
         result["formula"] = slots * flops_per_token(trainer.args, seq)

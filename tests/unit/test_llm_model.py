@@ -10,19 +10,17 @@ import torch
 from transformers import LlamaForCausalLM
 
 from common.data.packing import pack_samples
-from recipes.llm.model import (
-    LLAMA_CONFIGS,
-    LlamaArgs,
-    Transformer,
-    from_hf_state_dict,
-    num_params,
-    to_hf_config,
-    to_hf_state_dict,
-)
+from common.launch import compose
+from recipes.llm.model import LlamaArgs, Transformer, from_hf_state_dict, to_hf_config, to_hf_state_dict
+from recipes.llm.train import llama_args
 
 # 3 layers (pipeline split leaves more than one layer in the second stage), GQA with n_rep=2,
 # max_seq_len above the longest test row.
 ARGS = LlamaArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=160, max_seq_len=64)
+
+
+def num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # shared (tied) weights once
 
 
 def _model(args: LlamaArgs = ARGS, seed: int = 0) -> Transformer:
@@ -112,7 +110,7 @@ def test_packed_rows_match_documents_run_alone() -> None:
 
 
 def test_llm_8b_meta_build_allocates_nothing() -> None:
-    args = LLAMA_CONFIGS["llm_8b"]
+    args = llama_args(compose(["recipe=llm_8b"]), vocab_size=0)  # the recipe sets the vocabulary
     with torch.device("meta"):
         model = Transformer(args)
     n = num_params(model)
@@ -122,7 +120,7 @@ def test_llm_8b_meta_build_allocates_nothing() -> None:
 
 
 def test_meta_build_materializes_like_direct_build() -> None:
-    args = LLAMA_CONFIGS["llm_tiny"]
+    args = llama_args(compose(["recipe=llm_tiny"]), vocab_size=512)
     with torch.device("meta"):
         meta = Transformer(args)
     meta.to_empty(device="cpu")

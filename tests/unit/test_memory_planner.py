@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from common.launch import compose
-from common.memory import (DEEPSPEED_MIXED, GB, GPUS, MIXED_ADAM, Block, Layout, StateBytes, estimate, head_saved,
+from common.memory import (DEEPSPEED_MIXED, GB, MIXED_ADAM, Block, Layout, StateBytes, estimate, head_saved,
                            layer_activation_bytes, microbatches_in_flight, model_state_bytes, per_gpu_bytes)
+from common.tools.planner import GPUS, plan
+from recipes.dit.train import memory_spec as dit_spec
+from recipes.llm.train import memory_spec as llm_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +50,7 @@ def recipe_sizes() -> list[tuple[str, int, int]]:
     """(recipe, parameters, largest module) from the recipes' own builders on the meta device. All
     trainable and 16-bit mixed precision: what DeepSpeed's estimators assume."""
     sizes = []
-    for name, build in (("dit_2b", plan_script.dit_spec), ("llm_8b", plan_script.llm_spec)):
+    for name, build in (("dit_2b", dit_spec), ("llm_8b", llm_spec)):
         spec = build(compose([f"recipe={name}"]))
         sizes.append((name, spec.total_params, spec.gather_unit_params if name == "dit_2b" else
                        spec.first_params))  # the LLM's largest module: its embedding table
@@ -130,7 +134,7 @@ def tiny_llm():
 
     cfg = compose(["recipe=llm_tiny"])
     assert cfg.toggles.precision == "fp32"
-    spec = plan_script.llm_spec(cfg)
+    spec = llm_spec(cfg)
     args = llama_args(cfg, vocab_size=spec.vocab)
     b, s = cfg.trainer.micro_batch_size, cfg.data.max_seq_len
     gen = torch.Generator().manual_seed(0)
@@ -142,14 +146,15 @@ def tiny_llm():
 
 
 def measure_llm(tiny_llm, ac: str, loss: bool) -> tuple[float, float]:
-    from recipes.llm.parallelize import apply_ac
+    from common.toggles import apply_ac
+    from recipes.llm.model import TransformerBlock
 
     spec, build, batch = tiny_llm
     torch.manual_seed(0)
     model = build()
     model.init_weights(seed=0)
     if ac != "none":
-        apply_ac(model, ac)  # as recipes/llm/parallelize.py does
+        apply_ac(model, ac, (TransformerBlock,))  # as recipes/llm/parallelize.py does (common/toggles.py)
 
     def forward():
         logits = model(batch["tokens"], position_ids=batch["positions"], attn_mask=batch["mask"])
@@ -183,7 +188,7 @@ def test_dit_tiny_activations_match_saved_tensors():
     from recipes.dit.parallelize import set_attention
 
     cfg = compose(["recipe=dit_tiny"])
-    spec = plan_script.dit_spec(cfg)
+    spec = dit_spec(cfg)
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.data.image_size)
     set_attention(model, cfg.toggles.attention)
@@ -201,7 +206,7 @@ def test_dit_tiny_activations_match_saved_tensors():
 @pytest.fixture(scope="module")
 def llm_8b():
     cfg = compose(["recipe=llm_8b"])
-    return cfg, plan_script.llm_spec(cfg)
+    return cfg, llm_spec(cfg)
 
 
 def test_llm_8b_needs_sharding_on_8_h100(llm_8b):
@@ -215,7 +220,7 @@ def test_llm_8b_needs_sharding_on_8_h100(llm_8b):
 def test_plan_lists_fitting_layouts_best_first(llm_8b):
     cfg, spec = llm_8b
     gpu = GPUS["h100_80gb"]
-    rows = plan_script.plan(spec, 8, gpu, 0.9, allowed=plan_script.recipe_allows(cfg))
+    rows = plan(spec, 8, gpu, 0.9, allowed=plan_script.recipe_allows(cfg))
     fits = [r for r in rows if r["fits"]]
     assert fits and len(fits) < len(rows)
     assert all(r["total"] <= 0.9 * gpu.memory for r in fits)
@@ -229,7 +234,7 @@ def test_plan_lists_fitting_layouts_best_first(llm_8b):
 def test_plan_respects_recipe_layout_rules():
     """DiT/VLM recipes shard with ZeRO only: every layout has tp = pp = 1, all stages, no selective AC."""
     cfg = compose(["recipe=dit_2b"])
-    rows = plan_script.plan(plan_script.dit_spec(cfg), 8, GPUS["h100_80gb"], allowed=plan_script.recipe_allows(cfg))
+    rows = plan(dit_spec(cfg), 8, GPUS["h100_80gb"], allowed=plan_script.recipe_allows(cfg))
     layouts = {r["layout"] for r in rows}
     assert {(lay.tp, lay.pp) for lay in layouts} == {(1, 1)}
     assert {lay.zero_stage for lay in layouts} == {0, 1, 2, 3} and {lay.ac for lay in layouts} == {"none", "full"}
@@ -255,3 +260,32 @@ def test_plan_cli_unknown_gpu_is_one_line_exit_2():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("kiln: error: unknown cluster.gpu='b200'")
     assert all(name in proc.stderr for name in GPUS)
+
+
+# ---- e) one memory model: run.dry_run and scripts/plan.py agree ---------------------------------
+
+DRY_RUN_STATES = re.compile(r"model states per GPU: ([\d,]+) bytes \(weights ([\d,]+) \+ grads ([\d,]+) "
+                            r"\+ optimizer ([\d,]+) \+ gathered ([\d,]+)\)")
+
+
+@pytest.mark.parametrize("recipe, overrides, layout", [
+    *[("dit_2b", [f"parallel.zero_stage={s}"], dict(dp=8, tp=1, pp=1, zero_stage=s)) for s in range(4)],
+    ("llm_8b", ["parallel.tp=2"], dict(dp=4, tp=2, pp=1, zero_stage=3)),  # FSDP over dp=4
+])
+def test_dry_run_and_plan_report_the_same_model_states(recipe, overrides, layout):
+    """`scripts/train.py run.dry_run=true` (what a user sizes a run with) and `scripts/plan.py` print the
+    same per-GPU weights, grads and optimizer bytes for the same layout, to the byte."""
+    dry = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), f"recipe={recipe}", "run.dry_run=true",
+                          f"parallel.dp={layout['dp']}", *overrides], capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    found = DRY_RUN_STATES.search(dry.stdout)
+    assert found, dry.stdout
+    total, weights, grads, optimizer, gathered = (int(g.replace(",", "")) for g in found.groups())
+    planned = run_plan(f"recipe={recipe}", "cluster.gpus=8", "--json", *overrides)
+    assert planned.returncode == 0, planned.stderr
+    ac = compose([f"recipe={recipe}"]).toggles.activation_checkpointing
+    row = next(r for r in json.loads(planned.stdout)["layouts"]
+               if {k: r[k] for k in layout} == layout and r["ac"] == ac)
+    assert (weights, grads, optimizer, gathered) == tuple(
+        round(row[f"{k}_bytes"]) for k in ("weights", "grads", "optimizer", "gathered"))
+    assert total == weights + grads + optimizer + gathered
