@@ -3,7 +3,7 @@
 Layout under run.dir/checkpoints/:
     step_0000500/      a complete checkpoint (only ever created by a rename)
     latest             text file naming the newest complete step dir
-    .tmp/              in-progress writes; deleted at start-up, never read
+    .tmp/              in-progress writes only (removed once a checkpoint is in place, and at start-up)
 
 What goes inside a step dir is up to the recipe's `write(dir)` callback, which every rank
 calls (DeepSpeed and DCP write per-rank shards). A crash at any point leaves `latest`
@@ -95,6 +95,7 @@ class CheckpointManager:
             info = {"step": step, "world_size": self.dist.world_size, "time": time.time(), **(meta or {})}
             _atomic_write_text(tmp / "meta.json", json.dumps(info, indent=1))
             os.rename(tmp, final)
+            tmp.parent.rmdir()  # .tmp exists only while a checkpoint is being written
             _atomic_write_text(self.root / "latest", final.name)
             self._prune()
         barrier()

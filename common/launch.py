@@ -101,6 +101,9 @@ def dry_run(cfg: TrainConfig, spec, world_size: int) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from common.known_warnings import silence_known_warnings
+
+    silence_known_warnings()
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.format(recipes=", ".join(_recipes())))
         return 0

@@ -41,13 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     model = DiTTransformer2DModel.from_pretrained(args.export / "transformer").eval()
     scheduler = DDPMScheduler.from_pretrained(args.export / "scheduler")
     labels = class_labels(info["num_classes"], args.per_class)
+    print(f"eval_dit: sampling {len(labels)} digits ({args.per_class} per class) from {args.export}", flush=True)
     images = sample_images(
         model, dict(scheduler.config), labels, null_class=info["null_class"], image_size=info["image_size"],
         in_channels=model.config.in_channels, steps=args.steps or info["sample_steps"],
         guidance_scale=info["guidance_scale"] if args.guidance is None else args.guidance,
-        generator=torch.Generator().manual_seed(args.seed), device=torch.device("cpu"),
+        generator=torch.Generator().manual_seed(args.seed), device=torch.device("cpu"), progress="sampling",
     )
     ensure_digits_shards(args.data)
+    print("eval_dit: fitting the digit classifier on real digits and scoring the samples", flush=True)
     clf, real_acc = fit_digit_classifier(args.data, info["image_size"], args.seed)
     result = {**score_samples(clf, images, labels, info["num_classes"]), "classifier_accuracy_on_real_val": real_acc}
     print(json.dumps(result, indent=2))

@@ -25,12 +25,18 @@ def sample_images(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     batch_size: int = 512,
+    progress: str | None = None,
 ) -> torch.Tensor:
-    """Images in [-1, 1], shape [N, C, S, S], for the class ids in `labels` (deterministic, eta=0)."""
+    """Images in [-1, 1], shape [N, C, S, S], for the class ids in `labels` (deterministic, eta=0).
+    `progress`: show a progress bar over the denoising steps with this label (None: silent)."""
+    from tqdm.auto import tqdm
+
     scheduler = DDIMScheduler.from_config(scheduler_config)
     scheduler.set_timesteps(steps)
+    chunks = labels.split(batch_size)
+    bar = tqdm(total=len(chunks) * steps, desc=progress, unit="step", disable=progress is None, dynamic_ncols=True)
     out = []
-    for chunk in labels.split(batch_size):
+    for chunk in chunks:
         n = chunk.shape[0]
         x = torch.randn((n, in_channels, image_size, image_size), generator=generator).to(device)
         cond = torch.cat([chunk, torch.full_like(chunk, null_class)]).to(device)
@@ -40,7 +46,9 @@ def sample_images(
             pred_cond, pred_uncond = pred.chunk(2)
             guided = pred_uncond + guidance_scale * (pred_cond - pred_uncond)
             x = scheduler.step(guided, t, x).prev_sample
+            bar.update()
         out.append(x.clamp(-1, 1).cpu())
+    bar.close()
     return torch.cat(out)
 
 

@@ -125,9 +125,14 @@ class DiTTrainer(Trainer):
             print(f"kiln: resumed from {path} at step {self.state.step}", flush=True)
 
     # ---- samples, evaluation, export --------------------------------------------------------
-    def generate(self, labels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """EMA-weight samples; every rank runs it (ZeRO-3 gathers weights collectively)."""
+    def generate(self, labels: torch.Tensor, generator: torch.Generator, progress: str | None = None) -> torch.Tensor:
+        """EMA-weight samples; every rank runs it (ZeRO-3 gathers weights collectively). `progress`
+        labels a progress bar on rank 0."""
         d = self.cfg.diffusion
+        if progress and self.dist.is_main:
+            print(f"kiln: {progress}: {len(labels)} images, {d.sample_steps} DDIM steps, guidance {d.guidance_scale}",
+                  flush=True)
+        show_bar = progress if self.dist.is_main and self.cfg.trainer.progress_bar else None
         was_training = self.model.training
         self.model.eval()
         with self.ema.swapped():
@@ -136,24 +141,28 @@ class DiTTrainer(Trainer):
                 null_class=self.null_class, image_size=self.cfg.data.image_size,
                 in_channels=self.cfg.model.in_channels, steps=d.sample_steps,
                 guidance_scale=d.guidance_scale, generator=generator, device=self.device, dtype=self.dtype,
+                progress=show_bar,
             )
         self.model.train(was_training)
         return images
 
-    def save_samples(self, name: str) -> None:
+    def save_samples(self, name: str, progress: str | None = None) -> None:
         per_class = self.cfg.diffusion.samples_per_class
         labels = class_labels(self.cfg.model.num_classes, per_class)
         # Seeded by the step: the same grid for the same weights, with or without a resume in between.
-        images = self.generate(labels, torch.Generator().manual_seed(self.cfg.trainer.seed + 12345 + self.state.step))
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 12345 + self.state.step)
+        images = self.generate(labels, generator, progress)
         if self.dist.is_main:
             save_grid(images, rows=self.cfg.model.num_classes, path=self.run_dir / "samples" / name)
 
     def evaluate(self) -> dict | None:
         d = self.cfg.diffusion
         labels = class_labels(self.cfg.model.num_classes, d.eval_samples_per_class)
-        images = self.generate(labels, torch.Generator().manual_seed(self.cfg.trainer.seed + 999))
+        images = self.generate(labels, torch.Generator().manual_seed(self.cfg.trainer.seed + 999),
+                               progress="eval samples")
         if not self.dist.is_main:
             return None
+        print("kiln: eval: fitting the digit classifier on real digits and scoring the samples", flush=True)
         clf, real_acc = fit_digit_classifier(self.cfg.data.root, self.cfg.data.image_size, self.cfg.trainer.seed)
         result = score_samples(clf, images, labels, self.cfg.model.num_classes)
         result.update(classifier_accuracy_on_real_val=real_acc, chance=1.0 / self.cfg.model.num_classes, step=self.state.step)
@@ -201,7 +210,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
 def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
     trainer = DiTTrainer(cfg, dist, run_dir)
     trainer.fit()
-    trainer.save_samples("final.png")
+    trainer.save_samples("final.png", progress="final sample grid")
     if cfg.trainer.eval:
         result = trainer.evaluate()
         if result is not None:

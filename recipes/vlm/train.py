@@ -124,6 +124,9 @@ class VLMTrainer(Trainer):
     def evaluate(self) -> dict | None:
         """Every rank generates (ZeRO-3 gathers weights collectively); rank 0 scores and writes."""
         samples = load_eval_samples(self.meta["val_urls"], self.cfg.vlm.eval_samples)
+        if self.dist.is_main:
+            print(f"kiln: eval: answering {len(samples)} held-out images (greedy, up to {self.cfg.vlm.max_new_tokens} "
+                  "new tokens)", flush=True)
         self.model.eval()
         answers = generate_answers(self.model, self.processor, samples, max_new_tokens=self.cfg.vlm.max_new_tokens, device=self.device)
         self.model.train()

@@ -31,6 +31,7 @@ def test_save_then_latest_and_prune(tmp_path):
     assert mgr.latest().name == "step_0000030"
     assert torch.load(mgr.latest() / "state.pt")["value"] == 30
     assert mgr.resolve_resume("never") is None
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", *names]  # no empty .tmp/
 
 
 def test_crash_during_write_keeps_previous_latest(tmp_path):
