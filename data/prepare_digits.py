@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from common.data import dataset as common_dataset
 from data import shards
 from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
 
@@ -106,7 +107,7 @@ def load_split(*, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarra
 
 def read_meta(root: str | Path) -> dict[str, Any] | None:
     """Parsed meta.json of a complete dataset in ``root``, or None if there is none / it is incomplete."""
-    return shards.read_meta(root)
+    return common_dataset.read_meta(root)
 
 
 def build_digits_shards(
@@ -148,7 +149,7 @@ def ensure_digits_shards(root: str | Path, *, train_shards: int = 8, val_shards:
     wanted = {"train_shards": train_shards, "val_shards": val_shards, "val_fraction": val_fraction, "seed": seed}
     shards.require_settings(root, shards.split_settings(meta), wanted, holds="digits shards",
                             rebuild=f"`python -m data.prepare_digits --out {root} --force`")
-    return shards.with_urls(root, meta)
+    return common_dataset.with_urls(root, meta)
 
 
 def load_split_arrays(root: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -161,7 +162,7 @@ def load_split_arrays(root: str | Path, split: str) -> tuple[np.ndarray, np.ndar
     meta = read_meta(root)
     if meta is None:
         raise FileNotFoundError(f"no complete digits dataset in {root} (run `python -m data.prepare_digits --out {root}`)")
-    urls = shards.with_urls(root, meta)[f"{split}_urls"]
+    urls = common_dataset.with_urls(root, meta)[f"{split}_urls"]
     images, labels = [], []
     for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
         decoded = decode_digit_sample(sample)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from common.data import dataset as common_dataset
 from data import shards
 from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
 
@@ -253,7 +254,7 @@ def _write_shards(out: Path, split: str, rows: np.ndarray, texts: list[str], ids
 
 def read_meta(root: str | Path) -> dict[str, Any] | None:
     """Parsed meta.json of a complete text dataset in ``root`` (shards and tokenizer), else None."""
-    return shards.read_meta(root, also_complete=shards.asset_complete("tokenizer"))
+    return common_dataset.read_meta(root, also_complete=common_dataset.asset_complete("tokenizer"))
 
 
 def _settings(meta: dict) -> dict:
@@ -341,7 +342,7 @@ def ensure_text_shards(root: str | Path, *, vocab_size: int = 2048, train_shards
               "val_fraction": val_fraction, "seed": seed, "prep_fingerprint": _prep_fingerprint()}
     shards.require_settings(root, _settings(meta), wanted, holds="text data",
                             rebuild=f"`python -m data.prepare_text --out {root} --force` (plus your settings)")
-    return shards.with_urls(root, meta, asset="tokenizer")
+    return common_dataset.with_urls(root, meta, asset="tokenizer")
 
 
 # --- CLI ---------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.data import dataset as common_dataset
 from data import prepare_digits as digits
 from data import shards
 from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
@@ -326,7 +327,7 @@ def _text_fields(key: str, label: int, *, seed: int) -> dict:
 
 def read_meta(root: str | Path) -> dict[str, Any] | None:
     """Parsed meta.json of a complete VLM digits dataset in ``root`` (shards and processor), else None."""
-    return shards.read_meta(root, also_complete=shards.asset_complete("processor"))
+    return common_dataset.read_meta(root, also_complete=common_dataset.asset_complete("processor"))
 
 
 def _settings(meta: dict) -> dict:
@@ -396,7 +397,7 @@ def ensure_vlm_digits(root: str | Path, *, image_size: int = 16, patch_size: int
               "val_fraction": val_fraction, "seed": seed, "text_fingerprint": _text_fingerprint()}
     shards.require_settings(root, _settings(meta), wanted, holds="VLM digits data",
                             rebuild=f"`python -m data.prepare_vlm_digits --out {root} --force` (plus your settings)")
-    return shards.with_urls(root, meta, asset="processor")
+    return common_dataset.with_urls(root, meta, asset="processor")
 
 
 # --- CLI ---------------------------------------------------------------------------------------------
