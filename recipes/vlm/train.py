@@ -22,7 +22,7 @@ from common.loop import run_training_loop
 from common.memory import activation_bytes, print_estimate, zero_state_bytes
 from common.profiling import StepTimer
 from common.seed import rng_state, seed_everything, set_rng_state
-from recipes.vlm.data import build_train_loader, prepare_data
+from recipes.vlm.data import build_train_loader, load_processor, prepare_data
 from recipes.vlm.evaluate import generate_answers, load_eval_samples, save_answer_grid, score
 from recipes.vlm.model import build_model, llava_config
 from recipes.vlm.parallelize import parallelize
@@ -50,8 +50,6 @@ def resolve_init(init_from: str) -> Path:
 
 class VLMTrainer:
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
-        from data.prepare_vlm_digits import load_processor
-
         self.cfg, self.dist, self.run_dir = cfg, dist, run_dir
         self.device = dist.device
         self.meta = prepare_data(cfg, dist)
