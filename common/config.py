@@ -103,8 +103,11 @@ class ProfileConfig:
 @dataclass
 class DataConfig:
     name: str = "digits"
-    root: str = "data/cache/digits"  # relative paths are relative to the repo checkout
-    prepare: bool = True  # build packaged datasets (digits) when missing
+    root: str = "data/cache/digits"  # a relative path is taken from the working directory (run from the checkout)
+    # The dataset's builder: the argv after `python -m` that builds it at `root` (the runtime
+    # appends `--out <root>` and runs it from the repo root on rank 0 at start-up; builders leave
+    # a complete dataset with the same settings alone). Empty: no builder, the dataset must exist.
+    build: list[str] = field(default_factory=list)
     num_workers: int = 1
     shuffle_buffer: int = 256
     max_corrupt_shards: int = 0
@@ -200,6 +203,11 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.toggles.attention == "flash" and cfg.toggles.precision not in ("bf16", "fp16", "fp8"):
         raise ConfigError(f"toggles.attention=flash needs toggles.precision=bf16 or fp16 (flash kernels have no "
                           f"{cfg.toggles.precision} path); got toggles.precision={cfg.toggles.precision}")
+    build = cfg.data.build
+    if build and (not build[0] or build[0].startswith("-")):
+        raise ConfigError(f"data.build={build}: the first item must be the builder's module (it runs as python -m MODULE ARGS...)")
+    if any(arg == "--out" or arg.startswith("--out=") for arg in build):
+        raise ConfigError(f"data.build={build} must not give --out: the run appends --out <data.root>")
     resume = cfg.run.resume
     if resume not in ("auto", "never") and not Path(resume).exists():
         raise ConfigError(f"run.resume={resume}: no such path (use auto, never, or a checkpoint path)")

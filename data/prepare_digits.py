@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from common.data import dataset as common_dataset
 from data import shards
 from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
 
@@ -57,25 +58,6 @@ def encode_png(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def decode_digit_sample(sample: dict) -> dict:
-    """Raw WebDataset sample -> {"image": uint8 tensor [1, 8, 8] (0..255), "label": int}.
-
-    Module-level (hence picklable) so that it can be handed to DataLoader workers as the
-    ``decode`` of ``common.data.webdataset.build_webdataset_loader``.
-    """
-    import torch
-    from PIL import Image
-
-    with Image.open(io.BytesIO(sample["png"])) as im:
-        image = np.asarray(im.convert("L"), dtype=np.uint8)
-    if image.shape != (IMAGE_SIZE, IMAGE_SIZE):
-        raise ValueError(f"{sample.get('__key__')}: expected an {IMAGE_SIZE}x{IMAGE_SIZE} image, got {image.shape}")
-    label = int(sample["cls"])
-    if not 0 <= label < NUM_CLASSES:
-        raise ValueError(f"{sample.get('__key__')}: label {label} outside 0..{NUM_CLASSES - 1}")
-    return {"image": torch.from_numpy(image.copy()).unsqueeze(0), "label": label}
-
-
 def _write_shards(out: Path, split: str, rows: np.ndarray, images: np.ndarray, labels: np.ndarray, num_shards: int,
                   extra_fields: Callable[[str, int], dict] | None = None) -> list[dict]:
     """One split's shards; ``extra_fields(key, label)`` adds fields to each sample after png and cls."""
@@ -106,7 +88,7 @@ def load_split(*, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarra
 
 def read_meta(root: str | Path) -> dict[str, Any] | None:
     """Parsed meta.json of a complete dataset in ``root``, or None if there is none / it is incomplete."""
-    return shards.read_meta(root)
+    return common_dataset.read_meta(root)
 
 
 def build_digits_shards(
@@ -139,8 +121,8 @@ def build_digits_shards(
 def ensure_digits_shards(root: str | Path, *, train_shards: int = 8, val_shards: int = 2, seed: int = 0, val_fraction: float = 0.15) -> dict:
     """Parsed meta.json of the digits shards under ``root``, building them first if missing.
 
-    Adds ``train_urls`` / ``val_urls`` (absolute shard paths). Not rank-aware: call it on
-    rank 0 and barrier before other ranks read. A complete dataset built with other
+    Adds ``train_urls`` / ``val_urls`` (absolute shard paths). For scripts and tests
+    (training runs the CLI instead: ``data.build``). A complete dataset built with other
     settings raises ValueError rather than being silently reused or overwritten.
     """
     root = Path(root).absolute()
@@ -148,28 +130,7 @@ def ensure_digits_shards(root: str | Path, *, train_shards: int = 8, val_shards:
     wanted = {"train_shards": train_shards, "val_shards": val_shards, "val_fraction": val_fraction, "seed": seed}
     shards.require_settings(root, shards.split_settings(meta), wanted, holds="digits shards",
                             rebuild=f"`python -m data.prepare_digits --out {root} --force`")
-    return shards.with_urls(root, meta)
-
-
-def load_split_arrays(root: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """Read one split back from its shards: uint8 images [N, 8, 8] (0..255) and int64 labels [N], in shard order."""
-    import webdataset as wds
-
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    root = Path(root).absolute()
-    meta = read_meta(root)
-    if meta is None:
-        raise FileNotFoundError(f"no complete digits dataset in {root} (run `python -m data.prepare_digits --out {root}`)")
-    urls = shards.with_urls(root, meta)[f"{split}_urls"]
-    images, labels = [], []
-    for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
-        decoded = decode_digit_sample(sample)
-        images.append(decoded["image"][0].numpy())
-        labels.append(decoded["label"])
-    if len(images) != meta["splits"][split]["samples"]:
-        raise RuntimeError(f"{root}: read {len(images)} {split} samples, meta.json says {meta['splits'][split]['samples']}")
-    return np.stack(images).astype(np.uint8), np.asarray(labels, dtype=np.int64)
+    return common_dataset.with_urls(root, meta)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -8,9 +8,9 @@ text that ships with Python; no download). Topics are split train / val (seeded)
 topic is seen in both; each topic is then cut at paragraph boundaries into documents of at
 most :data:`MAX_DOC_CHARS` characters (losslessly: a topic's documents concatenate back to it).
 The tokenizer is a byte-level BPE trained on the train documents only, saved as a
-``PreTrainedTokenizerFast`` in ``DIR/tokenizer`` (loads offline with ``AutoTokenizer``); like
-Llama's it adds ``<s>`` and not ``</s>``, so ``tokenizer(text)`` at serving time starts the
-way every training document does.
+``PreTrainedTokenizerFast`` in ``DIR/tokenizer`` (training loads it offline with
+``AutoTokenizer``: ``recipes/llm/data.py``); like Llama's it adds ``<s>`` and not ``</s>``, so
+``tokenizer(text)`` at serving time starts the way every training document does.
 
 Each sample is ``{__key__: "train_000123", ids.npy: <s> + tokens + </s> as a uint16 array
 (int32 above 65,536 tokens), txt: the document's text}``; the number in the key is the
@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from common.data import dataset as common_dataset
 from data import shards
 from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedTokenizerFast
 
 SOURCE = "pydoc_data.topics.topics"
@@ -170,18 +170,6 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     )
 
 
-def load_tokenizer(root: str | Path) -> PreTrainedTokenizerFast:
-    """The dataset's tokenizer, offline. ``root`` is the dataset dir or its ``tokenizer`` dir."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    root = Path(root)
-    path = root / TOKENIZER_DIR if (root / TOKENIZER_DIR).is_dir() else root
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    if not isinstance(tokenizer, PreTrainedTokenizerFast):
-        raise TypeError(f"{path} holds a {type(tokenizer).__name__}, expected a PreTrainedTokenizerFast")
-    return tokenizer
-
-
 def encode_documents(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> list[np.ndarray]:
     """``<s> + tokens + </s>`` of each text, as uint16 arrays (int32 if the vocab does not fit in 16 bits)."""
     dtype = np.uint16 if len(tokenizer) <= 1 << 16 else np.int32
@@ -194,37 +182,10 @@ def encode_documents(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> li
 
 
 def encode_ids(ids: np.ndarray) -> bytes:
+    """A sample's ``ids.npy``: an ``.npy`` file (training decodes it in ``recipes/llm/data.py``)."""
     buf = io.BytesIO()
     np.save(buf, ids, allow_pickle=False)
     return buf.getvalue()
-
-
-def decode_document(sample: dict) -> dict:
-    """Raw WebDataset sample -> ``{"input_ids": LongTensor[T]}`` (``<s>`` + tokens + ``</s>``).
-
-    Module-level (hence picklable) so that it can be handed to DataLoader workers as the
-    ``decode`` of ``common.data.webdataset.build_webdataset_loader``.
-    """
-    import torch
-
-    ids = np.load(io.BytesIO(sample["ids.npy"]), allow_pickle=False)
-    if ids.ndim != 1 or ids.size < 2 or ids.dtype.kind not in "iu":
-        raise ValueError(f"{sample.get('__key__')}: expected a 1-D integer array of >= 2 ids, got {ids.dtype} {ids.shape}")
-    return {"input_ids": torch.from_numpy(ids.astype(np.int64))}
-
-
-def chunk_document(ids: torch.Tensor, max_len: int) -> list[torch.Tensor]:
-    """Consecutive pieces of a 1-D ``ids`` of at most ``max_len`` tokens each (all full but the last).
-
-    ``torch.cat(pieces)`` equals ``ids``: nothing overlaps or is dropped. Each piece is packed as
-    its own sample, so the first token of a piece gets no next-token target across the cut
-    (one lost target per cut). Pieces are views into ``ids``.
-    """
-    if max_len < 1:
-        raise ValueError(f"max_len must be >= 1, got {max_len}")
-    if ids.dim() != 1:
-        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-    return list(ids.split(max_len)) if ids.numel() else []
 
 
 # --- shards, meta, atomic build ----------------------------------------------------------------------------
@@ -253,7 +214,7 @@ def _write_shards(out: Path, split: str, rows: np.ndarray, texts: list[str], ids
 
 def read_meta(root: str | Path) -> dict[str, Any] | None:
     """Parsed meta.json of a complete text dataset in ``root`` (shards and tokenizer), else None."""
-    return shards.read_meta(root, also_complete=shards.asset_complete("tokenizer"))
+    return common_dataset.read_meta(root, also_complete=common_dataset.asset_complete("tokenizer"))
 
 
 def _settings(meta: dict) -> dict:
@@ -329,8 +290,8 @@ def ensure_text_shards(root: str | Path, *, vocab_size: int = 2048, train_shards
                        val_fraction: float = DEFAULT_VAL_FRACTION) -> dict:
     """Parsed meta.json of the text dataset under ``root``, building it first if missing.
 
-    Adds absolute ``train_urls`` / ``val_urls`` and ``tokenizer_dir``. Not rank-aware: call it
-    on rank 0 and barrier before other ranks read (``common.data.prepare_dataset``). A complete
+    Adds absolute ``train_urls`` / ``val_urls`` and ``tokenizer_dir``. For scripts and
+    tests (training runs the CLI instead: ``data.build``). A complete
     dataset built with other settings (or by an older version of this file) raises ValueError
     rather than being reused.
     """
@@ -341,7 +302,7 @@ def ensure_text_shards(root: str | Path, *, vocab_size: int = 2048, train_shards
               "val_fraction": val_fraction, "seed": seed, "prep_fingerprint": _prep_fingerprint()}
     shards.require_settings(root, _settings(meta), wanted, holds="text data",
                             rebuild=f"`python -m data.prepare_text --out {root} --force` (plus your settings)")
-    return shards.with_urls(root, meta, asset="tokenizer")
+    return common_dataset.with_urls(root, meta, asset="tokenizer")
 
 
 # --- CLI ---------------------------------------------------------------------------------------------

@@ -25,7 +25,9 @@ exactly the token the model must emit after its answer (HF ``generate`` and vLLM
 with no extra stop-token config) and never occurs inside a prompt (a packer may treat it as
 a document end). A training sequence is token-for-token this rendering of the whole
 conversation; its prompt part is what ``apply_chat_template(..., add_generation_prompt=True)``
-gives at inference.
+gives at inference. Training turns samples into sequences in ``recipes/vlm/data.py``
+(``encode_sample``) and scores answers in ``recipes/vlm/evaluate.py`` (``parse_answer``, which
+reads every answer style written here: tests/unit/test_prepare_vlm_digits.py checks both).
 
 Like prepare_digits, the directory appears at once (built next to DIR, then renamed) and
 ``DIR/meta.json`` is written last, so a directory with a valid meta.json is complete.
@@ -36,14 +38,13 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import io
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.data import dataset as common_dataset
 from data import prepare_digits as digits
 from data import shards
 from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
@@ -55,7 +56,6 @@ SOURCE = digits.SOURCE
 SOURCE_IMAGE_SIZE = digits.IMAGE_SIZE
 NUM_CLASSES = digits.NUM_CLASSES
 PROCESSOR_DIR = "processor"
-IGNORE_INDEX = -100  # label of tokens that are not trained on (torch cross_entropy's ignore_index)
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
@@ -120,9 +120,6 @@ CHAT_TEMPLATE = r"""{{- bos_token -}}
 {{- '<|assistant|>\n' -}}
 {%- endif -%}"""
 
-_ANSWER_RE = re.compile(r"(?<![0-9a-z])(" + "|".join(NUMBER_WORDS) + r"|[0-9])(?![0-9a-z])")
-
-
 # --- text ------------------------------------------------------------------------------------------
 
 
@@ -139,21 +136,6 @@ def choose_text(key: str, label: int, seed: int) -> dict[str, Any]:
     question = QUESTIONS[int.from_bytes(h[:8], "little") % len(QUESTIONS)]
     template = ANSWER_TEMPLATES[int.from_bytes(h[8:16], "little") % len(ANSWER_TEMPLATES)]
     return {"question": question, "answer": render_answer(template, label), "label": int(label)}
-
-
-def parse_answer(text: str) -> int | None:
-    """The digit a generated answer names ("7", "seven", "It is a seven." -> 7).
-
-    Digits and number words are matched as whole words, case-insensitively. None when the text
-    names no digit, or names different digits ("seven or one"): listing digits earns no credit.
-    """
-    found = {int(m) if m.isdigit() else NUMBER_WORDS.index(m) for m in _ANSWER_RE.findall(text.lower())}
-    return found.pop() if len(found) == 1 else None
-
-
-def prompt_messages(question: str) -> list[dict]:
-    """The user turn: the image, then the question (OpenAI-style content parts)."""
-    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
 
 
 def tokenizer_corpus() -> list[str]:
@@ -234,18 +216,6 @@ def build_processor(*, image_size: int = 16, patch_size: int = 4) -> LlavaProces
     )
 
 
-def load_processor(root: str | Path) -> LlavaProcessor:
-    """The dataset's processor, offline. ``root`` is the dataset dir or its ``processor`` dir."""
-    from transformers import AutoProcessor, LlavaProcessor
-
-    root = Path(root)
-    path = root / PROCESSOR_DIR if (root / PROCESSOR_DIR).is_dir() else root
-    processor = AutoProcessor.from_pretrained(str(path), local_files_only=True)
-    if not isinstance(processor, LlavaProcessor):
-        raise TypeError(f"{path} holds a {type(processor).__name__}, expected a LlavaProcessor")
-    return processor
-
-
 def num_image_tokens(processor: LlavaProcessor) -> int:
     """How many tokens one ``<image>`` expands to (LlavaProcessor.replace_image_token's formula)."""
     size = processor.image_processor.size
@@ -254,55 +224,6 @@ def num_image_tokens(processor: LlavaProcessor) -> int:
     if processor.vision_feature_select_strategy == "default":
         count -= 1  # "default" drops the CLS feature
     return count
-
-
-# --- samples -------------------------------------------------------------------------------------------
-
-
-def decode_png(data: bytes):
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as im:
-        return im.convert("L")  # a loaded copy, independent of the buffer
-
-
-def encode_sample(sample: dict, processor: LlavaProcessor) -> dict:
-    """Raw WebDataset sample -> one training sequence.
-
-    ``input_ids`` [T]: the chat-templated prompt (image tokens expanded) + answer + eos.
-    ``labels`` [T]: -100 on the prompt (image tokens included), the answer and eos ids after it.
-    ``pixel_values`` [3, S, S] float32; ``label`` int; ``question``, ``answer``, ``key`` str.
-
-    Module-level and deterministic, so ``functools.partial(encode_sample, processor=p)`` is the
-    ``decode`` of ``common.data.webdataset.build_webdataset_loader`` (pickled into workers).
-    """
-    import torch
-
-    key = sample.get("__key__")
-    text = json.loads(sample["json"])
-    label = int(sample["cls"])
-    if text["label"] != label or not 0 <= label < NUM_CLASSES:
-        raise ValueError(f"{key}: json label {text['label']} and cls {label} disagree or are outside 0..{NUM_CLASSES - 1}")
-    image = decode_png(sample["png"])
-    # Exactly the inference path: template with a generation prompt, then the processor.
-    prompt = processor.apply_chat_template(prompt_messages(text["question"]), add_generation_prompt=True)
-    enc = processor(text=prompt, images=image, return_tensors="pt")
-    prompt_ids = enc["input_ids"][0]
-    tok = processor.tokenizer
-    # The answer tokenizes the same alone as after the prompt: the prompt ends in "\n", which
-    # the byte-level pre-tokenizer always splits from the following word.
-    answer_ids = torch.tensor([*tok(text["answer"], add_special_tokens=False)["input_ids"], tok.eos_token_id], dtype=torch.long)
-    input_ids = torch.cat([prompt_ids.long(), answer_ids])
-    labels = torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX, dtype=torch.long), answer_ids])
-    return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "pixel_values": enc["pixel_values"][0].float(),
-        "label": label,
-        "question": text["question"],
-        "answer": text["answer"],
-        "key": key,
-    }
 
 
 # --- shards, meta, atomic build ----------------------------------------------------------------------------
@@ -326,7 +247,7 @@ def _text_fields(key: str, label: int, *, seed: int) -> dict:
 
 def read_meta(root: str | Path) -> dict[str, Any] | None:
     """Parsed meta.json of a complete VLM digits dataset in ``root`` (shards and processor), else None."""
-    return shards.read_meta(root, also_complete=shards.asset_complete("processor"))
+    return common_dataset.read_meta(root, also_complete=common_dataset.asset_complete("processor"))
 
 
 def _settings(meta: dict) -> dict:
@@ -385,8 +306,8 @@ def ensure_vlm_digits(root: str | Path, *, image_size: int = 16, patch_size: int
                       seed: int = 0, val_fraction: float = 0.15) -> dict:
     """Parsed meta.json of the VLM digits dataset under ``root``, building it first if missing.
 
-    Adds absolute ``train_urls`` / ``val_urls`` and ``processor_dir``. Not rank-aware: call it
-    on rank 0 and barrier before other ranks read. A complete dataset built with other settings
+    Adds absolute ``train_urls`` / ``val_urls`` and ``processor_dir``. For scripts and
+    tests (training runs the CLI instead: ``data.build``). A complete dataset built with other settings
     (or by an older version of this file's text) raises ValueError rather than being reused.
     """
     root = Path(root).absolute()
@@ -396,7 +317,7 @@ def ensure_vlm_digits(root: str | Path, *, image_size: int = 16, patch_size: int
               "val_fraction": val_fraction, "seed": seed, "text_fingerprint": _text_fingerprint()}
     shards.require_settings(root, _settings(meta), wanted, holds="VLM digits data",
                             rebuild=f"`python -m data.prepare_vlm_digits --out {root} --force` (plus your settings)")
-    return shards.with_urls(root, meta, asset="processor")
+    return common_dataset.with_urls(root, meta, asset="processor")
 
 
 # --- CLI ---------------------------------------------------------------------------------------------

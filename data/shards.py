@@ -1,12 +1,13 @@
-"""What the train/val WebDataset shard builders in ``data`` share: meta.json bookkeeping and
-validation, the atomic build and the common CLI pieces.
+"""What the train/val WebDataset shard builders in ``data`` share: meta.json bookkeeping, the atomic
+build and the common CLI pieces.
 
 A dataset directory holds ``{split}-NNNNNN.tar`` shards for each split in :data:`SPLITS` and a
 ``meta.json`` that records every shard's name, sample count and byte size. The directory is
 built next to its final place, ``meta.json`` is written last and the whole directory is then
-renamed into place, so a directory whose meta.json validates is always complete. Used by
-``data.prepare_digits`` and ``data.prepare_vlm_digits``; ``dataset`` arguments only name the
-dataset in error messages.
+renamed into place, so a directory whose meta.json validates is always complete. The format
+and its validation (``read_meta``, ``with_urls``) live in ``common.data.dataset``, which training
+reads datasets with. Used by every ``data.prepare_*`` builder; ``dataset`` arguments only name
+the dataset in error messages.
 """
 
 from __future__ import annotations
@@ -17,42 +18,19 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-SPLITS = ("train", "val")
-META_NAME = "meta.json"
+# The format training reads (meta.json's completeness rules, shard urls) is defined in common;
+# the builders write datasets that satisfy it and reuse its checks (common.data.dataset).
+from common.data.dataset import META_NAME, SPLITS
+
 
 # (tmp dir, split, rows, images, labels, num_shards) -> [{"name", "samples", "bytes"}, ...]
 ShardWriter = Callable[[Path, str, np.ndarray, np.ndarray, np.ndarray, int], list[dict]]
-
-
-def sizes_match(folder: Path, sizes: Iterable[tuple[str, int]]) -> bool:
-    """Whether each named file in ``folder`` has its recorded byte size (OSError if one is missing)."""
-    return all((folder / name).stat().st_size == size for name, size in sizes)
-
-
-def read_meta(root: str | Path, also_complete: Callable[[Path, dict], bool] | None = None) -> dict[str, Any] | None:
-    """Parsed meta.json in ``root`` if every shard it lists is there with its recorded size, else None.
-
-    ``also_complete(root, meta)``, if given, checks whatever else the dataset holds; a malformed
-    meta.json (KeyError, TypeError, AttributeError, ...) there also reads as incomplete.
-    """
-    root = Path(root)
-    try:
-        meta = json.loads((root / META_NAME).read_text())
-        for split in SPLITS:
-            info = meta["splits"][split]
-            if not sizes_match(root, zip(info["shards"], info["shard_bytes"], strict=True)):
-                return None
-        if also_complete is not None and not also_complete(root, meta):
-            return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return meta
 
 
 def split_settings(meta: dict) -> dict:
@@ -76,31 +54,9 @@ def require_settings(root: Path, have: dict, wanted: dict, *, holds: str, rebuil
         raise ValueError(f"{root} holds {holds} built with {mismatch(have, wanted)}; delete it or rebuild with {rebuild}")
 
 
-def with_urls(root: Path, meta: dict, asset: str | None = None) -> dict:
-    """A copy of ``meta`` with ``{split}_urls``: the absolute paths of each split's shards, and
-    ``{asset}_dir`` for a dataset that ships a side folder (its tokenizer or processor)."""
-    meta = dict(meta)
-    for split in SPLITS:
-        meta[f"{split}_urls"] = [str((root / name).resolve()) for name in meta["splits"][split]["shards"]]
-    if asset is not None:
-        meta[f"{asset}_dir"] = str((root / meta[asset]).resolve())
-    return meta
-
-
 def file_sizes(folder: Path) -> dict[str, int]:
     """Name -> size of the files in a side folder, recorded in meta.json as ``{asset}_files``."""
     return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-
-
-def asset_complete(asset: str):
-    """A ``read_meta`` completeness check: the side folder ``meta[asset]`` holds every file
-    recorded in ``meta[asset + "_files"]`` at its recorded size."""
-
-    def complete(root: Path, meta: dict) -> bool:
-        files = meta[f"{asset}_files"]
-        return bool(files) and sizes_match(root / meta[asset], files.items())
-
-    return complete
 
 
 def build_atomically(

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from common.checkpoint import CheckpointManager
     from common.errors import UserError
-    from data.prepare_text import load_tokenizer
+    from recipes.llm.data import load_tokenizer
     from recipes.llm.model import Transformer
     from recipes.llm.train import llama_args, write_hf_export
 

@@ -1,4 +1,7 @@
-"""Resumable WebDataset loader: shards split by rank then worker, seeded shuffles, exact mid-epoch resume.
+"""WebDataset shards in: a resumable per-rank loader (seeded shuffles, exact mid-epoch resume) and an in-order reader.
+
+The loader (:func:`build_webdataset_loader`) is for training; :func:`iter_samples` reads every
+sample of a list of shards in order, for what each rank reads whole (evaluation).
 
 Layout. Rank ``r`` of ``W`` reads ``urls[r::W]``; DataLoader worker ``w`` of ``N`` inside that
 rank reads ``urls[r::W][w::N]`` (explicit slicing rather than webdataset's split_by_node /
@@ -28,7 +31,7 @@ import logging
 import os
 import random
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -65,6 +68,18 @@ def _read_shard(url: str) -> Iterator[dict]:
     with contextlib.closing(stream):
         # reraise handler: the caller decides what a broken shard means (skip + count).
         yield from group_by_keys(tar_file_expander([{"url": url, "stream": stream}]))
+
+
+def iter_samples(urls: Iterable[str]) -> Iterator[dict]:
+    """Every raw sample of ``urls``, shard after shard in file order, read in this process.
+
+    For reads that every rank makes in full, e.g. evaluation on the held-out split (generation
+    under ZeRO-3 is collective: all ranks must run the same batches). ``wds.WebDataset`` does not
+    fit there: once torch.distributed is initialised with more than one rank it refuses to run
+    without a nodesplitter, i.e. it insists on giving each rank a part of the shards.
+    """
+    for url in urls:
+        yield from _read_shard(str(url))
 
 
 class _EpochStream(IterableDataset):

@@ -7,13 +7,11 @@ from pathlib import Path
 import torch
 from sklearn.svm import SVC
 
-from recipes.dit.data import to_model_space
+from recipes.dit.data import load_split_arrays, to_model_space
 
 
 def fit_digit_classifier(data_root: str | Path, image_size: int, seed: int = 0) -> tuple[SVC, float]:
     """An RBF SVM on real training digits at the model's resolution; returns it and its held-out accuracy."""
-    from data.prepare_digits import load_split_arrays
-
     def features(split: str):
         images, labels = load_split_arrays(data_root, split)
         x = to_model_space(torch.from_numpy(images), image_size).flatten(1).numpy()

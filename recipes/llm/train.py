@@ -25,7 +25,7 @@ from common.parallel_dims import ParallelDims
 from common.profiling import StepTimer
 from common.seed import seed_everything
 from common.trainer import StepStats, Trainer, TrainState
-from recipes.llm.data import build_train_loader, local_batch, prepare_data
+from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, prepare_data
 from recipes.llm.model import LlamaArgs, Transformer, to_hf_config, to_hf_state_dict
 from recipes.llm.parallelize import parallelize
 from recipes.llm.pipeline import Pipeline, clip_grad_norm_, split_for_rank, virtual_stages
@@ -47,8 +47,6 @@ FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 class LLMTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        from data.prepare_text import load_tokenizer
 
         super().__init__(cfg, dist, run_dir)
         self.meta = prepare_data(cfg, dist)

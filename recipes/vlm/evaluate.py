@@ -2,33 +2,46 @@
 
 from __future__ import annotations
 
-import io
 import json
+import re
 import textwrap
 from pathlib import Path
 
 import torch
-import webdataset as wds
-from PIL import Image
+
+from common.data.webdataset import iter_samples
+from recipes.vlm.data import decode_png, prompt_messages
+
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+# A digit or a number word as a whole word: "7" and "seven" count, "17" and "someone" do not.
+_ANSWER_RE = re.compile(r"(?<![0-9a-z])(" + "|".join(NUMBER_WORDS) + r"|[0-9])(?![0-9a-z])")
 
 
 def load_eval_samples(urls: list[str], limit: int) -> list[dict]:
-    """The first `limit` held-out samples (shard order, no shuffle): image, question, label."""
+    """The first `limit` held-out samples in shard order, the same on every rank: image, question, label."""
     out = []
-    for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
+    for sample in iter_samples(urls):
         conv = json.loads(sample["json"])
-        out.append({"image": Image.open(io.BytesIO(sample["png"])).convert("RGB"), "question": conv["question"], "label": int(conv["label"])})
+        out.append({"image": decode_png(sample["png"]), "question": conv["question"], "label": int(conv["label"])})
         if len(out) == limit:
             break
     return out
+
+
+def parse_answer(text: str) -> int | None:
+    """The digit a generated answer names ("7", "seven", "It is a seven." -> 7).
+
+    Digits and number words are matched as whole words, case-insensitively. None when the text
+    names no digit, or names different digits ("seven or one"): listing digits earns no credit.
+    """
+    found = {int(m) if m.isdigit() else NUMBER_WORDS.index(m) for m in _ANSWER_RE.findall(text.lower())}
+    return found.pop() if len(found) == 1 else None
 
 
 @torch.no_grad()
 def generate_answers(model, processor, samples: list[dict], *, max_new_tokens: int, device: torch.device,
                      batch_size: int = 32) -> list[str]:
     """Greedy answers, batched with left padding (every rank runs the same batches under ZeRO-3)."""
-    from data.prepare_vlm_digits import prompt_messages
-
     tokenizer = processor.tokenizer
     tokenizer.padding_side = "left"
     dtype = next(model.parameters()).dtype
@@ -46,8 +59,6 @@ def generate_answers(model, processor, samples: list[dict], *, max_new_tokens: i
 
 
 def score(samples: list[dict], answers: list[str]) -> dict:
-    from data.prepare_vlm_digits import parse_answer
-
     predicted = [parse_answer(a) for a in answers]
     labels = [s["label"] for s in samples]
     per_class = {}
@@ -70,8 +81,6 @@ def save_answer_grid(samples: list[dict], answers: list[str], path: Path, n: int
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from data.prepare_vlm_digits import parse_answer
 
     n = min(n, len(samples))
     cols = 5

@@ -23,7 +23,7 @@ from common.memory import Block, ModelSpec, count_params, largest_module_params
 from common.profiling import StepTimer
 from common.seed import seed_everything
 from common.trainer import StepStats, Trainer, TrainState
-from recipes.vlm.data import build_train_loader, prepare_data
+from recipes.vlm.data import build_train_loader, load_processor, prepare_data
 from recipes.vlm.evaluate import generate_answers, load_eval_samples, save_answer_grid, score
 from recipes.vlm.model import build_model, llava_config
 from recipes.vlm.parallelize import parallelize
@@ -51,8 +51,6 @@ def resolve_init(init_from: str) -> Path:
 
 class VLMTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
-        from data.prepare_vlm_digits import load_processor
-
         super().__init__(cfg, dist, run_dir)
         self.meta = prepare_data(cfg, dist)
         self.processor = load_processor(cfg.data.root)

@@ -83,8 +83,9 @@ def test_eval_and_export_load_offline_with_the_trained_logits(align_then_finetun
     reference = LlavaForConditionalGeneration(model.config).eval()
     reference.load_state_dict(state["module"])
 
-    from data.prepare_vlm_digits import prompt_messages
     from PIL import Image
+
+    from recipes.vlm.data import prompt_messages
 
     prompt = processor.apply_chat_template(prompt_messages("What digit is this?"), add_generation_prompt=True, tokenize=False)
     image = Image.new("RGB", (8, 8), color=(255, 255, 255))

@@ -41,6 +41,17 @@ def test_recipe_is_a_delta_over_the_defaults():
     assert big.toggles.activation_checkpointing == "full"
 
 
+def test_dataset_builder_argv_follows_the_model():
+    """data.build is the builder's argv; the VLM's processor sizes come from the model config."""
+    assert compose(["recipe=dit_tiny"]).data.build == ["data.prepare_digits"]
+    assert compose(["recipe=llm_tiny"]).data.build == ["data.prepare_text"]
+    assert compose(["recipe=vlm_tiny"]).data.build == ["data.prepare_vlm_digits", "--image-size", "16", "--patch-size", "4"]
+    cfg = compose(["recipe=vlm_tiny", "model.image_size=32", "model.patch_size=8"])
+    assert cfg.data.build == ["data.prepare_vlm_digits", "--image-size", "32", "--patch-size", "8"]
+    assert compose(["recipe=vlm_7b"]).data.build[2:] == ["336", "--patch-size", "14"]
+    assert compose(["recipe=dit_tiny", "data.build=[]"]).data.build == []
+
+
 def test_overrides_are_typed():
     cfg = compose(["recipe=dit_tiny", "trainer.max_steps=7", "optim.lr=0.5"])
     assert cfg.trainer.max_steps == 7 and cfg.optim.lr == 0.5
@@ -59,6 +70,8 @@ def test_overrides_are_typed():
         ("recipe=nope", "no such recipe"),
         ("run.resume=/does/not/exist", "run.resume"),
         ("toggles.attention=flash", "toggles.attention=flash needs toggles.precision=bf16"),
+        ("data.build=[data.prepare_digits,--out,/tmp/x]", "data.build"),
+        ("data.build=[--seed,1]", "data.build"),
     ],
 )
 def test_bad_values_raise_config_error(override, needle):

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
 
 import numpy as np
 import pytest
+import torch
 import webdataset as wds
 from PIL import Image
 
 from data import prepare_digits as pd
+from recipes.dit.data import decode_sample, load_split_arrays, to_model_space
 
 N_DIGITS = 1797
 
@@ -98,17 +101,21 @@ def test_png_is_grayscale_uint8(built):
         assert im.mode == "L" and im.size == (8, 8) and im.format == "PNG"
 
 
-def test_load_split_arrays_and_decode(built, source):
+def test_load_split_arrays_and_decode(built, source, monkeypatch):
+    """What the DiT's evaluation reads (recipes/dit/data.py): whole splits, in shard order, on
+    every rank of a torchrun job (RANK/WORLD_SIZE set: a bare wds.WebDataset refused to read there)."""
     images, labels = source
     meta = json.loads((built / "meta.json").read_text())
-    for split in ("train", "val"):
-        x, y = pd.load_split_arrays(built, split)
-        rows = _rows(built, meta, split)
+    expected_rows = {split: _rows(built, meta, split) for split in ("train", "val")}  # read before "joining" the job
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for split, rows in expected_rows.items():
+        x, y = load_split_arrays(built, split)
         assert x.dtype == np.uint8 and x.shape == (len(rows), 8, 8) and y.dtype == np.int64
         np.testing.assert_array_equal(x, images[rows])
         np.testing.assert_array_equal(y, labels[rows])
     with pytest.raises(ValueError, match="split"):
-        pd.load_split_arrays(built, "test")
+        load_split_arrays(built, "test")
 
 
 def test_rerun_is_noop(built, capsys):
@@ -193,12 +200,26 @@ def test_bad_args_are_argparse_errors(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_digits_through_the_resumable_loader(built):
+def test_digits_through_the_resumable_loader(built, source):
+    """The DiT's training decode (recipes/dit/data.py) through the loader: sklearn's digits in model space."""
     from common.data.webdataset import build_webdataset_loader
 
+    images, labels = source
     meta = pd.ensure_digits_shards(built, train_shards=4, val_shards=2, seed=7)
-    loader = build_webdataset_loader(meta["train_urls"], decode=pd.decode_digit_sample, batch_size=16, rank=1,
-                                     world_size=2, num_workers=2, seed=0)
-    batch = next(iter(loader))
-    assert batch["image"].shape == (16, 1, 8, 8) and batch["image"].dtype.is_floating_point is False
-    assert batch["label"].shape == (16,) and 0 <= int(batch["label"].min()) and int(batch["label"].max()) <= 9
+    loader = build_webdataset_loader(meta["train_urls"], decode=functools.partial(decode_sample, image_size=8), batch_size=16,
+                                     rank=1, world_size=2, num_workers=2, seed=0, collate=list)
+    try:
+        batch = next(iter(loader))
+    finally:
+        loader.close()
+    assert len(batch) == 16
+    for sample in batch:
+        assert sample["image"].shape == (1, 8, 8) and sample["image"].dtype == torch.float32
+        assert isinstance(sample["label"], int) and 0 <= sample["label"] <= 9
+    # Rank 1 of 2 reads the odd shards: every decoded sample is one of their digits, label included.
+    rows = [int(s["__key__"].split("_")[1])
+            for s in wds.WebDataset(meta["train_urls"][1::2], shardshuffle=False, empty_check=False)]
+    expected = to_model_space(torch.from_numpy(images[rows]), 8)
+    for sample in batch:
+        same = (expected - sample["image"]).abs().amax(dim=(1, 2, 3)) == 0
+        assert sample["label"] in {int(labels[rows[i]]) for i in same.nonzero().flatten()}

@@ -1,4 +1,5 @@
-"""Unit tests for data.prepare_text: corpus cutting and split, shards vs meta, offline tokenizer, no-op rebuild, loader."""
+"""Unit tests for data.prepare_text and what training reads of it (recipes/llm/data.py): corpus cutting and split,
+shards vs meta, offline tokenizer, no-op rebuild, decoding and chunking through the loader."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import webdataset as wds
 
 from common.data.webdataset import build_webdataset_loader
 from data import prepare_text as pt
+from recipes.llm.data import chunk_document, decode_document, load_tokenizer
 
 SEED = 3
 VOCAB = 2048
@@ -48,7 +50,7 @@ def meta(built):
 
 @pytest.fixture(scope="module")
 def tokenizer(meta):
-    return pt.load_tokenizer(meta["tokenizer_dir"])
+    return load_tokenizer(meta["tokenizer_dir"])
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def _doc_index(sample: dict) -> int:
 
 
 def _ids(sample: dict) -> np.ndarray:
-    return pt.decode_document(sample)["input_ids"].numpy()
+    return decode_document(sample)["input_ids"].numpy()
 
 
 # --- corpus ------------------------------------------------------------------------------------------
@@ -185,7 +187,7 @@ def test_tokenizer_loads_offline_and_round_trips(meta, samples, no_network):
 
     tok = AutoTokenizer.from_pretrained(meta["tokenizer_dir"], local_files_only=True)
     assert isinstance(tok, PreTrainedTokenizerFast)
-    assert isinstance(pt.load_tokenizer(Path(meta["tokenizer_dir"]).parent), PreTrainedTokenizerFast)  # dataset dir too
+    assert isinstance(load_tokenizer(Path(meta["tokenizer_dir"]).parent), PreTrainedTokenizerFast)  # dataset dir too
     assert (tok.pad_token, tok.bos_token, tok.eos_token, tok.unk_token) == ("<pad>", "<s>", "</s>", "<unk>")
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
     # Paragraphs from both splits (val text was never seen by the BPE trainer) plus odd text.
@@ -259,9 +261,9 @@ def test_refuses_a_foreign_non_empty_dir(tmp_path):
 
 
 def test_decode_document_through_the_resumable_loader(meta, samples):
-    assert pickle.loads(pickle.dumps(pt.decode_document)) is pt.decode_document
+    assert pickle.loads(pickle.dumps(decode_document)) is decode_document
     n = meta["splits"]["train"]["samples"]
-    loader = build_webdataset_loader(meta["train_urls"], decode=pt.decode_document, collate=list, batch_size=1,
+    loader = build_webdataset_loader(meta["train_urls"], decode=decode_document, collate=list, batch_size=1,
                                      rank=0, world_size=1, seed=SEED, shuffle_buffer=16)
     it = iter(loader)
     batches = [next(it) for _ in range(n)]  # one epoch: every train document once
@@ -274,15 +276,15 @@ def test_decode_document_through_the_resumable_loader(meta, samples):
 
 def test_decode_document_rejects_bad_arrays():
     with pytest.raises(ValueError, match="1-D"):
-        pt.decode_document({"__key__": "k", "ids.npy": pt.encode_ids(np.zeros((2, 2), dtype=np.uint16))})
+        decode_document({"__key__": "k", "ids.npy": pt.encode_ids(np.zeros((2, 2), dtype=np.uint16))})
     with pytest.raises(ValueError, match="integer"):
-        pt.decode_document({"__key__": "k", "ids.npy": pt.encode_ids(np.zeros(3, dtype=np.float32))})
+        decode_document({"__key__": "k", "ids.npy": pt.encode_ids(np.zeros(3, dtype=np.float32))})
 
 
 @pytest.mark.parametrize("length,max_len", [(1, 1), (7, 1), (10, 10), (11, 10), (25, 8), (3, 64)])
 def test_chunk_document_covers_exactly(length, max_len):
     ids = torch.arange(length)
-    pieces = pt.chunk_document(ids, max_len)
+    pieces = chunk_document(ids, max_len)
     assert torch.equal(torch.cat(pieces), ids)
     assert all(1 <= len(p) <= max_len for p in pieces)
     assert all(len(p) == max_len for p in pieces[:-1])
@@ -291,11 +293,11 @@ def test_chunk_document_covers_exactly(length, max_len):
 
 def test_chunk_document_on_real_documents_and_errors(samples):
     for x in samples["val"]:
-        ids = pt.decode_document(x)["input_ids"]
-        pieces = pt.chunk_document(ids, 128)
+        ids = decode_document(x)["input_ids"]
+        pieces = chunk_document(ids, 128)
         assert torch.equal(torch.cat(pieces), ids) and all(len(p) <= 128 for p in pieces)
-    assert pt.chunk_document(torch.empty(0, dtype=torch.long), 4) == []
+    assert chunk_document(torch.empty(0, dtype=torch.long), 4) == []
     with pytest.raises(ValueError, match="max_len"):
-        pt.chunk_document(torch.arange(4), 0)
+        chunk_document(torch.arange(4), 0)
     with pytest.raises(ValueError, match="1-D"):
-        pt.chunk_document(torch.zeros(2, 2, dtype=torch.long), 4)
+        chunk_document(torch.zeros(2, 2, dtype=torch.long), 4)

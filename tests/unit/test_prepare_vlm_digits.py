@@ -1,4 +1,5 @@
-"""Unit tests for data.prepare_vlm_digits: shards vs prepare_digits, text variety, offline processor, labels, loader."""
+"""Unit tests for data.prepare_vlm_digits and what training reads of it (recipes/vlm): shards vs prepare_digits,
+text variety, offline processor, labels, answer parsing, loader."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from PIL import Image
 from common.data.webdataset import build_webdataset_loader
 from data import prepare_digits as pd
 from data import prepare_vlm_digits as vd
+from recipes.vlm.data import IGNORE_INDEX, decode_png, encode_sample, load_processor, prompt_messages
+from recipes.vlm.evaluate import load_eval_samples, parse_answer
 
 SEED = 3
 BUILD_ARGS = ["--train-shards", "4", "--val-shards", "2", "--seed", str(SEED)]
@@ -38,7 +41,7 @@ def meta(built):
 
 @pytest.fixture(scope="module")
 def processor(meta):
-    return vd.load_processor(meta["processor_dir"])
+    return load_processor(meta["processor_dir"])
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,7 @@ def samples(meta):
 
 @pytest.fixture(scope="module")
 def encoded(samples, processor):
-    return [vd.encode_sample(s, processor) for s in samples]
+    return [encode_sample(s, processor) for s in samples]
 
 
 @pytest.fixture
@@ -63,12 +66,12 @@ def no_network(monkeypatch):
 
 
 def _image(png: bytes) -> Image.Image:
-    return vd.decode_png(png)
+    return decode_png(png)
 
 
 def _generation_ids(processor, question: str, png: bytes) -> torch.Tensor:
     """What eval-time generation feeds the model: chat template with generation prompt, then the processor."""
-    prompt = processor.apply_chat_template(vd.prompt_messages(question), add_generation_prompt=True)
+    prompt = processor.apply_chat_template(prompt_messages(question), add_generation_prompt=True)
     return processor(text=prompt, images=_image(png), return_tensors="pt")["input_ids"][0]
 
 
@@ -122,7 +125,7 @@ def test_varied_questions_and_answers(samples, encoded):
         assert len({t["answer"] for t in texts if t["label"] == label}) == len(vd.ANSWER_TEMPLATES)
     lengths = [len(e["input_ids"]) for e in encoded]
     assert max(lengths) - min(lengths) >= 10 and len(set(lengths)) >= 10
-    answer_tokens = [int((e["labels"] != vd.IGNORE_INDEX).sum()) for e in encoded]
+    answer_tokens = [int((e["labels"] != IGNORE_INDEX).sum()) for e in encoded]
     assert min(answer_tokens) == 2 and max(answer_tokens) >= 10  # "7</s>" ... a full sentence + </s>
 
 
@@ -139,15 +142,31 @@ def test_text_choice_is_deterministic_per_seed_and_key():
 def test_parse_answer_reads_every_answer_style(label):
     for template in vd.ANSWER_TEMPLATES:
         answer = vd.render_answer(template, label)
-        assert vd.parse_answer(answer) == label, answer
-        assert vd.parse_answer(answer.upper() + "</s>") == label
+        assert parse_answer(answer) == label, answer
+        assert parse_answer(answer.upper() + "</s>") == label
 
 
 def test_parse_answer_edge_cases():
-    assert vd.parse_answer("7") == 7 and vd.parse_answer("seven") == 7 and vd.parse_answer("It is a seven.") == 7
-    assert vd.parse_answer(" Zero") == 0 and vd.parse_answer("the digit 8, that is eight") == 8
+    assert parse_answer("7") == 7 and parse_answer("seven") == 7 and parse_answer("It is a seven.") == 7
+    assert parse_answer(" Zero") == 0 and parse_answer("the digit 8, that is eight") == 8
     for text in ("", "I do not know.", "someone", "17", "tone", "seven or one", "1 2 3"):
-        assert vd.parse_answer(text) is None, text
+        assert parse_answer(text) is None, text
+
+
+def test_eval_samples_are_the_val_split_in_shard_order(meta, samples, monkeypatch):
+    """What evaluation reads on every rank: the first val samples, in the order the shards hold them,
+    also in a torchrun job (RANK/WORLD_SIZE set: a bare wds.WebDataset refused to read there)."""
+    val = [s for s in samples if s["__key__"].startswith("val_")]
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    got = load_eval_samples(meta["val_urls"], 25)
+    assert len(got) == 25
+    for g, s in zip(got, val):
+        text = json.loads(s["json"])
+        assert g["question"] == text["question"] and g["label"] == int(s["cls"]) == text["label"]
+        with Image.open(io.BytesIO(s["png"])) as ref:
+            np.testing.assert_array_equal(np.asarray(g["image"]), np.asarray(ref))
+    assert len(load_eval_samples(meta["val_urls"], 10**6)) == len(val) == meta["splits"]["val"]["samples"]
 
 
 # --- processor -------------------------------------------------------------------------------------------
@@ -158,7 +177,7 @@ def test_processor_loads_offline_with_auto_processor(meta, no_network):
 
     proc = AutoProcessor.from_pretrained(meta["processor_dir"], local_files_only=True)
     assert isinstance(proc, LlavaProcessor)
-    assert isinstance(vd.load_processor(os.path.dirname(meta["processor_dir"])), LlavaProcessor)
+    assert isinstance(load_processor(os.path.dirname(meta["processor_dir"])), LlavaProcessor)
     tok = proc.tokenizer
     assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == ("<s>", "</s>", "<pad>", "<unk>")
     assert tok.pad_token_id == 0 and proc.image_token == "<image>"
@@ -189,7 +208,7 @@ def test_image_token_expansion_and_pixels(processor, samples):
         np.testing.assert_allclose(pixels[0, c].numpy(), expect, atol=1e-6)
     # Other sizes: (image_size / patch_size)^2 tokens.
     big = vd.build_processor(image_size=32, patch_size=4)
-    prompt = big.apply_chat_template(vd.prompt_messages("Read the digit."), add_generation_prompt=True)
+    prompt = big.apply_chat_template(prompt_messages("Read the digit."), add_generation_prompt=True)
     out = big(text=prompt, images=_image(s["png"]), return_tensors="pt")
     assert int((out["input_ids"] == big.image_token_id).sum()) == 64 and out["pixel_values"].shape == (1, 3, 32, 32)
     with pytest.raises(ValueError, match="multiple of patch_size"):
@@ -197,7 +216,7 @@ def test_image_token_expansion_and_pixels(processor, samples):
 
 
 def test_chat_template_renders_strings_parts_and_generation_prompt(processor):
-    msgs = vd.prompt_messages("What digit is this?")
+    msgs = prompt_messages("What digit is this?")
     assert processor.apply_chat_template(msgs) == "<s><|user|>\n<image>What digit is this?<|end|>\n"
     assert processor.apply_chat_template(msgs, add_generation_prompt=True).endswith("<|end|>\n<|assistant|>\n")
     conv = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"},
@@ -220,14 +239,14 @@ def test_labels_mask_exactly_the_prompt(processor, samples, encoded):
         assert e["input_ids"].dtype == e["labels"].dtype == torch.long
         assert e["input_ids"].shape == e["labels"].shape
         assert torch.equal(e["input_ids"][:n], prompt)  # token for token the generation-time prompt
-        assert bool((e["labels"][:n] == vd.IGNORE_INDEX).all())  # image tokens included
-        assert torch.equal(e["labels"][n:], e["input_ids"][n:]) and bool((e["labels"][n:] != vd.IGNORE_INDEX).all())
+        assert bool((e["labels"][:n] == IGNORE_INDEX).all())  # image tokens included
+        assert torch.equal(e["labels"][n:], e["input_ids"][n:]) and bool((e["labels"][n:] != IGNORE_INDEX).all())
         assert int(e["labels"][-1]) == tok.eos_token_id and int((e["input_ids"] == tok.eos_token_id).sum()) == 1
         assert tok.decode(e["labels"][n:-1]) == text["answer"] == e["answer"]
         assert e["label"] == int(s["cls"]) and e["question"] == text["question"] and e["key"] == s["__key__"]
         assert e["pixel_values"].shape == (3, 16, 16) and e["pixel_values"].dtype == torch.float32
         # The whole sequence is the chat template's rendering of the finished conversation.
-        conv = vd.prompt_messages(text["question"]) + [{"role": "assistant", "content": text["answer"]}]
+        conv = prompt_messages(text["question"]) + [{"role": "assistant", "content": text["answer"]}]
         full = processor(text=processor.apply_chat_template(conv), images=_image(s["png"]), return_tensors="pt")
         assert torch.equal(full["input_ids"][0], e["input_ids"])
         assert torch.equal(full["pixel_values"][0], e["pixel_values"])
@@ -236,16 +255,16 @@ def test_labels_mask_exactly_the_prompt(processor, samples, encoded):
 def test_prompt_matches_tokenizing_chat_template(processor, samples, encoded):
     """apply_chat_template(tokenize=True) with the image inside the message gives the same prompt ids."""
     s, e = samples[1], encoded[1]
-    msgs = vd.prompt_messages(e["question"])
+    msgs = prompt_messages(e["question"])
     msgs[0]["content"][0]["image"] = _image(s["png"])
     out = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt")
     n = out["input_ids"].shape[1]
-    assert torch.equal(out["input_ids"][0], e["input_ids"][:n]) and bool((e["labels"][:n] == vd.IGNORE_INDEX).all())
-    assert bool((e["labels"][n:] != vd.IGNORE_INDEX).all())
+    assert torch.equal(out["input_ids"][0], e["input_ids"][:n]) and bool((e["labels"][:n] == IGNORE_INDEX).all())
+    assert bool((e["labels"][n:] != IGNORE_INDEX).all())
 
 
 def test_encode_sample_is_picklable_and_works_in_the_loader(meta, processor, encoded):
-    decode = functools.partial(vd.encode_sample, processor=processor)
+    decode = functools.partial(encode_sample, processor=processor)
     restored = pickle.loads(pickle.dumps(decode))
     by_key = {e["key"]: e for e in encoded}
     loader = build_webdataset_loader(meta["train_urls"], decode=restored, batch_size=8, rank=0, world_size=1,
@@ -266,7 +285,7 @@ def test_encode_sample_is_picklable_and_works_in_the_loader(meta, processor, enc
 def test_encode_sample_rejects_inconsistent_labels(samples, processor):
     bad = dict(samples[0], cls=b"9" if samples[0]["cls"] != b"9" else b"1")
     with pytest.raises(ValueError, match="disagree"):
-        vd.encode_sample(bad, processor)
+        encode_sample(bad, processor)
 
 
 # --- rebuild -------------------------------------------------------------------------------------------------

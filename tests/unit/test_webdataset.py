@@ -1,4 +1,4 @@
-"""Unit tests for common.data.webdataset: rank/worker coverage, determinism, exact resume, corrupt shards."""
+"""Unit tests for common.data.webdataset: rank/worker coverage, determinism, exact resume, corrupt shards, in-order reads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from common.data.webdataset import build_webdataset_loader
+from common.data.webdataset import build_webdataset_loader, iter_samples
 from common.errors import DataError
 
 # Uneven shard sizes so that workers (and ranks) produce different numbers of batches and
@@ -280,3 +280,18 @@ def test_tar_reader_agrees_with_webdataset(shards):
     via_wds = sorted(int(s["cls"]) for s in wds.WebDataset(urls, shardshuffle=False, empty_check=False))
     via_loader = sorted(i for b in take(make(urls, shuffle_buffer=0, batch_size=1), sum(SIZES)) for i in b)
     assert via_wds == via_loader == sorted(i for v in ids.values() for i in v)
+
+
+def test_iter_samples_reads_every_sample_in_shard_order_on_every_rank(shards, monkeypatch):
+    """Evaluation reads the whole val split on each rank. Under torchrun (RANK/WORLD_SIZE set, as
+    here) a bare wds.WebDataset refuses to (the crash this reader replaces); iter_samples does not."""
+    urls, ids = shards
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="nodesplitter"):
+        next(iter(wds.WebDataset(urls, shardshuffle=False, empty_check=False)))
+    got = list(iter_samples(urls))
+    assert [int(s["cls"]) for s in got] == [i for u in urls for i in ids[u]]  # shard after shard, file order
+    assert [s["__url__"] for s in got] == [u for u in urls for _ in ids[u]]
+    assert [s["__key__"] for s in got[:2]] == ["s0000_0000", "s0000_0001"]
+    assert [int(s["cls"]) for s in iter_samples(urls[::-1])] == [i for u in urls[::-1] for i in ids[u]]
