@@ -24,13 +24,16 @@ def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 
 
 def flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    from flash_attn import flash_attn_func  # CUDA-only package: imported on use
+    """SDPA restricted to torch's own FlashAttention kernel (no flash-attn package): an error, not a
+    silent fallback to another kernel, where flash cannot run (fp32, CPU, an unsupported head size)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel as sdpa_backends
 
-    return flash_attn_func(q, k, v, dropout_p=0.0, causal=False)
+    with sdpa_backends(SDPBackend.FLASH_ATTENTION):
+        return sdpa_kernel(q, k, v)
 
 
 class KernelAttnProcessor:
-    """DiT self-attention with a pluggable (B, S, H, D) kernel: flash-attn on CUDA.
+    """DiT self-attention with a pluggable (B, S, H, D) kernel: torch's FlashAttention on CUDA.
 
     The projections mirror diffusers' AttnProcessor2_0 for the DiT's attention (no mask,
     no cross-attention, no q/k norm); tests check it against AttnProcessor2_0 on CPU with
