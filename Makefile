@@ -7,6 +7,8 @@ STAMP  := $(VENV)/.kiln-installed
 PIP_INSTALL := $(PY) -m pip install -q -c constraints/cpu.txt
 
 .PHONY: install demo test data clean bench
+# Extra arguments for the command behind `demo` and `bench`, e.g. make demo ARGS="trainer.max_steps=200".
+ARGS ?=
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,12 +24,12 @@ data: install
 
 # Trains dit_tiny end to end on CPU (train -> samples -> eval -> export), a few minutes.
 demo: data
-	$(PY) scripts/train.py recipe=dit_tiny
+	$(PY) scripts/train.py recipe=dit_tiny $(ARGS)
 
 # Benchmarks side by side in one run (overhead, AC, ZeRO, data wait, scaling, packing, pipeline,
 # serving): outputs/bench/bench.md and bench.json, 7-10 min on a 2-core CPU.
 bench: data
-	$(PY) scripts/bench.py
+	$(PY) scripts/bench.py $(ARGS)
 
 test: install
 	$(PY) -m pytest -q

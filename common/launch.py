@@ -28,7 +28,8 @@ USAGE = """usage: python scripts/train.py recipe=<name> [key=value ...] [--cfg]
 Config keys: configs/train.yaml and its groups; see README.md."""
 
 
-def _error(message: str) -> "SystemExit":
+def user_error_exit(message: str) -> "SystemExit":
+    """`kiln: error: <message>` on stderr (rank 0 only) and the SystemExit(2) to raise: a user mistake."""
     if os.environ.get("RANK", "0") == "0":
         print(f"kiln: error: {message}", file=sys.stderr, flush=True)
     return SystemExit(2)
@@ -38,7 +39,7 @@ def _recipes() -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
 
 
-def _explain(exc: Exception) -> str:
+def explain_compose_error(exc: Exception) -> str:
     """One line from Hydra/OmegaConf's multi-line composition errors."""
     from hydra.errors import MissingConfigException
 
@@ -73,7 +74,7 @@ def compose(overrides: list[str]) -> TrainConfig:
             raw = hydra_compose(config_name="train", overrides=overrides)
         cfg: TrainConfig = OmegaConf.to_object(raw)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(_explain(exc)) from None
+        raise ConfigError(explain_compose_error(exc)) from None
     validate(cfg)
     importlib.import_module(f"recipes.{cfg.recipe.family}.config").validate(cfg)
     return cfg
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> int:
 
         check_toggles(cfg.toggles)
     except ConfigError as exc:
-        raise _error(str(exc)) from None
+        raise user_error_exit(str(exc)) from None
 
     from common.distributed import describe_timeout, init_distributed, is_timeout, teardown
     from common.trainer import STOP_SIGNALS, Stopped
@@ -143,7 +144,7 @@ def main(argv: list[str]) -> int:
         if dist.is_main:
             print(f"kiln: done; outputs in {run_dir}", flush=True)
     except (UserError, FileNotFoundError) as exc:
-        raise _error(str(exc)) from None
+        raise user_error_exit(str(exc)) from None
     except Stopped as exc:  # a stop signal: checkpoint written, exit as the signal would
         return exc.exit_code
     except Exception as exc:

@@ -108,7 +108,7 @@ def compose(overrides: list[str]) -> ServeSection:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from common.launch import CONFIG_DIR, _explain
+    from common.launch import CONFIG_DIR, explain_compose_error
 
     register()
     GlobalHydra.instance().clear()
@@ -116,7 +116,7 @@ def compose(overrides: list[str]) -> ServeSection:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg: ServeConfig = OmegaConf.to_object(hydra_compose(config_name="serve", overrides=overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(_explain(exc)) from None
+        raise ConfigError(explain_compose_error(exc)) from None
     validate(cfg.serve)
     return cfg.serve
 

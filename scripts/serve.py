@@ -7,7 +7,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from common.errors import UserError  # noqa: E402
-from common.launch import _error  # noqa: E402
+from common.launch import user_error_exit  # noqa: E402
 from common.serving import compose, plan  # noqa: E402
 
 USAGE = """usage: python scripts/serve.py serve.model=<run.dir>/export [serve.KEY=VALUE ...]
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
         s = compose(argv)
         launch = plan(s)
     except UserError as exc:
-        raise _error(str(exc)) from None
+        raise user_error_exit(str(exc)) from None
     print(f"kiln: serving {s.model} as '{launch.name}' on http://{s.host}:{s.port}/v1 "
           f"with engine={launch.engine} ({launch.why})", flush=True)
     for note in launch.notes:

@@ -1,0 +1,167 @@
+"""Every command in the README's ```bash blocks runs, in README order, on this CPU machine.
+
+Each command is run as written, with only what makes it tiny appended (few steps, small eval) and
+its `outputs/...` paths moved into a temp dir; `outputs/<recipe>/<run>` stands for that recipe's
+latest run here. A command that cannot run on a CPU machine is listed in NOT_RUN with the test
+that covers the same path; a README command that is neither run nor listed fails the test, so a
+new README command cannot go untested unnoticed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.distributed import free_port
+from common.tools.launcher import launch_env
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+# Appended to a training command of each family: the run shrinks, the code path stays the same.
+TINY = {
+    "dit": ["trainer.max_steps=2", "trainer.log_every=1", "trainer.sample_every=0", "diffusion.sample_steps=2",
+            "diffusion.samples_per_class=1", "diffusion.eval_samples_per_class=1"],
+    "vlm": ["trainer.max_steps=2", "trainer.log_every=1", "vlm.eval_samples=4", "vlm.max_new_tokens=4"],
+    "llm": ["trainer.max_steps=2", "trainer.log_every=1"],
+}
+COMMON = ["trainer.progress_bar=false", "checkpoint.every=0"]
+
+# Other scripts: what makes each one small (appended like the training overrides).
+SCRIPT_ARGS = {
+    "scripts/eval_dit.py": ["--per-class", "1", "--steps", "2"],
+    "scripts/sample_dit.py": ["steps=2", "per_class=1"],
+    "scripts/bench_pipeline.py": ["--microbatches", "2", "--rows", "4", "--seq", "32", "--dim", "32",
+                                  "--warmup", "0", "--iters", "1"],
+    "scripts/serve.py": ["serve.dry_run=true"],  # the servers themselves: tests/integration/test_serve.py
+}
+
+# Commands that cannot run here, each with the place that runs the same code path.
+NOT_RUN = {
+    "make test": "this test runs inside it",
+    "pip install": "installs an environment (CI's .ci/run installs the CPU one with make)",
+    "python3 -m venv": "installs an environment (CI's .ci/run installs the CPU one with make)",
+    "curl": "needs a live server: tests/integration/test_serve.py sends the same requests",
+    "sbatch": "needs a SLURM cluster: tests/integration/test_slurm.py submits train.sbatch to a real one",
+    "scripts/slurm/local_cluster.sh": "installs and starts SLURM as root: the fixture of tests/integration/test_slurm.py",
+    "scripts/serve_gpu.sh": "needs a CUDA GPU and vLLM: tests/unit/test_serve_config.py checks its command lines",
+    "serve.engine=vllm": "needs a CUDA GPU and vLLM: tests/unit/test_serve_config.py checks the vllm command line",
+    "python scripts/bench_serve.py": "starts servers for minutes: the serving section of make bench runs it (--quick)",
+}
+
+
+def readme_commands(text: str) -> list[list[str]]:
+    """The argv of every command in the ```bash blocks: `\\` continuations joined, comments dropped,
+    `a && b` split into two commands."""
+    commands = []
+    for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
+        if lang not in ("bash", "sh"):
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            command: list[str] = []
+            for token in [*shlex.split(line, comments=True), "&&"]:
+                if token != "&&":
+                    command.append(token)
+                elif command:
+                    commands.append(command)
+                    command = []
+    return commands
+
+
+def not_run_reason(argv: list[str]) -> str | None:
+    line = " ".join(argv)
+    return next((why for key, why in NOT_RUN.items() if key in line), None)
+
+
+class Session:
+    """Runs README commands in order, remembering each recipe's latest run for `<run>`."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.latest, self.count = tmp, {}, 0
+
+    def path(self, token: str) -> str:
+        """outputs/... -> the temp dir; outputs/<recipe>/<run>... -> that recipe's latest run."""
+        if "outputs/" not in token:
+            return token
+        head, _, rest = token.partition("outputs/")
+        run = re.match(r"(\w+)/<run>(.*)", rest)
+        if run:
+            assert run[1] in self.latest, f"{token}: no {run[1]} run earlier in the README"
+            return head + str(self.latest[run[1]]) + run[2]
+        return head + str(self.tmp / "outputs" / rest)
+
+    def train_args(self, args: list[str]) -> list[str]:
+        recipe = next((a.split("=", 1)[1] for a in args if a.startswith("recipe=")), "dit_tiny")
+        if "--cfg" in args or "run.dry_run=true" in args:
+            return args
+        self.count += 1
+        if "profile.enabled=true" in args or "profile=trace" in args:
+            args = [*args, "profile.wait=0", "profile.warmup=0", "profile.active=1"]  # the 2 steps: traced
+        run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("run.dir=")), None)
+        extra = [*TINY[recipe.split("_")[0]], *COMMON]
+        if run_dir is None:
+            run_dir = str(self.tmp / "outputs" / recipe / f"readme{self.count}")
+            extra.append(f"run.dir={run_dir}")
+        self.latest[recipe] = Path(run_dir)
+        return [*args, *extra]
+
+    def command(self, argv: list[str]) -> list[str]:
+        argv = [self.path(a) for a in argv]
+        if argv[0] == "make":
+            # The Makefile passes ARGS to the command behind the target.
+            extra = {"demo": self.train_args(["recipe=dit_tiny"])[1:], "bench": ["--quick", "--only", "overhead",
+                                                                                 "--out", str(self.tmp / "bench")]}
+            # -o install: this environment is already installed (make would otherwise check it, and
+            # rebuild it when pyproject.toml is newer than its stamp).
+            return ["make", "-o", "install", *argv[1:], f"PY={sys.executable}", f"ARGS={shlex.join(extra[argv[1]])}"]
+        if argv[0] == "torchrun":
+            nproc = argv[argv.index("--nproc_per_node") + 1]
+            script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+            return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                    f"--master_port={free_port()}", argv[script], *self.train_args(argv[script + 1:])]
+        assert argv[0] in ("python", "python3"), f"a README command this test does not know how to run: {argv}"
+        script = argv[1]
+        if script == "scripts/train.py":
+            return [sys.executable, script, *self.train_args(argv[2:])]
+        if script == "scripts/bench.py":
+            # The overhead section only: tests/integration/test_bench.py runs the others' quick mode.
+            return [sys.executable, *argv[1:], "--only", "overhead", "--out", str(self.tmp / "bench")]
+        return [sys.executable, *argv[1:], *SCRIPT_ARGS.get(script, [])]
+
+
+COMMANDS = readme_commands((REPO / "README.md").read_text())
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory) -> Session:
+    return Session(tmp_path_factory.mktemp("readme"))
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c)[:90] for c in COMMANDS])
+def test_readme_command_runs(argv, session):
+    reason = not_run_reason(argv)
+    if reason:
+        pytest.skip(f"not run here: {reason}")
+    cmd = session.command(argv)
+    env = launch_env(2 if "torch.distributed.run" in cmd else 1, PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (f"README command failed ({proc.returncode}): {' '.join(argv)}\nran: {shlex.join(cmd)}\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
+
+
+def test_every_readme_command_is_run_or_accounted_for():
+    """The parser sees the README's commands, and each is either run above or listed in NOT_RUN."""
+    assert len(COMMANDS) > 20
+    session = Session(Path("/nonexistent"))
+    session.latest = {r: Path("/x") for r in ("dit_tiny", "vlm_tiny", "llm_tiny")}
+    for argv in COMMANDS:
+        if not_run_reason(argv) is None:
+            session.command(argv)  # raises for a command this test cannot run
+    assert os.path.exists(REPO / "Makefile")
