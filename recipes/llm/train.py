@@ -162,6 +162,7 @@ class LLMTrainer(Trainer):
             lr=self.scheduler.get_last_lr()[0],
             tokens=tokens,
             token_utilization=tokens / (slots * self.dims.dp) if slots else 0.0,
+            corrupt_shards=self.state.loader.corrupt_shards,  # one global stream: the same on every rank
         )
 
     def autocast(self):
