@@ -17,6 +17,8 @@ from scripts.benchmarks.harness import Options  # noqa: E402
 
 SECTIONS = {"overhead": overhead.run, "ac": ac.run, "zero": zero.run, "data": data_wait.run, "scaling": scaling.run,
             "packing": external.packing, "pipeline": external.pipeline, "serving": external.serving}
+# A quick run is a smoke test: it keeps its own folder so that it never replaces a full run's report.
+FULL_OUT, QUICK_OUT = REPO / "outputs" / "bench", REPO / "outputs" / "bench" / "quick"
 
 
 def parse_args(argv: list[str]) -> tuple[Options, list[str]]:
@@ -26,13 +28,15 @@ def parse_args(argv: list[str]) -> tuple[Options, list[str]]:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads per process, for every benchmark (default 1: on a shared machine "
                         "OpenMP's barriers stall whenever another job takes a core)")
-    p.add_argument("--out", default=str(REPO / "outputs" / "bench"), help="where bench.md, bench.json and runs go")
+    p.add_argument("--out", help=f"where bench.md, bench.json and runs go (default {FULL_OUT.relative_to(REPO)}, "
+                                 f"with --quick {QUICK_OUT.relative_to(REPO)})")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         p.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
-    return Options(quick=args.quick, threads=args.threads, out=Path(args.out).resolve()), sections
+    out = Path(args.out).resolve() if args.out else QUICK_OUT if args.quick else FULL_OUT
+    return Options(quick=args.quick, threads=args.threads, out=out), sections
 
 
 def run_section(opts: Options, name: str) -> report.Section:
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     markdown = report.render(sections, quick=opts.quick, seconds=time.perf_counter() - start)
     written = report.write(opts.out, markdown, sections)
     print("\n" + markdown, flush=True)
-    report.say(f"wrote {written[0]} and bench.json")
+    report.say(f"wrote {', '.join(str(p) for p in written)}; subprocess output and tracebacks in {opts.log}")
     return 1 if any(s.error for s in sections) else 0
 
 
