@@ -1,4 +1,4 @@
-"""Activation checkpointing: bytes autograd saves for backward and step time, AC none vs full, on llm_tiny and dit_tiny."""
+"""Activation checkpointing: bytes autograd saves for backward and step time, AC none vs full (llm_tiny, dit_tiny)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def run(opts) -> Section:
             rows.append([recipe, mode, mib(saved[mode]), f"{saved[mode] / saved['none']:.2f}", ms(times[mode]),
                          f"{ratio[mode]:.2f}x"])
         s.targets.append(Target(f"{recipe}: full AC saves >= {TARGET_AC_SAVED:.0%} of activation bytes for <= "
-                                f"{TARGET_AC_TIME - 1:.0%} more step time", f"{fewer:.1%} fewer bytes, {slower:.2f}x time",
+                                f"{TARGET_AC_TIME - 1:.0%} more step time",
+                                f"{fewer:.1%} fewer bytes, {slower:.2f}x time",
                                 fewer >= TARGET_AC_SAVED and slower <= TARGET_AC_TIME))
         s.data[recipe] = {"saved_bytes": saved, "step_s": {m: r["times"] for m, r in steps_by_mode.items()}}
     s.tables.append(md_table(["recipe", "AC", "saved for backward", "vs none", "step ms (median)", "vs none"], rows))
@@ -64,6 +65,7 @@ def run(opts) -> Section:
                    "loss of the recipe's trainer (weights excluded; AC applied by the recipe's parallelize()). "
                    "Full AC keeps each block's input; what remains is mostly outside the blocks: the LLM's fp32 "
                    "log-probabilities over the vocabulary, the DiT's patch embedding and output head.")
-    s.notes.append(f"step: the trainer's train_step (forward, backward, optimizer), the two modes alternating on the same "
-                   f"batches, {steps} steps each after {warmup} warm-up; time 'vs none' is the median of per-step ratios")
+    s.notes.append(f"step: the trainer's train_step (forward, backward, optimizer), the two modes alternating on the "
+                   f"same batches, {steps} steps each after {warmup} warm-up; time 'vs none' is the median of per-step "
+                   "ratios")
     return s

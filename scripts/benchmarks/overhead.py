@@ -109,8 +109,8 @@ def section(trainer, bare, kiln_step, kiln_loop, loss_diff) -> Section:
     s.targets.append(Target(f"Kiln loop iteration <= {TARGET_OVERHEAD:.2f}x bare step",
                             f"{paired(kiln_loop):.3f}x ({ms(median(kiln_loop))} vs {ms(median(bare))} ms)",
                             paired(kiln_loop) <= TARGET_OVERHEAD))
-    s.notes.append(f"{len(bare)} steps each after warm-up, one process, {torch.get_num_threads()} torch threads for both; "
-                   f"micro batch {cfg.trainer.micro_batch_size} documents x {cfg.data.max_seq_len} tokens, "
+    s.notes.append(f"{len(bare)} steps each after warm-up, one process, {torch.get_num_threads()} torch threads for "
+                   f"both; micro batch {cfg.trainer.micro_batch_size} documents x {cfg.data.max_seq_len} tokens, "
                    f"trainer.log_every=1 (every step logged: the worst case); steps interleaved K0 B0 B1 K1 K2 B2 ... "
                    f"(each loop first half the time), 'vs bare' is the median of per-step ratios (same documents "
                    f"at each step).")

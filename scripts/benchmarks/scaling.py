@@ -1,4 +1,4 @@
-"""Scaling: step time, throughput, MFU and (on CUDA) peak memory vs model width per recipe; 1 vs 2 ranks at one global batch."""
+"""Scaling: step time, throughput, MFU and (CUDA) peak memory vs model width; 1 vs 2 ranks at one global batch."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def width_rows(recipe: str, result: dict, extra: dict, peak: float | None) -> li
         if peak:
             # Packed rows vary per step: FLOPs scale with the step's work (StepStats.work) from the counted one.
             flops0, work0 = extra[name]["flops"]
-            utilization = f"{median(mfu(flops0 * st.work / work0, dt, peak) for st, dt in zip(r['stats'], r['times'])):.2%}"
+            step_mfu = [mfu(flops0 * st.work / work0, dt, peak) for st, dt in zip(r["stats"], r["times"])]
+            utilization = f"{median(step_mfu):.2%}"
         memory = "n/a (CPU)"
         if extra[name]["resident"] is not None:
             memory = mib(extra[name]["resident"] + max(r["peaks"]))
