@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -296,12 +295,6 @@ def plan(s: ServeSection) -> Launch:
     return Launch(engine, why, name, transformers_command(s, name), transformers_env(cache), scratch, notes)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def http(url: str, body: bytes | None = None, timeout: float = 60) -> tuple[int, str]:
     """(status, text) of a GET (or a JSON POST when `body` is given); HTTP errors are returned, not raised."""
     request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
@@ -317,6 +310,8 @@ def running_server(export: str | Path, *overrides: str, log_path: str | Path, st
                    env: dict[str, str] | None = None) -> Iterator[str]:
     """scripts/serve.py on a free local port, up once /health answers 200; yields the base URL and
     always stops the server (SIGTERM: uvicorn's graceful shutdown; SIGKILL after 20 s)."""
+    from common.distributed import free_port  # imports torch, which the rest of this module does only where needed
+
     port = free_port()
     serve = Path(__file__).resolve().parent.parent / "scripts" / "serve.py"
     base = f"http://127.0.0.1:{port}"

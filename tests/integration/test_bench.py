@@ -33,6 +33,7 @@ def test_quick_bench_overhead_and_ac(tmp_path):
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     markdown = (tmp_path / "bench.md").read_text()
     assert markdown in proc.stdout  # the same report on stdout
+    assert f"wrote {tmp_path / 'bench.md'}, {tmp_path / 'bench.json'}" in proc.stdout  # and where it went
     rows = {row[0]: row for row in table_rows(markdown)}
 
     for loop in ("bare PyTorch loop", "Kiln `train_step`", "Kiln loop iteration"):
