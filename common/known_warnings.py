@@ -18,6 +18,10 @@ def silence_known_warnings() -> None:
         # DeepSpeed probes for accelerators when imported and, finding none, logs "Setting accelerator
         # to CPU ..." from every process. CPU is what this machine has: name it instead of probing.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # torchao (the fp8 extra; diffusers imports it whenever it is installed) tries to load its CUDA
+        # kernel libraries and logs "Failed to load ..._C_*.so" for each one a CPU-only machine cannot
+        # load. Nothing on CPU uses them; on a GPU the same failure stays visible.
+        logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().startswith("Failed to load"))
     # torch 2.13 deprecates these collectives in favour of all_gather_single / reduce_scatter_single;
     # DeepSpeed ZeRO-3 calls them several times a step (thousands of lines a run). Same collective,
     # different name: nothing for a user to act on.
