@@ -20,7 +20,7 @@ from recipes.dit.evaluate import class_labels
 from recipes.dit.model import build_model
 from recipes.dit.onnx import PARITY_TOL, OnnxDiT, ParityError, check_parity, export_onnx
 from recipes.dit.sampling import sample_images, to_uint8
-from tests.conftest import REPO
+from tests.conftest import REPO, gpus_visible
 from tests.unit.test_trt_build import fake_trtexec
 
 pytestmark = pytest.mark.integration
@@ -58,8 +58,10 @@ def export_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(export_dir):
-    """Runs scripts/export_dit.py (in process) on the export folder; returns its ONNX path."""
-    rc = _load_script("export_dit").main([str(export_dir), "--max-batch", "32", "--precision", "fp16"])
+    """Runs scripts/export_dit.py (in process) on the export folder; returns its ONNX path. Where
+    trtexec is on PATH it also builds the engine, on the GPU."""
+    with gpus_visible():
+        rc = _load_script("export_dit").main([str(export_dir), "--max-batch", "32", "--precision", "fp16"])
     assert rc == 0
     return export_dir / "onnx" / "model.onnx"
 

@@ -22,17 +22,10 @@ import time
 import pytest
 import torch
 
-from tests.conftest import FAST_DIT, REPO, TRAIN, _free_port, losses, run_train
+from tests.conftest import FAST_DIT, REPO, TRAIN, _free_port, launch_env, losses, run_train
 
 pytestmark = pytest.mark.integration
 DIT = [*FAST_DIT, "trainer.eval=false", "diffusion.samples_per_class=1", "diffusion.sample_steps=2"]
-
-
-def _env(nproc: int, **extra) -> dict:
-    """run_train's environment (the same thread count: float sums differ with it)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.setdefault("OMP_NUM_THREADS", "1" if nproc > 1 else "2")
-    return {**env, **extra}
 
 
 def _command(args: list[str], nproc: int, *launcher: str) -> list[str]:
@@ -51,7 +44,7 @@ def kill_at_random_step(args: list[str], run_dir, nproc: int, first: int, last: 
     """SIGKILL the whole process group once step k (random in [first, last]) is logged; returns k."""
     k = random.randint(first, last)
     print(f"killing at step {k}")
-    proc = subprocess.Popen(_command([*args, f"run.dir={run_dir}"], nproc), cwd=REPO, env=_env(nproc),
+    proc = subprocess.Popen(_command([*args, f"run.dir={run_dir}"], nproc), cwd=REPO, env=launch_env(nproc),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     while _logged(run_dir) < k and proc.poll() is None and time.time() < deadline:
@@ -93,7 +86,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path):
     full, broken = tmp_path / "full", tmp_path / "broken"
     run_train([*args, f"run.dir={full}"])
     proc = subprocess.run(_command([*args, f"run.dir={broken}"], 1), cwd=REPO, capture_output=True, text=True,
-                          env=_env(1, KILN_FAULTS="kill_in_checkpoint@8"), timeout=600)
+                          env=launch_env(1, KILN_FAULTS="kill_in_checkpoint@8"), timeout=600)
     assert proc.returncode == -signal.SIGKILL
     ckpts = broken / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_0000004"
@@ -111,7 +104,7 @@ def test_crashed_rank_is_restarted_by_torchrun_and_resumes(tmp_path):
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     run_train([*args, f"run.dir={full}"], nproc=2)
     proc = subprocess.run(_command([*args, f"run.dir={crashed}"], 2, "--max-restarts=1"), cwd=REPO, capture_output=True,
-                          text=True, env=_env(2, KILN_FAULTS="crash@6:1"), timeout=600)
+                          text=True, env=launch_env(2, KILN_FAULTS="crash@6:1"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 1 crashes at step 6" in proc.stdout and "resumed from" in proc.stdout and "at step 4" in proc.stdout
     assert losses(crashed) == losses(full)
@@ -131,7 +124,7 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path, nproc, zero_stage, fa
     """ZeRO-0 (plain torch AdamW) and ZeRO-2 (DeepSpeed's own overflow check, NaN on one rank only)."""
     args = [*DIT, "trainer.max_steps=6", "checkpoint.every=1", "checkpoint.keep=10", f"parallel.zero_stage={zero_stage}",
             f"run.dir={tmp_path}"]
-    proc = subprocess.run(_command(args, nproc), cwd=REPO, capture_output=True, text=True, env=_env(nproc, KILN_FAULTS=fault),
+    proc = subprocess.run(_command(args, nproc), cwd=REPO, capture_output=True, text=True, env=launch_env(nproc, KILN_FAULTS=fault),
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
@@ -145,7 +138,7 @@ def test_too_many_bad_steps_stop_with_the_last_good_weights(tmp_path):
     args = ["recipe=llm_tiny", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.max_steps=10",
             "checkpoint.every=2", "checkpoint.keep=5", "trainer.max_bad_steps=3", f"run.dir={tmp_path}"]
     proc = subprocess.run(_command(args, 1), cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=_env(1, KILN_FAULTS="nan_loss@4,nan_loss@5,nan_loss@6"))
+                          env=launch_env(1, KILN_FAULTS="nan_loss@4,nan_loss@5,nan_loss@6"))
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("kiln: error: 3 steps in a row had a non-finite loss"), proc.stderr
@@ -169,7 +162,7 @@ def test_too_many_bad_steps_stop_with_the_last_good_weights(tmp_path):
 def test_hung_rank_becomes_a_timeout_naming_it(tmp_path):
     args = [*DIT, "trainer.max_steps=6", "parallel.timeout_s=10", f"run.dir={tmp_path}"]
     start = time.time()
-    proc = subprocess.run(_command(args, 2), cwd=REPO, capture_output=True, text=True, env=_env(2, KILN_FAULTS="hang@3:1"),
+    proc = subprocess.run(_command(args, 2), cwd=REPO, capture_output=True, text=True, env=launch_env(2, KILN_FAULTS="hang@3:1"),
                           timeout=300)
     assert proc.returncode != 0 and time.time() - start < 240
     assert "kiln: error: rank 0: a collective timed out after 10 s (parallel.timeout_s) at step 3; " \

@@ -73,8 +73,10 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, job: str, args: tuple, out: str) -> None:
+    # gloo on the CPU, on any host: with a GPU visible init_distributed would pick NCCL and cuda:<rank>
+    # (the meshes below are CPU meshes). CUDA reads the variable when first used, after this line.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
     torch.set_num_threads(1)
     from common.distributed import init_distributed, teardown
 
