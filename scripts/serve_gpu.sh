@@ -21,5 +21,6 @@ export HF_HUB_OFFLINE=1                   # exports are local folders; compute n
 export VLLM_WORKER_MULTIPROC_METHOD=spawn # tensor-parallel workers must not fork an initialized CUDA context
 export TOKENIZERS_PARALLELISM=false       # silence the fork warning of HF tokenizers in vLLM's workers
 
-python=${KILN_PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
+# The serving venv first (vLLM pins its own torch: README, Installing on a GPU node), then the training one.
+python=${KILN_PYTHON:-$(for p in .venv-serve/bin/python .venv/bin/python; do [[ -x $p ]] && { echo "$p"; exit; }; done; echo python3)}
 exec "$python" scripts/serve.py serve.engine=vllm serve.host=0.0.0.0 serve.tensor_parallel_size="$gpus" "$@"
