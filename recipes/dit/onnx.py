@@ -261,7 +261,7 @@ class TensorRTDiT:
             import tensorrt as trt
         except ImportError as exc:
             raise ImportError(
-                "TensorRTDiT needs the `tensorrt` Python package (pip install 'kiln[gpu]' on a CUDA machine); "
+                "TensorRTDiT needs the `tensorrt` Python package (pip install 'kiln[tensorrt]' on a CUDA machine); "
                 "use OnnxDiT (onnxruntime) on CPU"
             ) from exc
         if not torch.cuda.is_available():
