@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kiln-installed
 # CPU installs pin torch to the release on this machine's disk (an unpinned torch pulls CUDA).
 PIP_INSTALL := $(PY) -m pip install -q -c constraints/cpu.txt
 
-.PHONY: install demo test data clean bench
+.PHONY: install demo test data clean bench gpu-check
 # Extra arguments for the command behind `demo` and `bench`, e.g. make demo ARGS="trainer.max_steps=200".
 ARGS ?=
 
@@ -33,6 +33,11 @@ bench: data
 
 test: install
 	$(PY) -m pytest -q
+
+# The first command on a GPU node: versions, gpu tests, the tiny recipes on CUDA in bf16, throughput/MFU/memory
+# against the planner (outputs/gpu_check/report.md). Without a CUDA GPU it stops with one line.
+gpu-check: install
+	$(PY) scripts/gpu_check.py
 
 clean:
 	rm -rf outputs data/cache .pytest_cache

@@ -36,6 +36,111 @@ def _cpu_flash_attention_backward_flops(grad_out, query, key, value, *args, out_
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
+# ---- attention kernels torch's table may not know ---------------------------------------------
+# One convention for every kernel, torch's for SDPA: forward = the two matmuls Q K^T and P V
+# (4 s_q s_k h d for d_qk = d_v = d), backward = five (the four gradients plus the Q K^T that fused
+# kernels recompute), and no causal discount (causal kernels skip about half the tiles; the
+# 6N + 12LHS formula and PaLM's MFU count them anyway). Variable-length (packed) kernels count each
+# sequence on its own: sum over sequences of 4 s_i^2 h d forward. So MFU does not depend on which
+# kernel ran, only on what was computed.
+
+
+def _seq_lengths(cu_seqlens: torch.Tensor, max_len: int) -> list[int]:
+    """Sequence lengths of a cu_seqlens tensor; max_len each when its values are unknown (meta/fake)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(cu_seqlens, FakeTensor) or cu_seqlens.device.type == "meta":
+        return [int(max_len)] * (cu_seqlens.numel() - 1)
+    return cu_seqlens.diff().tolist()
+
+
+def varlen_attention_flops(query, key, value, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, *,
+                           grad_out=None) -> int:
+    """FLOPs of packed attention on [total, heads, dim] q/k/v: forward, or backward with grad_out."""
+    _, h_q, d_q = query.shape
+    _, h_k, _ = key.shape
+    d_v = value.shape[-1]
+    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    total = 0
+    for s_q, s_k in zip(_seq_lengths(cu_seqlens_q, max_q), _seq_lengths(cu_seqlens_k, max_k), strict=True):
+        q, k, v = (1, h_q, s_q, d_q), (1, h_k, s_k, d_q), (1, h_k, s_k, d_v)
+        total += sdpa_flop_count(q, k, v) if grad_out is None else sdpa_backward_flop_count((1, h_q, s_q, d_v), q, k, v)
+    return total
+
+
+def _bhsd(shape) -> tuple[int, int, int, int]:
+    """flash-attn's [batch, seq, heads, dim] as SDPA's [batch, heads, seq, dim]."""
+    b, s, h, d = shape
+    return b, h, s, d
+
+
+def _flash_attn_flops(q, k, v, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(_bhsd(q.shape), _bhsd(k.shape), _bhsd(v.shape))
+
+
+def _flash_attn_backward_flops(dout, q, k, v, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(_bhsd(dout.shape), _bhsd(q.shape), _bhsd(k.shape), _bhsd(v.shape))
+
+
+def _flash_attn_varlen_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, out_val=None,
+                             **kwargs) -> int:
+    return varlen_attention_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def _flash_attn_varlen_backward_flops(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                      max_seqlen_q, max_seqlen_k, *args, out_val=None, **kwargs) -> int:
+    return varlen_attention_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, grad_out=dout)
+
+
+def _torch_varlen_flops(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *args, out_val=None, **kwargs) -> int:
+    return varlen_attention_flops(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+
+
+def _torch_varlen_out_flops(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *args, out_val=None,
+                            **kwargs) -> int:
+    return varlen_attention_flops(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+
+
+def _torch_varlen_backward_flops(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, *args,
+                                 out_val=None, **kwargs) -> int:
+    return varlen_attention_flops(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, grad_out=grad_out)
+
+
+# Custom ops by qualified name: flash-attn registers its ops when imported (namespace flash_attn in
+# 2.6-2.7, flashattn later; same arguments), which may happen after a counter is made, and Kiln
+# never imports it itself. torch's varlen ops have formulas in torch's table once
+# torch.nn.attention.varlen is imported (torch 2.13); Kiln's are for a torch whose table lacks them.
+ATTENTION_FORMULAS_BY_NAME = {
+    **{f"{ns}::{op}": formula for ns in ("flash_attn", "flashattn") for op, formula in (
+        ("_flash_attn_forward", _flash_attn_flops),
+        ("_flash_attn_backward", _flash_attn_backward_flops),
+        ("_flash_attn_varlen_forward", _flash_attn_varlen_flops),
+        ("_flash_attn_varlen_backward", _flash_attn_varlen_backward_flops),
+    )},
+    "torch_attn::_varlen_attn": _torch_varlen_flops,
+    "torch_attn::_varlen_attn_out": _torch_varlen_out_flops,
+    "torch_attn::_varlen_attn_backward": _torch_varlen_backward_flops,
+}
+
+
+class _FormulaTable(dict):
+    """FLOP formulas by op (what FlopCounterMode looks up), plus formulas by qualified op name for
+    ops that need not exist yet: an op is matched by name the first time the counter meets it."""
+
+    def __init__(self, by_op: dict, by_name: dict):
+        super().__init__(by_op)
+        known = {getattr(op, "_qualified_op_name", None) for op in by_op}
+        self.by_name = {name: f for name, f in by_name.items() if name not in known}
+
+    def __contains__(self, op) -> bool:
+        if dict.__contains__(self, op):
+            return True
+        formula = self.by_name.get(getattr(op, "_qualified_op_name", None))
+        if formula is not None:
+            self[op] = formula
+        return formula is not None
+
+
 def _shard_count(out) -> int:
     """How many ranks split the computation of a DTensor op's output (1 for plain tensors).
 
@@ -61,21 +166,31 @@ def _local(formula):
     return count
 
 
-def _formulas() -> dict:
-    # torch's registry knows the CUDA SDPA kernels but not the CPU flash kernel that
-    # F.scaled_dot_product_attention picks on CPU, which would then count as zero FLOPs.
+def _formulas() -> _FormulaTable:
+    # torch's registry knows the CUDA SDPA kernels (flash, efficient, cuDNN; forward and backward)
+    # but not the CPU flash kernel that F.scaled_dot_product_attention picks on CPU, which would
+    # then count as zero FLOPs.
+    try:  # registers torch's varlen formulas in flop_registry (the module does it on import)
+        import torch.nn.attention.varlen  # noqa: F401
+    except ImportError:  # an older torch: Kiln's formulas below stand in
+        pass
     cpu_attention = {
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops,
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flops,
     }
     raw = {**flop_registry, **{op: shape_wrapper(f) for op, f in cpu_attention.items()}}
-    return {op: _local(f) for op, f in raw.items()}
+    return _FormulaTable({op: _local(f) for op, f in raw.items()},
+                         {name: _local(f) for name, f in ATTENTION_FORMULAS_BY_NAME.items()})
 
 
 class _GlobalFlopCounterMode(FlopCounterMode):
     """FlopCounterMode without its per-module breakdown: the module tracker's autograd hooks make
     pipelining's stage backward (autograd.grad) fail, and they reorder gradient accumulation
-    enough to change the counted step's last bits."""
+    enough to change the counted step's last bits. Its formulas are a _FormulaTable."""
+
+    def __init__(self, formulas: _FormulaTable):
+        super().__init__(display=False)
+        self.flop_registry = formulas
 
     def __enter__(self):
         self.flop_counts.clear()
@@ -94,9 +209,11 @@ class FlopCounter:
 
     Counts the matmul, convolution and attention FLOPs that run on this rank, forward and
     backward (2 per multiply-add; elementwise ops and the optimizer update are not counted, as
-    in every MFU convention). Attention is counted without the causal discount, as the
-    6N + 12LHS formula and PaLM's MFU do, but its backward includes the Q K^T that the fused
-    kernels recompute (torch's formula: 5 matmuls, not 4). Activation checkpointing's recomputed
+    in every MFU convention). Attention is counted the same whichever kernel runs (SDPA's math,
+    flash, efficient and cuDNN kernels, the CPU flash kernel, torch's varlen_attn, flash-attn's
+    dense and varlen ops): without the causal discount, as the 6N + 12LHS formula and PaLM's MFU
+    do, but with the Q K^T that the fused kernels recompute in backward (torch's formula: 5
+    matmuls, not 4); packed rows per sequence. Activation checkpointing's recomputed
     forward is counted too, which makes the ratio a hardware rather than a model FLOPs utilization.
 
     ``flops`` is this rank's share in every layout, so the sum over ranks is the job's FLOPs per
@@ -106,7 +223,7 @@ class FlopCounter:
     """
 
     def __init__(self) -> None:
-        self._mode = _GlobalFlopCounterMode(display=False, custom_mapping=_formulas())
+        self._mode = _GlobalFlopCounterMode(_formulas())
         self.flops = 0
 
     def __enter__(self) -> FlopCounter:

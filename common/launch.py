@@ -115,18 +115,21 @@ def main(argv: list[str]) -> int:
         if print_cfg:
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             return 0
+        from common.distributed import watchdog_switch
         from common.toggles import apply_global_toggles, check_toggles
 
         check_toggles(cfg.toggles)
+        watchdog_switch()  # a bad KILN_WATCHDOG stops here
     except ConfigError as exc:
         raise user_error_exit(str(exc)) from None
 
-    from common.distributed import describe_timeout, init_distributed, is_timeout, teardown
+    from common.distributed import describe_timeout, init_distributed, is_timeout, start_watchdog, teardown
     from common.trainer import STOP_SIGNALS, Stopped
 
     STOP_SIGNALS.install()  # from here on SIGTERM/SIGUSR1 mean: checkpoint after the next step
 
     dist = init_distributed(cfg.parallel.timeout_s)
+    watchdog = start_watchdog(cfg.parallel.timeout_s, dist)  # names a hung rank under NCCL too
     try:
         apply_global_toggles(cfg.toggles)
         recipe = importlib.import_module(f"recipes.{cfg.recipe.family}.train")
@@ -154,5 +157,7 @@ def main(argv: list[str]) -> int:
         print(f"kiln: error: {describe_timeout(cfg.parallel.timeout_s)}", file=sys.stderr, flush=True)
         os._exit(1)  # destroying a process group with a peer stuck mid-collective can block
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         teardown()
     return 0

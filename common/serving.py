@@ -1,7 +1,9 @@
 """Serve an exported LLM/VLM folder: the `serve` config schema, engine choice, engine command lines.
 
 The engines are vLLM on GPUs and `transformers serve` with continuous batching on CPU; neither is
-re-implemented here. The one adapter is for `transformers serve`, which resolves a request's
+re-implemented here. No open door by default: serving beyond loopback needs an API key (vLLM checks
+it; the key comes from an environment variable, never from the config or a command line) or an
+explicit serve.allow_unauthenticated=true; `transformers serve` cannot check a key. The one adapter is for `transformers serve`, which resolves a request's
 `model` like `from_pretrained` (a hub id or a path) and lists `/v1/models` from the Hugging Face
 cache: each server gets a private cache holding one entry named `serve.served_model_name` whose
 files are symlinks into the export, and runs offline. The requested name, the listed name and the
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import ipaddress
 import json
 import os
 import re
@@ -33,6 +36,7 @@ from common.errors import ConfigError, UserError
 
 ENGINES = ("auto", "vllm", "transformers")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # spelled the same by both engines
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Hub-style id: the cache encodes "/" as "--", and transformers serve splits names at "@" and ":".
 NAME = re.compile(r"^[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*(?:/[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*)?$")
 
@@ -51,7 +55,11 @@ BASE_LM_CHAT_TEMPLATE = (
 class ServeSection:
     model: str = ""  # the export folder (<run.dir>/export); required
     engine: str = "auto"  # auto (vllm with CUDA + vllm, else transformers) | vllm | transformers
-    host: str = "127.0.0.1"  # 0.0.0.0 to accept connections from other machines
+    host: str = "127.0.0.1"  # 0.0.0.0 to accept connections from other machines (needs an API key)
+    # The NAME of the environment variable that holds the API key (the key itself never enters the
+    # config, a log or a command line). vLLM gets it as VLLM_API_KEY and answers 401 without it.
+    api_key_env: str = "KILN_API_KEY"
+    allow_unauthenticated: bool = False  # serve beyond loopback with no key: an open door, on purpose
     port: int = 8000
     served_model_name: str = ""  # empty: the run's recipe name, else the folder's name
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -87,6 +95,9 @@ def validate(s: ServeSection) -> None:
             raise ConfigError(f"serve.{key}={getattr(s, key)!r} is not allowed; choose one of: {', '.join(allowed)}")
     if not 0 < s.port < 65536:
         raise ConfigError(f"serve.port={s.port} must be in 1..65535")
+    if not ENV_NAME.match(s.api_key_env):  # not echoed: it may be a key pasted in by mistake
+        raise ConfigError("serve.api_key_env must be the name of an environment variable holding the key "
+                          "(letters, digits, '_'; e.g. KILN_API_KEY), not the key itself")
     if s.served_model_name and not NAME.match(s.served_model_name):
         raise ConfigError(f"serve.served_model_name={s.served_model_name!r}: use letters, digits, '_', '.', "
                           "single '-' and at most one '/' (like a hub id)")
@@ -246,6 +257,35 @@ def transformers_env(cache: Path) -> dict[str, str]:
     }
 
 
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can connect: localhost or a loopback address (0.0.0.0 and :: are every interface)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return False
+
+
+def api_key(s: ServeSection, engine: str) -> str | None:
+    """The API key from $serve.api_key_env, or None; refuses (UserError) a door left open."""
+    key = os.environ.get(s.api_key_env) or None
+    if is_loopback(s.host) or s.allow_unauthenticated:
+        return key
+    if engine == "transformers":
+        raise UserError(f"serve.host={s.host} with serve.engine=transformers: transformers serve has no authentication, "
+                        "so it serves on loopback only (serve.host=127.0.0.1); use serve.engine=vllm with an API key, "
+                        "or serve.allow_unauthenticated=true")
+    if key is None:
+        raise UserError(f"serve.host={s.host} accepts connections from other machines without an API key: "
+                        f"export {s.api_key_env}=<secret> (serve.api_key_env names the variable), "
+                        "or serve.allow_unauthenticated=true")
+    return key
+
+
+SECRET = "********"
+
+
 @dataclass
 class Launch:
     engine: str
@@ -255,6 +295,12 @@ class Launch:
     env: dict[str, str]  # added to the environment
     cwd: Path | None
     notes: list[str]
+    secret_env: tuple[str, ...] = ()  # names in env whose values are secrets
+
+    def shown(self) -> str:
+        """The command line as printed: secret environment values masked."""
+        env = [f"{k}={SECRET}" for k in self.secret_env]
+        return " ".join([*env, *self.argv])
 
 
 VLLM_ONLY = ("max_model_len", "gpu_memory_utilization")
@@ -278,10 +324,19 @@ def plan(s: ServeSection) -> Launch:
     chat_template = write_chat_template(export, scratch)
     if chat_template is not None:
         notes.append("the export has no chat template (a base LM): chat messages are joined as plain text")
+    key = api_key(s, engine)
     if engine == "vllm":
         if shutil.which("vllm") is None and not s.dry_run:
-            raise UserError("serve.engine=vllm: the vllm command is not installed (pip install -e '.[gpu]' on a GPU node)")
-        return Launch(engine, why, name, vllm_command(s, export, name, chat_template), {}, None, notes)
+            raise UserError("serve.engine=vllm: the vllm command is not installed (its own venv on a GPU node: "
+                            "pip install -e '.[serve-gpu]', see README)")
+        if key is None and not is_loopback(s.host):
+            notes.append(f"serve.allow_unauthenticated=true: anyone who reaches {s.host}:{s.port} can use the model")
+        # The environment, not --api-key: a command line is visible to every user of the machine (ps).
+        env = {"VLLM_API_KEY": key} if key else {}
+        return Launch(engine, why, name, vllm_command(s, export, name, chat_template), env, None, notes,
+                      tuple(env))
+    if key is not None:
+        notes.append(f"${s.api_key_env} is set but transformers serve does not check API keys")
     if s.tensor_parallel_size > 1:
         raise ConfigError(f"serve.tensor_parallel_size={s.tensor_parallel_size} needs serve.engine=vllm")
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:

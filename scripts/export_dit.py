@@ -1,13 +1,19 @@
 #!/usr/bin/env python
 """Export a DiT run's export/ folder to ONNX, check it against PyTorch, and build a TensorRT engine if trtexec is here.
 
-    python scripts/export_dit.py EXPORT_DIR [--out EXPORT_DIR/onnx/model.onnx] [--max-batch 64] [--precision fp16|bf16]
+    python scripts/export_dit.py EXPORT_DIR [--out EXPORT_DIR/onnx/model.onnx] [--max-batch 64]
+                                 [--precision fp16|bf16|fp32] [--trt-version 10|11]
 
-Writes the fp32 ONNX graph (dynamic batch, fixed resolution), checks onnxruntime against eager
-PyTorch on fresh random inputs at two batch sizes (exits 1 unless relative error <= --tol), writes
-the trtexec command to trtexec.txt next to the ONNX file, and runs scripts/build_trt_engine.sh
-when trtexec is on PATH. --max-batch is the model batch, i.e. twice the sampler's label batch
-(classifier-free guidance runs the conditional and unconditional halves together).
+Writes the fp32 ONNX graph (dynamic batch, fixed resolution; onnxruntime serves it on CPU) and checks
+onnxruntime against eager PyTorch on fresh random inputs at two batch sizes (exits 1 unless the
+relative error is <= --tol). TensorRT 10 builds its engine from that graph with a precision flag;
+TensorRT 11 has none (networks are strongly typed), so for it --precision fp16/bf16 also writes the
+graph in that precision, model.fp16.onnx / model.bf16.onnx, checked against fp32 PyTorch to
+recipes/dit/onnx.py's PARITY_TOL (fp16 1e-2, bf16 5e-2; --typed-tol overrides). The TensorRT version
+is trtexec's when it is on PATH, else --trt-version, else the folder is made for both: trtexec.txt
+then holds one command per version. Runs scripts/build_trt_engine.sh when trtexec is on PATH.
+--max-batch is the model batch, i.e. twice the sampler's label batch (classifier-free guidance runs
+the conditional and unconditional halves together).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -23,13 +30,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 BUILD_SCRIPT = REPO / "scripts" / "build_trt_engine.sh"
+TRT_VERSIONS = (10, 11)
 
 
 def trtexec_command(onnx: Path, engine: Path, *, image_size: int, in_channels: int, max_batch: int, opt_batch: int,
-                    precision: str) -> list[str]:
+                    precision: str, trt_version: int | None = None) -> list[str]:
     """Arguments for scripts/build_trt_engine.sh (the one place the trtexec command is assembled)."""
-    return [str(onnx), "--engine", str(engine), "--image-size", str(image_size), "--in-channels", str(in_channels),
+    args = [str(onnx), "--engine", str(engine), "--image-size", str(image_size), "--in-channels", str(in_channels),
             "--min-batch", "1", "--opt-batch", str(opt_batch), "--max-batch", str(max_batch), "--precision", precision]
+    return args + (["--trt-version", str(trt_version)] if trt_version else [])
+
+
+def onnx_of(command: str) -> Path:
+    """The graph a printed trtexec command builds from (its --onnx=)."""
+    return Path(next(a.split("=", 1)[1] for a in shlex.split(command) if a.startswith("--onnx=")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="ONNX path (default: EXPORT_DIR/onnx/model.onnx)")
     ap.add_argument("--max-batch", type=int, default=64, help="largest model batch of the TensorRT profile")
     ap.add_argument("--opt-batch", type=int, default=None, help="batch TensorRT tunes for (default: --max-batch)")
-    ap.add_argument("--precision", choices=("fp16", "bf16"), default="fp16", help="TensorRT build precision")
-    ap.add_argument("--tol", type=float, default=1e-5, help="max relative error of onnxruntime vs PyTorch (fp32)")
+    ap.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16", help="TensorRT engine precision")
+    ap.add_argument("--trt-version", type=int, choices=TRT_VERSIONS, default=None,
+                    help="TensorRT major version to write the command for (default: trtexec's, else both)")
+    ap.add_argument("--tol", type=float, default=1e-5, help="max relative error of onnxruntime vs PyTorch (fp32 graph)")
+    ap.add_argument("--typed-tol", type=float, default=None,
+                    help="max relative error of the fp16/bf16 graph vs fp32 PyTorch (default: PARITY_TOL)")
     ap.add_argument("--parity-batches", type=int, nargs=2, default=(1, 4), metavar=("B1", "B2"))
     args = ap.parse_args(argv)
     if hasattr(sys.stdout, "reconfigure"):
@@ -58,44 +76,64 @@ def main(argv: list[str] | None = None) -> int:
 
     from diffusers import DiTTransformer2DModel
 
-    from recipes.dit.onnx import ParityError, check_parity, export_onnx
+    from recipes.dit.onnx import PARITY_TOL, ParityError, check_parity, export_onnx
 
     info = json.loads((args.export / "kiln.json").read_text())
     model = DiTTransformer2DModel.from_pretrained(args.export / "transformer").float().eval()
     image_size, in_channels = int(info["image_size"]), int(model.config.in_channels)
     onnx_path = args.out or args.export / "onnx" / "model.onnx"
-
-    export_onnx(model, onnx_path, image_size=image_size, in_channels=in_channels)
-    print(f"export_dit: wrote {onnx_path} ({onnx_path.stat().st_size / 1e6:.2f} MB)")
-    try:
-        errors = check_parity(model, onnx_path, batch_sizes=tuple(args.parity_batches), tol=args.tol)
-    except ParityError as exc:
-        onnx_path.unlink(missing_ok=True)
-        return fail(f"parity check failed: {exc}; removed {onnx_path}")
-    print("export_dit: parity onnxruntime vs PyTorch (max rel err): "
-          + ", ".join(f"batch {b}: {e:.2e}" for b, e in errors.items()) + f" (tol {args.tol:g})")
-
     engine = onnx_path.with_suffix(".plan")
-    build_args = trtexec_command(onnx_path, engine, image_size=image_size, in_channels=in_channels,
-                                 max_batch=args.max_batch, opt_batch=args.opt_batch or args.max_batch,
-                                 precision=args.precision)
-    printed = subprocess.run(["bash", str(BUILD_SCRIPT), *build_args, "--print"], capture_output=True, text=True)
-    if printed.returncode != 0:
-        return fail(f"build_trt_engine.sh --print failed: {printed.stderr.strip()}")
+
+    # The trtexec command per TensorRT version, from build_trt_engine.sh (it reads trtexec's banner
+    # when trtexec is here); the graphs those commands read are the ones to export.
+    have_trtexec = shutil.which("trtexec") is not None
+    versions = [args.trt_version] if args.trt_version else [None] if have_trtexec else list(TRT_VERSIONS)
+    build_args = {v: trtexec_command(onnx_path, engine, image_size=image_size, in_channels=in_channels,
+                                     max_batch=args.max_batch, opt_batch=args.opt_batch or args.max_batch,
+                                     precision=args.precision, trt_version=v) for v in versions}
+    commands: dict[int | None, str] = {}
+    for v, build in build_args.items():
+        printed = subprocess.run(["bash", str(BUILD_SCRIPT), *build, "--print"], capture_output=True, text=True)
+        if printed.returncode != 0:
+            return fail(f"build_trt_engine.sh --print failed: {printed.stderr.strip()}")
+        commands[v] = printed.stdout.strip()
+    graphs = {onnx_path: "fp32"} | {onnx_of(c): args.precision for c in commands.values() if onnx_of(c) != onnx_path}
+
+    parity: dict[str, dict] = {}
+    for path, precision in graphs.items():
+        tol = args.tol if precision == "fp32" else (args.typed_tol or PARITY_TOL[precision])
+        export_onnx(model, path, image_size=image_size, in_channels=in_channels, precision=precision)
+        print(f"export_dit: wrote {path} ({precision}, {path.stat().st_size / 1e6:.2f} MB)")
+        try:
+            errors = check_parity(model, path, batch_sizes=tuple(args.parity_batches), tol=tol, precision=precision)
+        except ParityError as exc:
+            path.unlink(missing_ok=True)
+            return fail(f"parity check of the {precision} graph failed: {exc}; removed {path}")
+        how = " (run widened to fp32: onnxruntime's CPU provider has no bf16 kernels)" if precision == "bf16" else ""
+        print(f"export_dit: parity onnxruntime ({precision} graph{how}) vs PyTorch fp32 (max rel err): "
+              + ", ".join(f"batch {b}: {e:.2e}" for b, e in errors.items()) + f" (tol {tol:g})")
+        parity[path.name] = {"precision": precision, "tol": tol, "rel_err": {str(b): e for b, e in errors.items()}}
+
     command_file = onnx_path.parent / "trtexec.txt"
-    command_file.write_text(printed.stdout)
+    if len(commands) == 1:
+        command_file.write_text(next(iter(commands.values())) + "\n")
+    else:  # no trtexec here: one command per version, the build machine's decides
+        command_file.write_text("".join(
+            f"# TensorRT {v}: {'fp32 graph + precision flag' if v == 10 else 'strongly typed, precision from the graph'}\n"
+            f"{c}\n" for v, c in commands.items()))
     (onnx_path.parent / "onnx.json").write_text(json.dumps({
         "onnx": onnx_path.name, "engine": engine.name, "opset": 18, "inputs": ["sample", "timestep", "class_labels"],
         "output": "prediction", "image_size": image_size, "in_channels": in_channels, "max_batch": args.max_batch,
-        "precision": args.precision, "parity_rel_err": {str(b): e for b, e in errors.items()},
+        "precision": args.precision, "parity_rel_err": parity[onnx_path.name]["rel_err"], "graphs": parity,
+        "trtexec": {str(v or "detected"): c for v, c in commands.items()},
     }, indent=2))
     print(f"export_dit: trtexec command in {command_file}")
 
-    if shutil.which("trtexec") is None:
+    if not have_trtexec:
         print("export_dit: trtexec is not on PATH: SKIPPED building the TensorRT engine "
               f"(run scripts/build_trt_engine.sh or the command in {command_file} on a machine with TensorRT)")
         return 0
-    built = subprocess.run(["bash", str(BUILD_SCRIPT), *build_args])
+    built = subprocess.run(["bash", str(BUILD_SCRIPT), *next(iter(build_args.values()))])
     if built.returncode != 0:
         return fail(f"TensorRT engine build failed (build_trt_engine.sh exited {built.returncode})")
     print(f"export_dit: wrote TensorRT engine {engine}")

@@ -14,6 +14,8 @@ USAGE = """usage: python scripts/serve.py serve.model=<run.dir>/export [serve.KE
 
   serve.engine=auto|vllm|transformers   auto: vllm with a CUDA GPU and vllm installed, else transformers serve (CPU)
   serve.host, serve.port, serve.served_model_name, serve.dtype, serve.dry_run=true (print the command, exit)
+  beyond loopback (serve.host=0.0.0.0): an API key in $KILN_API_KEY (serve.api_key_env=NAME picks another
+  variable; vLLM checks it) or serve.allow_unauthenticated=true; transformers serve only with the latter
   vllm: serve.tensor_parallel_size, serve.max_model_len, serve.gpu_memory_utilization
   transformers: serve.device, serve.continuous_batching, serve.cb_num_blocks, serve.cb_max_batch_tokens
 All keys and defaults: common/serving.py (ServeSection); README.md, section Serving."""
@@ -32,7 +34,7 @@ def main(argv: list[str]) -> int:
           f"with engine={launch.engine} ({launch.why})", flush=True)
     for note in launch.notes:
         print(f"kiln: note: {note}", flush=True)
-    print("kiln: " + " ".join(launch.argv), flush=True)
+    print("kiln: " + launch.shown(), flush=True)
     if s.dry_run:
         return 0
     if launch.cwd is not None:

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Serve an LLM/VLM export with vLLM on this GPU node, tensor-parallel over every visible GPU:
+#   export KILN_API_KEY=<secret>    # clients send it as "Authorization: Bearer <secret>"
 #   scripts/serve_gpu.sh serve.model=<run.dir>/export [serve.KEY=VALUE ...]   (later keys win; KILN_PYTHON=...)
+# It listens on every interface (0.0.0.0), so it needs the key (serve.api_key_env names another variable)
+# or serve.allow_unauthenticated=true; the key goes to vLLM in its environment, never on a command line.
+# KILN_PYTHON: the python of the serving venv (pip install -e '.[serve-gpu]', README: Installing on a GPU node).
 # A model whose head count the GPU count does not divide (the tiny ones): add serve.tensor_parallel_size=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,5 +21,6 @@ export HF_HUB_OFFLINE=1                   # exports are local folders; compute n
 export VLLM_WORKER_MULTIPROC_METHOD=spawn # tensor-parallel workers must not fork an initialized CUDA context
 export TOKENIZERS_PARALLELISM=false       # silence the fork warning of HF tokenizers in vLLM's workers
 
-python=${KILN_PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
+# The serving venv first (vLLM pins its own torch: README, Installing on a GPU node), then the training one.
+python=${KILN_PYTHON:-$(for p in .venv-serve/bin/python .venv/bin/python; do [[ -x $p ]] && { echo "$p"; exit; }; done; echo python3)}
 exec "$python" scripts/serve.py serve.engine=vllm serve.host=0.0.0.0 serve.tensor_parallel_size="$gpus" "$@"

@@ -1,6 +1,10 @@
-"""Shared test helpers: run the real entrypoint (python or torchrun) in a subprocess."""
+"""Shared test helpers: run the real entrypoint (python or torchrun) in a subprocess; keep GPUs
+away from the processes CPU tests start."""
 
 from __future__ import annotations
+
+import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -23,6 +27,45 @@ def losses(run_dir) -> dict[int, float]:
     from common.metrics import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+
+
+# ---- GPUs and CPU tests ------------------------------------------------------------------------
+# CPU tests are written for gloo and the CPU: on a GPU host, a 2-rank run would pick NCCL and
+# cuda:<local rank> (cuda:1 does not exist on a 1-GPU host), and single runs would lose the bitwise
+# reproducibility the tests assert. So every process a test starts sees no GPU, unless the test is
+# gpu-marked. The variable is set for the whole session (module-scoped fixtures start processes
+# too) after this process has counted its GPUs: CUDA reads it once, at initialisation, so pytest
+# itself still sees them and runs the gpu tests.
+_VISIBLE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _child_processes_see_no_gpu():
+    torch.cuda.is_available()  # initialise CUDA here with the real devices before hiding them
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
+
+
+def _show_gpus(mp: pytest.MonkeyPatch) -> None:
+    if _VISIBLE_GPUS is None:
+        mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        mp.setenv("CUDA_VISIBLE_DEVICES", _VISIBLE_GPUS)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_see_the_gpus(request, monkeypatch):
+    if request.node.get_closest_marker("gpu") is not None:
+        _show_gpus(monkeypatch)
+
+
+@contextmanager
+def gpus_visible():
+    """For a fixture shared with gpu tests whose processes need the GPU (a TensorRT build)."""
+    with pytest.MonkeyPatch.context() as mp:
+        _show_gpus(mp)
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,13 +1,28 @@
 """ONNX / onnxruntime / TensorRT serving of an exported DiT.
 
     export_onnx(transformer, path, image_size=16, in_channels=1)    # fp32 ONNX, dynamic batch
-    check_parity(transformer, path)                                 # ORT vs PyTorch, raises ParityError
+    export_onnx(..., precision="fp16")                              # fp16 graph for strongly typed TensorRT
+    check_parity(transformer, path[, precision="fp16"])             # ORT vs PyTorch, raises ParityError
     sample_images(OnnxDiT(path), ...)                               # the DDIM/CFG sampler, unchanged
     sample_images(TensorRTDiT(engine_path), ..., device=cuda)       # same, on a trtexec-built engine
 
 The ONNX graph has three inputs, `sample` [B, C, S, S] float32, `timestep` [B] int64 and
 `class_labels` [B] int64 (the null class included), and one output `prediction` [B, C_out, S, S]
 (the model's noise / v prediction). Only the batch axis is dynamic; the resolution is fixed.
+
+`precision` ("fp32", "fp16", "bf16") is the dtype the graph computes in: weights, activations and
+constants. TensorRT 11 builds strongly typed engines only (its precision flags are gone), so the
+precision has to be in the ONNX. The I/O stays fp32 (a Cast at each end) in every precision, so
+OnnxDiT, TensorRTDiT and the sampler take the same tensors whichever graph they run.
+
+Parity of a reduced-precision graph is measured against PyTorch in fp32, the model as trained: what
+matters is how far the artifact is from the model, and a same-precision PyTorch reference would add
+its own rounding path (on CPU, PyTorch fp16 differs from fp32 by more than onnxruntime's fp16 graph,
+which runs most ops in fp32 between Casts). PARITY_TOL holds the bounds and why.
+onnxruntime's CPU provider has no bf16 kernels (Conv rejects tensor(bfloat16) at load), so a bf16
+graph is checked with its types widened to fp32: the same nodes, bf16-rounded weights and
+constants, run in fp32. That proves the artifact computes the model; the bf16 rounding of
+activations, which only TensorRT performs, is not in the measurement.
 
 Export uses the TorchScript exporter (`dynamo=False`, opset 18): the dynamo exporter produces a
 DiTTransformer2DModel graph that runs but is wrong (see PITFALLS.md), so parity is always checked.
@@ -27,6 +42,15 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 INPUT_NAMES = ("sample", "timestep", "class_labels")
 OUTPUT_NAME = "prediction"
 OPSET = 18
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Max relative error (max|ort - torch fp32| / max|torch fp32|) per graph precision. fp32: the
+# exporter's own agreement (3e-7 measured, PITFALLS.md). fp16: unit roundoff 2^-11 = 4.9e-4; dit_tiny
+# measured 6e-4 (random weights, batch 4); the bound, 1e-2 (about 20 ulp), leaves room for deeper
+# models (rounding grows with depth) and is still an order of magnitude below the errors a wrong
+# graph gives (0.13 for the dynamo export of PITFALLS.md). bf16: unit roundoff 2^-8, 8x fp16's;
+# the widened check measured 3.3e-3 on dit_tiny (bf16 PyTorch itself: 8e-3); 5e-2 keeps a similar
+# number of ulps while staying below a wrong graph's error.
+PARITY_TOL = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 5e-2}
 
 
 class ParityError(RuntimeError):
@@ -38,21 +62,31 @@ class ParityError(RuntimeError):
 
 
 class _DiTForExport(torch.nn.Module):
-    """(sample, timestep, class_labels) -> prediction tensor: the positional signature ONNX needs."""
+    """(sample, timestep, class_labels) -> prediction tensor: the positional signature ONNX needs.
+    fp32 in and out; the model inside computes in its own dtype."""
 
     def __init__(self, transformer: torch.nn.Module):
         super().__init__()
         self.transformer = transformer
+        self.dtype = next(transformer.parameters()).dtype
 
     def forward(self, sample: torch.Tensor, timestep: torch.Tensor, class_labels: torch.Tensor) -> torch.Tensor:
-        return self.transformer(sample, timestep=timestep, class_labels=class_labels, return_dict=False)[0]
+        out = self.transformer(sample.to(self.dtype), timestep=timestep, class_labels=class_labels, return_dict=False)[0]
+        return out.float()
 
 
-def _fp32_eval(transformer: torch.nn.Module) -> torch.nn.Module:
-    """An eval-mode fp32 view of the model: the model itself if already fp32 (mode restored by callers), else a copy."""
-    if any(p.dtype != torch.float32 for p in transformer.parameters()):
-        transformer = copy.deepcopy(transformer).float()
+def _eval_in(transformer: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """An eval-mode view of the model in `dtype`: the model itself if already in it (mode restored by callers), else a copy."""
+    if any(p.dtype != dtype for p in transformer.parameters()):
+        # nn.Module.to, not diffusers' override: that one warns about fp32-pinned modules (DiT has none).
+        transformer = torch.nn.Module.to(copy.deepcopy(transformer), dtype)
     return transformer.eval()
+
+
+def check_precision(precision: str) -> torch.dtype:
+    if precision not in DTYPES:
+        raise ValueError(f"precision must be one of {', '.join(DTYPES)} (got {precision!r})")
+    return DTYPES[precision]
 
 
 def _null_class(transformer: torch.nn.Module) -> int:
@@ -69,12 +103,15 @@ def _random_inputs(batch: int, *, image_size: int, in_channels: int, null_class:
     return x, t, y
 
 
-def export_onnx(transformer: torch.nn.Module, path: str | Path, *, image_size: int, in_channels: int) -> Path:
-    """Write `transformer` (a DiTTransformer2DModel) as an fp32 ONNX graph with a dynamic batch axis."""
+def export_onnx(transformer: torch.nn.Module, path: str | Path, *, image_size: int, in_channels: int,
+                precision: str = "fp32") -> Path:
+    """Write `transformer` (a DiTTransformer2DModel) as an ONNX graph computing in `precision`, fp32
+    I/O, with a dynamic batch axis."""
+    dtype = check_precision(precision)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     was_training = transformer.training
-    wrapper = _DiTForExport(_fp32_eval(transformer))
+    wrapper = _DiTForExport(_eval_in(transformer, dtype))
     # Trace at batch 2 so nothing specialises to a batch of one.
     dummy = _random_inputs(2, image_size=image_size, in_channels=in_channels, null_class=_null_class(transformer),
                            generator=torch.Generator().manual_seed(0))
@@ -95,6 +132,35 @@ def export_onnx(transformer: torch.nn.Module, path: str | Path, *, image_size: i
     return path
 
 
+def widen_bf16(onnx_path: str | Path, out_path: str | Path) -> Path:
+    """A copy of a bf16 ONNX graph with every bf16 type made fp32 (initializers, Constant values,
+    Cast targets), for onnxruntime's CPU provider, which has no bf16 kernels. Weights keep their
+    bf16-rounded values. Saved with external data, so a model over protobuf's 2 GB limit works too."""
+    import numpy as np
+    import onnx
+    from onnx import AttributeProto, TensorProto, numpy_helper
+
+    model = onnx.load(str(onnx_path))
+
+    def widen(tensor) -> None:
+        if tensor.data_type == TensorProto.BFLOAT16:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float32), tensor.name))
+
+    for init in model.graph.initializer:
+        widen(init)
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if attr.name == "to" and attr.i == TensorProto.BFLOAT16:
+                attr.i = TensorProto.FLOAT
+            elif attr.type == AttributeProto.TENSOR:
+                widen(attr.t)
+    del model.graph.value_info[:]  # shape inference's bf16 annotations; onnxruntime infers them again
+    out_path = Path(out_path)
+    onnx.save_model(model, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=out_path.name + ".data")
+    return out_path
+
+
 def _ort_session(onnx_path: str | Path, providers: list[str] | None = None, threads: int | None = None):
     try:
         import onnxruntime as ort
@@ -108,17 +174,25 @@ def _ort_session(onnx_path: str | Path, providers: list[str] | None = None, thre
 
 @torch.no_grad()
 def check_parity(transformer: torch.nn.Module, onnx_path: str | Path, batch_sizes=(1, 4), tol: float | None = 1e-5,
-                 seed: int = 1234) -> dict[int, float]:
-    """Max relative error of onnxruntime (CPU) vs eager PyTorch per batch size, on fresh random inputs.
+                 seed: int = 1234, precision: str = "fp32") -> dict[int, float]:
+    """Max relative error of onnxruntime (CPU) vs eager fp32 PyTorch per batch size, on fresh random inputs.
 
     The error is max|ort - torch| / max|torch| over the whole output. Raises ParityError if any
-    batch size exceeds `tol` (pass tol=None to only measure).
+    batch size exceeds `tol` (pass tol=None to only measure; PARITY_TOL[precision] is the bound
+    export_dit.py uses). `precision` is the graph's (export_onnx's): a bf16 graph runs widened to fp32.
     """
+    check_precision(precision)
     cfg = transformer.config
     was_training, original = transformer.training, transformer
-    transformer = _fp32_eval(transformer)
+    transformer = _eval_in(transformer, torch.float32)
     try:
-        return _parity(transformer, cfg, onnx_path, batch_sizes, tol, seed)
+        if precision != "bf16":
+            return _parity(transformer, cfg, onnx_path, batch_sizes, tol, seed)
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="kiln-onnx-") as tmp:
+            widened = widen_bf16(onnx_path, Path(tmp) / "widened.onnx")
+            return _parity(transformer, cfg, widened, batch_sizes, tol, seed)
     finally:
         original.train(was_training)
 
@@ -178,7 +252,7 @@ class OnnxDiT:
 class TensorRTDiT:
     """A TensorRT engine (built by scripts/build_trt_engine.sh) in the diffusers call signature.
 
-    Needs a CUDA GPU and the `tensorrt` package (TensorRT 10 tensor API). Batches larger than the
+    Needs a CUDA GPU and the `tensorrt` package (the name-based tensor API of TensorRT 10 and 11). Batches larger than the
     engine's optimisation profile allows are split into chunks. Returns CUDA tensors.
     """
 
@@ -187,7 +261,7 @@ class TensorRTDiT:
             import tensorrt as trt
         except ImportError as exc:
             raise ImportError(
-                "TensorRTDiT needs the `tensorrt` Python package (pip install 'kiln[gpu]' on a CUDA machine); "
+                "TensorRTDiT needs the `tensorrt` Python package (pip install 'kiln[tensorrt]' on a CUDA machine); "
                 "use OnnxDiT (onnxruntime) on CPU"
             ) from exc
         if not torch.cuda.is_available():

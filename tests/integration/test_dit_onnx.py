@@ -1,5 +1,6 @@
-"""DiT serving export: ONNX export + onnxruntime parity, the full DDIM/CFG sampler on onnxruntime
-against PyTorch, the trtexec command, and (GPU only) a TensorRT engine."""
+"""DiT serving export: ONNX export + onnxruntime parity (fp32, and the fp16/bf16 graphs TensorRT 11
+builds from), the full DDIM/CFG sampler on onnxruntime against PyTorch, the trtexec commands, and
+(GPU only) a TensorRT engine."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from diffusers import DDPMScheduler, DiTTransformer2DModel
 from common.launch import compose
 from recipes.dit.evaluate import class_labels
 from recipes.dit.model import build_model
-from recipes.dit.onnx import OnnxDiT, ParityError, check_parity
+from recipes.dit.onnx import PARITY_TOL, OnnxDiT, ParityError, check_parity, export_onnx
 from recipes.dit.sampling import sample_images, to_uint8
-from tests.conftest import REPO
+from tests.conftest import REPO, gpus_visible
+from tests.unit.test_trt_build import fake_trtexec
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("onnxruntime")
@@ -56,8 +58,10 @@ def export_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(export_dir):
-    """Runs scripts/export_dit.py (in process) on the export folder; returns its ONNX path."""
-    rc = _load_script("export_dit").main([str(export_dir), "--max-batch", "32", "--precision", "fp16"])
+    """Runs scripts/export_dit.py (in process) on the export folder; returns its ONNX path. Where
+    trtexec is on PATH it also builds the engine, on the GPU."""
+    with gpus_visible():
+        rc = _load_script("export_dit").main([str(export_dir), "--max-batch", "32", "--precision", "fp16"])
     assert rc == 0
     return export_dir / "onnx" / "model.onnx"
 
@@ -115,16 +119,74 @@ def test_sample_script_compare(export_dir, exported, tmp_path, capsys):
     assert result["max_abs_pixel_diff"] <= MAX_PIXEL_DIFF
 
 
-def test_trtexec_command_and_missing_trtexec(exported):
-    cmd = (exported.parent / "trtexec.txt").read_text().split()
-    assert cmd[0] == "trtexec" and f"--onnx={exported}" in cmd
-    assert f"--saveEngine={exported.with_suffix('.plan')}" in cmd and "--fp16" in cmd
-    for flag, batch in (("--minShapes", 1), ("--optShapes", 32), ("--maxShapes", 32)):
-        assert f"{flag}=sample:{batch}x1x{IMAGE_SIZE}x{IMAGE_SIZE},timestep:{batch},class_labels:{batch}" in cmd
-    if shutil.which("trtexec") is None:
-        proc = subprocess.run(["bash", str(REPO / "scripts" / "build_trt_engine.sh"), str(exported),
-                               "--image-size", "16", "--in-channels", "1"], capture_output=True, text=True)
-        assert proc.returncode == 2 and "trtexec not found on PATH" in proc.stderr
+def test_trtexec_commands_for_both_versions_without_tensorrt(exported):
+    """Without trtexec here the folder is made for either TensorRT: one command per version, and the
+    fp16 graph that 11 builds from sits next to the fp32 one (checked like it, at the fp16 bound)."""
+    if shutil.which("trtexec") is not None:
+        pytest.skip("trtexec is on PATH: the export wrote its version's command only")
+    lines = (exported.parent / "trtexec.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in lines[::2]] == ["# TensorRT 10", "# TensorRT 11"]
+    v10, v11 = lines[1].split(), lines[3].split()
+    typed = exported.with_name("model.fp16.onnx")
+    assert v10[0] == v11[0] == "trtexec" and f"--onnx={exported}" in v10 and f"--onnx={typed}" in v11
+    assert "--fp16" in v10 and "--fp16" not in v11
+    for cmd in (v10, v11):
+        assert f"--saveEngine={exported.with_suffix('.plan')}" in cmd
+        for flag, batch in (("--minShapes", 1), ("--optShapes", 32), ("--maxShapes", 32)):
+            assert f"{flag}=sample:{batch}x1x{IMAGE_SIZE}x{IMAGE_SIZE},timestep:{batch},class_labels:{batch}" in cmd
+    graphs = json.loads((exported.parent / "onnx.json").read_text())["graphs"]
+    assert graphs["model.fp16.onnx"]["tol"] == PARITY_TOL["fp16"]
+    assert all(e <= PARITY_TOL["fp16"] for e in graphs["model.fp16.onnx"]["rel_err"].values())
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "build_trt_engine.sh"), str(exported),
+                           "--image-size", "16", "--in-channels", "1"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "trtexec not found on PATH" in proc.stderr
+
+
+def _tensor_types(path) -> tuple[set[int], dict[str, int]]:
+    """(element types of the weights, element type of each graph input/output)."""
+    import onnx
+
+    model = onnx.load(str(path))
+    weights = {i.data_type for i in model.graph.initializer if len(i.dims) >= 2}  # matrices and conv kernels
+    io = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)}
+    return weights, io
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_typed_graphs_compute_in_their_precision_and_match_fp32_pytorch(torch_model, tmp_path, precision):
+    from onnx import TensorProto
+
+    path = export_onnx(torch_model, tmp_path / f"model.{precision}.onnx", image_size=IMAGE_SIZE, in_channels=1,
+                       precision=precision)
+    weights, io = _tensor_types(path)
+    assert weights == {TensorProto.FLOAT16 if precision == "fp16" else TensorProto.BFLOAT16}
+    assert io == {"sample": TensorProto.FLOAT, "timestep": TensorProto.INT64, "class_labels": TensorProto.INT64,
+                  "prediction": TensorProto.FLOAT}  # fp32 I/O: OnnxDiT/TensorRTDiT feed the same tensors
+    errors = check_parity(torch_model, path, batch_sizes=(1, 4), tol=PARITY_TOL[precision], seed=7, precision=precision)
+    print(f"{precision} graph vs fp32 PyTorch, max rel err: {errors}")
+    # Rounding happened (the graph is not secretly fp32), within the bound.
+    assert all(1e-5 < e <= PARITY_TOL[precision] for e in errors.values())
+
+    other = DiTTransformer2DModel.from_config(torch_model.config).eval()  # and a different model fails it
+    other.load_state_dict(torch_model.state_dict())
+    with torch.no_grad():
+        other.proj_out_2.bias.add_(0.5)
+    with pytest.raises(ParityError):
+        check_parity(other, path, batch_sizes=(2,), tol=PARITY_TOL[precision], precision=precision)
+
+
+def test_export_with_tensorrt_11_builds_from_the_fp16_graph(export_dir, tmp_path, monkeypatch):
+    """export_dit.py on a machine whose trtexec says TensorRT 11: the engine is built from the fp16 graph,
+    with no precision flag."""
+    bin_dir = tmp_path / "bin"
+    fake_trtexec(bin_dir, 11)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    out = tmp_path / "onnx" / "model.onnx"
+    assert _load_script("export_dit").main([str(export_dir), "--out", str(out), "--max-batch", "8"]) == 0
+    argv = json.loads((bin_dir / "argv.json").read_text())
+    assert argv[0] == f"--onnx={out.with_name('model.fp16.onnx')}" and not {"--fp16", "--bf16"} & set(argv)
+    assert out.with_suffix(".plan").exists() and out.with_name("model.fp16.onnx").exists()
+    assert (out.parent / "trtexec.txt").read_text().split() == ["trtexec", *argv]
 
 
 @pytest.mark.gpu

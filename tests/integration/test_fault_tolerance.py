@@ -6,7 +6,8 @@
 - a rank crashing under torchrun --max-restarts=1: restarted, resumed, finished, same losses;
 - NaN losses/gradients: the step is skipped (weights untouched) and counted; N in a row stop
   the run with one line and a checkpoint of the last good weights;
-- a rank hanging: the collective timeout turns it into one line naming the stuck rank.
+- a rank hanging: the collective timeout turns it into one line naming the stuck rank; so does
+  Kiln's watchdog, which does it under NCCL (where no timeout exception reaches Python).
 """
 
 from __future__ import annotations
@@ -160,3 +161,16 @@ def test_hung_rank_becomes_a_timeout_naming_it(tmp_path):
     assert proc.returncode != 0 and time.time() - start < 240
     assert "kiln: error: rank 0: a collective timed out after 10 s (parallel.timeout_s) at step 3; " \
            "not in the collective: rank 1 (last started step 3)" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.distributed
+def test_hung_rank_is_named_by_the_watchdog(tmp_path):
+    """The watchdog (on by default under NCCL; KILN_WATCHDOG=1 here on gloo) fires at parallel.timeout_s,
+    before the process group's own timeout (timeout_s + WATCHDOG_MARGIN_S = 40 s here) would."""
+    args = [*DIT, "trainer.max_steps=6", "parallel.timeout_s=10", f"run.dir={tmp_path}"]
+    proc = subprocess.run(train_command(args, 2), cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=launch_env(2, KILN_FAULTS="hang@3:1", KILN_WATCHDOG="1"))
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert errors == ["kiln: error: rank 0: a collective timed out after 10 s (parallel.timeout_s, kiln watchdog) at "
+                      "step 3; not in the collective: rank 1 (last started step 3)"], proc.stderr[-3000:]

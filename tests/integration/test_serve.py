@@ -130,7 +130,7 @@ def test_vlm_answers_about_an_image(vlm):
 
 @pytest.mark.gpu
 def test_vllm_serves_the_llm_export(tmp_path):
-    pytest.importorskip("vllm", reason="needs vllm (pip install -e '.[gpu]')")
+    pytest.importorskip("vllm", reason="needs vllm (its own venv: pip install -e '.[serve-gpu]')")
     run_train(["recipe=llm_tiny", "trainer.max_steps=20", f"run.dir={tmp_path}", *FAST])
     with serving(tmp_path / "export", tmp_path / "serve.log", "serve.engine=vllm",
                  "serve.gpu_memory_utilization=0.3", startup_s=600) as (_, client):

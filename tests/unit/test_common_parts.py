@@ -57,3 +57,29 @@ def test_gpu_only_toggles_fail_clearly_on_cpu(toggles):
     with pytest.raises(ConfigError, match="toggles"):
         check_toggles(toggles)
     check_toggles(TogglesConfig(precision="bf16"))  # bf16 is fine on CPU
+
+
+@pytest.mark.parametrize("switch, backend, on", [
+    (None, "nccl", True), (None, "gloo", False), ("1", "gloo", True), ("0", "nccl", False), ("1", "nccl", True),
+])
+def test_watchdog_is_on_under_nccl_and_switchable(monkeypatch, switch, backend, on):
+    from common.distributed import watchdog_enabled
+
+    if switch is None:
+        monkeypatch.delenv("KILN_WATCHDOG", raising=False)
+    else:
+        monkeypatch.setenv("KILN_WATCHDOG", switch)
+    assert watchdog_enabled(backend) is on
+
+
+def test_bad_watchdog_switch_is_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, TRAIN
+
+    proc = subprocess.run([sys.executable, TRAIN, "recipe=dit_tiny", f"run.dir={tmp_path}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "KILN_WATCHDOG": "yes"})
+    assert proc.returncode == 2 and not (tmp_path / "config.yaml").exists()
+    assert proc.stderr == "kiln: error: KILN_WATCHDOG='yes': use 1 (on) or 0 (off); unset: on under NCCL only\n"

@@ -1,5 +1,5 @@
-"""FLOP counting (tiny Llama vs 6N + attention, TP and FSDP2 shares, the three recipes' train steps),
-peak FLOP/s tables, measured CPU peak, MFU."""
+"""FLOP counting (tiny Llama vs 6N + attention, every attention kernel a run may use against a hand
+count, TP and FSDP2 shares, the three recipes' train steps), peak FLOP/s tables, measured CPU peak, MFU."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.flops import (PEAK_TFLOPS, FlopCounter, _one_thread_matmul_peak, count_step_flops, gpu_model, mfu,
-                          peak_flops, precision_key)
 from common.distributed import free_port
+from common.flops import (ATTENTION_FORMULAS_BY_NAME, PEAK_TFLOPS, FlopCounter, _one_thread_matmul_peak,
+                          count_step_flops, gpu_model, mfu, peak_flops, precision_key)
 from common.launch import compose
 from recipes.llm.model import LlamaArgs, Transformer
 from recipes.llm.train import llama_args
@@ -75,11 +75,101 @@ def test_llama_counted_flops_match_6n_plus_attention():
     assert 1.0 < ratio < 1.0 + (SDPA_BACKWARD_RECOMPUTE - 1)  # only attention's recompute differs
 
 
+# ---- every attention kernel, against a hand count ------------------------------------------------
+# Hand counts: Q K^T and P V are 2 s_q s_k d multiply-adds per head, 2 FLOPs each -> 4 s_q s_k h d
+# forward; backward is 5 such matmuls (torch's SDPA formula, recompute included) -> 10 s_q s_k h d.
+# No causal discount. Packed kernels: per sequence. GPU kernels run on the meta device (their meta
+# kernels give the shapes), cu_seqlens stay on the CPU so the counter reads the real lengths.
+B, H, H_KV, S, D = 2, 4, 2, 64, 32
+LENGTHS = [10, 30, 60]  # three packed documents
+CU = torch.tensor([0, 10, 40, 100], dtype=torch.int32)
+
+
+def hand_forward(lengths: list[int], heads: int = H, dim: int = D) -> int:
+    return sum(4 * s * s * heads * dim for s in lengths)
+
+
+def meta(*shape: int) -> torch.Tensor:
+    return torch.empty(*shape, device="meta", dtype=torch.bfloat16)
+
+
+def test_torch_sdpa_gpu_kernels_count_like_sdpa():
+    """flash, efficient and cuDNN SDPA kernels, forward and backward (torch 2.13 has their formulas)."""
+    q = meta(B, H, S, D)
+    aten = torch.ops.aten
+    with FlopCounter() as fc:
+        out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, q, q)
+        aten._scaled_dot_product_flash_attention_backward(out, q, q, q, out, lse, cu_q, cu_k, max_q, max_k, 0.0, False,
+                                                          seed, offset)
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, q, q, None, True)
+        aten._scaled_dot_product_efficient_attention_backward(out, q, q, q, None, out, lse, seed, offset, 0.0,
+                                                              [True, True, True, False])
+        out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(q, q, q, None, True)
+        aten._scaled_dot_product_cudnn_attention_backward(out, q, q, q, out, lse, seed, offset, meta(0), meta(0), meta(0),
+                                                          S, S, 0.0, False)
+    forward = B * hand_forward([S])
+    assert fc.by_op() == {f"aten._scaled_dot_product_{kernel}_attention{part}": forward * (2.5 if part else 1)
+                          for kernel in ("flash", "efficient", "cudnn") for part in ("", "_backward")}
+
+
+def test_torch_varlen_attention_counts_each_sequence():
+    """torch.nn.attention.varlen.varlen_attn's ops (GQA: 4 query heads over 2 kv heads), through the counter."""
+    import torch.nn.attention.varlen  # noqa: F401  (defines the torch_attn ops)
+
+    q, kv = meta(100, H, D), meta(100, H_KV, D)
+    with FlopCounter() as fc:
+        out, lse, rng = torch.ops.torch_attn._varlen_attn(q, kv, kv, CU, CU, 60, 60, True, None, [-1, 0], True)
+        torch.ops.torch_attn._varlen_attn_backward(out, q, kv, kv, out, lse, CU, CU, 60, 60, True, rng)
+    assert fc.by_op() == {"torch_attn._varlen_attn": hand_forward(LENGTHS),
+                          "torch_attn._varlen_attn_backward": hand_forward(LENGTHS) * 5 // 2}
+    # Kiln's stand-ins for a torch without these formulas count the same, also with unknown lengths
+    # (meta cu_seqlens: every sequence as long as the longest).
+    fwd, bwd = (ATTENTION_FORMULAS_BY_NAME[f"torch_attn::_varlen_attn{p}"] for p in ("", "_backward"))
+    assert fwd(q, kv, kv, CU, CU, 60, 60, True) == hand_forward(LENGTHS)
+    assert bwd(out, q, kv, kv, out, lse, CU, CU, 60, 60, True, rng) == hand_forward(LENGTHS) * 5 // 2
+    assert fwd(q, kv, kv, CU.to("meta"), CU.to("meta"), 60, 60, True) == hand_forward([60, 60, 60])
+
+
+@pytest.mark.parametrize("ns", ["flash_attn", "flashattn"])
+def test_flash_attn_package_ops(ns):
+    """flash-attn's custom ops (its [batch, seq, heads, dim] and packed [total, heads, dim] layouts),
+    called with flash-attn's argument order; flash-attn itself is never imported."""
+    f = {op: ATTENTION_FORMULAS_BY_NAME[f"{ns}::_flash_attn_{op}"]
+         for op in ("forward", "backward", "varlen_forward", "varlen_backward")}
+    q, kv = meta(B, S, H, D), meta(B, S, H_KV, D)
+    assert f["forward"](q, kv, kv, 0.0, D**-0.5, True, -1, 0, 0.0, None, False) == B * hand_forward([S])
+    assert f["backward"](q, q, kv, kv, q, None, None, None, None, 0.0, D**-0.5, True, -1, 0, 0.0, None, False) \
+        == B * hand_forward([S]) * 5 // 2
+    q, kv = meta(100, H, D), meta(100, H_KV, D)
+    assert f["varlen_forward"](q, kv, kv, CU, CU, 60, 60, 0.0, D**-0.5, True) == hand_forward(LENGTHS)
+    assert f["varlen_backward"](q, q, kv, kv, q, None, None, None, None, CU, CU, 60, 60, 0.0, D**-0.5, True, -1, 0,
+                                0.0, None, False) == hand_forward(LENGTHS) * 5 // 2
+
+
+def test_ops_named_in_the_table_count_even_when_registered_after_the_counter(monkeypatch):
+    """flash-attn registers its ops when imported, possibly after a FlopCounter exists: the counter
+    matches ops by name when it first meets them. A CPU op stands in under a test namespace."""
+    monkeypatch.setitem(ATTENTION_FORMULAS_BY_NAME, "kiln_flops_test::bshd_attention",
+                        ATTENTION_FORMULAS_BY_NAME["flash_attn::_flash_attn_forward"])
+    counter = FlopCounter()
+
+    @torch.library.custom_op("kiln_flops_test::bshd_attention", mutates_args=())
+    def bshd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2).contiguous()
+
+    q = torch.randn(B, S, H, D)
+    with counter:
+        bshd_attention(q, q, q)
+    assert counter.by_op() == {"kiln_flops_test.bshd_attention": B * hand_forward([S])}
+
+
 # ---- processes with a process group ------------------------------------------------------------
 
 def _worker(rank: int, world: int, port: int, job: str, args: tuple, out: str) -> None:
+    # gloo on the CPU, on any host: with a GPU visible init_distributed would pick NCCL and cuda:<rank>
+    # (the meshes below are CPU meshes). CUDA reads the variable when first used, after this line.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
     torch.set_num_threads(1)
     from common.distributed import init_distributed, teardown
 

@@ -40,10 +40,11 @@ def export(tmp_path):
     return folder
 
 
-def _serve(*args, tmp="/nonexistent"):
+def _serve(*args, tmp="/nonexistent", **env):
     """scripts/serve.py; its per-server scratch state (a dry run writes some) goes under `tmp`."""
+    base = {k: v for k, v in os.environ.items() if k not in ("KILN_API_KEY", "VLLM_API_KEY")}
     return subprocess.run([sys.executable, SERVE, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TMPDIR": str(tmp)})
+                          env={**base, "TMPDIR": str(tmp), **env})
 
 
 @pytest.mark.parametrize("args, message", [
@@ -66,10 +67,12 @@ def test_user_mistakes_end_in_one_line_and_exit_2(args, message):
     ("serve.served_model_name=a@b", "serve.served_model_name='a@b'"),
     ("serve.gpu_memory_utilization=1.5", "serve.gpu_memory_utilization=1.5 must be in (0, 1]"),
     ("serve.cb_num_blocks=-1", "serve.cb_num_blocks=-1 must be >= 0"),
+    ("serve.api_key_env=sk-live-123", "serve.api_key_env must be the name of an environment variable"),
 ])
 def test_bad_values_are_config_errors(override, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
         compose(["serve.model=x", override])
+    assert "sk-live-123" not in str(info.value)  # a key pasted as the variable's name is not echoed
 
 
 def test_folders_that_are_not_llm_or_vlm_exports(export, tmp_path):
@@ -165,14 +168,71 @@ def test_gpu_launch_scripts(export, tmp_path):
     srun.write_text('#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
     srun.chmod(0o755)
     env = {"PATH": f"{srun.parent}:/usr/bin:/bin", "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "7", "TMPDIR": str(tmp_path),
-           "CUDA_VISIBLE_DEVICES": "0,1", "KILN_PYTHON": sys.executable}
+           "CUDA_VISIBLE_DEVICES": "0,1", "KILN_PYTHON": sys.executable, "KILN_API_KEY": SECRET_KEY}
     proc = subprocess.run(["bash", str(scripts[1]), f"serve.model={export}", "serve.port=8123", "serve.dry_run=true"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("kiln: job 7 serves on http://") and ":8123/v1" in lines[0]
-    assert lines[-1].startswith(f"kiln: vllm serve {export} --served-model-name llm_tiny --host 0.0.0.0 --port 8123 "
-                                "--tensor-parallel-size 2")
+    assert lines[-1].startswith(f"kiln: VLLM_API_KEY=******** vllm serve {export} --served-model-name llm_tiny "
+                                "--host 0.0.0.0 --port 8123 --tensor-parallel-size 2")
+    assert SECRET_KEY not in proc.stdout + proc.stderr
     no_gpu = subprocess.run(["bash", str(scripts[0]), f"serve.model={export}", "serve.dry_run=true"], capture_output=True, text=True,
                             env={**env, "CUDA_VISIBLE_DEVICES": ""})
     assert no_gpu.returncode == 2 and no_gpu.stderr.startswith("kiln: error: no GPU visible")
+    del env["KILN_API_KEY"]  # serve_gpu.sh listens on 0.0.0.0: no key, no server
+    open_door = subprocess.run(["bash", str(scripts[0]), f"serve.model={export}", "serve.dry_run=true"], capture_output=True,
+                               text=True, env=env)
+    assert open_door.returncode == 2 and open_door.stderr.count("\n") == 1
+    assert open_door.stderr.startswith("kiln: error: serve.host=0.0.0.0 accepts connections from other machines without "
+                                       "an API key: export KILN_API_KEY=<secret>")
+
+
+SECRET_KEY = "sk-kiln-test-3f9a1c"
+
+
+def test_vllm_gets_the_key_in_its_environment_never_on_a_command_line(export, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("MY_KEY", SECRET_KEY)
+    launch = plan(ServeSection(model=str(export), engine="vllm", host="0.0.0.0", api_key_env="MY_KEY", dry_run=True))
+    assert launch.env == {"VLLM_API_KEY": SECRET_KEY}  # vLLM's own variable for --api-key
+    assert SECRET_KEY not in " ".join(launch.argv) and "--api-key" not in launch.argv
+    assert launch.shown().startswith("VLLM_API_KEY=******** vllm serve ") and SECRET_KEY not in launch.shown()
+
+
+def test_dry_run_masks_the_key(export, tmp_path):
+    proc = _serve(f"serve.model={export}", "serve.engine=vllm", "serve.host=0.0.0.0", "serve.dry_run=true", tmp=tmp_path,
+                  KILN_API_KEY=SECRET_KEY)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith(f"kiln: VLLM_API_KEY=******** vllm serve {export} ")
+    assert SECRET_KEY not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "gpu-node-7"])
+def test_no_open_door_by_default(export, tmp_path, host):
+    proc = _serve(f"serve.model={export}", "serve.engine=vllm", f"serve.host={host}", "serve.dry_run=true", tmp=tmp_path)
+    assert proc.returncode == 2 and not proc.stdout and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"kiln: error: serve.host={host} accepts connections from other machines without an API key")
+    allowed = _serve(f"serve.model={export}", "serve.engine=vllm", f"serve.host={host}", "serve.dry_run=true",
+                     "serve.allow_unauthenticated=true", tmp=tmp_path)
+    assert allowed.returncode == 0, allowed.stderr
+    assert "anyone who reaches" in allowed.stdout and "VLLM_API_KEY" not in allowed.stdout
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_loopback_needs_no_key(export, tmp_path, host):
+    proc = _serve(f"serve.model={export}", "serve.engine=vllm", f"serve.host={host}", "serve.dry_run=true", tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_cpu_engine_serves_loopback_only(export, tmp_path):
+    """transformers serve cannot check a key: beyond loopback it is refused, with a key or without."""
+    for env in ({}, {"KILN_API_KEY": SECRET_KEY}):
+        proc = _serve(f"serve.model={export}", "serve.engine=transformers", "serve.host=0.0.0.0", "serve.dry_run=true",
+                      tmp=tmp_path, **env)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and SECRET_KEY not in proc.stderr
+        assert proc.stderr.startswith("kiln: error: serve.host=0.0.0.0 with serve.engine=transformers: transformers "
+                                      "serve has no authentication, so it serves on loopback only")
+    allowed = _serve(f"serve.model={export}", "serve.engine=transformers", "serve.host=0.0.0.0", "serve.dry_run=true",
+                     "serve.allow_unauthenticated=true", tmp=tmp_path)
+    assert allowed.returncode == 0, allowed.stderr

@@ -1,0 +1,398 @@
+#!/usr/bin/env python
+"""The first command on a GPU node (make gpu-check): versions, gpu tests, the tiny recipes on CUDA, throughput and MFU.
+
+    python scripts/gpu_check.py [--out outputs/gpu_check] [--only versions,tests,recipes,throughput] [--steps 30]
+
+Without a CUDA GPU it stops with one line (exit 2). With one:
+  versions    torch, CUDA, driver, GPU, transformers, diffusers, deepspeed, torchao, vllm, tensorrt
+  tests       pytest -m gpu
+  recipes     dit_tiny, vlm_tiny, llm_tiny trained on CUDA in bf16 (scripts/train.py): the loss falls,
+              DiT eval.json mean_accuracy and VLM eval.json accuracy reach their bars
+  throughput  a Kiln LLM of ~1B parameters on packed 4,096-token rows (toggles.attention flash / sdpa,
+              toggles.compile off / on) beside a bare PyTorch step of the same model, and dit_2b; steps/s,
+              tokens/s, MFU, peak memory beside scripts/plan.py's prediction
+Targets are printed, not asserted. Each section reports its own failure; the others go on.
+Writes OUT/report.md and OUT/report.json (subprocess logs under OUT/logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+SECTIONS = ("versions", "tests", "recipes", "throughput")
+PACKAGES = ("transformers", "diffusers", "deepspeed", "torchao", "accelerate", "onnxruntime", "vllm", "tensorrt")
+# Eval bars of the tiny recipes' default runs (chance is 0.1 for both): vlm_tiny reached 0.82 held-out
+# accuracy on CPU in fp32; bf16 on a GPU should not lose more than a little of it. The DiT's generated
+# digits, judged by a classifier fitted on real ones: half right is five times chance.
+EVAL_BARS = {"dit_tiny": ("mean_accuracy", 0.5), "vlm_tiny": ("accuracy", 0.7)}
+# A Llama of ~1.0B parameters (1,015,089,152 with llm_tiny's 2,048-token vocabulary) on packed 4,096-token rows.
+LLM_1B = ["recipe=llm_tiny", "model.dim=2048", "model.n_layers=16", "model.n_heads=16", "model.n_kv_heads=8",
+          "model.ffn_dim=8192", "model.max_seq_len=4096", "data.max_seq_len=4096", "trainer.micro_batch_size=16",
+          "toggles.precision=bf16", "toggles.tf32=true", "toggles.activation_checkpointing=none"]
+DIT_2B = ["recipe=dit_2b"]
+MEASURE = ["trainer.progress_bar=false", "trainer.log_every=1", "trainer.eval=false", "trainer.sample_every=0",
+           "checkpoint.every=0", "checkpoint.final=false", "profile.count_flops=true"]
+TARGET_BARE_RATIO = 1.03  # Kiln's LLM step time / the bare step's, same model and tokens
+TARGET_MFU = 0.40  # of the dense bf16 datasheet peak, ~1B LLM on an H100
+WARMUP_STEPS = 5  # steps dropped before medians: the FLOP-counted first step, allocator and compile warm-up
+
+# Runs scripts/train.py in this process and writes the CUDA allocator's peak at exit: the runs are
+# subprocesses, and their peak memory is what the planner predicts.
+PEAK_WRAPPER = """
+import atexit, json, os, runpy, sys
+def _peak():
+    torch = sys.modules.get("torch")  # not imported: the run stopped early (a config error), nothing to report
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        with open(os.environ["KILN_PEAK_MEMORY_FILE"], "w") as f:
+            json.dump({"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}, f)
+atexit.register(_peak)
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+# ---- pure helpers (tests/unit/test_gpu_check.py) -------------------------------------------------
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(c) for c in row] for row in rows]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
+
+
+def gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def parse_pytest_summary(output: str) -> dict[str, int]:
+    """{'passed': 3, 'skipped': 1, ...} from pytest's closing line ('3 passed, 1 skipped in 4.2s')."""
+    lines = [line for line in output.splitlines() if re.search(r"\b(passed|failed|error|errors|skipped|deselected)\b", line)]
+    if not lines:
+        return {}
+    counts = re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)", lines[-1])
+    return {("errors" if kind == "error" else kind): int(n) for n, kind in counts}
+
+
+def planned_bytes(plan: dict, ac: str, zero_stage: int | None = None) -> float | None:
+    """scripts/plan.py --json's total bytes per GPU for one GPU (dp = tp = pp = 1) with activation
+    checkpointing `ac` (and `zero_stage`, when given), or None when the plan has no such layout."""
+    for layout in plan.get("layouts", []):
+        if (layout["dp"], layout["tp"], layout["pp"]) == (1, 1, 1) and layout["ac"] == ac \
+                and (zero_stage is None or layout["zero_stage"] == zero_stage):
+            return float(layout["total_bytes"])
+    return None
+
+
+def median_after_warmup(records: list[dict], key: str, warmup: int = WARMUP_STEPS) -> float | None:
+    values = [r[key] for r in records if r.get("step", 0) > warmup and isinstance(r.get(key), (int, float))]
+    return statistics.median(values) if values else None
+
+
+def loss_fell(losses: list[float], window: int = 10) -> tuple[float, float, bool]:
+    """(mean of the first `window` losses, mean of the last `window`, whether the latter is lower)."""
+    first = statistics.fmean(losses[:window])
+    last = statistics.fmean(losses[-window:])
+    return first, last, last < first
+
+
+def kiln_llm_row(name: str, records: list[dict], peak: dict | None, planned: float | None) -> dict:
+    """A throughput row from a Kiln LLM run's metrics.jsonl: medians after warm-up; token slots per
+    second count padding too (the model computes on it), as the bare step's rows do."""
+    step = median_after_warmup(records, "step_time_s")
+    tokens = median_after_warmup(records, "tokens_per_s")
+    util = median_after_warmup(records, "token_utilization")
+    return {"run": name, "step_time_s": step, "tokens_per_s": tokens,
+            "slots_per_s": tokens / util if tokens and util else None, "mfu": median_after_warmup(records, "mfu"),
+            "peak_bytes": (peak or {}).get("max_allocated"), "planned_bytes": planned}
+
+
+def throughput_table(rows: list[dict]) -> str:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    return md_table(["run", "step s", "steps/s", "token slots/s", "MFU", "peak memory", "plan.py"], [
+        [r["run"], num(r.get("step_time_s"), ".4f"), num(1 / r["step_time_s"] if r.get("step_time_s") else None, ".2f"),
+         num(r.get("slots_per_s"), ",.0f"), num(r.get("mfu"), ".1%"), gib(r.get("peak_bytes")),
+         gib(r.get("planned_bytes"))] if "error" not in r else [r["run"], f"not available: {r['error']}", "", "", "",
+                                                                "", ""]
+        for r in rows])
+
+
+# ---- sections ------------------------------------------------------------------------------------
+
+class Check:
+    """The report: each section's data or error, written as report.json and report.md."""
+
+    def __init__(self, out: Path):
+        self.out, self.logs = out, out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.data: dict = {"sections": {}}
+        self.md: list[str] = ["# Kiln GPU check", ""]
+
+    def section(self, name: str, fn) -> None:
+        print(f"gpu-check: {name} ...", flush=True)
+        start = time.time()
+        try:
+            result = fn(self)
+            self.data["sections"][name] = {"status": "ok", **result}
+        except Exception as exc:  # one section's failure is reported, the others still run
+            self.data["sections"][name] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                                           "traceback": traceback.format_exc()}
+            self.md += [f"## {name}", "", f"**failed**: `{type(exc).__name__}: {exc}`", ""]
+        print(f"gpu-check: {name} {self.data['sections'][name]['status']} ({time.time() - start:.0f} s)", flush=True)
+
+    def run(self, name: str, cmd: list[str], env: dict | None = None, timeout: float = 3600) -> subprocess.CompletedProcess:
+        """A subprocess with its output in logs/NAME.log."""
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+        (self.logs / f"{name}.log").write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def train(self, name: str, overrides: list[str], timeout: float = 3600) -> tuple[list[dict], dict | None]:
+        """scripts/train.py (through PEAK_WRAPPER) into OUT/runs/NAME: (metrics records, peak memory)."""
+        from common.metrics import read_metrics
+
+        run_dir, peak_file = self.out / "runs" / name, self.logs / f"{name}.peak.json"
+        peak_file.unlink(missing_ok=True)
+        proc = self.run(name, [sys.executable, "-c", PEAK_WRAPPER, "scripts/train.py", *overrides, f"run.dir={run_dir}",
+                               "run.resume=never"], env={"KILN_PEAK_MEMORY_FILE": str(peak_file)}, timeout=timeout)
+        if proc.returncode != 0:
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            why = next((line for line in lines if line.startswith("kiln: error:")), lines[-1] if lines else "")
+            raise RuntimeError(f"{why.removeprefix('kiln: error: ') or f'exit {proc.returncode}'} (log: {name}.log)")
+        peak = json.loads(peak_file.read_text()) if peak_file.exists() else None
+        return read_metrics(run_dir / "metrics.jsonl"), peak
+
+    def plan(self, name: str, overrides: list[str]) -> dict:
+        proc = self.run(f"plan_{name}", [sys.executable, "scripts/plan.py", *overrides, "cluster.gpus=1",
+                                         f"cluster.gpu={self.data.get('plan_gpu', 'h100_80gb')}", "--all", "--json"])
+        if proc.returncode != 0:
+            raise RuntimeError(f"plan.py: {proc.stderr.strip()}")
+        return json.loads(proc.stdout)
+
+    def write(self) -> None:
+        (self.out / "report.json").write_text(json.dumps(self.data, indent=2, default=str))
+        (self.out / "report.md").write_text("\n".join(self.md) + "\n")
+
+
+def versions(check: Check) -> dict:
+    import torch
+
+    found = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+             "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+             "capability": ".".join(map(str, torch.cuda.get_device_capability()))}
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True) if _which("nvidia-smi") else None
+    found["driver"] = smi.stdout.splitlines()[0].strip() if smi and smi.returncode == 0 and smi.stdout else "unknown"
+    for package in PACKAGES:
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = "not installed"
+    name = found["gpus"][0].upper()
+    check.data["plan_gpu"] = "h200_141gb" if "H200" in name else "a100_40gb" if "A100" in name and "40GB" in name \
+        else "a100_80gb" if "A100" in name else "h100_80gb"
+    check.md += ["## Versions", "", md_table(["component", "version"], [[k, v] for k, v in found.items()]), ""]
+    return found
+
+
+def _which(cmd: str) -> bool:
+    import shutil
+
+    return shutil.which(cmd) is not None
+
+
+def gpu_tests(check: Check) -> dict:
+    proc = check.run("pytest_gpu", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"])
+    counts = parse_pytest_summary(proc.stdout)
+    check.md += ["## GPU tests (`pytest -m gpu`)", "",
+                 ", ".join(f"{n} {k}" for k, n in counts.items()) or f"no summary (exit {proc.returncode})",
+                 f"; log: `{check.logs / 'pytest_gpu.log'}`", ""]
+    return {"exit_code": proc.returncode, **counts}
+
+
+def recipes(check: Check) -> dict:
+    rows, results = [], {}
+    for recipe in ("dit_tiny", "vlm_tiny", "llm_tiny"):
+        try:
+            records, _ = check.train(recipe, [f"recipe={recipe}", "toggles.precision=bf16", "trainer.progress_bar=false"])
+            losses = [r["loss"] for r in records if isinstance(r.get("loss"), float)]
+            first, last, fell = loss_fell(losses)
+            result = {"loss_first": first, "loss_last": last, "loss_fell": fell}
+            verdict = "loss falls" if fell else "**loss does not fall**"
+            if recipe in EVAL_BARS:
+                key, bar = EVAL_BARS[recipe]
+                value = json.loads((check.out / "runs" / recipe / "eval.json").read_text())[key]
+                result.update(eval_key=key, eval=value, eval_bar=bar, eval_met=value >= bar)
+                verdict += f"; eval {key} {value:.3f} {'>=' if value >= bar else '**<**'} {bar}"
+            rows.append([recipe, f"{first:.3f} -> {last:.3f}", verdict])
+        except Exception as exc:
+            result = {"error": str(exc)}
+            rows.append([recipe, "-", f"**failed**: {exc}"])
+        results[recipe] = result
+    check.md += ["## Tiny recipes on CUDA, bf16", "", md_table(["recipe", "loss (first 10 -> last 10)", "verdict"], rows), ""]
+    return results
+
+
+def throughput(check: Check, steps: int) -> dict:
+    import torch
+
+    from common.flops import PEAK_TFLOPS, gpu_model
+
+    run = [*MEASURE, f"trainer.max_steps={steps}"]
+    llm_plan = planned_bytes(check.plan("llm_1b", LLM_1B), "none")
+    rows = []
+    for attention in ("flash", "sdpa"):
+        for compiled in (False, True):
+            name = f"Kiln LLM ~1B, attention={attention}, compile={'on' if compiled else 'off'}"
+            try:
+                records, peak = check.train(f"llm_1b_{attention}_{'compile' if compiled else 'eager'}",
+                                            [*LLM_1B, *run, f"toggles.attention={attention}", f"toggles.compile={compiled}"])
+                rows.append(kiln_llm_row(name, records, peak, llm_plan))
+            except Exception as exc:  # e.g. a config error: the path does not exist (yet)
+                rows.append({"run": name, "error": str(exc)})
+    reference = next((r for r in rows if "sdpa" in r["run"] and "compile=off" in r["run"] and "error" not in r), None)
+    rows_per_step = round(reference["slots_per_s"] * reference["step_time_s"] / 4096) if reference else 4
+    for compiled in (False, True):
+        try:
+            rows.append(bare_llm_row(rows_per_step, compiled, steps, llm_plan))
+        except Exception as exc:
+            rows.append({"run": f"bare PyTorch step, compile={'on' if compiled else 'off'}", "error": str(exc)})
+    try:
+        records, peak = check.train("dit_2b", [*DIT_2B, *run])
+        dit_plan = planned_bytes(check.plan("dit_2b", DIT_2B), "full")  # one rank: ZeRO has nothing to partition
+        rows.append({"run": "Kiln dit_2b (bf16, ZeRO-2, full AC)", "step_time_s": median_after_warmup(records, "step_time_s"),
+                     "mfu": median_after_warmup(records, "mfu"), "peak_bytes": (peak or {}).get("max_allocated"),
+                     "planned_bytes": dit_plan})
+    except Exception as exc:
+        rows.append({"run": "Kiln dit_2b", "error": str(exc)})
+
+    targets = []
+    for compiled in ("off", "on"):
+        kiln = next((r for r in rows if r["run"] == f"Kiln LLM ~1B, attention=sdpa, compile={compiled}" and "error" not in r), None)
+        bare = next((r for r in rows if r["run"] == f"bare PyTorch step, compile={compiled}" and "error" not in r), None)
+        if kiln and bare and kiln.get("slots_per_s") and bare.get("slots_per_s"):
+            ratio = bare["slots_per_s"] / kiln["slots_per_s"]  # Kiln's time per token slot over the bare step's
+            targets.append([f"Kiln LLM step <= {TARGET_BARE_RATIO:.2f}x bare (sdpa, compile {compiled})", f"{ratio:.3f}x",
+                            "met" if ratio <= TARGET_BARE_RATIO else "**NOT met**"])
+    best = max((r["mfu"] for r in rows if "LLM" in r["run"] and r.get("mfu")), default=None)
+    chip = gpu_model(torch.cuda.get_device_name())
+    if best is not None:
+        where = "" if chip and chip.startswith("H100") else f" (measured on {chip or torch.cuda.get_device_name()})"
+        targets.append([f"~1B LLM MFU >= {TARGET_MFU:.0%} of dense bf16 peak on an H100{where}", f"{best:.1%}",
+                        "met" if best >= TARGET_MFU else "**NOT met**"])
+    peak = PEAK_TFLOPS.get(chip or "", {}).get("bf16")
+    check.md += ["## Throughput", "", f"{torch.cuda.get_device_name()}, dense bf16 peak {peak or '?'} TFLOP/s; medians "
+                 f"of steps {WARMUP_STEPS + 1}-{steps}; token slots include padding (the model computes on it).", "",
+                 throughput_table(rows), "", md_table(["target", "measured", ""], targets), ""]
+    return {"rows": rows, "targets": targets}
+
+
+def bare_llm_row(rows: int, compiled: bool, steps: int, planned: float | None) -> dict:
+    """A hand-written step of the same ~1B Llama (fp32 weights under bf16 autocast, as Kiln's LLM
+    runs on one GPU): packed rows with a block-diagonal causal mask for SDPA, token-mean cross
+    entropy, backward, clip, AdamW. Timed with CUDA events after warm-up."""
+    import torch
+    import torch.nn.functional as F
+
+    from common.data.packing import pack_samples
+    from common.flops import count_step_flops, peak_flops
+    from recipes.llm.model import LlamaArgs, Transformer
+
+    seq, vocab = 4096, 2048
+    args = LlamaArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=8192, vocab_size=vocab, max_seq_len=seq)
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    eager = Transformer(args).to(device)
+    eager.init_weights(seed=0)
+    model = eager
+    opt = torch.optim.AdamW(eager.parameters(), lr=3e-4, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(256, seq, (4 * rows,), generator=gen)]  # documents, FFD-packed
+    docs = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+    packed = pack_samples([{"input_ids": d, "labels": d} for d in docs], seq, pad_id=0)
+    inputs = packed.model_inputs("sdpa", device=device)
+    inputs = {k: v[:rows] for k, v in inputs.items()}  # exactly `rows` full rows, like Kiln's median step
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(inputs["input_ids"], position_ids=inputs["position_ids"], attn_mask=inputs["attention_mask"])
+        labels = inputs["labels"][:, 1:]
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    _, flops = count_step_flops(step)  # on the eager model: the counter's dispatch mode and compile do not mix
+    if compiled:
+        model = torch.compile(eager)
+    try:
+        peak = peak_flops(device, "bf16")
+    except ValueError:  # a GPU without a datasheet row: no MFU
+        peak = None
+    times = []
+    for i in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= WARMUP_STEPS:
+            times.append(start.elapsed_time(end) / 1e3)
+    step_time = statistics.median(times)
+    return {"run": f"bare PyTorch step, compile={'on' if compiled else 'off'}", "step_time_s": step_time,
+            "slots_per_s": rows * seq / step_time, "mfu": flops / step_time / peak if peak else None,
+            "peak_bytes": torch.cuda.max_memory_allocated(), "planned_bytes": planned}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "gpu_check")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections: {', '.join(SECTIONS)}")
+    ap.add_argument("--steps", type=int, default=30, help="steps per throughput run (the first WARMUP_STEPS are dropped)")
+    args = ap.parse_args(argv)
+    only = [s for s in args.only.split(",") if s]
+    if unknown := [s for s in only if s not in SECTIONS]:
+        print(f"kiln: error: --only: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}",
+              file=sys.stderr)
+        return 2
+    if args.steps <= WARMUP_STEPS:
+        print(f"kiln: error: --steps must be > {WARMUP_STEPS} (the warm-up steps are dropped)", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = f"; CUDA_VISIBLE_DEVICES={seen!r}" if seen is not None else ""
+        print(f"kiln: error: gpu-check needs a CUDA GPU: torch {torch.__version__} ({build}) sees none{hint}", file=sys.stderr)
+        return 2
+
+    check = Check(args.out)
+    steps = {"versions": versions, "tests": gpu_tests, "recipes": recipes,
+             "throughput": lambda c: throughput(c, args.steps)}
+    for name in SECTIONS:
+        if name in only:
+            check.section(name, steps[name])
+    check.write()
+    print((args.out / "report.md").read_text())
+    print(f"gpu-check: report in {args.out / 'report.md'} and report.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
