@@ -53,6 +53,9 @@ NOT_RUN = {
     "scripts/serve_gpu.sh": "needs a CUDA GPU and vLLM: tests/unit/test_serve_config.py checks its command lines",
     "serve.engine=vllm": "needs a CUDA GPU and vLLM: tests/unit/test_serve_config.py checks the vllm command line",
     "python scripts/bench_serve.py": "starts servers for minutes: the serving section of make bench runs it (--quick)",
+    "scripts/build_trt_engine.sh": "needs TensorRT's trtexec: tests/unit/test_trt_build.py runs it with stand-in trtexecs",
+    "make gpu-check": "needs a CUDA GPU (without one: one line, exit 2, tests/unit/test_gpu_check.py)",
+    "outputs/dit_2b/": "needs a trained dit_2b (a GPU run): the same export on dit_tiny runs above",
 }
 
 
@@ -75,6 +78,8 @@ def readme_commands(text: str) -> list[list[str]]:
 
 
 def not_run_reason(argv: list[str]) -> str | None:
+    if argv[0] == "export":
+        return "sets a shell variable for the commands after it"
     line = " ".join(argv)
     return next((why for key, why in NOT_RUN.items() if key in line), None)
 
