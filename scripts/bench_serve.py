@@ -105,7 +105,7 @@ async def _completions(base: str, name: str, texts: list[str], max_tokens: int, 
 def bench_server(export: Path, texts: list[str], max_tokens: int, levels: list[int], threads: int, repeat: int,
                  log: Path) -> dict[int, tuple]:
     """{concurrency: (generated tokens, seconds)} through scripts/serve.py (engine=transformers)."""
-    from common.serving import running_server
+    from common.tools.serving import running_server
 
     name = "bench"
     results = {}

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from common.serving import http as _http, running_server
+from common.tools.serving import http as _http, running_server
 from tests.conftest import run_train
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")

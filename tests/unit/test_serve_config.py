@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from common.errors import ConfigError, UserError
-from common.serving import (
+from common.tools.serving import (
     ServeSection,
     build_hub_cache,
     check_export,
