@@ -40,5 +40,5 @@ def test_text_shards_train(tmp_path):
     root = tmp_path / "my_text"
     _prepare("data.prepare_text", "--tokenizer", str(tokenizer), "--input", f"{corpus}/*.txt", "--out", str(root))
     run = tmp_path / "run"
-    run_train([*FAST, "data=text_shards", f"data.root={root}", "trainer.max_steps=3", "trainer.micro_batch_size=2", f"run.dir={run}"])
+    run_train([*FAST, "data=text_shards", f"data.root={root}", "trainer.max_steps=3", f"run.dir={run}"])
     assert sorted(losses(run)) == [1, 2, 3]

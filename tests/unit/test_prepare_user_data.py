@@ -54,7 +54,7 @@ def _samples(root: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """Six good .txt files, a good .jsonl and .parquet, and one broken file of each kind."""
-    folder = write_corpus(tmp_path_factory.mktemp("data") / "corpus")
+    folder = write_corpus(tmp_path_factory.mktemp("data") / "corpus", files=6)
     (folder / "rows.jsonl").write_text('{"text": "First row."}\n{"text": ""}\n{"text": "Second row."}\n')
     pq.write_table(pa.table({"text": ["A parquet row.", "Another one."], "id": [1, 2]}), folder / "rows.parquet")
     (folder / "broken.jsonl").write_text('{"text": "ok"}\n{"text": \n')  # a parse error
