@@ -21,7 +21,15 @@ from common.distributed import DistInfo
 from common.errors import DataError
 from data import prepare_chat, prepare_text
 from recipes.llm.data import decode_document, load_tokenizer, local_batch
-from tests.fixtures.llm_data import END_HEADER, EOT, START_HEADER, chat_conversations, write_chat, write_corpus, write_llama_tokenizer
+from tests.fixtures.llm_data import (
+    END_HEADER,
+    EOT,
+    START_HEADER,
+    chat_conversations,
+    write_chat,
+    write_corpus,
+    write_llama_tokenizer,
+)
 
 SOLO = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 CONVERSATION = [
@@ -198,8 +206,8 @@ def test_chat_build_counts_malformed_and_too_long_rows(tmp_path, tok_dir, chat_f
     labels = [decode_document(s)["labels"] for s in _samples(out)]
     assert sum(int((lab != -100).sum()) for lab in labels) == meta["labelled_tokens"]
     # Training refuses a data.max_seq_len shorter than the longest conversation (never cuts one).
-    from recipes.llm.data import prepare_data
     from common.launch import compose
+    from recipes.llm.data import prepare_data
 
     cfg = compose(["recipe=llm_tiny", "data=chat_shards", f"data.root={out}", "data.max_seq_len=32"])
     with pytest.raises(DataError, match="data.max_seq_len=32"):
