@@ -13,7 +13,8 @@ stream -- drives both attention paths:
 Segments are the samples AND each row's padding tail (its own segment), so flash never lets a
 sample attend to padding, and the 4D mask built from the same segments attends exactly as
 flash does. No segment crosses a row, so any group of rows (a pipeline microbatch) has its own
-``cu_seqlens``: ``cu_seqlens_of_rows(batch.row_segments()[rows])``, which for all rows is the batch's. Packing changes speed, not math: with the first label of every sample masked (see
+``cu_seqlens``: ``cu_seqlens_of_rows(batch.row_segments()[rows])``, which for all rows is the
+batch's. Packing changes speed, not math: with the first label of every sample masked (see
 ``_build``), the loss with packing on equals the loss with packing off (``pad_samples``).
 """
 
