@@ -339,7 +339,7 @@ def encode_user_text(tokenizer: PreTrainedTokenizerFast, files: list[tuple[str, 
     """Every document of every file, in order, as ``{"ids": ...}`` (:func:`encode_documents`)."""
     texts = [t for _, file_texts in files for t in file_texts]
     ids = [a for i in range(0, len(texts), batch) for a in encode_documents(tokenizer, texts[i : i + batch])]
-    return [{"ids": a} for a in ids], {"documents": len(ids)}
+    return [{"ids": a} for a in ids], {}
 
 
 # --- CLI ---------------------------------------------------------------------------------------------
@@ -381,8 +381,7 @@ def _main_own_text(args: argparse.Namespace) -> int:
     return user_data.run_cli(
         args, fmt="text", options=lambda _tokenizer: options,
         read=functools.partial(read_text_file, field=args.text_field, sample_by=args.sample_by), encode=encode_user_text,
-        describe=lambda meta: (f"{meta['documents']:,} documents, tokens train {meta['tokens']['train']:,} / "
-                               f"val {meta['tokens']['val']:,}"))
+        describe=lambda meta: f"tokens train {meta['tokens']['train']:,} / val {meta['tokens']['val']:,}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,7 +87,7 @@ def test_text_documents_are_encoded_as_the_tokenizer_defines_them(text_root, cor
     meta = json.loads((text_root / "meta.json").read_text())
     texts = [(corpus / f"doc{i:02d}.txt").read_text() for i in range(6)]
     texts += ["First row.", "Second row.", "A parquet row.", "Another one."]
-    assert meta["format"] == "text" and meta["documents"] == len(texts)
+    assert meta["format"] == "text" and sum(meta["splits"][s]["samples"] for s in ("train", "val")) == len(texts)
     bos, eos = tok.convert_tokens_to_ids("<|begin_of_text|>"), tok.convert_tokens_to_ids("<|end_of_text|>")
     # Independently: bos + the text's BPE tokens + eos, for every document, with bos once.
     expected = sorted(tuple([bos, *tok.encode(t, add_special_tokens=False), eos]) for t in texts)
