@@ -108,6 +108,9 @@ class DataConfig:
     # appends `--out <root>` and runs it from the repo root on rank 0 at start-up; builders leave
     # a complete dataset with the same settings alone). Empty: no builder, the dataset must exist.
     build: list[str] = field(default_factory=list)
+    # For a dataset you build yourself (build empty): the command that builds it, named in the one-line
+    # error when data.root holds none ("{root}" becomes data.root).
+    build_hint: str = ""
     num_workers: int = 1
     shuffle_buffer: int = 256
     max_corrupt_shards: int = 0

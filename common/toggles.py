@@ -66,12 +66,14 @@ def apply_fp8(model: torch.nn.Module) -> torch.nn.Module:
 def _save_matmuls(ctx, op, *args, **kwargs):
     """Selective AC policy: keep the outputs of matmuls and of the attention kernel, recompute the
     cheap ops (norms, activations, rope, adds) -- most of the memory for little recompute."""
+    from torch.nn.attention import varlen  # noqa: F401  (registers torch.ops.torch_attn._varlen_attn)
     from torch.utils.checkpoint import CheckpointPolicy
 
     keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten._scaled_dot_product_flash_attention.default,
             torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.torch_attn._varlen_attn.default}
     return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 

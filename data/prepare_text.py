@@ -1,9 +1,24 @@
-"""Tokenize CPython's pydoc help topics into WebDataset shards (train / held-out val) with a byte-level BPE.
+"""Tokenize text into the LLM's document shards (train / held-out val): CPython's pydoc help topics with a
+byte-level BPE trained here (the llm_tiny demo), or your own files with your checkpoint's tokenizer.
 
     python -m data.prepare_text --out data/text [--vocab-size 2048] [--train-shards 8] [--val-shards 2]
                                 [--val-fraction 0.1] [--seed 0] [--force]
+    python -m data.prepare_text --tokenizer ~/models/Llama-3.2-1B --input '~/data/corpus/*.txt' --out data/my_text
+                                [--text-field text] [--sample-by document] [--val-fraction 0.01] ...
 
-Corpus: ``pydoc_data.topics.topics`` (about 80 help topics, ~465 KB of English reference
+Your own text (``--tokenizer`` and ``--input``): ``.txt`` files (one document per file, or per
+blank-line paragraph or line: ``--sample-by``), ``.jsonl``/``.json`` rows with a ``text`` field
+(``--text-field``) and ``.parquet`` files with that column, read with Hugging Face ``datasets``
+(streaming: no cached copy). Each document is encoded as the tokenizer defines it -- with the bos
+its post-processor adds (Llama 3: ``<|begin_of_text|>``, once) -- and ended with its eos (Llama 3:
+``<|end_of_text|>``) unless the tokenizer already appends it. Samples are ``{__key__:
+"train_00000012", ids.npy}``, the same shards the recipe reads for the pydoc corpus (documents
+longer than ``data.max_seq_len`` are cut into pieces at training time). Bad files are skipped and
+counted (``data.user_data``); the tokenizer is saved in ``DIR/tokenizer``.
+
+The pydoc corpus (no ``--tokenizer``/``--input``):
+
+``pydoc_data.topics.topics`` (about 80 help topics, ~465 KB of English reference
 text that ships with Python; no download). Topics are split train / val (seeded), so no
 topic is seen in both; each topic is then cut at paragraph boundaries into documents of at
 most :data:`MAX_DOC_CHARS` characters (losslessly: a topic's documents concatenate back to it).
@@ -24,8 +39,9 @@ and the corpus hash; a dataset is reused as built whatever Python reads it later
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import hashlib
-import io
 import json
 import os
 import platform
@@ -37,14 +53,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from common.data import dataset as common_dataset
-from data import shards
+from data import shards, user_data
 from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
+from data.shards import npy_bytes as encode_ids  # a sample's ids.npy
+from data.user_data import TOKENIZER_DIR, read_meta
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 SOURCE = "pydoc_data.topics.topics"
-TOKENIZER_DIR = "tokenizer"
 MAX_DOC_CHARS = 2000
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # Order fixes the ids: <pad>=0, <s>=1, </s>=2 (Llama's bos/eos ids), <unk>=3.
@@ -171,21 +188,15 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
 
 
 def encode_documents(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> list[np.ndarray]:
-    """``<s> + tokens + </s>`` of each text, as uint16 arrays (int32 if the vocab does not fit in 16 bits)."""
-    dtype = np.uint16 if len(tokenizer) <= 1 << 16 else np.int32
-    # The tokenizer adds <s> itself (its post-processor): samples start exactly like served prompts.
+    """Each text as the tokenizer encodes it with its special tokens, ending in its eos, as uint16 arrays
+    (int32 if the vocab does not fit in 16 bits): ``<s> + tokens + </s>`` here, ``<|begin_of_text|> + tokens +
+    <|end_of_text|>`` with Llama 3's."""
+    dtype = user_data.ids_dtype(tokenizer)
+    eos = tokenizer.eos_token_id
+    # The tokenizer adds its bos itself (its post-processor), so samples start exactly like served
+    # prompts; eos is appended unless the tokenizer already ends every text with it (add_eos_token).
     ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
-    return [np.asarray([*row, tokenizer.eos_token_id], dtype=dtype) for row in ids]
-
-
-# --- samples -------------------------------------------------------------------------------------------
-
-
-def encode_ids(ids: np.ndarray) -> bytes:
-    """A sample's ``ids.npy``: an ``.npy`` file (training decodes it in ``recipes/llm/data.py``)."""
-    buf = io.BytesIO()
-    np.save(buf, ids, allow_pickle=False)
-    return buf.getvalue()
+    return [np.asarray(row if row and row[-1] == eos else [*row, eos], dtype=dtype) for row in ids]
 
 
 # --- shards, meta, atomic build ----------------------------------------------------------------------------
@@ -198,23 +209,8 @@ def _prep_fingerprint() -> str:
 
 def _write_shards(out: Path, split: str, rows: np.ndarray, texts: list[str], ids: list[np.ndarray], num_shards: int) -> list[dict]:
     """One split's shards (``data.shards.ShardWriter``; the "images" and "labels" are texts and id arrays)."""
-    import webdataset as wds
-
-    written = []
-    # array_split: consecutive chunks whose sizes differ by at most one ("spread evenly").
-    for shard_id, chunk in enumerate(np.array_split(rows, num_shards)):
-        name = f"{split}-{shard_id:06d}.tar"
-        # mtime fixed (an int: a float adds a PAX header per member) so the same seed gives the same bytes.
-        with wds.TarWriter(str(out / name), mtime=0) as sink:
-            for row in chunk:
-                sink.write({"__key__": f"{split}_{row:06d}", "ids.npy": encode_ids(ids[row]), "txt": texts[row]})
-        written.append({"name": name, "samples": len(chunk), "bytes": (out / name).stat().st_size})
-    return written
-
-
-def read_meta(root: str | Path) -> dict[str, Any] | None:
-    """Parsed meta.json of a complete text dataset in ``root`` (shards and tokenizer), else None."""
-    return common_dataset.read_meta(root, also_complete=common_dataset.asset_complete("tokenizer"))
+    return shards.write_split(out, split, rows, lambda row: {"__key__": f"{split}_{row:06d}", "ids.npy": encode_ids(ids[row]),
+                                                            "txt": texts[row]}, num_shards)
 
 
 def _settings(meta: dict) -> dict:
@@ -305,27 +301,93 @@ def ensure_text_shards(root: str | Path, *, vocab_size: int = 2048, train_shards
     return common_dataset.with_urls(root, meta, asset="tokenizer")
 
 
+# --- your own text ---------------------------------------------------------------------------------------
+
+# .txt through datasets' "text" builder, .jsonl/.json through "json", .parquet through "parquet".
+TEXT_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+USER_PREP = {"documents": "tokenizer(text, add_special_tokens=True) + eos unless already last",
+             "empty": "texts that are empty or whitespace are not documents"}
+
+
+def read_text_file(path: str, *, field: str = "text", sample_by: str = "document") -> tuple[list[str], collections.Counter]:
+    """The documents of one file and its skipped rows by reason; ``user_data.Skip`` if it cannot be read."""
+    import datasets
+
+    suffix = Path(path).suffix.lower()
+    builder = TEXT_BUILDERS.get(suffix)
+    if builder is None:
+        raise user_data.Skip(f"unsupported suffix ({suffix or 'none'}; expected one of {', '.join(TEXT_BUILDERS)})")
+    key = "text" if builder == "text" else field
+    texts, rows = [], collections.Counter()
+    try:
+        kwargs = {"sample_by": sample_by} if builder == "text" else {}
+        for row in datasets.load_dataset(builder, data_files=path, split="train", streaming=True, **kwargs):
+            value = row.get(key)
+            if not isinstance(value, str):
+                rows[f"no {key!r} text field"] += 1
+            elif value.strip():
+                texts.append(value)
+    except Exception as exc:  # the readers raise many types: ArrowInvalid, UnicodeDecodeError, OSError, ...
+        raise user_data.Skip(f"unreadable ({user_data.reason_of(exc)})") from None
+    if not texts and rows:
+        raise user_data.Skip(f"no {key!r} field (in none of its {sum(rows.values())} rows)")
+    return texts, rows
+
+
+def encode_user_text(tokenizer: PreTrainedTokenizerFast, files: list[tuple[str, list[str]]],
+                     skipped_rows: collections.Counter, batch: int = 256) -> tuple[list[dict], dict]:
+    """Every document of every file, in order, as ``{"ids": ...}`` (:func:`encode_documents`)."""
+    texts = [t for _, file_texts in files for t in file_texts]
+    ids = [a for i in range(0, len(texts), batch) for a in encode_documents(tokenizer, texts[i : i + batch])]
+    return [{"ids": a} for a in ids], {}
+
+
 # --- CLI ---------------------------------------------------------------------------------------------
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    def vocab(parser: argparse.ArgumentParser, positive_int) -> None:
-        parser.add_argument("--vocab-size", type=positive_int, default=2048,
-                            help=f"BPE vocabulary size, special tokens included (>= {MIN_VOCAB_SIZE})")
+    def extra(parser: argparse.ArgumentParser, positive_int) -> None:
+        parser.add_argument("--vocab-size", type=positive_int, default=None,
+                            help=f"pydoc corpus: BPE vocabulary size, special tokens included (>= {MIN_VOCAB_SIZE}; default 2048)")
+        user_data.add_arguments(parser, required=False)
+        parser.add_argument("--text-field", default="text", help="your text: the field (.jsonl/.json) or column (.parquet) holding it")
+        parser.add_argument("--sample-by", choices=("document", "paragraph", "line"), default="document",
+                            help="your text: a .txt file is one document, or one per blank-line paragraph, or per line")
 
     parser = shards.arg_parser("python -m data.prepare_text", __doc__.splitlines()[0],
-                               "output directory (created; must be empty or a previous text build)", extra=vocab,
-                               seed_help="seed of the topic split and of the shard order")
-    # Held out by topic here (not stratified); the shared default (0.15) suits the digits.
-    parser.set_defaults(val_fraction=DEFAULT_VAL_FRACTION)
+                               "output directory (created; must be empty or a previous text build)", extra=extra,
+                               seed_help="seed of the train/val split (pydoc: of the topic split) and of the shard order")
+    # Held out by topic for pydoc (not stratified), by document for your text; the shared default (0.15) suits the digits.
+    parser.set_defaults(val_fraction=None)
     args = parser.parse_args(argv)
-    if args.vocab_size < MIN_VOCAB_SIZE:
+    own = args.tokenizer is not None or args.input is not None
+    if own and (args.tokenizer is None or args.input is None):
+        parser.error("--tokenizer and --input go together (your own text); without both the pydoc corpus is built")
+    if own and args.vocab_size is not None:
+        parser.error("--vocab-size is for the pydoc corpus; your text keeps --tokenizer's vocabulary")
+    if args.vocab_size is not None and args.vocab_size < MIN_VOCAB_SIZE:
         parser.error(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {args.vocab_size}")
+    if args.val_fraction is None:
+        args.val_fraction = user_data.DEFAULT_VAL_FRACTION if own else DEFAULT_VAL_FRACTION
+    if args.vocab_size is None:
+        args.vocab_size = 2048
     return args
+
+
+def _main_own_text(args: argparse.Namespace) -> int:
+    user_data.quiet_datasets()
+    options = {"text_field": args.text_field, "sample_by": args.sample_by,
+               "prep_fingerprint": hashlib.sha256(json.dumps(USER_PREP, sort_keys=True).encode()).hexdigest()[:16]}
+    return user_data.run_cli(
+        args, fmt="text", options=lambda _tokenizer: options,
+        read=functools.partial(read_text_file, field=args.text_field, sample_by=args.sample_by), encode=encode_user_text,
+        describe=lambda meta: f"tokens train {meta['tokens']['train']:,} / val {meta['tokens']['val']:,}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.tokenizer is not None:
+        return _main_own_text(args)
     out = args.out.absolute()
     wanted = {"vocab_size": args.vocab_size, "train_shards": args.train_shards, "val_shards": args.val_shards,
               "val_fraction": args.val_fraction, "seed": args.seed}

@@ -13,6 +13,7 @@ the dataset in error messages.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shutil
@@ -59,6 +60,30 @@ def file_sizes(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
 
 
+def npy_bytes(array: np.ndarray) -> bytes:
+    """An array as the bytes of an ``.npy`` file (a sample's ``ids.npy``; training decodes it with ``np.load``)."""
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def write_split(out: Path, split: str, rows: np.ndarray, sample_of: Callable[[int], dict], num_shards: int) -> list[dict]:
+    """One split's ``{split}-NNNNNN.tar`` shards in ``out``: ``rows`` spread evenly over ``num_shards``, each
+    written as ``sample_of(row)`` (a WebDataset sample dict). Returns the shard bookkeeping of a ShardWriter."""
+    import webdataset as wds
+
+    written = []
+    # array_split: consecutive chunks whose sizes differ by at most one ("spread evenly").
+    for shard_id, chunk in enumerate(np.array_split(rows, num_shards)):
+        name = f"{split}-{shard_id:06d}.tar"
+        # mtime fixed (an int: a float adds a PAX header per member) so the same seed gives the same bytes.
+        with wds.TarWriter(str(out / name), mtime=0) as sink:
+            for row in chunk:
+                sink.write(sample_of(int(row)))
+        written.append({"name": name, "samples": len(chunk), "bytes": (out / name).stat().st_size})
+    return written
+
+
 def build_atomically(
     out: Path,
     *,
@@ -71,6 +96,7 @@ def build_atomically(
     load: Callable[[], tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]],
     start_meta: Callable[[Path], dict[str, Any]],
     write_shards: ShardWriter,
+    fewer_shards_ok: bool = False,
 ) -> tuple[dict, bool]:
     """Build a dataset in ``out`` unless a complete one (per ``read_meta``) is there. Returns (meta, built_now).
 
@@ -78,6 +104,8 @@ def build_atomically(
     ``start_meta(tmp)`` writes whatever goes beside the shards into the temp dir and returns the
     meta dict, with a ``"splits"`` key where the shard bookkeeping goes (its place sets the key
     order in meta.json). ``write_shards`` writes one split's shards into the temp dir.
+    ``fewer_shards_ok``: a split with fewer samples than shards gets one shard per sample (datasets of
+    any size, e.g. the user's own files) instead of an error.
     """
     if train_shards < 1 or val_shards < 1:
         raise ValueError(f"train_shards and val_shards must be >= 1 (got {train_shards}, {val_shards})")
@@ -94,6 +122,8 @@ def build_atomically(
 
     images, labels, rows = load()
     counts = {"train": train_shards, "val": val_shards}
+    if fewer_shards_ok:
+        counts = {split: min(counts[split], len(rows[split])) for split in SPLITS}
     for split in SPLITS:
         if len(rows[split]) < counts[split]:
             raise ValueError(f"{len(rows[split])} {split} samples cannot fill {counts[split]} shards")

@@ -24,7 +24,8 @@ def prepare_dataset(data: DataConfig, dist: DistInfo, *, asset: str | None = Non
     is the only one that can tell a dataset built with other settings or by an older version of
     itself (it then fails, and so does the run, with its reason). After a barrier, the first rank
     of any other node that sees no dataset (``data.root`` on a node-local disk) builds its own.
-    With ``data.build`` empty a missing dataset is a DataError naming ``data.root``.
+    With ``data.build`` empty a missing dataset is a DataError naming ``data.root`` (and the command
+    that builds it, ``data.build_hint``).
     """
     from common.data.dataset import META_NAME, complete_meta, load_dataset_meta, run_builder
     from common.distributed import barrier, broadcast_object
@@ -58,4 +59,5 @@ def prepare_dataset(data: DataConfig, dist: DistInfo, *, asset: str | None = Non
     except DataError as exc:
         if data.build:
             raise
-        raise DataError(f"{exc} (data.build is empty, so nothing builds it)") from None
+        hint = f"; build it with: {data.build_hint.replace('{root}', str(root))}" if data.build_hint else ""
+        raise DataError(f"{exc} (data.build is empty, so nothing builds it{hint})") from None

@@ -103,6 +103,22 @@ def load_asset(root: str | Path, asset: str, auto_class: Any, expected: type) ->
     return loaded
 
 
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """Identity of a fast tokenizer: how it turns text into ids (vocabulary, merges, special tokens,
+    normalizer, pre-tokenizer, post-processor), independent of the folder and of the files' formatting.
+
+    Equal for a checkpoint's tokenizer and the copy a data builder saved of it, so a run can check that
+    its data was tokenized by the checkpoint's tokenizer. Padding/truncation settings are call-time
+    state, not identity, and are left out; so is the chat template (meta.json records it apart).
+    """
+    import hashlib
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    for key in ("padding", "truncation"):
+        state.pop(key, None)
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
 def run_builder(build: Sequence[str], root: str | Path) -> str:
     """Run a dataset's builder, ``python -m <build...> --out <root>``, from the repo root; its stdout.
 

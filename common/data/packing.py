@@ -12,7 +12,9 @@ stream -- drives both attention paths:
 
 Segments are the samples AND each row's padding tail (its own segment), so flash never lets a
 sample attend to padding, and the 4D mask built from the same segments attends exactly as
-flash does. Packing changes speed, not math: with the first label of every sample masked (see
+flash does. No segment crosses a row, so any group of rows (a pipeline microbatch) has its own
+``cu_seqlens``: ``cu_seqlens_of_rows(batch.row_segments()[rows])``, which for all rows is the
+batch's. Packing changes speed, not math: with the first label of every sample masked (see
 ``_build``), the loss with packing on equals the loss with packing off (``pad_samples``).
 """
 
@@ -87,6 +89,12 @@ class PackedBatch:
         flat = torch.arange(self.input_ids.numel())
         return torch.bucketize(flat, boundaries, right=True).view_as(self.input_ids)
 
+    def row_segments(self) -> torch.Tensor:
+        """[R, W] int32: each row's segment lengths (its samples, then its padding tail if any), zero-padded
+        to the row with most segments. Split by rows with the other tensors, it keeps every group's
+        boundaries (:func:`cu_seqlens_of_rows`)."""
+        return _row_segments(self.seq_lens, self.row_len)
+
     def attention_mask_4d(self, dtype: torch.dtype = torch.bool) -> torch.Tensor:
         """[R, 1, L, L] mask: query q may attend key k iff both are in the same segment and k <= q.
 
@@ -145,6 +153,24 @@ class PackedBatch:
         return inputs
 
 
+def _row_segments(seq_lens: list[list[int]], row_len: int) -> torch.Tensor:
+    rows = [lens + ([row_len - sum(lens)] if sum(lens) < row_len else []) for lens in seq_lens]
+    out = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int32)
+    for r, lens in enumerate(rows):
+        out[r, : len(lens)] = torch.tensor(lens, dtype=torch.int32)
+    return out
+
+
+def cu_seqlens_of_rows(row_segments: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(cu_seqlens, max_seqlen)`` of the rows' flattened tokens from their :meth:`PackedBatch.row_segments`:
+    int32 ``[N+1]`` boundaries of the N non-empty segments in token order, and the longest. Host-side
+    (CPU tensors): the kernels take ``max_seqlen`` as a Python int, which a GPU tensor would cost a sync."""
+    lengths = row_segments[row_segments > 0]  # row-major: the segments in token order
+    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(lengths.long(), 0).to(torch.int32)
+    return cu_seqlens, int(lengths.max())
+
+
 def _as_tensors(samples: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids, labels) of each sample as 1-D long tensors, checked for equal, non-zero length."""
     out = []
@@ -168,7 +194,6 @@ def _build(
     labels = torch.full((num_rows, row_len), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((num_rows, row_len), dtype=torch.long)
     seq_lens: list[list[int]] = []
-    segments: list[int] = []
     for r, row in enumerate(rows):
         start = 0
         seq_lens.append([])
@@ -184,12 +209,9 @@ def _build(
             labels[r, start] = IGNORE_INDEX
             position_ids[r, start : start + n] = torch.arange(n)
             seq_lens[r].append(n)
-            segments.append(n)
             start += n
-        if start < row_len:
-            segments.append(row_len - start)  # the padding tail is its own segment
-    cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(torch.tensor(segments, dtype=torch.int64), 0).to(torch.int32)
+    # The segments: each row's samples, then its padding tail as a segment of its own.
+    cu_seqlens, max_seqlen = cu_seqlens_of_rows(_row_segments(seq_lens, row_len))
     return PackedBatch(
         input_ids=input_ids,
         labels=labels,
@@ -197,7 +219,7 @@ def _build(
         seq_lens=seq_lens,
         order=[i for row in rows for i in row],
         cu_seqlens=cu_seqlens,
-        max_seqlen=max(segments),
+        max_seqlen=max_seqlen,
         num_real_tokens=sum(map(sum, seq_lens)),
     )
 

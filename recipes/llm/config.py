@@ -58,5 +58,6 @@ def validate(cfg: TrainConfig) -> None:
         # torchao's float8 linears need their own tensor-parallel styles (Float8ColwiseParallel, ...).
         raise ConfigError(f"toggles.precision=fp8 with parallel.tp={p.tp}: the LLM recipe converts to fp8 without "
                           "tensor parallelism only (parallel.tp=1)")
-    if cfg.toggles.attention == "flash":
-        raise ConfigError("toggles.attention=flash is not in the LLM recipe yet; use sdpa")
+    if cfg.toggles.attention == "eager":
+        raise ConfigError("toggles.attention=eager is not in the LLM recipe: its own Llama runs sdpa (a dense mask) "
+                          "or flash (the varlen kernel on packed rows)")

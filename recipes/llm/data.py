@@ -3,6 +3,11 @@
 Every rank reads the same global document stream and data-parallel rank r takes documents
 r, r+dp, ... of each global micro-batch, so the global batch — and the loss — does not
 depend on the parallel layout (tp/dp), and neither does the loader's saved position.
+
+A text sample trains on every token; a chat sample (``mask.npy`` beside ``ids.npy``, written by
+``data.prepare_chat``) only on the tokens its mask marks, the assistant's: the others get label
+-100, so the loss and its normalization (a sum over labelled tokens / their global count) see
+only them. Packed rows keep conversations apart as they keep documents apart.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import torch
 from common.config import TrainConfig
 from common.data import prepare_dataset
 from common.data.dataset import load_asset
-from common.data.packing import PackedBatch, pack_samples
+from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples
 from common.data.webdataset import build_webdataset_loader
 from common.distributed import DistInfo
+from common.errors import DataError
+from recipes.llm.model import Segments
 
 if TYPE_CHECKING:  # transformers is slow to import; load it only where it is used
     from transformers import PreTrainedTokenizerFast
@@ -28,8 +35,23 @@ TOKENIZER_DIR = "tokenizer"  # the dataset's side folder holding the tokenizer (
 
 
 def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
-    """Shards and tokenizer meta on every rank (built by the dataset's builder, data.build, if missing)."""
-    return prepare_dataset(cfg.data, dist, asset=TOKENIZER_DIR)
+    """Shards and tokenizer meta on every rank (built by the dataset's builder, data.build, if missing).
+
+    Conversations are never cut (a cut reply teaches stopping mid-sentence), so a chat dataset whose
+    longest conversation exceeds ``data.max_seq_len`` is refused here, in one line.
+    """
+    meta = prepare_dataset(cfg.data, dist, asset=TOKENIZER_DIR)
+    if meta.get("format") == "chat" and meta["longest_sample"] > cfg.data.max_seq_len:
+        raise DataError(f"data.root={cfg.data.root} holds conversations of up to {meta['longest_sample']} tokens, more than "
+                        f"data.max_seq_len={cfg.data.max_seq_len}: raise data.max_seq_len or rebuild it with "
+                        f"python -m data.prepare_chat --max-seq-len {cfg.data.max_seq_len} ... --force")
+    return meta
+
+
+def pad_id(tokenizer: PreTrainedTokenizerFast) -> int:
+    """The id that fills packed rows: the pad token, else eos (Llama 3 defines no pad token). Padding is
+    never attended to by real tokens and never labelled, so any id does."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def load_tokenizer(root: str | Path) -> PreTrainedTokenizerFast:
@@ -40,7 +62,8 @@ def load_tokenizer(root: str | Path) -> PreTrainedTokenizerFast:
 
 
 def decode_document(sample: dict) -> dict:
-    """Raw WebDataset sample -> ``{"input_ids": LongTensor[T]}`` (``<s>`` + tokens + ``</s>``).
+    """Raw WebDataset sample -> ``{"input_ids": LongTensor[T], "labels": LongTensor[T]}``: a document's
+    (``<s>`` + tokens + ``</s>``) labels are its ids; a conversation's are -100 where ``mask.npy`` is 0.
 
     Module-level (hence picklable) so that it can be handed to DataLoader workers as the
     ``decode`` of ``common.data.webdataset.build_webdataset_loader``.
@@ -48,7 +71,13 @@ def decode_document(sample: dict) -> dict:
     ids = np.load(io.BytesIO(sample["ids.npy"]), allow_pickle=False)
     if ids.ndim != 1 or ids.size < 2 or ids.dtype.kind not in "iu":
         raise ValueError(f"{sample.get('__key__')}: expected a 1-D integer array of >= 2 ids, got {ids.dtype} {ids.shape}")
-    return {"input_ids": torch.from_numpy(ids.astype(np.int64))}
+    input_ids = torch.from_numpy(ids.astype(np.int64))
+    if "mask.npy" not in sample:
+        return {"input_ids": input_ids, "labels": input_ids}
+    mask = np.load(io.BytesIO(sample["mask.npy"]), allow_pickle=False)
+    if mask.shape != ids.shape:
+        raise ValueError(f"{sample.get('__key__')}: mask.npy has shape {mask.shape}, ids.npy {ids.shape}")
+    return {"input_ids": input_ids, "labels": input_ids.masked_fill(torch.from_numpy(mask == 0), IGNORE_INDEX)}
 
 
 def chunk_document(ids: torch.Tensor, max_len: int) -> list[torch.Tensor]:
@@ -76,11 +105,23 @@ def build_train_loader(cfg: TrainConfig, urls: list[str], dp: int):
 
 
 def local_batch(documents: list[dict], *, dp_rank: int, dp: int, max_seq_len: int, pad_id: int) -> PackedBatch:
-    """This dp rank's documents, cut to max_seq_len, packed into rows (labels = inputs; the
-    shift happens in the loss, and each piece's first label is masked by the packer)."""
+    """This dp rank's documents, cut to max_seq_len, packed into rows (labels unshifted: the shift
+    happens in the loss, and each piece's first label is masked by the packer)."""
     samples = [
-        {"input_ids": piece, "labels": piece}
+        {"input_ids": ids, "labels": labels}
         for doc in documents[dp_rank::dp]
-        for piece in chunk_document(doc["input_ids"], max_seq_len)
+        for ids, labels in zip(chunk_document(doc["input_ids"], max_seq_len), chunk_document(doc["labels"], max_seq_len))
     ]
     return pack_samples(samples, max_seq_len, pad_id)
+
+
+def model_inputs(packed: PackedBatch, attention: str, device: torch.device) -> dict:
+    """The Transformer's keyword inputs for a packed batch: per-document ``position_ids`` and the document
+    boundaries as the attention kernel takes them, both from the same ``cu_seqlens``. ``flash``: the
+    boundaries themselves (``Segments``, for the varlen kernel on CUDA; nothing quadratic is built);
+    otherwise the ``[rows, 1, L, L]`` block-diagonal causal mask for SDPA."""
+    if attention == "flash":
+        attn_mask = Segments(packed.cu_seqlens.to(device, non_blocking=True), packed.max_seqlen)
+    else:
+        attn_mask = packed.attention_mask_4d().to(device)
+    return {"position_ids": packed.position_ids.to(device), "attn_mask": attn_mask}

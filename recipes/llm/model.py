@@ -23,6 +23,7 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +95,7 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` ``[B, H, S, hd]`` by ``cos``/``sin`` broadcastable to it (cast to x's dtype, as HF does)."""
+    """Rotate ``x`` ``[B, S, H, hd]`` by ``cos``/``sin`` broadcastable to it (cast to x's dtype, as HF does)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
@@ -126,31 +127,60 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
+class Segments(NamedTuple):
+    """Packed rows as a varlen attention kernel takes them (``PackedBatch.cu_seqlens`` / ``max_seqlen``)."""
+
+    cu_seqlens: Tensor  # int32 [N+1]: boundaries of the N segments (documents, padding tails) over the B*S tokens
+    max_seqlen: int  # the longest segment, a Python int (the kernel sizes its grid by it; no device sync)
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    """torch's FlashAttention varlen kernel: causal within each segment, ``[T, H, hd]`` -> ``[T, Hq, hd]``,
+    with the kernel sharing each key/value head among its query heads (GQA). CUDA only (bf16/fp16)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), enable_gqa=True)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Segments | None) -> Tensor:
+    """Causal attention of ``[B, S, Hq, hd]`` queries over ``[B, S, Hkv, hd]`` keys/values -> ``[B, S, Hq, hd]``.
+
+    ``Segments`` (packed rows on CUDA, ``toggles.attention=flash``): the varlen kernel over the flattened
+    tokens, no mask at all. Otherwise SDPA with the dense mask (or plain causal). There key/value head h
+    is repeated for query heads h*n_rep.. (HF's repeat_kv): SDPA's CUDA kernels that take a mask do not
+    support GQA, and ``enable_gqa`` would fall back to the math kernel.
+    """
+    bsz, seqlen = q.shape[:2]
+    if isinstance(mask, Segments):
+        out = varlen_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), mask.cu_seqlens, mask.max_seqlen)
+        return out.view(bsz, seqlen, *out.shape[1:])
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    n_rep = q.shape[1] // k.shape[1]  # unchanged by TP: q and kv heads shard alike
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None).transpose(1, 2)
+
+
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE on q and k, through F.scaled_dot_product_attention."""
+    """Grouped-query attention with RoPE on q and k (the kernel: :func:`attend`)."""
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.n_rep = args.n_heads // args.n_kv_heads  # unchanged by TP: q and kv heads shard alike
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | Segments | None) -> Tensor:
         bsz, seqlen, _ = x.shape
-        # -1 heads: the local head count under tensor parallelism.
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        # [B, S, heads, hd]; -1 heads: the local head count under tensor parallelism.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_rep > 1:
-            # Query head h reads kv head h // n_rep (HF's repeat_kv), hence repeat_interleave.
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return self.wo(attend(q, k, v, attn_mask).reshape(bsz, seqlen, -1))
 
 
 class FeedForward(nn.Module):
@@ -175,7 +205,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | Segments | None = None) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -244,16 +274,17 @@ class Transformer(nn.Module):
     # -- forward ------------------------------------------------------------------------------
 
     def forward(self, tokens_or_hidden: Tensor, position_ids: Tensor | None = None,
-                attn_mask: Tensor | None = None) -> Tensor:
+                attn_mask: Tensor | Segments | None = None) -> Tensor:
         """Logits ``[B, S, V]`` if this module has ``output``, else hidden states ``[B, S, D]``.
 
         tokens_or_hidden: token ids ``[B, S]`` when ``tok_embeddings`` exists (first pipeline stage
             or the whole model), hidden states ``[B, S, D]`` otherwise.
         position_ids: ``[B, S]`` long, RoPE positions; per-document positions for packed rows.
             Default ``arange(S)``.
-        attn_mask: ``None`` -> causal. Otherwise a ``[B, 1, S, S]`` mask for SDPA: bool with
-            True = attend (e.g. ``PackedBatch.attention_mask_4d()``, block-diagonal causal), or
-            additive float. It replaces causality, so it must be causal itself.
+        attn_mask: ``None`` -> causal. A ``[B, 1, S, S]`` mask for SDPA: bool with True = attend
+            (e.g. ``PackedBatch.attention_mask_4d()``, block-diagonal causal), or additive float; it
+            replaces causality, so it must be causal itself. Or the same packing as ``Segments``
+            (``PackedBatch.cu_seqlens`` / ``max_seqlen``) for the varlen flash kernel (CUDA).
         """
         if self.tok_embeddings is not None:
             if tokens_or_hidden.dim() != 2:
@@ -272,9 +303,9 @@ class Transformer(nn.Module):
             # device sync on position_ids.max().
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.args.max_seq_len}")
         if position_ids is None:
-            cos, sin = self.rope_cache[:, :seqlen]  # [S, hd] each: broadcast over batch and heads
+            cos, sin = self.rope_cache[:, :seqlen].unsqueeze(-2)  # [S, 1, hd] each: broadcast over batch and heads
         else:
-            cos, sin = self.rope_cache[:, position_ids].unsqueeze(2)  # [B, 1, S, hd] each
+            cos, sin = self.rope_cache[:, position_ids].unsqueeze(-2)  # [B, S, 1, hd] each
         for layer in self.layers.values():
             h = layer(h, cos, sin, attn_mask)
         if self.norm is not None:

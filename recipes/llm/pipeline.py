@@ -24,6 +24,12 @@ Masking across stages
     the whole microbatch's mask and positions locally: nothing extra is sent, and the
     non-differentiable mask/positions never enter the P2P/backward path.
 
+    With ``toggles.attention=flash`` no mask is built: the kwarg is ``row_segments`` (each row's
+    segment lengths, a host tensor split by rows like the inputs) and each stage module
+    (``_VarlenStage``) turns its microbatch's rows into that microbatch's own ``cu_seqlens`` /
+    ``max_seqlen`` -- segments never cross rows, so a group of rows is a packed batch of its own --
+    and hands them to the varlen kernel. They are computed on the host, so no step waits on the GPU.
+
 Fixed shapes
     ``PipelineStage`` infers the shapes of the tensors it sends/receives once (first step) and
     keeps those buffers. The microbatch shape is therefore fixed for the run:
@@ -47,8 +53,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import TrainConfig
-from common.data.packing import IGNORE_INDEX, PackedBatch
-from recipes.llm.model import Transformer
+from common.data.packing import IGNORE_INDEX, PackedBatch, cu_seqlens_of_rows
+from recipes.llm.model import Segments, Transformer
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -109,23 +115,43 @@ def _stage_view(rank_model: Transformer, layer_ids: list[int], first: bool, last
     return view
 
 
-def pad_rows(packed: PackedBatch, num_rows: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """Model inputs of ``packed`` grown to ``num_rows`` rows with empty rows (pad, -100, pos 0, causal)."""
-    inputs = packed.model_inputs("sdpa")
+def pad_rows(packed: PackedBatch, num_rows: int, pad_id: int, attention: str = "sdpa") -> dict[str, torch.Tensor]:
+    """Inputs of ``packed`` grown to ``num_rows`` rows with empty rows (pad, -100, pos 0, one causal segment):
+    input_ids, labels, position_ids and, by ``attention``, the dense ``attn_mask`` or (``flash``)
+    ``row_segments``: the model's keyword names."""
     extra = num_rows - packed.num_rows
     if extra < 0:
         raise ValueError(f"packed batch has {packed.num_rows} rows, more than {num_rows}")
-    if extra == 0:
-        return inputs
     L = packed.row_len
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    inputs = {"input_ids": packed.input_ids, "labels": packed.labels, "position_ids": packed.position_ids}
     fill = {
         "input_ids": torch.full((extra, L), pad_id, dtype=torch.long),
         "labels": torch.full((extra, L), IGNORE_INDEX, dtype=torch.long),
         "position_ids": torch.zeros((extra, L), dtype=torch.long),
-        "attention_mask": causal.expand(extra, 1, L, L),
     }
-    return {k: torch.cat([inputs[k], fill[k]]) for k in fill}
+    if attention == "flash":
+        segments = packed.row_segments()
+        inputs["row_segments"] = segments
+        fill["row_segments"] = torch.zeros((extra, segments.shape[1]), dtype=segments.dtype)
+        fill["row_segments"][:, 0] = L
+    else:
+        inputs["attn_mask"] = packed.attention_mask_4d()
+        fill["attn_mask"] = torch.ones(L, L, dtype=torch.bool).tril().expand(extra, 1, L, L)
+    return {k: torch.cat([inputs[k], fill[k]]) for k in inputs}
+
+
+class _VarlenStage(nn.Module):
+    """A stage view fed ``row_segments`` (its microbatch's rows) instead of a mask: it derives the
+    microbatch's ``cu_seqlens`` on the host and runs the view with them (the varlen kernel)."""
+
+    def __init__(self, view: Transformer):
+        super().__init__()
+        self.view = view
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, row_segments: torch.Tensor) -> torch.Tensor:
+        cu_seqlens, max_seqlen = cu_seqlens_of_rows(row_segments)
+        segments = Segments(cu_seqlens.to(x.device, non_blocking=True), max_seqlen)
+        return self.view(x, position_ids=position_ids, attn_mask=segments)
 
 
 class Pipeline:
@@ -149,8 +175,10 @@ class Pipeline:
         self.stage_ids = rank_stages(pp_rank, self.pp, self.v)
         self.is_first = 0 in self.stage_ids
         self.is_last = n_stages - 1 in self.stage_ids
+        self.attention = cfg.toggles.attention
+        wrap = _VarlenStage if self.attention == "flash" else (lambda view: view)
         self.stages = [
-            PipelineStage(_stage_view(rank_model, layer_ids[s], s == 0, s == n_stages - 1), s, n_stages, device,
+            PipelineStage(wrap(_stage_view(rank_model, layer_ids[s], s == 0, s == n_stages - 1)), s, n_stages, device,
                           group=self.pp_group)
             for s in self.stage_ids
         ]
@@ -179,14 +207,17 @@ class Pipeline:
         self._scale = scale
         loss_sum = torch.zeros((), device=self.device)
         rounds = self.rounds_for(packed)
-        inputs = {k: v.to(self.device) for k, v in pad_rows(packed, rounds * self.round_rows, pad_id).items()}
+        # row_segments stay on the host: each stage derives its microbatch's cu_seqlens from them.
+        inputs = {k: v if k == "row_segments" else v.to(self.device)
+                  for k, v in pad_rows(packed, rounds * self.round_rows, pad_id, self.attention).items()}
+        mask = "row_segments" if self.attention == "flash" else "attn_mask"
         for r in range(rounds):
             losses: list[torch.Tensor] = []
             rows = slice(r * self.round_rows, (r + 1) * self.round_rows)
             args = (inputs["input_ids"][rows],) if self.is_first else ()
             target = inputs["labels"][rows] if self.is_last else None
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                               position_ids=inputs["position_ids"][rows], attn_mask=inputs["attention_mask"][rows])
+                               position_ids=inputs["position_ids"][rows], **{mask: inputs[mask][rows]})
             if losses:  # last stage: the scaled microbatch losses
                 loss_sum += torch.stack([x.detach() for x in losses]).sum() / scale
         return loss_sum

@@ -25,7 +25,7 @@ from common.parallel_dims import ParallelDims
 from common.profiling import StepTimer
 from common.seed import seed_everything
 from common.trainer import StepStats, Trainer, TrainState
-from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, prepare_data
+from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, model_inputs, pad_id, prepare_data
 from recipes.llm.model import LlamaArgs, Transformer, to_hf_config, to_hf_state_dict
 from recipes.llm.parallelize import parallelize
 from recipes.llm.pipeline import Pipeline, clip_grad_norm_, split_for_rank, virtual_stages
@@ -100,14 +100,15 @@ class LLMTrainer(Trainer):
     def micro_step_loss(self, documents: list[dict]) -> tuple[torch.Tensor, float, int, int]:
         """Loss whose dp-average of gradients equals the gradient of the global token mean."""
         packed = local_batch(documents, dp_rank=self.dp_rank, dp=self.dims.dp,
-                             max_seq_len=self.cfg.data.max_seq_len, pad_id=self.tokenizer.pad_token_id)
-        inputs = packed.model_inputs("sdpa", device=self.device)
-        labels = inputs["labels"][:, 1:]
+                             max_seq_len=self.cfg.data.max_seq_len, pad_id=pad_id(self.tokenizer))
+        labels = packed.labels[:, 1:].to(self.device)
+        # Only labelled tokens count (chat: the assistant's), here and in the loss's ignore_index.
         local_tokens = (labels != -100).sum()
         global_tokens = local_tokens.clone()
         tdist.all_reduce(global_tokens, group=self.mesh["dp"].get_group())
         with self.autocast():
-            logits = self.model(inputs["input_ids"], position_ids=inputs["position_ids"], attn_mask=inputs["attention_mask"])
+            logits = self.model(packed.input_ids.to(self.device),
+                                **model_inputs(packed, self.cfg.toggles.attention, self.device))
         with self.loss_context():
             loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
             if hasattr(loss_sum, "full_tensor"):  # loss parallel: a replicated DTensor scalar
@@ -118,12 +119,12 @@ class LLMTrainer(Trainer):
     def pipeline_micro_step(self, documents: list[dict], accum: int) -> tuple[torch.Tensor, int, int]:
         """micro_step_loss + backward under PP: the schedule runs forward and backward per microbatch."""
         packed = local_batch(documents, dp_rank=self.dp_rank, dp=self.dims.dp,
-                             max_seq_len=self.cfg.data.max_seq_len, pad_id=self.tokenizer.pad_token_id)
+                             max_seq_len=self.cfg.data.max_seq_len, pad_id=pad_id(self.tokenizer))
         global_tokens = (packed.labels[:, 1:] != -100).sum().to(self.device)
         tdist.all_reduce(global_tokens, group=self.mesh["dp"].get_group())
         scale = self.dims.dp / max(1, int(global_tokens)) / accum  # micro_step_loss's normalization
         with self.autocast():
-            loss_sum = self.pipeline.step(packed, self.tokenizer.pad_token_id, scale)
+            loss_sum = self.pipeline.step(packed, pad_id(self.tokenizer), scale)
         return loss_sum, int(global_tokens), packed.input_ids.numel()
 
     def train_step(self, batches, timer: StepTimer) -> StepStats:
@@ -140,8 +141,9 @@ class LLMTrainer(Trainer):
                     loss, loss_sum, n_tokens, n_slots = self.micro_step_loss(documents)
                 with timer.phase("backward"), self.loss_context():
                     (loss / accum).backward()
-            total += loss_sum.float() / max(1, n_tokens) / accum
-            tokens, slots = tokens + n_tokens, slots + n_slots
+            total += loss_sum.float() / max(1, n_tokens) / accum  # mean over labelled tokens (chat: the assistant's)
+            # Throughput counts every real token (the global micro-batch is on every rank), labelled or not.
+            tokens, slots = tokens + sum(d["input_ids"].numel() for d in documents), slots + n_slots
         with timer.phase("optimizer"):
             clip = self.cfg.optim.grad_clip or float("inf")
             if self.pipeline is not None:  # the norm spans every stage's gradients
@@ -254,10 +256,13 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         model = Transformer(args)
     layer, first = count_params(model.layers["0"]), count_params(model.tok_embeddings)
     last = count_params(model.norm) + count_params(model.output)
-    # SDPA with the packed documents' [b,1,s,s] bool mask; DTensor TP keeps the gathered linear inputs.
+    # sdpa: the packed documents' [b,1,s,s] bool mask (kept as a bias per layer) and K/V repeated per query
+    # head; flash: the varlen kernel takes cu_seqlens and shares K/V heads. DTensor TP keeps the gathered
+    # linear inputs.
+    varlen = cfg.toggles.attention == "flash"
     block = Block(hidden=args.dim, heads=args.n_heads, ffn=args.ffn_dim, kv_heads=args.n_kv_heads, norm="rmsnorm",
-                  mlp="swiglu", dropout=False, attention="fused", dense_mask=True, megatron_sp=False,
-                  selective="save_matmuls")
+                  mlp="swiglu", dropout=False, attention="fused", repeat_kv=not varlen, dense_mask=not varlen,
+                  megatron_sp=False, selective="save_matmuls")
     p = cfg.parallel
     return ModelSpec(cfg.recipe.name, block, layers=args.n_layers, seq=cfg.data.max_seq_len,
                      micro_batch=cfg.trainer.micro_batch_size, layer_params=layer, first_params=first,
