@@ -1,8 +1,9 @@
 """Every command in the README's ```bash blocks runs, in README order, on this CPU machine.
 
 Each command is run as written, with only what makes it tiny appended (few steps, small eval) and
-its `outputs/...` paths moved into a temp dir; `outputs/<recipe>/<run>` stands for that recipe's
-latest run here. A command that cannot run on a CPU machine is listed in NOT_RUN with the test
+its `outputs/...` and `data/my_*` paths moved into a temp dir; `outputs/<recipe>/<run>` stands for
+that recipe's latest run here, and what a user brings (`~/models/<Name>`, `~/data/<name>`) is a tiny
+offline fixture from tests/fixtures/. A command that cannot run on a CPU machine is listed in NOT_RUN with the test
 that covers the same path; a README command that is neither run nor listed fails the test, so a
 new README command cannot go untested unnoticed.
 """
@@ -21,6 +22,7 @@ import pytest
 from common.distributed import free_port
 from common.tools.launcher import launch_env
 from tests.conftest import REPO
+from tests.fixtures import llm_data
 
 pytestmark = pytest.mark.integration
 
@@ -40,6 +42,13 @@ SCRIPT_ARGS = {
     "scripts/bench_pipeline.py": ["--microbatches", "2", "--rows", "4", "--seq", "32", "--dim", "32",
                                   "--warmup", "0", "--iters", "1"],
     "scripts/serve.py": ["serve.dry_run=true"],  # the servers themselves: tests/integration/test_serve.py
+}
+
+# What a user brings, as the README names it -> a builder of the tiny stand-in (called with a folder).
+FIXTURES = {
+    "~/models/Llama-3.2-1B": llm_data.write_llama_tokenizer,
+    "~/data/corpus": llm_data.write_corpus,
+    "~/data/chat.jsonl": lambda d: llm_data.write_chat(Path(d) / "chat.jsonl"),
 }
 
 # Commands that cannot run here, each with the place that runs the same code path.
@@ -88,10 +97,22 @@ class Session:
     """Runs README commands in order, remembering each recipe's latest run for `<run>`."""
 
     def __init__(self, tmp: Path):
-        self.tmp, self.latest, self.count = tmp, {}, 0
+        self.tmp, self.latest, self.count, self.fixtures = tmp, {}, 0, {}
+
+    def fixture(self, placeholder: str) -> str:
+        if placeholder not in self.fixtures:
+            folder = self.tmp / "fixtures" / placeholder.rsplit("/", 1)[-1]
+            folder.mkdir(parents=True, exist_ok=True)
+            self.fixtures[placeholder] = str(FIXTURES[placeholder](folder))
+        return self.fixtures[placeholder]
 
     def path(self, token: str) -> str:
-        """outputs/... -> the temp dir; outputs/<recipe>/<run>... -> that recipe's latest run."""
+        """A user's folders -> fixtures; outputs/... and data/my_... -> the temp dir;
+        outputs/<recipe>/<run>... -> that recipe's latest run."""
+        for placeholder in FIXTURES:
+            if placeholder in token:
+                token = token.replace(placeholder, self.fixture(placeholder))
+        token = token.replace("data/my_", f"{self.tmp}/data/my_")
         if "outputs/" not in token:
             return token
         head, _, rest = token.partition("outputs/")
@@ -166,6 +187,7 @@ def test_every_readme_command_is_run_or_accounted_for():
     assert len(COMMANDS) > 20
     session = Session(Path("/nonexistent"))
     session.latest = {r: Path("/x") for r in ("dit_tiny", "vlm_tiny", "llm_tiny")}
+    session.fixtures = {placeholder: "/fixture" for placeholder in FIXTURES}
     for argv in COMMANDS:
         if not_run_reason(argv) is None:
             session.command(argv)  # raises for a command this test cannot run
