@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import shutil
 from pathlib import Path
 
@@ -19,23 +20,31 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
+from common.errors import DataError
 from common.memory import Block, ModelSpec, count_params
 from common.optim import lr_factor
 from common.parallel_dims import ParallelDims
 from common.profiling import StepTimer
 from common.seed import seed_everything
 from common.trainer import StepStats, Trainer, TrainState
+from recipes.llm import hf
 from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, prepare_data
-from recipes.llm.model import LlamaArgs, Transformer, to_hf_config, to_hf_state_dict
+from recipes.llm.model import Llama3RopeScaling, LlamaArgs, Transformer
 from recipes.llm.parallelize import parallelize
-from recipes.llm.pipeline import Pipeline, clip_grad_norm_, split_for_rank, virtual_stages
+from recipes.llm.pipeline import Pipeline, TiedEmbeddings, clip_grad_norm_, split_for_rank, virtual_stages
 
 
 def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
+    """The model of cfg.model (with model.init_from, the checkpoint's: recipes/llm/config.py:complete)."""
     m = cfg.model
+    r = m.rope_scaling
+    scaling = None if r.rope_type == "default" else Llama3RopeScaling(
+        factor=r.factor, low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+        original_max_position_embeddings=r.original_max_position_embeddings)
     return LlamaArgs(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
                      vocab_size=m.vocab_size or vocab_size, ffn_dim=m.ffn_dim, norm_eps=m.norm_eps,
-                     rope_theta=m.rope_theta, max_seq_len=m.max_seq_len)
+                     rope_theta=m.rope_theta, max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings,
+                     head_dim=m.head_dim, rope_scaling=scaling)
 
 
 # Optimizer state keyed per parameter FQN ("param_groups.<fqn>.lr", ...). Nested, `param_groups` is
@@ -50,16 +59,19 @@ class LLMTrainer(Trainer):
 
         super().__init__(cfg, dist, run_dir)
         self.meta = prepare_data(cfg, dist)
-        self.tokenizer = load_tokenizer(cfg.data.root)
+        self.tokenizer = self.resolve_tokenizer()
+        # Rows are padded with pad_token_id, else (Llama 3 has none) eos: pad slots are masked either way.
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.mesh["dp"].get_local_rank()
         loader = build_train_loader(cfg, self.meta["train_urls"], self.dims.dp)
         self.args = llama_args(cfg, len(self.tokenizer))
+        if len(self.tokenizer) > self.args.vocab_size:
+            raise DataError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size={self.args.vocab_size}")
 
-        # Build on meta, parallelize, materialize; then copy in rank 0's seeded full init so
-        # every layout starts from the same weights (a "seed checkpoint"). Under pipeline
-        # parallelism self.model is this rank's part: the layers/ends of its stages (same FQNs).
+        # Build on meta, parallelize, materialize (each rank allocates only what it holds). Under
+        # pipeline parallelism self.model is this rank's part: the layers/ends of its stages (same FQNs).
         pp = self.dims.pp
         with torch.device("meta"):
             model = Transformer(self.args)
@@ -68,15 +80,26 @@ class LLMTrainer(Trainer):
         self.model = parallelize(model, self.mesh, cfg)
         self.model.to_empty(device=self.device)
         self.model.init_weights()  # materializes the RoPE table; weights are overwritten below
-        full = None
-        if dist.is_main:
-            reference = Transformer(self.args)
-            reference.init_weights(seed=cfg.trainer.seed)
-            full = reference.state_dict()
-        # strict=False under PP: rank 0's full dict holds the other stages' keys too.
-        set_model_state_dict(self.model, full or {}, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True, strict=pp == 1))
+        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
+        resume_from = self.ckpt.resolve_resume(cfg.run.resume)
+        if cfg.model.init_from and resume_from is None:
+            hf.load_weights(self.model, self.args, cfg.model.init_from)  # each rank reads its own slices
+            if dist.is_main:
+                n = sum(math.prod(shape) for shape, _ in hf.safetensors_weights(Path(cfg.model.init_from)).values())
+                print(f"kiln: model.init_from: loaded {n:,} weights from {cfg.model.init_from}", flush=True)
+        elif not cfg.model.init_from:
+            # Rank 0's seeded full init copied into every layout, so all layouts start from the same
+            # weights (a "seed checkpoint").
+            full = None
+            if dist.is_main:
+                reference = Transformer(self.args)
+                reference.init_weights(seed=cfg.trainer.seed)
+                full = reference.state_dict()
+            # strict=False under PP: rank 0's full dict holds the other stages' keys too.
+            set_model_state_dict(self.model, full or {}, options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=pp == 1))
         self.pipeline = Pipeline(self.model, cfg, self.mesh, self.device) if pp > 1 else None
+        self.tied = TiedEmbeddings(self.model, self.mesh) if pp > 1 and self.args.tie_embeddings else None
 
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -87,20 +110,28 @@ class LLMTrainer(Trainer):
         # Layout-independent: one global data stream and no per-rank random draws, so rank 0's copy
         # (step, data position, LR schedule) resumes any layout.
         self.state = TrainState(loader, rng=False, extras={"scheduler": self.scheduler})
-
-        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
-        resume_from = self.ckpt.resolve_resume(cfg.run.resume)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
             if dist.is_main:
                 print(f"kiln: resumed from {resume_from} at step {self.state.step}", flush=True)
         self.model.train()
 
+    def resolve_tokenizer(self):
+        """The data's tokenizer, or with model.init_from the checkpoint's, after checking that the data
+        was tokenized with it."""
+        data_tokenizer = load_tokenizer(self.cfg.data.root)
+        source = self.cfg.model.init_from
+        if not source:
+            return data_tokenizer
+        tokenizer = hf.load_tokenizer(source)
+        hf.check_same_tokenizer(data_tokenizer, tokenizer, self.cfg.data.root, source)
+        return tokenizer
+
     # ---- one optimizer step -------------------------------------------------------------
     def micro_step_loss(self, documents: list[dict]) -> tuple[torch.Tensor, float, int, int]:
         """Loss whose dp-average of gradients equals the gradient of the global token mean."""
         packed = local_batch(documents, dp_rank=self.dp_rank, dp=self.dims.dp,
-                             max_seq_len=self.cfg.data.max_seq_len, pad_id=self.tokenizer.pad_token_id)
+                             max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id)
         inputs = packed.model_inputs("sdpa", device=self.device)
         labels = inputs["labels"][:, 1:]
         local_tokens = (labels != -100).sum()
@@ -118,12 +149,12 @@ class LLMTrainer(Trainer):
     def pipeline_micro_step(self, documents: list[dict], accum: int) -> tuple[torch.Tensor, int, int]:
         """micro_step_loss + backward under PP: the schedule runs forward and backward per microbatch."""
         packed = local_batch(documents, dp_rank=self.dp_rank, dp=self.dims.dp,
-                             max_seq_len=self.cfg.data.max_seq_len, pad_id=self.tokenizer.pad_token_id)
+                             max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id)
         global_tokens = (packed.labels[:, 1:] != -100).sum().to(self.device)
         tdist.all_reduce(global_tokens, group=self.mesh["dp"].get_group())
         scale = self.dims.dp / max(1, int(global_tokens)) / accum  # micro_step_loss's normalization
         with self.autocast():
-            loss_sum = self.pipeline.step(packed, self.tokenizer.pad_token_id, scale)
+            loss_sum = self.pipeline.step(packed, self.pad_id, scale)
         return loss_sum, int(global_tokens), packed.input_ids.numel()
 
     def train_step(self, batches, timer: StepTimer) -> StepStats:
@@ -144,8 +175,11 @@ class LLMTrainer(Trainer):
             tokens, slots = tokens + n_tokens, slots + n_slots
         with timer.phase("optimizer"):
             clip = self.cfg.optim.grad_clip or float("inf")
+            if self.tied is not None:
+                self.tied.all_reduce_grads()
             if self.pipeline is not None:  # the norm spans every stage's gradients
-                grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.mesh["pp"].get_group())
+                grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.mesh["pp"].get_group(),
+                                            skip=self.tied.norm_skip if self.tied is not None else None)
             else:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -203,7 +237,8 @@ class LLMTrainer(Trainer):
 
     # ---- export -----------------------------------------------------------------------------
     def export(self) -> Path:
-        """A Hugging Face LlamaForCausalLM folder (safetensors + tokenizer) from the sharded model."""
+        """A Hugging Face LlamaForCausalLM folder (safetensors + tokenizer) from the sharded model; with
+        model.init_from, in the source's format (recipes/llm/hf.py:write_hf_folder)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         if self.dims.pp > 1:
@@ -217,22 +252,11 @@ class LLMTrainer(Trainer):
             full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
         if self.dist.is_main:
-            write_hf_export(full, self.args, self.tokenizer, tmp)
+            hf.write_hf_folder(full, self.args, tmp, tokenizer=self.tokenizer, source=self.cfg.model.init_from or None)
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
         barrier()
         return out
-
-
-def write_hf_export(state_dict: dict, args: LlamaArgs, tokenizer, out: Path) -> None:
-    from transformers import LlamaForCausalLM
-
-    shutil.rmtree(out, ignore_errors=True)
-    hf = LlamaForCausalLM(to_hf_config(args, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                       pad_token_id=tokenizer.pad_token_id))
-    hf.load_state_dict(to_hf_state_dict(state_dict, args))
-    hf.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
 
 
 def sample_generation(export: Path, prompt: str = "The with statement", max_new_tokens: int = 40) -> str:
@@ -241,7 +265,8 @@ def sample_generation(export: Path, prompt: str = "The with statement", max_new_
     tokenizer = AutoTokenizer.from_pretrained(export)
     model = AutoModelForCausalLM.from_pretrained(export).eval()
     ids = tokenizer(prompt, return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
@@ -252,7 +277,8 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     with torch.device("meta"):
         model = Transformer(args)
     layer, first = count_params(model.layers["0"]), count_params(model.tok_embeddings)
-    last = count_params(model.norm) + count_params(model.output)
+    # Tied embeddings are counted once (on the first stage); under PP the last stage holds a second copy.
+    last = count_params(model.norm) + (0 if args.tie_embeddings else count_params(model.output))
     # SDPA with the packed documents' [b,1,s,s] bool mask; DTensor TP keeps the gathered linear inputs.
     block = Block(hidden=args.dim, heads=args.n_heads, ffn=args.ffn_dim, kv_heads=args.n_kv_heads, norm="rmsnorm",
                   mlp="swiglu", dropout=False, attention="fused", dense_mask=True, megatron_sp=False,
