@@ -178,17 +178,37 @@ def check_same_tokenizer(data_tokenizer, checkpoint_tokenizer, data_root: str, f
 # ---- weights in: each rank reads its own slices --------------------------------------------------
 
 
+def _tensor_at_a_time_reader(folder: str | Path):
+    """torch's HuggingFaceStorageReader, mapping a safetensors file once per tensor instead of once per
+    file. The reader copies each slice out of the memory-mapped file; the pages it touched stay resident
+    (in the rank's RSS) until the file is unmapped, which per file means up to a whole shard (5 GB in
+    released checkpoints) on top of the rank's weights. Per tensor, at most one tensor's pages are."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.futures import Future
+
+    class Reader(HuggingFaceStorageReader):
+        def read_data(self, plan, planner) -> Future:
+            for item in plan.items:
+                with safe_open(self.storage_data[item.storage_index].relative_path, framework="pt") as f:
+                    self._process_read_request(f, item, planner)
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+    return Reader(str(folder))
+
+
 def load_weights(model: Transformer, args: LlamaArgs, folder: str | Path) -> None:
     """Fill the (sharded, materialized) model from the safetensors in ``folder``: every rank reads only
     the slices of the tensors it holds, converted to its parameters' dtype (bf16 on disk -> fp32 master)."""
     import torch.distributed as tdist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     state = get_model_state_dict(model)
     hf_state = to_hf_state_dict(state, args)
-    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not tdist.is_initialized())
+    dcp.load(hf_state, storage_reader=_tensor_at_a_time_reader(folder), no_dist=not tdist.is_initialized())
     # The adapter back: the pipeline stage holding a tied output projection also gets its own entry.
     loaded = from_hf_state_dict(hf_state, args)
     set_model_state_dict(model, {k: loaded[k] for k in state})

@@ -231,7 +231,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """(Re)initialize every parameter and recompute the RoPE table, on whatever device they live.
+        """(Re)initialize every parameter (and ``init_buffers``), on whatever device they live.
 
         Call after ``to_empty`` on a meta-built model (or on a pipeline stage / sharded model:
         each module initializes only what it still holds). torchtitan's scheme: truncated normal
@@ -244,10 +244,7 @@ class Transformer(nn.Module):
         the current global RNG.
         """
         a = self.args
-        if a.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            # to_empty (meta -> device) replaces each module's Parameter separately, which unties
-            # them; tie again before initializing the one shared table.
-            self.output.weight = self.tok_embeddings.weight
+        self.init_buffers()
         with _seeded_rng(seed, self.parameters()):
             if self.tok_embeddings is not None:
                 nn.init.normal_(self.tok_embeddings.weight, std=0.02 if a.tie_embeddings else 1.0)
@@ -265,6 +262,15 @@ class Transformer(nn.Module):
             if self.output is not None and not a.tie_embeddings:
                 std = a.dim**-0.5
                 nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """After ``to_empty``: what is not a weight -- the embeddings tied again and the RoPE table.
+        Enough before loading weights (a checkpoint, a broadcast); ``init_weights`` starts with it."""
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            # to_empty (meta -> device) replaces each module's Parameter separately, which unties
+            # plain tensors (DTensors are swapped in place and stay tied); tie them again.
+            self.output.weight = self.tok_embeddings.weight
         buf = self.rope_cache
         # Computed in fp32 then copied, so a bf16-cast buffer holds the same values HF would cast to.
         self.rope_cache = self._rope_table(device=buf.device).to(buf.dtype)

@@ -47,6 +47,22 @@ def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
                      head_dim=m.head_dim, rope_scaling=scaling)
 
 
+def build_model(args: LlamaArgs, cfg: TrainConfig, mesh, device: torch.device) -> Transformer:
+    """This rank's model, parallelized and allocated, its weights still to be filled: built on meta,
+    split for the rank's pipeline stages, parallelized, then materialized, so each rank allocates only
+    what it holds. Under pipeline parallelism it is the rank's part: the layers/ends of its stages
+    (same FQNs as the whole model)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    pp = mesh["pp"].size()
+    if pp > 1:
+        split_for_rank(model, mesh["pp"].get_local_rank(), pp, virtual_stages(cfg.parallel.pp_schedule))
+    model = parallelize(model, mesh, cfg)
+    model.to_empty(device=device)
+    model.init_buffers()  # the RoPE table; the caller fills the weights (no random init to throw away)
+    return model
+
+
 # Optimizer state keyed per parameter FQN ("param_groups.<fqn>.lr", ...). Nested, `param_groups` is
 # one object that DCP saves from a single rank: under pipeline parallelism each stage's groups name
 # different parameters, and the other stages would load groups without their hyperparameters.
@@ -70,16 +86,8 @@ class LLMTrainer(Trainer):
         if len(self.tokenizer) > self.args.vocab_size:
             raise DataError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size={self.args.vocab_size}")
 
-        # Build on meta, parallelize, materialize (each rank allocates only what it holds). Under
-        # pipeline parallelism self.model is this rank's part: the layers/ends of its stages (same FQNs).
         pp = self.dims.pp
-        with torch.device("meta"):
-            model = Transformer(self.args)
-        if pp > 1:
-            split_for_rank(model, self.mesh["pp"].get_local_rank(), pp, virtual_stages(cfg.parallel.pp_schedule))
-        self.model = parallelize(model, self.mesh, cfg)
-        self.model.to_empty(device=self.device)
-        self.model.init_weights()  # materializes the RoPE table; weights are overwritten below
+        self.model = build_model(self.args, cfg, self.mesh, self.device)
         self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
         resume_from = self.ckpt.resolve_resume(cfg.run.resume)
         if cfg.model.init_from and resume_from is None:
