@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 WEIGHT_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # a folder needs one of them
 # What an export copies from the source folder: everything at its top level but the weights.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 _WEIGHT_INDEXES = (WEIGHT_INDEX, "pytorch_model.bin.index.json")
 _IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)  # older checkpoints saved the RoPE frequencies
 

@@ -90,14 +90,15 @@ class LLMTrainer(Trainer):
         self.model = build_model(self.args, cfg, self.mesh, self.device)
         self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
         resume_from = self.ckpt.resolve_resume(cfg.run.resume)
-        if cfg.model.init_from and resume_from is None:
-            hf.load_weights(self.model, self.args, cfg.model.init_from)  # each rank reads its own slices
+        # The weights: from the checkpoint resumed (load_checkpoint, below), else from model.init_from
+        # (each rank reads its own slices), else rank 0's seeded init copied into every layout, so all
+        # layouts start from the same weights (a "seed checkpoint").
+        if resume_from is None and cfg.model.init_from:
+            hf.load_weights(self.model, self.args, cfg.model.init_from)
             if dist.is_main:
                 n = sum(math.prod(shape) for shape, _ in hf.safetensors_weights(Path(cfg.model.init_from)).values())
                 print(f"kiln: model.init_from: loaded {n:,} weights from {cfg.model.init_from}", flush=True)
-        elif not cfg.model.init_from:
-            # Rank 0's seeded full init copied into every layout, so all layouts start from the same
-            # weights (a "seed checkpoint").
+        elif resume_from is None:
             full = None
             if dist.is_main:
                 reference = Transformer(self.args)

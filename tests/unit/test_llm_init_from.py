@@ -34,13 +34,13 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def loaded(folder: Path) -> tuple[Transformer, LlamaArgs]:
+def loaded(folder: Path, device: str = "cpu") -> tuple[Transformer, LlamaArgs]:
     """The model as the trainer builds it for one rank: meta, materialized empty, then read from disk."""
     args = llama_args(compose(["recipe=llm_tiny", f"model.init_from={folder}"]), vocab_size=0)
     with torch.device("meta"):
         model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights()
+    model.to_empty(device=device)
+    model.init_buffers()
     hf.load_weights(model, args, folder)
     return model.eval(), args
 
@@ -70,7 +70,7 @@ def test_model_keys_come_from_the_checkpoint(folders):
                    "parallel.tp=1"])
     m = cfg.model
     assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size) == (64, 4, 4, 4, 160, 384)
-    assert (m.tie_embeddings, m.rope_theta, m.max_seq_len, m.norm_eps) == (True, 500000.0, 256, 1e-5)
+    assert (m.tie_embeddings, m.rope_theta, m.max_seq_len, m.norm_eps) == (True, 500000.0, 2048, 1e-5)
     assert m.rope_scaling.rope_type == "llama3" and m.rope_scaling.original_max_position_embeddings == 16
     gqa = compose(["recipe=llm_tiny", f"model.init_from={folders['gqa']}"]).model
     assert (gqa.n_kv_heads, gqa.tie_embeddings, gqa.rope_scaling.rope_type) == (2, False, "default")
@@ -119,6 +119,17 @@ def test_step0_logits_export_and_generate_match_the_source(folders, variant, tmp
         **prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=tokenizer.eos_token_id)[0].tolist()
         for f in (source, out)]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+def test_loads_onto_the_gpu(folders):
+    from transformers import AutoModelForCausalLM
+
+    model, args = loaded(folders["gqa"], device="cuda")
+    reference = AutoModelForCausalLM.from_pretrained(folders["gqa"], dtype=torch.float32).cuda().eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 64), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens).logits, atol=1e-4, rtol=0)
 
 
 def _edit_config(folder: Path, **changes) -> None:
@@ -192,9 +203,9 @@ def test_command_line_keys_that_disagree_stop_with_both_values(folders, tmp_path
     line = _kiln_error(["recipe=llm_tiny", f"model.init_from={folders['tied']}", "model.tie_embeddings=false",
                         f"run.dir={run}"], capsys)
     assert "model.tie_embeddings=False disagrees" in line and "tie_word_embeddings=True" in line
-    line = _kiln_error(["recipe=llm_tiny", f"model.init_from={folders['gqa']}", "data.max_seq_len=512",
+    line = _kiln_error(["recipe=llm_tiny", f"model.init_from={folders['gqa']}", "data.max_seq_len=4096",
                         f"run.dir={run}"], capsys)
-    assert "data.max_seq_len=512 exceeds model.max_seq_len=256 (max_position_embeddings" in line
+    assert "data.max_seq_len=4096 exceeds model.max_seq_len=2048 (max_position_embeddings" in line
     assert not run.exists()
 
 
