@@ -5,7 +5,7 @@
     python scripts/bench_loading.py [--quick] [--keep DIR]
 
 Builds a random LlamaForCausalLM checkpoint once (meta init, filled in place, save_pretrained in 4
-safetensors shards with an index, like Llama 3.1 8B's 4 files), 0.5B parameters (--quick: 56M), in
+safetensors shards with an index, like Llama 3.1 8B's 4 files), 0.5B parameters (--quick: 50M), in
 fp32: the dtype of the training weights, so a rank holding half of the model holds half of the
 checkpoint's bytes. Each measurement runs in fresh processes (torch.multiprocessing spawn, 1 thread
 each): a rank records its resident set (VmRSS) after imports and process-group start as its
@@ -29,11 +29,11 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TARGET = 0.6
-# ~0.50B and ~56M parameters (untied, GQA); 4 shards either way.
+# ~0.50B and ~50M parameters (untied, GQA); 4 shards either way.
 SIZES = {"full": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,
                       num_key_value_heads=4, vocab_size=32000),
-         "quick": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                       num_key_value_heads=4, vocab_size=32000)}
+         "quick": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=14, num_attention_heads=8,
+                       num_key_value_heads=4, vocab_size=8000)}
 LAYOUTS = {"kiln, 1 rank": (1, []), "kiln, tp=2": (2, ["parallel.tp=2"]), "kiln, pp=2": (2, ["parallel.pp=2"]),
            "kiln, dp=2 (FSDP2)": (2, [])}
 
@@ -149,7 +149,7 @@ def report(rows: dict[str, list[dict]], checkpoint_bytes: int, n_params: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a 56M-parameter checkpoint (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="a 50M-parameter checkpoint (smoke test)")
     ap.add_argument("--keep", type=Path, default=None, help="build the checkpoint here and keep it (reused if present)")
     opts = ap.parse_args(argv)
 
