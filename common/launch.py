@@ -76,8 +76,19 @@ def compose(overrides: list[str]) -> TrainConfig:
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(explain_compose_error(exc)) from None
     validate(cfg)
-    importlib.import_module(f"recipes.{cfg.recipe.family}.config").validate(cfg)
+    recipe_config = importlib.import_module(f"recipes.{cfg.recipe.family}.config")
+    if hasattr(recipe_config, "complete"):  # a recipe that fills keys from files (the LLM: model.init_from)
+        recipe_config.complete(cfg, command_line_keys(overrides))
+    recipe_config.validate(cfg)
     return cfg
+
+
+def command_line_keys(overrides: list[str]) -> set[str]:
+    """The dotted keys that ``overrides`` set (``model.dim=64`` -> ``model.dim``; a group choice such as
+    ``model=llm_8b`` gives ``model``): what a recipe must not silently replace."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return {o.key_or_group for o in OverridesParser.create().parse_overrides(overrides)}
 
 
 def resolve_run_dir(cfg: TrainConfig) -> Path:
@@ -86,6 +97,15 @@ def resolve_run_dir(cfg: TrainConfig) -> Path:
 
     chosen = cfg.run.dir or f"outputs/{cfg.recipe.name}/{time.strftime('%Y%m%d-%H%M%S')}"
     return Path(broadcast_object(chosen)).resolve()
+
+
+def remove_if_untouched(run_dir: Path) -> None:
+    """Delete a run dir that holds no file but config.yaml: a user error found at start-up (a dataset or
+    checkpoint that does not fit) then leaves nothing behind, as one found while composing does."""
+    import shutil
+
+    if all(p.name == "config.yaml" and p.parent == run_dir for p in run_dir.rglob("*") if not p.is_dir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def dry_run(cfg: TrainConfig, spec, world_size: int) -> None:
@@ -130,6 +150,7 @@ def main(argv: list[str]) -> int:
 
     dist = init_distributed(cfg.parallel.timeout_s)
     watchdog = start_watchdog(cfg.parallel.timeout_s, dist)  # names a hung rank under NCCL too
+    created = None  # run.dir, when this launch created it
     try:
         apply_global_toggles(cfg.toggles)
         recipe = importlib.import_module(f"recipes.{cfg.recipe.family}.train")
@@ -140,6 +161,7 @@ def main(argv: list[str]) -> int:
         ParallelDims.from_config(cfg.parallel, dist.world_size)  # an impossible layout stops here
         run_dir = resolve_run_dir(cfg)
         if dist.is_main:
+            created = None if run_dir.exists() else run_dir
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             print(f"kiln: {cfg.recipe.name} on {dist.world_size} rank(s), device {dist.device}, run.dir={run_dir}", flush=True)
@@ -147,6 +169,8 @@ def main(argv: list[str]) -> int:
         if dist.is_main:
             print(f"kiln: done; outputs in {run_dir}", flush=True)
     except (UserError, FileNotFoundError) as exc:
+        if created is not None:
+            remove_if_untouched(created)
         raise user_error_exit(str(exc)) from None
     except Stopped as exc:  # a stop signal: checkpoint written, exit as the signal would
         return exc.exit_code

@@ -5,6 +5,8 @@
 
 Works whatever parallel layout wrote the checkpoint. The folder loads with
 AutoModelForCausalLM/AutoTokenizer offline and serves with `vllm serve DIR --tensor-parallel-size N`.
+A run that started from model.init_from is exported in that checkpoint's format: its config.json,
+generation_config.json, tokenizer and chat template, in its weights' dtype.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from common.checkpoint import CheckpointManager
     from common.errors import UserError
+    from recipes.llm import hf
+    from recipes.llm.config import LLMModelConfig
     from recipes.llm.data import load_tokenizer
     from recipes.llm.model import Transformer
-    from recipes.llm.train import llama_args, write_hf_export
+    from recipes.llm.train import llama_args
 
     cfg = OmegaConf.load(args.run_dir / "config.yaml")
     if cfg.recipe.family != "llm":
@@ -52,14 +56,21 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"export: error: {exc}", file=sys.stderr)
         return 2
-    tokenizer = load_tokenizer(cfg.data.root)
+    # Runs from before model.init_from and friends existed get those keys' defaults.
+    cfg.model = OmegaConf.merge(OmegaConf.structured(LLMModelConfig), cfg.model)
+    source = cfg.model.init_from or None
+    if source and not Path(source).is_dir():
+        print(f"export: error: the run started from model.init_from={source}, which is gone (its config and "
+              "tokenizer go into the export)", file=sys.stderr)
+        return 2
+    tokenizer = hf.load_tokenizer(source) if source else load_tokenizer(cfg.data.root)
     largs = llama_args(cfg, len(tokenizer))
     model = Transformer(largs)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(path / "dcp"))  # no process group: loads every shard here
     out = args.out or args.run_dir / "export"
-    write_hf_export(state["model"], largs, tokenizer, out)
-    print(f"export: {path} -> {out} ({sum(t.numel() for t in state['model'].values()):,} parameters)")
+    hf.write_hf_folder(state["model"], largs, out, tokenizer=tokenizer, source=source)
+    print(f"export: {path} -> {out} ({sum(p.numel() for p in model.parameters()):,} parameters)")
     return 0
 
 

@@ -3,9 +3,11 @@ launcher that tests and benchmarks share."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from common.distributed import free_port
@@ -44,3 +46,29 @@ def run_train(args: list[str], nproc: int = 1, *, timeout: float = 600, check: b
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def spawn_ranks(fn: Callable, args: tuple, world: int, out_dir: str | Path, threads: int = 1) -> list:
+    """``fn(*args)`` on ``world`` ranks of one process group (gloo on CPU), started with
+    torch.multiprocessing.spawn: for tests and benchmarks that drive the recipes' parts in-process.
+    ``fn`` must be importable (module level); its JSON-able results come back by rank."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(world, free_port(), fn, args, str(out_dir), threads), nprocs=world)
+    return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str, threads: int) -> None:
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    from common.distributed import init_distributed, teardown
+
+    init_distributed()
+    try:
+        result = fn(*args)
+    finally:
+        teardown()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))

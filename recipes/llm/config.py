@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
@@ -11,7 +13,20 @@ from common.errors import ConfigError
 
 
 @dataclass
+class RopeScalingConfig:
+    rope_type: str = "default"  # default (plain RoPE) | llama3 (Llama 3.1+: the keys below, as in config.json)
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
 class LLMModelConfig:
+    # A local Hugging Face LlamaForCausalLM folder (config.json, *.safetensors, tokenizer): the keys
+    # below then come from its config.json (a disagreeing command-line value stops the run), the
+    # weights from its safetensors and the tokenizer from the folder. "" = random init.
+    init_from: str = ""
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -20,20 +35,60 @@ class LLMModelConfig:
     vocab_size: int = 0  # 0: the size of the data's tokenizer
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    max_seq_len: int = 256
+    max_seq_len: int = 256  # the longest row the model accepts (HF's max_position_embeddings)
+    head_dim: int = 0  # 0: dim // n_heads
+    tie_embeddings: bool = False  # the output projection is the input embedding (Llama 3.2 1B/3B)
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     loss_parallel: bool = False  # TP: keep logits sharded over the vocabulary for the loss
+
+
+# The model.* keys a checkpoint's config.json decides (LlamaArgs fields of the same name) -> its config.json key.
+CHECKPOINT_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+                   "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size", "vocab_size": "vocab_size",
+                   "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "max_seq_len": "max_position_embeddings",
+                   "head_dim": "head_dim", "tie_embeddings": "tie_word_embeddings"}
 
 
 def register() -> None:
     ConfigStore.instance().store(group="model", name="llm_schema", node=LLMModelConfig)
 
 
+def complete(cfg: TrainConfig, command_line: set[str]) -> None:
+    """With model.init_from: the model.* keys from the checkpoint's config.json, in place (so config.yaml,
+    run.dry_run and the memory planner see the real model). ``command_line``: the keys the user set; one
+    of them that disagrees with the checkpoint stops the run (the recipe preset's values are replaced)."""
+    m = cfg.model
+    if not isinstance(m, LLMModelConfig) or not m.init_from:
+        return
+    from recipes.llm.hf import checkpoint_args  # transformers: imported only for init_from runs
+
+    m.init_from = str(Path(m.init_from).expanduser().absolute())
+    args = checkpoint_args(m.init_from)
+    scaling = args.rope_scaling
+    values = {key: getattr(args, key) for key in CHECKPOINT_KEYS}
+    values["rope_scaling.rope_type"] = "llama3" if scaling else "default"
+    if scaling is not None:
+        values.update({f"rope_scaling.{k}": v for k, v in dataclasses.asdict(scaling).items()})
+    for key, value in values.items():
+        owner, name = (m.rope_scaling, key.split(".", 1)[1]) if key.startswith("rope_scaling.") else (m, key)
+        given = getattr(owner, name)
+        if f"model.{key}" in command_line and given != value:
+            hf_key = CHECKPOINT_KEYS.get(key, key)
+            raise ConfigError(f"model.{key}={given} disagrees with model.init_from={m.init_from}, whose config.json "
+                              f"gives {hf_key}={value}; leave model.{key} out of the command line")
+        setattr(owner, name, value)
+
+
 def validate(cfg: TrainConfig) -> None:
     m, p = cfg.model, cfg.parallel
     if not isinstance(m, LLMModelConfig):
         raise ConfigError("recipe.family=llm needs a model=llm_* config group")
-    if m.dim % m.n_heads or m.n_heads % m.n_kv_heads:
-        raise ConfigError("model.n_heads must divide model.dim and be a multiple of model.n_kv_heads")
+    if m.rope_scaling.rope_type not in ("default", "llama3"):
+        raise ConfigError(f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not allowed; choose default or llama3")
+    if not m.head_dim and m.dim % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (or set model.head_dim)")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")
     if m.n_kv_heads % p.tp or m.ffn_dim % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide model.n_kv_heads={m.n_kv_heads} and model.ffn_dim={m.ffn_dim}")
     if p.pp > 1:
@@ -50,7 +105,10 @@ def validate(cfg: TrainConfig) -> None:
     if p.zero_stage:
         raise ConfigError("parallel.zero_stage: the LLM recipe shards with FSDP2 over parallel.dp, not DeepSpeed ZeRO")
     if cfg.data.max_seq_len > m.max_seq_len:
-        raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        # With init_from, model.max_seq_len is the checkpoint's max_position_embeddings: rows longer
+        # than the positions it was trained on are refused rather than extrapolated.
+        source = f" (max_position_embeddings of model.init_from={m.init_from})" if m.init_from else ""
+        raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} exceeds model.max_seq_len={m.max_seq_len}{source}")
     if cfg.toggles.precision == "fp16":
         # Loss-scaled fp16 under FSDP2 (a sharded grad scaler) is not implemented; bf16 needs no scaling.
         raise ConfigError("toggles.precision=fp16 is not offered by the LLM recipe; use bf16 (or fp32)")

@@ -19,10 +19,10 @@ Layout choices that the outside relies on:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -30,7 +30,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-@dataclass
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1+'s RoPE frequency scaling (``rope_type: llama3`` in a Hugging Face config.json)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass
 class LlamaArgs:
     dim: int = 128
     n_layers: int = 2
@@ -42,21 +52,22 @@ class LlamaArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 256  # length of the RoPE table: the longest row the model accepts
     tie_embeddings: bool = False
+    # 0: dim // n_heads, filled in here (so dataclasses.replace of dim or n_heads must pass head_dim=0).
+    head_dim: int = 0
+    rope_scaling: Llama3RopeScaling | None = None  # None: plain RoPE
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if not self.head_dim:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim (dim / n_heads = {self.head_dim}) must be even for RoPE")
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         for name in ("n_layers", "vocab_size", "ffn_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,18 +82,35 @@ class LlamaArgs:
 # --------------------------------------------------------------------------------------------
 
 
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> Tensor:
-    """``1 / theta^(2i/d)``, computed exactly as transformers' default RoPE does (fp32 arange)."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None,
+                  scaling: Llama3RopeScaling | None = None) -> Tensor:
+    """``1 / theta^(2i/d)``, computed exactly as transformers' default RoPE does (fp32 arange). With
+    ``scaling``, Llama 3.1's rescaled frequencies, op for op as transformers'
+    ``_compute_llama3_parameters`` (same fp32 operations in the same order, hence the same bits)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Wavelengths below original_len / high_freq_factor keep their frequency, those above
+    # original_len / low_freq_factor are slowed down by `factor`, and those between are interpolated.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_table(head_dim: int, theta: float, max_seq_len: int, device: torch.device | str | None = None) -> Tensor:
+def rope_table(head_dim: int, theta: float, max_seq_len: int, device: torch.device | str | None = None,
+               scaling: Llama3RopeScaling | None = None) -> Tensor:
     """``[2, max_seq_len, head_dim]`` fp32: cos and sin of every position, halves duplicated (rotate_half).
 
     ``position * inv_freq`` is the same fp32 product transformers computes per forward, so indexing
     this table with ``position_ids`` gives bit-identical cos/sin.
     """
-    inv_freq = rope_inv_freq(head_dim, theta, device)
+    inv_freq = rope_inv_freq(head_dim, theta, device, scaling)
     positions = torch.arange(max_seq_len, dtype=torch.float, device=device)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -227,13 +255,13 @@ class Transformer(nn.Module):
 
     def _rope_table(self, device: torch.device | str | None) -> Tensor:
         a = self.args
-        return rope_table(a.head_dim, a.rope_theta, a.max_seq_len, device=device)
+        return rope_table(a.head_dim, a.rope_theta, a.max_seq_len, device=device, scaling=a.rope_scaling)
 
     # -- init ---------------------------------------------------------------------------------
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """(Re)initialize every parameter and recompute the RoPE table, on whatever device they live.
+        """(Re)initialize every parameter (and ``init_buffers``), on whatever device they live.
 
         Call after ``to_empty`` on a meta-built model (or on a pipeline stage / sharded model:
         each module initializes only what it still holds). torchtitan's scheme: truncated normal
@@ -246,10 +274,7 @@ class Transformer(nn.Module):
         the current global RNG.
         """
         a = self.args
-        if a.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            # to_empty (meta -> device) replaces each module's Parameter separately, which unties
-            # them; tie again before initializing the one shared table.
-            self.output.weight = self.tok_embeddings.weight
+        self.init_buffers()
         with _seeded_rng(seed, self.parameters()):
             if self.tok_embeddings is not None:
                 nn.init.normal_(self.tok_embeddings.weight, std=0.02 if a.tie_embeddings else 1.0)
@@ -267,6 +292,15 @@ class Transformer(nn.Module):
             if self.output is not None and not a.tie_embeddings:
                 std = a.dim**-0.5
                 nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """After ``to_empty``: what is not a weight -- the embeddings tied again and the RoPE table.
+        Enough before loading weights (a checkpoint, a broadcast); ``init_weights`` starts with it."""
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            # to_empty (meta -> device) replaces each module's Parameter separately, which unties
+            # plain tensors (DTensors are swapped in place and stay tied); tie them again.
+            self.output.weight = self.tok_embeddings.weight
         buf = self.rope_cache
         # Computed in fp32 then copied, so a bf16-cast buffer holds the same values HF would cast to.
         self.rope_cache = self._rope_table(device=buf.device).to(buf.dtype)
@@ -327,11 +361,15 @@ def _seeded_rng(seed: int | None, params: Iterator[nn.Parameter]) -> Iterator[No
 
 
 # --------------------------------------------------------------------------------------------
-# transformers adapter
+# transformers adapter (torchtitan's StateDictAdapter): the one place Kiln names meet Hugging Face
+# names, used by loading (model.init_from, tests) and by every export.
 #
 # A pure rename in both directions (see the RoPE convention note above): the tensors are shared,
 # not copied. Keys are plain module FQNs (what get_model_state_dict / DCP produce); pipeline
-# stages may pass partial dicts, and each key is renamed on its own.
+# stages may pass partial dicts, and each key is renamed on its own. Tied embeddings have ONE
+# tensor in Hugging Face format, model.embed_tokens.weight (save_pretrained writes no lm_head.weight
+# for them): Kiln's output.weight maps onto it, which is what the last pipeline stage, holding the
+# output projection without the embedding, loads and exports.
 # --------------------------------------------------------------------------------------------
 
 _LAYER_KEYS = {
@@ -369,6 +407,9 @@ def to_hf_config(args: LlamaArgs, **token_ids: int | list[int] | None):
     if bad:
         raise TypeError(f"to_hf_config takes only *_token_id keyword arguments, got {bad}")
     ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **token_ids}
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling is not None:
+        rope.update(rope_type="llama3", **dataclasses.asdict(args.rope_scaling))
     return LlamaConfig(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
@@ -380,7 +421,7 @@ def to_hf_config(args: LlamaArgs, **token_ids: int | list[int] | None):
         hidden_act="silu",
         max_position_embeddings=args.max_seq_len,
         rms_norm_eps=args.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        rope_parameters=rope,
         tie_word_embeddings=args.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
@@ -389,9 +430,17 @@ def to_hf_config(args: LlamaArgs, **token_ids: int | list[int] | None):
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
-    """Kiln ``Transformer`` keys -> ``LlamaForCausalLM`` keys (same tensors). Unknown keys raise."""
+    """Kiln ``Transformer`` keys -> ``LlamaForCausalLM`` keys (same tensors). Unknown keys raise.
+
+    Tied: ``output.weight`` becomes ``model.embed_tokens.weight`` when the dict has no embedding
+    (a last pipeline stage), and is dropped when it has (the same tensor): no ``lm_head.weight``.
+    """
     out: dict[str, Tensor] = {}
     for key, t in sd.items():
+        if key == "output.weight" and args.tie_embeddings:
+            if "tok_embeddings.weight" not in sd:
+                out["model.embed_tokens.weight"] = t
+            continue
         if key in _TOP_KEYS:
             out[_TOP_KEYS[key]] = t
             continue
@@ -399,9 +448,6 @@ def to_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor
         if m is None or m.group(2) not in _LAYER_KEYS or int(m.group(1)) >= args.n_layers:
             raise KeyError(f"not a Kiln Llama state-dict key for {args.n_layers} layers: {key!r}")
         out[f"model.layers.{m.group(1)}.{_LAYER_KEYS[m.group(2)]}"] = t
-    if args.tie_embeddings and "model.embed_tokens.weight" in out:
-        # Tied: HF ties lm_head to embed_tokens on load; give it the same tensor either way.
-        out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
     return out
 
 
@@ -409,11 +455,12 @@ def from_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tens
     """``LlamaForCausalLM`` keys -> Kiln ``Transformer`` keys (same tensors). Unknown keys raise.
 
     ``rotary_emb.inv_freq`` entries (older checkpoints saved them) are recomputed here, so dropped.
-    Tied checkpoints saved without ``lm_head.weight`` get ``output.weight`` from the embeddings.
+    Tied: ``output.weight`` is the embedding (an ``lm_head.weight`` some exports still carry is
+    ignored, as transformers ignores it).
     """
     out: dict[str, Tensor] = {}
     for key, t in sd.items():
-        if key.endswith("rotary_emb.inv_freq"):
+        if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and args.tie_embeddings):
             continue
         if key in _TOP_KEYS_INV:
             out[_TOP_KEYS_INV[key]] = t
@@ -423,5 +470,5 @@ def from_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tens
             raise KeyError(f"not a LlamaForCausalLM state-dict key for {args.n_layers} layers: {key!r}")
         out[f"layers.{m.group(1)}.{_LAYER_KEYS_INV[m.group(2)]}"] = t
     if args.tie_embeddings and "tok_embeddings.weight" in out:
-        out.setdefault("output.weight", out["tok_embeddings.weight"])
+        out["output.weight"] = out["tok_embeddings.weight"]
     return out

@@ -33,6 +33,10 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> No
     }
     # Pipeline stages lack some ends; between stages the hidden state is the local sequence shard.
     parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if getattr(model, k) is not None})
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # Each style distributed its own copy of the shared weight; both are Shard(0) over the
+        # vocabulary (embedding rows, output features), so one DTensor serves both: tie them again.
+        model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),

@@ -223,9 +223,42 @@ class Pipeline:
         return loss_sum
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group) -> torch.Tensor:
-    """Clip by the norm over ALL stages' gradients (each rank holds only its stages' parameters)."""
-    grads = [p.grad for p in params if p.grad is not None]
+class TiedEmbeddings:
+    """Tied input/output embeddings under pipeline parallelism (Megatron's embedding group).
+
+    The first stage's ``tok_embeddings.weight`` and the last stage's ``output.weight`` are one weight
+    held twice. They start equal (one tensor in a Hugging Face checkpoint, one in rank 0's seeded
+    init) and stay equal: their gradients are summed over the pair of ranks before every optimizer
+    step, so both copies take the same steps. The last stage's copy is left out of the gradient norm
+    (``norm_skip``) so the shared weight counts once, as without PP.
+    """
+
+    def __init__(self, rank_model: Transformer, mesh):
+        # One group per (dp, tp) coordinate: the first and last pipeline rank. Every rank creates every
+        # group (new_group is collective over the world), and keeps the one it belongs to.
+        ranks = mesh.mesh  # [pp, dp, tp] global ranks
+        me = tdist.get_rank()
+        self.group = None
+        for pair in ranks[[0, -1]].reshape(2, -1).T.tolist():
+            group = tdist.new_group(pair)
+            if me in pair:
+                self.group = group
+        first, last = rank_model.tok_embeddings, rank_model.output
+        self.param = first.weight if first is not None else last.weight if last is not None else None
+        self.norm_skip = last.weight if last is not None and first is None else None
+
+    def all_reduce_grads(self) -> None:
+        if self.param is None or self.param.grad is None:  # a middle stage
+            return
+        grad = self.param.grad
+        # Both copies are sharded alike (FSDP over dp, Shard(0) over tp): sum the local shards.
+        tdist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.group)
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, skip: nn.Parameter | None = None) -> torch.Tensor:
+    """Clip by the norm over ALL stages' gradients (each rank holds only its stages' parameters);
+    ``skip``: a parameter whose gradient another stage already counts (a tied embedding's copy)."""
+    grads = [p.grad for p in params if p.grad is not None and p is not skip]
     norm = torch.nn.utils.get_total_norm(grads, 2.0)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()

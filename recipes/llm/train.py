@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import shutil
 from pathlib import Path
 
@@ -19,23 +20,47 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
+from common.errors import DataError
 from common.memory import Block, ModelSpec, count_params
 from common.optim import lr_factor
 from common.parallel_dims import ParallelDims
 from common.profiling import StepTimer
 from common.seed import seed_everything
 from common.trainer import StepStats, Trainer, TrainState
+from recipes.llm import hf
 from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, model_inputs, pad_id, prepare_data
-from recipes.llm.model import LlamaArgs, Transformer, to_hf_config, to_hf_state_dict
+from recipes.llm.model import Llama3RopeScaling, LlamaArgs, Transformer
 from recipes.llm.parallelize import parallelize
-from recipes.llm.pipeline import Pipeline, clip_grad_norm_, split_for_rank, virtual_stages
+from recipes.llm.pipeline import Pipeline, TiedEmbeddings, clip_grad_norm_, split_for_rank, virtual_stages
 
 
 def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
+    """The model of cfg.model (with model.init_from, the checkpoint's: recipes/llm/config.py:complete)."""
     m = cfg.model
+    r = m.rope_scaling
+    scaling = None if r.rope_type == "default" else Llama3RopeScaling(
+        factor=r.factor, low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+        original_max_position_embeddings=r.original_max_position_embeddings)
     return LlamaArgs(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
                      vocab_size=m.vocab_size or vocab_size, ffn_dim=m.ffn_dim, norm_eps=m.norm_eps,
-                     rope_theta=m.rope_theta, max_seq_len=m.max_seq_len)
+                     rope_theta=m.rope_theta, max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings,
+                     head_dim=m.head_dim, rope_scaling=scaling)
+
+
+def build_model(args: LlamaArgs, cfg: TrainConfig, mesh, device: torch.device) -> Transformer:
+    """This rank's model, parallelized and allocated, its weights still to be filled: built on meta,
+    split for the rank's pipeline stages, parallelized, then materialized, so each rank allocates only
+    what it holds. Under pipeline parallelism it is the rank's part: the layers/ends of its stages
+    (same FQNs as the whole model)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    pp = mesh["pp"].size()
+    if pp > 1:
+        split_for_rank(model, mesh["pp"].get_local_rank(), pp, virtual_stages(cfg.parallel.pp_schedule))
+    model = parallelize(model, mesh, cfg)
+    model.to_empty(device=device)
+    model.init_buffers()  # the RoPE table; the caller fills the weights (no random init to throw away)
+    return model
 
 
 # Optimizer state keyed per parameter FQN ("param_groups.<fqn>.lr", ...). Nested, `param_groups` is
@@ -50,33 +75,40 @@ class LLMTrainer(Trainer):
 
         super().__init__(cfg, dist, run_dir)
         self.meta = prepare_data(cfg, dist)
-        self.tokenizer = load_tokenizer(cfg.data.root)
+        self.tokenizer = self.resolve_tokenizer()
+        # Rows are padded with pad_token_id, else (Llama 3 has none) eos: pad slots are masked either way.
+        self.pad_id = pad_id(self.tokenizer)
         self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.mesh["dp"].get_local_rank()
         loader = build_train_loader(cfg, self.meta["train_urls"], self.dims.dp)
         self.args = llama_args(cfg, len(self.tokenizer))
+        if len(self.tokenizer) > self.args.vocab_size:
+            raise DataError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size={self.args.vocab_size}")
 
-        # Build on meta, parallelize, materialize; then copy in rank 0's seeded full init so
-        # every layout starts from the same weights (a "seed checkpoint"). Under pipeline
-        # parallelism self.model is this rank's part: the layers/ends of its stages (same FQNs).
         pp = self.dims.pp
-        with torch.device("meta"):
-            model = Transformer(self.args)
-        if pp > 1:
-            split_for_rank(model, self.mesh["pp"].get_local_rank(), pp, virtual_stages(cfg.parallel.pp_schedule))
-        self.model = parallelize(model, self.mesh, cfg)
-        self.model.to_empty(device=self.device)
-        self.model.init_weights()  # materializes the RoPE table; weights are overwritten below
-        full = None
-        if dist.is_main:
-            reference = Transformer(self.args)
-            reference.init_weights(seed=cfg.trainer.seed)
-            full = reference.state_dict()
-        # strict=False under PP: rank 0's full dict holds the other stages' keys too.
-        set_model_state_dict(self.model, full or {}, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True, strict=pp == 1))
+        self.model = build_model(self.args, cfg, self.mesh, self.device)
+        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
+        resume_from = self.ckpt.resolve_resume(cfg.run.resume)
+        # The weights: from the checkpoint resumed (load_checkpoint, below), else from model.init_from
+        # (each rank reads its own slices), else rank 0's seeded init copied into every layout, so all
+        # layouts start from the same weights (a "seed checkpoint").
+        if resume_from is None and cfg.model.init_from:
+            hf.load_weights(self.model, self.args, cfg.model.init_from)
+            if dist.is_main:
+                n = sum(math.prod(shape) for shape, _ in hf.safetensors_weights(Path(cfg.model.init_from)).values())
+                print(f"kiln: model.init_from: loaded {n:,} weights from {cfg.model.init_from}", flush=True)
+        elif resume_from is None:
+            full = None
+            if dist.is_main:
+                reference = Transformer(self.args)
+                reference.init_weights(seed=cfg.trainer.seed)
+                full = reference.state_dict()
+            # strict=False under PP: rank 0's full dict holds the other stages' keys too.
+            set_model_state_dict(self.model, full or {}, options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=pp == 1))
         self.pipeline = Pipeline(self.model, cfg, self.mesh, self.device) if pp > 1 else None
+        self.tied = TiedEmbeddings(self.model, self.mesh) if pp > 1 and self.args.tie_embeddings else None
 
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -87,20 +119,28 @@ class LLMTrainer(Trainer):
         # Layout-independent: one global data stream and no per-rank random draws, so rank 0's copy
         # (step, data position, LR schedule) resumes any layout.
         self.state = TrainState(loader, rng=False, extras={"scheduler": self.scheduler})
-
-        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
-        resume_from = self.ckpt.resolve_resume(cfg.run.resume)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
             if dist.is_main:
                 print(f"kiln: resumed from {resume_from} at step {self.state.step}", flush=True)
         self.model.train()
 
+    def resolve_tokenizer(self):
+        """The data's tokenizer, or with model.init_from the checkpoint's, after checking that the data
+        was tokenized with it."""
+        data_tokenizer = load_tokenizer(self.cfg.data.root)
+        source = self.cfg.model.init_from
+        if not source:
+            return data_tokenizer
+        tokenizer = hf.load_tokenizer(source)
+        hf.check_same_tokenizer(data_tokenizer, tokenizer, self.cfg.data.root, source)
+        return tokenizer
+
     # ---- one optimizer step -------------------------------------------------------------
     def micro_step_loss(self, documents: list[dict]) -> tuple[torch.Tensor, float, int, int]:
         """Loss whose dp-average of gradients equals the gradient of the global token mean."""
         packed = local_batch(documents, dp_rank=self.dp_rank, dp=self.dims.dp,
-                             max_seq_len=self.cfg.data.max_seq_len, pad_id=pad_id(self.tokenizer))
+                             max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id)
         labels = packed.labels[:, 1:].to(self.device)
         # Only labelled tokens count (chat: the assistant's), here and in the loss's ignore_index.
         local_tokens = (labels != -100).sum()
@@ -119,12 +159,12 @@ class LLMTrainer(Trainer):
     def pipeline_micro_step(self, documents: list[dict], accum: int) -> tuple[torch.Tensor, int, int]:
         """micro_step_loss + backward under PP: the schedule runs forward and backward per microbatch."""
         packed = local_batch(documents, dp_rank=self.dp_rank, dp=self.dims.dp,
-                             max_seq_len=self.cfg.data.max_seq_len, pad_id=pad_id(self.tokenizer))
+                             max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id)
         global_tokens = (packed.labels[:, 1:] != -100).sum().to(self.device)
         tdist.all_reduce(global_tokens, group=self.mesh["dp"].get_group())
         scale = self.dims.dp / max(1, int(global_tokens)) / accum  # micro_step_loss's normalization
         with self.autocast():
-            loss_sum = self.pipeline.step(packed, pad_id(self.tokenizer), scale)
+            loss_sum = self.pipeline.step(packed, self.pad_id, scale)
         return loss_sum, int(global_tokens), packed.input_ids.numel()
 
     def train_step(self, batches, timer: StepTimer) -> StepStats:
@@ -146,8 +186,11 @@ class LLMTrainer(Trainer):
             tokens, slots = tokens + sum(d["input_ids"].numel() for d in documents), slots + n_slots
         with timer.phase("optimizer"):
             clip = self.cfg.optim.grad_clip or float("inf")
+            if self.tied is not None:
+                self.tied.all_reduce_grads()
             if self.pipeline is not None:  # the norm spans every stage's gradients
-                grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.mesh["pp"].get_group())
+                grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.mesh["pp"].get_group(),
+                                            skip=self.tied.norm_skip if self.tied is not None else None)
             else:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -206,7 +249,8 @@ class LLMTrainer(Trainer):
 
     # ---- export -----------------------------------------------------------------------------
     def export(self) -> Path:
-        """A Hugging Face LlamaForCausalLM folder (safetensors + tokenizer) from the sharded model."""
+        """A Hugging Face LlamaForCausalLM folder (safetensors + tokenizer) from the sharded model; with
+        model.init_from, in the source's format (recipes/llm/hf.py:write_hf_folder)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         if self.dims.pp > 1:
@@ -220,22 +264,11 @@ class LLMTrainer(Trainer):
             full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
         if self.dist.is_main:
-            write_hf_export(full, self.args, self.tokenizer, tmp)
+            hf.write_hf_folder(full, self.args, tmp, tokenizer=self.tokenizer, source=self.cfg.model.init_from or None)
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
         barrier()
         return out
-
-
-def write_hf_export(state_dict: dict, args: LlamaArgs, tokenizer, out: Path) -> None:
-    from transformers import LlamaForCausalLM
-
-    shutil.rmtree(out, ignore_errors=True)
-    hf = LlamaForCausalLM(to_hf_config(args, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                       pad_token_id=tokenizer.pad_token_id))
-    hf.load_state_dict(to_hf_state_dict(state_dict, args))
-    hf.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
 
 
 def sample_generation(export: Path, prompt: str = "The with statement", max_new_tokens: int = 40) -> str:
@@ -244,7 +277,8 @@ def sample_generation(export: Path, prompt: str = "The with statement", max_new_
     tokenizer = AutoTokenizer.from_pretrained(export)
     model = AutoModelForCausalLM.from_pretrained(export).eval()
     ids = tokenizer(prompt, return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
@@ -255,7 +289,8 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     with torch.device("meta"):
         model = Transformer(args)
     layer, first = count_params(model.layers["0"]), count_params(model.tok_embeddings)
-    last = count_params(model.norm) + count_params(model.output)
+    # Tied embeddings are counted once (on the first stage); under PP the last stage holds a second copy.
+    last = count_params(model.norm) + (0 if args.tie_embeddings else count_params(model.output))
     # sdpa: the packed documents' [b,1,s,s] bool mask (kept as a bias per layer) and K/V repeated per query
     # head; flash: the varlen kernel takes cu_seqlens and shares K/V heads. DTensor TP keeps the gathered
     # linear inputs.

@@ -1,0 +1,250 @@
+"""Hugging Face Llama folders in and out of the LLM recipe: model.init_from's config.json as LlamaArgs
+(refusing what the model does not implement), sharded loading of its safetensors, its tokenizer, and
+the export folder.
+
+Loading reads only what each rank holds: the model is built on meta, split/parallelized, materialized
+empty, and ``torch.distributed.checkpoint.load`` with ``HuggingFaceStorageReader`` fills the sharded
+state dict (keys renamed by the adapter in recipes/llm/model.py), each rank reading its own slices of
+each tensor from the safetensors files (``get_slice``) and converting them to the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.errors import ConfigError, DataError
+from recipes.llm.model import Llama3RopeScaling, LlamaArgs, Transformer, from_hf_state_dict, to_hf_config, to_hf_state_dict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+WEIGHT_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # a folder needs one of them
+# What an export copies from the source folder: everything at its top level but the weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+_WEIGHT_INDEXES = (WEIGHT_INDEX, "pytorch_model.bin.index.json")
+_IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)  # older checkpoints saved the RoPE frequencies
+
+
+def _error(folder: Path | str, what: str) -> ConfigError:
+    return ConfigError(f"model.init_from={folder}: {what}")
+
+
+# ---- the folder and its config.json -------------------------------------------------------------
+
+
+def checkpoint_args(folder: str | Path) -> LlamaArgs:
+    """The architecture of the LlamaForCausalLM in ``folder``, after checking that Kiln's Llama implements
+    all of it and that its safetensors hold exactly its weights. ConfigError (one line) otherwise."""
+    folder = Path(folder)
+    config = _llama_config(folder)
+    args = llama_args_from_hf(config)
+    weights = safetensors_weights(folder)
+    with torch.device("meta"):  # the weights this architecture has, under their Hugging Face names
+        expected = {k: tuple(t.shape) for k, t in to_hf_state_dict(Transformer(args).state_dict(), args).items()}
+    missing = sorted(expected.keys() - weights.keys())
+    if missing:
+        raise _error(folder, f"its safetensors lack {len(missing)} of the {len(expected)} weights its config.json "
+                             f"describes (first: {missing[0]})")
+    extra = sorted(k for k in weights.keys() - expected.keys()
+                   if not k.endswith(_IGNORED_WEIGHTS) and not (k == "lm_head.weight" and args.tie_embeddings))
+    if extra:
+        raise _error(folder, f"{len(extra)} weights that a Llama does not have (first: {extra[0]}); not supported")
+    for key, shape in expected.items():
+        if weights[key][0] != shape:
+            raise _error(folder, f"{key} has shape {list(weights[key][0])} but config.json implies {list(shape)}")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise _error(folder, f"no tokenizer ({' or '.join(TOKENIZER_FILES)}) in the folder")
+    return args
+
+
+def _llama_config(folder: Path):
+    """The folder's LlamaConfig, or ConfigError naming what makes it unusable or unsupported."""
+    if not folder.is_dir():
+        raise _error(folder, "no such directory")
+    if (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir():
+        raise _error(folder, f"a Kiln run dir, not a Hugging Face model folder; fine-tune from its export "
+                             f"(model.init_from={folder / 'export'}, see scripts/export.py) or continue it with run.resume")
+    if not (folder / "config.json").is_file():
+        kind = " (a diffusers export: a DiT, not a Llama)" if (folder / "transformer").is_dir() else ""
+        raise _error(folder, f"no config.json, so not a Hugging Face model folder{kind}")
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except ValueError as exc:
+        raise _error(folder, f"config.json is not valid JSON ({exc})") from None
+    model_type = raw.get("model_type")
+    if model_type != "llama":
+        raise _error(folder, f"model_type={model_type!r} in config.json is not supported (only llama)")
+    architectures = raw.get("architectures") or ["LlamaForCausalLM"]
+    if "LlamaForCausalLM" not in architectures:
+        raise _error(folder, f"architectures={architectures} is not supported (only LlamaForCausalLM)")
+
+    from transformers import LlamaConfig
+
+    config = LlamaConfig.from_pretrained(folder, local_files_only=True)  # also reads legacy rope_scaling
+    rope = config.rope_parameters or {}
+    unsupported = {
+        "rope_type": (rope.get("rope_type", "default"), ("default", "llama3")),
+        "partial_rotary_factor": (rope.get("partial_rotary_factor", 1.0), (1.0,)),
+        "attention_bias": (getattr(config, "attention_bias", False), (False,)),
+        "mlp_bias": (getattr(config, "mlp_bias", False), (False,)),
+        "hidden_act": (config.hidden_act, ("silu",)),
+        "attention_dropout": (getattr(config, "attention_dropout", 0.0), (0.0,)),  # Kiln's Llama has no dropout
+        "quantization_config": (raw.get("quantization_config"), (None,)),
+    }
+    for key, (value, allowed) in unsupported.items():
+        if value not in allowed:
+            shown = f"rope_scaling type {value!r}" if key == "rope_type" else f"{key}={value!r}"
+            raise _error(folder, f"{shown} in config.json is not supported (supported: {', '.join(map(repr, allowed))})")
+    return config
+
+
+def llama_args_from_hf(config) -> LlamaArgs:
+    """A (checked) LlamaConfig as Kiln's LlamaArgs; to_hf_config is the way back."""
+    rope = config.rope_parameters
+    scaling = None
+    if rope.get("rope_type", "default") == "llama3":
+        scaling = Llama3RopeScaling(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                                    high_freq_factor=rope["high_freq_factor"],
+                                    original_max_position_embeddings=rope["original_max_position_embeddings"])
+    return LlamaArgs(dim=config.hidden_size, n_layers=config.num_hidden_layers, n_heads=config.num_attention_heads,
+                     n_kv_heads=config.num_key_value_heads or config.num_attention_heads, vocab_size=config.vocab_size,
+                     ffn_dim=config.intermediate_size, norm_eps=config.rms_norm_eps, rope_theta=rope["rope_theta"],
+                     max_seq_len=config.max_position_embeddings, tie_embeddings=bool(config.tie_word_embeddings),
+                     head_dim=getattr(config, "head_dim", None) or 0, rope_scaling=scaling)
+
+
+def safetensors_weights(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor in the folder's *.safetensors (headers only: no data read)."""
+    from safetensors import safe_open
+    from safetensors.torch import _getdtype
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+        raise _error(folder, "no *.safetensors weights" + (f" (found {', '.join(found)}: only safetensors are read)"
+                                                           if found else ""))
+    index = folder / WEIGHT_INDEX
+    if index.is_file():
+        named = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        absent = sorted(named - {p.name for p in files})
+        if absent:
+            raise _error(folder, f"{WEIGHT_INDEX} names {len(absent)} missing file(s) (first: {absent[0]})")
+    weights = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                weights[key] = (tuple(piece.get_shape()), _getdtype(piece.get_dtype()))
+    return weights
+
+
+def weights_dtype(folder: str | Path) -> torch.dtype:
+    """The dtype of the checkpoint's weights on disk (the embedding's, if they are mixed)."""
+    weights = safetensors_weights(Path(folder))
+    return weights.get("model.embed_tokens.weight", next(iter(weights.values())))[1]
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------
+
+
+def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def check_same_tokenizer(data_tokenizer, checkpoint_tokenizer, data_root: str, folder: str) -> None:
+    """DataError (one line) unless the data was tokenized with the checkpoint's tokenizer: the same
+    vocabulary (added tokens included) and the same bos/eos ids."""
+    a, b = data_tokenizer, checkpoint_tokenizer
+    differs = [f"{name}_token_id {getattr(a, f'{name}_token_id')} vs {getattr(b, f'{name}_token_id')}"
+               for name in ("bos", "eos") if getattr(a, f"{name}_token_id") != getattr(b, f"{name}_token_id")]
+    if len(a) != len(b):
+        differs.insert(0, f"{len(a)} vs {len(b)} tokens")
+    elif not differs and a.get_vocab() != b.get_vocab():
+        differs.append("the same size but different tokens")
+    if differs:
+        raise DataError(f"data.root={data_root} was tokenized with another tokenizer than model.init_from={folder} "
+                        f"({'; '.join(differs)}); tokenize the data with the checkpoint's tokenizer "
+                        f"(python -m data.prepare_text --tokenizer {folder} ...)")
+
+
+# ---- weights in: each rank reads its own slices --------------------------------------------------
+
+
+def _tensor_at_a_time_reader(folder: str | Path):
+    """torch's HuggingFaceStorageReader, mapping a safetensors file once per tensor instead of once per
+    file. The reader copies each slice out of the memory-mapped file; the pages it touched stay resident
+    (in the rank's RSS) until the file is unmapped, which per file means up to a whole shard (5 GB in
+    released checkpoints) on top of the rank's weights. Per tensor, at most one tensor's pages are."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.futures import Future
+
+    class Reader(HuggingFaceStorageReader):
+        def read_data(self, plan, planner) -> Future:
+            for item in plan.items:
+                with safe_open(self.storage_data[item.storage_index].relative_path, framework="pt") as f:
+                    self._process_read_request(f, item, planner)
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+    return Reader(str(folder))
+
+
+def load_weights(model: Transformer, args: LlamaArgs, folder: str | Path) -> None:
+    """Fill the (sharded, materialized) model from the safetensors in ``folder``: every rank reads only
+    the slices of the tensors it holds, converted to its parameters' dtype (bf16 on disk -> fp32 master)."""
+    import torch.distributed as tdist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(model)
+    hf_state = to_hf_state_dict(state, args)
+    dcp.load(hf_state, storage_reader=_tensor_at_a_time_reader(folder), no_dist=not tdist.is_initialized())
+    # The adapter back: the pipeline stage holding a tied output projection also gets its own entry.
+    loaded = from_hf_state_dict(hf_state, args)
+    set_model_state_dict(model, {k: loaded[k] for k in state})
+
+
+# ---- the export folder --------------------------------------------------------------------------
+
+
+def write_hf_folder(state_dict: dict[str, torch.Tensor], args: LlamaArgs, out: Path, *,
+                    tokenizer: PreTrainedTokenizerBase, source: str | Path | None = None) -> None:
+    """A LlamaForCausalLM folder from a full (consolidated, CPU) Kiln state dict.
+
+    With ``source`` (the run's model.init_from) the folder keeps the source's own files (config.json with
+    its rope_scaling, tie and token ids, generation_config.json, tokenizer and chat template, license)
+    and its weights' dtype, so a checkpoint that went through Kiln unchanged comes back bit for bit.
+    Without, the config is derived from ``args`` and the tokenizer's ids, and the weights stay fp32.
+    """
+    from huggingface_hub import save_torch_state_dict
+    from transformers import GenerationConfig
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    dtype = weights_dtype(source) if source else None
+    hf_state = to_hf_state_dict(state_dict, args)
+    for key in list(hf_state):  # converted one tensor at a time: no second full copy
+        hf_state[key] = hf_state[key].detach().to(dtype or hf_state[key].dtype).contiguous()
+    save_torch_state_dict(hf_state, out, max_shard_size="5GB", metadata={"format": "pt"})
+    if source:
+        for path in Path(source).iterdir():
+            if path.is_file() and path.suffix not in _WEIGHT_SUFFIXES and path.name not in _WEIGHT_INDEXES:
+                shutil.copy2(path, out / path.name)
+        return
+    config = to_hf_config(args, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+    config.architectures, config.dtype = ["LlamaForCausalLM"], torch.float32  # what save_pretrained records
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
