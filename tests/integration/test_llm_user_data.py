@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, losses, run_train
-from tests.fixtures.llm_data import write_chat, write_corpus, write_llama_tokenizer
+from tests.fixtures.llm import write_chat, write_corpus, write_llama_tokenizer
 
 pytestmark = pytest.mark.integration
 FAST = ["recipe=llm_tiny", "trainer.log_every=1", "trainer.progress_bar=false", "checkpoint.final=false"]

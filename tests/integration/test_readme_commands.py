@@ -22,7 +22,7 @@ import pytest
 from common.distributed import free_port
 from common.tools.launcher import launch_env
 from tests.conftest import REPO
-from tests.fixtures import llm_data
+from tests.fixtures import llm
 
 pytestmark = pytest.mark.integration
 
@@ -46,9 +46,9 @@ SCRIPT_ARGS = {
 
 # What a user brings, as the README names it -> a builder of the tiny stand-in (called with a folder).
 FIXTURES = {
-    "~/models/Llama-3.2-1B": llm_data.write_llama_tokenizer,
-    "~/data/corpus": llm_data.write_corpus,
-    "~/data/chat.jsonl": lambda d: llm_data.write_chat(Path(d) / "chat.jsonl"),
+    "~/models/Llama-3.2-1B": llm.write_llama_folder,
+    "~/data/corpus": llm.write_corpus,
+    "~/data/chat.jsonl": lambda d: llm.write_chat(Path(d) / "chat.jsonl"),
 }
 
 # Commands that cannot run here, each with the place that runs the same code path.

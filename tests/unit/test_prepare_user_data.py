@@ -21,10 +21,10 @@ from common.distributed import DistInfo
 from common.errors import DataError
 from data import prepare_chat, prepare_text
 from recipes.llm.data import decode_document, load_tokenizer, local_batch
-from tests.fixtures.llm_data import (
-    END_HEADER,
+from tests.fixtures.llm import (
     EOT,
-    START_HEADER,
+    HEADER_END,
+    HEADER_START,
     chat_conversations,
     write_chat,
     write_corpus,
@@ -145,7 +145,7 @@ def expected_llama3(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
     special = tok.convert_tokens_to_ids
     ids, mask = [tok.bos_token_id], [0]
     for m in messages:
-        head = [special(START_HEADER), *tok.encode(m["role"], add_special_tokens=False), special(END_HEADER),
+        head = [special(HEADER_START), *tok.encode(m["role"], add_special_tokens=False), special(HEADER_END),
                 *tok.encode("\n\n", add_special_tokens=False)]
         body = [*tok.encode(m["content"].strip(), add_special_tokens=False), special(EOT)]
         ids += head + body
