@@ -169,7 +169,7 @@ def session(tmp_path_factory) -> Session:
     return Session(tmp_path_factory.mktemp("readme"))
 
 
-@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c)[:90] for c in COMMANDS])
+@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c) for c in COMMANDS])
 def test_readme_command_runs(argv, session):
     reason = not_run_reason(argv)
     if reason:
