@@ -33,8 +33,9 @@ def build_deepspeed_config(cfg: TrainConfig, dp: int) -> dict[str, Any]:
                 "betas": [o.beta1, o.beta2],
                 "eps": o.eps,
                 "weight_decay": o.weight_decay,
-                # torch's AdamW: no compiled DeepSpeed op needed (CPU, or a GPU without build tools)
+                # torch's AdamW: no compiled DeepSpeed op needed; its fused kernel on CUDA
                 "torch_adam": True,
+                **({"fused": True} if torch.cuda.is_available() else {}),
             },
         },
         "zero_optimization": {

@@ -1,10 +1,20 @@
-"""Learning-rate schedule shared by every recipe: linear warmup, then constant/cosine/linear decay."""
+"""What every recipe's optimizer shares: the AdamW kernel for the device, and the learning-rate schedule
+(linear warmup, then constant/cosine/linear decay)."""
 
 from __future__ import annotations
 
 import math
 
+import torch
+
 from common.config import OptimConfig
+
+
+def adamw_kernel(device: torch.device) -> dict[str, bool]:
+    """torch AdamW's implementation keyword for the LLM: the fused kernel on CUDA (one launch for all
+    parameters); foreach on CPU, as before (the DeepSpeed recipes ask for fused the same way,
+    common/deepspeed.py)."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:

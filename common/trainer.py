@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
-import math
 import os
 import signal
 import subprocess
@@ -43,40 +43,60 @@ from common.profiling import StepTimer, maybe_profile
 from common.seed import rng_state, set_rng_state
 
 
+Scalar = float | int | torch.Tensor
+
+
 @dataclasses.dataclass
 class StepStats:
     """What one optimizer step reports, the same on every rank (the recipe reduces over ranks).
 
-    A non-finite `loss` or `grad_norm` means the recipe left the weights untouched (DeepSpeed's
-    overflow check, the LLM's norm check): the loop counts the step as skipped.
+    Values may stay device tensors: the loop reads them (one copy to the host) on logging steps only,
+    so a GPU step waits for the host at most once, for `finite`. A non-finite `loss` or `grad_norm`
+    means the recipe left the weights untouched (DeepSpeed's overflow check, the LLM's norm check): the
+    loop counts the step as skipped. A recipe that already decided that on the host says so in `skipped`.
     """
 
-    loss: float
-    grad_norm: float
+    loss: Scalar
+    grad_norm: Scalar
     lr: float
     samples: int = 0  # global samples this step -> samples_per_s
-    tokens: int = 0  # global real (non-padding) tokens this step -> tokens_per_s
-    token_utilization: float | None = None  # packed rows: real tokens / token slots
+    tokens: Scalar = 0  # global real (non-padding) tokens this step -> tokens_per_s
+    token_utilization: Scalar | None = None  # packed rows: real tokens / token slots
     corrupt_shards: int | None = None  # distinct corrupt shards skipped so far (this rank)
+    skipped: bool | None = None
 
-    @property
+    @functools.cached_property
     def finite(self) -> bool:
-        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+        if self.skipped is not None:
+            return not self.skipped
+        return bool(torch.isfinite(torch.as_tensor(self.loss)) & torch.isfinite(torch.as_tensor(self.grad_norm)))
+
+    @functools.cached_property
+    def values(self) -> dict[str, float]:
+        """The tensor fields as Python numbers, in one device-to-host copy."""
+        fields = {k: getattr(self, k) for k in ("loss", "grad_norm", "tokens", "token_utilization")}
+        tensors = {k: v.detach().float().reshape(()) for k, v in fields.items() if isinstance(v, torch.Tensor)}
+        if tensors:
+            device = next(iter(tensors.values())).device
+            fields.update(zip(tensors, torch.stack([t.to(device) for t in tensors.values()]).tolist()))
+        return fields
 
     @property
     def work(self) -> float:
         """What a step's FLOPs scale with: token slots of packed rows (they vary per step), else 1."""
-        return self.tokens / self.token_utilization if self.token_utilization else 1.0
+        v = self.values
+        return v["tokens"] / v["token_utilization"] if v["token_utilization"] else 1.0
 
     def record(self, step_time: float) -> dict[str, Any]:
         """The metrics.jsonl fields: counts become rates, unset optional fields are left out."""
-        out: dict[str, Any] = {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm}
+        v = self.values
+        out: dict[str, Any] = {"loss": v["loss"], "lr": self.lr, "grad_norm": v["grad_norm"]}
         if self.samples:
             out["samples_per_s"] = self.samples / step_time
-        if self.tokens:
-            out["tokens_per_s"] = self.tokens / step_time
-        if self.token_utilization is not None:
-            out["token_utilization"] = self.token_utilization
+        if v["tokens"]:
+            out["tokens_per_s"] = v["tokens"] / step_time
+        if v["token_utilization"] is not None:
+            out["token_utilization"] = v["token_utilization"]
         if self.corrupt_shards is not None:
             out["corrupt_shards"] = self.corrupt_shards
         return out

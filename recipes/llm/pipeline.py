@@ -196,17 +196,13 @@ class Pipeline:
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum * self._scale
 
-    def rounds_for(self, packed: PackedBatch) -> int:
-        n = torch.tensor(math.ceil(packed.num_rows / self.round_rows), device=self.device)
-        tdist.all_reduce(n, op=tdist.ReduceOp.MAX)  # every rank: matched P2P and FSDP collectives
-        return int(n)
-
-    def step(self, packed: PackedBatch, pad_id: int, scale: float) -> torch.Tensor:
+    def step(self, packed: PackedBatch, pad_id: int, scale: float, max_rows: int) -> torch.Tensor:
         """Forward + backward of the whole packed batch, gradients scaled by ``scale``; returns this
-        rank's CE token sum (0 off the last stage)."""
+        rank's CE token sum (0 off the last stage). ``max_rows``: the most rows any dp rank packed (every
+        rank runs the same number of rounds: matched P2P and FSDP collectives)."""
         self._scale = scale
         loss_sum = torch.zeros((), device=self.device)
-        rounds = self.rounds_for(packed)
+        rounds = math.ceil(max_rows / self.round_rows)
         # row_segments stay on the host: each stage derives its microbatch's cu_seqlens from them.
         inputs = {k: v if k == "row_segments" else v.to(self.device)
                   for k, v in pad_rows(packed, rounds * self.round_rows, pad_id, self.attention).items()}

@@ -19,10 +19,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
+from common.data.packing import PackedBatch
 from common.distributed import DistInfo, barrier
 from common.errors import DataError
 from common.memory import Block, ModelSpec, count_params
-from common.optim import lr_factor
+from common.optim import adamw_kernel, lr_factor
 from common.parallel_dims import ParallelDims
 from common.profiling import StepTimer
 from common.seed import seed_everything
@@ -112,7 +113,7 @@ class LLMTrainer(Trainer):
 
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay, foreach=True)
+                                           weight_decay=o.weight_decay, **adamw_kernel(self.device))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(lr_factor, cfg=o, max_steps=cfg.trainer.max_steps))
         seed_everything(cfg.trainer.seed + 1)
@@ -137,15 +138,21 @@ class LLMTrainer(Trainer):
         return tokenizer
 
     # ---- one optimizer step -------------------------------------------------------------
-    def micro_step_loss(self, documents: list[dict]) -> tuple[torch.Tensor, float, int, int]:
-        """Loss whose dp-average of gradients equals the gradient of the global token mean."""
-        packed = local_batch(documents, dp_rank=self.dp_rank, dp=self.dims.dp,
-                             max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id)
-        labels = packed.labels[:, 1:].to(self.device)
+    def pack(self, documents: list[dict]) -> tuple[PackedBatch, int, int]:
+        """This dp rank's packed rows, and what every rank must agree on: the global number of labelled
+        tokens (the loss is their mean) and the most rows any dp rank packs (pipeline rounds). Every rank
+        holds the whole global micro-batch (one stream, sliced by dp rank), so packing every dp rank's
+        share here is a little host work instead of collectives and host-device syncs every micro-batch."""
+        shares = [local_batch(documents, dp_rank=r, dp=self.dims.dp, max_seq_len=self.cfg.data.max_seq_len,
+                              pad_id=self.pad_id) for r in range(self.dims.dp)]
         # Only labelled tokens count (chat: the assistant's), here and in the loss's ignore_index.
-        local_tokens = (labels != -100).sum()
-        global_tokens = local_tokens.clone()
-        tdist.all_reduce(global_tokens, group=self.mesh["dp"].get_group())
+        labelled = sum(int((share.labels[:, 1:] != -100).sum()) for share in shares)  # CPU tensors: no sync
+        return shares[self.dp_rank], labelled, max(share.num_rows for share in shares)
+
+    def micro_step_loss(self, documents: list[dict]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Loss whose dp-average of gradients equals the gradient of the global token mean."""
+        packed, global_tokens, _ = self.pack(documents)
+        labels = packed.labels[:, 1:].to(self.device)
         with self.autocast():
             logits = self.model(packed.input_ids.to(self.device),
                                 **model_inputs(packed, self.cfg.toggles.attention, self.device))
@@ -153,19 +160,16 @@ class LLMTrainer(Trainer):
             loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
             if hasattr(loss_sum, "full_tensor"):  # loss parallel: a replicated DTensor scalar
                 loss_sum = loss_sum.full_tensor()
-        loss = loss_sum / global_tokens.clamp(min=1) * self.dims.dp  # FSDP averages over dp
-        return loss, loss_sum.detach(), int(global_tokens), packed.input_ids.numel()
+        loss = loss_sum / max(1, global_tokens) * self.dims.dp  # FSDP averages over dp
+        return loss, loss_sum.detach(), global_tokens, packed.input_ids.numel()
 
     def pipeline_micro_step(self, documents: list[dict], accum: int) -> tuple[torch.Tensor, int, int]:
         """micro_step_loss + backward under PP: the schedule runs forward and backward per microbatch."""
-        packed = local_batch(documents, dp_rank=self.dp_rank, dp=self.dims.dp,
-                             max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id)
-        global_tokens = (packed.labels[:, 1:] != -100).sum().to(self.device)
-        tdist.all_reduce(global_tokens, group=self.mesh["dp"].get_group())
-        scale = self.dims.dp / max(1, int(global_tokens)) / accum  # micro_step_loss's normalization
+        packed, global_tokens, max_rows = self.pack(documents)
+        scale = self.dims.dp / max(1, global_tokens) / accum  # micro_step_loss's normalization
         with self.autocast():
-            loss_sum = self.pipeline.step(packed, self.pad_id, scale)
-        return loss_sum, int(global_tokens), packed.input_ids.numel()
+            loss_sum = self.pipeline.step(packed, self.pad_id, scale, max_rows)
+        return loss_sum, global_tokens, packed.input_ids.numel()
 
     def train_step(self, batches, timer: StepTimer) -> StepStats:
         total, tokens, slots = torch.zeros((), device=self.device), 0, 0
@@ -194,16 +198,21 @@ class LLMTrainer(Trainer):
             else:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            if torch.isfinite(grad_norm):  # the same on every rank; else skip (common/trainer.py counts it)
+            # The step's one host-device sync: skipping needs a decision on the host (the same on every
+            # rank: the norm is global); common/trainer.py counts the skip.
+            finite = bool(torch.isfinite(grad_norm))
+            if finite:
                 self.optimizer.step()
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+        # The loss stays on the device; common/trainer.py reads it on logging steps only.
         tdist.all_reduce(total, group=self.mesh["dp"].get_group())
         if self.pipeline is not None:  # only the last stage computed the loss
             tdist.all_reduce(total, group=self.mesh["pp"].get_group())
         return StepStats(
-            loss=float(total),
-            grad_norm=float(grad_norm),
+            loss=total,
+            grad_norm=grad_norm,
+            skipped=not finite,
             lr=self.scheduler.get_last_lr()[0],
             tokens=tokens,
             token_utilization=tokens / (slots * self.dims.dp) if slots else 0.0,
