@@ -95,7 +95,9 @@ class CheckpointManager:
             info = {"step": step, "world_size": self.dist.world_size, "time": time.time(), **(meta or {})}
             _atomic_write_text(tmp / "meta.json", json.dumps(info, indent=1))
             os.rename(tmp, final)
-            tmp.parent.rmdir()  # .tmp exists only while a checkpoint is being written
+            # .tmp exists only while a checkpoint is being written (DeepSpeed also drops its
+            # zero_to_fp32.py beside the step dir it writes: nothing of the checkpoint's).
+            shutil.rmtree(tmp.parent, ignore_errors=True)
             _atomic_write_text(self.root / "latest", final.name)
             self._prune()
         barrier()
