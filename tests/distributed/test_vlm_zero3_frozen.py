@@ -21,7 +21,7 @@ def test_align_under_zero3_keeps_frozen_parts_bit_for_bit(tmp_path):
     raw = fx.write_llava_data(tmp_path / "raw", n_pretrain=8, n_instruct=40)
     clip, llama = fx.write_siglip(tmp_path / "siglip"), fx.write_llama(tmp_path / "llama", tie_word_embeddings=True)
     data = tmp_path / "instruct"
-    prepare_llava.build_llava(data, json_path=raw["llava_instruct"], images=raw["images"], train_shards=2, val_shards=1)
+    prepare_llava.build_llava(data, json_path=raw / "llava_instruct.json", images=raw / "images", train_shards=2, val_shards=1)
     run_dir = tmp_path / "run"
     run_train(["recipe=vlm_tiny", "data=llava", f"data.root={data}", "data.num_workers=1", "data.max_seq_len=256",
                "parallel.zero_stage=3", "vlm.stage=align", f"vlm.vision_from={clip}", f"vlm.language_from={llama}",

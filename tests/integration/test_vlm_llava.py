@@ -27,7 +27,7 @@ def world(tmp_path_factory):
            "llava_hf": fx.write_llava_hf(root / "llava_hf")}
     for name in ("llava_pretrain", "llava_instruct"):
         out[name] = root / name
-        prepare_llava.build_llava(out[name], json_path=raw[name], images=raw["images"], train_shards=2, val_shards=1,
+        prepare_llava.build_llava(out[name], json_path=raw / f"{name}.json", images=raw / "images", train_shards=2, val_shards=1,
                                   val_fraction=0.05)
     return out
 

@@ -23,7 +23,7 @@ def llava(tmp_path_factory):
 @pytest.fixture(scope="module")
 def built(llava, tmp_path_factory):
     out = tmp_path_factory.mktemp("built") / "instruct"
-    assert pl.main(["--json", str(llava["llava_instruct"]), "--images", str(llava["images"]), "--out", str(out), *SMALL]) == 0
+    assert pl.main(["--json", str(llava / "llava_instruct.json"), "--images", str(llava / "images"), "--out", str(out), *SMALL]) == 0
     return out
 
 
@@ -44,7 +44,7 @@ def test_broken_samples_are_skipped_and_counted(built):
 
 def test_shards_hold_the_conversations_and_the_image_bytes(built, llava):
     meta = load_dataset_meta(built)
-    source = {r["id"]: r for r in json.loads(llava["llava_instruct"].read_text())}
+    source = {r["id"]: r for r in json.loads((llava / "llava_instruct.json").read_text())}
     samples = list(iter_samples(meta["train_urls"] + meta["val_urls"]))
     assert len(samples) == 40 and len({s["__key__"] for s in samples}) == 40
     roles = {"human": "user", "gpt": "assistant"}
@@ -53,16 +53,16 @@ def test_shards_hold_the_conversations_and_the_image_bytes(built, llava):
         want = source[record["id"]]
         assert record["messages"] == [{"role": roles[t["from"]], "content": t["value"]} for t in want["conversations"]]
         if "image" in want:
-            assert record["num_images"] == 1 and s["image0"] == (llava["images"] / want["image"]).read_bytes()
+            assert record["num_images"] == 1 and s["image0"] == (llava / "images" / want["image"]).read_bytes()
         else:
             assert record["num_images"] == 0 and not any(k.startswith("image") for k in s)
 
 
 def test_rebuild_is_a_noop_and_other_input_is_refused(built, llava, capsys):
-    args = ["--json", llava["llava_instruct"], "--images", llava["images"], "--out", built, *SMALL]
+    args = ["--json", llava / "llava_instruct.json", "--images", llava / "images", "--out", built, *SMALL]
     rc, out, _ = run(capsys, *args)
     assert rc == 0 and "nothing to do" in out
-    rc, _, err = run(capsys, "--json", llava["llava_pretrain"], "--images", llava["images"], "--out", built, *SMALL)
+    rc, _, err = run(capsys, "--json", llava / "llava_pretrain.json", "--images", llava / "images", "--out", built, *SMALL)
     assert rc == 1 and err.startswith("kiln: error:") and "--force" in err and len(err.strip().splitlines()) == 1
 
 
@@ -74,7 +74,7 @@ def test_rebuild_is_a_noop_and_other_input_is_refused(built, llava, capsys):
 def test_unusable_json_is_one_line(tmp_path, llava, capsys, content, message):
     bad = tmp_path / "bad.json"
     bad.write_text(content)
-    rc, _, err = run(capsys, "--json", bad, "--images", llava["images"], "--out", tmp_path / "out", *SMALL)
+    rc, _, err = run(capsys, "--json", bad, "--images", llava / "images", "--out", tmp_path / "out", *SMALL)
     assert rc == 2 and err.startswith("kiln: error:") and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
@@ -82,7 +82,7 @@ def test_unusable_json_is_one_line(tmp_path, llava, capsys, content, message):
 def test_all_bad_is_one_line_with_the_counts(tmp_path, llava, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(fx.broken_records("x")))
-    rc, _, err = run(capsys, "--json", bad, "--images", llava["images"], "--out", tmp_path / "out", *SMALL)
+    rc, _, err = run(capsys, "--json", bad, "--images", llava / "images", "--out", tmp_path / "out", *SMALL)
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert "none of its 6 samples is usable (missing image 2, undecodable image 1, <image> count mismatch 2, malformed 1)" in err
     rc, _, err = run(capsys, "--json", bad, "--images", tmp_path / "nope", "--out", tmp_path / "out", *SMALL)

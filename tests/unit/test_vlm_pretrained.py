@@ -127,6 +127,37 @@ def test_unusable_folders_are_one_line(parts, tmp_path):
     assert "no readable config.json" in check(init_from=str(tmp_path))
 
 
+@pytest.mark.parametrize("overrides,needle", [
+    (["vlm.vision_from={clip}"], "vlm.vision_from and vlm.language_from go together"),
+    (["vlm.vision_from={clip}", "vlm.language_from={vicuna}", "vlm.init_from={llava_hf}"], "exclude each other"),
+    (["vlm.init_from={llava_hf}", "vlm.stage=align"], "vlm.init_from is for vlm.stage=finetune"),
+    (["vlm.train_vision=true", "vlm.stage=align"], "vlm.train_vision=true is for vlm.stage=finetune"),
+    (["vlm.vision_from=~/no/such/kiln/folder", "vlm.language_from={vicuna}"], "vlm.vision_from=~/no/such/kiln/folder: no such folder"),
+])
+def test_source_mistakes_stop_at_composition(parts, overrides, needle):
+    from common.launch import compose
+
+    with pytest.raises(ConfigError, match=needle):
+        compose(["recipe=vlm_tiny", *(o.format(**parts) for o in overrides)])
+    cfg = compose(["recipe=vlm_7b", f"vlm.vision_from={parts['clip']}", f"vlm.language_from={parts['vicuna']}"])
+    assert cfg.data.build == [] and cfg.vlm.vision_from == str(parts["clip"])
+
+
+def test_dry_run_sizes_the_parts_not_the_preset(parts):
+    from common.launch import compose
+    from recipes.vlm.train import memory_spec
+
+    model, _ = assemble(parts, "clip", "vicuna")
+    for stage, trainable in (("align", model.model.multi_modal_projector), ("finetune", None)):
+        cfg = compose(["recipe=vlm_7b", f"vlm.vision_from={parts['clip']}", f"vlm.language_from={parts['vicuna']}",
+                       f"vlm.stage={stage}"])
+        spec = memory_spec(cfg)
+        total = spec.frozen_params + spec.first_params + spec.layers * spec.layer_params
+        assert total == sum(p.numel() for p in model.parameters())
+        if trainable is not None:
+            assert total - spec.frozen_params == sum(p.numel() for p in trainable.parameters())
+
+
 def test_llava_hf_folder_loads_with_its_processor(parts):
     folder = pretrained.llava_folder(str(parts["llava_hf"]))
     model, processor = pretrained.load_llava(folder, "sdpa"), pretrained.llava_processor(folder)
