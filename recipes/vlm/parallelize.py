@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.nn.attention.varlen import varlen_attn  # torch's own FlashAttention varlen kernel; CUDA only
 from transformers import LlavaForConditionalGeneration
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -12,11 +13,6 @@ from common import deepspeed as ds
 from common.config import TrainConfig
 from common.toggles import apply_toggles
 from recipes.vlm.model import VARLEN_ATTENTION, attn_implementation
-
-try:  # torch's own FlashAttention varlen kernel (torch >= 2.10); CUDA only, CPU raises NotImplementedError
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover - older torch: toggles.attention=flash then fails at the first forward
-    varlen_attn = None
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -256,8 +256,6 @@ def load_parts(config, v: VLMConfig, attention: str):
     # sub-configs by identity (set_attn_implementation), and save_pretrained writes them.
     model.config.vision_config, model.config.text_config = tower.config, lm.config
     model.generation_config = lm.generation_config
-    if lm.config.tie_word_embeddings:
-        model.config.tie_word_embeddings = True
     meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:
         raise RuntimeError(f"assembled LLaVA has unloaded tensors: {meta[:3]}")
