@@ -63,6 +63,7 @@ class StepStats:
     tokens: Scalar = 0  # global real (non-padding) tokens this step -> tokens_per_s
     token_utilization: Scalar | None = None  # packed rows: real tokens / token slots
     corrupt_shards: int | None = None  # distinct corrupt shards skipped so far (this rank)
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)  # recipe-specific per-step counts, logged as is
     skipped: bool | None = None
 
     @functools.cached_property
@@ -99,7 +100,7 @@ class StepStats:
             out["token_utilization"] = v["token_utilization"]
         if self.corrupt_shards is not None:
             out["corrupt_shards"] = self.corrupt_shards
-        return out
+        return out | self.counts
 
 
 class Stateful(Protocol):

@@ -3,6 +3,14 @@
 
     python scripts/bench_packing.py [--steps 8] [--warmup 1] [--max-seq-len 512] [--samples-per-step 96]
                                     [--attention sdpa] [--threads N] [--hidden 64] [--layers 2]
+                                    [--distribution lognormal|llava] [--image-tokens 144]
+
+Length distributions: `lognormal` (median --median-len, --sigma; every token labelled) or `llava`,
+multi-turn image conversations shaped like LLaVA-1.5's instruct mix (`llava_stream`): an image's tokens
+(576 of 2048 in LLaVA-1.5; --image-tokens, scaled to --max-seq-len by default), Geometric(0.4) rounds
+(1, 2, ...; mean 2.5) of a short question and a longer answer (lognormal), every tenth conversation
+text-only; labels on the answers only. Image tokens are plain tokens here: the tower's cost does not
+depend on the layout.
 
 Both modes see the SAME samples at every step (same micro batch, same label tokens, so the same
 loss); only the layout differs. Padded: one sample per row, rows padded to the longest sample of
@@ -42,6 +50,29 @@ def sample_stream(steps: int, per_step: int, max_seq_len: int, median: float, si
         yield samples
 
 
+def llava_stream(steps: int, per_step: int, max_seq_len: int, image_tokens: int, vocab: int, seed: int):
+    """Per step, LLaVA-style conversations (module docstring), cut at max_seq_len as the recipe cuts them."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        samples = []
+        for _ in range(per_step):
+            ids, labels = [rng.integers(1, vocab, 12)], [np.full(12, -100)]  # system prompt + first header
+            if rng.random() >= 0.1:
+                ids.append(rng.integers(1, vocab, image_tokens))
+                labels.append(np.full(image_tokens, -100))
+            for _ in range(rng.geometric(0.4)):  # rounds: 1, 2, ... (mean 2.5)
+                question = rng.integers(1, vocab, int(np.clip(rng.lognormal(np.log(14), 0.6), 3, 120)))
+                answer = rng.integers(1, vocab, int(np.clip(rng.lognormal(np.log(40), 1.0), 1, 600)))
+                ids += [question, answer]
+                labels += [np.full(len(question), -100), answer]
+            ids, labels = np.concatenate(ids)[:max_seq_len], np.concatenate(labels)[:max_seq_len]
+            samples.append({"input_ids": torch.from_numpy(ids).long(), "labels": torch.from_numpy(labels).long()})
+        yield samples
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="timed steps per mode (after warm-up)")
@@ -53,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--median-len", type=float, default=64.0, help="median sample length (lognormal)")
     ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma: larger = longer tail")
+    ap.add_argument("--distribution", choices=["lognormal", "llava"], default="lognormal")
+    ap.add_argument("--image-tokens", type=int, default=None,
+                    help="llava: tokens per image (default: LLaVA-1.5's 576 per 2048, scaled to --max-seq-len)")
     ap.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
@@ -93,14 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     stats = {mode: {"time": [], "collate": [], "real_steps": [], "slots": 0, "rows": [], "loss": []} for mode in collate}
 
     total = args.warmup + args.steps
+    if args.distribution == "llava":
+        image_tokens = args.image_tokens or round(576 * args.max_seq_len / 2048)
+        lengths = (f"LLaVA-style conversations ({image_tokens} image tokens, Geometric(0.4) rounds, 10% text-only, "
+                   f"labels on answers) cut at {args.max_seq_len}")
+        stream = llava_stream(total, args.samples_per_step, args.max_seq_len, image_tokens, args.vocab, args.seed)
+    else:
+        lengths = f"lengths lognormal(median {args.median_len:g}, sigma {args.sigma:g}) in [8, {args.max_seq_len}]"
+        stream = sample_stream(total, args.samples_per_step, args.max_seq_len, args.median_len, args.sigma, args.vocab, args.seed)
     print(
-        f"bench_packing: {total} steps/mode ({args.warmup} warm-up), {args.samples_per_step} samples/step, "
-        f"lengths lognormal(median {args.median_len:g}, sigma {args.sigma:g}) in [8, {args.max_seq_len}], "
+        f"bench_packing: {total} steps/mode ({args.warmup} warm-up), {args.samples_per_step} samples/step, {lengths}, "
         f"Llama {sum(p.numel() for p in base.parameters()) / 1e6:.2f}M params, attention={args.attention}, "
         f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
         flush=True,
     )
-    stream = sample_stream(total, args.samples_per_step, args.max_seq_len, args.median_len, args.sigma, args.vocab, args.seed)
     for step, samples in enumerate(stream):
         modes = list(collate) if step % 2 == 0 else list(reversed(collate))
         for mode in modes:

@@ -1,4 +1,11 @@
-"""VLM inputs: image–conversation shards → tokenized samples (the chat format) → packed (or padded) micro-batches."""
+"""VLM inputs: image–conversation shards → tokenized samples (the model's chat template, labels on the
+assistant turns) → packed (or padded) micro-batches.
+
+Two datasets: the digits demo (data.prepare_vlm_digits: a question and an answer per digit image, with
+its own processor) and LLaVA-format conversations (data.prepare_llava: multi-turn, zero or more images,
+no processor: the text is tokenized here, in the loader workers, by the processor of the model being
+trained). Both go through `encode_conversation`.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +15,16 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from common.config import TrainConfig
 from common.data import prepare_dataset
-from common.data.dataset import load_asset
+from common.data.dataset import load_asset, load_dataset_meta
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
 from common.data.webdataset import build_webdataset_loader
 from common.distributed import DistInfo
-from common.errors import DataError
+from common.errors import ConfigError, DataError
 
 if TYPE_CHECKING:  # transformers is slow to import; load it only where it is used
     from PIL.Image import Image
@@ -24,18 +32,34 @@ if TYPE_CHECKING:  # transformers is slow to import; load it only where it is us
 
 PROCESSOR_DIR = "processor"  # the dataset's side folder holding the processor (meta.json: "processor")
 NUM_CLASSES = 10  # digits 0-9
+CONVERSATIONS = "llava-conversations"  # meta.json "format" of a data.prepare_llava dataset
+IMAGE_TOKEN = "<image>"
 
 
 def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
-    """Shards and processor meta on every rank (built by the dataset's builder, data.build, if missing)."""
-    meta = prepare_dataset(cfg.data, dist, asset=PROCESSOR_DIR)
-    # The processor decides how many image tokens a prompt holds; the vision tower must agree.
-    built = {"image_size": meta["image_size"], "patch_size": meta["patch_size"]}
-    wanted = {"image_size": cfg.model.image_size, "patch_size": cfg.model.patch_size}
-    if built != wanted:
-        raise DataError(f"data.root={cfg.data.root} was built for {built}, the model has {wanted}: "
-                        "rebuild it with those sizes (see data.build) or point data.root elsewhere")
+    """Shards and meta on every rank (built by the dataset's builder, data.build, if missing)."""
+    try:
+        meta = prepare_dataset(cfg.data, dist)
+    except DataError as exc:
+        if cfg.data.build:
+            raise
+        raise DataError(f"{exc}; LLaVA-format data becomes a dataset with: python -m data.prepare_llava --json FILE "
+                        f"--images DIR --out {cfg.data.root}") from None
+    if is_conversations(meta):
+        return meta
+    meta = load_dataset_meta(cfg.data.root, asset=PROCESSOR_DIR)  # the digits: their processor must be there too
+    if not (cfg.vlm.vision_from or cfg.vlm.init_from):
+        # The dataset's processor decides how many image tokens a prompt holds; the vision tower must agree.
+        built = {"image_size": meta["image_size"], "patch_size": meta["patch_size"]}
+        wanted = {"image_size": cfg.model.image_size, "patch_size": cfg.model.patch_size}
+        if built != wanted:
+            raise DataError(f"data.root={cfg.data.root} was built for {built}, the model has {wanted}: "
+                            "rebuild it with those sizes (see data.build) or point data.root elsewhere")
     return meta
+
+
+def is_conversations(meta: dict) -> bool:
+    return meta.get("format") == CONVERSATIONS
 
 
 def load_processor(root: str | Path) -> LlavaProcessor:
@@ -45,11 +69,15 @@ def load_processor(root: str | Path) -> LlavaProcessor:
     return load_asset(root, PROCESSOR_DIR, AutoProcessor, LlavaProcessor)
 
 
-def decode_png(data: bytes) -> Image:
+def decode_image(data: bytes, mode: str = "RGB") -> Image:
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as im:
-        return im.convert("L")  # a loaded copy, independent of the buffer
+        return im.convert(mode)  # a loaded copy, independent of the buffer
+
+
+def decode_png(data: bytes) -> Image:
+    return decode_image(data, "L")
 
 
 def prompt_messages(question: str) -> list[dict]:
@@ -57,11 +85,120 @@ def prompt_messages(question: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
 
 
-def encode_sample(sample: dict, processor: LlavaProcessor) -> dict:
-    """Raw WebDataset sample -> one training sequence.
+# --- conversations -> token ids and labels ---------------------------------------------------------------
 
-    ``input_ids`` [T]: the chat-templated prompt (image tokens expanded) + answer + eos.
-    ``labels`` [T]: -100 on the prompt (image tokens included), the answer and eos ids after it.
+_STRING_CONTENT: dict[str, bool] = {}
+
+
+def _template_messages(messages: list[dict], processor: LlavaProcessor) -> list[dict]:
+    """Messages as the chat template takes them. Content is a string with `<image>` where an image goes;
+    a template that renders strings gets it as is (a language model's own template), one that only
+    renders OpenAI-style parts (llava-hf's) gets [image, text, ...] parts."""
+    template = processor.chat_template
+    if template not in _STRING_CONTENT:
+        probe = processor.apply_chat_template([{"role": "user", "content": "kiln-probe"}], tokenize=False)
+        _STRING_CONTENT[template] = "kiln-probe" in probe
+    if _STRING_CONTENT[template]:
+        return messages
+    out = []
+    for m in messages:
+        parts = []
+        for i, text in enumerate(m["content"].split(IMAGE_TOKEN)):
+            if i:
+                parts.append({"type": "image"})
+            if text.strip():
+                parts.append({"type": "text", "text": text.strip()})
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
+def chat_prompt(processor: LlavaProcessor, messages: list[dict]) -> str:
+    """The rendered prompt that asks the model for the next assistant turn (generation)."""
+    return processor.apply_chat_template(_template_messages(messages, processor), add_generation_prompt=True, tokenize=False)
+
+
+def encode_conversation(messages: list[dict], images: list, processor: LlavaProcessor, *,
+                        max_seq_len: int | None = None) -> dict:
+    """A conversation -> one training sequence, token for token the chat template's rendering.
+
+    ``messages``: [{"role": system|user|assistant, "content": str}], `<image>` in the text where each
+    image goes, ``images`` in that order (PIL). Labels are the assistant turns: the tokens that overlap
+    what the template adds for turn i beyond the generation prompt of turns < i (the answer and its end
+    of turn, e.g. eos), so the model learns to answer and to stop; prompts, system text and image tokens
+    are -100. The template must render turn by turn (each prefix a prefix of the whole): ValueError if not.
+
+    Over ``max_seq_len`` tokens the sequence is cut there (as LLaVA truncates), but never inside an
+    image's tokens: the cut moves before that image, which is dropped with the ones after it.
+    Returns ``input_ids``, ``labels`` [T] long, ``pixel_values`` [images kept, 3, S, S] float32, ``truncated``.
+    """
+    msgs = _template_messages(messages, processor)
+    render = functools.partial(processor.apply_chat_template, tokenize=False)
+    text = render(msgs)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, through = render(msgs[:i], add_generation_prompt=True), render(msgs[: i + 1])
+        if not (through.startswith(before) and text.startswith(through)):
+            raise ValueError("the chat template does not render conversations turn by turn (a rendered prefix of the "
+                             "conversation is not a prefix of the whole), so the assistant turns cannot be located")
+        # Whitespace closing a turn is layout, not answer: left unlabeled, it cannot drag the next turn's
+        # first token (" USER") into the labels.
+        spans.append((len(before), len(through.rstrip())))
+    enc = processor(text=text, images=images or None, add_special_tokens=False, return_offsets_mapping=True,
+                    return_text_replacement_offsets=bool(images))
+    ids = np.asarray(enc["input_ids"][0], dtype=np.int64)
+    offsets = np.asarray(enc["offset_mapping"][0], dtype=np.int64).reshape(-1, 2)
+    # Span ends in the text as tokenized, where each <image> became one token per image feature.
+    grow = [(r["span"][1], (r["new_span"][1] - r["new_span"][0]) - (r["span"][1] - r["span"][0]))
+            for r in (enc["text_replacement_offsets"][0] if images else [])]
+
+    def shifted(pos: int) -> int:
+        return pos + sum(d for end, d in grow if end <= pos)
+
+    is_label = np.zeros(len(ids), dtype=bool)
+    for a, b in spans:
+        is_label |= (offsets[:, 0] < shifted(b)) & (offsets[:, 1] > shifted(a))
+    is_label &= ids != processor.image_token_id
+    labels = np.where(is_label, ids, IGNORE_INDEX)
+    pixel_values = torch.from_numpy(np.stack(enc["pixel_values"])) if images else torch.zeros(0)
+    truncated = max_seq_len is not None and len(ids) > max_seq_len
+    if truncated:
+        cut = max_seq_len
+        image_pos = np.flatnonzero(ids == processor.image_token_id)
+        per_image = len(image_pos) // max(len(images), 1)
+        whole = int((image_pos < cut).sum()) // per_image if per_image else 0  # images whose tokens all fit
+        if per_image and whole < len(images) and image_pos[whole * per_image] < cut:
+            cut = int(image_pos[whole * per_image])  # the cut fell inside an image: cut before it
+        ids, labels, pixel_values = ids[:cut], labels[:cut], pixel_values[:whole]
+    return {"input_ids": torch.from_numpy(ids.copy()), "labels": torch.from_numpy(labels.copy()),
+            "pixel_values": pixel_values.float(), "truncated": truncated}
+
+
+def check_chat_template(processor: LlavaProcessor) -> bool:
+    """One line at start-up for a chat template training cannot use (rather than every sample failing).
+    Returns whether its assistant turns end in eos (llava-hf's template, for one, drops it: a model
+    trained on it does not learn to stop)."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]
+    try:
+        enc = encode_conversation(probe, [], processor)
+    except Exception as exc:
+        raise ConfigError(f"the processor's chat template cannot train conversations: {exc}") from None
+    if not bool((enc["labels"] != IGNORE_INDEX).any()):
+        raise ConfigError("the processor's chat template renders no assistant text (no token would be trained)")
+    return bool((enc["labels"] == processor.tokenizer.eos_token_id).any())
+
+
+def digit_messages(question: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": IMAGE_TOKEN + question}, {"role": "assistant", "content": answer}]
+
+
+def encode_sample(sample: dict, processor: LlavaProcessor) -> dict:
+    """Raw digits WebDataset sample -> one training sequence.
+
+    ``input_ids`` [T]: the chat-templated prompt (image tokens expanded) + answer + the turn's end.
+    ``labels`` [T]: -100 on the prompt (image tokens included), the answer and end-of-turn ids after it.
     ``pixel_values`` [3, S, S] float32; ``label`` int; ``question``, ``answer``, ``key`` str.
 
     Module-level and deterministic, so ``functools.partial(encode_sample, processor=p)`` is the
@@ -72,21 +209,11 @@ def encode_sample(sample: dict, processor: LlavaProcessor) -> dict:
     label = int(sample["cls"])
     if text["label"] != label or not 0 <= label < NUM_CLASSES:
         raise ValueError(f"{key}: json label {text['label']} and cls {label} disagree or are outside 0..{NUM_CLASSES - 1}")
-    image = decode_png(sample["png"])
-    # Exactly the inference path: template with a generation prompt, then the processor.
-    prompt = processor.apply_chat_template(prompt_messages(text["question"]), add_generation_prompt=True)
-    enc = processor(text=prompt, images=image, return_tensors="pt")
-    prompt_ids = enc["input_ids"][0]
-    tok = processor.tokenizer
-    # The answer tokenizes the same alone as after the prompt: the prompt ends in "\n", which
-    # the byte-level pre-tokenizer always splits from the following word.
-    answer_ids = torch.tensor([*tok(text["answer"], add_special_tokens=False)["input_ids"], tok.eos_token_id], dtype=torch.long)
-    input_ids = torch.cat([prompt_ids.long(), answer_ids])
-    labels = torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX, dtype=torch.long), answer_ids])
+    enc = encode_conversation(digit_messages(text["question"], text["answer"]), [decode_png(sample["png"])], processor)
     return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "pixel_values": enc["pixel_values"][0].float(),
+        "input_ids": enc["input_ids"],
+        "labels": enc["labels"],
+        "pixel_values": enc["pixel_values"][0],
         "label": label,
         "question": text["question"],
         "answer": text["answer"],
@@ -94,28 +221,58 @@ def encode_sample(sample: dict, processor: LlavaProcessor) -> dict:
     }
 
 
-def collate(samples: list[dict], *, packing: bool, max_seq_len: int, pad_id: int) -> dict:
+def encode_llava(sample: dict, processor: LlavaProcessor, max_seq_len: int | None = None) -> dict:
+    """Raw data.prepare_llava sample -> one training sequence (see `encode_conversation`): ``input_ids``,
+    ``labels``, ``pixel_values`` [n, 3, S, S] (n = 0 for a text-only conversation), ``truncated``, ``key``."""
+    record = json.loads(sample["json"])
+    images = [decode_image(sample[f"image{i}"]) for i in range(record["num_images"])]
+    return {**encode_conversation(record["messages"], images, processor, max_seq_len=max_seq_len), "key": record["id"]}
+
+
+def _images(sample: dict) -> list[torch.Tensor]:
+    pv = sample["pixel_values"]
+    return [pv] if pv.dim() == 3 else list(pv)
+
+
+def blank_sample(image_token_id: int, tokens: int, pixel_values: torch.Tensor) -> dict:
+    """One image's `tokens` and nothing else, no label: the stand-in `collate` adds to a micro-batch
+    without images. ``pixel_values`` [1, 3, S, S]: a blank image as the processor makes it."""
+    ids = torch.full((tokens,), image_token_id, dtype=torch.long)
+    return {"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX), "pixel_values": pixel_values}
+
+
+def collate(samples: list[dict], *, packing: bool, max_seq_len: int, pad_id: int, blank: dict | None = None) -> dict:
     """Runs in the loader workers: the packed micro-batch, its images, and token accounting.
 
     Packing only regroups the same samples into fewer rows, so the loss (a token mean over
     the micro-batch) is the same with packing on or off. The trainer turns the PackedBatch into
     model inputs: a 4D mask is rows x L x L, too big to pass between processes every step.
+
+    A micro-batch of text-only conversations gets ``blank`` as one more sample: an image's tokens in a
+    segment of their own, with no labels, so the loss and the other samples' logits are unchanged. The
+    vision tower and projector then run in every step on every rank, in the same order: ZeRO-3 gathers
+    weights collectively, in module order, and every rank reduces the projector's gradient.
     """
+    real = samples
+    if blank is not None and not any(_images(s) for s in samples):
+        samples = [*samples, blank]
     packed: PackedBatch = pack_samples(samples, max_seq_len, pad_id) if packing else pad_samples(samples, pad_id)
     # Images in the order their <image> tokens appear in the row-major flattened batch.
-    pixel_values = torch.stack([samples[i]["pixel_values"] for i in packed.order])
-    slots = packed.input_ids.numel()
-    return {"packed": packed, "pixel_values": pixel_values, "real_tokens": packed.num_real_tokens, "slots": slots,
-            "samples": len(samples)}
+    images = [image for i in packed.order for image in _images(samples[i])]
+    return {"packed": packed, "pixel_values": torch.stack(images) if images else None,
+            "real_tokens": sum(len(s["input_ids"]) for s in real), "slots": packed.input_ids.numel(), "samples": len(real),
+            "text_only": sum(not _images(s) for s in real), "truncated": sum(bool(s.get("truncated")) for s in real)}
 
 
-def build_train_loader(cfg: TrainConfig, dist: DistInfo, urls: list[str], processor):
+def build_train_loader(cfg: TrainConfig, dist: DistInfo, meta: dict, processor, blank: dict):
+    decode = (functools.partial(encode_llava, processor=processor, max_seq_len=cfg.data.max_seq_len) if is_conversations(meta)
+              else functools.partial(encode_sample, processor=processor))
     return build_webdataset_loader(
-        urls,
-        decode=functools.partial(encode_sample, processor=processor),
+        meta["train_urls"],
+        decode=decode,
         collate=functools.partial(
             collate, packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len,
-            pad_id=processor.tokenizer.pad_token_id,
+            pad_id=processor.tokenizer.pad_token_id, blank=blank,
         ),
         batch_size=cfg.trainer.micro_batch_size,
         rank=dist.rank,

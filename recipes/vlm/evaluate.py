@@ -1,4 +1,5 @@
-"""Held-out evaluation: the VLM answers questions about unseen digit images; accuracy and a picture."""
+"""Held-out evaluation. Digits: the VLM answers questions about unseen digit images; accuracy and a picture.
+Conversations: the loss on held-out conversations and a few generated answers next to the references."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import torch
 
+from common.data.packing import IGNORE_INDEX, pad_samples
 from common.data.webdataset import iter_samples
-from recipes.vlm.data import decode_png, prompt_messages
+from recipes.vlm.data import chat_prompt, decode_png, encode_llava
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 # A digit or a number word as a whole word: "7" and "seven" count, "17" and "someone" do not.
@@ -48,7 +50,7 @@ def generate_answers(model, processor, samples: list[dict], *, max_new_tokens: i
     answers: list[str] = []
     for i in range(0, len(samples), batch_size):
         chunk = samples[i : i + batch_size]
-        prompts = [processor.apply_chat_template(prompt_messages(s["question"]), add_generation_prompt=True, tokenize=False) for s in chunk]
+        prompts = [chat_prompt(processor, [{"role": "user", "content": processor.image_token + s["question"]}]) for s in chunk]
         batch = processor(text=prompts, images=[s["image"] for s in chunk], return_tensors="pt", padding=True).to(device)
         batch["pixel_values"] = batch["pixel_values"].to(dtype)
         out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
@@ -97,3 +99,39 @@ def save_answer_grid(samples: list[dict], answers: list[str], path: Path, n: int
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
+
+
+@torch.no_grad()
+def conversation_eval(model, processor, urls: list[str], *, limit: int, max_seq_len: int, max_new_tokens: int,
+                      device: torch.device, batch_size: int = 8, examples: int = 4) -> dict:
+    """Token-mean loss over the first `limit` held-out conversations (every rank the same batches: ZeRO-3
+    gathers collectively), and the first `examples` answers generated for each one's first prompt."""
+    samples = [encode_llava(s, processor, max_seq_len) for s, _ in zip(iter_samples(urls), range(limit))]
+    dtype = next(model.parameters()).dtype
+    total, tokens = 0.0, 0
+    for i in range(0, len(samples), batch_size):
+        chunk = samples[i : i + batch_size]
+        batch = pad_samples(chunk, processor.tokenizer.pad_token_id)
+        images = [im for j in batch.order for im in chunk[j]["pixel_values"]]
+        inputs = batch.model_inputs("sdpa", device=device)
+        loss = model(**inputs, pixel_values=torch.stack(images).to(device, dtype) if images else None).loss
+        n = int((batch.labels[:, 1:] != IGNORE_INDEX).sum())  # the loss is a mean over these (labels shift by one)
+        total, tokens = total + float(loss) * n, tokens + n
+    shown = []
+    image_id, tok = processor.image_token_id, processor.tokenizer
+    for s in samples[:examples]:
+        labeled = (s["labels"] != IGNORE_INDEX).nonzero().flatten()
+        if not len(labeled):
+            continue
+        first = int(labeled[0])
+        end = first + int(((s["labels"][first:] == IGNORE_INDEX).cumsum(0) == 0).sum())  # the first answer's tokens
+        prompt, images = s["input_ids"][:first], s["pixel_values"]
+        per_image = int((s["input_ids"] == image_id).sum()) // len(images) if images.dim() == 4 and len(images) else 0
+        n_images = int((prompt == image_id).sum()) // per_image if per_image else 0
+        kwargs = {"pixel_values": images[:n_images].to(device, dtype)} if n_images else {}
+        out = model.generate(input_ids=prompt[None].to(device), attention_mask=torch.ones_like(prompt)[None].to(device),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id, **kwargs)
+        shown.append({"key": s["key"], "prompt": tok.decode(prompt, skip_special_tokens=True).strip(),
+                      "reference": tok.decode(s["labels"][first:end], skip_special_tokens=True).strip(),
+                      "answer": tok.decode(out[0, len(prompt):], skip_special_tokens=True).strip()})
+    return {"val_loss": total / max(tokens, 1), "val_tokens": tokens, "num_samples": len(samples), "examples": shown}

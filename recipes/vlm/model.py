@@ -1,16 +1,69 @@
-"""VLM architecture: transformers' LlavaForConditionalGeneration built from configs (no hub)."""
+"""VLM architecture: transformers' LlavaForConditionalGeneration, its config (from `model.*` or from the
+configs of pretrained parts) and the model built from a config (weights: recipes/vlm/pretrained.py)."""
 
 from __future__ import annotations
 
-from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
+                          PretrainedConfig, SiglipVisionConfig)
 
-from recipes.vlm.config import VLMModelConfig
+from recipes.vlm.config import TOWER_DEFAULTS, VLMModelConfig
 
-ATTN_IMPLEMENTATION = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}
+# toggles.attention -> the language model's attention implementation. `flash` is torch's own varlen
+# FlashAttention kernel, registered with transformers by recipes/vlm/parallelize.py (no flash-attn package).
+# The vision tower runs SDPA under sdpa and flash (its images are neither packed nor padded).
+VARLEN_ATTENTION = "kiln_varlen"  # no "flash" in the name: transformers would look for a flash-attn kernel
+TEXT_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash": VARLEN_ATTENTION}
+
+
+def attn_implementation(attention: str) -> dict[str, str]:
+    """transformers' per-sub-config attn_implementation for `toggles.attention`."""
+    vision = "eager" if attention == "eager" else "sdpa"
+    return {"text_config": TEXT_ATTENTION[attention], "vision_config": vision, "": vision}
+
+
+def tower_kind(vision: PretrainedConfig) -> str:
+    """clip | siglip: which LLaVA conventions (CLS token, feature defaults) a vision config follows."""
+    if isinstance(vision, CLIPVisionConfig):
+        return "clip"
+    if isinstance(vision, SiglipVisionConfig):
+        return "siglip"
+    raise TypeError(f"a {type(vision).__name__} is neither a CLIP nor a SigLIP vision tower")
+
+
+def tower_image_tokens(config: LlavaConfig) -> int:
+    """Features the tower + feature choice give per image: patches, plus CLIP's CLS token unless
+    `default` drops it. The processor must expand `<image>` to exactly this many tokens."""
+    v = config.vision_config
+    n = (v.image_size // v.patch_size) ** 2 + (1 if tower_kind(v) == "clip" else 0)
+    return n - 1 if config.vision_feature_select_strategy == "default" else n
+
+
+def feature_choice(m: VLMModelConfig, kind: str) -> tuple[int, str]:
+    """(vision_feature_layer, vision_feature_select_strategy): `model.*`, defaulting per tower (TOWER_DEFAULTS)."""
+    layer, strategy = TOWER_DEFAULTS[kind]
+    return (layer if m.vision_feature_layer is None else m.vision_feature_layer,
+            strategy if m.vision_feature_select_strategy == "auto" else m.vision_feature_select_strategy)
+
+
+def assemble_config(m: VLMModelConfig, vision: PretrainedConfig, text: PretrainedConfig, *, image_token_id: int) -> LlavaConfig:
+    """vision tower -> 2-layer GELU MLP projector -> language model, LLaVA-1.5's shape."""
+    layer, strategy = feature_choice(m, tower_kind(vision))
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token_id,
+        vision_feature_layer=layer,
+        vision_feature_select_strategy=strategy,
+        projector_hidden_act="gelu",
+        pad_token_id=text.pad_token_id,
+    )
+    config.image_seq_length = tower_image_tokens(config)
+    return config
 
 
 def llava_config(m: VLMModelConfig, *, vocab_size: int, image_token_id: int, pad_token_id: int,
                  bos_token_id: int, eos_token_id: int) -> LlavaConfig:
+    """A LLaVA shaped by `model.*` (fresh weights: the digits demo, run.dry_run of the size presets)."""
     vision_cls = SiglipVisionConfig if m.vision == "siglip" else CLIPVisionConfig
     vision = vision_cls(
         hidden_size=m.vision_hidden_size,
@@ -35,20 +88,12 @@ def llava_config(m: VLMModelConfig, *, vocab_size: int, image_token_id: int, pad
         eos_token_id=eos_token_id,
         tie_word_embeddings=False,
     )
-    tokens_per_image = (m.image_size // m.patch_size) ** 2
-    if m.vision == "clip" and m.vision_feature_select_strategy == "full":
-        tokens_per_image += 1  # CLIP's CLS token is kept
-    return LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=image_token_id,
-        image_seq_length=tokens_per_image,
-        vision_feature_layer=m.vision_feature_layer,
-        vision_feature_select_strategy=m.vision_feature_select_strategy,
-        projector_hidden_act="gelu",
-        pad_token_id=pad_token_id,
-    )
+    return assemble_config(m, vision, text, image_token_id=image_token_id)
 
 
 def build_model(config: LlavaConfig, attention: str = "sdpa") -> LlavaForConditionalGeneration:
-    return AutoModelForImageTextToText.from_config(config, attn_implementation=ATTN_IMPLEMENTATION[attention])
+    if attention == "flash":
+        from recipes.vlm.parallelize import register_varlen_attention
+
+        register_varlen_attention()
+    return AutoModelForImageTextToText.from_config(config, attn_implementation=attn_implementation(attention))

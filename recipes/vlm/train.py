@@ -1,6 +1,11 @@
 """VLM recipe: a LLaVA trained on image–conversation shards with DeepSpeed ZeRO, exact packing,
 two stages (align → finetune), held-out eval, and a Hugging Face export that vLLM serves.
 
+Where the weights come from (`source`): a vision-tower folder + a language-model folder
+(`vlm.vision_from` + `vlm.language_from`, LLaVA's stage 1), a LLaVA folder (`vlm.init_from`: an align
+run or a llava-hf release), or fresh weights shaped by `model.*` (the digits demo). The processor comes
+with them (the dataset's own for the digits demo).
+
 Read top to bottom: setup (data, processor, model, engine, resume) → train_step → train →
 evaluate → export.
 """
@@ -23,10 +28,11 @@ from common.memory import Block, ModelSpec, count_params, largest_module_params
 from common.profiling import StepTimer
 from common.seed import seed_everything
 from common.trainer import StepStats, Trainer, TrainState
-from recipes.vlm.data import build_train_loader, load_processor, prepare_data
-from recipes.vlm.evaluate import generate_answers, load_eval_samples, save_answer_grid, score
-from recipes.vlm.model import build_model, llava_config
-from recipes.vlm.parallelize import parallelize
+from recipes.vlm import pretrained
+from recipes.vlm.data import blank_sample, build_train_loader, check_chat_template, is_conversations, load_processor, prepare_data
+from recipes.vlm.evaluate import conversation_eval, generate_answers, load_eval_samples, save_answer_grid, score
+from recipes.vlm.model import build_model, llava_config, tower_image_tokens, tower_kind
+from recipes.vlm.parallelize import eval_attention, parallelize
 
 
 def model_config(cfg: TrainConfig, tokenizer):
@@ -40,30 +46,52 @@ def model_config(cfg: TrainConfig, tokenizer):
     )
 
 
-def resolve_init(init_from: str) -> Path:
-    """An align run's export (run dir or export dir) to start finetuning from."""
-    path = Path(init_from)
-    for candidate in (path / "export", path):
-        if (candidate / "config.json").exists() and (candidate / "model.safetensors").exists():
-            return candidate
-    raise ConfigError(f"vlm.init_from={init_from}: no exported model there (expected an align run dir with export/)")
+def load_model(cfg: TrainConfig, meta: dict):
+    """(model, processor, source) from the weights' source (module docstring); the model in fp32 on the CPU."""
+    v, attention = cfg.vlm, cfg.toggles.attention
+    if v.init_from:
+        folder = pretrained.llava_folder(v.init_from)
+        return pretrained.load_llava(folder, attention), pretrained.llava_processor(folder), f"vlm.init_from={v.init_from}"
+    if v.vision_from:
+        processor = pretrained.parts_processor(v, cfg.model)
+        config = pretrained.parts_config(v, cfg.model, processor.tokenizer)
+        return pretrained.load_parts(config, v, attention), processor, "vlm.vision_from + vlm.language_from"
+    if is_conversations(meta):
+        raise ConfigError(f"data.root={cfg.data.root} holds LLaVA conversations, which the model's own processor tokenizes: "
+                          "give vlm.vision_from + vlm.language_from (pretrained parts) or vlm.init_from (a LLaVA)")
+    processor = load_processor(meta["processor_dir"])
+    return build_model(model_config(cfg, processor.tokenizer), attention), processor, f"the processor of data.root={cfg.data.root}"
+
+
+def describe(model, source: str) -> str:
+    """One line on what was loaded, for the log."""
+    c, n = model.config, lambda module: sum(p.numel() for p in module.parameters())
+    if source.startswith("vlm.init_from"):
+        return f"kiln: {source}: loaded all {n(model):,} weights (vision tower, projector, language model)"
+    tower = f"{tower_kind(c.vision_config)} vision tower ({n(model.model.vision_tower):,})"
+    return (f"kiln: LLaVA from {source}: {tower}, projector ({n(model.model.multi_modal_projector):,}, fresh), language "
+            f"model ({n(model.model.language_model) + n(model.lm_head):,}, vocabulary {c.text_config.vocab_size:,} with "
+            f"<image> = {c.image_token_id}); image features: layer {c.vision_feature_layer}, strategy "
+            f"{c.vision_feature_select_strategy}, {tower_image_tokens(c)} tokens per image")
 
 
 class VLMTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         super().__init__(cfg, dist, run_dir)
         self.meta = prepare_data(cfg, dist)
-        self.processor = load_processor(cfg.data.root)
-        loader = build_train_loader(cfg, dist, self.meta["train_urls"], self.processor)
-
-        seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
-        model = build_model(model_config(cfg, self.processor.tokenizer), cfg.toggles.attention)
-        if cfg.vlm.init_from:
-            self.init_from = resolve_init(cfg.vlm.init_from)
-            model.load_state_dict(type(model).from_pretrained(self.init_from).state_dict())
-            if dist.is_main:
-                print(f"kiln: vlm.init_from: loaded all {sum(p.numel() for p in model.parameters()):,} weights "
-                      f"(vision tower, projector, language model) from {self.init_from}", flush=True)
+        self.conversations = is_conversations(self.meta)
+        seed_everything(cfg.trainer.seed)  # identical initial weights (a fresh projector) on every rank
+        model, self.processor, source = load_model(cfg, self.meta)
+        # Processor and tower agree on image tokens, and the chat template trains (one line if not).
+        pixels = pretrained.check_image_tokens(self.processor, model.config, source)
+        blank = blank_sample(self.processor.image_token_id, tower_image_tokens(model.config), pixels)
+        stops = check_chat_template(self.processor)
+        if dist.is_main and (cfg.vlm.init_from or cfg.vlm.vision_from):
+            print(describe(model, source), flush=True)
+        if dist.is_main and not stops:
+            print("kiln: warning: the chat template ends assistant turns without eos, so the model does not learn to "
+                  "stop (llava-hf's template drops LLaVA's </s>)", flush=True)
+        loader = build_train_loader(cfg, dist, self.meta, self.processor, blank)
         self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
         self.engine = parallelize(model, cfg, self.dims.dp)
         self.model = self.engine.module
@@ -81,7 +109,7 @@ class VLMTrainer(Trainer):
 
     # ---- one optimizer step -------------------------------------------------------------
     def train_step(self, batches, timer: StepTimer) -> StepStats:
-        losses, real, slots, samples = [], 0, 0, 0
+        losses, real, slots, samples, text_only, truncated = [], 0, 0, 0, 0, 0
         for _ in range(self.cfg.trainer.grad_accum):
             with timer.phase("data_wait"):
                 batch = next(batches)
@@ -98,7 +126,12 @@ class VLMTrainer(Trainer):
                 self.engine.step()
             losses.append(loss.item())
             real, slots, samples = real + batch["real_tokens"], slots + batch["slots"], samples + batch["samples"]
+            text_only, truncated = text_only + batch["text_only"], truncated + batch["truncated"]
         world = self.dist.world_size
+        counts = {}
+        if self.conversations:  # global per-step counts of the conversations that are text-only / were cut
+            counts = {"text_only_samples": round(all_reduce_mean(text_only, self.device) * world),
+                      "truncated_samples": round(all_reduce_mean(truncated, self.device) * world)}
         return StepStats(
             loss=all_reduce_mean(sum(losses) / len(losses), self.device),
             grad_norm=ds.grad_norm(self.engine, pre_step_norm),
@@ -107,6 +140,7 @@ class VLMTrainer(Trainer):
             tokens=round(all_reduce_mean(real, self.device) * world),
             token_utilization=all_reduce_mean(real / slots, self.device),
             corrupt_shards=self.state.loader.corrupt_shards,
+            counts=counts,
         )
 
     # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
@@ -120,58 +154,89 @@ class VLMTrainer(Trainer):
 
     # ---- evaluation and export ------------------------------------------------------------
     def evaluate(self) -> dict | None:
-        """Every rank generates (ZeRO-3 gathers weights collectively); rank 0 scores and writes."""
+        """Every rank evaluates (ZeRO-3 gathers weights collectively); rank 0 scores and writes."""
+        self.model.eval()
+        with eval_attention(self.model, self.cfg.toggles.attention):
+            if self.conversations:
+                result = self.evaluate_conversations()
+            else:
+                result = self.evaluate_digits()
+        self.model.train()
+        if result is not None:
+            (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+        return result
+
+    def evaluate_digits(self) -> dict | None:
         samples = load_eval_samples(self.meta["val_urls"], self.cfg.vlm.eval_samples)
         if self.dist.is_main:
             print(f"kiln: eval: answering {len(samples)} held-out images (greedy, up to {self.cfg.vlm.max_new_tokens} "
                   "new tokens)", flush=True)
-        self.model.eval()
         answers = generate_answers(self.model, self.processor, samples, max_new_tokens=self.cfg.vlm.max_new_tokens, device=self.device)
-        self.model.train()
         if not self.dist.is_main:
             return None
-        result = {**score(samples, answers), "step": self.state.step, "stage": self.cfg.vlm.stage}
-        (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
         save_answer_grid(samples, answers, self.run_dir / "samples" / "eval.png")
-        return result
+        return {**score(samples, answers), "step": self.state.step, "stage": self.cfg.vlm.stage}
+
+    def evaluate_conversations(self) -> dict | None:
+        if self.dist.is_main:
+            print(f"kiln: eval: loss on up to {self.cfg.vlm.eval_samples} held-out conversations", flush=True)
+        result = conversation_eval(self.model, self.processor, self.meta["val_urls"], limit=self.cfg.vlm.eval_samples,
+                                   max_seq_len=self.cfg.data.max_seq_len, max_new_tokens=self.cfg.vlm.max_new_tokens,
+                                   device=self.device)
+        return {**result, "step": self.state.step, "stage": self.cfg.vlm.stage} if self.dist.is_main else None
 
     def export(self) -> Path:
-        """Hugging Face folder: config, safetensors, tokenizer, processor + chat template."""
+        """Hugging Face folder: config (image_token_index, vision_feature_layer, ...), safetensors, tokenizer,
+        processor + chat template; the image processor also in its own preprocessor_config.json, where
+        releases before transformers 5 (and the vLLM builds pinned to them) read it."""
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
         with ds.gathered(self.model, self.cfg.parallel.zero_stage):
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 self.model.save_pretrained(tmp, safe_serialization=True)
                 self.processor.save_pretrained(tmp)
+                self.processor.image_processor.save_pretrained(tmp)
                 shutil.rmtree(out, ignore_errors=True)
                 tmp.rename(out)
         barrier()
         return out
 
 
+def source_config(cfg: TrainConfig):
+    """The LlavaConfig training will build, from json and the tokenizer only (no weights): the folders'
+    configs, or `model.*` with an assumed vocabulary when model.vocab_size is 0 (the tokenizer is not read)."""
+    v = cfg.vlm
+    if v.init_from:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(pretrained.llava_folder(v.init_from), local_files_only=True)
+    if v.vision_from:
+        return pretrained.parts_config(v, cfg.model, pretrained.parts_processor(v, cfg.model).tokenizer)
+    vocab = cfg.model.vocab_size or 1024
+    return llava_config(cfg.model, vocab_size=vocab, image_token_id=vocab - 1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def memory_spec(cfg: TrainConfig) -> ModelSpec:
-    """The LLaVA for the memory model (common/memory.py): built on the meta device, frozen per stage, counted.
-    Without model.vocab_size the vocabulary is assumed (the tokenizer is not read)."""
+    """The LLaVA for the memory model (common/memory.py): built on the meta device, frozen per stage, counted."""
     from recipes.vlm.parallelize import freeze_for_stage
 
-    m = cfg.model
-    vocab = m.vocab_size or 1024
-    config = llava_config(m, vocab_size=vocab, image_token_id=vocab - 1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = source_config(cfg)
+    t = config.text_config
     with torch.device("meta"):
         model = build_model(config, "sdpa")
-    freeze_for_stage(model, cfg.vlm.stage)
+    freeze_for_stage(model, cfg.vlm.stage, cfg.vlm.train_vision)
     layer = count_params(model.model.language_model.layers[0], trainable_only=True)
     trainable = count_params(model, trainable_only=True)
     # The frozen vision tower runs without autograd: it keeps nothing. The text rows are taken at
     # their longest, micro_batch x max_seq_len tokens (image tokens included).
-    block = Block(hidden=m.text_hidden_size, heads=m.text_heads, ffn=m.text_intermediate_size, kv_heads=m.text_kv_heads,
+    block = Block(hidden=t.hidden_size, heads=t.num_attention_heads, ffn=t.intermediate_size, kv_heads=t.num_key_value_heads,
                   norm="rmsnorm", mlp="swiglu", dropout=False,
                   attention="eager" if cfg.toggles.attention == "eager" else "fused",
                   dense_mask=cfg.toggles.attention == "sdpa")
-    return ModelSpec(cfg.recipe.name, block, layers=m.text_layers, seq=cfg.data.max_seq_len,
+    return ModelSpec(cfg.recipe.name, block, layers=t.num_hidden_layers, seq=cfg.data.max_seq_len,
                      micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
-                     first_params=trainable - m.text_layers * layer, frozen_params=count_params(model) - trainable,
-                     gather_unit_params=largest_module_params(model), vocab=vocab, precision=cfg.toggles.precision)
+                     first_params=trainable - t.num_hidden_layers * layer, frozen_params=count_params(model) - trainable,
+                     gather_unit_params=largest_module_params(model), vocab=t.vocab_size, precision=cfg.toggles.precision)
 
 
 def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
@@ -179,9 +244,12 @@ def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
     trainer.fit()
     if cfg.trainer.eval:
         result = trainer.evaluate()
-        if result is not None:
+        if result is not None and "accuracy" in result:
             print(f"kiln: eval accuracy {result['accuracy']:.3f} on {result['num_samples']} held-out digits "
                   f"(chance {result['chance']:.2f})", flush=True)
+        elif result is not None:
+            print(f"kiln: eval loss {result['val_loss']:.4f} on {result['num_samples']} held-out conversations "
+                  f"({result['val_tokens']:,} answer tokens)", flush=True)
     out = trainer.export()
     if dist.is_main:
         print(f"kiln: exported to {out}", flush=True)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
 
 from common.data.packing import IGNORE_INDEX, pack_samples, pad_samples
+from recipes.vlm.model import attn_implementation
 
 VOCAB = 128
 PAD_ID = 0
@@ -36,7 +35,7 @@ def tiny_llama(attn: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalL
     return LlamaForCausalLM(_text_config(attn)).to(dtype).eval()
 
 
-def tiny_llava(attn: str, dtype: torch.dtype = torch.float32) -> LlavaForConditionalGeneration:
+def tiny_llava(attn: str | dict, dtype: torch.dtype = torch.float32) -> LlavaForConditionalGeneration:
     torch.manual_seed(0)
     vision = SiglipVisionConfig(
         image_size=16, patch_size=4, num_channels=3, hidden_size=32, intermediate_size=64,
@@ -44,7 +43,7 @@ def tiny_llava(attn: str, dtype: torch.dtype = torch.float32) -> LlavaForConditi
     )
     config = LlavaConfig(
         vision_config=vision,
-        text_config=_text_config(attn),
+        text_config=_text_config(attn if isinstance(attn, str) else attn["text_config"]),
         image_token_id=IMAGE_TOKEN_ID,
         vision_feature_select_strategy="full",
         vision_feature_layer=-1,
@@ -154,45 +153,40 @@ def test_llava_loss_packing_on_equals_off(attn):
     _assert_loss_on_equals_off(tiny_llava(attn), samples, attn, pixel_values)
 
 
-def _varlen_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """CPU stand-in for flash_attn_varlen_func: causal SDPA within each cu_seq_lens segment.
-
-    Registered as an attention implementation so the flash-path inputs (flattened row plus
-    FlashAttentionKwargs) travel through the real transformers forward; this proves the kwarg
-    names reach the attention layer and the flattened layout is right, without CUDA.
-    """
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:  # e.g. the SigLIP vision tower: plain attention, no packing
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling,
-            is_causal=getattr(module, "is_causal", False) and attention_mask is None,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )
-        return out.transpose(1, 2).contiguous(), None
-    assert query.shape[0] == 1 and attention_mask is None, "varlen path: one flattened row, no mask"
-    assert torch.equal(cu, kwargs["cu_seq_lens_k"]) and kwargs["max_length_q"] == int(cu.diff().max())
-    out = torch.empty_like(query)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        out[:, :, a:b] = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scale=scaling, is_causal=True, enable_gqa=True
-        )
-    return out.transpose(1, 2).contiguous(), None
+def _reference_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn as documented, on CPU (the kernel is CUDA only): q/k/v
+    [tokens, heads, head_dim]; each cu_seq segment attends within itself, causally for window (-1, 0)."""
+    assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int(cu_seq_q.diff().max())
+    assert window_size == (-1, 0) and enable_gqa == (q.shape[1] != k.shape[1])
+    out = torch.empty_like(q)
+    for a, b in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+        seg = [t[a:b].transpose(0, 1) for t in (q, k, v)]  # [heads, n, head_dim]
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(*seg, scale=scale, is_causal=True,
+                                                                     enable_gqa=enable_gqa).transpose(0, 1)
+    return out
 
 
 @pytest.fixture
-def varlen_reference():
-    from transformers import AttentionInterface
+def varlen_on_cpu(monkeypatch):
+    """The VLM's toggles.attention=flash implementation (recipes/vlm/parallelize.py), registered with
+    transformers as in training, with torch's CUDA-only varlen kernel swapped for its CPU reference: the
+    flash-path inputs then travel through the real forward and the real adapter on CPU."""
+    from recipes.vlm import parallelize
 
-    name = "kiln_varlen_reference"
-    AttentionInterface.register(name, _varlen_reference_attention)
-    yield name
-    AttentionInterface._global_mapping.pop(name, None)
+    monkeypatch.setattr(parallelize, "varlen_attn", _reference_varlen_attn)
+    parallelize.register_varlen_attention()
+    return attn_implementation("flash")
+
+
+def _attn(family: str, attn):
+    """A model's attn_implementation: a name, or for the LLaVA the per-sub-config dict the recipe uses."""
+    return attn if family == "llava" or isinstance(attn, str) else attn["text_config"]
 
 
 @pytest.mark.parametrize("family", ["llama", "llava"])
-def test_flash_inputs_match_4d_mask_path(family, varlen_reference):
-    # The flash layout ([1, R*L] + cu_seq_lens kwargs) through a real forward gives the same logits
-    # and loss as the CPU 4D-mask layout: one metadata structure, two attention paths.
+def test_flash_inputs_match_4d_mask_path(family, varlen_on_cpu):
+    # The flash layout ([1, R*L] + cu_seq_lens kwargs) through a real forward gives the same logits,
+    # loss and gradients as the CPU 4D-mask layout: one metadata structure, two attention paths.
     if family == "llama":
         build, (samples, extra) = tiny_llama, (text_samples(12, seed=7), {})
     else:
@@ -201,23 +195,49 @@ def test_flash_inputs_match_4d_mask_path(family, varlen_reference):
     batch = pack_samples(samples, MAX_SEQ_LEN, PAD_ID)
     if family == "llava":
         extra = {"pixel_values": pixel_values[batch.order]}
-    with torch.no_grad():
-        flat = build(varlen_reference)(**batch.model_inputs("flash"), **extra)
-        rows = build("sdpa")(**batch.model_inputs("sdpa"), **extra)
+    flat_model, rows_model = build(_attn(family, varlen_on_cpu)).train(), build("sdpa").train()
+    flat = flat_model(**batch.model_inputs("flash"), **extra)
+    rows = rows_model(**batch.model_inputs("sdpa"), **extra)
     torch.testing.assert_close(flat.logits.reshape(rows.logits.shape), rows.logits, atol=1e-5, rtol=0)
     torch.testing.assert_close(flat.loss, rows.loss, rtol=1e-6, atol=0)
+    flat.loss.backward()
+    rows.loss.backward()
+    for (name, a), b in zip(flat_model.named_parameters(), rows_model.parameters()):
+        assert (a.grad is None) == (b.grad is None), name  # None: unused (SigLIP's pooling head)
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_varlen_inputs_describe_the_dense_mask(packing):
+    # What the GPU kernel is told (cu_seq_lens over the flattened rows, causal window (-1, 0)) allows
+    # exactly the (query, key) pairs the CPU path's [R, 1, L, L] mask allows, laid block-diagonally
+    # over the same flattened rows: no pair more, none less.
+    samples = text_samples(20, seed=9)
+    batch = pack_samples(samples, MAX_SEQ_LEN, PAD_ID) if packing else pad_samples(samples, PAD_ID)
+    flash, dense = batch.model_inputs("flash"), batch.model_inputs("sdpa")["attention_mask"]
+    n = batch.input_ids.numel()
+    cu = flash["cu_seq_lens_q"].tolist()
+    segment = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())
+    pos = torch.arange(n)
+    varlen_allows = (segment[:, None] == segment[None, :]) & (pos[None, :] <= pos[:, None])
+    mask_allows = torch.block_diag(*dense[:, 0].to(torch.int)).bool()
+    assert torch.equal(varlen_allows, mask_allows)
+    assert flash["max_length_q"] == int(torch.tensor(cu).diff().max())
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
-    reason="needs CUDA and flash-attn",
-)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="needs a CUDA GPU of capability >= 8.0 (torch's varlen flash kernel)")
 @pytest.mark.parametrize("family", ["llama", "llava"])
 def test_flash_varlen_matches_sdpa(family):
-    # Same packed batch, same weights: flash path (flattened row + cu_seq_lens kwargs) vs sdpa path
-    # (4D mask). Both bf16, so they agree to bf16 rounding, not bit for bit: on CPU these models'
-    # bf16 logits (|max| ~0.7) differ from fp32 by <= 7e-3, while a cross-sample leak costs ~0.5.
+    # Same packed batch, same weights: torch's varlen kernel through the recipe's attention function
+    # (flattened row + cu_seq_lens kwargs) vs SDPA with the 4D mask. Both bf16, so they agree to bf16
+    # rounding, not bit for bit: on CPU these models' bf16 logits (|max| ~0.7) differ from fp32 by
+    # <= 7e-3, while a cross-sample leak costs ~0.5. Gradients are compared by direction.
+    from recipes.vlm.parallelize import register_varlen_attention
+
+    register_varlen_attention()
     build = tiny_llama if family == "llama" else tiny_llava
     if family == "llama":
         samples, extra = text_samples(16, seed=5), {}
@@ -228,13 +248,15 @@ def test_flash_varlen_matches_sdpa(family):
         extra = {"pixel_values": pixel_values[batch.order].to("cuda", torch.bfloat16)}
     out = {}
     for attn in ("flash", "sdpa"):
-        model = build("flash_attention_2" if attn == "flash" else "sdpa", torch.bfloat16).cuda()
-        with torch.no_grad():
-            res = model(**batch.model_inputs(attn, device="cuda"), **extra)
-        out[attn] = (res.logits.float().reshape(batch.input_ids.shape + (-1,)), res.loss.float())
+        model = build(_attn(family, attn_implementation("flash")) if attn == "flash" else "sdpa", torch.bfloat16).cuda().train()
+        res = model(**batch.model_inputs(attn, device="cuda"), **extra)
+        res.loss.backward()
+        grad = torch.cat([p.grad.float().reshape(-1) for p in model.parameters() if p.grad is not None])
+        out[attn] = (res.logits.float().reshape(batch.input_ids.shape + (-1,)), res.loss.float(), grad)
     real = batch.labels.new_zeros(batch.input_ids.shape, dtype=torch.bool)
     for r, lens in enumerate(batch.seq_lens):
         real[r, : sum(lens)] = True
     real = real.cuda()
     torch.testing.assert_close(out["flash"][0][real], out["sdpa"][0][real], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out["flash"][1], out["sdpa"][1], atol=0, rtol=1e-2)
+    assert torch.nn.functional.cosine_similarity(out["flash"][2], out["sdpa"][2], dim=0) > 0.99
