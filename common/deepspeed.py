@@ -129,9 +129,10 @@ def full_grad_norm(engine) -> torch.Tensor | None:
     return torch.nn.utils.get_total_norm(grads)
 
 
-def grad_norm(engine, pre_step_norm: torch.Tensor | None) -> float:
+def grad_norm(engine, pre_step_norm: torch.Tensor | None) -> torch.Tensor | float:
+    """The step's global gradient norm, left where it is (a device tensor is read on logging steps only)."""
     norm = pre_step_norm if pre_step_norm is not None else engine.get_global_grad_norm()
-    return float(norm) if norm is not None else float("nan")
+    return norm if norm is not None else float("nan")
 
 
 def save_checkpoint(ckpt: CheckpointManager, engine, step: int, rank_state: dict, meta: dict) -> None:

@@ -63,7 +63,7 @@ class StepStats:
     tokens: Scalar = 0  # global real (non-padding) tokens this step -> tokens_per_s
     token_utilization: Scalar | None = None  # packed rows: real tokens / token slots
     corrupt_shards: int | None = None  # distinct corrupt shards skipped so far (this rank)
-    counts: dict[str, int] = dataclasses.field(default_factory=dict)  # recipe-specific per-step counts, logged as is
+    counts: dict[str, Scalar] = dataclasses.field(default_factory=dict)  # recipe-specific per-step counts, logged as is
     skipped: bool | None = None
 
     @functools.cached_property
@@ -74,9 +74,10 @@ class StepStats:
 
     @functools.cached_property
     def values(self) -> dict[str, float]:
-        """The tensor fields as Python numbers, in one device-to-host copy."""
+        """The tensor fields (and counts) as Python numbers, in one device-to-host copy."""
         fields = {k: getattr(self, k) for k in ("loss", "grad_norm", "tokens", "token_utilization")}
-        tensors = {k: v.detach().float().reshape(()) for k, v in fields.items() if isinstance(v, torch.Tensor)}
+        fields |= {f"counts.{k}": v for k, v in self.counts.items()}
+        tensors = {k: v.detach().double().reshape(()) for k, v in fields.items() if isinstance(v, torch.Tensor)}
         if tensors:
             device = next(iter(tensors.values())).device
             fields.update(zip(tensors, torch.stack([t.to(device) for t in tensors.values()]).tolist()))
@@ -100,7 +101,7 @@ class StepStats:
             out["token_utilization"] = v["token_utilization"]
         if self.corrupt_shards is not None:
             out["corrupt_shards"] = self.corrupt_shards
-        return out | self.counts
+        return out | {k: round(v[f"counts.{k}"]) for k in self.counts}
 
 
 class Stateful(Protocol):

@@ -21,7 +21,7 @@ import torch
 from common import deepspeed as ds
 from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
-from common.distributed import DistInfo, all_reduce_mean, barrier
+from common.distributed import DistInfo, barrier, mean_over_ranks
 from common.errors import ConfigError
 from common.parallel_dims import ParallelDims
 from common.memory import Block, ModelSpec, count_params, largest_module_params
@@ -124,21 +124,23 @@ class VLMTrainer(Trainer):
                 pre_step_norm = ds.full_grad_norm(self.engine)
             with timer.phase("optimizer"):
                 self.engine.step()
-            losses.append(loss.item())
+            losses.append(loss.detach())
             real, slots, samples = real + batch["real_tokens"], slots + batch["slots"], samples + batch["samples"]
             text_only, truncated = text_only + batch["text_only"], truncated + batch["truncated"]
+        # Means over ranks on the device, read by the loop on logging steps only (no host-device sync here).
+        loss, tokens, utilization, text_only, truncated = mean_over_ranks(
+            [torch.stack(losses).double().mean(), real, real / slots, text_only, truncated], self.device)
         world = self.dist.world_size
         counts = {}
         if self.conversations:  # global per-step counts of the conversations that are text-only / were cut
-            counts = {"text_only_samples": round(all_reduce_mean(text_only, self.device) * world),
-                      "truncated_samples": round(all_reduce_mean(truncated, self.device) * world)}
+            counts = {"text_only_samples": text_only * world, "truncated_samples": truncated * world}
         return StepStats(
-            loss=all_reduce_mean(sum(losses) / len(losses), self.device),
+            loss=loss,
             grad_norm=ds.grad_norm(self.engine, pre_step_norm),
             lr=self.engine.get_lr()[0],
             samples=samples * world,
-            tokens=round(all_reduce_mean(real, self.device) * world),
-            token_utilization=all_reduce_mean(real / slots, self.device),
+            tokens=tokens * world,
+            token_utilization=utilization,
             corrupt_shards=self.state.loader.corrupt_shards,
             counts=counts,
         )
