@@ -317,7 +317,7 @@ def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
         result = trainer.evaluate()
         if result is not None:
             print(f"kiln: eval mean accuracy {result['mean_accuracy']:.3f} (chance {result['chance']:.2f}, "
-                  f"classifier on real digits {result['classifier_accuracy_on_real_val']:.3f})", flush=True)
+                  f"classifier on real images {result['classifier_accuracy_on_real_val']:.3f})", flush=True)
     out = trainer.export()
     if dist.is_main:
         print(f"kiln: exported to {out}", flush=True)

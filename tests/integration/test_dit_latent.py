@@ -34,7 +34,7 @@ def _script(name: str):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("dit_latent")
-    vae = make_vae(root / "sd-vae-ft-mse")
+    vae = make_vae(root / "sd-vae-ft-mse", block_out_channels=(16, 32))  # 1/2 size
     folder = make_image_folder(root / "my_images", classes=3, per_class=16, size=24)
     shards, latents = root / "shards", root / "latents"
     assert prepare_images.main(["--input", str(folder), "--out", str(shards), "--image-size", str(SIZE),

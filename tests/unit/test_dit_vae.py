@@ -27,7 +27,7 @@ from tests.fixtures.dit import make_vae
 
 @pytest.fixture(scope="module")
 def vae_dir(tmp_path_factory):
-    return make_vae(tmp_path_factory.mktemp("vae") / "sd-vae-ft-mse")  # block_out_channels (16, 32): downsamples by 2
+    return make_vae(tmp_path_factory.mktemp("vae") / "sd-vae-ft-mse", block_out_channels=(16, 32))  # downsamples by 2
 
 
 @pytest.fixture(scope="module")
