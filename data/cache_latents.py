@@ -21,7 +21,6 @@ with meta.json written last; a complete cache with the same settings is left alo
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shutil
@@ -51,7 +50,7 @@ def _settings(meta: dict) -> dict:
     return {k: meta.get(k) for k in ("data_root", "image_size", "vae")}
 
 
-def encode_shard(url: str, out: Path, *, vae, geometry, image_size: int, channels: int, batch_size: int, bar) -> dict:
+def encode_shard(url: str, out: Path, *, vae, image_size: int, channels: int, batch_size: int, bar) -> dict:
     """One image shard -> one latent shard of the same name: {"name", "samples", "bytes", "error"}."""
     import numpy as np
     import torch
@@ -130,7 +129,7 @@ def build_cache(cfg, out: Path, *, batch_size: int, device: str, force: bool) ->
         total = sum(images["splits"][s]["samples"] for s in SPLITS)
         with tqdm(total=total, desc="encoding", unit="image", dynamic_ncols=True) as bar:
             for split in SPLITS:
-                done = [encode_shard(url, tmp, vae=vae, geometry=geometry, image_size=cfg.data.image_size,
+                done = [encode_shard(url, tmp, vae=vae, image_size=cfg.data.image_size,
                                      channels=channels_of(images), batch_size=batch_size, bar=bar)
                         for url in images[f"{split}_urls"]]
                 meta["corrupt_shards"].update({d["name"]: d["error"] for d in done if d["error"]})

@@ -4,7 +4,6 @@ samples, a flow-matching run sampled by scripts/sample_dit.py, and ONNX parity f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 
@@ -16,19 +15,12 @@ from common.data.dataset import read_meta
 from data import cache_latents, prepare_images
 from recipes.dit.sampling import sample_images
 from recipes.dit.vae import folder_decoder
-from tests.conftest import REPO, losses, run_train
+from tests.conftest import load_script, losses, run_train
 from tests.fixtures.dit import make_image_folder, make_vae
 
 pytestmark = pytest.mark.integration
 SIZE = 32  # images; the fixture VAE halves them: 4 x 16 x 16 latents
 STEPS = 3
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +97,7 @@ def test_flow_export_samples_with_sample_dit(setup, tmp_path, capsys):
     assert json.loads((export / "scheduler" / "scheduler_config.json").read_text())["_class_name"] == \
         "FlowMatchEulerDiscreteScheduler"
     out = tmp_path / "grid.png"
-    assert _script("sample_dit").main([str(export), "steps=2", "per_class=2", f"out={out}"]) == 0
+    assert load_script("sample_dit").main([str(export), "steps=2", "per_class=2", f"out={out}"]) == 0
     from PIL import Image
 
     grid = Image.open(out)
@@ -118,12 +110,12 @@ def test_onnx_parity_for_latent_models(setup, run, capsys):
     (fractional timesteps: flow's), and the whole sampler agrees with the VAE decode in PyTorch."""
     pytest.importorskip("onnxruntime")
     export = setup[run] / "export"
-    assert _script("export_dit").main([str(export), "--max-batch", "8"]) == 0
+    assert load_script("export_dit").main([str(export), "--max-batch", "8"]) == 0
     onnx = json.loads((export / "onnx" / "onnx.json").read_text())
     assert onnx["image_size"] == SIZE // 2 and onnx["in_channels"] == 4
     assert all(e <= 1e-5 for e in onnx["parity_rel_err"].values()), onnx["parity_rel_err"]
     capsys.readouterr()
-    assert _script("sample_dit").main([str(export), "backend=onnxruntime", "compare=torch", "steps=2", "per_class=1",
+    assert load_script("sample_dit").main([str(export), "backend=onnxruntime", "compare=torch", "steps=2", "per_class=1",
                                        f"out={setup['root'] / f'grid_{run}.png'}"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["max_abs_pixel_diff"] <= 2

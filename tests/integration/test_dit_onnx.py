@@ -3,7 +3,6 @@ against PyTorch, the trtexec command, and (GPU only) a TensorRT engine."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from recipes.dit.evaluate import class_labels
 from recipes.dit.model import build_model
 from recipes.dit.onnx import OnnxDiT, ParityError, check_parity
 from recipes.dit.sampling import sample_images, to_uint8
-from tests.conftest import REPO
+from tests.conftest import REPO, load_script
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("onnxruntime")
@@ -28,13 +27,6 @@ pytest.importorskip("onnx")
 IMAGE_SIZE = 16
 SAMPLE_STEPS = 12
 MAX_PIXEL_DIFF = 2  # of 255, torch vs onnxruntime after the whole sampler
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +49,7 @@ def export_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exported(export_dir):
     """Runs scripts/export_dit.py (in process) on the export folder; returns its ONNX path."""
-    rc = _load_script("export_dit").main([str(export_dir), "--max-batch", "32", "--precision", "fp16"])
+    rc = load_script("export_dit").main([str(export_dir), "--max-batch", "32", "--precision", "fp16"])
     assert rc == 0
     return export_dir / "onnx" / "model.onnx"
 
@@ -106,7 +98,7 @@ def test_full_sampler_torch_vs_onnxruntime(export_dir, exported, torch_model):
 
 def test_sample_script_compare(export_dir, exported, tmp_path, capsys):
     out = tmp_path / "grid.png"
-    rc = _load_script("sample_dit").main([str(export_dir), "backend=onnxruntime", "compare=torch", "steps=5",
+    rc = load_script("sample_dit").main([str(export_dir), "backend=onnxruntime", "compare=torch", "steps=5",
                                           "per_class=1", "seed=1", f"out={out}"])
     assert rc == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
