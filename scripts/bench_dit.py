@@ -21,6 +21,7 @@ on the meta device) give the compute-bound ratio. Prints markdown tables and tar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -109,6 +110,8 @@ def ratio(times: list[float], base: list[float]) -> float:
 # ---- activation checkpointing ------------------------------------------------------------------------
 
 def bench_ac(opts) -> str:
+    from torch.utils.flop_counter import FlopCounterMode
+
     from common.memory import layer_activation_bytes
     from common.tools.activations import kept_for_backward
     from recipes.dit.train import memory_spec
@@ -119,29 +122,41 @@ def bench_ac(opts) -> str:
     say(f"ac: dit_tiny, AC {'/'.join(modes)}, {warmup + steps} steps each, interleaved")
     trainers = {m: make_trainer([f"toggles.activation_checkpointing={m}", *batch], opts.work / f"ac_{m}") for m in modes}
     batches = first_batches(trainers["none"], warmup + steps)
-    kept = {}
+    kept, flops = {}, {}
     for mode, trainer in trainers.items():
         exclude = [*trainer.model.parameters(), *trainer.model.buffers(), *batches[0].values()]
         kept[mode], out = kept_for_backward(lambda: trainer.diffusion_loss(batches[0]), exclude)
         del out
+        # FLOPs of forward + backward, the recomputation included (ops a selective policy serves from
+        # its cache never reach the counter): what the step time is on a compute-bound device.
+        with FlopCounterMode(display=False) as counter:
+            trainer.engine.backward(trainer.diffusion_loss(batches[0]))
+        trainer.model.zero_grad(set_to_none=True)  # no step: these gradients are dropped
+        flops[mode] = counter.get_total_flops()
     result = interleaved(trainers, {m: batches for m in modes}, warmup)
     spec = memory_spec(trainers["none"].cfg)
     shape = dict(seq=spec.seq, batch=spec.micro_batch, act_bytes=spec.act_bytes)
     planned = {m: spec.layers * layer_activation_bytes(spec.block, recompute=m, **shape) for m in modes}
     base = result["none"]["times"]
     rows = [[m, f"{kept[m] / 2**20:.2f}", f"{kept[m] / kept['none']:.2f}", f"{planned[m] / 2**20:.2f}",
-             f"{statistics.median(result[m]['times']) * 1e3:.1f}", f"{ratio(result[m]['times'], base):.2f}x"] for m in modes]
+             f"{flops[m] / flops['none']:.3f}x", f"{statistics.median(result[m]['times']) * 1e3:.1f}",
+             f"{ratio(result[m]['times'], base):.2f}x"] for m in modes]
     fewer, slower = 1 - kept["selective"] / kept["none"], ratio(result["selective"]["times"], base)
     met = fewer >= TARGET_SELECTIVE_SAVED and slower <= TARGET_SELECTIVE_TIME
     cfg = trainers["none"].cfg
     lines = ["## DiT activation checkpointing: bytes kept for backward and step time (dit_tiny)", "",
              md_table(["AC", "kept for backward (MiB)", "vs none", "common/memory.py, blocks only (MiB)",
-                       "train_step ms (median)", "vs none"], rows), "",
+                       "fwd+bwd FLOPs vs none", "train_step ms (median)", "vs none"], rows), "",
              f"- target: dit_tiny: selective AC keeps <= {1 - TARGET_SELECTIVE_SAVED:.0%} of the activation bytes of no AC "
              f"for <= {TARGET_SELECTIVE_TIME:.2f}x the step time: {fewer:.1%} fewer bytes, {slower:.2f}x time -> "
              f"**{'met' if met else 'NOT met'}**",
              f"- full AC: {1 - kept['full'] / kept['none']:.1%} fewer bytes, "
              f"{ratio(result['full']['times'], base):.2f}x time",
+             f"- FLOPs (torch's FlopCounterMode over forward + backward, recomputation included): selective "
+             f"{flops['selective'] / flops['none']:.3f}x, full {flops['full'] / flops['none']:.3f}x of no AC -- the "
+             f"step-time factors of a compute-bound device. On a CPU at dit_tiny's width "
+             f"(64) the recomputed elementwise ops (layer norms, adaLN modulation, tanh-GELU on the 4h tensor) and "
+             f"the selective policy's per-op Python dispatch cost as much as the matmuls it skips.",
              f"- micro batch {cfg.trainer.micro_batch_size} x {spec.seq} tokens, fp32, {opts.threads} torch thread(s); "
              f"{steps} steps per mode after {warmup} warm-up, modes rotating first; 'vs none' time is the median "
              f"of per-step ratios. Selective = common/toggles.py's policy with recompute_widening (the DiT's): "
@@ -213,11 +228,12 @@ def bench_latents(opts) -> str:
     shards, latents, vae = work / "shards", work / "latents", work / "vae"
     torch.manual_seed(0)
     AutoencoderKL(**scaled_vae_config(div)).save_pretrained(vae)
-    rc = prepare_images.main(["--input", str(folder), "--out", str(shards), "--image-size", "256", "--train-shards", "1",
-                              "--val-shards", "1", "--val-fraction", "0.1", "--force"])
     common = ["data=images", f"data.root={shards}", "data.image_size=256", f"diffusion.vae={vae}", "data.num_workers=0",
               f"trainer.micro_batch_size={mb}", *xl2_overrides(div)]
-    rc = rc or cache_latents.main([*common, "--out", str(latents), "--batch-size", str(mb), "--force"])
+    with contextlib.redirect_stdout(sys.stderr):  # their summaries are not part of the report
+        rc = prepare_images.main(["--input", str(folder), "--out", str(shards), "--image-size", "256",
+                                  "--train-shards", "1", "--val-shards", "1", "--val-fraction", "0.1", "--force"])
+        rc = rc or cache_latents.main([*common, "--out", str(latents), "--batch-size", str(mb), "--force"])
     if rc:
         raise RuntimeError("building the bench's image shards or latent cache failed")
     say(f"latents: on-the-fly vs cached, {warmup + steps} steps each, interleaved")
@@ -236,8 +252,8 @@ def bench_latents(opts) -> str:
              f"- on-the-fly / cached step time: {measured:.2f}x measured (DiT-XL/2 + SD-VAE at 1/{div} width, "
              f"256x256 images, micro batch {mb}, fp32, {opts.threads} torch thread(s)); "
              f"{1 + enc / step:.2f}x from the full-size pair's FLOPs (VAE encode {enc / mb / 1e9:.0f} GFLOP + DiT-XL/2 "
-             f"train step {step / mb / 1e9:.0f} GFLOP per image); fast-DiT measured {FAST_DIT_RATIO:.2f}x "
-             f"(0.43 -> 0.84 steps/s, A100, AMP + AC).",
+             f"train step {step / mb / 1e9:.0f} GFLOP per image); fast-DiT: {FAST_DIT_RATIO:.2f}x (0.43 -> 0.84 "
+             f"steps/s for DiT-XL/2 on an A100 with cached features, AC and AMP together).",
              f"- same model, same batches: per-step losses of the two agree to {loss_diff:.1e} (relative); "
              f"{steps} steps each after {warmup} warm-up, alternating first. The cache stores the posterior's mean "
              f"and std, so both draw a fresh latent each step. Image decoding (PNG) is outside the timed step in both."]
