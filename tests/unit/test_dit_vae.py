@@ -72,18 +72,23 @@ def test_bad_latent_config_is_one_config_error(override, needle, vae_dir, not_a_
         compose(["recipe=dit_tiny", "data=images", *override.split()])
 
 
-@pytest.mark.parametrize("what", ["not_a_vae", "image_size"])
-def test_cli_bad_vae_inputs_print_one_line(what, vae_dir, not_a_vae, tmp_path):
-    """scripts/train.py: a folder that is not a VAE, an image size the VAE cannot downsample evenly:
-    one `kiln: error:` line, exit 2, nothing written."""
-    args = {"not_a_vae": [f"diffusion.vae={not_a_vae}"], "image_size": [f"diffusion.vae={vae_dir}", "data.image_size=33"]}
+@pytest.mark.parametrize("what, needle", [("not_a_vae", "is not a diffusers AutoencoderKL folder"),
+                                          ("image_size", "data.image_size=33: the VAE in diffusion.vae="),
+                                          ("empty_images", "no dataset there")])
+def test_cli_bad_inputs_print_one_line(what, needle, vae_dir, not_a_vae, tmp_path):
+    """scripts/train.py: a folder that is not a VAE, an image size the VAE cannot downsample evenly
+    (both refused before anything is written), an image folder with no dataset in it: one
+    `kiln: error:` line, exit 2."""
+    (tmp_path / "empty").mkdir()
+    args = {"not_a_vae": [f"diffusion.vae={not_a_vae}"], "image_size": [f"diffusion.vae={vae_dir}", "data.image_size=33"],
+            "empty_images": [f"diffusion.vae={vae_dir}", f"data.root={tmp_path / 'empty'}", "data.image_size=32"]}
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, TRAIN, "recipe=dit_tiny", "data=images", *args[what], f"run.dir={run_dir}"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("kiln: error: ") and "diffusion.vae=" in lines[0]
-    assert not run_dir.exists()
+    assert lines[0].startswith("kiln: error: ") and needle in lines[0]
+    assert what == "empty_images" or not run_dir.exists()
 
 
 def test_dit_xl2_is_the_papers_size(capsys):
