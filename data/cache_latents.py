@@ -95,13 +95,13 @@ def build_cache(cfg, out: Path, *, batch_size: int, device: str, force: bool) ->
     from tqdm.auto import tqdm
 
     from common.data.dataset import load_dataset_meta, run_builder
-    from recipes.dit.data import LATENT_SOURCE, channels_of, class_names
+    from recipes.dit.data import LATENT_SOURCE, channels_of, check_image_size, class_names
     from recipes.dit.vae import load_vae, vae_geometry, vae_identity
 
     root = Path(cfg.data.root).absolute()
     if cfg.data.build and read_meta(root) is None:
         run_builder(cfg.data.build, root)  # e.g. the digits: built on first use, as training does
-    images = load_dataset_meta(root)
+    images = check_image_size(cfg, load_dataset_meta(root))
     geometry = vae_geometry(cfg.diffusion.vae, cfg.data.image_size)
     if geometry.image_channels != channels_of(images):
         raise ValueError(f"data.root={root} holds {channels_of(images)}-channel images; the VAE in "

@@ -31,7 +31,7 @@ import numpy as np
 from common.data import dataset as common_dataset
 from data import shards
 
-SOURCE = "image_folder"
+SOURCE = "image_folder"  # recipes.dit.data.IMAGE_FOLDER: what the DiT checks the image size of
 CLASSES_NAME = "classes.json"
 # torchvision.datasets.folder.IMG_EXTENSIONS
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

@@ -20,6 +20,7 @@ from common.distributed import DistInfo
 from common.errors import DataError
 
 LATENT_SOURCE = "latents"  # meta.json "source" of a latent cache
+IMAGE_FOLDER = "image_folder"  # ... of an ImageFolder's shards (data.prepare_images)
 MOMENTS = "moments.npy"  # a latent cache sample's [2, C, h, w] float32: the VAE posterior's mean and std
 
 
@@ -89,7 +90,17 @@ def load_split_arrays(root: str | Path, split: str, max_per_class: int | None = 
 
 def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
     """The image dataset's meta on every rank (built by its builder, data.build, if missing)."""
-    return prepare_dataset(cfg.data, dist)
+    return check_image_size(cfg, prepare_dataset(cfg.data, dist))
+
+
+def check_image_size(cfg: TrainConfig, meta: dict) -> dict:
+    """`meta` if its images suit data.image_size: the digits are upscaled from 8x8 by design, an image
+    folder's shards must have been built at that size (no silent resampling of a user's images)."""
+    if meta.get("source") == IMAGE_FOLDER and meta["image_size"] != cfg.data.image_size:
+        raise DataError(f"data.root={cfg.data.root} holds {meta['image_size']}x{meta['image_size']} images but "
+                        f"data.image_size={cfg.data.image_size}: set data.image_size={meta['image_size']} or rebuild the "
+                        f"shards with python -m data.prepare_images ... --image-size {cfg.data.image_size}")
+    return meta
 
 
 def load_latent_meta(cfg: TrainConfig, vae: dict, images: dict) -> dict:

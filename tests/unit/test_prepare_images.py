@@ -106,3 +106,14 @@ def test_bad_folders_stop_with_one_line(tmp_path, layout, needle):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error:") and needle in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_training_refuses_shards_of_another_size(built):
+    from common.errors import DataError
+    from common.launch import compose
+    from recipes.dit.data import check_image_size
+
+    meta = load_dataset_meta(built)
+    assert check_image_size(compose(["recipe=dit_tiny", "data=images", "data.image_size=32"]), meta) is meta
+    with pytest.raises(DataError, match="holds 32x32 images but data.image_size=64: set data.image_size=32 or rebuild"):
+        check_image_size(compose(["recipe=dit_tiny", "data=images", "data.image_size=64"]), meta)
