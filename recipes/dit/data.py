@@ -1,4 +1,4 @@
-"""DiT inputs: image shards (the digits, or an ImageFolder built by data.prepare_images) decoded to [-1, 1]
+"""DiT inputs: image shards (the digits, or an ImageFolder turned into shards by prepare_images) decoded to [-1, 1]
 images at `data.image_size`, or a latent cache's posterior moments (data.cache_latents); a split read whole for evaluation."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from common.distributed import DistInfo
 from common.errors import DataError
 
 LATENT_SOURCE = "latents"  # meta.json "source" of a latent cache
-IMAGE_FOLDER = "image_folder"  # ... of an ImageFolder's shards (data.prepare_images)
+IMAGE_FOLDER = "image_folder"  # ... of an ImageFolder's shards (the prepare_images builder)
 MOMENTS = "moments.npy"  # a latent cache sample's [2, C, h, w] float32: the VAE posterior's mean and std
 
 
@@ -99,7 +99,7 @@ def check_image_size(cfg: TrainConfig, meta: dict) -> dict:
     if meta.get("source") == IMAGE_FOLDER and meta["image_size"] != cfg.data.image_size:
         raise DataError(f"data.root={cfg.data.root} holds {meta['image_size']}x{meta['image_size']} images but "
                         f"data.image_size={cfg.data.image_size}: set data.image_size={meta['image_size']} or rebuild the "
-                        f"shards with python -m data.prepare_images ... --image-size {cfg.data.image_size}")
+                        f"shards with prepare_images --image-size {cfg.data.image_size}")
     return meta
 
 

@@ -115,5 +115,5 @@ def test_training_refuses_shards_of_another_size(built):
 
     meta = load_dataset_meta(built)
     assert check_image_size(compose(["recipe=dit_tiny", "data=images", "data.image_size=32"]), meta) is meta
-    with pytest.raises(DataError, match="holds 32x32 images but data.image_size=64: set data.image_size=32 or rebuild"):
+    with pytest.raises(DataError, match="holds 32x32 images but data.image_size=64: set data.image_size=32 or rebuild the shards with prepare_images --image-size 64"):
         check_image_size(compose(["recipe=dit_tiny", "data=images", "data.image_size=64"]), meta)
