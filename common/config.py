@@ -115,6 +115,7 @@ class DataConfig:
     shuffle_buffer: int = 256
     max_corrupt_shards: int = 0
     image_size: int = 16
+    latents: str = ""  # DiT: a latent cache (python -m data.cache_latents) to train from instead of encoding data.root
     packing: bool = False  # pack variable-length samples into rows of max_seq_len (VLM, LLM)
     max_seq_len: int = 256
 

@@ -58,6 +58,13 @@ def explain_compose_error(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
+def _expand_home(override: str) -> str:
+    """`key=~/models/x` -> `key=/home/me/models/x`: the shell does not expand a `~` after `key=`, and
+    Hydra's override grammar has no `~` in unquoted values."""
+    key, sep, value = override.partition("=")
+    return f"{key}={os.path.expanduser(value)}" if sep and (value == "~" or value.startswith("~/")) else override
+
+
 def compose(overrides: list[str]) -> TrainConfig:
     """Composed, typed and validated config (raises ConfigError)."""
     from hydra import compose as hydra_compose, initialize_config_dir
@@ -71,7 +78,7 @@ def compose(overrides: list[str]) -> TrainConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            raw = hydra_compose(config_name="train", overrides=overrides)
+            raw = hydra_compose(config_name="train", overrides=[_expand_home(o) for o in overrides])
         cfg: TrainConfig = OmegaConf.to_object(raw)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(explain_compose_error(exc)) from None

@@ -93,7 +93,9 @@ class Block:
     repeat_kv: bool = True  # GQA: k/v repeated to every query head before the kernel (kept at full size)
     dense_mask: bool = False  # fused SDPA handed a [b,1,s,s] bool mask converts it to a bias per layer and keeps it
     megatron_sp: bool = True  # TP+SP: linears keep their sequence shard (Megatron); False: DTensor keeps the gathered input
-    selective: str = "attention_core"  # selective AC keeps: all but the s^2 attention core (Korthikanti §5) | save_matmuls
+    # selective AC keeps: all but the s^2 attention core (Korthikanti §5) | save_matmuls (common/toggles.py's
+    # policy) | save_narrow_matmuls (the same with recompute_widening: up projections recomputed too)
+    selective: str = "attention_core"
 
     @property
     def kv_fraction(self) -> float:
@@ -145,15 +147,18 @@ def _mlp_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
     return [Saved("gate, silu(gate), up, product", 4 * e * sbf, True)]
 
 
-def _save_matmuls_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
-    """Selective AC with the LLM recipe's policy (recipes/llm/parallelize.py:_save_matmuls): keep the
-    outputs of the matmuls and the attention kernel, recompute norms, rope, activations from the
-    layer input. Row-parallel outputs are kept as full-sequence partial sums, before reduce-scatter."""
+def _save_matmuls_saved(block: Block, s: int, b: int, e: int, widening: bool = True) -> list[Saved]:
+    """Selective AC with common/toggles.py's policy (`_save_matmuls`): keep the outputs of the matmuls
+    and the attention kernel, recompute norms, rope, activations from the layer input; without
+    `widening`, the up projections are recomputed too. Row-parallel outputs are kept as
+    full-sequence partial sums, before reduce-scatter. (A DiT's adaLN modulation matmul is per
+    sample, b x 6h: not counted.)"""
     sbh, sbf = s * b * block.hidden, s * b * block.ffn
     kv = (block.kv_heads or block.heads) / block.heads
+    up = Saved("gate, up projections", 2 * e * sbf, True) if block.mlp == "swiglu" else Saved("fc1 output", e * sbf, True)
     return [Saved("layer input", e * sbh, True), Saved("q, k, v projections", e * sbh * (1 + 2 * kv), True),
             Saved("attention output", e * sbh, True), Saved("logsumexp", 4 * block.heads * s * b, True),
-            Saved("output projection", e * sbh, False), Saved("gate, up projections", 2 * e * sbf, True),
+            Saved("output projection", e * sbh, False), *([up] if widening else []),
             Saved("down projection", e * sbh, False)]
 
 
@@ -168,8 +173,8 @@ def layer_saved(block: Block, *, seq: int, batch: int, act_bytes: int, recompute
     sbh, sb = s * b * block.hidden, s * b
     if recompute == "full":
         return [Saved("layer input", e * sbh, True)]
-    if recompute == "selective" and block.selective == "save_matmuls":
-        return _save_matmuls_saved(block, s, b, e)
+    if recompute == "selective" and block.selective in ("save_matmuls", "save_narrow_matmuls"):
+        return _save_matmuls_saved(block, s, b, e, widening=block.selective == "save_matmuls")
     out = _norm_saved(block, "attention", sbh, sb, e) + [Saved("qkv input", e * sbh, block.megatron_sp)]
     out += _attention_saved(block, s, b, e)
     if block.dropout:

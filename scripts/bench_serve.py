@@ -141,9 +141,9 @@ def dit_table(args: argparse.Namespace, workdir: Path) -> str:
 
     from common.launch import compose
     from recipes.dit.model import build_model, null_class
+    from recipes.dit.objective import ddpm_scheduler
     from recipes.dit.onnx import OnnxDiT, check_parity, export_onnx
     from recipes.dit.sampling import sample_images
-    from recipes.dit.train import noise_scheduler
 
     cfg = compose(["recipe=dit_tiny"])
     torch.manual_seed(0)
@@ -152,7 +152,7 @@ def dit_table(args: argparse.Namespace, workdir: Path) -> str:
     onnx_path = export_onnx(model, workdir / "dit.onnx", image_size=size, in_channels=channels)
     parity = max(check_parity(model, onnx_path).values())  # raises above 1e-5: never time a wrong graph
     backends = {"torch": model, "onnxruntime": OnnxDiT(onnx_path, threads=args.threads)}
-    scheduler = dict(noise_scheduler(cfg).config)
+    scheduler = dict(ddpm_scheduler(cfg.diffusion).config)
 
     def steps_per_s(backend, images: int) -> float:
         labels = torch.arange(images) % cfg.model.num_classes

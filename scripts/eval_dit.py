@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Score an exported DiT: sample N digits per class and classify them with an SVM fitted on real digits.
+"""Score an exported DiT: sample N images per class and classify them with an SVM fitted on the real images.
 
     python scripts/eval_dit.py EXPORT_DIR [--per-class 50] [--steps 50] [--guidance 2.0] [--data data/cache/digits] [--out eval.json]
+
+--data is the image dataset the model was trained on (the digits by default, built there if missing).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("export", type=Path, help="run.dir/export of a DiT run")
     ap.add_argument("--per-class", type=int, default=50)
-    ap.add_argument("--steps", type=int, default=None, help="DDIM steps (default: the run's)")
+    ap.add_argument("--steps", type=int, default=None, help="sampler steps (default: the run's)")
     ap.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the run's)")
-    ap.add_argument("--data", default="data/cache/digits", help="digit shards (classifier training data)")
+    ap.add_argument("--data", default="data/cache/digits", help="image shards the classifier is fitted on")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--grid", type=Path, default=None, help="also write a sample grid PNG here")
     ap.add_argument("--out", type=Path, default=None, help="write the scores as JSON here")
@@ -31,32 +33,39 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import torch
-    from diffusers import DDPMScheduler, DiTTransformer2DModel
+    from diffusers import DiTTransformer2DModel
 
+    from common.data.dataset import read_meta
     from data.prepare_digits import ensure_digits_shards
-    from recipes.dit.evaluate import class_labels, fit_digit_classifier, score_samples
-    from recipes.dit.sampling import sample_images, save_grid
+    from recipes.dit.evaluate import class_labels, fit_classifier, score_samples
+    from recipes.dit.sampling import GRID_MAX_CLASSES, sample_images, save_grid
+    from recipes.dit.vae import folder_decoder
 
     info = json.loads((args.export / "kiln.json").read_text())
     model = DiTTransformer2DModel.from_pretrained(args.export / "transformer").eval()
-    scheduler = DDPMScheduler.from_pretrained(args.export / "scheduler")
+    scheduler_config = json.loads((args.export / "scheduler" / "scheduler_config.json").read_text())
+    vae = args.export / "vae"
+    decode = folder_decoder(vae, info["image_size"], torch.device("cpu")) if vae.is_dir() else None
     labels = class_labels(info["num_classes"], args.per_class)
-    print(f"eval_dit: sampling {len(labels)} digits ({args.per_class} per class) from {args.export}", flush=True)
+    print(f"eval_dit: sampling {len(labels)} images ({args.per_class} per class) from {args.export}", flush=True)
     images = sample_images(
-        model, dict(scheduler.config), labels, null_class=info["null_class"], image_size=info["image_size"],
+        model, scheduler_config, labels, null_class=info["null_class"], image_size=model.config.sample_size,
         in_channels=model.config.in_channels, steps=args.steps or info["sample_steps"],
         guidance_scale=info["guidance_scale"] if args.guidance is None else args.guidance,
         generator=torch.Generator().manual_seed(args.seed), device=torch.device("cpu"), progress="sampling",
+        decode=decode,
     )
-    ensure_digits_shards(args.data)
-    print("eval_dit: fitting the digit classifier on real digits and scoring the samples", flush=True)
-    clf, real_acc = fit_digit_classifier(args.data, info["image_size"], args.seed)
+    if read_meta(args.data) is None:
+        ensure_digits_shards(args.data)  # the default dataset is built on first use; others must exist
+    print("eval_dit: fitting a classifier on the real images and scoring the samples", flush=True)
+    clf, real_acc = fit_classifier(args.data, info["image_size"], args.seed)
     result = {**score_samples(clf, images, labels, info["num_classes"]), "classifier_accuracy_on_real_val": real_acc}
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     if args.grid:
-        save_grid(images[:: max(1, args.per_class // 8)], rows=info["num_classes"], path=args.grid)
+        rows = min(info["num_classes"], GRID_MAX_CLASSES)
+        save_grid(images[: rows * args.per_class: max(1, args.per_class // 8)], rows=rows, path=args.grid)
     return 0
 
 

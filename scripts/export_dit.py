@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     info = json.loads((args.export / "kiln.json").read_text())
     model = DiTTransformer2DModel.from_pretrained(args.export / "transformer").float().eval()
-    image_size, in_channels = int(info["image_size"]), int(model.config.in_channels)
+    # The graph is the transformer: its own input size (the latent size of a latent model).
+    image_size, in_channels = int(model.config.sample_size), int(model.config.in_channels)
     onnx_path = args.out or args.export / "onnx" / "model.onnx"
     engine = onnx_path.with_suffix(".plan")
 
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{c}\n" for v, c in commands.items()))
     (onnx_path.parent / "onnx.json").write_text(json.dumps({
         "onnx": onnx_path.name, "engine": engine.name, "opset": 18, "inputs": ["sample", "timestep", "class_labels"],
+        "objective": info.get("objective", "ddpm"),
         "output": "prediction", "image_size": image_size, "in_channels": in_channels, "max_batch": args.max_batch,
         "precision": args.precision, "parity_rel_err": parity[onnx_path.name]["rel_err"], "graphs": parity,
         "trtexec": {str(v or "detected"): c for v, c in commands.items()},

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Sample a digit grid from an exported DiT on PyTorch, onnxruntime or TensorRT (the same DDIM + CFG loop).
+"""Sample a class grid from an exported DiT on PyTorch, onnxruntime or TensorRT (the same sampler + CFG loop).
 
     python scripts/sample_dit.py EXPORT_DIR [backend=torch|onnxruntime|tensorrt] [steps=N] [seed=S]
         [out=grid.png] [per_class=4] [guidance=G] [compare=torch|onnxruntime|tensorrt]
@@ -9,6 +9,11 @@ Every backend runs recipes.dit.sampling.sample_images with the same seed, so gri
 `compare=B` also samples on backend B (e.g. backend=onnxruntime compare=torch) and prints the max
 abs pixel difference (uint8, 0..255) between the two grids.
 onnxruntime/tensorrt need scripts/export_dit.py to have written the ONNX file / engine first.
+
+Any export: DDPM models sample with DDIM, flow models with FlowMatchEulerDiscreteScheduler (the
+export's scheduler/ says which), and a latent model's samples are decoded by its vae/ in PyTorch
+whatever the backend. Guidance uses the model's own null class (kiln.json), so unlike diffusers'
+DiTPipeline (ImageNet's 1000) it is right for any class count. One row per class, the first 32.
 """
 
 from __future__ import annotations
@@ -72,23 +77,23 @@ def sample(name: str, export: Path, info: dict, opts: dict):
     import torch
 
     from recipes.dit.evaluate import class_labels
-    from recipes.dit.sampling import sample_images
+    from recipes.dit.sampling import GRID_MAX_CLASSES, sample_images
+    from recipes.dit.vae import folder_decoder
 
     model, device = load_backend(name, export, opts)
-    from diffusers import DDPMScheduler
-
-    scheduler_config = dict(DDPMScheduler.from_pretrained(export / "scheduler").config)
-    in_channels = json.loads((export / "transformer" / "config.json").read_text())["in_channels"]
-    labels = class_labels(info["num_classes"], int(opts["per_class"]))
+    scheduler_config = json.loads((export / "scheduler" / "scheduler_config.json").read_text())
+    transformer = json.loads((export / "transformer" / "config.json").read_text())
+    decode = folder_decoder(export / "vae", info["image_size"], device) if (export / "vae").is_dir() else None
+    labels = class_labels(min(info["num_classes"], GRID_MAX_CLASSES), int(opts["per_class"]))
     kwargs = {}
     if name == "tensorrt":  # keep CFG's doubled batch inside the engine's profile (TensorRTDiT also splits)
         kwargs["batch_size"] = max(1, model.max_batch // 2)
     start = time.perf_counter()
     images = sample_images(
-        model, scheduler_config, labels, null_class=info["null_class"], image_size=info["image_size"],
-        in_channels=in_channels, steps=int(opts["steps"] or info["sample_steps"]),
+        model, scheduler_config, labels, null_class=info["null_class"], image_size=transformer["sample_size"],
+        in_channels=transformer["in_channels"], steps=int(opts["steps"] or info["sample_steps"]),
         guidance_scale=float(info["guidance_scale"] if opts["guidance"] is None else opts["guidance"]),
-        generator=torch.Generator().manual_seed(int(opts["seed"])), device=device, **kwargs,
+        generator=torch.Generator().manual_seed(int(opts["seed"])), device=device, decode=decode, **kwargs,
     )
     return images, time.perf_counter() - start
 
@@ -104,22 +109,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import numpy as np
 
-    from recipes.dit.sampling import save_grid, to_uint8
+    from recipes.dit.sampling import GRID_MAX_CLASSES, save_grid, to_uint8
 
     info = json.loads((export / "kiln.json").read_text())
+    rows = min(info["num_classes"], GRID_MAX_CLASSES)
     steps = int(opts["steps"] or info["sample_steps"])
     out = Path(opts["out"] or f"samples_{opts['backend']}.png")
     result = {"backend": opts["backend"], "steps": steps, "seed": int(opts["seed"])}
     try:
         images, secs = sample(opts["backend"], export, info, opts)
-        save_grid(images, rows=info["num_classes"], path=out)
+        save_grid(images, rows=rows, path=out)
         result.update(grid=str(out), seconds=round(secs, 3), steps_per_s=round(steps / secs, 2))
         print(f"sample_dit: {opts['backend']}: {images.shape[0]} images, {steps} steps in {secs:.2f}s "
               f"({steps / secs:.2f} denoising steps/s) -> {out}")
         if opts["compare"]:
             other, osecs = sample(opts["compare"], export, info, opts)
             other_out = out.with_name(f"{out.stem}_{opts['compare']}{out.suffix}")
-            save_grid(other, rows=info["num_classes"], path=other_out)
+            save_grid(other, rows=rows, path=other_out)
             diff = int(np.abs(to_uint8(images).astype(np.int16) - to_uint8(other).astype(np.int16)).max())
             result.update(compare=opts["compare"], compare_grid=str(other_out), compare_seconds=round(osecs, 3),
                           max_abs_pixel_diff=diff, max_abs_diff_float=float((images - other).abs().max()))

@@ -3,6 +3,7 @@ away from the processes CPU tests start."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from contextlib import contextmanager
 
@@ -21,6 +22,14 @@ FAST_DIT = [
     "diffusion.samples_per_class=2",
     "diffusion.eval_samples_per_class=3",
 ]
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module, to call its main(argv) in process."""
+    spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def losses(run_dir) -> dict[int, float]:

@@ -9,29 +9,46 @@ from hydra.core.config_store import ConfigStore
 from common.config import TrainConfig
 from common.errors import ConfigError
 
+OBJECTIVES = ("ddpm", "flow")
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+FLOW_TIMESTEPS = ("logit_normal", "uniform")
+
 
 @dataclass
 class DiTModelConfig:
-    """Arguments of diffusers' DiTTransformer2DModel (pixel space: no VAE)."""
+    """Arguments of diffusers' DiTTransformer2DModel. Its input shape follows the data: the image
+    channels and `data.image_size` in pixel space, the VAE's latent channels and latent size with
+    `diffusion.vae` (recipes/dit/vae.py)."""
 
     num_layers: int = 4
     num_attention_heads: int = 4
     attention_head_dim: int = 16
     patch_size: int = 2
-    in_channels: int = 1
-    num_classes: int = 10
+    in_channels: int = 1  # pixel space: the images' channels (1 for the digits, 3 for RGB); unused with a VAE
+    num_classes: int = 10  # label table size (>= the dataset's classes); the null class for CFG is this index
     dropout: float = 0.0
     norm_num_groups: int = 32
+    # The DiT paper's layout: one timestep + class embedding shared by every block (diffusers'
+    # layout gives each block its own copy: +2.78M parameters per block at DiT-XL/2's width).
+    shared_conditioning: bool = False
 
 
 @dataclass
 class DiffusionConfig:
-    num_train_timesteps: int = 1000
-    beta_schedule: str = "squaredcos_cap_v2"
-    prediction_type: str = "v_prediction"  # or epsilon
+    objective: str = "ddpm"  # ddpm (DDPM noise schedule, DDIM sampling) | flow (rectified flow, Euler sampling)
+    num_train_timesteps: int = 1000  # ddpm: the schedule's steps; flow: the timestep embedding's scale (t * this)
+    beta_schedule: str = "squaredcos_cap_v2"  # ddpm
+    prediction_type: str = "v_prediction"  # ddpm: v_prediction or epsilon; flow always predicts the velocity
+    flow_timesteps: str = "logit_normal"  # flow: training t ~ sigmoid(N(mean, std)) (SD3) or uniform
+    flow_logit_mean: float = 0.0
+    flow_logit_std: float = 1.0
+    flow_shift: float = 1.0  # flow: FlowMatchEulerDiscreteScheduler's `shift` for sampling (1 = no shift)
+    # A diffusers AutoencoderKL folder: train on its latents ((z - shift_factor) * scaling_factor),
+    # decode samples with it. Empty: pixel space.
+    vae: str = ""
     class_dropout: float = 0.1  # label dropout for classifier-free guidance
     ema_decay: float = 0.999
-    sample_steps: int = 50  # DDIM steps for sample grids and eval
+    sample_steps: int = 50  # sampler steps for sample grids and eval
     guidance_scale: float = 2.0
     samples_per_class: int = 8  # sample grid: one row per class
     eval_samples_per_class: int = 50
@@ -44,21 +61,28 @@ def register() -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
+    from recipes.dit.vae import vae_geometry
+
     m, d = cfg.model, cfg.diffusion
     if not isinstance(m, DiTModelConfig) or not isinstance(d, DiffusionConfig):
         raise ConfigError("recipe.family=dit needs model=dit_* and diffusion=ddpm config groups")
     for key in ("num_layers", "num_attention_heads", "attention_head_dim", "patch_size", "in_channels", "num_classes"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be > 0")
-    if cfg.data.image_size % m.patch_size:
-        raise ConfigError(f"data.image_size={cfg.data.image_size} must be a multiple of model.patch_size={m.patch_size}")
     inner = m.num_attention_heads * m.attention_head_dim
     if inner % m.norm_num_groups:
         raise ConfigError(f"model.num_attention_heads*attention_head_dim={inner} must be divisible by model.norm_num_groups={m.norm_num_groups}")
     if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} parallel.pp={cfg.parallel.pp}: the DiT recipe shards with ZeRO data parallelism only (tp=pp=1)")
-    if d.prediction_type not in ("epsilon", "v_prediction"):
+    if d.objective not in OBJECTIVES:
+        raise ConfigError(f"diffusion.objective={d.objective!r} is not allowed; choose one of: {', '.join(OBJECTIVES)}")
+    if d.prediction_type not in PREDICTION_TYPES:
         raise ConfigError(f"diffusion.prediction_type={d.prediction_type!r} is not allowed; choose epsilon or v_prediction")
+    if d.flow_timesteps not in FLOW_TIMESTEPS:
+        raise ConfigError(f"diffusion.flow_timesteps={d.flow_timesteps!r} is not allowed; choose one of: {', '.join(FLOW_TIMESTEPS)}")
+    for key in ("flow_logit_std", "flow_shift"):
+        if not getattr(d, key) > 0:
+            raise ConfigError(f"diffusion.{key}={getattr(d, key)} must be > 0")
     if not 0.0 <= d.class_dropout < 1.0:
         raise ConfigError(f"diffusion.class_dropout={d.class_dropout} must be in [0, 1)")
     if not 0.0 <= d.ema_decay < 1.0:
@@ -66,5 +90,15 @@ def validate(cfg: TrainConfig) -> None:
     for key in ("num_train_timesteps", "sample_steps", "samples_per_class", "eval_samples_per_class"):
         if getattr(d, key) <= 0:
             raise ConfigError(f"diffusion.{key}={getattr(d, key)} must be > 0")
-    if d.sample_steps > d.num_train_timesteps:
+    if d.objective == "ddpm" and d.sample_steps > d.num_train_timesteps:
         raise ConfigError("diffusion.sample_steps must be <= diffusion.num_train_timesteps")
+    if cfg.data.latents and not d.vae:
+        raise ConfigError(f"data.latents={cfg.data.latents} needs diffusion.vae (the VAE that encoded them decodes the samples)")
+    # The VAE's config.json decides the latent shape (a missing folder is reported when training
+    # starts: sizing a run with run.dry_run or scripts/plan.py does not need it).
+    geometry = vae_geometry(d.vae, cfg.data.image_size, must_exist=False) if d.vae else None
+    size = geometry.latent_size if geometry else cfg.data.image_size
+    if size % m.patch_size:
+        what = f"the latent size {size} (data.image_size={cfg.data.image_size} through diffusion.vae)" if geometry else \
+            f"data.image_size={cfg.data.image_size}"
+        raise ConfigError(f"{what} must be a multiple of model.patch_size={m.patch_size}")

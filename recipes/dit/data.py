@@ -1,4 +1,5 @@
-"""DiT inputs: digit shards decoded to [-1, 1] images at `data.image_size` plus class labels; a whole split for evaluation."""
+"""DiT inputs: image shards (the digits, or an ImageFolder turned into shards by prepare_images) decoded to [-1, 1]
+images at `data.image_size`, or a latent cache's posterior moments (data.cache_latents); a split read whole for evaluation."""
 
 from __future__ import annotations
 
@@ -18,57 +19,121 @@ from common.data.webdataset import build_webdataset_loader, iter_samples
 from common.distributed import DistInfo
 from common.errors import DataError
 
+LATENT_SOURCE = "latents"  # meta.json "source" of a latent cache
+IMAGE_FOLDER = "image_folder"  # ... of an ImageFolder's shards (the prepare_images builder)
+MOMENTS = "moments.npy"  # a latent cache sample's [2, C, h, w] float32: the VAE posterior's mean and std
+
+
+def channels_of(meta: dict) -> int:
+    """Image channels of a dataset (the digits' meta predates the key: grayscale)."""
+    return int(meta.get("channels", 1))
+
+
+def class_names(meta: dict) -> list[str]:
+    return list(meta.get("classes") or [str(c) for c in range(meta["num_classes"])])
+
 
 def to_model_space(images_u8: torch.Tensor, image_size: int) -> torch.Tensor:
-    """uint8 [N, H, W] -> float [N, 1, S, S] in [-1, 1], bilinear upscaling (8x8 digits are coarse)."""
-    x = images_u8.float().div(127.5).sub(1.0).unsqueeze(1)
+    """uint8 [N, H, W] (grayscale) or [N, H, W, C] -> float [N, C, S, S] in [-1, 1]. Bilinear resizing
+    (8x8 digits are upscaled; a larger source is downscaled with antialiasing)."""
+    x = images_u8.float().div(127.5).sub(1.0)
+    x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2)
     if x.shape[-1] != image_size:
-        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False,
+                          antialias=x.shape[-1] > image_size)
     return x.clamp(-1.0, 1.0)
 
 
-def decode_digit(sample: dict) -> tuple[np.ndarray, int]:
-    """Raw shard sample -> (grayscale image as uint8 [H, W] in 0..255, class label)."""
+def decode_image(sample: dict, channels: int = 1) -> tuple[np.ndarray, int]:
+    """Raw shard sample -> (uint8 image [H, W] (channels=1) or [H, W, 3], class label)."""
     with Image.open(io.BytesIO(sample["png"])) as im:
-        image = np.array(im.convert("L"), dtype=np.uint8)  # a writable copy: torch.from_numpy warns on PIL's read-only view
+        image = np.array(im.convert("L" if channels == 1 else "RGB"), dtype=np.uint8)  # a writable copy
     return image, int(sample["cls"])  # int() takes the raw b"3" as well as 3
 
 
-def decode_sample(sample: dict, image_size: int) -> dict:
-    """The training loader's decode: {"image": float [1, S, S] in [-1, 1], "label": int}."""
-    image, label = decode_digit(sample)
+def decode_sample(sample: dict, image_size: int, channels: int = 1) -> dict:
+    """The training loader's decode: {"image": float [C, S, S] in [-1, 1], "label": int}."""
+    image, label = decode_image(sample, channels)
     return {"image": to_model_space(torch.from_numpy(image)[None], image_size)[0], "label": label}
 
 
-def load_split_arrays(root: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """One split of the dataset in ``root``, read whole in shard order (the same on every rank):
-    uint8 images [N, H, W] (0..255) and int64 labels [N]."""
+def decode_latent_sample(sample: dict) -> dict:
+    """A latent cache sample: {"mean", "std": float [C, h, w], "label": int}."""
+    moments = torch.from_numpy(np.load(io.BytesIO(sample[MOMENTS])))
+    return {"mean": moments[0], "std": moments[1], "label": int(sample["cls"])}
+
+
+def load_split_arrays(root: str | Path, split: str, max_per_class: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One split of the image dataset in ``root``, read in shard order (the same on every rank):
+    uint8 images [N, H, W] or [N, H, W, 3] and int64 labels [N]; at most ``max_per_class`` per class."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     meta = load_dataset_meta(root)
-    size, num_classes = meta["image_size"], meta["num_classes"]
-    images, labels = [], []
+    size, num_classes, channels = meta["image_size"], meta["num_classes"], channels_of(meta)
+    images, labels, counts = [], [], np.zeros(num_classes, dtype=np.int64)
     for sample in iter_samples(meta[f"{split}_urls"]):
-        image, label = decode_digit(sample)
-        if image.shape != (size, size) or not 0 <= label < num_classes:
+        image, label = decode_image(sample, channels)
+        if image.shape[:2] != (size, size) or not 0 <= label < num_classes:
             raise DataError(f"{sample['__url__']}: sample {sample['__key__']} is a {image.shape} image of class {label}; "
                             f"meta.json says {size}x{size} and classes 0..{num_classes - 1}")
+        if max_per_class is not None and counts[label] >= max_per_class:
+            if counts.min() >= max_per_class:
+                break
+            continue
+        counts[label] += 1
         images.append(image)
         labels.append(label)
-    if len(images) != meta["splits"][split]["samples"]:
+    if max_per_class is None and len(images) != meta["splits"][split]["samples"]:
         raise DataError(f"{root}: read {len(images)} {split} samples, meta.json says {meta['splits'][split]['samples']}")
     return np.stack(images), np.asarray(labels, dtype=np.int64)
 
 
 def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
-    """The digit shards' meta on every rank (built by the dataset's builder, data.build, if missing)."""
-    return prepare_dataset(cfg.data, dist)
+    """The image dataset's meta on every rank (built by its builder, data.build, if missing)."""
+    return check_image_size(cfg, prepare_dataset(cfg.data, dist))
 
 
-def build_train_loader(cfg: TrainConfig, dist: DistInfo, urls: list[str]):
+def check_image_size(cfg: TrainConfig, meta: dict) -> dict:
+    """`meta` if its images suit data.image_size: the digits are upscaled from 8x8 by design, an image
+    folder's shards must have been built at that size (no silent resampling of a user's images)."""
+    if meta.get("source") == IMAGE_FOLDER and meta["image_size"] != cfg.data.image_size:
+        raise DataError(f"data.root={cfg.data.root} holds {meta['image_size']}x{meta['image_size']} images but "
+                        f"data.image_size={cfg.data.image_size}: set data.image_size={meta['image_size']} or rebuild the "
+                        f"shards with prepare_images --image-size {cfg.data.image_size}")
+    return meta
+
+
+def load_latent_meta(cfg: TrainConfig, vae: dict, images: dict) -> dict:
+    """meta.json of the latent cache at data.latents, checked against this run: the same VAE, image
+    size and class count as the images at data.root (`vae`: vae_identity of diffusion.vae). One
+    DataError line naming the rebuild otherwise."""
+    root = Path(cfg.data.latents).expanduser()
+    meta = load_dataset_meta(root)
+    rebuild = (f"rebuild it: python -m data.cache_latents recipe={cfg.recipe.name} data.root={cfg.data.root} "
+               f"diffusion.vae={cfg.diffusion.vae} data.image_size={cfg.data.image_size} --out {cfg.data.latents}")
+    if meta.get("source") != LATENT_SOURCE:
+        raise DataError(f"data.latents={cfg.data.latents} is not a latent cache (meta.json source "
+                        f"{meta.get('source')!r}); build one with python -m data.cache_latents")
+    differs = [what for what, have, want in (
+        ("VAE", meta.get("vae"), vae),
+        ("image size", meta.get("image_size"), cfg.data.image_size),
+        ("classes", meta.get("num_classes"), images["num_classes"]),
+    ) if have != want]
+    if differs:
+        raise DataError(f"data.latents={cfg.data.latents} was encoded with another {' and '.join(differs)} than this "
+                        f"run's (diffusion.vae={cfg.diffusion.vae}, data.image_size={cfg.data.image_size}); {rebuild}")
+    return meta
+
+
+def build_train_loader(cfg: TrainConfig, dist: DistInfo, urls: list[str], meta: dict):
+    """The resumable loader over image shards, or over a latent cache's shards (meta from load_latent_meta)."""
+    if meta.get("source") == LATENT_SOURCE:
+        decode = decode_latent_sample
+    else:
+        decode = functools.partial(decode_sample, image_size=cfg.data.image_size, channels=channels_of(meta))
     return build_webdataset_loader(
         urls,
-        decode=functools.partial(decode_sample, image_size=cfg.data.image_size),
+        decode=decode,
         batch_size=cfg.trainer.micro_batch_size,
         rank=dist.rank,
         world_size=dist.world_size,
@@ -77,3 +142,4 @@ def build_train_loader(cfg: TrainConfig, dist: DistInfo, urls: list[str]):
         shuffle_buffer=cfg.data.shuffle_buffer,
         max_corrupt_shards=cfg.data.max_corrupt_shards,
     )
+

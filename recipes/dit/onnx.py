@@ -6,9 +6,11 @@
     sample_images(OnnxDiT(path), ...)                               # the DDIM/CFG sampler, unchanged
     sample_images(TensorRTDiT(engine_path), ..., device=cuda)       # same, on a trtexec-built engine
 
-The ONNX graph has three inputs, `sample` [B, C, S, S] float32, `timestep` [B] int64 and
-`class_labels` [B] int64 (the null class included), and one output `prediction` [B, C_out, S, S]
-(the model's noise / v prediction). Only the batch axis is dynamic; the resolution is fixed.
+The ONNX graph is the transformer alone: three inputs, `sample` [B, C, S, S] float32 (pixels, or
+VAE latents: a latent model's VAE decode stays in PyTorch), `timestep` [B] float32 (DDPM's integer
+steps and flow matching's sigma * T alike: the sinusoidal embedding takes floats) and `class_labels`
+[B] int64 (the null class included), and one output `prediction` [B, C_out, S, S] (the model's
+noise / v / velocity prediction). Only the batch axis is dynamic; the resolution is fixed.
 
 `precision` ("fp32", "fp16", "bf16") is the dtype the graph computes in: weights, activations and
 constants. TensorRT 11 builds strongly typed engines only (its precision flags are gone), so the
@@ -95,9 +97,9 @@ def _null_class(transformer: torch.nn.Module) -> int:
 
 def _random_inputs(batch: int, *, image_size: int, in_channels: int, null_class: int, generator: torch.Generator,
                    num_train_timesteps: int = 1000) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fresh random inputs: Gaussian images, random timesteps, random labels with the null class in them."""
+    """Fresh random inputs: Gaussian images, random (fractional) timesteps, random labels with the null class in them."""
     x = torch.randn(batch, in_channels, image_size, image_size, generator=generator)
-    t = torch.randint(0, num_train_timesteps, (batch,), generator=generator, dtype=torch.long)
+    t = torch.rand(batch, generator=generator) * num_train_timesteps
     y = torch.randint(0, null_class + 1, (batch,), generator=generator, dtype=torch.long)
     y[0] = null_class  # the unconditional branch of classifier-free guidance is always exercised
     return x, t, y
@@ -236,7 +238,7 @@ class OnnxDiT:
     def __call__(self, sample: torch.Tensor, timestep: torch.Tensor | int, class_labels: torch.Tensor,
                  return_dict: bool = True):
         device = sample.device
-        t = torch.as_tensor(timestep, dtype=torch.long)
+        t = torch.as_tensor(timestep, dtype=torch.float32)
         if t.ndim == 0:
             t = t.expand(sample.shape[0])
         feeds = {
@@ -317,7 +319,7 @@ class TensorRTDiT:
 
     def __call__(self, sample: torch.Tensor, timestep: torch.Tensor | int, class_labels: torch.Tensor,
                  return_dict: bool = True):
-        t = torch.as_tensor(timestep, dtype=torch.long)
+        t = torch.as_tensor(timestep, dtype=torch.float32)
         if t.ndim == 0:
             t = t.expand(sample.shape[0])
         chunks = [self._run(xs, ts, ys) for xs, ts, ys in

@@ -1,13 +1,17 @@
-"""Class-conditional DDIM sampling with classifier-free guidance, and sample-grid images."""
+"""Class-conditional sampling with classifier-free guidance (DDIM for DDPM models, Euler for flow models), and sample grids."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import DDIMScheduler
 from PIL import Image
+
+from recipes.dit.objective import scheduler_from_config
+
+GRID_MAX_CLASSES = 32  # sample grids show one row per class, for the first this many classes
 
 
 @torch.no_grad()
@@ -26,47 +30,56 @@ def sample_images(
     dtype: torch.dtype = torch.float32,
     batch_size: int = 512,
     progress: str | None = None,
+    decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Images in [-1, 1], shape [N, C, S, S], for the class ids in `labels` (deterministic, eta=0).
-    `progress`: show a progress bar over the denoising steps with this label (None: silent)."""
+    """Images in [-1, 1] for the class ids in `labels` (deterministic given `generator`).
+
+    The model works on `in_channels` x `image_size`^2 inputs (pixels, or VAE latents); the scheduler
+    (`scheduler_config`: DDPM/DDIM or FlowMatchEulerDiscrete, see recipes.dit.objective) picks the
+    sampler. `decode` maps each chunk of final model-space samples to images (a VAE's decoder);
+    None: they are pixels, clamped to [-1, 1]. `progress`: a progress bar label (None: silent)."""
     from tqdm.auto import tqdm
 
-    scheduler = DDIMScheduler.from_config(scheduler_config)
-    scheduler.set_timesteps(steps)
+    scheduler = scheduler_from_config(scheduler_config)
     chunks = labels.split(batch_size)
     bar = tqdm(total=len(chunks) * steps, desc=progress, unit="step", disable=progress is None, dynamic_ncols=True)
     out = []
     for chunk in chunks:
+        scheduler.set_timesteps(steps)  # also resets the flow scheduler's step index
         n = chunk.shape[0]
         x = torch.randn((n, in_channels, image_size, image_size), generator=generator).to(device)
         cond = torch.cat([chunk, torch.full_like(chunk, null_class)]).to(device)
         for t in scheduler.timesteps:
-            t_batch = torch.full((2 * n,), int(t), device=device, dtype=torch.long)
+            # DDIM's timesteps are integers, the flow scheduler's floats (sigma * T): the DiT's
+            # sinusoidal embedding takes either.
+            t_batch = t.to(device).expand(2 * n)
             pred = model(torch.cat([x, x]).to(dtype), timestep=t_batch, class_labels=cond).sample.float()
             pred_cond, pred_uncond = pred.chunk(2)
             guided = pred_uncond + guidance_scale * (pred_cond - pred_uncond)
             x = scheduler.step(guided, t, x).prev_sample
             bar.update()
-        out.append(x.clamp(-1, 1).cpu())
+        out.append((decode(x) if decode is not None else x.clamp(-1, 1)).float().cpu())
     bar.close()
     return torch.cat(out)
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """[-1, 1] float [N, 1, S, S] -> uint8 [N, S, S]."""
-    return ((images[:, 0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+    """[-1, 1] float [N, C, S, S] -> uint8 [N, S, S] (one channel) or [N, S, S, C] (RGB)."""
+    pix = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return pix[:, 0].numpy() if pix.shape[1] == 1 else pix.permute(0, 2, 3, 1).numpy()
 
 
 def save_grid(images: torch.Tensor, rows: int, path: str | Path, scale: int = 4) -> None:
     """A PNG with `rows` rows (one per class), images upscaled `scale`x with a 1-pixel gap."""
     pix = to_uint8(images)
-    n, s, _ = pix.shape
+    n, s = pix.shape[:2]
+    channels = pix.shape[3:]  # () for grayscale, (3,) for RGB
     cols = n // rows
     cell = s * scale + 1
-    grid = np.full((rows * cell + 1, cols * cell + 1), 64, dtype=np.uint8)
+    grid = np.full((rows * cell + 1, cols * cell + 1, *channels), 64, dtype=np.uint8)
     for i in range(rows * cols):
         r, c = divmod(i, cols)
-        big = np.kron(pix[i], np.ones((scale, scale), dtype=np.uint8))
+        big = pix[i].repeat(scale, axis=0).repeat(scale, axis=1)
         grid[1 + r * cell : 1 + r * cell + s * scale, 1 + c * cell : 1 + c * cell + s * scale] = big
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(grid, mode="L").save(path)
+    Image.fromarray(grid).save(path)

@@ -1,17 +1,21 @@
-"""DiT recipe: class-conditional diffusion on digit shards with DeepSpeed ZeRO, EMA, samples, eval, export.
+"""DiT recipe: class-conditional diffusion (DDPM or rectified flow) on image shards, in pixel space or on
+the latents of a frozen VAE (encoded on the fly or read from a latent cache), with DeepSpeed ZeRO, EMA,
+samples, eval and a diffusers export.
 
-Read top to bottom: setup (data, model, engine, resume) → train_step → train → evaluate → export.
+Read top to bottom: setup (data, VAE, model, engine, resume) → train_step → hooks → checkpoints →
+generate/evaluate → export.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as tdist
 import torch.nn.functional as F
-from diffusers import DDPMScheduler
 
 from common import deepspeed as ds
 from common.checkpoint import CheckpointManager
@@ -20,35 +24,56 @@ from common.parallel_dims import ParallelDims
 from common.memory import Block, ModelSpec, count_params, largest_module_params
 from common.distributed import DistInfo, all_reduce_mean, barrier
 from common.ema import EMA
+from common.errors import ConfigError, DataError
 from common.profiling import StepTimer
 from common.seed import seed_everything
 from common.trainer import StepStats, Trainer, TrainState
-from recipes.dit.data import build_train_loader, prepare_data
-from recipes.dit.evaluate import class_labels, fit_digit_classifier, score_samples
-from recipes.dit.model import build_model, null_class
+from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
+from recipes.dit.evaluate import class_labels, fit_classifier, score_samples
+from recipes.dit.model import build_model, null_class, shared_conditioning, untied
+from recipes.dit.objective import Objective, sampling_scheduler, scheduler_config
 from recipes.dit.parallelize import parallelize
-from recipes.dit.sampling import sample_images, save_grid
+from recipes.dit.sampling import GRID_MAX_CLASSES, sample_images, save_grid
+from recipes.dit import vae as vae_lib
 
 
-def noise_scheduler(cfg: TrainConfig) -> DDPMScheduler:
-    d = cfg.diffusion
-    return DDPMScheduler(
-        num_train_timesteps=d.num_train_timesteps,
-        beta_schedule=d.beta_schedule,
-        prediction_type=d.prediction_type,
-        clip_sample=False,
-    )
+def model_geometry(cfg: TrainConfig) -> tuple[int, int, vae_lib.VaeGeometry | None]:
+    """(in_channels, sample_size, VAE geometry or None) of the DiT: the VAE's latent shape for
+    `data.image_size` images with `diffusion.vae`, else `model.in_channels` x `data.image_size`. A
+    VAE folder that is not here reads as its assumed shape (sizing only: training loads it)."""
+    if not cfg.diffusion.vae:
+        return cfg.model.in_channels, cfg.data.image_size, None
+    geometry = vae_lib.vae_geometry(cfg.diffusion.vae, cfg.data.image_size, must_exist=False)
+    return geometry.latent_channels, geometry.latent_size, geometry
 
 
 class DiTTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         super().__init__(cfg, dist, run_dir)
-        meta = prepare_data(cfg, dist)
-        loader = build_train_loader(cfg, dist, meta["train_urls"])
+        meta = prepare_data(cfg, dist)  # the images: what on-the-fly training and eval read
+        self.classes = class_names(meta)
+        if len(self.classes) > cfg.model.num_classes:
+            raise ConfigError(f"data.root={cfg.data.root} has {len(self.classes)} classes but the model's label table "
+                              f"has model.num_classes={cfg.model.num_classes}; set model.num_classes={len(self.classes)}")
+        self.in_channels, self.sample_size, self.geometry = model_geometry(cfg)
+        self.vae = None
+        if self.geometry is not None:
+            self.geometry = vae_lib.vae_geometry(cfg.diffusion.vae, cfg.data.image_size)  # the folder must be here now
+            if self.geometry.image_channels != channels_of(meta):
+                raise DataError(f"data.root={cfg.data.root} holds {channels_of(meta)}-channel images; the VAE in "
+                                f"diffusion.vae={cfg.diffusion.vae} encodes {self.geometry.image_channels}-channel ones")
+            # Frozen, eval, fp32 and outside the module DeepSpeed wraps: never trained, never partitioned.
+            self.vae = vae_lib.load_vae(self.geometry, self.device)
+        elif channels_of(meta) != cfg.model.in_channels:
+            raise ConfigError(f"data.root={cfg.data.root} holds {channels_of(meta)}-channel images; set "
+                              f"model.in_channels={channels_of(meta)} (or train on latents with diffusion.vae)")
+        train = load_latent_meta(cfg, vae_lib.vae_identity(cfg.diffusion.vae), meta) if cfg.data.latents else meta
+        loader = build_train_loader(cfg, dist, train["train_urls"], train)
 
-        self.scheduler = noise_scheduler(cfg)
+        self.objective = Objective(cfg.diffusion)
+        self.sampler_config = scheduler_config(sampling_scheduler(cfg.diffusion))
         seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
-        model = build_model(cfg.model, cfg.data.image_size)
+        model = build_model(cfg.model, self.sample_size, self.in_channels)
         self.null_class = null_class(model)
         self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
         self.engine = parallelize(model, cfg, self.dims.dp)
@@ -66,17 +91,26 @@ class DiTTrainer(Trainer):
         self.engine.train()
 
     # ---- one optimizer step -------------------------------------------------------------
+    def clean_inputs(self, batch: dict) -> torch.Tensor:
+        """x_0 in the DiT's space: the images, or a latent sampled from the VAE posterior. The
+        posterior's moments come from the cache or from encoding the images now; the sample's noise
+        is drawn here in both cases, so cached and on-the-fly training draw the same numbers."""
+        if self.vae is None:
+            return batch["image"].to(self.device)
+        if "mean" in batch:
+            mean, std = batch["mean"].to(self.device), batch["std"].to(self.device)
+        else:
+            mean, std = vae_lib.posterior(self.vae, batch["image"].to(self.device))
+        return vae_lib.to_latents(mean, std, torch.randn_like(mean), self.geometry)
+
     def diffusion_loss(self, batch: dict) -> torch.Tensor:
-        x0 = batch["image"].to(self.device)
+        x0 = self.clean_inputs(batch)
         labels = batch["label"].to(self.device)
-        n = x0.shape[0]
         noise = torch.randn_like(x0)
-        t = torch.randint(0, self.cfg.diffusion.num_train_timesteps, (n,), device=self.device)
-        drop = torch.rand(n, device=self.device) < self.cfg.diffusion.class_dropout
+        x_t, t, target = self.objective.noisy(x0, noise)
+        drop = torch.rand(x0.shape[0], device=self.device) < self.cfg.diffusion.class_dropout
         labels = torch.where(drop, torch.full_like(labels, self.null_class), labels)
-        x_t = self.scheduler.add_noise(x0, noise, t)
         pred = self.engine(x_t.to(self.dtype), timestep=t, class_labels=labels).sample
-        target = noise if self.cfg.diffusion.prediction_type == "epsilon" else self.scheduler.get_velocity(x0, noise, t)
         return F.mse_loss(pred.float(), target)
 
     def train_step(self, batches, timer: StepTimer) -> StepStats:
@@ -107,7 +141,22 @@ class DiTTrainer(Trainer):
     # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_first_step(self) -> None:
         # Adam state exists after the first step: measure what each rank holds.
-        ds.record_state_bytes(self.engine, self.cfg, self.dist, self.dims.dp, self.run_dir / "memory.json")
+        path = self.run_dir / "memory.json"
+        ds.record_state_bytes(self.engine, self.cfg, self.dist, self.dims.dp, path)
+        if self.vae is not None:
+            # The VAE beside the engine: whole on every rank (no ZeRO attributes), frozen, not in the optimizer.
+            params = list(self.vae.parameters())
+            flags = torch.tensor([any(hasattr(p, "ds_id") for p in params), any(p.requires_grad for p in params)],
+                                 dtype=torch.int64, device=self.device)
+            tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
+            # DeepSpeed's optimizer and partitions are built from the engine's module's parameters.
+            engine_params = {id(p) for p in self.engine.module.parameters()}
+            in_engine = any(id(p) in engine_params for p in params)
+            if self.dist.is_main:
+                info = json.loads(path.read_text())
+                info["vae"] = {"params": sum(p.numel() for p in params), "zero_partitioned": bool(flags[0]),
+                               "requires_grad": bool(flags[1]), "in_engine_module": in_engine}
+                path.write_text(json.dumps(info, indent=2))
 
     def after_step(self) -> None:
         every = self.cfg.trainer.sample_every
@@ -130,60 +179,66 @@ class DiTTrainer(Trainer):
         labels a progress bar on rank 0."""
         d = self.cfg.diffusion
         if progress and self.dist.is_main:
-            print(f"kiln: {progress}: {len(labels)} images, {d.sample_steps} DDIM steps, guidance {d.guidance_scale}",
+            sampler = "Euler (flow)" if d.objective == "flow" else "DDIM"
+            print(f"kiln: {progress}: {len(labels)} images, {d.sample_steps} {sampler} steps, guidance {d.guidance_scale}",
                   flush=True)
         show_bar = progress if self.dist.is_main and self.cfg.trainer.progress_bar else None
+        decode = None if self.vae is None else functools.partial(vae_lib.decode, self.vae, geometry=self.geometry)
         was_training = self.model.training
         self.model.eval()
         with self.ema.swapped():
             images = sample_images(
-                self.model, dict(self.scheduler.config), labels,
-                null_class=self.null_class, image_size=self.cfg.data.image_size,
-                in_channels=self.cfg.model.in_channels, steps=d.sample_steps,
+                self.model, self.sampler_config, labels,
+                null_class=self.null_class, image_size=self.sample_size,
+                in_channels=self.in_channels, steps=d.sample_steps,
                 guidance_scale=d.guidance_scale, generator=generator, device=self.device, dtype=self.dtype,
-                progress=show_bar,
+                progress=show_bar, decode=decode,
             )
         self.model.train(was_training)
         return images
 
     def save_samples(self, name: str, progress: str | None = None) -> None:
-        per_class = self.cfg.diffusion.samples_per_class
-        labels = class_labels(self.cfg.model.num_classes, per_class)
+        rows = min(len(self.classes), GRID_MAX_CLASSES)
+        labels = class_labels(rows, self.cfg.diffusion.samples_per_class)
         # Seeded by the step: the same grid for the same weights, with or without a resume in between.
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 12345 + self.state.step)
         images = self.generate(labels, generator, progress)
         if self.dist.is_main:
-            save_grid(images, rows=self.cfg.model.num_classes, path=self.run_dir / "samples" / name)
+            save_grid(images, rows=rows, path=self.run_dir / "samples" / name)
 
     def evaluate(self) -> dict | None:
-        d = self.cfg.diffusion
-        labels = class_labels(self.cfg.model.num_classes, d.eval_samples_per_class)
+        d, num_classes = self.cfg.diffusion, len(self.classes)
+        labels = class_labels(num_classes, d.eval_samples_per_class)
         images = self.generate(labels, torch.Generator().manual_seed(self.cfg.trainer.seed + 999),
                                progress="eval samples")
         if not self.dist.is_main:
             return None
-        print("kiln: eval: fitting the digit classifier on real digits and scoring the samples", flush=True)
-        clf, real_acc = fit_digit_classifier(self.cfg.data.root, self.cfg.data.image_size, self.cfg.trainer.seed)
-        result = score_samples(clf, images, labels, self.cfg.model.num_classes)
-        result.update(classifier_accuracy_on_real_val=real_acc, chance=1.0 / self.cfg.model.num_classes, step=self.state.step)
+        print("kiln: eval: fitting a classifier on the real images and scoring the samples", flush=True)
+        clf, real_acc = fit_classifier(self.cfg.data.root, self.cfg.data.image_size, self.cfg.trainer.seed)
+        result = score_samples(clf, images, labels, num_classes)
+        result.update(classifier_accuracy_on_real_val=real_acc, chance=1.0 / num_classes, step=self.state.step)
         (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
-        save_grid(images[:: max(1, d.eval_samples_per_class // 8)], rows=self.cfg.model.num_classes, path=self.run_dir / "samples" / "eval.png")
+        rows = min(num_classes, GRID_MAX_CLASSES)
+        save_grid(images[: rows * d.eval_samples_per_class: max(1, d.eval_samples_per_class // 8)], rows=rows,
+                  path=self.run_dir / "samples" / "eval.png")
         return result
 
     def export(self) -> Path:
-        """EMA weights in diffusers format (+ the noise scheduler) under run.dir/export/."""
+        """EMA weights in diffusers format under run.dir/export/: transformer/, the sampling scheduler/,
+        the VAE (vae/) and a DiTPipeline model_index.json for latent DDPM models, kiln.json (see export_info)."""
         out = self.run_dir / "export"
         tmp = self.run_dir / ".export.tmp"
         with self.ema.swapped(), ds.gathered(self.model, self.cfg.parallel.zero_stage):
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-                self.model.save_pretrained(tmp / "transformer", safe_serialization=True)
-                self.scheduler.save_pretrained(tmp / "scheduler")
-                info = {
-                    "recipe": self.cfg.recipe.name, "step": self.state.step, "image_size": self.cfg.data.image_size,
-                    "num_classes": self.cfg.model.num_classes, "null_class": self.null_class,
-                    "sample_steps": self.cfg.diffusion.sample_steps, "guidance_scale": self.cfg.diffusion.guidance_scale,
-                }
+                untied(self.model).save_pretrained(tmp / "transformer", safe_serialization=True)
+                sampling_scheduler(self.cfg.diffusion).save_pretrained(tmp / "scheduler")
+                if self.vae is not None:
+                    self.vae.save_pretrained(tmp / "vae", safe_serialization=True)
+                info = export_info(self.cfg, self.geometry, self.classes, step=self.state.step,
+                                   null_class=self.null_class, sample_size=self.sample_size)
+                if info["diffusers_pipeline"]:
+                    (tmp / "model_index.json").write_text(json.dumps(dit_pipeline_index(self.classes), indent=2))
                 (tmp / "kiln.json").write_text(json.dumps(info, indent=2))
                 shutil.rmtree(out, ignore_errors=True)
                 tmp.rename(out)
@@ -191,20 +246,67 @@ class DiTTrainer(Trainer):
         return out
 
 
+def dit_pipeline_index(classes: list[str]) -> dict:
+    """model_index.json of a diffusers DiTPipeline over the export's folders; `id2label` maps class
+    ids to names (DiTPipeline.get_label_ids reads it)."""
+    import diffusers
+
+    return {"_class_name": "DiTPipeline", "_diffusers_version": diffusers.__version__,
+            "transformer": ["diffusers", "DiTTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
+            "scheduler": ["diffusers", "DDIMScheduler"], "id2label": {str(i): name for i, name in enumerate(classes)}}
+
+
+def export_info(cfg: TrainConfig, geometry: vae_lib.VaeGeometry | None, classes: list[str], *, step: int,
+                null_class: int, sample_size: int) -> dict:
+    """kiln.json: what sampling an export needs besides the diffusers folders, and whether diffusers'
+    DiTPipeline runs it. It does for latent DDPM models: its denoising loop is DDIM's here, its decode
+    is vae.decode(latents / scaling_factor). It does not for pixel-space models (it always decodes
+    with a VAE), for flow models (FlowMatchEulerDiscreteScheduler has no scale_model_input, which its
+    loop calls) or for VAEs with a shift_factor (its decode leaves the shift out): scripts/sample_dit.py
+    samples every kind. DiTPipeline's guidance uses ImageNet's null class 1000, so guided sampling
+    (guidance_scale > 1) through it is right only for model.num_classes=1000."""
+    d = cfg.diffusion
+    why_not = ("pixel space (DiTPipeline decodes with a VAE)" if geometry is None else
+               "flow objective (DiTPipeline's loop is for DDPM schedulers)" if d.objective == "flow" else
+               "the VAE has a shift_factor (DiTPipeline's decode ignores it)" if geometry.shift_factor else None)
+    info = {
+        "recipe": cfg.recipe.name, "step": step, "objective": d.objective,
+        "prediction": "velocity (noise - x_0)" if d.objective == "flow" else d.prediction_type,
+        "image_size": cfg.data.image_size, "sample_size": sample_size,
+        "num_classes": len(classes), "classes": classes, "null_class": null_class,
+        "sample_steps": d.sample_steps, "guidance_scale": d.guidance_scale,
+        "scheduler": "FlowMatchEulerDiscreteScheduler (Euler on the velocity, t from 1 to 0)" if d.objective == "flow"
+        else "DDIMScheduler (eta=0) on the DDPM schedule the model was trained with",
+        "latent": None if geometry is None else {"vae": "vae/", "scaling_factor": geometry.scaling_factor,
+                                                 "shift_factor": geometry.shift_factor,
+                                                 "decode": "vae.decode(latents / scaling_factor + shift_factor)"},
+        "diffusers_pipeline": None if why_not else "DiTPipeline",
+        "sample_with": "python scripts/sample_dit.py EXPORT_DIR",
+    }
+    if why_not:
+        info["diffusers_pipeline_note"] = f"not loadable as a diffusers DiTPipeline: {why_not}"
+    return info
+
+
 def memory_spec(cfg: TrainConfig) -> ModelSpec:
     """The DiT for the memory model (common/memory.py): built on the meta device, counted."""
     m = cfg.model
+    in_channels, sample_size, _ = model_geometry(cfg)
     with torch.device("meta"):
-        model = build_model(m, cfg.data.image_size)
+        model = build_model(m, sample_size, in_channels)
     first_block = model.transformer_blocks[0]
-    layer = count_params(first_block)
+    # A shared conditioning embedding belongs to no layer: counted once, with the patch embedding.
+    layer = count_params(first_block) - count_params(shared_conditioning(model))
     block = Block(hidden=m.num_attention_heads * m.attention_head_dim, heads=m.num_attention_heads,
                   ffn=first_block.ff.net[-1].in_features, norm="adaln_zero", mlp="gelu", dropout=m.dropout > 0,
-                  attention="eager" if cfg.toggles.attention == "eager" else "fused")
-    return ModelSpec(cfg.recipe.name, block, layers=m.num_layers, seq=(cfg.data.image_size // m.patch_size) ** 2,
+                  attention="eager" if cfg.toggles.attention == "eager" else "fused", selective="save_narrow_matmuls")
+    # The DiT only: a VAE (sd-vae-ft-mse: 84M parameters, 335 MB in fp32 on every rank) sits outside
+    # the engine, and a latent cache removes its activations from the step.
+    return ModelSpec(cfg.recipe.name, block, layers=m.num_layers, seq=(sample_size // m.patch_size) ** 2,
                      micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
                      first_params=count_params(model) - m.num_layers * layer,
-                     gather_unit_params=largest_module_params(model), precision=cfg.toggles.precision)
+                     gather_unit_params=largest_module_params(model), precision=cfg.toggles.precision,
+                     ac_modes=("none", "selective", "full"))
 
 
 def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
@@ -215,7 +317,7 @@ def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
         result = trainer.evaluate()
         if result is not None:
             print(f"kiln: eval mean accuracy {result['mean_accuracy']:.3f} (chance {result['chance']:.2f}, "
-                  f"classifier on real digits {result['classifier_accuracy_on_real_val']:.3f})", flush=True)
+                  f"classifier on real images {result['classifier_accuracy_on_real_val']:.3f})", flush=True)
     out = trainer.export()
     if dist.is_main:
         print(f"kiln: exported to {out}", flush=True)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from diffusers import DDPMScheduler, DiTTransformer2DModel
+from diffusers import DDIMScheduler, DiTTransformer2DModel
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -54,7 +54,7 @@ def test_run_dir_artifacts(run_dir):
 def test_export_loads_in_diffusers_and_matches_ema_weights(run_dir):
     export = run_dir / "export"
     loaded = DiTTransformer2DModel.from_pretrained(export / "transformer").eval()
-    DDPMScheduler.from_pretrained(export / "scheduler")
+    assert DDIMScheduler.from_pretrained(export / "scheduler").config.prediction_type == "v_prediction"
     info = json.loads((export / "kiln.json").read_text())
     assert info["num_classes"] == 10 and info["null_class"] == 10
 

@@ -4,7 +4,6 @@ builds from), the full DDIM/CFG sampler on onnxruntime against PyTorch, the trte
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ from recipes.dit.evaluate import class_labels
 from recipes.dit.model import build_model
 from recipes.dit.onnx import PARITY_TOL, OnnxDiT, ParityError, check_parity, export_onnx
 from recipes.dit.sampling import sample_images, to_uint8
-from tests.conftest import REPO, gpus_visible
+from tests.conftest import REPO, gpus_visible, load_script
 from tests.unit.test_trt_build import fake_trtexec
 
 pytestmark = pytest.mark.integration
@@ -30,13 +29,6 @@ pytest.importorskip("onnx")
 IMAGE_SIZE = 16
 SAMPLE_STEPS = 12
 MAX_PIXEL_DIFF = 2  # of 255, torch vs onnxruntime after the whole sampler
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +53,7 @@ def exported(export_dir):
     """Runs scripts/export_dit.py (in process) on the export folder; returns its ONNX path. Where
     trtexec is on PATH it also builds the engine, on the GPU."""
     with gpus_visible():
-        rc = _load_script("export_dit").main([str(export_dir), "--max-batch", "32", "--precision", "fp16"])
+        rc = load_script("export_dit").main([str(export_dir), "--max-batch", "32", "--precision", "fp16"])
     assert rc == 0
     return export_dir / "onnx" / "model.onnx"
 
@@ -110,7 +102,7 @@ def test_full_sampler_torch_vs_onnxruntime(export_dir, exported, torch_model):
 
 def test_sample_script_compare(export_dir, exported, tmp_path, capsys):
     out = tmp_path / "grid.png"
-    rc = _load_script("sample_dit").main([str(export_dir), "backend=onnxruntime", "compare=torch", "steps=5",
+    rc = load_script("sample_dit").main([str(export_dir), "backend=onnxruntime", "compare=torch", "steps=5",
                                           "per_class=1", "seed=1", f"out={out}"])
     assert rc == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -182,7 +174,7 @@ def test_export_with_tensorrt_11_builds_from_the_fp16_graph(export_dir, tmp_path
     fake_trtexec(bin_dir, 11)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     out = tmp_path / "onnx" / "model.onnx"
-    assert _load_script("export_dit").main([str(export_dir), "--out", str(out), "--max-batch", "8"]) == 0
+    assert load_script("export_dit").main([str(export_dir), "--out", str(out), "--max-batch", "8"]) == 0
     argv = json.loads((bin_dir / "argv.json").read_text())
     assert argv[0] == f"--onnx={out.with_name('model.fp16.onnx')}" and not {"--fp16", "--bf16"} & set(argv)
     assert out.with_suffix(".plan").exists() and out.with_name("model.fp16.onnx").exists()

@@ -232,12 +232,12 @@ def test_plan_lists_fitting_layouts_best_first(llm_8b):
 
 
 def test_plan_respects_recipe_layout_rules():
-    """DiT/VLM recipes shard with ZeRO only: every layout has tp = pp = 1, all stages, no selective AC."""
+    """DiT/VLM recipes shard with ZeRO only: every layout has tp = pp = 1, all stages; the DiT offers every AC mode."""
     cfg = compose(["recipe=dit_2b"])
     rows = plan(dit_spec(cfg), 8, GPUS["h100_80gb"], allowed=plan_script.recipe_allows(cfg))
     layouts = {r["layout"] for r in rows}
     assert {(lay.tp, lay.pp) for lay in layouts} == {(1, 1)}
-    assert {lay.zero_stage for lay in layouts} == {0, 1, 2, 3} and {lay.ac for lay in layouts} == {"none", "full"}
+    assert {lay.zero_stage for lay in layouts} == {0, 1, 2, 3} and {lay.ac for lay in layouts} == {"none", "selective", "full"}
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:

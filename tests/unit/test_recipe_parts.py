@@ -73,7 +73,7 @@ def test_dit_2b_parameter_count_on_meta():
 def test_dry_run_prints_size_and_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_train(["recipe=dit_2b", "run.dry_run=true", f"run.dir={run_dir}", "parallel.dp=8"], timeout=300)
-    assert "(2.26B)" in proc.stdout and "ZeRO stage 2 over dp=8" in proc.stdout
+    assert "(2.13B)" in proc.stdout and "ZeRO stage 2 over dp=8" in proc.stdout
     assert "GiB" in proc.stdout
     assert not run_dir.exists()
 

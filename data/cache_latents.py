@@ -1,0 +1,178 @@
+"""Encode a DiT run's image shards once with its VAE into a latent cache that training reads with data.latents=DIR.
+
+    python -m data.cache_latents recipe=dit_xl2 data.root=data/my_images diffusion.vae=~/models/sd-vae-ft-mse
+                                 --out data/my_images_latents [--batch-size 64] [--device cpu|cuda] [--force]
+
+Arguments with `=` are the run's config overrides (the same as scripts/train.py's): they say which
+images (data.root, data.image_size) and which VAE (diffusion.vae). Each sample keeps its key and
+class and stores the VAE posterior's mean and std (``moments.npy``: float32 [2, C, h, w]), not one
+sampled latent, so training still draws a fresh latent from the posterior every epoch, as fast-DiT
+does. The cache mirrors the image dataset shard for shard (same names, same samples in the same
+order), so the training loader's shuffle, resume position and corrupt-shard handling are the same
+as on the images, and a run on the cache sees the same batches as one that encodes on the fly.
+
+meta.json records the VAE (its config and a digest of its weights), the image size and the
+classes; training refuses a cache made by another VAE or at another size. A shard that cannot be
+read to its end is cached up to where it broke, counted and named in meta.json (``corrupt_shards``);
+if no sample can be read the cache is not written. Like the dataset builders, DIR appears at once
+with meta.json written last; a complete cache with the same settings is left alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from common.data.dataset import META_NAME, SPLITS, read_meta
+from data import shards
+
+
+def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m data.cache_latents", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. recipe=dit_xl2 data.root=DIR diffusion.vae=DIR")
+    parser.add_argument("--out", required=True, type=Path, help="the latent cache directory (created)")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per VAE forward")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--force", action="store_true", help="rebuild even if a complete cache is there (replaces DIR)")
+    args = parser.parse_args(argv)
+    bad = [a for a in args.overrides if "=" not in a]
+    if bad:
+        parser.error(f"not a key=value override: {' '.join(bad)}")
+    return args, args.overrides
+
+
+def _settings(meta: dict) -> dict:
+    return {k: meta.get(k) for k in ("data_root", "image_size", "vae")}
+
+
+def encode_shard(url: str, out: Path, *, vae, image_size: int, channels: int, batch_size: int, bar) -> dict:
+    """One image shard -> one latent shard of the same name: {"name", "samples", "bytes", "error"}."""
+    import numpy as np
+    import torch
+    import webdataset as wds
+
+    from common.data.webdataset import iter_samples
+    from recipes.dit.data import MOMENTS, decode_sample
+    from recipes.dit.vae import posterior
+
+    name, written, error = os.path.basename(url), 0, None
+    pending: list[tuple[str, int, torch.Tensor]] = []
+
+    def flush(sink) -> None:
+        nonlocal written
+        if not pending:
+            return
+        device = next(vae.parameters()).device
+        mean, std = posterior(vae, torch.stack([image for _, _, image in pending]).to(device))
+        moments = torch.stack([mean, std], dim=1).float().cpu().numpy()
+        for (key, label, _), m in zip(pending, moments):
+            sink.write({"__key__": key, MOMENTS: np.ascontiguousarray(m), "cls": label})
+        written += len(pending)
+        bar.update(len(pending))
+        pending.clear()
+
+    with wds.TarWriter(str(out / name), mtime=0) as sink:
+        try:
+            for sample in iter_samples([url]):
+                decoded = decode_sample(sample, image_size, channels)
+                pending.append((sample["__key__"], decoded["label"], decoded["image"]))
+                if len(pending) == batch_size:
+                    flush(sink)
+        except Exception as exc:  # a truncated or corrupt tar, or a sample that does not decode
+            error = f"{type(exc).__name__}: {str(exc.args[0] if exc.args else exc).split(' @ ')[0]}"
+        flush(sink)
+    return {"name": name, "samples": written, "bytes": (out / name).stat().st_size, "error": error}
+
+
+def build_cache(cfg, out: Path, *, batch_size: int, device: str, force: bool) -> tuple[dict | None, int]:
+    """(meta, 0) after building; (None, exit code) when a cache is already there or on an error."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from common.data.dataset import load_dataset_meta, run_builder
+    from recipes.dit.data import LATENT_SOURCE, channels_of, check_image_size, class_names
+    from recipes.dit.vae import load_vae, vae_geometry, vae_identity
+
+    root = Path(cfg.data.root).absolute()
+    if cfg.data.build and read_meta(root) is None:
+        run_builder(cfg.data.build, root)  # e.g. the digits: built on first use, as training does
+    images = check_image_size(cfg, load_dataset_meta(root))
+    geometry = vae_geometry(cfg.diffusion.vae, cfg.data.image_size)
+    if geometry.image_channels != channels_of(images):
+        raise ValueError(f"data.root={root} holds {channels_of(images)}-channel images; the VAE in "
+                         f"diffusion.vae={cfg.diffusion.vae} encodes {geometry.image_channels}-channel ones")
+    wanted = {"data_root": str(root), "image_size": cfg.data.image_size, "vae": vae_identity(cfg.diffusion.vae)}
+    existing = read_meta(out)
+    if existing is not None and not force:
+        if _settings(existing) == wanted:
+            print(f"{out}/{META_NAME} exists; nothing to do (pass --force to rebuild)")
+            return None, 0
+        print(f"error: {out} already holds a latent cache of other images, size or VAE; pass --force to rebuild",
+              file=sys.stderr)
+        return None, 1
+    if existing is None and out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty and holds no complete latent cache; choose an empty directory or pass --force")
+
+    vae = load_vae(geometry, torch.device(device))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        meta = {"source": LATENT_SOURCE, **wanted, "vae_path": str(geometry.path), "latent_channels": geometry.latent_channels,
+                "latent_size": geometry.latent_size, "scaling_factor": geometry.scaling_factor,
+                "shift_factor": geometry.shift_factor, "num_classes": images["num_classes"],
+                "classes": class_names(images), "splits": {}, "corrupt_shards": {}}
+        total = sum(images["splits"][s]["samples"] for s in SPLITS)
+        with tqdm(total=total, desc="encoding", unit="image", dynamic_ncols=True) as bar:
+            for split in SPLITS:
+                done = [encode_shard(url, tmp, vae=vae, image_size=cfg.data.image_size,
+                                     channels=channels_of(images), batch_size=batch_size, bar=bar)
+                        for url in images[f"{split}_urls"]]
+                meta["corrupt_shards"].update({d["name"]: d["error"] for d in done if d["error"]})
+                meta["splits"][split] = {"shards": [d["name"] for d in done], "samples": sum(d["samples"] for d in done),
+                                         "shard_samples": [d["samples"] for d in done],
+                                         "shard_bytes": [d["bytes"] for d in done]}
+        if meta["splits"]["train"]["samples"] == 0:
+            raise ValueError(f"no training image of data.root={root} could be read; nothing cached")
+        (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+        os.chmod(tmp, 0o755)
+        shards.move_into_place(tmp, out, force=force, dataset="latent cache", read_meta=read_meta)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return meta, 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parse_args(argv)
+    from common.errors import UserError
+    from common.launch import compose
+
+    try:
+        cfg = compose(overrides)
+        if cfg.recipe.family != "dit" or not cfg.diffusion.vae:
+            raise ValueError("a latent cache needs a DiT recipe with diffusion.vae=<an AutoencoderKL folder>")
+        if args.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+        import torch
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        meta, rc = build_cache(cfg, args.out.absolute(), batch_size=args.batch_size, device=device, force=args.force)
+    except (UserError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if meta is None:
+        return rc
+    splits, bad = meta["splits"], meta["corrupt_shards"]
+    print(f"wrote {args.out}: train {splits['train']['samples']} and val {splits['val']['samples']} latents "
+          f"({meta['latent_channels']}x{meta['latent_size']}x{meta['latent_size']} posterior mean + std) from "
+          f"{meta['data_root']}" + (f"; {len(bad)} corrupt shard(s) cached up to the damage: {', '.join(bad)}" if bad else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
