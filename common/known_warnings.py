@@ -22,6 +22,17 @@ def silence_known_warnings() -> None:
         # kernel libraries and logs "Failed to load ..._C_*.so" for each one a CPU-only machine cannot
         # load. Nothing on CPU uses them; on a GPU the same failure stays visible.
         logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().startswith("Failed to load"))
+    # diffusers (0.3x) imports a few torchao tensor classes to allow-list them for torch.load of torchao-
+    # quantized checkpoints; torchao >= 0.16 moved some, and diffusers logs "Unable to import `torchao`
+    # Tensor objects" at import. Kiln never loads torchao-serialized diffusers weights (fp8 training
+    # converts in memory), so nothing is affected.
+    logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").addFilter(
+        lambda record: not record.getMessage().startswith("Unable to import `torchao` Tensor objects"))
+    # torchao registers its config enums as pytree constants when imported; torch 2.13 handles Enum
+    # subclasses natively and warns once per enum that register_constant() on them is deprecated.
+    # torchao's registration, not Kiln's, and the same enums work either way.
+    logging.getLogger("torch.utils._pytree").addFilter(
+        lambda record: "is an Enum subclass and is now natively supported by torch.compile" not in record.getMessage())
     # torch 2.13 deprecates these collectives in favour of all_gather_single / reduce_scatter_single;
     # DeepSpeed ZeRO-3 calls them several times a step (thousands of lines a run). Same collective,
     # different name: nothing for a user to act on.

@@ -22,7 +22,7 @@ from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.parallel_dims import ParallelDims
 from common.memory import Block, ModelSpec, count_params, largest_module_params
-from common.distributed import DistInfo, all_reduce_mean, barrier
+from common.distributed import DistInfo, barrier, mean_over_ranks
 from common.ema import EMA
 from common.errors import ConfigError, DataError
 from common.profiling import StepTimer
@@ -125,16 +125,16 @@ class DiTTrainer(Trainer):
                 pre_step_norm = ds.full_grad_norm(self.engine)
             with timer.phase("optimizer"):
                 self.engine.step()  # optimizer and lr step at the accumulation boundary
-            losses.append(loss.item())
+            losses.append(loss.detach())
         t = self.cfg.trainer
-        stats = StepStats(
-            loss=all_reduce_mean(sum(losses) / len(losses), self.device),
+        stats = StepStats(  # the loss stays on the device: the loop reads it on logging steps
+            loss=mean_over_ranks([torch.stack(losses).double().mean()], self.device)[0],
             grad_norm=ds.grad_norm(self.engine, pre_step_norm),
             lr=self.engine.get_lr()[0],
             samples=t.micro_batch_size * t.grad_accum * self.dist.world_size,
             corrupt_shards=self.state.loader.corrupt_shards,
         )
-        if stats.finite:  # else DeepSpeed skipped the step
+        if stats.finite:  # else DeepSpeed skipped the step (the step's one host-device sync)
             self.ema.update(self.state.step)
         return stats
 

@@ -5,7 +5,7 @@ r, r+dp, ... of each global micro-batch, so the global batch â€” and the loss â€
 depend on the parallel layout (tp/dp), and neither does the loader's saved position.
 
 A text sample trains on every token; a chat sample (``mask.npy`` beside ``ids.npy``, written by
-``data.prepare_chat``) only on the tokens its mask marks, the assistant's: the others get label
+the prepare_chat builder) only on the tokens its mask marks, the assistant's: the others get label
 -100, so the loss and its normalization (a sum over labelled tokens / their global count) see
 only them. Packed rows keep conversations apart as they keep documents apart.
 """
@@ -44,7 +44,7 @@ def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
     if meta.get("format") == "chat" and meta["longest_sample"] > cfg.data.max_seq_len:
         raise DataError(f"data.root={cfg.data.root} holds conversations of up to {meta['longest_sample']} tokens, more than "
                         f"data.max_seq_len={cfg.data.max_seq_len}: raise data.max_seq_len or rebuild it with "
-                        f"python -m data.prepare_chat --max-seq-len {cfg.data.max_seq_len} ... --force")
+                        f"the prepare_chat builder: --max-seq-len {cfg.data.max_seq_len} ... --force")
     return meta
 
 

@@ -172,7 +172,7 @@ def check_same_tokenizer(data_tokenizer, checkpoint_tokenizer, data_root: str, f
     if differs:
         raise DataError(f"data.root={data_root} was tokenized with another tokenizer than model.init_from={folder} "
                         f"({'; '.join(differs)}); tokenize the data with the checkpoint's tokenizer "
-                        f"(python -m data.prepare_text --tokenizer {folder} ...)")
+                        f"(the prepare_text builder: --tokenizer {folder} ...)")
 
 
 # ---- weights in: each rank reads its own slices --------------------------------------------------

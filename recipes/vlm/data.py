@@ -1,8 +1,8 @@
 """VLM inputs: image–conversation shards → tokenized samples (the model's chat template, labels on the
 assistant turns) → packed (or padded) micro-batches.
 
-Two datasets: the digits demo (data.prepare_vlm_digits: a question and an answer per digit image, with
-its own processor) and LLaVA-format conversations (data.prepare_llava: multi-turn, zero or more images,
+Two datasets: the digits demo (the prepare_vlm_digits builder: a question and an answer per digit image, with
+its own processor) and LLaVA-format conversations (the prepare_llava builder: multi-turn, zero or more images,
 no processor: the text is tokenized here, in the loader workers, by the processor of the model being
 trained). Both go through `encode_conversation`.
 """
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # transformers is slow to import; load it only where it is us
 
 PROCESSOR_DIR = "processor"  # the dataset's side folder holding the processor (meta.json: "processor")
 NUM_CLASSES = 10  # digits 0-9
-CONVERSATIONS = "llava-conversations"  # meta.json "format" of a data.prepare_llava dataset
+CONVERSATIONS = "llava-conversations"  # meta.json "format" of a prepare_llava dataset
 IMAGE_TOKEN = "<image>"
 
 
@@ -43,7 +43,7 @@ def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
     except DataError as exc:
         if cfg.data.build:
             raise
-        raise DataError(f"{exc}; LLaVA-format data becomes a dataset with: python -m data.prepare_llava --json FILE "
+        raise DataError(f"{exc}; LLaVA-format data becomes a dataset with the prepare_llava builder: --json FILE "
                         f"--images DIR --out {cfg.data.root}") from None
     if is_conversations(meta):
         return meta
@@ -222,7 +222,7 @@ def encode_sample(sample: dict, processor: LlavaProcessor) -> dict:
 
 
 def encode_llava(sample: dict, processor: LlavaProcessor, max_seq_len: int | None = None) -> dict:
-    """Raw data.prepare_llava sample -> one training sequence (see `encode_conversation`): ``input_ids``,
+    """Raw prepare_llava sample -> one training sequence (see `encode_conversation`): ``input_ids``,
     ``labels``, ``pixel_values`` [n, 3, S, S] (n = 0 for a text-only conversation), ``truncated``, ``key``."""
     record = json.loads(sample["json"])
     images = [decode_image(sample[f"image{i}"]) for i in range(record["num_images"])]
