@@ -109,9 +109,18 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, dp: int):
 
 def _skip_nonfinite_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if params and not torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in params])):
+    # The host decides here (the step's one host-device read): `step_skipped` hands it to the loop.
+    optimizer.kiln_step_skipped = bool(params) and not torch.isfinite(
+        torch.nn.utils.get_total_norm([p.grad for p in params])).item()
+    if optimizer.kiln_step_skipped:
         for p in params:
             p.grad = None
+
+
+def step_skipped(engine) -> bool | None:
+    """Whether the last optimizer step was skipped, where Kiln's own check (ZeRO-0 in fp32) already
+    read it on the host; None where DeepSpeed's optimizer decides (the loop reads the norm then)."""
+    return getattr(engine.optimizer, "kiln_step_skipped", None)
 
 
 def full_grad_norm(engine) -> torch.Tensor | None:

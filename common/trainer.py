@@ -66,11 +66,16 @@ class StepStats:
     counts: dict[str, Scalar] = dataclasses.field(default_factory=dict)  # recipe-specific per-step counts, logged as is
     skipped: bool | None = None
 
+    def finite_flag(self) -> torch.Tensor:
+        """1.0 where the loss and gradient norm are finite, else 0.0: a float64 tensor where they are, not read."""
+        ok = torch.isfinite(torch.as_tensor(self.loss)) & torch.isfinite(torch.as_tensor(self.grad_norm))
+        return ok.double().reshape(1)
+
     @functools.cached_property
     def finite(self) -> bool:
         if self.skipped is not None:
             return not self.skipped
-        return bool(torch.isfinite(torch.as_tensor(self.loss)) & torch.isfinite(torch.as_tensor(self.grad_norm)))
+        return bool(self.finite_flag())
 
     @functools.cached_property
     def values(self) -> dict[str, float]:
@@ -206,7 +211,7 @@ class Trainer(ABC):
                     state.step = step
                     prof.step()
                     metrics.advance()
-                    bad = not stats.finite
+                    bad, signum = read_step(stats, STOP_SIGNALS.pending(self.dist))  # the step's one host sync
                     bad_in_row, bad_total = (bad_in_row + 1 if bad else 0), bad_total + bad
                     if first:
                         self.after_first_step()
@@ -228,7 +233,6 @@ class Trainer(ABC):
                     if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                         self.save_checkpoint()
                         saved_at = step
-                    signum = STOP_SIGNALS.agreed(self.dist)
                     if signum:
                         if saved_at != step:
                             self.save_checkpoint()
@@ -238,6 +242,18 @@ class Trainer(ABC):
         finally:
             state.loader.close()
             metrics.close()
+
+
+def read_step(stats: StepStats, stop: torch.Tensor | None) -> tuple[bool, int]:
+    """(was the step skipped, the stop signal the ranks agreed on), read in one device-to-host copy:
+    a GPU step waits for the host here and nowhere else."""
+    if stop is None:
+        return not stats.finite, STOP_SIGNALS.received
+    if stats.skipped is not None:
+        return stats.skipped, int(stop.item())
+    finite, signum = torch.cat([stats.finite_flag().to(stop.device), stop]).tolist()
+    stats.finite = bool(finite)  # cached: the loop and hooks read it again for free
+    return not stats.finite, int(signum)
 
 
 class StepFlops:
@@ -293,7 +309,7 @@ class StopSignals:
     """SIGTERM / SIGUSR1 (SLURM preemption and time-limit warnings; torchrun forwards them):
     finish the step, checkpoint, exit. Installed by the launcher before the run is set up, so an
     early signal is not lost. Ranks may get the signal at different steps, so they agree through
-    an all-reduce after each step and all stop after the same one."""
+    an all-reduce after each step (read with the step's finite check) and all stop after the same one."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -307,12 +323,14 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         self.received = signum
 
-    def agreed(self, dist: DistInfo) -> int:
+    def pending(self, dist: DistInfo) -> torch.Tensor | None:
+        """Multi-rank: the largest signal any rank received, all-reduced on the device and not read
+        (`read_step` reads it with the step's finite check). One rank: None, `received` is the answer."""
         if dist.world_size == 1:
-            return self.received
-        flag = torch.tensor([self.received], dtype=torch.int64, device=dist.device)
+            return None
+        flag = torch.tensor([float(self.received)], dtype=torch.float64, device=dist.device)
         tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-        return int(flag.item())
+        return flag
 
     def stop(self, signum: int, step: int, run_dir, dist: DistInfo) -> Stopped:
         """Say so (before a requeue can kill the job), requeue on SLURM's time-limit warning."""

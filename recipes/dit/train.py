@@ -127,16 +127,14 @@ class DiTTrainer(Trainer):
                 self.engine.step()  # optimizer and lr step at the accumulation boundary
             losses.append(loss.detach())
         t = self.cfg.trainer
-        stats = StepStats(  # the loss stays on the device: the loop reads it on logging steps
+        return StepStats(  # the loss stays on the device: the loop reads it on logging steps
             loss=mean_over_ranks([torch.stack(losses).double().mean()], self.device)[0],
             grad_norm=ds.grad_norm(self.engine, pre_step_norm),
             lr=self.engine.get_lr()[0],
             samples=t.micro_batch_size * t.grad_accum * self.dist.world_size,
             corrupt_shards=self.state.loader.corrupt_shards,
+            skipped=ds.step_skipped(self.engine),
         )
-        if stats.finite:  # else DeepSpeed skipped the step (the step's one host-device sync)
-            self.ema.update(self.state.step)
-        return stats
 
     # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_first_step(self) -> None:
@@ -158,7 +156,8 @@ class DiTTrainer(Trainer):
                                "requires_grad": bool(flags[1]), "in_engine_module": in_engine}
                 path.write_text(json.dumps(info, indent=2))
 
-    def after_step(self) -> None:
+    def after_step(self) -> None:  # the loop calls it after steps DeepSpeed did not skip
+        self.ema.update(self.state.step - 1)  # warm-up counts the updates before this one
         every = self.cfg.trainer.sample_every
         if every and self.state.step % every == 0:
             self.save_samples(f"step_{self.state.step:07d}.png")

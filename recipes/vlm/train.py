@@ -142,6 +142,7 @@ class VLMTrainer(Trainer):
             tokens=tokens * world,
             token_utilization=utilization,
             corrupt_shards=self.state.loader.corrupt_shards,
+            skipped=ds.step_skipped(self.engine),
             counts=counts,
         )
 
