@@ -39,7 +39,7 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--batch-size", type=int, default=64, help="images per VAE forward")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete cache is there (replaces DIR)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after the options
     bad = [a for a in args.overrides if "=" not in a]
     if bad:
         parser.error(f"not a key=value override: {' '.join(bad)}")
@@ -175,4 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from common.known_warnings import silence_known_warnings
+
+    silence_known_warnings()
     sys.exit(main())

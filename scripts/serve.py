@@ -44,4 +44,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from common.known_warnings import silence_known_warnings
+
+    silence_known_warnings()
     sys.exit(main(sys.argv[1:]))

@@ -22,7 +22,7 @@ import pytest
 from common.distributed import free_port
 from common.tools.launcher import launch_env
 from tests.conftest import REPO
-from tests.fixtures import llm
+from tests.fixtures import dit, llm, vlm
 
 pytestmark = pytest.mark.integration
 
@@ -34,6 +34,12 @@ TINY = {
     "llm": ["trainer.max_steps=2", "trainer.log_every=1"],
 }
 COMMON = ["trainer.progress_bar=false", "checkpoint.every=0"]
+# A GPU recipe (dit_xl2, vlm_7b, ...) on its user's parts, here on the tiny stand-ins: CPU toggles and
+# small micro-batches; the datasets of the README's data/my_* folders sit in the temp dir.
+CPU = ["toggles=default"]
+GPU_RECIPE = {"vlm": ["trainer.micro_batch_size=4", "data.num_workers=1"], "dit": [], "llm": []}
+DATASETS = {"data=images": "data/my_images"}
+GPU_NODE_NPROC = 2  # a README torchrun of a whole GPU node (more than 4 ranks) runs on 2 here
 
 # Other scripts: what makes each one small (appended like the training overrides).
 SCRIPT_ARGS = {
@@ -47,6 +53,12 @@ SCRIPT_ARGS = {
 # What a user brings, as the README names it -> a builder of the tiny stand-in (called with a folder).
 FIXTURES = {
     "~/models/Llama-3.2-1B": llm.write_llama_folder,
+    "~/models/clip-vit-large-patch14-336": vlm.write_clip,
+    "~/models/vicuna-7b-v1.5": vlm.write_llama,
+    "~/models/llava-1.5-7b-hf": vlm.write_llava_hf,
+    "~/data/llava": vlm.write_llava_data,
+    "~/models/sd-vae-ft-mse": dit.make_vae,
+    "~/data/my_images": dit.make_image_folder,
     "~/data/corpus": llm.write_corpus,
     "~/data/chat.jsonl": lambda d: llm.write_chat(Path(d) / "chat.jsonl"),
 }
@@ -112,7 +124,8 @@ class Session:
         for placeholder in FIXTURES:
             if placeholder in token:
                 token = token.replace(placeholder, self.fixture(placeholder))
-        token = token.replace("data/my_", f"{self.tmp}/data/my_")
+        if token.startswith("data/my_") or "=data/my_" in token:
+            token = token.replace("data/my_", f"{self.tmp}/data/my_")
         if "outputs/" not in token:
             return token
         head, _, rest = token.partition("outputs/")
@@ -122,15 +135,25 @@ class Session:
             return head + str(self.latest[run[1]]) + run[2]
         return head + str(self.tmp / "outputs" / rest)
 
+    def dataset_args(self, args: list[str]) -> list[str]:
+        """A dataset whose default data.root is a README data/my_* folder: that folder, in the temp dir."""
+        if any(a.startswith("data.root=") for a in args):
+            return args
+        return [*args, *(f"data.root={self.tmp}/{root}" for key, root in DATASETS.items() if key in args)]
+
     def train_args(self, args: list[str]) -> list[str]:
         recipe = next((a.split("=", 1)[1] for a in args if a.startswith("recipe=")), "dit_tiny")
         if "--cfg" in args or "run.dry_run=true" in args:
             return args
+        args = self.dataset_args(args)
+        family, size = recipe.split("_")
+        if size != "tiny":
+            args = [*args, *CPU, *GPU_RECIPE[family]]
         self.count += 1
         if "profile.enabled=true" in args or "profile=trace" in args:
             args = [*args, "profile.wait=0", "profile.warmup=0", "profile.active=1"]  # the 2 steps: traced
         run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("run.dir=")), None)
-        extra = [*TINY[recipe.split("_")[0]], *COMMON]
+        extra = [*TINY[family], *COMMON]
         if run_dir is None:
             run_dir = str(self.tmp / "outputs" / recipe / f"readme{self.count}")
             extra.append(f"run.dir={run_dir}")
@@ -147,7 +170,8 @@ class Session:
             # rebuild it when pyproject.toml is newer than its stamp).
             return ["make", "-o", "install", *argv[1:], f"PY={sys.executable}", f"ARGS={shlex.join(extra[argv[1]])}"]
         if argv[0] == "torchrun":
-            nproc = argv[argv.index("--nproc_per_node") + 1]
+            nproc = int(argv[argv.index("--nproc_per_node") + 1])
+            nproc = nproc if nproc <= 4 else GPU_NODE_NPROC
             script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
             return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                     f"--master_port={free_port()}", argv[script], *self.train_args(argv[script + 1:])]
@@ -158,6 +182,8 @@ class Session:
         if script == "scripts/bench.py":
             # The overhead section only: tests/integration/test_bench.py runs the others' quick mode.
             return [sys.executable, *argv[1:], "--only", "overhead", "--out", str(self.tmp / "bench")]
+        if script == "-m":  # a dataset builder (python -m data.<builder> ...)
+            return [sys.executable, *self.dataset_args(argv[1:])]
         return [sys.executable, *argv[1:], *SCRIPT_ARGS.get(script, [])]
 
 
