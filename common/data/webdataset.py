@@ -379,6 +379,20 @@ def build_webdataset_loader(
                            collate=collate, max_corrupt_shards=max_corrupt_shards, pin_memory=pin_memory)
 
 
+def train_loader(cfg, urls: list[str], *, decode: Callable[[dict], Any], rank: int, world_size: int,
+                 batch_size: int | None = None, collate: Callable | None = None) -> ResumableLoader:
+    """A recipe's training loader: `build_webdataset_loader` with what the config says of every recipe's
+    (``data.num_workers``, ``data.shuffle_buffer``, ``data.max_corrupt_shards``, ``trainer.seed``;
+    ``trainer.micro_batch_size`` unless the recipe batches otherwise)."""
+    return build_webdataset_loader(
+        urls, decode=decode, collate=collate,
+        batch_size=cfg.trainer.micro_batch_size if batch_size is None else batch_size,
+        rank=rank, world_size=world_size,
+        num_workers=cfg.data.num_workers, seed=cfg.trainer.seed,
+        shuffle_buffer=cfg.data.shuffle_buffer, max_corrupt_shards=cfg.data.max_corrupt_shards,
+    )
+
+
 def _ignore_stop_signals(worker_id: int) -> None:
     """SLURM signals every process of a job: workers leave SIGTERM/SIGUSR1 to the trainer, which
     checkpoints and exits (common/trainer.py); the workers go when their parent does."""

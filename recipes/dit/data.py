@@ -15,7 +15,7 @@ from PIL import Image
 from common.config import TrainConfig
 from common.data import prepare_dataset
 from common.data.dataset import SPLITS, load_dataset_meta
-from common.data.webdataset import build_webdataset_loader, iter_samples
+from common.data.webdataset import iter_samples, train_loader
 from common.distributed import DistInfo
 from common.errors import DataError
 
@@ -131,15 +131,5 @@ def build_train_loader(cfg: TrainConfig, dist: DistInfo, urls: list[str], meta: 
         decode = decode_latent_sample
     else:
         decode = functools.partial(decode_sample, image_size=cfg.data.image_size, channels=channels_of(meta))
-    return build_webdataset_loader(
-        urls,
-        decode=decode,
-        batch_size=cfg.trainer.micro_batch_size,
-        rank=dist.rank,
-        world_size=dist.world_size,
-        num_workers=cfg.data.num_workers,
-        seed=cfg.trainer.seed,
-        shuffle_buffer=cfg.data.shuffle_buffer,
-        max_corrupt_shards=cfg.data.max_corrupt_shards,
-    )
+    return train_loader(cfg, urls, decode=decode, rank=dist.rank, world_size=dist.world_size)
 

@@ -23,7 +23,7 @@ from common.config import TrainConfig
 from common.data import prepare_dataset
 from common.data.dataset import load_asset
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples
-from common.data.webdataset import build_webdataset_loader
+from common.data.webdataset import train_loader
 from common.distributed import DistInfo
 from common.errors import DataError
 from recipes.llm.model import Segments
@@ -95,13 +95,9 @@ def chunk_document(ids: torch.Tensor, max_len: int) -> list[torch.Tensor]:
 
 
 def build_train_loader(cfg: TrainConfig, urls: list[str], dp: int):
-    return build_webdataset_loader(
-        urls, decode=decode_document, collate=list,
-        batch_size=cfg.trainer.micro_batch_size * dp,  # the global micro-batch, in documents
-        rank=0, world_size=1,  # one stream, sliced per dp rank in `local_batch`
-        num_workers=cfg.data.num_workers, seed=cfg.trainer.seed,
-        shuffle_buffer=cfg.data.shuffle_buffer, max_corrupt_shards=cfg.data.max_corrupt_shards,
-    )
+    return train_loader(cfg, urls, decode=decode_document, collate=list,
+                        batch_size=cfg.trainer.micro_batch_size * dp,  # the global micro-batch, in documents
+                        rank=0, world_size=1)  # one stream, sliced per dp rank in `local_batch`
 
 
 def local_batch(documents: list[dict], *, dp_rank: int, dp: int, max_seq_len: int, pad_id: int) -> PackedBatch:

@@ -22,7 +22,7 @@ from common.config import TrainConfig
 from common.data import prepare_dataset
 from common.data.dataset import load_asset, load_dataset_meta
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
-from common.data.webdataset import build_webdataset_loader
+from common.data.webdataset import train_loader
 from common.distributed import DistInfo
 from common.errors import ConfigError, DataError
 
@@ -267,18 +267,6 @@ def collate(samples: list[dict], *, packing: bool, max_seq_len: int, pad_id: int
 def build_train_loader(cfg: TrainConfig, dist: DistInfo, meta: dict, processor, blank: dict):
     decode = (functools.partial(encode_llava, processor=processor, max_seq_len=cfg.data.max_seq_len) if is_conversations(meta)
               else functools.partial(encode_sample, processor=processor))
-    return build_webdataset_loader(
-        meta["train_urls"],
-        decode=decode,
-        collate=functools.partial(
-            collate, packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len,
-            pad_id=processor.tokenizer.pad_token_id, blank=blank,
-        ),
-        batch_size=cfg.trainer.micro_batch_size,
-        rank=dist.rank,
-        world_size=dist.world_size,
-        num_workers=cfg.data.num_workers,
-        seed=cfg.trainer.seed,
-        shuffle_buffer=cfg.data.shuffle_buffer,
-        max_corrupt_shards=cfg.data.max_corrupt_shards,
-    )
+    batches = functools.partial(collate, packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len,
+                                pad_id=processor.tokenizer.pad_token_id, blank=blank)
+    return train_loader(cfg, meta["train_urls"], decode=decode, collate=batches, rank=dist.rank, world_size=dist.world_size)
