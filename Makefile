@@ -27,7 +27,7 @@ demo: data
 	$(PY) scripts/train.py recipe=dit_tiny $(ARGS)
 
 # Benchmarks side by side in one run (overhead, AC, ZeRO, data wait, scaling, packing, pipeline,
-# serving): outputs/bench/bench.md and bench.json, 7-10 min on a 2-core CPU (--quick writes outputs/bench/quick/).
+# serving, checkpoint loading, DiT): outputs/bench/bench.md and bench.json (--quick writes outputs/bench/quick/).
 bench: data
 	$(PY) scripts/bench.py $(ARGS)
 

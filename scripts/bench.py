@@ -16,7 +16,8 @@ from scripts.benchmarks import ac, data_wait, external, overhead, report, scalin
 from scripts.benchmarks.harness import Options  # noqa: E402
 
 SECTIONS = {"overhead": overhead.run, "ac": ac.run, "zero": zero.run, "data": data_wait.run, "scaling": scaling.run,
-            "packing": external.packing, "pipeline": external.pipeline, "serving": external.serving}
+            "packing": external.packing, "pipeline": external.pipeline, "serving": external.serving,
+            "loading": external.loading, "dit": external.dit}
 # A quick run is a smoke test: it keeps its own folder so that it never replaces a full run's report.
 FULL_OUT, QUICK_OUT = REPO / "outputs" / "bench", REPO / "outputs" / "bench" / "quick"
 

@@ -1,5 +1,5 @@
-"""The benchmarks that are scripts of their own (scripts/bench_packing.py, bench_pipeline.py, bench_serve.py), run as
-subprocesses and folded into the report."""
+"""The benchmarks that are scripts of their own (scripts/bench_packing.py, bench_pipeline.py, bench_serve.py,
+bench_loading.py, bench_dit.py), run as subprocesses and folded into the report."""
 
 from __future__ import annotations
 
@@ -9,18 +9,52 @@ from scripts.benchmarks.harness import run_script
 from scripts.benchmarks.report import Section, Target, md_table, say
 
 
+def _tables_and_targets(s: Section, out: str, note_prefixes: tuple[str, ...] = ()) -> Section:
+    """A script's markdown table rows (consecutive `|` lines) and its `target: WHAT: VALUE -> MET|NOT MET`
+    lines (also `- target: ... -> **met**` and `..., met` forms) into `s`."""
+    table: list[str] = []
+    for line in [*out.splitlines(), ""]:
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        if table:
+            s.tables.append("\n".join(table))
+            table = []
+        m = re.match(r"-? ?target: (.*?): (.*?)(?: -> |, )\**(MET|NOT MET|met|NOT met)\**$", line)
+        if m:
+            s.targets.append(Target(m[1], m[2], m[3].lower() == "met"))
+        elif note_prefixes and line.startswith(note_prefixes):
+            s.notes.append(line)
+    return s
+
+
 def packing(opts) -> Section:
     args = opts.pick([], ["--steps", "2", "--samples-per-step", "32", "--max-seq-len", "256"])
-    say(f"packing: scripts/bench_packing.py {' '.join(args)}")
-    out = run_script(opts, "bench_packing.py", ["--threads", str(opts.threads), *args])
     s = Section("packing", "Sequence packing vs padding (scripts/bench_packing.py)")
-    s.tables.append("\n".join(line for line in out.splitlines() if line.startswith("|")))
-    for line in out.splitlines():
-        m = re.match(r"target: (.*): (.*) -> (MET|NOT MET)$", line)
-        if m:
-            s.targets.append(Target(m[1], m[2], m[3] == "MET"))
-        elif line.startswith(("check:", "bench_packing:")):
-            s.notes.append(line)
+    for distribution in ("lognormal", "llava"):  # a long-tailed text stream; LLaVA-1.5-shaped conversations
+        say(f"packing: scripts/bench_packing.py --distribution {distribution} {' '.join(args)}")
+        out = run_script(opts, "bench_packing.py", ["--threads", str(opts.threads), "--distribution", distribution, *args])
+        s.notes.append(f"--distribution {distribution}:")
+        _tables_and_targets(s, out, ("check:", "bench_packing:"))
+    return s
+
+
+def loading(opts) -> Section:
+    args = opts.pick([], ["--quick"])
+    say(f"loading: scripts/bench_loading.py {' '.join(args)}")
+    out = run_script(opts, "bench_loading.py", args, timeout=1800)
+    return _tables_and_targets(Section("loading", "Loading a Llama checkpoint: host memory per rank "
+                                                  "(scripts/bench_loading.py)"), out)
+
+
+def dit(opts) -> Section:
+    args = opts.pick([], ["--quick"])
+    say(f"dit: scripts/bench_dit.py {' '.join(args)}")
+    out = run_script(opts, "bench_dit.py", ["--threads", str(opts.threads), "--work", str(opts.out / "dit"), *args],
+                     timeout=1800)
+    s = _tables_and_targets(Section("dit", "DiT: selective activation checkpointing; cached vs on-the-fly latents "
+                                           "(scripts/bench_dit.py)"), out)
+    s.notes += [line[2:] for line in out.splitlines() if line.startswith("- ") and "target:" not in line]
     return s
 
 
