@@ -8,7 +8,9 @@ stream -- drives both attention paths:
   from ``position_ids`` alone on CPU (PITFALLS.md: cross-sample attention leaks), so the mask is
   explicit.
 * CUDA (``flash``): rows flattened into one ``[1, R*L]`` row; ``cu_seq_lens_{q,k}`` and
-  ``max_length_{q,k}`` go to the model as FlashAttentionKwargs and reach ``flash_attn_varlen_func``.
+  ``max_length_{q,k}`` go to the model as FlashAttentionKwargs and reach torch's varlen FlashAttention
+  kernel (``torch.nn.attention.varlen.varlen_attn``: the VLM's ``kiln_varlen`` attention, the LLM's
+  ``Segments``).
 
 Segments are the samples AND each row's padding tail (its own segment), so flash never lets a
 sample attend to padding, and the 4D mask built from the same segments attends exactly as
@@ -102,7 +104,7 @@ class PackedBatch:
         tails are segments too, so each padding query attends causally within its tail -- at least
         to itself. That keeps every softmax row finite: a fully masked row can give NaN, and in the
         next layer a NaN value reaches real tokens through 0 * NaN in the weighted sum. It is also
-        exactly what flash_attn_varlen_func does with ``cu_seqlens``, so both paths agree even at
+        exactly what the varlen kernel does with ``cu_seqlens``, so both paths agree even at
         padding positions (which no loss reads).
 
         ``dtype=torch.bool``: True = attend (SDPA). A floating dtype gives the additive form (0 or
@@ -142,7 +144,7 @@ class PackedBatch:
                 "position_ids": self.position_ids.reshape(1, -1),
                 "cu_seq_lens_q": self.cu_seqlens,
                 "cu_seq_lens_k": self.cu_seqlens,
-                # Python ints: flash_attn_varlen_func takes ints; a tensor would be read back from the GPU.
+                # Python ints: the varlen kernel takes ints; a tensor would be read back from the GPU.
                 "max_length_q": self.max_seqlen,
                 "max_length_k": self.max_seqlen,
             }
