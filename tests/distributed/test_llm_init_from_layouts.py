@@ -118,7 +118,7 @@ def _tied_training(folders: dict, run_root: str) -> dict:
                                 "optim.warmup_steps=0", *extra))
         trainer = LLMTrainer(cfg, dist, run_dir)
         batches = iter(trainer.state.loader)
-        out[layout] = [trainer.train_step(batches, StepTimer()).loss for _ in range(3)]
+        out[layout] = [trainer.train_step(batches, StepTimer()).values["loss"] for _ in range(3)]
         trainer.state.loader.close()
         if layout == "pp2":
             model = trainer.model
