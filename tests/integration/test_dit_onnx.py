@@ -152,8 +152,9 @@ def test_typed_graphs_compute_in_their_precision_and_match_fp32_pytorch(torch_mo
                        precision=precision)
     weights, io = _tensor_types(path)
     assert weights == {TensorProto.FLOAT16 if precision == "fp16" else TensorProto.BFLOAT16}
-    assert io == {"sample": TensorProto.FLOAT, "timestep": TensorProto.INT64, "class_labels": TensorProto.INT64,
-                  "prediction": TensorProto.FLOAT}  # fp32 I/O: OnnxDiT/TensorRTDiT feed the same tensors
+    # fp32 I/O (timestep too: the flow sampler's timesteps are floats): OnnxDiT/TensorRTDiT feed the same tensors
+    assert io == {"sample": TensorProto.FLOAT, "timestep": TensorProto.FLOAT, "class_labels": TensorProto.INT64,
+                  "prediction": TensorProto.FLOAT}
     errors = check_parity(torch_model, path, batch_sizes=(1, 4), tol=PARITY_TOL[precision], seed=7, precision=precision)
     print(f"{precision} graph vs fp32 PyTorch, max rel err: {errors}")
     # Rounding happened (the graph is not secretly fp32), within the bound.
