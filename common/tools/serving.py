@@ -368,7 +368,7 @@ def running_server(export: str | Path, *overrides: str, log_path: str | Path, st
     from common.distributed import free_port  # imports torch, which the rest of this module does only where needed
 
     port = free_port()
-    serve = Path(__file__).resolve().parent.parent / "scripts" / "serve.py"
+    serve = Path(__file__).resolve().parents[2] / "scripts" / "serve.py"
     base = f"http://127.0.0.1:{port}"
     # Its own TMPDIR, so the per-server state (state_dir) goes away with the server.
     with open(log_path, "w") as log, tempfile.TemporaryDirectory(prefix="kiln-serve-") as tmp:
