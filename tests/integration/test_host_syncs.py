@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+KILN = tuple(f"{ROOT / folder}/" for folder in ("common", "recipes", "scripts", "data"))  # not .venv/, not tests/
 READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
 # Functions that read tensors the loader built on the host (CPU tensors on a GPU machine too):
 # no device is involved, so they are not syncs. Each says so in its docstring.
@@ -41,9 +42,8 @@ def count_reads(argv: list[str], out: Path) -> None:
         def read(self, *args, **kwargs):
             frame = sys._getframe(1)
             caller = frame.f_code.co_filename
-            kiln = caller.startswith(str(ROOT)) and not caller.startswith(str(ROOT / "tests"))
             function = frame.f_code.co_qualname.split(".<locals>")[0]  # a generator expression: its function
-            if kiln and (Path(caller).name, function) not in HOST_SIDE:
+            if caller.startswith(KILN) and (Path(caller).name, function) not in HOST_SIDE:
                 counts.setdefault(current[0], []).append(f"{name} {Path(caller).name}:{frame.f_lineno}")
             return original(self, *args, **kwargs)
 
