@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from common.checkpoint import CheckpointManager, read_meta
+from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.distributed import DistInfo
 from common.errors import ConfigError
@@ -101,33 +101,26 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, dp: int):
     if not hasattr(engine.optimizer, "overflow"):
         # ZeRO-1/2/3 and DeepSpeed's bf16/fp16 optimizers skip a step whose gradients are not
         # finite (and report the norm as inf). ZeRO-0 in fp32 steps the plain torch optimizer,
-        # which has no such check: drop its gradients then, and AdamW leaves every parameter
-        # and its state as they are. (The hook runs after DeepSpeed's gradient clipping.)
-        engine.optimizer.register_step_pre_hook(_skip_nonfinite_step)
+        # which has no such check: the Trainer decides on the host from Kiln's own norm
+        # (`full_grad_norm`) and DeepSpeedEngine.step sets `kiln_skip`; the hook then drops the
+        # gradients, and AdamW leaves every parameter and its state as they are. (It runs after
+        # DeepSpeed's gradient clipping.)
+        engine.optimizer.register_step_pre_hook(_drop_grads_when_skipped)
     return engine
 
 
-def _skip_nonfinite_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    # The host decides here (the step's one host-device read): `step_skipped` hands it to the loop.
-    optimizer.kiln_step_skipped = bool(params) and not torch.isfinite(
-        torch.nn.utils.get_total_norm([p.grad for p in params])).item()
-    if optimizer.kiln_step_skipped:
-        for p in params:
-            p.grad = None
-
-
-def step_skipped(engine) -> bool | None:
-    """Whether the last optimizer step was skipped, where Kiln's own check (ZeRO-0 in fp32) already
-    read it on the host; None where DeepSpeed's optimizer decides (the loop reads the norm then)."""
-    return getattr(engine.optimizer, "kiln_step_skipped", None)
+def _drop_grads_when_skipped(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if getattr(optimizer, "kiln_skip", False):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
 
 def full_grad_norm(engine) -> torch.Tensor | None:
     """Norm of the whole (all-reduced) gradients where they sit on `p.grad`: ZeRO-0 in fp32.
 
-    Call after backward at an accumulation boundary, before `engine.step()`. ZeRO-1/2/3 and
-    the bf16/fp16 optimizers report the norm themselves (`engine.get_global_grad_norm()`);
+    Call after the backward at the accumulation boundary, before `engine.step()`. ZeRO-1/2/3 and
+    the bf16/fp16 optimizers compute the norm in their step (`engine.get_global_grad_norm()`);
     DeepSpeed's plain fp32 path does not, so it is computed here.
     """
     if engine.zero_optimization_stage() > 0 or not engine.is_gradient_accumulation_boundary():
@@ -138,36 +131,27 @@ def full_grad_norm(engine) -> torch.Tensor | None:
     return torch.nn.utils.get_total_norm(grads)
 
 
-def grad_norm(engine, pre_step_norm: torch.Tensor | None) -> torch.Tensor | float:
-    """The step's global gradient norm, left where it is (a device tensor is read on logging steps only)."""
-    norm = pre_step_norm if pre_step_norm is not None else engine.get_global_grad_norm()
+def grad_norm(engine) -> torch.Tensor | float:
+    """The norm DeepSpeed's optimizer computed in its last step (nan where it computes none)."""
+    norm = engine.get_global_grad_norm()
     return norm if norm is not None else float("nan")
 
 
-def save_checkpoint(ckpt: CheckpointManager, engine, step: int, rank_state: dict, meta: dict) -> None:
-    """Engine state (model, optimizer, LR schedule; ZeRO shards per rank) + this rank's own state."""
+def load_checkpoint(engine, path: Path, *, load_optimizer: bool = True) -> None:
+    """Restore the engine (model, optimizer, LR schedule; ZeRO shards per rank) from `path`."""
+    import torch.distributed as tdist
 
-    def write(tmp: Path) -> None:
-        engine.save_checkpoint(str(tmp.parent), tag=tmp.name, save_latest=False)
-        torch.save(rank_state, tmp / f"rank{ckpt.dist.rank:05d}.pt")
-
-    ckpt.save(step, write, meta=meta)
-
-
-def load_checkpoint(engine, path: Path, dist: DistInfo, *, load_optimizer: bool = True) -> dict:
-    """Restore the engine from `path`; returns this rank's saved state."""
     meta = read_meta(path)
-    if load_optimizer and meta["world_size"] != dist.world_size:
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    if load_optimizer and meta["world_size"] != world:
         raise ConfigError(
-            f"run.resume: {path} was written by {meta['world_size']} ranks; this run has {dist.world_size} "
+            f"run.resume: {path} was written by {meta['world_size']} ranks; this run has {world} "
             "(resume with the same number of ranks)"
         )
     engine.load_checkpoint(
         str(path.parent), tag=path.name, load_optimizer_states=load_optimizer,
         load_lr_scheduler_states=load_optimizer, load_module_only=not load_optimizer,
     )
-    rank_file = path / f"rank{dist.rank:05d}.pt"
-    return torch.load(rank_file, weights_only=False) if rank_file.exists() else {}
 
 
 def gathered(model: torch.nn.Module, zero_stage: int):

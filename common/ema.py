@@ -27,9 +27,12 @@ class EMA:
         self.decay = decay
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.shadow = [_local(p).detach().float().clone() for p in self.params]
+        self.updates = 0  # the warm-up counts the EMA's own updates (skipped optimizer steps make none)
 
     @torch.no_grad()
-    def update(self, step: int) -> None:
+    def update(self) -> None:
+        step = self.updates
+        self.updates += 1
         decay = min(self.decay, (1 + step) / (10 + step))
         for s, p in zip(self.shadow, self.params):
             s.lerp_(_local(p).float(), 1.0 - decay)
@@ -47,8 +50,9 @@ class EMA:
                 _local(p).copy_(b)
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "shadow": [s.clone() for s in self.shadow]}
+        return {"decay": self.decay, "updates": self.updates, "shadow": [s.clone() for s in self.shadow]}
 
     def load_state_dict(self, state: dict) -> None:
+        self.updates = state["updates"]
         for s, saved in zip(self.shadow, state["shadow"]):
             s.copy_(saved)

@@ -1,19 +1,24 @@
-"""The step contract every recipe's Trainer implements, and the one loop (`Trainer.fit`) that drives it.
+"""The one training step and the one loop under every recipe: `Trainer.train_step` and `Trainer.fit`.
 
-Why one base class that owns the loop, rather than a loop in each trainer: what happens around a
-step must not differ between recipes -- stop signals and the ranks' agreement on them, skipped
-non-finite steps, checkpoint cadence, FLOPs and MFU, metrics, the profiler, the heartbeat that
-names a hung rank, fault injection for the tests -- and three copies would drift. What differs is
-declared as methods the recipe implements:
+Why a base class that owns the step and the loop, rather than one in each trainer: the subtle parts
+of a step -- accumulation, the loss's normalisation, clipping, stepping, the skip decision, the host
+read -- and what happens around it -- stop signals and the ranks' agreement on them, skipped
+non-finite steps, checkpoint cadence, FLOPs and MFU, metrics, the profiler, the heartbeat that names a
+hung rank, fault injection for the tests -- must not differ between recipes, and three copies drifted.
+The engine (common/engine.py: DeepSpeed or PyTorch-native) runs backward, the optimizer and
+checkpoints of the model and optimizer. What a recipe supplies:
 
-    train_step(batches, timer) -> StepStats   one optimizer step; pulls its micro-batches from
-                                              `batches`, the iterator `fit` was handed
-    save_checkpoint()                         everything `TrainState` and the engine hold
-    after_first_step(), after_step()          hooks; no-ops unless the recipe overrides them
+    self.engine, self.state (`start`)   its model, parallelized, in an engine; its loader
+    count(batch) -> int                 what the batch's loss is summed over: labelled tokens or samples
+    loss(batch) -> Tensor               the forward: the loss summed over those tokens or samples
+    tally(batch) -> dict                host counts logged per step (samples, tokens, packed slots, ...)
+    prepare(batch)                      host work on a loader's batch (the LLM packs its share); optional
+    after_first_step(), after_step()    hooks; no-ops unless the recipe overrides them
 
-A recipe's trainer reads top to bottom: setup in __init__ (data, model, engine, `self.state`,
-resume), `train_step`, checkpoints, then evaluation/export. `fit` below is the order of events of
-a step; benchmarks drive the same seams (`fit(batches=...)`, `train_step`, the hooks).
+The logged loss, and the loss whose gradient the optimizer follows, is one definition for every
+recipe: the sum over the global batch (every micro-batch on every data-parallel rank) divided by its
+count. A recipe's trainer reads top to bottom: setup in __init__ (data, model, engine, `start`), the
+loss, then evaluation/export. Benchmarks drive the same seams (`fit(batches=...)`, `train_step`).
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ import torch
 import torch.distributed as tdist
 
 from common import faults
+from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.distributed import DistInfo, heartbeat
+from common.engine import Engine
 from common.errors import UserError
 from common.metrics import MetricsLogger
 from common.profiling import StepTimer, maybe_profile
-from common.seed import rng_state, set_rng_state
+from common.seed import rng_state, seed_everything, set_rng_state
 
 
 Scalar = float | int | torch.Tensor
@@ -48,39 +55,28 @@ Scalar = float | int | torch.Tensor
 
 @dataclasses.dataclass
 class StepStats:
-    """What one optimizer step reports, the same on every rank (the recipe reduces over ranks).
+    """What one optimizer step reports, the same on every rank (sums over the global batch).
 
     Values may stay device tensors: the loop reads them (one copy to the host) on logging steps only,
-    so a GPU step waits for the host at most once, for `finite`. A non-finite `loss` or `grad_norm`
-    means the recipe left the weights untouched (DeepSpeed's overflow check, the LLM's norm check): the
-    loop counts the step as skipped. A recipe that already decided that on the host says so in `skipped`.
+    so a GPU step waits for the host once, in `Trainer.read_once`. `skipped`: the step left the
+    weights untouched (a non-finite gradient norm); `signum`: the stop signal the ranks agreed on.
     """
 
     loss: Scalar
     grad_norm: Scalar
     lr: float
-    samples: int = 0  # global samples this step -> samples_per_s
+    samples: Scalar = 0  # global samples this step -> samples_per_s
     tokens: Scalar = 0  # global real (non-padding) tokens this step -> tokens_per_s
     token_utilization: Scalar | None = None  # packed rows: real tokens / token slots
     corrupt_shards: int | None = None  # distinct corrupt shards skipped so far (this rank)
     counts: dict[str, Scalar] = dataclasses.field(default_factory=dict)  # recipe-specific per-step counts, logged as is
-    skipped: bool | None = None
-
-    def finite_flag(self) -> torch.Tensor:
-        """1.0 where the loss and gradient norm are finite, else 0.0: a float64 tensor where they are, not read."""
-        ok = torch.isfinite(torch.as_tensor(self.loss)) & torch.isfinite(torch.as_tensor(self.grad_norm))
-        return ok.double().reshape(1)
-
-    @functools.cached_property
-    def finite(self) -> bool:
-        if self.skipped is not None:
-            return not self.skipped
-        return bool(self.finite_flag())
+    skipped: bool = False
+    signum: int = 0
 
     @functools.cached_property
     def values(self) -> dict[str, float]:
         """The tensor fields (and counts) as Python numbers, in one device-to-host copy."""
-        fields = {k: getattr(self, k) for k in ("loss", "grad_norm", "tokens", "token_utilization")}
+        fields = {k: getattr(self, k) for k in ("loss", "grad_norm", "samples", "tokens", "token_utilization")}
         fields |= {f"counts.{k}": v for k, v in self.counts.items()}
         tensors = {k: v.detach().double().reshape(()) for k, v in fields.items() if isinstance(v, torch.Tensor)}
         if tensors:
@@ -98,8 +94,8 @@ class StepStats:
         """The metrics.jsonl fields: counts become rates, unset optional fields are left out."""
         v = self.values
         out: dict[str, Any] = {"loss": v["loss"], "lr": self.lr, "grad_norm": v["grad_norm"]}
-        if self.samples:
-            out["samples_per_s"] = self.samples / step_time
+        if v["samples"]:
+            out["samples_per_s"] = v["samples"] / step_time
         if v["tokens"]:
             out["tokens_per_s"] = v["tokens"] / step_time
         if v["token_utilization"] is not None:
@@ -158,28 +154,125 @@ class TooManyBadSteps(UserError):
 
 
 class Trainer(ABC):
-    """Base of every recipe's trainer. Subclasses set `self.state` (a TrainState) in __init__."""
+    """Base of every recipe's trainer. Subclasses set `self.engine` and call `self.start(loader, ...)` in __init__."""
 
     state: TrainState
+    engine: Engine
 
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         self.cfg, self.dist, self.run_dir = cfg, dist, run_dir
         self.device = dist.device
+        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
+        self.resume_from = self.ckpt.resolve_resume(cfg.run.resume)  # None: a fresh run
+
+    def start(self, loader, *, per_rank_rng: bool, extras: dict[str, Stateful] | None = None) -> None:
+        """Seed the step's random streams, build `self.state`, resume when there is a checkpoint.
+
+        `per_rank_rng`: the recipe draws random numbers per rank in its steps (noise, dropout); each rank
+        then has its own stream, saved per rank. Without it the state is the same on every rank (one
+        global data stream, nothing random per rank), and rank 0's copy resumes any layout."""
+        seed_everything(self.cfg.trainer.seed + 1 + (self.dist.rank if per_rank_rng else 0))
+        self.state = TrainState(loader, rng=per_rank_rng, extras={**self.engine.extras, **(extras or {})})
+        if self.resume_from is not None:
+            self.load_checkpoint(self.resume_from)
 
     # ---- what a recipe implements --------------------------------------------------------------
-    @abstractmethod
-    def train_step(self, batches: Iterator, timer: StepTimer) -> StepStats:
-        """One optimizer step over `trainer.grad_accum` micro-batches drawn from `batches`."""
+    def prepare(self, batch):
+        """Host-side work on one of the loader's batches before the step uses it (default: none)."""
+        return batch
 
     @abstractmethod
-    def save_checkpoint(self) -> None:
-        """Collective: the engine's state plus `self.state.state_dict()` at `self.state.step`."""
+    def count(self, batch) -> int:
+        """What `loss(batch)` is summed over on this rank (labelled tokens or samples): a host number."""
+
+    @abstractmethod
+    def loss(self, batch) -> torch.Tensor:
+        """The forward of one micro-batch: its loss summed over `count(batch)` tokens or samples."""
+
+    def tally(self, batch) -> dict[str, int]:
+        """Host counts of one micro-batch, summed over the global batch and logged: `samples`, `tokens`
+        (real ones), `slots` (packed token slots: token_utilization = tokens / slots), and any other
+        name as a count of its own."""
+        return {}
+
+    def checkpoint_meta(self) -> dict:
+        """What the recipe records in a checkpoint's meta.json besides the recipe and the layout."""
+        return {}
 
     def after_first_step(self) -> None:
         """Runs once after the first step of this process (e.g. measure the optimizer's state)."""
 
     def after_step(self) -> None:
-        """Runs after every step that was not skipped (e.g. sample grids)."""
+        """Runs after every step that was not skipped (e.g. an EMA update, sample grids)."""
+
+    # ---- one optimizer step ----------------------------------------------------------------------
+    def train_step(self, batches: Iterator, timer: StepTimer) -> StepStats:
+        """One optimizer step over `trainer.grad_accum` micro-batches drawn from `batches`."""
+        accum = self.cfg.trainer.grad_accum
+        with timer.phase("data_wait"):
+            micro = [self.prepare(next(batches)) for _ in range(accum)]
+        tally: dict[str, float] = {}
+        for batch in micro:
+            for name, n in self.tally(batch).items():
+                tally[name] = tally.get(name, 0) + n
+        # The loss's global denominator (known before any forward: torchtitan's global valid tokens) and
+        # the step's tallies: one all-reduce on the device, not read.
+        totals = self.engine.all_reduce(on_device([sum(self.count(b) for b in micro), *tally.values()], self.device))
+        inv_count = 1.0 / totals[0].clamp(min=1)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, batch in enumerate(micro):
+            loss_sum += self.engine.forward_backward(self.loss, batch, inv_count, i == accum - 1, timer)
+        with timer.phase("optimizer"):
+            grad_norm = self.engine.clip_grad_norm()
+            if grad_norm is not None:  # the host decides before the step
+                skipped, signum = self.read_once(grad_norm)
+                self.engine.step(skip=skipped)
+            else:  # the optimizer checks its norm in its step (DeepSpeed's overflow check): the read reports it
+                grad_norm = self.engine.step()
+                skipped, signum = self.read_once(grad_norm)
+        loss = self.engine.all_reduce(loss_sum, loss=True) * inv_count  # left on the device
+        counts = dict(zip(tally, totals[1:]))
+        samples, tokens, slots = (counts.pop(name, None) for name in ("samples", "tokens", "slots"))
+        return StepStats(
+            loss=loss, grad_norm=grad_norm, lr=self.engine.lr,
+            samples=0 if samples is None else samples, tokens=0 if tokens is None else tokens,
+            token_utilization=None if slots is None else tokens / slots.clamp(min=1),
+            corrupt_shards=getattr(self.state.loader, "corrupt_shards", None),
+            counts=counts, skipped=skipped, signum=signum,
+        )
+
+    def read_once(self, grad_norm: Scalar) -> tuple[bool, int]:
+        """(skip this step, the stop signal the ranks agree on), in the step's one device-to-host copy:
+        a GPU step waits for the host here and nowhere else. The norm is global, so every rank decides alike."""
+        finite = torch.isfinite(torch.as_tensor(grad_norm)).double().reshape(1)
+        stop = STOP_SIGNALS.pending(self.dist)
+        if stop is None:
+            return not bool(finite), STOP_SIGNALS.received
+        ok, signum = torch.cat([finite.to(stop.device), stop]).tolist()
+        return not ok, int(signum)
+
+    # ---- checkpoints: the engine's state + the TrainState ------------------------------------------
+    def save_checkpoint(self) -> None:
+        """Collective: the engine's model and optimizer, and the TrainState (per rank when its RNG
+        streams are per rank, else rank 0's), atomically (common/checkpoint.py)."""
+
+        def write(tmp: Path) -> None:
+            self.engine.save(tmp)
+            state = self.state.state_dict()
+            if self.state.rng:
+                torch.save(state, tmp / f"rank{self.dist.rank:05d}.pt")
+            elif self.dist.is_main:
+                torch.save(state, tmp / "trainer.pt")
+
+        meta = {"recipe": self.cfg.recipe.name, **self.engine.layout(), **self.checkpoint_meta()}
+        self.ckpt.save(self.state.step, write, meta=meta)
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.engine.load(path)
+        name = f"rank{self.dist.rank:05d}.pt" if self.state.rng else "trainer.pt"
+        self.state.load_state_dict(torch.load(path / name, weights_only=False))
+        if self.dist.is_main:
+            print(f"kiln: resumed from {path} at step {self.state.step}", flush=True)
 
     # ---- the loop ---------------------------------------------------------------------------
     def fit(self, batches: Iterable | None = None) -> None:
@@ -211,7 +304,7 @@ class Trainer(ABC):
                     state.step = step
                     prof.step()
                     metrics.advance()
-                    bad, signum = read_step(stats, STOP_SIGNALS.pending(self.dist))  # the step's one host sync
+                    bad, signum = stats.skipped, stats.signum  # read once, in train_step
                     bad_in_row, bad_total = (bad_in_row + 1 if bad else 0), bad_total + bad
                     if first:
                         self.after_first_step()
@@ -244,16 +337,10 @@ class Trainer(ABC):
             metrics.close()
 
 
-def read_step(stats: StepStats, stop: torch.Tensor | None) -> tuple[bool, int]:
-    """(was the step skipped, the stop signal the ranks agreed on), read in one device-to-host copy:
-    a GPU step waits for the host here and nowhere else."""
-    if stop is None:
-        return not stats.finite, STOP_SIGNALS.received
-    if stats.skipped is not None:
-        return stats.skipped, int(stop.item())
-    finite, signum = torch.cat([stats.finite_flag().to(stop.device), stop]).tolist()
-    stats.finite = bool(finite)  # cached: the loop and hooks read it again for free
-    return not stats.finite, int(signum)
+def on_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """Host numbers as one float64 device tensor, copied without waiting (pinned memory on CUDA)."""
+    host = torch.tensor([float(v) for v in values], dtype=torch.float64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 class StepFlops:
@@ -325,7 +412,7 @@ class StopSignals:
 
     def pending(self, dist: DistInfo) -> torch.Tensor | None:
         """Multi-rank: the largest signal any rank received, all-reduced on the device and not read
-        (`read_step` reads it with the step's finite check). One rank: None, `received` is the answer."""
+        (`Trainer.read_once` reads it with the step's finite check). One rank: None, `received` is the answer."""
         if dist.world_size == 1:
             return None
         flag = torch.tensor([float(self.received)], dtype=torch.float64, device=dist.device)

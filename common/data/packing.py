@@ -71,6 +71,7 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # int32 [S+1]: segment boundaries over [R*L]; samples and padding tails
     max_seqlen: int  # longest segment (padding tails included: flash sizes its grid by it)
     num_real_tokens: int
+    num_labels: int  # labelled positions (labels != -100): what a token-mean loss is summed over
 
     @property
     def num_rows(self) -> int:
@@ -223,6 +224,7 @@ def _build(
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
         num_real_tokens=sum(map(sum, seq_lens)),
+        num_labels=int((labels != IGNORE_INDEX).sum()),  # host tensors: no device read
     )
 
 

@@ -1,4 +1,5 @@
-"""Apply the toggles and DeepSpeed ZeRO to a DiT, in the fixed order: kernels → fp8 → AC → compile → ZeRO."""
+"""Apply the attention kernel and the toggles to a DiT, in the fixed order: kernels → fp8 → AC → compile
+(ZeRO comes last, when common/engine.py:DeepSpeedEngine wraps the model)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
 from common.config import TrainConfig
-from common.deepspeed import initialize
 from common.toggles import apply_toggles
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -63,10 +63,10 @@ def set_attention(model: DiTTransformer2DModel, backend: str) -> None:
             module.set_processor(make())
 
 
-def parallelize(model: DiTTransformer2DModel, cfg: TrainConfig, dp: int):
-    """Returns the DeepSpeed engine wrapping `model` (ZeRO stage from `parallel.zero_stage`)."""
+def parallelize(model: DiTTransformer2DModel, cfg: TrainConfig) -> DiTTransformer2DModel:
+    """`model` with its attention kernel and toggles applied, ready for the engine (DeepSpeed ZeRO)."""
     set_attention(model, cfg.toggles.attention)
     # Selective AC recomputes the MLP's up projection too: the default policy keeps 11 of the 20
     # hidden-sized tensors a DiT block saves (adaLN-Zero keeps more than a Llama block), this one 7.
     apply_toggles(model, cfg.toggles, block_types=(BasicTransformerBlock,), recompute_widening=True)
-    return initialize(model, cfg, dp)
+    return model

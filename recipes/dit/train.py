@@ -2,8 +2,8 @@
 the latents of a frozen VAE (encoded on the fly or read from a latent cache), with DeepSpeed ZeRO, EMA,
 samples, eval and a diffusers export.
 
-Read top to bottom: setup (data, VAE, model, engine, resume) → train_step → hooks → checkpoints →
-generate/evaluate → export.
+Read top to bottom: setup (data, VAE, model, engine, resume) → the loss → hooks → generate/evaluate →
+export. The step, checkpoints and resume are common/trainer.py's.
 """
 
 from __future__ import annotations
@@ -18,16 +18,15 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 from common import deepspeed as ds
-from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.parallel_dims import ParallelDims
 from common.memory import Block, ModelSpec, count_params, largest_module_params
-from common.distributed import DistInfo, barrier, mean_over_ranks
+from common.distributed import DistInfo, barrier
 from common.ema import EMA
 from common.errors import ConfigError, DataError
-from common.profiling import StepTimer
 from common.seed import seed_everything
-from common.trainer import StepStats, Trainer, TrainState
+from common.engine import DeepSpeedEngine
+from common.trainer import Trainer
 from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
 from recipes.dit.evaluate import class_labels, fit_classifier, score_samples
 from recipes.dit.model import build_model, null_class, shared_conditioning, untied
@@ -76,21 +75,15 @@ class DiTTrainer(Trainer):
         model = build_model(cfg.model, self.sample_size, self.in_channels)
         self.null_class = null_class(model)
         self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
-        self.engine = parallelize(model, cfg, self.dims.dp)
+        self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
         self.ema = EMA(self.model, cfg.diffusion.ema_decay)
-        seed_everything(cfg.trainer.seed + 1 + dist.rank)  # per-rank noise, timesteps, label drops
         # Per-rank RNG streams (noise, timesteps, label drops) and the EMA shard resume with the step.
-        self.state = TrainState(loader, rng=True, extras={"ema": self.ema})
+        self.start(loader, per_rank_rng=True, extras={"ema": self.ema})
+        self.model.train()
 
-        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
-        resume_from = self.ckpt.resolve_resume(cfg.run.resume)
-        if resume_from is not None:
-            self.load_checkpoint(resume_from)
-        self.engine.train()
-
-    # ---- one optimizer step -------------------------------------------------------------
+    # ---- the loss (common/trainer.py runs the step) ------------------------------------------
     def clean_inputs(self, batch: dict) -> torch.Tensor:
         """x_0 in the DiT's space: the images, or a latent sampled from the VAE posterior. The
         posterior's moments come from the cache or from encoding the images now; the sample's noise
@@ -103,44 +96,28 @@ class DiTTrainer(Trainer):
             mean, std = vae_lib.posterior(self.vae, batch["image"].to(self.device))
         return vae_lib.to_latents(mean, std, torch.randn_like(mean), self.geometry)
 
-    def diffusion_loss(self, batch: dict) -> torch.Tensor:
+    def loss(self, batch: dict) -> torch.Tensor:
+        """The diffusion loss summed over the batch's samples (each sample's loss: the mean over its elements)."""
         x0 = self.clean_inputs(batch)
         labels = batch["label"].to(self.device)
         noise = torch.randn_like(x0)
         x_t, t, target = self.objective.noisy(x0, noise)
         drop = torch.rand(x0.shape[0], device=self.device) < self.cfg.diffusion.class_dropout
         labels = torch.where(drop, torch.full_like(labels, self.null_class), labels)
-        pred = self.engine(x_t.to(self.dtype), timestep=t, class_labels=labels).sample
-        return F.mse_loss(pred.float(), target)
+        pred = self.engine.model(x_t.to(self.dtype), timestep=t, class_labels=labels).sample
+        return F.mse_loss(pred.float(), target) * x0.shape[0]
 
-    def train_step(self, batches, timer: StepTimer) -> StepStats:
-        losses = []
-        for _ in range(self.cfg.trainer.grad_accum):
-            with timer.phase("data_wait"):
-                batch = next(batches)
-            with timer.phase("forward"):
-                loss = self.diffusion_loss(batch)
-            with timer.phase("backward"):
-                self.engine.backward(loss)  # all-reduces gradients at the accumulation boundary
-                pre_step_norm = ds.full_grad_norm(self.engine)
-            with timer.phase("optimizer"):
-                self.engine.step()  # optimizer and lr step at the accumulation boundary
-            losses.append(loss.detach())
-        t = self.cfg.trainer
-        return StepStats(  # the loss stays on the device: the loop reads it on logging steps
-            loss=mean_over_ranks([torch.stack(losses).double().mean()], self.device)[0],
-            grad_norm=ds.grad_norm(self.engine, pre_step_norm),
-            lr=self.engine.get_lr()[0],
-            samples=t.micro_batch_size * t.grad_accum * self.dist.world_size,
-            corrupt_shards=self.state.loader.corrupt_shards,
-            skipped=ds.step_skipped(self.engine),
-        )
+    def count(self, batch: dict) -> int:
+        return len(batch["label"])
+
+    def tally(self, batch: dict) -> dict[str, int]:
+        return {"samples": len(batch["label"])}
 
     # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_first_step(self) -> None:
         # Adam state exists after the first step: measure what each rank holds.
         path = self.run_dir / "memory.json"
-        ds.record_state_bytes(self.engine, self.cfg, self.dist, self.dims.dp, path)
+        ds.record_state_bytes(self.engine.ds, self.cfg, self.dist, self.dims.dp, path)
         if self.vae is not None:
             # The VAE beside the engine: whole on every rank (no ZeRO attributes), frozen, not in the optimizer.
             params = list(self.vae.parameters())
@@ -148,7 +125,7 @@ class DiTTrainer(Trainer):
                                  dtype=torch.int64, device=self.device)
             tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
             # DeepSpeed's optimizer and partitions are built from the engine's module's parameters.
-            engine_params = {id(p) for p in self.engine.module.parameters()}
+            engine_params = {id(p) for p in self.model.parameters()}
             in_engine = any(id(p) in engine_params for p in params)
             if self.dist.is_main:
                 info = json.loads(path.read_text())
@@ -157,20 +134,10 @@ class DiTTrainer(Trainer):
                 path.write_text(json.dumps(info, indent=2))
 
     def after_step(self) -> None:  # the loop calls it after steps DeepSpeed did not skip
-        self.ema.update(self.state.step - 1)  # warm-up counts the updates before this one
+        self.ema.update()
         every = self.cfg.trainer.sample_every
         if every and self.state.step % every == 0:
             self.save_samples(f"step_{self.state.step:07d}.png")
-
-    # ---- checkpoints: DeepSpeed's engine state + this rank's TrainState ---------------------
-    def save_checkpoint(self) -> None:
-        meta = {"recipe": self.cfg.recipe.name, "zero_stage": self.cfg.parallel.zero_stage}
-        ds.save_checkpoint(self.ckpt, self.engine, self.state.step, self.state.state_dict(), meta)
-
-    def load_checkpoint(self, path: Path) -> None:
-        self.state.load_state_dict(ds.load_checkpoint(self.engine, path, self.dist))
-        if self.dist.is_main:
-            print(f"kiln: resumed from {path} at step {self.state.step}", flush=True)
 
     # ---- samples, evaluation, export --------------------------------------------------------
     def generate(self, labels: torch.Tensor, generator: torch.Generator, progress: str | None = None) -> torch.Tensor:
@@ -227,7 +194,7 @@ class DiTTrainer(Trainer):
         the VAE (vae/) and a DiTPipeline model_index.json for latent DDPM models, kiln.json (see export_info)."""
         out = self.run_dir / "export"
         tmp = self.run_dir / ".export.tmp"
-        with self.ema.swapped(), ds.gathered(self.model, self.cfg.parallel.zero_stage):
+        with self.ema.swapped(), self.engine.gathered():
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 untied(self.model).save_pretrained(tmp / "transformer", safe_serialization=True)

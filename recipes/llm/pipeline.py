@@ -37,10 +37,11 @@ Fixed shapes
     M)`` (M = ``parallel.pp_microbatches``, 0 = pp). One schedule step ("round") processes
     ``M * rows_per_microbatch`` rows. The packed batch (FFD, as without PP) is padded with empty
     rows -- pad tokens, labels -100, position 0, a causal mask inside the row -- up to a whole
-    number of rounds; the number of rounds is the max over all ranks (all-reduce), so the FSDP
-    and P2P collectives stay matched. Gradients accumulate over rounds. Empty rows add compute
-    but no loss: the loss is a token sum divided by the global token count (as
-    ``LLMTrainer.micro_step_loss``), so the losses equal the non-pipelined run's.
+    number of rounds; the number of rounds is the max over all dp ranks (packed on the host from the
+    global stream: recipes/llm/train.py:LLMTrainer.prepare), so the FSDP and P2P collectives stay
+    matched. Gradients accumulate over rounds. Empty rows add compute but no loss: the loss is a
+    token sum scaled by the step's global token count (common/engine.py), so the losses equal the
+    non-pipelined run's.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ class _VarlenStage(nn.Module):
 class Pipeline:
     """The rank's PipelineStages and schedule over the (already parallelized, materialized) rank model."""
 
-    def __init__(self, rank_model: Transformer, cfg: TrainConfig, mesh, device: torch.device):
+    def __init__(self, rank_model: Transformer, cfg: TrainConfig, mesh, device: torch.device, pad_id: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         p = cfg.parallel
@@ -167,7 +168,7 @@ class Pipeline:
         self.m = num_microbatches(cfg)
         self.rows_per_microbatch = max(1, math.ceil(cfg.trainer.micro_batch_size / self.m))
         self.round_rows = self.m * self.rows_per_microbatch
-        self.device = device
+        self.device, self.pad_id = device, pad_id
         self.pp_group = mesh["pp"].get_group()
         pp_rank = mesh["pp"].get_local_rank()
         n_stages = self.pp * self.v
@@ -182,7 +183,7 @@ class Pipeline:
                           group=self.pp_group)
             for s in self.stage_ids
         ]
-        self._scale = 1.0  # set per step: dp / (global tokens * grad_accum)
+        self._scale = 1.0  # set per micro-batch: dp / (the step's global labelled tokens)
         kw = dict(n_microbatches=self.m, loss_fn=self._loss_fn, scale_grads=False)
         if p.pp_schedule == "interleaved_1f1b":
             self.schedule = ScheduleInterleaved1F1B(self.stages, **kw)
@@ -191,15 +192,16 @@ class Pipeline:
             self.schedule = cls(self.stages[0], **kw)
 
     def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Token-sum CE of one microbatch over the global token count: micro_step_loss's normalization."""
+        """Token-sum CE of one microbatch, scaled as common/engine.py scales every loss sum."""
         loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum * self._scale
 
-    def step(self, packed: PackedBatch, pad_id: int, scale: float, max_rows: int) -> torch.Tensor:
-        """Forward + backward of the whole packed batch, gradients scaled by ``scale``; returns this
-        rank's CE token sum (0 off the last stage). ``max_rows``: the most rows any dp rank packed (every
-        rank runs the same number of rounds: matched P2P and FSDP collectives)."""
+    def step(self, batch, scale: torch.Tensor) -> torch.Tensor:
+        """Forward + backward of the whole packed batch (recipes/llm/train.py:LocalBatch), gradients scaled
+        by ``scale``; returns this rank's CE token sum (0 off the last stage). ``batch.max_rows``: the most
+        rows any dp rank packed (every rank runs the same number of rounds: matched P2P and FSDP collectives)."""
+        packed, max_rows, pad_id = batch.packed, batch.max_rows, self.pad_id
         self._scale = scale
         loss_sum = torch.zeros((), device=self.device)
         rounds = math.ceil(max_rows / self.round_rows)
@@ -249,17 +251,3 @@ class TiedEmbeddings:
         grad = self.param.grad
         # Both copies are sharded alike (FSDP over dp, Shard(0) over tp): sum the local shards.
         tdist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.group)
-
-
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, skip: nn.Parameter | None = None) -> torch.Tensor:
-    """Clip by the norm over ALL stages' gradients (each rank holds only its stages' parameters);
-    ``skip``: a parameter whose gradient another stage already counts (a tied embedding's copy)."""
-    grads = [p.grad for p in params if p.grad is not None and p is not skip]
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    sq = norm.float() ** 2
-    tdist.all_reduce(sq, group=pp_group)
-    total = sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total

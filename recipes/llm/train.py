@@ -1,12 +1,13 @@
 """LLM recipe: a Llama trained with DTensor tensor parallelism + FSDP2 data parallelism on packed
 documents, sharded DCP checkpoints that reshard on resume, and a Hugging Face export.
 
-Read top to bottom: setup (data, mesh, model, optimizer, resume) → train_step → train → export.
+Read top to bottom: setup (data, mesh, model, engine, resume) → the loss → export. The step, checkpoints
+and resume are common/trainer.py's; the optimizer, DCP and the pipeline's step are common/engine.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 import math
 import shutil
@@ -17,22 +18,19 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
 from common.data.packing import PackedBatch
 from common.distributed import DistInfo, barrier
+from common.engine import NativeEngine
 from common.errors import DataError
 from common.memory import Block, ModelSpec, count_params
-from common.optim import adamw_kernel, lr_factor
 from common.parallel_dims import ParallelDims
-from common.profiling import StepTimer
-from common.seed import seed_everything
-from common.trainer import StepStats, Trainer, TrainState
+from common.trainer import Trainer
 from recipes.llm import hf
 from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, model_inputs, pad_id, prepare_data
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, Transformer
 from recipes.llm.parallelize import parallelize
-from recipes.llm.pipeline import Pipeline, TiedEmbeddings, clip_grad_norm_, split_for_rank, virtual_stages
+from recipes.llm.pipeline import Pipeline, TiedEmbeddings, split_for_rank, virtual_stages
 
 
 def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
@@ -64,10 +62,13 @@ def build_model(args: LlamaArgs, cfg: TrainConfig, mesh, device: torch.device) -
     return model
 
 
-# Optimizer state keyed per parameter FQN ("param_groups.<fqn>.lr", ...). Nested, `param_groups` is
-# one object that DCP saves from a single rank: under pipeline parallelism each stage's groups name
-# different parameters, and the other stages would load groups without their hyperparameters.
-FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+@dataclasses.dataclass
+class LocalBatch:
+    """This dp rank's share of a global micro-batch of documents, packed into rows; `max_rows`: the most
+    rows any dp rank packs (under pipeline parallelism every rank runs that many rows' rounds)."""
+
+    packed: PackedBatch
+    max_rows: int
 
 
 class LLMTrainer(Trainer):
@@ -89,8 +90,7 @@ class LLMTrainer(Trainer):
 
         pp = self.dims.pp
         self.model = build_model(self.args, cfg, self.mesh, self.device)
-        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
-        resume_from = self.ckpt.resolve_resume(cfg.run.resume)
+        resume_from = self.resume_from
         # The weights: from the checkpoint resumed (load_checkpoint, below), else from model.init_from
         # (each rank reads its own slices), else rank 0's seeded init copied into every layout, so all
         # layouts start from the same weights (a "seed checkpoint").
@@ -108,22 +108,13 @@ class LLMTrainer(Trainer):
             # strict=False under PP: rank 0's full dict holds the other stages' keys too.
             set_model_state_dict(self.model, full or {}, options=StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True, strict=pp == 1))
-        self.pipeline = Pipeline(self.model, cfg, self.mesh, self.device) if pp > 1 else None
-        self.tied = TiedEmbeddings(self.model, self.mesh) if pp > 1 and self.args.tie_embeddings else None
-
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay, **adamw_kernel(self.device))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, functools.partial(lr_factor, cfg=o, max_steps=cfg.trainer.max_steps))
-        seed_everything(cfg.trainer.seed + 1)
+        pipeline = Pipeline(self.model, cfg, self.mesh, self.device, self.pad_id) if pp > 1 else None
+        tied = TiedEmbeddings(self.model, self.mesh) if pp > 1 and self.args.tie_embeddings else None
+        self.engine = NativeEngine(self.model, cfg, self.mesh, pipeline=pipeline, tied=tied,
+                                   loss_parallel=cfg.model.loss_parallel)
         # Layout-independent: one global data stream and no per-rank random draws, so rank 0's copy
         # (step, data position, LR schedule) resumes any layout.
-        self.state = TrainState(loader, rng=False, extras={"scheduler": self.scheduler})
-        if resume_from is not None:
-            self.load_checkpoint(resume_from)
-            if dist.is_main:
-                print(f"kiln: resumed from {resume_from} at step {self.state.step}", flush=True)
+        self.start(loader, per_rank_rng=False)
         self.model.train()
 
     def resolve_tokenizer(self):
@@ -137,124 +128,31 @@ class LLMTrainer(Trainer):
         hf.check_same_tokenizer(data_tokenizer, tokenizer, self.cfg.data.root, source)
         return tokenizer
 
-    # ---- one optimizer step -------------------------------------------------------------
-    def pack(self, documents: list[dict]) -> tuple[PackedBatch, int, int]:
-        """This dp rank's packed rows, and what every rank must agree on: the global number of labelled
-        tokens (the loss is their mean) and the most rows any dp rank packs (pipeline rounds). Every rank
-        holds the whole global micro-batch (one stream, sliced by dp rank), so packing every dp rank's
-        share here is a little host work instead of collectives and host-device syncs every micro-batch."""
-        shares = [local_batch(documents, dp_rank=r, dp=self.dims.dp, max_seq_len=self.cfg.data.max_seq_len,
-                              pad_id=self.pad_id) for r in range(self.dims.dp)]
-        # Only labelled tokens count (chat: the assistant's), here and in the loss's ignore_index.
-        labelled = sum(int((share.labels[:, 1:] != -100).sum()) for share in shares)  # CPU tensors: no sync
-        return shares[self.dp_rank], labelled, max(share.num_rows for share in shares)
+    # ---- the loss (common/trainer.py runs the step) ------------------------------------------
+    def prepare(self, documents: list[dict]) -> LocalBatch:
+        """This dp rank's packed share of the global micro-batch (documents r, r+dp, ...). Under pipeline
+        parallelism every rank also needs the most rows any dp rank packs: every rank holds the whole
+        global micro-batch (one stream, sliced by dp rank), so packing the other shares here is a little
+        host work instead of a collective read back to the host."""
+        pack = functools.partial(local_batch, documents, dp=self.dims.dp, max_seq_len=self.cfg.data.max_seq_len,
+                                 pad_id=self.pad_id)
+        packed = pack(dp_rank=self.dp_rank)
+        rows = max(pack(dp_rank=r).num_rows for r in range(self.dims.dp)) if self.dims.pp > 1 else packed.num_rows
+        return LocalBatch(packed, rows)
 
-    def micro_step_loss(self, documents: list[dict]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """Loss whose dp-average of gradients equals the gradient of the global token mean."""
-        packed, global_tokens, _ = self.pack(documents)
+    def count(self, batch: LocalBatch) -> int:
+        return batch.packed.num_labels  # only labelled tokens count (chat: the assistant's)
+
+    def tally(self, batch: LocalBatch) -> dict[str, int]:
+        return {"tokens": batch.packed.num_real_tokens, "slots": batch.packed.input_ids.numel()}
+
+    def loss(self, batch: LocalBatch) -> torch.Tensor:
+        """Cross-entropy summed over the labelled tokens (under pipeline parallelism the pipeline computes
+        the same sum on its last stage: recipes/llm/pipeline.py)."""
+        packed = batch.packed
+        logits = self.model(packed.input_ids.to(self.device), **model_inputs(packed, self.cfg.toggles.attention, self.device))
         labels = packed.labels[:, 1:].to(self.device)
-        with self.autocast():
-            logits = self.model(packed.input_ids.to(self.device),
-                                **model_inputs(packed, self.cfg.toggles.attention, self.device))
-        with self.loss_context():
-            loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
-            if hasattr(loss_sum, "full_tensor"):  # loss parallel: a replicated DTensor scalar
-                loss_sum = loss_sum.full_tensor()
-        loss = loss_sum / max(1, global_tokens) * self.dims.dp  # FSDP averages over dp
-        return loss, loss_sum.detach(), global_tokens, packed.input_ids.numel()
-
-    def pipeline_micro_step(self, documents: list[dict], accum: int) -> tuple[torch.Tensor, int, int]:
-        """micro_step_loss + backward under PP: the schedule runs forward and backward per microbatch."""
-        packed, global_tokens, max_rows = self.pack(documents)
-        scale = self.dims.dp / max(1, global_tokens) / accum  # micro_step_loss's normalization
-        with self.autocast():
-            loss_sum = self.pipeline.step(packed, self.pad_id, scale, max_rows)
-        return loss_sum, global_tokens, packed.input_ids.numel()
-
-    def train_step(self, batches, timer: StepTimer) -> StepStats:
-        total, tokens, slots = torch.zeros((), device=self.device), 0, 0
-        accum = self.cfg.trainer.grad_accum
-        for _ in range(accum):
-            with timer.phase("data_wait"):
-                documents = next(batches)
-            if self.pipeline is not None:
-                with timer.phase("forward"):  # forward and backward, interleaved by the schedule
-                    loss_sum, n_tokens, n_slots = self.pipeline_micro_step(documents, accum)
-            else:
-                with timer.phase("forward"):
-                    loss, loss_sum, n_tokens, n_slots = self.micro_step_loss(documents)
-                with timer.phase("backward"), self.loss_context():
-                    (loss / accum).backward()
-            total += loss_sum.float() / max(1, n_tokens) / accum  # mean over labelled tokens (chat: the assistant's)
-            # Throughput counts every real token (the global micro-batch is on every rank), labelled or not.
-            tokens, slots = tokens + sum(d["input_ids"].numel() for d in documents), slots + n_slots
-        with timer.phase("optimizer"):
-            clip = self.cfg.optim.grad_clip or float("inf")
-            if self.tied is not None:
-                self.tied.all_reduce_grads()
-            if self.pipeline is not None:  # the norm spans every stage's gradients
-                grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.mesh["pp"].get_group(),
-                                            skip=self.tied.norm_skip if self.tied is not None else None)
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            # The step's one host-device sync: skipping needs a decision on the host (the same on every
-            # rank: the norm is global); common/trainer.py counts the skip.
-            finite = bool(torch.isfinite(grad_norm))
-            if finite:
-                self.optimizer.step()
-                self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        # The loss stays on the device; common/trainer.py reads it on logging steps only.
-        tdist.all_reduce(total, group=self.mesh["dp"].get_group())
-        if self.pipeline is not None:  # only the last stage computed the loss
-            tdist.all_reduce(total, group=self.mesh["pp"].get_group())
-        return StepStats(
-            loss=total,
-            grad_norm=grad_norm,
-            skipped=not finite,
-            lr=self.scheduler.get_last_lr()[0],
-            tokens=tokens,
-            token_utilization=tokens / (slots * self.dims.dp) if slots else 0.0,
-            corrupt_shards=self.state.loader.corrupt_shards,  # one global stream: the same on every rank
-        )
-
-    def autocast(self):
-        bf16 = self.cfg.toggles.precision in ("bf16", "fp8") and self.dims.dp == 1  # FSDP's policy casts otherwise
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-
-    def loss_context(self):
-        if self.dims.tp > 1 and self.cfg.model.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
-
-    # ---- sharded checkpoints (torch.distributed.checkpoint) ------------------------------
-    def save_checkpoint(self) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        def write(tmp: Path) -> None:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=FLAT_OPTIM)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
-            if self.dist.is_main:  # the TrainState is the same on every rank (see __init__)
-                torch.save(self.state.state_dict(), tmp / "trainer.pt")
-
-        layout = {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp}
-        self.ckpt.save(self.state.step, write, meta={"recipe": self.cfg.recipe.name, "layout": layout})
-
-    def load_checkpoint(self, path: Path) -> None:
-        """DCP reshards: a checkpoint written under one (dp, tp) layout loads under another."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=FLAT_OPTIM)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=FLAT_OPTIM)
-        self.state.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
     # ---- export -----------------------------------------------------------------------------
     def export(self) -> Path:

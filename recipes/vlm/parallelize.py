@@ -1,4 +1,5 @@
-"""Freeze per training stage, the attention kernels, then toggles and DeepSpeed ZeRO: kernels → fp8 → AC → compile → ZeRO."""
+"""Freeze per training stage, the attention kernels, then the toggles: kernels → fp8 → AC → compile (ZeRO comes
+last, when common/engine.py:DeepSpeedEngine wraps the model)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from torch.nn.attention.varlen import varlen_attn  # torch's own FlashAttention 
 from transformers import LlavaForConditionalGeneration
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from common import deepspeed as ds
 from common.config import TrainConfig
 from common.toggles import apply_toggles
 from recipes.vlm.model import VARLEN_ATTENTION, attn_implementation
@@ -86,11 +86,12 @@ def freeze_for_stage(model: LlavaForConditionalGeneration, stage: str, train_vis
                 module.requires_grad_(False)
 
 
-def parallelize(model: LlavaForConditionalGeneration, cfg: TrainConfig, dp: int):
-    """Returns the DeepSpeed engine over the trainable parameters (attention kernel already chosen
-    when the model was built: `toggles.attention` → attn_implementation)."""
+def parallelize(model: LlavaForConditionalGeneration, cfg: TrainConfig) -> LlavaForConditionalGeneration:
+    """`model` frozen for its stage, with its toggles applied, ready for the engine (DeepSpeed ZeRO over the
+    trainable parameters; the attention kernel was chosen when the model was built: `toggles.attention`
+    → attn_implementation)."""
     freeze_for_stage(model, cfg.vlm.stage, cfg.vlm.train_vision)
     # Blocks: every decoder and vision encoder layer (the layers transformers itself checkpoints);
     # fp8 only in the language model (the tower's widths are often not multiples of 16).
     apply_toggles(model, cfg.toggles, block_types=(GradientCheckpointingLayer,), fp8_module=model.model.language_model)
-    return ds.initialize(model, cfg, dp)
+    return model

@@ -6,8 +6,8 @@ Where the weights come from (`source`): a vision-tower folder + a language-model
 run or a llava-hf release), or fresh weights shaped by `model.*` (the digits demo). The processor comes
 with them (the dataset's own for the digits demo).
 
-Read top to bottom: setup (data, processor, model, engine, resume) → train_step → train →
-evaluate → export.
+Read top to bottom: setup (data, processor, model, engine, resume) → the loss → evaluate → export. The
+step, checkpoints and resume are common/trainer.py's.
 """
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ from pathlib import Path
 import torch
 
 from common import deepspeed as ds
-from common.checkpoint import CheckpointManager
 from common.config import TrainConfig
-from common.distributed import DistInfo, barrier, mean_over_ranks
+from common.distributed import DistInfo, barrier
+from common.engine import DeepSpeedEngine
 from common.errors import ConfigError
 from common.parallel_dims import ParallelDims
 from common.memory import Block, ModelSpec, count_params, largest_module_params
-from common.profiling import StepTimer
 from common.seed import seed_everything
-from common.trainer import StepStats, Trainer, TrainState
+from common.trainer import Trainer
 from recipes.vlm import pretrained
 from recipes.vlm.data import blank_sample, build_train_loader, check_chat_template, is_conversations, load_processor, prepare_data
 from recipes.vlm.evaluate import conversation_eval, generate_answers, load_eval_samples, save_answer_grid, score
@@ -93,67 +92,38 @@ class VLMTrainer(Trainer):
                   "stop (llava-hf's template drops LLaVA's </s>)", flush=True)
         loader = build_train_loader(cfg, dist, self.meta, self.processor, blank)
         self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
-        self.engine = parallelize(model, cfg, self.dims.dp)
+        self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
-        seed_everything(cfg.trainer.seed + 1 + dist.rank)
-        self.state = TrainState(loader, rng=True)
+        self.start(loader, per_rank_rng=True)
+        self.model.train()
 
-        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
-        resume_from = self.ckpt.resolve_resume(cfg.run.resume)
-        if resume_from is not None:
-            self.state.load_state_dict(ds.load_checkpoint(self.engine, resume_from, dist))
-            if dist.is_main:
-                print(f"kiln: resumed from {resume_from} at step {self.state.step}", flush=True)
-        self.engine.train()
+    # ---- the loss (common/trainer.py runs the step) ------------------------------------------
+    def loss(self, batch: dict) -> torch.Tensor:
+        """Cross-entropy summed over the micro-batch's labelled tokens (the assistant's answers), by
+        transformers' own loss: with `num_items_in_batch` it sums and divides by it."""
+        inputs = batch["packed"].model_inputs(self.cfg.toggles.attention, device=self.device)
+        inputs["pixel_values"] = batch["pixel_values"].to(self.device, self.dtype)
+        if "attention_mask" in inputs and inputs["attention_mask"].dtype != torch.bool:
+            inputs["attention_mask"] = inputs["attention_mask"].to(self.dtype)
+        # No KV cache in training (and none recomputed).
+        return self.engine.model(**inputs, use_cache=False, num_items_in_batch=1).loss
 
-    # ---- one optimizer step -------------------------------------------------------------
-    def train_step(self, batches, timer: StepTimer) -> StepStats:
-        losses, real, slots, samples, text_only, truncated = [], 0, 0, 0, 0, 0
-        for _ in range(self.cfg.trainer.grad_accum):
-            with timer.phase("data_wait"):
-                batch = next(batches)
-            with timer.phase("forward"):
-                inputs = batch["packed"].model_inputs(self.cfg.toggles.attention, device=self.device)
-                inputs["pixel_values"] = batch["pixel_values"].to(self.device, self.dtype)
-                if "attention_mask" in inputs and inputs["attention_mask"].dtype != torch.bool:
-                    inputs["attention_mask"] = inputs["attention_mask"].to(self.dtype)
-                loss = self.engine(**inputs, use_cache=False).loss  # no KV cache in training (and none recomputed)
-            with timer.phase("backward"):
-                self.engine.backward(loss)
-                pre_step_norm = ds.full_grad_norm(self.engine)
-            with timer.phase("optimizer"):
-                self.engine.step()
-            losses.append(loss.detach())
-            real, slots, samples = real + batch["real_tokens"], slots + batch["slots"], samples + batch["samples"]
-            text_only, truncated = text_only + batch["text_only"], truncated + batch["truncated"]
-        # Means over ranks on the device, read by the loop on logging steps only (no host-device sync here).
-        loss, tokens, utilization, text_only, truncated = mean_over_ranks(
-            [torch.stack(losses).double().mean(), real, real / slots, text_only, truncated], self.device)
-        world = self.dist.world_size
-        counts = {}
-        if self.conversations:  # global per-step counts of the conversations that are text-only / were cut
-            counts = {"text_only_samples": text_only * world, "truncated_samples": truncated * world}
-        return StepStats(
-            loss=loss,
-            grad_norm=ds.grad_norm(self.engine, pre_step_norm),
-            lr=self.engine.get_lr()[0],
-            samples=samples * world,
-            tokens=tokens * world,
-            token_utilization=utilization,
-            corrupt_shards=self.state.loader.corrupt_shards,
-            skipped=ds.step_skipped(self.engine),
-            counts=counts,
-        )
+    def count(self, batch: dict) -> int:
+        return batch["packed"].num_labels
+
+    def tally(self, batch: dict) -> dict[str, int]:
+        counts = {"samples": batch["samples"], "tokens": batch["real_tokens"], "slots": batch["slots"]}
+        if self.conversations:  # the conversations that are text-only / were cut
+            counts |= {"text_only_samples": batch["text_only"], "truncated_samples": batch["truncated"]}
+        return counts
+
+    def checkpoint_meta(self) -> dict:
+        return {"stage": self.cfg.vlm.stage}
 
     # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_first_step(self) -> None:
-        ds.record_state_bytes(self.engine, self.cfg, self.dist, self.dims.dp, self.run_dir / "memory.json")
-
-    # ---- checkpoints: DeepSpeed's engine state + this rank's TrainState ---------------------
-    def save_checkpoint(self) -> None:
-        meta = {"recipe": self.cfg.recipe.name, "zero_stage": self.cfg.parallel.zero_stage, "stage": self.cfg.vlm.stage}
-        ds.save_checkpoint(self.ckpt, self.engine, self.state.step, self.state.state_dict(), meta)
+        ds.record_state_bytes(self.engine.ds, self.cfg, self.dist, self.dims.dp, self.run_dir / "memory.json")
 
     # ---- evaluation and export ------------------------------------------------------------
     def evaluate(self) -> dict | None:
@@ -193,7 +163,7 @@ class VLMTrainer(Trainer):
         processor + chat template; the image processor also in its own preprocessor_config.json, where
         releases before transformers 5 (and the vLLM builds pinned to them) read it."""
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
-        with ds.gathered(self.model, self.cfg.parallel.zero_stage):
+        with self.engine.gathered():
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 self.model.save_pretrained(tmp, safe_serialization=True)

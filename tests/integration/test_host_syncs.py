@@ -4,25 +4,29 @@ per optimizer step, except on logging steps, which read the step's metrics.
 
 On CPU these reads cost nothing, but they are the same calls that block a CUDA stream, so counting
 them here counts the syncs a GPU step would make. Reads made inside torch, DeepSpeed or transformers
-are theirs, not counted, and so are reads of tensors the loader built on the host. Each recipe runs in a child process (its own process group), which writes
-the count per step.
+are theirs, not counted, and so are reads of tensors the loader built on the host. Each recipe runs in
+child processes (one, or two gloo ranks under torchrun: the ranks' agreement on stop signals is a
+collective whose result must not be read a second time), and each rank writes its count per step.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from common.tools.launcher import TRAIN, launch_env, train_command
+
 ROOT = Path(__file__).resolve().parents[2]
 KILN = tuple(f"{ROOT / folder}/" for folder in ("common", "recipes", "scripts", "data"))  # not .venv/, not tests/
 READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
 # Functions that read tensors the loader built on the host (CPU tensors on a GPU machine too):
 # no device is involved, so they are not syncs. Each says so in its docstring.
-HOST_SIDE = {("packing.py", "cu_seqlens_of_rows"), ("train.py", "LLMTrainer.pack")}
+HOST_SIDE = {("packing.py", "cu_seqlens_of_rows"), ("packing.py", "_build")}
 LOG_EVERY, STEPS = 4, 7  # non-logging steps 2, 3, 5, 6 (step 1 counts FLOPs, 4 and 7 log)
 
 
@@ -59,7 +63,8 @@ def count_reads(argv: list[str], out: Path) -> None:
 
     common.trainer.heartbeat = step_starts
     code = main(argv)
-    out.write_text(json.dumps({"code": code, "counts": counts}))
+    rank = os.environ.get("RANK", "0")
+    out.with_name(f"{out.stem}.rank{rank}.json").write_text(json.dumps({"code": code, "counts": counts}))
 
 
 RECIPES = {
@@ -69,22 +74,25 @@ RECIPES = {
 }
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_a_training_step_reads_the_device_at_most_once(recipe, tmp_path):
+def test_a_training_step_reads_the_device_at_most_once(recipe, nproc, tmp_path):
     out = tmp_path / "counts.json"
     argv = [f"recipe={recipe}", f"trainer.max_steps={STEPS}", f"trainer.log_every={LOG_EVERY}", "trainer.eval=false",
             "checkpoint.every=0", f"run.dir={tmp_path / 'run'}", *RECIPES[recipe]]
-    proc = subprocess.run([sys.executable, __file__, str(out), *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    cmd = train_command([str(out), *argv], nproc)
+    cmd[cmd.index(TRAIN)] = __file__  # scripts/train.py's main, counting
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(nproc), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["code"] == 0
-    counts = {int(k): v for k, v in result["counts"].items()}
-    quiet = [s for s in range(2, STEPS + 1) if s % LOG_EVERY and s != STEPS]
-    for step in quiet:
-        assert len(counts.get(step, [])) <= 1, (step, counts.get(step))
-    # The count can fail: a logging step reads its metrics (a second read), and the test sees it.
-    assert len(counts.get(LOG_EVERY, [])) >= 2, counts.get(LOG_EVERY)
+    for rank in range(nproc):
+        result = json.loads((tmp_path / f"counts.rank{rank}.json").read_text())
+        assert result["code"] == 0
+        counts = {int(k): v for k, v in result["counts"].items()}
+        quiet = [s for s in range(2, STEPS + 1) if s % LOG_EVERY and s != STEPS]
+        for step in quiet:
+            assert len(counts.get(step, [])) <= 1, (rank, step, counts.get(step))
+        # The count can fail: a logging step reads its metrics (a second read), and the test sees it.
+        assert len(counts.get(LOG_EVERY, [])) >= 2, (rank, counts.get(LOG_EVERY))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,10 @@ def test_ema_tracks_and_swaps_back():
     start = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.add_(2.0)
-    ema.update(step=0)  # warm-up decay (1 + 0) / (10 + 0) = 0.1
+    ema.update()  # first update: warm-up decay (1 + 0) / (10 + 0) = 0.1
     assert torch.allclose(ema.shadow[0], start + 1.8)
-    ema.update(step=100)  # capped at 0.5
+    ema.updates = 100  # (a resumed EMA after 100 updates: state_dict carries the count)
+    ema.update()  # capped at 0.5
     assert torch.allclose(ema.shadow[0], start + 1.9)
     trained = model.weight.detach().clone()
     with ema.swapped():

@@ -1,0 +1,267 @@
+"""The engine under every recipe: what runs a micro-batch's backward, clips, steps the optimizer and its LR
+schedule, and saves/loads the model and optimizer. Two implementations, one contract:
+
+    DeepSpeedEngine   DeepSpeed ZeRO 0-3 (the DiT, the VLM)
+    NativeEngine      PyTorch's own: FSDP2 / tensor parallelism / pipeline parallelism, DCP checkpoints (the LLM)
+
+The common Trainer (common/trainer.py) drives either one the same way, once per optimizer step:
+
+    for each micro-batch: loss_sum = engine.forward_backward(loss, batch, inv_count, last=...)
+    norm = engine.clip_grad_norm()      # None where the optimizer computes it inside its step
+    (the Trainer reads the host once: is the norm finite, did a rank get a stop signal)
+    norm = engine.step(skip=...)        # the one optimizer step of this engine
+
+Gradients are those of (summed loss over the global batch) / (its count of tokens or samples): the Trainer
+passes `inv_count` = 1 / global count, and each engine undoes its own averaging over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from common.config import TrainConfig
+from common.optim import adamw_kernel, lr_factor
+from common.profiling import StepTimer
+
+
+class Engine(ABC):
+    """`model` is what a recipe's loss calls (DeepSpeed: its engine, which gathers ZeRO-3 partitions);
+    `module` holds the parameters (evaluation, export). `extras` are stateful parts a checkpoint's
+    TrainState carries for the engine (the native LR schedule)."""
+
+    model: nn.Module
+    module: nn.Module
+    dp: int
+    extras: dict = {}
+
+    @abstractmethod
+    def forward_backward(self, loss: Callable, batch, inv_count: torch.Tensor, last: bool,
+                         timer: StepTimer) -> torch.Tensor:
+        """`loss(batch)` (a summed loss), its backward scaled to the global mean, and the detached sum.
+        `last`: the step's last micro-batch (gradients are reduced across ranks then)."""
+
+    @abstractmethod
+    def clip_grad_norm(self) -> torch.Tensor | None:
+        """The global gradient norm, clipped to optim.grad_clip, as a device tensor; None where the
+        optimizer computes and clips it inside `step` (then `step` returns it)."""
+
+    @abstractmethod
+    def step(self, skip: bool = False) -> torch.Tensor | float | None:
+        """The optimizer and LR step (none with `skip`), gradients cleared; the norm where `clip_grad_norm` gave None."""
+
+    @property
+    @abstractmethod
+    def lr(self) -> float: ...
+
+    @abstractmethod
+    def all_reduce(self, t: torch.Tensor, *, loss: bool = False) -> torch.Tensor:
+        """Sum `t` over the data-parallel ranks in place (a device collective, not read). `loss`: a loss
+        that only a pipeline's last stage computed (summed over the stages too)."""
+
+    @abstractmethod
+    def save(self, tmp: Path) -> None:
+        """Collective: this rank's share of the model and optimizer state into checkpoint dir `tmp`."""
+
+    @abstractmethod
+    def load(self, path: Path) -> None:
+        """Collective: the model and optimizer state from checkpoint dir `path`."""
+
+    @abstractmethod
+    def layout(self) -> dict:
+        """What a checkpoint records of the layout that wrote it (meta.json)."""
+
+
+# ---- DeepSpeed ----------------------------------------------------------------------------------
+class DeepSpeedEngine(Engine):
+    """DeepSpeed over the model's trainable parameters (`common/deepspeed.py` derives its config).
+
+    Kiln owns the accumulation boundary (`set_gradient_accumulation_boundary`): one backward per
+    micro-batch, gradients reduced after the last one, and `engine.step()` called once per optimizer step."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, dp: int):
+        from common import deepspeed as ds
+
+        self.ds = ds.initialize(model, cfg, dp)
+        self.model, self.module, self.dp = self.ds, self.ds.module, dp
+        self.zero_stage = cfg.parallel.zero_stage
+
+    def forward_backward(self, loss, batch, inv_count, last, timer):
+        self.ds.set_gradient_accumulation_boundary(last)
+        with timer.phase("forward"):
+            loss_sum = loss(batch)
+        with timer.phase("backward"):
+            # DeepSpeed averages gradients over dp: `dp / global count` leaves the global mean.
+            self.ds.backward(loss_sum * (inv_count * self.dp).to(loss_sum.dtype), scale_wrt_gas=False)
+        return loss_sum.detach()
+
+    def clip_grad_norm(self):
+        from common import deepspeed as ds
+
+        # ZeRO-0 in fp32 only: the gradients sit whole on p.grad (DeepSpeed clips them in its step);
+        # every other stage and precision computes, clips and checks the norm in `step`.
+        return ds.full_grad_norm(self.ds)
+
+    def step(self, skip=False):
+        from common import deepspeed as ds
+
+        self.ds.optimizer.kiln_skip = skip  # ZeRO-0 fp32: common/deepspeed.py's pre-hook drops the gradients
+        self.ds.step()
+        return ds.grad_norm(self.ds)
+
+    @property
+    def lr(self) -> float:
+        return self.ds.get_lr()[0]
+
+    def all_reduce(self, t, *, loss=False):
+        if tdist.is_initialized() and tdist.get_world_size() > 1:
+            tdist.all_reduce(t)
+        return t
+
+    def save(self, tmp):
+        self.ds.save_checkpoint(str(tmp.parent), tag=tmp.name, save_latest=False)
+
+    def load(self, path):
+        from common import deepspeed as ds
+
+        ds.load_checkpoint(self.ds, path)
+
+    def layout(self):
+        return {"zero_stage": self.zero_stage}
+
+    def gathered(self):
+        """Full weights on every rank for the duration (ZeRO-3 partitions them)."""
+        from common import deepspeed as ds
+
+        return ds.gathered(self.module, self.zero_stage)
+
+
+# ---- PyTorch-native: FSDP2 / TP / PP + DCP ---------------------------------------------------------
+# Optimizer state keyed per parameter FQN ("param_groups.<fqn>.lr", ...). Nested, `param_groups` is
+# one object that DCP saves from a single rank: under pipeline parallelism each stage's groups name
+# different parameters, and the other stages would load groups without their hyperparameters.
+@functools.cache
+def _flat_optim():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class NativeEngine(Engine):
+    """AdamW + Kiln's LR schedule over an already parallelized model on a ("pp", "dp", "tp") mesh.
+
+    `pipeline`: the rank's pipeline schedule (an object with `step(batch, scale) -> loss sum`, which runs
+    forward and backward itself); `tied`: tied embeddings held by two pipeline stages (gradients summed
+    before clipping, one copy left out of the norm); `loss_parallel`: the loss runs on vocabulary-sharded
+    logits (tensor parallelism)."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, mesh, *, pipeline=None, tied=None,
+                 loss_parallel: bool = False):
+        o = cfg.optim
+        self.model = self.module = model
+        self.mesh, self.pipeline, self.tied = mesh, pipeline, tied
+        self.dp, self.tp, self.pp = mesh["dp"].size(), mesh["tp"].size(), mesh["pp"].size()
+        self.grad_clip = o.grad_clip or float("inf")
+        self.loss_parallel = loss_parallel and self.tp > 1
+        # FSDP's mixed-precision policy casts under dp > 1 (recipes/llm/parallelize.py); autocast otherwise.
+        self.autocast_bf16 = cfg.toggles.precision in ("bf16", "fp8") and self.dp == 1
+        device = next(iter(model.parameters())).device
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           weight_decay=o.weight_decay, **adamw_kernel(device))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, functools.partial(lr_factor, cfg=o, max_steps=cfg.trainer.max_steps))
+        self.extras = {"scheduler": self.scheduler}
+
+    def autocast(self):
+        device = next(iter(self.model.parameters())).device
+        return torch.autocast(device.type, dtype=torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
+
+    def loss_context(self):
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def forward_backward(self, loss, batch, inv_count, last, timer):
+        scale = inv_count * self.dp  # FSDP averages gradients over dp
+        if self.pipeline is not None:
+            with timer.phase("forward"), self.autocast():  # forward and backward, interleaved by the schedule
+                return self.pipeline.step(batch, scale)
+        with timer.phase("forward"), self.autocast(), self.loss_context():
+            loss_sum = loss(batch)
+            if hasattr(loss_sum, "full_tensor"):  # loss parallel: a replicated DTensor scalar
+                loss_sum = loss_sum.full_tensor()
+        with timer.phase("backward"), self.loss_context():
+            (loss_sum * scale.to(loss_sum.dtype)).backward()
+        return loss_sum.detach()
+
+    def clip_grad_norm(self):
+        if self.tied is not None:
+            self.tied.all_reduce_grads()
+        params = list(self.model.parameters())
+        if self.pp > 1:  # the norm spans every stage's gradients
+            skip = self.tied.norm_skip if self.tied is not None else None
+            return clip_grad_norm_(params, self.grad_clip, self.mesh["pp"].get_group(), skip=skip)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def step(self, skip=False):
+        if not skip:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return None
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def all_reduce(self, t, *, loss=False):
+        if self.dp > 1:
+            tdist.all_reduce(t, group=self.mesh["dp"].get_group())
+        if loss and self.pp > 1:  # only the last stage computed it
+            tdist.all_reduce(t, group=self.mesh["pp"].get_group())
+        return t
+
+    def save(self, tmp):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_flat_optim())
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+
+    def load(self, path):
+        """DCP reshards: a checkpoint written under one (pp, dp, tp) layout loads under another."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_flat_optim())
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_flat_optim())
+
+    def layout(self):
+        return {"layout": {"dp": self.dp, "tp": self.tp, "pp": self.pp}}
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, skip: nn.Parameter | None = None) -> torch.Tensor:
+    """Clip by the norm over ALL pipeline stages' gradients (each rank holds only its stages' parameters);
+    ``skip``: a parameter whose gradient another stage already counts (a tied embedding's copy)."""
+    grads = [p.grad for p in params if p.grad is not None and p is not skip]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    sq = norm.float() ** 2
+    tdist.all_reduce(sq, group=pp_group)
+    total = sq.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
