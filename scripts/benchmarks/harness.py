@@ -1,6 +1,6 @@
 """How sections run Kiln: a recipe's Trainer built in-process as scripts/train.py builds it, timed steps
-interleaved over the same batches, and scripts/train.py or another script as a subprocess (through
-common/tools/launcher.py, as the tests start them). The bytes a forward keeps for backward: common/tools/activations.py."""
+interleaved over the same batches, and scripts/train.py as a subprocess (through common/tools/launcher.py,
+as the tests start them). The bytes a forward keeps for backward: common/tools/activations.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from common.tools.launcher import REPO, launch_env, run_train
+from common.tools.launcher import run_train
 
 # Only what a timing run needs: no evaluation, samples or checkpoints beyond the loop itself.
 RUN_ARGS = ["trainer.progress_bar=false", "trainer.eval=false", "checkpoint.every=0", "checkpoint.final=false",
@@ -95,14 +95,6 @@ def train_run(opts: Options, recipe: str, overrides: list[str], run_dir: Path, n
     proc = run_train(args, nproc, timeout=900, check=False, threads=opts.threads)
     logged(opts, proc.args, proc)
     return read_metrics(run_dir / "metrics.jsonl")
-
-
-def run_script(opts: Options, script: str, args: list[str], timeout: float = 900) -> str:
-    """stdout of `python scripts/<script> ARGS`, in the launch environment training runs get."""
-    cmd = [sys.executable, str(REPO / "scripts" / script), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(threads=opts.threads), capture_output=True, text=True,
-                          timeout=timeout)
-    return logged(opts, cmd, proc).stdout
 
 
 # ---- trainers in this process ----------------------------------------------------------------------
