@@ -1,4 +1,4 @@
-"""Activation checkpointing: bytes autograd saves for backward and step time, AC none vs full (llm_tiny, dit_tiny)."""
+"""Activation checkpointing: bytes a forward keeps for backward and step time, AC none vs full (llm_tiny, dit_tiny)."""
 
 from __future__ import annotations
 
