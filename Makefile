@@ -26,8 +26,9 @@ data: install
 demo: data
 	$(PY) scripts/train.py recipe=dit_tiny $(ARGS)
 
-# Benchmarks side by side in one run (overhead, AC, ZeRO, data wait, scaling, packing, pipeline,
-# serving, checkpoint loading, DiT): outputs/bench/bench.md and bench.json (--quick writes outputs/bench/quick/).
+# Benchmarks side by side in one run, one section module each in scripts/benchmarks/ (overhead, AC, ZeRO, data
+# wait, scaling, packing, pipeline, serving, checkpoint loading, DiT; one alone: make bench ARGS="--only pipeline"):
+# outputs/bench/bench.md and bench.json (--quick writes outputs/bench/quick/).
 bench: data
 	$(PY) scripts/bench.py $(ARGS)
 

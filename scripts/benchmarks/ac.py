@@ -1,12 +1,13 @@
-"""Activation checkpointing: bytes autograd saves for backward and step time, AC none vs full (llm_tiny, dit_tiny)."""
+"""Activation checkpointing: bytes a forward keeps for backward and step time, AC none vs full (llm_tiny, dit_tiny)."""
 
 from __future__ import annotations
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from scripts.benchmarks.harness import build_trainer, interleaved, model_tensors, saved_activation_bytes, take
-from scripts.benchmarks.report import Section, Target, md_table, median, mib, ms, say
+from common.tools.activations import kept_for_backward
+from scripts.benchmarks.harness import build_trainer, interleaved, model_tensors, take
+from scripts.benchmarks.report import Section, Target, md_table, median, mib, ms, ratio, say
 
 TARGET_AC_SAVED = 0.70  # full AC keeps at least this much fewer activation bytes ...
 TARGET_AC_TIME = 1.40  # ... for at most this step-time factor
@@ -22,11 +23,11 @@ def forward_loss(trainer, batch):
 
 
 def saved_bytes(trainer, batch) -> int:
-    """Everything autograd keeps for backward in one forward + loss except the weights and the batch
-    (the LLM's packed inputs, its RoPE gather and the log-probabilities are counted: they are the same
-    in both modes)."""
+    """Everything one forward + loss keeps alive for backward except the weights and the batch (the
+    LLM's packed inputs, its RoPE gather and the log-probabilities are counted: they are the same in
+    both modes)."""
     exclude = [*model_tensors(trainer.model), *(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))]
-    n, out = saved_activation_bytes(lambda: forward_loss(trainer, batch), exclude)
+    n, out = kept_for_backward(lambda: forward_loss(trainer, batch), exclude)
     del out
     return n
 
@@ -49,20 +50,20 @@ def run(opts) -> Section:
         saved, steps_by_mode = measure(opts, recipe, steps, warmup)
         times = {m: median(r["times"]) for m, r in steps_by_mode.items()}
         # Per-step ratios: both modes ran the same batch at step i, and the batches' sizes differ.
-        ratio = {m: median(t / n for t, n in zip(r["times"], steps_by_mode["none"]["times"]))
-                 for m, r in steps_by_mode.items()}
-        fewer, slower = 1 - saved["full"] / saved["none"], ratio["full"]
+        vs_none = {m: ratio(r["times"], steps_by_mode["none"]["times"]) for m, r in steps_by_mode.items()}
+        fewer, slower = 1 - saved["full"] / saved["none"], vs_none["full"]
         for mode in MODES:
             rows.append([recipe, mode, mib(saved[mode]), f"{saved[mode] / saved['none']:.2f}", ms(times[mode]),
-                         f"{ratio[mode]:.2f}x"])
+                         f"{vs_none[mode]:.2f}x"])
         s.targets.append(Target(f"{recipe}: full AC saves >= {TARGET_AC_SAVED:.0%} of activation bytes for <= "
                                 f"{TARGET_AC_TIME - 1:.0%} more step time",
                                 f"{fewer:.1%} fewer bytes, {slower:.2f}x time",
                                 fewer >= TARGET_AC_SAVED and slower <= TARGET_AC_TIME))
         s.data[recipe] = {"saved_bytes": saved, "step_s": {m: r["times"] for m, r in steps_by_mode.items()}}
     s.tables.append(md_table(["recipe", "AC", "saved for backward", "vs none", "step ms (median)", "vs none"], rows))
-    s.notes.append("saved bytes: unique storages that torch.autograd.graph.saved_tensors_hooks sees in one forward + "
-                   "loss of the recipe's trainer (weights excluded; AC applied by the recipe's parallelize()). "
+    s.notes.append("saved bytes: storages created in one forward + loss of the recipe's trainer that are still alive "
+                   "when it returns (common/tools/activations.py; weights, batch and output excluded; AC applied by "
+                   "the recipe's parallelize()). "
                    "Full AC keeps each block's input; what remains is mostly outside the blocks: the LLM's fp32 "
                    "log-probabilities over the vocabulary, the DiT's patch embedding and output head.")
     s.notes.append(f"step: the trainer's train_step (forward, backward, optimizer), the two modes alternating on the "

@@ -1,6 +1,6 @@
 """How sections run Kiln: a recipe's Trainer built in-process as scripts/train.py builds it, timed steps
-interleaved over the same batches, autograd's saved bytes, and scripts/train.py or another script as a
-subprocess (through common/tools/launcher.py, as the tests start them)."""
+interleaved over the same batches, and scripts/train.py as a subprocess (through common/tools/launcher.py,
+as the tests start them). The bytes a forward keeps for backward: common/tools/activations.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from common.tools.launcher import REPO, launch_env, run_train
+from common.tools.launcher import run_train
 
 # Only what a timing run needs: no evaluation, samples or checkpoints beyond the loop itself.
 RUN_ARGS = ["trainer.progress_bar=false", "trainer.eval=false", "checkpoint.every=0", "checkpoint.final=false",
@@ -97,14 +97,6 @@ def train_run(opts: Options, recipe: str, overrides: list[str], run_dir: Path, n
     return read_metrics(run_dir / "metrics.jsonl")
 
 
-def run_script(opts: Options, script: str, args: list[str], timeout: float = 900) -> str:
-    """stdout of `python scripts/<script> ARGS`, in the launch environment training runs get."""
-    cmd = [sys.executable, str(REPO / "scripts" / script), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(threads=opts.threads), capture_output=True, text=True,
-                          timeout=timeout)
-    return logged(opts, cmd, proc).stdout
-
-
 # ---- trainers in this process ----------------------------------------------------------------------
 
 _DIST = None
@@ -172,40 +164,36 @@ def step_timer():
     return timer
 
 
-def interleaved(trainers: dict, batches: list, warmup: int) -> dict[str, dict]:
+def interleaved(trainers: dict, batches: list | dict[str, list], warmup: int, own_rng: bool = False) -> dict[str, dict]:
     """Every trainer runs a step on batch i before any runs batch i+1, in an order that rotates each
     step, so machine noise (other jobs on the cores) lands on all of them alike. Per trainer: step
-    times, StepStats and CUDA step peaks after `warmup` steps."""
+    times, StepStats and CUDA step peaks after `warmup` steps.
+
+    `batches`: one list for all, or a list per trainer (name -> its own copy of batch i, e.g. the same
+    images as raw pixels for one and as cached latents for another). `own_rng`: each trainer keeps its
+    own RNG stream (the process-global one, swapped in and out around its steps), so all of them draw
+    the same noise and timesteps at step i, as separate runs with one seed would."""
+    from common.seed import rng_state, set_rng_state
+
     timer = step_timer()
     names = list(trainers)
+    per_trainer = batches if isinstance(batches, dict) else {n: batches for n in names}
     out = {n: {"times": [], "stats": [], "peaks": []} for n in names}
-    for i, batch in enumerate(batches):
+    start_rng = rng_state() if own_rng else None
+    streams = {n: start_rng for n in names}
+    for i in range(len(per_trainer[names[0]])):
         k = i % len(names)
         for name in names[k:] + names[:k]:
-            seconds, stats, peak = timed_step(trainers[name], batch, timer)
+            if own_rng:
+                set_rng_state(streams[name])
+            seconds, stats, peak = timed_step(trainers[name], per_trainer[name][i], timer)
+            if own_rng:
+                streams[name] = rng_state()
             if i >= warmup:
                 out[name]["times"].append(seconds)
                 out[name]["stats"].append(stats)
                 out[name]["peaks"].append(peak)
     return out
-
-
-def saved_activation_bytes(run, exclude) -> tuple[int, object]:
-    """Bytes of the unique storages autograd saves for backward while `run()` executes, leaving out
-    `exclude` (weights, buffers, the batch). Returns `run()`'s output too: it keeps the graph alive,
-    so no saved storage is freed and its address reused while counting."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    kept: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return sum(kept.values()), out
 
 
 def model_tensors(model) -> list:

@@ -60,6 +60,11 @@ def median(values) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def ratio(times, base) -> float:
+    """Median of per-step ratios: step i of both ran the same batch (whose sizes may differ from step to step)."""
+    return median(t / b for t, b in zip(times, base))
+
+
 def render(sections: list[Section], *, quick: bool, seconds: float) -> str:
     """The whole report: the machine, a summary of every target (and failed section), then each section."""
     import torch

@@ -45,10 +45,9 @@ GPU_NODE_NPROC = 2  # a README torchrun of a whole GPU node (more than 4 ranks) 
 SCRIPT_ARGS = {
     "scripts/eval_dit.py": ["--per-class", "1", "--steps", "2"],
     "scripts/sample_dit.py": ["steps=2", "per_class=1"],
-    "scripts/bench_pipeline.py": ["--microbatches", "2", "--rows", "4", "--seq", "32", "--dim", "32",
-                                  "--warmup", "0", "--iters", "1"],
     "scripts/serve.py": ["serve.dry_run=true"],  # the servers themselves: tests/integration/test_serve.py
 }
+BENCH_TESTED = {"overhead", "ac"}  # scripts/bench.py's sections that tests/integration/test_bench.py runs
 
 # What a user brings, as the README names it -> a builder of the tiny stand-in (called with a folder).
 FIXTURES = {
@@ -73,7 +72,7 @@ NOT_RUN = {
     "scripts/slurm/local_cluster.sh": "installs and starts SLURM as root: the fixture of tests/integration/test_slurm.py",
     "scripts/serve_gpu.sh": "needs a CUDA GPU and vLLM: tests/unit/test_serve_config.py checks its command lines",
     "serve.engine=vllm": "needs a CUDA GPU and vLLM: tests/unit/test_serve_config.py checks the vllm command line",
-    "python scripts/bench_serve.py": "starts servers for minutes: the serving section of make bench runs it (--quick)",
+    "scripts/bench.py --only serving": "trains llm_tiny and starts a server for minutes: make bench runs this section",
     "scripts/build_trt_engine.sh": "needs TensorRT's trtexec: tests/unit/test_trt_build.py runs it with stand-in trtexecs",
     "make gpu-check": "needs a CUDA GPU (without one: one line, exit 2, tests/unit/test_gpu_check.py)",
     "outputs/dit_2b/": "needs a trained dit_2b (a GPU run): the same export on dit_tiny runs above",
@@ -180,8 +179,13 @@ class Session:
         if script == "scripts/train.py":
             return [sys.executable, script, *self.train_args(argv[2:])]
         if script == "scripts/bench.py":
-            # The overhead section only: tests/integration/test_bench.py runs the others' quick mode.
-            return [sys.executable, *argv[1:], "--only", "overhead", "--out", str(self.tmp / "bench")]
+            # A section the command names on its own (pipeline, ...), quick; else the overhead section only:
+            # tests/integration/test_bench.py runs overhead and ac in their quick mode.
+            named = set(argv[argv.index("--only") + 1].split(",")) if "--only" in argv else set()
+            if named <= BENCH_TESTED:
+                return [sys.executable, *argv[1:], "--only", "overhead", "--out", str(self.tmp / "bench")]
+            quick = [] if "--quick" in argv else ["--quick"]
+            return [sys.executable, *argv[1:], *quick, "--out", str(self.tmp / "bench")]
         if script == "-m":  # a dataset builder (python -m data.<builder> ...)
             return [sys.executable, *self.dataset_args(argv[1:])]
         return [sys.executable, *argv[1:], *SCRIPT_ARGS.get(script, [])]

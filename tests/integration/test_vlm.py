@@ -32,7 +32,7 @@ def test_packing_changes_speed_not_math(tmp_path):
     for step in packed:
         assert packed[step] == pytest.approx(padded[step], rel=1e-5), step
     # Short, similar-length digit conversations pad well anyway; the packing benchmark
-    # (scripts/bench_packing.py) measures utilization on a long-tailed distribution.
+    # (scripts/bench.py --only packing) measures utilization on a long-tailed distribution.
     for run in (on, off):
         util = [json.loads(line)["token_utilization"] for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert all(0.5 < u <= 1.0 for u in util)

@@ -1,32 +1,27 @@
-#!/usr/bin/env python
 """Host memory and wall time of loading a Hugging Face Llama checkpoint: Kiln's sharded model.init_from
 (1 rank, tp=2, pp=2, dp=2) next to transformers' from_pretrained in one process.
-
-    python scripts/bench_loading.py [--quick] [--keep DIR]
 
 Builds a random LlamaForCausalLM checkpoint once (meta init, filled in place, save_pretrained in 4
 safetensors shards with an index, like Llama 3.1 8B's 4 files), 0.5B parameters (--quick: 50M), in
 fp32: the dtype of the training weights, so a rank holding half of the model holds half of the
-checkpoint's bytes. Each measurement runs in fresh processes (torch.multiprocessing spawn, 1 thread
-each): a rank records its resident set (VmRSS) after imports and process-group start as its
-baseline, resets the kernel's peak counter (/proc/self/clear_refs), builds its part of the model as
-the trainer does (recipes/llm/train.py:build_model: meta, split, parallelize, allocate) and fills it
-from the checkpoint (recipes/llm/hf.py:load_weights), reads every weight once, then reads the peak
-(VmHWM). The peak counts every resident page, mapped safetensors pages included.
+checkpoint's bytes. Each measurement runs in fresh processes (common/tools/launcher.py's spawn_ranks:
+torch.multiprocessing spawn, 1 thread each, results back as JSON): a rank records its resident set
+(VmRSS) after imports and process-group start as its baseline, resets the kernel's peak counter
+(/proc/self/clear_refs), builds its part of the model as the trainer does (recipes/llm/train.py:
+build_model: meta, split, parallelize, allocate) and fills it from the checkpoint (recipes/llm/hf.py:
+load_weights), reads every weight once, then reads the peak (VmHWM). The peak counts every resident
+page, mapped safetensors pages included.
 
 Target: each of 2 ranks peaks at no more than 0.6x the checkpoint's bytes above its baseline.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.benchmarks.report import Section, Target, md_table, say
 
 TARGET = 0.6
 # ~0.50B and ~50M parameters (untied, GQA); 4 shards either way.
@@ -118,6 +113,7 @@ def _loaded(model, baseline: int, start: float) -> dict:
 
 
 def measure(folder: Path) -> dict[str, list[dict]]:
+    """Per loader: each rank's {"peak": bytes above its baseline, "seconds"}, each loader in fresh processes."""
     from common.tools.launcher import spawn_ranks
 
     rows = {}
@@ -128,44 +124,32 @@ def measure(folder: Path) -> dict[str, list[dict]]:
     return rows
 
 
-def report(rows: dict[str, list[dict]], checkpoint_bytes: int, n_params: int) -> tuple[str, list[str]]:
+def section(rows: dict[str, list[dict]], checkpoint_bytes: int, n_params: int) -> Section:
     gib = 2**30
-    lines = [f"Loading a {n_params / 1e9:.2f}B-parameter Llama ({checkpoint_bytes / gib:.2f} GiB of fp32 safetensors "
-             "in 4 shards); peak RSS above each process's baseline:", "",
-             "| loader | ranks | peak RSS per rank (GiB) | x checkpoint bytes | wall time (s) |", "|---|---|---|---|---|"]
-    for name, ranks in rows.items():
-        peaks = " / ".join(f"{r['peak'] / gib:.2f}" for r in ranks)
-        ratios = " / ".join(f"{r['peak'] / checkpoint_bytes:.2f}x" for r in ranks)
-        lines.append(f"| {name} | {len(ranks)} | {peaks} | {ratios} | {max(r['seconds'] for r in ranks):.1f} |")
-    targets = []
+    s = Section("loading", "Loading a Llama checkpoint: host memory per rank")
+    table = [[name, len(ranks), " / ".join(f"{r['peak'] / gib:.2f}" for r in ranks),
+              " / ".join(f"{r['peak'] / checkpoint_bytes:.2f}x" for r in ranks),
+              f"{max(r['seconds'] for r in ranks):.1f}"]
+             for name, ranks in rows.items()]
+    s.notes.append(f"Loading a {n_params / 1e9:.2f}B-parameter Llama ({checkpoint_bytes / gib:.2f} GiB of fp32 "
+                   "safetensors in 4 shards); peak RSS above each process's baseline")
+    s.tables.append(md_table(["loader", "ranks", "peak RSS per rank (GiB)", "x checkpoint bytes", "wall time (s)"],
+                             table))
     for name, ranks in rows.items():
         if len(ranks) == 2:
             worst = max(r["peak"] for r in ranks) / checkpoint_bytes
-            verdict = "met" if worst <= TARGET else "NOT met"
-            targets.append(f"target: {name}: each of 2 ranks <= {TARGET}x the checkpoint's bytes above baseline: "
-                           f"worst {worst:.2f}x, {verdict}")
-    return "\n".join(lines), targets
+            s.targets.append(Target(f"{name}: each of 2 ranks <= {TARGET}x the checkpoint's bytes above baseline",
+                                    f"worst {worst:.2f}x", worst <= TARGET))
+    s.data = {"checkpoint_bytes": checkpoint_bytes, "loaders": rows}
+    return s
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a 50M-parameter checkpoint (smoke test)")
-    ap.add_argument("--keep", type=Path, default=None, help="build the checkpoint here and keep it (reused if present)")
-    opts = ap.parse_args(argv)
-
-    size = "quick" if opts.quick else "full"
+def run(opts) -> Section:
+    size = opts.pick("full", "quick")
     with tempfile.TemporaryDirectory() as tmp:
-        folder = opts.keep or Path(tmp) / "llama"
-        if not (folder / "config.json").exists():
-            build_checkpoint(folder, size)
-        checkpoint_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        folder = Path(tmp) / "llama"
+        say(f"loading: building a random {size}-size Llama checkpoint in {folder}")
+        checkpoint_bytes = build_checkpoint(folder, size)
+        say(f"loading: from_pretrained and Kiln's loader on {', '.join(LAYOUTS)}, fresh processes each")
         rows = measure(folder)
-    table, targets = report(rows, checkpoint_bytes, checkpoint_bytes // 4)
-    print(table)
-    print()
-    print("\n".join(targets))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return section(rows, checkpoint_bytes, checkpoint_bytes // 4)

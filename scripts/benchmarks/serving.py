@@ -1,0 +1,171 @@
+"""Serving, side by side in one run: the CPU serving engine (transformers serve, continuous batching) at 1, 4
+and 16 concurrent requests vs one-at-a-time `model.generate` on the same LLM export and prompts; and
+onnxruntime vs eager PyTorch DiT denoising steps/s.
+
+llm_tiny is trained briefly (scripts/train.py in a subprocess) for its export; the server is scripts/serve.py
+in a subprocess (common/tools/serving.py), answering over HTTP. The DiT is dit_tiny built from its recipe
+config (speed does not depend on the weights). Short runs in every mode (`make bench` always ran this
+benchmark's quick settings): 32 new tokens per request, 10 DDIM steps, one run per cell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts.benchmarks.harness import fresh_dir, train_run
+from scripts.benchmarks.report import Section, md_table, say
+
+
+@dataclass(frozen=True)
+class Config:
+    requests: int = 16  # requests per measurement (same prompts everywhere)
+    max_tokens: int = 32  # tokens generated per request
+    concurrency: tuple[int, ...] = (1, 4, 16)  # concurrent requests to the server
+    dit_steps: int = 10  # DDIM steps per DiT sampling run
+    dit_images: tuple[int, ...] = (1, 20)  # images per DiT sampling run (CFG doubles the batch)
+    # Runs per cell; the fastest counts (timeit's rule: slower runs measure other load on the machine, not the engine).
+    repeat: int = 1
+    llm_steps: int = 30  # llm_tiny's training run, for its export
+
+
+def prompts(n: int) -> list[str]:
+    """The first words of n Python help topics: text like what llm_tiny was trained on."""
+    from pydoc_data.topics import topics
+
+    return [" ".join(topics[name].split()[:8]) for name in sorted(topics)[:n]]
+
+
+def best(runs: list[tuple[int, float]]) -> tuple[int, float]:
+    """The fastest of several (tokens, seconds) runs."""
+    return max(runs, key=lambda r: r[0] / r[1])
+
+
+def bench_generate(export: Path, texts: list[str], max_tokens: int, repeat: int) -> tuple[int, float]:
+    """(generated tokens, seconds) of greedy `model.generate`, one prompt at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    encoded = [tokenizer(t, return_tensors="pt") for t in texts]
+    kwargs = {"max_new_tokens": max_tokens, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+
+    def run() -> tuple[int, float]:
+        start = time.perf_counter()
+        tokens = sum(model.generate(**e, **kwargs).shape[-1] - e["input_ids"].shape[-1] for e in encoded)
+        return tokens, time.perf_counter() - start
+
+    with torch.no_grad():
+        model.generate(**encoded[0], **kwargs)  # warm-up
+        return best([run() for _ in range(repeat)])
+
+
+async def _completions(base: str, name: str, texts: list[str], max_tokens: int, concurrency: int) -> tuple[int, float]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=600)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(text: str) -> int:
+        async with gate:
+            reply = await client.completions.create(model=name, prompt=text, max_tokens=max_tokens, temperature=0)
+            return reply.usage.completion_tokens
+
+    start = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(t) for t in texts)))
+    seconds = time.perf_counter() - start
+    await client.close()
+    return tokens, seconds
+
+
+def bench_server(export: Path, texts: list[str], cfg: Config, threads: int, log: Path) -> dict[int, tuple]:
+    """{concurrency: (generated tokens, seconds)} through scripts/serve.py (engine=transformers)."""
+    from common.tools.serving import running_server
+
+    name = "bench"
+    results = {}
+    with running_server(export, "serve.engine=transformers", f"serve.served_model_name={name}", log_path=log,
+                        env={"OMP_NUM_THREADS": str(threads)}) as base:
+        asyncio.run(_completions(base, name, texts[:2], cfg.max_tokens, 2))  # warm-up: loads CB, its cache, kernels
+        for c in cfg.concurrency:
+            results[c] = best([asyncio.run(_completions(base, name, texts, cfg.max_tokens, c))
+                               for _ in range(cfg.repeat)])
+            say(f"serving: server, {c} concurrent: {results[c][0] / results[c][1]:.0f} tokens/s")
+    return results
+
+
+def llm_table(opts, cfg: Config, work: Path, s: Section) -> None:
+    say(f"serving: training llm_tiny for {cfg.llm_steps} steps for its export")
+    run_dir = work / "llm_tiny"
+    train_run(opts, "llm_tiny", [f"trainer.max_steps={cfg.llm_steps}"], run_dir)
+    export, texts = run_dir / "export", prompts(cfg.requests)
+    gen_tokens, gen_s = bench_generate(export, texts, cfg.max_tokens, cfg.repeat)
+    base_rate = gen_tokens / gen_s
+    say(f"serving: model.generate one at a time: {base_rate:.0f} tokens/s")
+    served = bench_server(export, texts, cfg, opts.threads, work / "serve.log")
+    rows = [("`model.generate`, one request at a time", gen_tokens, gen_s)]
+    rows += [(f"transformers serve (CB), {c} concurrent", *served[c]) for c in cfg.concurrency]
+    s.notes.append(f"LLM serving on CPU (llm_tiny trained {cfg.llm_steps} steps; {cfg.requests} requests of "
+                   f"{cfg.max_tokens} new tokens, greedy; {opts.threads} thread(s) per engine; best of {cfg.repeat})")
+    s.tables.append(md_table(["engine", "tokens", "seconds", "tokens/s", "vs generate"],
+                             [[label, tokens, f"{secs:.2f}", f"{tokens / secs:.0f}",
+                               f"{tokens / secs / base_rate:.2f}x"] for label, tokens, secs in rows]))
+    s.data["llm"] = {"generate": {"tokens": gen_tokens, "seconds": gen_s},
+                     "server": {c: {"tokens": t, "seconds": sec} for c, (t, sec) in served.items()}}
+
+
+def dit_table(opts, cfg: Config, work: Path, s: Section) -> None:
+    import torch
+
+    from common.launch import compose
+    from recipes.dit.model import build_model, null_class
+    from recipes.dit.objective import ddpm_scheduler
+    from recipes.dit.onnx import OnnxDiT, check_parity, export_onnx
+    from recipes.dit.sampling import sample_images
+
+    recipe = compose(["recipe=dit_tiny"])
+    torch.manual_seed(0)
+    model = build_model(recipe.model, recipe.data.image_size).eval()
+    size, channels = recipe.data.image_size, recipe.model.in_channels
+    onnx_path = export_onnx(model, work / "dit.onnx", image_size=size, in_channels=channels)
+    parity = max(check_parity(model, onnx_path).values())  # raises above 1e-5: never time a wrong graph
+    backends = {"torch": model, "onnxruntime": OnnxDiT(onnx_path, threads=opts.threads)}
+    scheduler = dict(ddpm_scheduler(recipe.diffusion).config)
+
+    def steps_per_s(backend, images: int) -> float:
+        labels = torch.arange(images) % recipe.model.num_classes
+        run = lambda steps: sample_images(  # noqa: E731
+            backend, scheduler, labels, null_class=null_class(model), image_size=size, in_channels=channels,
+            steps=steps, guidance_scale=recipe.diffusion.guidance_scale, generator=torch.Generator().manual_seed(0),
+            device=torch.device("cpu"))
+        run(2)  # warm-up
+        times = []
+        for _ in range(cfg.repeat):
+            start = time.perf_counter()
+            run(cfg.dit_steps)
+            times.append(time.perf_counter() - start)
+        return cfg.dit_steps / min(times)
+
+    rows, rates = [], {}
+    for images in cfg.dit_images:
+        rates[images] = {name: steps_per_s(backend, images) for name, backend in backends.items()}
+        say(f"serving: DiT {images} images: {rates[images]}")
+        r = rates[images]
+        rows.append([images, f"{r['torch']:.1f}", f"{r['onnxruntime']:.1f}", f"{r['onnxruntime'] / r['torch']:.2f}x"])
+    s.notes.append(f"DiT denoising on CPU (dit_tiny, {size}x{size}, CFG, {cfg.dit_steps} DDIM steps, {opts.threads} "
+                   f"thread(s); best of {cfg.repeat}; onnxruntime vs PyTorch max rel err {parity:.1e})")
+    s.tables.append(md_table(["images per run", "PyTorch eager steps/s", "onnxruntime steps/s",
+                              "onnxruntime / PyTorch"], rows))
+    s.data["dit"] = {"steps_per_s": rates, "onnx_max_rel_err": parity}
+
+
+def run(opts, cfg: Config | None = None) -> Section:
+    cfg = cfg or Config()
+    work = fresh_dir(opts.work / "serving")
+    s = Section("serving", "Serving: transformers serve vs model.generate (LLM); onnxruntime vs PyTorch (DiT)")
+    llm_table(opts, cfg, work, s)
+    dit_table(opts, cfg, work, s)
+    return s

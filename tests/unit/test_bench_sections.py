@@ -1,0 +1,55 @@
+"""scripts/bench.py's sections are modules of scripts/benchmarks/ whose `run(opts)` returns a report.Section of
+structured data: targets with `met` booleans and raw numbers, no printed text to parse. The cheap ones run here
+on tiny settings; tests/integration/test_bench.py runs overhead and ac in their quick mode."""
+
+from __future__ import annotations
+
+import inspect
+
+from scripts.bench import SECTIONS
+from scripts.benchmarks import loading, packing, pipeline
+from scripts.benchmarks.harness import Options
+from scripts.benchmarks.report import Section
+
+
+def check(section: Section, name: str) -> None:
+    assert isinstance(section, Section) and section.name == name and not section.error
+    assert section.tables and all(table.startswith("| ") for table in section.tables)
+    assert all(isinstance(t.met, bool) for t in section.targets)
+    assert section.data
+
+
+def test_every_section_is_a_benchmarks_module_run():
+    for name, run in SECTIONS.items():
+        assert run.__name__ == "run" and run.__module__.startswith("scripts.benchmarks."), name
+        assert list(inspect.signature(run).parameters)[0] == "opts", name
+
+
+def test_packing_section(tmp_path):
+    cfg = packing.Config(steps=1, warmup=1, max_seq_len=64, samples_per_step=8, median_len=16, hidden=32, vocab=64)
+    s = packing.run(Options(quick=True, threads=1, out=tmp_path), cfg)
+    check(s, "packing")
+    assert len(s.targets) == 2 * len(packing.DISTRIBUTIONS)
+    for distribution in packing.DISTRIBUTIONS:
+        data = s.data[distribution]
+        assert data["step0_loss_rel_diff"] <= packing.LOSS_TOLERANCE  # same samples, same loss in both layouts
+        assert 0 < data["utilization"]["padded"] <= data["utilization"]["packed"] <= 1
+
+
+def test_pipeline_section_from_its_stage_processes(tmp_path):
+    cfg = pipeline.Config(schedules=("gpipe",), microbatches=(2,), rows=4, seq=16, dim=32, warmup=0, iters=1)
+    s = pipeline.run(Options(quick=True, threads=1, out=tmp_path), cfg)
+    check(s, "pipeline")
+    stages = s.data["stages"]
+    assert sorted(r["rank"] for r in stages) == list(range(pipeline.STAGES))
+    assert all(r["step_s"] > 0 and 0 <= r["idle"] <= 1 for r in stages)
+
+
+def test_loading_targets_are_per_two_rank_layout():
+    gib = 2**30
+    rows = {"transformers from_pretrained, 1 process": [{"peak": gib, "seconds": 1.0}],
+            "kiln, tp=2": [{"peak": gib // 2, "seconds": 1.0}, {"peak": gib // 2, "seconds": 1.0}],
+            "kiln, pp=2": [{"peak": gib // 2, "seconds": 1.0}, {"peak": gib, "seconds": 1.0}]}
+    s = loading.section(rows, checkpoint_bytes=gib, n_params=gib // 4)
+    check(s, "loading")
+    assert [(t.what.split(":")[0], t.met) for t in s.targets] == [("kiln, tp=2", True), ("kiln, pp=2", False)]
