@@ -17,9 +17,7 @@ MODES = ("none", "full")
 
 def forward_loss(trainer, batch):
     """One forward + loss of the recipe's trainer, as its train_step computes it."""
-    if trainer.cfg.recipe.family == "llm":
-        return trainer.micro_step_loss(batch)
-    return trainer.diffusion_loss(batch)
+    return trainer.loss(trainer.prepare(batch))
 
 
 def saved_bytes(trainer, batch) -> int:

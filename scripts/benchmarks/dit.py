@@ -57,12 +57,12 @@ def ac(opts, s: Section) -> None:
     kept, flops = {}, {}
     for mode, trainer in trainers.items():
         exclude = [*model_tensors(trainer.model), *batches[0].values()]
-        kept[mode], out = kept_for_backward(lambda: trainer.diffusion_loss(batches[0]), exclude)
+        kept[mode], out = kept_for_backward(lambda: trainer.loss(batches[0]), exclude)
         del out
         # FLOPs of forward + backward, the recomputation included (ops a selective policy serves from
         # its cache never reach the counter): what the step time is on a compute-bound device.
         with FlopCounterMode(display=False) as counter:
-            trainer.engine.backward(trainer.diffusion_loss(batches[0]))
+            trainer.engine.ds.backward(trainer.loss(batches[0]))
         trainer.model.zero_grad(set_to_none=True)  # no step: these gradients are dropped
         flops[mode] = counter.get_total_flops()
     result = interleaved(trainers, batches, warmup, own_rng=True)

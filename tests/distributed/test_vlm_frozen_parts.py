@@ -35,6 +35,7 @@ def _stages_worker(rank: int, world: int, port: int, folder: str) -> None:
     from common.launch import compose
     from recipes.vlm import pretrained
     from recipes.vlm.data import encode_conversation
+    from common.engine import DeepSpeedEngine
     from recipes.vlm.parallelize import parallelize
 
     init_distributed()
@@ -48,7 +49,7 @@ def _stages_worker(rank: int, world: int, port: int, folder: str) -> None:
             torch.manual_seed(0)
             model = pretrained.load_parts(pretrained.parts_config(cfg.vlm, cfg.model, processor.tokenizer), cfg.vlm, "sdpa")
             projector = {k: v.clone() for k, v in model.model.multi_modal_projector.state_dict().items()}
-            engine = parallelize(model, cfg, world)
+            engine = DeepSpeedEngine(parallelize(model, cfg), cfg, world).ds
             image = Image.fromarray(fx._digits()[0][rank], mode="L").convert("RGB")
             enc = encode_conversation([{"role": "user", "content": "<image>\nWhat digit is this?"},
                                        {"role": "assistant", "content": fx.NUMBER_WORDS[rank].capitalize() + "."}], [image], processor)

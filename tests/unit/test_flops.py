@@ -236,10 +236,8 @@ def _recipe_step_flops(overrides: list[str]) -> dict:
             stats = trainer.train_step(batches, StepTimer())
         # The same step's forward alone: backward should add about twice the forward.
         with FlopCounter() as forward, torch.no_grad():
-            if family == "llm":
-                trainer.micro_step_loss(next(batches))
-            elif family == "dit":
-                trainer.diffusion_loss(next(batches))
+            if family in ("llm", "dit"):
+                trainer.loss(trainer.prepare(next(batches)))
     finally:
         trainer.state.loader.close()
     result = {"flops": fc.flops, "forward": forward.flops, "by_op": fc.by_op()}
