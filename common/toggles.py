@@ -86,16 +86,36 @@ def _save_matmuls(ctx, op, *args, recompute_widening: bool = False, **kwargs):
     return CheckpointPolicy.MUST_SAVE
 
 
+# Attention modules keep their dropout probability as a float (transformers: `attention_dropout`,
+# torch's MultiheadAttention: `dropout`, diffusers' attention processors draw through nn.Dropout).
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout_p", "dropout")
+
+
+def draws_random_numbers(module: nn.Module) -> bool:
+    """Whether `module` can draw random numbers in training: a dropout layer with p > 0 in it, or a
+    module with a dropout probability > 0 that its forward passes to an attention kernel."""
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if any(isinstance(getattr(m, name, None), float) and getattr(m, name) > 0 for name in _DROPOUT_ATTRIBUTES):
+            return True
+    return False
+
+
 def apply_ac(model: nn.Module, mode: str, block_types: tuple[type[nn.Module], ...], *,
              recompute_widening: bool = False) -> list[nn.Module]:
     """Wrap every block in place: `full` recomputes the whole block in backward, `selective` only its
-    cheap ops (`_save_matmuls`, with `recompute_widening`). Returns the wrappers. checkpoint_wrapper's
+    cheap ops (`_save_matmuls`, with `recompute_widening`); with the RNG state kept where a block has
+    dropout, so the recomputation is exact. Returns the wrappers. checkpoint_wrapper's
     state-dict hooks drop its prefix, so checkpoints and exports keep the model's own parameter names."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
                                                                              checkpoint_wrapper)
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    kwargs = {"preserve_rng_state": False}  # no dropout inside the blocks: nothing random to replay
+    # The recomputation must draw the dropout masks the forward drew: keep (and restore) the RNG state
+    # whenever a block can draw random numbers. Without dropout there is nothing to replay, and saving
+    # the state would cost a copy of the CUDA generator's state per block and step.
+    kwargs = {"preserve_rng_state": any(draws_random_numbers(m) for m in model.modules() if isinstance(m, block_types))}
     if mode == "selective":
         policy = functools.partial(_save_matmuls, recompute_widening=recompute_widening)
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)

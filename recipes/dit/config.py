@@ -83,6 +83,8 @@ def validate(cfg: TrainConfig) -> None:
     for key in ("flow_logit_std", "flow_shift"):
         if not getattr(d, key) > 0:
             raise ConfigError(f"diffusion.{key}={getattr(d, key)} must be > 0")
+    if not 0.0 <= m.dropout < 1.0:  # (with activation checkpointing the recomputation replays its masks)
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if not 0.0 <= d.class_dropout < 1.0:
         raise ConfigError(f"diffusion.class_dropout={d.class_dropout} must be in [0, 1)")
     if not 0.0 <= d.ema_decay < 1.0:
