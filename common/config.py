@@ -21,7 +21,7 @@ from common.errors import ConfigError
 @dataclass
 class RecipeInfo:
     name: str = MISSING  # e.g. dit_tiny
-    family: str = MISSING  # dit | vlm | llm: picks recipes/<family>/train.py
+    family: str = MISSING  # dit | vlm | llm: its spec in recipes/registry.py
 
 
 @dataclass
@@ -137,10 +137,7 @@ class TrainConfig:
     vlm: Any = None  # VLM
 
 
-FAMILIES = ("dit", "vlm", "llm")
-
 CHOICES = {
-    "recipe.family": FAMILIES,
     "toggles.precision": ("fp32", "bf16", "fp16", "fp8"),
     "toggles.activation_checkpointing": ("none", "full", "selective"),
     "toggles.attention": ("sdpa", "flash", "eager"),

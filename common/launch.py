@@ -7,7 +7,6 @@ line on stderr and exit code 2, before anything is written.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from common.config import FAMILIES, TrainConfig, register, validate
+from common.config import TrainConfig, register, validate
 from common.errors import ConfigError, UserError
 from common.parallel_dims import ParallelDims
 
@@ -72,9 +71,11 @@ def compose(overrides: list[str]) -> TrainConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from recipes.registry import SPECS, recipe_spec
+
     register()
-    for family in FAMILIES:
-        importlib.import_module(f"recipes.{family}.config").register()
+    for spec in SPECS.values():
+        spec.config.register()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -82,11 +83,10 @@ def compose(overrides: list[str]) -> TrainConfig:
         cfg: TrainConfig = OmegaConf.to_object(raw)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(explain_compose_error(exc)) from None
+    spec = recipe_spec(cfg.recipe.family)
     validate(cfg)
-    recipe_config = importlib.import_module(f"recipes.{cfg.recipe.family}.config")
-    if hasattr(recipe_config, "complete"):  # a recipe that fills keys from files (the LLM: model.init_from)
-        recipe_config.complete(cfg, command_line_keys(overrides))
-    recipe_config.validate(cfg)
+    spec.config.complete(cfg, command_line_keys(overrides))  # keys filled from files (the LLM: model.init_from)
+    spec.config.validate(cfg)
     return cfg
 
 
@@ -160,7 +160,9 @@ def main(argv: list[str]) -> int:
     created = None  # run.dir, when this launch created it
     try:
         apply_global_toggles(cfg.toggles)
-        recipe = importlib.import_module(f"recipes.{cfg.recipe.family}.train")
+        from recipes.registry import recipe_spec
+
+        recipe = recipe_spec(cfg.recipe.family).train()
         if cfg.run.dry_run:
             if dist.is_main:
                 dry_run(cfg, recipe.memory_spec(cfg), dist.world_size)

@@ -18,7 +18,6 @@ The arithmetic, its sources and the ranking rule are in common/memory.py.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ from common.config import TrainConfig  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from common.memory import GIB, MEMORY_COLUMNS, Layout, ModelSpec, configured_layout  # noqa: E402
 from common.tools.planner import GPUS, plan  # noqa: E402
+from recipes.registry import recipe_spec  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -65,7 +65,7 @@ def parse_cluster(argv: list[str]) -> tuple[Cluster, list[str]]:
 
 def model_spec(cfg: TrainConfig) -> ModelSpec:
     """The recipe's own description of its model (recipes/<family>/train.py:memory_spec), as run.dry_run uses."""
-    return importlib.import_module(f"recipes.{cfg.recipe.family}.train").memory_spec(cfg)
+    return recipe_spec(cfg.recipe.family).train().memory_spec(cfg)
 
 
 def with_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:
@@ -77,7 +77,7 @@ def with_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:
 
 def recipe_allows(cfg: TrainConfig):
     """The recipe's own validation decides which layouts it can run (e.g. DiT/VLM: tp = pp = 1)."""
-    validate = importlib.import_module(f"recipes.{cfg.recipe.family}.config").validate
+    validate = recipe_spec(cfg.recipe.family).config.validate
 
     def allows(layout: Layout) -> bool:
         try:

@@ -60,6 +60,10 @@ def register() -> None:
     cs.store(group="diffusion", name="dit_schema", node=DiffusionConfig)
 
 
+def complete(cfg: TrainConfig, command_line: set[str]) -> None:
+    """Nothing to fill from files: the DiT's shape is its model.* keys (and diffusion.vae's latents)."""
+
+
 def validate(cfg: TrainConfig) -> None:
     from recipes.dit.vae import vae_geometry
 

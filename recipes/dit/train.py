@@ -275,6 +275,9 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
                      ac_modes=("none", "selective", "full"))
 
 
+TRAINER = DiTTrainer  # recipes/registry.py
+
+
 def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
     trainer = DiTTrainer(cfg, dist, run_dir)
     trainer.fit()

@@ -214,6 +214,9 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
                      pp_microbatches=p.pp_microbatches, vocab_parallel=cfg.model.loss_parallel)
 
 
+TRAINER = LLMTrainer  # recipes/registry.py
+
+
 def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
     trainer = LLMTrainer(cfg, dist, run_dir)
     trainer.fit()

@@ -58,6 +58,10 @@ def register() -> None:
     cs.store(group="vlm", name="vlm_schema", node=VLMConfig)
 
 
+def complete(cfg: TrainConfig, command_line: set[str]) -> None:
+    """Nothing to fill from files here: the LLaVA's config is read from its folders when the model is built."""
+
+
 def validate(cfg: TrainConfig) -> None:
     m, v = cfg.model, cfg.vlm
     if not isinstance(m, VLMModelConfig) or not isinstance(v, VLMConfig):

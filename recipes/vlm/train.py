@@ -212,6 +212,9 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
                      gather_unit_params=largest_module_params(model), vocab=t.vocab_size, precision=cfg.toggles.precision)
 
 
+TRAINER = VLMTrainer  # recipes/registry.py
+
+
 def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
     trainer = VLMTrainer(cfg, dist, run_dir)
     trainer.fit()

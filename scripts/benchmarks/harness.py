@@ -5,7 +5,6 @@ as the tests start them). The bytes a forward keeps for backward: common/tools/a
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import shutil
 import subprocess
@@ -17,13 +16,13 @@ from pathlib import Path
 import torch
 
 from common.tools.launcher import run_train
+from recipes.registry import recipe_spec
 
 # Only what a timing run needs: no evaluation, samples or checkpoints beyond the loop itself.
 RUN_ARGS = ["trainer.progress_bar=false", "trainer.eval=false", "checkpoint.every=0", "checkpoint.final=false",
             "run.resume=never"]
 RECIPE_ARGS = {"dit_tiny": ["trainer.sample_every=0", "diffusion.sample_steps=2", "diffusion.samples_per_class=1"],
                "vlm_tiny": [], "llm_tiny": []}
-TRAINERS = {"llm": "LLMTrainer", "dit": "DiTTrainer", "vlm": "VLMTrainer"}  # recipes/<family>/train.py
 
 
 @dataclass
@@ -121,7 +120,7 @@ def build_trainer(opts: Options, recipe: str, overrides: list[str], run_dir: Pat
     cfg = compose([f"recipe={recipe}", *RUN_ARGS, *overrides, f"run.dir={run_dir}"])
     apply_global_toggles(cfg.toggles)
     family = cfg.recipe.family
-    cls = cls or getattr(importlib.import_module(f"recipes.{family}.train"), TRAINERS[family])
+    cls = cls or recipe_spec(family).train().TRAINER
     fresh_dir(run_dir)
     with quiet(opts.log):
         return cls(cfg, distributed(), run_dir)

@@ -3,7 +3,6 @@ count, TP and FSDP2 shares, the three recipes' train steps), peak FLOP/s tables,
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from common.distributed import free_port
+from recipes.registry import recipe_spec
 from common.flops import (ATTENTION_FORMULAS_BY_NAME, PEAK_TFLOPS, FlopCounter, _one_thread_matmul_peak,
                           count_step_flops, gpu_model, mfu, peak_flops, precision_key)
 from common.launch import compose
@@ -218,9 +218,6 @@ def test_parallel_ranks_count_their_share(tmp_path):
     assert all(r["tp_global"] == single and r["fsdp"] == single for r in ranks)
 
 
-TRAINERS = {"dit": "DiTTrainer", "vlm": "VLMTrainer", "llm": "LLMTrainer"}
-
-
 def _recipe_step_flops(overrides: list[str]) -> dict:
     from common.distributed import init_distributed
     from common.launch import compose
@@ -228,7 +225,7 @@ def _recipe_step_flops(overrides: list[str]) -> dict:
 
     cfg = compose(overrides)
     family = cfg.recipe.family
-    trainer = getattr(importlib.import_module(f"recipes.{family}.train"), TRAINERS[family])(
+    trainer = recipe_spec(family).train().TRAINER(
         cfg, init_distributed(), Path(cfg.run.dir))
     batches = iter(trainer.state.loader)
     try:
