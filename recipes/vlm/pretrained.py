@@ -236,7 +236,8 @@ def load_parts(config, v: VLMConfig, attention: str):
     from transformers import AutoModelForCausalLM, CLIPVisionModel, SiglipVisionModel
     from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-    from recipes.vlm.model import attn_implementation, build_model, tower_kind
+    from recipes.vlm.attention import attn_implementation
+    from recipes.vlm.model import build_model, tower_kind
 
     impl = attn_implementation(attention)
     tower_cls = CLIPVisionModel if tower_kind(config.vision_config) == "clip" else SiglipVisionModel
@@ -266,11 +267,9 @@ def load_llava(folder: Path, attention: str):
     """A LlavaForConditionalGeneration folder, in fp32 (its own config: the recipe's `model.*` do not apply)."""
     from transformers import LlavaForConditionalGeneration
 
-    from recipes.vlm.model import attn_implementation
+    from recipes.vlm.attention import attn_implementation, register_varlen_attention
 
     if attention == "flash":
-        from recipes.vlm.parallelize import register_varlen_attention
-
         register_varlen_attention()
     with _quiet_loading():
         return LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, local_files_only=True,

@@ -31,7 +31,8 @@ from recipes.vlm import pretrained
 from recipes.vlm.data import blank_sample, build_train_loader, check_chat_template, is_conversations, load_processor, prepare_data
 from recipes.vlm.evaluate import conversation_eval, generate_answers, load_eval_samples, save_answer_grid, score
 from recipes.vlm.model import build_model, llava_config, tower_image_tokens, tower_kind
-from recipes.vlm.parallelize import eval_attention, parallelize
+from recipes.vlm.attention import eval_attention
+from recipes.vlm.parallelize import freeze_for_stage, parallelize
 
 
 def model_config(cfg: TrainConfig, tokenizer):
@@ -191,8 +192,6 @@ def source_config(cfg: TrainConfig):
 
 def memory_spec(cfg: TrainConfig) -> ModelSpec:
     """The LLaVA for the memory model (common/memory.py): built on the meta device, frozen per stage, counted."""
-    from recipes.vlm.parallelize import freeze_for_stage
-
     config = source_config(cfg)
     t = config.text_config
     with torch.device("meta"):
