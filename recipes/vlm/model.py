@@ -8,7 +8,7 @@ from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, LlamaCo
                           PretrainedConfig, SiglipVisionConfig)
 
 from recipes.vlm.attention import attn_implementation, register_varlen_attention
-from recipes.vlm.config import TOWER_DEFAULTS, VLMModelConfig
+from recipes.vlm.schema import TOWER_DEFAULTS, VLMModelConfig
 
 
 def tower_kind(vision: PretrainedConfig) -> str:
