@@ -10,6 +10,7 @@ from hydra.core.config_store import ConfigStore
 from common.config import TrainConfig
 from common.errors import ConfigError
 from recipes.vlm.schema import VLMConfig, VLMModelConfig
+from recipes.vlm.sources import weight_source
 
 
 def register() -> None:
@@ -35,11 +36,7 @@ def validate(cfg: TrainConfig) -> None:
     if v.train_vision and v.stage == "align":
         raise ConfigError("vlm.train_vision=true is for vlm.stage=finetune (align trains the projector only)")
     rename_init_from(m, v)
-    # The sources load weights (torch, transformers): imported only once a VLM config is validated, not
-    # whenever any recipe's config is composed. weight_source reads json only and says what does not fit.
-    from recipes.vlm.sources import weight_source
-
-    weight_source(cfg)
+    weight_source(cfg)  # json only: one line for sources that contradict each other or a folder that does not fit
     if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} parallel.pp={cfg.parallel.pp}: the VLM recipe shards with ZeRO data parallelism only (tp=pp=1)")
 

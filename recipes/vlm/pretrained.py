@@ -2,8 +2,8 @@
 LLaVA's stage 1 starts), or loaded whole from a LLaVA folder (an align run's export, a llava-hf release);
 the processor each comes with, and the check that processor and tower agree on the image tokens.
 
-Only json is read while the config is validated (the folder checks, nothing written yet); weights are read
-by the trainer. Which of these a run uses is recipes/vlm/sources.py's choice. Assembling keeps the parts'
+The folders are checked from their json, and which of these a run uses is chosen, by recipes/vlm/sources.py
+(while the config is validated, nothing written yet); weights are read by the trainer. Assembling keeps the parts'
 modules as loaded: the tower's and the language model's weights are the folders' tensors (fp32), so after
 `align` they are bit for bit the source weights.
 """
@@ -11,7 +11,6 @@ modules as loaded: the tower's and the language model's weights are the folders'
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
@@ -22,7 +21,6 @@ from recipes.vlm.model import assemble_config, build_model, feature_choice, towe
 from recipes.vlm.schema import VLMModelConfig
 
 IMAGE_TOKEN = "<image>"
-VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 
 # LLaVA-1.5's conversation format (its `vicuna_v1` template: system prompt, "USER: ... ASSISTANT: ...",
 # each answer closed by eos), for a language model whose tokenizer has no chat template of its own.
@@ -65,49 +63,6 @@ LLAVA_CHAT_TEMPLATE = r"""{%- if messages and messages[0]['role'] == 'system' -%
 {%- if add_generation_prompt -%}
 {{- 'ASSISTANT:' -}}
 {%- endif -%}""".replace("LLAVA_SYSTEM", LLAVA_SYSTEM)
-
-
-# --- the folders, checked from their json (config validation) -------------------------------------------
-
-def _folder_config(path: str, key: str) -> tuple[Path, dict]:
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ConfigError(f"{key}={path}: no such folder")
-    try:
-        return folder.resolve(), json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        raise ConfigError(f"{key}={path}: no readable config.json there (a Hugging Face model folder is expected)") from None
-
-
-def llava_folder(init_from: str) -> Path:
-    """The LLaVA folder `model.init_from` names: an align run (its export/) or a LlavaForConditionalGeneration folder."""
-    path = Path(init_from).expanduser()
-    candidate = path / "export" if (path / "export" / "config.json").exists() else path
-    folder, config = _folder_config(str(candidate), "model.init_from")
-    if config.get("model_type") != "llava":
-        raise ConfigError(f"model.init_from={init_from}: model_type {config.get('model_type')!r} is not a LLaVA "
-                          "(a LlavaForConditionalGeneration folder or an align run is expected)")
-    if not any(folder.glob("*.safetensors")):
-        raise ConfigError(f"model.init_from={init_from}: no *.safetensors weights in {folder}")
-    return folder
-
-
-def check_vision_folder(vision_from: str) -> None:
-    """One line, before anything is written, for a `vlm.vision_from` that is no CLIP / SigLIP tower."""
-    _, config = _folder_config(vision_from, "vlm.vision_from")
-    if config.get("model_type") not in VISION_TYPES:
-        raise ConfigError(f"vlm.vision_from={vision_from}: model_type {config.get('model_type')!r} is not a CLIP or "
-                          "SigLIP vision tower (CLIPVisionModel, CLIPModel, SiglipVisionModel or SiglipModel)")
-
-
-def check_language_folder(language_from: str) -> None:
-    """One line, before anything is written, for a `vlm.language_from` that is no causal LM with a tokenizer."""
-    folder, config = _folder_config(language_from, "vlm.language_from")
-    if not any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or []):
-        raise ConfigError(f"vlm.language_from={language_from}: architectures {config.get('architectures')} name no "
-                          "*ForCausalLM (a Llama-family causal language model is expected)")
-    if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
-        raise ConfigError(f"vlm.language_from={language_from}: no tokenizer there (tokenizer.json / tokenizer_config.json)")
 
 
 # --- configs and processors --------------------------------------------------------------------------------

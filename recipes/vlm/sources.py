@@ -6,18 +6,65 @@
 - LlavaWeights: a LLaVA folder (`model.init_from`: an align run or a llava-hf release).
 
 Each gives its LlavaConfig (json and the tokenizer only, no weights), its processor, the model in fp32 on
-the CPU for an attention backend, and what the log says about it. `weight_source` reads json only (config
-validation calls it, before anything is written); the weights are read by `load`.
+the CPU for an attention backend, and what the log says about it. `weight_source` reads json only: config
+validation calls it, before anything is written. So this module imports nothing heavy at its top; the
+methods that read tokenizers and weights import recipes/vlm's torch/transformers modules (pretrained,
+model, data) where they run, and composing a config stays free of both.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from common.config import TrainConfig
 from common.errors import ConfigError, DataError
-from recipes.vlm import pretrained
-from recipes.vlm.data import is_conversations, load_processor
-from recipes.vlm.model import build_model, llava_config, tower_image_tokens, tower_kind
 from recipes.vlm.schema import VLMModelConfig
+
+VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
+
+
+# --- the folders, checked from their json (config validation) -------------------------------------------
+
+def _folder_config(path: str, key: str) -> tuple[Path, dict]:
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"{key}={path}: no such folder")
+    try:
+        return folder.resolve(), json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        raise ConfigError(f"{key}={path}: no readable config.json there (a Hugging Face model folder is expected)") from None
+
+
+def llava_folder(init_from: str) -> Path:
+    """The LLaVA folder `model.init_from` names: an align run (its export/) or a LlavaForConditionalGeneration folder."""
+    path = Path(init_from).expanduser()
+    candidate = path / "export" if (path / "export" / "config.json").exists() else path
+    folder, config = _folder_config(str(candidate), "model.init_from")
+    if config.get("model_type") != "llava":
+        raise ConfigError(f"model.init_from={init_from}: model_type {config.get('model_type')!r} is not a LLaVA "
+                          "(a LlavaForConditionalGeneration folder or an align run is expected)")
+    if not any(folder.glob("*.safetensors")):
+        raise ConfigError(f"model.init_from={init_from}: no *.safetensors weights in {folder}")
+    return folder
+
+
+def check_vision_folder(vision_from: str) -> None:
+    """One line, before anything is written, for a `vlm.vision_from` that is no CLIP / SigLIP tower."""
+    _, config = _folder_config(vision_from, "vlm.vision_from")
+    if config.get("model_type") not in VISION_TYPES:
+        raise ConfigError(f"vlm.vision_from={vision_from}: model_type {config.get('model_type')!r} is not a CLIP or "
+                          "SigLIP vision tower (CLIPVisionModel, CLIPModel, SiglipVisionModel or SiglipModel)")
+
+
+def check_language_folder(language_from: str) -> None:
+    """One line, before anything is written, for a `vlm.language_from` that is no causal LM with a tokenizer."""
+    folder, config = _folder_config(language_from, "vlm.language_from")
+    if not any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or []):
+        raise ConfigError(f"vlm.language_from={language_from}: architectures {config.get('architectures')} name no "
+                          "*ForCausalLM (a Llama-family causal language model is expected)")
+    if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
+        raise ConfigError(f"vlm.language_from={language_from}: no tokenizer there (tokenizer.json / tokenizer_config.json)")
 
 
 def _params(module) -> int:
@@ -38,6 +85,8 @@ class FreshWeights:
         """The dataset must come with the processor `model.*` fit: digits built for the model's image sizes."""
         if self.meta is None:
             return
+        from recipes.vlm.data import is_conversations
+
         if is_conversations(self.meta):
             raise ConfigError(f"data.root={self.data_root} holds LLaVA conversations, which the model's own processor "
                               "tokenizes: give vlm.vision_from + vlm.language_from (pretrained parts) or model.init_from "
@@ -53,10 +102,14 @@ class FreshWeights:
         if self.meta is None:
             raise RuntimeError("fresh weights take the dataset's processor: weight_source(cfg, meta) after prepare_data")
         if self._processor is None:
+            from recipes.vlm.data import load_processor
+
             self._processor = load_processor(self.meta["processor_dir"])
         return self._processor
 
     def config(self):
+        from recipes.vlm.model import llava_config
+
         if self.meta is None:
             vocab = self.model.vocab_size or 1024
             return llava_config(self.model, vocab_size=vocab, image_token_id=vocab - 1, pad_token_id=0, bos_token_id=1,
@@ -72,6 +125,8 @@ class FreshWeights:
         )
 
     def load(self, attention: str):
+        from recipes.vlm.model import build_model
+
         return build_model(self.config(), attention)
 
     def describe(self, model) -> str | None:
@@ -88,21 +143,29 @@ class PartWeights:
         self._processor = None
 
     def check(self) -> None:
-        pretrained.check_vision_folder(self.vision_from)
-        pretrained.check_language_folder(self.language_from)
+        check_vision_folder(self.vision_from)
+        check_language_folder(self.language_from)
 
     def processor(self):
         if self._processor is None:
-            self._processor = pretrained.parts_processor(self.vision_from, self.language_from, self.model)
+            from recipes.vlm.pretrained import parts_processor
+
+            self._processor = parts_processor(self.vision_from, self.language_from, self.model)
         return self._processor
 
     def config(self):
-        return pretrained.parts_config(self.vision_from, self.language_from, self.model, self.processor().tokenizer)
+        from recipes.vlm.pretrained import parts_config
+
+        return parts_config(self.vision_from, self.language_from, self.model, self.processor().tokenizer)
 
     def load(self, attention: str):
-        return pretrained.load_parts(self.config(), self.vision_from, self.language_from, attention)
+        from recipes.vlm.pretrained import load_parts
+
+        return load_parts(self.config(), self.vision_from, self.language_from, attention)
 
     def describe(self, model) -> str:
+        from recipes.vlm.model import tower_image_tokens, tower_kind
+
         c = model.config
         tower = f"{tower_kind(c.vision_config)} vision tower ({_params(model.model.vision_tower):,})"
         return (f"kiln: LLaVA from {self.label}: {tower}, projector ({_params(model.model.multi_modal_projector):,}, "
@@ -121,10 +184,12 @@ class LlavaWeights:
         self.folder = None
 
     def check(self) -> None:
-        self.folder = pretrained.llava_folder(self.init_from)
+        self.folder = llava_folder(self.init_from)
 
     def processor(self):
-        return pretrained.llava_processor(self.folder)
+        from recipes.vlm.pretrained import llava_processor
+
+        return llava_processor(self.folder)
 
     def config(self):
         from transformers import AutoConfig
@@ -132,7 +197,9 @@ class LlavaWeights:
         return AutoConfig.from_pretrained(self.folder, local_files_only=True)
 
     def load(self, attention: str):
-        return pretrained.load_llava(self.folder, attention)
+        from recipes.vlm.pretrained import load_llava
+
+        return load_llava(self.folder, attention)
 
     def describe(self, model) -> str:
         return f"kiln: {self.label}: loaded all {_params(model):,} weights (vision tower, projector, language model)"

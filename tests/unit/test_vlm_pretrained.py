@@ -15,7 +15,7 @@ from common.errors import ConfigError
 from recipes.vlm import pretrained
 from recipes.vlm.config import VLMModelConfig
 from recipes.vlm.data import blank_sample, chat_prompt, check_chat_template, collate, encode_conversation
-from recipes.vlm.sources import LlavaWeights, PartWeights
+from recipes.vlm.sources import LlavaWeights, PartWeights, llava_folder
 from tests.fixtures import vlm as fx
 
 CONVERSATION = [{"role": "user", "content": "<image>\nWhat digit is this?"}, {"role": "assistant", "content": "Seven."},
@@ -178,7 +178,7 @@ def test_dry_run_sizes_the_parts_not_the_preset(parts):
 
 
 def test_llava_hf_folder_loads_with_its_processor(parts):
-    folder = pretrained.llava_folder(str(parts["llava_hf"]))
+    folder = llava_folder(str(parts["llava_hf"]))
     model, processor = pretrained.load_llava(folder, "sdpa"), pretrained.llava_processor(folder)
     pretrained.check_image_tokens(processor, model.config, "model.init_from")
     assert not check_chat_template(processor)  # llava-hf's template has no eos after answers
