@@ -1,55 +1,16 @@
-"""Schemas of the VLM recipe's own config sections: `model` (architecture) and `vlm` (training stage, eval)."""
+"""The VLM recipe's config sections, `model` (architecture) and `vlm` (training stage, sources, eval): their
+schemas (recipes/vlm/schema.py) registered with Hydra, and the composed config validated."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import os
 
 from hydra.core.config_store import ConfigStore
 
 from common.config import TrainConfig
 from common.errors import ConfigError
-
-
-@dataclass
-class VLMModelConfig:
-    """A LLaVA: vision tower (SigLIP or CLIP) -> MLP projector -> Llama language model."""
-
-    vision: str = "siglip"  # siglip | clip
-    image_size: int = 16
-    patch_size: int = 4
-    vision_hidden_size: int = 64
-    vision_layers: int = 2
-    vision_heads: int = 4
-    vision_intermediate_size: int = 128
-    # Which tower output feeds the projector. null / auto: LLaVA's default for the tower (TOWER_DEFAULTS):
-    # CLIP the penultimate layer without its CLS token, SigLIP the last layer (it has no CLS token).
-    vision_feature_layer: Optional[int] = None
-    vision_feature_select_strategy: str = "auto"  # auto | full | default (default drops the first token: CLIP's CLS)
-    text_hidden_size: int = 128
-    text_layers: int = 2
-    text_heads: int = 4
-    text_kv_heads: int = 2
-    text_intermediate_size: int = 256
-    max_position_embeddings: int = 512
-    vocab_size: int = 0  # 0: the size of the data's tokenizer
-    rope_theta: float = 10000.0
-
-
-# LLaVA's feature choice per tower: (vision_feature_layer, vision_feature_select_strategy).
-TOWER_DEFAULTS = {"clip": (-2, "default"), "siglip": (-1, "full")}
-
-
-@dataclass
-class VLMConfig:
-    stage: str = "finetune"  # align: projector only | finetune: projector + language model
-    # Where the weights come from (all empty: fresh weights shaped by `model.*`, the digits demo):
-    init_from: str = ""  # a LLaVA to continue from: an align run (dir or export) or a llava-hf folder
-    vision_from: str = ""  # a CLIP / SigLIP folder (vision model or the whole dual encoder) + its image processor
-    language_from: str = ""  # a *ForCausalLM folder (Llama family) + its tokenizer
-    train_vision: bool = False  # finetune: train the vision tower too (LLaVA keeps it frozen)
-    eval_samples: int = 200  # held-out images answered at the end
-    max_new_tokens: int = 12
+from recipes.vlm.schema import VLMConfig, VLMModelConfig
+from recipes.vlm.sources import weight_source
 
 
 def register() -> None:
@@ -76,19 +37,22 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("model.text_heads must divide text_hidden_size and be a multiple of model.text_kv_heads")
     if v.stage not in ("align", "finetune"):
         raise ConfigError(f"vlm.stage={v.stage!r} is not allowed; choose align or finetune")
-    if bool(v.vision_from) != bool(v.language_from):
-        raise ConfigError("vlm.vision_from and vlm.language_from go together: a LLaVA is built from both parts")
-    if v.init_from and v.vision_from:
-        raise ConfigError("vlm.init_from and vlm.vision_from/language_from exclude each other: continue from a LLaVA, "
-                          "or build one from pretrained parts")
-    if v.init_from and v.stage == "align":
-        raise ConfigError("vlm.init_from is for vlm.stage=finetune (align starts from vlm.vision_from + vlm.language_from, "
-                          "or from fresh weights)")
     if v.train_vision and v.stage == "align":
         raise ConfigError("vlm.train_vision=true is for vlm.stage=finetune (align trains the projector only)")
-    if v.init_from or v.vision_from:
-        from recipes.vlm.pretrained import check_sources
-
-        check_sources(v)
+    rename_init_from(m, v)
+    weight_source(cfg)  # json only: one line for sources that contradict each other or a folder that does not fit
     if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} parallel.pp={cfg.parallel.pp}: the VLM recipe shards with ZeRO data parallelism only (tp=pp=1)")
+
+
+def rename_init_from(m: VLMModelConfig, v: VLMConfig) -> None:
+    """vlm.init_from is model.init_from's old name (the LLM's spelling): it is moved there, with one line on
+    rank 0, until the next release."""
+    if not v.init_from:
+        return
+    if m.init_from and m.init_from != v.init_from:
+        raise ConfigError(f"vlm.init_from={v.init_from} and model.init_from={m.init_from} disagree: vlm.init_from is the "
+                          "old name of model.init_from; give model.init_from only")
+    m.init_from, v.init_from = v.init_from, ""
+    if os.environ.get("RANK", "0") == "0":
+        print("kiln: vlm.init_from is now model.init_from (the old key works until the next release)", flush=True)

@@ -1,24 +1,14 @@
 """VLM architecture: transformers' LlavaForConditionalGeneration, its config (from `model.*` or from the
-configs of pretrained parts) and the model built from a config (weights: recipes/vlm/pretrained.py)."""
+configs of pretrained parts) and the model built from a config (weights: recipes/vlm/pretrained.py; attention
+kernels: recipes/vlm/attention.py)."""
 
 from __future__ import annotations
 
 from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
                           PretrainedConfig, SiglipVisionConfig)
 
-from recipes.vlm.config import TOWER_DEFAULTS, VLMModelConfig
-
-# toggles.attention -> the language model's attention implementation. `flash` is torch's own varlen
-# FlashAttention kernel, registered with transformers by recipes/vlm/parallelize.py (no flash-attn package).
-# The vision tower runs SDPA under sdpa and flash (its images are neither packed nor padded).
-VARLEN_ATTENTION = "kiln_varlen"  # no "flash" in the name: transformers would look for a flash-attn kernel
-TEXT_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash": VARLEN_ATTENTION}
-
-
-def attn_implementation(attention: str) -> dict[str, str]:
-    """transformers' per-sub-config attn_implementation for `toggles.attention`."""
-    vision = "eager" if attention == "eager" else "sdpa"
-    return {"text_config": TEXT_ATTENTION[attention], "vision_config": vision, "": vision}
+from recipes.vlm.attention import attn_implementation, register_varlen_attention
+from recipes.vlm.schema import TOWER_DEFAULTS, VLMModelConfig
 
 
 def tower_kind(vision: PretrainedConfig) -> str:
@@ -93,7 +83,5 @@ def llava_config(m: VLMModelConfig, *, vocab_size: int, image_token_id: int, pad
 
 def build_model(config: LlavaConfig, attention: str = "sdpa") -> LlavaForConditionalGeneration:
     if attention == "flash":
-        from recipes.vlm.parallelize import register_varlen_attention
-
         register_varlen_attention()
     return AutoModelForImageTextToText.from_config(config, attn_implementation=attn_implementation(attention))

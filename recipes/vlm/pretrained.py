@@ -2,24 +2,25 @@
 LLaVA's stage 1 starts), or loaded whole from a LLaVA folder (an align run's export, a llava-hf release);
 the processor each comes with, and the check that processor and tower agree on the image tokens.
 
-Only json is read while the config is validated (`check_sources`, nothing written yet); weights are read
-by the trainer. Assembling keeps the parts' modules as loaded: the tower's and the language model's
-weights are the folders' tensors (fp32), so after `align` they are bit for bit the source weights.
+The folders are checked from their json, and which of these a run uses is chosen, by recipes/vlm/sources.py
+(while the config is validated, nothing written yet); weights are read by the trainer. Assembling keeps the parts'
+modules as loaded: the tower's and the language model's weights are the folders' tensors (fp32), so after
+`align` they are bit for bit the source weights.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
 
 from common.errors import ConfigError
-from recipes.vlm.config import VLMConfig, VLMModelConfig
+from recipes.vlm.attention import attn_implementation, register_varlen_attention
+from recipes.vlm.model import assemble_config, build_model, feature_choice, tower_image_tokens, tower_kind
+from recipes.vlm.schema import VLMModelConfig
 
 IMAGE_TOKEN = "<image>"
-VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 
 # LLaVA-1.5's conversation format (its `vicuna_v1` template: system prompt, "USER: ... ASSISTANT: ...",
 # each answer closed by eos), for a language model whose tokenizer has no chat template of its own.
@@ -64,49 +65,6 @@ LLAVA_CHAT_TEMPLATE = r"""{%- if messages and messages[0]['role'] == 'system' -%
 {%- endif -%}""".replace("LLAVA_SYSTEM", LLAVA_SYSTEM)
 
 
-# --- the folders, checked from their json (config validation) -------------------------------------------
-
-def _folder_config(path: str, key: str) -> tuple[Path, dict]:
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ConfigError(f"{key}={path}: no such folder")
-    try:
-        return folder.resolve(), json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        raise ConfigError(f"{key}={path}: no readable config.json there (a Hugging Face model folder is expected)") from None
-
-
-def llava_folder(init_from: str) -> Path:
-    """The LLaVA folder `vlm.init_from` names: an align run (its export/) or a LlavaForConditionalGeneration folder."""
-    path = Path(init_from).expanduser()
-    candidate = path / "export" if (path / "export" / "config.json").exists() else path
-    folder, config = _folder_config(str(candidate), "vlm.init_from")
-    if config.get("model_type") != "llava":
-        raise ConfigError(f"vlm.init_from={init_from}: model_type {config.get('model_type')!r} is not a LLaVA "
-                          "(a LlavaForConditionalGeneration folder or an align run is expected)")
-    if not any(folder.glob("*.safetensors")):
-        raise ConfigError(f"vlm.init_from={init_from}: no *.safetensors weights in {folder}")
-    return folder
-
-
-def check_sources(v: VLMConfig) -> None:
-    """One line, before anything is written, for a folder that cannot be what its key asks for."""
-    if v.init_from:
-        llava_folder(v.init_from)
-    if v.vision_from:
-        _, config = _folder_config(v.vision_from, "vlm.vision_from")
-        if config.get("model_type") not in VISION_TYPES:
-            raise ConfigError(f"vlm.vision_from={v.vision_from}: model_type {config.get('model_type')!r} is not a CLIP or "
-                              "SigLIP vision tower (CLIPVisionModel, CLIPModel, SiglipVisionModel or SiglipModel)")
-    if v.language_from:
-        folder, config = _folder_config(v.language_from, "vlm.language_from")
-        if not any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or []):
-            raise ConfigError(f"vlm.language_from={v.language_from}: architectures {config.get('architectures')} name no "
-                              "*ForCausalLM (a Llama-family causal language model is expected)")
-        if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
-            raise ConfigError(f"vlm.language_from={v.language_from}: no tokenizer there (tokenizer.json / tokenizer_config.json)")
-
-
 # --- configs and processors --------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -138,22 +96,20 @@ def vision_config(path: str):
     return config
 
 
-def parts_processor(v: VLMConfig, m: VLMModelConfig):
+def parts_processor(vision_from: str, language_from: str, m: VLMModelConfig):
     """LlavaProcessor of the parts: the vision folder's image processor, the language model's tokenizer
     with `<image>` added (and a pad token: eos or unk when it has none), its chat template or LLaVA-1.5's."""
     from tokenizers import AddedToken
     from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor
 
-    from recipes.vlm.model import feature_choice, tower_kind
-
-    tokenizer = AutoTokenizer.from_pretrained(Path(v.language_from).expanduser(), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(Path(language_from).expanduser(), local_files_only=True)
     if IMAGE_TOKEN not in tokenizer.get_vocab():
         tokenizer.add_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)], special_tokens=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token  # LLaVA-1.5: unk
     with _quiet_loading():
-        image_processor = AutoImageProcessor.from_pretrained(Path(v.vision_from).expanduser(), local_files_only=True)
-    tower = vision_config(v.vision_from)
+        image_processor = AutoImageProcessor.from_pretrained(Path(vision_from).expanduser(), local_files_only=True)
+    tower = vision_config(vision_from)
     kind = tower_kind(tower)
     return LlavaProcessor(
         image_processor=image_processor,
@@ -166,17 +122,15 @@ def parts_processor(v: VLMConfig, m: VLMModelConfig):
     )
 
 
-def parts_config(v: VLMConfig, m: VLMModelConfig, tokenizer):
+def parts_config(vision_from: str, language_from: str, m: VLMModelConfig, tokenizer):
     """LlavaConfig of the parts (nothing loaded but json): their configs, the vocabulary grown to hold
     `<image>` (only if the embedding has no spare row for it), LLaVA's feature choice for the tower."""
     from transformers import AutoConfig
 
-    from recipes.vlm.model import assemble_config
-
-    text = AutoConfig.from_pretrained(Path(v.language_from).expanduser(), local_files_only=True)
+    text = AutoConfig.from_pretrained(Path(language_from).expanduser(), local_files_only=True)
     text.vocab_size = max(text.vocab_size, len(tokenizer))
     text.pad_token_id = tokenizer.pad_token_id
-    return assemble_config(m, vision_config(v.vision_from), text, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+    return assemble_config(m, vision_config(vision_from), text, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
 
 
 def llava_processor(folder: Path):
@@ -185,7 +139,7 @@ def llava_processor(folder: Path):
 
     processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
     if not isinstance(processor, LlavaProcessor):
-        raise ConfigError(f"vlm.init_from={folder}: its processor is a {type(processor).__name__}, not a LlavaProcessor")
+        raise ConfigError(f"model.init_from={folder}: its processor is a {type(processor).__name__}, not a LlavaProcessor")
     return processor
 
 
@@ -194,8 +148,6 @@ def check_image_tokens(processor, config, source: str) -> torch.Tensor:
     image size, `<image>` id, and how many tokens one image expands to vs the tower's features.
     Returns the pixel values of one blank image (see recipes/vlm/data.py: blank_sample)."""
     from PIL import Image
-
-    from recipes.vlm.model import tower_image_tokens
 
     side = config.vision_config.image_size
     enc = processor(text=processor.image_token, images=[Image.new("RGB", (side, side))], return_tensors="pt")
@@ -229,21 +181,19 @@ def grow_vocab(lm, vocab_size: int) -> None:
             w[old:] = w[:old].mean(0)
 
 
-def load_parts(config, v: VLMConfig, attention: str):
+def load_parts(config, vision_from: str, language_from: str, attention: str):
     """The LLaVA of `parts_config`: the tower and the language model as loaded from their folders (fp32),
     the vocabulary grown for `<image>`, a fresh projector (torch's default Linear init, as LLaVA's; drawn
     from the caller's seed)."""
     from transformers import AutoModelForCausalLM, CLIPVisionModel, SiglipVisionModel
     from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-    from recipes.vlm.model import attn_implementation, build_model, tower_kind
-
     impl = attn_implementation(attention)
     tower_cls = CLIPVisionModel if tower_kind(config.vision_config) == "clip" else SiglipVisionModel
     with _quiet_loading():
-        tower = tower_cls.from_pretrained(Path(v.vision_from).expanduser(), config=config.vision_config, dtype=torch.float32,
+        tower = tower_cls.from_pretrained(Path(vision_from).expanduser(), config=config.vision_config, dtype=torch.float32,
                                           attn_implementation=impl["vision_config"], local_files_only=True)
-        lm = AutoModelForCausalLM.from_pretrained(Path(v.language_from).expanduser(), dtype=torch.float32,
+        lm = AutoModelForCausalLM.from_pretrained(Path(language_from).expanduser(), dtype=torch.float32,
                                                   attn_implementation=impl["text_config"], local_files_only=True)
     grow_vocab(lm, config.text_config.vocab_size)
     with torch.device("meta"):  # the shell: its parts are replaced by the loaded ones below
@@ -266,11 +216,7 @@ def load_llava(folder: Path, attention: str):
     """A LlavaForConditionalGeneration folder, in fp32 (its own config: the recipe's `model.*` do not apply)."""
     from transformers import LlavaForConditionalGeneration
 
-    from recipes.vlm.model import attn_implementation
-
     if attention == "flash":
-        from recipes.vlm.parallelize import register_varlen_attention
-
         register_varlen_attention()
     with _quiet_loading():
         return LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, local_files_only=True,

@@ -1,10 +1,10 @@
 """VLM recipe: a LLaVA trained on image–conversation shards with DeepSpeed ZeRO, exact packing,
 two stages (align → finetune), held-out eval, and a Hugging Face export that vLLM serves.
 
-Where the weights come from (`source`): a vision-tower folder + a language-model folder
-(`vlm.vision_from` + `vlm.language_from`, LLaVA's stage 1), a LLaVA folder (`vlm.init_from`: an align
-run or a llava-hf release), or fresh weights shaped by `model.*` (the digits demo). The processor comes
-with them (the dataset's own for the digits demo).
+Where the weights come from (`source`, recipes/vlm/sources.py): a vision-tower folder + a language-model
+folder (`vlm.vision_from` + `vlm.language_from`, LLaVA's stage 1), a LLaVA folder (`model.init_from`: an
+align run or a llava-hf release), or fresh weights shaped by `model.*` (the digits demo). The processor
+comes with them (the dataset's own for the digits demo).
 
 Read top to bottom: setup (data, processor, model, engine, resume) → the loss → evaluate → export. The
 step, checkpoints and resume are common/trainer.py's.
@@ -22,56 +22,23 @@ from common import deepspeed as ds
 from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
 from common.engine import DeepSpeedEngine
-from common.errors import ConfigError
 from common.parallel_dims import ParallelDims
 from common.memory import Block, ModelSpec, count_params, largest_module_params
 from common.seed import seed_everything
 from common.trainer import Trainer
 from recipes.vlm import pretrained
-from recipes.vlm.data import blank_sample, build_train_loader, check_chat_template, is_conversations, load_processor, prepare_data
+from recipes.vlm.attention import eval_attention
+from recipes.vlm.data import blank_sample, build_train_loader, check_chat_template, is_conversations, prepare_data
 from recipes.vlm.evaluate import conversation_eval, generate_answers, load_eval_samples, save_answer_grid, score
-from recipes.vlm.model import build_model, llava_config, tower_image_tokens, tower_kind
-from recipes.vlm.parallelize import eval_attention, parallelize
-
-
-def model_config(cfg: TrainConfig, tokenizer):
-    return llava_config(
-        cfg.model,
-        vocab_size=cfg.model.vocab_size or len(tokenizer),
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+from recipes.vlm.model import build_model, tower_image_tokens
+from recipes.vlm.parallelize import freeze_for_stage, parallelize
+from recipes.vlm.sources import weight_source
 
 
 def load_model(cfg: TrainConfig, meta: dict):
     """(model, processor, source) from the weights' source (module docstring); the model in fp32 on the CPU."""
-    v, attention = cfg.vlm, cfg.toggles.attention
-    if v.init_from:
-        folder = pretrained.llava_folder(v.init_from)
-        return pretrained.load_llava(folder, attention), pretrained.llava_processor(folder), f"vlm.init_from={v.init_from}"
-    if v.vision_from:
-        processor = pretrained.parts_processor(v, cfg.model)
-        config = pretrained.parts_config(v, cfg.model, processor.tokenizer)
-        return pretrained.load_parts(config, v, attention), processor, "vlm.vision_from + vlm.language_from"
-    if is_conversations(meta):
-        raise ConfigError(f"data.root={cfg.data.root} holds LLaVA conversations, which the model's own processor tokenizes: "
-                          "give vlm.vision_from + vlm.language_from (pretrained parts) or vlm.init_from (a LLaVA)")
-    processor = load_processor(meta["processor_dir"])
-    return build_model(model_config(cfg, processor.tokenizer), attention), processor, f"the processor of data.root={cfg.data.root}"
-
-
-def describe(model, source: str) -> str:
-    """One line on what was loaded, for the log."""
-    c, n = model.config, lambda module: sum(p.numel() for p in module.parameters())
-    if source.startswith("vlm.init_from"):
-        return f"kiln: {source}: loaded all {n(model):,} weights (vision tower, projector, language model)"
-    tower = f"{tower_kind(c.vision_config)} vision tower ({n(model.model.vision_tower):,})"
-    return (f"kiln: LLaVA from {source}: {tower}, projector ({n(model.model.multi_modal_projector):,}, fresh), language "
-            f"model ({n(model.model.language_model) + n(model.lm_head):,}, vocabulary {c.text_config.vocab_size:,} with "
-            f"<image> = {c.image_token_id}); image features: layer {c.vision_feature_layer}, strategy "
-            f"{c.vision_feature_select_strategy}, {tower_image_tokens(c)} tokens per image")
+    source = weight_source(cfg, meta)
+    return source.load(cfg.toggles.attention), source.processor(), source
 
 
 class VLMTrainer(Trainer):
@@ -82,11 +49,12 @@ class VLMTrainer(Trainer):
         seed_everything(cfg.trainer.seed)  # identical initial weights (a fresh projector) on every rank
         model, self.processor, source = load_model(cfg, self.meta)
         # Processor and tower agree on image tokens, and the chat template trains (one line if not).
-        pixels = pretrained.check_image_tokens(self.processor, model.config, source)
+        pixels = pretrained.check_image_tokens(self.processor, model.config, source.label)
         blank = blank_sample(self.processor.image_token_id, tower_image_tokens(model.config), pixels)
         stops = check_chat_template(self.processor)
-        if dist.is_main and (cfg.vlm.init_from or cfg.vlm.vision_from):
-            print(describe(model, source), flush=True)
+        loaded = source.describe(model)
+        if dist.is_main and loaded:
+            print(loaded, flush=True)
         if dist.is_main and not stops:
             print("kiln: warning: the chat template ends assistant turns without eos, so the model does not learn to "
                   "stop (llava-hf's template drops LLaVA's </s>)", flush=True)
@@ -178,21 +146,11 @@ class VLMTrainer(Trainer):
 def source_config(cfg: TrainConfig):
     """The LlavaConfig training will build, from json and the tokenizer only (no weights): the folders'
     configs, or `model.*` with an assumed vocabulary when model.vocab_size is 0 (the tokenizer is not read)."""
-    v = cfg.vlm
-    if v.init_from:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(pretrained.llava_folder(v.init_from), local_files_only=True)
-    if v.vision_from:
-        return pretrained.parts_config(v, cfg.model, pretrained.parts_processor(v, cfg.model).tokenizer)
-    vocab = cfg.model.vocab_size or 1024
-    return llava_config(cfg.model, vocab_size=vocab, image_token_id=vocab - 1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return weight_source(cfg).config()
 
 
 def memory_spec(cfg: TrainConfig) -> ModelSpec:
     """The LLaVA for the memory model (common/memory.py): built on the meta device, frozen per stage, counted."""
-    from recipes.vlm.parallelize import freeze_for_stage
-
     config = source_config(cfg)
     t = config.text_config
     with torch.device("meta"):

@@ -33,10 +33,10 @@ def _stages_worker(rank: int, world: int, port: int, folder: str) -> None:
 
     from common.distributed import init_distributed, teardown
     from common.launch import compose
-    from recipes.vlm import pretrained
     from recipes.vlm.data import encode_conversation
     from common.engine import DeepSpeedEngine
     from recipes.vlm.parallelize import parallelize
+    from recipes.vlm.sources import weight_source
 
     init_distributed()
     result = {}
@@ -45,9 +45,10 @@ def _stages_worker(rank: int, world: int, port: int, folder: str) -> None:
             cfg = compose(["recipe=vlm_tiny", "vlm.stage=align", f"vlm.vision_from={folder}/clip",
                            f"vlm.language_from={folder}/llama", f"parallel.zero_stage={stage}", "trainer.micro_batch_size=1",
                            "optim.lr=1e-2", "optim.warmup_steps=0"])
-            processor = pretrained.parts_processor(cfg.vlm, cfg.model)
+            source = weight_source(cfg)
+            processor = source.processor()
             torch.manual_seed(0)
-            model = pretrained.load_parts(pretrained.parts_config(cfg.vlm, cfg.model, processor.tokenizer), cfg.vlm, "sdpa")
+            model = source.load("sdpa")
             projector = {k: v.clone() for k, v in model.model.multi_modal_projector.state_dict().items()}
             engine = DeepSpeedEngine(parallelize(model, cfg), cfg, world).ds
             image = Image.fromarray(fx._digits()[0][rank], mode="L").convert("RGB")

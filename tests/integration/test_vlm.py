@@ -42,7 +42,7 @@ def test_packing_changes_speed_not_math(tmp_path):
 def align_then_finetune(tmp_path_factory):
     align, finetune = tmp_path_factory.mktemp("align"), tmp_path_factory.mktemp("finetune")
     run_train([*FAST_VLM, f"run.dir={align}", "vlm.stage=align", "trainer.max_steps=15", "trainer.eval=false"])
-    run_train([*FAST_VLM, f"run.dir={finetune}", "vlm.stage=finetune", f"vlm.init_from={align}", "trainer.max_steps=15"])
+    run_train([*FAST_VLM, f"run.dir={finetune}", "vlm.stage=finetune", f"model.init_from={align}", "trainer.max_steps=15"])
     return align, finetune
 
 

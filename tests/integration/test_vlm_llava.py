@@ -49,7 +49,7 @@ def align_then_finetune(world, tmp_path_factory):
     align, finetune = tmp_path_factory.mktemp("align"), tmp_path_factory.mktemp("finetune")
     run_train(fast(world, "llava_pretrain", align, "vlm.stage=align", f"vlm.vision_from={world['clip']}",
                    f"vlm.language_from={world['llama']}", "trainer.max_steps=4", "optim.lr=1e-2"))
-    run_train(fast(world, "llava_instruct", finetune, f"vlm.init_from={align}", "trainer.max_steps=3"))
+    run_train(fast(world, "llava_instruct", finetune, f"model.init_from={align}", "trainer.max_steps=3"))
     return align, finetune
 
 
@@ -102,7 +102,7 @@ def test_export_loads_offline_for_serving(align_then_finetune, monkeypatch):
 
 def test_llava_hf_continues_and_packing_changes_speed_not_math(world, tmp_path):
     on, off = tmp_path / "on", tmp_path / "off"
-    common = ["trainer.max_steps=5", "trainer.eval=false", "checkpoint.final=false", "optim.lr=2e-3", f"vlm.init_from={world['llava_hf']}"]
+    common = ["trainer.max_steps=5", "trainer.eval=false", "checkpoint.final=false", "optim.lr=2e-3", f"model.init_from={world['llava_hf']}"]
     run_train(fast(world, "llava_instruct", on, *common, "data.packing=true"))
     run_train(fast(world, "llava_instruct", off, *common, "data.packing=false"))
     packed, padded = losses(on), losses(off)

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
 
 from common.data.packing import IGNORE_INDEX, pack_samples, pad_samples
-from recipes.vlm.model import attn_implementation
+from recipes.vlm.attention import attn_implementation
 
 VOCAB = 128
 PAD_ID = 0
@@ -168,13 +168,13 @@ def _reference_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=N
 
 @pytest.fixture
 def varlen_on_cpu(monkeypatch):
-    """The VLM's toggles.attention=flash implementation (recipes/vlm/parallelize.py), registered with
+    """The VLM's toggles.attention=flash implementation (recipes/vlm/attention.py), registered with
     transformers as in training, with torch's CUDA-only varlen kernel swapped for its CPU reference: the
     flash-path inputs then travel through the real forward and the real adapter on CPU."""
-    from recipes.vlm import parallelize
+    from recipes.vlm import attention
 
-    monkeypatch.setattr(parallelize, "varlen_attn", _reference_varlen_attn)
-    parallelize.register_varlen_attention()
+    monkeypatch.setattr(attention, "varlen_attn", _reference_varlen_attn)
+    attention.register_varlen_attention()
     return attn_implementation("flash")
 
 
@@ -235,7 +235,7 @@ def test_flash_varlen_matches_sdpa(family):
     # (flattened row + cu_seq_lens kwargs) vs SDPA with the 4D mask. Both bf16, so they agree to bf16
     # rounding, not bit for bit: on CPU these models' bf16 logits (|max| ~0.7) differ from fp32 by
     # <= 7e-3, while a cross-sample leak costs ~0.5. Gradients are compared by direction.
-    from recipes.vlm.parallelize import register_varlen_attention
+    from recipes.vlm.attention import register_varlen_attention
 
     register_varlen_attention()
     build = tiny_llama if family == "llama" else tiny_llava

@@ -13,8 +13,9 @@ from transformers import (AutoConfig, CLIPVisionModel, LlamaForCausalLM, LlavaCo
 from common.data.packing import IGNORE_INDEX
 from common.errors import ConfigError
 from recipes.vlm import pretrained
-from recipes.vlm.config import VLMConfig, VLMModelConfig
+from recipes.vlm.config import VLMModelConfig
 from recipes.vlm.data import blank_sample, chat_prompt, check_chat_template, collate, encode_conversation
+from recipes.vlm.sources import LlavaWeights, PartWeights, llava_folder
 from tests.fixtures import vlm as fx
 
 CONVERSATION = [{"role": "user", "content": "<image>\nWhat digit is this?"}, {"role": "assistant", "content": "Seven."},
@@ -31,11 +32,10 @@ def parts(tmp_path_factory):
 
 
 def assemble(parts, vision: str, language: str, attention: str = "sdpa"):
-    v = VLMConfig(vision_from=str(parts[vision]), language_from=str(parts[language]), stage="align")
-    processor = pretrained.parts_processor(v, VLMModelConfig())
-    config = pretrained.parts_config(v, VLMModelConfig(), processor.tokenizer)
+    source = PartWeights(str(parts[vision]), str(parts[language]), VLMModelConfig())
+    processor = source.processor()
     torch.manual_seed(0)
-    return pretrained.load_parts(config, v, attention).eval(), processor
+    return source.load(attention).eval(), processor
 
 
 def digit_image(i: int = 0) -> Image.Image:
@@ -114,23 +114,26 @@ def test_processor_and_tower_must_agree(parts):
 
 
 def test_unusable_folders_are_one_line(parts, tmp_path):
-    def check(**kw):
+    def check(source):
         with pytest.raises(ConfigError) as exc:
-            pretrained.check_sources(VLMConfig(**kw))
+            source.check()
         assert "\n" not in str(exc.value)
         return str(exc.value)
 
-    assert "no such folder" in check(vision_from=str(tmp_path / "nope"), language_from=str(parts["vicuna"]))
-    assert "not a CLIP or SigLIP" in check(vision_from=str(parts["vicuna"]), language_from=str(parts["vicuna"]))
-    assert "no *ForCausalLM" in check(vision_from=str(parts["clip"]), language_from=str(parts["clip"]))
-    assert "is not a LLaVA" in check(init_from=str(parts["vicuna"]))
-    assert "no readable config.json" in check(init_from=str(tmp_path))
+    m = VLMModelConfig()
+    assert "no such folder" in check(PartWeights(str(tmp_path / "nope"), str(parts["vicuna"]), m))
+    assert "not a CLIP or SigLIP" in check(PartWeights(str(parts["vicuna"]), str(parts["vicuna"]), m))
+    assert "no *ForCausalLM" in check(PartWeights(str(parts["clip"]), str(parts["clip"]), m))
+    assert "is not a LLaVA" in check(LlavaWeights(str(parts["vicuna"])))
+    assert "no readable config.json" in check(LlavaWeights(str(tmp_path)))
 
 
 @pytest.mark.parametrize("overrides,needle", [
     (["vlm.vision_from={clip}"], "vlm.vision_from and vlm.language_from go together"),
-    (["vlm.vision_from={clip}", "vlm.language_from={vicuna}", "vlm.init_from={llava_hf}"], "exclude each other"),
-    (["vlm.init_from={llava_hf}", "vlm.stage=align"], "vlm.init_from is for vlm.stage=finetune"),
+    (["vlm.vision_from={clip}", "vlm.language_from={vicuna}", "model.init_from={llava_hf}"], "exclude each other"),
+    (["model.init_from={llava_hf}", "vlm.stage=align"], "model.init_from is for vlm.stage=finetune"),
+    (["vlm.init_from={llava_hf}", "vlm.stage=align"], "model.init_from is for vlm.stage=finetune"),  # the old key
+    (["vlm.init_from={llava_hf}", "model.init_from={vicuna}"], "vlm.init_from=.* and model.init_from=.* disagree"),
     (["vlm.train_vision=true", "vlm.stage=align"], "vlm.train_vision=true is for vlm.stage=finetune"),
     # A quoted ~ (Hydra refuses a bare one): expanded, as the README's commands rely on.
     (["vlm.vision_from='~/no/such/kiln/folder'", "vlm.language_from={vicuna}"], "vlm.vision_from=~/no/such/kiln/folder: no such folder"),
@@ -142,6 +145,21 @@ def test_source_mistakes_stop_at_composition(parts, overrides, needle):
         compose(["recipe=vlm_tiny", *(o.format(**parts) for o in overrides)])
     cfg = compose(["recipe=vlm_7b", f"vlm.vision_from={parts['clip']}", f"vlm.language_from={parts['vicuna']}"])
     assert cfg.data.build == [] and cfg.vlm.vision_from == str(parts["clip"])
+
+
+def test_old_init_from_key_still_works_with_one_line(parts, capsys):
+    from common.launch import compose
+    from recipes.vlm.sources import weight_source
+
+    folder = str(parts["llava_hf"])
+    for overrides in ([f"vlm.init_from={folder}"], [f"vlm.init_from={folder}", f"model.init_from={folder}"]):
+        cfg = compose(["recipe=vlm_tiny", *overrides])
+        assert (cfg.model.init_from, cfg.vlm.init_from) == (folder, "")
+        assert isinstance(weight_source(cfg), LlavaWeights)
+        assert capsys.readouterr().out.splitlines() == [
+            "kiln: vlm.init_from is now model.init_from (the old key works until the next release)"]
+    compose(["recipe=vlm_tiny", f"model.init_from={folder}"])
+    assert capsys.readouterr().out == ""
 
 
 def test_dry_run_sizes_the_parts_not_the_preset(parts):
@@ -160,9 +178,9 @@ def test_dry_run_sizes_the_parts_not_the_preset(parts):
 
 
 def test_llava_hf_folder_loads_with_its_processor(parts):
-    folder = pretrained.llava_folder(str(parts["llava_hf"]))
+    folder = llava_folder(str(parts["llava_hf"]))
     model, processor = pretrained.load_llava(folder, "sdpa"), pretrained.llava_processor(folder)
-    pretrained.check_image_tokens(processor, model.config, "vlm.init_from")
+    pretrained.check_image_tokens(processor, model.config, "model.init_from")
     assert not check_chat_template(processor)  # llava-hf's template has no eos after answers
     ref = LlavaForConditionalGeneration.from_pretrained(parts["llava_hf"])
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
@@ -189,8 +207,7 @@ def expected_pieces(template: str, image: str) -> list[tuple[str, bool]]:
                                                       ("llava-hf", None, "llava_hf")])
 def test_multi_turn_labels_are_the_assistant_turns(parts, template, vision, language):
     if vision:
-        processor = pretrained.parts_processor(VLMConfig(vision_from=str(parts[vision]), language_from=str(parts[language])),
-                                               VLMModelConfig())
+        processor = pretrained.parts_processor(str(parts[vision]), str(parts[language]), VLMModelConfig())
     else:
         processor = pretrained.llava_processor(parts[language])
     tok = processor.tokenizer
@@ -211,8 +228,7 @@ def test_multi_turn_labels_are_the_assistant_turns(parts, template, vision, lang
 
 
 def test_truncation_never_splits_an_image(parts):
-    processor = pretrained.parts_processor(VLMConfig(vision_from=str(parts["clip"]), language_from=str(parts["vicuna"])),
-                                           VLMModelConfig())
+    processor = pretrained.parts_processor(str(parts["clip"]), str(parts["vicuna"]), VLMModelConfig())
     two = [{"role": "user", "content": "<image>\nWhat digit is this?"}, {"role": "assistant", "content": "Seven."},
            {"role": "user", "content": "And this one?\n<image>"}, {"role": "assistant", "content": "It is odd."}]
     full = encode_conversation(two, [digit_image(0), digit_image(1)], processor)

@@ -1,0 +1,52 @@
+"""Schemas of the VLM recipe's own config sections: `model` (architecture) and `vlm` (training stage, sources,
+eval). A leaf: recipes/vlm/config.py registers and validates them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class VLMModelConfig:
+    """A LLaVA: vision tower (SigLIP or CLIP) -> MLP projector -> Llama language model."""
+
+    vision: str = "siglip"  # siglip | clip
+    image_size: int = 16
+    patch_size: int = 4
+    vision_hidden_size: int = 64
+    vision_layers: int = 2
+    vision_heads: int = 4
+    vision_intermediate_size: int = 128
+    # Which tower output feeds the projector. null / auto: LLaVA's default for the tower (TOWER_DEFAULTS):
+    # CLIP the penultimate layer without its CLS token, SigLIP the last layer (it has no CLS token).
+    vision_feature_layer: Optional[int] = None
+    vision_feature_select_strategy: str = "auto"  # auto | full | default (default drops the first token: CLIP's CLS)
+    text_hidden_size: int = 128
+    text_layers: int = 2
+    text_heads: int = 4
+    text_kv_heads: int = 2
+    text_intermediate_size: int = 256
+    max_position_embeddings: int = 512
+    vocab_size: int = 0  # 0: the size of the data's tokenizer
+    rope_theta: float = 10000.0
+    # A LLaVA to continue from (its config.json decides the architecture; `model.*` above do not apply): an
+    # align run (dir or export) or a llava-hf folder. Empty: built from vlm.vision_from + vlm.language_from,
+    # or fresh weights shaped by `model.*` (recipes/vlm/sources.py).
+    init_from: str = ""
+
+
+# LLaVA's feature choice per tower: (vision_feature_layer, vision_feature_select_strategy).
+TOWER_DEFAULTS = {"clip": (-2, "default"), "siglip": (-1, "full")}
+
+
+@dataclass
+class VLMConfig:
+    stage: str = "finetune"  # align: projector only | finetune: projector + language model
+    # Where the weights come from (with model.init_from; all empty: fresh weights shaped by `model.*`, the digits demo):
+    init_from: str = ""  # the old name of model.init_from: copied there by recipes/vlm/config.py until the next release
+    vision_from: str = ""  # a CLIP / SigLIP folder (vision model or the whole dual encoder) + its image processor
+    language_from: str = ""  # a *ForCausalLM folder (Llama family) + its tokenizer
+    train_vision: bool = False  # finetune: train the vision tower too (LLaVA keeps it frozen)
+    eval_samples: int = 200  # held-out images answered at the end
+    max_new_tokens: int = 12

@@ -1,0 +1,231 @@
+"""Where a VLM's weights come from: one of three sources, picked once from the config by `weight_source`.
+
+- FreshWeights: fresh weights shaped by `model.*`, with the dataset's own processor (the digits demo);
+- PartWeights: a vision-tower folder + a language-model folder (`vlm.vision_from` + `vlm.language_from`),
+  joined by a fresh projector (where LLaVA's stage 1 starts);
+- LlavaWeights: a LLaVA folder (`model.init_from`: an align run or a llava-hf release).
+
+Each gives its LlavaConfig (json and the tokenizer only, no weights), its processor, the model in fp32 on
+the CPU for an attention backend, and what the log says about it. `weight_source` reads json only: config
+validation calls it, before anything is written. So this module imports nothing heavy at its top; the
+methods that read tokenizers and weights import recipes/vlm's torch/transformers modules (pretrained,
+model, data) where they run, and composing a config stays free of both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common.config import TrainConfig
+from common.errors import ConfigError, DataError
+from recipes.vlm.schema import VLMModelConfig
+
+VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
+
+
+# --- the folders, checked from their json (config validation) -------------------------------------------
+
+def _folder_config(path: str, key: str) -> tuple[Path, dict]:
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"{key}={path}: no such folder")
+    try:
+        return folder.resolve(), json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        raise ConfigError(f"{key}={path}: no readable config.json there (a Hugging Face model folder is expected)") from None
+
+
+def llava_folder(init_from: str) -> Path:
+    """The LLaVA folder `model.init_from` names: an align run (its export/) or a LlavaForConditionalGeneration folder."""
+    path = Path(init_from).expanduser()
+    candidate = path / "export" if (path / "export" / "config.json").exists() else path
+    folder, config = _folder_config(str(candidate), "model.init_from")
+    if config.get("model_type") != "llava":
+        raise ConfigError(f"model.init_from={init_from}: model_type {config.get('model_type')!r} is not a LLaVA "
+                          "(a LlavaForConditionalGeneration folder or an align run is expected)")
+    if not any(folder.glob("*.safetensors")):
+        raise ConfigError(f"model.init_from={init_from}: no *.safetensors weights in {folder}")
+    return folder
+
+
+def check_vision_folder(vision_from: str) -> None:
+    """One line, before anything is written, for a `vlm.vision_from` that is no CLIP / SigLIP tower."""
+    _, config = _folder_config(vision_from, "vlm.vision_from")
+    if config.get("model_type") not in VISION_TYPES:
+        raise ConfigError(f"vlm.vision_from={vision_from}: model_type {config.get('model_type')!r} is not a CLIP or "
+                          "SigLIP vision tower (CLIPVisionModel, CLIPModel, SiglipVisionModel or SiglipModel)")
+
+
+def check_language_folder(language_from: str) -> None:
+    """One line, before anything is written, for a `vlm.language_from` that is no causal LM with a tokenizer."""
+    folder, config = _folder_config(language_from, "vlm.language_from")
+    if not any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or []):
+        raise ConfigError(f"vlm.language_from={language_from}: architectures {config.get('architectures')} name no "
+                          "*ForCausalLM (a Llama-family causal language model is expected)")
+    if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
+        raise ConfigError(f"vlm.language_from={language_from}: no tokenizer there (tokenizer.json / tokenizer_config.json)")
+
+
+def _params(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+class FreshWeights:
+    """Fresh weights shaped by `model.*`, with the processor of the dataset (`meta`: its meta.json, once it
+    is prepared). Without `meta` (run.dry_run, the memory model) no tokenizer is read: the config assumes a
+    vocabulary when model.vocab_size is 0."""
+
+    def __init__(self, model: VLMModelConfig, data_root: str, meta: dict | None = None):
+        self.model, self.data_root, self.meta = model, data_root, meta
+        self.label = f"the processor of data.root={data_root}"
+        self._processor = None
+
+    def check(self) -> None:
+        """The dataset must come with the processor `model.*` fit: digits built for the model's image sizes."""
+        if self.meta is None:
+            return
+        from recipes.vlm.data import is_conversations
+
+        if is_conversations(self.meta):
+            raise ConfigError(f"data.root={self.data_root} holds LLaVA conversations, which the model's own processor "
+                              "tokenizes: give vlm.vision_from + vlm.language_from (pretrained parts) or model.init_from "
+                              "(a LLaVA)")
+        # The dataset's processor decides how many image tokens a prompt holds; the vision tower must agree.
+        built = {"image_size": self.meta["image_size"], "patch_size": self.meta["patch_size"]}
+        wanted = {"image_size": self.model.image_size, "patch_size": self.model.patch_size}
+        if built != wanted:
+            raise DataError(f"data.root={self.data_root} was built for {built}, the model has {wanted}: "
+                            "rebuild it with those sizes (see data.build) or point data.root elsewhere")
+
+    def processor(self):
+        if self.meta is None:
+            raise RuntimeError("fresh weights take the dataset's processor: weight_source(cfg, meta) after prepare_data")
+        if self._processor is None:
+            from recipes.vlm.data import load_processor
+
+            self._processor = load_processor(self.meta["processor_dir"])
+        return self._processor
+
+    def config(self):
+        from recipes.vlm.model import llava_config
+
+        if self.meta is None:
+            vocab = self.model.vocab_size or 1024
+            return llava_config(self.model, vocab_size=vocab, image_token_id=vocab - 1, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2)
+        tokenizer = self.processor().tokenizer
+        return llava_config(
+            self.model,
+            vocab_size=self.model.vocab_size or len(tokenizer),
+            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+
+    def load(self, attention: str):
+        from recipes.vlm.model import build_model
+
+        return build_model(self.config(), attention)
+
+    def describe(self, model) -> str | None:
+        return None  # the digits demo: `model.*` say it all
+
+
+class PartWeights:
+    """A LLaVA assembled from a vision-tower folder and a language-model folder, with a fresh projector."""
+
+    label = "vlm.vision_from + vlm.language_from"
+
+    def __init__(self, vision_from: str, language_from: str, model: VLMModelConfig):
+        self.vision_from, self.language_from, self.model = vision_from, language_from, model
+        self._processor = None
+
+    def check(self) -> None:
+        check_vision_folder(self.vision_from)
+        check_language_folder(self.language_from)
+
+    def processor(self):
+        if self._processor is None:
+            from recipes.vlm.pretrained import parts_processor
+
+            self._processor = parts_processor(self.vision_from, self.language_from, self.model)
+        return self._processor
+
+    def config(self):
+        from recipes.vlm.pretrained import parts_config
+
+        return parts_config(self.vision_from, self.language_from, self.model, self.processor().tokenizer)
+
+    def load(self, attention: str):
+        from recipes.vlm.pretrained import load_parts
+
+        return load_parts(self.config(), self.vision_from, self.language_from, attention)
+
+    def describe(self, model) -> str:
+        from recipes.vlm.model import tower_image_tokens, tower_kind
+
+        c = model.config
+        tower = f"{tower_kind(c.vision_config)} vision tower ({_params(model.model.vision_tower):,})"
+        return (f"kiln: LLaVA from {self.label}: {tower}, projector ({_params(model.model.multi_modal_projector):,}, "
+                f"fresh), language model ({_params(model.model.language_model) + _params(model.lm_head):,}, vocabulary "
+                f"{c.text_config.vocab_size:,} with <image> = {c.image_token_id}); image features: layer "
+                f"{c.vision_feature_layer}, strategy {c.vision_feature_select_strategy}, {tower_image_tokens(c)} tokens "
+                "per image")
+
+
+class LlavaWeights:
+    """A LLaVA folder, whole: its own config, processor and chat template (the recipe's `model.*` do not apply)."""
+
+    def __init__(self, init_from: str):
+        self.init_from = init_from
+        self.label = f"model.init_from={init_from}"
+        self.folder = None
+
+    def check(self) -> None:
+        self.folder = llava_folder(self.init_from)
+
+    def processor(self):
+        from recipes.vlm.pretrained import llava_processor
+
+        return llava_processor(self.folder)
+
+    def config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.folder, local_files_only=True)
+
+    def load(self, attention: str):
+        from recipes.vlm.pretrained import load_llava
+
+        return load_llava(self.folder, attention)
+
+    def describe(self, model) -> str:
+        return f"kiln: {self.label}: loaded all {_params(model):,} weights (vision tower, projector, language model)"
+
+
+WeightSource = FreshWeights | PartWeights | LlavaWeights
+
+
+def weight_source(cfg: TrainConfig, meta: dict | None = None) -> WeightSource:
+    """The one source of weights `cfg` names, checked (one line for keys that contradict each other or a folder
+    that cannot be what its key asks for). `meta`: the dataset's meta.json once prepared (FreshWeights'
+    processor)."""
+    m, v = cfg.model, cfg.vlm
+    if bool(v.vision_from) != bool(v.language_from):
+        raise ConfigError("vlm.vision_from and vlm.language_from go together: a LLaVA is built from both parts")
+    if m.init_from and v.vision_from:
+        raise ConfigError("model.init_from and vlm.vision_from/language_from exclude each other: continue from a LLaVA, "
+                          "or build one from pretrained parts")
+    if m.init_from and v.stage == "align":
+        raise ConfigError("model.init_from is for vlm.stage=finetune (align starts from vlm.vision_from + "
+                          "vlm.language_from, or from fresh weights)")
+    if m.init_from:
+        source = LlavaWeights(m.init_from)
+    elif v.vision_from:
+        source = PartWeights(v.vision_from, v.language_from, m)
+    else:
+        source = FreshWeights(m, cfg.data.root, meta)
+    source.check()
+    return source

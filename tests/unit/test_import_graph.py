@@ -1,0 +1,122 @@
+"""No import cycles among Kiln's modules (common, recipes, data, scripts): the graph of every `import` and
+`from ... import` of a Kiln module, at module top and inside functions alike (a function-local import only
+postpones a circle), read with ast, nothing imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGES = ("common", "recipes", "data", "scripts")
+# Cycles known and left for now, each as the sorted modules of one strongly connected component.
+# None today; recipes/vlm's (config -> pretrained -> model <-> parallelize) is gone and must stay gone.
+ALLOWED: set[tuple[str, ...]] = set()
+
+
+def kiln_modules() -> dict[str, Path]:
+    """Dotted name -> file, for every .py file under PACKAGES (data/cache, the datasets, left out)."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            if parts[:2] == ("data", "cache"):
+                continue
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            modules[name] = path
+    return modules
+
+
+def imported_names(name: str, path: Path) -> set[str]:
+    """Every dotted name `path` imports anywhere in it (`from a.b import c` gives a.b and a.b.c)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Kiln module -> the Kiln modules it imports (a name resolves to its longest Kiln module prefix)."""
+    modules = kiln_modules()
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for target in imported_names(name, path):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(tuple(sorted(component)))
+    return found
+
+
+def test_cycles_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [("a", "b", "c")]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_graph_sees_function_level_and_relative_imports(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import os\nfrom . import sibling\n\ndef f():\n    from recipes.vlm.model import build_model\n")
+    assert imported_names("recipes.vlm.m", path) == {"os", "recipes.vlm", "recipes.vlm.sibling", "recipes.vlm.model",
+                                                      "recipes.vlm.model.build_model"}
+
+
+def test_no_import_cycles_among_kiln_modules():
+    graph = import_graph()
+    assert "recipes.vlm.config" in graph and "common.trainer" in graph
+    found = set(cycles(graph))
+    new = found - ALLOWED
+    described = [" -> ".join(f"{m} ({', '.join(sorted(graph[m] & set(c)))})" for m in c) for c in sorted(new)]
+    assert not new, "import cycles (each module with the cycle's modules it imports): " + "; ".join(described)
+    assert not [c for c in found if any(m.startswith("recipes.vlm") for m in c)]
+    assert not ALLOWED - found, f"cycles in ALLOWED that are gone (remove them): {sorted(ALLOWED - found)}"
