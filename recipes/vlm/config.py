@@ -7,7 +7,7 @@ from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import TrainConfig
+from common.config import DataConfig, TrainConfig, ZeroParallelConfig
 from common.errors import ConfigError
 
 
@@ -52,8 +52,17 @@ class VLMConfig:
     max_new_tokens: int = 12
 
 
+@dataclass
+class VLMDataConfig(DataConfig):
+    """Image-conversation shards (configs/data/vlm_digits|llava): rows of up to max_seq_len tokens."""
+
+    packing: bool = True  # pack conversations into rows of max_seq_len (no attention across them)
+    max_seq_len: int = 256
+
+
 def register() -> None:
     cs = ConfigStore.instance()
+    cs.store(group="data", name="vlm_schema", node=VLMDataConfig)
     cs.store(group="model", name="vlm_schema", node=VLMModelConfig)
     cs.store(group="vlm", name="vlm_schema", node=VLMConfig)
 
@@ -90,5 +99,10 @@ def validate(cfg: TrainConfig) -> None:
         from recipes.vlm.pretrained import check_sources
 
         check_sources(v)
-    if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
-        raise ConfigError(f"parallel.tp={cfg.parallel.tp} parallel.pp={cfg.parallel.pp}: the VLM recipe shards with ZeRO data parallelism only (tp=pp=1)")
+    if not isinstance(cfg.parallel, ZeroParallelConfig):
+        raise ConfigError("the VLM recipe shards with DeepSpeed ZeRO data parallelism only (parallel=single|zero1|zero2|"
+                          "zero3: parallel.dp, parallel.zero_stage)")
+    if not isinstance(cfg.data, VLMDataConfig):
+        raise ConfigError(f"data={cfg.data.name} is not an image-conversation dataset; the VLM reads data=vlm_digits or llava")
+    if cfg.data.max_seq_len <= 0:
+        raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")
