@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -55,13 +55,22 @@ class CheckpointConfig:
 
 @dataclass
 class ParallelConfig:
-    zero_stage: int = 0  # DeepSpeed ZeRO stage (DiT, VLM)
+    """What every family's `parallel` section has. A family's own schema adds its keys (DeepSpeed's
+    `zero_stage` below; the LLM's tp/pp in recipes/llm/config.py); the degrees a family has no key for
+    read as these class constants (no tensor or pipeline parallelism, no ZeRO partitioning)."""
+
     dp: int = -1  # data-parallel degree; -1 = world_size / (tp * pp)
-    tp: int = 1
-    pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int = 0  # 0 = pp
     timeout_s: int = 600  # collective timeout: a hang becomes an error
+    tp: ClassVar[int] = 1
+    pp: ClassVar[int] = 1
+    zero_stage: ClassVar[int] = 0
+
+
+@dataclass
+class ZeroParallelConfig(ParallelConfig):
+    """The DeepSpeed recipes' (DiT, VLM): ZeRO data parallelism (configs/parallel/single|zero1|zero2|zero3)."""
+
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
 
 
 @dataclass
@@ -102,6 +111,8 @@ class ProfileConfig:
 
 @dataclass
 class DataConfig:
+    """What every family's `data` section has; a family's schema adds its own keys (recipes/<family>/config.py)."""
+
     name: str = "digits"
     root: str = "data/cache/digits"  # a relative path is taken from the working directory (run from the checkout)
     # The dataset's builder: the argv after `python -m` that builds it at `root` (the runtime
@@ -114,10 +125,6 @@ class DataConfig:
     num_workers: int = 1
     shuffle_buffer: int = 256
     max_corrupt_shards: int = 0
-    image_size: int = 16
-    latents: str = ""  # DiT: a latent cache (python -m data.cache_latents) to train from instead of encoding data.root
-    packing: bool = False  # pack variable-length samples into rows of max_seq_len (VLM, LLM)
-    max_seq_len: int = 256
 
 
 @dataclass
@@ -126,11 +133,11 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: Any = MISSING  # a ParallelConfig: the family's schema comes with configs/parallel/<name>.yaml
     optim: OptimConfig = field(default_factory=OptimConfig)
     toggles: TogglesConfig = field(default_factory=TogglesConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: Any = MISSING  # a DataConfig: the family's schema comes with configs/data/<name>.yaml
     # Recipe-specific sections; their schemas come from recipes/<family>/config.py.
     model: Any = MISSING
     diffusion: Any = None  # DiT
@@ -142,8 +149,6 @@ CHOICES = {
     "toggles.activation_checkpointing": ("none", "full", "selective"),
     "toggles.attention": ("sdpa", "flash", "eager"),
     "optim.schedule": ("constant", "cosine", "linear"),
-    "parallel.zero_stage": (0, 1, 2, 3),
-    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
 }
 
 POSITIVE = (
@@ -152,12 +157,8 @@ POSITIVE = (
     "trainer.micro_batch_size",
     "trainer.grad_accum",
     "checkpoint.keep",
-    "parallel.tp",
-    "parallel.pp",
     "parallel.timeout_s",
     "data.shuffle_buffer",
-    "data.image_size",
-    "data.max_seq_len",
     "profile.active",
 )
 NON_NEGATIVE = (
@@ -195,6 +196,8 @@ def validate(cfg: TrainConfig) -> None:
     for key in NON_NEGATIVE:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
+    if isinstance(cfg.parallel, ZeroParallelConfig) and cfg.parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage!r} is not allowed; choose one of: 0, 1, 2, 3")
     if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be -1 (derive from world size) or >= 1")
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
@@ -216,4 +219,6 @@ def validate(cfg: TrainConfig) -> None:
 
 def register() -> None:
     """Put the shared schema into Hydra's ConfigStore (idempotent)."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="parallel", name="zero_schema", node=ZeroParallelConfig)

@@ -68,20 +68,31 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
     return recipe_spec(cfg.recipe.family).train().memory_spec(cfg)
 
 
-def with_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:
-    zero = layout.zero_stage if cfg.recipe.family != "llm" else 0  # the LLM's sharding is FSDP, not a ZeRO key
-    parallel = dataclasses.replace(cfg.parallel, dp=layout.dp, tp=layout.tp, pp=layout.pp, zero_stage=zero)
+def with_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig | None:
+    """`cfg` with `layout`'s degrees set, or None where the family's `parallel` schema has no key for one of
+    them and the layout needs another value than the family's only one (DiT/VLM: tp = pp = 1). A layout's
+    zero_stage is a key only where the family has it: the LLM's FSDP layouts carry 3 for full sharding."""
+    own = {f.name for f in dataclasses.fields(cfg.parallel)}
+    keys = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
+    if "zero_stage" in own:
+        keys["zero_stage"] = layout.zero_stage
+    if any(getattr(cfg.parallel, k) != v for k, v in keys.items() if k not in own):
+        return None
+    parallel = dataclasses.replace(cfg.parallel, **{k: v for k, v in keys.items() if k in own})
     toggles = dataclasses.replace(cfg.toggles, activation_checkpointing=layout.ac)
     return dataclasses.replace(cfg, parallel=parallel, toggles=toggles)
 
 
 def recipe_allows(cfg: TrainConfig):
-    """The recipe's own validation decides which layouts it can run (e.g. DiT/VLM: tp = pp = 1)."""
+    """The recipe's schema and its own validation decide which layouts it can run (e.g. DiT/VLM: tp = pp = 1)."""
     validate = recipe_spec(cfg.recipe.family).config.validate
 
     def allows(layout: Layout) -> bool:
+        laid_out = with_layout(cfg, layout)
+        if laid_out is None:
+            return False
         try:
-            validate(with_layout(cfg, layout))
+            validate(laid_out)
         except ConfigError:
             return False
         return True

@@ -1,4 +1,4 @@
-"""Schemas of the DiT recipe's own config sections: `model` (architecture) and `diffusion`."""
+"""Schemas of the DiT recipe's own config sections: `model` (architecture), `diffusion` and `data` (images)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import TrainConfig
+from common.config import DataConfig, TrainConfig, ZeroParallelConfig
 from common.errors import ConfigError
 
 OBJECTIVES = ("ddpm", "flow")
@@ -54,8 +54,17 @@ class DiffusionConfig:
     eval_samples_per_class: int = 50
 
 
+@dataclass
+class DiTDataConfig(DataConfig):
+    """Image shards (configs/data/digits|images), or the latent cache encoded from them."""
+
+    image_size: int = 16
+    latents: str = ""  # a latent cache (python -m data.cache_latents) to train from instead of encoding data.root
+
+
 def register() -> None:
     cs = ConfigStore.instance()
+    cs.store(group="data", name="dit_schema", node=DiTDataConfig)
     cs.store(group="model", name="dit_schema", node=DiTModelConfig)
     cs.store(group="diffusion", name="dit_schema", node=DiffusionConfig)
 
@@ -76,8 +85,13 @@ def validate(cfg: TrainConfig) -> None:
     inner = m.num_attention_heads * m.attention_head_dim
     if inner % m.norm_num_groups:
         raise ConfigError(f"model.num_attention_heads*attention_head_dim={inner} must be divisible by model.norm_num_groups={m.norm_num_groups}")
-    if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
-        raise ConfigError(f"parallel.tp={cfg.parallel.tp} parallel.pp={cfg.parallel.pp}: the DiT recipe shards with ZeRO data parallelism only (tp=pp=1)")
+    if not isinstance(cfg.parallel, ZeroParallelConfig):
+        raise ConfigError("the DiT recipe shards with DeepSpeed ZeRO data parallelism only (parallel=single|zero1|zero2|"
+                          "zero3: parallel.dp, parallel.zero_stage)")
+    if not isinstance(cfg.data, DiTDataConfig):
+        raise ConfigError(f"data={cfg.data.name} is not an image dataset; the DiT reads data=digits or images")
+    if cfg.data.image_size <= 0:
+        raise ConfigError(f"data.image_size={cfg.data.image_size} must be > 0")
     if d.objective not in OBJECTIVES:
         raise ConfigError(f"diffusion.objective={d.objective!r} is not allowed; choose one of: {', '.join(OBJECTIVES)}")
     if d.prediction_type not in PREDICTION_TYPES:

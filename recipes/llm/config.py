@@ -1,4 +1,5 @@
-"""Schema of the LLM recipe's `model` section (a Llama; see recipes/llm/model.py:LlamaArgs)."""
+"""Schemas of the LLM recipe's own config sections: `model` (a Llama; see recipes/llm/model.py:LlamaArgs),
+`parallel` (the ("pp", "dp", "tp") mesh) and `data` (packed token rows)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import TrainConfig
+from common.config import DataConfig, ParallelConfig, TrainConfig
 from common.errors import ConfigError
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 @dataclass
@@ -42,6 +45,23 @@ class LLMModelConfig:
     loss_parallel: bool = False  # TP: keep logits sharded over the vocabulary for the loss
 
 
+@dataclass
+class MeshParallelConfig(ParallelConfig):
+    """The LLM's layout (configs/parallel/mesh.yaml): FSDP2 over dp, tensor parallelism, pipeline stages."""
+
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    pp_microbatches: int = 0  # 0 = pp
+
+
+@dataclass
+class LLMDataConfig(DataConfig):
+    """Token shards, always packed into rows of max_seq_len with document masking."""
+
+    max_seq_len: int = 256
+
+
 # The model.* keys a checkpoint's config.json decides (LlamaArgs fields of the same name) -> its config.json key.
 CHECKPOINT_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
                    "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size", "vocab_size": "vocab_size",
@@ -50,7 +70,10 @@ CHECKPOINT_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_hea
 
 
 def register() -> None:
-    ConfigStore.instance().store(group="model", name="llm_schema", node=LLMModelConfig)
+    cs = ConfigStore.instance()
+    cs.store(group="model", name="llm_schema", node=LLMModelConfig)
+    cs.store(group="parallel", name="llm_schema", node=MeshParallelConfig)
+    cs.store(group="data", name="llm_schema", node=LLMDataConfig)
 
 
 def complete(cfg: TrainConfig, command_line: set[str]) -> None:
@@ -83,6 +106,19 @@ def validate(cfg: TrainConfig) -> None:
     m, p = cfg.model, cfg.parallel
     if not isinstance(m, LLMModelConfig):
         raise ConfigError("recipe.family=llm needs a model=llm_* config group")
+    if not isinstance(p, MeshParallelConfig):
+        raise ConfigError("the LLM recipe shards with FSDP2 over parallel.dp, tensor and pipeline parallelism "
+                          "(parallel=mesh: parallel.dp/tp/pp), not DeepSpeed ZeRO")
+    if not isinstance(cfg.data, LLMDataConfig):
+        raise ConfigError(f"data={cfg.data.name} is not a token dataset; the LLM reads data=pydoc_text, text_shards "
+                          "or chat_shards")
+    for key in ("tp", "pp"):
+        if getattr(p, key) <= 0:
+            raise ConfigError(f"parallel.{key}={getattr(p, key)} must be > 0")
+    if p.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} is not allowed; choose one of: {', '.join(PP_SCHEDULES)}")
+    if cfg.data.max_seq_len <= 0:
+        raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")
     if m.rope_scaling.rope_type not in ("default", "llama3"):
         raise ConfigError(f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not allowed; choose default or llama3")
     if not m.head_dim and m.dim % m.n_heads:
@@ -102,8 +138,6 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError("parallel.pp_microbatches must be >= 0 (0 = parallel.pp)")
         if p.pp_schedule == "interleaved_1f1b" and (p.pp_microbatches or p.pp) % p.pp:
             raise ConfigError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_microbatches divisible by parallel.pp")
-    if p.zero_stage:
-        raise ConfigError("parallel.zero_stage: the LLM recipe shards with FSDP2 over parallel.dp, not DeepSpeed ZeRO")
     if cfg.data.max_seq_len > m.max_seq_len:
         # With init_from, model.max_seq_len is the checkpoint's max_position_embeddings: rows longer
         # than the positions it was trained on are refused rather than extrapolated.

@@ -7,14 +7,15 @@ import os
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import TrainConfig
+from common.config import TrainConfig, ZeroParallelConfig
 from common.errors import ConfigError
-from recipes.vlm.schema import VLMConfig, VLMModelConfig
+from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig
 from recipes.vlm.sources import weight_source
 
 
 def register() -> None:
     cs = ConfigStore.instance()
+    cs.store(group="data", name="vlm_schema", node=VLMDataConfig)
     cs.store(group="model", name="vlm_schema", node=VLMModelConfig)
     cs.store(group="vlm", name="vlm_schema", node=VLMConfig)
 
@@ -41,8 +42,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("vlm.train_vision=true is for vlm.stage=finetune (align trains the projector only)")
     rename_init_from(m, v)
     weight_source(cfg)  # json only: one line for sources that contradict each other or a folder that does not fit
-    if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
-        raise ConfigError(f"parallel.tp={cfg.parallel.tp} parallel.pp={cfg.parallel.pp}: the VLM recipe shards with ZeRO data parallelism only (tp=pp=1)")
+    if not isinstance(cfg.parallel, ZeroParallelConfig):
+        raise ConfigError("the VLM recipe shards with DeepSpeed ZeRO data parallelism only (parallel=single|zero1|zero2|"
+                          "zero3: parallel.dp, parallel.zero_stage)")
+    if not isinstance(cfg.data, VLMDataConfig):
+        raise ConfigError(f"data={cfg.data.name} is not an image-conversation dataset; the VLM reads data=vlm_digits or llava")
+    if cfg.data.max_seq_len <= 0:
+        raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")
 
 
 def rename_init_from(m: VLMModelConfig, v: VLMConfig) -> None:

@@ -1,10 +1,12 @@
-"""Schemas of the VLM recipe's own config sections: `model` (architecture) and `vlm` (training stage, sources,
-eval). A leaf: recipes/vlm/config.py registers and validates them."""
+"""Schemas of the VLM recipe's own config sections: `model` (architecture), `vlm` (training stage, sources,
+eval) and `data` (image-conversation shards). A leaf in recipes/vlm: recipes/vlm/config.py registers and validates them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from common.config import DataConfig
 
 
 @dataclass
@@ -50,3 +52,11 @@ class VLMConfig:
     train_vision: bool = False  # finetune: train the vision tower too (LLaVA keeps it frozen)
     eval_samples: int = 200  # held-out images answered at the end
     max_new_tokens: int = 12
+
+
+@dataclass
+class VLMDataConfig(DataConfig):
+    """Image-conversation shards (configs/data/vlm_digits|llava): rows of up to max_seq_len tokens."""
+
+    packing: bool = True  # pack conversations into rows of max_seq_len (no attention across them)
+    max_seq_len: int = 256

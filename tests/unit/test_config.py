@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +14,25 @@ from common.launch import compose
 from tests.conftest import REPO, TRAIN
 
 RECIPES = sorted(p.stem for p in (REPO / "configs" / "recipe").glob("*.yaml"))
+# A group option whose schema is a family's (configs/<group>/<option>.yaml's first default) composes with
+# that family's tiny recipe; the others with every family's.
+SCHEMA_RECIPES = {"dit_schema": ["dit_tiny"], "vlm_schema": ["vlm_tiny"], "llm_schema": ["llm_tiny"],
+                  "zero_schema": ["dit_tiny", "vlm_tiny"]}
+
+
+def _schema(option: Path) -> str | None:
+    import yaml
+
+    defaults = (yaml.safe_load(option.read_text()) or {}).get("defaults") or [None]
+    return defaults[0] if isinstance(defaults[0], str) else None
+
+
 GROUP_OPTIONS = [
-    (group.name, p.stem)
+    (group.name, p.stem, recipe)
     for group in sorted((REPO / "configs").iterdir())
     if group.is_dir() and group.name not in ("recipe", "model", "diffusion", "vlm")  # family-specific
     for p in sorted(group.glob("*.yaml"))
+    for recipe in SCHEMA_RECIPES.get(_schema(p), ["dit_tiny", "vlm_tiny", "llm_tiny"])
 ]
 
 
@@ -28,10 +43,24 @@ def test_every_recipe_composes(recipe):
     assert cfg.recipe.family in ("dit", "vlm", "llm")
 
 
-@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
-def test_every_group_option_composes(group, option):
-    cfg = compose(["recipe=dit_tiny", f"{group}={option}"])
+@pytest.mark.parametrize("group,option,recipe", GROUP_OPTIONS)
+def test_every_group_option_composes(group, option, recipe):
+    cfg = compose([f"recipe={recipe}", f"{group}={option}"])
     assert cfg is not None
+
+
+def test_each_family_has_only_its_own_parallel_and_data_keys():
+    """The root schema is not the union of the families': ZeRO is the DeepSpeed recipes', tp/pp the LLM's,
+    image sizes and latents the DiT's, packing the VLM's (the LLM always packs)."""
+    keys = {r: compose([f"recipe={r}"]) for r in ("dit_tiny", "vlm_tiny", "llm_tiny")}
+    fields = {r: ({f.name for f in dataclasses.fields(c.parallel)}, {f.name for f in dataclasses.fields(c.data)})
+              for r, c in keys.items()}
+    assert fields["dit_tiny"][0] == fields["vlm_tiny"][0] == {"dp", "timeout_s", "zero_stage"}
+    assert fields["llm_tiny"][0] == {"dp", "timeout_s", "tp", "pp", "pp_schedule", "pp_microbatches"}
+    common = {"name", "root", "build", "build_hint", "num_workers", "shuffle_buffer", "max_corrupt_shards"}
+    assert fields["dit_tiny"][1] == common | {"image_size", "latents"}
+    assert fields["vlm_tiny"][1] == common | {"packing", "max_seq_len"}
+    assert fields["llm_tiny"][1] == common | {"max_seq_len"}
 
 
 def test_recipe_is_a_delta_over_the_defaults():
@@ -83,7 +112,9 @@ def test_bad_values_raise_config_error(override, needle):
 @pytest.mark.parametrize("override,needle", [
     ("parallel.pp=8", "needs 8 pipeline stages but model.n_layers=4"),
     ("parallel.tp=4", "parallel.tp=4 must divide model.n_kv_heads=2"),
-    ("parallel.zero_stage=2", "FSDP2"),
+    ("parallel.zero_stage=2", "unknown config key 'parallel.zero_stage'"),  # the LLM's schema has no ZeRO
+    ("parallel=zero2", "FSDP2"),
+    ("data=digits", "not a token dataset"),
     ("data.max_seq_len=512", "exceeds model.max_seq_len=256"),
     ("toggles.precision=fp16", "toggles.precision=fp16 is not offered by the LLM recipe"),
     ("toggles.precision=fp8 parallel.tp=2", "the LLM recipe converts to fp8 without tensor parallelism"),
@@ -101,7 +132,7 @@ def test_llm_layout_mistakes(override, needle):
         ("toggles.precision=fp8", "toggles.precision=fp8"),
         ("toggles.precision=fp16", "toggles.precision=fp16"),
         ("parallel.dp=4", "parallel.dp*tp*pp=4*1*1=4 but the job has 1 ranks"),
-        ("parallel.tp=2", "ZeRO data parallelism only"),
+        ("parallel.tp=2", "unknown config key 'parallel.tp'"),  # the DiT's parallel schema has no tensor parallelism
         ("recipe=llm_tiny toggles.precision=fp16", "toggles.precision=fp16 is not offered by the LLM recipe"),
         ("recipe=llm_tiny toggles.precision=fp8", "toggles.precision=fp8"),
     ],

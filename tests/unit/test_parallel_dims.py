@@ -2,13 +2,13 @@
 
 import pytest
 
-from common.config import ParallelConfig
+from recipes.llm.config import MeshParallelConfig
 from common.errors import ConfigError
 from common.parallel_dims import ParallelDims
 
 
 def test_dp_is_derived_from_the_world_size():
-    dims = ParallelDims.from_config(ParallelConfig(dp=-1, tp=2, pp=2), world_size=8)
+    dims = ParallelDims.from_config(MeshParallelConfig(dp=-1, tp=2, pp=2), world_size=8)
     assert (dims.dp, dims.tp, dims.pp) == (2, 2, 2)
 
 
@@ -19,4 +19,4 @@ def test_dp_is_derived_from_the_world_size():
 ])
 def test_impossible_layouts_are_rejected(dp, tp, pp, world, needle):
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*")):
-        ParallelDims.from_config(ParallelConfig(dp=dp, tp=tp, pp=pp), world_size=world)
+        ParallelDims.from_config(MeshParallelConfig(dp=dp, tp=tp, pp=pp), world_size=world)
