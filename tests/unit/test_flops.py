@@ -239,7 +239,7 @@ def _recipe_step_flops(overrides: list[str]) -> dict:
         trainer.state.loader.close()
     result = {"flops": fc.flops, "forward": forward.flops, "by_op": fc.by_op()}
     if family == "llm":  # the model computes on every slot of its packed rows, padding included
-        slots = round(stats.tokens / stats.token_utilization)
+        slots = round(stats.values["tokens"] / stats.values["token_utilization"])
         linear, seq = flops_per_token(trainer.args, 0), cfg.data.max_seq_len
         result["expected"] = slots * (linear + (flops_per_token(trainer.args, seq) - linear) * SDPA_BACKWARD_RECOMPUTE)
         result["formula"] = slots * flops_per_token(trainer.args, seq)
