@@ -217,6 +217,19 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"run.resume={resume}: no such path (use auto, never, or a checkpoint path)")
 
 
+ZERO_LAYOUTS = "parallel=single|zero1|zero2|zero3: parallel.dp, parallel.zero_stage"
+
+
+def check_family_sections(cfg: TrainConfig, recipe: str, *, parallel: type, layouts: str, data: type,
+                          datasets: str) -> None:
+    """One line where a `parallel` or `data` option of another family was picked (each family's schema is
+    its own: recipes/<family>/config.py)."""
+    if not isinstance(cfg.parallel, parallel):
+        raise ConfigError(f"the {recipe} recipe does not take this parallel layout; it shards with {layouts}")
+    if not isinstance(cfg.data, data):
+        raise ConfigError(f"data={cfg.data.name} is not a dataset of the {recipe} recipe; it reads data={datasets}")
+
+
 def register() -> None:
     """Put the shared schema into Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()

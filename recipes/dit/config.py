@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import DataConfig, TrainConfig, ZeroParallelConfig
+from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.errors import ConfigError
 
 OBJECTIVES = ("ddpm", "flow")
@@ -85,11 +85,8 @@ def validate(cfg: TrainConfig) -> None:
     inner = m.num_attention_heads * m.attention_head_dim
     if inner % m.norm_num_groups:
         raise ConfigError(f"model.num_attention_heads*attention_head_dim={inner} must be divisible by model.norm_num_groups={m.norm_num_groups}")
-    if not isinstance(cfg.parallel, ZeroParallelConfig):
-        raise ConfigError("the DiT recipe shards with DeepSpeed ZeRO data parallelism only (parallel=single|zero1|zero2|"
-                          "zero3: parallel.dp, parallel.zero_stage)")
-    if not isinstance(cfg.data, DiTDataConfig):
-        raise ConfigError(f"data={cfg.data.name} is not an image dataset; the DiT reads data=digits or images")
+    check_family_sections(cfg, "DiT", parallel=ZeroParallelConfig, layouts=f"DeepSpeed ZeRO ({ZERO_LAYOUTS})",
+                          data=DiTDataConfig, datasets="digits or images (image shards)")
     if cfg.data.image_size <= 0:
         raise ConfigError(f"data.image_size={cfg.data.image_size} must be > 0")
     if d.objective not in OBJECTIVES:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import DataConfig, ParallelConfig, TrainConfig
+from common.config import DataConfig, ParallelConfig, TrainConfig, check_family_sections
 from common.errors import ConfigError
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -106,12 +106,10 @@ def validate(cfg: TrainConfig) -> None:
     m, p = cfg.model, cfg.parallel
     if not isinstance(m, LLMModelConfig):
         raise ConfigError("recipe.family=llm needs a model=llm_* config group")
-    if not isinstance(p, MeshParallelConfig):
-        raise ConfigError("the LLM recipe shards with FSDP2 over parallel.dp, tensor and pipeline parallelism "
-                          "(parallel=mesh: parallel.dp/tp/pp), not DeepSpeed ZeRO")
-    if not isinstance(cfg.data, LLMDataConfig):
-        raise ConfigError(f"data={cfg.data.name} is not a token dataset; the LLM reads data=pydoc_text, text_shards "
-                          "or chat_shards")
+    check_family_sections(cfg, "LLM", parallel=MeshParallelConfig,
+                          layouts="FSDP2 over parallel.dp, tensor and pipeline parallelism (parallel=mesh: parallel.dp/tp/pp), "
+                                  "not DeepSpeed ZeRO",
+                          data=LLMDataConfig, datasets="pydoc_text, text_shards or chat_shards (token shards)")
     for key in ("tp", "pp"):
         if getattr(p, key) <= 0:
             raise ConfigError(f"parallel.{key}={getattr(p, key)} must be > 0")

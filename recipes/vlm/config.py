@@ -7,7 +7,7 @@ import os
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import TrainConfig, ZeroParallelConfig
+from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.errors import ConfigError
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig
 from recipes.vlm.sources import weight_source
@@ -42,11 +42,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("vlm.train_vision=true is for vlm.stage=finetune (align trains the projector only)")
     rename_init_from(m, v)
     weight_source(cfg)  # json only: one line for sources that contradict each other or a folder that does not fit
-    if not isinstance(cfg.parallel, ZeroParallelConfig):
-        raise ConfigError("the VLM recipe shards with DeepSpeed ZeRO data parallelism only (parallel=single|zero1|zero2|"
-                          "zero3: parallel.dp, parallel.zero_stage)")
-    if not isinstance(cfg.data, VLMDataConfig):
-        raise ConfigError(f"data={cfg.data.name} is not an image-conversation dataset; the VLM reads data=vlm_digits or llava")
+    check_family_sections(cfg, "VLM", parallel=ZeroParallelConfig, layouts=f"DeepSpeed ZeRO ({ZERO_LAYOUTS})",
+                          data=VLMDataConfig, datasets="vlm_digits or llava (image-conversation shards)")
     if cfg.data.max_seq_len <= 0:
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")
 

@@ -114,7 +114,7 @@ def test_bad_values_raise_config_error(override, needle):
     ("parallel.tp=4", "parallel.tp=4 must divide model.n_kv_heads=2"),
     ("parallel.zero_stage=2", "unknown config key 'parallel.zero_stage'"),  # the LLM's schema has no ZeRO
     ("parallel=zero2", "FSDP2"),
-    ("data=digits", "not a token dataset"),
+    ("data=digits", "data=digits is not a dataset of the LLM recipe"),
     ("data.max_seq_len=512", "exceeds model.max_seq_len=256"),
     ("toggles.precision=fp16", "toggles.precision=fp16 is not offered by the LLM recipe"),
     ("toggles.precision=fp8 parallel.tp=2", "the LLM recipe converts to fp8 without tensor parallelism"),
