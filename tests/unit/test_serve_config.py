@@ -40,6 +40,21 @@ def export(tmp_path):
     return folder
 
 
+@pytest.fixture(autouse=True)
+def _no_vllm_environment(monkeypatch):
+    """These tests spell out the commands of a machine without .venv-serve (`make serve-env` builds it on the
+    test machine too); the ones about that environment make their own."""
+    monkeypatch.setenv("KILN_SERVE_VENV", "/nonexistent/venv-serve")
+
+
+def fake_serve_env(folder, build: str):
+    """A stand-in .venv-serve: its python and the stamp `make serve-env` writes."""
+    (folder / "bin").mkdir(parents=True)
+    (folder / "bin" / "python").symlink_to(sys.executable)
+    (folder / ".kiln-installed").write_text(build + "\n")
+    return folder
+
+
 def _serve(*args, tmp="/nonexistent", **env):
     """scripts/serve.py; its per-server scratch state (a dry run writes some) goes under `tmp`."""
     base = {k: v for k, v in os.environ.items() if k not in ("KILN_API_KEY", "VLLM_API_KEY")}
@@ -101,8 +116,24 @@ def test_served_name_defaults_to_the_recipe_then_the_folder(export, tmp_path):
     (False, False, "transformers", "no CUDA device and vllm not installed"),
 ])
 def test_auto_takes_vllm_only_with_cuda_and_vllm(cuda, vllm, engine, why):
+    why = why if engine == "vllm" else f"no vLLM environment (make serve-env), {why}"
     assert choose_engine("auto", cuda=cuda, vllm=vllm) == (engine, f"auto: {why}")
     assert choose_engine("transformers", cuda=True, vllm=True) == ("transformers", "requested")
+
+
+@pytest.mark.parametrize("build", ["cpu", "gpu"])
+def test_auto_takes_the_vllm_environment_even_without_cuda(build, export, tmp_path, monkeypatch):
+    venv = fake_serve_env(tmp_path / "venv", build)
+    monkeypatch.setenv("KILN_SERVE_VENV", str(venv))
+    assert choose_engine("auto", cuda=False, vllm=False) == ("vllm", f"auto: vLLM's {build.upper()} build in {venv}")
+    launch = plan(ServeSection(model=str(export), port=8003, dtype="float32", cpu_kvcache_gib=3, dry_run=True))
+    # Its OpenAI server module (the CPU build's `vllm` script cannot find its own distribution).
+    assert launch.argv[:5] == [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                               "--model", str(export)]
+    assert launch.argv[launch.argv.index("--dtype") + 1] == "float32"
+    assert launch.env == ({"VLLM_CPU_KVCACHE_SPACE": "3"} if build == "cpu" else {})
+    # LLaVA exports: the CPU build cannot load them here; auto says so and serves with transformers.
+    assert choose_engine("auto", env=build, multimodal=True)[0] == ("transformers" if build == "cpu" else "vllm")
 
 
 def test_vllm_command_line(export, tmp_path):
