@@ -65,6 +65,7 @@ FIXTURES = {
 # Commands that cannot run here, each with the place that runs the same code path.
 NOT_RUN = {
     "make test": "this test runs inside it",
+    "make serve-env": "installs vLLM's environment: CI's .ci/run builds it, tests/integration/test_serve_vllm.py serves from it",
     "pip install": "installs an environment (CI's .ci/run installs the CPU one with make)",
     "python3 -m venv": "installs an environment (CI's .ci/run installs the CPU one with make)",
     "curl": "needs a live server: tests/integration/test_serve.py sends the same requests",
