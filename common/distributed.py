@@ -88,24 +88,6 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def mean_over_ranks(values: list[torch.Tensor | float], device: torch.device) -> torch.Tensor:
-    """The mean over all ranks of each value, as one float64 device tensor, without waiting for the
-    device: host numbers are copied in through pinned memory (non-blocking), and one all-reduce carries
-    them all. Read it (``.tolist()``) only when needed: that is the host-device sync."""
-    parts = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            parts.append(v.detach().to(device, torch.float64).reshape(1))
-        else:
-            host = torch.tensor([float(v)], dtype=torch.float64, pin_memory=device.type == "cuda")
-            parts.append(host.to(device, non_blocking=True))
-    t = torch.cat(parts)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t
-
-
 # ---- naming the rank behind a collective timeout -------------------------------------------
 # Every rank writes the step it starts into the process group's store; a rank whose collective
 # times out says so in the store too. Ranks that never report a timeout while their peers did
