@@ -199,7 +199,8 @@ def test_gpu_launch_scripts(export, tmp_path):
     srun.write_text('#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
     srun.chmod(0o755)
     env = {"PATH": f"{srun.parent}:/usr/bin:/bin", "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "7", "TMPDIR": str(tmp_path),
-           "CUDA_VISIBLE_DEVICES": "0,1", "KILN_PYTHON": sys.executable, "KILN_API_KEY": SECRET_KEY}
+           "CUDA_VISIBLE_DEVICES": "0,1", "KILN_PYTHON": sys.executable, "KILN_API_KEY": SECRET_KEY,
+           "KILN_SERVE_VENV": os.environ["KILN_SERVE_VENV"]}  # (the fixture's: no vLLM environment)
     proc = subprocess.run(["bash", str(scripts[1]), f"serve.model={export}", "serve.port=8123", "serve.dry_run=true"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
