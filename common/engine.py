@@ -27,6 +27,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from common import deepspeed as ds
 from common.config import TrainConfig
 from common.optim import adamw_kernel, lr_factor
 from common.profiling import StepTimer
@@ -87,8 +88,6 @@ class DeepSpeedEngine(Engine):
     micro-batch, gradients reduced after the last one, and `engine.step()` called once per optimizer step."""
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, dp: int):
-        from common import deepspeed as ds
-
         self.ds = ds.initialize(model, cfg, dp)
         self.model, self.module, self.dp = self.ds, self.ds.module, dp
         self.zero_stage = cfg.parallel.zero_stage
@@ -103,15 +102,11 @@ class DeepSpeedEngine(Engine):
         return loss_sum.detach()
 
     def clip_grad_norm(self):
-        from common import deepspeed as ds
-
         # ZeRO-0 in fp32 only: the gradients sit whole on p.grad (DeepSpeed clips them in its step);
         # every other stage and precision computes, clips and checks the norm in `step`.
         return ds.full_grad_norm(self.ds)
 
     def step(self, skip=False):
-        from common import deepspeed as ds
-
         self.ds.optimizer.kiln_skip = skip  # ZeRO-0 fp32: common/deepspeed.py's pre-hook drops the gradients
         self.ds.step()
         return ds.grad_norm(self.ds)
@@ -129,8 +124,6 @@ class DeepSpeedEngine(Engine):
         self.ds.save_checkpoint(str(tmp.parent), tag=tmp.name, save_latest=False)
 
     def load(self, path):
-        from common import deepspeed as ds
-
         ds.load_checkpoint(self.ds, path)
 
     def layout(self):
@@ -138,8 +131,6 @@ class DeepSpeedEngine(Engine):
 
     def gathered(self):
         """Full weights on every rank for the duration (ZeRO-3 partitions them)."""
-        from common import deepspeed as ds
-
         return ds.gathered(self.module, self.zero_stage)
 
 
