@@ -326,3 +326,72 @@ class TensorRTDiT:
                   zip(sample.split(self.max_batch), t.split(self.max_batch), class_labels.split(self.max_batch))]
         out = torch.cat(chunks)
         return Transformer2DModelOutput(sample=out) if return_dict else (out,)
+
+
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
+
+
+def load_backend(name: str, export: Path, *, onnx_path: str | Path | None = None, engine_path: str | Path | None = None,
+                 threads: int | None = None, device: str | None = None) -> tuple[object, torch.device]:
+    """(model, device) of an export on one backend, in the diffusers call signature sample_images uses:
+    PyTorch (transformer/), onnxruntime (onnx/model.onnx) or TensorRT (onnx/model.plan), the last two
+    written by scripts/export_dit.py."""
+    if name == "torch":
+        from diffusers import DiTTransformer2DModel
+
+        dev = torch.device(device or "cpu")
+        return DiTTransformer2DModel.from_pretrained(export / "transformer").eval().to(dev), dev
+    if name == "onnxruntime":
+        path = Path(onnx_path or export / "onnx" / "model.onnx")
+        if not path.exists():
+            raise FileNotFoundError(f"no ONNX file at {path}: run scripts/export_dit.py {export} first")
+        return OnnxDiT(path, threads=threads), torch.device("cpu")
+    if name == "tensorrt":
+        dev = torch.device(device or "cuda")
+        return TensorRTDiT(Path(engine_path or export / "onnx" / "model.plan"), device=dev), dev
+    raise ValueError(f"backend must be one of {', '.join(BACKENDS)} (got {name!r})")
+
+
+class ExportSampler:
+    """A DiT export on one backend with everything sampling it needs: kiln.json's classes, null class,
+    steps and guidance, the scheduler/ config, the model's geometry and (latent models) the vae/ decoder.
+
+        sampler = ExportSampler(export, "onnxruntime")
+        images = sampler(labels, generator=torch.Generator().manual_seed(0))   # [-1, 1], [N, C, S, S]
+    """
+
+    def __init__(self, export: str | Path, backend: str = "torch", **backend_kwargs):
+        import json
+
+        from recipes.dit.vae import folder_decoder
+
+        self.export = Path(export)
+        self.backend = backend
+        self.info = json.loads((self.export / "kiln.json").read_text())
+        self.scheduler_config = json.loads((self.export / "scheduler" / "scheduler_config.json").read_text())
+        transformer = json.loads((self.export / "transformer" / "config.json").read_text())
+        self.sample_size, self.in_channels = transformer["sample_size"], transformer["in_channels"]
+        self.image_size = int(self.info["image_size"])
+        self.classes = [str(c) for c in self.info.get("classes") or range(self.info["num_classes"])]
+        self.model, self.device = load_backend(backend, self.export, **backend_kwargs)
+        self.decode = (folder_decoder(self.export / "vae", self.image_size, self.device)
+                       if (self.export / "vae").is_dir() else None)
+
+    def __call__(self, labels: torch.Tensor, *, generator: torch.Generator | None = None,
+                 noise: torch.Tensor | None = None, steps: int | None = None,
+                 guidance_scale: float | torch.Tensor | None = None, batch_size: int = 512) -> torch.Tensor:
+        """Images in [-1, 1] for `labels`; steps and guidance default to the export's (kiln.json)."""
+        from recipes.dit.sampling import sample_images
+
+        if self.backend == "tensorrt":  # keep CFG's doubled batch inside the engine's profile (TensorRTDiT also splits)
+            batch_size = min(batch_size, max(1, self.model.max_batch // 2))
+        return sample_images(
+            self.model, self.scheduler_config, labels, null_class=self.info["null_class"],
+            image_size=self.sample_size, in_channels=self.in_channels, steps=steps or int(self.info["sample_steps"]),
+            guidance_scale=self.info["guidance_scale"] if guidance_scale is None else guidance_scale,
+            generator=generator, noise=noise, device=self.device, decode=self.decode, batch_size=batch_size)
+
+    def noise(self, n: int, seed: int) -> torch.Tensor:
+        """The starting noise sample_images draws for a chunk of n labels from a generator seeded with `seed`."""
+        return torch.randn((n, self.in_channels, self.sample_size, self.sample_size),
+                           generator=torch.Generator().manual_seed(seed))

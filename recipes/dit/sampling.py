@@ -24,9 +24,10 @@ def sample_images(
     image_size: int,
     in_channels: int,
     steps: int,
-    guidance_scale: float,
-    generator: torch.Generator,
+    guidance_scale: float | torch.Tensor,
+    generator: torch.Generator | None = None,
     device: torch.device,
+    noise: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
     batch_size: int = 512,
     progress: str | None = None,
@@ -37,17 +38,25 @@ def sample_images(
     The model works on `in_channels` x `image_size`^2 inputs (pixels, or VAE latents); the scheduler
     (`scheduler_config`: DDPM/DDIM or FlowMatchEulerDiscrete, see recipes.dit.objective) picks the
     sampler. `decode` maps each chunk of final model-space samples to images (a VAE's decoder);
-    None: they are pixels, clamped to [-1, 1]. `progress`: a progress bar label (None: silent)."""
+    None: they are pixels, clamped to [-1, 1]. `progress`: a progress bar label (None: silent).
+    The starting noise is drawn from `generator` chunk by chunk, or given whole as `noise` [N, C, S, S]
+    (an images server batches requests that each drew their own). `guidance_scale` is one scale, or one
+    per label."""
     from tqdm.auto import tqdm
 
+    if (noise is None) == (generator is None):
+        raise ValueError("sample_images needs a generator or the starting noise, not both")
     scheduler = scheduler_from_config(scheduler_config)
-    chunks = labels.split(batch_size)
-    bar = tqdm(total=len(chunks) * steps, desc=progress, unit="step", disable=progress is None, dynamic_ncols=True)
+    starts = range(0, labels.shape[0], batch_size)
+    scales = torch.as_tensor(guidance_scale, dtype=torch.float32).expand(labels.shape[0]).reshape(-1, 1, 1, 1)
+    bar = tqdm(total=len(starts) * steps, desc=progress, unit="step", disable=progress is None, dynamic_ncols=True)
     out = []
-    for chunk in chunks:
+    for start in starts:
+        chunk, scale = labels[start: start + batch_size], scales[start: start + batch_size].to(device)
         scheduler.set_timesteps(steps)  # also resets the flow scheduler's step index
         n = chunk.shape[0]
-        x = torch.randn((n, in_channels, image_size, image_size), generator=generator).to(device)
+        x = (torch.randn((n, in_channels, image_size, image_size), generator=generator) if noise is None
+             else noise[start: start + n]).to(device)
         cond = torch.cat([chunk, torch.full_like(chunk, null_class)]).to(device)
         for t in scheduler.timesteps:
             # DDIM's timesteps are integers, the flow scheduler's floats (sigma * T): the DiT's
@@ -55,7 +64,7 @@ def sample_images(
             t_batch = t.to(device).expand(2 * n)
             pred = model(torch.cat([x, x]).to(dtype), timestep=t_batch, class_labels=cond).sample.float()
             pred_cond, pred_uncond = pred.chunk(2)
-            guided = pred_uncond + guidance_scale * (pred_cond - pred_uncond)
+            guided = pred_uncond + scale * (pred_cond - pred_uncond)
             x = scheduler.step(guided, t, x).prev_sample
             bar.update()
         out.append((decode(x) if decode is not None else x.clamp(-1, 1)).float().cpu())
