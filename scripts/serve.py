@@ -1,5 +1,8 @@
 #!/usr/bin/env python
-"""Serve an exported LLM/VLM folder with an OpenAI-compatible API: python scripts/serve.py serve.model=<export dir>."""
+"""Serve an export with an OpenAI-compatible API: python scripts/serve.py serve.model=<export dir>.
+
+LLM/VLM exports on vLLM or transformers serve (/v1/chat/completions, /v1/completions), DiT exports on
+Kiln's images server (/v1/images/generations)."""
 
 import os
 import sys
@@ -12,10 +15,13 @@ from common.tools.serving import compose, plan  # noqa: E402
 
 USAGE = """usage: python scripts/serve.py serve.model=<run.dir>/export [serve.KEY=VALUE ...]
 
-  serve.engine=auto|vllm|transformers   auto: vllm with a CUDA GPU and vllm installed, else transformers serve (CPU)
+  LLM/VLM: serve.engine=auto|vllm|transformers   auto: vLLM from .venv-serve (make serve-env) or beside CUDA,
+           else transformers serve
+  DiT:     serve.engine=auto|tensorrt|onnxruntime|torch   auto: TensorRT (CUDA + onnx/model.plan), else onnxruntime
+           (onnx/model.onnx from scripts/export_dit.py), else torch; serve.max_batch_images, serve.batch_wait_ms
   serve.host, serve.port, serve.served_model_name, serve.dtype, serve.dry_run=true (print the command, exit)
   beyond loopback (serve.host=0.0.0.0): an API key in $KILN_API_KEY (serve.api_key_env=NAME picks another
-  variable; vLLM checks it) or serve.allow_unauthenticated=true; transformers serve only with the latter
+  variable; vLLM and the images server check it) or serve.allow_unauthenticated=true; transformers serve only with the latter
   vllm: serve.tensor_parallel_size, serve.max_model_len, serve.gpu_memory_utilization
   transformers: serve.device, serve.continuous_batching, serve.cb_num_blocks, serve.cb_max_batch_tokens
 All keys and defaults: common/tools/serving.py (ServeSection); README.md, section Serving."""
@@ -36,6 +42,9 @@ def main(argv: list[str]) -> int:
         print(f"kiln: note: {note}", flush=True)
     print("kiln: " + launch.shown(), flush=True)
     if s.dry_run:
+        return 0
+    if launch.run is not None:  # the DiT's images server
+        launch.run()
         return 0
     if launch.cwd is not None:
         os.chdir(launch.cwd)

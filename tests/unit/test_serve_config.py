@@ -17,6 +17,7 @@ from common.tools.serving import (
     build_hub_cache,
     check_export,
     choose_engine,
+    choose_image_engine,
     compose,
     default_served_name,
     plan,
@@ -95,7 +96,7 @@ def test_folders_that_are_not_llm_or_vlm_exports(export, tmp_path):
         check_export(str(export.parent))
     dit = tmp_path / "dit"
     (dit / "transformer").mkdir(parents=True)
-    with pytest.raises(UserError, match="is a DiT export"):
+    with pytest.raises(UserError, match=r"not a complete DiT export \(missing kiln.json, transformer/config.json"):
         check_export(str(dit))
     (export / "model.safetensors").unlink()
     with pytest.raises(UserError, match=r"missing \*.safetensors weights"):
@@ -268,3 +269,49 @@ def test_cpu_engine_serves_loopback_only(export, tmp_path):
     allowed = _serve(f"serve.model={export}", "serve.engine=transformers", "serve.host=0.0.0.0", "serve.dry_run=true",
                      "serve.allow_unauthenticated=true", tmp=tmp_path)
     assert allowed.returncode == 0, allowed.stderr
+
+
+@pytest.fixture
+def dit_export(tmp_path):
+    """A DiT run folder's export/ as DiTTrainer.export() lays it out (files stubbed: nothing is loaded)."""
+    run = tmp_path / "dit_run"
+    run.mkdir()
+    (run / "config.yaml").write_text("recipe:\n  name: dit_tiny\n  family: dit\n")
+    folder = run / "export"
+    for name in ("kiln.json", "transformer/config.json", "scheduler/scheduler_config.json"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("{}")
+    return folder
+
+
+def test_dit_engine_choice(dit_export):
+    assert choose_image_engine("auto", dit_export, cuda=False) == (
+        "torch", f"auto: no ONNX file (scripts/export_dit.py {dit_export} writes one for onnxruntime)")
+    (dit_export / "onnx").mkdir()
+    (dit_export / "onnx" / "model.onnx").write_bytes(b"0")
+    assert choose_image_engine("auto", dit_export, cuda=False)[0] == "onnxruntime"
+    assert "no TensorRT engine" in choose_image_engine("auto", dit_export, cuda=True)[1]
+    assert choose_image_engine("torch", dit_export, cuda=True) == ("torch", "requested")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "transformers"])
+def test_text_engines_refuse_a_dit_export_and_image_engines_an_llm(engine, dit_export, export):
+    with pytest.raises(ConfigError, match=f"serve.engine={engine} serves LLM/VLM exports; .* is a DiT export"):
+        choose_image_engine(engine, dit_export)
+    with pytest.raises(ConfigError, match="serve.engine=onnxruntime serves DiT exports"):
+        choose_engine("onnxruntime")
+
+
+def test_dit_dry_run_and_its_refusals(dit_export, tmp_path):
+    proc = _serve(f"serve.model={dit_export}", "serve.dry_run=true", "serve.cb_num_blocks=8", tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "as 'dit_tiny'" in proc.stdout and "engine=torch (auto: no ONNX file" in proc.stdout
+    assert "images server (recipes/dit/server.py, in this process): engine=torch max_batch_images=16" in proc.stdout
+    assert "serve.cb_num_blocks not used by engine=torch" in proc.stdout
+    for args, message in [(["serve.dtype=bfloat16"], "serve.dtype=bfloat16: a DiT export serves in its graph's precision"),
+                          (["serve.host=0.0.0.0"], "without an API key"),
+                          (["serve.max_batch_images=0"], "serve.max_batch_images=0 must be >= 1")]:
+        proc = _serve(f"serve.model={dit_export}", "serve.dry_run=true", *args, tmp=tmp_path)
+        assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    proc = _serve(f"serve.model={dit_export.parent}", "serve.dry_run=true", tmp=tmp_path)
+    assert "is a run folder; serve its export" in proc.stderr
