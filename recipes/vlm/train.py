@@ -129,18 +129,29 @@ class VLMTrainer(Trainer):
     def export(self) -> Path:
         """Hugging Face folder: config (image_token_index, vision_feature_layer, ...), safetensors, tokenizer,
         processor + chat template; the image processor also in its own preprocessor_config.json, where
-        releases before transformers 5 (and the vLLM builds pinned to them) read it."""
+        releases before transformers 5 (and the vLLM builds pinned to them) read it. The tensors carry llava-hf's
+        names (`llava_hf_state_dict`)."""
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
         with self.engine.gathered():
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-                self.model.save_pretrained(tmp, safe_serialization=True)
+                self.model.save_pretrained(tmp, state_dict=llava_hf_state_dict(self.model), safe_serialization=True)
                 self.processor.save_pretrained(tmp)
                 self.processor.image_processor.save_pretrained(tmp)
                 shutil.rmtree(out, ignore_errors=True)
                 tmp.rename(out)
         barrier()
         return out
+
+
+def llava_hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's tensors with the vision tower under llava-hf's names (`vision_tower.vision_model.*` once saved).
+    transformers >= 5.20 holds CLIP and SigLIP towers without their `vision_model` level and saves them so
+    (`vision_tower.embeddings.*`); it reads both layouts, but vLLM (0.32, the CPU build included) reads only
+    llava-hf's and refuses the other ("no module or parameter named 'vision_tower.embeddings'")."""
+    flat, nested = "model.vision_tower.", "model.vision_tower.vision_model."
+    return {(nested + k[len(flat):] if k.startswith(flat) and not k.startswith(nested) else k): v
+            for k, v in model.state_dict().items()}
 
 
 def source_config(cfg: TrainConfig):

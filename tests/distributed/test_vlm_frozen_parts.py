@@ -109,7 +109,7 @@ def test_align_under_zero3_keeps_frozen_parts_bit_for_bit(tmp_path):
     image_id = len(lm["model.embed_tokens.weight"])
     for k, w in tower.items():
         if not k.startswith("head."):  # SigLIP's pooling head is not part of LLaVA's tower
-            assert torch.equal(out[f"vision_tower.{k}"], w), k
+            assert torch.equal(out[f"vision_tower.vision_model.{k}"], w), k
     for k, w in lm.items():  # tied embeddings: no lm_head.weight in either
         assert torch.equal(out[f"language_model.{k}"][:image_id], w), k
     memory = json.loads((run_dir / "memory.json").read_text())

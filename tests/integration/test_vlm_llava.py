@@ -39,8 +39,8 @@ def fast(world, data: str, run_dir, *extra: str) -> list[str]:
 
 
 def exported(run_dir) -> dict[str, torch.Tensor]:
-    """The export's tensors, by the names llava-hf checkpoints use (transformers saves that layout):
-    vision_tower.*, multi_modal_projector.*, language_model.model.*, language_model.lm_head.*."""
+    """The export's tensors, by the names llava-hf checkpoints use (the export writes that layout):
+    vision_tower.vision_model.*, multi_modal_projector.*, language_model.model.*, language_model.lm_head.*."""
     return load_file(run_dir / "export" / "model.safetensors")
 
 
@@ -59,11 +59,11 @@ def test_align_leaves_tower_and_llm_bit_for_bit(world, align_then_finetune):
     tower, lm = load_file(world["clip"] / "model.safetensors"), load_file(world["llama"] / "model.safetensors")
     image_id = len(lm["model.embed_tokens.weight"])  # <image> was added after the LLM's vocabulary
     for k, w in tower.items():
-        assert torch.equal(out[f"vision_tower.{k}"], w), k
+        assert torch.equal(out[f"vision_tower.vision_model.{k}"], w), k
     for k, w in lm.items():
         assert torch.equal(out[f"language_model.{k}"][:image_id], w), k
     assert torch.equal(out["language_model.model.embed_tokens.weight"][image_id], lm["model.embed_tokens.weight"].mean(0))
-    assert set(out) == {f"vision_tower.{k}" for k in tower} | {f"language_model.{k}" for k in lm} | {
+    assert set(out) == {f"vision_tower.vision_model.{k}" for k in tower} | {f"language_model.{k}" for k in lm} | {
         f"multi_modal_projector.linear_{i}.{p}" for i in (1, 2) for p in ("weight", "bias")}
     assert losses(align)[4] < losses(align)[1]  # the projector alone learns
     config = json.loads((align / "export" / "config.json").read_text())

@@ -133,8 +133,15 @@ def test_auto_takes_the_vllm_environment_even_without_cuda(build, export, tmp_pa
                                "--model", str(export)]
     assert launch.argv[launch.argv.index("--dtype") + 1] == "float32"
     assert launch.env == ({"VLLM_CPU_KVCACHE_SPACE": "3"} if build == "cpu" else {})
-    # LLaVA exports: the CPU build cannot load them here; auto says so and serves with transformers.
-    assert choose_engine("auto", env=build, multimodal=True)[0] == ("transformers" if build == "cpu" else "vllm")
+    # LLaVA exports: vLLM's, on the CPU build too once it has torchvision (make serve-env installs it); a CPU
+    # environment without it (built before) goes to transformers serve, saying how to rebuild.
+    engine, why = choose_engine("auto", env=build, multimodal=True)
+    assert engine == ("transformers" if build == "cpu" else "vllm")
+    assert build == "gpu" or "rm -r .venv-serve; make serve-env" in why
+    site = venv / "lib" / "python3.11" / "site-packages" / "torchvision"
+    site.mkdir(parents=True)
+    (site / "__init__.py").touch()
+    assert choose_engine("auto", env=build, multimodal=True)[0] == "vllm"
 
 
 def test_vllm_command_line(export, tmp_path):
