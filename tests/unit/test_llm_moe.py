@@ -199,3 +199,22 @@ def test_unsupported_moe_checkpoints_stop_with_one_line(folders, case, tmp_path)
         hf.checkpoint_args(folder)
     line = str(exc.value)
     assert line.startswith(f"model.init_from={folder}: ") and needle in line and "\n" not in line, line
+
+
+def test_dense_qk_norm_is_qwen3():
+    """model.qk_norm without MoE is dense Qwen3: to_hf_config gives a Qwen3Config whose model has Kiln's logits."""
+    from transformers import Qwen3ForCausalLM
+
+    args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=96, qk_norm=True)
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    reference = Qwen3ForCausalLM(to_hf_config(args)).eval()
+    missing, unexpected = reference.load_state_dict(to_hf_state_dict(model.state_dict(), args), strict=False)
+    assert not missing and not unexpected
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model.eval()(tokens) - reference(input_ids=tokens).logits).abs().max() <= 1e-5
