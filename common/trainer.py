@@ -70,6 +70,7 @@ class StepStats:
     token_utilization: Scalar | None = None  # packed rows: real tokens / token slots
     corrupt_shards: int | None = None  # distinct corrupt shards skipped so far (this rank)
     counts: dict[str, Scalar] = dataclasses.field(default_factory=dict)  # recipe-specific per-step counts, logged as is
+    losses: dict[str, Scalar] = dataclasses.field(default_factory=dict)  # recipe-specific loss terms (global means)
     skipped: bool = False
     signum: int = 0
 
@@ -78,6 +79,7 @@ class StepStats:
         """The tensor fields (and counts) as Python numbers, in one device-to-host copy."""
         fields = {k: getattr(self, k) for k in ("loss", "grad_norm", "samples", "tokens", "token_utilization")}
         fields |= {f"counts.{k}": v for k, v in self.counts.items()}
+        fields |= {f"losses.{k}": v for k, v in self.losses.items()}
         tensors = {k: v.detach().double().reshape(()) for k, v in fields.items() if isinstance(v, torch.Tensor)}
         if tensors:
             device = next(iter(tensors.values())).device
@@ -102,7 +104,7 @@ class StepStats:
             out["token_utilization"] = v["token_utilization"]
         if self.corrupt_shards is not None:
             out["corrupt_shards"] = self.corrupt_shards
-        return out | {k: round(v[f"counts.{k}"]) for k in self.counts}
+        return out | {k: round(v[f"counts.{k}"]) for k in self.counts} | {k: v[f"losses.{k}"] for k in self.losses}
 
 
 class Stateful(Protocol):
@@ -189,6 +191,12 @@ class Trainer(ABC):
     def loss(self, batch) -> torch.Tensor:
         """The forward of one micro-batch: its loss summed over `count(batch)` tokens or samples."""
 
+    def loss_terms(self) -> dict[str, torch.Tensor]:
+        """Named terms of the step's loss to log on their own (e.g. an MoE's auxiliary losses): device scalars
+        summed over this rank's micro-batches like `loss(batch)`, so that the step divides them by the same
+        global count; the recipe resets them here for the next step. Default: none."""
+        return {}
+
     def tally(self, batch) -> dict[str, int]:
         """Host counts of one micro-batch, summed over the global batch and logged: `samples`, `tokens`
         (real ones), `slots` (packed token slots: token_utilization = tokens / slots), and any other
@@ -231,6 +239,10 @@ class Trainer(ABC):
                 grad_norm = self.engine.step()
                 skipped, signum = self.read_once(grad_norm)
         loss = self.engine.all_reduce(loss_sum, loss=True) * inv_count  # left on the device
+        terms = self.loss_terms()
+        if terms:  # one all-reduce for all of them, left on the device
+            summed = self.engine.all_reduce(torch.stack([t.detach().double() for t in terms.values()]), loss=True)
+            terms = dict(zip(terms, summed * inv_count))
         counts = dict(zip(tally, totals[1:]))
         samples, tokens, slots = (counts.pop(name, None) for name in ("samples", "tokens", "slots"))
         return StepStats(
@@ -238,7 +250,7 @@ class Trainer(ABC):
             samples=0 if samples is None else samples, tokens=0 if tokens is None else tokens,
             token_utilization=None if slots is None else tokens / slots.clamp(min=1),
             corrupt_shards=getattr(self.state.loader, "corrupt_shards", None),
-            counts=counts, skipped=skipped, signum=signum,
+            counts=counts, losses=terms, skipped=skipped, signum=signum,
         )
 
     def read_once(self, grad_norm: Scalar) -> tuple[bool, int]:

@@ -1,4 +1,4 @@
-"""Schemas of the LLM recipe's own config sections: `model` (a Llama; see recipes/llm/model.py:LlamaArgs),
+"""Schemas of the LLM recipe's own config sections: `model` (a Llama, optionally MoE; see recipes/llm/model.py:LlamaArgs),
 `parallel` (the ("pp", "dp", "tp") mesh) and `data` (packed token rows)."""
 
 from __future__ import annotations
@@ -25,6 +25,22 @@ class RopeScalingConfig:
 
 
 @dataclass
+class MoEConfig:
+    """model.moe.*: Mixture-of-Experts feed-forwards (recipes/llm/model.py:MoEArgs); num_experts 0 = a dense model."""
+
+    num_experts: int = 0
+    top_k: int = 2
+    ffn_dim: int = 256  # each expert's SwiGLU width (HF moe_intermediate_size)
+    norm_topk_prob: bool = True  # renormalize the chosen experts' probabilities (Mixtral: yes; Qwen: norm_topk_prob)
+    shared_ffn_dim: int = 0  # an always-on shared expert of this width (Qwen2-MoE); 0 = none
+    shared_gate: bool = True  # the shared expert's sigmoid gate (Qwen2-MoE)
+    first_dense_layers: int = 0  # the first layers stay dense (Qwen's mlp_only_layers = 0..n-1)
+    interval: int = 1  # then layer i is MoE iff (i + 1) % interval == 0 (Qwen's decoder_sparse_step)
+    aux_loss_coef: float = 0.001  # load-balancing loss weight (transformers' router_aux_loss_coef); 0 = off
+    z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE uses 1e-3); 0 = off
+
+
+@dataclass
 class LLMModelConfig:
     # A local Hugging Face LlamaForCausalLM folder (config.json, *.safetensors, tokenizer): the keys
     # below then come from its config.json (a disagreeing command-line value stops the run), the
@@ -42,6 +58,9 @@ class LLMModelConfig:
     head_dim: int = 0  # 0: dim // n_heads
     tie_embeddings: bool = False  # the output projection is the input embedding (Llama 3.2 1B/3B)
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    qk_norm: bool = False  # Qwen3's RMSNorm on each query/key head
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     loss_parallel: bool = False  # TP: keep logits sharded over the vocabulary for the loss
 
 
@@ -66,7 +85,11 @@ class LLMDataConfig(DataConfig):
 CHECKPOINT_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
                    "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size", "vocab_size": "vocab_size",
                    "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "max_seq_len": "max_position_embeddings",
-                   "head_dim": "head_dim", "tie_embeddings": "tie_word_embeddings"}
+                   "head_dim": "head_dim", "tie_embeddings": "tie_word_embeddings", "qk_norm": "qk_norm",
+                   "qkv_bias": "qkv_bias", "moe.num_experts": "num_experts", "moe.top_k": "num_experts_per_tok",
+                   "moe.ffn_dim": "moe_intermediate_size", "moe.norm_topk_prob": "norm_topk_prob",
+                   "moe.shared_ffn_dim": "shared_expert_intermediate_size", "moe.shared_gate": "shared_expert_gate",
+                   "moe.first_dense_layers": "mlp_only_layers", "moe.interval": "decoder_sparse_step"}
 
 
 def register() -> None:
@@ -88,12 +111,18 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     m.init_from = str(Path(m.init_from).expanduser().absolute())
     args = checkpoint_args(m.init_from)
     scaling = args.rope_scaling
-    values = {key: getattr(args, key) for key in CHECKPOINT_KEYS}
+    moe = args.moe
+    values = {key: getattr(args, key) for key in CHECKPOINT_KEYS if not key.startswith("moe.")}
     values["rope_scaling.rope_type"] = "llama3" if scaling else "default"
     if scaling is not None:
         values.update({f"rope_scaling.{k}": v for k, v in dataclasses.asdict(scaling).items()})
+    # A dense checkpoint sets model.moe.num_experts=0 (the other moe.* keys then mean nothing).
+    values["moe.num_experts"] = moe.num_experts if moe else 0
+    if moe is not None:
+        values.update({f"moe.{k}": v for k, v in dataclasses.asdict(moe).items()})
     for key, value in values.items():
-        owner, name = (m.rope_scaling, key.split(".", 1)[1]) if key.startswith("rope_scaling.") else (m, key)
+        section, _, name = key.rpartition(".")
+        owner = {"": m, "rope_scaling": m.rope_scaling, "moe": m.moe}[section]
         given = getattr(owner, name)
         if f"model.{key}" in command_line and given != value:
             hf_key = CHECKPOINT_KEYS.get(key, key)
@@ -125,6 +154,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")
     if m.n_kv_heads % p.tp or m.ffn_dim % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide model.n_kv_heads={m.n_kv_heads} and model.ffn_dim={m.ffn_dim}")
+    if m.moe.num_experts:
+        validate_moe(cfg)
+    elif m.qkv_bias:
+        raise ConfigError("model.qkv_bias=true without MoE (dense Qwen2) is not supported; it goes with model.moe.shared_ffn_dim")
     if p.pp > 1:
         stages = p.pp * (2 if p.pp_schedule == "interleaved_1f1b" else 1)
         if m.n_layers < stages:
@@ -151,3 +184,43 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.toggles.attention == "eager":
         raise ConfigError("toggles.attention=eager is not in the LLM recipe: its own Llama runs sdpa (a dense mask) "
                           "or flash (the varlen kernel on packed rows)")
+
+
+def validate_moe(cfg: TrainConfig) -> None:
+    """model.moe.* (model.moe.num_experts > 0): each bad value or combination in one line."""
+    m, moe, p = cfg.model, cfg.model.moe, cfg.parallel
+    if moe.num_experts < 0:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be >= 0 (0 = a dense model)")
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}")
+    for key in ("ffn_dim", "shared_ffn_dim", "first_dense_layers"):
+        if getattr(moe, key) < 0 or (key == "ffn_dim" and not moe.ffn_dim):
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be {'> 0' if key == 'ffn_dim' else '>= 0'}")
+    # torch._grouped_mm needs 16-byte aligned rows: 8 elements in bf16.
+    for key, value in (("model.moe.ffn_dim", moe.ffn_dim), ("model.dim", m.dim)):
+        if value % 8:
+            raise ConfigError(f"{key}={value} must be a multiple of 8 with MoE (the experts' grouped GEMM alignment)")
+    if moe.interval < 1:
+        raise ConfigError(f"model.moe.interval={moe.interval} must be >= 1")
+    if not any(i >= moe.first_dense_layers and (i + 1) % moe.interval == 0 for i in range(m.n_layers)):
+        raise ConfigError(f"model.moe.first_dense_layers={moe.first_dense_layers} and model.moe.interval={moe.interval} "
+                          f"leave no MoE layer among model.n_layers={m.n_layers}")
+    for key in ("aux_loss_coef", "z_loss_coef"):
+        if getattr(moe, key) < 0:
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0")
+    # Expert parallelism (and MoE under tensor/pipeline parallelism) is issue 22's part B.
+    for key, why in (("tp", "the MoE layers have no tensor-parallel plan"),
+                     ("pp", "the auxiliary losses of MoE layers on earlier stages are not carried to the last")):
+        if getattr(p, key) > 1:
+            raise ConfigError(f"parallel.{key}={getattr(p, key)} with model.moe.num_experts={moe.num_experts}: {why} yet")
+    if cfg.toggles.precision == "fp8":
+        raise ConfigError("toggles.precision=fp8 with model.moe.num_experts>0: the experts' grouped GEMM has no fp8 path")
+    from recipes.llm.model import LlamaArgs, MoEArgs, hf_model_type
+
+    try:  # every model is exported in a Hugging Face format: refuse one that has none
+        hf_model_type(LlamaArgs(dim=8, n_layers=m.n_layers, n_heads=1, n_kv_heads=1, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, moe=MoEArgs(
+            num_experts=moe.num_experts, top_k=moe.top_k, ffn_dim=8, norm_topk_prob=moe.norm_topk_prob,
+            shared_ffn_dim=moe.shared_ffn_dim, shared_gate=moe.shared_gate, first_dense_layers=moe.first_dense_layers,
+            interval=moe.interval)))
+    except ValueError as exc:
+        raise ConfigError(f"model.moe: no Hugging Face architecture to export to: {exc}") from None

@@ -1,5 +1,5 @@
-"""Hugging Face Llama folders in and out of the LLM recipe: model.init_from's config.json as LlamaArgs
-(refusing what the model does not implement), sharded loading of its safetensors, its tokenizer, and
+"""Hugging Face folders in and out of the LLM recipe (Llama, Qwen3, and the MoEs Mixtral, Qwen3-MoE, Qwen2-MoE):
+model.init_from's config.json as LlamaArgs (refusing what the model does not implement), sharded loading of its safetensors, its tokenizer, and
 the export folder.
 
 Loading reads only what each rank holds: the model is built on meta, split/parallelized, materialized
@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.errors import ConfigError, DataError
-from recipes.llm.model import Llama3RopeScaling, LlamaArgs, Transformer, from_hf_state_dict, to_hf_config, to_hf_state_dict
+from recipes.llm.model import (HF_ARCHITECTURES, Llama3RopeScaling, LlamaArgs, MoEArgs, Transformer, from_hf_state_dict,
+                                hf_model_type, is_expert_key, to_hf_config, to_hf_state_dict)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -29,6 +30,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # a folder needs one of
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 _WEIGHT_INDEXES = (WEIGHT_INDEX, "pytorch_model.bin.index.json")
 _IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)  # older checkpoints saved the RoPE frequencies
+# Model types people will try whose architecture Kiln's model lacks: what is missing, in a few words.
+_UNSUPPORTED_TYPES = {
+    "deepseek_v2": "multi-head latent attention and a sigmoid/grouped router are not implemented",
+    "deepseek_v3": "multi-head latent attention and a sigmoid router with expert bias are not implemented",
+    "olmoe": "its q/k RMSNorm over the whole projection (not per head) is not implemented",
+    "qwen2": "dense Qwen2 (q/k/v biases without MoE) is not supported",
+    "mistral": "Mistral's sliding-window attention is not implemented",
+}
 
 
 def _error(folder: Path | str, what: str) -> ConfigError:
@@ -39,11 +48,14 @@ def _error(folder: Path | str, what: str) -> ConfigError:
 
 
 def checkpoint_args(folder: str | Path) -> LlamaArgs:
-    """The architecture of the LlamaForCausalLM in ``folder``, after checking that Kiln's Llama implements
+    """The architecture of the model in ``folder`` (one of HF_ARCHITECTURES), after checking that Kiln's Llama implements
     all of it and that its safetensors hold exactly its weights. ConfigError (one line) otherwise."""
     folder = Path(folder)
-    config = _llama_config(folder)
-    args = llama_args_from_hf(config)
+    config = _hf_config(folder)
+    try:
+        args = llama_args_from_hf(config)
+    except ValueError as exc:  # e.g. a width the grouped GEMM cannot take
+        raise _error(folder, f"config.json: {exc}") from None
     weights = safetensors_weights(folder)
     with torch.device("meta"):  # the weights this architecture has, under their Hugging Face names
         expected = {k: tuple(t.shape) for k, t in to_hf_state_dict(Transformer(args).state_dict(), args).items()}
@@ -54,7 +66,8 @@ def checkpoint_args(folder: str | Path) -> LlamaArgs:
     extra = sorted(k for k in weights.keys() - expected.keys()
                    if not k.endswith(_IGNORED_WEIGHTS) and not (k == "lm_head.weight" and args.tie_embeddings))
     if extra:
-        raise _error(folder, f"{len(extra)} weights that a Llama does not have (first: {extra[0]}); not supported")
+        raise _error(folder, f"{len(extra)} weights that a {HF_ARCHITECTURES[hf_model_type(args)]} does not have "
+                             f"(first: {extra[0]}); not supported")
     for key, shape in expected.items():
         if weights[key][0] != shape:
             raise _error(folder, f"{key} has shape {list(weights[key][0])} but config.json implies {list(shape)}")
@@ -63,8 +76,8 @@ def checkpoint_args(folder: str | Path) -> LlamaArgs:
     return args
 
 
-def _llama_config(folder: Path):
-    """The folder's LlamaConfig, or ConfigError naming what makes it unusable or unsupported."""
+def _hf_config(folder: Path):
+    """The folder's transformers config, or ConfigError naming what makes it unusable or unsupported."""
     if not folder.is_dir():
         raise _error(folder, "no such directory")
     if (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir():
@@ -78,15 +91,19 @@ def _llama_config(folder: Path):
     except ValueError as exc:
         raise _error(folder, f"config.json is not valid JSON ({exc})") from None
     model_type = raw.get("model_type")
-    if model_type != "llama":
-        raise _error(folder, f"model_type={model_type!r} in config.json is not supported (only llama)")
-    architectures = raw.get("architectures") or ["LlamaForCausalLM"]
-    if "LlamaForCausalLM" not in architectures:
-        raise _error(folder, f"architectures={architectures} is not supported (only LlamaForCausalLM)")
+    if model_type not in HF_ARCHITECTURES:
+        why = f": {_UNSUPPORTED_TYPES[model_type]}" if model_type in _UNSUPPORTED_TYPES else ""
+        raise _error(folder, f"model_type={model_type!r} in config.json is not supported{why} "
+                             f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    architecture = HF_ARCHITECTURES[model_type]
+    architectures = raw.get("architectures") or [architecture]
+    if architecture not in architectures:
+        raise _error(folder, f"architectures={architectures} is not supported (only {architecture} for "
+                             f"model_type={model_type!r})")
 
-    from transformers import LlamaConfig
+    from transformers import AutoConfig
 
-    config = LlamaConfig.from_pretrained(folder, local_files_only=True)  # also reads legacy rope_scaling
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)  # also reads legacy rope_scaling
     rope = config.rope_parameters or {}
     unsupported = {
         "rope_type": (rope.get("rope_type", "default"), ("default", "llama3")),
@@ -96,7 +113,17 @@ def _llama_config(folder: Path):
         "hidden_act": (config.hidden_act, ("silu",)),
         "attention_dropout": (getattr(config, "attention_dropout", 0.0), (0.0,)),  # Kiln's Llama has no dropout
         "quantization_config": (raw.get("quantization_config"), (None,)),
+        # Sliding-window attention (Mixtral's sliding_window; the Qwens' use_sliding_window) is not implemented.
+        "sliding_window": (getattr(config, "sliding_window", None) if model_type == "mixtral" else None, (None,)),
+        "use_sliding_window": (getattr(config, "use_sliding_window", False), (False,)),
+        "router_jitter_noise": (getattr(config, "router_jitter_noise", 0.0), (0.0,)),  # Mixtral's training-time noise
     }
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        layers = list(config.mlp_only_layers or [])
+        # Kiln's dense layers come first (moe.first_dense_layers): mlp_only_layers must be 0..n-1.
+        unsupported["mlp_only_layers"] = (layers, (list(range(len(layers))),))
+        if config.num_experts <= 0:
+            raise _error(folder, f"num_experts={config.num_experts} in config.json: no MoE layer (not supported)")
     for key, (value, allowed) in unsupported.items():
         if value not in allowed:
             shown = f"rope_scaling type {value!r}" if key == "rope_type" else f"{key}={value!r}"
@@ -105,18 +132,30 @@ def _llama_config(folder: Path):
 
 
 def llama_args_from_hf(config) -> LlamaArgs:
-    """A (checked) LlamaConfig as Kiln's LlamaArgs; to_hf_config is the way back."""
+    """A (checked) transformers config as Kiln's LlamaArgs; to_hf_config is the way back."""
     rope = config.rope_parameters
     scaling = None
     if rope.get("rope_type", "default") == "llama3":
         scaling = Llama3RopeScaling(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
                                     high_freq_factor=rope["high_freq_factor"],
                                     original_max_position_embeddings=rope["original_max_position_embeddings"])
+    model_type = config.model_type
+    moe = None
+    if model_type == "mixtral":
+        moe = MoEArgs(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                      ffn_dim=config.intermediate_size, norm_topk_prob=True)
+    elif model_type in ("qwen3_moe", "qwen2_moe"):
+        moe = MoEArgs(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+                      ffn_dim=config.moe_intermediate_size, norm_topk_prob=bool(config.norm_topk_prob),
+                      shared_ffn_dim=getattr(config, "shared_expert_intermediate_size", 0), shared_gate=True,
+                      first_dense_layers=len(config.mlp_only_layers or []), interval=config.decoder_sparse_step)
     return LlamaArgs(dim=config.hidden_size, n_layers=config.num_hidden_layers, n_heads=config.num_attention_heads,
                      n_kv_heads=config.num_key_value_heads or config.num_attention_heads, vocab_size=config.vocab_size,
                      ffn_dim=config.intermediate_size, norm_eps=config.rms_norm_eps, rope_theta=rope["rope_theta"],
                      max_seq_len=config.max_position_embeddings, tie_embeddings=bool(config.tie_word_embeddings),
-                     head_dim=getattr(config, "head_dim", None) or 0, rope_scaling=scaling)
+                     head_dim=getattr(config, "head_dim", None) or 0, rope_scaling=scaling,
+                     qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                     qkv_bias=model_type == "qwen2_moe" and bool(config.qkv_bias), moe=moe)
 
 
 def safetensors_weights(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -204,14 +243,16 @@ def load_weights(model: Transformer, args: LlamaArgs, folder: str | Path) -> Non
     the slices of the tensors it holds, converted to its parameters' dtype (bf16 on disk -> fp32 master)."""
     import torch.distributed as tdist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     state = get_model_state_dict(model)
     hf_state = to_hf_state_dict(state, args)
     dcp.load(hf_state, storage_reader=_tensor_at_a_time_reader(folder), no_dist=not tdist.is_initialized())
-    # The adapter back: the pipeline stage holding a tied output projection also gets its own entry.
-    loaded = from_hf_state_dict(hf_state, args)
-    set_model_state_dict(model, {k: loaded[k] for k in state})
+    # The adapter back: the pipeline stage holding a tied output projection also gets its own entry. The
+    # experts' per-expert entries were views of the stacked weights this rank holds: DCP wrote them in place.
+    dense = {k for k in state if not is_expert_key(k)}
+    loaded = from_hf_state_dict(to_hf_state_dict({k: state[k] for k in dense}, args), args)
+    set_model_state_dict(model, {k: loaded[k] for k in dense}, options=StateDictOptions(strict=len(dense) == len(state)))
 
 
 # ---- the export folder --------------------------------------------------------------------------
@@ -219,7 +260,7 @@ def load_weights(model: Transformer, args: LlamaArgs, folder: str | Path) -> Non
 
 def write_hf_folder(state_dict: dict[str, torch.Tensor], args: LlamaArgs, out: Path, *,
                     tokenizer: PreTrainedTokenizerBase, source: str | Path | None = None) -> None:
-    """A LlamaForCausalLM folder from a full (consolidated, CPU) Kiln state dict.
+    """A Hugging Face folder (:func:`hf_model_type`'s architecture) from a full (consolidated, CPU) Kiln state dict.
 
     With ``source`` (the run's model.init_from) the folder keeps the source's own files (config.json with
     its rope_scaling, tie and token ids, generation_config.json, tokenizer and chat template, license)
@@ -234,7 +275,9 @@ def write_hf_folder(state_dict: dict[str, torch.Tensor], args: LlamaArgs, out: P
     dtype = weights_dtype(source) if source else None
     hf_state = to_hf_state_dict(state_dict, args)
     for key in list(hf_state):  # converted one tensor at a time: no second full copy
-        hf_state[key] = hf_state[key].detach().to(dtype or hf_state[key].dtype).contiguous()
+        t = hf_state[key].detach().to(dtype or hf_state[key].dtype).contiguous()
+        # An expert's slice is a view of its stacked weight: safetensors refuses tensors that share memory.
+        hf_state[key] = t.clone() if t.untyped_storage().nbytes() != t.nbytes else t
     save_torch_state_dict(hf_state, out, max_shard_size="5GB", metadata={"format": "pt"})
     if source:
         for path in Path(source).iterdir():
@@ -243,7 +286,7 @@ def write_hf_folder(state_dict: dict[str, torch.Tensor], args: LlamaArgs, out: P
         return
     config = to_hf_config(args, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                           pad_token_id=tokenizer.pad_token_id)
-    config.architectures, config.dtype = ["LlamaForCausalLM"], torch.float32  # what save_pretrained records
+    config.architectures, config.dtype = [HF_ARCHITECTURES[hf_model_type(args)]], torch.float32  # as save_pretrained
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -1,8 +1,10 @@
-"""LLM architecture: a Llama-style decoder (torchtitan layout) and its adapter to transformers' LlamaForCausalLM.
+"""LLM architecture: a Llama-style decoder (torchtitan layout), optionally with Mixture-of-Experts feed-forwards
+(Mixtral / Qwen2-MoE / Qwen3-MoE), and its adapter to those transformers models.
 
 Architecture only: tensor/pipeline/data parallelism, activation checkpointing and compile are
 applied to this module from outside (``recipes/llm/parallelize.py``), addressing submodules by
-name -- ``layers.<i>.attention.{wq,wk,wv,wo}``, ``layers.<i>.feed_forward.{w1,w2,w3}``.
+name -- ``layers.<i>.attention.{wq,wk,wv,wo}``, ``layers.<i>.feed_forward.{w1,w2,w3}`` (dense layers) or
+``layers.<i>.moe.{router.gate,experts,shared_expert,shared_gate}`` (MoE layers; see :class:`MoE`).
 
 Layout choices that the outside relies on:
 
@@ -40,6 +42,37 @@ class Llama3RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+@dataclasses.dataclass(frozen=True)
+class MoEArgs:
+    """Mixture-of-Experts feed-forwards (dropless token-choice top-k routing, softmax router).
+
+    Layer ``i`` is an MoE layer iff ``i >= first_dense_layers`` and ``(i + 1) % interval == 0``: Qwen2/3-MoE's
+    ``decoder_sparse_step`` with ``mlp_only_layers = range(first_dense_layers)``; Mixtral: every layer. The
+    other layers keep the dense SwiGLU of ``LlamaArgs.ffn_dim``.
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    ffn_dim: int = 256  # each routed expert's SwiGLU width (HF moe_intermediate_size; Mixtral's intermediate_size)
+    norm_topk_prob: bool = True  # renormalize the top-k probabilities to sum to 1 (Mixtral always; Qwen: norm_topk_prob)
+    shared_ffn_dim: int = 0  # 0: no shared expert; else the width of one always-on SwiGLU (Qwen2-MoE's shared expert)
+    shared_gate: bool = True  # the shared expert's output scaled by sigmoid(x @ g) per token (Qwen2-MoE)
+    first_dense_layers: int = 0
+    interval: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"moe top_k ({self.top_k}) must be between 1 and num_experts ({self.num_experts})")
+        # torch._grouped_mm needs 16-byte aligned strides (8 elements in bf16): the experts' width.
+        if self.ffn_dim <= 0 or self.ffn_dim % 8:
+            raise ValueError(f"moe ffn_dim ({self.ffn_dim}) must be a positive multiple of 8 (grouped GEMM alignment)")
+        if self.shared_ffn_dim < 0 or self.first_dense_layers < 0 or self.interval < 1:
+            raise ValueError("moe shared_ffn_dim and first_dense_layers must be >= 0, interval >= 1")
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.first_dense_layers and (layer_id + 1) % self.interval == 0
+
+
 @dataclasses.dataclass
 class LlamaArgs:
     dim: int = 128
@@ -55,6 +88,9 @@ class LlamaArgs:
     # 0: dim // n_heads, filled in here (so dataclasses.replace of dim or n_heads must pass head_dim=0).
     head_dim: int = 0
     rope_scaling: Llama3RopeScaling | None = None  # None: plain RoPE
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every query and key head, before RoPE
+    qkv_bias: bool = False  # Qwen2(-MoE): biases on the q/k/v projections (not on wo)
+    moe: MoEArgs | None = None  # None: dense feed-forwards everywhere
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -68,6 +104,15 @@ class LlamaArgs:
         for name in ("n_layers", "vocab_size", "ffn_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.moe is not None:
+            if self.dim % 8:
+                raise ValueError(f"dim ({self.dim}) must be a multiple of 8 with MoE (grouped GEMM alignment)")
+            if not any(self.moe.is_moe_layer(i) for i in range(self.n_layers)):
+                raise ValueError(f"moe first_dense_layers={self.moe.first_dense_layers} and interval={self.moe.interval} "
+                                 f"leave no MoE layer among {self.n_layers}")
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer_id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,15 +236,19 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Segments | None) -> T
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE on q and k (the kernel: :func:`attend`)."""
+    """Grouped-query attention with RoPE on q and k (the kernel: :func:`attend`); optionally Qwen3's per-head
+    q/k RMSNorm (``q_norm``/``k_norm``, before RoPE) and Qwen2's q/k/v biases."""
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Over head_dim, so per head: unchanged by tensor parallelism's head sharding.
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | Segments | None) -> Tensor:
         bsz, seqlen, _ = x.shape
@@ -207,6 +256,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.wo(attend(q, k, v, attn_mask).reshape(bsz, seqlen, -1))
 
@@ -224,18 +275,131 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+# --------------------------------------------------------------------------------------------
+# Mixture of Experts (torchtitan's MoE split: router -> token permutation -> grouped experts -> combine)
+#
+# The steps are separate functions so that expert parallelism can run the experts elsewhere: between
+# `permute_tokens` (tokens sorted by expert, `tokens_per_expert` counts) and `GroupedExperts`, an
+# all-to-all sends each expert's rows to the rank holding it (the counts become its split sizes) and a
+# second one brings the outputs back before `combine_tokens`. Nothing here reads a device value on the
+# host: the counts stay tensors (scatter_add, not bincount) and feed the grouped GEMM's offsets directly.
+# --------------------------------------------------------------------------------------------
+
+
+class Routing(NamedTuple):
+    """One MoE layer's routing of its ``T`` tokens (all fp32 but the indices)."""
+
+    logits: Tensor  # [T, E] router logits, fp32 (the z-loss's input)
+    probs: Tensor  # [T, E] softmax over experts, fp32 (the load-balancing loss's router probabilities)
+    weights: Tensor  # [T, k] the chosen experts' combine weights (renormalized if norm_topk_prob)
+    experts: Tensor  # [T, k] long, the chosen experts, in decreasing probability
+
+
+class Router(nn.Module):
+    """Token-choice top-k over a softmax of ``gate(x)`` (Mixtral, Qwen-MoE): the logits in the input's
+    dtype as transformers computes them, everything after in fp32."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+
+    def forward(self, x: Tensor) -> Routing:
+        logits = self.gate(x).float()
+        probs = logits.softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(logits, probs, weights, experts)
+
+
+def permute_tokens(x: Tensor, experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows of ``x`` ``[T, D]`` sorted by expert, one row per (token, choice): ``(x_sorted [T*k, D],
+    order [T*k], tokens_per_expert [E] long)``. ``order[j]`` is the flat (token * k + choice) index of sorted
+    row j; a stable sort keeps each expert's tokens in token order (deterministic)."""
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)
+    tokens_per_expert = torch.zeros(num_experts, dtype=torch.long, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    return x[order // experts.shape[1]], order, tokens_per_expert
+
+
+def combine_tokens(y_sorted: Tensor, order: Tensor, weights: Tensor) -> Tensor:
+    """The inverse of :func:`permute_tokens`: each token's expert outputs weighted and summed -> ``[T, D]``."""
+    num_tokens, top_k = weights.shape
+    y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(num_tokens, top_k, -1)
+    return (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLUs as stacked weights (torchtitan's layout; expert e's slice is nn.Linear's
+    ``[out, in]``, i.e. Hugging Face's per-expert ``gate_proj``/``down_proj``/``up_proj``), run on rows sorted
+    by expert as one grouped GEMM per projection: ``torch._grouped_mm`` with the cumulative row counts as
+    int32 offsets (CPU and CUDA alike). Under expert parallelism the first dimension is this rank's experts."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # gate_proj
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))  # down_proj
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # up_proj
+
+    def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """``x`` ``[N, D]`` sorted by expert, ``tokens_per_expert`` ``[E]`` summing to N -> ``[N, D]``."""
+        offs = tokens_per_expert.cumsum(0, dtype=torch.int32)
+        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))  # autocast does not cover _grouped_mm
+        h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+
+class MoE(nn.Module):
+    """Router -> experts (+ an always-on shared expert, optionally sigmoid-gated) for ``[B, S, D]``.
+
+    Dropless: every token reaches its k experts (no capacity factor). After each forward ``self.routing``
+    holds this call's :class:`Routing` (the trainer's auxiliary losses read it: :func:`router_sums`).
+    """
+
+    def __init__(self, dim: int, moe: MoEArgs):
+        super().__init__()
+        self.num_experts = moe.num_experts
+        self.router = Router(dim, moe.num_experts, moe.top_k, moe.norm_topk_prob)
+        self.experts = GroupedExperts(dim, moe.ffn_dim, moe.num_experts)
+        self.shared_expert = FeedForward(dim, moe.shared_ffn_dim) if moe.shared_ffn_dim else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if moe.shared_ffn_dim and moe.shared_gate else None
+        self.routing: Routing | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        routing = self.router(x)
+        self.routing = routing
+        x_sorted, order, tokens_per_expert = permute_tokens(x, routing.experts, self.num_experts)
+        out = combine_tokens(self.experts(x_sorted, tokens_per_expert), order, routing.weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
+        return out.view(shape)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: LlamaArgs):
         super().__init__()
         self.layer_id = layer_id  # kept for depth-scaled init; survives pipeline deletion of other layers
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        # torchtitan's naming: `feed_forward` (dense) or `moe`, so dense FQNs never change.
+        if args.is_moe_layer(layer_id):
+            self.moe = MoE(args.dim, args.moe)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | Segments | None = None) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -280,13 +444,31 @@ class Transformer(nn.Module):
                 nn.init.normal_(self.tok_embeddings.weight, std=0.02 if a.tie_embeddings else 1.0)
             for block in self.layers.values():
                 depth_std = 0.02 / math.sqrt(2 * (block.layer_id + 1))
-                attn, ffn = block.attention, block.feed_forward
-                for lin in (attn.wq, attn.wk, attn.wv, ffn.w1):
-                    nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
-                for lin in (attn.wo, ffn.w2, ffn.w3):
-                    nn.init.trunc_normal_(lin.weight, mean=0.0, std=depth_std)
-                block.attention_norm.reset_parameters()
-                block.ffn_norm.reset_parameters()
+                attn = block.attention
+                # Input projections std 0.02, residual writers depth-scaled (torchtitan; for MoE the
+                # router gate and shared gate are input projections, the experts' w2/w3 residual writers).
+                inputs, outputs = [attn.wq.weight, attn.wk.weight, attn.wv.weight], [attn.wo.weight]
+                moe = getattr(block, "moe", None)
+                if moe is None:
+                    ffns = [block.feed_forward]
+                else:
+                    ffns = [moe.experts] if moe.shared_expert is None else [moe.experts, moe.shared_expert]
+                for ffn in ffns:
+                    w = (ffn.w1, ffn.w2, ffn.w3) if isinstance(ffn, GroupedExperts) else (ffn.w1.weight, ffn.w2.weight, ffn.w3.weight)
+                    inputs.append(w[0])
+                    outputs += w[1:]
+                if moe is not None:
+                    inputs += [moe.router.gate.weight] + ([moe.shared_gate.weight] if moe.shared_gate is not None else [])
+                for w in inputs:
+                    nn.init.trunc_normal_(w, mean=0.0, std=0.02)
+                for w in outputs:
+                    nn.init.trunc_normal_(w, mean=0.0, std=depth_std)
+                for lin in (attn.wq, attn.wk, attn.wv):
+                    if lin.bias is not None:
+                        nn.init.zeros_(lin.bias)
+                for norm in (block.attention_norm, block.ffn_norm, attn.q_norm, attn.k_norm):
+                    if norm is not None:
+                        norm.reset_parameters()
             if self.norm is not None:
                 self.norm.reset_parameters()
             if self.output is not None and not a.tie_embeddings:
@@ -364,44 +546,116 @@ def _seeded_rng(seed: int | None, params: Iterator[nn.Parameter]) -> Iterator[No
 # transformers adapter (torchtitan's StateDictAdapter): the one place Kiln names meet Hugging Face
 # names, used by loading (model.init_from, tests) and by every export.
 #
-# A pure rename in both directions (see the RoPE convention note above): the tensors are shared,
-# not copied. Keys are plain module FQNs (what get_model_state_dict / DCP produce); pipeline
-# stages may pass partial dicts, and each key is renamed on its own. Tied embeddings have ONE
-# tensor in Hugging Face format, model.embed_tokens.weight (save_pretrained writes no lm_head.weight
-# for them): Kiln's output.weight maps onto it, which is what the last pipeline stage, holding the
-# output projection without the embedding, loads and exports.
+# The architecture picks the transformers model (hf_model_type): Llama, Qwen3 (q/k norm), Mixtral,
+# Qwen3-MoE or Qwen2-MoE (shared expert). Dense weights are a pure rename in both directions (see the
+# RoPE convention note above): the tensors are shared, not copied. Experts are stacked [E, out, in] in
+# Kiln and one tensor per expert in the safetensors that save_pretrained writes (and released checkpoints
+# hold; transformers 5 fuses them only in memory): to_hf_state_dict gives each expert's slice as a view
+# of the stacked weight (so loading writes straight into it), from_hf_state_dict stacks them (a copy).
+# Keys are plain module FQNs (what get_model_state_dict / DCP produce); pipeline stages may pass partial
+# dicts, and each key is renamed on its own. Tied embeddings have ONE tensor in Hugging Face format,
+# model.embed_tokens.weight (save_pretrained writes no lm_head.weight for them): Kiln's output.weight
+# maps onto it, which is what the last pipeline stage, holding the output projection without the
+# embedding, loads and exports.
 # --------------------------------------------------------------------------------------------
 
-_LAYER_KEYS = {
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+_ATTENTION_KEYS = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+_QKV_BIAS_KEYS = {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
+_QK_NORM_KEYS = {f"attention.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"}
+_SWIGLU = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_DENSE_KEYS = {f"feed_forward.{w}.weight": f"mlp.{hf}.weight" for w, hf in _SWIGLU.items()}
+_SHARED_KEYS = {f"moe.shared_expert.{w}.weight": f"mlp.shared_expert.{hf}.weight" for w, hf in _SWIGLU.items()}
 _TOP_KEYS = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_KEYS_INV = {v: k for k, v in _LAYER_KEYS.items()}
 _TOP_KEYS_INV = {v: k for k, v in _TOP_KEYS.items()}
 _KILN_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_KILN_EXPERTS = re.compile(r"moe\.experts\.(w[123])")
+# Per-expert names on disk: Mixtral keeps its original checkpoint names, the Qwen MoEs nn.Linear-style ones.
+_HF_EXPERTS = {"mixtral": re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight"),
+               "qwen": re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight")}
+
+
+def hf_model_type(args: LlamaArgs) -> str:
+    """The transformers ``model_type`` that has exactly this architecture; ValueError naming what has none."""
+    moe = args.moe
+    if moe is None:
+        if args.qkv_bias:
+            raise ValueError("q/k/v biases without MoE (Qwen2) are not supported")
+        return "qwen3" if args.qk_norm else "llama"
+    if moe.shared_ffn_dim:
+        if not moe.shared_gate or args.qk_norm:
+            raise ValueError("a shared expert is Qwen2-MoE's: with its sigmoid gate (moe.shared_gate) and without qk_norm")
+        return "qwen2_moe"
+    if args.qkv_bias:
+        raise ValueError("q/k/v biases are Qwen2-MoE's: they need its shared expert (moe.shared_ffn_dim)")
+    if args.qk_norm:
+        return "qwen3_moe"
+    if moe.norm_topk_prob and moe.first_dense_layers == 0 and moe.interval == 1:
+        return "mixtral"
+    raise ValueError("an MoE without qk_norm or a shared expert is Mixtral's, which renormalizes the top-k "
+                     "probabilities (moe.norm_topk_prob) and has no dense layers (moe.first_dense_layers=0, moe.interval=1)")
+
+
+def _layer_keys(args: LlamaArgs, layer_id: int) -> dict[str, str]:
+    """Kiln -> Hugging Face names of one layer's weights, experts excepted."""
+    keys = dict(_ATTENTION_KEYS)
+    if args.qkv_bias:
+        keys |= _QKV_BIAS_KEYS
+    if args.qk_norm:
+        keys |= _QK_NORM_KEYS
+    if not args.is_moe_layer(layer_id):
+        return keys | _DENSE_KEYS
+    if hf_model_type(args) == "mixtral":
+        return keys | {"moe.router.gate.weight": "block_sparse_moe.gate.weight"}
+    keys["moe.router.gate.weight"] = "mlp.gate.weight"
+    if args.moe.shared_ffn_dim:
+        keys |= _SHARED_KEYS | {"moe.shared_gate.weight": "mlp.shared_expert_gate.weight"}
+    return keys
+
+
+def _expert_key(model_type: str, w: str, expert: int) -> str:
+    if model_type == "mixtral":
+        return f"block_sparse_moe.experts.{expert}.{w}.weight"
+    return f"mlp.experts.{expert}.{_SWIGLU[w]}.weight"
+
+
+def _held_experts(t: Tensor) -> tuple[int, tuple[Tensor, ...]]:
+    """(the global index of the first expert this rank holds, views of the held experts' ``[out, in]`` slices).
+    A DTensor is sharded over the experts (FSDP2's Shard(0); expert parallelism's): its local rows."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return 0, t.unbind(0)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(not (p.is_replicate() or p.is_shard(0)) for p in t.placements):
+        raise NotImplementedError(f"experts sharded as {t.placements}: only over the experts (Shard(0))")
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return offset[0], t.to_local().unbind(0)
 
 
 def to_hf_config(args: LlamaArgs, **token_ids: int | list[int] | None):
-    """The ``transformers.LlamaConfig`` of the same architecture.
+    """The transformers config of the same architecture (``LlamaConfig``, ``Qwen3Config``, ``MixtralConfig``,
+    ``Qwen3MoeConfig`` or ``Qwen2MoeConfig``: :func:`hf_model_type`).
 
     ``token_ids``: ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` (any ``*_token_id``). Those
-    not given are None rather than LlamaConfig's defaults (1 and 2), which would silently belong
+    not given are None rather than the configs' defaults (e.g. 1 and 2), which would silently belong
     to some other tokenizer.
     """
-    from transformers import LlamaConfig  # imported here: the model itself needs only torch
+    import transformers  # imported here: the model itself needs only torch
 
     bad = [k for k in token_ids if not k.endswith("_token_id")]
     if bad:
@@ -410,31 +664,36 @@ def to_hf_config(args: LlamaArgs, **token_ids: int | list[int] | None):
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling is not None:
         rope.update(rope_type="llama3", **dataclasses.asdict(args.rope_scaling))
-    return LlamaConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.dim,
-        intermediate_size=args.ffn_dim,
-        num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads,
-        head_dim=args.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=args.max_seq_len,
-        rms_norm_eps=args.norm_eps,
-        rope_parameters=rope,
-        tie_word_embeddings=args.tie_embeddings,
-        attention_bias=False,
-        mlp_bias=False,
-        **ids,
-    )
+    common = dict(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
+                  num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+                  head_dim=args.head_dim, hidden_act="silu", max_position_embeddings=args.max_seq_len,
+                  rms_norm_eps=args.norm_eps, rope_parameters=rope, tie_word_embeddings=args.tie_embeddings, **ids)
+    model_type, moe = hf_model_type(args), args.moe
+    if model_type == "llama":
+        return transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+    if model_type == "qwen3":
+        return transformers.Qwen3Config(**common, attention_bias=False, use_sliding_window=False)
+    routed = dict(num_experts_per_tok=moe.top_k)
+    if model_type == "mixtral":
+        return transformers.MixtralConfig(**{**common, "intermediate_size": moe.ffn_dim}, **routed,
+                                          num_local_experts=moe.num_experts, sliding_window=None)
+    qwen_moe = dict(**routed, num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_dim,
+                    norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=moe.interval,
+                    mlp_only_layers=list(range(moe.first_dense_layers)), use_sliding_window=False)
+    if model_type == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, **qwen_moe, attention_bias=False)
+    return transformers.Qwen2MoeConfig(**common, **qwen_moe, shared_expert_intermediate_size=moe.shared_ffn_dim,
+                                       qkv_bias=args.qkv_bias)
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
-    """Kiln ``Transformer`` keys -> ``LlamaForCausalLM`` keys (same tensors). Unknown keys raise.
+    """Kiln ``Transformer`` keys -> the keys of :func:`hf_model_type`'s checkpoints (the same tensors; each
+    expert a view of its stacked weight, under its global index). Unknown keys raise.
 
     Tied: ``output.weight`` becomes ``model.embed_tokens.weight`` when the dict has no embedding
     (a last pipeline stage), and is dropped when it has (the same tensor): no ``lm_head.weight``.
     """
+    model_type = hf_model_type(args)
     out: dict[str, Tensor] = {}
     for key, t in sd.items():
         if key == "output.weight" and args.tie_embeddings:
@@ -445,20 +704,32 @@ def to_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor
             out[_TOP_KEYS[key]] = t
             continue
         m = _KILN_LAYER.fullmatch(key)
-        if m is None or m.group(2) not in _LAYER_KEYS or int(m.group(1)) >= args.n_layers:
-            raise KeyError(f"not a Kiln Llama state-dict key for {args.n_layers} layers: {key!r}")
-        out[f"model.layers.{m.group(1)}.{_LAYER_KEYS[m.group(2)]}"] = t
+        layer = int(m.group(1)) if m is not None else args.n_layers
+        if layer < args.n_layers and args.is_moe_layer(layer) and (e := _KILN_EXPERTS.fullmatch(m.group(2))):
+            first, experts = _held_experts(t)
+            for i, expert in enumerate(experts):
+                out[f"model.layers.{layer}.{_expert_key(model_type, e.group(1), first + i)}"] = expert
+            continue
+        names = _layer_keys(args, layer) if layer < args.n_layers else {}
+        if m is None or m.group(2) not in names:
+            raise KeyError(f"not a Kiln {HF_ARCHITECTURES[model_type]} state-dict key for {args.n_layers} layers: {key!r}")
+        out[f"model.layers.{layer}.{names[m.group(2)]}"] = t
     return out
 
 
 def from_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
-    """``LlamaForCausalLM`` keys -> Kiln ``Transformer`` keys (same tensors). Unknown keys raise.
+    """Hugging Face keys (of :func:`hf_model_type`'s checkpoints) -> Kiln ``Transformer`` keys: the same
+    tensors, but experts stacked (a copy; every expert of a layer must be there). Unknown keys raise.
 
     ``rotary_emb.inv_freq`` entries (older checkpoints saved them) are recomputed here, so dropped.
     Tied: ``output.weight`` is the embedding (an ``lm_head.weight`` some exports still carry is
     ignored, as transformers ignores it).
     """
+    model_type = hf_model_type(args)
+    expert_pattern = _HF_EXPERTS["mixtral" if model_type == "mixtral" else "qwen"]
+    to_kiln = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "w1": "w1", "w2": "w2", "w3": "w3"}
     out: dict[str, Tensor] = {}
+    experts: dict[str, dict[int, Tensor]] = {}
     for key, t in sd.items():
         if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and args.tie_embeddings):
             continue
@@ -466,9 +737,24 @@ def from_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tens
             out[_TOP_KEYS_INV[key]] = t
             continue
         m = _HF_LAYER.fullmatch(key)
-        if m is None or m.group(2) not in _LAYER_KEYS_INV or int(m.group(1)) >= args.n_layers:
-            raise KeyError(f"not a LlamaForCausalLM state-dict key for {args.n_layers} layers: {key!r}")
-        out[f"layers.{m.group(1)}.{_LAYER_KEYS_INV[m.group(2)]}"] = t
+        layer = int(m.group(1)) if m is not None else args.n_layers
+        if layer < args.n_layers and args.is_moe_layer(layer) and (e := expert_pattern.fullmatch(m.group(2))):
+            experts.setdefault(f"layers.{layer}.moe.experts.{to_kiln[e.group(2)]}", {})[int(e.group(1))] = t
+            continue
+        names = {v: k for k, v in _layer_keys(args, layer).items()} if layer < args.n_layers else {}
+        if m is None or m.group(2) not in names:
+            raise KeyError(f"not a {HF_ARCHITECTURES[model_type]} state-dict key for {args.n_layers} layers: {key!r}")
+        out[f"layers.{layer}.{names[m.group(2)]}"] = t
+    for key, by_index in experts.items():
+        if sorted(by_index) != list(range(args.moe.num_experts)):
+            missing = sorted(set(range(args.moe.num_experts)) - by_index.keys())
+            raise KeyError(f"{key}: experts {missing} missing of {args.moe.num_experts}")
+        out[key] = torch.stack([by_index[i] for i in range(args.moe.num_experts)])
     if args.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
+
+
+def is_expert_key(key: str) -> bool:
+    """A Kiln key of stacked expert weights (what :func:`to_hf_state_dict` splits into per-expert views)."""
+    return _KILN_EXPERTS.search(key) is not None

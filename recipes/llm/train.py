@@ -28,7 +28,8 @@ from common.parallel_dims import ParallelDims
 from common.trainer import Trainer
 from recipes.llm import hf
 from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, model_inputs, pad_id, prepare_data
-from recipes.llm.model import Llama3RopeScaling, LlamaArgs, Transformer
+from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoE, MoEArgs, Transformer
+from recipes.llm.moe_losses import load_balancing_loss, model_router_sums, z_loss
 from recipes.llm.parallelize import parallelize
 from recipes.llm.pipeline import Pipeline, TiedEmbeddings, split_for_rank, virtual_stages
 
@@ -40,10 +41,15 @@ def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
     scaling = None if r.rope_type == "default" else Llama3RopeScaling(
         factor=r.factor, low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
         original_max_position_embeddings=r.original_max_position_embeddings)
+    e = m.moe
+    moe = None if not e.num_experts else MoEArgs(
+        num_experts=e.num_experts, top_k=e.top_k, ffn_dim=e.ffn_dim, norm_topk_prob=e.norm_topk_prob,
+        shared_ffn_dim=e.shared_ffn_dim, shared_gate=e.shared_gate, first_dense_layers=e.first_dense_layers,
+        interval=e.interval)
     return LlamaArgs(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
                      vocab_size=m.vocab_size or vocab_size, ffn_dim=m.ffn_dim, norm_eps=m.norm_eps,
                      rope_theta=m.rope_theta, max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings,
-                     head_dim=m.head_dim, rope_scaling=scaling)
+                     head_dim=m.head_dim, rope_scaling=scaling, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, moe=moe)
 
 
 def build_model(args: LlamaArgs, cfg: TrainConfig, mesh, device: torch.device) -> Transformer:
@@ -114,6 +120,9 @@ class LLMTrainer(Trainer):
                                    loss_parallel=cfg.model.loss_parallel)
         # Layout-independent: one global data stream and no per-rank random draws, so rank 0's copy
         # (step, data position, LR schedule) resumes any layout.
+        # The MoE layers this rank holds (found through any wrapper: AC, FSDP), whose routing the loss reads.
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
+        self.moe_terms: dict[str, torch.Tensor] = {}
         self.start(loader, per_rank_rng=False)
         self.model.train()
 
@@ -148,11 +157,40 @@ class LLMTrainer(Trainer):
 
     def loss(self, batch: LocalBatch) -> torch.Tensor:
         """Cross-entropy summed over the labelled tokens (under pipeline parallelism the pipeline computes
-        the same sum on its last stage: recipes/llm/pipeline.py)."""
+        the same sum on its last stage: recipes/llm/pipeline.py), plus an MoE's auxiliary losses."""
         packed = batch.packed
         logits = self.model(packed.input_ids.to(self.device), **model_inputs(packed, self.cfg.toggles.attention, self.device))
         labels = packed.labels[:, 1:].to(self.device)
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+        if self.moe_layers:
+            loss = loss + self.moe_aux_losses(packed)
+        return loss
+
+    def moe_aux_losses(self, packed: PackedBatch) -> torch.Tensor:
+        """coef * load-balancing loss + coef * z-loss of this micro-batch's routing, over its real tokens (padding
+        left out, as transformers' attention_mask does), scaled by its labelled-token count.
+
+        Why scaled: the step divides what `loss` returns by the global labelled-token count (common/trainer.py),
+        while these losses are already means over tokens. Times this micro-batch's count, the step's objective
+        is the token-weighted mean over micro-batches (and dp ranks) of ``ce + coef * aux``: on one micro-batch
+        exactly transformers' ``loss + router_aux_loss_coef * aux_loss``, and its gradient. Each micro-batch's
+        aux loss is its own (a ratio of its sums), as transformers computes it per forward; part B makes the
+        sums global over the dp/ep ranks of a micro-batch (moe_losses.load_balancing_loss).
+        """
+        moe = self.cfg.model.moe
+        real = torch.zeros(packed.input_ids.shape, dtype=torch.bool)
+        for row, lens in enumerate(packed.seq_lens):
+            real[row, :sum(lens)] = True
+        sums = model_router_sums(self.moe_layers, real.flatten().to(self.device))
+        aux, z = load_balancing_loss(sums), z_loss(sums)
+        weight = packed.num_labels
+        for name, value in (("aux_loss", aux), ("z_loss", z)):  # logged unscaled: loss_terms
+            self.moe_terms[name] = self.moe_terms.get(name, 0) + value.detach() * weight
+        return (moe.aux_loss_coef * aux + moe.z_loss_coef * z) * weight
+
+    def loss_terms(self) -> dict[str, torch.Tensor]:
+        terms, self.moe_terms = self.moe_terms, {}
+        return terms
 
     # ---- export -----------------------------------------------------------------------------
     def export(self) -> Path:
@@ -195,7 +233,8 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     args = llama_args(cfg, vocab_size=cfg.model.vocab_size or 2048)
     with torch.device("meta"):
         model = Transformer(args)
-    layer, first = count_params(model.layers["0"]), count_params(model.tok_embeddings)
+    # MoE: layers differ (dense first layers); the mean layer, counting every expert (total, not active, parameters).
+    layer, first = sum(map(count_params, model.layers.values())) // args.n_layers, count_params(model.tok_embeddings)
     # Tied embeddings are counted once (on the first stage); under PP the last stage holds a second copy.
     last = count_params(model.norm) + (0 if args.tie_embeddings else count_params(model.output))
     # sdpa: the packed documents' [b,1,s,s] bool mask (kept as a bias per layer) and K/V repeated per query
