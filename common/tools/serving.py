@@ -77,6 +77,10 @@ class ServeSection:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     dry_run: bool = False  # print the engine's command line and exit
     # vLLM only
+    # LoRA adapters served over the base (serve.lora={name:<adapter folder>,...}): a request whose `model` is an
+    # adapter's name runs the base with that adapter; the served name runs the base alone. Each adapter is a
+    # PEFT folder whose adapter_config.json names serve.model as its base.
+    lora: dict[str, str] = field(default_factory=dict)
     tensor_parallel_size: int = 1
     cpu_kvcache_gib: int = 2  # vLLM's CPU build: the KV cache's memory (VLLM_CPU_KVCACHE_SPACE)
     max_model_len: int = 0  # 0: the model's max_position_embeddings
@@ -118,6 +122,10 @@ def validate(s: ServeSection) -> None:
     if s.served_model_name and not NAME.match(s.served_model_name):
         raise ConfigError(f"serve.served_model_name={s.served_model_name!r}: use letters, digits, '_', '.', "
                           "single '-' and at most one '/' (like a hub id)")
+    for name in s.lora:
+        if not NAME.match(name) or name == s.served_model_name:
+            raise ConfigError(f"serve.lora: adapter name {name!r} must be a model name (letters, digits, '_', '.', '-') "
+                              "other than serve.served_model_name")
     if s.tensor_parallel_size < 1:
         raise ConfigError(f"serve.tensor_parallel_size={s.tensor_parallel_size} must be >= 1")
     if not 0.0 < s.gpu_memory_utilization <= 1.0:
@@ -143,6 +151,8 @@ def compose(overrides: list[str]) -> ServeSection:
 
     register()
     GlobalHydra.instance().clear()
+    # serve.lora={name:folder} replaces the (struct) dict whole: Hydra's `++` (set, new keys included).
+    overrides = [f"++{o}" if o.startswith("serve.lora=") else o for o in overrides]
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg: ServeConfig = OmegaConf.to_object(hydra_compose(config_name="serve", overrides=overrides))
@@ -283,8 +293,44 @@ def write_chat_template(export: Path, folder: Path) -> Path | None:
     return path
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
+
+
+def check_adapters(s: ServeSection, export: Path) -> dict[str, tuple[Path, int]]:
+    """{name: (adapter folder, rank)} of serve.lora, each a PEFT LoRA folder whose base is the served export;
+    anything else is a one-line UserError."""
+    adapters = {}
+    for name, path in s.lora.items():
+        folder = Path(path).expanduser().resolve()
+        config_file = folder / "adapter_config.json"
+        if not config_file.exists() or not any(folder.glob("adapter_model.*")):
+            raise UserError(f"serve.lora.{name}={path} is not a PEFT adapter folder (adapter_config.json + "
+                            "adapter_model.safetensors)")
+        config = json.loads(config_file.read_text())
+        if config.get("peft_type") != "LORA":
+            raise UserError(f"serve.lora.{name}={path} is a {config.get('peft_type')} adapter; vLLM serves LoRA adapters")
+        base = config.get("base_model_name_or_path") or ""
+        if not base or Path(base).expanduser().resolve() != export:
+            raise UserError(f"serve.lora.{name}={path} was trained on base {base or '(none named)'!r}, not on "
+                            f"serve.model={export}: serve its own base")
+        rank = max([int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())])
+        adapters[name] = (folder, rank)
+    return adapters
+
+
+def lora_flags(adapters: dict[str, tuple[Path, int]]) -> list[str]:
+    if not adapters:
+        return []
+    rank = max(r for _, r in adapters.values())
+    max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), None)
+    if max_rank is None:
+        raise UserError(f"serve.lora: rank {rank} is above vLLM's largest LoRA rank ({VLLM_LORA_RANKS[-1]})")
+    return ["--enable-lora", "--lora-modules", *(f"{n}={folder}" for n, (folder, _) in adapters.items()),
+            "--max-lora-rank", str(max_rank), "--max-loras", str(len(adapters))]
+
+
 def vllm_command(s: ServeSection, export: Path, name: str, chat_template: Path | None,
-                 python: Path | None = None) -> list[str]:
+                 python: Path | None = None, adapters: dict[str, tuple[Path, int]] | None = None) -> list[str]:
     """vLLM's OpenAI server: `python -m vllm.entrypoints.openai.api_server` from .venv-serve (`python`; the
     CPU build's `vllm` console script looks itself up under the wrong name and dies), else `vllm serve`."""
     server = ([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(export)] if python is not None
@@ -296,7 +342,7 @@ def vllm_command(s: ServeSection, export: Path, name: str, chat_template: Path |
         cmd += ["--max-model-len", str(s.max_model_len)]
     if chat_template is not None:
         cmd += ["--chat-template", str(chat_template)]
-    return cmd
+    return cmd + lora_flags(adapters or {})
 
 
 def build_hub_cache(export: Path, name: str, cache: Path, chat_template: Path | None) -> Path:
@@ -388,7 +434,7 @@ class Launch:
 
 # The keys each engine reads beyond the common ones (model, engine, host, port, api key, name, dry_run).
 ENGINE_KEYS = {
-    "vllm": ("dtype", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "cpu_kvcache_gib"),
+    "vllm": ("dtype", "lora", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "cpu_kvcache_gib"),
     "transformers": ("dtype", "device", "continuous_batching", "cb_num_blocks", "cb_max_batch_tokens", "log_level"),
     "onnxruntime": ("log_level", "max_batch_images", "batch_wait_ms"),
     "tensorrt": ("device", "log_level", "max_batch_images", "batch_wait_ms"),
@@ -420,6 +466,9 @@ def serve_images(s: ServeSection, export: Path, name: str, engine: str, key: str
 
 def plan_images(s: ServeSection, export: Path, name: str) -> Launch:
     engine, why = choose_image_engine(s.engine, export)
+    if s.lora:
+        raise ConfigError("serve.lora: the images server serves one DiT; serve the merged export instead "
+                          "(export.merge_lora=true)")
     if s.dtype not in ("auto", "float32"):
         raise ConfigError(f"serve.dtype={s.dtype}: a DiT export serves in its graph's precision "
                           "(scripts/export_dit.py --precision); leave serve.dtype=auto")
@@ -448,7 +497,11 @@ def plan(s: ServeSection) -> Launch:
     if chat_template is not None:
         notes.append("the export has no chat template (a base LM): chat messages are joined as plain text")
     key = api_key(s, engine)
+    if s.lora and engine != "vllm":
+        raise UserError(f"serve.lora needs vLLM, and engine={engine} ({why}): make serve-env, or serve the merged "
+                        "model (export.merge_lora=true)")
     if engine == "vllm":
+        adapters = check_adapters(s, export)
         build = serve_env()
         if build is None and shutil.which("vllm") is None and not s.dry_run:
             raise UserError("serve.engine=vllm: vLLM is not installed; make serve-env builds it in .venv-serve "
@@ -460,7 +513,7 @@ def plan(s: ServeSection) -> Launch:
         if build == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(s.cpu_kvcache_gib)
         python = serve_venv() / "bin" / "python" if build is not None else None
-        return Launch(engine, why, name, vllm_command(s, export, name, chat_template, python), env, None, notes,
+        return Launch(engine, why, name, vllm_command(s, export, name, chat_template, python, adapters), env, None, notes,
                       tuple(k for k in env if k == "VLLM_API_KEY"))
     if key is not None:
         notes.append(f"${s.api_key_env} is set but transformers serve does not check API keys")

@@ -322,3 +322,35 @@ def test_dit_dry_run_and_its_refusals(dit_export, tmp_path):
         assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     proc = _serve(f"serve.model={dit_export.parent}", "serve.dry_run=true", tmp=tmp_path)
     assert "is a run folder; serve its export" in proc.stderr
+
+
+def write_adapter_config(folder, base, r=8):
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r,
+                                                            "base_model_name_or_path": str(base)}))
+    (folder / "adapter_model.safetensors").write_bytes(b"0")
+    return folder
+
+
+def test_lora_adapters_go_to_vllm_with_their_ranks(export, tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_SERVE_VENV", str(fake_serve_env(tmp_path / "venv", "cpu")))
+    a = write_adapter_config(tmp_path / "a", export, r=8)
+    b = write_adapter_config(tmp_path / "b", export, r=24)
+    launch = plan(compose([f"serve.model={export}", f"serve.lora={{math:{a},code:{b}}}"]))
+    assert launch.engine == "vllm"
+    flags = launch.argv[launch.argv.index("--enable-lora"):]
+    assert flags == ["--enable-lora", "--lora-modules", f"math={a}", f"code={b}", "--max-lora-rank", "32",
+                     "--max-loras", "2"]
+
+
+def test_lora_refusals_are_one_line(export, tmp_path, monkeypatch):
+    other = write_adapter_config(tmp_path / "other", tmp_path / "another-base")
+    with pytest.raises(UserError, match=r"serve.lora.x=.* was trained on base .*another-base.*serve its own base"):
+        plan(compose([f"serve.model={export}", "serve.engine=vllm", "serve.dry_run=true", f"serve.lora={{x:{other}}}"]))
+    with pytest.raises(UserError, match="is not a PEFT adapter folder"):
+        plan(compose([f"serve.model={export}", "serve.engine=vllm", f"serve.lora={{x:{tmp_path}}}"]))
+    ok = write_adapter_config(tmp_path / "ok", export)
+    with pytest.raises(UserError, match="serve.lora needs vLLM, and engine=transformers"):
+        plan(compose([f"serve.model={export}", f"serve.lora={{x:{ok}}}"]))
+    with pytest.raises(ConfigError, match="adapter name 'llm_tiny' must be a model name"):
+        compose([f"serve.model={export}", "serve.served_model_name=llm_tiny", f"serve.lora={{llm_tiny:{ok}}}"])
