@@ -166,6 +166,16 @@ def _local(formula):
     return count
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """torch._grouped_mm (an MoE's experts): 2 FLOPs per multiply-add, each row of a 2-D operand meeting
+    one group. Forward (tokens [M, K] x experts [G, K, N]) and input gradient: 2 M K N, the tokens each
+    multiplied by their one expert (so only routed, active weights count); weight gradient (grads^T
+    [N, M] x tokens [M, K], grouped along M): 2 N M K; batched 3-D x 3-D: 2 G M K N."""
+    if len(a_shape) == 3 and len(b_shape) == 3:
+        return 2 * math.prod(a_shape) * b_shape[-1]
+    return 2 * math.prod(a_shape[-2:]) * b_shape[-1]
+
+
 def _formulas() -> _FormulaTable:
     # torch's registry knows the CUDA SDPA kernels (flash, efficient, cuDNN; forward and backward)
     # but not the CPU flash kernel that F.scaled_dot_product_attention picks on CPU, which would
@@ -174,11 +184,12 @@ def _formulas() -> _FormulaTable:
         import torch.nn.attention.varlen  # noqa: F401
     except ImportError:  # an older torch: Kiln's formulas below stand in
         pass
-    cpu_attention = {
+    kiln = {
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops,
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flops,
+        torch.ops.aten._grouped_mm: _grouped_mm_flops,  # not in torch's registry: MoE experts would count zero
     }
-    raw = {**flop_registry, **{op: shape_wrapper(f) for op, f in cpu_attention.items()}}
+    raw = {**flop_registry, **{op: shape_wrapper(f) for op, f in kiln.items()}}
     return _FormulaTable({op: _local(f) for op, f in raw.items()},
                          {name: _local(f) for name, f in ATTENTION_FORMULAS_BY_NAME.items()})
 

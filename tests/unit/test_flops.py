@@ -75,6 +75,32 @@ def test_llama_counted_flops_match_6n_plus_attention():
     assert 1.0 < ratio < 1.0 + (SDPA_BACKWARD_RECOMPUTE - 1)  # only attention's recompute differs
 
 
+def test_moe_experts_count_their_routed_tokens_only():
+    """An MoE step counts the active parameters: every token through the router, its top_k experts and the
+    shared expert, none of the other experts' weights (the grouped GEMM has its own formula; torch's
+    registry has none, and the experts would count zero)."""
+    import dataclasses
+
+    from recipes.llm.model import MoEArgs
+
+    moe = MoEArgs(num_experts=8, top_k=2, ffn_dim=64, shared_ffn_dim=32, first_dense_layers=0, interval=1)
+    args = dataclasses.replace(ARGS, moe=moe, head_dim=ARGS.head_dim)
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with FlopCounter() as fc:
+        llama_step(model, tokens)
+    by_op = fc.by_op()
+    a, n = args, BATCH * SEQ
+    experts = 6 * n * a.n_layers * moe.top_k * 3 * a.dim * moe.ffn_dim  # routed tokens only, 2 fwd + 4 bwd
+    assert by_op["aten._grouped_mm"] == experts
+    attention = 2 * a.dim * a.n_heads * a.head_dim + 2 * a.dim * a.n_kv_heads * a.head_dim
+    dense = a.n_layers * (attention + a.dim * moe.num_experts + 3 * a.dim * moe.shared_ffn_dim + a.dim) + a.dim * a.vocab_size
+    assert by_op["aten.mm"] == 6 * n * dense  # router, shared expert and its gate, attention, lm head
+    total_params = sum(p.numel() for p in model.parameters())
+    print(f"moe step: {fc.flops:.3e} FLOPs; experts {experts / fc.flops:.0%}; params {total_params}")
+
+
 # ---- every attention kernel, against a hand count ------------------------------------------------
 # Hand counts: Q K^T and P V are 2 s_q s_k d multiply-adds per head, 2 FLOPs each -> 4 s_q s_k h d
 # forward; backward is 5 such matmuls (torch's SDPA formula, recompute included) -> 10 s_q s_k h d.
