@@ -346,7 +346,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """``x`` ``[N, D]`` sorted by expert, ``tokens_per_expert`` ``[E]`` summing to N -> ``[N, D]``."""
         offs = tokens_per_expert.cumsum(0, dtype=torch.int32)
-        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))  # autocast does not cover _grouped_mm
+        # Under expert parallelism the weights are DTensors split over the experts: this rank's experts.
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))  # autocast does not cover _grouped_mm
         h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
         h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
