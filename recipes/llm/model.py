@@ -636,14 +636,16 @@ def _expert_key(model_type: str, w: str, expert: int) -> str:
 
 def _held_experts(t: Tensor) -> tuple[int, tuple[Tensor, ...]]:
     """(the global index of the first expert this rank holds, views of the held experts' ``[out, in]`` slices).
-    A DTensor is sharded over the experts (FSDP2's Shard(0); expert parallelism's): its local rows."""
+    A DTensor is sharded over the experts (FSDP2's Shard(0); expert parallelism's; both: FSDP2's _StridedShard(0)
+    over edp of ep's Shard(0), a contiguous block of an ep rank's block): its local rows."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(t, DTensor):
         return 0, t.unbind(0)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if any(not (p.is_replicate() or p.is_shard(0)) for p in t.placements):
+    if any(not (p.is_replicate() or p.is_shard(0) or (isinstance(p, _StridedShard) and p.dim == 0)) for p in t.placements):
         raise NotImplementedError(f"experts sharded as {t.placements}: only over the experts (Shard(0))")
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return offset[0], t.to_local().unbind(0)
