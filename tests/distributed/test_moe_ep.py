@@ -105,7 +105,7 @@ VARIANTS = ("mixtral", "qwen2_moe")
 
 
 def _init_from_under_ep2(folders: dict, run_root: str) -> dict:
-    """Per checkpoint: max |logits - transformers'| on this rank, and (rank 0) whether the export after one step
+    """parallel.ep=2 on 2 or 4 ranks. Per checkpoint: max |logits - transformers'| on this rank, and (rank 0) whether the export after one step
     at lr 0 equals the source tensor for tensor."""
     import torch.distributed as tdist
     from transformers import AutoModelForCausalLM
@@ -142,13 +142,15 @@ def _init_from_under_ep2(folders: dict, run_root: str) -> dict:
     return out
 
 
-def test_init_from_under_ep2_matches_transformers_and_exports_the_source(tmp_path):
+@pytest.mark.parametrize("nproc", [2, 4], ids=["ep2", "ep2_dp2"])
+def test_init_from_under_ep2_matches_transformers_and_exports_the_source(tmp_path, nproc):
+    """4 ranks: each rank reads one FSDP2 shard of its ep rank's experts (_StridedShard offsets)."""
     folders = {v: write_moe_folder(tmp_path / v, v) for v in VARIANTS}
     folders["data"] = write_token_dataset(tmp_path / "data", folders[VARIANTS[0]])
-    ranks = spawn_ranks(_init_from_under_ep2, ({k: str(v) for k, v in folders.items()}, str(tmp_path / "runs")), 2,
+    ranks = spawn_ranks(_init_from_under_ep2, ({k: str(v) for k, v in folders.items()}, str(tmp_path / "runs")), nproc,
                         tmp_path)
     for variant in VARIANTS:
         errors = [r[variant]["error"] for r in ranks]
-        print(f"{variant} ep=2: max |logits - transformers| = {max(errors):.1e}")
+        print(f"{variant} ep=2 on {nproc} ranks: max |logits - transformers| = {max(errors):.1e}")
         assert max(errors) <= 1e-5, variant
         assert ranks[0][variant]["same_keys"] and ranks[0][variant]["bitwise"], variant
