@@ -63,6 +63,7 @@ class ParallelConfig:
     timeout_s: int = 600  # collective timeout: a hang becomes an error
     tp: ClassVar[int] = 1
     pp: ClassVar[int] = 1
+    ep: ClassVar[int] = 1
     zero_stage: ClassVar[int] = 0
 
 

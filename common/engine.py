@@ -159,6 +159,7 @@ class NativeEngine(Engine):
         self.model = self.module = model
         self.mesh, self.pipeline, self.tied = mesh, pipeline, tied
         self.dp, self.tp, self.pp = mesh["dp"].size(), mesh["tp"].size(), mesh["pp"].size()
+        self.ep = getattr(cfg.parallel, "ep", 1)  # the experts' gradients live on their own ("edp", "ep") mesh
         self.grad_clip = o.grad_clip or float("inf")
         self.loss_parallel = loss_parallel and self.tp > 1
         # FSDP's mixed-precision policy casts under dp > 1 (recipes/llm/parallelize.py); autocast otherwise.
@@ -201,6 +202,8 @@ class NativeEngine(Engine):
         if self.pp > 1:  # the norm spans every stage's gradients
             skip = self.tied.norm_skip if self.tied is not None else None
             return clip_grad_norm_(params, self.grad_clip, self.mesh["pp"].get_group(), skip=skip)
+        if self.ep > 1:  # DTensor gradients on two meshes
+            return clip_sharded_grad_norm_(params, self.grad_clip, self.mesh["dp"].get_group())
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -241,7 +244,7 @@ class NativeEngine(Engine):
                        options=_flat_optim())
 
     def layout(self):
-        return {"layout": {"dp": self.dp, "tp": self.tp, "pp": self.pp}}
+        return {"layout": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep}}
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, skip: nn.Parameter | None = None) -> torch.Tensor:
@@ -255,4 +258,29 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, skip:
     tdist.all_reduce(sq, group=pp_group)
     total = sq.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def clip_sharded_grad_norm_(params: list[nn.Parameter], max_norm: float, dp_group) -> torch.Tensor:
+    """Clip by the global norm of gradients that are DTensors on different meshes whose shards each cover their
+    tensor once over the dp ranks: expert parallelism's experts on ("edp", "ep"), the rest FSDP-sharded on
+    "dp". DTensor ops take one mesh at a time (and a 2-D partial norm costs two all-reduces), so: the local
+    shards' squared norm, summed over dp by one all-reduce; then each mesh's gradients clipped on their own."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's Shard(0) on top of ep's Shard(0)
+
+    grads = [p.grad for p in params if p.grad is not None]
+    dp = tdist.get_world_size(dp_group)
+    for g in grads:
+        if not (isinstance(g, DTensor) and g.device_mesh.size() == dp and all(isinstance(x, (Shard, _StridedShard)) for x in g.placements)):
+            raise NotImplementedError(f"a gradient {getattr(g, 'placements', 'not a DTensor')} is not sharded over the "
+                                      f"{dp} dp ranks")
+    sq = torch.nn.utils.get_total_norm([g.to_local() for g in grads], 2.0).float() ** 2
+    tdist.all_reduce(sq, group=dp_group)
+    total = sq.sqrt()
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(p.device_mesh, []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

@@ -1,4 +1,4 @@
-"""The parallel layout: validates dp * tp * pp == world size and builds the one DeviceMesh."""
+"""The parallel layout: validates dp * tp * pp == world size (ep inside dp) and builds the one DeviceMesh."""
 
 from __future__ import annotations
 
@@ -10,10 +10,20 @@ from common.errors import ConfigError
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """``dp`` counts every data-parallel rank (each reads its own share of the global batch). Expert
+    parallelism borrows from them, as torchtitan's does: ``ep`` of the dp ranks split the experts (and
+    exchange tokens by all-to-all) while still reading different data, so ep never changes the world size
+    or the global batch; ``edp = dp / ep`` is what is left to shard the experts over (FSDP2)."""
+
     dp: int
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
@@ -28,18 +38,35 @@ class ParallelDims:
                 f"parallel.dp*tp*pp={dp}*{p.tp}*{p.pp}={dp * p.tp * p.pp} but the job has {world_size} ranks "
                 "(set parallel.dp=-1 to derive dp, or start that many ranks)"
             )
-        return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=world_size)
+        check_ep_divides_dp(p.ep, dp)
+        return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=world_size, ep=p.ep)
 
     @classmethod
     def for_sizing(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
         """The layout a dry run sizes: `parallel.dp` when set (a laptop sizes a cluster's layout), else
-        what this launch's ranks leave after tp and pp."""
-        dp = p.dp if p.dp > 0 else max(1, world_size // (p.tp * p.pp))
-        return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=dp * p.tp * p.pp)
+        what this launch's ranks leave after tp and pp (at least ep)."""
+        dp = p.dp if p.dp > 0 else max(p.ep, world_size // (p.tp * p.pp))
+        check_ep_divides_dp(p.ep, dp)
+        return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=dp * p.tp * p.pp, ep=p.ep)
 
     def build_mesh(self, device_type: str):
         """A 3-D mesh ("pp", "dp", "tp"): tp innermost, so tensor-parallel peers are neighbours
-        (same node on a GPU cluster), pp outermost (crosses nodes least often per step)."""
+        (same node on a GPU cluster), pp outermost (crosses nodes least often per step). Expert
+        parallelism splits "dp" further: :func:`expert_mesh`."""
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def expert_mesh(mesh, ep: int):
+    """The mesh's "dp" dimension unflattened into ("edp", "ep"), ep innermost: dp rank ``i * ep + j`` holds the
+    ``j``-th ep shard of the experts, and the ranks ``j, ep + j, ...`` (an "edp" group) hold the same experts and
+    shard them with FSDP2. ep peers are consecutive dp ranks, the closest ranks after tp. Collective."""
+    dp = mesh["dp"].size()
+    return mesh._unflatten("dp", (dp // ep, ep), ("edp", "ep"))
+
+
+def check_ep_divides_dp(ep: int, dp: int) -> None:
+    if ep < 1 or dp % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide the {dp} data-parallel ranks (parallel.dp): expert "
+                          "parallelism splits the experts over ep of the dp ranks, which still read different data")

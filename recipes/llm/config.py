@@ -1,5 +1,5 @@
 """Schemas of the LLM recipe's own config sections: `model` (a Llama, optionally MoE; see recipes/llm/model.py:LlamaArgs),
-`parallel` (the ("pp", "dp", "tp") mesh) and `data` (packed token rows)."""
+`parallel` (the ("pp", "dp", "tp") mesh, ep inside dp) and `data` (packed token rows)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hydra.core.config_store import ConfigStore
 
 from common.config import DataConfig, ParallelConfig, TrainConfig, check_family_sections
 from common.errors import ConfigError
+from common.parallel_dims import check_ep_divides_dp
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -66,10 +67,12 @@ class LLMModelConfig:
 
 @dataclass
 class MeshParallelConfig(ParallelConfig):
-    """The LLM's layout (configs/parallel/mesh.yaml): FSDP2 over dp, tensor parallelism, pipeline stages."""
+    """The LLM's layout (configs/parallel/mesh.yaml): FSDP2 over dp, tensor parallelism, pipeline stages, and
+    expert parallelism inside dp (ep of the dp ranks split the experts; common/parallel_dims.py)."""
 
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # MoE: the experts split over this many of the dp ranks (which still read different data)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     pp_microbatches: int = 0  # 0 = pp
 
@@ -136,10 +139,10 @@ def validate(cfg: TrainConfig) -> None:
     if not isinstance(m, LLMModelConfig):
         raise ConfigError("recipe.family=llm needs a model=llm_* config group")
     check_family_sections(cfg, "LLM", parallel=MeshParallelConfig,
-                          layouts="FSDP2 over parallel.dp, tensor and pipeline parallelism (parallel=mesh: parallel.dp/tp/pp), "
+                          layouts="FSDP2 over parallel.dp, tensor, pipeline and expert parallelism (parallel=mesh: parallel.dp/tp/pp/ep), "
                                   "not DeepSpeed ZeRO",
                           data=LLMDataConfig, datasets="pydoc_text, text_shards or chat_shards (token shards)")
-    for key in ("tp", "pp"):
+    for key in ("tp", "pp", "ep"):
         if getattr(p, key) <= 0:
             raise ConfigError(f"parallel.{key}={getattr(p, key)} must be > 0")
     if p.pp_schedule not in PP_SCHEDULES:
@@ -154,6 +157,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")
     if m.n_kv_heads % p.tp or m.ffn_dim % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide model.n_kv_heads={m.n_kv_heads} and model.ffn_dim={m.ffn_dim}")
+    if p.ep > 1 and not m.moe.num_experts:
+        raise ConfigError(f"parallel.ep={p.ep} needs an MoE model (model.moe.num_experts > 0): a dense model has no experts to split")
+    if p.dp > 0:
+        check_ep_divides_dp(p.ep, p.dp)
     if m.moe.num_experts:
         validate_moe(cfg)
     elif m.qkv_bias:
@@ -208,9 +215,12 @@ def validate_moe(cfg: TrainConfig) -> None:
     for key in ("aux_loss_coef", "z_loss_coef"):
         if getattr(moe, key) < 0:
             raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0")
-    # Expert parallelism (and MoE under tensor/pipeline parallelism) is issue 22's part B.
-    for key, why in (("tp", "the MoE layers have no tensor-parallel plan"),
-                     ("pp", "the auxiliary losses of MoE layers on earlier stages are not carried to the last")):
+    if moe.num_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.num_experts={moe.num_experts} (each ep rank holds "
+                          "num_experts / ep experts)")
+    for key, why in (("tp", "the MoE layers have no tensor-parallel plan (parallel.ep splits the experts instead)"),
+                     ("pp", "the load-balancing loss pools the routing of all MoE layers, which would span stages; "
+                            "it is not carried between stages")):
         if getattr(p, key) > 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)} with model.moe.num_experts={moe.num_experts}: {why} yet")
     if cfg.toggles.precision == "fp8":

@@ -346,7 +346,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """``x`` ``[N, D]`` sorted by expert, ``tokens_per_expert`` ``[E]`` summing to N -> ``[N, D]``."""
         offs = tokens_per_expert.cumsum(0, dtype=torch.int32)
-        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))  # autocast does not cover _grouped_mm
+        # Under expert parallelism the weights are DTensors split over the experts: this rank's experts.
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))  # autocast does not cover _grouped_mm
         h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
         h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
@@ -634,14 +636,16 @@ def _expert_key(model_type: str, w: str, expert: int) -> str:
 
 def _held_experts(t: Tensor) -> tuple[int, tuple[Tensor, ...]]:
     """(the global index of the first expert this rank holds, views of the held experts' ``[out, in]`` slices).
-    A DTensor is sharded over the experts (FSDP2's Shard(0); expert parallelism's): its local rows."""
+    A DTensor is sharded over the experts (FSDP2's Shard(0); expert parallelism's; both: FSDP2's _StridedShard(0)
+    over edp of ep's Shard(0), a contiguous block of an ep rank's block): its local rows."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(t, DTensor):
         return 0, t.unbind(0)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if any(not (p.is_replicate() or p.is_shard(0)) for p in t.placements):
+    if any(not (p.is_replicate() or p.is_shard(0) or (isinstance(p, _StridedShard) and p.dim == 0)) for p in t.placements):
         raise NotImplementedError(f"experts sharded as {t.placements}: only over the experts (Shard(0))")
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return offset[0], t.to_local().unbind(0)

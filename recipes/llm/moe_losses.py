@@ -52,6 +52,18 @@ def model_router_sums(moe_layers: list[MoE], token_mask: Tensor | None = None) -
     return total
 
 
+def global_counts(sums: RouterSums, weight: Tensor, group) -> tuple[RouterSums, Tensor]:
+    """``sums`` with ``tokens_per_expert`` and ``num_tokens`` summed over the ranks of ``group`` (each rank's own
+    ``prob_sum`` and ``z_sum`` kept), and ``weight`` summed too: one all-reduce, no host read. Over the ranks that
+    share a micro-batch, :func:`load_balancing_loss` and :func:`z_loss` of the result add up over the ranks to
+    the losses of the whole micro-batch, and so do their gradients."""
+    import torch.distributed as tdist
+
+    counts = torch.cat([sums.tokens_per_expert, sums.num_tokens.reshape(1), weight.reshape(1).float()])
+    tdist.all_reduce(counts, group=group)
+    return sums._replace(tokens_per_expert=counts[:-2], num_tokens=counts[-2]), counts[-1]
+
+
 def load_balancing_loss(sums: RouterSums) -> Tensor:
     """``E * sum_e f_e * P_e`` with f = tokens_per_expert / N and P = prob_sum / N (Switch Transformer eq. 4-6;
     transformers' ``load_balancing_loss_func``, whose f sums to top_k).

@@ -29,7 +29,7 @@ from common.trainer import Trainer
 from recipes.llm import hf
 from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, model_inputs, pad_id, prepare_data
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoE, MoEArgs, Transformer
-from recipes.llm.moe_losses import load_balancing_loss, model_router_sums, z_loss
+from recipes.llm.moe_losses import global_counts, load_balancing_loss, model_router_sums, z_loss
 from recipes.llm.parallelize import parallelize
 from recipes.llm.pipeline import Pipeline, TiedEmbeddings, split_for_rank, virtual_stages
 
@@ -167,23 +167,31 @@ class LLMTrainer(Trainer):
         return loss
 
     def moe_aux_losses(self, packed: PackedBatch) -> torch.Tensor:
-        """coef * load-balancing loss + coef * z-loss of this micro-batch's routing, over its real tokens (padding
-        left out, as transformers' attention_mask does), scaled by its labelled-token count.
+        """coef * load-balancing loss + coef * z-loss of the GLOBAL micro-batch's routing (this micro-batch on
+        every dp rank, ep ranks included), over its real tokens (padding left out, as transformers'
+        attention_mask does), scaled by its labelled-token count.
+
+        Global: the token counts (per expert, in all) are all-reduced over dp and each rank keeps its own
+        router-probability and z sums (moe_losses.global_counts), so the ranks' terms add up to the loss, and
+        the gradient, of one rank holding the whole micro-batch: every layout (dp, ep) computes the same aux.
+        Per micro-batch, not per step: the loss is a ratio of sums whose gradient needs every token's counts,
+        which a step's later micro-batches do not have yet, so like transformers (one forward) and Megatron the
+        aux belongs to a forward; grad_accum=2 x 4 documents is a different objective from 1 x 8 documents.
 
         Why scaled: the step divides what `loss` returns by the global labelled-token count (common/trainer.py),
-        while these losses are already means over tokens. Times this micro-batch's count, the step's objective
-        is the token-weighted mean over micro-batches (and dp ranks) of ``ce + coef * aux``: on one micro-batch
-        exactly transformers' ``loss + router_aux_loss_coef * aux_loss``, and its gradient. Each micro-batch's
-        aux loss is its own (a ratio of its sums), as transformers computes it per forward; part B makes the
-        sums global over the dp/ep ranks of a micro-batch (moe_losses.load_balancing_loss).
+        while these losses are already means over tokens. Times the micro-batch's global count, the step's
+        objective is the token-weighted mean over micro-batches of ``ce + coef * aux``: on one micro-batch
+        exactly transformers' ``loss + router_aux_loss_coef * aux_loss``, and its gradient.
         """
         moe = self.cfg.model.moe
         real = torch.zeros(packed.input_ids.shape, dtype=torch.bool)
         for row, lens in enumerate(packed.seq_lens):
             real[row, :sum(lens)] = True
         sums = model_router_sums(self.moe_layers, real.flatten().to(self.device))
-        aux, z = load_balancing_loss(sums), z_loss(sums)
         weight = packed.num_labels
+        if self.dims.dp > 1:
+            sums, weight = global_counts(sums, torch.tensor(float(weight), device=self.device), self.mesh["dp"].get_group())
+        aux, z = load_balancing_loss(sums), z_loss(sums)
         for name, value in (("aux_loss", aux), ("z_loss", z)):  # logged unscaled: loss_terms
             self.moe_terms[name] = self.moe_terms.get(name, 0) + value.detach() * weight
         return (moe.aux_loss_coef * aux + moe.z_loss_coef * z) * weight

@@ -164,6 +164,10 @@ def test_dense_layers_keep_their_names():
     ("model.moe.interval=0", "model.moe.interval=0 must be >= 1"),
     ("model.moe.aux_loss_coef=-1", "model.moe.aux_loss_coef=-1.0 must be >= 0"),
     ("parallel.tp=2", "parallel.tp=2 with model.moe.num_experts=8"),
+    ("parallel.pp=2", "parallel.pp=2 with model.moe.num_experts=8"),
+    ("parallel.ep=3", "parallel.ep=3 must divide model.moe.num_experts=8"),
+    ("parallel.dp=2 parallel.ep=4", "parallel.ep=4 must divide the 2 data-parallel ranks"),
+    ("recipe=llm_tiny parallel.ep=2", "parallel.ep=2 needs an MoE model"),
     ("model.qk_norm=false", "no Hugging Face architecture to export to"),
     ("toggles.precision=fp8", "grouped GEMM has no fp8 path"),
 ])
@@ -218,3 +222,13 @@ def test_dense_qk_norm_is_qwen3():
     tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (model.eval()(tokens) - reference(input_ids=tokens).logits).abs().max() <= 1e-5
+
+
+def test_expert_parallel_regroups_received_rows_by_local_expert():
+    """Rows arrive per source rank, then local expert: rank 0 sent 1 row to expert 0 and 2 to expert 1, rank 1
+    sent 3 rows to expert 0. Expert 0's rows come first, in source-rank order."""
+    from recipes.llm.parallelize import expert_major_order
+
+    order = expert_major_order(torch.tensor([[1, 2], [3, 0]]), total=6)
+    assert order.tolist() == [0, 3, 4, 5, 1, 2]
+    assert expert_major_order(torch.zeros(2, 3, dtype=torch.long), total=0).tolist() == []

@@ -20,3 +20,10 @@ def test_dp_is_derived_from_the_world_size():
 def test_impossible_layouts_are_rejected(dp, tp, pp, world, needle):
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*")):
         ParallelDims.from_config(MeshParallelConfig(dp=dp, tp=tp, pp=pp), world_size=world)
+
+
+def test_ep_splits_the_dp_ranks():
+    dims = ParallelDims.from_config(MeshParallelConfig(dp=-1, ep=2), world_size=4)
+    assert (dims.dp, dims.ep, dims.edp, dims.world_size) == (4, 2, 2, 4)
+    with pytest.raises(ConfigError, match="parallel.ep=4 must divide the 2 data-parallel ranks"):
+        ParallelDims.from_config(MeshParallelConfig(dp=-1, ep=4), world_size=2)
