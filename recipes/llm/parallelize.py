@@ -1,4 +1,4 @@
-"""Apply parallelism to the Llama in the fixed order TP/SP → fp8 → AC → compile → FSDP2 (torchtitan style).
+"""Apply parallelism to the Llama in the fixed order TP/SP → LoRA → fp8 → AC → compile → FSDP2 (torchtitan style).
 
 Megatron-style tensor parallelism with DTensor: attention q/k/v and MLP w1/w3 split by
 columns, wo and w2 by rows; the norms run sequence-parallel (activations sharded along the
@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from common.config import TrainConfig
+from common.lora import apply_lora
 from common.toggles import apply_toggles
 from recipes.llm.model import Transformer, TransformerBlock
 
@@ -79,6 +80,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: TrainConfig) -> Trans
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
     if tp > 1:
         apply_tp(model, mesh["tp"], cfg.model.loss_parallel)
+    if cfg.finetune == "lora":  # adapters on the frozen base, sharded by FSDP2 with it (common/lora.py)
+        apply_lora(model, cfg.lora)
     apply_toggles(model, cfg.toggles, block_types=(TransformerBlock,))  # fp8 (tp = 1 only), AC, compile
     if dp > 1:
         apply_fsdp(model, mesh["dp"], cfg.toggles.precision, pipeline=mesh["pp"].size() > 1)
