@@ -6,13 +6,15 @@ logits, export.merge_lora's merged model is peft's merge_and_unload; a resumed r
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from common.tools.launcher import spawn_ranks
-from tests.conftest import losses, run_train
+from tests.conftest import REPO, losses, run_train
 from tests.fixtures.llm import write_llama_folder, write_token_dataset
 
 pytestmark = pytest.mark.integration
@@ -131,6 +133,17 @@ def test_checkpoints_hold_the_adapter_and_resume_bitwise(folders, tmp_path):
     want, got = losses(first), losses(resumed)
     assert sorted(got) == [4, 5, 6] and all(got[s] == want[s] for s in got), (want, got)
     assert want[6] < want[1]
+
+    # scripts/export.py rebuilds the run's export from its last checkpoint and model.init_from.
+    again = tmp_path / "again"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), str(first), "--out", str(again)], cwd=REPO,
+                   check=True, capture_output=True, text=True, timeout=300)
+    want, got = tensors(first / "export"), tensors(again)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    configs = [json.loads((d / "adapter_config.json").read_text()) for d in (again, first / "export")]
+    for c in configs:  # peft keeps target_modules as a set: its order in the file varies
+        c["target_modules"] = sorted(c["target_modules"])
+    assert configs[0] == configs[1]
 
     keys, lora_tensors, lora_files = dcp_contents(ckpt)
     assert len(keys) == 56 and all(".lora_A." in k or ".lora_B." in k for k in keys)
