@@ -184,6 +184,11 @@ def validate(cfg: TrainConfig) -> None:
         # beside a column-sharded base, row-sharded beside wo/w2) and DTensor-aware merging: not done yet.
         raise ConfigError(f"finetune=lora with parallel.tp={p.tp}: LoRA runs under FSDP2 (parallel.dp) and pipeline "
                           "parallelism (parallel.pp), not tensor parallelism yet (parallel.tp=1)")
+    if cfg.finetune == "lora" and m.moe.num_experts:
+        # The experts are stacked weights, not linears: adapters on them need peft's target_parameters, and a
+        # PEFT folder for Mixtral/Qwen-MoE names per-expert modules. Not done yet.
+        raise ConfigError(f"finetune=lora on an MoE model (model.moe.num_experts={m.moe.num_experts}) is not supported yet; "
+                          "LoRA fine-tunes dense models")
     if cfg.toggles.precision == "fp16":
         # Loss-scaled fp16 under FSDP2 (a sharded grad scaler) is not implemented; bf16 needs no scaling.
         raise ConfigError("toggles.precision=fp16 is not offered by the LLM recipe; use bf16 (or fp32)")

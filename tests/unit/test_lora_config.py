@@ -63,6 +63,15 @@ def test_bad_lora_input_stops_with_one_line(base, case, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_moe_models_refuse_lora(tmp_path, capsys):
+    from tests.fixtures.llm import write_moe_folder
+
+    folder = write_moe_folder(tmp_path / "mixtral", "mixtral")
+    capsys.readouterr()  # the fixture's progress bars
+    line = _kiln_error(["recipe=llm_tiny", "finetune=lora", f"model.init_from={folder}"], capsys)
+    assert "finetune=lora on an MoE model (model.moe.num_experts=" in line, line
+
+
 @pytest.mark.parametrize("recipe", ["dit_tiny", "vlm_tiny"])
 def test_families_without_lora_refuse_it(recipe, capsys):
     assert f"finetune=lora is not offered by the {recipe[:3]} recipe yet" in _kiln_error([f"recipe={recipe}", "finetune=lora"], capsys)
