@@ -84,10 +84,6 @@ def base_key(fqn: str) -> str:
     return fqn.replace(".base_layer.", ".")
 
 
-def has_adapter(model: nn.Module) -> bool:
-    return any(is_adapter_key(name) for name, _ in model.named_parameters())
-
-
 def adapter_init(names: list[str], shapes: dict[str, torch.Size], seed: int) -> dict[str, torch.Tensor]:
     """peft's default init (A: kaiming-uniform(a=sqrt 5), B: zeros: the adapted model starts as the base),
     each A drawn from a generator seeded by (seed, its name): the same values in every layout, whichever
@@ -105,15 +101,20 @@ def adapter_init(names: list[str], shapes: dict[str, torch.Size], seed: int) -> 
 
 
 def init_adapter(model: nn.Module, seed: int) -> None:
-    """Fill the adapter of a materialized (possibly FSDP-sharded) model with `adapter_init`'s full tensors;
-    each rank keeps its shards. Not collective beyond what FSDP's state-dict helpers need."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    """Fill the adapter of a materialized (possibly FSDP-sharded, AC-wrapped) model with `adapter_init`'s full
+    tensors, named as state dicts name them (no wrapper prefixes: the same seeds in every layout); each rank
+    keeps its shards. Collective where FSDP's state-dict helpers are."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    shapes = {name: p.shape for name, p in model.named_parameters() if is_adapter_key(name)}  # DTensors: global shapes
-    full = adapter_init(sorted(shapes), shapes, seed)
-    result = set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
-    if any(is_adapter_key(k) for k in result.missing_keys):
-        raise RuntimeError(f"adapter weights left uninitialized: {[k for k in result.missing_keys if is_adapter_key(k)][:3]}")
+    adapter = [p for name, p in model.named_parameters() if is_adapter_key(name)]
+    with torch.no_grad():  # what to_empty left: a weight the state dict below misses shows as NaN, not as noise
+        for p in adapter:
+            (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
+    shapes = {k: v.shape for k, v in get_model_state_dict(model).items() if is_adapter_key(k)}  # DTensors: global
+    set_model_state_dict(model, adapter_init(sorted(shapes), shapes, seed),
+                         options=StateDictOptions(full_state_dict=True, strict=False))
+    if any((p.to_local() if hasattr(p, "to_local") else p).isnan().any() for p in adapter):
+        raise RuntimeError("LoRA: adapter weights left uninitialized")
 
 
 # ---- the base's identity -----------------------------------------------------------------------------

@@ -123,11 +123,18 @@ def test_adapter_trains_alone_and_exports_for_peft(folders, tmp_path):
     assert merge_error <= 1e-6 and (merged_logits - kiln["logits"]).abs().max().item() <= 1e-5
 
 
-def test_checkpoints_hold_the_adapter_and_resume_bitwise(folders, tmp_path):
-    """6 steps with a checkpoint at 3; a new run resumed from it gives steps 4-6 bit for bit. The checkpoint holds
-    the adapter and its optimizer state only: a fraction of a full fine-tune's checkpoint of the same model."""
-    first, resumed, full = tmp_path / "first", tmp_path / "resumed", tmp_path / "full"
-    run_train(overrides(folders, first, "trainer.max_steps=6", "checkpoint.every=3"))
+@pytest.fixture(scope="module")
+def six_steps(folders, tmp_path_factory):
+    """A finetune=lora run of 6 steps with a checkpoint at step 3."""
+    run_dir = tmp_path_factory.mktemp("six_steps")
+    run_train(overrides(folders, run_dir, "trainer.max_steps=6", "checkpoint.every=3"))
+    return run_dir
+
+
+def test_checkpoints_hold_the_adapter_and_resume_bitwise(folders, six_steps, tmp_path):
+    """A new run resumed from step 3 gives steps 4-6 bit for bit. The checkpoint holds the adapter and its optimizer
+    state only: a fraction of a full fine-tune's checkpoint of the same model. scripts/export.py rebuilds the export."""
+    first, resumed, full = six_steps, tmp_path / "resumed", tmp_path / "full"
     ckpt = first / "checkpoints" / "step_0000003"
     run_train(overrides(folders, resumed, "trainer.max_steps=6", f"run.resume={ckpt}"))
     want, got = losses(first), losses(resumed)
@@ -156,3 +163,20 @@ def test_checkpoints_hold_the_adapter_and_resume_bitwise(folders, tmp_path):
           f"({lora_tensors / full_tensors:.3f}x); files {lora_files:,} vs {full_files:,} ({lora_files / full_files:.2f}x; "
           f"the rest is per-parameter optimizer hyperparameters)")
     assert lora_tensors < 0.25 * full_tensors and lora_files < full_files
+
+
+def test_activation_checkpointing_and_dropout(folders, six_steps, tmp_path):
+    """Full activation checkpointing recomputes the adapted blocks exactly; with lora.dropout the masks are drawn
+    per rank and their random streams are checkpointed: a resumed run is still bit for bit."""
+    ac = tmp_path / "ac"
+    run_train(overrides(folders, ac, "trainer.max_steps=6", "checkpoint.final=false", "toggles.activation_checkpointing=full"))
+    ref, got = losses(six_steps), losses(ac)
+    assert sorted(got) == sorted(ref) and all(got[s] == pytest.approx(ref[s], rel=1e-6) for s in ref), (ref, got)
+
+    dropout, resumed = tmp_path / "dropout", tmp_path / "dropout_resumed"
+    extra = ["trainer.max_steps=4", "lora.dropout=0.1", "toggles.activation_checkpointing=full"]
+    run_train(overrides(folders, dropout, *extra, "checkpoint.every=2"))
+    run_train(overrides(folders, resumed, *extra, f"run.resume={dropout / 'checkpoints' / 'step_0000002'}"))
+    want, got = losses(dropout), losses(resumed)
+    assert sorted(got) == [3, 4] and all(got[s] == want[s] for s in got), (want, got)
+    assert want[2] != pytest.approx(ref[2], rel=1e-6)  # dropout did draw

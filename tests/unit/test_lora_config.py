@@ -10,7 +10,8 @@ import torch
 from common import lora
 from common.errors import ConfigError
 from common.launch import compose, main
-from recipes.llm.model import LlamaArgs, Transformer
+from common.toggles import apply_ac
+from recipes.llm.model import LlamaArgs, Transformer, TransformerBlock
 from tests.fixtures.llm import write_llama_folder
 
 PROJECTIONS = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
@@ -95,6 +96,13 @@ def test_apply_lora_freezes_the_base_and_inits_the_adapter_alike_everywhere():
     shapes = {k: v.shape for k, v in state.items() if lora.is_adapter_key(k)}
     alone = lora.adapter_init(["layers.1.attention.wk.lora_A.default.weight"], shapes, seed=3)  # a pipeline stage's share
     assert torch.equal(alone["layers.1.attention.wk.lora_A.default.weight"], a)
+    # Under activation checkpointing (its wrapper renames the parameters) the adapter starts the same.
+    wrapped = Transformer(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48))
+    lora.apply_lora(wrapped, cfg)
+    apply_ac(wrapped, "full", (TransformerBlock,))
+    lora.init_adapter(wrapped, seed=3)
+    assert "layers.1._checkpoint_wrapped_module.attention.wk.lora_A.default.weight" in dict(wrapped.named_parameters())
+    assert torch.equal(wrapped.state_dict()["layers.1.attention.wk.lora_A.default.weight"], a)
     with pytest.raises(ConfigError, match="'w9' matches no linear"):
         cfg.targets = ["w9"]
         lora.apply_lora(Transformer(LlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64)), cfg)
