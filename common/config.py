@@ -129,6 +129,22 @@ class DataConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """`finetune=lora` (configs/finetune/lora.yaml): low-rank adapters on a frozen base (common/lora.py, on peft).
+    The same keys for every family; each family names what its adapters may target (its config.py's LORA_TARGETS)."""
+
+    rank: int = 8
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input; > 0 draws random numbers per rank
+    targets: list[str] = field(default_factory=list)  # module names; [] = the family's LORA_TARGETS (filled in)
+
+
+@dataclass
+class ExportConfig:
+    merge_lora: bool = False  # finetune=lora: also write the base with the adapter merged in (export/merged)
+
+
+@dataclass
 class TrainConfig:
     recipe: RecipeInfo = field(default_factory=RecipeInfo)
     run: RunConfig = field(default_factory=RunConfig)
@@ -138,6 +154,9 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     toggles: TogglesConfig = field(default_factory=TogglesConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    finetune: str = "full"  # full | lora (configs/finetune/)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     data: Any = MISSING  # a DataConfig: the family's schema comes with configs/data/<name>.yaml
     # Recipe-specific sections; their schemas come from recipes/<family>/config.py.
     model: Any = MISSING
@@ -150,6 +169,7 @@ CHOICES = {
     "toggles.activation_checkpointing": ("none", "full", "selective"),
     "toggles.attention": ("sdpa", "flash", "eager"),
     "optim.schedule": ("constant", "cosine", "linear"),
+    "finetune": ("full", "lora"),
 }
 
 POSITIVE = (
@@ -161,6 +181,8 @@ POSITIVE = (
     "parallel.timeout_s",
     "data.shuffle_buffer",
     "profile.active",
+    "lora.rank",
+    "lora.alpha",
 )
 NON_NEGATIVE = (
     "trainer.sample_every",
@@ -201,6 +223,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage!r} is not allowed; choose one of: 0, 1, 2, 3")
     if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be -1 (derive from world size) or >= 1")
+    if not 0.0 <= cfg.lora.dropout < 1.0:
+        raise ConfigError(f"lora.dropout={cfg.lora.dropout} must be in [0, 1)")
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
     if not (0.0 <= cfg.optim.beta1 < 1.0 and 0.0 <= cfg.optim.beta2 < 1.0):

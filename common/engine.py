@@ -18,7 +18,9 @@ passes `inv_count` = 1 / global count, and each engine undoes its own averaging 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Callable
@@ -138,11 +140,16 @@ class DeepSpeedEngine(Engine):
 # Optimizer state keyed per parameter FQN ("param_groups.<fqn>.lr", ...). Nested, `param_groups` is
 # one object that DCP saves from a single rank: under pipeline parallelism each stage's groups name
 # different parameters, and the other stages would load groups without their hyperparameters.
+# Frozen parameters (a LoRA run's base) are not the run's state: they come from their source (model.init_from)
+# on every start, so a checkpoint holds what trains and its optimizer state only.
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod)\.")  # AC's and compile's prefixes: not in state dicts
+
+
 @functools.cache
 def _flat_optim():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(flatten_optimizer_state_dict=True)
+    return StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
 
 
 class NativeEngine(Engine):
@@ -165,7 +172,9 @@ class NativeEngine(Engine):
         # FSDP's mixed-precision policy casts under dp > 1 (recipes/llm/parallelize.py); autocast otherwise.
         self.autocast_bf16 = cfg.toggles.precision in ("bf16", "fp8") and self.dp == 1
         device = next(iter(model.parameters())).device
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+        # Only what trains (a LoRA run: the adapter) reaches the optimizer: no state for a frozen base.
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay, **adamw_kernel(device))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(lr_factor, cfg=o, max_steps=cfg.trainer.max_steps))
@@ -230,7 +239,7 @@ class NativeEngine(Engine):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_flat_optim())
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        dcp.save({"model": self._trained(model_sd), "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
 
     def load(self, path):
         """DCP reshards: a checkpoint written under one (pp, dp, tp) layout loads under another."""
@@ -238,13 +247,24 @@ class NativeEngine(Engine):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_flat_optim())
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": self._trained(model_sd), "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path / "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_flat_optim())
+        # Not strict: the frozen weights are not in a checkpoint (they are loaded from their source already).
+        loaded = set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                                options=dataclasses.replace(_flat_optim(), strict=False))
+        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        if trainable & set(loaded.missing_keys):
+            raise RuntimeError(f"{path} lacks trained weights: {sorted(trainable & set(loaded.missing_keys))[:3]}")
 
     def layout(self):
         return {"layout": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep}}
+
+    def _trained(self, model_sd: dict) -> dict:
+        """`model_sd` without frozen weights. `ignore_frozen_params` drops them by `named_parameters()`, which names
+        a tied weight once: a frozen tied output projection (`output.weight`) would stay in."""
+        frozen = {_WRAPPERS.sub("", name) for name, p in self.model.named_parameters(remove_duplicate=False)
+                  if not p.requires_grad}
+        return {k: v for k, v in model_sd.items() if k not in frozen}
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, skip: nn.Parameter | None = None) -> torch.Tensor:

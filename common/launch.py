@@ -71,6 +71,7 @@ def compose(overrides: list[str]) -> TrainConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from common import lora
     from recipes.registry import SPECS, recipe_spec
 
     register()
@@ -85,6 +86,7 @@ def compose(overrides: list[str]) -> TrainConfig:
         raise ConfigError(explain_compose_error(exc)) from None
     spec = recipe_spec(cfg.recipe.family)
     validate(cfg)
+    lora.complete(cfg, spec.config)  # finetune=lora: the family's default targets, checked
     spec.config.complete(cfg, command_line_keys(overrides))  # keys filled from files (the LLM: model.init_from)
     spec.config.validate(cfg)
     return cfg

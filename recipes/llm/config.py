@@ -14,6 +14,9 @@ from common.errors import ConfigError
 from common.parallel_dims import check_ep_divides_dp
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# finetune=lora (common/lora.py): the linears an adapter may target, all of them by default (recipes/llm/model.py's
+# names; the export names them as Hugging Face does: q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj, up_proj).
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
 
 @dataclass
@@ -181,6 +184,18 @@ def validate(cfg: TrainConfig) -> None:
         # than the positions it was trained on are refused rather than extrapolated.
         source = f" (max_position_embeddings of model.init_from={m.init_from})" if m.init_from else ""
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} exceeds model.max_seq_len={m.max_seq_len}{source}")
+    if cfg.finetune == "lora" and not m.init_from:
+        raise ConfigError("finetune=lora trains an adapter on a base checkpoint: set model.init_from=<a Hugging Face Llama folder>")
+    if cfg.finetune == "lora" and p.tp > 1:
+        # peft wraps nn.Linear; tensor parallelism would need its own styles for lora_A/lora_B (A replicated
+        # beside a column-sharded base, row-sharded beside wo/w2) and DTensor-aware merging: not done yet.
+        raise ConfigError(f"finetune=lora with parallel.tp={p.tp}: LoRA runs under FSDP2 (parallel.dp) and pipeline "
+                          "parallelism (parallel.pp), not tensor parallelism yet (parallel.tp=1)")
+    if cfg.finetune == "lora" and m.moe.num_experts:
+        # The experts are stacked weights, not linears: adapters on them need peft's target_parameters, and a
+        # PEFT folder for Mixtral/Qwen-MoE names per-expert modules. Not done yet.
+        raise ConfigError(f"finetune=lora on an MoE model (model.moe.num_experts={m.moe.num_experts}) is not supported yet; "
+                          "LoRA fine-tunes dense models")
     if cfg.toggles.precision == "fp16":
         # Loss-scaled fp16 under FSDP2 (a sharded grad scaler) is not implemented; bf16 needs no scaling.
         raise ConfigError("toggles.precision=fp16 is not offered by the LLM recipe; use bf16 (or fp32)")

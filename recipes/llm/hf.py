@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.errors import ConfigError, DataError
+from common.lora import base_key, is_adapter_key
 from recipes.llm.model import (HF_ARCHITECTURES, Llama3RopeScaling, LlamaArgs, MoEArgs, Transformer, from_hf_state_dict,
                                 hf_model_type, is_expert_key, to_hf_config, to_hf_state_dict)
 
@@ -246,13 +247,16 @@ def load_weights(model: Transformer, args: LlamaArgs, folder: str | Path) -> Non
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     state = get_model_state_dict(model)
-    hf_state = to_hf_state_dict(state, args)
+    # Under finetune=lora the checkpoint fills the base: a wrapped linear's weight under its own name (common/lora.py).
+    names = {base_key(k): k for k in state if not is_adapter_key(k)}
+    base = {k: state[v] for k, v in names.items()}
+    hf_state = to_hf_state_dict(base, args)
     dcp.load(hf_state, storage_reader=_tensor_at_a_time_reader(folder), no_dist=not tdist.is_initialized())
     # The adapter back: the pipeline stage holding a tied output projection also gets its own entry. The
     # experts' per-expert entries were views of the stacked weights this rank holds: DCP wrote them in place.
-    dense = {k for k in state if not is_expert_key(k)}
-    loaded = from_hf_state_dict(to_hf_state_dict({k: state[k] for k in dense}, args), args)
-    set_model_state_dict(model, {k: loaded[k] for k in dense}, options=StateDictOptions(strict=len(dense) == len(state)))
+    dense = {k for k in base if not is_expert_key(k)}
+    loaded = from_hf_state_dict(to_hf_state_dict({k: base[k] for k in dense}, args), args)
+    set_model_state_dict(model, {names[k]: loaded[k] for k in dense}, options=StateDictOptions(strict=len(dense) == len(state)))
 
 
 # ---- the export folder --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Apply parallelism to the Llama in the fixed order TP/SP → EP → fp8 → AC → compile → FSDP2 (torchtitan style).
+"""Apply parallelism to the Llama in the fixed order TP/SP → EP → LoRA → fp8 → AC → compile → FSDP2 (torchtitan style).
 
 Megatron-style tensor parallelism with DTensor: attention q/k/v and MLP w1/w3 split by
 columns, wo and w2 by rows; the norms run sequence-parallel (activations sharded along the
@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from common.config import TrainConfig
+from common.lora import apply_lora
 from common.parallel_dims import expert_mesh
 from common.toggles import apply_toggles
 from recipes.llm.model import MoE, Transformer, TransformerBlock
@@ -167,6 +168,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: TrainConfig) -> Trans
         experts = expert_mesh(mesh, ep)
         apply_ep(model, experts["ep"])
         edp_mesh = experts["edp"]
+    if cfg.finetune == "lora":  # adapters on the frozen base, sharded by FSDP2 with it (common/lora.py)
+        apply_lora(model, cfg.lora)
     apply_toggles(model, cfg.toggles, block_types=(TransformerBlock,))  # fp8 (tp = 1 only), AC, compile
     if dp > 1:
         apply_fsdp(model, mesh["dp"], cfg.toggles.precision, pipeline=mesh["pp"].size() > 1, edp_mesh=edp_mesh)

@@ -18,6 +18,8 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from common import lora
+from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.data.packing import PackedBatch
 from common.distributed import DistInfo, barrier
@@ -27,6 +29,7 @@ from common.memory import Block, ModelSpec, count_params
 from common.parallel_dims import ParallelDims
 from common.trainer import Trainer
 from recipes.llm import hf
+from recipes.llm import lora as llm_lora
 from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, model_inputs, pad_id, prepare_data
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoE, MoEArgs, Transformer
 from recipes.llm.moe_losses import global_counts, load_balancing_loss, model_router_sums, z_loss
@@ -82,6 +85,9 @@ class LLMTrainer(Trainer):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         super().__init__(cfg, dist, run_dir)
+        self.lora = cfg.finetune == "lora"  # adapters on a frozen model.init_from (common/lora.py)
+        if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
+            lora.check_resume(read_meta(self.resume_from), cfg, cfg.model.init_from, self.resume_from)
         self.meta = prepare_data(cfg, dist)
         self.tokenizer = self.resolve_tokenizer()
         # Rows are padded with pad_token_id, else (Llama 3 has none) eos: pad slots are masked either way.
@@ -99,8 +105,9 @@ class LLMTrainer(Trainer):
         resume_from = self.resume_from
         # The weights: from the checkpoint resumed (load_checkpoint, below), else from model.init_from
         # (each rank reads its own slices), else rank 0's seeded init copied into every layout, so all
-        # layouts start from the same weights (a "seed checkpoint").
-        if resume_from is None and cfg.model.init_from:
+        # layouts start from the same weights (a "seed checkpoint"). Under LoRA the checkpoints hold the
+        # adapter only: the frozen base always comes from model.init_from, the adapter from a seeded init.
+        if cfg.model.init_from and (resume_from is None or self.lora):
             hf.load_weights(self.model, self.args, cfg.model.init_from)
             if dist.is_main:
                 n = sum(math.prod(shape) for shape, _ in hf.safetensors_weights(Path(cfg.model.init_from)).values())
@@ -118,12 +125,14 @@ class LLMTrainer(Trainer):
         tied = TiedEmbeddings(self.model, self.mesh) if pp > 1 and self.args.tie_embeddings else None
         self.engine = NativeEngine(self.model, cfg, self.mesh, pipeline=pipeline, tied=tied,
                                    loss_parallel=cfg.model.loss_parallel)
+        if self.lora and resume_from is None:
+            lora.init_adapter(self.model, cfg.trainer.seed)
         # Layout-independent: one global data stream and no per-rank random draws, so rank 0's copy
-        # (step, data position, LR schedule) resumes any layout.
+        # (step, data position, LR schedule) resumes any layout. LoRA dropout draws per rank: its streams are saved.
         # The MoE layers this rank holds (found through any wrapper: AC, FSDP), whose routing the loss reads.
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
         self.moe_terms: dict[str, torch.Tensor] = {}
-        self.start(loader, per_rank_rng=False)
+        self.start(loader, per_rank_rng=self.lora and cfg.lora.dropout > 0)
         self.model.train()
 
     def resolve_tokenizer(self):
@@ -200,24 +209,36 @@ class LLMTrainer(Trainer):
         terms, self.moe_terms = self.moe_terms, {}
         return terms
 
+    def checkpoint_meta(self) -> dict:
+        return lora.checkpoint_meta(self.cfg, self.cfg.model.init_from)
+
     # ---- export -----------------------------------------------------------------------------
     def export(self) -> Path:
         """A Hugging Face LlamaForCausalLM folder (safetensors + tokenizer) from the sharded model; with
-        model.init_from, in the source's format (recipes/llm/hf.py:write_hf_folder)."""
+        model.init_from, in the source's format (recipes/llm/hf.py:write_hf_folder). Under LoRA a PEFT adapter
+        folder on model.init_from, and with export.merge_lora the merged model in export/merged (recipes/llm/lora.py)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        # LoRA without merging gathers the adapter only.
+        adapter_only = self.lora and not self.cfg.export.merge_lora
         if self.dims.pp > 1:
             # Each rank holds its stages' weights (disjoint FQNs): consolidate, then gather the stages.
-            part = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            part = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                             ignore_frozen_params=adapter_only))
             parts = [None] * self.dims.pp
             tdist.all_gather_object(parts, {k: v.detach().cpu() for k, v in part.items()},
                                     group=self.mesh["pp"].get_group())
             full = {k: v for p in parts for k, v in p.items()}
         else:
-            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                             ignore_frozen_params=adapter_only))
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
         if self.dist.is_main:
-            hf.write_hf_folder(full, self.args, tmp, tokenizer=self.tokenizer, source=self.cfg.model.init_from or None)
+            if self.lora:
+                shutil.rmtree(tmp, ignore_errors=True)
+                llm_lora.write_export(full, self.args, self.cfg, tmp, tokenizer=self.tokenizer)
+            else:
+                hf.write_hf_folder(full, self.args, tmp, tokenizer=self.tokenizer, source=self.cfg.model.init_from or None)
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
         barrier()

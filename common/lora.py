@@ -1,0 +1,174 @@
+"""LoRA for every recipe, built on peft: the `finetune=lora` checks, `apply_lora` (one step of a recipe's
+parallelize order: after the model is built, before FSDP/ZeRO wraps it), the adapter's seeded init, and the
+PEFT adapter folder an export writes (adapter_config.json + adapter_model.safetensors, naming the base).
+
+peft's `inject_adapter_in_model` works on any nn.Module (Kiln's own Llama included): each targeted linear
+becomes a `peft.tuners.lora.Linear` holding the original as `base_layer`, plus `lora_A`/`lora_B`, and only
+those adapter weights require grad. Its layers are plain modules of plain linears, so they are built on the
+meta device, sharded by FSDP2 (frozen and trainable weights in one unit) and materialized like the rest.
+Two names change, which is all the recipes see: a wrapped weight `<linear>.weight` is now
+`<linear>.base_layer.weight` (`base_key` maps it back: the base checkpoint's name), and the adapter adds
+`<linear>.lora_A.default.weight` / `.lora_B.default.weight` (`is_adapter_key`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import zlib
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from common.config import LoRAConfig, TrainConfig
+from common.errors import ConfigError
+
+ADAPTER = "default"  # peft's adapter name: one adapter per run
+_ADAPTER_PARTS = (".lora_A.", ".lora_B.")
+
+
+# ---- composition --------------------------------------------------------------------------------
+def complete(cfg: TrainConfig, family: ModuleType) -> None:
+    """finetune=lora: the family must offer it (its config.py's LORA_TARGETS: the linears its adapters may
+    target, all of them by default); lora.targets=[] becomes that default, so config.yaml says what ran.
+    One line for a target the family's model has no linear of."""
+    if cfg.finetune != "lora":
+        return
+    allowed = getattr(family, "LORA_TARGETS", None)
+    if not allowed:
+        raise ConfigError(f"finetune=lora is not offered by the {cfg.recipe.family} recipe yet; use finetune=full")
+    if not cfg.lora.targets:
+        cfg.lora.targets = list(allowed)
+    unknown = [t for t in cfg.lora.targets if t not in allowed]
+    if unknown:
+        raise ConfigError(f"lora.targets: {unknown[0]!r} matches no module the {cfg.recipe.family} recipe's LoRA can "
+                          f"target; choose from: {', '.join(allowed)}")
+    if len(set(cfg.lora.targets)) != len(cfg.lora.targets):
+        raise ConfigError(f"lora.targets={list(cfg.lora.targets)} names a module twice")
+
+
+def peft_config(lora: LoRAConfig, targets: list[str] | None = None, base: str | None = None):
+    """peft's LoraConfig of these settings (`targets`: the names in the model at hand, default lora.targets)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                      target_modules=sorted(targets or lora.targets), base_model_name_or_path=base)
+
+
+# ---- the parallelize step ---------------------------------------------------------------------------
+def apply_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:
+    """Wrap every linear named in lora.targets (its last name, e.g. `wq`) with peft's LoRA layer, in place;
+    freeze everything else. On the meta device the adapter stays unallocated (`init_adapter` fills it after
+    materialization). Before FSDP/ZeRO: they then shard the adapter with the frozen base."""
+    from peft import inject_adapter_in_model
+
+    leaves = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    missing = [t for t in lora.targets if t not in leaves]
+    if missing:  # complete() checked the names; a model part (a pipeline stage) may still lack them all
+        raise ConfigError(f"lora.targets: {missing[0]!r} matches no linear of this model")
+    inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
+    for name, p in model.named_parameters():  # peft froze the base: nothing else may train
+        if p.requires_grad != is_adapter_key(name):
+            raise RuntimeError(f"LoRA left {name} with requires_grad={p.requires_grad}")
+    return model
+
+
+def is_adapter_key(fqn: str) -> bool:
+    return any(part in fqn for part in _ADAPTER_PARTS)
+
+
+def base_key(fqn: str) -> str:
+    """The base model's own name of a (possibly LoRA-wrapped) parameter: `...wq.base_layer.weight` -> `...wq.weight`."""
+    return fqn.replace(".base_layer.", ".")
+
+
+def adapter_init(names: list[str], shapes: dict[str, torch.Size], seed: int) -> dict[str, torch.Tensor]:
+    """peft's default init (A: kaiming-uniform(a=sqrt 5), B: zeros: the adapted model starts as the base),
+    each A drawn from a generator seeded by (seed, its name): the same values in every layout, whichever
+    rank or pipeline stage holds it."""
+    out = {}
+    for name in names:
+        t = torch.empty(shapes[name])
+        if ".lora_A." in name:
+            g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+            nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
+        else:
+            nn.init.zeros_(t)
+        out[name] = t
+    return out
+
+
+def init_adapter(model: nn.Module, seed: int) -> None:
+    """Fill the adapter of a materialized (possibly FSDP-sharded, AC-wrapped) model with `adapter_init`'s full
+    tensors, named as state dicts name them (no wrapper prefixes: the same seeds in every layout); each rank
+    keeps its shards. Collective where FSDP's state-dict helpers are."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    adapter = [p for name, p in model.named_parameters() if is_adapter_key(name)]
+    with torch.no_grad():  # what to_empty left: a weight the state dict below misses shows as NaN, not as noise
+        for p in adapter:
+            (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
+    shapes = {k: v.shape for k, v in get_model_state_dict(model).items() if is_adapter_key(k)}  # DTensors: global
+    set_model_state_dict(model, adapter_init(sorted(shapes), shapes, seed),
+                         options=StateDictOptions(full_state_dict=True, strict=False))
+    if any((p.to_local() if hasattr(p, "to_local") else p).isnan().any() for p in adapter):
+        raise RuntimeError("LoRA: adapter weights left uninitialized")
+
+
+# ---- the base's identity -----------------------------------------------------------------------------
+def base_fingerprint(folder: str | Path) -> str:
+    """sha256 over a checkpoint folder's safetensors files: names, sizes and headers (tensor names, dtypes,
+    shapes, offsets). Reads kilobytes, not the weights: it tells checkpoints apart, not an edited weight."""
+    h = hashlib.sha256()
+    for path in sorted(Path(folder).rglob("*.safetensors")):
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            h.update(f"{path.relative_to(folder)}:{path.stat().st_size}:".encode())
+            h.update(f.read(n))
+    return h.hexdigest()
+
+
+def checkpoint_meta(cfg: TrainConfig, base: str) -> dict:
+    """What a checkpoint records of its fine-tuning: the method and, for LoRA, the adapter and its base."""
+    if cfg.finetune != "lora":
+        return {"finetune": cfg.finetune}
+    return {"finetune": "lora", "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets),
+                                         "base": base, "base_fingerprint": base_fingerprint(base)}}
+
+
+def check_resume(meta: dict, cfg: TrainConfig, base: str, path: Path) -> None:
+    """One line where a checkpoint cannot continue this run: another fine-tuning method, another adapter
+    shape, or (LoRA: the checkpoint holds the adapter only) another base."""
+    was = meta.get("finetune", "full")
+    if was != cfg.finetune:
+        raise ConfigError(f"run.resume: {path} is a finetune={was} checkpoint; this run is finetune={cfg.finetune}")
+    if cfg.finetune != "lora":
+        return
+    saved, now = meta["lora"], checkpoint_meta(cfg, base)["lora"]
+    for key in ("rank", "targets"):
+        if saved[key] != now[key]:
+            raise ConfigError(f"run.resume: {path} holds an adapter with lora.{key}={saved[key]}, this run asks for {now[key]}")
+    if saved["base_fingerprint"] != now["base_fingerprint"]:
+        raise ConfigError(f"run.resume: {path} trained an adapter on the base {saved['base']}; this run's base {base} "
+                          f"has other weights (the checkpoint holds the adapter only)")
+
+
+# ---- the PEFT adapter folder ----------------------------------------------------------------------------
+def write_adapter_folder(out: Path, adapter: dict[str, torch.Tensor], config) -> None:
+    """`adapter`: peft's names (`base_model.model.<module>.lora_A.weight`, ...) -> tensors; `config`: peft's
+    LoraConfig naming the base (base_model_name_or_path) and the target modules, in the base's own names."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    save_file({k: v.detach().contiguous() for k, v in adapter.items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def peft_key(module: str, fqn: str) -> str:
+    """peft's saved name of an adapter weight of `module` (the base model's name of the linear):
+    `...lora_A.default.weight` -> `base_model.model.<module>.lora_A.weight`."""
+    part = "lora_A" if ".lora_A." in fqn else "lora_B"
+    return f"base_model.model.{module}.{part}.weight"

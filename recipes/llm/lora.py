@@ -1,0 +1,71 @@
+"""The LLM's LoRA export: the adapter as a PEFT folder under Hugging Face's module names (what
+`PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), folder)` and vLLM's LoRA load), and with
+export.merge_lora the base with the adapter merged in by peft, as a LlamaForCausalLM folder.
+
+Names go through recipes/llm/model.py's state-dict adapter, the one place Kiln names meet Hugging Face's. It is a
+pure rename: Kiln's attention uses transformers' RoPE layout (rotate_half), so q_proj/k_proj need no row
+permutation, and neither do their lora_B (the rows they write).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from common.config import TrainConfig
+from common.lora import ADAPTER, apply_lora, is_adapter_key, peft_config, peft_key, write_adapter_folder
+from recipes.llm import hf
+from recipes.llm.model import LlamaArgs, Transformer, to_hf_state_dict
+
+
+def hf_module(module: str, args: LlamaArgs) -> str:
+    """A Kiln linear's Hugging Face name: `layers.0.attention.wq` -> `model.layers.0.self_attn.q_proj`."""
+    (key,) = to_hf_state_dict({f"{module}.weight": torch.empty(0)}, args)
+    return key.removesuffix(".weight")
+
+
+def hf_adapter_state_dict(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
+    """The adapter weights of a Kiln state dict under peft's saved names for a LlamaForCausalLM
+    (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, ...)."""
+    return {peft_key(hf_module(k.split(".lora_")[0], args), k): v for k, v in state.items() if is_adapter_key(k)}
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], args: LlamaArgs, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """A full Kiln state dict (base + adapter, on the CPU) merged by peft (W + B A * alpha / rank): a plain
+    Transformer's state dict. The caller's tensors are copied, not merged in place."""
+    from peft import LoraModel
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    tuner = LoraModel(model, peft_config(cfg.lora), ADAPTER)
+    model.load_state_dict(state)
+    return tuner.merge_and_unload().state_dict()
+
+
+def write_export(state: dict[str, torch.Tensor], args: LlamaArgs, cfg: TrainConfig, out: Path, *, tokenizer) -> None:
+    """The export of a finetune=lora run into ``out``: the PEFT adapter folder naming model.init_from as its base,
+    with the tokenizer; with export.merge_lora, ``out/merged`` holds the merged model in the base's format.
+    ``state``: the adapter's full tensors (the base's too for merging), Kiln names."""
+    adapter = hf_adapter_state_dict(state, args)
+    targets = sorted({key.split(".lora_")[0].rpartition(".")[2] for key in adapter})
+    config = peft_config(cfg.lora, targets, base=cfg.model.init_from)
+    config.task_type, config.inference_mode = "CAUSAL_LM", True  # as PeftModel.save_pretrained writes it
+    write_adapter_folder(out, adapter, config)
+    tokenizer.save_pretrained(str(out))
+    if cfg.export.merge_lora:
+        hf.write_hf_folder(merged_state_dict(state, args, cfg), args, out / "merged", tokenizer=tokenizer,
+                           source=cfg.model.init_from)
+
+
+def adapted_model(args: LlamaArgs, cfg: TrainConfig) -> Transformer:
+    """A whole LoRA-wrapped Llama in this process (scripts/export.py): the base from model.init_from, the adapter
+    still to be loaded."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    apply_lora(model, cfg.lora)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    hf.load_weights(model, args, cfg.model.init_from)
+    return model

@@ -1,0 +1,131 @@
+"""finetune=lora's keys and checks (common/lora.py): `full` is the default; `lora` composes on a base checkpoint with
+the family's targets filled in; apply_lora freezes all but the adapter, whose seeded init is the same whoever holds
+it; every bad input stops with one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import lora
+from common.errors import ConfigError
+from common.launch import compose, main
+from common.toggles import apply_ac
+from recipes.llm.model import LlamaArgs, Transformer, TransformerBlock
+from tests.fixtures.llm import write_llama_folder
+
+PROJECTIONS = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return write_llama_folder(tmp_path_factory.mktemp("base") / "gqa", "gqa")
+
+
+def test_full_is_the_default_and_lora_composes_on_a_base(base):
+    cfg = compose(["recipe=llm_tiny"])
+    assert cfg.finetune == "full" and not cfg.export.merge_lora
+    cfg = compose(["recipe=llm_tiny", "finetune=lora", f"model.init_from={base}", "lora.rank=4", "lora.alpha=8"])
+    assert (cfg.finetune, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout) == ("lora", 4, 8.0, 0.0)
+    assert cfg.lora.targets == PROJECTIONS  # [] = the family's: config.yaml records what ran
+    assert compose(["recipe=llm_tiny", "finetune=lora", f"model.init_from={base}", "lora.targets=[wq,wv]",
+                    "parallel.pp=2"]).lora.targets == ["wq", "wv"]
+
+
+def _kiln_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kiln: error: "), err
+    return err[0]
+
+
+BAD = {
+    "no base": ([], "finetune=lora trains an adapter on a base checkpoint: set model.init_from="),
+    "rank 0": (["lora.rank=0", "BASE"], "lora.rank=0 must be > 0"),
+    "alpha < 0": (["lora.alpha=-1", "BASE"], "lora.alpha=-1.0 must be > 0"),
+    "dropout 1": (["lora.dropout=1.0", "BASE"], "lora.dropout=1.0 must be in [0, 1)"),
+    "rank not int": (["lora.rank=big", "BASE"], "lora.rank"),
+    "unknown target": (["lora.targets=[wq,q_proj]", "BASE"], "lora.targets: 'q_proj' matches no module"),
+    "repeated target": (["lora.targets=[wq,wq]", "BASE"], "names a module twice"),
+    "tensor parallel": (["parallel.tp=2", "BASE"], "finetune=lora with parallel.tp=2"),
+    "unknown method": (["finetune=qlora", "BASE"], "finetune"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_lora_input_stops_with_one_line(base, case, tmp_path, capsys):
+    extra, needle = BAD[case]
+    extra = [f"model.init_from={base}" if e == "BASE" else e for e in extra]
+    finetune = [] if any(e.startswith("finetune=") for e in extra) else ["finetune=lora"]
+    line = _kiln_error(["recipe=llm_tiny", *finetune, *extra, f"run.dir={tmp_path / 'run'}"], capsys)
+    assert needle in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_moe_models_refuse_lora(tmp_path, capsys):
+    from tests.fixtures.llm import write_moe_folder
+
+    folder = write_moe_folder(tmp_path / "mixtral", "mixtral")
+    capsys.readouterr()  # the fixture's progress bars
+    line = _kiln_error(["recipe=llm_tiny", "finetune=lora", f"model.init_from={folder}"], capsys)
+    assert "finetune=lora on an MoE model (model.moe.num_experts=" in line, line
+
+
+@pytest.mark.parametrize("recipe", ["dit_tiny", "vlm_tiny"])
+def test_families_without_lora_refuse_it(recipe, capsys):
+    assert f"finetune=lora is not offered by the {recipe[:3]} recipe yet" in _kiln_error([f"recipe={recipe}", "finetune=lora"], capsys)
+
+
+def test_apply_lora_freezes_the_base_and_inits_the_adapter_alike_everywhere():
+    cfg = compose(["recipe=llm_tiny"]).lora
+    cfg.targets = PROJECTIONS
+    model = Transformer(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lora.apply_lora(model, cfg)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 7 * 2 and all(lora.is_adapter_key(n) for n in trainable)
+    state = model.state_dict()
+    assert {lora.base_key(k) for k in state if not lora.is_adapter_key(k)} == before.keys()
+    assert "layers.0.attention.wq.base_layer.weight" in state and "layers.1.feed_forward.w2.lora_B.default.weight" in state
+
+    lora.init_adapter(model, seed=3)
+    a, b = state["layers.1.attention.wk.lora_A.default.weight"], state["layers.1.attention.wk.lora_B.default.weight"]
+    assert a.abs().max() > 0 and b.abs().max() == 0  # B = 0: the adapted model starts as the base
+    shapes = {k: v.shape for k, v in state.items() if lora.is_adapter_key(k)}
+    alone = lora.adapter_init(["layers.1.attention.wk.lora_A.default.weight"], shapes, seed=3)  # a pipeline stage's share
+    assert torch.equal(alone["layers.1.attention.wk.lora_A.default.weight"], a)
+    # Under activation checkpointing (its wrapper renames the parameters) the adapter starts the same.
+    wrapped = Transformer(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48))
+    lora.apply_lora(wrapped, cfg)
+    apply_ac(wrapped, "full", (TransformerBlock,))
+    lora.init_adapter(wrapped, seed=3)
+    assert "layers.1._checkpoint_wrapped_module.attention.wk.lora_A.default.weight" in dict(wrapped.named_parameters())
+    assert torch.equal(wrapped.state_dict()["layers.1.attention.wk.lora_A.default.weight"], a)
+    with pytest.raises(ConfigError, match="'w9' matches no linear"):
+        cfg.targets = ["w9"]
+        lora.apply_lora(Transformer(LlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64)), cfg)
+
+
+def test_resume_checks_method_adapter_and_base(base, tmp_path):
+    import shutil
+
+    cfg = compose(["recipe=llm_tiny", "finetune=lora", f"model.init_from={base}"])
+    meta = lora.checkpoint_meta(cfg, str(base))
+    lora.check_resume(meta, cfg, str(base), tmp_path)  # the same: fine
+    with pytest.raises(ConfigError, match="is a finetune=full checkpoint; this run is finetune=lora"):
+        lora.check_resume({"recipe": "llm_tiny"}, cfg, str(base), tmp_path)
+    with pytest.raises(ConfigError, match="lora.rank=8, this run asks for 16"):
+        cfg.lora.rank = 16
+        lora.check_resume(meta, cfg, str(base), tmp_path)
+    cfg.lora.rank = 8
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    write_llama_folder(tmp_path / "other_weights", "gqa", seed=1, num_hidden_layers=2)
+    for f in other.glob("*.safetensors*"):
+        f.unlink()
+    for f in (tmp_path / "other_weights").glob("*.safetensors*"):
+        shutil.copy(f, other / f.name)
+    with pytest.raises(ConfigError, match="has other weights"):
+        lora.check_resume(meta, cfg, str(other), tmp_path)
