@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from common.distributed import free_port
 from common.tools.launcher import launch_env
@@ -52,6 +53,7 @@ BENCH_TESTED = {"overhead", "ac"}  # scripts/bench.py's sections that tests/inte
 # What a user brings, as the README names it -> a builder of the tiny stand-in (called with a folder).
 FIXTURES = {
     "~/models/Llama-3.2-1B": llm.write_llama_folder,
+    "~/models/Qwen3-30B-A3B": lambda d: llm.write_moe_folder(d, "qwen3_moe"),
     "~/models/clip-vit-large-patch14-336": vlm.write_clip,
     "~/models/vicuna-7b-v1.5": vlm.write_llama,
     "~/models/llava-1.5-7b-hf": vlm.write_llava_hf,
@@ -126,14 +128,13 @@ class Session:
                 token = token.replace(placeholder, self.fixture(placeholder))
         if token.startswith("data/my_") or "=data/my_" in token:
             token = token.replace("data/my_", f"{self.tmp}/data/my_")
-        if "outputs/" not in token:
-            return token
-        head, _, rest = token.partition("outputs/")
-        run = re.match(r"(\w+)/<run>(.*)", rest)
-        if run:
-            assert run[1] in self.latest, f"{token}: no {run[1]} run earlier in the README"
-            return head + str(self.latest[run[1]]) + run[2]
-        return head + str(self.tmp / "outputs" / rest)
+        def run_dir(match: re.Match) -> str:  # outputs/<recipe>/<run> -> that recipe's latest run
+            assert match[1] in self.latest, f"{token}: no {match[1]} run earlier in the README"
+            return str(self.latest[match[1]])
+
+        # Every outputs/... in the token (serve.lora={a:outputs/x,b:outputs/y} has two).
+        token = re.sub(r"(?<![\w/.])outputs/(\w+)/<run>", run_dir, token)
+        return re.sub(r"(?<![\w/.])outputs/", f"{self.tmp / 'outputs'}/", token)
 
     def dataset_args(self, args: list[str]) -> list[str]:
         """A dataset whose default data.root is a README data/my_* folder: that folder, in the temp dir."""
@@ -146,7 +147,8 @@ class Session:
         if "--cfg" in args or "run.dry_run=true" in args:
             return args
         args = self.dataset_args(args)
-        family, size = recipe.split("_")
+        family = OmegaConf.load(REPO / "configs" / "recipe" / f"{recipe}.yaml").recipe.family  # moe_tiny: llm
+        size = recipe.rsplit("_", 1)[1]
         if size != "tiny":
             args = [*args, *CPU, *GPU_RECIPE[family]]
         self.count += 1
