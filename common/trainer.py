@@ -71,6 +71,7 @@ class StepStats:
     corrupt_shards: int | None = None  # distinct corrupt shards skipped so far (this rank)
     counts: dict[str, Scalar] = dataclasses.field(default_factory=dict)  # recipe-specific per-step counts, logged as is
     losses: dict[str, Scalar] = dataclasses.field(default_factory=dict)  # recipe-specific loss terms (global means)
+    metrics: dict[str, Scalar] = dataclasses.field(default_factory=dict)  # recipe-specific global values, logged as is
     skipped: bool = False
     signum: int = 0
 
@@ -80,6 +81,7 @@ class StepStats:
         fields = {k: getattr(self, k) for k in ("loss", "grad_norm", "samples", "tokens", "token_utilization")}
         fields |= {f"counts.{k}": v for k, v in self.counts.items()}
         fields |= {f"losses.{k}": v for k, v in self.losses.items()}
+        fields |= {f"metrics.{k}": v for k, v in self.metrics.items()}
         tensors = {k: v.detach().double().reshape(()) for k, v in fields.items() if isinstance(v, torch.Tensor)}
         if tensors:
             device = next(iter(tensors.values())).device
@@ -104,7 +106,8 @@ class StepStats:
             out["token_utilization"] = v["token_utilization"]
         if self.corrupt_shards is not None:
             out["corrupt_shards"] = self.corrupt_shards
-        return out | {k: round(v[f"counts.{k}"]) for k in self.counts} | {k: v[f"losses.{k}"] for k in self.losses}
+        return out | {k: round(v[f"counts.{k}"]) for k in self.counts} | {k: v[f"losses.{k}"] for k in self.losses} \
+            | {k: v[f"metrics.{k}"] for k in self.metrics}
 
 
 class Stateful(Protocol):
@@ -197,6 +200,11 @@ class Trainer(ABC):
         global count; the recipe resets them here for the next step. Default: none."""
         return {}
 
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        """Named values of the step to log as they are (already global, e.g. an MoE's per-layer expert load):
+        device scalars, read only on logging steps; the recipe resets its accumulators here. Default: none."""
+        return {}
+
     def tally(self, batch) -> dict[str, int]:
         """Host counts of one micro-batch, summed over the global batch and logged: `samples`, `tokens`
         (real ones), `slots` (packed token slots: token_utilization = tokens / slots), and any other
@@ -250,7 +258,7 @@ class Trainer(ABC):
             samples=0 if samples is None else samples, tokens=0 if tokens is None else tokens,
             token_utilization=None if slots is None else tokens / slots.clamp(min=1),
             corrupt_shards=getattr(self.state.loader, "corrupt_shards", None),
-            counts=counts, losses=terms, skipped=skipped, signum=signum,
+            counts=counts, losses=terms, metrics=self.step_metrics(), skipped=skipped, signum=signum,
         )
 
     def read_once(self, grad_norm: Scalar) -> tuple[bool, int]:

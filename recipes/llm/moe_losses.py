@@ -9,6 +9,7 @@ the same loss and the same gradient as one rank holding every token (see :func:`
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -45,23 +46,42 @@ def router_sums(routing: Routing, token_mask: Tensor | None = None) -> RouterSum
 def model_router_sums(moe_layers: list[MoE], token_mask: Tensor | None = None) -> RouterSums:
     """The sums of every MoE layer's last forward, added over the layers (transformers concatenates the
     layers' router logits before taking its means: one pool of layer-tokens)."""
-    sums = [router_sums(layer.routing, token_mask) for layer in moe_layers]
+    return pooled([router_sums(layer.routing, token_mask) for layer in moe_layers])
+
+
+def pooled(sums: list[RouterSums]) -> RouterSums:
     total = sums[0]
     for s in sums[1:]:
         total = total + s
     return total
 
 
-def global_counts(sums: RouterSums, weight: Tensor, group) -> tuple[RouterSums, Tensor]:
+def global_counts(sums: RouterSums, weight: Tensor, layer_counts: Tensor, group) -> tuple[RouterSums, Tensor, Tensor]:
     """``sums`` with ``tokens_per_expert`` and ``num_tokens`` summed over the ranks of ``group`` (each rank's own
-    ``prob_sum`` and ``z_sum`` kept), and ``weight`` summed too: one all-reduce, no host read. Over the ranks that
-    share a micro-batch, :func:`load_balancing_loss` and :func:`z_loss` of the result add up over the ranks to
-    the losses of the whole micro-batch, and so do their gradients."""
+    ``prob_sum`` and ``z_sum`` kept), and ``weight`` and the per-layer ``layer_counts`` [L, E] summed too: one
+    all-reduce, no host read. Over the ranks that share a micro-batch, :func:`load_balancing_loss` and
+    :func:`z_loss` of the result add up over the ranks to the losses of the whole micro-batch, and so do their
+    gradients."""
     import torch.distributed as tdist
 
-    counts = torch.cat([sums.tokens_per_expert, sums.num_tokens.reshape(1), weight.reshape(1).float()])
+    num_experts = sums.tokens_per_expert.shape[0]
+    counts = torch.cat([sums.tokens_per_expert, sums.num_tokens.reshape(1), weight.reshape(1).float(),
+                        layer_counts.flatten()])
     tdist.all_reduce(counts, group=group)
-    return sums._replace(tokens_per_expert=counts[:-2], num_tokens=counts[-2]), counts[-1]
+    return (sums._replace(tokens_per_expert=counts[:num_experts], num_tokens=counts[num_experts]),
+            counts[num_experts + 1], counts[num_experts + 2:].view_as(layer_counts))
+
+
+def expert_load(layer_counts: Tensor) -> tuple[Tensor, Tensor]:
+    """Per layer, from its tokens per expert [L, E]: the busiest expert's load over the mean load (1 = perfectly
+    balanced, E = every token on one expert) and the entropy of the load distribution over log E (1 = balanced,
+    0 = one expert)."""
+    num_experts = layer_counts.shape[-1]
+    total = layer_counts.sum(-1).clamp(min=1)
+    max_over_mean = layer_counts.max(-1).values * num_experts / total
+    share = layer_counts / total[:, None]
+    entropy = -(share * share.clamp(min=1e-30).log()).sum(-1) / math.log(num_experts)
+    return max_over_mean, entropy
 
 
 def load_balancing_loss(sums: RouterSums) -> Tensor:

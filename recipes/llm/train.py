@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from recipes.llm import hf
 from recipes.llm import lora as llm_lora
 from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, model_inputs, pad_id, prepare_data
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoE, MoEArgs, Transformer
-from recipes.llm.moe_losses import global_counts, load_balancing_loss, model_router_sums, z_loss
+from recipes.llm.moe_losses import expert_load, global_counts, load_balancing_loss, pooled, router_sums, z_loss
 from recipes.llm.parallelize import parallelize
 from recipes.llm.pipeline import Pipeline, TiedEmbeddings, split_for_rank, virtual_stages
 
@@ -131,7 +132,11 @@ class LLMTrainer(Trainer):
         # (step, data position, LR schedule) resumes any layout. LoRA dropout draws per rank: its streams are saved.
         # The MoE layers this rank holds (found through any wrapper: AC, FSDP), whose routing the loss reads.
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
+        self.moe_layer_ids = [int(re.search(r"layers\.(\d+)\.", name)[1]) for name, m in self.model.named_modules()
+                              if isinstance(m, MoE)]
         self.moe_terms: dict[str, torch.Tensor] = {}
+        self.moe_load: torch.Tensor | None = None  # [MoE layers, experts]: this step's global tokens per expert
+        self.moe_worst = torch.zeros(2, device=self.device)  # the run's worst (max/mean load, MoE layer index)
         self.start(loader, per_rank_rng=self.lora and cfg.lora.dropout > 0)
         self.model.train()
 
@@ -196,10 +201,13 @@ class LLMTrainer(Trainer):
         real = torch.zeros(packed.input_ids.shape, dtype=torch.bool)
         for row, lens in enumerate(packed.seq_lens):
             real[row, :sum(lens)] = True
-        sums = model_router_sums(self.moe_layers, real.flatten().to(self.device))
+        layers = [router_sums(layer.routing, real.flatten().to(self.device)) for layer in self.moe_layers]
+        sums, load = pooled(layers), torch.stack([layer.tokens_per_expert for layer in layers])
         weight = packed.num_labels
         if self.dims.dp > 1:
-            sums, weight = global_counts(sums, torch.tensor(float(weight), device=self.device), self.mesh["dp"].get_group())
+            sums, weight, load = global_counts(sums, torch.tensor(float(weight), device=self.device), load,
+                                               self.mesh["dp"].get_group())
+        self.moe_load = load if self.moe_load is None else self.moe_load + load
         aux, z = load_balancing_loss(sums), z_loss(sums)
         for name, value in (("aux_loss", aux), ("z_loss", z)):  # logged unscaled: loss_terms
             self.moe_terms[name] = self.moe_terms.get(name, 0) + value.detach() * weight
@@ -208,6 +216,29 @@ class LLMTrainer(Trainer):
     def loss_terms(self) -> dict[str, torch.Tensor]:
         terms, self.moe_terms = self.moe_terms, {}
         return terms
+
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        """Per MoE layer, the step's expert load (global tokens per expert): the busiest expert over the mean
+        (`moe.layer<i>.max_load`) and the load's normalised entropy (`moe.layer<i>.load_entropy`), plus the
+        worst layer's max_load. On the device; the run's worst is kept for the summary (log_moe_summary)."""
+        load, self.moe_load = self.moe_load, None
+        if load is None:
+            return {}
+        max_load, entropy = expert_load(load)
+        worst, at = max_load.max(0)
+        self.moe_worst = torch.where(worst > self.moe_worst[0], torch.stack([worst, at.float()]), self.moe_worst)
+        out = {"moe.max_load": worst}
+        for i, layer in enumerate(self.moe_layer_ids):
+            out |= {f"moe.layer{layer}.max_load": max_load[i], f"moe.layer{layer}.load_entropy": entropy[i]}
+        return out
+
+    def log_moe_summary(self) -> None:
+        """One line at the end of the run: the worst layer's expert imbalance over the run (one host read)."""
+        if self.moe_layer_ids and self.dist.is_main:
+            worst, at = self.moe_worst.tolist()
+            print(f"kiln: MoE expert load: worst max/mean {worst:.2f} (layer {self.moe_layer_ids[int(at)]}; "
+                  f"1.00 = balanced, {self.cfg.model.moe.num_experts} = one expert takes every token; "
+                  "per layer in metrics.jsonl: moe.layer<i>.max_load, load_entropy)", flush=True)
 
     def checkpoint_meta(self) -> dict:
         return lora.checkpoint_meta(self.cfg, self.cfg.model.init_from)
@@ -288,6 +319,7 @@ TRAINER = LLMTrainer  # recipes/registry.py
 def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
     trainer = LLMTrainer(cfg, dist, run_dir)
     trainer.fit()
+    trainer.log_moe_summary()
     out = trainer.export()
     if dist.is_main:
         text = sample_generation(out)

@@ -18,7 +18,7 @@ def test_moe_tiny_trains_logs_its_aux_losses_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
-    run_train(["recipe=moe_tiny", "trainer.max_steps=16", "trainer.log_every=4", "trainer.progress_bar=false",
+    proc = run_train(["recipe=moe_tiny", "trainer.max_steps=16", "trainer.log_every=4", "trainer.progress_bar=false",
                "checkpoint.final=false", "checkpoint.every=0", f"run.dir={run}"])
     records = {r["step"]: r for r in read_metrics(run / "metrics.jsonl")}
     assert sorted(records) == [4, 8, 12, 16]
@@ -26,6 +26,13 @@ def test_moe_tiny_trains_logs_its_aux_losses_and_exports(tmp_path):
     for r in records.values():
         # E * sum_e f_e P_e is top_k (2) when routing is uniform, and larger when it is not.
         assert 1.9 < r["aux_loss"] < 8 and r["z_loss"] > 0, r
+        # The expert load of each MoE layer (layer 0 is dense): max/mean in [1, 8 experts], entropy in [0, 1].
+        layers = [r[f"moe.layer{i}.max_load"] for i in (1, 2, 3)]
+        assert all(1 <= x <= 8 for x in layers) and r["moe.max_load"] == max(layers), r
+        assert all(0 < r[f"moe.layer{i}.load_entropy"] <= 1 for i in (1, 2, 3)) and "moe.layer0.max_load" not in r
+    worst = max(r["moe.max_load"] for r in records.values())
+    assert "kiln: MoE expert load: worst max/mean" in proc.stdout
+    print(f"worst logged max/mean load {worst:.2f}; {proc.stdout.split('kiln: MoE expert load: ')[1].splitlines()[0]}")
     assert json.loads((run / "export" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     model = AutoModelForCausalLM.from_pretrained(run / "export").eval()
     c = model.config

@@ -232,3 +232,14 @@ def test_expert_parallel_regroups_received_rows_by_local_expert():
     order = expert_major_order(torch.tensor([[1, 2], [3, 0]]), total=6)
     assert order.tolist() == [0, 3, 4, 5, 1, 2]
     assert expert_major_order(torch.zeros(2, 3, dtype=torch.long), total=0).tolist() == []
+
+
+def test_expert_load_against_hand_counts():
+    from recipes.llm.moe_losses import expert_load
+
+    counts = torch.tensor([[4.0, 4, 4, 4], [16, 0, 0, 0], [6, 2, 0, 0]])
+    max_load, entropy = expert_load(counts)
+    torch.testing.assert_close(max_load, torch.tensor([1.0, 4.0, 3.0]))
+    p = torch.tensor([0.75, 0.25])
+    torch.testing.assert_close(entropy, torch.stack([torch.tensor(1.0), torch.tensor(0.0),
+                                                     -(p * p.log()).sum() / torch.log(torch.tensor(4.0))]))
