@@ -124,7 +124,7 @@ def dry_run(cfg: TrainConfig, spec, world_size: int) -> None:
 
     dims = ParallelDims.for_sizing(cfg.parallel, world_size)
     layout = configured_layout(spec, dp=dims.dp, tp=dims.tp, pp=dims.pp, zero_stage=cfg.parallel.zero_stage,
-                               ac=cfg.toggles.activation_checkpointing)
+                               ac=cfg.toggles.activation_checkpointing, ep=cfg.parallel.ep)
     print(dry_run_report(spec, layout))
     if cfg.parallel.dp <= 0:
         print("(sized for this launch's world size; set parallel.dp=N to size for N GPUs)")

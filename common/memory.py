@@ -258,6 +258,11 @@ class ModelSpec:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0  # 0: pp
     vocab_parallel: bool = False  # TP keeps the logits sharded over the vocabulary (loss parallel)
+    # Mixture of Experts: the routed experts of the largest MoE layer (in layer_params and gather_unit_params),
+    # their count, and the (token, expert) pairs per token whose rows travel by all-to-all under expert parallelism.
+    expert_params: int = 0
+    experts: int = 0
+    top_k: int = 0
 
     @property
     def total_params(self) -> int:
@@ -275,6 +280,7 @@ class Layout:
     pp: int
     zero_stage: int  # FSDP full shard counts as 3
     ac: str
+    ep: int = 1  # MoE: the experts split over ep of the dp ranks
 
     def sharding(self, spec: ModelSpec) -> str:
         if spec.sharding == "fsdp":
@@ -295,8 +301,11 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     first, last = rank == 0, rank == p - 1
     layers = spec.layers // p
     params = (layers * spec.layer_params + first * spec.first_params + last * spec.last_params) / tp
+    # Expert parallelism: each rank's experts are FSDP-sharded over the dp/ep others, so the states stay
+    # params / dp, but a gathered MoE layer holds only its 1/ep of the experts.
+    gathered = (spec.gather_unit_params - spec.expert_params * (1 - 1 / layout.ep)) / tp
     states = model_state_bytes(params, layout.zero_stage, layout.dp, _state_bytes_per_param(spec, layout.zero_stage),
-                               gathered_params=spec.gather_unit_params / tp, compute_bytes=e)
+                               gathered_params=gathered, compute_bytes=e)
     states["weights"] += spec.frozen_params * e / (layout.dp if layout.zero_stage >= 3 else 1)
     if spec.sharding == "fsdp" and layout.dp == 1 and e == 2:
         states["gathered"] += 2 * params  # no FSDP policy to cast: autocast caches bf16 weight copies
@@ -306,6 +315,8 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     shape = dict(seq=spec.seq, batch=rows, act_bytes=e)
     per_microbatch = layers * layer_activation_bytes(spec.block, tp=tp, recompute=layout.ac, **shape)
     transient = layer_activation_bytes(spec.block, tp=tp, **shape) if layout.ac != "none" else 0.0
+    if spec.experts:  # each token's top_k rows, permuted by expert: sent, received and combined back (one layer)
+        transient = max(transient, 3 * spec.top_k * spec.seq * rows * spec.block.hidden * e)
     if last and spec.vocab:
         per_microbatch += per_gpu_bytes(head_saved(spec.block, vocab=spec.vocab, vocab_parallel=spec.vocab_parallel,
                                                    **shape), tp)
@@ -324,15 +335,16 @@ def estimate(spec: ModelSpec, layout: Layout) -> dict[str, float]:
 
 
 
-def configured_layout(spec: ModelSpec, *, dp: int, tp: int, pp: int, zero_stage: int, ac: str) -> Layout:
+def configured_layout(spec: ModelSpec, *, dp: int, tp: int, pp: int, zero_stage: int, ac: str, ep: int = 1) -> Layout:
     """The Layout a config describes: FSDP recipes shard fully whenever dp > 1 (counted as stage 3)."""
     stage = (3 if dp > 1 else 0) if spec.sharding == "fsdp" else zero_stage
-    return Layout(dp=dp, tp=tp, pp=pp, zero_stage=stage, ac=ac)
+    return Layout(dp=dp, tp=tp, pp=pp, zero_stage=stage, ac=ac, ep=ep)
 
 
 def describe_sharding(spec: ModelSpec, layout: Layout) -> str:
     if spec.sharding == "fsdp":
-        return f"FSDP over dp={layout.dp}" if layout.zero_stage == 3 else "no sharding (dp=1)"
+        experts = f", experts split over ep={layout.ep}" if layout.ep > 1 else ""
+        return (f"FSDP over dp={layout.dp}" if layout.zero_stage == 3 else "no sharding (dp=1)") + experts
     return f"ZeRO stage {layout.zero_stage} over dp={layout.dp}"
 
 

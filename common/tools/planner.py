@@ -39,7 +39,9 @@ def candidate_layouts(spec: ModelSpec, gpus: int, gpus_per_node: int = 8) -> lis
             if spec.layers % pp:
                 continue
             dp = gpus // (tp * pp)
-            out += [Layout(dp, tp, pp, stage, ac) for stage in _zero_stages(spec, dp) for ac in spec.ac_modes]
+            eps = [e for e in _divisors(dp) if spec.experts % e == 0] if spec.experts else [1]
+            out += [Layout(dp, tp, pp, stage, ac, ep) for stage in _zero_stages(spec, dp) for ac in spec.ac_modes
+                    for ep in eps]
     return out
 
 
@@ -61,7 +63,7 @@ def rank_key(layout: Layout, total: float) -> tuple:
     4. a lower ZeRO stage: stage 3 gathers the weights in forward and backward, 1.5x the traffic
        of stages 0-2 (Rajbhandari et al. 2020 §7);
     5. less memory."""
-    return (AC_COST[layout.ac], layout.tp * layout.pp, layout.pp, layout.zero_stage, total)
+    return (AC_COST[layout.ac], layout.tp * layout.pp, layout.pp, layout.zero_stage, total, layout.ep)
 
 
 def plan(spec: ModelSpec, gpus: int, gpu: GPU, headroom: float = 0.9,

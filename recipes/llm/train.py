@@ -301,7 +301,11 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     # head; flash: the varlen kernel takes cu_seqlens and shares K/V heads. DTensor TP keeps the gathered
     # linear inputs.
     varlen = cfg.toggles.attention == "flash"
-    block = Block(hidden=args.dim, heads=args.n_heads, ffn=args.ffn_dim, kv_heads=args.n_kv_heads, norm="rmsnorm",
+    # MoE: a token's activations are those of its top_k experts (and the shared one): the active width.
+    moe = args.moe
+    ffn = moe.top_k * moe.ffn_dim + moe.shared_ffn_dim if moe else args.ffn_dim
+    experts = max((count_params(m.experts) for m in model.modules() if isinstance(m, MoE)), default=0)
+    block = Block(hidden=args.dim, heads=args.n_heads, ffn=ffn, kv_heads=args.n_kv_heads, norm="rmsnorm",
                   mlp="swiglu", dropout=False, attention="fused", repeat_kv=not varlen, dense_mask=not varlen,
                   megatron_sp=False, selective="save_matmuls")
     p = cfg.parallel
@@ -310,7 +314,8 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
                      last_params=last, gather_unit_params=max(layer, first + last),  # FSDP units: blocks, root
                      vocab=args.vocab_size, precision=cfg.toggles.precision, sharding="fsdp",
                      ac_modes=("none", "selective", "full"), pp_schedule=p.pp_schedule,
-                     pp_microbatches=p.pp_microbatches, vocab_parallel=cfg.model.loss_parallel)
+                     pp_microbatches=p.pp_microbatches, vocab_parallel=cfg.model.loss_parallel,
+                     expert_params=experts, experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 0)
 
 
 TRAINER = LLMTrainer  # recipes/registry.py

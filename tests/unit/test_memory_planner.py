@@ -240,6 +240,25 @@ def test_plan_respects_recipe_layout_rules():
     assert {lay.zero_stage for lay in layouts} == {0, 1, 2, 3} and {lay.ac for lay in layouts} == {"none", "selective", "full"}
 
 
+def test_moe_planner_prices_experts_per_ep_rank():
+    """Qwen3-30B-A3B's shapes: 30.53B parameters, all sharded over dp whatever ep; a gathered MoE layer holds its
+    1/ep of the experts (128 x 3 x 2048 x 768 weights); the activations are the active width's (top_k experts);
+    the planner offers ep only where it divides dp and the expert count, and tp = pp = 1 (refused with MoE)."""
+    cfg = compose(["recipe=moe_30b_a3b"])
+    spec = llm_spec(cfg)
+    assert spec.total_params == 30_532_122_624 and spec.experts == 128 and spec.top_k == 8
+    assert spec.expert_params == 128 * 3 * 2048 * 768 and spec.block.ffn == 8 * 768
+    one, eight = (estimate(spec, Layout(dp=8, tp=1, pp=1, zero_stage=3, ac="full", ep=ep)) for ep in (1, 8))
+    for key in ("weights", "grads", "optimizer", "activations"):
+        assert one[key] == eight[key]
+    assert one["gathered"] - eight["gathered"] == pytest.approx(2 * 2 * spec.expert_params * 7 / 8)
+    rows = plan(spec, 8, GPUS["h100_80gb"], 0.9, allowed=plan_script.recipe_allows(cfg))
+    layouts = {r["layout"] for r in rows}
+    assert {(lay.tp, lay.pp) for lay in layouts} == {(1, 1)} and {lay.ep for lay in layouts} == {1, 2, 4, 8}
+    configured = Layout(dp=8, tp=1, pp=1, zero_stage=3, ac=cfg.toggles.activation_checkpointing, ep=8)
+    assert next(r for r in rows if r["layout"] == configured)["fits"]  # the recipe's own layout fits 8 H100s
+
+
 def run_plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), *args],
                           capture_output=True, text=True, timeout=120)
