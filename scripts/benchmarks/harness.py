@@ -22,7 +22,7 @@ from recipes.registry import recipe_spec
 RUN_ARGS = ["trainer.progress_bar=false", "trainer.eval=false", "checkpoint.every=0", "checkpoint.final=false",
             "run.resume=never"]
 RECIPE_ARGS = {"dit_tiny": ["trainer.sample_every=0", "diffusion.sample_steps=2", "diffusion.samples_per_class=1"],
-               "vlm_tiny": [], "llm_tiny": []}
+               "vlm_tiny": [], "llm_tiny": [], "moe_tiny": []}
 
 
 @dataclass
