@@ -74,7 +74,6 @@ NOT_RUN = {
     "sbatch": "needs a SLURM cluster: tests/integration/test_slurm.py submits train.sbatch to a real one",
     "scripts/slurm/local_cluster.sh": "installs and starts SLURM as root: the fixture of tests/integration/test_slurm.py",
     "scripts/serve_gpu.sh": "needs a CUDA GPU and vLLM: tests/unit/test_serve_config.py checks its command lines",
-    "serve.engine=vllm": "needs a CUDA GPU and vLLM: tests/unit/test_serve_config.py checks the vllm command line",
     "scripts/bench.py --only serving": "trains llm_tiny and starts a server for minutes: make bench runs this section",
     "scripts/build_trt_engine.sh": "needs TensorRT's trtexec: tests/unit/test_trt_build.py runs it with stand-in trtexecs",
     "make gpu-check": "needs a CUDA GPU (without one: one line, exit 2, tests/unit/test_gpu_check.py)",
