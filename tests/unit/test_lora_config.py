@@ -9,10 +9,11 @@ import torch
 
 from common import lora
 from common.errors import ConfigError
-from common.launch import compose, main
+from common.launch import compose
 from common.toggles import apply_ac
 from recipes.llm.model import LlamaArgs, Transformer, TransformerBlock
 from tests.fixtures.llm import write_llama_folder
+from tests.unit.test_llm_init_from import _kiln_error
 
 PROJECTIONS = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
 
@@ -30,15 +31,6 @@ def test_full_is_the_default_and_lora_composes_on_a_base(base):
     assert cfg.lora.targets == PROJECTIONS  # [] = the family's: config.yaml records what ran
     assert compose(["recipe=llm_tiny", "finetune=lora", f"model.init_from={base}", "lora.targets=[wq,wv]",
                     "parallel.pp=2"]).lora.targets == ["wq", "wv"]
-
-
-def _kiln_error(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("kiln: error: "), err
-    return err[0]
 
 
 BAD = {
