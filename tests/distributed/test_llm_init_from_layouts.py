@@ -42,6 +42,13 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+def compare_export(source: Path, export: Path) -> dict[str, bool]:
+    """Whether an export holds the source folder's tensor names, and every shared one bit for bit in its dtype."""
+    a, b = tensors(source), tensors(export)
+    return {"same_keys": a.keys() == b.keys(),
+            "bitwise": all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a if k in b)}
+
+
 def _rank_logits(trainer, tokens: torch.Tensor) -> torch.Tensor | None:
     """The full model's logits on the ranks that compute them (under PP: stage 0 -> stage 1 by broadcast)."""
     import torch.distributed as tdist
@@ -81,10 +88,7 @@ def _load_forward_export(folders: dict, run_root: str) -> dict:
             result = {"error": None if logits is None else (logits - expected).abs().max().item()}
             export = trainer.export()
             if dist.is_main:
-                source, exported = tensors(folder), tensors(export)
-                result["same_keys"] = source.keys() == exported.keys()
-                result["bitwise"] = all(torch.equal(source[k], exported[k]) and source[k].dtype == exported[k].dtype
-                                        for k in source if k in exported)
+                result |= compare_export(folder, export)
             trainer.state.loader.close()
             out[f"{variant}/{layout}"] = result
             tdist.barrier()

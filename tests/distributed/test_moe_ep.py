@@ -114,7 +114,7 @@ def _init_from_under_ep2(folders: dict, run_root: str) -> dict:
     from common.launch import compose
     from common.profiling import StepTimer
     from recipes.llm.train import LLMTrainer
-    from tests.distributed.test_llm_init_from_layouts import tensors
+    from tests.distributed.test_llm_init_from_layouts import compare_export
 
     dist, out = init_distributed(), {}
     for variant in VARIANTS:
@@ -132,10 +132,7 @@ def _init_from_under_ep2(folders: dict, run_root: str) -> dict:
         trainer.train_step(iter(trainer.state.loader), StepTimer())
         export = trainer.export()
         if dist.is_main:
-            source, exported = tensors(folder), tensors(export)
-            result["same_keys"] = source.keys() == exported.keys()
-            result["bitwise"] = all(torch.equal(source[k], exported[k]) and source[k].dtype == exported[k].dtype
-                                    for k in source if k in exported)
+            result |= compare_export(folder, export)
         trainer.state.loader.close()
         out[variant] = result
         tdist.barrier()
