@@ -293,7 +293,7 @@ def clip_sharded_grad_norm_(params: list[nn.Parameter], max_norm: float, dp_grou
     dp = tdist.get_world_size(dp_group)
     for g in grads:
         if not (isinstance(g, DTensor) and g.device_mesh.size() == dp and all(isinstance(x, (Shard, _StridedShard)) for x in g.placements)):
-            raise NotImplementedError(f"a gradient {getattr(g, 'placements', 'not a DTensor')} is not sharded over the "
+            raise RuntimeError(f"a gradient {getattr(g, 'placements', 'not a DTensor')} is not sharded over the "
                                       f"{dp} dp ranks")
     sq = torch.nn.utils.get_total_norm([g.to_local() for g in grads], 2.0).float() ** 2
     tdist.all_reduce(sq, group=dp_group)

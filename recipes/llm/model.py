@@ -646,7 +646,7 @@ def _held_experts(t: Tensor) -> tuple[int, tuple[Tensor, ...]]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if any(not (p.is_replicate() or p.is_shard(0) or (isinstance(p, _StridedShard) and p.dim == 0)) for p in t.placements):
-        raise NotImplementedError(f"experts sharded as {t.placements}: only over the experts (Shard(0))")
+        raise RuntimeError(f"experts sharded as {t.placements}: only over the experts (Shard(0))")
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return offset[0], t.to_local().unbind(0)
 
