@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import torch
 from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.distributed import DistInfo
-from common.errors import ConfigError
+from common.errors import ConfigError, UserError
 from common.memory import deepspeed_state_bytes, model_state_bytes
 from common.optim import lr_factor
 
@@ -137,21 +139,162 @@ def grad_norm(engine) -> torch.Tensor | float:
     return norm if norm is not None else float("nan")
 
 
-def load_checkpoint(engine, path: Path, *, load_optimizer: bool = True) -> None:
-    """Restore the engine (model, optimizer, LR schedule; ZeRO shards per rank) from `path`."""
+def trained_shapes(engine) -> dict[str, list[int]]:
+    """Name -> shape of every trained parameter (meta.json records them: a resume checks it fits)."""
+    return {name: list(getattr(p, "ds_shape", p.shape)) for name, p in engine.module.named_parameters() if p.requires_grad}
+
+
+def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool = True) -> None:
+    """Restore the engine (model, optimizer, LR schedule) from `path`, whatever ZeRO stage and number of ranks
+    wrote it. The same layout loads DeepSpeed's own shards (bit for bit); another one is converted first into a
+    DeepSpeed universal checkpoint (one folder per parameter: its whole fp32 weight and Adam moments) under
+    `scratch` (a folder every rank sees), which each rank then takes its part of (`load_universal`)."""
     import torch.distributed as tdist
 
     meta = read_meta(path)
+    check_trained_shapes(engine, meta, path)
     world = tdist.get_world_size() if tdist.is_initialized() else 1
-    if load_optimizer and meta["world_size"] != world:
-        raise ConfigError(
-            f"run.resume: {path} was written by {meta['world_size']} ranks; this run has {world} "
-            "(resume with the same number of ranks)"
+    saved = (meta["world_size"], meta.get("zero_stage"))
+    if saved == (world, engine.zero_optimization_stage()) or not load_optimizer:
+        engine.load_checkpoint(
+            str(path.parent), tag=path.name, load_optimizer_states=load_optimizer,
+            load_lr_scheduler_states=load_optimizer, load_module_only=not load_optimizer,
         )
-    engine.load_checkpoint(
-        str(path.parent), tag=path.name, load_optimizer_states=load_optimizer,
-        load_lr_scheduler_states=load_optimizer, load_module_only=not load_optimizer,
-    )
+        return
+    main = not tdist.is_initialized() or tdist.get_rank() == 0
+    folder = scratch / f"universal_{path.name}"
+    start = time.perf_counter()
+    error = None
+    if main:
+        print(f"kiln: {path} was written by {saved[0]} rank(s) under ZeRO-{saved[1]}; this run has {world} under "
+              f"ZeRO-{engine.zero_optimization_stage()}: converting it to a DeepSpeed universal checkpoint in {folder}",
+              flush=True)
+        try:
+            to_universal(path, folder)
+        except Exception as exc:  # the original is only read; the partial conversion goes
+            shutil.rmtree(folder, ignore_errors=True)
+            error = f"run.resume: converting {path} to a universal checkpoint failed ({type(exc).__name__}: {exc}); it is left as it was"
+    if tdist.is_initialized():
+        box = [error]
+        tdist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise UserError(error)
+    load_universal(engine, folder)
+    if tdist.is_initialized():
+        tdist.barrier()
+    if main:
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"kiln: converted and loaded in {time.perf_counter() - start:.1f}s", flush=True)
+
+
+def check_trained_shapes(engine, meta: dict, path: Path) -> None:
+    """One line when the checkpoint's trained parameters are not this model's (another model shape)."""
+    saved, mine = meta.get("trained_shapes"), trained_shapes(engine)
+    if saved is None or saved == mine:
+        return
+    differ = sorted(set(saved) ^ set(mine)) or [n for n in mine if saved[n] != mine[n]]
+    name = differ[0]
+    raise ConfigError(f"run.resume: {path} holds another model: {len(differ)} trained parameter(s) differ, first "
+                      f"{name} (saved {saved.get(name, 'absent')}, this run {mine.get(name, 'absent')})")
+
+
+_STATES = ("exp_avg", "exp_avg_sq")  # AdamW's moments, beside the fp32 weight
+
+
+def to_universal(src: Path, out: Path) -> None:
+    """DeepSpeed's `ds_to_universal` over checkpoint dir `src` (ZeRO-1/2/3 shards, any precision) into `out`. A
+    ZeRO-0 fp32 checkpoint has no shards to convert (its one file holds the whole model and torch's AdamW state):
+    it is written out in the same layout here."""
+    import argparse
+    import io
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    if not list(src.glob("*optim_states.pt")):
+        return _zero0_to_universal(src, out)
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(src), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    log = io.StringIO()  # its progress lines and bars: not Kiln's output
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        ds_to_universal.main(args)
+
+
+def _zero0_to_universal(src: Path, out: Path) -> None:
+    files = list(src.glob("mp_rank_*_model_states.pt"))
+    if len(files) != 1:
+        raise FileNotFoundError(f"no DeepSpeed model states file (mp_rank_00_model_states.pt) in {src}")
+    sd = torch.load(files[0], map_location="cpu", weights_only=False)
+    optim = sd["optimizer"]
+    # torch's AdamW numbers its parameters in the order they were given: the trained ones in module order,
+    # which meta.json's trained_shapes keeps (DeepSpeed records no names at ZeRO-0).
+    names = list(read_meta(src)["trained_shapes"])
+    ids = [i for group in optim["param_groups"] for i in group["params"]]
+    for name, i in zip(names, ids, strict=True):
+        folder = out / "zero" / name
+        folder.mkdir(parents=True)
+        torch.save({"param": sd["module"][name].float()}, folder / "fp32.pt")
+        state = optim["state"].get(i, {})
+        for key in _STATES:
+            torch.save({"param": state.get(key, torch.zeros_like(sd["module"][name]))}, folder / f"{key}.pt")
+        torch.save(state.get("step", torch.tensor(0.0)), folder / "step.pt")
+    shutil.copy2(files[0], out / files[0].name)
+
+
+def load_universal(engine, folder: Path) -> None:
+    """Each rank's part of a universal checkpoint into the live engine, by parameter name, through DeepSpeed's
+    own setters of whole fp32 weights and optimizer states (`deepspeed.utils.safe_set_full_*`: ZeRO-1/2/3 and the
+    bf16 optimizer); ZeRO-0 in fp32 steps torch's AdamW on the parameters themselves, which take them directly.
+    Then AdamW's step count, the LR schedule and DeepSpeed's counters. (DeepSpeed's own `load_universal` needs a
+    config switch at start-up, and in 0.19.8 a ZeRO-1/2 conversion does not load under ZeRO-3.)
+
+    Frozen parameters are not the run's state: they come from their source on every start."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    def part(name: str, key: str) -> torch.Tensor:
+        return torch.load(folder / "zero" / name / f"{key}.pt", map_location="cpu", weights_only=False)["param"]
+
+    plain = engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled() and not engine.fp16_enabled()
+    step = None
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        fp32 = part(name, "fp32").to(p.device)
+        step = torch.load(folder / "zero" / name / "step.pt", weights_only=False)
+        if plain:
+            p.data.copy_(fp32.view_as(p))
+            engine.optimizer.state[p].update({key: part(name, key).to(p.device).view_as(p) for key in _STATES})
+            engine.optimizer.state[p]["step"] = torch.tensor(float(step))
+            continue
+        safe_set_full_fp32_param(p, fp32)
+        for key in _STATES:
+            safe_set_full_optimizer_state(p, part(name, key).to(p.device), key)
+        with gathered_one(p, engine.zero_optimization_stage()):  # the compute-dtype weights the forward reads
+            p.data.copy_(fp32.view(p.shape).to(p.dtype))
+    if step is not None:
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = torch.full_like(state["step"], float(step)) if torch.is_tensor(state["step"]) else int(step)
+    states = torch.load(next(folder.glob("*model_states.pt")), map_location="cpu", weights_only=False)
+    engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
+    # The schedule's state holds the last LR, but the optimizer's groups still have the first one until its
+    # next step (DeepSpeed's native load restores them with the optimizer's state dict).
+    for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+    engine.global_steps, engine.skipped_steps = states["global_steps"], states["skipped_steps"]
+    engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
+
+
+def gathered_one(p: torch.nn.Parameter, zero_stage: int):
+    """`p` whole for the duration, and what is written into it partitioned again on exit (ZeRO-3)."""
+    if zero_stage < 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([p], modifier_rank=0)
 
 
 def gathered(model: torch.nn.Module, zero_stage: int):

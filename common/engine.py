@@ -44,6 +44,7 @@ class Engine(ABC):
     module: nn.Module
     dp: int
     extras: dict = {}
+    scratch: Path | None = None  # a folder every rank sees, for a conversion on load (the Trainer sets it)
 
     @abstractmethod
     def forward_backward(self, loss: Callable, batch, inv_count: torch.Tensor, last: bool,
@@ -126,10 +127,11 @@ class DeepSpeedEngine(Engine):
         self.ds.save_checkpoint(str(tmp.parent), tag=tmp.name, save_latest=False)
 
     def load(self, path):
-        ds.load_checkpoint(self.ds, path)
+        """Any ZeRO stage and number of ranks: another layout than this run's is converted (common/deepspeed.py)."""
+        ds.load_checkpoint(self.ds, path, scratch=self.scratch or path.parent / ".tmp")
 
     def layout(self):
-        return {"zero_stage": self.zero_stage}
+        return {"zero_stage": self.zero_stage, "trained_shapes": ds.trained_shapes(self.ds)}
 
     def gathered(self):
         """Full weights on every rank for the duration (ZeRO-3 partitions them)."""

@@ -28,3 +28,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def sample_rngs(seed: int, sample_ids) -> list[np.random.Generator]:
+    """One generator per sample, keyed by (seed, the sample's ordinal in the global stream): what a sample
+    draws (noise, a timestep, a label drop) does not depend on which rank or micro-batch takes it, so a run
+    resumed under another layout draws the same numbers. numpy's SeedSequence hashes the whole key (torch's
+    CPU generator keeps 32 bits of a seed: distinct samples would share streams)."""
+    return [np.random.default_rng([seed, int(i)]) for i in sample_ids]
+
+
+def per_sample(rngs: list[np.random.Generator], draw) -> torch.Tensor:
+    """`draw(rng)` (a numpy array or number) for each sample's generator, stacked into one CPU tensor."""
+    return torch.from_numpy(np.stack([np.asarray(draw(r)) for r in rngs]))

@@ -40,11 +40,11 @@ import torch
 import torch.distributed as tdist
 
 from common import faults
-from common.checkpoint import CheckpointManager
+from common.checkpoint import CheckpointManager, read_meta
 from common.config import TrainConfig
 from common.distributed import DistInfo, heartbeat
 from common.engine import Engine
-from common.errors import UserError
+from common.errors import ConfigError, UserError
 from common.metrics import MetricsLogger
 from common.profiling import StepTimer, maybe_profile
 from common.seed import rng_state, seed_everything, set_rng_state
@@ -118,11 +118,12 @@ class Stateful(Protocol):
 
 class TrainState:
     """The step counter and everything a resume restores besides the model and optimizer (which the
-    engine -- DeepSpeed or DCP -- saves itself): the data position, the RNG streams when the recipe
-    draws from them per rank, and the recipe's extras (an EMA shard, an LR scheduler).
+    engine -- DeepSpeed or DCP -- saves itself): the data position, the recipe's extras (an EMA, an LR
+    scheduler), and the RNG streams when the recipe draws from them per rank.
 
-    `state_dict()` is what a checkpoint stores for this rank; `load_state_dict` puts it back, so a
-    resumed run continues bit for bit.
+    `state_dict()` is the same on every rank (one global data stream; extras whole, gathered if need be:
+    it may be collective) and a checkpoint stores rank 0's copy; `rng` streams are per rank, stored per
+    rank. `load_state_dict` puts them back, so a resumed run continues bit for bit.
     """
 
     def __init__(self, loader, *, rng: bool = True, extras: dict[str, Stateful] | None = None):
@@ -133,15 +134,11 @@ class TrainState:
 
     def state_dict(self) -> dict:
         state = {"step": self.step, "data": self.loader.state_dict()}
-        if self.rng:
-            state["rng"] = rng_state()
         return state | {name: part.state_dict() for name, part in self.extras.items()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         self.loader.load_state_dict(state["data"])
-        if self.rng:
-            set_rng_state(state["rng"])
         for name, part in self.extras.items():
             part.load_state_dict(state[name])
 
@@ -178,6 +175,7 @@ class Trainer(ABC):
         global data stream, nothing random per rank), and rank 0's copy resumes any layout."""
         seed_everything(self.cfg.trainer.seed + 1 + (self.dist.rank if per_rank_rng else 0))
         self.state = TrainState(loader, rng=per_rank_rng, extras={**self.engine.extras, **(extras or {})})
+        self.engine.scratch = self.ckpt.root / ".tmp"  # removed at start-up and after each save
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
 
@@ -278,19 +276,31 @@ class Trainer(ABC):
 
         def write(tmp: Path) -> None:
             self.engine.save(tmp)
-            state = self.state.state_dict()
-            if self.state.rng:
-                torch.save(state, tmp / f"rank{self.dist.rank:05d}.pt")
-            elif self.dist.is_main:
+            state = self.state.state_dict()  # on every rank: an extra may gather (collective)
+            if self.dist.is_main:
                 torch.save(state, tmp / "trainer.pt")
+            if self.state.rng:
+                torch.save({"rng": rng_state()}, tmp / f"rank{self.dist.rank:05d}.pt")
 
         meta = {"recipe": self.cfg.recipe.name, **self.engine.layout(), **self.checkpoint_meta()}
         self.ckpt.save(self.state.step, write, meta=meta)
 
     def load_checkpoint(self, path: Path) -> None:
+        saved = read_meta(path)
+        if saved.get("recipe") != self.cfg.recipe.name:
+            raise ConfigError(f"run.resume: {path} is a checkpoint of recipe {saved.get('recipe')}; this run is "
+                              f"{self.cfg.recipe.name}")
         self.engine.load(path)
-        name = f"rank{self.dist.rank:05d}.pt" if self.state.rng else "trainer.pt"
-        self.state.load_state_dict(torch.load(path / name, weights_only=False))
+        self.state.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
+        if self.state.rng:
+            mine = path / f"rank{self.dist.rank:05d}.pt"
+            if saved["world_size"] == self.dist.world_size and mine.exists():
+                set_rng_state(torch.load(mine, weights_only=False)["rng"])
+            else:  # another number of ranks: each rank's stream starts afresh, keyed by the step
+                seed_everything(self.cfg.trainer.seed + 1 + self.dist.rank + 1_000_003 * self.state.step)
+                if self.dist.is_main:
+                    print(f"kiln: {path} was written by {saved['world_size']} ranks: the per-rank random streams "
+                          "(dropout) start afresh; the rest resumes exactly", flush=True)
         if self.dist.is_main:
             print(f"kiln: resumed from {path} at step {self.state.step}", flush=True)
 

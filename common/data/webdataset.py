@@ -39,7 +39,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from common.errors import DataError
+from common.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -398,3 +398,72 @@ def _ignore_stop_signals(worker_id: int) -> None:
     checkpoints and exits (common/trainer.py); the workers go when their parent does."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+class GlobalBatches:
+    """This data-parallel rank's micro-batches, cut from one global sample stream that every rank reads alike.
+
+    The inner loader (rank 0 of 1) yields one optimizer step's global batch, ``micro x accum x dp`` samples.
+    Micro-batch ``i`` of the step is the global batch's ``i``-th run of ``micro x dp`` samples, and rank ``r``
+    takes its samples ``r, r+dp, ...`` (recipes/llm/data.py cuts its documents the same way). So the samples of
+    a step, and their order in the stream, depend on the global batch only, not on how many ranks share it,
+    and the saved position (the inner loader's, the same on every rank) resumes any layout with that global
+    batch. Each collated micro-batch carries ``sample_ids``: its samples' ordinals in the global stream, from
+    which a recipe derives per-sample random draws (common/seed.py: `sample_rngs`).
+
+    The price: every rank reads and decodes the whole global batch (as the LLM's loader does); a decode
+    failure is then seen by every rank alike, so the ranks never disagree on what a step holds.
+    """
+
+    def __init__(self, loader: ResumableLoader, *, rank: int, dp: int, micro: int, accum: int,
+                 collate: Callable[[list], Any]):
+        self.loader, self.rank, self.dp, self.micro, self.accum = loader, rank, dp, micro, accum
+        self.collate = collate
+        self.served = 0  # global batches handed out: the next one's first sample is served * global_batch
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.dp
+
+    def __iter__(self) -> Iterator[Any]:
+        for samples in self.loader:
+            first = self.served * self.global_batch
+            self.served += 1
+            run = self.micro * self.dp
+            for i in range(self.accum):
+                picked = range(i * run + self.rank, (i + 1) * run, self.dp)
+                batch = self.collate([samples[j] for j in picked])
+                yield {**batch, "sample_ids": torch.tensor([first + j for j in picked])}
+
+    def state_dict(self) -> dict:
+        return {"global_batches": self.served, "global_batch": self.global_batch, "loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("global_batch") != self.global_batch:
+            raise ConfigError(
+                f"run.resume: the checkpoint's run took {state.get('global_batch')} samples per step; this run takes "
+                f"{self.global_batch} (trainer.micro_batch_size={self.micro} x trainer.grad_accum={self.accum} x "
+                f"{self.dp} ranks): set them so that their product is {state.get('global_batch')}")
+        self.loader.load_state_dict(state["loader"])
+        self.served = int(state["global_batches"])
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    @property
+    def corrupt_shards(self) -> int:
+        return self.loader.corrupt_shards
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def global_train_loader(cfg, urls: list[str], *, decode: Callable[[dict], Any], rank: int, dp: int,
+                        collate: Callable[[list], Any] = default_collate) -> GlobalBatches:
+    """A recipe's training loader over one global stream (:class:`GlobalBatches`): ``collate`` runs in the
+    main process on this rank's samples of each micro-batch."""
+    t = cfg.trainer
+    inner = train_loader(cfg, urls, decode=decode, collate=list, rank=0, world_size=1,
+                         batch_size=t.micro_batch_size * t.grad_accum * dp)
+    return GlobalBatches(inner, rank=rank, dp=dp, micro=t.micro_batch_size, accum=t.grad_accum, collate=collate)

@@ -15,7 +15,7 @@ from PIL import Image
 from common.config import TrainConfig
 from common.data import prepare_dataset
 from common.data.dataset import SPLITS, load_dataset_meta
-from common.data.webdataset import iter_samples, train_loader
+from common.data.webdataset import global_train_loader, iter_samples
 from common.distributed import DistInfo
 from common.errors import DataError
 
@@ -126,10 +126,12 @@ def load_latent_meta(cfg: TrainConfig, vae: dict, images: dict) -> dict:
 
 
 def build_train_loader(cfg: TrainConfig, dist: DistInfo, urls: list[str], meta: dict):
-    """The resumable loader over image shards, or over a latent cache's shards (meta from load_latent_meta)."""
+    """The resumable loader over image shards, or over a latent cache's shards (meta from load_latent_meta): one
+    global sample stream, this rank's share of each step (common/data/webdataset.py: GlobalBatches; ZeRO's dp is
+    the world size)."""
     if meta.get("source") == LATENT_SOURCE:
         decode = decode_latent_sample
     else:
         decode = functools.partial(decode_sample, image_size=cfg.data.image_size, channels=channels_of(meta))
-    return train_loader(cfg, urls, decode=decode, rank=dist.rank, world_size=dist.world_size)
+    return global_train_loader(cfg, urls, decode=decode, rank=dist.rank, dp=dist.world_size)
 

@@ -7,15 +7,18 @@
           from t=1 to 0. Its timesteps are sigma * num_train_timesteps, so the DiT's sinusoidal
           timestep embedding sees t * T in training too (a float in [0, T)).
 
-Random draws (timesteps here, noise and label drops in the trainer) come from the process-global
-torch RNG, which the trainer seeds per rank and checkpoints.
+Random draws (timesteps here, noise and label drops in the trainer) come from each sample's own generator
+(common/seed.py: `sample_rngs`, keyed by the sample's place in the global stream), so they do not depend on
+the parallel layout.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
+from common.seed import per_sample
 from recipes.dit.config import DiffusionConfig
 
 FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
@@ -54,19 +57,22 @@ class Objective:
         self.d = d
         self.ddpm = ddpm_scheduler(d) if d.objective == "ddpm" else None
 
-    def _flow_t(self, n: int, device) -> torch.Tensor:
+    def timesteps(self, rngs: list) -> torch.Tensor:
+        """One training timestep per sample, drawn from its generator (CPU): DDPM's integer t in [0, T), flow's
+        t in (0, 1), uniform or logit-normal (sigmoid(N(mean, std)), Esser et al. 2024)."""
         d = self.d
+        if self.ddpm is not None:
+            return per_sample(rngs, lambda r: r.integers(0, d.num_train_timesteps))
         if d.flow_timesteps == "uniform":
-            return torch.rand(n, device=device)
-        return torch.sigmoid(d.flow_logit_mean + d.flow_logit_std * torch.randn(n, device=device))
+            return per_sample(rngs, lambda r: r.random(dtype=np.float32)).float()
+        normal = per_sample(rngs, lambda r: r.standard_normal(dtype=np.float32)).float()
+        return torch.sigmoid(d.flow_logit_mean + d.flow_logit_std * normal)
 
-    def noisy(self, x0: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x_t, the DiT's timestep input, the regression target) for clean inputs `x0`, drawing t."""
-        n, T = x0.shape[0], self.d.num_train_timesteps
+    def noisy(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x_t, the DiT's timestep input, the regression target) for clean inputs `x0` at timesteps `t` (`timesteps`)."""
+        t = t.to(x0.device)
         if self.ddpm is None:
-            t = self._flow_t(n, x0.device)
             tb = t.view(-1, *([1] * (x0.dim() - 1)))
-            return (1 - tb) * x0 + tb * noise, t * T, noise - x0
-        t = torch.randint(0, T, (n,), device=x0.device)
+            return (1 - tb) * x0 + tb * noise, t * self.d.num_train_timesteps, noise - x0
         target = noise if self.d.prediction_type == "epsilon" else self.ddpm.get_velocity(x0, noise, t)
         return self.ddpm.add_noise(x0, noise, t), t, target

@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from common.memory import Block, ModelSpec, count_params, largest_module_params
 from common.distributed import DistInfo, barrier
 from common.ema import EMA
 from common.errors import ConfigError, DataError
-from common.seed import seed_everything
+from common.seed import per_sample, sample_rngs, seed_everything
 from common.engine import DeepSpeedEngine
 from common.trainer import Trainer
 from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
@@ -79,12 +80,13 @@ class DiTTrainer(Trainer):
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
         self.ema = EMA(self.model, cfg.diffusion.ema_decay)
-        # Per-rank RNG streams (noise, timesteps, label drops) and the EMA shard resume with the step.
-        self.start(loader, per_rank_rng=True, extras={"ema": self.ema})
+        # Noise, timesteps and label drops come from each sample's generator (`loss`): only dropout inside the
+        # model draws from a per-rank stream. The EMA resumes with the step, whatever layout saved it.
+        self.start(loader, per_rank_rng=cfg.model.dropout > 0, extras={"ema": self.ema})
         self.model.train()
 
     # ---- the loss (common/trainer.py runs the step) ------------------------------------------
-    def clean_inputs(self, batch: dict) -> torch.Tensor:
+    def clean_inputs(self, batch: dict, rngs: list) -> torch.Tensor:
         """x_0 in the DiT's space: the images, or a latent sampled from the VAE posterior. The
         posterior's moments come from the cache or from encoding the images now; the sample's noise
         is drawn here in both cases, so cached and on-the-fly training draw the same numbers."""
@@ -94,15 +96,22 @@ class DiTTrainer(Trainer):
             mean, std = batch["mean"].to(self.device), batch["std"].to(self.device)
         else:
             mean, std = vae_lib.posterior(self.vae, batch["image"].to(self.device))
-        return vae_lib.to_latents(mean, std, torch.randn_like(mean), self.geometry)
+        return vae_lib.to_latents(mean, std, self.normal(rngs, mean.shape[1:]), self.geometry)
+
+    def normal(self, rngs: list, shape) -> torch.Tensor:
+        """N(0, 1) of `shape` per sample, from each sample's generator, on the device."""
+        return per_sample(rngs, lambda r: r.standard_normal(tuple(shape), dtype=np.float32)).to(self.device)
 
     def loss(self, batch: dict) -> torch.Tensor:
-        """The diffusion loss summed over the batch's samples (each sample's loss: the mean over its elements)."""
-        x0 = self.clean_inputs(batch)
+        """The diffusion loss summed over the batch's samples (each sample's loss: the mean over its elements).
+        Every random draw comes from the sample's own generator, keyed by its place in the global stream
+        (common/seed.py), in a fixed order: the same numbers whatever rank, micro-batch or layout takes it."""
+        rngs = sample_rngs(self.cfg.trainer.seed, batch["sample_ids"])
+        x0 = self.clean_inputs(batch, rngs)
         labels = batch["label"].to(self.device)
-        noise = torch.randn_like(x0)
-        x_t, t, target = self.objective.noisy(x0, noise)
-        drop = torch.rand(x0.shape[0], device=self.device) < self.cfg.diffusion.class_dropout
+        noise = self.normal(rngs, x0.shape[1:])
+        x_t, t, target = self.objective.noisy(x0, noise, self.objective.timesteps(rngs))
+        drop = per_sample(rngs, lambda r: r.random()).to(self.device) < self.cfg.diffusion.class_dropout
         labels = torch.where(drop, torch.full_like(labels, self.null_class), labels)
         pred = self.engine.model(x_t.to(self.dtype), timestep=t, class_labels=labels).sample
         return F.mse_loss(pred.float(), target) * x0.shape[0]

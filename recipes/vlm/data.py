@@ -22,7 +22,7 @@ from common.config import TrainConfig
 from common.data import prepare_dataset
 from common.data.dataset import load_asset, load_dataset_meta
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
-from common.data.webdataset import train_loader
+from common.data.webdataset import global_train_loader
 from common.distributed import DistInfo
 from common.errors import ConfigError, DataError
 
@@ -235,7 +235,7 @@ def blank_sample(image_token_id: int, tokens: int, pixel_values: torch.Tensor) -
 
 
 def collate(samples: list[dict], *, packing: bool, max_seq_len: int, pad_id: int, blank: dict | None = None) -> dict:
-    """Runs in the loader workers: the packed micro-batch, its images, and token accounting.
+    """This rank's packed micro-batch (run on its share of the global batch), its images, and token accounting.
 
     Packing only regroups the same samples into fewer rows, so the loss (a token mean over
     the micro-batch) is the same with packing on or off. The trainer turns the PackedBatch into
@@ -262,4 +262,6 @@ def build_train_loader(cfg: TrainConfig, dist: DistInfo, meta: dict, processor, 
               else functools.partial(encode_sample, processor=processor))
     batches = functools.partial(collate, packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len,
                                 pad_id=processor.tokenizer.pad_token_id, blank=blank)
-    return train_loader(cfg, meta["train_urls"], decode=decode, collate=batches, rank=dist.rank, world_size=dist.world_size)
+    # One global sample stream, this rank's share of each step (ZeRO's dp is the world size): the same samples
+    # whatever the layout, so a checkpoint resumes under another one (common/data/webdataset.py: GlobalBatches).
+    return global_train_loader(cfg, meta["train_urls"], decode=decode, collate=batches, rank=dist.rank, dp=dist.world_size)

@@ -63,7 +63,8 @@ class VLMTrainer(Trainer):
         self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
-        self.start(loader, per_rank_rng=True)
+        # Nothing random per rank in a step (no dropout): the state is the same on every rank, any layout resumes it.
+        self.start(loader, per_rank_rng=False)
         self.model.train()
 
     # ---- the loss (common/trainer.py runs the step) ------------------------------------------

@@ -61,10 +61,12 @@ def test_export_loads_in_diffusers_and_matches_ema_weights(run_dir):
     # Rebuild the trained model from the final checkpoint's EMA shadow weights.
     cfg = compose([*FAST_DIT])
     reference = build_model(cfg.model, cfg.data.image_size).eval()
-    state = torch.load(run_dir / "checkpoints" / f"step_{STEPS:07d}" / "rank00000.pt", weights_only=False)
+    state = torch.load(run_dir / "checkpoints" / f"step_{STEPS:07d}" / "trainer.pt", weights_only=False)
+    params = dict(reference.named_parameters())
+    assert sorted(state["ema"]["shadow"]) == sorted(name for name, p in params.items() if p.requires_grad)
     with torch.no_grad():
-        for p, s in zip([p for p in reference.parameters() if p.requires_grad], state["ema"]["shadow"]):
-            p.copy_(s)
+        for name, s in state["ema"]["shadow"].items():
+            params[name].copy_(s)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 1, 16, 16, generator=g)
     t, y = torch.tensor([10, 200, 600, 999]), torch.tensor([0, 4, 9, 10])

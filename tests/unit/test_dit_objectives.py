@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from common.seed import sample_rngs
 from recipes.dit.config import DiffusionConfig
 from recipes.dit.objective import Objective, sampling_scheduler, scheduler_config
 from recipes.dit.sampling import sample_images
+
+
+def draw_t(objective: Objective, n: int) -> torch.Tensor:
+    return objective.timesteps(sample_rngs(0, range(n)))
 
 
 def test_flow_interpolates_and_targets_the_velocity():
     objective = Objective(DiffusionConfig(objective="flow", flow_timesteps="uniform"))
     g = torch.Generator().manual_seed(0)
     x0, noise = torch.randn(64, 3, 4, 4, generator=g), torch.randn(64, 3, 4, 4, generator=g)
-    torch.manual_seed(1)
-    x_t, timestep, target = objective.noisy(x0, noise)
-    torch.manual_seed(1)
-    t = torch.rand(64)  # the draw the objective makes: t ~ U(0, 1)
+    x_t, timestep, target = objective.noisy(x0, noise, draw_t(objective, 64))
+    # the draw the objective makes: t ~ U(0, 1), from each sample's own generator
+    t = torch.tensor([np.random.default_rng([0, i]).random(dtype=np.float32) for i in range(64)])
     torch.testing.assert_close(timestep, t * 1000)  # the DiT's embedding sees t scaled like the scheduler's sigmas
     torch.testing.assert_close(x_t, (1 - t)[:, None, None, None] * x0 + t[:, None, None, None] * noise)
     torch.testing.assert_close(target, noise - x0)
@@ -29,8 +34,7 @@ def test_flow_interpolates_and_targets_the_velocity():
 @pytest.mark.parametrize("kind", ["uniform", "logit_normal"])
 def test_flow_timestep_distributions(kind):
     objective = Objective(DiffusionConfig(objective="flow", flow_timesteps=kind, flow_logit_mean=0.5, flow_logit_std=0.8))
-    torch.manual_seed(0)
-    _, timestep, _ = objective.noisy(torch.zeros(20000, 1), torch.zeros(20000, 1))
+    _, timestep, _ = objective.noisy(torch.zeros(20000, 1), torch.zeros(20000, 1), draw_t(objective, 20000))
     t = timestep / 1000
     assert 0 < t.min() and t.max() < 1
     if kind == "uniform":
@@ -44,8 +48,7 @@ def test_ddpm_objective_is_diffusers_schedule():
     d = DiffusionConfig(objective="ddpm", prediction_type="v_prediction")
     objective = Objective(d)
     x0, noise = torch.randn(16, 1, 4, 4), torch.randn(16, 1, 4, 4)
-    torch.manual_seed(3)
-    x_t, t, target = objective.noisy(x0, noise)
+    x_t, t, target = objective.noisy(x0, noise, draw_t(objective, 16))
     abar = objective.ddpm.alphas_cumprod[t][:, None, None, None]
     torch.testing.assert_close(x_t, abar.sqrt() * x0 + (1 - abar).sqrt() * noise)
     torch.testing.assert_close(target, abar.sqrt() * noise - (1 - abar).sqrt() * x0)  # v = sqrt(abar) eps - sqrt(1-abar) x0
