@@ -257,6 +257,12 @@ def load_universal(engine, folder: Path) -> None:
         return torch.load(folder / "zero" / name / f"{key}.pt", map_location="cpu", weights_only=False)["param"]
 
     plain = engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled() and not engine.fp16_enabled()
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # torch's AdamW (over ZeRO's flat partitions)
+    # ZeRO-3 lends AdamW its flat fp32 partitions only for the step: between steps its groups are empty.
+    flat = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
+    _init_adam_state(inner, [[p] for p in flat] if flat is not None else [g["params"] for g in inner.param_groups])
+    if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2, bf16: link the setters to it
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
     step = None
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
@@ -274,7 +280,6 @@ def load_universal(engine, folder: Path) -> None:
         with gathered_one(p, engine.zero_optimization_stage()):  # the compute-dtype weights the forward reads
             p.data.copy_(fp32.view(p.shape).to(p.dtype))
     if step is not None:
-        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
         for state in inner.state.values():
             if "step" in state:
                 state["step"] = torch.full_like(state["step"], float(step)) if torch.is_tensor(state["step"]) else int(step)
@@ -286,6 +291,19 @@ def load_universal(engine, folder: Path) -> None:
         group["lr"] = lr
     engine.global_steps, engine.skipped_steps = states["global_steps"], states["skipped_steps"]
     engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer, params: list[list[torch.Tensor]]) -> None:
+    """AdamW's state for `params` (by group) as its first step creates it (zeros), where it has none yet:
+    DeepSpeed's ZeRO optimizers create it lazily, and the universal checkpoint's moments are written into it."""
+    for group, tensors in zip(optimizer.param_groups, params, strict=True):
+        on_device = group.get("fused") or group.get("capturable")
+        for p in tensors:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                for key in _STATES:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def gathered_one(p: torch.nn.Parameter, zero_stage: int):
