@@ -173,7 +173,8 @@ def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool =
             to_universal(path, folder)
         except Exception as exc:  # the original is only read; the partial conversion goes
             shutil.rmtree(folder, ignore_errors=True)
-            error = f"run.resume: converting {path} to a universal checkpoint failed ({type(exc).__name__}: {exc}); it is left as it was"
+            why = (str(exc).splitlines() or [""])[0]
+            error = f"run.resume: converting {path} to a universal checkpoint failed ({type(exc).__name__}: {why}); it is left as it was"
     if tdist.is_initialized():
         box = [error]
         tdist.broadcast_object_list(box, src=0)
