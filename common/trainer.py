@@ -170,9 +170,9 @@ class Trainer(ABC):
     def start(self, loader, *, per_rank_rng: bool, extras: dict[str, Stateful] | None = None) -> None:
         """Seed the step's random streams, build `self.state`, resume when there is a checkpoint.
 
-        `per_rank_rng`: the recipe draws random numbers per rank in its steps (noise, dropout); each rank
-        then has its own stream, saved per rank. Without it the state is the same on every rank (one
-        global data stream, nothing random per rank), and rank 0's copy resumes any layout."""
+        `per_rank_rng`: the recipe draws random numbers per rank in its steps (dropout); each rank then has
+        its own stream, saved per rank (and started afresh under another number of ranks). The rest of the
+        state is the same on every rank (one global data stream), and rank 0's copy resumes any layout."""
         seed_everything(self.cfg.trainer.seed + 1 + (self.dist.rank if per_rank_rng else 0))
         self.state = TrainState(loader, rng=per_rank_rng, extras={**self.engine.extras, **(extras or {})})
         self.engine.scratch = self.ckpt.root / ".tmp"  # removed at start-up and after each save
