@@ -266,11 +266,7 @@ def throughput(check: Check, steps: int) -> dict:
     llm_plan = planned_bytes(check.plan("llm_1b", [*LLM_1B, f"trainer.micro_batch_size={rows_per_step}"]), "none")
     for row in rows:
         row["planned_bytes"] = llm_plan if "error" not in row else None
-    for compiled in (False, True):
-        try:
-            rows.append(bare_llm_row(rows_per_step, compiled, steps, llm_plan))
-        except Exception as exc:
-            rows.append({"run": f"bare PyTorch step, compile={'on' if compiled else 'off'}", "error": str(exc)})
+    # dit_2b before the bare steps: those run in this process, whose CUDA memory the next subprocess would lack.
     try:
         dit = [*DIT_2B, *dit_2b_inputs(check)]
         records, peak = check.train("dit_2b", [*dit, *run])
@@ -281,6 +277,11 @@ def throughput(check: Check, steps: int) -> dict:
     except Exception as exc:
         rows.append({"run": "Kiln dit_2b", "error": str(exc)})
 
+    for compiled in (False, True):
+        try:
+            rows.append(bare_llm_row(rows_per_step, compiled, steps, llm_plan))
+        except Exception as exc:
+            rows.append({"run": f"bare PyTorch step, compile={'on' if compiled else 'off'}", "error": str(exc)})
     targets = []
     for compiled in ("off", "on"):
         kiln = next((r for r in rows if r["run"] == f"Kiln LLM ~1B, attention=sdpa, compile={compiled}" and "error" not in r), None)
