@@ -137,6 +137,7 @@ class LoRAConfig:
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on the adapter's input; > 0 draws random numbers per rank
     targets: list[str] = field(default_factory=list)  # module names; [] = the family's LORA_TARGETS (filled in)
+    quantize_base: str = "none"  # none | nf4: QLoRA, the adapted linears' frozen weights in 4-bit NormalFloat
 
 
 @dataclass
