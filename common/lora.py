@@ -92,7 +92,11 @@ def quantize_base(model: nn.Module) -> int:
     loaded, on one rank (no FSDP: the recipe refuses dp, tp, pp > 1). Returns the bytes the quantized weights hold,
     about 0.52 per weight against 2 in bf16 and 4 in fp32."""
     from peft.tuners.lora import Linear as LoraLinear
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    except ImportError as exc:
+        raise ConfigError(f"lora.quantize_base=nf4 needs torchao's NF4 tensor ({exc}): pip install -e '.[gpu]'") from None
 
     held = 0
     for name, module in model.named_modules():
