@@ -256,6 +256,11 @@ class CheckpointManager:
         tdist.all_reduce(flags, op=tdist.ReduceOp.MIN, group=self._groups[1])
         return bool(flags[0]), bool(flags[1])
 
+    @property
+    def writing(self) -> bool:
+        """An async save is in flight (written in the background, not committed yet)."""
+        return self._pending is not None
+
     def poll(self) -> None:
         """At a step boundary (collective): commit the async save in flight if every rank's write is done; never waits."""
         if self._pending is not None and self._agree(self._pending.done.done())[0]:
