@@ -8,6 +8,8 @@ Layout under run.dir/checkpoints/:
     .tmp/              in-progress writes only (removed once a checkpoint is in place, and at start-up)
     corrupt_step_*/    a checkpoint that failed verification at resume, moved aside (kept: nothing is deleted)
 
+Checkpoints written before Kiln wrote manifests (their meta.json lacks the `manifest` key) resume unverified.
+
 What goes inside a step dir is up to the recipe's `write(dir)` callback, which every rank calls (DeepSpeed
 and DCP write per-rank shards). It may return a Future: the write goes on in the background (DCP's async
 save) and the checkpoint is sealed and committed -- renamed, `latest` moved -- only once every rank's write
@@ -75,9 +77,23 @@ def write_manifest(ckpt: Path) -> None:
     _atomic_write_text(ckpt / MANIFEST, json.dumps({"checksum": "crc32", "files": files}, indent=1))
 
 
+def _predates_manifests(ckpt: Path) -> bool:
+    """A checkpoint Kiln wrote before it wrote manifests: meta.json without the `manifest` key newer ones record."""
+    try:
+        return not (ckpt / MANIFEST).exists() and "manifest" not in read_meta(ckpt)
+    except (OSError, ValueError):
+        return False
+
+
+def is_complete(ckpt: Path) -> bool:
+    return (ckpt / MANIFEST).exists() or _predates_manifests(ckpt)
+
+
 def verify(ckpt: Path) -> str | None:
-    """None when every file the manifest lists is there with its size and CRC-32; else what is wrong,
-    naming the file."""
+    """None when every file the manifest lists is there with its size and CRC-32 (or the checkpoint predates
+    manifests: nothing to check it against); else what is wrong, naming the file."""
+    if _predates_manifests(ckpt):
+        return None
     try:
         files = json.loads((ckpt / MANIFEST).read_text())["files"]
     except FileNotFoundError:
@@ -127,7 +143,7 @@ def latest_in(root: Path) -> Path | None:
     if not pointer.exists():
         return None
     path = root / pointer.read_text().strip()
-    return path if (path / MANIFEST).exists() else None
+    return path if is_complete(path) else None
 
 
 def resolve_checkpoint(resume: str, own_root: Path) -> Path | None:
@@ -235,7 +251,7 @@ class CheckpointManager:
         if written is None:
             barrier()  # every rank's shard is on disk before rank 0 seals it
         if self.dist.is_main:
-            _atomic_write_text(tmp / "meta.json", json.dumps({**info, "time": time.time()}, indent=1))
+            _atomic_write_text(tmp / "meta.json", json.dumps({**info, "time": time.time(), "manifest": MANIFEST}, indent=1))
             write_manifest(tmp)
 
     def _commit(self, tmp: Path, final: Path) -> None:
@@ -252,6 +268,7 @@ class CheckpointManager:
         """(every rank's write is done, every rank's write succeeded): a tiny all-reduce on a gloo group of its own."""
         if self.dist.world_size == 1:
             return done, ok
+        self.async_group()  # the groups exist (every rank that agrees has started an async save)
         flags = torch.tensor([float(done), float(ok)])
         tdist.all_reduce(flags, op=tdist.ReduceOp.MIN, group=self._groups[1])
         return bool(flags[0]), bool(flags[1])
@@ -287,7 +304,7 @@ class CheckpointManager:
     def _prune(self) -> None:
         """Keep the newest `keep` complete checkpoints (a manifest: async ones in flight are not in place yet);
         `latest`, the newest verified one, is never deleted, nor anything newer than the kept ones."""
-        complete = sorted(p for p in self.root.glob(f"{STEP_PREFIX}*") if (p / MANIFEST).exists())
+        complete = sorted(p for p in self.root.glob(f"{STEP_PREFIX}*") if is_complete(p))
         if len(complete) <= self.keep:
             return
         oldest_kept, latest = complete[-self.keep], self.latest()

@@ -184,3 +184,16 @@ def test_keep_never_deletes_the_newest_verified_checkpoint(tmp_path):
             mgr.wait()
     assert mgr.latest() == ckpts / "step_0000020" and verify(mgr.latest()) is None
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_0000020"]
+
+
+def test_a_lost_manifest_fails_but_a_checkpoint_from_before_manifests_resumes(tmp_path, capsys):
+    lost, old = tmp_path / "lost", tmp_path / "old"
+    for run_dir in (lost, old):
+        CheckpointManager(run_dir, keep=2, dist=SOLO).save(10, writer(10))
+        (run_dir / "checkpoints" / "step_0000010" / MANIFEST).unlink()
+    capsys.readouterr()
+    assert CheckpointManager(lost, keep=2, dist=SOLO).resolve_resume("auto") is None
+    assert f"{MANIFEST} is missing" in capsys.readouterr().out
+    meta = old / "checkpoints" / "step_0000010" / "meta.json"
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "manifest"}))
+    assert CheckpointManager(old, keep=2, dist=SOLO).resolve_resume("auto") == old / "checkpoints" / "step_0000010"
