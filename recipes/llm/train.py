@@ -114,10 +114,6 @@ class LLMTrainer(Trainer):
             if dist.is_main:
                 n = sum(math.prod(shape) for shape, _ in hf.safetensors_weights(Path(cfg.model.init_from)).values())
                 print(f"kiln: model.init_from: loaded {n:,} weights from {cfg.model.init_from}", flush=True)
-        if cfg.lora.quantize_base == "nf4":  # QLoRA: the loaded base's adapted linears in 4 bits
-            check_qlora_layout(cfg, self.dims.dp, self.dims.tp, pp)
-            held = lora.quantize_base(self.model)
-            print(f"kiln: lora.quantize_base=nf4: the adapted linears' base weights hold {held / 2**20:,.1f} MiB", flush=True)
         elif resume_from is None:
             full = None
             if dist.is_main:
@@ -127,6 +123,10 @@ class LLMTrainer(Trainer):
             # strict=False under PP: rank 0's full dict holds the other stages' keys too.
             set_model_state_dict(self.model, full or {}, options=StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True, strict=pp == 1))
+        if cfg.lora.quantize_base == "nf4":  # QLoRA: the loaded base's adapted linears in 4 bits
+            check_qlora_layout(cfg, self.dims.dp, self.dims.tp, pp)
+            held = lora.quantize_base(self.model)
+            print(f"kiln: lora.quantize_base=nf4: the adapted linears' base weights hold {held / 2**20:,.1f} MiB", flush=True)
         pipeline = Pipeline(self.model, cfg, self.mesh, self.device, self.pad_id) if pp > 1 else None
         tied = TiedEmbeddings(self.model, self.mesh) if pp > 1 and self.args.tie_embeddings else None
         self.engine = NativeEngine(self.model, cfg, self.mesh, pipeline=pipeline, tied=tied,
