@@ -7,7 +7,7 @@ What a Kiln DeepSpeed checkpoint dir holds (common/engine.py DeepSpeedEngine.sav
     mp_rank_00_model_states.pt                      stage 0-2: the module's state dict, whole, in its dtype
     zero_pp_rank_R_mp_rank_00_model_states.pt       stage 3, per rank: placeholders, param_shapes, buffers and the
                                                     rank's fragments of frozen parameters
-    zero_pp_rank_R_mp_rank_00_optim_states.pt       stage 3, per rank: fp32_flat_groups, the rank's slice of every
+    [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt  stage 3, per rank: fp32_flat_groups, the rank's slice of every
                                                     trainable parameter (ceil(numel / world) elements, zero-padded)
     rankRRRRR.pt                                    Kiln's TrainState per rank (the DiT's EMA shard: `saved_ema`)
 
@@ -69,7 +69,9 @@ class ZeroCheckpoint:
         return self.path / ("mp_rank_00_model_states.pt" if self.stage < 3 else f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
 
     def optim_file(self, rank: int) -> Path:
-        return self.path / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        found = sorted(self.path.glob(f"*{name}"))  # bf16 runs' files are bf16_zero_pp_rank_...
+        return found[0] if found else self.path / name
 
     def trainer_file(self, rank: int) -> Path:
         return self.path / f"rank{rank:05d}.pt"
