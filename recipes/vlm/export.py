@@ -36,9 +36,13 @@ def saved_names(model) -> dict[str, str]:
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    renamed = llava_hf_state_dict(model)
-    module_key = {id(v): k for k, v in zip(model.state_dict(), renamed.values())}  # the same order, key for key
-    saved = revert_weight_conversion(model, remove_tied_weights_from_state_dict(renamed, model))
+    state = model.state_dict()
+    llava_hf = dict(zip(state, llava_hf_state_dict(model)))  # module key -> llava-hf name, in the same order
+    # Ties are found by the module's own names (meta tensors cannot be compared by storage); llava-hf's renames
+    # touch the tower only, which ties nothing.
+    kept = remove_tied_weights_from_state_dict(state, model)
+    module_key = {id(v): k for k, v in kept.items()}
+    saved = revert_weight_conversion(model, {llava_hf[k]: v for k, v in kept.items()})
     unknown = [k for k, v in saved.items() if id(v) not in module_key]
     if unknown:
         raise RuntimeError(f"transformers' save converts {unknown[0]} (not a rename): no streamed export of it")

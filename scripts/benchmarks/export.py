@@ -27,10 +27,13 @@ WIDTHS = {"full": ["model.num_attention_heads=8", "model.attention_head_dim=32"]
 
 
 def _imports() -> None:
-    """What both exporters import, loaded before the baseline so that neither pays for it in its peak."""
+    """What the exporters import, loaded in both processes before the baseline: the peak is what an export of
+    this checkpoint costs, not the libraries' code and tables (~200 MiB for Kiln's DiT modules)."""
     import deepspeed.utils.zero_to_fp32  # noqa: F401
-    import diffusers  # noqa: F401
+    import omegaconf  # noqa: F401
     import safetensors.torch  # noqa: F401
+
+    import recipes.dit.export  # noqa: F401
 
 
 def _kiln(run_dir: str, out: str) -> dict:

@@ -53,3 +53,16 @@ def test_loading_targets_are_per_two_rank_layout():
     s = loading.section(rows, checkpoint_bytes=gib, n_params=gib // 4)
     check(s, "loading")
     assert [(t.what.split(":")[0], t.met) for t in s.targets] == [("kiln, tp=2", True), ("kiln, pp=2", False)]
+
+
+def test_export_target_is_kilns_peak_over_zero_to_fp32s():
+    from scripts.benchmarks import export
+
+    mib = 2**20
+    rows = {"kiln": {"peak": 10 * mib, "seconds": 1.0, "written": 20 * mib},
+            "zero_to_fp32": {"peak": 60 * mib, "seconds": 1.0, "written": 20 * mib}}
+    s = export.section(rows, checkpoint_bytes=80 * mib)
+    check(s, "export")
+    assert [t.met for t in s.targets] == [True] and s.data["peak_ratio_kiln_over_zero_to_fp32"] == 10 / 60
+    rows["kiln"]["peak"] = 40 * mib
+    assert [t.met for t in export.section(rows, checkpoint_bytes=80 * mib).targets] == [False]
