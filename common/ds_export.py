@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -33,7 +34,10 @@ Fetch = Callable[[list[str]], dict[str, torch.Tensor]]
 
 def _load(path: Path) -> dict:
     # weights_only=False: DeepSpeed pickles its config and enums beside the tensors. mmap keeps them off the heap.
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # a truncated or foreign file
+        raise UserError(f"{path} is unreadable ({str(exc).splitlines()[0].split('. ')[0]})") from None
 
 
 def unpartition(pieces: Iterable[torch.Tensor], shape: torch.Size) -> torch.Tensor:
