@@ -96,10 +96,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def export_deepspeed(args, cfg, path: Path, meta: dict, out: Path) -> int:
     """A DiT or VLM run: its export/ folder from a DeepSpeed checkpoint, streamed (common/ds_export.py)."""
+    from huggingface_hub.serialization._base import parse_size_to_int  # how transformers/diffusers read a shard size
 
     from common.ds_export import DEFAULT_MAX_SHARD_SIZE, ZeroCheckpoint
     from common.errors import UserError
 
+    try:
+        shard_size = parse_size_to_int(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+    except ValueError:
+        return fail(f"--max-shard-size {args.max_shard_size}: not a size (e.g. 500MB, 2GB)")
     if cfg.get("finetune", "full") == "lora":
         return fail(f"export of LoRA runs of the DiT/VLM happens at the end of the run ({args.run_dir} is a "
                     "finetune=lora run)")
@@ -112,7 +117,7 @@ def export_deepspeed(args, cfg, path: Path, meta: dict, out: Path) -> int:
         ckpt = ZeroCheckpoint(path)
         shutil.rmtree(tmp, ignore_errors=True)
         written = export_checkpoint(cfg, ckpt, tmp, step=int(meta["step"]),
-                                    max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+                                    max_shard_size=shard_size)
     except UserError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         return fail(str(exc))

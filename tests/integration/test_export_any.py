@@ -1,7 +1,8 @@
 """scripts/export.py on DiT and VLM runs (DeepSpeed on 2 gloo ranks): from the final checkpoint it writes the
 run's own end-of-run export tensor for tensor (EMA weights under ZeRO-3 in bf16 with a shared embedding, a latent
-DiT under ZeRO-2, a VLM under ZeRO-2), sharded when asked, loadable by diffusers and transformers; from an earlier
-checkpoint that step's weights; and one line (exit 2) for what is not a checkpoint of the run."""
+DiT under ZeRO-2, a VLM under ZeRO-2, and under ZeRO-3 in bf16 with its frozen tower partitioned), sharded when
+asked, loadable by diffusers and transformers; from an earlier checkpoint that step's weights; and one line
+(exit 2) for what is not a checkpoint of the run."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.integration
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("export_any")
     quick = ["trainer.eval=false", "trainer.micro_batch_size=8", "data.num_workers=1", "diffusion.samples_per_class=1"]
-    out = {name: root / name for name in ("dit3", "dit2_latent", "vlm2")}
+    out = {name: root / name for name in ("dit3", "dit2_latent", "vlm2", "vlm3")}
     run_train([*FAST_DIT, *quick, f"run.dir={out['dit3']}", "parallel.zero_stage=3", "toggles.precision=bf16",
                "model.shared_conditioning=true", "trainer.max_steps=3", "checkpoint.every=2"], nproc=2)
     vae = make_vae(root / "vae", block_out_channels=(16, 32))
@@ -35,9 +36,11 @@ def runs(tmp_path_factory):
     run_train([*FAST_DIT, *quick, f"run.dir={out['dit2_latent']}", "parallel.zero_stage=2", "data=images",
                f"data.root={root / 'shards'}", "data.image_size=16", f"diffusion.vae={vae}", "trainer.max_steps=2"],
               nproc=2)
-    run_train(["recipe=vlm_tiny", f"run.dir={out['vlm2']}", "parallel.zero_stage=2", "trainer.max_steps=2",
-               "trainer.micro_batch_size=8", "trainer.progress_bar=false", "trainer.eval=false", "data.num_workers=1"],
-              nproc=2)
+    vlm = ["recipe=vlm_tiny", "trainer.max_steps=2", "trainer.micro_batch_size=8", "trainer.progress_bar=false",
+           "trainer.eval=false", "data.num_workers=1"]
+    run_train([*vlm, f"run.dir={out['vlm2']}", "parallel.zero_stage=2"], nproc=2)
+    # ZeRO-3 partitions the frozen tower too (DeepSpeed's frozen_param_fragments, per rank).
+    run_train([*vlm, f"run.dir={out['vlm3']}", "parallel.zero_stage=3", "toggles.precision=bf16"], nproc=2)
     return out
 
 
@@ -91,8 +94,9 @@ def test_latent_dit_zero2_loads_in_dit_pipeline(runs, tmp_path, capsys):
     assert pipe.transformer.config.in_channels == 4 and pipe.vae is not None
 
 
-def test_vlm_zero2_equals_the_end_of_run_export(runs, tmp_path, capsys, monkeypatch):
-    run = runs["vlm2"]
+@pytest.mark.parametrize("name", ["vlm2", "vlm3"])
+def test_vlm_equals_the_end_of_run_export(runs, name, tmp_path, capsys, monkeypatch):
+    run = runs[name]
     code, err = export(capsys, run, "--out", tmp_path / "out")
     assert code == 0, err
     ours, theirs = tmp_path / "out", run / "export"
@@ -116,6 +120,8 @@ def test_refusals_are_one_line(runs, tmp_path, capsys):
     latest = (dit / "checkpoints" / (dit / "checkpoints" / "latest").read_text().strip())
     code, err = export(capsys, vlm, "--checkpoint", latest)
     assert code == 2 and "checkpoint of recipe dit_tiny" in err and len(err.strip().splitlines()) == 1
+    code, err = export(capsys, dit, "--max-shard-size", "lots")
+    assert code == 2 and "--max-shard-size lots: not a size" in err and len(err.strip().splitlines()) == 1
     # A ZeRO-3 checkpoint that lost a rank's optimizer file.
     broken = tmp_path / "broken"
     shutil.copytree(dit, broken, ignore=shutil.ignore_patterns("*zero_pp_rank_1_mp_rank_00_optim_states.pt"))
