@@ -62,7 +62,6 @@ class ZeroCheckpoint:
         if missing:
             raise UserError(f"{self.path} is an incomplete DeepSpeed checkpoint (no {missing[0]})")
         states = _load(self.model_file(0))
-        self.buffer_names = set(states["buffer_names"])
         self.param_shapes = {k: v for group in states["param_shapes"] for k, v in group.items()}
         self.frozen_shapes = dict(states.get("frozen_param_shapes") or {})
         self.shared = dict(states.get("shared_params") or {})  # alias -> the name DeepSpeed saved it under
@@ -70,7 +69,9 @@ class ZeroCheckpoint:
         self.dtype = floats[0].dtype if floats else torch.float32
 
     def model_file(self, rank: int) -> Path:
-        return self.path / ("mp_rank_00_model_states.pt" if self.stage < 3 else f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        if self.stage < 3:
+            return self.path / "mp_rank_00_model_states.pt"
+        return self.path / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 
     def optim_file(self, rank: int) -> Path:
         name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
@@ -82,7 +83,11 @@ class ZeroCheckpoint:
 
     def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
         """`names` (module state-dict keys) whole, reading only the files they live in, each mapped for this call."""
-        names = [self.shared.get(n, n) for n in names]
+        source = {n: self.shared.get(n, n) for n in names}  # a tied alias reads the tensor it shares
+        got = self._read(list(dict.fromkeys(source.values())))
+        return {n: got[s] for n, s in source.items()}
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
         if self.stage < 3:
             module = _load(self.model_file(0))["module"]
             return {n: module[n] for n in names}

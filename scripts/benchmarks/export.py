@@ -90,8 +90,8 @@ def section(rows: dict[str, dict], checkpoint_bytes: int) -> Section:
         ["exporter", "peak RSS above baseline (MiB)", "x checkpoint bytes", "weights written (MiB)", "wall time (s)"],
         [[name, f"{r['peak'] / mib:.1f}", f"{r['peak'] / checkpoint_bytes:.2f}x", f"{r['written'] / mib:.1f}",
           f"{r['seconds']:.1f}"] for name, r in rows.items()]))
-    s.notes.append(f"a dit_tiny widened to {checkpoint_bytes / mib:.1f} MiB of ZeRO-3 checkpoint (2 ranks, fp32: masters, "
-                   "Adam moments, EMA); each exporter in a fresh process")
+    s.notes.append(f"a dit_tiny widened to {checkpoint_bytes / mib:.1f} MiB of ZeRO-3 checkpoint (2 ranks, fp32: "
+                   "masters, Adam moments, EMA); each exporter in a fresh process")
     kiln, ds = rows.values()
     ratio = kiln["peak"] / ds["peak"]
     s.targets.append(Target(f"Kiln's peak <= {TARGET}x zero_to_fp32's on the same checkpoint", f"{ratio:.2f}x",
