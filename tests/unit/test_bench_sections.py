@@ -63,3 +63,16 @@ def test_checkpoint_section_times_both_modes_on_real_saves(tmp_path):
     assert data["stall_s"]["sync"] > 0 and data["stall_s"]["async"] > 0 and data["checkpoint_bytes"] > 0
     assert data["ratio"] == data["stall_s"]["async"] / data["stall_s"]["sync"]
     assert "crc32 (zlib)" in data["checksum_s_per_100mb"]
+
+
+def test_export_target_is_kilns_peak_over_zero_to_fp32s():
+    from scripts.benchmarks import export
+
+    mib = 2**20
+    rows = {"kiln": {"peak": 10 * mib, "seconds": 1.0, "written": 20 * mib},
+            "zero_to_fp32": {"peak": 60 * mib, "seconds": 1.0, "written": 20 * mib}}
+    s = export.section(rows, checkpoint_bytes=80 * mib)
+    check(s, "export")
+    assert [t.met for t in s.targets] == [True] and s.data["peak_ratio_kiln_over_zero_to_fp32"] == 10 / 60
+    rows["kiln"]["peak"] = 40 * mib
+    assert [t.met for t in export.section(rows, checkpoint_bytes=80 * mib).targets] == [False]
