@@ -1,14 +1,21 @@
 #!/usr/bin/env python
-"""Consolidate an LLM run's sharded (DCP) checkpoint into a Hugging Face folder, in one process.
+"""Export a run's checkpoint (any step, any layout) to the folder its family serves from, in one process.
 
-    python scripts/export.py RUN_DIR [--checkpoint PATH] [--out DIR]
+    python scripts/export.py RUN_DIR [--checkpoint step_N|PATH] [--out DIR] [--max-shard-size 1GB]
 
-Works whatever parallel layout wrote the checkpoint. The folder loads with
+The folder equals the end-of-run export of the same step, tensor for tensor.
+
+LLM runs (DCP checkpoints, any parallel layout): a Hugging Face folder that loads with
 AutoModelForCausalLM/AutoTokenizer offline and serves with `vllm serve DIR --tensor-parallel-size N`.
 A run that started from model.init_from is exported in that checkpoint's format: its config.json,
 generation_config.json, tokenizer and chat template, in its weights' dtype. A finetune=lora run (its checkpoints
 hold the adapter only) is exported as the end of its run exports it: a PEFT adapter folder on model.init_from, and
 with export.merge_lora (or --merge-lora) the merged model in OUT/merged.
+
+DiT and VLM runs (DeepSpeed checkpoints, ZeRO 0-3, any number of ranks): the DiT's diffusers folder (EMA weights;
+a DiTPipeline for latent DDPM models) or the VLM's llava-hf folder. Tensors stream from the checkpoint's files
+to safetensors shards of at most --max-shard-size, so host memory stays near one shard, not the model
+(common/ds_export.py).
 """
 
 from __future__ import annotations
@@ -22,56 +29,128 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def fail(msg: str) -> int:
+    print(f"export: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def find_checkpoint(run_dir: Path, name: str) -> Path:
+    """The checkpoint dir `--checkpoint` names: `auto` (the run's latest), a path, or a dir under RUN_DIR/checkpoints
+    (`step_0000500`, or `step_500`)."""
+    from common.checkpoint import CheckpointManager, STEP_PREFIX, step_dir_name
+    from common.errors import UserError
+
+    if name == "auto":
+        ckpt = CheckpointManager.__new__(CheckpointManager)
+        ckpt.root = run_dir / "checkpoints"
+        path = ckpt.latest()
+        if path is None:
+            raise UserError(f"no complete checkpoint under {run_dir}/checkpoints")
+        return path
+    candidates = [Path(name), run_dir / "checkpoints" / name]
+    number = name.removeprefix(STEP_PREFIX)
+    if name.startswith(STEP_PREFIX) and number.isdigit():
+        candidates.append(run_dir / "checkpoints" / step_dir_name(int(number)))
+    for path in candidates:
+        if (path / "meta.json").exists():
+            return path
+    raise UserError(f"--checkpoint {name} is not a checkpoint (a step_* dir with meta.json, in {run_dir}/checkpoints "
+                    "or a path)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--checkpoint", default="auto", help="a step_* dir (default: the run's latest)")
+    ap.add_argument("--checkpoint", default="auto", help="a step_* dir or its name under RUN_DIR/checkpoints "
+                                                          "(default: the run's latest)")
     ap.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/export")
-    ap.add_argument("--merge-lora", action="store_true", help="finetune=lora runs: also write the merged model")
+    ap.add_argument("--merge-lora", action="store_true", help="finetune=lora LLM runs: also write the merged model")
+    ap.add_argument("--max-shard-size", default=None,
+                    help="DiT/VLM runs: the largest safetensors file, what host memory is bounded by (default 1GB)")
     args = ap.parse_args(argv)
     if not (args.run_dir / "config.yaml").exists():
-        print(f"export: error: {args.run_dir} has no config.yaml (not a Kiln run dir)", file=sys.stderr)
-        return 2
+        return fail(f"{args.run_dir} has no config.yaml (not a Kiln run dir)")
 
+    from omegaconf import OmegaConf
+
+    from common.checkpoint import read_meta
+    from common.errors import UserError
+
+    cfg = OmegaConf.load(args.run_dir / "config.yaml")
+    try:
+        path = find_checkpoint(args.run_dir, args.checkpoint)
+        meta = read_meta(path)
+    except (UserError, ValueError) as exc:
+        return fail(str(exc))
+    if meta.get("recipe") != cfg.recipe.name:
+        return fail(f"{path} is a checkpoint of recipe {meta.get('recipe')}; {args.run_dir} ran {cfg.recipe.name}")
+    out = args.out or args.run_dir / "export"
+    if cfg.recipe.family == "llm":
+        if args.max_shard_size is not None:
+            return fail("--max-shard-size is for DiT/VLM runs (an LLM export is written by transformers)")
+        return export_llm(args, cfg, path, out)
+    if args.merge_lora:
+        return fail("--merge-lora is for finetune=lora LLM runs")
+    return export_deepspeed(args, cfg, path, meta, out)
+
+
+def export_deepspeed(args, cfg, path: Path, meta: dict, out: Path) -> int:
+    """A DiT or VLM run: its export/ folder from a DeepSpeed checkpoint, streamed (common/ds_export.py)."""
+    from huggingface_hub.serialization._base import parse_size_to_int  # how transformers/diffusers read a shard size
+
+    from common.ds_export import DEFAULT_MAX_SHARD_SIZE, ZeroCheckpoint
+    from common.errors import UserError
+
+    try:
+        shard_size = parse_size_to_int(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+    except ValueError:
+        return fail(f"--max-shard-size {args.max_shard_size}: not a size (e.g. 500MB, 2GB)")
+    if cfg.get("finetune", "full") == "lora":
+        return fail(f"export of LoRA runs of the DiT/VLM happens at the end of the run ({args.run_dir} is a "
+                    "finetune=lora run)")
+    if cfg.recipe.family == "dit":
+        from recipes.dit.export import export_checkpoint
+    else:
+        from recipes.vlm.export import export_checkpoint
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        ckpt = ZeroCheckpoint(path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        written = export_checkpoint(cfg, ckpt, tmp, step=int(meta["step"]),
+                                    max_shard_size=shard_size)
+    except UserError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return fail(str(exc))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"export: {path} -> {out} (ZeRO-{ckpt.stage} checkpoint of {ckpt.world} rank(s); {written / 1e6:.1f} MB of "
+          f"{str(ckpt.dtype).removeprefix('torch.')} weights)")
+    return 0
+
+
+def export_llm(args, cfg, path: Path, out: Path) -> int:
+    """An LLM run: a Hugging Face folder (or a PEFT adapter) from a DCP checkpoint."""
     import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
 
-    from common.checkpoint import CheckpointManager
-    from common.errors import UserError
     from recipes.llm import hf
     from recipes.llm.config import LLMModelConfig
     from recipes.llm.data import load_tokenizer
     from recipes.llm.model import Transformer
     from recipes.llm.train import llama_args
 
-    cfg = OmegaConf.load(args.run_dir / "config.yaml")
-    if cfg.recipe.family != "llm":
-        print(f"export: error: {args.run_dir} is a {cfg.recipe.family} run; this script exports LLM runs", file=sys.stderr)
-        return 2
-    try:
-        if args.checkpoint == "auto":
-            ckpt = CheckpointManager.__new__(CheckpointManager)
-            ckpt.root = args.run_dir / "checkpoints"
-            path = ckpt.latest()
-        else:
-            path = Path(args.checkpoint)
-        if path is None or not (path / "dcp").exists():
-            raise UserError(f"no complete DCP checkpoint under {args.run_dir}")
-    except UserError as exc:
-        print(f"export: error: {exc}", file=sys.stderr)
-        return 2
+    if not (path / "dcp").exists():
+        return fail(f"{path} is not a complete DCP checkpoint (no dcp/)")
     # Runs from before model.init_from and friends existed get those keys' defaults.
     cfg.model = OmegaConf.merge(OmegaConf.structured(LLMModelConfig), cfg.model)
     source = cfg.model.init_from or None
     if source and not Path(source).is_dir():
-        print(f"export: error: the run started from model.init_from={source}, which is gone (its config and "
-              "tokenizer go into the export)", file=sys.stderr)
-        return 2
+        return fail(f"the run started from model.init_from={source}, which is gone (its config and tokenizer go into "
+                    "the export)")
     tokenizer = hf.load_tokenizer(source) if source else load_tokenizer(cfg.data.root)
     largs = llama_args(cfg, len(tokenizer))
-    out = args.out or args.run_dir / "export"
     if cfg.get("finetune", "full") == "lora":
-        from common.lora import is_adapter_key
+        from common.lora import dequantized, is_adapter_key
         from recipes.llm import lora
 
         model = lora.adapted_model(largs, cfg)  # the base from model.init_from
@@ -79,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         dcp.load({"model": adapter}, checkpoint_id=str(path / "dcp"))  # in place: the model's own tensors
         cfg.export.merge_lora = cfg.export.merge_lora or args.merge_lora
         shutil.rmtree(out, ignore_errors=True)
-        lora.write_export(model.state_dict(), largs, cfg, out, tokenizer=tokenizer)
+        lora.write_export(dequantized(model.state_dict()), largs, cfg, out, tokenizer=tokenizer)
         print(f"export: {path} -> {out} (a LoRA adapter of {sum(v.numel() for v in adapter.values()):,} parameters "
               f"on {source}{'; merged model in ' + str(out / 'merged') if cfg.export.merge_lora else ''})")
         return 0

@@ -207,18 +207,25 @@ class DiTTrainer(Trainer):
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 untied(self.model).save_pretrained(tmp / "transformer", safe_serialization=True)
-                sampling_scheduler(self.cfg.diffusion).save_pretrained(tmp / "scheduler")
-                if self.vae is not None:
-                    self.vae.save_pretrained(tmp / "vae", safe_serialization=True)
-                info = export_info(self.cfg, self.geometry, self.classes, step=self.state.step,
+                write_export_files(tmp, self.cfg, self.geometry, self.classes, vae=self.vae, step=self.state.step,
                                    null_class=self.null_class, sample_size=self.sample_size)
-                if info["diffusers_pipeline"]:
-                    (tmp / "model_index.json").write_text(json.dumps(dit_pipeline_index(self.classes), indent=2))
-                (tmp / "kiln.json").write_text(json.dumps(info, indent=2))
                 shutil.rmtree(out, ignore_errors=True)
                 tmp.rename(out)
         barrier()
         return out
+
+
+def write_export_files(folder: Path, cfg: TrainConfig, geometry: vae_lib.VaeGeometry | None, classes: list[str], *,
+                       vae, step: int, null_class: int, sample_size: int) -> None:
+    """What a DiT export holds besides transformer/ (the end of a run and scripts/export.py write the same):
+    the sampling scheduler/, the VAE (vae/) and a DiTPipeline model_index.json for latent DDPM models, kiln.json."""
+    sampling_scheduler(cfg.diffusion).save_pretrained(folder / "scheduler")
+    if vae is not None:
+        vae.save_pretrained(folder / "vae", safe_serialization=True)
+    info = export_info(cfg, geometry, classes, step=step, null_class=null_class, sample_size=sample_size)
+    if info["diffusers_pipeline"]:
+        (folder / "model_index.json").write_text(json.dumps(dit_pipeline_index(classes), indent=2))
+    (folder / "kiln.json").write_text(json.dumps(info, indent=2))
 
 
 def dit_pipeline_index(classes: list[str]) -> dict:
@@ -281,7 +288,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
                      micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
                      first_params=count_params(model) - m.num_layers * layer,
                      gather_unit_params=largest_module_params(model), precision=cfg.toggles.precision,
-                     ac_modes=("none", "selective", "full"))
+                     ac_modes=("none", "selective", "full"), ema=True)
 
 
 TRAINER = DiTTrainer  # recipes/registry.py

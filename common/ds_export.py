@@ -1,0 +1,171 @@
+"""Export from a DeepSpeed (ZeRO 0-3) checkpoint in bounded host memory: read the module's tensors of any
+stage's files a group at a time, and write them to safetensors shards.
+
+What a Kiln DeepSpeed checkpoint dir holds (common/engine.py DeepSpeedEngine.save, DeepSpeed 0.19):
+
+    meta.json                                       world_size, zero_stage (common/checkpoint.py)
+    mp_rank_00_model_states.pt                      stage 0-2: the module's state dict, whole, in its dtype
+    zero_pp_rank_R_mp_rank_00_model_states.pt       stage 3, per rank: placeholders, param_shapes, buffers and the
+                                                    rank's fragments of frozen parameters
+    [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt  stage 3, per rank: fp32_flat_groups, the rank's slice of every
+                                                    trainable parameter (ceil(numel / world) elements, zero-padded)
+    trainer.pt                                      Kiln's TrainState (the DiT's whole EMA by name: `saved_ema`)
+
+Every file is opened with torch.load(mmap=True) for one group and dropped after it: pages it touched leave the
+process with the mapping, so the peak is about one group's bytes (`max_shard_size`), not the model's. DeepSpeed's
+own zero_to_fp32 reads the same layouts into one fp32 state dict (its default 5GB shard holds a whole model).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from common.errors import UserError
+
+DEFAULT_MAX_SHARD_SIZE = "1GB"
+Fetch = Callable[[list[str]], dict[str, torch.Tensor]]
+
+
+def _load(path: Path) -> dict:
+    # weights_only=False: DeepSpeed pickles its config and enums beside the tensors. mmap keeps them off the heap.
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # a truncated or foreign file
+        raise UserError(f"{path} is unreadable ({str(exc).splitlines()[0].split('. ')[0]})") from None
+
+
+def unpartition(pieces: Iterable[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """A ZeRO-3 parameter from its per-rank slices (rank order; the last ones zero-padded)."""
+    return torch.cat([p.reshape(-1) for p in pieces])[: math.prod(shape)].view(shape)
+
+
+class ZeroCheckpoint:
+    """The module tensors of one DeepSpeed checkpoint dir, as the engine held them (the module's dtype)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            meta = json.loads((self.path / "meta.json").read_text())
+            self.world, self.stage = int(meta["world_size"]), int(meta["zero_stage"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise UserError(f"{self.path} is not a DeepSpeed checkpoint of a Kiln run (no meta.json naming its "
+                            "world_size and zero_stage)") from None
+        files = [self.model_file(r) for r in range(self.world if self.stage == 3 else 1)]
+        files += [self.optim_file(r) for r in range(self.world)] if self.stage == 3 else []
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise UserError(f"{self.path} is an incomplete DeepSpeed checkpoint (no {missing[0]})")
+        states = _load(self.model_file(0))
+        self.param_shapes = {k: v for group in states["param_shapes"] for k, v in group.items()}
+        self.frozen_shapes = dict(states.get("frozen_param_shapes") or {})
+        self.shared = dict(states.get("shared_params") or {})  # alias -> the name DeepSpeed saved it under
+        floats = [v for v in states["module"].values() if v.is_floating_point()]
+        self.dtype = floats[0].dtype if floats else torch.float32
+
+    def model_file(self, rank: int) -> Path:
+        if self.stage < 3:
+            return self.path / "mp_rank_00_model_states.pt"
+        return self.path / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+    def optim_file(self, rank: int) -> Path:
+        name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        found = sorted(self.path.glob(f"*{name}"))  # bf16 runs' files are bf16_zero_pp_rank_...
+        return found[0] if found else self.path / name
+
+    def trainer_file(self) -> Path:
+        return self.path / "trainer.pt"
+
+    def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """`names` (module state-dict keys) whole, reading only the files they live in, each mapped for this call."""
+        source = {n: self.shared.get(n, n) for n in names}  # a tied alias reads the tensor it shares
+        got = self._read(list(dict.fromkeys(source.values())))
+        return {n: got[s] for n, s in source.items()}
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        if self.stage < 3:
+            module = _load(self.model_file(0))["module"]
+            return {n: module[n] for n in names}
+        out: dict[str, torch.Tensor] = {}
+        trainable = [n for n in names if n in self.param_shapes]
+        if trainable:
+            out |= self._trainable(trainable)
+        frozen = [n for n in names if n in self.frozen_shapes]
+        if frozen:
+            fragments = [_load(self.model_file(r))["frozen_param_fragments"] for r in range(self.world)]
+            out |= {n: unpartition((f[n] for f in fragments), self.frozen_shapes[n]) for n in frozen}
+        rest = [n for n in names if n not in out]
+        if rest:
+            module = _load(self.model_file(0))["module"]
+            out |= {n: module[n] for n in rest}  # buffers: whole on every rank
+        return out
+
+    def _trainable(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Stage 3: each parameter's slices cut from every rank's fp32 flat groups, in the module's dtype (the
+        engine's weights are these fp32 masters copied down after each step)."""
+        wanted, spans, offset = set(names), {}, 0
+        for name, shape in self.param_shapes.items():  # the flat groups hold them in this order, back to back
+            size = math.ceil(math.prod(shape) / self.world)
+            if name in wanted:
+                spans[name] = (offset, size)
+            offset += size
+        flats = [_load(self.optim_file(r))["optimizer_state_dict"]["fp32_flat_groups"] for r in range(self.world)]
+        return {n: unpartition((_span(groups, *spans[n]) for groups in flats), self.param_shapes[n]).to(self.dtype)
+                for n in names}
+
+    def trainer_state(self) -> dict:
+        """Kiln's TrainState, mapped (see common/trainer.py save_checkpoint)."""
+        path = self.trainer_file()
+        if not path.exists():
+            raise UserError(f"{self.path} is an incomplete Kiln checkpoint (no {path.name})")
+        return _load(path)
+
+
+def _span(groups: list[torch.Tensor], start: int, size: int) -> torch.Tensor:
+    """Elements [start, start + size) of flat groups that sit back to back."""
+    pieces, base = [], 0
+    for g in groups:
+        lo, hi = max(start, base), min(start + size, base + g.numel())
+        if lo < hi:
+            pieces.append(g[lo - base: hi - base])
+        base += g.numel()
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def saved_ema(trainer_state: dict) -> dict[str, torch.Tensor]:
+    """The EMA a DiT TrainState holds (common/ema.py EMA.state_dict): one whole fp32 tensor per trainable
+    parameter, by its name in `model.named_parameters()`, whatever ZeRO stage wrote it."""
+    return trainer_state["ema"]["shadow"]
+
+
+def write_safetensors(folder: Path, weights_name: str, layout: dict[str, torch.Tensor], fetch: Fetch,
+                      max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> int:
+    """`layout` (names -> meta tensors of the saved shapes and dtypes) as safetensors files in `folder`, split as
+    transformers and diffusers split them (huggingface_hub; `weights_name` plus an index when there are several).
+    `fetch(names)` gives one shard's tensors at a time. Returns the bytes written."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    pattern = weights_name.replace(".safetensors", "{suffix}.safetensors")
+    split = split_torch_state_dict_into_shards(layout, filename_pattern=pattern, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        tensors = fetch(names)
+        shard = {}
+        for n in names:
+            t = tensors[n]
+            if t.shape != layout[n].shape or t.dtype != layout[n].dtype:
+                raise RuntimeError(f"{n}: the checkpoint holds {tuple(t.shape)} {t.dtype}, the model "
+                                   f"{tuple(layout[n].shape)} {layout[n].dtype}")
+            shard[n] = t.contiguous()
+        save_file(shard, folder / filename, metadata={"format": "pt"})
+        del tensors, shard
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (folder / f"{weights_name}.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return int(split.metadata["total_size"])

@@ -1,0 +1,78 @@
+"""A VLM run's export/ rebuilt from any of its DeepSpeed checkpoints (scripts/export.py), in bounded memory: the
+llava-hf folder the end of the run writes (VLMTrainer.export), tensor for tensor, for the checkpoint's step.
+
+The weights are the module's as the engine held them (common/ds_export.py reads any ZeRO stage), under the names
+save_pretrained gives them: llava-hf's tower names (`llava_hf_state_dict`), then transformers' own save-time
+renames, found on the model built on the meta device, so no tensor is held but one shard's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from common.config import TrainConfig
+from common.ds_export import ZeroCheckpoint, write_safetensors
+from recipes.vlm.data import PROCESSOR_DIR
+from recipes.vlm.model import build_model
+from recipes.vlm.sources import weight_source
+from recipes.vlm.train import llava_hf_state_dict
+
+
+def dataset_meta(cfg: TrainConfig) -> dict:
+    """The dataset's meta.json (the digits demo's processor lives beside it), without building anything."""
+    from common.data.dataset import load_dataset_meta
+    from recipes.vlm.data import is_conversations
+
+    meta = load_dataset_meta(cfg.data.root)
+    return meta if is_conversations(meta) else load_dataset_meta(cfg.data.root, asset=PROCESSOR_DIR)
+
+
+def saved_names(model) -> dict[str, str]:
+    """{name in the saved file: module state-dict key}, as `save_pretrained(state_dict=llava_hf_state_dict(model))`
+    names them: transformers drops tied copies and reverts its load-time renames. Meta tensors pass through
+    by identity; a conversion that makes new tensors (a fused weight) is not a rename and is refused."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = model.state_dict()
+    llava_hf = dict(zip(state, llava_hf_state_dict(model)))  # module key -> llava-hf name, in the same order
+    # Ties are found by the module's own names (meta tensors cannot be compared by storage); llava-hf's renames
+    # touch the tower only, which ties nothing.
+    kept = remove_tied_weights_from_state_dict(state, model)
+    module_key = {id(v): k for k, v in kept.items()}
+    saved = revert_weight_conversion(model, {llava_hf[k]: v for k, v in kept.items()})
+    unknown = [k for k, v in saved.items() if id(v) not in module_key]
+    if unknown:
+        raise RuntimeError(f"transformers' save converts {unknown[0]} (not a rename): no streamed export of it")
+    return {k: module_key[id(v)] for k, v in saved.items()}
+
+
+def export_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int, max_shard_size) -> int:
+    """Write the export of checkpoint `ckpt` to `out`; returns the weight bytes written. (`step`: the
+    checkpoint's; the llava-hf folder does not record it.)"""
+    source = weight_source(cfg, dataset_meta(cfg))
+    processor, config = source.processor(), source.config()
+    with torch.device("meta"):
+        model = build_model(config, cfg.toggles.attention)
+    names = saved_names(model)
+    shapes = model.state_dict()
+    layout = {k: torch.empty(shapes[m].shape, device="meta",
+                             dtype=ckpt.dtype if shapes[m].is_floating_point() else shapes[m].dtype)
+              for k, m in names.items()}
+
+    def fetch(keys: list[str]) -> dict[str, torch.Tensor]:
+        got = ckpt.tensors([names[k] for k in keys])
+        return {k: got[names[k]] for k in keys}
+
+    written = write_safetensors(out, "model.safetensors", layout, fetch, max_shard_size)
+    # What save_pretrained records of the model: its dtype and class.
+    model.config.dtype = str(ckpt.dtype).removeprefix("torch.")
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out)
+    if model.can_generate():
+        model.generation_config.save_pretrained(out)
+    processor.save_pretrained(out)
+    processor.image_processor.save_pretrained(out)
+    return written
