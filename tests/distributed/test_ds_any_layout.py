@@ -5,10 +5,12 @@ steps 5-8 after the resume equal those of an uninterrupted run on the new layout
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 
 import pytest
 
+from common.checkpoint import MANIFEST, file_crc32
 from tests.conftest import FAST_DIT, losses, run_train
 
 pytestmark = pytest.mark.distributed
@@ -121,6 +123,10 @@ def test_refusals(runs, tmp_path):
     shutil.copytree(ckpt, broken)
     shard = broken / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    # A shard written broken (its manifest agrees): verification passes, DeepSpeed's conversion fails.
+    manifest = json.loads((broken / MANIFEST).read_text())
+    manifest["files"][shard.name] = {"size": shard.stat().st_size, "crc32": file_crc32(shard)}
+    (broken / MANIFEST).write_text(json.dumps(manifest))
     before = tree_digest(broken.parent)
     line = refused(DIT, one_rank, broken, tmp_path / "e")
     assert "converting" in line and "failed" in line and "left as it was" in line
