@@ -127,13 +127,13 @@ def test_refusals_are_one_line(runs, tmp_path, capsys):
     shutil.copytree(dit, broken, ignore=shutil.ignore_patterns("*zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     code, err = export(capsys, broken)
     assert code == 2 and "incomplete DeepSpeed checkpoint" in err and len(err.strip().splitlines()) == 1
-    # A rank's state file cut short.
+    # The TrainState file (the EMA) cut short.
     cut = tmp_path / "cut"
     shutil.copytree(dit, cut)
-    state = cut / "checkpoints" / latest.name / "rank00001.pt"
+    state = cut / "checkpoints" / latest.name / "trainer.pt"
     state.write_bytes(state.read_bytes()[:1000])
     code, err = export(capsys, cut)
-    assert code == 2 and "rank00001.pt is unreadable" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "trainer.pt is unreadable" in err and len(err.strip().splitlines()) == 1
     assert (cut / "export" / "kiln.json").exists() and not (cut / ".export.tmp").exists()  # nothing lost
     # A LoRA run of the DiT/VLM exports at the end of its run.
     lora = tmp_path / "lora"
