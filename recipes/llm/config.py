@@ -233,11 +233,9 @@ def validate_moe(cfg: TrainConfig) -> None:
     if moe.num_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.num_experts={moe.num_experts} (each ep rank holds "
                           "num_experts / ep experts)")
-    for key, why in (("tp", "the MoE layers have no tensor-parallel plan (parallel.ep splits the experts instead)"),
-                     ("pp", "the load-balancing loss pools the routing of all MoE layers, which would span stages; "
-                            "it is not carried between stages")):
-        if getattr(p, key) > 1:
-            raise ConfigError(f"parallel.{key}={getattr(p, key)} with model.moe.num_experts={moe.num_experts}: {why} yet")
+    if p.tp > 1:
+        raise ConfigError(f"parallel.tp={p.tp} with model.moe.num_experts={moe.num_experts}: the MoE layers have no "
+                          "tensor-parallel plan (parallel.ep splits the experts instead) yet")
     if cfg.toggles.precision == "fp8":
         raise ConfigError("toggles.precision=fp8 with model.moe.num_experts>0: the experts' grouped GEMM has no fp8 path")
     from recipes.llm.model import LlamaArgs, MoEArgs, hf_model_type

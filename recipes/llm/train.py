@@ -31,9 +31,10 @@ from common.parallel_dims import ParallelDims
 from common.trainer import Trainer
 from recipes.llm import hf
 from recipes.llm import lora as llm_lora
-from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, model_inputs, pad_id, prepare_data
+from recipes.llm.data import (build_train_loader, load_tokenizer, local_batch, model_inputs, pad_id, prepare_data,
+                              real_token_mask)
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoE, MoEArgs, Transformer
-from recipes.llm.moe_losses import expert_load, global_counts, load_balancing_loss, pooled, router_sums, z_loss
+from recipes.llm.moe_losses import MoEAux, expert_load
 from recipes.llm.parallelize import parallelize
 from recipes.llm.pipeline import Pipeline, TiedEmbeddings, split_for_rank, virtual_stages
 
@@ -122,7 +123,16 @@ class LLMTrainer(Trainer):
             # strict=False under PP: rank 0's full dict holds the other stages' keys too.
             set_model_state_dict(self.model, full or {}, options=StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True, strict=pp == 1))
-        pipeline = Pipeline(self.model, cfg, self.mesh, self.device, self.pad_id) if pp > 1 else None
+        # The MoE layers this rank holds (found through any wrapper: AC, FSDP), whose routing the aux losses read,
+        # and every MoE layer of the model (under pipeline parallelism, other ranks hold some: step_metrics).
+        moe_layers = {int(re.search(r"layers\.(\d+)\.", name)[1]): m for name, m in self.model.named_modules()
+                      if isinstance(m, MoE)}
+        self.moe_layer_ids = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
+        self.moe_aux = None if not self.args.moe else MoEAux(
+            moe_layers, cfg.model.moe.aux_loss_coef, cfg.model.moe.z_loss_coef,
+            self.mesh["dp"].get_group() if self.dims.dp > 1 else None)
+        self.moe_worst = torch.zeros(2, device=self.device)  # the run's worst (max/mean load, MoE layer index)
+        pipeline = Pipeline(self.model, cfg, self.mesh, self.device, self.pad_id, self.moe_aux) if pp > 1 else None
         tied = TiedEmbeddings(self.model, self.mesh) if pp > 1 and self.args.tie_embeddings else None
         self.engine = NativeEngine(self.model, cfg, self.mesh, pipeline=pipeline, tied=tied,
                                    loss_parallel=cfg.model.loss_parallel)
@@ -130,13 +140,6 @@ class LLMTrainer(Trainer):
             lora.init_adapter(self.model, cfg.trainer.seed)
         # Layout-independent: one global data stream and no per-rank random draws, so rank 0's copy
         # (step, data position, LR schedule) resumes any layout. LoRA dropout draws per rank: its streams are saved.
-        # The MoE layers this rank holds (found through any wrapper: AC, FSDP), whose routing the loss reads.
-        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
-        self.moe_layer_ids = [int(re.search(r"layers\.(\d+)\.", name)[1]) for name, m in self.model.named_modules()
-                              if isinstance(m, MoE)]
-        self.moe_terms: dict[str, torch.Tensor] = {}
-        self.moe_load: torch.Tensor | None = None  # [MoE layers, experts]: this step's global tokens per expert
-        self.moe_worst = torch.zeros(2, device=self.device)  # the run's worst (max/mean load, MoE layer index)
         self.start(loader, per_rank_rng=self.lora and cfg.lora.dropout > 0)
         self.model.train()
 
@@ -176,54 +179,24 @@ class LLMTrainer(Trainer):
         logits = self.model(packed.input_ids.to(self.device), **model_inputs(packed, self.cfg.toggles.attention, self.device))
         labels = packed.labels[:, 1:].to(self.device)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
-        if self.moe_layers:
-            loss = loss + self.moe_aux_losses(packed)
+        if self.moe_aux is not None:  # the MoE's auxiliary losses (recipes/llm/moe_losses.py:MoEAux)
+            real = real_token_mask(packed).flatten().to(self.device)
+            loss = loss + self.moe_aux.loss(*self.moe_aux.routed(real, torch.tensor(float(packed.num_labels), device=self.device)))
         return loss
 
-    def moe_aux_losses(self, packed: PackedBatch) -> torch.Tensor:
-        """coef * load-balancing loss + coef * z-loss of the GLOBAL micro-batch's routing (this micro-batch on
-        every dp rank, ep ranks included), over its real tokens (padding left out, as transformers'
-        attention_mask does), scaled by its labelled-token count.
-
-        Global: the token counts (per expert, in all) are all-reduced over dp and each rank keeps its own
-        router-probability and z sums (moe_losses.global_counts), so the ranks' terms add up to the loss, and
-        the gradient, of one rank holding the whole micro-batch: every layout (dp, ep) computes the same aux.
-        Per micro-batch, not per step: the loss is a ratio of sums whose gradient needs every token's counts,
-        which a step's later micro-batches do not have yet, so like transformers (one forward) and Megatron the
-        aux belongs to a forward; grad_accum=2 x 4 documents is a different objective from 1 x 8 documents.
-
-        Why scaled: the step divides what `loss` returns by the global labelled-token count (common/trainer.py),
-        while these losses are already means over tokens. Times the micro-batch's global count, the step's
-        objective is the token-weighted mean over micro-batches of ``ce + coef * aux``: on one micro-batch
-        exactly transformers' ``loss + router_aux_loss_coef * aux_loss``, and its gradient.
-        """
-        moe = self.cfg.model.moe
-        real = torch.zeros(packed.input_ids.shape, dtype=torch.bool)
-        for row, lens in enumerate(packed.seq_lens):
-            real[row, :sum(lens)] = True
-        layers = [router_sums(layer.routing, real.flatten().to(self.device)) for layer in self.moe_layers]
-        sums, load = pooled(layers), torch.stack([layer.tokens_per_expert for layer in layers])
-        weight = packed.num_labels
-        if self.dims.dp > 1:
-            sums, weight, load = global_counts(sums, torch.tensor(float(weight), device=self.device), load,
-                                               self.mesh["dp"].get_group())
-        self.moe_load = load if self.moe_load is None else self.moe_load + load
-        aux, z = load_balancing_loss(sums), z_loss(sums)
-        for name, value in (("aux_loss", aux), ("z_loss", z)):  # logged unscaled: loss_terms
-            self.moe_terms[name] = self.moe_terms.get(name, 0) + value.detach() * weight
-        return (moe.aux_loss_coef * aux + moe.z_loss_coef * z) * weight
-
     def loss_terms(self) -> dict[str, torch.Tensor]:
-        terms, self.moe_terms = self.moe_terms, {}
-        return terms
+        return {} if self.moe_aux is None else self.moe_aux.pop_terms(self.device)
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """Per MoE layer, the step's expert load (global tokens per expert): the busiest expert over the mean
         (`moe.layer<i>.max_load`) and the load's normalised entropy (`moe.layer<i>.load_entropy`), plus the
-        worst layer's max_load. On the device; the run's worst is kept for the summary (log_moe_summary)."""
-        load, self.moe_load = self.moe_load, None
-        if load is None:
+        worst layer's max_load. On the device; the run's worst is kept for the summary (log_moe_summary). Under
+        pipeline parallelism each stage holds its layers' load (global over dp): one all-reduce over pp gathers them."""
+        if self.moe_aux is None:
             return {}
+        load = self.moe_aux.pop_load(self.moe_layer_ids, self.args.moe.num_experts, self.device)
+        if self.dims.pp > 1:
+            tdist.all_reduce(load, group=self.mesh["pp"].get_group())
         max_load, entropy = expert_load(load)
         worst, at = max_load.max(0)
         self.moe_worst = torch.where(worst > self.moe_worst[0], torch.stack([worst, at.float()]), self.moe_worst)
