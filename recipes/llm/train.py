@@ -132,6 +132,8 @@ class LLMTrainer(Trainer):
             moe_layers, cfg.model.moe.aux_loss_coef, cfg.model.moe.z_loss_coef,
             self.mesh["dp"].get_group() if self.dims.dp > 1 else None)
         self.moe_worst = torch.zeros(2, device=self.device)  # the run's worst (max/mean load, MoE layer index)
+        # Expert parallelism's token exchanges (recipes/llm/parallelize.py:ExpertParallel): their host counters.
+        self.token_exchanges = [m.token_exchange for m in moe_layers.values() if hasattr(m, "token_exchange")]
         pipeline = Pipeline(self.model, cfg, self.mesh, self.device, self.pad_id, self.moe_aux) if pp > 1 else None
         tied = TiedEmbeddings(self.model, self.mesh) if pp > 1 and self.args.tie_embeddings else None
         self.engine = NativeEngine(self.model, cfg, self.mesh, pipeline=pipeline, tied=tied,
@@ -190,7 +192,8 @@ class LLMTrainer(Trainer):
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """Per MoE layer, the step's expert load (global tokens per expert): the busiest expert over the mean
         (`moe.layer<i>.max_load`) and the load's normalised entropy (`moe.layer<i>.load_entropy`), plus the
-        worst layer's max_load. On the device; the run's worst is kept for the summary (log_moe_summary). Under
+        worst layer's max_load; under expert parallelism, what this rank's forwards dispatched (`moe.dispatched_rows`:
+        token-expert pairs) and sent to other ranks (`moe.all_to_all_bytes`: dispatch and combine). On the device; the run's worst is kept for the summary (log_moe_summary). Under
         pipeline parallelism each stage holds its layers' load (global over dp): one all-reduce over pp gathers them."""
         if self.moe_aux is None:
             return {}
@@ -203,6 +206,11 @@ class LLMTrainer(Trainer):
         out = {"moe.max_load": worst}
         for i, layer in enumerate(self.moe_layer_ids):
             out |= {f"moe.layer{layer}.max_load": max_load[i], f"moe.layer{layer}.load_entropy": entropy[i]}
+        if self.token_exchanges:  # this rank's forward all-to-alls, over its MoE layers (host counts; not global)
+            out |= {"moe.dispatched_rows": sum(e.rows_dispatched for e in self.token_exchanges),
+                    "moe.all_to_all_bytes": sum(e.bytes_sent for e in self.token_exchanges)}
+            for e in self.token_exchanges:
+                e.rows_dispatched = e.bytes_sent = 0
         return out
 
     def log_moe_summary(self) -> None:
