@@ -85,6 +85,7 @@ class LLMDataConfig(DataConfig):
     """Token shards, always packed into rows of max_seq_len with document masking."""
 
     max_seq_len: int = 256
+    eval_docs: int = 64  # trainer.eval: the held-out loss over the val split's first eval_docs documents
 
 
 # The model.* keys a checkpoint's config.json decides (LlamaArgs fields of the same name) -> its config.json key.
@@ -152,6 +153,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} is not allowed; choose one of: {', '.join(PP_SCHEDULES)}")
     if cfg.data.max_seq_len <= 0:
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")
+    if cfg.data.eval_docs <= 0:
+        raise ConfigError(f"data.eval_docs={cfg.data.eval_docs} must be > 0 (trainer.eval=false turns the eval off)")
     if m.rope_scaling.rope_type not in ("default", "llama3"):
         raise ConfigError(f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not allowed; choose default or llama3")
     if not m.head_dim and m.dim % m.n_heads:

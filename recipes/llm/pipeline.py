@@ -46,6 +46,7 @@ Fixed shapes
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -163,6 +164,12 @@ class _VarlenStage(nn.Module):
         return self.view(x, position_ids=position_ids, attn_mask=segments)
 
 
+def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy summed over the labelled positions (``labels`` unshifted, -100 where unlabelled)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
 class _CarriedCounts(torch.autograd.Function):
     """A stage's routing counts added to those carried from the stages before, and, in the backward, the gradient of
     the stage's routing sums from the microbatch's totals (``aux_grads(totals, prob_sum, z_sum)``).
@@ -215,7 +222,8 @@ class _MoEStage(nn.Module):
         out = self.inner(x, **kwargs)
         if self.first:  # nothing counted yet; a leaf that requires grad, so that the counts are differentiable
             carried = torch.zeros(self.num_experts + 1, device=out.device, requires_grad=True)
-        if not self.ids or self.inferring():  # no MoE layer on this stage (or no microbatch): counts passed on
+        # No MoE layer on this stage, or no microbatch (shape inference), or no backward (eval): counts passed on.
+        if not self.ids or self.inferring() or not torch.is_grad_enabled():
             counts, prob_sum, z_sum, aux_grads = torch.zeros_like(carried), None, None, None
         else:
             sums, weight = self.aux.routed(real_tokens.flatten(), labelled.sum().float(), self.ids)
@@ -288,17 +296,27 @@ class Pipeline:
         returns the microbatch's routing counts: a zero term ties them into the loss, so that its backward starts
         their way back through the stages (_CarriedCounts)."""
         logits, counts = output if self.moe else (output, None)
-        loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
-        loss = loss_sum * self._scale
+        loss = ce_sum(logits, labels) * self._scale
         return loss if counts is None else loss + 0 * counts.sum()
 
     def step(self, batch, scale: torch.Tensor) -> torch.Tensor:
         """Forward + backward of the whole packed batch (recipes/llm/train.py:LocalBatch), gradients scaled
-        by ``scale``; returns this rank's CE token sum (0 off the last stage), plus its stages' MoE aux losses. ``batch.max_rows``: the most
-        rows any dp rank packed (every rank runs the same number of rounds: matched P2P and FSDP collectives)."""
-        packed, max_rows, pad_id = batch.packed, batch.max_rows, self.pad_id
+        by ``scale``; returns this rank's CE token sum (0 off the last stage), plus its stages' MoE aux losses.
+        ``batch.max_rows``: the most rows any dp rank packed (every rank runs the same number of rounds: matched
+        P2P and FSDP collectives)."""
         self._scale = scale
+        loss_sum = self._rounds(batch, functools.partial(self.schedule.step, return_outputs=False)) / scale
+        aux_sum, self.aux_sum = self.aux_sum, torch.zeros_like(self.aux_sum)  # the stages' shares, in their backward
+        return loss_sum + aux_sum
+
+    def eval_loss(self, batch) -> torch.Tensor:
+        """Forward only (``schedule.eval``): this rank's CE token sum of the batch (0 off the last stage)."""
+        self._scale = torch.ones((), device=self.device)
+        return self._rounds(batch, self.schedule.eval)
+
+    def _rounds(self, batch, run) -> torch.Tensor:
+        """``run`` (the schedule's step or eval) over the batch's rounds; the sum of the last stage's scaled losses."""
+        packed, max_rows, pad_id = batch.packed, batch.max_rows, self.pad_id
         loss_sum = torch.zeros((), device=self.device)
         rounds = math.ceil(max_rows / self.round_rows)
         # row_segments stay on the host: each stage derives its microbatch's cu_seqlens from them.
@@ -311,12 +329,11 @@ class Pipeline:
             rows = slice(r * self.round_rows, (r + 1) * self.round_rows)
             args = (inputs["input_ids"][rows],) if self.is_first else ()
             target = inputs["labels"][rows] if self.is_last else None
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                               position_ids=inputs["position_ids"][rows], **{k: inputs[k][rows] for k in (mask, *extra)})
+            run(*args, target=target, losses=losses, position_ids=inputs["position_ids"][rows],
+                **{k: inputs[k][rows] for k in (mask, *extra)})
             if losses:  # last stage: the scaled microbatch losses
-                loss_sum += torch.stack([x.detach() for x in losses]).sum() / scale
-        aux_sum, self.aux_sum = self.aux_sum, torch.zeros_like(self.aux_sum)  # the stages' shares, in their backward
-        return loss_sum + aux_sum
+                loss_sum += torch.stack([x.detach() for x in losses]).sum()
+        return loss_sum
 
 
 class TiedEmbeddings:

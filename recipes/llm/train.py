@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import re
 import shutil
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as tdist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from common import lora
@@ -31,12 +31,12 @@ from common.parallel_dims import ParallelDims
 from common.trainer import Trainer
 from recipes.llm import hf
 from recipes.llm import lora as llm_lora
-from recipes.llm.data import (build_train_loader, load_tokenizer, local_batch, model_inputs, pad_id, prepare_data,
-                              real_token_mask)
+from recipes.llm.data import (build_train_loader, decode_document, load_tokenizer, local_batch, model_inputs, pad_id,
+                              prepare_data, real_token_mask)
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoE, MoEArgs, Transformer
 from recipes.llm.moe_losses import MoEAux, expert_load
 from recipes.llm.parallelize import parallelize
-from recipes.llm.pipeline import Pipeline, TiedEmbeddings, split_for_rank, virtual_stages
+from recipes.llm.pipeline import Pipeline, TiedEmbeddings, ce_sum, split_for_rank, virtual_stages
 
 
 def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
@@ -179,8 +179,7 @@ class LLMTrainer(Trainer):
         the same sum on its last stage: recipes/llm/pipeline.py), plus an MoE's auxiliary losses."""
         packed = batch.packed
         logits = self.model(packed.input_ids.to(self.device), **model_inputs(packed, self.cfg.toggles.attention, self.device))
-        labels = packed.labels[:, 1:].to(self.device)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+        loss = ce_sum(logits, packed.labels.to(self.device))
         if self.moe_aux is not None:  # the MoE's auxiliary losses (recipes/llm/moe_losses.py:MoEAux)
             real = real_token_mask(packed).flatten().to(self.device)
             loss = loss + self.moe_aux.loss(*self.moe_aux.routed(real, torch.tensor(float(packed.num_labels), device=self.device)))
@@ -223,6 +222,48 @@ class LLMTrainer(Trainer):
 
     def checkpoint_meta(self) -> dict:
         return lora.checkpoint_meta(self.cfg, self.cfg.model.init_from)
+
+    # ---- evaluation and export ------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        """The held-out loss (token-mean next-token cross-entropy, no MoE aux losses) and its perplexity over the val
+        split's first data.eval_docs documents, in whole global micro-batches packed as training packs them: each dp
+        rank its share, every rank the same batches (FSDP, expert and pipeline parallelism are collective). Rank 0
+        writes RUN_DIR/eval.json and returns it."""
+        from common.data.webdataset import iter_samples
+
+        per_batch = self.cfg.trainer.micro_batch_size * self.dims.dp
+        docs = [decode_document(s) for s, _ in zip(iter_samples(self.meta["val_urls"]), range(self.cfg.data.eval_docs))]
+        batches = [docs[i:i + per_batch] for i in range(0, len(docs) - per_batch + 1, per_batch)]
+        if not batches:
+            if self.dist.is_main:
+                print(f"kiln: eval: skipped: the val split has {len(docs)} documents, fewer than one global micro-batch "
+                      f"({per_batch})", flush=True)
+            return None
+        self.model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # CE sum, labelled tokens
+        for documents in batches:
+            batch = self.prepare(documents)
+            if self.engine.pipeline is not None:
+                loss_sum = self.engine.pipeline.eval_loss(batch)
+            else:
+                packed = batch.packed
+                with self.engine.autocast(), self.engine.loss_context():
+                    logits = self.model(packed.input_ids.to(self.device),
+                                        **model_inputs(packed, self.cfg.toggles.attention, self.device))
+                    loss_sum = ce_sum(logits, packed.labels.to(self.device))
+                    loss_sum = loss_sum.full_tensor() if hasattr(loss_sum, "full_tensor") else loss_sum
+            sums += torch.stack([loss_sum.double(), torch.tensor(float(batch.packed.num_labels), device=self.device)])
+        self.model.train()
+        # Over dp; the CE sum over pp too (only the last stage computes it: Engine.all_reduce).
+        loss, tokens = torch.cat([self.engine.all_reduce(sums[:1], loss=True), self.engine.all_reduce(sums[1:])]).tolist()
+        if not self.dist.is_main:
+            return None
+        val_loss = loss / max(tokens, 1)
+        result = {"val_loss": val_loss, "val_perplexity": math.exp(val_loss), "val_tokens": int(tokens),
+                  "num_samples": sum(map(len, batches)), "step": self.state.step}
+        (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+        return result
 
     # ---- export -----------------------------------------------------------------------------
     def export(self) -> Path:
@@ -306,6 +347,11 @@ def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
     trainer = LLMTrainer(cfg, dist, run_dir)
     trainer.fit()
     trainer.log_moe_summary()
+    if cfg.trainer.eval:
+        result = trainer.evaluate()
+        if result is not None:
+            print(f"kiln: eval loss {result['val_loss']:.4f} (perplexity {result['val_perplexity']:.1f}) on "
+                  f"{result['num_samples']} held-out documents ({result['val_tokens']:,} tokens)", flush=True)
     out = trainer.export()
     if dist.is_main:
         text = sample_generation(out)

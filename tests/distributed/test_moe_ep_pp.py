@@ -1,7 +1,8 @@
 """An MoE under expert x pipeline parallelism (gloo, 4 ranks: parallel.ep=2 x parallel.pp=2, each stage's experts split
 over an ep pair) against one process on the same global batch, fp32: per-step losses, the load-balancing loss (whose
 routing counts cross the stages: recipes/llm/pipeline.py:_CarriedCounts) and the gradient norm (clipped across the
-stages and the experts' mesh); its checkpoint resumes in one process (ep=1, pp=1) and continues the same run.
+stages and the experts' mesh) and the held-out eval; its checkpoint resumes in one process (ep=1, pp=1) and continues
+the same run.
 
 Short documents (one packed row each at most) and one pipeline microbatch per step (gpipe, pp_microbatches=1): the
 pipeline then sees the step's whole micro-batch at once, so its aux loss is the one-process step's, not a
@@ -9,6 +10,7 @@ per-microbatch one (recipes/llm/moe_losses.py:MoEAux)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,10 @@ def test_ep2_pp2_checkpoint_resumes_in_one_process(runs, tmp_path):
     assert sorted(got) == list(range(3, STEPS + 1))
     for step in got:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+def test_held_out_eval_under_ep2_pp2_matches_single_process(runs):
+    """The end-of-run eval (recipes/llm/train.py:LLMTrainer.evaluate) runs the pipeline forward only (schedule.eval)."""
+    ref, got = (json.loads((runs[name] / "eval.json").read_text()) for name in ("single", "ep2_pp2"))
+    assert got["step"] == ref["step"] == STEPS and got["val_tokens"] == ref["val_tokens"] > 0
+    assert got["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
