@@ -241,6 +241,11 @@ def validate_moe(cfg: TrainConfig) -> None:
                           "tensor-parallel plan (parallel.ep splits the experts instead) yet")
     if cfg.toggles.precision == "fp8":
         raise ConfigError("toggles.precision=fp8 with model.moe.num_experts>0: the experts' grouped GEMM has no fp8 path")
+    if p.ep > 1 and cfg.toggles.activation_checkpointing == "selective":
+        # The experts are an FSDP2 unit of their own inside each checkpointed block: its hooks run other ops in the
+        # recompute than in the forward, and selective AC replays a forward's ops by position. Full AC does not.
+        raise ConfigError(f"toggles.activation_checkpointing=selective with parallel.ep={p.ep} is not supported yet; "
+                          "use toggles.activation_checkpointing=full")
     from recipes.llm.model import LlamaArgs, MoEArgs, hf_model_type
 
     try:  # every model is exported in a Hugging Face format: refuse one that has none

@@ -1,8 +1,8 @@
-"""moe_tiny and tiny Hugging Face MoE checkpoints under expert parallelism (gloo): ep=2 (2 ranks) and ep=2 x dp=2
-(4 ranks: the experts split over 2 ranks and FSDP2-sharded over 2) against one process on the same global batch,
-fp32: per-step losses, the load-balancing loss and the router's and an expert's gradients; resume under ep=2 is
-bitwise and an ep=2 checkpoint resumes under ep=1; init_from under ep=2 gives transformers' logits and, at lr 0,
-exports the source tensor for tensor."""
+"""moe_tiny and tiny Hugging Face MoE checkpoints under expert parallelism (gloo): ep=2 (2 ranks), ep=2 x dp=2
+(4 ranks: the experts split over 2 ranks and FSDP2-sharded over 2) and ep=2 under full activation checkpointing against
+one process on the same global batch, fp32: per-step losses, the load-balancing loss and the router's and an expert's
+gradients; resume under ep=2 is bitwise and an ep=2 checkpoint resumes under ep=1; init_from under ep=2 (and ep=2 x
+pp=2) gives transformers' logits and, at lr 0, exports the source tensor for tensor."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ BASE = ["recipe=moe_tiny", f"trainer.max_steps={STEPS}", "trainer.log_every=1", 
 LAYOUTS = {"single": (1, [f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
            "ep2": (2, ["parallel.ep=2", f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"]),
            "ep2_dp2": (4, ["parallel.ep=2", f"trainer.micro_batch_size={GLOBAL_DOCS // 4}"])}
+# Expert parallelism under full activation checkpointing: each block's recompute exchanges its tokens again.
+RUNS = {**LAYOUTS, "ep2_ac": (2, [*LAYOUTS["ep2"][1], "toggles.activation_checkpointing=full"])}
 
 
 def metrics(run_dir: Path) -> dict[int, tuple[float, float]]:
@@ -34,13 +36,13 @@ def metrics(run_dir: Path) -> dict[int, tuple[float, float]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for name, (nproc, extra) in LAYOUTS.items():
+    for name, (nproc, extra) in RUNS.items():
         out[name] = tmp_path_factory.mktemp(name)
         run_train([*BASE, *extra, "checkpoint.final=false", f"run.dir={out[name]}"], nproc=nproc, timeout=900)
     return out
 
 
-@pytest.mark.parametrize("layout", ["ep2", "ep2_dp2"])
+@pytest.mark.parametrize("layout", ["ep2", "ep2_dp2", "ep2_ac"])
 def test_losses_and_aux_loss_match_single_process(runs, layout):
     ref, got = metrics(runs["single"]), metrics(runs[layout])
     assert sorted(got) == list(range(1, STEPS + 1))
