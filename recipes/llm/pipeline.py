@@ -215,7 +215,8 @@ class _MoEStage(nn.Module):
         """Whether this call is PipelineStage's shape inference: one forward (and backward) of the real module on
         placeholder inputs before the first microbatch, whose routing is no microbatch's (torch 2.13: the stage's
         output metadata is unset until it returns)."""
-        return self.stage._stage_meta.outputs is None
+        meta = getattr(self.stage, "_stage_meta", None)  # older torch infers on meta tensors, without grad: see forward
+        return meta is not None and meta.outputs is None
 
     def forward(self, x: torch.Tensor, carried: torch.Tensor | None = None, *, real_tokens: torch.Tensor,
                 labelled: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
