@@ -241,6 +241,11 @@ def validate_moe(cfg: TrainConfig) -> None:
                           "tensor-parallel plan (parallel.ep splits the experts instead) yet")
     if cfg.toggles.precision == "fp8":
         raise ConfigError("toggles.precision=fp8 with model.moe.num_experts>0: the experts' grouped GEMM has no fp8 path")
+    if cfg.toggles.compile and cfg.toggles.precision != "bf16":
+        # torch.compile traces torch._grouped_mm through its meta kernel, which takes bf16 only (torch 2.13; eager
+        # runs fp32 too): checked here, fp32 stops in the trace, bf16 trains (ep=2 included).
+        raise ConfigError(f"toggles.compile=true with model.moe.num_experts>0 needs toggles.precision=bf16 (got "
+                          f"{cfg.toggles.precision}): the experts' grouped GEMM compiles in bf16 only")
     if p.ep > 1 and cfg.toggles.activation_checkpointing == "selective":
         # The experts are an FSDP2 unit of their own inside each checkpointed block: its hooks run other ops in the
         # recompute than in the forward, and selective AC replays a forward's ops by position. Full AC does not.

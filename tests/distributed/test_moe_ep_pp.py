@@ -30,9 +30,14 @@ def base(data: Path) -> list[str]:
             "checkpoint.every=2", "checkpoint.final=false", "profile.count_flops=false"]
 
 
+EP2_PP2 = ["parallel.ep=2", "parallel.pp=2", f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"]
 LAYOUTS = {"single": (1, [f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
-           "ep2_pp2": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=1",
-                           f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"])}
+           "ep2_pp2": (4, [*EP2_PP2, "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=1"]),
+           # Two pipeline microbatches (rows cut at 64 tokens: both hold documents): the aux loss is per microbatch
+           # (another objective than one process's), the same under GPipe (every forward before any backward) as
+           # under 1F1B, whose first microbatch's backward runs before the second's forward on the last stage.
+           "gpipe_m2": (4, [*EP2_PP2, "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=2", "data.max_seq_len=64"]),
+           "1f1b_m2": (4, [*EP2_PP2, "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=2", "data.max_seq_len=64"])}
 
 
 def metrics(run_dir: Path) -> dict[int, tuple[float, float, float]]:
@@ -56,6 +61,13 @@ def test_losses_aux_loss_and_grad_norm_match_single_process(runs):
     assert sorted(got) == list(range(1, STEPS + 1))
     worst = max(abs(g - r) / abs(r) for s in ref for g, r in zip(got[s], ref[s]))
     print(f"ep2 x pp2: worst relative difference of loss, aux_loss or grad_norm over {STEPS} steps: {worst:.1e}")
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+def test_per_microbatch_aux_loss_is_the_same_under_1f1b_as_under_gpipe(runs):
+    ref, got = metrics(runs["gpipe_m2"]), metrics(runs["1f1b_m2"])
+    assert sorted(got) == list(range(1, STEPS + 1))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
 

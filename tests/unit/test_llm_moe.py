@@ -165,6 +165,7 @@ def test_dense_layers_keep_their_names():
     ("model.moe.aux_loss_coef=-1", "model.moe.aux_loss_coef=-1.0 must be >= 0"),
     ("parallel.tp=2", "parallel.tp=2 with model.moe.num_experts=8"),
     ("parallel.ep=3", "parallel.ep=3 must divide model.moe.num_experts=8"),
+    ("toggles.compile=true", "toggles.compile=true with model.moe.num_experts>0 needs toggles.precision=bf16"),
     ("parallel.dp=2 parallel.ep=2 toggles.activation_checkpointing=selective",
      "toggles.activation_checkpointing=selective with parallel.ep=2 is not supported yet"),
     ("parallel.dp=2 parallel.ep=4", "parallel.ep=4 must divide the 2 data-parallel ranks"),
