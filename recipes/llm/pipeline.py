@@ -30,6 +30,13 @@ Masking across stages
     ``max_seqlen`` -- segments never cross rows, so a group of rows is a packed batch of its own --
     and hands them to the varlen kernel. They are computed on the host, so no step waits on the GPU.
 
+Mixture of Experts
+    The load-balancing loss pools the routing of every MoE layer, and the layers sit on different stages:
+    each stage adds its layers' routing counts to those it received and sends them on beside the hidden
+    state, and the totals come back from the last stage as those counts' gradient, in step with the
+    microbatch's backward; each stage then puts its layers' share of the aux loss into its own backward
+    (``_MoEStage``, ``_CarriedCounts``). The aux loss is thus taken per pipeline microbatch.
+
 Fixed shapes
     ``PipelineStage`` infers the shapes of the tensors it sends/receives once (first step) and
     keeps those buffers. The microbatch shape is therefore fixed for the run:

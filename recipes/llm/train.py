@@ -182,7 +182,8 @@ class LLMTrainer(Trainer):
         loss = ce_sum(logits, packed.labels.to(self.device))
         if self.moe_aux is not None:  # the MoE's auxiliary losses (recipes/llm/moe_losses.py:MoEAux)
             real = real_token_mask(packed).flatten().to(self.device)
-            loss = loss + self.moe_aux.loss(*self.moe_aux.routed(real, torch.tensor(float(packed.num_labels), device=self.device)))
+            weight = torch.tensor(float(packed.num_labels), device=self.device)
+            loss = loss + self.moe_aux.loss(*self.moe_aux.routed(real, weight))
         return loss
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
@@ -192,8 +193,9 @@ class LLMTrainer(Trainer):
         """Per MoE layer, the step's expert load (global tokens per expert): the busiest expert over the mean
         (`moe.layer<i>.max_load`) and the load's normalised entropy (`moe.layer<i>.load_entropy`), plus the
         worst layer's max_load; under expert parallelism, what this rank's forwards dispatched (`moe.dispatched_rows`:
-        token-expert pairs) and sent to other ranks (`moe.all_to_all_bytes`: dispatch and combine). On the device; the run's worst is kept for the summary (log_moe_summary). Under
-        pipeline parallelism each stage holds its layers' load (global over dp): one all-reduce over pp gathers them."""
+        token-expert pairs) and sent to other ranks (`moe.all_to_all_bytes`: dispatch and combine). On the device;
+        the run's worst is kept for the summary (log_moe_summary). Under pipeline parallelism each stage holds its
+        layers' load (global over dp): one all-reduce over pp gathers them."""
         if self.moe_aux is None:
             return {}
         load = self.moe_aux.pop_load(self.moe_layer_ids, self.args.moe.num_experts, self.device)
