@@ -235,7 +235,8 @@ class LLMTrainer(Trainer):
         from common.data.webdataset import iter_samples
 
         per_batch = self.cfg.trainer.micro_batch_size * self.dims.dp
-        docs = [decode_document(s) for s, _ in zip(iter_samples(self.meta.get("val_urls", [])), range(self.cfg.data.eval_docs))]
+        held_out = iter_samples(self.meta.get("val_urls", []))
+        docs = [decode_document(s) for s, _ in zip(held_out, range(self.cfg.data.eval_docs))]
         batches = [docs[i:i + per_batch] for i in range(0, len(docs) - per_batch + 1, per_batch)]
         if not batches:
             if self.dist.is_main:
