@@ -272,7 +272,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
                      micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
                      first_params=count_params(model) - m.num_layers * layer,
                      gather_unit_params=largest_module_params(model), precision=cfg.toggles.precision,
-                     ac_modes=("none", "selective", "full"))
+                     ac_modes=("none", "selective", "full"), ema=True)
 
 
 TRAINER = DiTTrainer  # recipes/registry.py

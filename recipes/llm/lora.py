@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from common.config import TrainConfig
-from common.lora import ADAPTER, apply_lora, is_adapter_key, peft_config, peft_key, write_adapter_folder
+from common.lora import (ADAPTER, apply_lora, is_adapter_key, peft_config, peft_key, quantize_base,
+                         write_adapter_folder)
 from recipes.llm import hf
 from recipes.llm.model import LlamaArgs, Transformer, to_hf_state_dict
 
@@ -68,4 +69,6 @@ def adapted_model(args: LlamaArgs, cfg: TrainConfig) -> Transformer:
     model.to_empty(device="cpu")
     model.init_buffers()
     hf.load_weights(model, args, cfg.model.init_from)
+    if cfg.lora.get("quantize_base", "none") == "nf4":  # the base the adapter was trained on (the merged export merges into it)
+        quantize_base(model)
     return model

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from common.varlen import varlen_causal_attention
+
 
 @dataclasses.dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -209,11 +211,9 @@ class Segments(NamedTuple):
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-    """torch's FlashAttention varlen kernel: causal within each segment, ``[T, H, hd]`` -> ``[T, Hq, hd]``,
-    with the kernel sharing each key/value head among its query heads (GQA). CUDA only (bf16/fp16)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), enable_gqa=True)
+    """torch's FlashAttention varlen kernel: causal within each segment, ``[T, H, hd]`` -> ``[T, Hq, hd]`` (GQA:
+    common/varlen.py). CUDA only (bf16/fp16)."""
+    return varlen_causal_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Segments | None) -> Tensor:
