@@ -49,12 +49,15 @@ def complete(cfg: TrainConfig, family: ModuleType) -> None:
         raise ConfigError(f"lora.targets={list(cfg.lora.targets)} names a module twice")
 
 
-def peft_config(lora: LoRAConfig, targets: list[str] | None = None, base: str | None = None):
-    """peft's LoraConfig of these settings (`targets`: the names in the model at hand, default lora.targets)."""
+def peft_config(lora: LoRAConfig, targets: list[str] | str | None = None, base: str | None = None,
+                modules_to_save: list[str] | None = None):
+    """peft's LoraConfig of these settings (`targets`: the names in the model at hand, default lora.targets, or
+    one regex over whole module names; `modules_to_save`: modules trained in full, saved whole in the adapter)."""
     from peft import LoraConfig
 
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
-                      target_modules=sorted(targets or lora.targets), base_model_name_or_path=base)
+                      target_modules=targets if isinstance(targets, str) else sorted(targets or lora.targets),
+                      modules_to_save=modules_to_save, base_model_name_or_path=base)
 
 
 # ---- the parallelize step ---------------------------------------------------------------------------
@@ -72,6 +75,18 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:
     for name, p in model.named_parameters():  # peft froze the base: nothing else may train
         if p.requires_grad != is_adapter_key(name):
             raise RuntimeError(f"LoRA left {name} with requires_grad={p.requires_grad}")
+    return model
+
+
+def merge_into(model: nn.Module, state: dict[str, torch.Tensor], lora: LoRAConfig, scope: nn.Module | None = None) -> nn.Module:
+    """`model` (materialized, not yet LoRA-wrapped: its own weights are overwritten) holding `state` (an adapted
+    model's names: `base_layer` + adapter, LoRA on `scope`, default the whole model), the adapter then merged by
+    peft's merge_and_unload (W + B A * alpha / rank) and unwrapped, in place: the caller's tensors are copied."""
+    from peft import LoraModel
+
+    tuner = LoraModel(model if scope is None else scope, peft_config(lora), ADAPTER)
+    model.load_state_dict(state)
+    tuner.merge_and_unload()
     return model
 
 

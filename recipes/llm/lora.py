@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from common.config import TrainConfig
-from common.lora import ADAPTER, apply_lora, is_adapter_key, peft_config, peft_key, write_adapter_folder
+from common.lora import apply_lora, is_adapter_key, merge_into, peft_config, peft_key, write_adapter_folder
 from recipes.llm import hf
 from recipes.llm.model import LlamaArgs, Transformer, to_hf_state_dict
 
@@ -34,14 +34,9 @@ def hf_adapter_state_dict(state: dict[str, torch.Tensor], args: LlamaArgs) -> di
 def merged_state_dict(state: dict[str, torch.Tensor], args: LlamaArgs, cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """A full Kiln state dict (base + adapter, on the CPU) merged by peft (W + B A * alpha / rank): a plain
     Transformer's state dict. The caller's tensors are copied, not merged in place."""
-    from peft import LoraModel
-
     with torch.device("meta"):
         model = Transformer(args)
-    model.to_empty(device="cpu")
-    tuner = LoraModel(model, peft_config(cfg.lora), ADAPTER)
-    model.load_state_dict(state)
-    return tuner.merge_and_unload().state_dict()
+    return merge_into(model.to_empty(device="cpu"), state, cfg.lora).state_dict()
 
 
 def write_export(state: dict[str, torch.Tensor], args: LlamaArgs, cfg: TrainConfig, out: Path, *, tokenizer) -> None:

@@ -65,9 +65,43 @@ def test_moe_models_refuse_lora(tmp_path, capsys):
     assert "finetune=lora on an MoE model (model.moe.num_experts=" in line, line
 
 
-@pytest.mark.parametrize("recipe", ["dit_tiny", "vlm_tiny"])
+@pytest.mark.parametrize("recipe", ["dit_tiny"])
 def test_families_without_lora_refuse_it(recipe, capsys):
     assert f"finetune=lora is not offered by the {recipe[:3]} recipe yet" in _kiln_error([f"recipe={recipe}", "finetune=lora"], capsys)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    from tests.fixtures import vlm as fx
+
+    root = tmp_path_factory.mktemp("vlm_parts")
+    return {"llava": fx.write_llava_hf(root / "llava_hf"), "clip": fx.write_clip(root / "clip"),
+            "llama": fx.write_llama(root / "llama")}
+
+
+VLM_BAD = {
+    "no base": ([], "finetune=lora trains an adapter on a LLaVA checkpoint: set model.init_from="),
+    "parts, no LLaVA": (["vlm.vision_from=CLIP", "vlm.language_from=LLAMA"], "set model.init_from=<a llava-hf folder"),
+    "the tower trains": (["BASE", "vlm.train_vision=true"], "vlm.train_vision=true with finetune=lora"),
+    "an LLM name": (["BASE", "lora.targets=[wq]"], "lora.targets: 'wq' matches no module the vlm recipe's LoRA"),
+    "rank 0": (["BASE", "lora.rank=0"], "lora.rank=0 must be > 0"),
+}
+
+
+def test_vlm_lora_composes_on_a_llava(llava):
+    cfg = compose(["recipe=vlm_tiny", "finetune=lora", f"model.init_from={llava['llava']}"])
+    assert cfg.lora.targets == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("case", VLM_BAD)
+def test_bad_vlm_lora_input_stops_with_one_line(llava, case, tmp_path, capsys):
+    extra, needle = VLM_BAD[case]
+    folders = {"BASE": f"model.init_from={llava['llava']}", "CLIP": str(llava["clip"]), "LLAMA": str(llava["llama"])}
+    extra = [folders["BASE"] if e == "BASE" else e.replace("CLIP", folders["CLIP"]).replace("LLAMA", folders["LLAMA"])
+             for e in extra]
+    line = _kiln_error(["recipe=vlm_tiny", "finetune=lora", *extra, f"run.dir={tmp_path / 'run'}"], capsys)
+    assert needle in line, line
+    assert not (tmp_path / "run").exists()
 
 
 def test_apply_lora_freezes_the_base_and_inits_the_adapter_alike_everywhere():
