@@ -62,13 +62,14 @@ def peft_config(lora: LoRAConfig, targets: list[str] | str | None = None, base: 
 
 # ---- the parallelize step ---------------------------------------------------------------------------
 def apply_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:
-    """Wrap every linear named in lora.targets (its last name, e.g. `wq`) with peft's LoRA layer, in place;
-    freeze everything else. On the meta device the adapter stays unallocated (`init_adapter` fills it after
-    materialization). Before FSDP/ZeRO: they then shard the adapter with the frozen base."""
+    """Wrap every linear named in lora.targets (its last name or names, e.g. `wq`, `to_out.0`) with peft's LoRA
+    layer, in place; freeze everything else. On the meta device the adapter stays unallocated (`init_adapter` fills
+    it after materialization). Before FSDP/ZeRO: they then shard the adapter with the frozen base."""
     from peft import inject_adapter_in_model
 
-    leaves = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    missing = [t for t in lora.targets if t not in leaves]
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    # peft's rule for a list of targets: a module's whole name, or its last dotted parts (`to_out.0`).
+    missing = [t for t in lora.targets if not any(n == t or n.endswith("." + t) for n in linears)]
     if missing:  # complete() checked the names; a model part (a pipeline stage) may still lack them all
         raise ConfigError(f"lora.targets: {missing[0]!r} matches no linear of this model")
     inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
@@ -180,6 +181,12 @@ def write_adapter_folder(out: Path, adapter: dict[str, torch.Tensor], config) ->
     config.save_pretrained(str(out))
     save_file({k: v.detach().contiguous() for k, v in adapter.items()}, str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
+
+
+def peft_state_dict(state: dict[str, torch.Tensor], module_name=lambda module: module) -> dict[str, torch.Tensor]:
+    """The adapter weights of an adapted model's state dict under peft's saved names; `module_name` maps the model's
+    name of a wrapped linear to the base's (default: the same, for a model that is the base's own class)."""
+    return {peft_key(module_name(k.split(".lora_")[0]), k): v for k, v in state.items() if is_adapter_key(k)}
 
 
 def peft_key(module: str, fqn: str) -> str:

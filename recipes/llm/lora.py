@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from common.config import TrainConfig
-from common.lora import apply_lora, is_adapter_key, merge_into, peft_config, peft_key, write_adapter_folder
+from common.lora import apply_lora, merge_into, peft_config, peft_state_dict, write_adapter_folder
 from recipes.llm import hf
 from recipes.llm.model import LlamaArgs, Transformer, to_hf_state_dict
 
@@ -28,7 +28,7 @@ def hf_module(module: str, args: LlamaArgs) -> str:
 def hf_adapter_state_dict(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
     """The adapter weights of a Kiln state dict under peft's saved names for a LlamaForCausalLM
     (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, ...)."""
-    return {peft_key(hf_module(k.split(".lora_")[0], args), k): v for k, v in state.items() if is_adapter_key(k)}
+    return peft_state_dict(state, lambda module: hf_module(module, args))
 
 
 def merged_state_dict(state: dict[str, torch.Tensor], args: LlamaArgs, cfg: TrainConfig) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from common.config import TrainConfig
-from common.lora import is_adapter_key, merge_into, peft_config, peft_key, write_adapter_folder
+from common.lora import merge_into, peft_config, peft_state_dict, write_adapter_folder
 from recipes.vlm.model import build_model
 from recipes.vlm.pretrained import llava_hf_state_dict
 
@@ -35,8 +35,7 @@ def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     """The adapter and the projector of a LoRA-wrapped LLaVA's state dict under peft's saved names
     (`base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight`,
     `base_model.model.model.multi_modal_projector.linear_1.weight`, ...)."""
-    out = {peft_key(k.split(".lora_")[0], k): v for k, v in state.items() if is_adapter_key(k)}
-    return out | {f"base_model.model.{k}": v for k, v in state.items() if k.startswith(PROJECTOR + ".")}
+    return peft_state_dict(state) | {f"base_model.model.{k}": v for k, v in state.items() if k.startswith(PROJECTOR + ".")}
 
 
 def write_export(model, cfg: TrainConfig, out: Path, *, base: str, processor) -> None:

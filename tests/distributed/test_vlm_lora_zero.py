@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.conftest import losses, run_train
-from tests.integration.test_vlm_lora import checkpoint_bytes, overrides, tensors, world  # noqa: F401 (fixture)
+from tests.fixtures.lora import checkpoint_bytes, tensors
+from tests.integration.test_vlm_lora import overrides, world  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.distributed
 STEPS = 4

@@ -13,7 +13,8 @@ import torch
 
 from common.tools.launcher import spawn_ranks
 from data import prepare_llava
-from tests.conftest import losses, run_train
+from tests.conftest import run_train
+from tests.fixtures.lora import checkpoint_bytes, fit_and_export, resumed_bitwise, tensors
 from tests.fixtures import vlm as fx
 
 pytestmark = pytest.mark.integration
@@ -38,12 +39,6 @@ def overrides(world: dict, run_dir: Path, *extra: str) -> list[str]:
             "optim.warmup_steps=0", f"run.dir={run_dir}", *extra]
 
 
-def tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
 def probe(folder: Path) -> dict[str, torch.Tensor]:
     """Fixed model inputs: a chat turn with one image."""
     from PIL import Image
@@ -61,18 +56,11 @@ def _train_and_export(world: dict, run_dir: str, out: str) -> dict:
     model.init_from's bit for bit; the trained model's logits on `probe` (saved to ``out``)."""
     from transformers import LlavaForConditionalGeneration
 
-    from common.distributed import init_distributed
-    from common.launch import compose
     from common.lora import base_key, is_adapter_key
     from recipes.vlm.train import VLMTrainer
 
-    cfg = compose(overrides({k: Path(v) for k, v in world.items()}, Path(run_dir), "trainer.max_steps=4",
-                            "export.merge_lora=true"))
-    trainer = VLMTrainer(cfg, init_distributed(), Path(run_dir))
-    in_optimizer = {id(p) for group in trainer.engine.ds.optimizer.param_groups for p in group["params"]}
-    optimized = sorted(name for name, p in trainer.model.named_parameters() if id(p) in in_optimizer)
-    trainer.fit()
-    trainer.export()
+    argv = overrides({k: Path(v) for k, v in world.items()}, Path(run_dir), "trainer.max_steps=4", "export.merge_lora=true")
+    trainer, optimized = fit_and_export(VLMTrainer, argv, Path(run_dir))
     model = trainer.model.eval()
     source = LlavaForConditionalGeneration.from_pretrained(world["base"], dtype=torch.float32).state_dict()
     frozen = {base_key(k): v for k, v in model.state_dict().items()
@@ -123,20 +111,11 @@ def test_adapter_and_projector_train_alone_and_export_for_peft(world, tmp_path):
     assert ours.state_dict().keys() == merged.keys() and merge_error <= 1e-6 and merged_error <= 1e-5
 
 
-def checkpoint_bytes(ckpt: Path) -> int:
-    return sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file() and f.suffix == ".pt")
-
-
 def test_checkpoints_hold_what_trains_and_resume_bitwise(world, tmp_path):
     """Steps 4-6 of a run resumed from step 3 are bit for bit the uninterrupted run's; its checkpoint holds the adapter,
     the projector and their Adam state: about 3x their bytes, a fraction of a full fine-tune's checkpoint."""
     first, resumed, full = tmp_path / "first", tmp_path / "resumed", tmp_path / "full"
-    run_train(overrides(world, first, "trainer.max_steps=6", "checkpoint.every=3"))
-    ckpt = first / "checkpoints" / "step_0000003"
-    run_train(overrides(world, resumed, "trainer.max_steps=6", f"run.resume={ckpt}"))
-    want, got = losses(first), losses(resumed)
-    assert sorted(got) == [4, 5, 6] and all(got[s] == want[s] for s in got), (want, got)
-    assert want[6] < want[1]
+    ckpt = resumed_bitwise(lambda run_dir, *extra: overrides(world, run_dir, *extra), first, resumed)
 
     trained = sum(v.numel() * v.element_size() for v in tensors(first / "export").values())
     lora_bytes = checkpoint_bytes(ckpt)
