@@ -249,7 +249,8 @@ class ModelSpec:
     layer_params: int  # trainable parameters of one transformer layer
     first_params: int  # trainable parameters outside the layers on the first pipeline stage (embeddings)
     last_params: int = 0  # ... on the last stage (final norm, output projection)
-    frozen_params: int = 0  # never trained (the VLM's vision tower): weights only
+    frozen_params: int = 0  # never trained (the VLM's vision tower, a LoRA run's base): weights only
+    frozen_bytes: int = 0  # bytes per frozen weight; 0: the compute dtype's (DeepSpeed casts the module to it)
     gather_unit_params: int = 0  # ZeRO-3 / FSDP: the largest unit gathered at once
     vocab: int = 0  # > 0: the last stage computes logits and a cross-entropy over this vocabulary
     precision: str = "bf16"
@@ -306,7 +307,7 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     gathered = (spec.gather_unit_params - spec.expert_params * (1 - 1 / layout.ep)) / tp
     states = model_state_bytes(params, layout.zero_stage, layout.dp, _state_bytes_per_param(spec, layout.zero_stage),
                                gathered_params=gathered, compute_bytes=e)
-    states["weights"] += spec.frozen_params * e / (layout.dp if layout.zero_stage >= 3 else 1)
+    states["weights"] += spec.frozen_params * (spec.frozen_bytes or e) / (layout.dp if layout.zero_stage >= 3 else 1)
     if spec.sharding == "fsdp" and layout.dp == 1 and e == 2:
         states["gathered"] += 2 * params  # no FSDP policy to cast: autocast caches bf16 weight copies
 

@@ -294,9 +294,18 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     with torch.device("meta"):
         model = Transformer(args)
     # MoE: layers differ (dense first layers); the mean layer, counting every expert (total, not active, parameters).
-    layer, first = sum(map(count_params, model.layers.values())) // args.n_layers, count_params(model.tok_embeddings)
     # Tied embeddings are counted once (on the first stage); under PP the last stage holds a second copy.
-    last = count_params(model.norm) + (0 if args.tie_embeddings else count_params(model.output))
+    def sizes(count) -> tuple[int, int, int]:  # (mean layer, first stage's rest, last stage's rest)
+        return (sum(map(count, model.layers.values())) // args.n_layers, count(model.tok_embeddings),
+                count(model.norm) + (0 if args.tie_embeddings else count(model.output)))
+
+    layer, first, last = sizes(count_params)
+    gather_unit = max(layer, first + last)  # FSDP units: blocks, root
+    # finetune=lora: the adapters train (weights, gradients, Adam state); the base is frozen weights only, in the
+    # parameters' dtype (fp32 whatever toggles.precision: FSDP2's policy and autocast cast them per use).
+    if cfg.finetune == "lora":
+        lora.apply_lora(model, cfg.lora)
+        layer, first, last = sizes(functools.partial(count_params, trainable_only=True))
     # sdpa: the packed documents' [b,1,s,s] bool mask (kept as a bias per layer) and K/V repeated per query
     # head; flash: the varlen kernel takes cu_seqlens and shares K/V heads. DTensor TP keeps the gathered
     # linear inputs.
@@ -311,7 +320,9 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     p = cfg.parallel
     return ModelSpec(cfg.recipe.name, block, layers=args.n_layers, seq=cfg.data.max_seq_len,
                      micro_batch=cfg.trainer.micro_batch_size, layer_params=layer, first_params=first,
-                     last_params=last, gather_unit_params=max(layer, first + last),  # FSDP units: blocks, root
+                     last_params=last, gather_unit_params=gather_unit,
+                     frozen_params=count_params(model) - count_params(model, trainable_only=True),
+                     frozen_bytes=4,
                      vocab=args.vocab_size, precision=cfg.toggles.precision, sharding="fsdp",
                      ac_modes=("none", "selective", "full"), pp_schedule=p.pp_schedule,
                      pp_microbatches=p.pp_microbatches, vocab_parallel=cfg.model.loss_parallel,

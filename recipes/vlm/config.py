@@ -45,7 +45,7 @@ def validate(cfg: TrainConfig) -> None:
     if v.train_vision and v.stage == "align":
         raise ConfigError("vlm.train_vision=true is for vlm.stage=finetune (align trains the projector only)")
     rename_init_from(m, v)
-    if cfg.finetune == "lora" and not m.init_from:
+    if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
         raise ConfigError("finetune=lora trains an adapter on a LLaVA checkpoint: set model.init_from=<a llava-hf folder or "
                           "an align run> (vlm.stage=align from vlm.vision_from + vlm.language_from makes one)")
     if cfg.finetune == "lora" and v.train_vision:

@@ -259,6 +259,43 @@ def test_moe_planner_prices_experts_per_ep_rank():
     assert next(r for r in rows if r["layout"] == configured)["fits"]  # the recipe's own layout fits 8 H100s
 
 
+def test_lora_prices_the_adapter_with_adam_and_the_base_as_weights():
+    """finetune=lora on llm_8b, sized without its base: the trainable parameters are peft's count on transformers'
+    Llama-3-8B; only they have gradients and Adam state, the frozen base costs its fp32 weights alone."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = compose(["recipe=llm_8b", "finetune=lora", "parallel.tp=1", "run.dry_run=true"])
+    spec = llm_spec(cfg)
+    m = cfg.model
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(LlamaConfig(hidden_size=m.dim, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                                          num_key_value_heads=m.n_kv_heads, intermediate_size=m.ffn_dim,
+                                          vocab_size=m.vocab_size, tie_word_embeddings=False))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    trainable, total = get_peft_model(hf, LoraConfig(r=cfg.lora.rank, target_modules=targets)).get_nb_trainable_parameters()
+    assert spec.layers * spec.layer_params + spec.first_params + spec.last_params == trainable == 20_971_520
+    assert spec.total_params == total and spec.frozen_params == total - trainable
+    est = estimate(spec, Layout(dp=1, tp=1, pp=1, zero_stage=0, ac="full"))
+    assert (est["grads"], est["optimizer"]) == (4 * trainable, 8 * trainable)
+    assert est["weights"] == 4 * total
+    sharded = estimate(spec, Layout(dp=8, tp=1, pp=1, zero_stage=3, ac="full"))
+    assert sharded["weights"] == 4 * total / 8  # FSDP2 shards the frozen base too
+
+
+def test_plan_says_llm_8b_lora_fits_one_h100(capsys):
+    """`scripts/plan.py recipe=llm_8b finetune=lora cluster.gpus=1`: llm_8b's tp=8 is refused under LoRA, so the plan
+    starts from one GPU's layout; at 8192 tokens x micro batch 1 the adapter fits one 80 GB H100 (full AC), where a
+    full fine-tune (16 bytes a parameter of states alone) does not."""
+    assert plan_script.main(["recipe=llm_8b", "finetune=lora", "cluster.gpus=1"]) == 0
+    out = capsys.readouterr().out
+    assert "finetune=lora with parallel.tp=8" in out and "micro batch 1 x 8192 tokens on 1 x h100_80gb" in out
+    fits = int(re.search(r"(\d+) of \d+ layouts the recipe allows fit", out)[1])
+    assert fits >= 1 and re.search(r"\n  \d\*?\s+1\s+1\s+1\s+1\s+none\s+full ", out)
+    assert plan_script.main(["recipe=llm_8b", "parallel.tp=1", "cluster.gpus=1"]) == 0
+    assert "0 of 3 layouts the recipe allows fit" in capsys.readouterr().out
+
+
 def run_plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), *args],
                           capture_output=True, text=True, timeout=120)
