@@ -283,6 +283,21 @@ def test_lora_prices_the_adapter_with_adam_and_the_base_as_weights():
     assert sharded["weights"] == 4 * total / 8  # FSDP2 shards the frozen base too
 
 
+def test_dit_lora_prices_its_adapters():
+    """dit_2b under finetune=lora, sized without its base: per block rank x (in + out) for to_q, to_k, to_v, to_out.0
+    (h -> h) and the feed-forward's h -> 4h -> h, i.e. 18 r h; nothing else trains, every other weight is frozen."""
+    full = dit_spec(compose(["recipe=dit_2b"]))
+    cfg = compose(["recipe=dit_2b", "finetune=lora", "run.dry_run=true"])
+    spec = dit_spec(cfg)
+    h = cfg.model.num_attention_heads * cfg.model.attention_head_dim
+    assert spec.layer_params == 18 * cfg.lora.rank * h and spec.first_params == spec.last_params == 0
+    assert spec.total_params == full.total_params + spec.layers * spec.layer_params
+    est = estimate(spec, Layout(dp=1, tp=1, pp=1, zero_stage=0, ac="full"))
+    trainable = spec.layers * spec.layer_params
+    assert (est["grads"], est["optimizer"]) == (DEEPSPEED_MIXED.grads * trainable, DEEPSPEED_MIXED.optimizer * trainable)
+    assert est["weights"] == DEEPSPEED_MIXED.weights * trainable + 2 * spec.frozen_params  # bf16: DeepSpeed casts it
+
+
 def test_plan_says_llm_8b_lora_fits_one_h100(capsys):
     """`scripts/plan.py recipe=llm_8b finetune=lora cluster.gpus=1`: llm_8b's tp=8 is refused under LoRA, so the plan
     starts from one GPU's layout; at 8192 tokens x micro batch 1 the adapter fits one 80 GB H100 (full AC), where a
