@@ -51,6 +51,7 @@ class CheckpointConfig:
     every: int = 0  # 0: only the final checkpoint
     keep: int = 2
     final: bool = True  # save one at the end of training
+    async_save: bool = False  # LLM (DCP): stage a host copy, write it in the background while training goes on
 
 
 @dataclass
@@ -137,6 +138,7 @@ class LoRAConfig:
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on the adapter's input; > 0 draws random numbers per rank
     targets: list[str] = field(default_factory=list)  # module names; [] = the family's LORA_TARGETS (filled in)
+    quantize_base: str = "none"  # none | nf4: QLoRA, the adapted linears' frozen weights in 4-bit NormalFloat
 
 
 @dataclass
@@ -237,6 +239,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"data.build={build}: the first item must be the builder's module (it runs as python -m MODULE ARGS...)")
     if any(arg == "--out" or arg.startswith("--out=") for arg in build):
         raise ConfigError(f"data.build={build} must not give --out: the run appends --out <data.root>")
+    if cfg.checkpoint.async_save and isinstance(cfg.parallel, ZeroParallelConfig):
+        raise ConfigError("checkpoint.async_save=true is for the LLM recipes (DCP); DeepSpeed recipes save synchronously")
     resume = cfg.run.resume
     if resume not in ("auto", "never") and not Path(resume).exists():
         raise ConfigError(f"run.resume={resume}: no such path (use auto, never, or a checkpoint path)")

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import re
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
@@ -72,6 +73,11 @@ class Engine(ABC):
     @abstractmethod
     def save(self, tmp: Path) -> None:
         """Collective: this rank's share of the model and optimizer state into checkpoint dir `tmp`."""
+
+    def save_async(self, tmp: Path, group) -> Future:
+        """Collective: `save`, with the state copied to host memory first and written in the background on process
+        group `group`; the Future completes when the write is. Only engines that can (config.py refuses the rest)."""
+        raise NotImplementedError(f"{type(self).__name__} saves synchronously")
 
     @abstractmethod
     def load(self, path: Path) -> None:
@@ -183,6 +189,7 @@ class NativeEngine(Engine):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(lr_factor, cfg=o, max_steps=cfg.trainer.max_steps))
         self.extras = {"scheduler": self.scheduler}
+        self._stager = None  # async saves' host copy, reused save after save
 
     def autocast(self):
         device = next(iter(self.model.parameters())).device
@@ -238,20 +245,36 @@ class NativeEngine(Engine):
             tdist.all_reduce(t, group=self.mesh["pp"].get_group())
         return t
 
-    def save(self, tmp):
-        import torch.distributed.checkpoint as dcp
+    def _state(self) -> dict:
+        """What a checkpoint holds: the trained weights and their optimizer state, as DCP saves and loads them."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_flat_optim())
-        dcp.save({"model": self._trained(model_sd), "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        return {"model": self._trained(model_sd), "optim": optim_sd}
+
+    def save(self, tmp):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(), checkpoint_id=str(tmp / "dcp"))
+
+    def save_async(self, tmp, group):
+        """DCP's async save: the state is staged (copied) to host memory before this returns -- pinned memory on
+        CUDA, a plain copy on CPU (pinning needs CUDA) -- so training may change the weights while a thread writes."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+        return dcp.async_save(self._state(), checkpoint_id=str(tmp / "dcp"), process_group=group, async_stager=self._stager)
 
     def load(self, path):
         """DCP reshards: a checkpoint written under one (pp, dp, tp) layout loads under another."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_flat_optim())
-        state = {"model": self._trained(model_sd), "optim": optim_sd}
+        state = self._state()
         dcp.load(state, checkpoint_id=str(path / "dcp"))
         # Not strict: the frozen weights are not in a checkpoint (they are loaded from their source already).
         loaded = set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],

@@ -1,8 +1,8 @@
-"""Fault injection for the fault-tolerance tests: NaN losses, crashes, hangs, a kill mid-checkpoint.
+"""Fault injection for the fault-tolerance tests: NaN losses, crashes, hangs, a slow or killed checkpoint write.
 
 Faults come from the environment so that no user config carries them:
 
-    KILN_FAULTS="nan_loss@5,nan_loss@6,crash@7:1,hang@4:1,kill_in_checkpoint@10"
+    KILN_FAULTS="nan_loss@5,nan_loss@6,crash@7:1,hang@4:1,slow_checkpoint@8,kill_in_checkpoint@10"
 
 `kind@STEP[:RANK]`: STEP is the optimizer step being computed (1-based, as logged); RANK
 defaults to every rank. `crash` fires only in the first attempt of a torchrun job
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-KINDS = ("nan_loss", "crash", "hang", "kill_in_checkpoint")
+KINDS = ("nan_loss", "crash", "hang", "slow_checkpoint", "kill_in_checkpoint")
+SLOW_CHECKPOINT_S = 5.0  # how much longer a `slow_checkpoint` write takes
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,9 @@ def poisoned_losses(step: int):
 
 
 def during_checkpoint(step: int) -> None:
-    """SIGKILL this process after a checkpoint's files are written but before it is committed."""
+    """After a checkpoint's files are written but before it is committed (in the background thread of an async
+    save): `slow_checkpoint` makes the write take SLOW_CHECKPOINT_S longer; `kill_in_checkpoint` SIGKILLs this process."""
+    if _active("slow_checkpoint", step):
+        time.sleep(SLOW_CHECKPOINT_S)
     if _active("kill_in_checkpoint", step):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -18,6 +18,7 @@ their slots, so scale: ``flops * slots / counted_slots`` with slots = tokens / t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -238,11 +239,16 @@ class FlopCounter:
         self.flops = 0
 
     def __enter__(self) -> FlopCounter:
-        self._mode.__enter__()
+        # The counted step runs eagerly. A dispatch mode cannot be compiled: with one present, dynamo skips a compiled
+        # block's frame and marks its code to be skipped for good, so a run whose first step was counted would never
+        # compile (toggles.compile=true ran eagerly on an H100, step time and memory equal to compile=false).
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(torch.compiler.set_stance("force_eager"))
+        self._stack.enter_context(self._mode)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._mode.__exit__(*exc)
+        self._stack.__exit__(*exc)
         self.flops = self._mode.get_total_flops()
 
     def by_op(self) -> dict[str, int]:

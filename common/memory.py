@@ -264,6 +264,7 @@ class ModelSpec:
     expert_params: int = 0
     experts: int = 0
     top_k: int = 0
+    ema: bool = False  # an fp32 EMA of the trainable weights (the DiT's, common/ema.py): held like them, in "optimizer"
 
     @property
     def total_params(self) -> int:
@@ -308,6 +309,8 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     states = model_state_bytes(params, layout.zero_stage, layout.dp, _state_bytes_per_param(spec, layout.zero_stage),
                                gathered_params=gathered, compute_bytes=e)
     states["weights"] += spec.frozen_params * (spec.frozen_bytes or e) / (layout.dp if layout.zero_stage >= 3 else 1)
+    if spec.ema:  # 4 bytes per trainable parameter, partitioned only where the weights are (ZeRO-3)
+        states["optimizer"] += 4 * params / (layout.dp if layout.zero_stage >= 3 else 1)
     if spec.sharding == "fsdp" and layout.dp == 1 and e == 2:
         states["gathered"] += 2 * params  # no FSDP policy to cast: autocast caches bf16 weight copies
 

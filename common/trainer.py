@@ -167,7 +167,7 @@ class Trainer(ABC):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         self.cfg, self.dist, self.run_dir = cfg, dist, run_dir
         self.device = dist.device
-        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist)
+        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist, async_save=cfg.checkpoint.async_save)
         self.resume_from = self.ckpt.resolve_resume(cfg.run.resume)  # None: a fresh run
 
     def start(self, loader, *, per_rank_rng: bool, extras: dict[str, Stateful] | None = None) -> None:
@@ -274,15 +274,20 @@ class Trainer(ABC):
     # ---- checkpoints: the engine's state + the TrainState ------------------------------------------
     def save_checkpoint(self) -> None:
         """Collective: the engine's model and optimizer, and the TrainState (per rank when its RNG
-        streams are per rank, else rank 0's), atomically (common/checkpoint.py)."""
+        streams are per rank, else rank 0's), atomically (common/checkpoint.py). With checkpoint.async_save
+        the engine's share is written in the background and committed later (`self.ckpt.poll`/`wait`)."""
 
-        def write(tmp: Path) -> None:
-            self.engine.save(tmp)
+        def write(tmp: Path):
+            # The TrainState first: an async engine save is complete only after every rank's other files are.
             state = self.state.state_dict()
             if self.state.rng:
                 torch.save(state, tmp / f"rank{self.dist.rank:05d}.pt")
             elif self.dist.is_main:
                 torch.save(state, tmp / "trainer.pt")
+            if self.ckpt.async_save:
+                return self.engine.save_async(tmp, self.ckpt.async_group())
+            self.engine.save(tmp)
+            return None
 
         meta = {"recipe": self.cfg.recipe.name, **self.engine.layout(), **self.checkpoint_meta()}
         self.ckpt.save(self.state.step, write, meta=meta)
@@ -336,6 +341,7 @@ class Trainer(ABC):
                     if t.max_bad_steps and bad_in_row >= t.max_bad_steps:
                         # Skipped steps never touched the weights: this checkpoint holds the last good ones.
                         self.save_checkpoint()
+                        self.ckpt.wait()
                         raise TooManyBadSteps(
                             f"{bad_in_row} steps in a row had a non-finite loss or gradient (steps "
                             f"{step - bad_in_row + 1}-{step}, trainer.max_bad_steps={t.max_bad_steps}); "
@@ -343,15 +349,18 @@ class Trainer(ABC):
                             f"{step} in {self.run_dir}/checkpoints")
                     if not bad:
                         self.after_step()
+                    self.ckpt.poll()  # an async save whose write is done everywhere becomes `latest`
                     if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                         self.save_checkpoint()
                         saved_at = step
                     if signum:
                         if saved_at != step:
                             self.save_checkpoint()
+                        self.ckpt.wait()
                         raise STOP_SIGNALS.stop(signum, step, self.run_dir, self.dist)
             if cfg.checkpoint.final:
                 self.save_checkpoint()
+            self.ckpt.wait()
         finally:
             state.loader.close()
             metrics.close()

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     largs = llama_args(cfg, len(tokenizer))
     out = args.out or args.run_dir / "export"
     if cfg.get("finetune", "full") == "lora":
-        from common.lora import is_adapter_key
+        from common.lora import dequantized, is_adapter_key
         from recipes.llm import lora
 
         model = lora.adapted_model(largs, cfg)  # the base from model.init_from
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         dcp.load({"model": adapter}, checkpoint_id=str(path / "dcp"))  # in place: the model's own tensors
         cfg.export.merge_lora = cfg.export.merge_lora or args.merge_lora
         shutil.rmtree(out, ignore_errors=True)
-        lora.write_export(model.state_dict(), largs, cfg, out, tokenizer=tokenizer)
+        lora.write_export(dequantized(model.state_dict()), largs, cfg, out, tokenizer=tokenizer)
         print(f"export: {path} -> {out} (a LoRA adapter of {sum(v.numel() for v in adapter.values()):,} parameters "
               f"on {source}{'; merged model in ' + str(out / 'merged') if cfg.export.merge_lora else ''})")
         return 0

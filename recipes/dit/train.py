@@ -300,7 +300,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
                      micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
                      first_params=trained(model) - m.num_layers * layer, frozen_params=count_params(model) - trained(model),
                      gather_unit_params=largest_module_params(model), precision=cfg.toggles.precision,
-                     ac_modes=("none", "selective", "full"))
+                     ac_modes=("none", "selective", "full"), ema=True)
 
 
 TRAINER = DiTTrainer  # recipes/registry.py

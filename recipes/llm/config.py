@@ -17,6 +17,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # finetune=lora (common/lora.py): the linears an adapter may target, all of them by default (recipes/llm/model.py's
 # names; the export names them as Hugging Face does: q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj, up_proj).
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+QLORA = True  # lora.quantize_base=nf4 (common/lora.py: quantize_base), on one GPU
 
 
 @dataclass
@@ -191,6 +192,10 @@ def validate(cfg: TrainConfig) -> None:
         # beside a column-sharded base, row-sharded beside wo/w2) and DTensor-aware merging: not done yet.
         raise ConfigError(f"finetune=lora with parallel.tp={p.tp}: LoRA runs under FSDP2 (parallel.dp) and pipeline "
                           "parallelism (parallel.pp), not tensor parallelism yet (parallel.tp=1)")
+    check_qlora_layout(cfg, max(p.dp, 1), p.tp, p.pp)  # dp=-1 (the world's) is checked again once it is known
+    if cfg.lora.quantize_base == "nf4" and cfg.toggles.compile:
+        raise ConfigError("lora.quantize_base=nf4 with toggles.compile=true is not supported yet: torch.compile of the "
+                          "NF4 weights is untested here; use toggles.compile=false")
     if cfg.finetune == "lora" and m.moe.num_experts:
         # The experts are stacked weights, not linears: adapters on them need peft's target_parameters, and a
         # PEFT folder for Mixtral/Qwen-MoE names per-expert modules. Not done yet.
@@ -206,6 +211,13 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.toggles.attention == "eager":
         raise ConfigError("toggles.attention=eager is not in the LLM recipe: its own Llama runs sdpa (a dense mask) "
                           "or flash (the varlen kernel on packed rows)")
+
+
+def check_qlora_layout(cfg: TrainConfig, dp: int, tp: int, pp: int) -> None:
+    if cfg.lora.quantize_base == "nf4" and (dp, tp, pp) != (1, 1, 1):
+        # FSDP2 would have to shard and gather NF4 tensors (torchao implements it, Kiln does not wire it yet).
+        raise ConfigError(f"lora.quantize_base=nf4 runs on one GPU (parallel.dp=1, tp=1, pp=1); this run has "
+                          f"dp={dp}, tp={tp}, pp={pp}")
 
 
 def validate_moe(cfg: TrainConfig) -> None:

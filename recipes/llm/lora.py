@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from common.config import TrainConfig
-from common.lora import apply_lora, merge_into, peft_config, peft_state_dict, write_adapter_folder
+from common.lora import apply_lora, merge_into, peft_config, peft_state_dict, quantize_base, write_adapter_folder
 from recipes.llm import hf
 from recipes.llm.model import LlamaArgs, Transformer, to_hf_state_dict
 
@@ -63,4 +63,6 @@ def adapted_model(args: LlamaArgs, cfg: TrainConfig) -> Transformer:
     model.to_empty(device="cpu")
     model.init_buffers()
     hf.load_weights(model, args, cfg.model.init_from)
+    if cfg.lora.get("quantize_base", "none") == "nf4":  # the base the adapter was trained on (the merged export merges into it)
+        quantize_base(model)
     return model

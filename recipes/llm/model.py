@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from common.varlen import varlen_causal_attention
+
 
 @dataclasses.dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -208,11 +210,9 @@ class Segments(NamedTuple):
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-    """torch's FlashAttention varlen kernel: causal within each segment, ``[T, H, hd]`` -> ``[T, Hq, hd]``,
-    with the kernel sharing each key/value head among its query heads (GQA). CUDA only (bf16/fp16)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), enable_gqa=True)
+    """torch's FlashAttention varlen kernel: causal within each segment, ``[T, H, hd]`` -> ``[T, Hq, hd]`` (GQA:
+    common/varlen.py). CUDA only (bf16/fp16)."""
+    return varlen_causal_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Segments | None) -> Tensor:

@@ -31,6 +31,7 @@ from common.parallel_dims import ParallelDims
 from common.trainer import Trainer
 from recipes.llm import hf
 from recipes.llm import lora as llm_lora
+from recipes.llm.config import check_qlora_layout
 from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, model_inputs, pad_id, prepare_data
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoE, MoEArgs, Transformer
 from recipes.llm.moe_losses import expert_load, global_counts, load_balancing_loss, pooled, router_sums, z_loss
@@ -122,6 +123,10 @@ class LLMTrainer(Trainer):
             # strict=False under PP: rank 0's full dict holds the other stages' keys too.
             set_model_state_dict(self.model, full or {}, options=StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True, strict=pp == 1))
+        if cfg.lora.quantize_base == "nf4":  # QLoRA: the loaded base's adapted linears in 4 bits
+            check_qlora_layout(cfg, self.dims.dp, self.dims.tp, pp)
+            held = lora.quantize_base(self.model)
+            print(f"kiln: lora.quantize_base=nf4: the adapted linears' base weights hold {held / 2**20:,.1f} MiB", flush=True)
         pipeline = Pipeline(self.model, cfg, self.mesh, self.device, self.pad_id) if pp > 1 else None
         tied = TiedEmbeddings(self.model, self.mesh) if pp > 1 and self.args.tie_embeddings else None
         self.engine = NativeEngine(self.model, cfg, self.mesh, pipeline=pipeline, tied=tied,
@@ -267,7 +272,7 @@ class LLMTrainer(Trainer):
         if self.dist.is_main:
             if self.lora:
                 shutil.rmtree(tmp, ignore_errors=True)
-                llm_lora.write_export(full, self.args, self.cfg, tmp, tokenizer=self.tokenizer)
+                llm_lora.write_export(lora.dequantized(full), self.args, self.cfg, tmp, tokenizer=self.tokenizer)
             else:
                 hf.write_hf_folder(full, self.args, tmp, tokenizer=self.tokenizer, source=self.cfg.model.init_from or None)
             shutil.rmtree(out, ignore_errors=True)

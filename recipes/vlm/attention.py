@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.nn.attention.varlen import varlen_attn  # torch's own FlashAttention varlen kernel; CUDA only
 from transformers import AttentionInterface, LlavaForConditionalGeneration
+
+from common.varlen import varlen_causal_attention  # torch's own FlashAttention varlen kernel; CUDA only
 
 # toggles.attention -> the language model's attention implementation. `flash` is torch's own varlen
 # FlashAttention kernel, registered with transformers by register_varlen_attention (no flash-attn package).
@@ -31,7 +32,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     The packed batch arrives as one flattened row (`PackedBatch.model_inputs("flash")`): q/k/v are
     [1, heads, R*L, head_dim] and `cu_seq_lens_{q,k}` / `max_length_{q,k}` are the segment boundaries
     that build the CPU path's block-diagonal mask (common/data/packing.py). The kernel takes
-    [tokens, heads, head_dim], shares K/V heads across query groups itself (GQA, no repeat) and is
+    [tokens, heads, head_dim], shares K/V heads across query groups (GQA: common/varlen.py) and is
     causal within each segment with window (-1, 0). Returns [1, R*L, heads, head_dim] as transformers expects.
     """
     cu_q = kwargs.get("cu_seq_lens_q")
@@ -41,8 +42,8 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if dropout:
         raise ValueError("the varlen flash attention has no dropout")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, head_dim]
-    out = varlen_attn(q, k, v, cu_q, kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"],
-                      scale=scaling, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+    out = varlen_causal_attention(q, k, v, cu_q, kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"],
+                                  scale=scaling)
     return out.unsqueeze(0), None
 
 

@@ -180,3 +180,39 @@ def test_activation_checkpointing_and_dropout(folders, six_steps, tmp_path):
     want, got = losses(dropout), losses(resumed)
     assert sorted(got) == [3, 4] and all(got[s] == want[s] for s in got), (want, got)
     assert want[2] != pytest.approx(ref[2], rel=1e-6)  # dropout did draw
+
+
+def test_qlora_nf4_base(folders, tmp_path):
+    """lora.quantize_base=nf4: the adapted linears' frozen weights in torchao's 4-bit NormalFloat. The loss falls, a
+    resumed run continues bit for bit (the base is quantized again, alike), and the export's merged model computes what
+    transformers' LlamaForCausalLM does with torchao's dequantized NF4 weights and the exported adapter loaded by
+    peft -- not what it does on the full-precision base."""
+    from peft import PeftModel
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    from transformers import LlamaForCausalLM
+
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    out = run_train(overrides(folders, first, "trainer.max_steps=6", "checkpoint.every=3", "lora.quantize_base=nf4",
+                              "export.merge_lora=true")).stdout
+    # 4 layers x 7 linears, 151,552 weights: half a byte each plus the scales, against 4 bytes each in fp32.
+    assert "lora.quantize_base=nf4: the adapted linears' base weights hold 0.1 MiB" in out, out
+    run_train(overrides(folders, resumed, "trainer.max_steps=6", "lora.quantize_base=nf4",
+                        f"run.resume={first / 'checkpoints' / 'step_0000003'}"))
+    want, got = losses(first), losses(resumed)
+    assert want[6] < want[1] and sorted(got) == [4, 5, 6] and all(got[s] == want[s] for s in got), (want, got)
+
+    tokens = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = LlamaForCausalLM.from_pretrained(folders["base"], dtype=torch.float32).eval()
+        full_logits = PeftModel.from_pretrained(full, first / "export").eval()(tokens).logits
+        nf4 = LlamaForCausalLM.from_pretrained(folders["base"], dtype=torch.float32).eval()
+        for name, module in nf4.named_modules():
+            if name.rpartition(".")[2] in HF_TARGETS:
+                scales = module.weight.numel() // 64
+                block = next(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if scales % b == 0)
+                module.weight.copy_(to_nf4(module.weight, 64, block).get_original_weight())
+        nf4_logits = PeftModel.from_pretrained(nf4, first / "export").eval()(tokens).logits
+        merged = LlamaForCausalLM.from_pretrained(first / "export" / "merged", dtype=torch.float32).eval()(tokens).logits
+    error, quantized = (merged - nf4_logits).abs().max().item(), (merged - full_logits).abs().max().item()
+    print(f"max |merged - PeftModel on the NF4 base| = {error:.2e}; against the fp32 base {quantized:.2e}")
+    assert error <= 1e-5 and quantized > 1e-3

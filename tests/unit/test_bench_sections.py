@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 
 from scripts.bench import SECTIONS
-from scripts.benchmarks import loading, lora, packing, pipeline
+from scripts.benchmarks import checkpoint, loading, lora, packing, pipeline
 from scripts.benchmarks.harness import Options
 from scripts.benchmarks.report import Section
 
@@ -53,6 +53,16 @@ def test_loading_targets_are_per_two_rank_layout():
     s = loading.section(rows, checkpoint_bytes=gib, n_params=gib // 4)
     check(s, "loading")
     assert [(t.what.split(":")[0], t.met) for t in s.targets] == [("kiln, tp=2", True), ("kiln, pp=2", False)]
+
+
+def test_checkpoint_section_times_both_modes_on_real_saves(tmp_path):
+    s = checkpoint.run(Options(quick=True, threads=1, out=tmp_path), model=["model.dim=64", "model.ffn_dim=172"])
+    check(s, "checkpoint")
+    data = s.data
+    assert len(data["sync_saves_s"]) == len(data["async_saves_s"]) == 2  # steps 3 and 6 of 7
+    assert data["stall_s"]["sync"] > 0 and data["stall_s"]["async"] > 0 and data["checkpoint_bytes"] > 0
+    assert data["ratio"] == data["stall_s"]["async"] / data["stall_s"]["sync"]
+    assert "crc32 (zlib)" in data["checksum_s_per_100mb"]
 
 
 def test_lora_section_against_full_fine_tuning(tmp_path):

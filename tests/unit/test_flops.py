@@ -344,3 +344,29 @@ def test_cpu_peak_is_measured_fast_and_cached():
 def test_mfu():
     # 1 TFLOP per step over 2 devices of 1 TFLOP/s in 1 s: half the capacity used.
     assert mfu(1e12, 1.0, 1e12, world_size=2) == pytest.approx(0.5)
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+def test_a_counted_step_leaves_compiled_modules_compiling():
+    # Every fresh run counts its first step's FLOPs (profile.count_flops). That step must not stop torch.compile for the
+    # rest of the run: under a dispatch mode dynamo skips a compiled module's frame and marks its code to be skipped.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    block = _Mlp()  # a module of its own: dynamo does not trace torch.nn's own forwards as the compiled frame
+    block.compile(backend="eager")  # dynamo's decision is what is tested, not a backend
+    x = torch.randn(4, 8)
+    with FlopCounter() as counter:
+        block(x).sum().backward()
+    assert counter.flops == 5 * 2 * 4 * 8 * 16  # 2 matmuls forward, 3 backward (x needs no gradient)
+    torch._dynamo.utils.counters.clear()
+    block(x).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

@@ -43,6 +43,13 @@ BAD = {
     "repeated target": (["lora.targets=[wq,wq]", "BASE"], "names a module twice"),
     "tensor parallel": (["parallel.tp=2", "BASE"], "finetune=lora with parallel.tp=2"),
     "unknown method": (["finetune=qlora", "BASE"], "finetune"),
+    "unknown quantization": (["lora.quantize_base=int8", "BASE"], "lora.quantize_base='int8': choose one of none, nf4"),
+    "nf4 without lora": (["finetune=full", "lora.quantize_base=nf4", "BASE"], "lora.quantize_base=nf4 quantizes a LoRA "
+                         "run's frozen base: it needs finetune=lora"),
+    "nf4 with dp": (["lora.quantize_base=nf4", "parallel.dp=2", "BASE"], "lora.quantize_base=nf4 runs on one GPU"),
+    "nf4 with pp": (["lora.quantize_base=nf4", "parallel.pp=2", "BASE"], "this run has dp=1, tp=1, pp=2"),
+    "nf4 compiled": (["lora.quantize_base=nf4", "toggles.compile=true", "BASE"], "with toggles.compile=true is not "
+                     "supported yet"),
 }
 
 
@@ -115,6 +122,12 @@ def test_bad_zero_recipe_lora_input_stops_with_one_line(bases, case, tmp_path, c
     line = _kiln_error([f"recipe={recipe}", "finetune=lora", *extra, f"run.dir={tmp_path / 'run'}"], capsys)
     assert needle in line, line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("recipe", ["dit_tiny", "vlm_tiny"])
+def test_families_without_qlora_refuse_it(recipe, capsys):
+    line = _kiln_error([f"recipe={recipe}", "finetune=lora", "lora.quantize_base=nf4"], capsys)
+    assert f"lora.quantize_base=nf4 is not offered by the {recipe[:3]} recipe yet" in line, line
 
 
 def test_apply_lora_freezes_the_base_and_inits_the_adapter_alike_everywhere():

@@ -166,14 +166,23 @@ def _reference_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=N
     return out
 
 
-@pytest.fixture
-def varlen_on_cpu(monkeypatch):
+def _reference_without_gqa(q, k, v, *args, **kwargs):
+    """torch 2.11's varlen_attn, which has no enable_gqa: query and key/value head counts must be equal."""
+    assert "enable_gqa" not in kwargs and q.shape[1] == k.shape[1]
+    return _reference_varlen_attn(q, k, v, *args, **kwargs)
+
+
+@pytest.fixture(params=["enable_gqa", "repeat_kv"])
+def varlen_on_cpu(request, monkeypatch):
     """The VLM's toggles.attention=flash implementation (recipes/vlm/attention.py), registered with
-    transformers as in training, with torch's CUDA-only varlen kernel swapped for its CPU reference: the
-    flash-path inputs then travel through the real forward and the real adapter on CPU."""
+    transformers as in training, with torch's CUDA-only varlen kernel (common/varlen.py) swapped for its CPU
+    reference: the flash-path inputs then travel through the real forward and the real adapter on CPU. Both
+    kernels: one that shares key/value heads itself (torch 2.13), one that needs them repeated (torch 2.11)."""
+    from common import varlen
     from recipes.vlm import attention
 
-    monkeypatch.setattr(attention, "varlen_attn", _reference_varlen_attn)
+    kernel = (_reference_varlen_attn, True) if request.param == "enable_gqa" else (_reference_without_gqa, False)
+    monkeypatch.setattr(varlen, "_kernel", lambda: kernel)
     attention.register_varlen_attention()
     return attn_implementation("flash")
 
