@@ -283,6 +283,30 @@ def test_lora_prices_the_adapter_with_adam_and_the_base_as_weights():
     assert sharded["weights"] == 4 * total / 8  # FSDP2 shards the frozen base too
 
 
+def test_qlora_prices_the_adapted_linears_base_as_torchao_nf4():
+    """lora.quantize_base=nf4: each adapted linear's frozen weight costs what torchao's NF4Tensor holds (measured on
+    one 14336 x 4096 weight, llm_8b's MLP), the other frozen weights their fp32 bytes."""
+    pytest.importorskip("torchao")
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from common.memory import nf4_bytes
+
+    nf4 = to_nf4(torch.randn(14336, 4096), 64, 256)
+    assert nf4_bytes(14336 * 4096) == sum(getattr(nf4, a).nbytes for a in nf4.__tensor_flatten__()[0])
+    base = ["recipe=llm_8b", "finetune=lora", "parallel.tp=1", "run.dry_run=true"]
+    lora_spec, qlora = llm_spec(compose(base)), llm_spec(compose([*base, "lora.quantize_base=nf4"]))
+    m = compose(base).model
+    per_layer = m.dim * (2 * m.dim + 2 * m.dim * m.n_kv_heads // m.n_heads) + 3 * m.dim * m.ffn_dim
+    saved = m.n_layers * (4 * per_layer) - sum(nf4_bytes(n) for n in [m.dim * m.dim] * 2 * m.n_layers
+                                               + [m.dim * m.dim * m.n_kv_heads // m.n_heads] * 2 * m.n_layers
+                                               + [m.dim * m.ffn_dim] * 3 * m.n_layers)
+    assert lora_spec.frozen_bytes - qlora.frozen_bytes == pytest.approx(saved, rel=1e-12)
+    one = Layout(dp=1, tp=1, pp=1, zero_stage=0, ac="full")
+    print(f"llm_8b on one GPU: LoRA weights {estimate(lora_spec, one)['weights'] / 2**30:.2f} GiB, "
+          f"QLoRA {estimate(qlora, one)['weights'] / 2**30:.2f} GiB")
+    assert estimate(lora_spec, one)["weights"] - estimate(qlora, one)["weights"] == pytest.approx(saved, rel=1e-12)
+
+
 def test_dit_lora_prices_its_adapters():
     """dit_2b under finetune=lora, sized without its base: per block rank x (in + out) for to_q, to_k, to_v, to_out.0
     (h -> h) and the feed-forward's h -> 4h -> h, i.e. 18 r h; nothing else trains, every other weight is frozen."""
