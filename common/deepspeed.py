@@ -137,8 +137,9 @@ def grad_norm(engine) -> torch.Tensor | float:
     return norm if norm is not None else float("nan")
 
 
-def load_checkpoint(engine, path: Path, *, load_optimizer: bool = True) -> None:
-    """Restore the engine (model, optimizer, LR schedule; ZeRO shards per rank) from `path`."""
+def load_checkpoint(engine, path: Path, *, load_optimizer: bool = True, strict: bool = True) -> None:
+    """Restore the engine (model, optimizer, LR schedule; ZeRO shards per rank) from `path`. `strict=False`: the
+    checkpoint holds the trainable parameters only (saved with exclude_frozen_parameters)."""
     import torch.distributed as tdist
 
     meta = read_meta(path)
@@ -150,7 +151,7 @@ def load_checkpoint(engine, path: Path, *, load_optimizer: bool = True) -> None:
         )
     engine.load_checkpoint(
         str(path.parent), tag=path.name, load_optimizer_states=load_optimizer,
-        load_lr_scheduler_states=load_optimizer, load_module_only=not load_optimizer,
+        load_lr_scheduler_states=load_optimizer, load_module_only=not load_optimizer, load_module_strict=strict,
     )
 
 

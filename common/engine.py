@@ -99,6 +99,9 @@ class DeepSpeedEngine(Engine):
         self.ds = ds.initialize(model, cfg, dp)
         self.model, self.module, self.dp = self.ds, self.ds.module, dp
         self.zero_stage = cfg.parallel.zero_stage
+        # finetune=lora: checkpoints hold what trains (the adapter, a VLM's projector) and its optimizer state; the
+        # frozen base comes from its source on every start (common/lora.py checks a resume's base).
+        self.frozen_in_checkpoints = cfg.finetune != "lora"
 
     def forward_backward(self, loss, batch, inv_count, last, timer):
         self.ds.set_gradient_accumulation_boundary(last)
@@ -129,10 +132,11 @@ class DeepSpeedEngine(Engine):
         return t
 
     def save(self, tmp):
-        self.ds.save_checkpoint(str(tmp.parent), tag=tmp.name, save_latest=False)
+        self.ds.save_checkpoint(str(tmp.parent), tag=tmp.name, save_latest=False,
+                                exclude_frozen_parameters=not self.frozen_in_checkpoints)
 
     def load(self, path):
-        ds.load_checkpoint(self.ds, path)
+        ds.load_checkpoint(self.ds, path, strict=self.frozen_in_checkpoints)
 
     def layout(self):
         return {"zero_stage": self.zero_stage}

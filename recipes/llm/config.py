@@ -188,7 +188,7 @@ def validate(cfg: TrainConfig) -> None:
         # than the positions it was trained on are refused rather than extrapolated.
         source = f" (max_position_embeddings of model.init_from={m.init_from})" if m.init_from else ""
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} exceeds model.max_seq_len={m.max_seq_len}{source}")
-    if cfg.finetune == "lora" and not m.init_from:
+    if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
         raise ConfigError("finetune=lora trains an adapter on a base checkpoint: set model.init_from=<a Hugging Face Llama folder>")
     if cfg.finetune == "lora" and p.tp > 1:
         # peft wraps nn.Linear; tensor parallelism would need its own styles for lora_A/lora_B (A replicated

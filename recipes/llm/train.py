@@ -26,7 +26,7 @@ from common.data.packing import PackedBatch
 from common.distributed import DistInfo, barrier
 from common.engine import NativeEngine
 from common.errors import DataError
-from common.memory import Block, ModelSpec, count_params
+from common.memory import Block, ModelSpec, count_params, nf4_bytes
 from common.parallel_dims import ParallelDims
 from common.trainer import Trainer
 from recipes.llm import hf
@@ -324,9 +324,23 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     with torch.device("meta"):
         model = Transformer(args)
     # MoE: layers differ (dense first layers); the mean layer, counting every expert (total, not active, parameters).
-    layer, first = sum(map(count_params, model.layers.values())) // args.n_layers, count_params(model.tok_embeddings)
     # Tied embeddings are counted once (on the first stage); under PP the last stage holds a second copy.
-    last = count_params(model.norm) + (0 if args.tie_embeddings else count_params(model.output))
+    def sizes(count) -> tuple[int, int, int]:  # (mean layer, first stage's rest, last stage's rest)
+        return (sum(map(count, model.layers.values())) // args.n_layers, count(model.tok_embeddings),
+                count(model.norm) + (0 if args.tie_embeddings else count(model.output)))
+
+    layer, first, last = sizes(count_params)
+    gather_unit = max(layer, first + last)  # FSDP units: blocks, root
+    # finetune=lora: the adapters train (weights, gradients, Adam state); the base is frozen weights only, in the
+    # parameters' dtype (fp32 whatever toggles.precision: FSDP2's policy and autocast cast them per use).
+    if cfg.finetune == "lora":
+        lora.apply_lora(model, cfg.lora)
+        layer, first, last = sizes(functools.partial(count_params, trainable_only=True))
+    frozen = count_params(model) - count_params(model, trainable_only=True)
+    frozen_bytes = 4.0 * frozen
+    if cfg.finetune == "lora" and cfg.lora.quantize_base == "nf4":  # QLoRA: the adapted linears' base in NF4
+        quantized = [m.base_layer.weight.numel() for m in model.modules() if hasattr(m, "lora_A")]
+        frozen_bytes += sum(nf4_bytes(n) - 4.0 * n for n in quantized)
     # sdpa: the packed documents' [b,1,s,s] bool mask (kept as a bias per layer) and K/V repeated per query
     # head; flash: the varlen kernel takes cu_seqlens and shares K/V heads. DTensor TP keeps the gathered
     # linear inputs.
@@ -341,7 +355,8 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     p = cfg.parallel
     return ModelSpec(cfg.recipe.name, block, layers=args.n_layers, seq=cfg.data.max_seq_len,
                      micro_batch=cfg.trainer.micro_batch_size, layer_params=layer, first_params=first,
-                     last_params=last, gather_unit_params=max(layer, first + last),  # FSDP units: blocks, root
+                     last_params=last, gather_unit_params=gather_unit,
+                     frozen_params=frozen, frozen_bytes=frozen_bytes,
                      vocab=args.vocab_size, precision=cfg.toggles.precision, sharding="fsdp",
                      ac_modes=("none", "selective", "full"), pp_schedule=p.pp_schedule,
                      pp_microbatches=p.pp_microbatches, vocab_parallel=cfg.model.loss_parallel,
