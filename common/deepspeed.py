@@ -144,11 +144,12 @@ def trained_shapes(engine) -> dict[str, list[int]]:
     return {name: list(getattr(p, "ds_shape", p.shape)) for name, p in engine.module.named_parameters() if p.requires_grad}
 
 
-def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool = True) -> None:
+def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool = True, strict: bool = True) -> None:
     """Restore the engine (model, optimizer, LR schedule) from `path`, whatever ZeRO stage and number of ranks
     wrote it. The same layout loads DeepSpeed's own shards (bit for bit); another one is converted first into a
     DeepSpeed universal checkpoint (one folder per parameter: its whole fp32 weight and Adam moments) under
-    `scratch` (a folder every rank sees), which each rank then takes its part of (`load_universal`)."""
+    `scratch` (a folder every rank sees), which each rank then takes its part of (`load_universal`). `strict=False`:
+    the checkpoint holds the trainable parameters only (saved with exclude_frozen_parameters)."""
     import torch.distributed as tdist
 
     meta = read_meta(path)
@@ -158,7 +159,7 @@ def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool =
     if saved == (world, engine.zero_optimization_stage()) or not load_optimizer:
         engine.load_checkpoint(
             str(path.parent), tag=path.name, load_optimizer_states=load_optimizer,
-            load_lr_scheduler_states=load_optimizer, load_module_only=not load_optimizer,
+            load_lr_scheduler_states=load_optimizer, load_module_only=not load_optimizer, load_module_strict=strict,
         )
         return
     main = not tdist.is_initialized() or tdist.get_rank() == 0

@@ -100,6 +100,9 @@ class DeepSpeedEngine(Engine):
         self.ds = ds.initialize(model, cfg, dp)
         self.model, self.module, self.dp = self.ds, self.ds.module, dp
         self.zero_stage = cfg.parallel.zero_stage
+        # finetune=lora: checkpoints hold what trains (the adapter, a VLM's projector) and its optimizer state; the
+        # frozen base comes from its source on every start (common/lora.py checks a resume's base).
+        self.frozen_in_checkpoints = cfg.finetune != "lora"
 
     def forward_backward(self, loss, batch, inv_count, last, timer):
         self.ds.set_gradient_accumulation_boundary(last)
@@ -130,11 +133,13 @@ class DeepSpeedEngine(Engine):
         return t
 
     def save(self, tmp):
-        self.ds.save_checkpoint(str(tmp.parent), tag=tmp.name, save_latest=False)
+        self.ds.save_checkpoint(str(tmp.parent), tag=tmp.name, save_latest=False,
+                                exclude_frozen_parameters=not self.frozen_in_checkpoints)
 
     def load(self, path):
         """Any ZeRO stage and number of ranks: another layout than this run's is converted (common/deepspeed.py)."""
-        ds.load_checkpoint(self.ds, path, scratch=self.scratch or path.parent / ".tmp")
+        ds.load_checkpoint(self.ds, path, scratch=self.scratch or path.parent / ".tmp",
+                           strict=self.frozen_in_checkpoints)
 
     def layout(self):
         return {"zero_stage": self.zero_stage, "trained_shapes": ds.trained_shapes(self.ds)}
@@ -217,13 +222,13 @@ class NativeEngine(Engine):
         if self.tied is not None:
             self.tied.all_reduce_grads()
         params = list(self.model.parameters())
-        if self.pp > 1:  # the norm spans every stage's gradients
-            skip = self.tied.norm_skip if self.tied is not None else None
-            return clip_grad_norm_(params, self.grad_clip, self.mesh["pp"].get_group(), skip=skip)
-        if self.ep > 1:  # DTensor gradients on two meshes
-            return clip_sharded_grad_norm_(params, self.grad_clip, self.mesh["dp"].get_group())
-        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if self.pp == 1 and self.ep == 1:  # one mesh: DTensor's own norm
+            norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+            return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return clip_grad_norm_(params, self.grad_clip,
+                               dp_group=self.mesh["dp"].get_group() if self.ep > 1 else None,  # DTensors on two meshes
+                               pp_group=self.mesh["pp"].get_group() if self.pp > 1 else None,  # every stage's gradients
+                               skip=self.tied.norm_skip if self.tied is not None else None)
 
     def step(self, skip=False):
         if not skip:
@@ -292,40 +297,39 @@ class NativeEngine(Engine):
         return {k: v for k, v in model_sd.items() if k not in frozen}
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, skip: nn.Parameter | None = None) -> torch.Tensor:
-    """Clip by the norm over ALL pipeline stages' gradients (each rank holds only its stages' parameters);
-    ``skip``: a parameter whose gradient another stage already counts (a tied embedding's copy)."""
-    grads = [p.grad for p in params if p.grad is not None and p is not skip]
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    sq = norm.float() ** 2
-    tdist.all_reduce(sq, group=pp_group)
-    total = sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, dp_group=None, pp_group=None,
+                    skip: nn.Parameter | None = None) -> torch.Tensor:
+    """Clip by the global norm of gradients that one DTensor norm cannot take.
 
-
-def clip_sharded_grad_norm_(params: list[nn.Parameter], max_norm: float, dp_group) -> torch.Tensor:
-    """Clip by the global norm of gradients that are DTensors on different meshes whose shards each cover their
-    tensor once over the dp ranks: expert parallelism's experts on ("edp", "ep"), the rest FSDP-sharded on
-    "dp". DTensor ops take one mesh at a time (and a 2-D partial norm costs two all-reduces), so: the local
-    shards' squared norm, summed over dp by one all-reduce; then each mesh's gradients clipped on their own."""
+    ``dp_group`` (expert parallelism): the gradients are DTensors on different meshes whose shards each cover their
+    tensor once over the dp ranks: the experts on ("edp", "ep"), the rest FSDP-sharded on "dp". DTensor ops take one
+    mesh at a time (and a 2-D partial norm costs two all-reduces), so the local shards' squared norm is summed over dp
+    by one all-reduce. Without it, the gradients share one mesh and DTensor reduces their norm.
+    ``pp_group`` (pipeline parallelism): each rank holds only its stages' parameters; the squared norms are summed over
+    the stages. ``skip``: a parameter whose gradient another stage already counts (a tied embedding's copy).
+    Then each mesh's gradients are clipped on their own."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's Shard(0) on top of ep's Shard(0)
 
-    grads = [p.grad for p in params if p.grad is not None]
-    dp = tdist.get_world_size(dp_group)
-    for g in grads:
-        if not (isinstance(g, DTensor) and g.device_mesh.size() == dp and all(isinstance(x, (Shard, _StridedShard)) for x in g.placements)):
-            raise RuntimeError(f"a gradient {getattr(g, 'placements', 'not a DTensor')} is not sharded over the "
-                                      f"{dp} dp ranks")
-    sq = torch.nn.utils.get_total_norm([g.to_local() for g in grads], 2.0).float() ** 2
-    tdist.all_reduce(sq, group=dp_group)
+    grads = [p.grad for p in params if p.grad is not None and p is not skip]
+    if dp_group is not None:
+        dp = tdist.get_world_size(dp_group)
+        for g in grads:
+            if not (isinstance(g, DTensor) and g.device_mesh.size() == dp
+                    and all(isinstance(x, (Shard, _StridedShard)) for x in g.placements)):
+                raise RuntimeError(f"a gradient {getattr(g, 'placements', 'not a DTensor')} is not sharded over the "
+                                   f"{dp} dp ranks")
+        sq = torch.nn.utils.get_total_norm([g.to_local() for g in grads], 2.0).float() ** 2
+        tdist.all_reduce(sq, group=dp_group)
+    else:
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        sq = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float() ** 2
+    if pp_group is not None:
+        tdist.all_reduce(sq, group=pp_group)
     total = sq.sqrt()
     by_mesh: dict = {}
     for p in params:
-        by_mesh.setdefault(p.device_mesh, []).append(p)
+        by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

@@ -59,29 +59,45 @@ def complete(cfg: TrainConfig, family: ModuleType) -> None:
         raise ConfigError(f"lora.targets={list(cfg.lora.targets)} names a module twice")
 
 
-def peft_config(lora: LoRAConfig, targets: list[str] | None = None, base: str | None = None):
-    """peft's LoraConfig of these settings (`targets`: the names in the model at hand, default lora.targets)."""
+def peft_config(lora: LoRAConfig, targets: list[str] | str | None = None, base: str | None = None,
+                modules_to_save: list[str] | None = None):
+    """peft's LoraConfig of these settings (`targets`: the names in the model at hand, default lora.targets, or
+    one regex over whole module names; `modules_to_save`: modules trained in full, saved whole in the adapter)."""
     from peft import LoraConfig
 
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
-                      target_modules=sorted(targets or lora.targets), base_model_name_or_path=base)
+                      target_modules=targets if isinstance(targets, str) else sorted(targets or lora.targets),
+                      modules_to_save=modules_to_save, base_model_name_or_path=base)
 
 
 # ---- the parallelize step ---------------------------------------------------------------------------
 def apply_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:
-    """Wrap every linear named in lora.targets (its last name, e.g. `wq`) with peft's LoRA layer, in place;
-    freeze everything else. On the meta device the adapter stays unallocated (`init_adapter` fills it after
-    materialization). Before FSDP/ZeRO: they then shard the adapter with the frozen base."""
+    """Wrap every linear named in lora.targets (its last name or names, e.g. `wq`, `to_out.0`) with peft's LoRA
+    layer, in place; freeze everything else. On the meta device the adapter stays unallocated (`init_adapter` fills
+    it after materialization). Before FSDP/ZeRO: they then shard the adapter with the frozen base."""
     from peft import inject_adapter_in_model
 
-    leaves = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    missing = [t for t in lora.targets if t not in leaves]
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    # peft's rule for a list of targets: a module's whole name, or its last dotted parts (`to_out.0`).
+    missing = [t for t in lora.targets if not any(n == t or n.endswith("." + t) for n in linears)]
     if missing:  # complete() checked the names; a model part (a pipeline stage) may still lack them all
         raise ConfigError(f"lora.targets: {missing[0]!r} matches no linear of this model")
     inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():  # peft froze the base: nothing else may train
         if p.requires_grad != is_adapter_key(name):
             raise RuntimeError(f"LoRA left {name} with requires_grad={p.requires_grad}")
+    return model
+
+
+def merge_into(model: nn.Module, state: dict[str, torch.Tensor], lora: LoRAConfig, scope: nn.Module | None = None) -> nn.Module:
+    """`model` (materialized, not yet LoRA-wrapped: its own weights are overwritten) holding `state` (an adapted
+    model's names: `base_layer` + adapter, LoRA on `scope`, default the whole model), the adapter then merged by
+    peft's merge_and_unload (W + B A * alpha / rank) and unwrapped, in place: the caller's tensors are copied."""
+    from peft import LoraModel
+
+    tuner = LoraModel(model if scope is None else scope, peft_config(lora), ADAPTER)
+    model.load_state_dict(state)
+    tuner.merge_and_unload()
     return model
 
 
@@ -212,6 +228,12 @@ def write_adapter_folder(out: Path, adapter: dict[str, torch.Tensor], config) ->
     config.save_pretrained(str(out))
     save_file({k: v.detach().contiguous() for k, v in adapter.items()}, str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
+
+
+def peft_state_dict(state: dict[str, torch.Tensor], module_name=lambda module: module) -> dict[str, torch.Tensor]:
+    """The adapter weights of an adapted model's state dict under peft's saved names; `module_name` maps the model's
+    name of a wrapped linear to the base's (default: the same, for a model that is the base's own class)."""
+    return {peft_key(module_name(k.split(".lora_")[0]), k): v for k, v in state.items() if is_adapter_key(k)}
 
 
 def peft_key(module: str, fqn: str) -> str:

@@ -55,6 +55,13 @@ def deepspeed_state_bytes(stage: int, precision: str) -> StateBytes:
 FSDP_MIXED = StateBytes(4, 4, 8)
 
 
+def nf4_bytes(numel: int) -> float:
+    """Bytes of torchao's NF4Tensor of `numel` weights (QLoRA's base, Dettmers et al. 2023; common/lora.py:
+    quantize_base): 4-bit codes, one 8-bit scale per 64 weights, one fp32 per 256 scales, and per tensor its
+    16 fp32 code values and the scales' fp32 mean."""
+    return numel * (0.5 + 1 / 64 + 4 / (64 * 256)) + 16 * 4 + 4
+
+
 def model_state_bytes(num_params: float, stage: int, dp: int, per_param: StateBytes,
                       gathered_params: float = 0.0, compute_bytes: int = 2) -> dict[str, float]:
     """Per-rank weights, gradients and optimizer state under ZeRO stage 0-3 (Rajbhandari et al. 2020,
@@ -249,7 +256,8 @@ class ModelSpec:
     layer_params: int  # trainable parameters of one transformer layer
     first_params: int  # trainable parameters outside the layers on the first pipeline stage (embeddings)
     last_params: int = 0  # ... on the last stage (final norm, output projection)
-    frozen_params: int = 0  # never trained (the VLM's vision tower): weights only
+    frozen_params: int = 0  # never trained (the VLM's vision tower, a LoRA run's base): weights only
+    frozen_bytes: float = 0  # bytes of all frozen weights; 0: frozen_params in the compute dtype (DeepSpeed casts them)
     gather_unit_params: int = 0  # ZeRO-3 / FSDP: the largest unit gathered at once
     vocab: int = 0  # > 0: the last stage computes logits and a cross-entropy over this vocabulary
     precision: str = "bf16"
@@ -307,7 +315,7 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     gathered = (spec.gather_unit_params - spec.expert_params * (1 - 1 / layout.ep)) / tp
     states = model_state_bytes(params, layout.zero_stage, layout.dp, _state_bytes_per_param(spec, layout.zero_stage),
                                gathered_params=gathered, compute_bytes=e)
-    states["weights"] += spec.frozen_params * e / (layout.dp if layout.zero_stage >= 3 else 1)
+    states["weights"] += (spec.frozen_bytes or spec.frozen_params * e) / (layout.dp if layout.zero_stage >= 3 else 1)
     if spec.ema:  # 4 bytes per trainable parameter, partitioned only where the weights are (ZeRO-3)
         states["optimizer"] += 4 * params / (layout.dp if layout.zero_stage >= 3 else 1)
     if spec.sharding == "fsdp" and layout.dp == 1 and e == 2:

@@ -12,14 +12,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout
 
-from scripts.benchmarks import (ac, checkpoint, data_wait, dit, export, loading, moe, overhead,  # noqa: E402
-                                packing, pipeline, report, scaling, serving, zero)
+from scripts.benchmarks import (ac, checkpoint, data_wait, dit, export, loading, lora, moe,  # noqa: E402
+                                overhead, packing, pipeline, report, scaling, serving, zero)
 from scripts.benchmarks.harness import Options  # noqa: E402
 
 # Each section is a module of scripts/benchmarks/ with `run(opts) -> report.Section`; one alone: --only NAME.
 SECTIONS = {"overhead": overhead.run, "ac": ac.run, "zero": zero.run, "data": data_wait.run, "scaling": scaling.run,
             "packing": packing.run, "pipeline": pipeline.run, "serving": serving.run, "loading": loading.run,
-            "dit": dit.run, "moe": moe.run, "checkpoint": checkpoint.run, "export": export.run}
+            "dit": dit.run, "moe": moe.run, "checkpoint": checkpoint.run, "export": export.run,
+            "lora": lora.run}
 # A quick run is a smoke test: it keeps its own folder so that it never replaces a full run's report.
 FULL_OUT, QUICK_OUT = REPO / "outputs" / "bench", REPO / "outputs" / "bench" / "quick"
 

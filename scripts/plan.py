@@ -11,7 +11,9 @@ cluster.headroom  fraction of GPU memory the plan may fill (default 0.9: allocat
 --json            print the plan as JSON instead of a table
 
 Other key=value arguments are recipe overrides (trainer.micro_batch_size=2, data.max_seq_len=4096,
-toggles.precision=fp32, ...); parallel.* and toggles.activation_checkpointing are what the plan varies.
+toggles.precision=fp32, finetune=lora, ...); parallel.* and toggles.activation_checkpointing are what the plan
+varies. finetune=lora is priced without its base (model.init_from is not read): the adapter's weights, gradients
+and Adam state, the frozen base's weights only.
 The arithmetic, its sources and the ranking rule are in common/memory.py.
 """
 
@@ -66,6 +68,25 @@ def parse_cluster(argv: list[str]) -> tuple[Cluster, list[str]]:
 def model_spec(cfg: TrainConfig) -> ModelSpec:
     """The recipe's own description of its model (recipes/<family>/train.py:memory_spec), as run.dry_run uses."""
     return recipe_spec(cfg.recipe.family).train().memory_spec(cfg)
+
+
+def compose_for_plan(overrides: list[str]) -> tuple[TrainConfig, str]:
+    """(the recipe's config for sizing, why its preset layout was refused or ""). Composed as run.dry_run, which
+    reads no weights (finetune=lora is sized without its base). The plan varies parallel.*: where the recipe's
+    preset layout cannot run with these keys (llm_8b's tp=8 under finetune=lora) and the command line names no
+    parallel.* key, it is composed on one GPU's layout (tp = pp = 1) instead."""
+    from common.launch import compose
+
+    sizing = [*overrides, *([] if any(o.startswith("run.dry_run=") for o in overrides) else ["run.dry_run=true"])]
+    try:
+        return compose(sizing), ""
+    except ConfigError as exc:
+        if any(o.startswith("parallel.") for o in overrides):
+            raise
+        try:
+            return compose([*sizing, "parallel.tp=1", "parallel.pp=1"]), str(exc)
+        except ConfigError:
+            raise exc from None
 
 
 def with_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig | None:
@@ -145,10 +166,8 @@ def main(argv: list[str]) -> int:
         return 0
     flags = {a for a in argv if a in ("--all", "--json")}
     try:
-        from common.launch import compose
-
         cluster, overrides = parse_cluster([a for a in argv if a not in flags])
-        cfg = compose(overrides)
+        cfg, refused = compose_for_plan(overrides)
     except ConfigError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 2
@@ -160,6 +179,8 @@ def main(argv: list[str]) -> int:
     p = cfg.parallel
     configured = configured_layout(spec, dp=cluster.gpus // (p.tp * p.pp), tp=p.tp, pp=p.pp, zero_stage=p.zero_stage,
                                    ac=cfg.toggles.activation_checkpointing, ep=p.ep)
+    if refused:
+        print(f"kiln: the recipe's own layout is refused here ({refused}); planned from one GPU's layout instead\n")
     print(table(spec, rows, cluster, configured, show_all="--all" in flags))
     return 0
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
@@ -12,6 +14,8 @@ from common.errors import ConfigError
 OBJECTIVES = ("ddpm", "flow")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 FLOW_TIMESTEPS = ("logit_normal", "uniform")
+# finetune=lora (common/lora.py): the blocks' attention and feed-forward linears (diffusers' names), all by default.
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
 
 
 @dataclass
@@ -31,6 +35,9 @@ class DiTModelConfig:
     # The DiT paper's layout: one timestep + class embedding shared by every block (diffusers'
     # layout gives each block its own copy: +2.78M parameters per block at DiT-XL/2's width).
     shared_conditioning: bool = False
+    # A diffusers DiT to start from (recipes/dit/pretrained.py): a DiTPipeline folder, a Kiln DiT export or run dir,
+    # or a DiTTransformer2DModel folder. Its config.json sets the keys above; finetune=lora adapts it.
+    init_from: str = ""
 
 
 @dataclass
@@ -70,7 +77,23 @@ def register() -> None:
 
 
 def complete(cfg: TrainConfig, command_line: set[str]) -> None:
-    """Nothing to fill from files: the DiT's shape is its model.* keys (and diffusion.vae's latents)."""
+    """With model.init_from: the model.* keys from its config.json, in place (config.yaml, run.dry_run and the
+    planner see the real model); a key given on the command line that disagrees stops the run. Otherwise the
+    DiT's shape is its model.* keys (and diffusion.vae's latents)."""
+    from recipes.dit.pretrained import CHECKPOINT_KEYS, base_config, transformer_folder
+
+    m = cfg.model
+    if not isinstance(m, DiTModelConfig) or not m.init_from:
+        return
+    folder = transformer_folder(m.init_from)
+    config = base_config(folder)
+    m.init_from = str(folder)
+    for key, name in CHECKPOINT_KEYS.items():
+        value = config[name]
+        if f"model.{key}" in command_line and getattr(m, key) != value:
+            raise ConfigError(f"model.{key}={getattr(m, key)} disagrees with model.init_from={folder}, whose config.json "
+                              f"gives {name}={value}; leave model.{key} out of the command line")
+        setattr(m, key, value)
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -85,6 +108,12 @@ def validate(cfg: TrainConfig) -> None:
     inner = m.num_attention_heads * m.attention_head_dim
     if inner % m.norm_num_groups:
         raise ConfigError(f"model.num_attention_heads*attention_head_dim={inner} must be divisible by model.norm_num_groups={m.norm_num_groups}")
+    if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
+        raise ConfigError("finetune=lora trains an adapter on a DiT checkpoint: set model.init_from=<a DiTPipeline folder "
+                          "or a DiT run's export>")
+    if m.init_from and m.shared_conditioning:
+        raise ConfigError(f"model.shared_conditioning=true with model.init_from={m.init_from}: a diffusers DiT holds one "
+                          "conditioning embedding per block; set model.shared_conditioning=false")
     check_family_sections(cfg, "DiT", parallel=ZeroParallelConfig, layouts=f"DeepSpeed ZeRO ({ZERO_LAYOUTS})",
                           data=DiTDataConfig, datasets="digits or images (image shards)")
     if cfg.data.image_size <= 0:
@@ -119,3 +148,7 @@ def validate(cfg: TrainConfig) -> None:
         what = f"the latent size {size} (data.image_size={cfg.data.image_size} through diffusion.vae)" if geometry else \
             f"data.image_size={cfg.data.image_size}"
         raise ConfigError(f"{what} must be a multiple of model.patch_size={m.patch_size}")
+    base_size = json.loads((Path(m.init_from) / "config.json").read_text())["sample_size"] if m.init_from else size
+    if base_size != size:
+        raise ConfigError(f"model.init_from={m.init_from} is a DiT on {base_size}x{base_size} inputs; this run's are "
+                          f"{size}x{size} (data.image_size={cfg.data.image_size}{' through diffusion.vae' if geometry else ''})")

@@ -1,5 +1,5 @@
-"""Apply the attention kernel and the toggles to a DiT, in the fixed order: kernels → fp8 → AC → compile
-(ZeRO comes last, when common/engine.py:DeepSpeedEngine wraps the model)."""
+"""Apply LoRA, the attention kernel and the toggles to a DiT, in the fixed order: LoRA → kernels → fp8 → AC →
+compile (ZeRO comes last, when common/engine.py:DeepSpeedEngine wraps the model)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
 from common.config import TrainConfig
+from common.lora import apply_lora
 from common.toggles import apply_toggles
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -64,7 +65,10 @@ def set_attention(model: DiTTransformer2DModel, backend: str) -> None:
 
 
 def parallelize(model: DiTTransformer2DModel, cfg: TrainConfig) -> DiTTransformer2DModel:
-    """`model` with its attention kernel and toggles applied, ready for the engine (DeepSpeed ZeRO)."""
+    """`model` with its adapters (finetune=lora: the blocks' attention and feed-forward linears, the rest frozen),
+    attention kernel and toggles applied, ready for the engine (DeepSpeed ZeRO over what trains)."""
+    if cfg.finetune == "lora":
+        apply_lora(model, cfg.lora)
     set_attention(model, cfg.toggles.attention)
     # Selective AC recomputes the MLP's up projection too: the default policy keeps 11 of the 20
     # hidden-sized tensors a DiT block saves (adaLN-Zero keeps more than a Llama block), this one 7.

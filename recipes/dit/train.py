@@ -19,6 +19,8 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 from common import deepspeed as ds
+from common import lora
+from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.parallel_dims import ParallelDims
 from common.memory import Block, ModelSpec, count_params, largest_module_params
@@ -32,6 +34,7 @@ from recipes.dit.data import build_train_loader, channels_of, class_names, load_
 from recipes.dit.evaluate import class_labels, fit_classifier, score_samples
 from recipes.dit.model import build_model, null_class, shared_conditioning, untied
 from recipes.dit.objective import Objective, sampling_scheduler, scheduler_config
+from recipes.dit import lora as dit_lora, pretrained
 from recipes.dit.parallelize import parallelize
 from recipes.dit.sampling import GRID_MAX_CLASSES, sample_images, save_grid
 from recipes.dit import vae as vae_lib
@@ -50,6 +53,10 @@ def model_geometry(cfg: TrainConfig) -> tuple[int, int, vae_lib.VaeGeometry | No
 class DiTTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         super().__init__(cfg, dist, run_dir)
+        # finetune=lora: adapters on model.init_from's transformer, the base of every start (common/lora.py).
+        self.lora_base = cfg.model.init_from if cfg.finetune == "lora" else ""
+        if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
+            lora.check_resume(read_meta(self.resume_from), cfg, self.lora_base, self.resume_from)
         meta = prepare_data(cfg, dist)  # the images: what on-the-fly training and eval read
         self.classes = class_names(meta)
         if len(self.classes) > cfg.model.num_classes:
@@ -74,6 +81,10 @@ class DiTTrainer(Trainer):
         self.sampler_config = scheduler_config(sampling_scheduler(cfg.diffusion))
         seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
         model = build_model(cfg.model, self.sample_size, self.in_channels)
+        if cfg.model.init_from:  # model.* came from its config.json (recipes/dit/config.py: complete)
+            n = pretrained.load_weights(model, Path(cfg.model.init_from))
+            if dist.is_main:
+                print(f"kiln: model.init_from: loaded {n:,} weights from {cfg.model.init_from}", flush=True)
         self.null_class = null_class(model)
         self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
         self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
@@ -121,6 +132,9 @@ class DiTTrainer(Trainer):
 
     def tally(self, batch: dict) -> dict[str, int]:
         return {"samples": len(batch["label"])}
+
+    def checkpoint_meta(self) -> dict:
+        return lora.checkpoint_meta(self.cfg, self.lora_base)
 
     # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_first_step(self) -> None:
@@ -199,20 +213,30 @@ class DiTTrainer(Trainer):
         return result
 
     def export(self) -> Path:
-        """EMA weights in diffusers format under run.dir/export/: transformer/, the sampling scheduler/,
-        the VAE (vae/) and a DiTPipeline model_index.json for latent DDPM models, kiln.json (see export_info)."""
+        """EMA weights in diffusers format under run.dir/export/ (`write_pipeline`). Under finetune=lora: the EMA
+        adapter as a PEFT folder on model.init_from's transformer, and with export.merge_lora the merged model as a
+        whole export in export/merged (recipes/dit/lora.py)."""
         out = self.run_dir / "export"
         tmp = self.run_dir / ".export.tmp"
         with self.ema.swapped(), self.engine.gathered():
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-                untied(self.model).save_pretrained(tmp / "transformer", safe_serialization=True)
-                write_export_files(tmp, self.cfg, self.geometry, self.classes, vae=self.vae, step=self.state.step,
-                                   null_class=self.null_class, sample_size=self.sample_size)
+                if self.lora_base:
+                    dit_lora.write_adapter(self.model, self.cfg, tmp, base=self.lora_base)
+                    if self.cfg.export.merge_lora:
+                        self.write_pipeline(tmp / "merged", dit_lora.merged(self.model, self.cfg))
+                else:
+                    self.write_pipeline(tmp, untied(self.model))
                 shutil.rmtree(out, ignore_errors=True)
                 tmp.rename(out)
         barrier()
         return out
+
+    def write_pipeline(self, folder: Path, transformer) -> None:
+        """transformer/ and what every DiT export holds besides (write_export_files)."""
+        transformer.save_pretrained(folder / "transformer", safe_serialization=True)
+        write_export_files(folder, self.cfg, self.geometry, self.classes, vae=self.vae, step=self.state.step,
+                           null_class=self.null_class, sample_size=self.sample_size)
 
 
 def write_export_files(folder: Path, cfg: TrainConfig, geometry: vae_lib.VaeGeometry | None, classes: list[str], *,
@@ -276,9 +300,12 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     in_channels, sample_size, _ = model_geometry(cfg)
     with torch.device("meta"):
         model = build_model(m, sample_size, in_channels)
+    if cfg.finetune == "lora":  # the adapters train; the base is frozen weights only (in the compute dtype)
+        lora.apply_lora(model, cfg.lora)
+    trained = functools.partial(count_params, trainable_only=True)
     first_block = model.transformer_blocks[0]
     # A shared conditioning embedding belongs to no layer: counted once, with the patch embedding.
-    layer = count_params(first_block) - count_params(shared_conditioning(model))
+    layer = trained(first_block) - trained(shared_conditioning(model))
     block = Block(hidden=m.num_attention_heads * m.attention_head_dim, heads=m.num_attention_heads,
                   ffn=first_block.ff.net[-1].in_features, norm="adaln_zero", mlp="gelu", dropout=m.dropout > 0,
                   attention="eager" if cfg.toggles.attention == "eager" else "fused", selective="save_narrow_matmuls")
@@ -286,7 +313,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     # the engine, and a latent cache removes its activations from the step.
     return ModelSpec(cfg.recipe.name, block, layers=m.num_layers, seq=(sample_size // m.patch_size) ** 2,
                      micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
-                     first_params=count_params(model) - m.num_layers * layer,
+                     first_params=trained(model) - m.num_layers * layer, frozen_params=count_params(model) - trained(model),
                      gather_unit_params=largest_module_params(model), precision=cfg.toggles.precision,
                      ac_modes=("none", "selective", "full"), ema=True)
 

@@ -86,6 +86,7 @@ class LLMDataConfig(DataConfig):
     """Token shards, always packed into rows of max_seq_len with document masking."""
 
     max_seq_len: int = 256
+    eval_docs: int = 64  # trainer.eval: the held-out loss over the val split's first eval_docs documents
 
 
 # The model.* keys a checkpoint's config.json decides (LlamaArgs fields of the same name) -> its config.json key.
@@ -153,6 +154,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} is not allowed; choose one of: {', '.join(PP_SCHEDULES)}")
     if cfg.data.max_seq_len <= 0:
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")
+    if cfg.data.eval_docs <= 0:
+        raise ConfigError(f"data.eval_docs={cfg.data.eval_docs} must be > 0 (trainer.eval=false turns the eval off)")
     if m.rope_scaling.rope_type not in ("default", "llama3"):
         raise ConfigError(f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not allowed; choose default or llama3")
     if not m.head_dim and m.dim % m.n_heads:
@@ -185,7 +188,7 @@ def validate(cfg: TrainConfig) -> None:
         # than the positions it was trained on are refused rather than extrapolated.
         source = f" (max_position_embeddings of model.init_from={m.init_from})" if m.init_from else ""
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} exceeds model.max_seq_len={m.max_seq_len}{source}")
-    if cfg.finetune == "lora" and not m.init_from:
+    if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
         raise ConfigError("finetune=lora trains an adapter on a base checkpoint: set model.init_from=<a Hugging Face Llama folder>")
     if cfg.finetune == "lora" and p.tp > 1:
         # peft wraps nn.Linear; tensor parallelism would need its own styles for lora_A/lora_B (A replicated
@@ -245,13 +248,21 @@ def validate_moe(cfg: TrainConfig) -> None:
     if moe.num_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.num_experts={moe.num_experts} (each ep rank holds "
                           "num_experts / ep experts)")
-    for key, why in (("tp", "the MoE layers have no tensor-parallel plan (parallel.ep splits the experts instead)"),
-                     ("pp", "the load-balancing loss pools the routing of all MoE layers, which would span stages; "
-                            "it is not carried between stages")):
-        if getattr(p, key) > 1:
-            raise ConfigError(f"parallel.{key}={getattr(p, key)} with model.moe.num_experts={moe.num_experts}: {why} yet")
+    if p.tp > 1:
+        raise ConfigError(f"parallel.tp={p.tp} with model.moe.num_experts={moe.num_experts}: the MoE layers have no "
+                          "tensor-parallel plan (parallel.ep splits the experts instead) yet")
     if cfg.toggles.precision == "fp8":
         raise ConfigError("toggles.precision=fp8 with model.moe.num_experts>0: the experts' grouped GEMM has no fp8 path")
+    if cfg.toggles.compile and cfg.toggles.precision != "bf16":
+        # torch.compile traces torch._grouped_mm through its meta kernel, which takes bf16 only (torch 2.13; eager
+        # runs fp32 too): checked here, fp32 stops in the trace, bf16 trains (ep=2 included).
+        raise ConfigError(f"toggles.compile=true with model.moe.num_experts>0 needs toggles.precision=bf16 (got "
+                          f"{cfg.toggles.precision}): the experts' grouped GEMM compiles in bf16 only")
+    if p.ep > 1 and cfg.toggles.activation_checkpointing == "selective":
+        # The experts are an FSDP2 unit of their own inside each checkpointed block: its hooks run other ops in the
+        # recompute than in the forward, and selective AC replays a forward's ops by position. Full AC does not.
+        raise ConfigError(f"toggles.activation_checkpointing=selective with parallel.ep={p.ep} is not supported yet; "
+                          "use toggles.activation_checkpointing=full")
     from recipes.llm.model import LlamaArgs, MoEArgs, hf_model_type
 
     try:  # every model is exported in a Hugging Face format: refuse one that has none

@@ -121,3 +121,9 @@ def model_inputs(packed: PackedBatch, attention: str, device: torch.device) -> d
     else:
         attn_mask = packed.attention_mask_4d().to(device)
     return {"position_ids": packed.position_ids.to(device), "attn_mask": attn_mask}
+
+
+def real_token_mask(packed: PackedBatch) -> torch.Tensor:
+    """``[rows, L]`` bool: True on the documents' tokens, False on the padding that fills each row's end."""
+    lengths = torch.tensor([sum(lens) for lens in packed.seq_lens])
+    return torch.arange(packed.row_len) < lengths[:, None]

@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from common.config import TrainConfig
-from common.lora import (ADAPTER, apply_lora, is_adapter_key, peft_config, peft_key, quantize_base,
-                         write_adapter_folder)
+from common.lora import apply_lora, merge_into, peft_config, peft_state_dict, quantize_base, write_adapter_folder
 from recipes.llm import hf
 from recipes.llm.model import LlamaArgs, Transformer, to_hf_state_dict
 
@@ -29,20 +28,15 @@ def hf_module(module: str, args: LlamaArgs) -> str:
 def hf_adapter_state_dict(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
     """The adapter weights of a Kiln state dict under peft's saved names for a LlamaForCausalLM
     (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, ...)."""
-    return {peft_key(hf_module(k.split(".lora_")[0], args), k): v for k, v in state.items() if is_adapter_key(k)}
+    return peft_state_dict(state, lambda module: hf_module(module, args))
 
 
 def merged_state_dict(state: dict[str, torch.Tensor], args: LlamaArgs, cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """A full Kiln state dict (base + adapter, on the CPU) merged by peft (W + B A * alpha / rank): a plain
     Transformer's state dict. The caller's tensors are copied, not merged in place."""
-    from peft import LoraModel
-
     with torch.device("meta"):
         model = Transformer(args)
-    model.to_empty(device="cpu")
-    tuner = LoraModel(model, peft_config(cfg.lora), ADAPTER)
-    model.load_state_dict(state)
-    return tuner.merge_and_unload().state_dict()
+    return merge_into(model.to_empty(device="cpu"), state, cfg.lora).state_dict()
 
 
 def write_export(state: dict[str, torch.Tensor], args: LlamaArgs, cfg: TrainConfig, out: Path, *, tokenizer) -> None:

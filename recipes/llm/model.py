@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from common.varlen import varlen_causal_attention
 
@@ -346,8 +347,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """``x`` ``[N, D]`` sorted by expert, ``tokens_per_expert`` ``[E]`` summing to N -> ``[N, D]``."""
         offs = tokens_per_expert.cumsum(0, dtype=torch.int32)
-        # Under expert parallelism the weights are DTensors split over the experts: this rank's experts.
-        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        # Under expert parallelism the weights are DTensors split over the experts: this rank's experts. (isinstance,
+        # not hasattr: torch.compile traces it.)
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))  # autocast does not cover _grouped_mm
         h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
         h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)

@@ -100,3 +100,60 @@ def load_balancing_loss(sums: RouterSums) -> Tensor:
 def z_loss(sums: RouterSums) -> Tensor:
     """Router z-loss (ST-MoE): the mean over tokens (and MoE layers) of logsumexp(router logits)^2."""
     return sums.z_sum / sums.num_tokens.clamp(min=1)
+
+
+class MoEAux:
+    """A run's MoE auxiliary losses: ``coef * load-balancing loss + coef * z-loss`` of each micro-batch's routing over
+    its real tokens (padding left out, as transformers' attention_mask does), weighted by its labelled-token count; with
+    the logged terms and the expert load they come with. The plain step (recipes/llm/train.py) and each pipeline stage
+    (recipes/llm/pipeline.py) use it alike.
+
+    Global: the token counts (per expert, in all), the weight and the per-layer load are all-reduced over ``group`` (the
+    dp ranks, ep included) and each rank keeps its own router-probability and z sums (:func:`global_counts`), so the
+    ranks' terms add up to the loss, and the gradient, of one rank holding the whole micro-batch: every layout computes
+    the same aux. Per micro-batch, not per step: the loss is a ratio of sums whose gradient needs every token's counts,
+    which a step's later micro-batches do not have yet, so like transformers (one forward) and Megatron the aux belongs
+    to a forward; grad_accum=2 x 4 documents is a different objective from 1 x 8 documents (and under pipeline
+    parallelism, the unit is the pipeline's microbatch).
+
+    Why weighted: the step divides the loss sum by the global labelled-token count (common/trainer.py), while these
+    losses are already means over tokens. Times the micro-batch's global count, the step's objective is the
+    token-weighted mean over micro-batches of ``ce + coef * aux``: on one micro-batch exactly transformers'
+    ``loss + router_aux_loss_coef * aux_loss``, and its gradient.
+    """
+
+    def __init__(self, layers: dict[int, MoE], aux_coef: float, z_coef: float, group=None):
+        self.layers, self.coefs, self.group = layers, (aux_coef, z_coef), group  # layers: this rank's, by layer index
+        self.terms: dict[str, Tensor] = {}  # the step's unscaled aux_loss, z_loss, each times its weight
+        self.load: dict[int, Tensor] = {}  # the step's global tokens per expert [E], by layer index
+
+    def routed(self, real: Tensor, weight: Tensor, ids: list[int] | None = None) -> tuple[RouterSums, Tensor]:
+        """The pooled sums of the last forward of layers ``ids`` (default: all of this rank's) over the tokens that
+        ``real`` [T] marks, and ``weight`` (this rank's labelled tokens), counts made global; the load recorded."""
+        ids = list(self.layers) if ids is None else ids
+        per_layer = [router_sums(self.layers[i].routing, real) for i in ids]
+        sums, load = pooled(per_layer), torch.stack([s.tokens_per_expert for s in per_layer])
+        if self.group is not None:
+            sums, weight, load = global_counts(sums, weight.float(), load, self.group)
+        for i, row in zip(ids, load):
+            self.load[i] = self.load[i] + row if i in self.load else row
+        return sums, weight
+
+    def loss(self, sums: RouterSums, weight: Tensor) -> Tensor:
+        """The weighted aux of ``sums`` (to add to a micro-batch's summed cross-entropy); its terms recorded."""
+        aux, z = load_balancing_loss(sums), z_loss(sums)
+        for name, value in (("aux_loss", aux), ("z_loss", z)):  # logged unscaled: LLMTrainer.loss_terms
+            self.terms[name] = self.terms.get(name, 0) + value.detach() * weight
+        return (self.coefs[0] * aux + self.coefs[1] * z) * weight
+
+    def pop_terms(self, device: torch.device) -> dict[str, Tensor]:
+        """The step's terms, reset; zeros on a rank that routed nothing (a pipeline stage without MoE layers), so that
+        every rank reduces the same terms."""
+        terms, self.terms = self.terms, {}
+        return {name: torch.as_tensor(terms.get(name, 0.0), device=device) for name in ("aux_loss", "z_loss")}
+
+    def pop_load(self, ids: list[int], num_experts: int, device: torch.device) -> Tensor:
+        """The step's load [len(ids), E] of layers ``ids``, zeros for layers this rank does not hold; reset."""
+        load, self.load = self.load, {}
+        zeros = torch.zeros(num_experts, device=device)
+        return torch.stack([load.get(i, zeros) for i in ids])

@@ -80,9 +80,12 @@ class ExpertParallel:
     checkpoint's recompute repeats both, with the same routing)."""
 
     def __init__(self, ep_mesh: DeviceMesh):
-        self.ep, self.group = ep_mesh.size(), ep_mesh.get_group()
+        self.ep, self.group, self.rank = ep_mesh.size(), ep_mesh.get_group(), ep_mesh.get_local_rank()
         self.splits: tuple[list[int], list[int]] | None = None  # rows sent to / received from each ep rank
         self.order: Tensor | None = None  # received rows in local-expert order: row j is received row order[j]
+        # What the forwards' two all-to-alls moved, counted on the host from their split sizes (read by
+        # LLMTrainer.step_metrics; each backward sends the same again): rows dispatched, bytes sent to other ranks.
+        self.rows_dispatched = self.bytes_sent = 0
 
     @staticmethod
     def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -99,12 +102,15 @@ class ExpertParallel:
             sent, got = torch.stack([tokens_per_expert.view(self.ep, -1).sum(1), received.sum(1)]).tolist()
             self.order = expert_major_order(received, sum(got))
         self.splits = sent, got
+        self.rows_dispatched += x.shape[0]
+        self.bytes_sent += (x.shape[0] - sent[self.rank]) * x.shape[1] * x.element_size()
         x = all_to_all_single_autograd(x.contiguous(), got, sent, self.group)
         return x[self.order], received.sum(0)
 
     def combine(self, module: nn.Module, y: Tensor, mesh: DeviceMesh) -> Tensor:
         sent, got = self.splits
         y = torch.empty_like(y).index_copy_(0, self.order, y)  # back to (source rank, local expert) order
+        self.bytes_sent += (y.shape[0] - got[self.rank]) * y.shape[1] * y.element_size()
         return all_to_all_single_autograd(y, sent, got, self.group)
 
 
@@ -126,6 +132,7 @@ def apply_ep(model: Transformer, ep_mesh: DeviceMesh) -> None:
         if isinstance(module, MoE):
             ep = ExpertParallel(ep_mesh)
             distribute_module(module.experts, ep_mesh, ep.partition, input_fn=ep.dispatch, output_fn=ep.combine)
+            module.token_exchange = ep  # its counters, for the step's metrics
 
 
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, precision: str, pipeline: bool = False,

@@ -30,6 +30,13 @@ Masking across stages
     ``max_seqlen`` -- segments never cross rows, so a group of rows is a packed batch of its own --
     and hands them to the varlen kernel. They are computed on the host, so no step waits on the GPU.
 
+Mixture of Experts
+    The load-balancing loss pools the routing of every MoE layer, and the layers sit on different stages:
+    each stage adds its layers' routing counts to those it received and sends them on beside the hidden
+    state, and the totals come back from the last stage as those counts' gradient, in step with the
+    microbatch's backward; each stage then puts its layers' share of the aux loss into its own backward
+    (``_MoEStage``, ``_CarriedCounts``). The aux loss is thus taken per pipeline microbatch.
+
 Fixed shapes
     ``PipelineStage`` infers the shapes of the tensors it sends/receives once (first step) and
     keeps those buffers. The microbatch shape is therefore fixed for the run:
@@ -46,6 +53,7 @@ Fixed shapes
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -55,7 +63,9 @@ from torch import nn
 
 from common.config import TrainConfig
 from common.data.packing import IGNORE_INDEX, PackedBatch, cu_seqlens_of_rows
-from recipes.llm.model import Segments, Transformer
+from recipes.llm.data import real_token_mask
+from recipes.llm.model import MoE, Segments, Transformer
+from recipes.llm.moe_losses import MoEAux, RouterSums
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -116,10 +126,12 @@ def _stage_view(rank_model: Transformer, layer_ids: list[int], first: bool, last
     return view
 
 
-def pad_rows(packed: PackedBatch, num_rows: int, pad_id: int, attention: str = "sdpa") -> dict[str, torch.Tensor]:
+def pad_rows(packed: PackedBatch, num_rows: int, pad_id: int, attention: str = "sdpa",
+             moe: bool = False) -> dict[str, torch.Tensor]:
     """Inputs of ``packed`` grown to ``num_rows`` rows with empty rows (pad, -100, pos 0, one causal segment):
     input_ids, labels, position_ids and, by ``attention``, the dense ``attn_mask`` or (``flash``)
-    ``row_segments``: the model's keyword names."""
+    ``row_segments``: the model's keyword names. ``moe``: also each row's ``real_tokens`` (bool, no padding) and
+    ``labelled`` count, what the MoE stages' auxiliary losses take (:class:`_MoEStage`)."""
     extra = num_rows - packed.num_rows
     if extra < 0:
         raise ValueError(f"packed batch has {packed.num_rows} rows, more than {num_rows}")
@@ -138,6 +150,10 @@ def pad_rows(packed: PackedBatch, num_rows: int, pad_id: int, attention: str = "
     else:
         inputs["attn_mask"] = packed.attention_mask_4d()
         fill["attn_mask"] = torch.ones(L, L, dtype=torch.bool).tril().expand(extra, 1, L, L)
+    if moe:
+        inputs["real_tokens"], fill["real_tokens"] = real_token_mask(packed), torch.zeros((extra, L), dtype=torch.bool)
+        inputs["labelled"] = (packed.labels != IGNORE_INDEX).sum(1)
+        fill["labelled"] = torch.zeros(extra, dtype=torch.long)
     return {k: torch.cat([inputs[k], fill[k]]) for k in inputs}
 
 
@@ -155,10 +171,89 @@ class _VarlenStage(nn.Module):
         return self.view(x, position_ids=position_ids, attn_mask=segments)
 
 
+def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy summed over the labelled positions (``labels`` unshifted, -100 where unlabelled)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+class _CarriedCounts(torch.autograd.Function):
+    """A stage's routing counts added to those carried from the stages before, and, in the backward, the gradient of
+    the stage's routing sums from the microbatch's totals (``aux_grads(totals, prob_sum, z_sum)``).
+
+    The load-balancing loss pools every MoE layer's routing, on every stage: its gradient on one stage needs the
+    counts of the later ones, known only once the microbatch has passed the last stage. The pipeline's one channel
+    from a later stage back to an earlier one, in step with each microbatch's backward, is the gradient it sends:
+    so the totals travel back AS the carried counts' gradient. The last stage holds the totals after its forward
+    (``last``: it uses them and ignores the zero gradient its loss gives them); every stage hands them on as the
+    gradient of the counts it received."""
+
+    @staticmethod
+    def forward(ctx, carried, counts, prob_sum, z_sum, aux_grads, last):
+        total = carried + counts
+        ctx.aux_grads, ctx.last = aux_grads, last
+        ctx.save_for_backward(total, prob_sum, z_sum)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        total, prob_sum, z_sum = ctx.saved_tensors
+        totals = total if ctx.last else grad_total
+        grad_prob, grad_z = ctx.aux_grads(totals, prob_sum, z_sum) if ctx.aux_grads is not None else (None, None)
+        return totals, None, grad_prob, grad_z, None, None
+
+
+class _MoEStage(nn.Module):
+    """A stage of an MoE model: it also carries the microbatch's routing counts (per expert, and the token count:
+    ``[E + 1]``, global over dp) from stage to stage beside the hidden state, and puts its MoE layers' share of the
+    auxiliary losses into the backward (:class:`_CarriedCounts`): the same loss and gradients as without pipeline
+    parallelism, per pipeline microbatch (with one microbatch per step, exactly the non-pipelined step's).
+
+    The last stage returns ``(logits, counts)``; ``Pipeline._loss_fn`` ties the counts into the loss by a zero term."""
+
+    def __init__(self, inner: nn.Module, aux: MoEAux, ids: list[int], num_experts: int, first: bool, last: bool,
+                 pipeline: "Pipeline"):
+        super().__init__()
+        self.inner, self.aux, self.ids, self.num_experts = inner, aux, ids, num_experts
+        self.first, self.last, self.pipeline = first, last, pipeline
+        self.stage = None  # its PipelineStage (set by Pipeline)
+
+    def inferring(self) -> bool:
+        """Whether this call is PipelineStage's shape inference: one forward (and backward) of the real module on
+        placeholder inputs before the first microbatch, whose routing is no microbatch's (torch 2.13: the stage's
+        output metadata is unset until it returns)."""
+        meta = getattr(self.stage, "_stage_meta", None)  # older torch infers on meta tensors, without grad: see forward
+        return meta is not None and meta.outputs is None
+
+    def forward(self, x: torch.Tensor, carried: torch.Tensor | None = None, *, real_tokens: torch.Tensor,
+                labelled: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.inner(x, **kwargs)
+        if self.first:  # nothing counted yet; a leaf that requires grad, so that the counts are differentiable
+            carried = torch.zeros(self.num_experts + 1, device=out.device, requires_grad=True)
+        # No MoE layer on this stage, or no microbatch (shape inference), or no backward (eval): counts passed on.
+        if not self.ids or self.inferring() or not torch.is_grad_enabled():
+            counts, prob_sum, z_sum, aux_grads = torch.zeros_like(carried), None, None, None
+        else:
+            sums, weight = self.aux.routed(real_tokens.flatten(), labelled.sum().float(), self.ids)
+            counts = torch.cat([sums.tokens_per_expert, sums.num_tokens.reshape(1)])
+            prob_sum, z_sum = sums.prob_sum, sums.z_sum
+
+            def aux_grads(totals, prob_sum, z_sum):  # this stage's share of the microbatch's aux loss
+                leaves = prob_sum.detach().requires_grad_(), z_sum.detach().requires_grad_()
+                with torch.enable_grad():
+                    share = self.aux.loss(RouterSums(totals[:-1], *leaves, totals[-1]), weight)
+                    grads = torch.autograd.grad(share * self.pipeline.grad_scale(share.dtype), leaves)
+                self.pipeline.aux_sum += share.detach()
+                return grads
+
+        return out, _CarriedCounts.apply(carried, counts, prob_sum, z_sum, aux_grads, self.last)
+
+
 class Pipeline:
     """The rank's PipelineStages and schedule over the (already parallelized, materialized) rank model."""
 
-    def __init__(self, rank_model: Transformer, cfg: TrainConfig, mesh, device: torch.device, pad_id: int):
+    def __init__(self, rank_model: Transformer, cfg: TrainConfig, mesh, device: torch.device, pad_id: int,
+                 moe_aux: MoEAux | None = None):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         p = cfg.parallel
@@ -177,13 +272,23 @@ class Pipeline:
         self.is_first = 0 in self.stage_ids
         self.is_last = n_stages - 1 in self.stage_ids
         self.attention = cfg.toggles.attention
-        wrap = _VarlenStage if self.attention == "flash" else (lambda view: view)
-        self.stages = [
-            PipelineStage(wrap(_stage_view(rank_model, layer_ids[s], s == 0, s == n_stages - 1)), s, n_stages, device,
-                          group=self.pp_group)
-            for s in self.stage_ids
-        ]
+        self.moe = moe_aux is not None
+        varlen = _VarlenStage if self.attention == "flash" else (lambda view: view)
+
+        def wrap(s: int) -> nn.Module:
+            first, last = s == 0, s == n_stages - 1
+            inner = varlen(_stage_view(rank_model, layer_ids[s], first, last))
+            if not self.moe:
+                return inner
+            ids = [i for i in layer_ids[s] if any(isinstance(m, MoE) for m in rank_model.layers[str(i)].modules())]
+            return _MoEStage(inner, moe_aux, ids, rank_model.args.moe.num_experts, first, last, self)
+
+        self.stages = [PipelineStage(wrap(s), s, n_stages, device, group=self.pp_group) for s in self.stage_ids]
+        for stage in self.stages:
+            if isinstance(stage.submod, _MoEStage):
+                stage.submod.stage = stage
         self._scale = 1.0  # set per micro-batch: dp / (the step's global labelled tokens)
+        self.aux_sum = torch.zeros((), device=device)  # this step's MoE aux losses of this rank's stages (_MoEStage)
         kw = dict(n_microbatches=self.m, loss_fn=self._loss_fn, scale_grads=False)
         if p.pp_schedule == "interleaved_1f1b":
             self.schedule = ScheduleInterleaved1F1B(self.stages, **kw)
@@ -191,33 +296,51 @@ class Pipeline:
             cls = ScheduleGPipe if p.pp_schedule == "gpipe" else Schedule1F1B
             self.schedule = cls(self.stages[0], **kw)
 
-    def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Token-sum CE of one microbatch, scaled as common/engine.py scales every loss sum."""
-        loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss_sum * self._scale
+    def grad_scale(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(self._scale).to(dtype)
+
+    def _loss_fn(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        """Token-sum CE of one microbatch, scaled as common/engine.py scales every loss sum. An MoE's last stage also
+        returns the microbatch's routing counts: a zero term ties them into the loss, so that its backward starts
+        their way back through the stages (_CarriedCounts)."""
+        logits, counts = output if self.moe else (output, None)
+        loss = ce_sum(logits, labels) * self._scale
+        return loss if counts is None else loss + 0 * counts.sum()
 
     def step(self, batch, scale: torch.Tensor) -> torch.Tensor:
         """Forward + backward of the whole packed batch (recipes/llm/train.py:LocalBatch), gradients scaled
-        by ``scale``; returns this rank's CE token sum (0 off the last stage). ``batch.max_rows``: the most
-        rows any dp rank packed (every rank runs the same number of rounds: matched P2P and FSDP collectives)."""
-        packed, max_rows, pad_id = batch.packed, batch.max_rows, self.pad_id
+        by ``scale``; returns this rank's CE token sum (0 off the last stage), plus its stages' MoE aux losses.
+        ``batch.max_rows``: the most rows any dp rank packed (every rank runs the same number of rounds: matched
+        P2P and FSDP collectives)."""
         self._scale = scale
+        loss_sum = self._rounds(batch, functools.partial(self.schedule.step, return_outputs=False)) / scale
+        aux_sum, self.aux_sum = self.aux_sum, torch.zeros_like(self.aux_sum)  # the stages' shares, in their backward
+        return loss_sum + aux_sum
+
+    def eval_loss(self, batch) -> torch.Tensor:
+        """Forward only (``schedule.eval``): this rank's CE token sum of the batch (0 off the last stage)."""
+        self._scale = torch.ones((), device=self.device)
+        return self._rounds(batch, self.schedule.eval)
+
+    def _rounds(self, batch, run) -> torch.Tensor:
+        """``run`` (the schedule's step or eval) over the batch's rounds; the sum of the last stage's scaled losses."""
+        packed, max_rows, pad_id = batch.packed, batch.max_rows, self.pad_id
         loss_sum = torch.zeros((), device=self.device)
         rounds = math.ceil(max_rows / self.round_rows)
         # row_segments stay on the host: each stage derives its microbatch's cu_seqlens from them.
         inputs = {k: v if k == "row_segments" else v.to(self.device)
-                  for k, v in pad_rows(packed, rounds * self.round_rows, pad_id, self.attention).items()}
+                  for k, v in pad_rows(packed, rounds * self.round_rows, pad_id, self.attention, self.moe).items()}
         mask = "row_segments" if self.attention == "flash" else "attn_mask"
+        extra = ("real_tokens", "labelled") if self.moe else ()
         for r in range(rounds):
             losses: list[torch.Tensor] = []
             rows = slice(r * self.round_rows, (r + 1) * self.round_rows)
             args = (inputs["input_ids"][rows],) if self.is_first else ()
             target = inputs["labels"][rows] if self.is_last else None
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                               position_ids=inputs["position_ids"][rows], **{mask: inputs[mask][rows]})
+            run(*args, target=target, losses=losses, position_ids=inputs["position_ids"][rows],
+                **{k: inputs[k][rows] for k in (mask, *extra)})
             if losses:  # last stage: the scaled microbatch losses
-                loss_sum += torch.stack([x.detach() for x in losses]).sum() / scale
+                loss_sum += torch.stack([x.detach() for x in losses]).sum()
         return loss_sum
 
 

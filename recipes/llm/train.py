@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import re
 import shutil
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as tdist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from common import lora
@@ -26,17 +26,18 @@ from common.data.packing import PackedBatch
 from common.distributed import DistInfo, barrier
 from common.engine import NativeEngine
 from common.errors import DataError
-from common.memory import Block, ModelSpec, count_params
+from common.memory import Block, ModelSpec, count_params, nf4_bytes
 from common.parallel_dims import ParallelDims
 from common.trainer import Trainer
 from recipes.llm import hf
 from recipes.llm import lora as llm_lora
 from recipes.llm.config import check_qlora_layout
-from recipes.llm.data import build_train_loader, load_tokenizer, local_batch, model_inputs, pad_id, prepare_data
+from recipes.llm.data import (build_train_loader, decode_document, load_tokenizer, local_batch, model_inputs, pad_id,
+                              prepare_data, real_token_mask)
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoE, MoEArgs, Transformer
-from recipes.llm.moe_losses import expert_load, global_counts, load_balancing_loss, pooled, router_sums, z_loss
+from recipes.llm.moe_losses import MoEAux, expert_load
 from recipes.llm.parallelize import parallelize
-from recipes.llm.pipeline import Pipeline, TiedEmbeddings, split_for_rank, virtual_stages
+from recipes.llm.pipeline import Pipeline, TiedEmbeddings, ce_sum, split_for_rank, virtual_stages
 
 
 def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
@@ -127,7 +128,18 @@ class LLMTrainer(Trainer):
             check_qlora_layout(cfg, self.dims.dp, self.dims.tp, pp)
             held = lora.quantize_base(self.model)
             print(f"kiln: lora.quantize_base=nf4: the adapted linears' base weights hold {held / 2**20:,.1f} MiB", flush=True)
-        pipeline = Pipeline(self.model, cfg, self.mesh, self.device, self.pad_id) if pp > 1 else None
+        # The MoE layers this rank holds (found through any wrapper: AC, FSDP), whose routing the aux losses read,
+        # and every MoE layer of the model (under pipeline parallelism, other ranks hold some: step_metrics).
+        moe_layers = {int(re.search(r"layers\.(\d+)\.", name)[1]): m for name, m in self.model.named_modules()
+                      if isinstance(m, MoE)}
+        self.moe_layer_ids = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
+        self.moe_aux = None if not self.args.moe else MoEAux(
+            moe_layers, cfg.model.moe.aux_loss_coef, cfg.model.moe.z_loss_coef,
+            self.mesh["dp"].get_group() if self.dims.dp > 1 else None)
+        self.moe_worst = torch.zeros(2, device=self.device)  # the run's worst (max/mean load, MoE layer index)
+        # Expert parallelism's token exchanges (recipes/llm/parallelize.py:ExpertParallel): their host counters.
+        self.token_exchanges = [m.token_exchange for m in moe_layers.values() if hasattr(m, "token_exchange")]
+        pipeline = Pipeline(self.model, cfg, self.mesh, self.device, self.pad_id, self.moe_aux) if pp > 1 else None
         tied = TiedEmbeddings(self.model, self.mesh) if pp > 1 and self.args.tie_embeddings else None
         self.engine = NativeEngine(self.model, cfg, self.mesh, pipeline=pipeline, tied=tied,
                                    loss_parallel=cfg.model.loss_parallel)
@@ -135,13 +147,6 @@ class LLMTrainer(Trainer):
             lora.init_adapter(self.model, cfg.trainer.seed)
         # Layout-independent: one global data stream and no per-rank random draws, so rank 0's copy
         # (step, data position, LR schedule) resumes any layout. LoRA dropout draws per rank: its streams are saved.
-        # The MoE layers this rank holds (found through any wrapper: AC, FSDP), whose routing the loss reads.
-        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
-        self.moe_layer_ids = [int(re.search(r"layers\.(\d+)\.", name)[1]) for name, m in self.model.named_modules()
-                              if isinstance(m, MoE)]
-        self.moe_terms: dict[str, torch.Tensor] = {}
-        self.moe_load: torch.Tensor | None = None  # [MoE layers, experts]: this step's global tokens per expert
-        self.moe_worst = torch.zeros(2, device=self.device)  # the run's worst (max/mean load, MoE layer index)
         self.start(loader, per_rank_rng=self.lora and cfg.lora.dropout > 0)
         self.model.train()
 
@@ -179,62 +184,39 @@ class LLMTrainer(Trainer):
         the same sum on its last stage: recipes/llm/pipeline.py), plus an MoE's auxiliary losses."""
         packed = batch.packed
         logits = self.model(packed.input_ids.to(self.device), **model_inputs(packed, self.cfg.toggles.attention, self.device))
-        labels = packed.labels[:, 1:].to(self.device)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
-        if self.moe_layers:
-            loss = loss + self.moe_aux_losses(packed)
+        loss = ce_sum(logits, packed.labels.to(self.device))
+        if self.moe_aux is not None:  # the MoE's auxiliary losses (recipes/llm/moe_losses.py:MoEAux)
+            real = real_token_mask(packed).flatten().to(self.device)
+            weight = torch.tensor(float(packed.num_labels), device=self.device)
+            loss = loss + self.moe_aux.loss(*self.moe_aux.routed(real, weight))
         return loss
 
-    def moe_aux_losses(self, packed: PackedBatch) -> torch.Tensor:
-        """coef * load-balancing loss + coef * z-loss of the GLOBAL micro-batch's routing (this micro-batch on
-        every dp rank, ep ranks included), over its real tokens (padding left out, as transformers'
-        attention_mask does), scaled by its labelled-token count.
-
-        Global: the token counts (per expert, in all) are all-reduced over dp and each rank keeps its own
-        router-probability and z sums (moe_losses.global_counts), so the ranks' terms add up to the loss, and
-        the gradient, of one rank holding the whole micro-batch: every layout (dp, ep) computes the same aux.
-        Per micro-batch, not per step: the loss is a ratio of sums whose gradient needs every token's counts,
-        which a step's later micro-batches do not have yet, so like transformers (one forward) and Megatron the
-        aux belongs to a forward; grad_accum=2 x 4 documents is a different objective from 1 x 8 documents.
-
-        Why scaled: the step divides what `loss` returns by the global labelled-token count (common/trainer.py),
-        while these losses are already means over tokens. Times the micro-batch's global count, the step's
-        objective is the token-weighted mean over micro-batches of ``ce + coef * aux``: on one micro-batch
-        exactly transformers' ``loss + router_aux_loss_coef * aux_loss``, and its gradient.
-        """
-        moe = self.cfg.model.moe
-        real = torch.zeros(packed.input_ids.shape, dtype=torch.bool)
-        for row, lens in enumerate(packed.seq_lens):
-            real[row, :sum(lens)] = True
-        layers = [router_sums(layer.routing, real.flatten().to(self.device)) for layer in self.moe_layers]
-        sums, load = pooled(layers), torch.stack([layer.tokens_per_expert for layer in layers])
-        weight = packed.num_labels
-        if self.dims.dp > 1:
-            sums, weight, load = global_counts(sums, torch.tensor(float(weight), device=self.device), load,
-                                               self.mesh["dp"].get_group())
-        self.moe_load = load if self.moe_load is None else self.moe_load + load
-        aux, z = load_balancing_loss(sums), z_loss(sums)
-        for name, value in (("aux_loss", aux), ("z_loss", z)):  # logged unscaled: loss_terms
-            self.moe_terms[name] = self.moe_terms.get(name, 0) + value.detach() * weight
-        return (moe.aux_loss_coef * aux + moe.z_loss_coef * z) * weight
-
     def loss_terms(self) -> dict[str, torch.Tensor]:
-        terms, self.moe_terms = self.moe_terms, {}
-        return terms
+        return {} if self.moe_aux is None else self.moe_aux.pop_terms(self.device)
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """Per MoE layer, the step's expert load (global tokens per expert): the busiest expert over the mean
         (`moe.layer<i>.max_load`) and the load's normalised entropy (`moe.layer<i>.load_entropy`), plus the
-        worst layer's max_load. On the device; the run's worst is kept for the summary (log_moe_summary)."""
-        load, self.moe_load = self.moe_load, None
-        if load is None:
+        worst layer's max_load; under expert parallelism, what this rank's forwards dispatched (`moe.dispatched_rows`:
+        token-expert pairs) and sent to other ranks (`moe.all_to_all_bytes`: dispatch and combine). On the device;
+        the run's worst is kept for the summary (log_moe_summary). Under pipeline parallelism each stage holds its
+        layers' load (global over dp): one all-reduce over pp gathers them."""
+        if self.moe_aux is None:
             return {}
+        load = self.moe_aux.pop_load(self.moe_layer_ids, self.args.moe.num_experts, self.device)
+        if self.dims.pp > 1:
+            tdist.all_reduce(load, group=self.mesh["pp"].get_group())
         max_load, entropy = expert_load(load)
         worst, at = max_load.max(0)
         self.moe_worst = torch.where(worst > self.moe_worst[0], torch.stack([worst, at.float()]), self.moe_worst)
         out = {"moe.max_load": worst}
         for i, layer in enumerate(self.moe_layer_ids):
             out |= {f"moe.layer{layer}.max_load": max_load[i], f"moe.layer{layer}.load_entropy": entropy[i]}
+        if self.token_exchanges:  # this rank's forward all-to-alls, over its MoE layers (host counts; not global)
+            out |= {"moe.dispatched_rows": sum(e.rows_dispatched for e in self.token_exchanges),
+                    "moe.all_to_all_bytes": sum(e.bytes_sent for e in self.token_exchanges)}
+            for e in self.token_exchanges:
+                e.rows_dispatched = e.bytes_sent = 0
         return out
 
     def log_moe_summary(self) -> None:
@@ -247,6 +229,49 @@ class LLMTrainer(Trainer):
 
     def checkpoint_meta(self) -> dict:
         return lora.checkpoint_meta(self.cfg, self.cfg.model.init_from)
+
+    # ---- evaluation and export ------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        """The held-out loss (token-mean next-token cross-entropy, no MoE aux losses) and its perplexity over the val
+        split's first data.eval_docs documents, in whole global micro-batches packed as training packs them: each dp
+        rank its share, every rank the same batches (FSDP, expert and pipeline parallelism are collective). Rank 0
+        writes RUN_DIR/eval.json and returns it."""
+        from common.data.webdataset import iter_samples
+
+        per_batch = self.cfg.trainer.micro_batch_size * self.dims.dp
+        held_out = iter_samples(self.meta.get("val_urls", []))
+        docs = [decode_document(s) for s, _ in zip(held_out, range(self.cfg.data.eval_docs))]
+        batches = [docs[i:i + per_batch] for i in range(0, len(docs) - per_batch + 1, per_batch)]
+        if not batches:
+            if self.dist.is_main:
+                print(f"kiln: eval: skipped: the val split has {len(docs)} documents, fewer than one global micro-batch "
+                      f"({per_batch})", flush=True)
+            return None
+        self.model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # CE sum, labelled tokens
+        for documents in batches:
+            batch = self.prepare(documents)
+            if self.engine.pipeline is not None:
+                loss_sum = self.engine.pipeline.eval_loss(batch)
+            else:
+                packed = batch.packed
+                with self.engine.autocast(), self.engine.loss_context():
+                    logits = self.model(packed.input_ids.to(self.device),
+                                        **model_inputs(packed, self.cfg.toggles.attention, self.device))
+                    loss_sum = ce_sum(logits, packed.labels.to(self.device))
+                    loss_sum = loss_sum.full_tensor() if hasattr(loss_sum, "full_tensor") else loss_sum
+            sums += torch.stack([loss_sum.double(), torch.tensor(float(batch.packed.num_labels), device=self.device)])
+        self.model.train()
+        # Over dp; the CE sum over pp too (only the last stage computes it: Engine.all_reduce).
+        loss, tokens = torch.cat([self.engine.all_reduce(sums[:1], loss=True), self.engine.all_reduce(sums[1:])]).tolist()
+        if not self.dist.is_main:
+            return None
+        val_loss = loss / max(tokens, 1)
+        result = {"val_loss": val_loss, "val_perplexity": math.exp(val_loss), "val_tokens": int(tokens),
+                  "num_samples": sum(map(len, batches)), "step": self.state.step}
+        (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+        return result
 
     # ---- export -----------------------------------------------------------------------------
     def export(self) -> Path:
@@ -299,9 +324,23 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     with torch.device("meta"):
         model = Transformer(args)
     # MoE: layers differ (dense first layers); the mean layer, counting every expert (total, not active, parameters).
-    layer, first = sum(map(count_params, model.layers.values())) // args.n_layers, count_params(model.tok_embeddings)
     # Tied embeddings are counted once (on the first stage); under PP the last stage holds a second copy.
-    last = count_params(model.norm) + (0 if args.tie_embeddings else count_params(model.output))
+    def sizes(count) -> tuple[int, int, int]:  # (mean layer, first stage's rest, last stage's rest)
+        return (sum(map(count, model.layers.values())) // args.n_layers, count(model.tok_embeddings),
+                count(model.norm) + (0 if args.tie_embeddings else count(model.output)))
+
+    layer, first, last = sizes(count_params)
+    gather_unit = max(layer, first + last)  # FSDP units: blocks, root
+    # finetune=lora: the adapters train (weights, gradients, Adam state); the base is frozen weights only, in the
+    # parameters' dtype (fp32 whatever toggles.precision: FSDP2's policy and autocast cast them per use).
+    if cfg.finetune == "lora":
+        lora.apply_lora(model, cfg.lora)
+        layer, first, last = sizes(functools.partial(count_params, trainable_only=True))
+    frozen = count_params(model) - count_params(model, trainable_only=True)
+    frozen_bytes = 4.0 * frozen
+    if cfg.finetune == "lora" and cfg.lora.quantize_base == "nf4":  # QLoRA: the adapted linears' base in NF4
+        quantized = [m.base_layer.weight.numel() for m in model.modules() if hasattr(m, "lora_A")]
+        frozen_bytes += sum(nf4_bytes(n) - 4.0 * n for n in quantized)
     # sdpa: the packed documents' [b,1,s,s] bool mask (kept as a bias per layer) and K/V repeated per query
     # head; flash: the varlen kernel takes cu_seqlens and shares K/V heads. DTensor TP keeps the gathered
     # linear inputs.
@@ -316,7 +355,8 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     p = cfg.parallel
     return ModelSpec(cfg.recipe.name, block, layers=args.n_layers, seq=cfg.data.max_seq_len,
                      micro_batch=cfg.trainer.micro_batch_size, layer_params=layer, first_params=first,
-                     last_params=last, gather_unit_params=max(layer, first + last),  # FSDP units: blocks, root
+                     last_params=last, gather_unit_params=gather_unit,
+                     frozen_params=frozen, frozen_bytes=frozen_bytes,
                      vocab=args.vocab_size, precision=cfg.toggles.precision, sharding="fsdp",
                      ac_modes=("none", "selective", "full"), pp_schedule=p.pp_schedule,
                      pp_microbatches=p.pp_microbatches, vocab_parallel=cfg.model.loss_parallel,
@@ -330,6 +370,11 @@ def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
     trainer = LLMTrainer(cfg, dist, run_dir)
     trainer.fit()
     trainer.log_moe_summary()
+    if cfg.trainer.eval:
+        result = trainer.evaluate()
+        if result is not None:
+            print(f"kiln: eval loss {result['val_loss']:.4f} (perplexity {result['val_perplexity']:.1f}) on "
+                  f"{result['num_samples']} held-out documents ({result['val_tokens']:,} tokens)", flush=True)
     out = trainer.export()
     if dist.is_main:
         text = sample_generation(out)

@@ -12,6 +12,10 @@ from common.errors import ConfigError
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig
 from recipes.vlm.sources import weight_source
 
+# finetune=lora (common/lora.py): the language model's linears an adapter may target, all of them by default
+# (transformers' Llama names); the projector still trains in full, the vision tower stays frozen.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 def register() -> None:
     cs = ConfigStore.instance()
@@ -41,6 +45,12 @@ def validate(cfg: TrainConfig) -> None:
     if v.train_vision and v.stage == "align":
         raise ConfigError("vlm.train_vision=true is for vlm.stage=finetune (align trains the projector only)")
     rename_init_from(m, v)
+    if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
+        raise ConfigError("finetune=lora trains an adapter on a LLaVA checkpoint: set model.init_from=<a llava-hf folder or "
+                          "an align run> (vlm.stage=align from vlm.vision_from + vlm.language_from makes one)")
+    if cfg.finetune == "lora" and v.train_vision:
+        raise ConfigError("vlm.train_vision=true with finetune=lora: LoRA adapts the language model (the projector trains "
+                          "in full); the vision tower stays frozen")
     weight_source(cfg)  # json only: one line for sources that contradict each other or a folder that does not fit
     check_family_sections(cfg, "VLM", parallel=ZeroParallelConfig, layouts=f"DeepSpeed ZeRO ({ZERO_LAYOUTS})",
                           data=VLMDataConfig, datasets="vlm_digits or llava (image-conversation shards)")

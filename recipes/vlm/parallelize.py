@@ -1,5 +1,6 @@
-"""Freeze per training stage, then the toggles: kernels → fp8 → AC → compile (ZeRO comes last, when
-common/engine.py:DeepSpeedEngine wraps the model). The attention kernels are recipes/vlm/attention.py's."""
+"""Freeze per training stage (finetune=lora: adapters on the language model), then the toggles: kernels → fp8 →
+AC → compile (ZeRO comes last, when common/engine.py:DeepSpeedEngine wraps the model). The attention kernels
+are recipes/vlm/attention.py's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from transformers import LlavaForConditionalGeneration
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from common.config import TrainConfig
+from common.lora import apply_lora
 from common.toggles import apply_toggles
 
 
@@ -38,11 +40,21 @@ def freeze_for_stage(model: LlavaForConditionalGeneration, stage: str, train_vis
                 module.requires_grad_(False)
 
 
+def trainable_parts(model: LlavaForConditionalGeneration, cfg: TrainConfig) -> None:
+    """What trains: `freeze_for_stage`'s parts, or under finetune=lora (vlm.stage=finetune) the projector in full
+    and LoRA adapters on the language model's linears (common/lora.py), everything else frozen."""
+    if cfg.finetune != "lora":
+        freeze_for_stage(model, cfg.vlm.stage, cfg.vlm.train_vision)
+        return
+    freeze_for_stage(model, "align")  # the projector only
+    apply_lora(model.model.language_model, cfg.lora)
+
+
 def parallelize(model: LlavaForConditionalGeneration, cfg: TrainConfig) -> LlavaForConditionalGeneration:
-    """`model` frozen for its stage, with its toggles applied, ready for the engine (DeepSpeed ZeRO over the
-    trainable parameters; the attention kernel was chosen when the model was built: `toggles.attention`
+    """`model` frozen for its stage (`trainable_parts`), with its toggles applied, ready for the engine (DeepSpeed
+    ZeRO over the trainable parameters; the attention kernel was chosen when the model was built: `toggles.attention`
     → attn_implementation)."""
-    freeze_for_stage(model, cfg.vlm.stage, cfg.vlm.train_vision)
+    trainable_parts(model, cfg)
     # Blocks: every decoder and vision encoder layer (the layers transformers itself checkpoints);
     # fp8 only in the language model (the tower's widths are often not multiples of 16).
     apply_toggles(model, cfg.toggles, block_types=(GradientCheckpointingLayer,), fp8_module=model.model.language_model)

@@ -221,3 +221,15 @@ def load_llava(folder: Path, attention: str):
     with _quiet_loading():
         return LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, local_files_only=True,
                                                              attn_implementation=attn_implementation(attention))
+
+
+# --- weights out ----------------------------------------------------------------------------------------------
+
+def llava_hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's tensors with the vision tower under llava-hf's names (`vision_tower.vision_model.*` once saved).
+    transformers >= 5.20 holds CLIP and SigLIP towers without their `vision_model` level and saves them so
+    (`vision_tower.embeddings.*`); it reads both layouts, but vLLM (0.32, the CPU build included) reads only
+    llava-hf's and refuses the other ("no module or parameter named 'vision_tower.embeddings'")."""
+    flat, nested = "model.vision_tower.", "model.vision_tower.vision_model."
+    return {(nested + k[len(flat):] if k.startswith(flat) and not k.startswith(nested) else k): v
+            for k, v in model.state_dict().items()}

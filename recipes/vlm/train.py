@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from common import deepspeed as ds
+from common import lora
+from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
 from common.engine import DeepSpeedEngine
@@ -26,13 +28,14 @@ from common.parallel_dims import ParallelDims
 from common.memory import Block, ModelSpec, count_params, largest_module_params
 from common.seed import seed_everything
 from common.trainer import Trainer
-from recipes.vlm import pretrained
+from recipes.vlm import lora as vlm_lora, pretrained
 from recipes.vlm.attention import eval_attention
 from recipes.vlm.data import blank_sample, build_train_loader, check_chat_template, is_conversations, prepare_data
 from recipes.vlm.evaluate import conversation_eval, generate_answers, load_eval_samples, save_answer_grid, score
 from recipes.vlm.model import build_model, tower_image_tokens
-from recipes.vlm.parallelize import freeze_for_stage, parallelize
-from recipes.vlm.sources import weight_source
+from recipes.vlm.parallelize import parallelize, trainable_parts
+from recipes.vlm.pretrained import llava_hf_state_dict
+from recipes.vlm.sources import llava_folder, weight_source
 
 
 def load_model(cfg: TrainConfig, meta: dict):
@@ -44,6 +47,10 @@ def load_model(cfg: TrainConfig, meta: dict):
 class VLMTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         super().__init__(cfg, dist, run_dir)
+        # finetune=lora: adapters on the LLaVA of model.init_from, the base of every start (common/lora.py).
+        self.lora_base = str(llava_folder(cfg.model.init_from)) if cfg.finetune == "lora" else ""
+        if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
+            lora.check_resume(read_meta(self.resume_from), cfg, self.lora_base, self.resume_from)
         self.meta = prepare_data(cfg, dist)
         self.conversations = is_conversations(self.meta)
         seed_everything(cfg.trainer.seed)  # identical initial weights (a fresh projector) on every rank
@@ -88,7 +95,7 @@ class VLMTrainer(Trainer):
         return counts
 
     def checkpoint_meta(self) -> dict:
-        return {"stage": self.cfg.vlm.stage}
+        return {"stage": self.cfg.vlm.stage, **lora.checkpoint_meta(self.cfg, self.lora_base)}
 
     # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_first_step(self) -> None:
@@ -131,28 +138,22 @@ class VLMTrainer(Trainer):
         """Hugging Face folder: config (image_token_index, vision_feature_layer, ...), safetensors, tokenizer,
         processor + chat template; the image processor also in its own preprocessor_config.json, where
         releases before transformers 5 (and the vLLM builds pinned to them) read it. The tensors carry llava-hf's
-        names (`llava_hf_state_dict`)."""
+        names (`llava_hf_state_dict`). Under finetune=lora: a PEFT adapter folder on model.init_from's LLaVA, and
+        with export.merge_lora the merged model in export/merged (recipes/vlm/lora.py)."""
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
         with self.engine.gathered():
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-                self.model.save_pretrained(tmp, state_dict=llava_hf_state_dict(self.model), safe_serialization=True)
-                self.processor.save_pretrained(tmp)
-                self.processor.image_processor.save_pretrained(tmp)
+                if self.lora_base:
+                    vlm_lora.write_export(self.model, self.cfg, tmp, base=self.lora_base, processor=self.processor)
+                else:
+                    self.model.save_pretrained(tmp, state_dict=llava_hf_state_dict(self.model), safe_serialization=True)
+                    self.processor.save_pretrained(tmp)
+                    self.processor.image_processor.save_pretrained(tmp)
                 shutil.rmtree(out, ignore_errors=True)
                 tmp.rename(out)
         barrier()
         return out
-
-
-def llava_hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's tensors with the vision tower under llava-hf's names (`vision_tower.vision_model.*` once saved).
-    transformers >= 5.20 holds CLIP and SigLIP towers without their `vision_model` level and saves them so
-    (`vision_tower.embeddings.*`); it reads both layouts, but vLLM (0.32, the CPU build included) reads only
-    llava-hf's and refuses the other ("no module or parameter named 'vision_tower.embeddings'")."""
-    flat, nested = "model.vision_tower.", "model.vision_tower.vision_model."
-    return {(nested + k[len(flat):] if k.startswith(flat) and not k.startswith(nested) else k): v
-            for k, v in model.state_dict().items()}
 
 
 def source_config(cfg: TrainConfig):
@@ -167,7 +168,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     t = config.text_config
     with torch.device("meta"):
         model = build_model(config, "sdpa")
-    freeze_for_stage(model, cfg.vlm.stage, cfg.vlm.train_vision)
+    trainable_parts(model, cfg)
     layer = count_params(model.model.language_model.layers[0], trainable_only=True)
     trainable = count_params(model, trainable_only=True)
     # The frozen vision tower runs without autograd: it keeps nothing. The text rows are taken at

@@ -1,7 +1,8 @@
 """Mixture of Experts on CPU: the experts' grouped GEMM against a loop over experts on the same shapes and
 routing (forward + backward), and moe_tiny on 2 gloo ranks with the experts split (parallel.ep=2) against
-replicated (ep=1, FSDP2 over both ranks), in training tokens/s. A smoke figure: on CPU the all-to-all is a
-gloo copy between two processes, so it says that expert parallelism runs, not what it buys on GPUs.
+replicated (ep=1, FSDP2 over both ranks), in training tokens/s, and the all-to-all bytes of a step measured against
+the formula. A smoke figure: on CPU the all-to-all is a gloo copy between two processes, so it says that expert
+parallelism runs, not what it buys on GPUs.
 """
 
 from __future__ import annotations
@@ -73,19 +74,58 @@ def gemm_table(cfg: Config, s: Section) -> None:
     s.data["grouped_gemm"] = data
 
 
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def ep_table(opts, cfg: Config, work: Path, s: Section) -> None:
     rates = {}
     for ep in (1, 2):
         records = train_run(opts, "moe_tiny", [f"trainer.max_steps={cfg.steps}", "trainer.log_every=1",
                                                "parallel.dp=2", f"parallel.ep={ep}"], work / f"ep{ep}", nproc=2)
-        later = [r["tokens_per_s"] for r in records if r["step"] > 2]  # past the first steps (FLOP counting, warm-up)
-        rates[ep] = sorted(later)[len(later) // 2]
+        later = [r for r in records if r["step"] > 2]  # past the first steps (FLOP counting, warm-up)
+        rates[ep] = median([r["tokens_per_s"] for r in later])
         say(f"moe: moe_tiny dp=2 ep={ep}: {rates[ep]:.0f} tokens/s (median)")
+        if ep > 1:
+            all_to_all_table(opts, later, ep, s)
     s.tables.append(md_table(["moe_tiny on 2 ranks", "tokens/s (median step)", "vs ep=1"],
                              [[f"parallel.ep={ep}", f"{rates[ep]:.0f}", f"{rates[ep] / rates[1]:.2f}x"] for ep in (1, 2)]))
     s.notes.append(f"moe_tiny, 2 gloo ranks (parallel.dp=2), {cfg.steps} steps, median tokens/s after step 2: ep=2 "
                    f"holds 4 of 8 experts per rank and exchanges tokens by all-to-all; ep=1 holds all 8 (FSDP2).")
     s.data["ep"] = {str(k): v for k, v in rates.items()}
+
+
+def all_to_all_table(opts, records: list[dict], ep: int, s: Section) -> None:
+    """The bytes rank 0's forward all-to-alls sent to the other ranks per step, counted from their split sizes
+    (metrics moe.all_to_all_bytes), against the uniform-routing formula: tokens x top_k x dim x dtype bytes x 2
+    (dispatch, combine) x (ep - 1) / ep per MoE layer, with rank 0's tokens (its token slots, padding included: every
+    slot is routed) from its dispatched rows (moe.dispatched_rows = tokens x top_k x MoE layers)."""
+    from common.launch import compose
+    from recipes.llm.train import llama_args
+
+    cfg = compose(["recipe=moe_tiny"])
+    m, args = cfg.model, llama_args(cfg, vocab_size=1)
+    moe_layers = sum(map(args.is_moe_layer, range(args.n_layers)))
+    dtype_bytes = 4  # fp32 on CPU
+    rows, ratios = [], []
+    for r in records:
+        tokens = r["moe.dispatched_rows"] / (m.moe.top_k * moe_layers)
+        formula = tokens * m.moe.top_k * m.dim * dtype_bytes * 2 * (ep - 1) / ep * moe_layers
+        ratios.append(r["moe.all_to_all_bytes"] / formula)
+        rows.append((r["moe.all_to_all_bytes"], formula, tokens))
+    measured, formula, tokens = (median([row[i] for row in rows]) for i in range(3))
+    ratio = median(ratios)
+    say(f"moe: all-to-all bytes per step (rank 0, forward) measured {measured / 1e6:.3f} MB / formula "
+        f"{formula / 1e6:.3f} MB = {ratio:.3f}")
+    s.tables.append(md_table(["moe_tiny ep=2, rank 0, per step", "measured MB", "formula MB", "measured / formula"],
+                             [[f"{tokens:.0f} tokens x top-{m.moe.top_k} x dim {m.dim} x {moe_layers} MoE layers",
+                               f"{measured / 1e6:.3f}", f"{formula / 1e6:.3f}", f"{ratio:.3f}"]]))
+    s.notes.append("All-to-all bytes: what rank 0's dispatch and combine all_to_all_single calls sent to the other rank "
+                   "in a step's forwards, counted from their split sizes (metrics moe.all_to_all_bytes; the backward "
+                   "sends as much again), against tokens x top_k x dim x 4 bytes x 2 directions x (ep-1)/ep per MoE "
+                   "layer, the uniform-routing estimate; medians over the steps after step 2. Off 1.0 by how unevenly "
+                   "the router splits rank 0's rows between its own experts and the other rank's.")
+    s.data["all_to_all"] = {"measured_bytes": measured, "formula_bytes": formula, "ratio": ratio}
 
 
 def run(opts, cfg: Config | None = None) -> Section:

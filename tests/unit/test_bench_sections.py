@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 
 from scripts.bench import SECTIONS
-from scripts.benchmarks import checkpoint, loading, packing, pipeline
+from scripts.benchmarks import checkpoint, loading, lora, packing, pipeline
 from scripts.benchmarks.harness import Options
 from scripts.benchmarks.report import Section
 
@@ -76,3 +76,16 @@ def test_export_target_is_kilns_peak_over_zero_to_fp32s():
     assert [t.met for t in s.targets] == [True] and s.data["peak_ratio_kiln_over_zero_to_fp32"] == 10 / 60
     rows["kiln"]["peak"] = 40 * mib
     assert [t.met for t in export.section(rows, checkpoint_bytes=80 * mib).targets] == [False]
+
+
+def test_lora_section_against_full_fine_tuning(tmp_path):
+    """llm_tiny full vs LoRA from one base: the adapter is rank 8 on the seven projections of 4 layers (peft's
+    r * (in + out) per linear), and only it and its Adam state reach the checkpoint."""
+    s = lora.run(Options(quick=True, threads=1, out=tmp_path))
+    check(s, "lora")
+    dim, kv, ffn = 128, 64, 344  # configs/model/llm_tiny.yaml: 4 heads of 32, 2 kv heads
+    per_layer = 8 * ((dim + dim) * 2 + (dim + kv) * 2 + (dim + ffn) * 3)
+    assert s.data["trainable"] == {"full": s.data["params"]["full"], "lora": 4 * per_layer}
+    assert s.data["params"]["lora"] == s.data["params"]["full"] + 4 * per_layer
+    assert s.data["ratios"]["checkpoint_bytes"] < 0.25 and s.data["ratios"]["model_state_bytes"] < 0.5
+    assert all(v > 0 for v in s.data["peak_rss_bytes"].values())

@@ -52,7 +52,7 @@ def test_every_group_option_composes(group, option, recipe):
 
 def test_each_family_has_only_its_own_parallel_and_data_keys():
     """The root schema is not the union of the families': ZeRO is the DeepSpeed recipes', tp/pp/ep the LLM's,
-    image sizes and latents the DiT's, packing the VLM's (the LLM always packs)."""
+    image sizes and latents the DiT's, packing the VLM's (the LLM always packs), eval_docs the LLM's."""
     keys = {r: compose([f"recipe={r}"]) for r in ("dit_tiny", "vlm_tiny", "llm_tiny")}
     fields = {r: ({f.name for f in dataclasses.fields(c.parallel)}, {f.name for f in dataclasses.fields(c.data)})
               for r, c in keys.items()}
@@ -61,7 +61,7 @@ def test_each_family_has_only_its_own_parallel_and_data_keys():
     common = {"name", "root", "build", "build_hint", "num_workers", "shuffle_buffer", "max_corrupt_shards"}
     assert fields["dit_tiny"][1] == common | {"image_size", "latents"}
     assert fields["vlm_tiny"][1] == common | {"packing", "max_seq_len"}
-    assert fields["llm_tiny"][1] == common | {"max_seq_len"}
+    assert fields["llm_tiny"][1] == common | {"max_seq_len", "eval_docs"}
 
 
 def test_recipe_is_a_delta_over_the_defaults():

@@ -72,9 +72,56 @@ def test_moe_models_refuse_lora(tmp_path, capsys):
     assert "finetune=lora on an MoE model (model.moe.num_experts=" in line, line
 
 
-@pytest.mark.parametrize("recipe", ["dit_tiny", "vlm_tiny"])
-def test_families_without_lora_refuse_it(recipe, capsys):
-    assert f"finetune=lora is not offered by the {recipe[:3]} recipe yet" in _kiln_error([f"recipe={recipe}", "finetune=lora"], capsys)
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    """What the ZeRO recipes adapt: a dit_tiny transformer on 16x16 digits saved by diffusers (a DiT export's
+    transformer/), a llava-hf folder; and a LLaVA's parts (a CLIP tower, a Llama)."""
+    from recipes.dit.model import build_model
+    from tests.fixtures import vlm as fx
+
+    root = tmp_path_factory.mktemp("bases")
+    build_model(compose(["recipe=dit_tiny"]).model, 16).save_pretrained(root / "dit" / "transformer")
+    (root / "empty").mkdir()
+    return {"DIT": root / "dit" / "transformer", "LLAVA": fx.write_llava_hf(root / "llava_hf"),
+            "CLIP": fx.write_clip(root / "clip"), "LLAMA": fx.write_llama(root / "llama"), "EMPTY": root / "empty"}
+
+
+def test_zero_recipes_compose_lora_on_their_base(bases):
+    cfg = compose(["recipe=dit_tiny", "finetune=lora", f"model.init_from={bases['DIT'].parent}"])
+    assert cfg.model.init_from == str(bases["DIT"])  # the transformer folder of a DiTPipeline / export folder
+    assert cfg.lora.targets == ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
+    cfg = compose(["recipe=vlm_tiny", "finetune=lora", f"model.init_from={bases['LLAVA']}"])
+    assert cfg.lora.targets == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+ZERO_BAD = {  # (recipe, overrides: a capitalised name is one of `bases`), the line's words
+    "dit: no base": ("dit_tiny", [], "finetune=lora trains an adapter on a DiT checkpoint: set model.init_from="),
+    "dit: not a DiT": ("dit_tiny", ["model.init_from=EMPTY"], "no diffusers DiTTransformer2DModel there"),
+    "dit: other size": ("dit_tiny", ["model.init_from=DIT", "data.image_size=8"], "is a DiT on 16x16 inputs; this run's are 8x8"),
+    "dit: shared embedding": ("dit_tiny", ["model.init_from=DIT", "model.shared_conditioning=true"],
+                              "model.shared_conditioning=true with model.init_from"),
+    "dit: a key the base sets": ("dit_tiny", ["model.init_from=DIT", "model.num_layers=3"],
+                                 "model.num_layers=3 disagrees with model.init_from="),
+    "dit: an LLM name": ("dit_tiny", ["model.init_from=DIT", "lora.targets=[wq]"],
+                         "lora.targets: 'wq' matches no module the dit recipe's LoRA"),
+    "vlm: no base": ("vlm_tiny", [], "finetune=lora trains an adapter on a LLaVA checkpoint: set model.init_from="),
+    "vlm: parts, no LLaVA": ("vlm_tiny", ["vlm.vision_from=CLIP", "vlm.language_from=LLAMA"],
+                             "set model.init_from=<a llava-hf folder"),
+    "vlm: the tower trains": ("vlm_tiny", ["model.init_from=LLAVA", "vlm.train_vision=true"],
+                              "vlm.train_vision=true with finetune=lora"),
+    "vlm: an LLM name": ("vlm_tiny", ["model.init_from=LLAVA", "lora.targets=[wq]"],
+                         "lora.targets: 'wq' matches no module the vlm recipe's LoRA"),
+    "vlm: rank 0": ("vlm_tiny", ["model.init_from=LLAVA", "lora.rank=0"], "lora.rank=0 must be > 0"),
+}
+
+
+@pytest.mark.parametrize("case", ZERO_BAD)
+def test_bad_zero_recipe_lora_input_stops_with_one_line(bases, case, tmp_path, capsys):
+    recipe, extra, needle = ZERO_BAD[case]
+    extra = [key + "=" + str(bases.get(value, value)) for key, _, value in (e.partition("=") for e in extra)]
+    line = _kiln_error([f"recipe={recipe}", "finetune=lora", *extra, f"run.dir={tmp_path / 'run'}"], capsys)
+    assert needle in line, line
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("recipe", ["dit_tiny", "vlm_tiny"])

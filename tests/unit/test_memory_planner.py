@@ -259,6 +259,83 @@ def test_moe_planner_prices_experts_per_ep_rank():
     assert next(r for r in rows if r["layout"] == configured)["fits"]  # the recipe's own layout fits 8 H100s
 
 
+def test_lora_prices_the_adapter_with_adam_and_the_base_as_weights():
+    """finetune=lora on llm_8b, sized without its base: the trainable parameters are peft's count on transformers'
+    Llama-3-8B; only they have gradients and Adam state, the frozen base costs its fp32 weights alone."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = compose(["recipe=llm_8b", "finetune=lora", "parallel.tp=1", "run.dry_run=true"])
+    spec = llm_spec(cfg)
+    m = cfg.model
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(LlamaConfig(hidden_size=m.dim, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                                          num_key_value_heads=m.n_kv_heads, intermediate_size=m.ffn_dim,
+                                          vocab_size=m.vocab_size, tie_word_embeddings=False))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    trainable, total = get_peft_model(hf, LoraConfig(r=cfg.lora.rank, target_modules=targets)).get_nb_trainable_parameters()
+    assert spec.layers * spec.layer_params + spec.first_params + spec.last_params == trainable == 20_971_520
+    assert spec.total_params == total and spec.frozen_params == total - trainable
+    est = estimate(spec, Layout(dp=1, tp=1, pp=1, zero_stage=0, ac="full"))
+    assert (est["grads"], est["optimizer"]) == (4 * trainable, 8 * trainable)
+    assert est["weights"] == 4 * total
+    sharded = estimate(spec, Layout(dp=8, tp=1, pp=1, zero_stage=3, ac="full"))
+    assert sharded["weights"] == 4 * total / 8  # FSDP2 shards the frozen base too
+
+
+def test_qlora_prices_the_adapted_linears_base_as_torchao_nf4():
+    """lora.quantize_base=nf4: each adapted linear's frozen weight costs what torchao's NF4Tensor holds (measured on
+    one 14336 x 4096 weight, llm_8b's MLP), the other frozen weights their fp32 bytes."""
+    pytest.importorskip("torchao")
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from common.memory import nf4_bytes
+
+    nf4 = to_nf4(torch.randn(14336, 4096), 64, 256)
+    assert nf4_bytes(14336 * 4096) == sum(getattr(nf4, a).nbytes for a in nf4.__tensor_flatten__()[0])
+    base = ["recipe=llm_8b", "finetune=lora", "parallel.tp=1", "run.dry_run=true"]
+    lora_spec, qlora = llm_spec(compose(base)), llm_spec(compose([*base, "lora.quantize_base=nf4"]))
+    m = compose(base).model
+    per_layer = m.dim * (2 * m.dim + 2 * m.dim * m.n_kv_heads // m.n_heads) + 3 * m.dim * m.ffn_dim
+    saved = m.n_layers * (4 * per_layer) - sum(nf4_bytes(n) for n in [m.dim * m.dim] * 2 * m.n_layers
+                                               + [m.dim * m.dim * m.n_kv_heads // m.n_heads] * 2 * m.n_layers
+                                               + [m.dim * m.ffn_dim] * 3 * m.n_layers)
+    assert lora_spec.frozen_bytes - qlora.frozen_bytes == pytest.approx(saved, rel=1e-12)
+    one = Layout(dp=1, tp=1, pp=1, zero_stage=0, ac="full")
+    print(f"llm_8b on one GPU: LoRA weights {estimate(lora_spec, one)['weights'] / 2**30:.2f} GiB, "
+          f"QLoRA {estimate(qlora, one)['weights'] / 2**30:.2f} GiB")
+    assert estimate(lora_spec, one)["weights"] - estimate(qlora, one)["weights"] == pytest.approx(saved, rel=1e-12)
+
+
+def test_dit_lora_prices_its_adapters():
+    """dit_2b under finetune=lora, sized without its base: per block rank x (in + out) for to_q, to_k, to_v, to_out.0
+    (h -> h) and the feed-forward's h -> 4h -> h, i.e. 18 r h; nothing else trains, every other weight is frozen."""
+    full = dit_spec(compose(["recipe=dit_2b"]))
+    cfg = compose(["recipe=dit_2b", "finetune=lora", "run.dry_run=true"])
+    spec = dit_spec(cfg)
+    h = cfg.model.num_attention_heads * cfg.model.attention_head_dim
+    assert spec.layer_params == 18 * cfg.lora.rank * h and spec.first_params == spec.last_params == 0
+    assert spec.total_params == full.total_params + spec.layers * spec.layer_params
+    est = estimate(spec, Layout(dp=1, tp=1, pp=1, zero_stage=0, ac="full"))
+    trainable = spec.layers * spec.layer_params
+    # Adam's state and the fp32 EMA (common/ema.py) of the adapter alone
+    assert (est["grads"], est["optimizer"]) == (DEEPSPEED_MIXED.grads * trainable, (DEEPSPEED_MIXED.optimizer + 4) * trainable)
+    assert est["weights"] == DEEPSPEED_MIXED.weights * trainable + 2 * spec.frozen_params  # bf16: DeepSpeed casts it
+
+
+def test_plan_says_llm_8b_lora_fits_one_h100(capsys):
+    """`scripts/plan.py recipe=llm_8b finetune=lora cluster.gpus=1`: llm_8b's tp=8 is refused under LoRA, so the plan
+    starts from one GPU's layout; at 8192 tokens x micro batch 1 the adapter fits one 80 GB H100 (full AC), where a
+    full fine-tune (16 bytes a parameter of states alone) does not."""
+    assert plan_script.main(["recipe=llm_8b", "finetune=lora", "cluster.gpus=1"]) == 0
+    out = capsys.readouterr().out
+    assert "finetune=lora with parallel.tp=8" in out and "micro batch 1 x 8192 tokens on 1 x h100_80gb" in out
+    fits = int(re.search(r"(\d+) of \d+ layouts the recipe allows fit", out)[1])
+    assert fits >= 1 and re.search(r"\n  \d\*?\s+1\s+1\s+1\s+1\s+none\s+full ", out)
+    assert plan_script.main(["recipe=llm_8b", "parallel.tp=1", "cluster.gpus=1"]) == 0
+    assert "0 of 3 layouts the recipe allows fit" in capsys.readouterr().out
+
+
 def run_plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), *args],
                           capture_output=True, text=True, timeout=120)

@@ -1,0 +1,27 @@
+"""finetune=lora on the DiT under DeepSpeed ZeRO-3 on 2 gloo ranks (the frozen base partitioned too): it trains, its
+checkpoints leave the frozen base out, its export is the adapter, and a resume continues bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import losses, run_train
+from tests.fixtures.lora import checkpoint_bytes, tensors
+from tests.integration.test_dit_lora import ADAPTED, overrides, world  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.distributed
+
+
+def test_zero3_trains_the_adapter_and_resumes_bitwise(world, tmp_path):  # noqa: F811
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    zero3 = ["parallel.zero_stage=3", "trainer.micro_batch_size=4", "trainer.max_steps=4"]
+    run_train(overrides(world, first, *zero3, "checkpoint.every=2"), nproc=2)
+    run_train(overrides(world, resumed, *zero3, f"run.resume={first / 'checkpoints' / 'step_0000002'}"), nproc=2)
+    want, got = losses(first), losses(resumed)
+    assert sorted(want) == [1, 2, 3, 4] and sorted(got) == [3, 4] and all(got[s] == want[s] for s in got), (want, got)
+    adapter = tensors(first / "export")
+    assert len(adapter) == ADAPTED and all(torch.equal(v, adapter[k]) for k, v in tensors(resumed / "export").items())
+    size = sum(v.numel() * v.element_size() for v in adapter.values())
+    # weights, Adam's two moments and the EMA of the adapter, split over the ranks: nothing of the base
+    assert checkpoint_bytes(first / "checkpoints" / "step_0000002") <= 4 * size + 400_000

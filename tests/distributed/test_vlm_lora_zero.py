@@ -1,0 +1,50 @@
+"""finetune=lora on the VLM under DeepSpeed ZeRO-2 and ZeRO-3 on 2 gloo ranks (tiny llava-hf base): the same
+per-step losses and adapters in both (ZeRO only changes where the trainable state lives), checkpoints that hold the
+adapter and the projector only (ZeRO-3 partitions the frozen base too, and leaves it out), and a ZeRO-3 resume that
+continues bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import losses, run_train
+from tests.fixtures.lora import checkpoint_bytes, tensors
+from tests.integration.test_vlm_lora import overrides, world  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.distributed
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def runs(world, tmp_path_factory):  # noqa: F811
+    out = {}
+    for stage in (2, 3):
+        out[stage] = tmp_path_factory.mktemp(f"zero{stage}")
+        run_train(overrides(world, out[stage], f"parallel.zero_stage={stage}", "trainer.micro_batch_size=4",
+                            f"trainer.max_steps={STEPS}", "checkpoint.every=2"), nproc=2)
+    return out
+
+
+def test_zero2_and_zero3_train_the_same_adapter(runs):
+    two, three = losses(runs[2]), losses(runs[3])
+    assert sorted(two) == sorted(three) == list(range(1, STEPS + 1)) and two[STEPS] < two[1]
+    for step in two:
+        assert three[step] == pytest.approx(two[step], rel=1e-5), step
+    want, have = tensors(runs[2] / "export"), tensors(runs[3] / "export")
+    assert want.keys() == have.keys() and len(want) == 2 * 7 * 2 + 4
+    error = max((want[k] - have[k]).abs().max().item() for k in want)
+    print(f"ZeRO-2 vs ZeRO-3: losses {[two[s] for s in sorted(two)]}; max |adapter difference| = {error:.2e}")
+    assert error <= 1e-4  # another reduction order, through Adam's 1/sqrt(v) (lr 1e-2)
+
+    trained = sum(v.numel() * v.element_size() for v in want.values())
+    for stage, run in runs.items():  # weights + Adam's two moments of what trains, nothing of the frozen base
+        assert checkpoint_bytes(run / "checkpoints" / "step_0000002") <= 3 * trained + 400_000, stage
+
+
+def test_zero3_resumes_bitwise(world, runs, tmp_path):  # noqa: F811
+    run_train(overrides(world, tmp_path, "parallel.zero_stage=3", "trainer.micro_batch_size=4",
+                        f"trainer.max_steps={STEPS}", f"run.resume={runs[3] / 'checkpoints' / 'step_0000002'}"), nproc=2)
+    want, got = losses(runs[3]), losses(tmp_path)
+    assert sorted(got) == list(range(3, STEPS + 1)) and all(got[s] == want[s] for s in got), (want, got)
+    assert all(torch.equal(v, tensors(runs[3] / "export")[k]) for k, v in tensors(tmp_path / "export").items())

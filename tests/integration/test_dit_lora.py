@@ -1,0 +1,121 @@
+"""finetune=lora on the DiT (DeepSpeed ZeRO-0, one process), on the export of a latent DDPM dit_tiny run (a diffusers
+DiTPipeline folder): the blocks' attention and feed-forward adapters train alone -- the base stays model.init_from's
+bit for bit -- and only they reach the optimizer and the checkpoints; DiTPipeline with the exported adapter (peft,
+on its transformer) samples Kiln's images for the same seed; export.merge_lora's transformer is peft's
+merge_and_unload; a resumed run is bitwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.tools.launcher import spawn_ranks
+from data import prepare_images
+from tests.conftest import run_train
+from tests.fixtures.lora import checkpoint_bytes, fit_and_export, resumed_bitwise, tensors
+from tests.fixtures.dit import make_image_folder, make_vae
+
+pytestmark = pytest.mark.integration
+SIZE, STEPS = 32, 2  # images (the fixture VAE halves them: 4 x 16 x 16 latents); sampler steps
+ADAPTED = 4 * 6 * 2  # 4 blocks x 6 linears x (A, B)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Image shards, a VAE, and the base: the export of a 2-step full dit_tiny run (a DiTPipeline folder)."""
+    root = tmp_path_factory.mktemp("dit_lora")
+    vae = make_vae(root / "vae", block_out_channels=(16, 32))
+    folder = make_image_folder(root / "images", classes=3, per_class=16, size=24)
+    shards = root / "shards"
+    assert prepare_images.main(["--input", str(folder), "--out", str(shards), "--image-size", str(SIZE),
+                                "--train-shards", "2", "--val-shards", "1"]) == 0
+    world = {"vae": vae, "shards": shards, "base_run": root / "base"}
+    run_train(base_overrides(world, world["base_run"], "trainer.max_steps=2", "trainer.eval=false"))
+    return world
+
+
+def base_overrides(world: dict, run_dir: Path, *extra: str) -> list[str]:
+    return ["recipe=dit_tiny", "data=images", f"data.root={world['shards']}", f"data.image_size={SIZE}",
+            f"diffusion.vae={world['vae']}", "trainer.micro_batch_size=8", "data.num_workers=0", "trainer.progress_bar=false",
+            "trainer.log_every=1", "trainer.sample_every=0", f"diffusion.sample_steps={STEPS}", "diffusion.guidance_scale=1.0",
+            "diffusion.samples_per_class=1", f"run.dir={run_dir}", *extra]
+
+
+def overrides(world: dict, run_dir: Path, *extra: str) -> list[str]:
+    return base_overrides(world, run_dir, "finetune=lora", f"model.init_from={world['base_run']}", "trainer.eval=false",
+                          "optim.lr=1e-2", "optim.warmup_steps=0", *extra)
+
+
+def _train_and_export(world: dict, run_dir: str, out: str) -> dict:
+    """The trainer in process: what its optimizer holds, 4 steps, the export; whether the base is still
+    model.init_from's bit for bit; Kiln's sampler's images (EMA weights, seed 7) saved to ``out``."""
+    from common.lora import base_key, is_adapter_key
+    from recipes.dit.train import DiTTrainer
+
+    argv = overrides({k: Path(v) for k, v in world.items()}, Path(run_dir), "trainer.max_steps=4", "export.merge_lora=true")
+    trainer, optimized = fit_and_export(DiTTrainer, argv, Path(run_dir))
+    source = tensors(Path(world["base_run"]) / "export" / "transformer")
+    frozen = {base_key(k): v for k, v in trainer.model.state_dict().items() if not is_adapter_key(k)}
+    torch.save(trainer.generate(torch.tensor([0, 1, 2]), torch.Generator().manual_seed(7)), out)
+    return {"optimized": optimized, "frozen_keys_match": frozen.keys() == source.keys(),
+            "frozen_unchanged": all(torch.equal(v, source[k]) for k, v in frozen.items())}
+
+
+def test_adapter_trains_alone_and_dit_pipeline_samples_kilns_images(world, tmp_path):
+    from diffusers import DiTPipeline
+    from peft import PeftModel
+
+    run_dir, saved = tmp_path / "run", tmp_path / "kiln_images.pt"
+    result = spawn_ranks(_train_and_export, ({k: str(v) for k, v in world.items()}, str(run_dir), str(saved)), 1,
+                         tmp_path, threads=2)[0]
+    assert len(result["optimized"]) == ADAPTED and all(".lora_" in n for n in result["optimized"])
+    assert result["frozen_keys_match"] and result["frozen_unchanged"]
+
+    export, base = run_dir / "export", world["base_run"] / "export"
+    config = json.loads((export / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base / "transformer") and config["peft_type"] == "LORA"
+    assert set(config["target_modules"]) == {"to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"}
+    assert len(tensors(export)) == ADAPTED
+
+    def pipeline_images(pipe):
+        out = pipe(class_labels=[0, 1, 2], guidance_scale=1.0, num_inference_steps=STEPS, output_type="np",
+                   generator=torch.Generator().manual_seed(7)).images
+        return out * 2 - 1  # [0, 1] -> Kiln's [-1, 1]
+
+    pipe = DiTPipeline.from_pretrained(base)
+    before = pipeline_images(pipe)
+    adapted = PeftModel.from_pretrained(pipe.transformer, export)  # adapts pipe.transformer in place
+    got = pipeline_images(pipe)
+    kiln = torch.load(saved).permute(0, 2, 3, 1).numpy()
+    error, moved = np.abs(got - kiln).max(), np.abs(before - kiln).max()
+    print(f"max |DiTPipeline + adapter - Kiln's sampler| = {error:.2e} (pixels in [-1, 1]); the adapter moved them "
+          f"by up to {moved:.2e}")
+    assert error <= 1e-4 and moved > 1e-3
+
+    merged = adapted.merge_and_unload().state_dict()
+    ours = tensors(export / "merged" / "transformer")
+    merge_error = max((ours[k] - merged[k]).abs().max().item() for k in merged)
+    print(f"max |merged - peft merge_and_unload| = {merge_error:.2e}")
+    assert ours.keys() == merged.keys() and merge_error <= 1e-6
+    assert json.loads((export / "merged" / "kiln.json").read_text())["diffusers_pipeline"] == "DiTPipeline"
+
+
+def test_checkpoints_hold_the_adapter_and_resume_bitwise(world, tmp_path):
+    """Steps 4-6 of a run resumed from step 3 are bit for bit the uninterrupted run's; the checkpoint holds the
+    adapter, its Adam state and its EMA: a fraction of a full fine-tune's."""
+    first, resumed, full = tmp_path / "first", tmp_path / "resumed", tmp_path / "full"
+    ckpt = resumed_bitwise(lambda run_dir, *extra: overrides(world, run_dir, *extra), first, resumed)
+    assert all(torch.equal(v, tensors(first / "export")[k]) for k, v in tensors(resumed / "export").items())
+
+    adapter = sum(v.numel() * v.element_size() for v in tensors(first / "export").values())
+    lora_bytes = checkpoint_bytes(ckpt)
+    run_train(base_overrides(world, full, "trainer.max_steps=1", "trainer.eval=false",
+                             f"model.init_from={world['base_run']}"))
+    full_bytes = checkpoint_bytes(full / "checkpoints" / "step_0000001")
+    print(f"checkpoint bytes: LoRA {lora_bytes:,} (adapter {adapter:,}), full fine-tune {full_bytes:,} "
+          f"({lora_bytes / full_bytes:.3f}x)")
+    assert 4 * adapter <= lora_bytes <= 4 * adapter + 200_000 and lora_bytes < 0.5 * full_bytes
