@@ -92,8 +92,9 @@ class DiTTrainer(Trainer):
         self.dtype = next(self.model.parameters()).dtype
         self.ema = EMA(self.model, cfg.diffusion.ema_decay)
         # Noise, timesteps and label drops come from each sample's generator (`loss`): only dropout inside the
-        # model draws from a per-rank stream. The EMA resumes with the step, whatever layout saved it.
-        self.start(loader, per_rank_rng=cfg.model.dropout > 0, extras={"ema": self.ema})
+        # model (or its LoRA adapters) draws from a per-rank stream. The EMA resumes whatever layout saved it.
+        dropout = cfg.model.dropout > 0 or (bool(self.lora_base) and cfg.lora.dropout > 0)
+        self.start(loader, per_rank_rng=dropout, extras={"ema": self.ema})
         self.model.train()
 
     # ---- the loss (common/trainer.py runs the step) ------------------------------------------

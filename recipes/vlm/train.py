@@ -70,8 +70,8 @@ class VLMTrainer(Trainer):
         self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
-        # Nothing random per rank in a step (no dropout): the state is the same on every rank, any layout resumes it.
-        self.start(loader, per_rank_rng=False)
+        # Nothing random per rank in a step but LoRA's dropout: the rest of the state is the same on every rank.
+        self.start(loader, per_rank_rng=bool(self.lora_base) and cfg.lora.dropout > 0)
         self.model.train()
 
     # ---- the loss (common/trainer.py runs the step) ------------------------------------------
