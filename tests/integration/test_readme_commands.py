@@ -158,7 +158,8 @@ class Session:
         if run_dir is None:
             run_dir = str(self.tmp / "outputs" / recipe / f"readme{self.count}")
             extra.append(f"run.dir={run_dir}")
-        self.latest[recipe] = Path(run_dir)
+        if Path(run_dir).parent == self.tmp / "outputs" / recipe:  # outputs/<recipe>/<run>: runs in the default place
+            self.latest[recipe] = Path(run_dir)
         return [*args, *extra]
 
     def command(self, argv: list[str]) -> list[str]:
