@@ -108,7 +108,9 @@ def test_checkpoints_hold_the_adapter_and_resume_bitwise(world, tmp_path):
     """Steps 4-6 of a run resumed from step 3 are bit for bit the uninterrupted run's; the checkpoint holds the
     adapter, its Adam state and its EMA: a fraction of a full fine-tune's."""
     first, resumed, full = tmp_path / "first", tmp_path / "resumed", tmp_path / "full"
-    ckpt = resumed_bitwise(lambda run_dir, *extra: overrides(world, run_dir, *extra), first, resumed)
+    # No falling loss asked of 6 steps: each step's loss is at other random timesteps (0.81, 0.61, 0.65, 0.66, 0.68,
+    # 0.85 measured); that the adapter trains is tested on the images above.
+    ckpt = resumed_bitwise(lambda run_dir, *extra: overrides(world, run_dir, *extra), first, resumed, loss_falls=False)
     assert all(torch.equal(v, tensors(first / "export")[k]) for k, v in tensors(resumed / "export").items())
 
     adapter = sum(v.numel() * v.element_size() for v in tensors(first / "export").values())
