@@ -78,7 +78,8 @@ class Engine(ABC):
     def save_async(self, tmp: Path, group) -> Future:
         """Collective: `save`, with the state copied to host memory first and written in the background on process
         group `group`; the Future completes when the write is. Only engines that can (config.py refuses the rest)."""
-        raise NotImplementedError(f"{type(self).__name__} saves synchronously")
+        raise RuntimeError(f"{type(self).__name__} saves synchronously: checkpoint.async_save=true is refused for it at "
+                           "composition (common/config.py)")
 
     @abstractmethod
     def load(self, path: Path) -> None:
