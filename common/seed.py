@@ -30,12 +30,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def sample_rngs(seed: int, sample_ids) -> list[np.random.Generator]:
+def sample_rngs(seed: int, sample_ids: list[int]) -> list[np.random.Generator]:
     """One generator per sample, keyed by (seed, the sample's ordinal in the global stream): what a sample
     draws (noise, a timestep, a label drop) does not depend on which rank or micro-batch takes it, so a run
     resumed under another layout draws the same numbers. numpy's SeedSequence hashes the whole key (torch's
     CPU generator keeps 32 bits of a seed: distinct samples would share streams)."""
-    return [np.random.default_rng([seed, int(i)]) for i in sample_ids]
+    return [np.random.default_rng([seed, i]) for i in sample_ids]
 
 
 def per_sample(rngs: list[np.random.Generator], draw) -> torch.Tensor:

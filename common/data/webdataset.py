@@ -433,7 +433,7 @@ class GlobalBatches:
             for i in range(self.accum):
                 picked = range(i * run + self.rank, (i + 1) * run, self.dp)
                 batch = self.collate([samples[j] for j in picked])
-                yield {**batch, "sample_ids": torch.tensor([first + j for j in picked])}
+                yield {**batch, "sample_ids": [first + j for j in picked]}  # host ints: drawing reads no tensor
 
     def state_dict(self) -> dict:
         return {"global_batches": self.served, "global_batch": self.global_batch, "loader": self.loader.state_dict()}
