@@ -254,7 +254,8 @@ def test_moe_planner_prices_experts_per_ep_rank():
     assert one["gathered"] - eight["gathered"] == pytest.approx(2 * 2 * spec.expert_params * 7 / 8)
     rows = plan(spec, 8, GPUS["h100_80gb"], 0.9, allowed=plan_script.recipe_allows(cfg))
     layouts = {r["layout"] for r in rows}
-    assert {(lay.tp, lay.pp) for lay in layouts} == {(1, 1)} and {lay.ep for lay in layouts} == {1, 2, 4, 8}
+    # EP composes with pipeline parallelism, not with tensor parallelism (refused at composition).
+    assert {lay.tp for lay in layouts} == {1} and {lay.ep for lay in layouts} == {1, 2, 4, 8}
     configured = Layout(dp=8, tp=1, pp=1, zero_stage=3, ac=cfg.toggles.activation_checkpointing, ep=8)
     assert next(r for r in rows if r["layout"] == configured)["fits"]  # the recipe's own layout fits 8 H100s
 
