@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from common.tools.launcher import REPO, TRAIN, run_train  # noqa: F401  (the tests' launcher: common/tools)
+from common.tools.launcher import DIST_VARS, REPO, TRAIN, run_train  # noqa: F401  (the tests' launcher: common/tools)
 
 # Small, fast DiT runs: few steps, tiny eval, no progress bar.
 FAST_DIT = [
@@ -74,6 +74,34 @@ def gpus_visible():
     """For a fixture shared with gpu tests whose processes need the GPU (a TensorRT build)."""
     with pytest.MonkeyPatch.context() as mp:
         _show_gpus(mp)
+        yield
+
+
+@contextmanager
+def _dist_vars_restored():
+    saved = {k: os.environ.get(k) for k in DIST_VARS}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+# A test or module fixture that joins a process group of one in this process (init_distributed) sets
+# RANK, WORLD_SIZE, MASTER_PORT, ... here, and its group keeps MASTER_PORT's store open. A later test's
+# `subprocess.run(train.py)` inherits them, joins as rank 0 of a torchrun job and fails with EADDRINUSE
+# on that port (CI of stop 28: 8 tests). Each test and each module gets the variables back as they were
+# (autouse fixtures of a scope are set up before the others of that scope).
+@pytest.fixture(autouse=True, scope="module")
+def _process_group_variables_stay_in_the_module():
+    with _dist_vars_restored():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _process_group_variables_stay_in_the_test():
+    with _dist_vars_restored():
         yield
 
 
