@@ -59,8 +59,9 @@ demo: data
 bench: data
 	$(PY) scripts/bench.py $(ARGS)
 
+# The suite ends with its 30 slowest tests: CI (.ci/run) has ~55 minutes on 2 cores, and this is where to look first.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # The first command on a GPU node: versions, gpu tests, the tiny recipes on CUDA in bf16, throughput/MFU/memory
 # against the planner (outputs/gpu_check/report.md). Without a CUDA GPU it stops with one line.
