@@ -62,7 +62,8 @@ class ZeroCheckpoint:
         if missing:
             raise UserError(f"{self.path} is an incomplete DeepSpeed checkpoint (no {missing[0]})")
         states = _load(self.model_file(0))
-        self.param_shapes = {k: v for group in states["param_shapes"] for k, v in group.items()}
+        # ZeRO-0 records no param_shapes (None); stage 3 needs them to cut its flat groups.
+        self.param_shapes = {k: v for group in states.get("param_shapes") or [] for k, v in group.items()}
         self.frozen_shapes = dict(states.get("frozen_param_shapes") or {})
         self.shared = dict(states.get("shared_params") or {})  # alias -> the name DeepSpeed saved it under
         floats = [v for v in states["module"].values() if v.is_floating_point()]
