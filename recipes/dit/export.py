@@ -4,6 +4,10 @@ folder the end of the run writes (DiTTrainer.export), tensor for tensor, for the
 The end of a run exports the EMA weights in the module's dtype, in diffusers' per-block layout: here they come
 from the checkpoint's TrainState (the whole EMA by parameter name), anything the EMA does not track (buffers)
 from DeepSpeed's model states, one safetensors shard at a time (common/ds_export.py).
+
+A finetune=lora run's checkpoints hold the adapter only (and its EMA in the TrainState): `export_lora_checkpoint`
+builds the adapted DiT on model.init_from's weights, whole in host memory (the merged export needs them, and the
+adapter is small), puts the EMA adapter in and writes what the end of the run writes (recipes/dit/lora.py).
 """
 
 from __future__ import annotations
@@ -15,20 +19,28 @@ import torch
 from common.config import TrainConfig
 from common.data.dataset import load_dataset_meta
 from common.ds_export import ZeroCheckpoint, saved_ema, write_safetensors
-from recipes.dit import vae as vae_lib
+from common.errors import UserError
+from recipes.dit import lora as dit_lora, vae as vae_lib
 from recipes.dit.data import class_names
 from recipes.dit.model import build_model, null_class
-from recipes.dit.train import model_geometry, write_export_files
+from recipes.dit.train import model_geometry, write_export_files, write_pipeline
 
 
-def export_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int, max_shard_size) -> int:
-    """Write the export of checkpoint `ckpt` (of step `step`) to `out`; returns the weight bytes written."""
+def export_parts(cfg: TrainConfig) -> tuple[list[str], vae_lib.VaeGeometry | None, object]:
+    """(class names, VAE geometry or None, the VAE or None): what an export holds besides the transformer."""
     classes = class_names(load_dataset_meta(cfg.data.root))
-    in_channels, sample_size, geometry = model_geometry(cfg)
+    _, _, geometry = model_geometry(cfg)
     vae = None
     if geometry is not None:
         geometry = vae_lib.vae_geometry(cfg.diffusion.vae, cfg.data.image_size)  # the folder must be here
         vae = vae_lib.load_vae(geometry, torch.device("cpu"))
+    return classes, geometry, vae
+
+
+def export_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int, max_shard_size) -> int:
+    """Write the export of checkpoint `ckpt` (of step `step`) to `out`; returns the weight bytes written."""
+    classes, geometry, vae = export_parts(cfg)
+    in_channels, sample_size, _ = model_geometry(cfg)
     with torch.device("meta"):
         model = build_model(cfg.model, sample_size, in_channels)
     # The EMA's names: the trainable parameters of model.named_parameters() (a shared embedding once).
@@ -53,3 +65,33 @@ def export_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step
     write_export_files(out, cfg, geometry, classes, vae=vae, step=step, null_class=null_class(model),
                        sample_size=sample_size)
     return written
+
+
+def export_lora_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int) -> int:
+    """Write the export of finetune=lora checkpoint `ckpt` (of step `step`) to `out`: the EMA adapter as a PEFT folder,
+    with export.merge_lora the merged model as a whole export in out/merged; returns the adapter's parameter count."""
+    in_channels, sample_size, _ = model_geometry(cfg)
+    model = dit_lora.adapted_model(cfg, sample_size, in_channels)
+    if ckpt.dtype != torch.float32:
+        model.to(ckpt.dtype)  # DeepSpeed's cast of the module (bf16/fp16 runs)
+    adapter = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    ema = saved_ema(ckpt.trainer_state())
+    if ema.keys() != adapter.keys():
+        missing = sorted(adapter.keys() - ema.keys()) or sorted(ema.keys() - adapter.keys())
+        raise UserError(f"{ckpt.path} holds the EMA of another adapter than lora.* in the run's config.yaml build "
+                        f"({missing[0]} is in one of them only)")
+    wrong = [n for n, p in adapter.items() if ema[n].shape != p.shape]
+    if wrong:
+        raise UserError(f"{ckpt.path} holds the EMA of {wrong[0]} of shape {tuple(ema[wrong[0]].shape)}; the run's "
+                        f"config.yaml builds {tuple(adapter[wrong[0]].shape)}")
+    with torch.no_grad():
+        for name, p in adapter.items():
+            p.copy_(ema[name])  # what EMA.swapped() does at the end of the run
+
+    def pipeline(folder: Path, transformer) -> None:  # export.merge_lora only: the data's classes and the VAE
+        classes, geometry, vae = export_parts(cfg)
+        write_pipeline(folder, transformer, cfg, geometry, classes, vae=vae, step=step, null_class=null_class(model),
+                       sample_size=sample_size)
+
+    dit_lora.write_export(model, cfg, out, base=cfg.model.init_from, write_pipeline=pipeline)
+    return sum(p.numel() for p in adapter.values())

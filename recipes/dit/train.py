@@ -223,9 +223,7 @@ class DiTTrainer(Trainer):
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 if self.lora_base:
-                    dit_lora.write_adapter(self.model, self.cfg, tmp, base=self.lora_base)
-                    if self.cfg.export.merge_lora:
-                        self.write_pipeline(tmp / "merged", dit_lora.merged(self.model, self.cfg))
+                    dit_lora.write_export(self.model, self.cfg, tmp, base=self.lora_base, write_pipeline=self.write_pipeline)
                 else:
                     self.write_pipeline(tmp, untied(self.model))
                 shutil.rmtree(out, ignore_errors=True)
@@ -234,10 +232,16 @@ class DiTTrainer(Trainer):
         return out
 
     def write_pipeline(self, folder: Path, transformer) -> None:
-        """transformer/ and what every DiT export holds besides (write_export_files)."""
-        transformer.save_pretrained(folder / "transformer", safe_serialization=True)
-        write_export_files(folder, self.cfg, self.geometry, self.classes, vae=self.vae, step=self.state.step,
-                           null_class=self.null_class, sample_size=self.sample_size)
+        write_pipeline(folder, transformer, self.cfg, self.geometry, self.classes, vae=self.vae, step=self.state.step,
+                       null_class=self.null_class, sample_size=self.sample_size)
+
+
+def write_pipeline(folder: Path, transformer, cfg: TrainConfig, geometry: vae_lib.VaeGeometry | None, classes: list[str],
+                   *, vae, step: int, null_class: int, sample_size: int) -> None:
+    """A whole DiT export of ``transformer`` in ``folder``: transformer/ and what every DiT export holds besides
+    (write_export_files)."""
+    transformer.save_pretrained(folder / "transformer", safe_serialization=True)
+    write_export_files(folder, cfg, geometry, classes, vae=vae, step=step, null_class=null_class, sample_size=sample_size)
 
 
 def write_export_files(folder: Path, cfg: TrainConfig, geometry: vae_lib.VaeGeometry | None, classes: list[str], *,
