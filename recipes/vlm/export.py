@@ -4,6 +4,11 @@ llava-hf folder the end of the run writes (VLMTrainer.export), tensor for tensor
 The weights are the module's as the engine held them (common/ds_export.py reads any ZeRO stage), under the names
 save_pretrained gives them: llava-hf's tower names (`llava_hf_state_dict`), then transformers' own save-time
 renames, found on the model built on the meta device, so no tensor is held but one shard's.
+
+A finetune=lora run's checkpoints hold what trains only (the language model's adapter and the projector; DeepSpeed's
+exclude_frozen_parameters): `export_lora_checkpoint` loads model.init_from's LLaVA as the trainer does, whole in host
+memory (the merged export needs it, and the adapter is small), puts the checkpoint's tensors in and writes what the
+end of the run writes (recipes/vlm/lora.py write_export).
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ import torch
 
 from common.config import TrainConfig
 from common.ds_export import ZeroCheckpoint, write_safetensors
+from common.errors import UserError
+from recipes.vlm import lora as vlm_lora
 from recipes.vlm.data import PROCESSOR_DIR
 from recipes.vlm.model import build_model
+from recipes.vlm.parallelize import trainable_parts
 from recipes.vlm.sources import weight_source
-from recipes.vlm.train import llava_hf_state_dict
+from recipes.vlm.train import llava_hf_state_dict, load_model
 
 
 def dataset_meta(cfg: TrainConfig) -> dict:
@@ -76,3 +84,28 @@ def export_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step
     processor.save_pretrained(out)
     processor.image_processor.save_pretrained(out)
     return written
+
+
+def export_lora_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path) -> int:
+    """Write the export of finetune=lora checkpoint `ckpt` to `out`: the PEFT adapter folder (the projector in it) with
+    the processor, with export.merge_lora the merged LLaVA in out/merged; returns the parameter count read from the
+    checkpoint."""
+    model, processor, source = load_model(cfg, None)  # model.init_from's LLaVA, in fp32
+    trainable_parts(model, cfg)  # the trainer's: the projector and the language model's adapter train
+    if ckpt.dtype != torch.float32:
+        model.to(ckpt.dtype)  # DeepSpeed's cast of the module (bf16/fp16 runs)
+    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    try:
+        got = ckpt.tensors(list(trained))
+    except KeyError as exc:
+        raise UserError(f"{ckpt.path} holds no {exc.args[0]}: not a checkpoint of the adapter lora.* in the run's "
+                        "config.yaml build") from None
+    wrong = [n for n, p in trained.items() if got[n].shape != p.shape]
+    if wrong:
+        raise UserError(f"{ckpt.path} holds {wrong[0]} of shape {tuple(got[wrong[0]].shape)}; the run's config.yaml "
+                        f"builds {tuple(trained[wrong[0]].shape)}")
+    with torch.no_grad():
+        for name, p in trained.items():
+            p.copy_(got[name])
+    vlm_lora.write_export(model, cfg, out, base=str(source.folder), processor=processor)
+    return sum(p.numel() for p in trained.values())
