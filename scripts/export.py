@@ -1,21 +1,27 @@
 #!/usr/bin/env python
 """Export a run's checkpoint (any step, any layout) to the folder its family serves from, in one process.
 
-    python scripts/export.py RUN_DIR [--checkpoint step_N|PATH] [--out DIR] [--max-shard-size 1GB]
+    python scripts/export.py RUN_DIR [--checkpoint step_N|PATH] [--out DIR] [--merge-lora] [--max-shard-size 1GB]
 
 The folder equals the end-of-run export of the same step, tensor for tensor.
 
 LLM runs (DCP checkpoints, any parallel layout): a Hugging Face folder that loads with
 AutoModelForCausalLM/AutoTokenizer offline and serves with `vllm serve DIR --tensor-parallel-size N`.
 A run that started from model.init_from is exported in that checkpoint's format: its config.json,
-generation_config.json, tokenizer and chat template, in its weights' dtype. A finetune=lora run (its checkpoints
-hold the adapter only) is exported as the end of its run exports it: a PEFT adapter folder on model.init_from, and
-with export.merge_lora (or --merge-lora) the merged model in OUT/merged.
+generation_config.json, tokenizer and chat template, in its weights' dtype.
 
 DiT and VLM runs (DeepSpeed checkpoints, ZeRO 0-3, any number of ranks): the DiT's diffusers folder (EMA weights;
 a DiTPipeline for latent DDPM models) or the VLM's llava-hf folder. Tensors stream from the checkpoint's files
 to safetensors shards of at most --max-shard-size, so host memory stays near one shard, not the model
 (common/ds_export.py).
+
+finetune=lora runs of every family (their checkpoints hold the adapter only): the PEFT adapter folder on
+model.init_from the end of the run writes -- the LLM's adapter with its tokenizer, the VLM's language-model adapter
+with the projector (peft's modules_to_save) and the processor, the DiT's EMA adapter -- and with export.merge_lora
+(or --merge-lora) the merged model in OUT/merged (the DiT's: a whole DiT export). The adapter is small, so the
+base is loaded whole in host memory, once, as the trainer loads it (the merged model needs it anyway); a base
+that is gone, or whose files changed since the run (the fingerprint in the checkpoint's meta.json), stops with
+one line.
 """
 
 from __future__ import annotations
@@ -64,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", default="auto", help="a step_* dir or its name under RUN_DIR/checkpoints "
                                                           "(default: the run's latest)")
     ap.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/export")
-    ap.add_argument("--merge-lora", action="store_true", help="finetune=lora LLM runs: also write the merged model")
+    ap.add_argument("--merge-lora", action="store_true",
+                    help="finetune=lora runs (LLM, VLM, DiT): also write the merged model in OUT/merged, as "
+                         "export.merge_lora does")
     ap.add_argument("--max-shard-size", default=None,
-                    help="DiT/VLM runs: the largest safetensors file, what host memory is bounded by (default 1GB)")
+                    help="full DiT/VLM runs: the largest safetensors file, what host memory is bounded by (default 1GB)")
     args = ap.parse_args(argv)
     if not (args.run_dir / "config.yaml").exists():
         return fail(f"{args.run_dir} has no config.yaml (not a Kiln run dir)")
@@ -85,13 +93,32 @@ def main(argv: list[str] | None = None) -> int:
     if meta.get("recipe") != cfg.recipe.name:
         return fail(f"{path} is a checkpoint of recipe {meta.get('recipe')}; {args.run_dir} ran {cfg.recipe.name}")
     out = args.out or args.run_dir / "export"
+    lora = cfg.get("finetune", "full") == "lora"
+    if args.merge_lora and not lora:
+        return fail(f"--merge-lora is for finetune=lora runs ({args.run_dir} is a finetune={cfg.get('finetune', 'full')} "
+                    "run: its export is the whole model)")
     if cfg.recipe.family == "llm":
         if args.max_shard_size is not None:
             return fail("--max-shard-size is for DiT/VLM runs (an LLM export is written by transformers)")
-        return export_llm(args, cfg, path, out)
-    if args.merge_lora:
-        return fail("--merge-lora is for finetune=lora LLM runs")
+        return export_llm(args, cfg, path, meta, out)
+    if lora:
+        if args.max_shard_size is not None:
+            return fail("--max-shard-size is for full DiT/VLM runs (a LoRA run's export is written by peft, diffusers "
+                        "and transformers, as at the end of the run)")
+        return export_deepspeed_lora(args, cfg, path, meta, out)
     return export_deepspeed(args, cfg, path, meta, out)
+
+
+def changed_base(meta: dict, path: Path) -> str | None:
+    """One line where a finetune=lora checkpoint's base (meta.json's lora.base, what model.init_from resolved to)
+    holds other weights than the adapter trained on: the export would adapt, and merge into, another model."""
+    from common.lora import base_fingerprint
+
+    lora = meta.get("lora") or {}
+    if lora.get("base_fingerprint") and base_fingerprint(lora["base"]) != lora["base_fingerprint"]:
+        return (f"the adapter of {path} trained on model.init_from={lora['base']}, whose weights have changed since "
+                "(its safetensors files differ from the checkpoint's fingerprint of them)")
+    return None
 
 
 def export_deepspeed(args, cfg, path: Path, meta: dict, out: Path) -> int:
@@ -105,9 +132,6 @@ def export_deepspeed(args, cfg, path: Path, meta: dict, out: Path) -> int:
         shard_size = parse_size_to_int(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     except ValueError:
         return fail(f"--max-shard-size {args.max_shard_size}: not a size (e.g. 500MB, 2GB)")
-    if cfg.get("finetune", "full") == "lora":
-        return fail(f"export of LoRA runs of the DiT/VLM happens at the end of the run ({args.run_dir} is a "
-                    "finetune=lora run)")
     if cfg.recipe.family == "dit":
         from recipes.dit.export import export_checkpoint
     else:
@@ -128,7 +152,47 @@ def export_deepspeed(args, cfg, path: Path, meta: dict, out: Path) -> int:
     return 0
 
 
-def export_llm(args, cfg, path: Path, out: Path) -> int:
+def export_deepspeed_lora(args, cfg, path: Path, meta: dict, out: Path) -> int:
+    """A finetune=lora DiT or VLM run: the adapter folder the end of the run writes, from a DeepSpeed checkpoint (the
+    adapter's tensors, the DiT's EMA of them) on model.init_from's base, loaded whole in host memory."""
+    from common.ds_export import ZeroCheckpoint
+    from common.errors import UserError
+
+    source = cfg.model.get("init_from") or ""
+    if not source:
+        return fail(f"{args.run_dir} is a finetune=lora run without model.init_from in its config.yaml (the adapter's "
+                    "base)")
+    if not Path(source).expanduser().is_dir():
+        return fail(f"the run started from model.init_from={source}, which is gone (its checkpoints hold the adapter "
+                    "only: the export names that base and merges into it)")
+    problem = changed_base(meta, path)
+    if problem:
+        return fail(problem)
+    cfg.export.merge_lora = bool(cfg.export.merge_lora or args.merge_lora)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        ckpt = ZeroCheckpoint(path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if cfg.recipe.family == "dit":
+            from recipes.dit.export import export_lora_checkpoint
+
+            count = export_lora_checkpoint(cfg, ckpt, tmp, step=int(meta["step"]))
+        else:
+            from recipes.vlm.export import export_lora_checkpoint
+
+            count = export_lora_checkpoint(cfg, ckpt, tmp)
+    except UserError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return fail(str(exc))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    merged = f"; merged model in {out / 'merged'}" if cfg.export.merge_lora else ""
+    print(f"export: {path} -> {out} (a LoRA adapter{' and projector' if cfg.recipe.family == 'vlm' else ''} of "
+          f"{count:,} parameters on {source}, from a ZeRO-{ckpt.stage} checkpoint of {ckpt.world} rank(s){merged})")
+    return 0
+
+
+def export_llm(args, cfg, path: Path, meta: dict, out: Path) -> int:
     """An LLM run: a Hugging Face folder (or a PEFT adapter) from a DCP checkpoint."""
     import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
@@ -152,6 +216,10 @@ def export_llm(args, cfg, path: Path, out: Path) -> int:
     if cfg.get("finetune", "full") == "lora":
         from common.lora import dequantized, is_adapter_key
         from recipes.llm import lora
+
+        problem = changed_base(meta, path)
+        if problem:
+            return fail(problem)
 
         model = lora.adapted_model(largs, cfg)  # the base from model.init_from
         adapter = {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
