@@ -2,7 +2,8 @@
 DiTPipeline folder): the blocks' attention and feed-forward adapters train alone -- the base stays model.init_from's
 bit for bit -- and only they reach the optimizer and the checkpoints; DiTPipeline with the exported adapter (peft,
 on its transformer) samples Kiln's images for the same seed; export.merge_lora's transformer is peft's
-merge_and_unload; a resumed run is bitwise."""
+merge_and_unload; scripts/export.py --merge-lora rebuilds that export from the run's last checkpoint, bit for bit;
+a resumed run is bitwise."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import torch
 
 from common.tools.launcher import spawn_ranks
 from data import prepare_images
-from tests.conftest import run_train
-from tests.fixtures.lora import checkpoint_bytes, fit_and_export, resumed_bitwise, tensors
+from tests.conftest import load_script, run_train
+from tests.fixtures.lora import assert_same_export, checkpoint_bytes, fit_and_export, resumed_bitwise, tensors
 from tests.fixtures.dit import make_image_folder, make_vae
 
 pytestmark = pytest.mark.integration
@@ -65,13 +66,22 @@ def _train_and_export(world: dict, run_dir: str, out: str) -> dict:
             "frozen_unchanged": all(torch.equal(v, source[k]) for k, v in frozen.items())}
 
 
-def test_adapter_trains_alone_and_dit_pipeline_samples_kilns_images(world, tmp_path):
+@pytest.fixture(scope="module")
+def lora_run(world, tmp_path_factory) -> dict:
+    """A 4-step LoRA run with export.merge_lora (its last checkpoint: step 4), trained and exported in a child
+    process (`_train_and_export`): its run dir, what the trainer reported, the path of Kiln's images."""
+    root = tmp_path_factory.mktemp("dit_lora_run")
+    run_dir, saved = root / "run", root / "kiln_images.pt"
+    result = spawn_ranks(_train_and_export, ({k: str(v) for k, v in world.items()}, str(run_dir), str(saved)), 1,
+                         root, threads=2)[0]
+    return {"run_dir": run_dir, "saved": saved, **result}
+
+
+def test_adapter_trains_alone_and_dit_pipeline_samples_kilns_images(world, lora_run):
     from diffusers import DiTPipeline
     from peft import PeftModel
 
-    run_dir, saved = tmp_path / "run", tmp_path / "kiln_images.pt"
-    result = spawn_ranks(_train_and_export, ({k: str(v) for k, v in world.items()}, str(run_dir), str(saved)), 1,
-                         tmp_path, threads=2)[0]
+    run_dir, saved, result = lora_run["run_dir"], lora_run["saved"], lora_run
     assert len(result["optimized"]) == ADAPTED and all(".lora_" in n for n in result["optimized"])
     assert result["frozen_keys_match"] and result["frozen_unchanged"]
 
@@ -102,6 +112,19 @@ def test_adapter_trains_alone_and_dit_pipeline_samples_kilns_images(world, tmp_p
     print(f"max |merged - peft merge_and_unload| = {merge_error:.2e}")
     assert ours.keys() == merged.keys() and merge_error <= 1e-6
     assert json.loads((export / "merged" / "kiln.json").read_text())["diffusers_pipeline"] == "DiTPipeline"
+
+
+def test_export_py_rebuilds_the_export_from_the_last_checkpoint(lora_run, tmp_path, capsys):
+    """A preempted run's adapter comes out of its checkpoints: scripts/export.py --merge-lora on the last one (step 4)
+    writes the end of the run's export -- the EMA adapter on model.init_from and the merged pipeline -- file for file,
+    every tensor bit for bit."""
+    run_dir, again = lora_run["run_dir"], tmp_path / "again"
+    code = load_script("export").main([str(run_dir), "--checkpoint", "step_4", "--out", str(again), "--merge-lora"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    print(out)
+    assert_same_export(run_dir / "export", again)
+    assert (again / "merged" / "transformer").is_dir() and (again / "merged" / "vae").is_dir()
 
 
 def test_checkpoints_hold_the_adapter_and_resume_bitwise(world, tmp_path):

@@ -2,7 +2,8 @@
 run's own end-of-run export tensor for tensor (EMA weights under ZeRO-3 in bf16 with a shared embedding, a latent
 DiT under ZeRO-2, a VLM under ZeRO-2, and under ZeRO-3 in bf16 with its frozen tower partitioned), sharded when
 asked, loadable by diffusers and transformers; from an earlier checkpoint that step's weights; and one line
-(exit 2) for what is not a checkpoint of the run."""
+(exit 2) for what is not a checkpoint of the run, --merge-lora on a full run, or a LoRA run whose base is gone.
+(LoRA runs' exports: tests/integration/test_dit_lora.py, test_vlm_lora.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from data import prepare_images
 from tests.conftest import FAST_DIT, REPO, load_script, run_train
@@ -135,12 +137,17 @@ def test_refusals_are_one_line(runs, tmp_path, capsys):
     code, err = export(capsys, cut)
     assert code == 2 and "trainer.pt is unreadable" in err and len(err.strip().splitlines()) == 1
     assert (cut / "export" / "kiln.json").exists() and not (cut / ".export.tmp").exists()  # nothing lost
-    # A LoRA run of the DiT/VLM exports at the end of its run.
+    # --merge-lora on a full run; a LoRA run whose base (model.init_from) is gone: its checkpoints hold the adapter only.
+    code, err = export(capsys, vlm, "--merge-lora")
+    assert code == 2 and "--merge-lora is for finetune=lora runs" in err and len(err.strip().splitlines()) == 1
     lora = tmp_path / "lora"
     shutil.copytree(vlm, lora)
-    (lora / "config.yaml").write_text((vlm / "config.yaml").read_text().replace("finetune: full", "finetune: lora"))
+    cfg = OmegaConf.load(vlm / "config.yaml")
+    cfg.finetune, cfg.model.init_from = "lora", str(tmp_path / "moved")
+    OmegaConf.save(cfg, lora / "config.yaml")
     code, err = export(capsys, lora)
-    assert code == 2 and "happens at the end of the run" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and f"model.init_from={tmp_path / 'moved'}, which is gone" in err
+    assert len(err.strip().splitlines()) == 1
     # As a user runs it: exit 2, one line, no traceback, nothing written.
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), str(vlm), "--checkpoint",
                            str(latest), "--out", str(tmp_path / "never")], capture_output=True, text=True)

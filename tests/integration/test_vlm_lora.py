@@ -1,7 +1,8 @@
 """finetune=lora on the VLM (DeepSpeed ZeRO-0, one process) from a tiny llava-hf checkpoint: the language model's
 adapters and the projector train -- the rest stays model.init_from's bit for bit -- and only they reach the optimizer
 and the checkpoints; the export is a PEFT adapter folder that PeftModel loads onto LlavaForConditionalGeneration with
-the trained model's logits, export.merge_lora's merged LLaVA is peft's merge_and_unload; a resumed run is bitwise."""
+the trained model's logits, export.merge_lora's merged LLaVA is peft's merge_and_unload; scripts/export.py --merge-lora rebuilds that export from
+the run's last checkpoint, bit for bit; a resumed run is bitwise."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 
 from common.tools.launcher import spawn_ranks
 from data import prepare_llava
-from tests.conftest import run_train
-from tests.fixtures.lora import checkpoint_bytes, fit_and_export, resumed_bitwise, tensors
+from tests.conftest import load_script, run_train
+from tests.fixtures.lora import assert_same_export, checkpoint_bytes, fit_and_export, resumed_bitwise, tensors
 from tests.fixtures import vlm as fx
 
 pytestmark = pytest.mark.integration
@@ -72,13 +73,22 @@ def _train_and_export(world: dict, run_dir: str, out: str) -> dict:
             "frozen_unchanged": all(torch.equal(v, source[k]) for k, v in frozen.items())}
 
 
-def test_adapter_and_projector_train_alone_and_export_for_peft(world, tmp_path):
+@pytest.fixture(scope="module")
+def lora_run(world, tmp_path_factory) -> dict:
+    """A 4-step LoRA run with export.merge_lora (its last checkpoint: step 4), trained and exported in a child
+    process (`_train_and_export`): its run dir, what the trainer reported, the path of its logits."""
+    root = tmp_path_factory.mktemp("vlm_lora_run")
+    run_dir, saved = root / "run", root / "kiln_logits.pt"
+    result = spawn_ranks(_train_and_export, ({k: str(v) for k, v in world.items()}, str(run_dir), str(saved)), 1,
+                         root, threads=2)[0]
+    return {"run_dir": run_dir, "saved": saved, **result}
+
+
+def test_adapter_and_projector_train_alone_and_export_for_peft(world, lora_run):
     from peft import PeftModel
     from transformers import LlavaForConditionalGeneration
 
-    run_dir, saved = tmp_path / "run", tmp_path / "kiln_logits.pt"
-    result = spawn_ranks(_train_and_export, ({k: str(v) for k, v in world.items()}, str(run_dir), str(saved)), 1,
-                         tmp_path, threads=2)[0]
+    run_dir, saved, result = lora_run["run_dir"], lora_run["saved"], lora_run
     projector = [n for n in result["optimized"] if "multi_modal_projector" in n]
     assert len(projector) == 4 and len(result["optimized"]) == ADAPTED + 4
     assert all(".lora_A." in n or ".lora_B." in n for n in result["optimized"] if n not in projector)
@@ -109,6 +119,19 @@ def test_adapter_and_projector_train_alone_and_export_for_peft(world, tmp_path):
         merged_error = (ours(**inputs).logits - kiln).abs().max().item()
     print(f"max |merged - peft merge_and_unload| = {merge_error:.2e}; logits {merged_error:.2e}")
     assert ours.state_dict().keys() == merged.keys() and merge_error <= 1e-6 and merged_error <= 1e-5
+
+
+def test_export_py_rebuilds_the_export_from_the_last_checkpoint(lora_run, tmp_path, capsys):
+    """A preempted run's adapter comes out of its checkpoints: scripts/export.py --merge-lora on the last one (step 4)
+    writes the end of the run's export -- adapter, projector and processor on model.init_from, and the merged LLaVA --
+    file for file, every tensor bit for bit."""
+    run_dir, again = lora_run["run_dir"], tmp_path / "again"
+    code = load_script("export").main([str(run_dir), "--checkpoint", "step_4", "--out", str(again), "--merge-lora"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    print(out)
+    assert_same_export(run_dir / "export", again)
+    assert (again / "merged" / "model.safetensors").exists()
 
 
 def test_checkpoints_hold_what_trains_and_resume_bitwise(world, tmp_path):
