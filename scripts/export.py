@@ -109,15 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     return export_deepspeed(args, cfg, path, meta, out)
 
 
-def changed_base(meta: dict, path: Path) -> str | None:
-    """One line where a finetune=lora checkpoint's base (meta.json's lora.base, what model.init_from resolved to)
-    holds other weights than the adapter trained on: the export would adapt, and merge into, another model."""
+def changed_base(meta: dict, path: Path, base: str) -> str | None:
+    """One line where ``base`` (the folder the export loads the base from) holds other weights than the base the
+    adapter of finetune=lora checkpoint ``path`` trained on (its fingerprint in meta.json): the export would adapt, and
+    merge into, another model."""
     from common.lora import base_fingerprint
 
-    lora = meta.get("lora") or {}
-    if lora.get("base_fingerprint") and base_fingerprint(lora["base"]) != lora["base_fingerprint"]:
-        return (f"the adapter of {path} trained on model.init_from={lora['base']}, whose weights have changed since "
-                "(its safetensors files differ from the checkpoint's fingerprint of them)")
+    saved = (meta.get("lora") or {}).get("base_fingerprint")
+    if saved and base_fingerprint(base) != saved:
+        return (f"model.init_from={base} holds other weights than the base the adapter of {path} trained on (its "
+                "safetensors files differ from the fingerprint in the checkpoint's meta.json)")
     return None
 
 
@@ -165,12 +166,18 @@ def export_deepspeed_lora(args, cfg, path: Path, meta: dict, out: Path) -> int:
     if not Path(source).expanduser().is_dir():
         return fail(f"the run started from model.init_from={source}, which is gone (its checkpoints hold the adapter "
                     "only: the export names that base and merges into it)")
-    problem = changed_base(meta, path)
-    if problem:
-        return fail(problem)
     cfg.export.merge_lora = bool(cfg.export.merge_lora or args.merge_lora)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
+        if cfg.recipe.family == "vlm":
+            from recipes.vlm.sources import llava_folder
+
+            base = str(llava_folder(source))  # the trainer's base: the LLaVA folder model.init_from names
+        else:
+            base = source  # the DiT's transformer folder (model.init_from, resolved when the run composed)
+        problem = changed_base(meta, path, base)
+        if problem:
+            return fail(problem)
         ckpt = ZeroCheckpoint(path)
         shutil.rmtree(tmp, ignore_errors=True)
         if cfg.recipe.family == "dit":
@@ -217,7 +224,7 @@ def export_llm(args, cfg, path: Path, meta: dict, out: Path) -> int:
         from common.lora import dequantized, is_adapter_key
         from recipes.llm import lora
 
-        problem = changed_base(meta, path)
+        problem = changed_base(meta, path, source)
         if problem:
             return fail(problem)
 

@@ -7,10 +7,12 @@ the run's last checkpoint, bit for bit; a resumed run is bitwise."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from common.tools.launcher import spawn_ranks
 from data import prepare_llava
@@ -81,7 +83,7 @@ def lora_run(world, tmp_path_factory) -> dict:
     run_dir, saved = root / "run", root / "kiln_logits.pt"
     result = spawn_ranks(_train_and_export, ({k: str(v) for k, v in world.items()}, str(run_dir), str(saved)), 1,
                          root, threads=2)[0]
-    return {"run_dir": run_dir, "saved": saved, **result}
+    return {"run_dir": run_dir, "saved": saved, "base": world["base"], **result}
 
 
 def test_adapter_and_projector_train_alone_and_export_for_peft(world, lora_run):
@@ -124,7 +126,7 @@ def test_adapter_and_projector_train_alone_and_export_for_peft(world, lora_run):
 def test_export_py_rebuilds_the_export_from_the_last_checkpoint(lora_run, tmp_path, capsys):
     """A preempted run's adapter comes out of its checkpoints: scripts/export.py --merge-lora on the last one (step 4)
     writes the end of the run's export -- adapter, projector and processor on model.init_from, and the merged LLaVA --
-    file for file, every tensor bit for bit."""
+    file for file, every tensor bit for bit. A base whose files changed since the run stops it with one line."""
     run_dir, again = lora_run["run_dir"], tmp_path / "again"
     code = load_script("export").main([str(run_dir), "--checkpoint", "step_4", "--out", str(again), "--merge-lora"])
     out, err = capsys.readouterr()
@@ -132,6 +134,22 @@ def test_export_py_rebuilds_the_export_from_the_last_checkpoint(lora_run, tmp_pa
     print(out)
     assert_same_export(run_dir / "export", again)
     assert (again / "merged" / "model.safetensors").exists()
+
+    # A base that changed since the run (one more tensor in its file): one line, nothing written.
+    from safetensors.torch import load_file, save_file
+
+    moved, base = tmp_path / "moved", tmp_path / "base"
+    shutil.copytree(run_dir, moved, ignore=shutil.ignore_patterns("export"))
+    shutil.copytree(lora_run["base"], base)
+    weights = next(base.glob("*.safetensors"))
+    save_file(load_file(weights) | {"extra": torch.zeros(1)}, weights)
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    cfg.model.init_from = str(base)
+    OmegaConf.save(cfg, moved / "config.yaml")
+    assert load_script("export").main([str(moved), "--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert f"model.init_from={base} holds other weights than the base the adapter" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
 
 
 def test_checkpoints_hold_what_trains_and_resume_bitwise(world, tmp_path):
