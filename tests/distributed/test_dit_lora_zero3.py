@@ -1,19 +1,20 @@
 """finetune=lora on the DiT under DeepSpeed ZeRO-3 on 2 gloo ranks (the frozen base partitioned too): it trains, its
-checkpoints leave the frozen base out, its export is the adapter, and a resume continues bit for bit."""
+checkpoints leave the frozen base out, its export is the adapter, and a resume continues bit for bit; scripts/export.py
+on the last checkpoint writes the end-of-run export (the EMA adapter)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.conftest import losses, run_train
-from tests.fixtures.lora import checkpoint_bytes, tensors
+from tests.conftest import load_script, losses, run_train
+from tests.fixtures.lora import assert_same_export, checkpoint_bytes, tensors
 from tests.integration.test_dit_lora import ADAPTED, overrides, world  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.distributed
 
 
-def test_zero3_trains_the_adapter_and_resumes_bitwise(world, tmp_path):  # noqa: F811
+def test_zero3_trains_the_adapter_and_resumes_bitwise(world, tmp_path, capsys):  # noqa: F811
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     zero3 = ["parallel.zero_stage=3", "trainer.micro_batch_size=4", "trainer.max_steps=4"]
     run_train(overrides(world, first, *zero3, "checkpoint.every=2"), nproc=2)
@@ -25,3 +26,6 @@ def test_zero3_trains_the_adapter_and_resumes_bitwise(world, tmp_path):  # noqa:
     size = sum(v.numel() * v.element_size() for v in adapter.values())
     # weights, Adam's two moments and the EMA of the adapter, split over the ranks: nothing of the base
     assert checkpoint_bytes(first / "checkpoints" / "step_0000002") <= 4 * size + 400_000
+    # scripts/export.py from the last checkpoint (step 4): the EMA adapter of the TrainState, the end of the run's.
+    assert load_script("export").main([str(first), "--out", str(tmp_path / "again")]) == 0, capsys.readouterr().err
+    assert_same_export(first / "export", tmp_path / "again")

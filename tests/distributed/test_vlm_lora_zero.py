@@ -1,15 +1,15 @@
 """finetune=lora on the VLM under DeepSpeed ZeRO-2 and ZeRO-3 on 2 gloo ranks (tiny llava-hf base): the same
 per-step losses and adapters in both (ZeRO only changes where the trainable state lives), checkpoints that hold the
-adapter and the projector only (ZeRO-3 partitions the frozen base too, and leaves it out), and a ZeRO-3 resume that
-continues bit for bit."""
+adapter and the projector only (ZeRO-3 partitions the frozen base too, and leaves it out), a ZeRO-3 resume that
+continues bit for bit, and scripts/export.py on the ZeRO-3 run's last checkpoint writing its end-of-run export."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.conftest import losses, run_train
-from tests.fixtures.lora import checkpoint_bytes, tensors
+from tests.conftest import load_script, losses, run_train
+from tests.fixtures.lora import assert_same_export, checkpoint_bytes, tensors
 from tests.integration.test_vlm_lora import overrides, world  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.distributed
@@ -48,3 +48,10 @@ def test_zero3_resumes_bitwise(world, runs, tmp_path):  # noqa: F811
     want, got = losses(runs[3]), losses(tmp_path)
     assert sorted(got) == list(range(3, STEPS + 1)) and all(got[s] == want[s] for s in got), (want, got)
     assert all(torch.equal(v, tensors(runs[3] / "export")[k]) for k, v in tensors(tmp_path / "export").items())
+
+
+def test_export_py_from_the_zero3_checkpoint(runs, tmp_path, capsys):
+    """The adapter and projector read from the 2 ranks' ZeRO-3 flat groups: the end-of-run export, bit for bit."""
+    code = load_script("export").main([str(runs[3]), "--out", str(tmp_path / "again")])
+    assert code == 0, capsys.readouterr().err
+    assert_same_export(runs[3] / "export", tmp_path / "again")
