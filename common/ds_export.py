@@ -144,6 +144,22 @@ def saved_ema(trainer_state: dict) -> dict[str, torch.Tensor]:
     return trainer_state["ema"]["shadow"]
 
 
+def copy_checked(params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], source: Path) -> None:
+    """Copy ``saved`` (tensors by name, read from checkpoint ``source``) into ``params`` (a model's parameters by name),
+    in place; one line where the names or a shape differ (the run's config.yaml builds another model than it saved)."""
+    only = sorted(params.keys() - saved.keys()) or sorted(saved.keys() - params.keys())
+    if only:
+        raise UserError(f"{source} holds other tensors than the model the run's config.yaml builds ({only[0]} is in "
+                        "one of them only)")
+    wrong = [n for n, p in params.items() if saved[n].shape != p.shape]
+    if wrong:
+        raise UserError(f"{source} holds {wrong[0]} of shape {tuple(saved[wrong[0]].shape)}; the run's config.yaml "
+                        f"builds {tuple(params[wrong[0]].shape)}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(saved[name])
+
+
 def write_safetensors(folder: Path, weights_name: str, layout: dict[str, torch.Tensor], fetch: Fetch,
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> int:
     """`layout` (names -> meta tensors of the saved shapes and dtypes) as safetensors files in `folder`, split as

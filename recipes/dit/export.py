@@ -18,8 +18,7 @@ import torch
 
 from common.config import TrainConfig
 from common.data.dataset import load_dataset_meta
-from common.ds_export import ZeroCheckpoint, saved_ema, write_safetensors
-from common.errors import UserError
+from common.ds_export import ZeroCheckpoint, copy_checked, saved_ema, write_safetensors
 from recipes.dit import lora as dit_lora, vae as vae_lib
 from recipes.dit.data import class_names
 from recipes.dit.model import build_model, null_class
@@ -75,18 +74,7 @@ def export_lora_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *,
     if ckpt.dtype != torch.float32:
         model.to(ckpt.dtype)  # DeepSpeed's cast of the module (bf16/fp16 runs)
     adapter = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    ema = saved_ema(ckpt.trainer_state())
-    if ema.keys() != adapter.keys():
-        missing = sorted(adapter.keys() - ema.keys()) or sorted(ema.keys() - adapter.keys())
-        raise UserError(f"{ckpt.path} holds the EMA of another adapter than lora.* in the run's config.yaml build "
-                        f"({missing[0]} is in one of them only)")
-    wrong = [n for n, p in adapter.items() if ema[n].shape != p.shape]
-    if wrong:
-        raise UserError(f"{ckpt.path} holds the EMA of {wrong[0]} of shape {tuple(ema[wrong[0]].shape)}; the run's "
-                        f"config.yaml builds {tuple(adapter[wrong[0]].shape)}")
-    with torch.no_grad():
-        for name, p in adapter.items():
-            p.copy_(ema[name])  # what EMA.swapped() does at the end of the run
+    copy_checked(adapter, saved_ema(ckpt.trainer_state()), ckpt.path)  # what EMA.swapped() does at the end of the run
 
     def pipeline(folder: Path, transformer) -> None:  # export.merge_lora only: the data's classes and the VAE
         classes, geometry, vae = export_parts(cfg)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from common.config import TrainConfig
-from common.ds_export import ZeroCheckpoint, write_safetensors
+from common.ds_export import ZeroCheckpoint, copy_checked, write_safetensors
 from common.errors import UserError
 from recipes.vlm import lora as vlm_lora
 from recipes.vlm.data import PROCESSOR_DIR
@@ -100,12 +100,6 @@ def export_lora_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path) ->
     except KeyError as exc:
         raise UserError(f"{ckpt.path} holds no {exc.args[0]}: not a checkpoint of the adapter lora.* in the run's "
                         "config.yaml build") from None
-    wrong = [n for n, p in trained.items() if got[n].shape != p.shape]
-    if wrong:
-        raise UserError(f"{ckpt.path} holds {wrong[0]} of shape {tuple(got[wrong[0]].shape)}; the run's config.yaml "
-                        f"builds {tuple(trained[wrong[0]].shape)}")
-    with torch.no_grad():
-        for name, p in trained.items():
-            p.copy_(got[name])
+    copy_checked(trained, got, ckpt.path)
     vlm_lora.write_export(model, cfg, out, base=str(source.folder), processor=processor)
     return sum(p.numel() for p in trained.values())

@@ -84,3 +84,21 @@ def test_bad_watchdog_switch_is_one_line(tmp_path):
                           text=True, timeout=120, env={**os.environ, "KILN_WATCHDOG": "yes"})
     assert proc.returncode == 2 and not (tmp_path / "config.yaml").exists()
     assert proc.stderr == "kiln: error: KILN_WATCHDOG='yes': use 1 (on) or 0 (off); unset: on under NCCL only\n"
+
+
+def test_copy_checked_loads_a_checkpoints_tensors_or_names_the_first_mismatch(tmp_path):
+    """scripts/export.py's load of a LoRA checkpoint's tensors into the model the run's config.yaml builds: equal
+    names and shapes copy in place; another name or shape is one line naming it, and the model is left as it was."""
+    from common.ds_export import copy_checked
+    from common.errors import UserError
+
+    model = torch.nn.Linear(3, 2)
+    params = dict(model.named_parameters())
+    saved = {"weight": torch.arange(6.0).reshape(2, 3), "bias": torch.tensor([7.0, 8.0])}
+    copy_checked(params, saved, tmp_path)
+    assert torch.equal(model.weight, saved["weight"]) and torch.equal(model.bias, saved["bias"])
+    with pytest.raises(UserError, match=r"holds weight of shape \(3, 2\); the run's config.yaml builds \(2, 3\)"):
+        copy_checked(params, {**saved, "weight": torch.zeros(3, 2), "bias": torch.zeros(2)}, tmp_path)
+    assert torch.equal(model.bias, saved["bias"])  # checked before anything is copied
+    with pytest.raises(UserError, match="bias is in one of them only"):
+        copy_checked(params, {"weight": saved["weight"]}, tmp_path)
