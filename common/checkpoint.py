@@ -247,7 +247,7 @@ class CheckpointManager:
         metadata are on disk, so rank 0 sees them all (the recipe writes its other files before starting it)."""
         if written is not None:
             written.result()
-        faults.during_checkpoint(step)
+        faults.during_checkpoint(step, in_background=written is not None)
         if written is None:
             barrier()  # every rank's shard is on disk before rank 0 seals it
         if self.dist.is_main:
@@ -290,6 +290,7 @@ class CheckpointManager:
             return
         if not self._agree(self._pending.done.done())[0] and self.dist.is_main:
             print(f"kiln: checkpoint {self._pending.final.name} is still being written; {waiter} waits for it", flush=True)
+        faults.checkpoint_waited_for()
         concurrent.futures.wait([self._pending.done])
         self._commit_pending()
 

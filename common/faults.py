@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 KINDS = ("nan_loss", "crash", "hang", "slow_checkpoint", "kill_in_checkpoint")
-SLOW_CHECKPOINT_S = 5.0  # how much longer a `slow_checkpoint` write takes
+SLOW_CHECKPOINT_S = 5.0  # how much longer a `slow_checkpoint` write takes (a synchronous save)
+HELD_CHECKPOINT_S = 120.0  # the longest an async save's `slow_checkpoint` write is held for the training loop
+_waited_for = threading.Event()  # the training loop waits for the async save in flight
 
 
 @dataclass(frozen=True)
@@ -77,10 +80,21 @@ def poisoned_losses(step: int):
     return _PoisonLosses() if _active("nan_loss", step) else contextlib.nullcontext()
 
 
-def during_checkpoint(step: int) -> None:
-    """After a checkpoint's files are written but before it is committed (in the background thread of an async
-    save): `slow_checkpoint` makes the write take SLOW_CHECKPOINT_S longer; `kill_in_checkpoint` SIGKILLs this process."""
+def during_checkpoint(step: int, in_background: bool = False) -> None:
+    """After a checkpoint's files are written but before it is committed (`in_background`: in the thread of an async
+    save): `slow_checkpoint` makes a synchronous write take SLOW_CHECKPOINT_S longer, and holds an async one until the
+    training loop waits for it (checkpoint_waited_for; at most HELD_CHECKPOINT_S), so that a later save meets it still
+    writing however fast the machine trains; `kill_in_checkpoint` SIGKILLs this process."""
     if _active("slow_checkpoint", step):
-        time.sleep(SLOW_CHECKPOINT_S)
+        if in_background:
+            _waited_for.wait(HELD_CHECKPOINT_S)
+            _waited_for.clear()
+        else:
+            time.sleep(SLOW_CHECKPOINT_S)
     if _active("kill_in_checkpoint", step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def checkpoint_waited_for() -> None:
+    """The training loop waits for the async save in flight (common/checkpoint.py): a held write goes on."""
+    _waited_for.set()

@@ -31,7 +31,8 @@ def full(tmp_path_factory):
 
 def test_kill_during_an_async_write_keeps_the_previous_latest_and_resumes_bitwise(full, tmp_path):
     broken = tmp_path / "broken"
-    # Step 4's write takes 5 s longer (faults.SLOW_CHECKPOINT_S), then the process is killed before it is committed.
+    # Step 4's write is held until step 6's save waits for it (faults: slow_checkpoint), then the process is killed
+    # before the write is committed.
     proc = subprocess.run(train_command([*ARGS, f"run.dir={broken}"], 1), cwd=REPO, capture_output=True, text=True,
                           env=launch_env(1, KILN_FAULTS="slow_checkpoint@4,kill_in_checkpoint@4"), timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
