@@ -16,8 +16,8 @@ import torch
 
 from common.tools.launcher import spawn_ranks
 from data import prepare_images
-from tests.conftest import load_script, run_train
-from tests.fixtures.lora import assert_same_export, checkpoint_bytes, fit_and_export, resumed_bitwise, tensors
+from tests.conftest import run_train
+from tests.fixtures.lora import checkpoint_bytes, export_matches_end_of_run, fit_and_export, resumed_bitwise, tensors
 from tests.fixtures.dit import make_image_folder, make_vae
 
 pytestmark = pytest.mark.integration
@@ -119,11 +119,7 @@ def test_export_py_rebuilds_the_export_from_the_last_checkpoint(lora_run, tmp_pa
     writes the end of the run's export -- the EMA adapter on model.init_from and the merged pipeline -- file for file,
     every tensor bit for bit."""
     run_dir, again = lora_run["run_dir"], tmp_path / "again"
-    code = load_script("export").main([str(run_dir), "--checkpoint", "step_4", "--out", str(again), "--merge-lora"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    print(out)
-    assert_same_export(run_dir / "export", again)
+    export_matches_end_of_run(run_dir, again, capsys)
     assert (again / "merged" / "transformer").is_dir() and (again / "merged" / "vae").is_dir()
 
 

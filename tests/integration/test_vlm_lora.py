@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from common.tools.launcher import spawn_ranks
 from data import prepare_llava
 from tests.conftest import load_script, run_train
-from tests.fixtures.lora import assert_same_export, checkpoint_bytes, fit_and_export, resumed_bitwise, tensors
+from tests.fixtures.lora import checkpoint_bytes, export_matches_end_of_run, fit_and_export, resumed_bitwise, tensors
 from tests.fixtures import vlm as fx
 
 pytestmark = pytest.mark.integration
@@ -128,11 +128,7 @@ def test_export_py_rebuilds_the_export_from_the_last_checkpoint(lora_run, tmp_pa
     writes the end of the run's export -- adapter, projector and processor on model.init_from, and the merged LLaVA --
     file for file, every tensor bit for bit. A base whose files changed since the run stops it with one line."""
     run_dir, again = lora_run["run_dir"], tmp_path / "again"
-    code = load_script("export").main([str(run_dir), "--checkpoint", "step_4", "--out", str(again), "--merge-lora"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    print(out)
-    assert_same_export(run_dir / "export", again)
+    export_matches_end_of_run(run_dir, again, capsys)
     assert (again / "merged" / "model.safetensors").exists()
 
     # A base that changed since the run (one more tensor in its file): one line, nothing written.
