@@ -210,7 +210,8 @@ def checkpoint_meta(cfg: TrainConfig, base: str) -> dict:
     """What a checkpoint records of its fine-tuning: the method and, for LoRA, every lora.* key and the base."""
     if cfg.finetune != "lora":
         return {"finetune": cfg.finetune}
-    return {"finetune": "lora", "lora": {**_lora_keys(cfg.lora), "base": base, "base_fingerprint": base_fingerprint(base)}}
+    return {"finetune": "lora",
+            "lora": {**_lora_keys(cfg.lora), "base": base, "base_fingerprint": base_fingerprint(base)}}
 
 
 def _lora_keys(lora: LoRAConfig) -> dict:

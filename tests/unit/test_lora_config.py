@@ -206,8 +206,8 @@ def test_resume_checks_method_adapter_and_base(base, tmp_path, capsys):
                                         "base_fingerprint": headers.hexdigest()}}
     capsys.readouterr()
     lora.check_resume(old, cfg, str(base), tmp_path)
-    assert capsys.readouterr().out == (f"kiln: note: {tmp_path} records its LoRA base by the safetensors headers only (a "
-                                       "checkpoint from before the weights were fingerprinted): a same-shaped base "
+    assert capsys.readouterr().out == (f"kiln: note: {tmp_path} records its LoRA base by the safetensors headers only "
+                                       "(a checkpoint from before the weights were fingerprinted): a same-shaped base "
                                        "with other weights is not detected\n")
     with pytest.raises(ConfigError, match="has other weights"):
         lora.check_resume(old, cfg, str(other), tmp_path)

@@ -79,7 +79,8 @@ def test_a_base_file_cut_short_stops_the_launch_with_one_line(folders, case, tmp
     cut_short(victim)
     capsys.readouterr()
     run = tmp_path / "run"
-    line = _kiln_error([f"recipe={recipe}", f"finetune={finetune}", f"model.init_from={base}", f"run.dir={run}"], capsys)
+    argv = [f"recipe={recipe}", f"finetune={finetune}", f"model.init_from={base}", f"run.dir={run}"]
+    line = _kiln_error(argv, capsys)
     assert f"{victim} is cut short: its header describes" in line, line
     assert not run.exists()
 
