@@ -128,12 +128,19 @@ def changed_base(meta: dict, path: Path, base: str) -> str | None:
     """One line where ``base`` (the folder the export loads the base from) holds other weights than the base the
     adapter of finetune=lora checkpoint ``path`` trained on (its fingerprint in meta.json): the export would adapt, and
     merge into, another model."""
-    from common.lora import base_fingerprint
+    from common.errors import ConfigError
+    from common.lora import header_only_note, is_header_only, same_base
 
     saved = (meta.get("lora") or {}).get("base_fingerprint")
-    if saved and base_fingerprint(base) != saved:
+    try:
+        same = not saved or same_base(saved, base)
+    except ConfigError as exc:  # a base file cut short since the run
+        return str(exc)
+    if saved and is_header_only(saved):
+        print(header_only_note(path), flush=True)
+    if not same:
         return (f"model.init_from={base} holds other weights than the base the adapter of {path} trained on (its "
-                "safetensors files differ from the fingerprint in the checkpoint's meta.json)")
+                "weights differ from the fingerprint in the checkpoint's meta.json)")
     return None
 
 

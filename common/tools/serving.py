@@ -39,6 +39,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 
 from common.errors import ConfigError, UserError
+from common.weights import check_folder
 
 TEXT_ENGINES = ("vllm", "transformers")  # Hugging Face LLM/VLM exports
 IMAGE_ENGINES = ("tensorrt", "onnxruntime", "torch")  # DiT exports: the backend under the images server
@@ -181,6 +182,8 @@ def check_export(path: str) -> Path:
                    if not (folder / f).exists()]
         if missing:
             raise UserError(f"serve.model={path} is not a complete DiT export (missing {', '.join(missing)})")
+        for part in ("transformer", "vae"):  # what the images server loads: one line for a file cut short
+            check_folder(folder / part, f"serve.model={path}")
         return folder
     missing = [what for what, ok in (
         ("config.json", (folder / "config.json").exists()),
