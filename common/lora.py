@@ -47,8 +47,9 @@ def complete(cfg: TrainConfig, family: ModuleType, given: set[str] = frozenset()
         # a sign that LoRA was meant, and a recipe file may carry LoRA settings for when finetune=lora is chosen.
         lora_keys = sorted(k for k in given if k == "lora" or k.startswith("lora."))
         if lora_keys:
-            raise ConfigError(f"{', '.join(lora_keys)}: LoRA settings, but this run is finetune={cfg.finetune}, which would "
-                              "ignore them; add finetune=lora to train adapters, or drop them to train every weight")
+            raise ConfigError(f"{', '.join(lora_keys)}: LoRA settings, but this run is finetune={cfg.finetune}, which "
+                              "would ignore them; add finetune=lora to train adapters, or drop them to train every "
+                              "weight")
         return
     if cfg.lora.quantize_base != "none" and not getattr(family, "QLORA", False):
         raise ConfigError(f"lora.quantize_base={cfg.lora.quantize_base} is not offered by the {cfg.recipe.family} recipe "
