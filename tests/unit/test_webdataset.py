@@ -1,5 +1,5 @@
-"""Unit tests for common.data.webdataset: rank/worker coverage, determinism, exact resume, corrupt shards, in-order reads,
-and the global stream that each data-parallel rank decodes only its share of."""
+"""Unit tests for common.data.webdataset: rank/worker coverage, determinism, exact resume, corrupt shards, in-order
+reads, and the global stream that each data-parallel rank decodes only its share of."""
 
 from __future__ import annotations
 
