@@ -30,8 +30,8 @@ each global batch's usable samples (in stream order, ``j`` = 0 .. G-1) rank ``r`
 grouping into global batches is by raw stream position, made before anything is decoded, so it is the
 same on every rank and for every layout with that global batch. Decoding, augmentation and the recipe's
 collate (the VLM packs its rows there) run in the DataLoader workers, prefetched; another rank's
-sample costs its read, never a decode. Each micro-batch carries ``sample_ids``, its samples' ordinals
-in the global stream (common/seed.py: ``sample_rngs``).
+sample costs reading its tar record (a shard is streamed in order), never a decode. Each micro-batch
+carries ``sample_ids``, its samples' ordinals in the global stream (common/seed.py: ``sample_rngs``).
 
 Corrupt data in the global stream. Only what every rank sees alike may change which samples a step
 holds. An unreadable tar (truncated, not a tar, a bad gzip) is found while reading, which every rank
