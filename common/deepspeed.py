@@ -291,7 +291,7 @@ def load_universal(engine, folder: Path) -> None:
         if p in whole:  # ZeRO-0: AdamW's own tensors, whole
             whole[p].data.copy_(fp32)
             inner.state[whole[p]].update({key: part(name, key, p) for key in _STATES})
-            p.data.copy_(fp32.to(p.dtype))
+            p.data.copy_(fp32.to(p.dtype))  # bf16/fp16: the rounded copy the forward reads (fp32: `p` is the master)
             continue
         safe_set_full_fp32_param(p, fp32)
         for key in _STATES:
