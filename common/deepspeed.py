@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -182,11 +183,20 @@ def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool =
         error = box[0]
     if error:
         raise UserError(error)
-    load_universal(engine, folder)
-    if tdist.is_initialized():
-        tdist.barrier()
+    try:
+        load_universal(engine, folder)
+        if tdist.is_initialized():
+            tdist.barrier()
+    except Exception as exc:  # one line, and the conversion goes: a failed resume leaves no checkpoints/.tmp
+        why = (str(exc).splitlines() or [""])[0]
+        raise UserError(f"run.resume: loading {path}, converted to a universal checkpoint, into this run's layout "
+                        f"failed ({type(exc).__name__}: {why}); it is left as it was") from exc
+    finally:
+        if main:  # the conversion goes, and the scratch folder with it where nothing else is in it
+            shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                scratch.rmdir()
     if main:
-        shutil.rmtree(folder, ignore_errors=True)
         print(f"kiln: converted and loaded in {time.perf_counter() - start:.1f}s", flush=True)
 
 
@@ -220,8 +230,11 @@ def to_universal(src: Path, out: Path) -> None:
     args = argparse.Namespace(input_folder=str(src), output_folder=str(out), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     log = io.StringIO()  # its progress lines and bars: not Kiln's output
-    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        ds_to_universal.main(args)
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            ds_to_universal.main(args)
+    finally:  # its pointer for DeepSpeed's own loader, beside `out`: Kiln loads `out` by name
+        (out.parent / "latest_universal").unlink(missing_ok=True)
 
 
 def _zero0_to_universal(src: Path, out: Path) -> None:
@@ -230,14 +243,19 @@ def _zero0_to_universal(src: Path, out: Path) -> None:
         raise FileNotFoundError(f"no DeepSpeed model states file (mp_rank_00_model_states.pt) in {src}")
     sd = torch.load(files[0], map_location="cpu", weights_only=False)
     optim = sd["optimizer"]
+    # In bf16/fp16, DeepSpeed's FP16_UnfusedOptimizer steps AdamW on fp32 master copies of the trained parameters
+    # (its state dict holds them, and AdamW's beside them); the module holds only their rounded copies.
+    masters = [t for group in optim.get("fp32_groups", []) for t in group]
+    optim = optim.get("optimizer_state_dict", optim)
     # torch's AdamW numbers its parameters in the order they were given: the trained ones in module order,
     # which meta.json's trained_shapes keeps (DeepSpeed records no names at ZeRO-0).
     names = list(read_meta(src)["trained_shapes"])
     ids = [i for group in optim["param_groups"] for i in group["params"]]
-    for name, i in zip(names, ids, strict=True):
+    weights = masters or [sd["module"][name].float() for name in names]
+    for name, i, weight in zip(names, ids, weights, strict=True):
         folder = out / "zero" / name
         folder.mkdir(parents=True)
-        torch.save({"param": sd["module"][name].float()}, folder / "fp32.pt")
+        torch.save({"param": weight.reshape(sd["module"][name].shape)}, folder / "fp32.pt")
         state = optim["state"].get(i, {})
         for key in _STATES:
             torch.save({"param": state.get(key, torch.zeros_like(sd["module"][name]))}, folder / f"{key}.pt")
@@ -248,43 +266,41 @@ def _zero0_to_universal(src: Path, out: Path) -> None:
 def load_universal(engine, folder: Path) -> None:
     """Each rank's part of a universal checkpoint into the live engine, by parameter name, through DeepSpeed's
     own setters of whole fp32 weights and optimizer states (`deepspeed.utils.safe_set_full_*`: ZeRO-1/2/3 and the
-    bf16 optimizer); ZeRO-0 in fp32 steps torch's AdamW on the parameters themselves, which take them directly.
+    bf16 optimizer); ZeRO-0 steps torch's AdamW on whole tensors (the parameters in fp32, DeepSpeed's fp32 master
+    copies of them in bf16/fp16), which take them directly.
     Then AdamW's step count, the LR schedule and DeepSpeed's counters. (DeepSpeed's own `load_universal` needs a
     config switch at start-up, and in 0.19.8 a ZeRO-1/2 conversion does not load under ZeRO-3.)
 
     Frozen parameters are not the run's state: they come from their source on every start."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    def part(name: str, key: str) -> torch.Tensor:
-        return torch.load(folder / "zero" / name / f"{key}.pt", map_location="cpu", weights_only=False)["param"]
+    def part(name: str, key: str, p: torch.nn.Parameter) -> torch.Tensor:
+        return universal_state(folder, name, key, getattr(p, "ds_shape", p.shape)).to(p.device)
 
-    plain = engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled() and not engine.fp16_enabled()
+    whole = _zero0_masters(engine) if engine.zero_optimization_stage() == 0 else {}
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # torch's AdamW (over ZeRO's flat partitions)
     # ZeRO-3 lends AdamW its flat fp32 partitions only for the step: between steps its groups are empty.
     flat = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
     _init_adam_state(inner, [[p] for p in flat] if flat is not None else [g["params"] for g in inner.param_groups])
     if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2, bf16: link the setters to it
         engine.optimizer._lazy_init_hp_params_optimizer_state()
-    step = None
-    for name, p in engine.module.named_parameters():
-        if not p.requires_grad:
-            continue
-        fp32 = part(name, "fp32").to(p.device)
-        step = torch.load(folder / "zero" / name / "step.pt", weights_only=False)
-        if plain:
-            p.data.copy_(fp32.view_as(p))
-            engine.optimizer.state[p].update({key: part(name, key).to(p.device).view_as(p) for key in _STATES})
-            engine.optimizer.state[p]["step"] = torch.tensor(float(step))
+    trained = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
+    step = adam_step(folder, [name for name, _ in trained])
+    for name, p in trained:
+        fp32 = part(name, "fp32", p)
+        if p in whole:  # ZeRO-0: AdamW's own tensors, whole
+            whole[p].data.copy_(fp32)
+            inner.state[whole[p]].update({key: part(name, key, p) for key in _STATES})
+            p.data.copy_(fp32.to(p.dtype))  # bf16/fp16: the rounded copy the forward reads (fp32: `p` is the master)
             continue
         safe_set_full_fp32_param(p, fp32)
         for key in _STATES:
-            safe_set_full_optimizer_state(p, part(name, key).to(p.device), key)
+            safe_set_full_optimizer_state(p, part(name, key, p), key)
         with gathered_one(p, engine.zero_optimization_stage()):  # the compute-dtype weights the forward reads
-            p.data.copy_(fp32.view(p.shape).to(p.dtype))
-    if step is not None:
-        for state in inner.state.values():
-            if "step" in state:
-                state["step"] = torch.full_like(state["step"], float(step)) if torch.is_tensor(state["step"]) else int(step)
+            p.data.copy_(fp32.to(p.dtype))
+    for state in inner.state.values():
+        if "step" in state:
+            state["step"] = torch.full_like(state["step"], step) if torch.is_tensor(state["step"]) else int(step)
     states = torch.load(next(folder.glob("*model_states.pt")), map_location="cpu", weights_only=False)
     engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
     # The schedule's state holds the last LR, but the optimizer's groups still have the first one until its
@@ -293,6 +309,43 @@ def load_universal(engine, folder: Path) -> None:
         group["lr"] = lr
     engine.global_steps, engine.skipped_steps = states["global_steps"], states["skipped_steps"]
     engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
+
+
+def _zero0_masters(engine) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """ZeRO-0: each trained parameter -> the tensor torch's AdamW steps. In fp32 the parameter itself; in bf16/fp16
+    the fp32 master copy DeepSpeed's FP16_UnfusedOptimizer keeps of it (no `deepspeed.utils.safe_set_full_*` there)."""
+    opt = engine.optimizer
+    if hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups"):
+        return {lp: hp for lps, hps in zip(opt.fp16_groups, opt.fp32_groups, strict=True)
+                for lp, hp in zip(lps, hps, strict=True)}
+    return {p: p for group in opt.param_groups for p in group["params"]}
+
+
+def universal_state(folder: Path, name: str, key: str, shape) -> torch.Tensor:
+    """Parameter `name`'s whole `key` state (fp32, exp_avg, exp_avg_sq) in a universal checkpoint, in `shape`.
+    `ds_to_universal` writes it in two forms: `{"param": tensor}` in the parameter's shape from ZeRO-1/2 sources
+    (and Kiln's own from ZeRO-0), a bare flat tensor (ZeRO-3's partitions concatenated, padding cut) from ZeRO-3."""
+    path = folder / "zero" / name / f"{key}.pt"
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    tensor = saved["param"] if isinstance(saved, dict) else saved
+    if tensor.numel() != math.prod(shape):
+        raise ValueError(f"{path} holds {tensor.numel()} values; the parameter has shape {tuple(shape)}")
+    return tensor.reshape(shape)
+
+
+def adam_step(folder: Path, names: list[str]) -> float:
+    """AdamW's step count in a universal checkpoint (the optimizer's own: skipped steps do not count). From ZeRO-0/1/2
+    sources each parameter's step.pt holds it; from ZeRO-3 there is none, and the count is in the optimizer state
+    dict DeepSpeed keeps beside the parameters (zero/optimizer_state.pt: rank 0's AdamW state over its flat
+    partition, one entry per sub-group, all stepped together)."""
+    steps = folder / "zero" / names[0] / "step.pt" if names else None
+    if steps is not None and steps.exists():
+        return float(torch.load(steps, weights_only=False))
+    saved = torch.load(folder / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    counts = {float(s["step"]) for s in saved["optimizer_state_dict"]["state"].values() if "step" in s}
+    if len(counts) != 1:
+        raise ValueError(f"its ZeRO-3 optimizer state holds no single AdamW step count (found {sorted(counts)})")
+    return counts.pop()
 
 
 def _init_adam_state(optimizer: torch.optim.Optimizer, params: list[list[torch.Tensor]]) -> None:
