@@ -24,6 +24,14 @@ FAST_DIT = [
 ]
 
 
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """The session's cache of training runs (tests/fixtures/runs.py): `trained(args, nproc)` -> its run dir."""
+    from tests.fixtures.runs import TrainedRuns
+
+    return TrainedRuns(tmp_path_factory.mktemp("trained"))
+
+
 def load_script(name: str):
     """scripts/NAME.py as a module, to call its main(argv) in process."""
     spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")

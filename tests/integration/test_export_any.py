@@ -20,12 +20,13 @@ from data import prepare_images
 from tests.conftest import FAST_DIT, REPO, load_script, run_train
 from tests.distributed.test_llm_init_from_layouts import compare_export, tensors
 from tests.fixtures.dit import make_image_folder, make_vae
+from tests.fixtures.runs import VLM_ZERO2
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, trained):
     root = tmp_path_factory.mktemp("export_any")
     quick = ["trainer.eval=false", "trainer.micro_batch_size=8", "data.num_workers=1", "diffusion.samples_per_class=1"]
     out = {name: root / name for name in ("dit3", "dit2_latent", "vlm2", "vlm3")}
@@ -40,7 +41,7 @@ def runs(tmp_path_factory):
               nproc=2)
     vlm = ["recipe=vlm_tiny", "trainer.max_steps=2", "trainer.micro_batch_size=8", "trainer.progress_bar=false",
            "trainer.eval=false", "data.num_workers=1"]
-    run_train([*vlm, f"run.dir={out['vlm2']}", "parallel.zero_stage=2"], nproc=2)
+    out["vlm2"] = trained(VLM_ZERO2, 2)  # test_vlm_zero2's run
     # ZeRO-3 partitions the frozen tower too (DeepSpeed's frozen_param_fragments, per rank).
     run_train([*vlm, f"run.dir={out['vlm3']}", "parallel.zero_stage=3", "toggles.precision=bf16"], nproc=2)
     return out
