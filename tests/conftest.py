@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,24 @@ def trained(tmp_path_factory):
     from tests.fixtures.runs import TrainedRuns
 
     return TrainedRuns(tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture(scope="session")
+def latent_dit_data(tmp_path_factory):
+    """`latent_dit_data(image_size)` -> {"vae", "shards"}: one small random VAE (it halves images) and the image
+    shards of tests/fixtures/dit.py's IMAGE_SETS, each built once per session for the latent DiT tests."""
+    from tests.fixtures.dit import make_image_shards, make_vae
+
+    root = tmp_path_factory.mktemp("latent_dit")
+    vae = make_vae(root / "sd-vae-ft-mse", block_out_channels=(16, 32))
+    shards: dict[int, Path] = {}
+
+    def get(image_size: int) -> dict:
+        if image_size not in shards:
+            shards[image_size] = make_image_shards(root / f"{image_size}px", image_size)
+        return {"vae": vae, "shards": shards[image_size]}
+
+    return get
 
 
 def load_script(name: str):

@@ -15,10 +15,8 @@ import pytest
 import torch
 
 from common.tools.launcher import spawn_ranks
-from data import prepare_images
 from tests.conftest import run_train
 from tests.fixtures.lora import checkpoint_bytes, export_matches_end_of_run, fit_and_export, resumed_bitwise, tensors
-from tests.fixtures.dit import make_image_folder, make_vae
 
 pytestmark = pytest.mark.integration
 SIZE, STEPS = 32, 2  # images (the fixture VAE halves them: 4 x 16 x 16 latents); sampler steps
@@ -26,15 +24,10 @@ ADAPTED = 4 * 6 * 2  # 4 blocks x 6 linears x (A, B)
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, latent_dit_data):
     """Image shards, a VAE, and the base: the export of a 2-step full dit_tiny run (a DiTPipeline folder)."""
     root = tmp_path_factory.mktemp("dit_lora")
-    vae = make_vae(root / "vae", block_out_channels=(16, 32))
-    folder = make_image_folder(root / "images", classes=3, per_class=16, size=24)
-    shards = root / "shards"
-    assert prepare_images.main(["--input", str(folder), "--out", str(shards), "--image-size", str(SIZE),
-                                "--train-shards", "2", "--val-shards", "1"]) == 0
-    world = {"vae": vae, "shards": shards, "base_run": root / "base"}
+    world = {**latent_dit_data(SIZE), "base_run": root / "base"}  # the images and VAE of test_dit_latent
     run_train(base_overrides(world, world["base_run"], "trainer.max_steps=2", "trainer.eval=false"))
     return world
 
