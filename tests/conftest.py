@@ -51,6 +51,22 @@ def latent_dit_data(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def dit_lora_world(tmp_path_factory, latent_dit_data):
+    """The DiT LoRA tests' images, VAE and base run (tests/fixtures/lora.py make_dit_world), built once."""
+    from tests.fixtures.lora import DIT_SIZE, make_dit_world
+
+    return make_dit_world(tmp_path_factory.mktemp("dit_lora"), latent_dit_data(DIT_SIZE))
+
+
+@pytest.fixture(scope="session")
+def vlm_lora_world(tmp_path_factory):
+    """The VLM LoRA tests' LLaVA data and llava-hf base (tests/fixtures/lora.py make_vlm_world), built once."""
+    from tests.fixtures.lora import make_vlm_world
+
+    return make_vlm_world(tmp_path_factory.mktemp("vlm_lora"))
+
+
 def load_script(name: str):
     """scripts/NAME.py as a module, to call its main(argv) in process."""
     spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")

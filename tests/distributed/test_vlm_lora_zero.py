@@ -10,14 +10,15 @@ import torch
 
 from tests.conftest import load_script, losses, run_train
 from tests.fixtures.lora import assert_same_export, checkpoint_bytes, tensors
-from tests.integration.test_vlm_lora import overrides, world  # noqa: F401 (fixture)
+from tests.fixtures.lora import vlm_overrides as overrides
 
 pytestmark = pytest.mark.distributed
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def runs(world, tmp_path_factory):  # noqa: F811
+def runs(vlm_lora_world, tmp_path_factory):
+    world = vlm_lora_world
     out = {}
     for stage in (2, 3):
         out[stage] = tmp_path_factory.mktemp(f"zero{stage}")

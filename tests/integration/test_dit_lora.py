@@ -16,32 +16,18 @@ import torch
 
 from common.tools.launcher import spawn_ranks
 from tests.conftest import run_train
-from tests.fixtures.lora import checkpoint_bytes, export_matches_end_of_run, fit_and_export, resumed_bitwise, tensors
+from tests.fixtures.lora import (DIT_ADAPTED, DIT_SAMPLER_STEPS, checkpoint_bytes, dit_base_overrides as base_overrides,
+                                 dit_overrides as overrides, export_matches_end_of_run, fit_and_export, resumed_bitwise,
+                                 tensors)
 
 pytestmark = pytest.mark.integration
-SIZE, STEPS = 32, 2  # images (the fixture VAE halves them: 4 x 16 x 16 latents); sampler steps
-ADAPTED = 4 * 6 * 2  # 4 blocks x 6 linears x (A, B)
+STEPS = DIT_SAMPLER_STEPS
+ADAPTED = DIT_ADAPTED
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, latent_dit_data):
-    """Image shards, a VAE, and the base: the export of a 2-step full dit_tiny run (a DiTPipeline folder)."""
-    root = tmp_path_factory.mktemp("dit_lora")
-    world = {**latent_dit_data(SIZE), "base_run": root / "base"}  # the images and VAE of test_dit_latent
-    run_train(base_overrides(world, world["base_run"], "trainer.max_steps=2", "trainer.eval=false"))
-    return world
-
-
-def base_overrides(world: dict, run_dir: Path, *extra: str) -> list[str]:
-    return ["recipe=dit_tiny", "data=images", f"data.root={world['shards']}", f"data.image_size={SIZE}",
-            f"diffusion.vae={world['vae']}", "trainer.micro_batch_size=8", "data.num_workers=0", "trainer.progress_bar=false",
-            "trainer.log_every=1", "trainer.sample_every=0", f"diffusion.sample_steps={STEPS}", "diffusion.guidance_scale=1.0",
-            "diffusion.samples_per_class=1", f"run.dir={run_dir}", *extra]
-
-
-def overrides(world: dict, run_dir: Path, *extra: str) -> list[str]:
-    return base_overrides(world, run_dir, "finetune=lora", f"model.init_from={world['base_run']}", "trainer.eval=false",
-                          "optim.lr=1e-2", "optim.warmup_steps=0", *extra)
+def world(dit_lora_world):
+    return dit_lora_world  # shared with test_dit_lora_zero3
 
 
 def _train_and_export(world: dict, run_dir: str, out: str) -> dict:
