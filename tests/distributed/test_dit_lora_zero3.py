@@ -15,7 +15,7 @@ pytestmark = pytest.mark.distributed
 
 
 def test_zero3_trains_the_adapter_and_resumes_bitwise(dit_lora_world, tmp_path, capsys):
-    world = dit_lora_world
+    world = dit_lora_world  # test_dit_lora's
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     zero3 = ["parallel.zero_stage=3", "trainer.micro_batch_size=4", "trainer.max_steps=4"]
     run_train(overrides(world, first, *zero3, "checkpoint.every=2"), nproc=2)
