@@ -13,8 +13,9 @@ Two names change, which is all the recipes see: a wrapped weight `<linear>.weigh
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import math
+import os
 import zlib
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +23,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from common import weights
 from common.config import LoRAConfig, TrainConfig
 from common.errors import ConfigError
 
@@ -182,40 +184,59 @@ def init_adapter(model: nn.Module, seed: int) -> None:
 
 # ---- the base's identity -----------------------------------------------------------------------------
 def base_fingerprint(folder: str | Path) -> str:
-    """sha256 over a checkpoint folder's safetensors files: names, sizes and headers (tensor names, dtypes,
-    shapes, offsets). Reads kilobytes, not the weights: it tells checkpoints apart, not an edited weight."""
-    h = hashlib.sha256()
-    for path in sorted(Path(folder).rglob("*.safetensors")):
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            h.update(f"{path.relative_to(folder)}:{path.stat().st_size}:".encode())
-            h.update(f.read(n))
-    return h.hexdigest()
+    """The base's weights, identified (common/weights.py: headers and sampled bytes of every tensor): a same-shaped
+    base with other weights, or one overwritten in place, gets another value."""
+    return weights.fingerprint(folder, f"the LoRA base {folder}")
+
+
+def same_base(saved: str, folder: str | Path) -> bool:
+    """Whether `folder` holds the base of a checkpoint whose meta.json recorded `saved`. A checkpoint from before the
+    weights were sampled recorded a bare sha256 of the headers: compared as it was computed (`is_header_only`)."""
+    if is_header_only(saved):
+        return saved == weights.header_fingerprint(folder)
+    return saved == base_fingerprint(folder)
+
+
+def is_header_only(saved: str) -> bool:
+    return not saved.startswith(weights.FINGERPRINT + ":")
+
+
+def header_only_note(path: Path) -> str:
+    return (f"kiln: note: {path} records its LoRA base by the safetensors headers only (a checkpoint from before the "
+            "weights were fingerprinted): a same-shaped base with other weights is not detected")
 
 
 def checkpoint_meta(cfg: TrainConfig, base: str) -> dict:
-    """What a checkpoint records of its fine-tuning: the method and, for LoRA, the adapter and its base."""
+    """What a checkpoint records of its fine-tuning: the method and, for LoRA, every lora.* key and the base."""
     if cfg.finetune != "lora":
         return {"finetune": cfg.finetune}
-    return {"finetune": "lora", "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets),
-                                         "base": base, "base_fingerprint": base_fingerprint(base)}}
+    return {"finetune": "lora",
+            "lora": {**_lora_keys(cfg.lora), "base": base, "base_fingerprint": base_fingerprint(base)}}
+
+
+def _lora_keys(lora: LoRAConfig) -> dict:
+    return {f.name: list(v) if isinstance(v := getattr(lora, f.name), list) else v for f in dataclasses.fields(lora)}
 
 
 def check_resume(meta: dict, cfg: TrainConfig, base: str, path: Path) -> None:
-    """One line where a checkpoint cannot continue this run: another fine-tuning method, another adapter
-    shape, or (LoRA: the checkpoint holds the adapter only) another base."""
+    """One line where a checkpoint cannot continue this run: another fine-tuning method, another lora.* value (the
+    key, what the checkpoint holds, what this run asks for), or (LoRA: the checkpoint holds the adapter only) a base
+    with other weights."""
     was = meta.get("finetune", "full")
     if was != cfg.finetune:
         raise ConfigError(f"run.resume: {path} is a finetune={was} checkpoint; this run is finetune={cfg.finetune}")
     if cfg.finetune != "lora":
         return
-    saved, now = meta["lora"], checkpoint_meta(cfg, base)["lora"]
-    for key in ("rank", "targets"):
-        if saved[key] != now[key]:
-            raise ConfigError(f"run.resume: {path} holds an adapter with lora.{key}={saved[key]}, this run asks for {now[key]}")
-    if saved["base_fingerprint"] != now["base_fingerprint"]:
+    saved = meta["lora"]
+    for key, now in _lora_keys(cfg.lora).items():
+        if key in saved and saved[key] != now:  # older checkpoints recorded rank, alpha and targets only
+            raise ConfigError(f"run.resume: {path} holds an adapter with lora.{key}={saved[key]}, this run asks for "
+                              f"{now}; resume with lora.{key}={saved[key]} or start a new run.dir")
+    if not same_base(saved["base_fingerprint"], base):
         raise ConfigError(f"run.resume: {path} trained an adapter on the base {saved['base']}; this run's base {base} "
                           f"has other weights (the checkpoint holds the adapter only)")
+    if is_header_only(saved["base_fingerprint"]) and os.environ.get("RANK", "0") == "0":
+        print(header_only_note(path), flush=True)
 
 
 # ---- the PEFT adapter folder ----------------------------------------------------------------------------

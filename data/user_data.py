@@ -71,6 +71,9 @@ def resolve_inputs(patterns: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(files))
 
 
+MAX_REASONS = 3  # the row reasons an unusable file's one line names
+
+
 def read_files(files: list[str], read: Reader) -> tuple[list[tuple[str, list]], dict]:
     """``[(file, items)]`` for every file ``read`` accepts, and meta.json's ``inputs`` record of what was
     used and skipped. ValueError (one line) when no file is usable."""
@@ -81,8 +84,10 @@ def read_files(files: list[str], read: Reader) -> tuple[list[tuple[str, list]], 
                 raise Skip("missing (no such file)")
             items, bad_rows = read(path)
             rows.update(bad_rows)
-            if not items:
-                raise Skip("empty (no usable row)")
+            if not items:  # say why: its rows' reasons, the most frequent first
+                why = ", ".join(f"{n} {r}" for r, n in bad_rows.most_common(MAX_REASONS))
+                more = ", ..." if len(bad_rows) > MAX_REASONS else ""
+                raise Skip(f"empty (no usable row{': ' + why + more if why else ''})")
         except Skip as exc:
             skipped.append({"path": path, "reason": str(exc)})
             continue

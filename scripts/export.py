@@ -3,7 +3,9 @@
 
     python scripts/export.py RUN_DIR [--checkpoint step_N|PATH] [--out DIR] [--merge-lora] [--max-shard-size 1GB]
 
-The folder equals the end-of-run export of the same step, tensor for tensor.
+The folder equals the end-of-run export of the same step, tensor for tensor. Without --out it is RUN_DIR/export when
+exporting the latest checkpoint of a run that has no export yet (a preempted run), else RUN_DIR/export/step_N: an
+export already there is never replaced unasked.
 
 LLM runs (DCP checkpoints, any parallel layout): a Hugging Face folder that loads with
 AutoModelForCausalLM/AutoTokenizer offline and serves with `vllm serve DIR --tensor-parallel-size N`.
@@ -64,12 +66,22 @@ def find_checkpoint(run_dir: Path, name: str) -> Path:
                     "or a path)")
 
 
+def default_out(run_dir: Path, checkpoint: str, step: int) -> Path:
+    """Where an export goes without --out: RUN_DIR/export for the run's latest checkpoint when the run has no export
+    yet (a preempted run), else RUN_DIR/export/step_N, beside what is there: the end-of-run export is never replaced
+    unasked (and neither is an earlier export/step_N: main refuses)."""
+    export = run_dir / "export"
+    return export if checkpoint == "auto" and not export.exists() else export / f"step_{step}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--checkpoint", default="auto", help="a step_* dir or its name under RUN_DIR/checkpoints "
                                                           "(default: the run's latest)")
-    ap.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/export")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="replaced if it exists (default: RUN_DIR/export for the latest checkpoint of a run without an "
+                         "export, else RUN_DIR/export/step_N)")
     ap.add_argument("--merge-lora", action="store_true",
                     help="finetune=lora runs (LLM, VLM, DiT): also write the merged model in OUT/merged, as "
                          "export.merge_lora does")
@@ -92,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(exc))
     if meta.get("recipe") != cfg.recipe.name:
         return fail(f"{path} is a checkpoint of recipe {meta.get('recipe')}; {args.run_dir} ran {cfg.recipe.name}")
-    out = args.out or args.run_dir / "export"
+    out = args.out or default_out(args.run_dir, args.checkpoint, int(meta["step"]))
+    if args.out is None and out.exists():
+        return fail(f"{out} exists (an earlier export of this checkpoint): pass --out DIR to write it elsewhere "
+                    "(an existing --out is replaced)")
     lora = cfg.get("finetune", "full") == "lora"
     if args.merge_lora and not lora:
         return fail(f"--merge-lora is for finetune=lora runs ({args.run_dir} is a finetune={cfg.get('finetune', 'full')} "
@@ -113,12 +128,19 @@ def changed_base(meta: dict, path: Path, base: str) -> str | None:
     """One line where ``base`` (the folder the export loads the base from) holds other weights than the base the
     adapter of finetune=lora checkpoint ``path`` trained on (its fingerprint in meta.json): the export would adapt, and
     merge into, another model."""
-    from common.lora import base_fingerprint
+    from common.errors import ConfigError
+    from common.lora import header_only_note, is_header_only, same_base
 
     saved = (meta.get("lora") or {}).get("base_fingerprint")
-    if saved and base_fingerprint(base) != saved:
+    try:
+        same = not saved or same_base(saved, base)
+    except ConfigError as exc:  # a base file cut short since the run
+        return str(exc)
+    if saved and is_header_only(saved):
+        print(header_only_note(path), flush=True)
+    if not same:
         return (f"model.init_from={base} holds other weights than the base the adapter of {path} trained on (its "
-                "safetensors files differ from the fingerprint in the checkpoint's meta.json)")
+                "weights differ from the fingerprint in the checkpoint's meta.json)")
     return None
 
 

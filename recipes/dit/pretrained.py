@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from common.errors import ConfigError
+from common.weights import check_folder
 
 # model.* keys and the DiTTransformer2DModel config.json entries they come from.
 CHECKPOINT_KEYS = {"num_layers": "num_layers", "num_attention_heads": "num_attention_heads",
@@ -18,13 +19,14 @@ CHECKPOINT_KEYS = {"num_layers": "num_layers", "num_attention_heads": "num_atten
 
 
 def transformer_folder(init_from: str) -> Path:
-    """The DiTTransformer2DModel folder `model.init_from` names (one line if none)."""
+    """The DiTTransformer2DModel folder `model.init_from` names (one line if none, or if a weight file is damaged)."""
     path = Path(init_from).expanduser().absolute()
     for candidate in (path / "export" / "transformer", path / "transformer", path):
         config = candidate / "config.json"
         if config.exists() and json.loads(config.read_text()).get("_class_name") == "DiTTransformer2DModel":
             if not any(candidate.glob("*.safetensors")):
                 raise ConfigError(f"model.init_from={init_from}: no *.safetensors weights in {candidate}")
+            check_folder(candidate, f"model.init_from={init_from}")  # one line for a file cut short
             return candidate
     raise ConfigError(f"model.init_from={init_from}: no diffusers DiTTransformer2DModel there (a DiTPipeline folder, a "
                       "Kiln DiT export or run dir, or a transformer folder with config.json)")

@@ -95,9 +95,13 @@ def chunk_document(ids: torch.Tensor, max_len: int) -> list[torch.Tensor]:
 
 
 def build_train_loader(cfg: TrainConfig, urls: list[str], dp: int):
-    return train_loader(cfg, urls, decode=decode_document, collate=list,
-                        batch_size=cfg.trainer.micro_batch_size * dp,  # the global micro-batch, in documents
-                        rank=0, world_size=1)  # one stream, sliced per dp rank in `local_batch`
+    micro = cfg.trainer.micro_batch_size
+    loader = train_loader(cfg, urls, decode=decode_document, collate=list,
+                          batch_size=micro * dp,  # the global micro-batch, in documents
+                          rank=0, world_size=1)  # one stream, sliced per dp rank in `local_batch`
+    loader.resume_hints["batch_size"] = (f"documents per micro-batch: trainer.micro_batch_size={micro} x dp={dp} "
+                                         "data-parallel ranks; set them so that their product is {saved}")
+    return loader
 
 
 def local_batch(documents: list[dict], *, dp_rank: int, dp: int, max_seq_len: int, pad_id: int) -> PackedBatch:

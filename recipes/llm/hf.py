@@ -19,6 +19,7 @@ import torch
 
 from common.errors import ConfigError, DataError
 from common.lora import base_key, is_adapter_key
+from common.weights import check_folder
 from recipes.llm.model import (HF_ARCHITECTURES, Llama3RopeScaling, LlamaArgs, MoEArgs, Transformer, from_hf_state_dict,
                                 hf_model_type, is_expert_key, to_hf_config, to_hf_state_dict)
 
@@ -160,8 +161,8 @@ def llama_args_from_hf(config) -> LlamaArgs:
 
 
 def safetensors_weights(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) of every tensor in the folder's *.safetensors (headers only: no data read)."""
-    from safetensors import safe_open
+    """Name -> (shape, dtype) of every tensor in the folder's *.safetensors (headers only, each checked against its
+    file: no data read)."""
     from safetensors.torch import _getdtype
 
     files = sorted(folder.glob("*.safetensors"))
@@ -175,13 +176,9 @@ def safetensors_weights(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.
         absent = sorted(named - {p.name for p in files})
         if absent:
             raise _error(folder, f"{WEIGHT_INDEX} names {len(absent)} missing file(s) (first: {absent[0]})")
-    weights = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                piece = f.get_slice(key)
-                weights[key] = (tuple(piece.get_shape()), _getdtype(piece.get_dtype()))
-    return weights
+    headers = check_folder(folder, f"model.init_from={folder}")  # one line for a file cut short (common/weights.py)
+    return {key: (tuple(entry["shape"]), _getdtype(entry["dtype"])) for tensors in headers.values()
+            for key, entry in tensors.items()}
 
 
 def weights_dtype(folder: str | Path) -> torch.dtype:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from common.config import TrainConfig
 from common.errors import ConfigError, DataError
+from common.weights import check_folder
 from recipes.vlm.schema import VLMModelConfig
 
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
@@ -27,13 +28,16 @@ VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 # --- the folders, checked from their json (config validation) -------------------------------------------
 
 def _folder_config(path: str, key: str) -> tuple[Path, dict]:
+    """(the folder, its config.json) after checking its safetensors files' headers (one line for a file cut short)."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ConfigError(f"{key}={path}: no such folder")
     try:
-        return folder.resolve(), json.loads((folder / "config.json").read_text())
+        config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         raise ConfigError(f"{key}={path}: no readable config.json there (a Hugging Face model folder is expected)") from None
+    check_folder(folder, f"{key}={path}")
+    return folder.resolve(), config
 
 
 def llava_folder(init_from: str) -> Path:

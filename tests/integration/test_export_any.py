@@ -77,6 +77,16 @@ def test_dit_zero3_bf16_equals_the_end_of_run_export(runs, tmp_path, capsys):
     assert json.loads((tmp_path / "step2" / "kiln.json").read_text())["step"] == 2
     earlier = tensors(tmp_path / "step2" / "transformer")
     assert earlier.keys() == weights.keys() and not all(torch.equal(earlier[k], weights[k]) for k in weights)
+    # Without --out: beside the end-of-run export, in export/step_2; the export itself stays step 3's.
+    code, err = export(capsys, run, "--checkpoint", "step_2")
+    assert code == 0, err
+    beside = theirs / "step_2"
+    assert_same_folder(beside, tmp_path / "step2", subfolders=("transformer",))
+    assert json.loads((theirs / "kiln.json").read_text())["step"] == 3
+    assert compare_export(ours / "transformer", theirs / "transformer") == {"same_keys": True, "bitwise": True}
+    code, err = export(capsys, run, "--checkpoint", "step_2")  # nor is the step_2 export replaced unasked
+    assert code == 2 and f"{beside} exists" in err and "--out DIR" in err and len(err.strip().splitlines()) == 1
+    shutil.rmtree(beside)  # the run stays as trained for the module's other tests
 
 
 def test_latent_dit_zero2_loads_in_dit_pipeline(runs, tmp_path, capsys):
@@ -132,7 +142,7 @@ def test_refusals_are_one_line(runs, tmp_path, capsys):
     state.write_bytes(state.read_bytes()[:1000])
     code, err = export(capsys, cut)
     assert code == 2 and "trainer.pt is unreadable" in err and len(err.strip().splitlines()) == 1
-    assert (cut / "export" / "kiln.json").exists() and not (cut / ".export.tmp").exists()  # nothing lost
+    assert (cut / "export" / "kiln.json").exists() and not list(cut.rglob("*.tmp"))  # nothing lost, nothing left
     # --merge-lora on a full run; a LoRA run whose base (model.init_from) is gone: its checkpoints hold the adapter only.
     code, err = export(capsys, vlm, "--merge-lora")
     assert code == 2 and "--merge-lora is for finetune=lora runs" in err and len(err.strip().splitlines()) == 1

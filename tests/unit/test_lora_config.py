@@ -160,7 +160,7 @@ def test_apply_lora_freezes_the_base_and_inits_the_adapter_alike_everywhere():
         lora.apply_lora(Transformer(LlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64)), cfg)
 
 
-def test_resume_checks_method_adapter_and_base(base, tmp_path):
+def test_resume_checks_method_adapter_and_base(base, tmp_path, capsys):
     import shutil
 
     cfg = compose(["recipe=llm_tiny", "finetune=lora", f"model.init_from={base}"])
@@ -168,10 +168,22 @@ def test_resume_checks_method_adapter_and_base(base, tmp_path):
     lora.check_resume(meta, cfg, str(base), tmp_path)  # the same: fine
     with pytest.raises(ConfigError, match="is a finetune=full checkpoint; this run is finetune=lora"):
         lora.check_resume({"recipe": "llm_tiny"}, cfg, str(base), tmp_path)
-    with pytest.raises(ConfigError, match="lora.rank=8, this run asks for 16"):
-        cfg.lora.rank = 16
-        lora.check_resume(meta, cfg, str(base), tmp_path)
-    cfg.lora.rank = 8
+    # Every lora.* key changed on resume: one line with the key, the checkpoint's value and this run's.
+    for key, value, words in [("rank", 16, "lora.rank=8, this run asks for 16"),
+                              ("alpha", 32.0, "lora.alpha=16.0, this run asks for 32.0"),
+                              ("dropout", 0.1, "lora.dropout=0.0, this run asks for 0.1"),
+                              ("targets", ["wq"], "lora.targets=['wq', 'wk', 'wv', 'wo', 'w1', 'w2', 'w3'], this run "
+                                                  "asks for ['wq']"),
+                              ("quantize_base", "nf4", "lora.quantize_base=none, this run asks for nf4")]:
+        changed = compose(["recipe=llm_tiny", "finetune=lora", f"model.init_from={base}"])
+        setattr(changed.lora, key, value)
+        with pytest.raises(ConfigError) as err:
+            lora.check_resume(meta, changed, str(base), tmp_path)
+        assert f"run.resume: {tmp_path} holds an adapter with {words}" in str(err.value), err.value
+    # A base of the same names, dtypes and shapes with other weights (a base and its -Instruct twin).
+    twin = write_llama_folder(tmp_path / "twin", "gqa", seed=1)
+    with pytest.raises(ConfigError, match=f"this run's base {twin} has other weights"):
+        lora.check_resume(meta, cfg, str(twin), tmp_path)
     other = tmp_path / "other"
     shutil.copytree(base, other)
     write_llama_folder(tmp_path / "other_weights", "gqa", seed=1, num_hidden_layers=2)
@@ -181,3 +193,21 @@ def test_resume_checks_method_adapter_and_base(base, tmp_path):
         shutil.copy(f, other / f.name)
     with pytest.raises(ConfigError, match="has other weights"):
         lora.check_resume(meta, cfg, str(other), tmp_path)
+
+    # A checkpoint from before the weights were fingerprinted, its meta.json as written then (rank, alpha, targets and
+    # a sha256 of each file's name, size and header): it resumes on its base with a note, not on another shape.
+    import hashlib
+
+    headers = hashlib.sha256()
+    for path in sorted(base.glob("*.safetensors")):
+        data = path.read_bytes()
+        headers.update(f"{path.name}:{len(data)}:".encode() + data[8:8 + int.from_bytes(data[:8], "little")])
+    old = {"finetune": "lora", "lora": {"rank": 8, "alpha": 16.0, "targets": PROJECTIONS, "base": str(base),
+                                        "base_fingerprint": headers.hexdigest()}}
+    capsys.readouterr()
+    lora.check_resume(old, cfg, str(base), tmp_path)
+    assert capsys.readouterr().out == (f"kiln: note: {tmp_path} records its LoRA base by the safetensors headers only "
+                                       "(a checkpoint from before the weights were fingerprinted): a same-shaped base "
+                                       "with other weights is not detected\n")
+    with pytest.raises(ConfigError, match="has other weights"):
+        lora.check_resume(old, cfg, str(other), tmp_path)

@@ -228,6 +228,20 @@ def test_chat_needs_a_template_and_usable_rows(tmp_path, tok_dir, chat_file, cap
     assert len(err) == 1 and "no conversation could be used" in err[0] and not out.exists()
 
 
+def test_a_file_without_one_usable_row_says_why(tmp_path, tok_dir, capsys):
+    """No row parses: the one line counts the rows' reasons (the three most frequent), not just "no usable row"."""
+    path = tmp_path / "broken.jsonl"
+    rows = ["{not json", "{not json either", json.dumps({"messages": [{"role": "user", "content": "Hi?"}]}),
+            json.dumps({"conversation": []}), json.dumps({"messages": [{"role": "user"}]})]
+    path.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    assert prepare_chat.main(["--tokenizer", str(tok_dir), "--input", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and not out.exists()
+    assert err[0].startswith(f"error: none of the 1 input files could be used ({path}: empty (no usable row: 2 bad "
+                             "JSON, 1 no assistant turn, 1 no messages list, ...))"), err[0]
+
+
 def test_a_missing_user_dataset_names_its_build_command(tmp_path):
     from common.launch import compose
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -122,7 +123,7 @@ def test_auto_takes_vllm_only_with_cuda_and_vllm(cuda, vllm, engine, why):
     assert choose_engine("transformers", cuda=True, vllm=True) == ("transformers", "requested")
 
 
-@pytest.mark.parametrize("build", ["cpu", "gpu"])
+@pytest.mark.parametrize("build", ["cpu", "gpu"], ids=["cpu_build", "gpu_build"])  # not "gpu": the GPU marker
 def test_auto_takes_the_vllm_environment_even_without_cuda(build, export, tmp_path, monkeypatch):
     venv = fake_serve_env(tmp_path / "venv", build)
     monkeypatch.setenv("KILN_SERVE_VENV", str(venv))
@@ -354,3 +355,96 @@ def test_lora_refusals_are_one_line(export, tmp_path, monkeypatch):
         plan(compose([f"serve.model={export}", f"serve.lora={{x:{ok}}}"]))
     with pytest.raises(ConfigError, match="adapter name 'llm_tiny' must be a model name"):
         compose([f"serve.model={export}", "serve.served_model_name=llm_tiny", f"serve.lora={{llm_tiny:{ok}}}"])
+
+
+def set_model_config(export, **config):
+    (export / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                    **config}))
+
+
+def test_max_model_len_beyond_the_model_is_one_line_before_vllm_starts(export, tmp_path):
+    """The README's serve.max_model_len=4096 on llm_tiny (256 positions): vLLM's own check is a pydantic traceback
+    once the engine starts; the dry run already says what to set."""
+    set_model_config(export, max_position_embeddings=256, hidden_size=128, num_attention_heads=4)
+    proc = _serve(f"serve.model={export}", "serve.engine=vllm", "serve.max_model_len=4096", "serve.dry_run=true",
+                  tmp=tmp_path)
+    assert proc.returncode == 2 and not proc.stdout and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("kiln: error: serve.max_model_len=4096 is longer than the model takes (256 tokens, "
+                                  "config.json's max_position_embeddings): set serve.max_model_len=256 or less")
+    assert _serve(f"serve.model={export}", "serve.engine=vllm", "serve.max_model_len=256", "serve.dry_run=true",
+                  tmp=tmp_path).returncode == 0
+    # As vLLM derives the limit: a linear RoPE scaling factor stretches it; llama3's is already in the positions.
+    for rope, longest in (({"rope_type": "linear", "factor": 4.0}, 1024),
+                          ({"rope_type": "llama3", "factor": 8.0}, 256)):
+        set_model_config(export, max_position_embeddings=256, rope_scaling=rope)
+        plan(ServeSection(model=str(export), engine="vllm", max_model_len=longest, dry_run=True))
+        with pytest.raises(UserError, match=f"set serve.max_model_len={longest} or less"):
+            plan(ServeSection(model=str(export), engine="vllm", max_model_len=longest + 1, dry_run=True))
+
+
+@pytest.mark.parametrize("build", ["cpu", "gpu"], ids=["cpu_build", "gpu_build"])  # not "gpu": the GPU marker
+def test_vllm_cpu_head_sizes_are_checked_before_it_starts(build, export, tmp_path, monkeypatch):
+    """vLLM's CPU build has attention kernels for some head sizes only (16 is not one): it reports healthy, then
+    dies on the first request. Checked before it starts: serve.engine=vllm stops with one line, auto takes
+    transformers serve and says why; the GPU build and supported sizes are left alone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    venv = fake_serve_env(tmp_path / "venv", build)
+    monkeypatch.setenv("KILN_SERVE_VENV", str(venv))
+    set_model_config(export, hidden_size=64, num_attention_heads=4, max_position_embeddings=256)  # 16 dimensions
+    auto = plan(ServeSection(model=str(export), dry_run=True))
+    if build == "cpu":
+        with pytest.raises(UserError, match=r"serve.engine=vllm on CPU cannot serve .*: its attention heads have 16 "
+                                            r"dimensions .* use serve.engine=transformers"):
+            plan(ServeSection(model=str(export), engine="vllm", dry_run=True))
+        assert auto.engine == "transformers" and "its attention heads have 16 dimensions" in auto.why
+        proc = _serve(f"serve.model={export}", "serve.engine=vllm", "serve.dry_run=true", tmp=tmp_path,
+                      KILN_SERVE_VENV=str(venv))
+        assert proc.returncode == 2 and not proc.stdout and proc.stderr.count("\n") == 1
+        assert proc.stderr.startswith("kiln: error: serve.engine=vllm on CPU cannot serve")
+    else:
+        assert auto.engine == "vllm" and plan(ServeSection(model=str(export), engine="vllm", dry_run=True))
+    for config in (dict(hidden_size=64, num_attention_heads=2),
+                   dict(hidden_size=64, num_attention_heads=8, head_dim=80),
+                   # LLaVA: its language model's heads (the vision tower runs on SDPA)
+                   dict(text_config=dict(hidden_size=128, num_attention_heads=4), vision_config={})):
+        set_model_config(export, **config)
+        assert plan(ServeSection(model=str(export), engine="vllm", dry_run=True)).engine == "vllm"
+
+
+def test_served_name_is_the_recipe_for_folders_under_the_export(export, dit_export, tmp_path):
+    """A LoRA run's export/merged (and scripts/export.py's export/step_N) are the run's recipe; a DiT export's
+    kiln.json names it wherever the folder is."""
+    for folder in (export / "merged", export / "step_2"):
+        folder.mkdir()
+        assert default_served_name(folder) == "llm_tiny"
+    merged = dit_export / "merged"
+    merged.mkdir()
+    (merged / "kiln.json").write_text(json.dumps({"recipe": "dit_tiny", "step": 4}))
+    assert default_served_name(merged) == "dit_tiny"
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(merged, moved)
+    assert default_served_name(moved) == "dit_tiny"
+
+
+def test_an_adapter_folder_is_named_and_what_to_serve_instead(export, tmp_path):
+    adapter = write_adapter_config(tmp_path / "run" / "export", export)
+    with pytest.raises(UserError, match=re.escape(f"serve.model={adapter} is a LoRA adapter (adapter_config.json), "
+                                                  f"not a model: serve its base with it (scripts/serve.py "
+                                                  f"serve.model={export} 'serve.lora={{adapter:{adapter}}}'")):
+        check_export(str(adapter))
+    (adapter / "merged").mkdir()
+    with pytest.raises(UserError, match=re.escape(f"or use its merged model, serve.model={adapter / 'merged'}")):
+        check_export(str(adapter))
+    # A DiT's adapter (its base a diffusers transformer folder): the merged export, for the server and sample_dit.
+    base = tmp_path / "dit_base" / "transformer"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text(json.dumps({"_class_name": "DiTTransformer2DModel"}))
+    dit = write_adapter_config(tmp_path / "dit_run" / "export", base)
+    proc = _serve(f"serve.model={dit}", "serve.dry_run=true", tmp=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"kiln: error: serve.model={dit} is a LoRA adapter (adapter_config.json), not a "
+                                  "whole DiT export: use its merged model (export.merge_lora=true")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "sample_dit.py"), str(dit)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"sample_dit: error: {dit} is a LoRA adapter (adapter_config.json), not a whole DiT")
