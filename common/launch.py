@@ -8,6 +8,7 @@ line on stderr and exit code 2, before anything is written.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,12 @@ def user_error_exit(message: str) -> "SystemExit":
 
 
 def _recipes() -> list[str]:
-    return sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
+    return _options("recipe")
+
+
+def _options(group: str) -> list[str]:
+    """The choices of a config group: its configs/<group>/*.yaml."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
 def explain_compose_error(exc: Exception) -> str:
@@ -46,6 +52,10 @@ def explain_compose_error(exc: Exception) -> str:
         first = str(exc).splitlines()[0]
         if "recipe/" in first:
             return f"no such recipe ({first.split(': ', 1)[-1]}); available: {', '.join(_recipes())}"
+        # Any other group (finetune=, model=, data=, ...): its options, as for a recipe.
+        group = re.search(r"Could not find '(\w+)/(.+)'", first)
+        if group and (CONFIG_DIR / group[1]).is_dir():
+            return f"no such {group[1]} ({group[1]}={group[2]}); choose one of: {', '.join(_options(group[1]))}"
         return first
     cause = exc.__cause__ or exc
     key = getattr(cause, "full_key", None)
@@ -57,11 +67,43 @@ def explain_compose_error(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
-def _expand_home(override: str) -> str:
-    """`key=~/models/x` -> `key=/home/me/models/x`: the shell does not expand a `~` after `key=`, and
-    Hydra's override grammar has no `~` in unquoted values."""
-    key, sep, value = override.partition("=")
-    return f"{key}={os.path.expanduser(value)}" if sep and (value == "~" or value.startswith("~/")) else override
+# A `~` that starts a path in a value: at its start, or starting a list item, a dict value or a quoted string
+# (`key=~/x`, `key=[~/a,~/b]`, `key={a:~/x}`, `key="~/x"`), followed by `/` or the value's end.
+_HOME = re.compile(r"(?<![^\[{,:'\"\s])~(?=/|$|[\]},'\"\s])")
+
+
+def parse_overrides(overrides: list[str]) -> list[str]:
+    """The command line's overrides with `~` expanded in their values, each checked against Hydra's grammar:
+    the one reader of train.py's and serve.py's key=value arguments (raises ConfigError naming an argument).
+
+    The shell leaves a `~` after `key=` alone (it is not a word's start, and `model.init_from` is no variable
+    name), and Hydra's grammar has no unquoted `~`: `model.init_from=~/models/x` would be a parse error."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser, expanded = OverridesParser.create(), []
+    for given in overrides:
+        key, sep, value = given.partition("=")  # a key never holds `~` but as Hydra's delete (`~key`)
+        override = f"{key}={_HOME.sub(lambda _: os.path.expanduser('~'), value)}" if sep else given
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException as exc:
+            raise ConfigError(f"cannot read the argument {given!r}: {_parse_error(override, exc)} (quote a value "
+                              "with special characters: 'key=\"...\"')") from None
+        expanded.append(override)
+    return expanded
+
+
+def _parse_error(override: str, exc: Exception) -> str:
+    """Hydra's parse error in a few words: the character its lexer stopped at, else the parser's first line."""
+    lines = str(exc).splitlines()
+    lexer = "LexerNoViableAltException: "
+    if lines[0].startswith(lexer) and len(lines) > 1 and "^" in lines[1]:
+        column = lines[1].index("^") - len(lexer)
+        if 0 <= column < len(override):
+            return f"unexpected {override[column]!r} at character {column + 1}"
+    reasons = [line for line in lines if line.strip() and not line.startswith(("See https:", "Error parsing override"))]
+    return reasons[0] if reasons else "not a key=value override"
 
 
 def compose(overrides: list[str]) -> TrainConfig:
@@ -77,17 +119,19 @@ def compose(overrides: list[str]) -> TrainConfig:
     register()
     for spec in SPECS.values():
         spec.config.register()
+    overrides = parse_overrides(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            raw = hydra_compose(config_name="train", overrides=[_expand_home(o) for o in overrides])
+            raw = hydra_compose(config_name="train", overrides=overrides)
         cfg: TrainConfig = OmegaConf.to_object(raw)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(explain_compose_error(exc)) from None
     spec = recipe_spec(cfg.recipe.family)
     validate(cfg)
-    lora.complete(cfg, spec.config)  # finetune=lora: the family's default targets, checked
-    spec.config.complete(cfg, command_line_keys(overrides))  # keys filled from files (the LLM: model.init_from)
+    given = command_line_keys(overrides)
+    lora.complete(cfg, spec.config, given)  # finetune=lora: the family's default targets, checked
+    spec.config.complete(cfg, given)  # keys filled from files (the LLM: model.init_from)
     spec.config.validate(cfg)
     return cfg
 

@@ -34,16 +34,24 @@ _ADAPTER_PARTS = (".lora_A.", ".lora_B.")
 
 
 # ---- composition --------------------------------------------------------------------------------
-def complete(cfg: TrainConfig, family: ModuleType) -> None:
+def complete(cfg: TrainConfig, family: ModuleType, given: set[str] = frozenset()) -> None:
     """finetune=lora: the family must offer it (its config.py's LORA_TARGETS: the linears its adapters may
     target, all of them by default); lora.targets=[] becomes that default, so config.yaml says what ran.
-    One line for a target the family's model has no linear of."""
+    One line for a target the family's model has no linear of, and for lora.* keys (`given`: the command
+    line's) without finetune=lora, which a full fine-tune would otherwise ignore."""
     if cfg.lora.quantize_base not in QUANTIZE_BASE:
         raise ConfigError(f"lora.quantize_base={cfg.lora.quantize_base!r}: choose one of {', '.join(QUANTIZE_BASE)}")
     if cfg.finetune != "lora":
         if cfg.lora.quantize_base != "none":
             raise ConfigError(f"lora.quantize_base={cfg.lora.quantize_base} quantizes a LoRA run's frozen base: it needs "
                               "finetune=lora")
+        # What the user typed, not what differs from the schema's default: `lora.rank=8` (the default) is as sure
+        # a sign that LoRA was meant, and a recipe file may carry LoRA settings for when finetune=lora is chosen.
+        lora_keys = sorted(k for k in given if k == "lora" or k.startswith("lora."))
+        if lora_keys:
+            raise ConfigError(f"{', '.join(lora_keys)}: LoRA settings, but this run is finetune={cfg.finetune}, which "
+                              "would ignore them; add finetune=lora to train adapters, or drop them to train every "
+                              "weight")
         return
     if cfg.lora.quantize_base != "none" and not getattr(family, "QLORA", False):
         raise ConfigError(f"lora.quantize_base={cfg.lora.quantize_base} is not offered by the {cfg.recipe.family} recipe "

@@ -75,4 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from common.known_warnings import silence_known_warnings
+
+    silence_known_warnings()  # before the recipes import transformers/peft/diffusers (and torchao with them)
     sys.exit(main())

@@ -148,12 +148,12 @@ def compose(overrides: list[str]) -> ServeSection:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from common.launch import CONFIG_DIR, explain_compose_error
+    from common.launch import CONFIG_DIR, explain_compose_error, parse_overrides
 
     register()
     GlobalHydra.instance().clear()
     # serve.lora={name:folder} replaces the (struct) dict whole: Hydra's `++` (set, new keys included).
-    overrides = [f"++{o}" if o.startswith("serve.lora=") else o for o in overrides]
+    overrides = [f"++{o}" if o.startswith("serve.lora=") else o for o in parse_overrides(overrides)]
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg: ServeConfig = OmegaConf.to_object(hydra_compose(config_name="serve", overrides=overrides))

@@ -2,8 +2,10 @@
 
 Each command is run as written, with only what makes it tiny appended (few steps, small eval) and
 its `outputs/...` and `data/my_*` paths moved into a temp dir; `outputs/<recipe>/<run>` stands for
-that recipe's latest run here, and what a user brings (`~/models/<Name>`, `~/data/<name>`) is a tiny
-offline fixture from tests/fixtures/. A command that cannot run on a CPU machine is listed in NOT_RUN with the test
+that recipe's latest run here. What a user brings (`~/models/<Name>`, `~/data/<name>`) is a tiny offline
+fixture from tests/fixtures/ at that place in a temp HOME, and the `~` paths run as printed: a word that
+starts with `~` is expanded as the shell does, a `key=~/...` reaches the CLI as it is (the shell leaves it).
+A command that cannot run on a CPU machine is listed in NOT_RUN with the test
 that covers the same path; a README command that is neither run nor listed fails the test, so a
 new README command cannot go untested unnoticed.
 """
@@ -50,7 +52,7 @@ SCRIPT_ARGS = {
 }
 BENCH_TESTED = {"overhead", "ac"}  # scripts/bench.py's sections that tests/integration/test_bench.py runs
 
-# What a user brings, as the README names it -> a builder of the tiny stand-in (called with a folder).
+# What a user brings, as the README names it -> a builder of the tiny stand-in (called with that path in HOME).
 FIXTURES = {
     "~/models/Llama-3.2-1B": llm.write_llama_folder,
     "~/models/Qwen3-30B-A3B": lambda d: llm.write_moe_folder(d, "qwen3_moe"),
@@ -61,7 +63,7 @@ FIXTURES = {
     "~/models/sd-vae-ft-mse": dit.make_vae,
     "~/data/my_images": dit.make_image_folder,
     "~/data/corpus": llm.write_corpus,
-    "~/data/chat.jsonl": lambda d: llm.write_chat(Path(d) / "chat.jsonl"),
+    "~/data/chat.jsonl": llm.write_chat,
 }
 
 # Commands that cannot run here, each with the place that runs the same code path.
@@ -110,21 +112,26 @@ class Session:
     """Runs README commands in order, remembering each recipe's latest run for `<run>`."""
 
     def __init__(self, tmp: Path):
-        self.tmp, self.latest, self.count, self.fixtures = tmp, {}, 0, {}
+        self.tmp, self.latest, self.count, self.built = tmp, {}, 0, set()
+        self.home = tmp / "home"  # the commands' HOME: the user's ~/models and ~/data
 
-    def fixture(self, placeholder: str) -> str:
-        if placeholder not in self.fixtures:
-            folder = self.tmp / "fixtures" / placeholder.rsplit("/", 1)[-1]
-            folder.mkdir(parents=True, exist_ok=True)
-            self.fixtures[placeholder] = str(FIXTURES[placeholder](folder))
-        return self.fixtures[placeholder]
+    def fixture(self, placeholder: str) -> None:
+        """Build the stand-in for `~/models/<Name>` (...) where the README says it is, in self.home."""
+        if placeholder not in self.built:
+            target = self.home / placeholder.removeprefix("~/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            FIXTURES[placeholder](target)
+            self.built.add(placeholder)
 
     def path(self, token: str) -> str:
-        """A user's folders -> fixtures; outputs/... and data/my_... -> the temp dir;
+        """A user's folders: built in HOME, and a word's leading `~` is HOME, as the shell makes it (a `~` after
+        `key=` is left to the CLI, as the shell leaves it); outputs/... and data/my_... -> the temp dir;
         outputs/<recipe>/<run>... -> that recipe's latest run."""
         for placeholder in FIXTURES:
             if placeholder in token:
-                token = token.replace(placeholder, self.fixture(placeholder))
+                self.fixture(placeholder)
+        if token == "~" or token.startswith("~/"):
+            token = f"{self.home}{token[1:]}"
         if token.startswith("data/my_") or "=data/my_" in token:
             token = token.replace("data/my_", f"{self.tmp}/data/my_")
         def run_dir(match: re.Match) -> str:  # outputs/<recipe>/<run> -> that recipe's latest run
@@ -208,7 +215,7 @@ def test_readme_command_runs(argv, session):
     if reason:
         pytest.skip(f"not run here: {reason}")
     cmd = session.command(argv)
-    env = launch_env(2 if "torch.distributed.run" in cmd else 1, PYTHONPATH=str(REPO))
+    env = launch_env(2 if "torch.distributed.run" in cmd else 1, PYTHONPATH=str(REPO), HOME=str(session.home))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (f"README command failed ({proc.returncode}): {' '.join(argv)}\nran: {shlex.join(cmd)}\n"
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -220,7 +227,7 @@ def test_every_readme_command_is_run_or_accounted_for():
     assert len(COMMANDS) > 20
     session = Session(Path("/nonexistent"))
     session.latest = {r: Path("/x") for r in ("dit_tiny", "vlm_tiny", "llm_tiny")}
-    session.fixtures = {placeholder: "/fixture" for placeholder in FIXTURES}
+    session.built = set(FIXTURES)
     for argv in COMMANDS:
         if not_run_reason(argv) is None:
             session.command(argv)  # raises for a command this test cannot run

@@ -155,3 +155,40 @@ def test_cli_mistakes_print_one_line_and_write_nothing(tmp_path: Path, override,
     assert lines[0].startswith("kiln: error:") and needle in lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not run_dir.exists()
+
+
+def test_a_tilde_in_a_path_value_is_the_home_folder(tmp_path, monkeypatch, capsys):
+    """The README's spelling, `key=~/...`: the shell leaves a `~` after `key=` alone and Hydra's grammar has no
+    unquoted `~`; train.py and serve.py read it as $HOME, in lists, dicts and quotes too."""
+    from common.launch import main
+    from common.tools.serving import compose as compose_serve
+    from tests.fixtures.llm import write_llama_folder
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_llama_folder(tmp_path / "models" / "llama")
+    assert main(["recipe=llm_tiny", "model.init_from=~/models/llama", "--cfg"]) == 0
+    assert f"init_from: {tmp_path}/models/llama\n" in capsys.readouterr().out
+    cfg = compose(["recipe=dit_xl2", "diffusion.vae=~/models/sd-vae-ft-mse", "run.dir=~", "run.dry_run=true",
+                   "data.build=[data.prepare_digits,--images,~/d]"])
+    assert (cfg.diffusion.vae, cfg.run.dir) == (f"{tmp_path}/models/sd-vae-ft-mse", str(tmp_path))
+    assert cfg.data.build == ["data.prepare_digits", "--images", f"{tmp_path}/d"]
+    serve = compose_serve(["serve.model=~/models/llama", "serve.lora={a:~/lora/a, b:'~/lora/b'}"])
+    assert serve.model == f"{tmp_path}/models/llama"
+    assert serve.lora == {"a": f"{tmp_path}/lora/a", "b": f"{tmp_path}/lora/b"}
+    assert compose_serve(['serve.model="a~b"']).model == "a~b"  # a `~` inside a word is not a home folder
+
+
+@pytest.mark.parametrize("argv,argument", [
+    (["recipe=dit_tiny", "model.num_layers=[2"], "model.num_layers=[2"),
+    (["recipe=dit_tiny", "run.dir=a(b)"], "run.dir=a(b)"),
+    (["serve.model=a=b"], "serve.model=a=b"),
+])
+def test_an_unreadable_argument_is_one_line_naming_it(argv, argument, capsys):
+    from common.launch import main as train
+    from scripts.serve import main as serve
+
+    with pytest.raises(SystemExit) as exit_:
+        (serve if argv[0].startswith("serve.") else train)(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kiln: error: cannot read the argument '{argument}': "), err

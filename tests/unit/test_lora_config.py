@@ -42,7 +42,12 @@ BAD = {
     "unknown target": (["lora.targets=[wq,q_proj]", "BASE"], "lora.targets: 'q_proj' matches no module"),
     "repeated target": (["lora.targets=[wq,wq]", "BASE"], "names a module twice"),
     "tensor parallel": (["parallel.tp=2", "BASE"], "finetune=lora with parallel.tp=2"),
-    "unknown method": (["finetune=qlora", "BASE"], "finetune"),
+    "unknown method": (["finetune=qlora", "BASE"], "no such finetune (finetune=qlora); choose one of: full, lora"),
+    # A full fine-tune would ignore them: lora.rank=8 (the default's value) is as sure a sign that LoRA was meant.
+    "lora keys without lora": (["finetune=full", "lora.rank=8", "lora.targets=[wq]"], "lora.rank, lora.targets: LoRA "
+                               "settings, but this run is finetune=full, which would ignore them; add finetune=lora"),
+    "lora section without lora": (["finetune=full", "lora={rank:4}"], "lora: LoRA settings, but this run is "
+                                  "finetune=full"),
     "unknown quantization": (["lora.quantize_base=int8", "BASE"], "lora.quantize_base='int8': choose one of none, nf4"),
     "nf4 without lora": (["finetune=full", "lora.quantize_base=nf4", "BASE"], "lora.quantize_base=nf4 quantizes a LoRA "
                          "run's frozen base: it needs finetune=lora"),
@@ -60,6 +65,13 @@ def test_bad_lora_input_stops_with_one_line(base, case, tmp_path, capsys):
     finetune = [] if any(e.startswith("finetune=") for e in extra) else ["finetune=lora"]
     line = _kiln_error(["recipe=llm_tiny", *finetune, *extra, f"run.dir={tmp_path / 'run'}"], capsys)
     assert needle in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_lora_keys_without_finetune_lora_stop_with_one_line(tmp_path, capsys):
+    """The issue's command: `recipe=llm_tiny lora.rank=4` trained every weight and exited 0."""
+    line = _kiln_error(["recipe=llm_tiny", "lora.rank=4", f"run.dir={tmp_path / 'run'}"], capsys)
+    assert "lora.rank: LoRA settings, but this run is finetune=full" in line, line
     assert not (tmp_path / "run").exists()
 
 
