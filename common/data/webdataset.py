@@ -20,12 +20,38 @@ batch the caller received. ``load_state_dict`` hands those to fresh workers, whi
 the same shuffled raw stream, drop the first ``drawn`` samples without decoding them
 (cheap) and continue -- the round-robin resumes at the saved turn, so the batch sequence
 continues exactly where it stopped.
+
+One global stream, decoded in shares (:func:`global_train_loader`, :class:`GlobalBatches`). The
+DeepSpeed recipes train on one sample stream whatever the layout: the loader above with rank 0 of 1,
+whose batch is one optimizer step's global batch of ``micro x accum x dp`` samples. Every rank reads
+that stream alike -- tar headers and payload bytes, the shuffle -- but decodes only its own share: of
+each global batch's usable samples (in stream order, ``j`` = 0 .. G-1) rank ``r`` owns those with
+``j % dp == r``, and micro-batch ``i`` of the step is ``j`` in ``[i*micro*dp, (i+1)*micro*dp)``. The
+grouping into global batches is by raw stream position, made before anything is decoded, so it is the
+same on every rank and for every layout with that global batch. Decoding, augmentation and the recipe's
+collate (the VLM packs its rows there) run in the DataLoader workers, prefetched; another rank's
+sample costs reading its tar record (a shard is streamed in order), never a decode. Each micro-batch
+carries ``sample_ids``, its samples' ordinals in the global stream (common/seed.py: ``sample_rngs``).
+
+Corrupt data in the global stream. Only what every rank sees alike may change which samples a step
+holds. An unreadable tar (truncated, not a tar, a bad gzip) is found while reading, which every rank
+does for every shard: the rest of that shard is skipped at the same stream position on every rank,
+as in the per-rank loader. A sample that fails to decode is known only to the rank that owns it: it
+is dropped from that rank's micro-batch alone -- a counted skip (``corrupt_shards``, logged once per
+shard) that shifts nothing, so every rank's step boundaries stay where the stream put them and the
+step holds one sample fewer (the loss is normalised by the global count, common/trainer.py). The
+shard's other samples are still used: the ranks that own them cannot know of the failure, and
+skipping only this rank's would lose more data for nothing. A micro-batch whose samples all failed
+is kept if the recipe's collate takes an empty list (the VLM's: a blank, unlabelled image) and is a
+DataError otherwise (the DiT's). ``max_corrupt_shards`` bounds the distinct corrupt shards each rank
+has met; a checkpoint records those of every rank (a union, gathered when it is saved).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -35,6 +61,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from webdataset.tariterators import group_by_keys, tar_file_expander
@@ -82,6 +109,27 @@ def iter_samples(urls: Iterable[str]) -> Iterator[dict]:
         yield from _read_shard(str(url))
 
 
+@dataclasses.dataclass(frozen=True)
+class RankShare:
+    """Which samples of each global batch (``micro x accum x dp`` usable samples, in stream order) a
+    data-parallel rank decodes: position ``j`` is rank ``j % dp``'s, in micro-batch ``j // (micro x dp)``."""
+
+    rank: int
+    dp: int
+    micro: int
+    accum: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.dp
+
+    def owns(self, position: int) -> bool:
+        return position % self.dp == self.rank
+
+    def micro_batch(self, position: int) -> int:
+        return position // (self.micro * self.dp)
+
+
 class _EpochStream(IterableDataset):
     """The epochs of one rank, one pass per epoch. Runs inside each DataLoader worker (or in-process
     if num_workers=0).
@@ -92,16 +140,20 @@ class _EpochStream(IterableDataset):
     prefetches), the worker starts the next epoch and keeps its first item for the next pass, so
     refilling the shuffle buffer overlaps the end of this epoch.
 
-    Each pass yields ``{"worker", "epoch", "drawn", "batches", "bad", "batch"}`` per full batch,
-    then one ``{"worker", "epoch", "end": True, "bad"}`` marker so the main process knows the
-    worker is done and learns about corrupt shards found after its last batch.
+    Each pass yields ``{"worker", "epoch", "drawn", "batches", "bad", "failed", "batch"}`` per full
+    batch, then one ``{"worker", "epoch", "end": True, "bad", "failed"}`` marker so the main process
+    knows the worker is done and learns about corrupt shards found after its last batch. ``bad``: the
+    shards whose rest is skipped (part of the position); ``failed``: with a ``share``, this rank's decode
+    failures (they skip nothing, see the module docstring). With a ``share`` a batch is this rank's
+    part of a global batch: ``accum`` micro-batches ``{"positions", "batch"}``, collated here.
     """
 
     def __init__(self, *, urls: list[str], decode: Callable[[dict], Any], collate: Callable, batch_size: int,
                  rank: int, world_size: int, num_workers: int, seed: int, shuffle_buffer: int, shuffle_shards: bool,
-                 epoch: int, resume: list[dict] | None, known_bad: frozenset[str] = frozenset()):
+                 share: RankShare | None, epoch: int, resume: list[dict] | None,
+                 known_bad: frozenset[str] = frozenset()):
         super().__init__()
-        self.urls, self.decode, self.collate = urls, decode, collate
+        self.urls, self.decode, self.collate, self.share = urls, decode, collate, share
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.num_slots = max(1, num_workers)
         self.seed, self.shuffle_buffer, self.shuffle_shards = seed, shuffle_buffer, shuffle_shards
@@ -155,32 +207,79 @@ class _EpochStream(IterableDataset):
                 level = logging.DEBUG if url in self.known_bad else logging.WARNING
                 log.log(level, "skipping rest of corrupt shard %s (rank %d, worker %d): %s", url, self.rank, worker, reason)
 
+        failed: dict[str, str] = {}  # with a share: url -> first reason, this rank's decode failures
+
+        def decode(sample: dict) -> Any | None:
+            """The decoded sample, or None for a failure: counted, logged once per shard, and (without a
+            share) the rest of its shard skipped."""
+            try:
+                return self.decode(sample)
+            except Exception as exc:
+                url, reason = sample.get("__url__"), f"sample {sample.get('__key__')!r} failed to decode: {_brief(exc)}"
+                if self.share is None:
+                    mark_bad(url, reason)
+                elif url not in failed:
+                    failed[url] = reason
+                    level = logging.DEBUG if url in self.known_bad else logging.WARNING
+                    log.log(level, "skipping samples of shard %s that fail to decode (rank %d of %d): %s", url,
+                            self.share.rank, self.share.dp, reason)
+                return None
+
         stream: Iterator[dict] = raw_samples()
         if self.shuffle_buffer > 0:
             stream = wds.shuffle(bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(stream)
 
-        drawn, batches, batch = 0, start["batches"], []
+        drawn, batches, batch, usable = 0, start["batches"], [], 0
         for sample in stream:
             drawn += 1
             if drawn <= start["drawn"]:
                 continue  # fast-forward: already consumed by the caller before the resume; not decoded
-            url = sample.get("__url__")
-            if url in bad:
+            if sample.get("__url__") in bad:
                 continue  # "skip the rest of a corrupt shard", also for samples still in the shuffle buffer
-            try:
-                batch.append(self.decode(sample))
-            except Exception as exc:
-                mark_bad(url, f"sample {sample.get('__key__')!r} failed to decode: {_brief(exc)}")
-                continue
-            if len(batch) == self.batch_size:
-                batches += 1
-                yield {"worker": worker, "epoch": epoch, "drawn": drawn, "batches": batches, "bad": dict(bad),
-                       "batch": self.collate(batch)}
-                batch = []
+            if self.share is not None:
+                # Grouped by stream position, undecoded: another rank's sample is counted and dropped.
+                if self.share.owns(usable):
+                    batch.append((usable, sample))
+                usable += 1
+                if usable < self.batch_size:
+                    continue
+                out, batch, usable = self._rank_share(batch, decode), [], 0
+            else:
+                decoded = decode(sample)
+                if decoded is None:
+                    continue
+                batch.append(decoded)
+                if len(batch) < self.batch_size:
+                    continue
+                out, batch = self.collate(batch), []
+            batches += 1
+            yield {"worker": worker, "epoch": epoch, "drawn": drawn, "batches": batches, "bad": dict(bad),
+                   "failed": dict(failed), "batch": out}
         # A worker always reads the same shards, so what it found corrupt is known in its later epochs.
-        self.known_bad = self.known_bad | frozenset(bad)
+        self.known_bad = self.known_bad | frozenset(bad) | frozenset(failed)
         # The final partial batch is dropped: every batch has exactly batch_size samples.
-        yield {"worker": worker, "epoch": epoch, "end": True, "bad": dict(bad)}
+        yield {"worker": worker, "epoch": epoch, "end": True, "bad": dict(bad), "failed": dict(failed)}
+
+    def _rank_share(self, owned: list[tuple[int, dict]], decode: Callable[[dict], Any | None]) -> list[dict]:
+        """This rank's micro-batches of one global batch from its ``(position, raw sample)`` pairs: decoded
+        and collated, each with the stream positions of the samples it holds (a failed one is left out)."""
+        parts = [{"positions": [], "samples": []} for _ in range(self.share.accum)]
+        for position, sample in owned:
+            decoded = decode(sample)
+            if decoded is not None:
+                part = parts[self.share.micro_batch(position)]
+                part["positions"].append(position)
+                part["samples"].append(decoded)
+        out = []
+        for part in parts:
+            try:
+                batch = self.collate(part["samples"])
+            except Exception:
+                if part["samples"]:
+                    raise
+                batch = None  # every sample failed and this collate takes no empty list: GlobalBatches says so
+            out.append({"positions": part["positions"], "batch": batch})
+        return out
 
 
 class ResumableLoader:
@@ -194,10 +293,12 @@ class ResumableLoader:
 
     def __init__(self, *, urls: list[str], decode: Callable[[dict], Any], batch_size: int, rank: int, world_size: int,
                  num_workers: int, seed: int, shuffle_buffer: int, shuffle_shards: bool, collate: Callable | None,
-                 max_corrupt_shards: int, pin_memory: bool):
+                 max_corrupt_shards: int, pin_memory: bool, share: RankShare | None = None):
         self._cfg = dict(urls=list(urls), decode=decode, collate=collate or default_collate, batch_size=batch_size,
                          rank=rank, world_size=world_size, num_workers=num_workers, seed=seed,
-                         shuffle_buffer=shuffle_buffer, shuffle_shards=shuffle_shards)
+                         shuffle_buffer=shuffle_buffer, shuffle_shards=shuffle_shards, share=share)
+        # Whose data this is, for messages: with a share the stream is rank 0 of 1 on every data-parallel rank.
+        self._rank = rank if share is None else share.rank
         self._num_workers = num_workers
         self._num_slots = max(1, num_workers)
         self._max_corrupt = max_corrupt_shards
@@ -284,7 +385,7 @@ class ResumableLoader:
         self._corrupt.update(new)
         if len(self._corrupt) > self._max_corrupt:
             listing = "; ".join(f"{u} ({r})" for u, r in self._corrupt.items())
-            raise DataError(f"{len(self._corrupt)} corrupt shard(s) skipped on rank {self._cfg['rank']}, "
+            raise DataError(f"{len(self._corrupt)} corrupt shard(s) skipped on rank {self._rank}, "
                                f"more than max_corrupt_shards={self._max_corrupt}: {listing}")
 
     def _next_batch(self) -> Any | None:
@@ -304,7 +405,7 @@ class ResumableLoader:
             item = self._queues[w].popleft()
             if item["epoch"] != self._epoch:  # a pass per iter() is DataLoader's contract; never guess
                 raise RuntimeError(f"data loader worker {w} sent epoch {item['epoch']} during epoch {self._epoch}")
-            self._absorb_bad(item["bad"])
+            self._absorb_bad(item["bad"] | item["failed"])
             self._next_worker = (w + 1) % self._num_slots
             if item.get("end"):
                 self._finished[w] = True
@@ -321,7 +422,7 @@ class ResumableLoader:
                 yield batch
                 continue
             if sum(p["batches"] for p in self._positions) == 0:
-                raise DataError(f"rank {self._cfg['rank']} produced no full batch of {self._cfg['batch_size']} in epoch "
+                raise DataError(f"rank {self._rank} produced no full batch of {self._cfg['batch_size']} in epoch "
                                  f"{self._epoch}: each worker's shards hold fewer samples than one batch")
             # Every worker sent its end marker: nothing of this epoch is in flight. The workers stay;
             # the next iter() of the DataLoader starts their pass over the next epoch.
@@ -351,6 +452,7 @@ def build_webdataset_loader(
     max_corrupt_shards: int = 0,
     shuffle_shards: bool = True,
     pin_memory: bool = False,
+    share: RankShare | None = None,
 ) -> ResumableLoader:
     """Resumable loader over WebDataset tar shards for one rank; see the module docstring.
 
@@ -359,7 +461,10 @@ def build_webdataset_loader(
     functools.partial) and deterministic -- resumed workers skip samples without decoding
     them, so any randomness in decode should come from the sample (e.g. its key), not a
     global RNG. Corrupt shards are skipped (logged, counted) until more than
-    ``max_corrupt_shards`` distinct ones were seen on this rank, then RuntimeError.
+    ``max_corrupt_shards`` distinct ones were seen on this rank, then DataError.
+
+    With ``share`` (rank 0 of 1, ``batch_size`` its global batch) the loader yields that data-parallel
+    rank's part of each global batch, decoded and collated in the workers: see the module docstring.
     """
     urls = [str(u) for u in urls]
     if not urls:
@@ -370,6 +475,9 @@ def build_webdataset_loader(
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
+    if share is not None and (world_size != 1 or batch_size != share.global_batch or not 0 <= share.rank < share.dp):
+        raise ValueError(f"a share of the global stream needs rank 0 of 1 and its global batch: got rank {rank} of "
+                         f"{world_size}, batch_size {batch_size}, {share}")
     missing = [u for u in urls if _is_local(u) and not os.path.isfile(u)]
     if missing:
         raise FileNotFoundError(f"{len(missing)} shard file(s) missing, first: {missing[0]}")
@@ -380,11 +488,12 @@ def build_webdataset_loader(
                          f"write more shards or lower data.num_workers")
     return ResumableLoader(urls=urls, decode=decode, batch_size=batch_size, rank=rank, world_size=world_size,
                            num_workers=num_workers, seed=seed, shuffle_buffer=shuffle_buffer, shuffle_shards=shuffle_shards,
-                           collate=collate, max_corrupt_shards=max_corrupt_shards, pin_memory=pin_memory)
+                           collate=collate, max_corrupt_shards=max_corrupt_shards, pin_memory=pin_memory, share=share)
 
 
 def train_loader(cfg, urls: list[str], *, decode: Callable[[dict], Any], rank: int, world_size: int,
-                 batch_size: int | None = None, collate: Callable | None = None) -> ResumableLoader:
+                 batch_size: int | None = None, collate: Callable | None = None,
+                 share: RankShare | None = None) -> ResumableLoader:
     """A recipe's training loader: `build_webdataset_loader` with what the config says of every recipe's
     (``data.num_workers``, ``data.shuffle_buffer``, ``data.max_corrupt_shards``, ``trainer.seed``;
     ``trainer.micro_batch_size`` unless the recipe batches otherwise)."""
@@ -393,7 +502,7 @@ def train_loader(cfg, urls: list[str], *, decode: Callable[[dict], Any], rank: i
         batch_size=cfg.trainer.micro_batch_size if batch_size is None else batch_size,
         rank=rank, world_size=world_size,
         num_workers=cfg.data.num_workers, seed=cfg.trainer.seed,
-        shuffle_buffer=cfg.data.shuffle_buffer, max_corrupt_shards=cfg.data.max_corrupt_shards,
+        shuffle_buffer=cfg.data.shuffle_buffer, max_corrupt_shards=cfg.data.max_corrupt_shards, share=share,
     )
 
 
@@ -407,22 +516,20 @@ def _ignore_stop_signals(worker_id: int) -> None:
 class GlobalBatches:
     """This data-parallel rank's micro-batches, cut from one global sample stream that every rank reads alike.
 
-    The inner loader (rank 0 of 1) yields one optimizer step's global batch, ``micro x accum x dp`` samples.
-    Micro-batch ``i`` of the step is the global batch's ``i``-th run of ``micro x dp`` samples, and rank ``r``
-    takes its samples ``r, r+dp, ...`` (recipes/llm/data.py cuts its documents the same way). So the samples of
-    a step, and their order in the stream, depend on the global batch only, not on how many ranks share it,
-    and the saved position (the inner loader's, the same on every rank) resumes any layout with that global
-    batch. Each collated micro-batch carries ``sample_ids``: its samples' ordinals in the global stream, from
-    which a recipe derives per-sample random draws (common/seed.py: `sample_rngs`).
+    The inner loader (rank 0 of 1, with this rank's :class:`RankShare`) walks one optimizer step's global batch,
+    ``micro x accum x dp`` samples, at a time. Micro-batch ``i`` of the step is the global batch's ``i``-th run of
+    ``micro x dp`` samples, and rank ``r`` takes its samples ``r, r+dp, ...`` (recipes/llm/data.py cuts its
+    documents the same way). So the samples of a step, and their order in the stream, depend on the global batch
+    only, not on how many ranks share it, and the saved position (the inner loader's, the same on every rank)
+    resumes any layout with that global batch. Each micro-batch carries ``sample_ids``: its samples' ordinals in
+    the global stream, from which a recipe derives per-sample random draws (common/seed.py: `sample_rngs`).
 
-    The price: every rank reads and decodes the whole global batch (as the LLM's loader does); a decode
-    failure is then seen by every rank alike, so the ranks never disagree on what a step holds.
+    Only this rank's samples are decoded and collated, in the inner loader's workers (the module docstring says
+    what a sample that fails to decode does to a step).
     """
 
-    def __init__(self, loader: ResumableLoader, *, rank: int, dp: int, micro: int, accum: int,
-                 collate: Callable[[list], Any]):
+    def __init__(self, loader: ResumableLoader, *, rank: int, dp: int, micro: int, accum: int):
         self.loader, self.rank, self.dp, self.micro, self.accum = loader, rank, dp, micro, accum
-        self.collate = collate
         self.served = 0  # global batches handed out: the next one's first sample is served * global_batch
 
     @property
@@ -430,17 +537,26 @@ class GlobalBatches:
         return self.micro * self.accum * self.dp
 
     def __iter__(self) -> Iterator[Any]:
-        for samples in self.loader:
+        for parts in self.loader:
             first = self.served * self.global_batch
             self.served += 1
-            run = self.micro * self.dp
-            for i in range(self.accum):
-                picked = range(i * run + self.rank, (i + 1) * run, self.dp)
-                batch = self.collate([samples[j] for j in picked])
-                yield {**batch, "sample_ids": [first + j for j in picked]}  # host ints: drawing reads no tensor
+            for i, part in enumerate(parts):
+                if part["batch"] is None:
+                    raise DataError(f"every sample of rank {self.rank}'s micro-batch {i} of step {self.served} failed "
+                                    f"to decode (corrupt shards so far: {self.loader.corrupt_shards}); a micro-batch "
+                                    f"cannot be empty: fix or remove the shards, or raise trainer.micro_batch_size")
+                # host ints: drawing per-sample numbers reads no tensor
+                yield {**part["batch"], "sample_ids": [first + j for j in part["positions"]]}
 
     def state_dict(self) -> dict:
-        return {"global_batches": self.served, "global_batch": self.global_batch, "loader": self.loader.state_dict()}
+        """The position, the same on every rank. Collective when torch.distributed is up (the trainer saves on
+        every rank): the corrupt shards recorded are those any rank has met, as ranks decode different samples."""
+        loader = self.loader.state_dict()
+        if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
+            found: list[dict] = [{} for _ in range(tdist.get_world_size())]
+            tdist.all_gather_object(found, loader["corrupt_shards"])
+            loader["corrupt_shards"] = {u: r for part in found for u, r in sorted(part.items())}
+        return {"global_batches": self.served, "global_batch": self.global_batch, "loader": loader}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("global_batch") != self.global_batch:
@@ -465,9 +581,10 @@ class GlobalBatches:
 
 def global_train_loader(cfg, urls: list[str], *, decode: Callable[[dict], Any], rank: int, dp: int,
                         collate: Callable[[list], Any] = default_collate) -> GlobalBatches:
-    """A recipe's training loader over one global stream (:class:`GlobalBatches`): ``collate`` runs in the
-    main process on this rank's samples of each micro-batch."""
+    """A recipe's training loader over one global stream (:class:`GlobalBatches`): ``decode`` and ``collate`` run in
+    the loader's workers, on this rank's samples only (both picklable: module-level functions or partials)."""
     t = cfg.trainer
-    inner = train_loader(cfg, urls, decode=decode, collate=list, rank=0, world_size=1,
-                         batch_size=t.micro_batch_size * t.grad_accum * dp)
-    return GlobalBatches(inner, rank=rank, dp=dp, micro=t.micro_batch_size, accum=t.grad_accum, collate=collate)
+    share = RankShare(rank=rank, dp=dp, micro=t.micro_batch_size, accum=t.grad_accum)
+    inner = train_loader(cfg, urls, decode=decode, collate=collate, rank=0, world_size=1,
+                         batch_size=share.global_batch, share=share)
+    return GlobalBatches(inner, rank=rank, dp=dp, micro=t.micro_batch_size, accum=t.grad_accum)

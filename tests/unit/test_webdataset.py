@@ -1,19 +1,22 @@
-"""Unit tests for common.data.webdataset: rank/worker coverage, determinism, exact resume, corrupt shards, in-order reads."""
+"""Unit tests for common.data.webdataset: rank/worker coverage, determinism, exact resume, corrupt shards, in-order
+reads, and the global stream that each data-parallel rank decodes only its share of."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
 import re
 import tarfile
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import webdataset as wds
 
-from common.data.webdataset import build_webdataset_loader, iter_samples
+from common.data.webdataset import build_webdataset_loader, global_train_loader, iter_samples
 from common.errors import DataError
 
 # Uneven shard sizes so that workers (and ranks) produce different numbers of batches and
@@ -311,3 +314,185 @@ def test_iter_samples_reads_every_sample_in_shard_order_on_every_rank(shards, mo
     assert [s["__url__"] for s in got] == [u for u in urls for _ in ids[u]]
     assert [s["__key__"] for s in got[:2]] == ["s0000_0000", "s0000_0001"]
     assert [int(s["cls"]) for s in iter_samples(urls[::-1])] == [i for u in urls[::-1] for i in ids[u]]
+
+
+# ---- the global stream: each data-parallel rank decodes only its share ---------------------------------------------
+GLOBAL = 8  # samples per optimizer step in every layout below
+
+
+def decode_logged(sample: dict, log) -> dict:
+    """decode_id that appends the sample's id to `log` (one file per rank, appended from any worker process)."""
+    with open(log, "a") as f:
+        f.write(f"{sample['cls'].decode()}\n")
+    return decode_id(sample)
+
+
+def decoded(log) -> list[int]:
+    return [int(line) for line in open(log).read().split()] if log.exists() else []
+
+
+def decode_id_or_none(sample: dict) -> dict:
+    """decode_id that decodes everything: a corrupt sample reads as id None."""
+    try:
+        return decode_id(sample)
+    except ValueError:
+        return {"id": None}
+
+
+def collate_ids(samples: list[dict]) -> dict:
+    """A collate that takes an empty micro-batch (as the VLM's does, with its blank image)."""
+    return {"id": [s["id"] for s in samples]}
+
+
+def whole_stream(urls, batch_size: int, n: int) -> list[int | None]:
+    """The ids of n batches of the plain loader, everything decoded (a corrupt sample as None, not skipped)."""
+    it = iter(make(urls, decode=decode_id_or_none, collate=collate_ids, batch_size=batch_size, max_corrupt_shards=3))
+    return [i for _ in range(n) for i in next(it)["id"]]
+
+
+def global_loader(urls, *, rank, dp, micro, accum, num_workers=0, decode=decode_id, **kw):
+    cfg = SimpleNamespace(trainer=SimpleNamespace(micro_batch_size=micro, grad_accum=accum, seed=0),
+                          data=SimpleNamespace(num_workers=num_workers, shuffle_buffer=16, max_corrupt_shards=3))
+    return global_train_loader(cfg, urls, decode=decode, rank=rank, dp=dp, **kw)
+
+
+def steps(loader, n: int, accum: int) -> list[list[tuple[list, list[int]]]]:
+    """n optimizer steps of (ids, sample_ids) per micro-batch."""
+    it = iter(loader)
+    out = []
+    for _ in range(n):
+        micro = [next(it) for _ in range(accum)]
+        out.append([(list(map(int, b["id"])) if isinstance(b["id"], torch.Tensor) else b["id"], b["sample_ids"])
+                    for b in micro])
+    return out
+
+
+def interleave(parts: list[list]) -> list:
+    """Rank r's k-th sample is the (k*dp + r)-th of the micro-batch."""
+    return [x for group in zip(*parts, strict=True) for x in group]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_each_rank_decodes_only_its_share_of_the_global_stream(shards, tmp_path, num_workers):
+    urls, _ = shards
+    # In-process: crosses an epoch boundary (73 samples: 9 global batches per epoch). With 2 workers (8 per epoch)
+    # it stays in epoch 0, where a sample decoded ahead (prefetch) is told apart from another rank's by its id.
+    n = 12 if num_workers == 0 else 5
+    # The independent reference: the plain loader over the same stream, one global batch at a time, everything
+    # decoded (what each rank read before).
+    plain = take(make(urls, num_workers=num_workers, batch_size=GLOBAL), n)
+    logs = {key: tmp_path / f"decoded_{key}" for key in ("dp1", 0, 1)}
+    one = steps(global_loader(urls, rank=0, dp=1, micro=4, accum=2, num_workers=num_workers,
+                              decode=functools.partial(decode_logged, log=logs["dp1"])), n, accum=2)
+    two = {r: steps(global_loader(urls, rank=r, dp=2, micro=2, accum=2, num_workers=num_workers,
+                                  decode=functools.partial(decode_logged, log=logs[r])), n, accum=2) for r in (0, 1)}
+    for step in range(n):
+        assert [i for ids, _ in one[step] for i in ids] == plain[step]
+        assert [j for _, ids in one[step] for j in ids] == list(range(step * GLOBAL, (step + 1) * GLOBAL))
+        for m in range(2):  # micro-batch m of the step: rank r holds samples r, r+2 of its 4
+            assert interleave([two[r][step][m][0] for r in (0, 1)]) == one[step][m][0]
+            assert interleave([two[r][step][m][1] for r in (0, 1)]) == one[step][m][1]
+    trained = {r: [i for step in two[r] for ids, _ in step for i in ids] for r in (0, 1)}
+    if num_workers == 0:  # in-process: exactly what was handed out was decoded, each sample once
+        assert decoded(logs[0]) == trained[0] and decoded(logs[1]) == trained[1]
+        assert len(decoded(logs[0])) == len(decoded(logs[1])) == n * GLOBAL // 2
+        assert decoded(logs["dp1"]) == [i for batch in plain for i in batch]  # not even an epoch's dropped tail
+    else:  # the workers decode, some batches ahead, but never another rank's sample
+        for r in (0, 1):
+            assert len(set(decoded(logs[r]))) == len(decoded(logs[r]))  # each sample once
+            assert set(trained[r]) <= set(decoded(logs[r]))
+            assert not set(decoded(logs[r])) & set(trained[1 - r])
+
+
+def test_a_sample_that_fails_to_decode_is_skipped_by_its_rank_alone(tmp_path):
+    """The garbage sample of shard 6 is dropped from its owner's micro-batch; the other rank's batches, every step
+    boundary and the shard's later samples stay; the unreadable shards 2 and 5 end alike on both ranks."""
+    urls, _ = _corrupt_set(tmp_path)
+    n = 12  # two epochs (6 global batches each of the ~55 readable samples)
+    stream = whole_stream(urls, GLOBAL, n)
+    garbage = [k for k, i in enumerate(stream) if i is None]
+    assert len(garbage) == 2  # once per epoch
+    loaders = {r: global_loader(urls, rank=r, dp=2, micro=2, accum=2, collate=collate_ids) for r in (0, 1)}
+    got = {r: steps(loaders[r], n, accum=2) for r in (0, 1)}
+    for r in (0, 1):
+        ids_r = [i for step in got[r] for batch, _ in step for i in batch]
+        sample_ids = [j for step in got[r] for _, batch in step for j in batch]
+        owned = [k for k in range(n * GLOBAL) if k % 2 == r and k not in garbage]
+        assert sample_ids == owned  # positions in the stream: nothing shifted
+        assert ids_r == [stream[k] for k in owned]
+    for r in (0, 1):  # the unreadable shards 2 and 5 on both, shard 6 on the rank(s) that owned its garbage
+        assert loaders[r].corrupt_shards == 2 + any(k % 2 == r for k in garbage)
+    seen = {i for r in (0, 1) for step in got[r] for batch, _ in step for i in batch}
+    assert {i for i in seen if 604 < i < 700}  # shard 6's samples after the garbage one are still trained
+
+
+def test_a_micro_batch_left_empty_is_an_error_unless_collate_takes_it(tmp_path):
+    urls, _ = _corrupt_set(tmp_path)
+    n = 14  # one epoch of ~55 readable samples
+    stream = whole_stream(urls, 4, n)
+    k = stream.index(None)
+    owner, step = k % 4, k // 4
+    got = steps(global_loader(urls, rank=owner, dp=4, micro=1, accum=1, collate=collate_ids), step + 1, accum=1)
+    assert got[step] == [([], [])]  # an empty micro-batch at its place in the stream
+    with pytest.raises(DataError, match=f"every sample of rank {owner}'s micro-batch 0 of step {step + 1} failed"):
+        steps(global_loader(urls, rank=owner, dp=4, micro=1, accum=1), step + 1, accum=1)
+
+
+# A GlobalBatches state written by the code before each rank decoded only its share (rank 0 of dp=2, micro 2,
+# accum 2, 3 steps on write_shards' data): the format is unchanged, so it still resumes, in any layout.
+OLD_STATE = {"global_batches": 3, "global_batch": 8, "loader": {
+    "version": 1, "epoch": 0, "next_worker": 0, "workers": [{"drawn": 24, "batches": 3, "bad": {}}],
+    "corrupt_shards": {}, "layout": {"rank": 0, "world_size": 1, "num_workers": 0, "batch_size": 8, "seed": 0,
+                                     "shuffle_buffer": 16, "shuffle_shards": True, "num_urls": 8,
+                                     "url_names_sha1": "709dcbcc949c3ccc"}}}
+
+
+def test_global_stream_resumes_in_another_layout(shards):
+    urls, _ = shards
+    reference = steps(global_loader(urls, rank=0, dp=1, micro=2, accum=4), 10, accum=4)
+    # What that code handed rank 0 in those 3 steps, recorded with the state: still the stream's samples.
+    assert [i for step in reference[:3] for ids, _ in step for i in ids][0::2] == \
+        [1, 0, 202, 201, 200, 402, 503, 406, 404, 413, 411, 501]
+    for state in (OLD_STATE, None):
+        if state is None:  # today's: 4 steps at dp=2, then resumed at dp=1 (micro 2, accum 4) and vice versa
+            first = global_loader(urls, rank=1, dp=2, micro=2, accum=2)
+            steps(first, 4, accum=2)
+            state = json.loads(json.dumps(first.state_dict()))
+        done = state["global_batches"]
+        resumed = global_loader(urls, rank=0, dp=1, micro=2, accum=4)
+        resumed.load_state_dict(state)
+        assert steps(resumed, 10 - done, accum=4) == reference[done:]
+        halves = {}
+        for r in (0, 1):
+            halves[r] = global_loader(urls, rank=r, dp=2, micro=4, accum=1)
+            halves[r].load_state_dict(state)
+        for step, (a, b) in enumerate(zip(steps(halves[0], 10 - done, accum=1), steps(halves[1], 10 - done, accum=1),
+                                          strict=True)):
+            whole = reference[done + step]
+            assert interleave([a[0][0], b[0][0]]) == [i for ids, _ in whole for i in ids]
+
+
+def _save_on_rank(rank: int, urls: list[str], out: str) -> None:
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2)
+    try:
+        loader = global_loader(urls, rank=rank, dp=2, micro=2, accum=2, collate=collate_ids)
+        steps(loader, 6, accum=2)  # epoch 0
+        own = loader.loader.state_dict()["corrupt_shards"]
+        with open(f"{out}/{rank}.json", "w") as f:
+            json.dump({"own": own, "saved": loader.state_dict()}, f)  # state_dict: collective
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_a_checkpoint_records_every_ranks_corrupt_shards(tmp_path):
+    """Ranks decode different samples, so each meets its own failures; the state a checkpoint stores (rank 0's)
+    is the same on every rank and names the shards any rank found corrupt."""
+    urls, _ = _corrupt_set(tmp_path)
+    torch.multiprocessing.spawn(_save_on_rank, args=(urls, str(tmp_path)), nprocs=2)
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    assert got[0]["own"] != got[1]["own"]  # one rank owned the sample that fails to decode
+    assert got[0]["saved"] == got[1]["saved"]
+    union = got[0]["own"] | got[1]["own"]
+    assert set(got[0]["saved"]["loader"]["corrupt_shards"]) == set(union) == {urls[2], urls[5], urls[6]}
