@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,48 @@ FAST_DIT = [
     "diffusion.samples_per_class=2",
     "diffusion.eval_samples_per_class=3",
 ]
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """The session's cache of training runs (tests/fixtures/runs.py): `trained(args, nproc)` -> its run dir."""
+    from tests.fixtures.runs import TrainedRuns
+
+    return TrainedRuns(tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture(scope="session")
+def latent_dit_data(tmp_path_factory):
+    """`latent_dit_data(image_size)` -> {"vae", "shards"}: one small random VAE (it halves images) and the image
+    shards of tests/fixtures/dit.py's IMAGE_SETS, each built once per session for the latent DiT tests."""
+    from tests.fixtures.dit import make_image_shards, make_vae
+
+    root = tmp_path_factory.mktemp("latent_dit")
+    vae = make_vae(root / "sd-vae-ft-mse", block_out_channels=(16, 32))
+    shards: dict[int, Path] = {}
+
+    def get(image_size: int) -> dict:
+        if image_size not in shards:
+            shards[image_size] = make_image_shards(root / f"{image_size}px", image_size)
+        return {"vae": vae, "shards": shards[image_size]}
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def dit_lora_world(tmp_path_factory, latent_dit_data):
+    """The DiT LoRA tests' images, VAE and base run (tests/fixtures/lora.py make_dit_world), built once."""
+    from tests.fixtures.lora import DIT_SIZE, make_dit_world
+
+    return make_dit_world(tmp_path_factory.mktemp("dit_lora"), latent_dit_data(DIT_SIZE))
+
+
+@pytest.fixture(scope="session")
+def vlm_lora_world(tmp_path_factory):
+    """The VLM LoRA tests' LLaVA data and llava-hf base (tests/fixtures/lora.py make_vlm_world), built once."""
+    from tests.fixtures.lora import make_vlm_world
+
+    return make_vlm_world(tmp_path_factory.mktemp("vlm_lora"))
 
 
 def load_script(name: str):

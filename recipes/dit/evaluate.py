@@ -8,12 +8,15 @@ accuracy on real held-out images (`classifier_accuracy_on_real_val` beside it in
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from sklearn.svm import SVC
 
 from recipes.dit.data import load_split_arrays, to_model_space
+
+if TYPE_CHECKING:
+    from sklearn.svm import SVC
 
 # An RBF SVM on raw pixels: images larger than this are compared at this size, and at most
 # MAX_PER_CLASS real images per class fit it, so the fit stays seconds on big datasets.
@@ -30,6 +33,8 @@ def _features(images: torch.Tensor) -> torch.Tensor:
 
 def fit_classifier(data_root: str | Path, image_size: int, seed: int = 0) -> tuple[SVC, float]:
     """An RBF SVM on real training images at the model's resolution; returns it and its held-out accuracy."""
+    from sklearn.svm import SVC  # here, not at the top: ~1 s of import that a run with trainer.eval=false never needs
+
     def features(split: str):
         images, labels = load_split_arrays(data_root, split, max_per_class=MAX_PER_CLASS)
         return _features(to_model_space(torch.from_numpy(images), image_size)).numpy(), labels

@@ -9,12 +9,13 @@ import torch
 
 from tests.conftest import load_script, losses, run_train
 from tests.fixtures.lora import assert_same_export, checkpoint_bytes, tensors
-from tests.integration.test_dit_lora import ADAPTED, overrides, world  # noqa: F401 (fixture)
+from tests.fixtures.lora import DIT_ADAPTED as ADAPTED, dit_overrides as overrides
 
 pytestmark = pytest.mark.distributed
 
 
-def test_zero3_trains_the_adapter_and_resumes_bitwise(world, tmp_path, capsys):  # noqa: F811
+def test_zero3_trains_the_adapter_and_resumes_bitwise(dit_lora_world, tmp_path, capsys):
+    world = dit_lora_world  # test_dit_lora's
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     zero3 = ["parallel.zero_stage=3", "trainer.micro_batch_size=4", "trainer.max_steps=4"]
     run_train(overrides(world, first, *zero3, "checkpoint.every=2"), nproc=2)

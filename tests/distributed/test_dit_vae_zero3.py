@@ -7,21 +7,16 @@ import json
 
 import pytest
 
-from data import prepare_images
 from tests.conftest import losses, run_train
-from tests.fixtures.dit import make_image_folder, make_vae
 
 pytestmark = pytest.mark.distributed
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, latent_dit_data):
     root = tmp_path_factory.mktemp("dit_vae_zero")
-    vae = make_vae(root / "vae", block_out_channels=(16, 32))  # 1/2 size
-    shards = root / "shards"
-    assert prepare_images.main(["--input", str(make_image_folder(root / "images", per_class=12, size=16)), "--out",
-                                str(shards), "--image-size", "16", "--train-shards", "2", "--val-shards", "1"]) == 0
+    vae, shards = latent_dit_data(16).values()  # shared with test_export_any
     out = {}
     for stage in (0, 3):
         out[stage] = root / f"zero{stage}"

@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from tests.conftest import REPO, losses, run_train
+from tests.fixtures.runs import LLM_10_STEPS as BASE
 
 pytestmark = pytest.mark.distributed
 STEPS = 10
-BASE = ["recipe=llm_tiny", f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.progress_bar=false",
-        "checkpoint.every=5", "data.num_workers=1"]
 GLOBAL_DOCS = 8
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(trained):
     layouts = {
         "single": (1, [f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
         "tp2": (2, ["parallel.tp=2", f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
@@ -27,12 +26,7 @@ def runs(tmp_path_factory):
         "dp2": (2, [f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"]),
         "tp2_dp2": (4, ["parallel.tp=2", f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"]),
     }
-    out = {}
-    for name, (nproc, extra) in layouts.items():
-        d = tmp_path_factory.mktemp(name)
-        run_train([*BASE, *extra, f"run.dir={d}"], nproc=nproc, timeout=900)
-        out[name] = d
-    return out
+    return {name: trained([*BASE, *extra], nproc) for name, (nproc, extra) in layouts.items()}
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_loss_parallel", "dp2", "tp2_dp2"])

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.conftest import losses, run_train
 from tests.fixtures.llm import write_llama_folder, write_token_dataset

@@ -12,12 +12,12 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO, losses, run_train
+from tests.conftest import REPO, losses
+from tests.fixtures.runs import LLM_10_STEPS, LLM_TP2_PP2
 
 pytestmark = pytest.mark.distributed
 STEPS = 10
-BASE = ["recipe=llm_tiny", f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.progress_bar=false",
-        "checkpoint.every=5", "data.num_workers=1", "trainer.micro_batch_size=8"]
+BASE = [*LLM_10_STEPS, "trainer.micro_batch_size=8"]
 SCHEDULES = {  # name -> microbatches (0 = pp)
     "gpipe": 0,
     "1f1b": 4,
@@ -26,19 +26,16 @@ SCHEDULES = {  # name -> microbatches (0 = pp)
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    d = tmp_path_factory.mktemp("single")
-    run_train([*BASE, f"run.dir={d}"], nproc=1, timeout=900)
-    return d
+def single(trained):
+    return trained(BASE)  # the same run as test_llm_layouts' single-process reference
 
 
 @pytest.fixture(scope="module")
-def runs(single, tmp_path_factory):
+def runs(single, trained):
     out = {"single": single}
     for schedule, m in SCHEDULES.items():
-        d = out[schedule] = tmp_path_factory.mktemp(schedule)
-        run_train([*BASE, "parallel.pp=2", f"parallel.pp_schedule={schedule}", f"parallel.pp_microbatches={m}",
-                   f"run.dir={d}"], nproc=2, timeout=900)
+        out[schedule] = trained([*BASE, "parallel.pp=2", f"parallel.pp_schedule={schedule}",
+                                 f"parallel.pp_microbatches={m}"], 2)
     return out
 
 
@@ -71,16 +68,15 @@ def test_export_from_pp2_checkpoint_loads_in_transformers(runs, tmp_path):
     assert len(text) > len("The with statement is used to wrap")
 
 
-def test_tp2_pp2_losses_match_single_process(single, tmp_path):
-    run_train([*BASE, "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=1f1b", f"run.dir={tmp_path}"],
-              nproc=4, timeout=900)
-    ref, got = losses(single), losses(tmp_path)
+def test_tp2_pp2_losses_match_single_process(single, trained):
+    run_dir = trained(LLM_TP2_PP2, 4)  # test_fault_tolerance resumes a killed copy of this run
+    ref, got = losses(single), losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), f"tp2 pp2 step {step}"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()  # gathered from 4 ranks
-    tok = AutoTokenizer.from_pretrained(tmp_path / "export")
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "export").eval()  # gathered from 4 ranks
+    tok = AutoTokenizer.from_pretrained(run_dir / "export")
     ids = tok("The with statement", return_tensors="pt")
     assert model.generate(**ids, max_new_tokens=6, do_sample=False).shape[1] > ids["input_ids"].shape[1]

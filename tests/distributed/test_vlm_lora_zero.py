@@ -10,14 +10,19 @@ import torch
 
 from tests.conftest import load_script, losses, run_train
 from tests.fixtures.lora import assert_same_export, checkpoint_bytes, tensors
-from tests.integration.test_vlm_lora import overrides, world  # noqa: F401 (fixture)
+from tests.fixtures.lora import vlm_overrides as overrides
 
 pytestmark = pytest.mark.distributed
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def runs(world, tmp_path_factory):  # noqa: F811
+def world(vlm_lora_world):
+    return vlm_lora_world  # test_vlm_lora's
+
+
+@pytest.fixture(scope="module")
+def runs(world, tmp_path_factory):
     out = {}
     for stage in (2, 3):
         out[stage] = tmp_path_factory.mktemp(f"zero{stage}")
@@ -42,7 +47,7 @@ def test_zero2_and_zero3_train_the_same_adapter(runs):
         assert checkpoint_bytes(run / "checkpoints" / "step_0000002") <= 3 * trained + 400_000, stage
 
 
-def test_zero3_resumes_bitwise(world, runs, tmp_path):  # noqa: F811
+def test_zero3_resumes_bitwise(world, runs, tmp_path):
     run_train(overrides(world, tmp_path, "parallel.zero_stage=3", "trainer.micro_batch_size=4",
                         f"trainer.max_steps={STEPS}", f"run.resume={runs[3] / 'checkpoints' / 'step_0000002'}"), nproc=2)
     want, got = losses(runs[3]), losses(tmp_path)

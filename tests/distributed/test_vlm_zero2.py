@@ -6,15 +6,14 @@ import json
 
 import pytest
 
-from tests.conftest import losses, run_train
+from tests.conftest import losses
+from tests.fixtures.runs import VLM_ZERO2
 
 pytestmark = pytest.mark.distributed
 
 
-def test_vlm_tiny_zero2_on_two_ranks_trains(tmp_path):
-    run_train(["recipe=vlm_tiny", f"run.dir={tmp_path}", "parallel.zero_stage=2", "trainer.max_steps=20",
-               "trainer.log_every=1", "trainer.micro_batch_size=16", "trainer.progress_bar=false",
-               "trainer.eval=false", "data.num_workers=1", "optim.warmup_steps=5"], nproc=2)
+def test_vlm_tiny_zero2_on_two_ranks_trains(trained):
+    tmp_path = trained(VLM_ZERO2, 2)  # test_export_any exports its checkpoint
     ls = losses(tmp_path)
     assert sorted(ls) == list(range(1, 21))
     assert sum(ls[s] for s in range(16, 21)) < 0.5 * sum(ls[s] for s in range(1, 6))

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from common.data.dataset import read_meta
-from data import cache_latents, prepare_images
+from data import cache_latents
 from recipes.dit.sampling import sample_images
 from recipes.dit.vae import folder_decoder
 from tests.conftest import load_script, losses, run_train
-from tests.fixtures.dit import make_image_folder, make_vae
 
 pytestmark = pytest.mark.integration
 SIZE = 32  # images; the fixture VAE halves them: 4 x 16 x 16 latents
@@ -24,13 +23,10 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, latent_dit_data):
     root = tmp_path_factory.mktemp("dit_latent")
-    vae = make_vae(root / "sd-vae-ft-mse", block_out_channels=(16, 32))  # 1/2 size
-    folder = make_image_folder(root / "my_images", classes=3, per_class=16, size=24)
-    shards, latents = root / "shards", root / "latents"
-    assert prepare_images.main(["--input", str(folder), "--out", str(shards), "--image-size", str(SIZE),
-                                "--train-shards", "2", "--val-shards", "1"]) == 0
+    vae, shards = latent_dit_data(SIZE).values()  # shared with test_dit_lora
+    latents = root / "latents"
     common = ["recipe=dit_tiny", "data=images", f"data.root={shards}", f"data.image_size={SIZE}", f"diffusion.vae={vae}",
               "trainer.micro_batch_size=8", "data.num_workers=1", "trainer.progress_bar=false", "trainer.log_every=1",
               "diffusion.sample_steps=2", "diffusion.samples_per_class=1", "diffusion.eval_samples_per_class=2"]

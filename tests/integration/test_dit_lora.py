@@ -15,40 +15,17 @@ import pytest
 import torch
 
 from common.tools.launcher import spawn_ranks
-from data import prepare_images
-from tests.conftest import run_train
-from tests.fixtures.lora import checkpoint_bytes, export_matches_end_of_run, fit_and_export, resumed_bitwise, tensors
-from tests.fixtures.dit import make_image_folder, make_vae
+from tests.fixtures.lora import (DIT_ADAPTED, DIT_SAMPLER_STEPS, checkpoint_bytes, dit_overrides as overrides,
+                                 export_matches_end_of_run, fit_and_export, resumed_bitwise, tensors)
 
 pytestmark = pytest.mark.integration
-SIZE, STEPS = 32, 2  # images (the fixture VAE halves them: 4 x 16 x 16 latents); sampler steps
-ADAPTED = 4 * 6 * 2  # 4 blocks x 6 linears x (A, B)
+STEPS = DIT_SAMPLER_STEPS
+ADAPTED = DIT_ADAPTED
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """Image shards, a VAE, and the base: the export of a 2-step full dit_tiny run (a DiTPipeline folder)."""
-    root = tmp_path_factory.mktemp("dit_lora")
-    vae = make_vae(root / "vae", block_out_channels=(16, 32))
-    folder = make_image_folder(root / "images", classes=3, per_class=16, size=24)
-    shards = root / "shards"
-    assert prepare_images.main(["--input", str(folder), "--out", str(shards), "--image-size", str(SIZE),
-                                "--train-shards", "2", "--val-shards", "1"]) == 0
-    world = {"vae": vae, "shards": shards, "base_run": root / "base"}
-    run_train(base_overrides(world, world["base_run"], "trainer.max_steps=2", "trainer.eval=false"))
-    return world
-
-
-def base_overrides(world: dict, run_dir: Path, *extra: str) -> list[str]:
-    return ["recipe=dit_tiny", "data=images", f"data.root={world['shards']}", f"data.image_size={SIZE}",
-            f"diffusion.vae={world['vae']}", "trainer.micro_batch_size=8", "data.num_workers=0", "trainer.progress_bar=false",
-            "trainer.log_every=1", "trainer.sample_every=0", f"diffusion.sample_steps={STEPS}", "diffusion.guidance_scale=1.0",
-            "diffusion.samples_per_class=1", f"run.dir={run_dir}", *extra]
-
-
-def overrides(world: dict, run_dir: Path, *extra: str) -> list[str]:
-    return base_overrides(world, run_dir, "finetune=lora", f"model.init_from={world['base_run']}", "trainer.eval=false",
-                          "optim.lr=1e-2", "optim.warmup_steps=0", *extra)
+def world(dit_lora_world):
+    return dit_lora_world  # shared with test_dit_lora_zero3
 
 
 def _train_and_export(world: dict, run_dir: str, out: str) -> dict:
@@ -126,7 +103,7 @@ def test_export_py_rebuilds_the_export_from_the_last_checkpoint(lora_run, tmp_pa
 def test_checkpoints_hold_the_adapter_and_resume_bitwise(world, tmp_path):
     """Steps 4-6 of a run resumed from step 3 are bit for bit the uninterrupted run's; the checkpoint holds the
     adapter, its Adam state and its EMA: a fraction of a full fine-tune's."""
-    first, resumed, full = tmp_path / "first", tmp_path / "resumed", tmp_path / "full"
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
     # No falling loss asked of 6 steps: each step's loss is at other random timesteps (0.81, 0.61, 0.65, 0.66, 0.68,
     # 0.85 measured); that the adapter trains is tested on the images above.
     ckpt = resumed_bitwise(lambda run_dir, *extra: overrides(world, run_dir, *extra), first, resumed, loss_falls=False)
@@ -134,9 +111,8 @@ def test_checkpoints_hold_the_adapter_and_resume_bitwise(world, tmp_path):
 
     adapter = sum(v.numel() * v.element_size() for v in tensors(first / "export").values())
     lora_bytes = checkpoint_bytes(ckpt)
-    run_train(base_overrides(world, full, "trainer.max_steps=1", "trainer.eval=false",
-                             f"model.init_from={world['base_run']}"))
-    full_bytes = checkpoint_bytes(full / "checkpoints" / "step_0000001")
-    print(f"checkpoint bytes: LoRA {lora_bytes:,} (adapter {adapter:,}), full fine-tune {full_bytes:,} "
+    # A full run's checkpoint of the same DiT (weights, Adam, EMA): the base run's last one.
+    full_bytes = checkpoint_bytes(world["base_run"] / "checkpoints" / "step_0000002")
+    print(f"checkpoint bytes: LoRA {lora_bytes:,} (adapter {adapter:,}), full run {full_bytes:,} "
           f"({lora_bytes / full_bytes:.3f}x)")
     assert 4 * adapter <= lora_bytes <= 4 * adapter + 200_000 and lora_bytes < 0.5 * full_bytes

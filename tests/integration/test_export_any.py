@@ -16,31 +16,27 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from data import prepare_images
 from tests.conftest import FAST_DIT, REPO, load_script, run_train
 from tests.distributed.test_llm_init_from_layouts import compare_export, tensors
-from tests.fixtures.dit import make_image_folder, make_vae
+from tests.fixtures.runs import VLM_ZERO2
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, trained, latent_dit_data):
     root = tmp_path_factory.mktemp("export_any")
     quick = ["trainer.eval=false", "trainer.micro_batch_size=8", "data.num_workers=1", "diffusion.samples_per_class=1"]
     out = {name: root / name for name in ("dit3", "dit2_latent", "vlm2", "vlm3")}
     run_train([*FAST_DIT, *quick, f"run.dir={out['dit3']}", "parallel.zero_stage=3", "toggles.precision=bf16",
                "model.shared_conditioning=true", "trainer.max_steps=3", "checkpoint.every=2"], nproc=2)
-    vae = make_vae(root / "vae", block_out_channels=(16, 32))
-    folder = make_image_folder(root / "images", classes=3, per_class=8, size=16, corrupt=False)
-    assert prepare_images.main(["--input", str(folder), "--out", str(root / "shards"), "--image-size", "16",
-                                "--train-shards", "2", "--val-shards", "1"]) == 0
+    vae, shards = latent_dit_data(16).values()  # shared with test_dit_vae_zero3
     run_train([*FAST_DIT, *quick, f"run.dir={out['dit2_latent']}", "parallel.zero_stage=2", "data=images",
-               f"data.root={root / 'shards'}", "data.image_size=16", f"diffusion.vae={vae}", "trainer.max_steps=2"],
+               f"data.root={shards}", "data.image_size=16", f"diffusion.vae={vae}", "trainer.max_steps=2"],
               nproc=2)
     vlm = ["recipe=vlm_tiny", "trainer.max_steps=2", "trainer.micro_batch_size=8", "trainer.progress_bar=false",
            "trainer.eval=false", "data.num_workers=1"]
-    run_train([*vlm, f"run.dir={out['vlm2']}", "parallel.zero_stage=2"], nproc=2)
+    out["vlm2"] = trained(VLM_ZERO2, 2)  # test_vlm_zero2's run
     # ZeRO-3 partitions the frozen tower too (DeepSpeed's frozen_param_fragments, per rank).
     run_train([*vlm, f"run.dir={out['vlm3']}", "parallel.zero_stage=3", "toggles.precision=bf16"], nproc=2)
     return out

@@ -24,6 +24,7 @@ import torch
 
 from common.tools.launcher import REPO, launch_env, train_command
 from tests.conftest import FAST_DIT, losses, run_train
+from tests.fixtures.runs import LLM_TP2_PP2
 
 pytestmark = pytest.mark.integration
 DIT = [*FAST_DIT, "trainer.eval=false", "diffusion.samples_per_class=1", "diffusion.sample_steps=2"]
@@ -53,26 +54,25 @@ def args_value(args: list[str], key: str) -> str:
     return next(a.split("=", 1)[1] for a in args if a.startswith(f"{key}="))
 
 
-def assert_resumes_exactly(args: list[str], tmp_path, nproc: int, first: int, last: int) -> None:
-    full, broken = tmp_path / "full", tmp_path / "broken"
-    run_train([*args, f"run.dir={full}"], nproc=nproc, timeout=900)
+def assert_resumes_exactly(args: list[str], trained, tmp_path, nproc: int, first: int, last: int) -> None:
+    full, broken = trained(args, nproc), tmp_path / "broken"
     kill_at_random_step(args, broken, nproc, first, last)
     resumed = run_train([*args, f"run.dir={broken}"], nproc=nproc, timeout=900)  # run.resume=auto is the default
     assert "resumed from" in resumed.stdout
     assert losses(broken) == losses(full)  # every step, bit for bit; no step missing or repeated
 
 
-def test_vlm_killed_at_random_step_resumes_exactly(tmp_path):
+def test_vlm_killed_at_random_step_resumes_exactly(trained, tmp_path):
     args = ["recipe=vlm_tiny", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.micro_batch_size=16",
             "trainer.max_steps=16", "checkpoint.every=4", "trainer.eval=false", "data.max_seq_len=128"]
-    assert_resumes_exactly(args, tmp_path, nproc=1, first=5, last=14)
+    assert_resumes_exactly(args, trained, tmp_path, nproc=1, first=5, last=14)
 
 
 @pytest.mark.distributed
-def test_llm_tp2_pp2_killed_at_random_step_resumes_exactly(tmp_path):
-    args = ["recipe=llm_tiny", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.max_steps=10",
-            "checkpoint.every=3", "parallel.tp=2", "parallel.pp=2", "trainer.micro_batch_size=8", "trainer.eval=false"]
-    assert_resumes_exactly(args, tmp_path, nproc=4, first=4, last=8)
+def test_llm_tp2_pp2_killed_at_random_step_resumes_exactly(trained, tmp_path):
+    # The uninterrupted run is test_llm_pipeline's tp2 x pp2 run (checkpoints at 5 and 10): killed at 6-8, the
+    # run resumes from step 5.
+    assert_resumes_exactly(LLM_TP2_PP2, trained, tmp_path, nproc=4, first=6, last=8)
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path):

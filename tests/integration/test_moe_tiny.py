@@ -8,18 +8,16 @@ import json
 import pytest
 
 from common.metrics import read_metrics
-from tests.conftest import run_train
+from tests.fixtures.runs import MOE_16_STEPS
 
 pytestmark = pytest.mark.integration
 
 
-def test_moe_tiny_trains_logs_its_aux_losses_and_exports(tmp_path):
+def test_moe_tiny_trains_logs_its_aux_losses_and_exports(trained):
     import torch
     from transformers import AutoModelForCausalLM
 
-    run = tmp_path / "run"
-    proc = run_train(["recipe=moe_tiny", "trainer.max_steps=16", "trainer.log_every=4", "trainer.progress_bar=false",
-               "checkpoint.final=false", "checkpoint.every=0", f"run.dir={run}"])
+    run, proc = trained.run(MOE_16_STEPS)  # test_serve_vllm_moe serves its export
     records = {r["step"]: r for r in read_metrics(run / "metrics.jsonl")}
     assert sorted(records) == [4, 8, 12, 16]
     assert records[16]["loss"] < records[4]["loss"] - 0.5, {s: r["loss"] for s, r in records.items()}

@@ -83,6 +83,36 @@ NOT_RUN = {
 }
 
 
+# Training commands whose whole path another test trains (the command as the README prints it -> that test): here
+# they run as a dry run in one process (the config composes and validates, the files it names are read, the model
+# is built on the meta device: what a typo or a wrong path breaks), not trained a second time. A README edit that
+# changes such a command makes it train here again until it is listed anew.
+TRAINED_ELSEWHERE = {
+    "python scripts/train.py recipe=dit_tiny": "make demo, the README's first command, runs it",
+    "torchrun --nproc_per_node 2 scripts/train.py recipe=dit_tiny parallel.zero_stage=3":
+        "tests/distributed/test_zero_stages.py",
+    "python scripts/train.py recipe=dit_tiny diffusion.objective=flow": "tests/integration/test_dit_latent.py (flow)",
+    "python scripts/train.py recipe=vlm_tiny model.init_from=outputs/align run.dir=outputs/ft":
+        "tests/integration/test_vlm.py (align -> finetune)",
+    "torchrun --nproc_per_node 4 scripts/train.py recipe=llm_tiny parallel.tp=2 trainer.micro_batch_size=4":
+        "tests/distributed/test_llm_layouts.py (tp2 x dp2)",
+    "torchrun --nproc_per_node 4 scripts/train.py recipe=llm_tiny parallel.tp=2 parallel.pp=2 "
+    "parallel.pp_schedule=1f1b": "tests/distributed/test_llm_pipeline.py (tp2 x pp2)",
+    "python scripts/train.py recipe=llm_tiny data=text_shards data.root=data/my_text":
+        "tests/integration/test_llm_user_data.py",
+    "python scripts/train.py recipe=llm_tiny data=chat_shards data.root=data/my_chat":
+        "tests/integration/test_llm_user_data.py",
+    "python scripts/train.py recipe=vlm_tiny finetune=lora model.init_from=outputs/align export.merge_lora=true "
+    "run.dir=outputs/vlm_lora": "tests/integration/test_vlm_lora.py",
+    "python scripts/train.py recipe=moe_tiny run.dir=outputs/moe": "tests/integration/test_moe_tiny.py",
+    "torchrun --nproc_per_node 8 scripts/train.py recipe=vlm_7b model.init_from=~/models/llava-1.5-7b-hf "
+    "data.root=data/my_llava_instruct run.dir=outputs/llava_more":
+        "tests/integration/test_vlm_llava.py (llava-hf continued, on vlm_tiny)",
+    "python scripts/train.py recipe=dit_tiny profile.enabled=true run.dir=outputs/prof":
+        "tests/integration/test_profile_report.py",
+}
+
+
 def readme_commands(text: str) -> list[list[str]]:
     """The argv of every command in the ```bash blocks: `\\` continuations joined, comments dropped,
     `a && b` split into two commands."""
@@ -170,6 +200,10 @@ class Session:
         return [*args, *extra]
 
     def command(self, argv: list[str]) -> list[str]:
+        if " ".join(argv) in TRAINED_ELSEWHERE:  # a dry run of the same arguments, one process
+            script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+            args = self.dataset_args([self.path(a) for a in argv[script + 1:]])
+            return [sys.executable, argv[script], *args, "run.dry_run=true"]
         argv = [self.path(a) for a in argv]
         if argv[0] == "make":
             # The Makefile passes ARGS to the command behind the target.

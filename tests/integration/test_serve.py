@@ -13,6 +13,7 @@ import pytest
 
 from common.tools.serving import http as _http, running_server
 from tests.conftest import run_train
+from tests.fixtures.runs import LLM_SERVED
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
 pytestmark = pytest.mark.integration
@@ -27,10 +28,9 @@ def serving(export, log_path, *overrides, startup_s=180):
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    run = tmp_path_factory.mktemp("llm")
-    run_train(["recipe=llm_tiny", "trainer.max_steps=20", f"run.dir={run}", *FAST])
-    with serving(run / "export", run / "serve.log", "serve.engine=transformers") as (base, client):
+def llm(trained, tmp_path_factory):
+    export = trained(LLM_SERVED) / "export"  # test_serve_vllm serves it with vLLM
+    with serving(export, tmp_path_factory.mktemp("llm") / "serve.log", "serve.engine=transformers") as (base, client):
         yield base, client, "llm_tiny"  # the default served name: the run's recipe
 
 
@@ -130,10 +130,9 @@ def test_vlm_answers_about_an_image(vlm):
 
 
 @pytest.mark.gpu
-def test_vllm_serves_the_llm_export(tmp_path):
+def test_vllm_serves_the_llm_export(trained, tmp_path):
     pytest.importorskip("vllm", reason="needs vllm (its own venv: pip install -e '.[serve-gpu]')")
-    run_train(["recipe=llm_tiny", "trainer.max_steps=20", f"run.dir={tmp_path}", *FAST])
-    with serving(tmp_path / "export", tmp_path / "serve.log", "serve.engine=vllm",
+    with serving(trained(LLM_SERVED) / "export", tmp_path / "serve.log", "serve.engine=vllm",
                  "serve.gpu_memory_utilization=0.3", startup_s=600) as (_, client):
         assert [m.id for m in client.models.list().data] == ["llm_tiny"]
         reply = client.chat.completions.create(model="llm_tiny", max_tokens=8, temperature=0,

@@ -17,6 +17,7 @@ import pytest
 
 from common.tools.serving import BASE_LM_CHAT_TEMPLATE, http, running_server, serve_env
 from tests.conftest import run_train
+from tests.fixtures.runs import LLM_SERVED
 from tests.fixtures.llm import write_llama_folder, write_token_dataset
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
@@ -50,10 +51,8 @@ def hf_export(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def own_export(tmp_path_factory):
-    run = tmp_path_factory.mktemp("own")
-    run_train(["recipe=llm_tiny", f"run.dir={run}", *FAST])
-    return run / "export"
+def own_export(trained):
+    return trained(LLM_SERVED) / "export"  # the run test_serve serves with transformers
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +62,8 @@ def hf_server(hf_export):
 
 
 @pytest.fixture(scope="module")
-def own_server(own_export):
-    with vllm_server(own_export, own_export.parent / "serve.log", api_key=KEY) as (base, client):
+def own_server(own_export, tmp_path_factory):
+    with vllm_server(own_export, tmp_path_factory.mktemp("own") / "serve.log", api_key=KEY) as (base, client):
         yield base, client, own_export
 
 

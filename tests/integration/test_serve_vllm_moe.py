@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from common.tools.serving import running_server, serve_env
-from tests.conftest import run_train
+from tests.fixtures.runs import MOE_16_STEPS
 from tests.integration.test_serve_vllm import IDS, NEW_TOKENS, PROMPTS, reference, token_ids
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
@@ -15,11 +15,8 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(serve_env() is None, reason="needs vLLM's environment: make serve-env (.venv-serve)")]
 
 
-def test_vllm_serves_a_moe_export_like_transformers(tmp_path):
-    run = tmp_path / "run"
-    run_train(["recipe=moe_tiny", "trainer.max_steps=3", "trainer.progress_bar=false", "checkpoint.final=false",
-               "checkpoint.every=0", f"run.dir={run}"])
-    export = run / "export"
+def test_vllm_serves_a_moe_export_like_transformers(trained, tmp_path):
+    export = trained(MOE_16_STEPS) / "export"  # test_moe_tiny's run
     with running_server(export, "serve.engine=vllm", "serve.dtype=float32", "serve.max_model_len=128",
                         "serve.cpu_kvcache_gib=1", log_path=tmp_path / "serve.log", startup_s=420) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)

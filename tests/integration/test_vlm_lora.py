@@ -15,9 +15,9 @@ import torch
 from omegaconf import OmegaConf
 
 from common.tools.launcher import spawn_ranks
-from data import prepare_llava
 from tests.conftest import load_script, run_train
-from tests.fixtures.lora import checkpoint_bytes, export_matches_end_of_run, fit_and_export, resumed_bitwise, tensors
+from tests.fixtures.lora import (checkpoint_bytes, export_matches_end_of_run, fit_and_export, resumed_bitwise, tensors,
+                                 vlm_overrides as overrides)
 from tests.fixtures import vlm as fx
 
 pytestmark = pytest.mark.integration
@@ -26,20 +26,8 @@ ADAPTED = 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vlm_lora")
-    raw = fx.write_llava_data(root / "raw", n_pretrain=0, n_instruct=64)
-    data = root / "instruct"
-    prepare_llava.build_llava(data, json_path=raw / "llava_instruct.json", images=raw / "images", train_shards=2,
-                              val_shards=1, val_fraction=0.05)
-    return {"base": fx.write_llava_hf(root / "llava_hf"), "data": data}
-
-
-def overrides(world: dict, run_dir: Path, *extra: str) -> list[str]:
-    return ["recipe=vlm_tiny", "finetune=lora", "data=llava", f"data.root={world['data']}", "data.num_workers=0",
-            "data.max_seq_len=256", f"model.init_from={world['base']}", "trainer.micro_batch_size=8",
-            "trainer.log_every=1", "trainer.progress_bar=false", "trainer.eval=false", "optim.lr=1e-2",
-            "optim.warmup_steps=0", f"run.dir={run_dir}", *extra]
+def world(vlm_lora_world):
+    return vlm_lora_world  # shared with test_vlm_lora_zero
 
 
 def probe(folder: Path) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from PIL import Image
-from transformers import (AutoConfig, CLIPVisionModel, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
+from transformers import (CLIPVisionModel, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
                           SiglipVisionModel)
 
 from common.data.packing import IGNORE_INDEX
