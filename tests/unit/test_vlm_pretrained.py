@@ -4,6 +4,8 @@ one line; conversations are labelled on the assistant turns exactly (checked aga
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from PIL import Image
@@ -135,8 +137,10 @@ def test_unusable_folders_are_one_line(parts, tmp_path):
     (["vlm.init_from={llava_hf}", "vlm.stage=align"], "model.init_from is for vlm.stage=finetune"),  # the old key
     (["vlm.init_from={llava_hf}", "model.init_from={vicuna}"], "vlm.init_from=.* and model.init_from=.* disagree"),
     (["vlm.train_vision=true", "vlm.stage=align"], "vlm.train_vision=true is for vlm.stage=finetune"),
-    # A quoted ~ (Hydra refuses a bare one): expanded, as the README's commands rely on.
-    (["vlm.vision_from='~/no/such/kiln/folder'", "vlm.language_from={vicuna}"], "vlm.vision_from=~/no/such/kiln/folder: no such folder"),
+    # A quoted ~ (and a bare one: common/launch.py parse_overrides): expanded, as the README's commands rely on; the
+    # line names the folder that was looked for.
+    (["vlm.vision_from='~/no/such/kiln/folder'", "vlm.language_from={vicuna}"],
+     f"vlm.vision_from={os.path.expanduser('~')}/no/such/kiln/folder: no such folder"),
 ])
 def test_source_mistakes_stop_at_composition(parts, overrides, needle):
     from common.launch import compose
