@@ -4,7 +4,7 @@
     python scripts/export.py RUN_DIR [--checkpoint step_N|PATH] [--out DIR] [--merge-lora] [--max-shard-size 1GB]
 
 The folder equals the end-of-run export of the same step, tensor for tensor. Without --out it is RUN_DIR/export when
-exporting the latest checkpoint of a run that has no export yet (a preempted run), else RUN_DIR/export/step_N: an
+exporting the latest checkpoint of a run that has no export yet (a preempted run), else RUN_DIR/exports/step_N: an
 export already there is never replaced unasked.
 
 LLM runs (DCP checkpoints, any parallel layout): a Hugging Face folder that loads with
@@ -68,10 +68,11 @@ def find_checkpoint(run_dir: Path, name: str) -> Path:
 
 def default_out(run_dir: Path, checkpoint: str, step: int) -> Path:
     """Where an export goes without --out: RUN_DIR/export for the run's latest checkpoint when the run has no export
-    yet (a preempted run), else RUN_DIR/export/step_N, beside what is there: the end-of-run export is never replaced
-    unasked (and neither is an earlier export/step_N: main refuses)."""
+    yet (a preempted run), else RUN_DIR/exports/step_N, beside it: the end-of-run export is never replaced unasked
+    (and neither is an earlier exports/step_N: main refuses). Not inside export/, which a resumed run that finishes
+    writes anew."""
     export = run_dir / "export"
-    return export if checkpoint == "auto" and not export.exists() else export / f"step_{step}"
+    return export if checkpoint == "auto" and not export.exists() else run_dir / "exports" / f"step_{step}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           "(default: the run's latest)")
     ap.add_argument("--out", type=Path, default=None,
                     help="replaced if it exists (default: RUN_DIR/export for the latest checkpoint of a run without an "
-                         "export, else RUN_DIR/export/step_N)")
+                         "export, else RUN_DIR/exports/step_N)")
     ap.add_argument("--merge-lora", action="store_true",
                     help="finetune=lora runs (LLM, VLM, DiT): also write the merged model in OUT/merged, as "
                          "export.merge_lora does")

@@ -215,14 +215,15 @@ def adapter_advice(folder: Path, key: str = "serve.model=") -> str:
 
 def default_served_name(export: Path) -> str:
     """The recipe that wrote the export: a DiT export's kiln.json names it, else the run's config.yaml, for
-    <run.dir>/export and the folders under it (export/merged, scripts/export.py's export/step_N); else the
-    folder name."""
+    <run.dir>/export and the folders under it (export/merged) and scripts/export.py's <run.dir>/exports/step_N; else
+    the folder name."""
     from omegaconf import OmegaConf
 
     info = export / "kiln.json"
     names = [json.loads(info.read_text()).get("recipe")] if info.exists() else []
     for run in (export.parent, export.parent.parent):
-        if export.is_relative_to(run / "export") and (run / "config.yaml").exists():
+        if (export.is_relative_to(run / "export") or export.is_relative_to(run / "exports")) \
+                and (run / "config.yaml").exists():
             names.append(OmegaConf.select(OmegaConf.load(run / "config.yaml"), "recipe.name", default=None))
     for name in names:
         if name and NAME.match(str(name)):

@@ -77,16 +77,16 @@ def test_dit_zero3_bf16_equals_the_end_of_run_export(runs, tmp_path, capsys):
     assert json.loads((tmp_path / "step2" / "kiln.json").read_text())["step"] == 2
     earlier = tensors(tmp_path / "step2" / "transformer")
     assert earlier.keys() == weights.keys() and not all(torch.equal(earlier[k], weights[k]) for k in weights)
-    # Without --out: beside the end-of-run export, in export/step_2; the export itself stays step 3's.
+    # Without --out: beside the end-of-run export, in exports/step_2; the export itself stays step 3's.
     code, err = export(capsys, run, "--checkpoint", "step_2")
     assert code == 0, err
-    beside = theirs / "step_2"
+    beside = run / "exports" / "step_2"
     assert_same_folder(beside, tmp_path / "step2", subfolders=("transformer",))
     assert json.loads((theirs / "kiln.json").read_text())["step"] == 3
     assert compare_export(ours / "transformer", theirs / "transformer") == {"same_keys": True, "bitwise": True}
     code, err = export(capsys, run, "--checkpoint", "step_2")  # nor is the step_2 export replaced unasked
     assert code == 2 and f"{beside} exists" in err and "--out DIR" in err and len(err.strip().splitlines()) == 1
-    shutil.rmtree(beside)  # the run stays as trained for the module's other tests
+    shutil.rmtree(beside.parent)  # the run stays as trained for the module's other tests
 
 
 def test_latent_dit_zero2_loads_in_dit_pipeline(runs, tmp_path, capsys):

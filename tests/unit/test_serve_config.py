@@ -412,10 +412,10 @@ def test_vllm_cpu_head_sizes_are_checked_before_it_starts(build, export, tmp_pat
 
 
 def test_served_name_is_the_recipe_for_folders_under_the_export(export, dit_export, tmp_path):
-    """A LoRA run's export/merged (and scripts/export.py's export/step_N) are the run's recipe; a DiT export's
+    """A LoRA run's export/merged (and scripts/export.py's exports/step_N) are the run's recipe; a DiT export's
     kiln.json names it wherever the folder is."""
-    for folder in (export / "merged", export / "step_2"):
-        folder.mkdir()
+    for folder in (export / "merged", export.parent / "exports" / "step_2"):
+        folder.mkdir(parents=True)
         assert default_served_name(folder) == "llm_tiny"
     merged = dit_export / "merged"
     merged.mkdir()
