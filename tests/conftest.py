@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.tools.launcher import DIST_VARS, REPO, TRAIN, run_train  # noqa: F401  (the tests' launcher: common/tools)
+from common.tools.launcher import DIST_VARS, REPO, TRAIN, preload, run_train  # noqa: F401  (the tests' launcher: common/tools)
+
+# Nothing is downloaded in a test: every process the suite starts (and the fork server's preloaded
+# huggingface_hub, which reads this once) runs offline.
+os.environ["HF_HUB_OFFLINE"] = "1"
+# run_train's and spawn_ranks' processes fork from a server that imported torch, transformers, diffusers and
+# DeepSpeed once (common/tools/launcher.py): the same entrypoint, without ~6 s of imports each.
+# KILN_TEST_PRELOAD=0 starts every one as a fresh interpreter instead.
+if os.environ.get("KILN_TEST_PRELOAD", "1") != "0":
+    preload()
 
 # Small, fast DiT runs: few steps, tiny eval, no progress bar.
 FAST_DIT = [
