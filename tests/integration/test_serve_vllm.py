@@ -32,9 +32,9 @@ NEW_TOKENS = 12
 
 
 @contextmanager
-def vllm_server(export, log, api_key=None):
+def vllm_server(export, log, api_key=None, *extra):
     env = {"KILN_API_KEY": api_key} if api_key else {}
-    with running_server(export, *VLLM, log_path=log, startup_s=420, env=env) as base:
+    with running_server(export, *VLLM, *extra, log_path=log, startup_s=420, env=env) as base:
         yield base, openai.OpenAI(base_url=f"{base}/v1", api_key=api_key or "unused", max_retries=0, timeout=300)
 
 
@@ -63,7 +63,9 @@ def hf_server(hf_export):
 
 @pytest.fixture(scope="module")
 def own_server(own_export, tmp_path_factory):
-    with vllm_server(own_export, tmp_path_factory.mktemp("own") / "serve.log", api_key=KEY) as (base, client):
+    # Eager (serve.enforce_eager): the hf server above runs vLLM's default torch.compile path, this one the other.
+    with vllm_server(own_export, tmp_path_factory.mktemp("own") / "serve.log", KEY, "serve.enforce_eager=true") as (
+            base, client):
         yield base, client, own_export
 
 

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.integration,
 def test_vllm_serves_a_moe_export_like_transformers(trained, tmp_path):
     export = trained(MOE_16_STEPS) / "export"  # test_moe_tiny's run
     with running_server(export, "serve.engine=vllm", "serve.dtype=float32", "serve.max_model_len=128",
-                        "serve.cpu_kvcache_gib=1", log_path=tmp_path / "serve.log", startup_s=420) as base:
+                        "serve.cpu_kvcache_gib=1", "serve.enforce_eager=true", log_path=tmp_path / "serve.log", startup_s=420) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
         answers = [token_ids(client.completions.create(model="moe_tiny", prompt=p, max_tokens=NEW_TOKENS,
                                                        temperature=0, **IDS)) for p in PROMPTS]

@@ -23,7 +23,9 @@ openai = pytest.importorskip("openai", reason="needs the serve extra: pip instal
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(serve_env() is None, reason="needs vLLM's environment: make serve-env (.venv-serve)")]
 
-VLLM = ["serve.engine=vllm", "serve.dtype=float32", "serve.max_model_len=128", "serve.cpu_kvcache_gib=1"]
+# Eager: test_serve_vllm's hf server covers vLLM's torch.compile start.
+VLLM = ["serve.engine=vllm", "serve.dtype=float32", "serve.max_model_len=128", "serve.cpu_kvcache_gib=1",
+        "serve.enforce_eager=true"]
 QUESTION = "What digit is this?"
 NEW_TOKENS = 8
 

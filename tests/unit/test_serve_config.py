@@ -156,6 +156,9 @@ def test_vllm_command_line(export, tmp_path):
     # max_model_len=0 leaves it to vLLM (the model's max_position_embeddings); no template when the export has one
     assert "--max-model-len" not in vllm_command(ServeSection(model="x"), export, "n", None)
     assert "--chat-template" not in vllm_command(ServeSection(model="x"), export, "n", None)
+    # serve.enforce_eager: vLLM without torch.compile
+    assert "--enforce-eager" not in vllm_command(ServeSection(model="x"), export, "n", None)
+    assert vllm_command(ServeSection(model="x", enforce_eager=True), export, "n", None)[-1] == "--enforce-eager"
 
 
 def test_dry_run_prints_the_vllm_command_without_vllm(export, tmp_path):
