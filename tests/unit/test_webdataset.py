@@ -470,3 +470,34 @@ def test_global_stream_resumes_in_another_layout(shards):
                                           strict=True)):
             whole = reference[done + step]
             assert interleave([a[0][0], b[0][0]]) == [i for ids, _ in whole for i in ids]
+
+
+def _wire_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"ids": torch.randint(0, 1000, (4, 33), generator=g), "bf16": torch.randn(3, 5, generator=g).bfloat16(),
+            "mask": torch.rand(7, generator=g) > 0.5, "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+            "cu": torch.tensor([0, 3, 9], dtype=torch.int32), "strided": torch.arange(24.0).view(4, 6).t(),
+            "big": torch.randn(300, 1000, generator=g)}  # 1.2 MB: over INLINE_BYTES, through shared memory
+
+
+class _WireStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        from multiprocessing.reduction import ForkingPickler
+
+        tensors = _wire_tensors()
+        yield {"tensors": tensors, "pickled": {k: len(ForkingPickler.dumps(t)) for k, t in tensors.items()}}
+
+
+def test_loader_workers_send_small_tensors_by_value_and_equal():
+    """A worker's small tensors travel inside the pickled message (no shared-memory handover each), the big one
+    through shared memory; every one arrives equal in dtype, shape and bits."""
+    from common.data.webdataset import INLINE_BYTES, _init_worker
+
+    loader = torch.utils.data.DataLoader(_WireStream(), batch_size=None, num_workers=1, worker_init_fn=_init_worker)
+    (item,) = list(loader)
+    for name, want in _wire_tensors().items():
+        got = item["tensors"][name]
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
+        nbytes = want.numel() * want.element_size()
+        inline = item["pickled"][name] >= nbytes
+        assert inline == (nbytes <= INLINE_BYTES) or nbytes == 0, (name, item["pickled"][name], nbytes)
