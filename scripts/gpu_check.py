@@ -306,7 +306,7 @@ def throughput(check: Check, steps: int) -> dict:
 def dit_2b_inputs(check: Check) -> list[str]:
     """dit_2b's inputs, made offline: a random VAE shaped like sd-vae-ft-mse (its widths too, so its encode costs what
     the real one does) and sklearn digits upscaled to 256x256 RGB, as image shards."""
-    from tests.fixtures.dit import make_image_folder, make_vae
+    from common.tools.fixtures import make_image_folder, make_vae
 
     root = check.out / "dit_2b_inputs"
     vae = make_vae(root / "vae", block_out_channels=(128, 256, 512, 512))
