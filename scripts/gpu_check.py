@@ -319,15 +319,15 @@ def dit_2b_inputs(check: Check) -> list[str]:
 
 
 def bare_llm_row(rows: int, compiled: bool, steps: int, planned: float | None) -> dict:
-    """A hand-written step of the same ~1B Llama (fp32 weights under bf16 autocast, as Kiln's LLM
-    runs on one GPU): packed rows with a block-diagonal causal mask for SDPA, token-mean cross
-    entropy, backward, clip, AdamW. Timed with CUDA events after warm-up."""
+    """The overhead benchmark's hand-written step (scripts/benchmarks/overhead.py `bare_step`) on the same ~1B
+    Llama (fp32 weights under bf16 autocast, as Kiln's LLM runs on one GPU): packed rows with a block-diagonal
+    causal mask for SDPA, token-mean cross entropy, backward, clip, AdamW. Timed with CUDA events after warm-up."""
     import torch
-    import torch.nn.functional as F
 
     from common.data.packing import pack_samples
     from common.flops import count_step_flops, mfu, peak_flops
     from recipes.llm.model import LlamaArgs, Transformer
+    from scripts.benchmarks.overhead import bare_step
 
     seq, vocab = 4096, 2048
     args = LlamaArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=8192, vocab_size=vocab, max_seq_len=seq)
@@ -336,7 +336,6 @@ def bare_llm_row(rows: int, compiled: bool, steps: int, planned: float | None) -
     torch.cuda.reset_peak_memory_stats()
     eager = Transformer(args).to(device)
     eager.init_weights(seed=0)
-    model = eager
     opt = torch.optim.AdamW(eager.parameters(), lr=3e-4, weight_decay=0.1)
     gen = torch.Generator().manual_seed(0)
     lengths = [int(n) for n in torch.randint(256, seq, (4 * rows,), generator=gen)]  # documents, FFD-packed
@@ -345,19 +344,10 @@ def bare_llm_row(rows: int, compiled: bool, steps: int, planned: float | None) -
     inputs = packed.model_inputs("sdpa", device=device)
     inputs = {k: v[:rows] for k, v in inputs.items()}  # exactly `rows` full rows, like Kiln's median step
 
-    def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(inputs["input_ids"], position_ids=inputs["position_ids"], attn_mask=inputs["attention_mask"])
-        labels = inputs["labels"][:, 1:]
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    _, flops = count_step_flops(step)  # on the eager model: the counter's dispatch mode and compile do not mix
+    step = bare_step(eager, opt, grad_clip=1.0, autocast=torch.bfloat16)
+    _, flops = count_step_flops(step, inputs)  # on the eager model: the counter's dispatch mode and compile do not mix
     if compiled:
-        model = torch.compile(eager)
+        step = bare_step(torch.compile(eager), opt, grad_clip=1.0, autocast=torch.bfloat16)
     try:
         peak = peak_flops(device, "bf16")
     except ValueError:  # a GPU without a datasheet row: no MFU
@@ -366,7 +356,7 @@ def bare_llm_row(rows: int, compiled: bool, steps: int, planned: float | None) -
     for i in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step()
+        step(inputs)
         end.record()
         torch.cuda.synchronize()
         if i >= WARMUP_STEPS:
