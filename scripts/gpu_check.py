@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The first command on a GPU node (make gpu-check): versions, gpu tests, the tiny recipes on CUDA, throughput and MFU.
 
-    python scripts/gpu_check.py [--out outputs/gpu_check] [--only versions,tests,recipes,throughput] [--steps 30]
+    python scripts/gpu_check.py [--out outputs/gpu_check] [--only versions,tests,recipes,throughput,fp8,dit_mfu]
+                                [--steps 30]
 
 Without a CUDA GPU it stops with one line (exit 2). With one:
   versions    torch, CUDA, driver, GPU, transformers, diffusers, deepspeed, torchao, vllm, tensorrt
@@ -11,6 +12,9 @@ Without a CUDA GPU it stops with one line (exit 2). With one:
   throughput  a Kiln LLM of ~1B parameters on packed 4,096-token rows (toggles.attention flash / sdpa,
               toggles.compile off / on) beside a bare PyTorch step of the same model, and dit_2b; steps/s,
               tokens/s, MFU, peak memory beside scripts/plan.py's prediction
+  fp8         the ~1B LLM in fp8 (toggles.precision=fp8: torchao float8 training linears) beside bf16, same seed
+              and batches: loss parity and tokens/s (skipped, with Kiln's one-line reason, on a GPU without fp8)
+  dit_mfu     dit_xl2 (the DiT paper's XL/2) and dit_2b on 256x256 images: steps/s, images/s, TFLOP/s, MFU, memory
 Targets are printed, not asserted. Each section reports its own failure; the others go on.
 Writes OUT/report.md and OUT/report.json (subprocess logs under OUT/logs).
 """
@@ -18,6 +22,7 @@ Writes OUT/report.md and OUT/report.json (subprocess logs under OUT/logs).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.metadata
 import json
 import os
@@ -34,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.benchmarks.report import md_table  # noqa: E402
 
-SECTIONS = ("versions", "tests", "recipes", "throughput")
+SECTIONS = ("versions", "tests", "recipes", "throughput", "fp8", "dit_mfu")
 PACKAGES = ("transformers", "diffusers", "deepspeed", "torchao", "accelerate", "onnxruntime", "vllm", "tensorrt")
 # Eval bars of the tiny recipes' default runs (chance is 0.1 for both): vlm_tiny reached 0.82 held-out
 # accuracy on CPU in fp32; bf16 on a GPU should not lose more than a little of it. The DiT's generated
@@ -44,11 +49,14 @@ EVAL_BARS = {"dit_tiny": ("mean_accuracy", 0.95), "vlm_tiny": ("accuracy", 0.7)}
 LLM_1B = ["recipe=llm_tiny", "model.dim=2048", "model.n_layers=16", "model.n_heads=16", "model.n_kv_heads=8",
           "model.ffn_dim=8192", "model.max_seq_len=4096", "data.max_seq_len=4096", "trainer.micro_batch_size=16",
           "toggles.precision=bf16", "toggles.tf32=true", "toggles.activation_checkpointing=none"]
-DIT_2B = ["recipe=dit_2b"]
+DIT_MFU = ("dit_xl2", "dit_2b")  # the DiT recipes the dit_mfu section measures, on the same offline 256 px inputs
 MEASURE = ["trainer.progress_bar=false", "trainer.log_every=1", "trainer.eval=false", "trainer.sample_every=0",
            "checkpoint.every=0", "checkpoint.final=false", "profile.count_flops=true"]
 TARGET_BARE_RATIO = 1.03  # Kiln's LLM step time / the bare step's, same model and tokens
 TARGET_MFU = 0.40  # of the dense bf16 datasheet peak, ~1B LLM on an H100
+# fp8 vs bf16: a chosen bar, not a measurement. Dynamic-scaling float8 training is reported (torchao, torchtitan) to
+# follow the bf16 loss curve; the mean loss of the steps after warm-up within 1% of bf16's says it does here too.
+TARGET_FP8_LOSS_REL = 0.01
 WARMUP_STEPS = 5  # steps dropped before medians: the FLOP-counted first step, allocator and compile warm-up
 
 # Runs scripts/train.py in this process and writes the CUDA allocator's peak at exit: the runs are
@@ -114,6 +122,42 @@ def kiln_llm_row(name: str, records: list[dict], peak: dict | None, planned: flo
             "peak_bytes": (peak or {}).get("max_allocated"), "planned_bytes": planned}
 
 
+def llm_1b(steps: int, attention: str = "sdpa", compiled: bool = True, precision: str = "bf16") -> list[str]:
+    """The overrides of one measured ~1B LLM run: throughput's flash/sdpa x compile grid and fp8's pair share them,
+    so Check.train trains a run both sections name only once."""
+    size = [o for o in LLM_1B if not o.startswith("toggles.precision=")]
+    return [*size, f"toggles.precision={precision}", *MEASURE, f"trainer.max_steps={steps}",
+            f"toggles.attention={attention}", f"toggles.compile={compiled}"]
+
+
+def fp8_unavailable() -> str | None:
+    """Why toggles.precision=fp8 cannot run here (Kiln's own one-line refusal: no GPU with fp8 tensor cores, no
+    torchao), or None."""
+    from common.config import TogglesConfig
+    from common.errors import ConfigError
+    from common.toggles import check_toggles
+
+    try:
+        check_toggles(TogglesConfig(precision="fp8"))
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def loss_parity(reference: list[dict], other: list[dict], warmup: int = WARMUP_STEPS) -> dict:
+    """Two runs of the same seed and batches: the relative gap of their mean losses over the steps after warm-up,
+    and the largest per-step relative gap there."""
+    ref = {r["step"]: r["loss"] for r in reference if r.get("step", 0) > warmup and isinstance(r.get("loss"), float)}
+    got = {r["step"]: r["loss"] for r in other if r.get("step", 0) > warmup and isinstance(r.get("loss"), float)}
+    steps = sorted(ref.keys() & got.keys())
+    if not steps:
+        raise ValueError("no common logged steps after warm-up")
+    mean_ref, mean_got = statistics.fmean(ref[s] for s in steps), statistics.fmean(got[s] for s in steps)
+    return {"steps": len(steps), "loss_ref": mean_ref, "loss": mean_got,
+            "mean_rel": abs(mean_got - mean_ref) / mean_ref,
+            "max_step_rel": max(abs(got[s] - ref[s]) / ref[s] for s in steps)}
+
+
 def throughput_table(rows: list[dict]) -> str:
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
@@ -135,6 +179,8 @@ class Check:
         self.out, self.logs = out, out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.data: dict = {"sections": {}}
+        self.trained: dict[tuple, tuple[list[dict], dict | None]] = {}  # overrides -> results: each run trains once
+        self.inputs: dict[str, list[str]] = {}  # the offline inputs built so far (dit_inputs)
         self.md: list[str] = ["# Kiln GPU check", ""]
 
     def section(self, name: str, fn) -> None:
@@ -157,9 +203,12 @@ class Check:
         return proc
 
     def train(self, name: str, overrides: list[str], timeout: float = 3600) -> tuple[list[dict], dict | None]:
-        """scripts/train.py (through PEAK_WRAPPER) into OUT/runs/NAME: (metrics records, peak memory)."""
+        """scripts/train.py (through PEAK_WRAPPER) into OUT/runs/NAME: (metrics records, peak memory). A run with the
+        same overrides as one this check already trained is not trained again (sections share runs)."""
         from common.metrics import read_metrics
 
+        if (key := tuple(overrides)) in self.trained:
+            return self.trained[key]
         run_dir, peak_file = self.out / "runs" / name, self.logs / f"{name}.peak.json"
         peak_file.unlink(missing_ok=True)
         proc = self.run(name, [sys.executable, "-c", PEAK_WRAPPER, "scripts/train.py", *overrides, f"run.dir={run_dir}",
@@ -169,7 +218,8 @@ class Check:
             why = next((line for line in lines if line.startswith("kiln: error:")), lines[-1] if lines else "")
             raise RuntimeError(f"{why.removeprefix('kiln: error: ') or f'exit {proc.returncode}'} (log: {name}.log)")
         peak = json.loads(peak_file.read_text()) if peak_file.exists() else None
-        return read_metrics(run_dir / "metrics.jsonl"), peak
+        self.trained[key] = read_metrics(run_dir / "metrics.jsonl"), peak
+        return self.trained[key]
 
     def plan(self, name: str, overrides: list[str]) -> dict:
         proc = self.run(f"plan_{name}", [sys.executable, "scripts/plan.py", *overrides, "cluster.gpus=1",
@@ -247,14 +297,13 @@ def throughput(check: Check, steps: int) -> dict:
 
     from common.flops import PEAK_TFLOPS, gpu_model
 
-    run = [*MEASURE, f"trainer.max_steps={steps}"]
     rows = []
     for attention in ("flash", "sdpa"):
         for compiled in (False, True):
             name = f"Kiln LLM ~1B, attention={attention}, compile={'on' if compiled else 'off'}"
             try:
                 records, peak = check.train(f"llm_1b_{attention}_{'compile' if compiled else 'eager'}",
-                                            [*LLM_1B, *run, f"toggles.attention={attention}", f"toggles.compile={compiled}"])
+                                            llm_1b(steps, attention, compiled))
                 rows.append(kiln_llm_row(name, records, peak, None))
             except Exception as exc:  # e.g. a config error: the path does not exist (yet)
                 rows.append({"run": name, "error": str(exc)})
@@ -268,8 +317,8 @@ def throughput(check: Check, steps: int) -> dict:
         row["planned_bytes"] = llm_plan if "error" not in row else None
     # dit_2b before the bare steps: those run in this process, whose CUDA memory the next subprocess would lack.
     try:
-        dit = [*DIT_2B, *dit_2b_inputs(check)]
-        records, peak = check.train("dit_2b", [*dit, *run])
+        dit = ["recipe=dit_2b", *dit_inputs(check)]
+        records, peak = check.train("dit_2b", dit_run("dit_2b", check, steps))
         dit_plan = planned_bytes(check.plan("dit_2b", dit), "full")  # one rank: ZeRO has nothing to partition
         rows.append({"run": "Kiln dit_2b (bf16, ZeRO-2, full AC)", "step_time_s": median_after_warmup(records, "step_time_s"),
                      "mfu": median_after_warmup(records, "mfu"), "peak_bytes": (peak or {}).get("max_allocated"),
@@ -282,6 +331,11 @@ def throughput(check: Check, steps: int) -> dict:
             rows.append(bare_llm_row(rows_per_step, compiled, steps, llm_plan))
         except Exception as exc:
             rows.append({"run": f"bare PyTorch step, compile={'on' if compiled else 'off'}", "error": str(exc)})
+    # The bare steps' model, optimizer state and compiled graphs die here: hand their CUDA memory back, so that the
+    # sections after this one (subprocesses) have the whole GPU.
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
     targets = []
     for compiled in ("off", "on"):
         kiln = next((r for r in rows if r["run"] == f"Kiln LLM ~1B, attention=sdpa, compile={compiled}" and "error" not in r), None)
@@ -303,11 +357,14 @@ def throughput(check: Check, steps: int) -> dict:
     return {"rows": rows, "targets": targets}
 
 
-def dit_2b_inputs(check: Check) -> list[str]:
-    """dit_2b's inputs, made offline: a random VAE shaped like sd-vae-ft-mse (its widths too, so its encode costs what
-    the real one does) and sklearn digits upscaled to 256x256 RGB, as image shards."""
-    from tests.fixtures.dit import make_image_folder, make_vae
+def dit_inputs(check: Check) -> list[str]:
+    """The 256 px DiT recipes' inputs (dit_2b, dit_xl2), made offline once per check: a random VAE shaped like
+    sd-vae-ft-mse (its widths too, so its encode costs what the real one does) and sklearn digits upscaled to
+    256x256 RGB, as image shards."""
+    from common.tools.fixtures import make_image_folder, make_vae
 
+    if "dit" in check.inputs:
+        return check.inputs["dit"]
     root = check.out / "dit_2b_inputs"
     vae = make_vae(root / "vae", block_out_channels=(128, 256, 512, 512))
     images = make_image_folder(root / "images", classes=4, per_class=64, size=256, corrupt=False)
@@ -315,19 +372,88 @@ def dit_2b_inputs(check: Check) -> list[str]:
                                         "--out", str(root / "shards"), "--image-size", "256"])
     if proc.returncode != 0:
         raise RuntimeError(f"data.prepare_images: {proc.stderr.strip()[-300:]}")
-    return [f"diffusion.vae={vae}", f"data.root={root / 'shards'}"]
+    check.inputs["dit"] = [f"diffusion.vae={vae}", f"data.root={root / 'shards'}"]
+    return check.inputs["dit"]
+
+
+def dit_run(recipe: str, check: Check | None, steps: int, inputs: list[str] | None = None) -> list[str]:
+    """The overrides of one measured DiT run on dit_inputs (or `inputs`): throughput and dit_mfu share dit_2b's."""
+    return [f"recipe={recipe}", *(dit_inputs(check) if inputs is None else inputs), *MEASURE,
+            f"trainer.max_steps={steps}"]
+
+
+def fp8(check: Check, steps: int) -> dict:
+    """The ~1B LLM (sdpa, compiled: float8's casts want fusing) in bf16 and in fp8, same seed and batches."""
+    if (why := fp8_unavailable()) is not None:
+        check.md += ["## fp8 vs bf16 (~1B LLM)", "", f"skipped: {why}", ""]
+        return {"skipped": why}
+    rows, runs = [], {}
+    for precision in ("bf16", "fp8"):
+        name = f"Kiln LLM ~1B, {precision}, sdpa, compile=on"
+        try:
+            runs[precision], peak = check.train(f"llm_1b_sdpa_compile{'_fp8' if precision == 'fp8' else ''}",
+                                                llm_1b(steps, precision=precision))
+            row = kiln_llm_row(name, runs[precision], peak, None)
+            row["tflops"] = median_after_warmup(runs[precision], "achieved_tflops")
+            rows.append(row)
+        except Exception as exc:
+            rows.append({"run": name, "error": str(exc)})
+    result: dict = {"rows": rows}
+    targets = []
+    if len(runs) == 2:
+        parity = loss_parity(runs["bf16"], runs["fp8"])
+        result["parity"] = parity
+        targets.append([f"fp8 mean loss within {TARGET_FP8_LOSS_REL:.0%} of bf16 (steps {WARMUP_STEPS + 1}-{steps})",
+                        f"{parity['mean_rel']:.2%} ({parity['loss']:.4f} vs {parity['loss_ref']:.4f}; largest step "
+                        f"gap {parity['max_step_rel']:.2%})", "met" if parity["mean_rel"] <= TARGET_FP8_LOSS_REL
+                        else "**NOT met**"])
+        bf16, fp8_row = rows
+        if bf16.get("tokens_per_s") and fp8_row.get("tokens_per_s"):
+            result["speedup"] = fp8_row["tokens_per_s"] / bf16["tokens_per_s"]
+            targets.append(["fp8 tokens/s over bf16's", f"{result['speedup']:.3f}x", ""])
+    check.md += ["## fp8 vs bf16 (~1B LLM)", "", "torchao float8 training linears (dynamic scaling) where dims are "
+                 "multiples of 16; MFU against the datasheet peak of the run's precision.", "", throughput_table(rows),
+                 "", md_table(["target", "measured", ""], targets), ""]
+    return result
+
+
+def dit_mfu(check: Check, steps: int) -> dict:
+    """MFU of the DiT recipes on one GPU (DIT_MFU), from their own metrics (profile.count_flops)."""
+    rows = []
+    for recipe in DIT_MFU:
+        try:
+            records, peak = check.train(recipe, dit_run(recipe, check, steps))
+            rows.append({"run": f"Kiln {recipe}", "step_time_s": median_after_warmup(records, "step_time_s"),
+                         "samples_per_s": median_after_warmup(records, "samples_per_s"),
+                         "tflops": median_after_warmup(records, "achieved_tflops"),
+                         "mfu": median_after_warmup(records, "mfu"), "peak_bytes": (peak or {}).get("max_allocated")})
+        except Exception as exc:
+            rows.append({"run": f"Kiln {recipe}", "error": str(exc)})
+    check.md += ["## DiT MFU", "", f"256x256 images (4x32x32 latents), the recipes' own micro-batch, precision and "
+                 f"ZeRO stage on one GPU; medians of steps {WARMUP_STEPS + 1}-{steps}.", "", dit_table(rows), ""]
+    return {"rows": rows}
+
+
+def dit_table(rows: list[dict]) -> str:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    return md_table(["run", "step s", "images/s", "TFLOP/s", "MFU", "peak memory"], [
+        [r["run"], num(r.get("step_time_s"), ".4f"), num(r.get("samples_per_s"), ",.1f"), num(r.get("tflops"), ".1f"),
+         num(r.get("mfu"), ".1%"), gib(r.get("peak_bytes"))] if "error" not in r
+        else [r["run"], f"not available: {r['error']}", "", "", "", ""] for r in rows])
 
 
 def bare_llm_row(rows: int, compiled: bool, steps: int, planned: float | None) -> dict:
-    """A hand-written step of the same ~1B Llama (fp32 weights under bf16 autocast, as Kiln's LLM
-    runs on one GPU): packed rows with a block-diagonal causal mask for SDPA, token-mean cross
-    entropy, backward, clip, AdamW. Timed with CUDA events after warm-up."""
+    """The overhead benchmark's hand-written step (scripts/benchmarks/overhead.py `bare_step`) on the same ~1B
+    Llama (fp32 weights under bf16 autocast, as Kiln's LLM runs on one GPU): packed rows with a block-diagonal
+    causal mask for SDPA, token-mean cross entropy, backward, clip, AdamW. Timed with CUDA events after warm-up."""
     import torch
-    import torch.nn.functional as F
 
     from common.data.packing import pack_samples
     from common.flops import count_step_flops, mfu, peak_flops
     from recipes.llm.model import LlamaArgs, Transformer
+    from scripts.benchmarks.overhead import bare_step
 
     seq, vocab = 4096, 2048
     args = LlamaArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=8192, vocab_size=vocab, max_seq_len=seq)
@@ -336,7 +462,6 @@ def bare_llm_row(rows: int, compiled: bool, steps: int, planned: float | None) -
     torch.cuda.reset_peak_memory_stats()
     eager = Transformer(args).to(device)
     eager.init_weights(seed=0)
-    model = eager
     opt = torch.optim.AdamW(eager.parameters(), lr=3e-4, weight_decay=0.1)
     gen = torch.Generator().manual_seed(0)
     lengths = [int(n) for n in torch.randint(256, seq, (4 * rows,), generator=gen)]  # documents, FFD-packed
@@ -345,19 +470,10 @@ def bare_llm_row(rows: int, compiled: bool, steps: int, planned: float | None) -
     inputs = packed.model_inputs("sdpa", device=device)
     inputs = {k: v[:rows] for k, v in inputs.items()}  # exactly `rows` full rows, like Kiln's median step
 
-    def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(inputs["input_ids"], position_ids=inputs["position_ids"], attn_mask=inputs["attention_mask"])
-        labels = inputs["labels"][:, 1:]
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    _, flops = count_step_flops(step)  # on the eager model: the counter's dispatch mode and compile do not mix
+    step = bare_step(eager, opt, grad_clip=1.0, autocast=torch.bfloat16)
+    _, flops = count_step_flops(step, inputs)  # on the eager model: the counter's dispatch mode and compile do not mix
     if compiled:
-        model = torch.compile(eager)
+        step = bare_step(torch.compile(eager), opt, grad_clip=1.0, autocast=torch.bfloat16)
     try:
         peak = peak_flops(device, "bf16")
     except ValueError:  # a GPU without a datasheet row: no MFU
@@ -366,7 +482,7 @@ def bare_llm_row(rows: int, compiled: bool, steps: int, planned: float | None) -
     for i in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step()
+        step(inputs)
         end.record()
         torch.cuda.synchronize()
         if i >= WARMUP_STEPS:
@@ -402,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
 
     check = Check(args.out)
     steps = {"versions": versions, "tests": gpu_tests, "recipes": recipes,
-             "throughput": lambda c: throughput(c, args.steps)}
+             "throughput": lambda c: throughput(c, args.steps), "fp8": lambda c: fp8(c, args.steps),
+             "dit_mfu": lambda c: dit_mfu(c, args.steps)}
     for name in SECTIONS:
         if name in only:
             check.section(name, steps[name])

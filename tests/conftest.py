@@ -46,7 +46,8 @@ def trained(tmp_path_factory):
 def latent_dit_data(tmp_path_factory):
     """`latent_dit_data(image_size)` -> {"vae", "shards"}: one small random VAE (it halves images) and the image
     shards of tests/fixtures/dit.py's IMAGE_SETS, each built once per session for the latent DiT tests."""
-    from tests.fixtures.dit import make_image_shards, make_vae
+    from common.tools.fixtures import make_vae
+    from tests.fixtures.dit import make_image_shards
 
     root = tmp_path_factory.mktemp("latent_dit")
     vae = make_vae(root / "sd-vae-ft-mse", block_out_channels=(16, 32))

@@ -3,14 +3,12 @@ schemas (recipes/vlm/schema.py) registered with Hydra, and the composed config v
 
 from __future__ import annotations
 
-import os
-
 from hydra.core.config_store import ConfigStore
 
 from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.errors import ConfigError
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig
-from recipes.vlm.sources import weight_source
+from recipes.vlm.sources import llava_folder, weight_source
 
 # finetune=lora (common/lora.py): the language model's linears an adapter may target, all of them by default
 # (transformers' Llama names); the projector still trains in full, the vision tower stays frozen.
@@ -24,8 +22,60 @@ def register() -> None:
     cs.store(group="vlm", name="vlm_schema", node=VLMConfig)
 
 
+# model.* keys a LLaVA's config sets: model key -> (LlavaConfig's section, its name there). With model.init_from
+# they come from the checkpoint, as the DiT's and the LLM's model.* keys do from theirs.
+CHECKPOINT_KEYS = {
+    "image_size": ("vision_config", "image_size"),
+    "patch_size": ("vision_config", "patch_size"),
+    "vision_hidden_size": ("vision_config", "hidden_size"),
+    "vision_layers": ("vision_config", "num_hidden_layers"),
+    "vision_heads": ("vision_config", "num_attention_heads"),
+    "vision_intermediate_size": ("vision_config", "intermediate_size"),
+    "vision_feature_layer": ("", "vision_feature_layer"),
+    "vision_feature_select_strategy": ("", "vision_feature_select_strategy"),
+    "text_hidden_size": ("text_config", "hidden_size"),
+    "text_layers": ("text_config", "num_hidden_layers"),
+    "text_heads": ("text_config", "num_attention_heads"),
+    "text_kv_heads": ("text_config", "num_key_value_heads"),
+    "text_intermediate_size": ("text_config", "intermediate_size"),
+    "max_position_embeddings": ("text_config", "max_position_embeddings"),
+    "vocab_size": ("text_config", "vocab_size"),
+    "rope_theta": ("text_config", "rope_theta"),
+}
+TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}  # vision_config.model_type -> model.vision
+
+
+def checkpoint_values(folder) -> dict[str, tuple[str, object]]:
+    """model key -> (where the LLaVA's config holds it, its value), for the keys the config sets."""
+    from transformers import AutoConfig  # imported only for init_from runs
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    values = {}
+    if (tower := TOWERS.get(config.vision_config.model_type)) is not None:
+        values["vision"] = ("vision_config.model_type", tower)
+    for key, (section, name) in CHECKPOINT_KEYS.items():
+        owner = getattr(config, section) if section else config
+        value = getattr(owner, name, None)
+        if name == "rope_theta" and value is None:  # transformers 5 keeps it in rope_parameters
+            value = (getattr(owner, "rope_parameters", None) or {}).get("rope_theta")
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):  # a list of feature layers: not a key
+            values[key] = (f"{section}.{name}" if section else name, value)
+    return values
+
+
 def complete(cfg: TrainConfig, command_line: set[str]) -> None:
-    """Nothing to fill from files here: the LLaVA's config is read from its folders when the model is built."""
+    """With model.init_from: the model.* keys from the LLaVA's config, in place (config.yaml and the logs show the
+    model that trains); a key given on the command line that disagrees stops the run, as in the DiT and the LLM.
+    Otherwise the LLaVA's config is read from its folders when the model is built."""
+    m = cfg.model
+    if not isinstance(m, VLMModelConfig) or not m.init_from:
+        return
+    folder = llava_folder(m.init_from)
+    for key, (name, value) in checkpoint_values(folder).items():
+        if f"model.{key}" in command_line and getattr(m, key) != value:
+            raise ConfigError(f"model.{key}={getattr(m, key)} disagrees with model.init_from={m.init_from}, whose "
+                              f"config.json gives {name}={value}; leave model.{key} out of the command line")
+        setattr(m, key, value)
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -44,7 +94,6 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"vlm.stage={v.stage!r} is not allowed; choose align or finetune")
     if v.train_vision and v.stage == "align":
         raise ConfigError("vlm.train_vision=true is for vlm.stage=finetune (align trains the projector only)")
-    rename_init_from(m, v)
     if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
         raise ConfigError("finetune=lora trains an adapter on a LLaVA checkpoint: set model.init_from=<a llava-hf folder or "
                           "an align run> (vlm.stage=align from vlm.vision_from + vlm.language_from makes one)")
@@ -56,16 +105,3 @@ def validate(cfg: TrainConfig) -> None:
                           data=VLMDataConfig, datasets="vlm_digits or llava (image-conversation shards)")
     if cfg.data.max_seq_len <= 0:
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")
-
-
-def rename_init_from(m: VLMModelConfig, v: VLMConfig) -> None:
-    """vlm.init_from is model.init_from's old name (the LLM's spelling): it is moved there, with one line on
-    rank 0, until the next release."""
-    if not v.init_from:
-        return
-    if m.init_from and m.init_from != v.init_from:
-        raise ConfigError(f"vlm.init_from={v.init_from} and model.init_from={m.init_from} disagree: vlm.init_from is the "
-                          "old name of model.init_from; give model.init_from only")
-    m.init_from, v.init_from = v.init_from, ""
-    if os.environ.get("RANK", "0") == "0":
-        print("kiln: vlm.init_from is now model.init_from (the old key works until the next release)", flush=True)

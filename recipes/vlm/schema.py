@@ -32,9 +32,9 @@ class VLMModelConfig:
     max_position_embeddings: int = 512
     vocab_size: int = 0  # 0: the size of the data's tokenizer
     rope_theta: float = 10000.0
-    # A LLaVA to continue from (its config.json decides the architecture; `model.*` above do not apply): an
-    # align run (dir or export) or a llava-hf folder. Empty: built from vlm.vision_from + vlm.language_from,
-    # or fresh weights shaped by `model.*` (recipes/vlm/sources.py).
+    # A LLaVA to continue from (its config.json decides the architecture: `model.*` above are read from it, and one
+    # given on the command line must agree): an align run (dir or export) or a llava-hf folder. Empty: built from
+    # vlm.vision_from + vlm.language_from, or fresh weights shaped by `model.*` (recipes/vlm/sources.py).
     init_from: str = ""
 
 
@@ -46,7 +46,6 @@ TOWER_DEFAULTS = {"clip": (-2, "default"), "siglip": (-1, "full")}
 class VLMConfig:
     stage: str = "finetune"  # align: projector only | finetune: projector + language model
     # Where the weights come from (with model.init_from; all empty: fresh weights shaped by `model.*`, the digits demo):
-    init_from: str = ""  # the old name of model.init_from: copied there by recipes/vlm/config.py until the next release
     vision_from: str = ""  # a CLIP / SigLIP folder (vision model or the whole dual encoder) + its image processor
     language_from: str = ""  # a *ForCausalLM folder (Llama family) + its tokenizer
     train_vision: bool = False  # finetune: train the vision tower too (LLaVA keeps it frozen)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -19,10 +20,33 @@ from scripts.benchmarks.report import Section, Target, md_table, median, ms, say
 TARGET_OVERHEAD = 1.03  # Kiln loop iteration / bare PyTorch step
 
 
+def bare_step(model, opt, *, grad_clip: float | None, sched=None, autocast: torch.dtype | None = None):
+    """A hand-written training step of a Kiln Llama on packed rows (`PackedBatch.model_inputs("sdpa")`): forward
+    (under `autocast` when given), token-mean cross-entropy, backward, clip, optimizer and LR step; returns the
+    loss, detached. It shares none of Kiln's step code: it is the reference that this section and
+    scripts/gpu_check.py's bare row (the ~1B model on a GPU) measure Kiln's step against."""
+    def step(inputs: dict) -> torch.Tensor:
+        device = inputs["input_ids"].device.type
+        with torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext():
+            logits = model(inputs["input_ids"], position_ids=inputs["position_ids"], attn_mask=inputs["attention_mask"])
+        labels = inputs["labels"][:, 1:]
+        loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                                   reduction="sum")
+        loss = loss_sum / (labels != -100).sum().clamp(min=1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def bare_llm(trainer):
-    """A hand-written copy of what llm_tiny's step computes, on its own model with the same initial
-    weights: pack, forward, token-mean cross-entropy, backward, clip, AdamW, LR schedule. The reference
-    the overhead is measured against, so it shares none of Kiln's step code."""
+    """What llm_tiny's step computes, by hand (`bare_step`), on its own model with the same initial
+    weights: pack, forward, token-mean cross-entropy, backward, clip, AdamW, LR schedule."""
     cfg, o = trainer.cfg, trainer.cfg.optim
     model = Transformer(trainer.args).to(trainer.device)
     model.init_weights(seed=cfg.trainer.seed)  # the recipe's seed checkpoint
@@ -30,22 +54,12 @@ def bare_llm(trainer):
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, cfg=o, max_steps=cfg.trainer.max_steps))
+    train = bare_step(model, opt, grad_clip=o.grad_clip, sched=sched)
     pad = trainer.tokenizer.pad_token_id
 
     def step(documents) -> float:
         packed = local_batch(documents, dp_rank=0, dp=1, max_seq_len=cfg.data.max_seq_len, pad_id=pad)
-        inputs = packed.model_inputs("sdpa", device=trainer.device)
-        labels = inputs["labels"][:, 1:]
-        logits = model(inputs["input_ids"], position_ids=inputs["position_ids"], attn_mask=inputs["attention_mask"])
-        loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                                   reduction="sum")
-        loss = loss_sum / (labels != -100).sum().clamp(min=1)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip or float("inf"))
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return train(packed.model_inputs("sdpa", device=trainer.device)).item()
 
     return step
 

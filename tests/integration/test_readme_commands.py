@@ -25,7 +25,8 @@ from omegaconf import OmegaConf
 from common.distributed import free_port
 from common.tools.launcher import launch_env
 from tests.conftest import REPO
-from tests.fixtures import dit, llm, vlm
+from common.tools import fixtures
+from tests.fixtures import llm, vlm
 
 pytestmark = pytest.mark.integration
 
@@ -62,8 +63,8 @@ FIXTURES = {
     "~/models/vicuna-7b-v1.5": vlm.write_llama,
     "~/models/llava-1.5-7b-hf": vlm.write_llava_hf,
     "~/data/llava": vlm.write_llava_data,
-    "~/models/sd-vae-ft-mse": dit.make_vae,
-    "~/data/my_images": dit.make_image_folder,
+    "~/models/sd-vae-ft-mse": fixtures.make_vae,
+    "~/data/my_images": fixtures.make_image_folder,
     "~/data/corpus": llm.write_corpus,
     "~/data/chat.jsonl": llm.write_chat,
 }

@@ -89,3 +89,30 @@ def test_lora_section_against_full_fine_tuning(tmp_path):
     assert s.data["params"]["lora"] == s.data["params"]["full"] + 4 * per_layer
     assert s.data["ratios"]["checkpoint_bytes"] < 0.25 and s.data["ratios"]["model_state_bytes"] < 0.5
     assert all(v > 0 for v in s.data["peak_rss_bytes"].values())
+
+
+def test_bare_step_is_token_mean_cross_entropy_per_document():
+    """The bare step that overhead and scripts/gpu_check.py time Kiln against: its loss on packed rows is the mean
+    over labelled tokens of each document run alone through the model (the same weights, before the step), under
+    bf16 autocast as gpu_check runs it, and it moves the weights."""
+    import torch
+    import torch.nn.functional as F
+
+    from common.data.packing import pack_samples
+    from recipes.llm.model import LlamaArgs, Transformer
+    from scripts.benchmarks.overhead import bare_step
+
+    model = Transformer(LlamaArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=64,
+                                  max_seq_len=32))
+    model.init_weights(seed=0)
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 64, (n,), generator=gen) for n in (9, 14, 20, 5)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        per_doc = [F.cross_entropy(model(d[None])[0, :-1].float(), d[1:], reduction="sum") for d in docs]
+    want = float(sum(per_doc) / sum(len(d) - 1 for d in docs))
+    before = model.output.weight.detach().clone()
+    step = bare_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0, autocast=torch.bfloat16)
+    inputs = pack_samples([{"input_ids": d, "labels": d} for d in docs], 32, pad_id=0).model_inputs("sdpa")
+    got = float(step(inputs))
+    assert abs(got - want) / want < 2e-2  # bf16 matmuls in both, summed in a different order
+    assert not torch.equal(model.output.weight, before)

@@ -17,12 +17,12 @@ from common.launch import compose, dry_run
 from common.memory import layer_activation_bytes
 from common.toggles import apply_ac
 from common.tools.activations import kept_for_backward
+from common.tools.fixtures import make_vae
 from recipes.dit.config import DiTModelConfig
 from recipes.dit.model import build_model, shared_conditioning, untied
 from recipes.dit.train import memory_spec
 from recipes.dit.vae import vae_geometry
 from tests.conftest import REPO, TRAIN
-from tests.fixtures.dit import make_vae
 
 
 @pytest.fixture(scope="module")

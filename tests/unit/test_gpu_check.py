@@ -29,7 +29,7 @@ def test_bad_section_is_one_line():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--only", "versions,speed"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr == ("kiln: error: --only: unknown section(s) speed; choose from "
-                                                    "versions, tests, recipes, throughput\n")
+                                                    "versions, tests, recipes, throughput, fp8, dit_mfu\n")
 
 
 def test_markdown_table():
@@ -77,3 +77,53 @@ def test_kiln_row_and_table():
     table = gpu_check.throughput_table([row, {"run": "flash", "error": "toggles.attention=flash is not in the LLM recipe yet"}])
     assert table.splitlines()[2] == "| Kiln | 0.5000 | 2.00 | 32,768 | 41.0% | 3.0 GiB | 2.0 GiB |"
     assert table.splitlines()[3].startswith("| flash | not available: toggles.attention=flash is not in the LLM recipe")
+
+
+def test_loss_parity_after_warmup():
+    ref = [{"step": s, "loss": 10.0 if s <= 5 else 2.0} for s in range(1, 11)]
+    other = [{"step": s, "loss": v} for s, v in zip(range(1, 11), [99.0] * 5 + [2.0, 2.0, 2.0, 2.2, 1.8])]
+    parity = gpu_check.loss_parity(ref, other)  # steps 6-10: means 2.0 and 2.0, the largest step gap 0.2 / 2.0
+    assert parity["steps"] == 5 and parity["mean_rel"] == pytest.approx(0.0, abs=1e-12)
+    assert parity["max_step_rel"] == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        gpu_check.loss_parity(ref[:5], other)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU path: no fp8 tensor cores here")
+def test_fp8_section_skips_with_kilns_one_line_reason(tmp_path):
+    why = "toggles.precision=fp8 needs a GPU with fp8 tensor cores (capability >= 8.9); found no CUDA device"
+    assert gpu_check.fp8_unavailable() == why
+    check = gpu_check.Check(tmp_path)
+    assert gpu_check.fp8(check, steps=30) == {"skipped": why}
+    assert f"skipped: {why}" in check.md and not check.trained and not (tmp_path / "runs").exists()
+
+
+def test_gpu_rows_compose_the_recipes_they_run():
+    """What the fp8 and dit_mfu rows train, composed and validated in-process (they only run on CUDA): the fp8 run is
+    the bf16 one but for toggles.precision, both the ~1B Llama with FLOPs counted; the DiT runs their recipes."""
+    import dataclasses
+
+    from common.launch import compose
+
+    bf16, fp8 = compose(gpu_check.llm_1b(30)), compose(gpu_check.llm_1b(30, precision="fp8"))
+    assert (bf16.toggles.precision, fp8.toggles.precision) == ("bf16", "fp8")
+    fp8.toggles.precision = "bf16"
+    assert dataclasses.asdict(fp8) == dataclasses.asdict(bf16)
+    m = bf16.model
+    shape = (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, bf16.data.max_seq_len)
+    assert shape == (2048, 16, 16, 8, 8192, 4096)
+    assert bf16.toggles.compile and bf16.profile.count_flops and bf16.trainer.max_steps == 30
+    assert gpu_check.llm_1b(30, "sdpa", True) == gpu_check.llm_1b(30)  # the throughput grid's run: trained once
+    for recipe in gpu_check.DIT_MFU:
+        cfg = compose(gpu_check.dit_run(recipe, None, 30, inputs=["diffusion.vae=/nonexistent/vae",
+                                                                  "data.root=/nonexistent/shards"]))
+        assert (cfg.recipe.name, cfg.data.image_size, cfg.trainer.max_steps) == (recipe, 256, 30)
+        assert cfg.profile.count_flops and cfg.diffusion.vae == "/nonexistent/vae"
+
+
+def test_dit_table():
+    rows = [{"run": "Kiln dit_xl2", "step_time_s": 0.25, "samples_per_s": 128.0, "tflops": 312.5, "mfu": 0.316,
+             "peak_bytes": 40 * 2**30}, {"run": "Kiln dit_2b", "error": "out of memory (log: dit_2b.log)"}]
+    lines = gpu_check.dit_table(rows).splitlines()
+    assert lines[2] == "| Kiln dit_xl2 | 0.2500 | 128.0 | 312.5 | 31.6% | 40.0 GiB |"
+    assert lines[3] == "| Kiln dit_2b | not available: out of memory (log: dit_2b.log) |  |  |  |  |"

@@ -120,3 +120,11 @@ def test_no_import_cycles_among_kiln_modules():
     assert not new, "import cycles (each module with the cycle's modules it imports): " + "; ".join(described)
     assert not [c for c in found if any(m.startswith("recipes.vlm") for m in c)]
     assert not ALLOWED - found, f"cycles in ALLOWED that are gone (remove them): {sorted(ALLOWED - found)}"
+
+
+def test_product_code_never_imports_the_tests():
+    """common, recipes, data and scripts run where tests/ is not installed (a wheel, a GPU node's checkout may lack
+    it): what they need from a fixture lives in common/tools/fixtures.py."""
+    offenders = sorted(f"{name} imports {target}" for name, path in kiln_modules().items()
+                       for target in imported_names(name, path) if target == "tests" or target.startswith("tests."))
+    assert not offenders, "; ".join(offenders)

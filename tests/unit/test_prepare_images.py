@@ -16,7 +16,7 @@ from common.data.webdataset import iter_samples
 from data import prepare_images
 from recipes.dit.data import decode_sample
 from tests.conftest import REPO
-from tests.fixtures.dit import make_image_folder
+from common.tools.fixtures import make_image_folder
 
 
 @pytest.fixture(scope="module")

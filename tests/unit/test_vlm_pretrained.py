@@ -134,8 +134,7 @@ def test_unusable_folders_are_one_line(parts, tmp_path):
     (["vlm.vision_from={clip}"], "vlm.vision_from and vlm.language_from go together"),
     (["vlm.vision_from={clip}", "vlm.language_from={vicuna}", "model.init_from={llava_hf}"], "exclude each other"),
     (["model.init_from={llava_hf}", "vlm.stage=align"], "model.init_from is for vlm.stage=finetune"),
-    (["vlm.init_from={llava_hf}", "vlm.stage=align"], "model.init_from is for vlm.stage=finetune"),  # the old key
-    (["vlm.init_from={llava_hf}", "model.init_from={vicuna}"], "vlm.init_from=.* and model.init_from=.* disagree"),
+    (["vlm.init_from={llava_hf}"], "Key 'init_from' not in 'VLMConfig'"),  # the old key's release has passed
     (["vlm.train_vision=true", "vlm.stage=align"], "vlm.train_vision=true is for vlm.stage=finetune"),
     # A quoted ~ (and a bare one: common/launch.py parse_overrides): expanded, as the README's commands rely on; the
     # line names the folder that was looked for.
@@ -151,18 +150,26 @@ def test_source_mistakes_stop_at_composition(parts, overrides, needle):
     assert cfg.data.build == [] and cfg.vlm.vision_from == str(parts["clip"])
 
 
-def test_old_init_from_key_still_works_with_one_line(parts, capsys):
+def test_init_from_sets_the_model_keys_and_refuses_one_that_disagrees(parts, capsys):
+    """With model.init_from the model.* keys are the LLaVA's (write_llava_hf: a CLIP tower of fx.TOWER, a Llama of
+    width 64 with 2 of 4 heads for keys and values, LLaVA-1.5's feature choice), not vlm_tiny's (SigLIP, width 128);
+    one given on the command line that disagrees stops at composition with one line, as in the DiT and the LLM."""
     from common.launch import compose
-    from recipes.vlm.sources import weight_source
 
     folder = str(parts["llava_hf"])
-    for overrides in ([f"vlm.init_from={folder}"], [f"vlm.init_from={folder}", f"model.init_from={folder}"]):
-        cfg = compose(["recipe=vlm_tiny", *overrides])
-        assert (cfg.model.init_from, cfg.vlm.init_from) == (folder, "")
-        assert isinstance(weight_source(cfg), LlavaWeights)
-        assert capsys.readouterr().out.splitlines() == [
-            "kiln: vlm.init_from is now model.init_from (the old key works until the next release)"]
-    compose(["recipe=vlm_tiny", f"model.init_from={folder}"])
+    cfg = compose(["recipe=vlm_tiny", f"model.init_from={folder}", "model.text_hidden_size=64"])  # agrees: accepted
+    m = cfg.model
+    assert (m.vision, m.vision_hidden_size, m.vision_layers, m.image_size, m.patch_size) == (
+        "clip", fx.TOWER["hidden_size"], fx.TOWER["num_hidden_layers"], fx.TOWER["image_size"], fx.TOWER["patch_size"])
+    assert (m.text_hidden_size, m.text_layers, m.text_heads, m.text_kv_heads, m.text_intermediate_size) == (64, 2, 4, 2, 128)
+    assert (m.vision_feature_layer, m.vision_feature_select_strategy, m.max_position_embeddings) == (-2, "default", 512)
+    for key, value, name, want in (("text_hidden_size", 128, "text_config.hidden_size", 64),
+                                   ("vision", "siglip", "vision_config.model_type", "clip"),
+                                   ("vision_feature_layer", -1, "vision_feature_layer", -2)):
+        with pytest.raises(ConfigError) as exc:
+            compose(["recipe=vlm_tiny", f"model.init_from={folder}", f"model.{key}={value}"])
+        assert str(exc.value) == (f"model.{key}={value} disagrees with model.init_from={folder}, whose config.json gives "
+                                  f"{name}={want}; leave model.{key} out of the command line")
     assert capsys.readouterr().out == ""
 
 
