@@ -51,7 +51,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -375,7 +377,7 @@ class ResumableLoader:
             gen = torch.Generator().manual_seed(_rng(self._cfg["seed"], self._epoch, self._cfg["rank"], -1).getrandbits(63))
             self._loader = DataLoader(dataset, batch_size=None, num_workers=self._num_workers, generator=gen,
                                       pin_memory=self._pin_memory, persistent_workers=self._num_workers > 0,
-                                      worker_init_fn=_init_worker)
+                                      worker_init_fn=functools.partial(_init_worker, trainer=os.getpid()))
         return iter(self._loader)  # with persistent workers: their next pass, i.e. the next epoch
 
     def _absorb_bad(self, bad: dict[str, str]) -> None:
@@ -506,12 +508,28 @@ def train_loader(cfg, urls: list[str], *, decode: Callable[[dict], Any], rank: i
     )
 
 
-def _init_worker(worker_id: int) -> None:
+def _init_worker(worker_id: int, trainer: int | None = None) -> None:
     """SLURM signals every process of a job: workers leave SIGTERM/SIGUSR1 to the trainer, which
     checkpoints and exits (common/trainer.py); the workers go when their parent does."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if trainer is not None:
+        _die_with_the_trainer(trainer)
     _send_small_tensors_inline()
+
+
+def _die_with_the_trainer(trainer: int) -> None:
+    """A worker whose trainer was killed (SIGKILL, the OOM killer) must not outlive it: its queue's feeder thread
+    can block for ever on a full pipe that the worker itself keeps open, and the worker then holds the job's
+    stdout. Linux sends it SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG); elsewhere DataLoader's own
+    watchdog remains."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != trainer:  # the trainer died before the call
+        os._exit(0)
 
 
 # A loader worker hands each tensor to the trainer through shared memory by default: a segment and a file

@@ -69,6 +69,7 @@ def spawn_ranks(fn: Callable, args: tuple, world: int, out_dir: str | Path, thre
 def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str, threads: int) -> None:
     import torch
 
+    _platform_start_method()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(threads)
@@ -155,6 +156,7 @@ def _run_preloaded(cmd: list[str], args: list[str], nproc: int, env: dict[str, s
 
 def _train_main(args: list[str], env: dict[str, str], out: str, err: str) -> None:
     """`python scripts/train.py ARGS` in a forked process: its exit status as Python's."""
+    _platform_start_method()
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO)
@@ -190,3 +192,12 @@ def _exit_status(code) -> int:
         return code or 0
     print(code, file=sys.stderr)
     return 1
+
+
+def _platform_start_method() -> None:
+    """A process started by the fork server has it as its default start method; a process of its own has the
+    platform's (fork on Linux), which its DataLoader workers then use."""
+    import multiprocessing as mp
+
+    if mp.get_start_method(allow_none=True) == "forkserver":
+        mp.set_start_method(None, force=True)
