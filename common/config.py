@@ -183,7 +183,8 @@ def schema(sections: Iterable[str] = ()) -> type:
     if names not in _SCHEMAS:
         cls = TrainConfig
         if names:
-            cls = make_dataclass("TrainConfig", [(name, Any, field(default=None)) for name in names], bases=(TrainConfig,))
+            extra = [(name, Any, field(default=None)) for name in names]
+            cls = make_dataclass("TrainConfig", extra, bases=(TrainConfig,))
             cls.__module__ = __name__
         _SCHEMAS[names] = cls
     return _SCHEMAS[names]

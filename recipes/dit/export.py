@@ -80,7 +80,8 @@ def lora_base(cfg: TrainConfig) -> str:
 
 def export_lora_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
     """Write the export of finetune=lora checkpoint `path` to `out` (scripts/export.py); returns what was written."""
-    return export_zero_lora(path, max_shard_size, lambda ckpt: write_lora_export(cfg, ckpt, out, step=int(meta["step"])),
+    step = int(meta["step"])
+    return export_zero_lora(path, max_shard_size, lambda ckpt: write_lora_export(cfg, ckpt, out, step=step),
                             adapter="a LoRA adapter", source=cfg.model.init_from)
 
 
