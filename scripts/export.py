@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                     "run: its export is the whole model)")
     from recipes.registry import recipe_spec
 
+    tmp = out.with_name(f".{out.name}.tmp")
     try:
         exporter = recipe_spec(cfg.recipe.family).exporter()  # recipes/<family>/export.py
         write = exporter.export_checkpoint
@@ -135,11 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                 return fail(problem)
             cfg.export.merge_lora = bool(cfg.export.merge_lora or args.merge_lora)
             write = exporter.export_lora_checkpoint
-        tmp = out.with_name(f".{out.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         written = write(cfg, path, meta, tmp, max_shard_size=args.max_shard_size)
     except UserError as exc:
-        shutil.rmtree(out.with_name(f".{out.name}.tmp"), ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         return fail(str(exc))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
