@@ -14,6 +14,8 @@ checkpoints of the model and optimizer. What a recipe supplies:
     tally(batch) -> dict                host counts logged per step (samples, tokens, packed slots, ...)
     prepare(batch)                      host work on a loader's batch (the LLM packs its share); optional
     after_first_step(), after_step()    hooks; no-ops unless the recipe overrides them
+    export() -> Path                    the servable artifact; after training, common/launch.py:run_recipe calls
+                                        after_fit(), evaluate() + eval_summary(result), export(), after_export(out)
 
 The logged loss, and the loss whose gradient the optimizer follows, is one definition for every
 recipe: the sum over the global batch (every micro-batch on every data-parallel rank) divided by its
