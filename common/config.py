@@ -2,13 +2,15 @@
 
 Composition (scripts/train.py) catches unknown keys and wrong types through these
 dataclasses; `validate` then catches impossible values. Both raise `ConfigError`, which
-the launcher prints as one line. Recipe-specific sections (`model`, `diffusion`, ...) have
-their own schemas in `recipes/<family>/config.py`.
+the launcher prints as one line. No family's keys are here: a family's `model`, `data` and `parallel`
+schemas, and the sections only it has (`diffusion`, `vlm`), are in `recipes/<family>/config.py`,
+named by its spec (recipes/registry.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,7 +23,7 @@ from common.errors import ConfigError
 @dataclass
 class RecipeInfo:
     name: str = MISSING  # e.g. dit_tiny
-    family: str = MISSING  # dit | vlm | llm: its spec in recipes/registry.py
+    family: str = MISSING  # dit, vlm, llm, ...: its spec in recipes/registry.py
 
 
 @dataclass
@@ -132,12 +134,12 @@ class DataConfig:
 @dataclass
 class LoRAConfig:
     """`finetune=lora` (configs/finetune/lora.yaml): low-rank adapters on a frozen base (common/lora.py, on peft).
-    The same keys for every family; each family names what its adapters may target (its config.py's LORA_TARGETS)."""
+    The same keys for every family; each family names what its adapters may target (its spec's lora_targets)."""
 
     rank: int = 8
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on the adapter's input; > 0 draws random numbers per rank
-    targets: list[str] = field(default_factory=list)  # module names; [] = the family's LORA_TARGETS (filled in)
+    targets: list[str] = field(default_factory=list)  # module names; [] = the family's lora_targets (filled in)
     quantize_base: str = "none"  # none | nf4: QLoRA, the adapted linears' frozen weights in 4-bit NormalFloat
 
 
@@ -160,10 +162,38 @@ class TrainConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     data: Any = MISSING  # a DataConfig: the family's schema comes with configs/data/<name>.yaml
-    # Recipe-specific sections; their schemas come from recipes/<family>/config.py.
+    # The family's architecture; its schema comes from recipes/<family>/config.py. Sections only one family has
+    # (the DiT's `diffusion`, the VLM's `vlm`) are its spec's `sections`, added by `schema` (recipes/registry.py).
     model: Any = MISSING
-    diffusion: Any = None  # DiT
-    vlm: Any = None  # VLM
+
+    def __reduce__(self):
+        """Pickled by the families' section names: the class `schema` made for them is rebuilt on loading."""
+        shared = {f.name for f in fields(TrainConfig)}
+        return _restore, (tuple(f.name for f in fields(self) if f.name not in shared), dict(self.__dict__))
+
+
+_SCHEMAS: dict[tuple[str, ...], type] = {}
+
+
+def schema(sections: Iterable[str] = ()) -> type:
+    """TrainConfig with one more top-level field per family section (`sections`: their names, e.g. `diffusion`),
+    each None unless the run's family fills it from its config group (configs/<section>/*.yaml): the keys
+    every run's config.yaml holds, the same class for the same names."""
+    names = tuple(sections)
+    if names not in _SCHEMAS:
+        cls = TrainConfig
+        if names:
+            extra = [(name, Any, field(default=None)) for name in names]
+            cls = make_dataclass("TrainConfig", extra, bases=(TrainConfig,))
+            cls.__module__ = __name__
+        _SCHEMAS[names] = cls
+    return _SCHEMAS[names]
+
+
+def _restore(sections: tuple[str, ...], state: dict) -> TrainConfig:
+    cfg = object.__new__(schema(sections))
+    cfg.__dict__.update(state)
+    return cfg
 
 
 CHOICES = {
@@ -259,8 +289,8 @@ def check_family_sections(cfg: TrainConfig, recipe: str, *, parallel: type, layo
         raise ConfigError(f"data={cfg.data.name} is not a dataset of the {recipe} recipe; it reads data={datasets}")
 
 
-def register() -> None:
-    """Put the shared schema into Hydra's ConfigStore (idempotent)."""
+def register(sections: Iterable[str] = ()) -> None:
+    """Put the shared schema, with the families' `sections` (their names), into Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="train_schema", node=schema(sections))
     cs.store(group="parallel", name="zero_schema", node=ZeroParallelConfig)

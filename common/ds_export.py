@@ -186,3 +186,32 @@ def write_safetensors(folder: Path, weights_name: str, layout: dict[str, torch.T
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (folder / f"{weights_name}.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return int(split.metadata["total_size"])
+
+
+# ---- scripts/export.py's two exports of a ZeRO checkpoint (the DeepSpeed families': recipes/<family>/export.py) ----
+def export_zero(path: Path, max_shard_size: str | None, write: Callable[["ZeroCheckpoint", int], int]) -> str:
+    """The whole model's export of ZeRO checkpoint `path`: `write(ckpt, max shard bytes)` writes the folder, streamed,
+    and returns the weight bytes written. Returns what was written, in words."""
+    from huggingface_hub.serialization._base import parse_size_to_int  # how transformers/diffusers read a shard size
+
+    try:
+        shard_size = parse_size_to_int(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+    except ValueError:
+        raise UserError(f"--max-shard-size {max_shard_size}: not a size (e.g. 500MB, 2GB)") from None
+    ckpt = ZeroCheckpoint(path)
+    written = write(ckpt, shard_size)
+    return (f"ZeRO-{ckpt.stage} checkpoint of {ckpt.world} rank(s); {written / 1e6:.1f} MB of "
+            f"{str(ckpt.dtype).removeprefix('torch.')} weights")
+
+
+def export_zero_lora(path: Path, max_shard_size: str | None, write: Callable[["ZeroCheckpoint"], int], *,
+                     adapter: str, source: str) -> str:
+    """A finetune=lora run's export of ZeRO checkpoint `path`: `write(ckpt)` writes the adapter folder (the base whole
+    in host memory, as the end of the run writes it) and returns the parameters it read from the checkpoint
+    (`adapter`: what they are, on model.init_from `source`). Returns what was written, in words."""
+    if max_shard_size is not None:
+        raise UserError("--max-shard-size is for full DiT/VLM runs (a LoRA run's export is written by peft, diffusers "
+                        "and transformers, as at the end of the run)")
+    ckpt = ZeroCheckpoint(path)
+    count = write(ckpt)
+    return f"{adapter} of {count:,} parameters on {source}, from a ZeRO-{ckpt.stage} checkpoint of {ckpt.world} rank(s)"

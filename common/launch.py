@@ -1,5 +1,5 @@
 """The one entrypoint behind scripts/train.py: compose + validate the config, join the process
-group, fix run.dir on every rank, and hand over to recipes/<family>/train.py.
+group, fix run.dir on every rank, and run the family's trainer (its spec: recipes/registry.py).
 
 User mistakes (bad key, bad value, impossible layout, missing file) end the run with one
 line on stderr and exit code 2, before anything is written.
@@ -114,23 +114,27 @@ def compose(overrides: list[str]) -> TrainConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     from common import lora
-    from recipes.registry import SPECS, recipe_spec
+    from recipes.registry import recipe_spec, specs
 
-    register()
-    for spec in SPECS.values():
+    families = specs().values()
+    register(name for spec in families for name in spec.sections)
+    for spec in families:
         spec.config.register()
     overrides = parse_overrides(overrides)
+    # Families from outside the checkout bring their config groups in their own folder.
+    extra = [f"file://{spec.config_dir}" for spec in families if spec.config_dir is not None]
+    search = [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            raw = hydra_compose(config_name="train", overrides=overrides)
+            raw = hydra_compose(config_name="train", overrides=[*overrides, *search])
         cfg: TrainConfig = OmegaConf.to_object(raw)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(explain_compose_error(exc)) from None
     spec = recipe_spec(cfg.recipe.family)
     validate(cfg)
     given = command_line_keys(overrides)
-    lora.complete(cfg, spec.config, given)  # finetune=lora: the family's default targets, checked
+    lora.complete(cfg, spec, given)  # finetune=lora: the family's default targets, checked
     spec.config.complete(cfg, given)  # keys filled from files (the LLM: model.init_from)
     spec.config.validate(cfg)
     return cfg
@@ -174,6 +178,21 @@ def dry_run(cfg: TrainConfig, spec, world_size: int) -> None:
         print("(sized for this launch's world size; set parallel.dp=N to size for N GPUs)")
 
 
+def run_recipe(trainer) -> None:
+    """Every family's run, from its spec's trainer (recipes/registry.py): train, the family's end-of-training hook,
+    evaluate and print its summary line, export (rank 0 prints where), then its after-export hook."""
+    trainer.fit()
+    trainer.after_fit()
+    if trainer.cfg.trainer.eval:
+        result = trainer.evaluate()
+        if result is not None and trainer.dist.is_main:
+            print(trainer.eval_summary(result), flush=True)
+    out = trainer.export()
+    if trainer.dist.is_main:
+        print(f"kiln: exported to {out}", flush=True)
+        trainer.after_export(out)
+
+
 def main(argv: list[str]) -> int:
     from common.known_warnings import silence_known_warnings
 
@@ -208,10 +227,10 @@ def main(argv: list[str]) -> int:
         apply_global_toggles(cfg.toggles)
         from recipes.registry import recipe_spec
 
-        recipe = recipe_spec(cfg.recipe.family).train()
+        spec = recipe_spec(cfg.recipe.family)
         if cfg.run.dry_run:
             if dist.is_main:
-                dry_run(cfg, recipe.memory_spec(cfg), dist.world_size)
+                dry_run(cfg, spec.train().memory_spec(cfg), dist.world_size)
             return 0
         ParallelDims.from_config(cfg.parallel, dist.world_size)  # an impossible layout stops here
         run_dir = resolve_run_dir(cfg)
@@ -220,7 +239,7 @@ def main(argv: list[str]) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             print(f"kiln: {cfg.recipe.name} on {dist.world_size} rank(s), device {dist.device}, run.dir={run_dir}", flush=True)
-        recipe.main(cfg, dist, run_dir)
+        run_recipe(spec.trainer(cfg, dist, run_dir))
         if dist.is_main:
             print(f"kiln: done; outputs in {run_dir}", flush=True)
     except (UserError, FileNotFoundError) as exc:

@@ -18,7 +18,6 @@ import math
 import os
 import zlib
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import nn
@@ -34,9 +33,9 @@ _ADAPTER_PARTS = (".lora_A.", ".lora_B.")
 
 
 # ---- composition --------------------------------------------------------------------------------
-def complete(cfg: TrainConfig, family: ModuleType, given: set[str] = frozenset()) -> None:
-    """finetune=lora: the family must offer it (its config.py's LORA_TARGETS: the linears its adapters may
-    target, all of them by default); lora.targets=[] becomes that default, so config.yaml says what ran.
+def complete(cfg: TrainConfig, spec, given: set[str] = frozenset()) -> None:
+    """finetune=lora: the family must offer it (its spec's `lora_targets`, recipes/registry.py: the linears its
+    adapters may target, all of them by default); lora.targets=[] becomes that default, so config.yaml says what ran.
     One line for a target the family's model has no linear of, and for lora.* keys (`given`: the command
     line's) without finetune=lora, which a full fine-tune would otherwise ignore."""
     if cfg.lora.quantize_base not in QUANTIZE_BASE:
@@ -53,10 +52,10 @@ def complete(cfg: TrainConfig, family: ModuleType, given: set[str] = frozenset()
                               "would ignore them; add finetune=lora to train adapters, or drop them to train every "
                               "weight")
         return
-    if cfg.lora.quantize_base != "none" and not getattr(family, "QLORA", False):
+    if cfg.lora.quantize_base != "none" and not spec.qlora:
         raise ConfigError(f"lora.quantize_base={cfg.lora.quantize_base} is not offered by the {cfg.recipe.family} recipe "
                           "yet; use lora.quantize_base=none")
-    allowed = getattr(family, "LORA_TARGETS", None)
+    allowed = spec.lora_targets
     if not allowed:
         raise ConfigError(f"finetune=lora is not offered by the {cfg.recipe.family} recipe yet; use finetune=full")
     if not cfg.lora.targets:

@@ -14,6 +14,8 @@ checkpoints of the model and optimizer. What a recipe supplies:
     tally(batch) -> dict                host counts logged per step (samples, tokens, packed slots, ...)
     prepare(batch)                      host work on a loader's batch (the LLM packs its share); optional
     after_first_step(), after_step()    hooks; no-ops unless the recipe overrides them
+    export() -> Path                    the servable artifact; after training, common/launch.py:run_recipe calls
+                                        after_fit(), evaluate() + eval_summary(result), export(), after_export(out)
 
 The logged loss, and the loss whose gradient the optimizer follows, is one definition for every
 recipe: the sum over the global batch (every micro-batch on every data-parallel rank) divided by its
@@ -218,6 +220,25 @@ class Trainer(ABC):
 
     def after_step(self) -> None:
         """Runs after every step that was not skipped (e.g. an EMA update, sample grids)."""
+
+    # ---- what the run does after training (common/launch.py: run_recipe) ------------------------------
+    def after_fit(self) -> None:
+        """Runs once training ends, before evaluation (e.g. the final sample grid, a summary line)."""
+
+    def evaluate(self) -> dict | None:
+        """The held-out evaluation after training (trainer.eval): its result on rank 0, else None. Default: none."""
+        return None
+
+    def eval_summary(self, result: dict) -> str:
+        """The line rank 0 prints for `evaluate`'s result."""
+        return f"kiln: eval {result}"
+
+    @abstractmethod
+    def export(self) -> Path:
+        """Collective: write the servable artifact to RUN_DIR/export; returns it."""
+
+    def after_export(self, out: Path) -> None:
+        """Runs on rank 0 after `export` (e.g. a sample generation from the exported folder)."""
 
     # ---- one optimizer step ----------------------------------------------------------------------
     def train_step(self, batches: Iterator, timer: StepTimer) -> StepStats:

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = compose(overrides)
-        if cfg.recipe.family != "dit" or not cfg.diffusion.vae:
+        if getattr(cfg, "diffusion", None) is None or not cfg.diffusion.vae:  # only the DiT has diffusion.*
             raise ValueError("a latent cache needs a DiT recipe with diffusion.vae=<an AutoencoderKL folder>")
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")

@@ -1,21 +1,37 @@
 """The recipe families as typed specs (torchtitan's TrainSpec): the one table that the launcher
-(common/launch.py), the planner (scripts/plan.py) and the benchmarks read.
+(common/launch.py), the export CLI (scripts/export.py), the planner (scripts/plan.py) and the benchmarks read.
+Nothing outside recipes/ branches on a family's name: what a CLI needs from a family is a field of its spec.
 
-A family is two modules:
+A family is its folder plus one `RecipeSpec` below. It provides:
 
-    recipes/<family>/config.py   its schema: register(), complete(cfg, command_line_keys), validate(cfg)
-    recipes/<family>/train.py    TRAINER (its common.trainer.Trainer), memory_spec(cfg), main(cfg, dist, run_dir)
+    recipes/<family>/config.py   its schema: register() (its config groups' schemas in Hydra's ConfigStore),
+                                 complete(cfg, command_line_keys), validate(cfg); the spec names its extra top-level
+                                 sections (`sections`) and what its LoRA may target (`lora_targets`, `qlora`)
+    recipes/<family>/train.py    TRAINER: its common.trainer.Trainer, with evaluate() -> dict | None,
+                                 eval_summary(result) -> str, export() -> Path and the after_fit()/after_export(out)
+                                 hooks that common/launch.py's run_recipe calls; memory_spec(cfg) for the planner
+    recipes/<family>/export.py   export from a checkpoint (scripts/export.py): export_checkpoint(cfg, path, meta, out,
+                                 max_shard_size=) and, with LoRA, export_lora_checkpoint(...) and lora_base(cfg), each
+                                 returning the summary printed after `export: CKPT -> OUT`
+    configs/<group>/*.yaml       its recipe, model, data (and parallel) choices; a family outside this checkout names
+                                 its own folder of them (`config_dir`)
 
-The schemas are plain dataclasses, imported here; a family's training code (transformers, diffusers,
-DeepSpeed) is imported only when a run, a plan or a benchmark asks for it. Adding a family is one entry
-below (and its configs/ group files).
+The schemas are plain dataclasses, imported here; a family's training and export code (transformers, diffusers,
+DeepSpeed) is imported by its dotted name only when a run, an export, a plan or a benchmark asks for it.
+
+A family outside recipes/ (a plugin, the tests' toy family) registers itself with `register_family(spec)`, or is
+named in the KILN_FAMILIES environment variable (comma-separated modules, each with a `SPEC`), which every process
+of a launch reads: scripts/train.py under torchrun and scripts/export.py alike.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Any
 
 from common.errors import ConfigError
 from recipes.dit import config as dit_config
@@ -26,40 +42,60 @@ from recipes.vlm import config as vlm_config
 @dataclass(frozen=True)
 class RecipeSpec:
     family: str
-    config: ModuleType  # recipes/<family>/config.py
-    _train: Callable[[], ModuleType]  # imports recipes/<family>/train.py
+    config: ModuleType  # recipes/<family>/config.py: register(), complete(cfg, command_line_keys), validate(cfg)
+    train_module: str  # recipes/<family>/train.py, imported on demand: TRAINER, memory_spec(cfg)
+    export_module: str  # recipes/<family>/export.py, imported on demand: export from a checkpoint
+    # Top-level config sections only this family has (name -> schema), e.g. the DiT's `diffusion`: the shared
+    # schema (common/config.py) gets one field per name, None for runs of other families.
+    sections: dict[str, type] = field(default_factory=dict)
+    lora_targets: tuple[str, ...] = ()  # finetune=lora: the module names its adapters may target; () = no LoRA
+    qlora: bool = False  # lora.quantize_base=nf4 is offered
+    config_dir: Path | None = None  # a folder of config groups (recipe/, model/, ...) beside configs/
 
     def train(self) -> ModuleType:
-        """recipes/<family>/train.py: TRAINER, memory_spec(cfg), main(cfg, dist, run_dir)."""
-        return self._train()
+        """recipes/<family>/train.py: TRAINER, memory_spec(cfg)."""
+        return importlib.import_module(self.train_module)
 
+    @property
+    def trainer(self) -> type:
+        """The family's Trainer (common/trainer.py)."""
+        return self.train().TRAINER
 
-def _dit_train() -> ModuleType:
-    from recipes.dit import train
-
-    return train
-
-
-def _vlm_train() -> ModuleType:
-    from recipes.vlm import train
-
-    return train
-
-
-def _llm_train() -> ModuleType:
-    from recipes.llm import train
-
-    return train
+    def exporter(self) -> ModuleType:
+        """recipes/<family>/export.py: export_checkpoint, export_lora_checkpoint, lora_base (module docstring)."""
+        return importlib.import_module(self.export_module)
 
 
 SPECS: dict[str, RecipeSpec] = {
-    "dit": RecipeSpec("dit", dit_config, _dit_train),
-    "vlm": RecipeSpec("vlm", vlm_config, _vlm_train),
-    "llm": RecipeSpec("llm", llm_config, _llm_train),
+    "dit": RecipeSpec("dit", dit_config, "recipes.dit.train", "recipes.dit.export",
+                      sections=dit_config.SECTIONS, lora_targets=dit_config.LORA_TARGETS),
+    "vlm": RecipeSpec("vlm", vlm_config, "recipes.vlm.train", "recipes.vlm.export",
+                      sections=vlm_config.SECTIONS, lora_targets=vlm_config.LORA_TARGETS),
+    "llm": RecipeSpec("llm", llm_config, "recipes.llm.train", "recipes.llm.export",
+                      lora_targets=llm_config.LORA_TARGETS, qlora=True),  # QLoRA on one GPU (check_qlora_layout)
 }
 
 
+def register_family(spec: RecipeSpec) -> None:
+    """Add a family (one from outside recipes/) to the table; registering the same spec again is a no-op."""
+    if SPECS.get(spec.family, spec) != spec:
+        raise ValueError(f"recipe family {spec.family!r} is registered already")
+    SPECS[spec.family] = spec
+
+
+def specs() -> dict[str, RecipeSpec]:
+    """Every family: the built-in ones and those KILN_FAMILIES names (imported once, on first use)."""
+    for name in filter(None, (m.strip() for m in os.environ.get("KILN_FAMILIES", "").split(","))):
+        try:
+            module: Any = importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(f"KILN_FAMILIES={os.environ['KILN_FAMILIES']}: cannot import {name} ({exc})") from None
+        register_family(module.SPEC)
+    return SPECS
+
+
 def recipe_spec(family: str) -> RecipeSpec:
-    if family not in SPECS:
-        raise ConfigError(f"recipe.family={family!r} is not allowed; choose one of: {', '.join(SPECS)}")
-    return SPECS[family]
+    known = specs()
+    if family not in known:
+        raise ConfigError(f"recipe.family={family!r} is not allowed; choose one of: {', '.join(known)}")
+    return known[family]

@@ -24,6 +24,10 @@ with the projector (peft's modules_to_save) and the processor, the DiT's EMA ada
 base is loaded whole in host memory, once, as the trainer loads it (the merged model needs it anyway); a base
 that is gone, or whose files changed since the run (the fingerprint in the checkpoint's meta.json), stops with
 one line.
+
+What a family exports, and from what base, is its spec's (recipes/registry.py: recipes/<family>/export.py's
+export_checkpoint, export_lora_checkpoint and lora_base); this script only finds the checkpoint, checks the LoRA base
+and moves the finished folder into place.
 """
 
 from __future__ import annotations
@@ -113,16 +117,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge_lora and not lora:
         return fail(f"--merge-lora is for finetune=lora runs ({args.run_dir} is a finetune={cfg.get('finetune', 'full')} "
                     "run: its export is the whole model)")
-    if cfg.recipe.family == "llm":
-        if args.max_shard_size is not None:
-            return fail("--max-shard-size is for DiT/VLM runs (an LLM export is written by transformers)")
-        return export_llm(args, cfg, path, meta, out)
-    if lora:
-        if args.max_shard_size is not None:
-            return fail("--max-shard-size is for full DiT/VLM runs (a LoRA run's export is written by peft, diffusers "
-                        "and transformers, as at the end of the run)")
-        return export_deepspeed_lora(args, cfg, path, meta, out)
-    return export_deepspeed(args, cfg, path, meta, out)
+    from recipes.registry import recipe_spec
+
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        exporter = recipe_spec(cfg.recipe.family).exporter()  # recipes/<family>/export.py
+        write = exporter.export_checkpoint
+        if lora:  # the checkpoints hold the adapter only: the export loads the base from model.init_from
+            source = cfg.model.get("init_from") or ""
+            if not source:
+                return fail(f"{args.run_dir} is a finetune=lora run without model.init_from in its config.yaml (the "
+                            "adapter's base)")
+            if not Path(source).expanduser().is_dir():
+                return fail(f"the run started from model.init_from={source}, which is gone (its checkpoints hold the "
+                            "adapter only: the export names that base and merges into it)")
+            problem = changed_base(meta, path, exporter.lora_base(cfg))
+            if problem:
+                return fail(problem)
+            cfg.export.merge_lora = bool(cfg.export.merge_lora or args.merge_lora)
+            write = exporter.export_lora_checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        written = write(cfg, path, meta, tmp, max_shard_size=args.max_shard_size)
+    except UserError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return fail(str(exc))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    merged = f"; merged model in {out / 'merged'}" if lora and cfg.export.merge_lora else ""
+    print(f"export: {path} -> {out} ({written}{merged})")
+    return 0
 
 
 def changed_base(meta: dict, path: Path, base: str) -> str | None:
@@ -143,129 +166,6 @@ def changed_base(meta: dict, path: Path, base: str) -> str | None:
         return (f"model.init_from={base} holds other weights than the base the adapter of {path} trained on (its "
                 "weights differ from the fingerprint in the checkpoint's meta.json)")
     return None
-
-
-def export_deepspeed(args, cfg, path: Path, meta: dict, out: Path) -> int:
-    """A DiT or VLM run: its export/ folder from a DeepSpeed checkpoint, streamed (common/ds_export.py)."""
-    from huggingface_hub.serialization._base import parse_size_to_int  # how transformers/diffusers read a shard size
-
-    from common.ds_export import DEFAULT_MAX_SHARD_SIZE, ZeroCheckpoint
-    from common.errors import UserError
-
-    try:
-        shard_size = parse_size_to_int(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
-    except ValueError:
-        return fail(f"--max-shard-size {args.max_shard_size}: not a size (e.g. 500MB, 2GB)")
-    if cfg.recipe.family == "dit":
-        from recipes.dit.export import export_checkpoint
-    else:
-        from recipes.vlm.export import export_checkpoint
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
-        ckpt = ZeroCheckpoint(path)
-        shutil.rmtree(tmp, ignore_errors=True)
-        written = export_checkpoint(cfg, ckpt, tmp, step=int(meta["step"]),
-                                    max_shard_size=shard_size)
-    except UserError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return fail(str(exc))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    print(f"export: {path} -> {out} (ZeRO-{ckpt.stage} checkpoint of {ckpt.world} rank(s); {written / 1e6:.1f} MB of "
-          f"{str(ckpt.dtype).removeprefix('torch.')} weights)")
-    return 0
-
-
-def export_deepspeed_lora(args, cfg, path: Path, meta: dict, out: Path) -> int:
-    """A finetune=lora DiT or VLM run: the adapter folder the end of the run writes, from a DeepSpeed checkpoint (the
-    adapter's tensors, the DiT's EMA of them) on model.init_from's base, loaded whole in host memory."""
-    from common.ds_export import ZeroCheckpoint
-    from common.errors import UserError
-
-    source = cfg.model.get("init_from") or ""
-    if not source:
-        return fail(f"{args.run_dir} is a finetune=lora run without model.init_from in its config.yaml (the adapter's "
-                    "base)")
-    if not Path(source).expanduser().is_dir():
-        return fail(f"the run started from model.init_from={source}, which is gone (its checkpoints hold the adapter "
-                    "only: the export names that base and merges into it)")
-    cfg.export.merge_lora = bool(cfg.export.merge_lora or args.merge_lora)
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
-        if cfg.recipe.family == "vlm":
-            from recipes.vlm.sources import llava_folder
-
-            base = str(llava_folder(source))  # the trainer's base: the LLaVA folder model.init_from names
-        else:
-            base = source  # the DiT's transformer folder (model.init_from, resolved when the run composed)
-        problem = changed_base(meta, path, base)
-        if problem:
-            return fail(problem)
-        ckpt = ZeroCheckpoint(path)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if cfg.recipe.family == "dit":
-            from recipes.dit.export import export_lora_checkpoint
-
-            count = export_lora_checkpoint(cfg, ckpt, tmp, step=int(meta["step"]))
-        else:
-            from recipes.vlm.export import export_lora_checkpoint
-
-            count = export_lora_checkpoint(cfg, ckpt, tmp)
-    except UserError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return fail(str(exc))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    merged = f"; merged model in {out / 'merged'}" if cfg.export.merge_lora else ""
-    print(f"export: {path} -> {out} (a LoRA adapter{' and projector' if cfg.recipe.family == 'vlm' else ''} of "
-          f"{count:,} parameters on {source}, from a ZeRO-{ckpt.stage} checkpoint of {ckpt.world} rank(s){merged})")
-    return 0
-
-
-def export_llm(args, cfg, path: Path, meta: dict, out: Path) -> int:
-    """An LLM run: a Hugging Face folder (or a PEFT adapter) from a DCP checkpoint."""
-    import torch.distributed.checkpoint as dcp
-    from omegaconf import OmegaConf
-
-    from recipes.llm import hf
-    from recipes.llm.config import LLMModelConfig
-    from recipes.llm.data import load_tokenizer
-    from recipes.llm.model import Transformer
-    from recipes.llm.train import llama_args
-
-    if not (path / "dcp").exists():
-        return fail(f"{path} is not a complete DCP checkpoint (no dcp/)")
-    # Runs from before model.init_from and friends existed get those keys' defaults.
-    cfg.model = OmegaConf.merge(OmegaConf.structured(LLMModelConfig), cfg.model)
-    source = cfg.model.init_from or None
-    if source and not Path(source).is_dir():
-        return fail(f"the run started from model.init_from={source}, which is gone (its config and tokenizer go into "
-                    "the export)")
-    tokenizer = hf.load_tokenizer(source) if source else load_tokenizer(cfg.data.root)
-    largs = llama_args(cfg, len(tokenizer))
-    if cfg.get("finetune", "full") == "lora":
-        from common.lora import dequantized, is_adapter_key
-        from recipes.llm import lora
-
-        problem = changed_base(meta, path, source)
-        if problem:
-            return fail(problem)
-
-        model = lora.adapted_model(largs, cfg)  # the base from model.init_from
-        adapter = {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
-        dcp.load({"model": adapter}, checkpoint_id=str(path / "dcp"))  # in place: the model's own tensors
-        cfg.export.merge_lora = cfg.export.merge_lora or args.merge_lora
-        shutil.rmtree(out, ignore_errors=True)
-        lora.write_export(dequantized(model.state_dict()), largs, cfg, out, tokenizer=tokenizer)
-        print(f"export: {path} -> {out} (a LoRA adapter of {sum(v.numel() for v in adapter.values()):,} parameters "
-              f"on {source}{'; merged model in ' + str(out / 'merged') if cfg.export.merge_lora else ''})")
-        return 0
-    model = Transformer(largs)
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path / "dcp"))  # no process group: loads every shard here
-    hf.write_hf_folder(state["model"], largs, out, tokenizer=tokenizer, source=source)
-    print(f"export: {path} -> {out} ({sum(p.numel() for p in model.parameters()):,} parameters)")
-    return 0
 
 
 if __name__ == "__main__":

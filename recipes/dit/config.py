@@ -69,6 +69,10 @@ class DiTDataConfig(DataConfig):
     latents: str = ""  # a latent cache (python -m data.cache_latents) to train from instead of encoding data.root
 
 
+# The top-level sections only this family has (its spec's `sections`, recipes/registry.py): diffusion.* keys.
+SECTIONS = {"diffusion": DiffusionConfig}
+
+
 def register() -> None:
     cs = ConfigStore.instance()
     cs.store(group="data", name="dit_schema", node=DiTDataConfig)

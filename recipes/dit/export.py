@@ -18,7 +18,7 @@ import torch
 
 from common.config import TrainConfig
 from common.data.dataset import load_dataset_meta
-from common.ds_export import ZeroCheckpoint, copy_checked, saved_ema, write_safetensors
+from common.ds_export import ZeroCheckpoint, copy_checked, export_zero, export_zero_lora, saved_ema, write_safetensors
 from recipes.dit import lora as dit_lora, vae as vae_lib
 from recipes.dit.data import class_names
 from recipes.dit.model import build_model, null_class
@@ -36,7 +36,13 @@ def export_parts(cfg: TrainConfig) -> tuple[list[str], vae_lib.VaeGeometry | Non
     return classes, geometry, vae
 
 
-def export_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int, max_shard_size) -> int:
+def export_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
+    """Write the export of checkpoint `path` to `out` (scripts/export.py); returns what was written, in words."""
+    return export_zero(path, max_shard_size, lambda ckpt, shard_size: write_export(
+        cfg, ckpt, out, step=int(meta["step"]), max_shard_size=shard_size))
+
+
+def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int, max_shard_size: int) -> int:
     """Write the export of checkpoint `ckpt` (of step `step`) to `out`; returns the weight bytes written."""
     classes, geometry, vae = export_parts(cfg)
     in_channels, sample_size, _ = model_geometry(cfg)
@@ -66,7 +72,20 @@ def export_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step
     return written
 
 
-def export_lora_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int) -> int:
+def lora_base(cfg: TrainConfig) -> str:
+    """The folder a finetune=lora export loads its base from: model.init_from's transformer (resolved when the run
+    composed)."""
+    return cfg.model.init_from
+
+
+def export_lora_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
+    """Write the export of finetune=lora checkpoint `path` to `out` (scripts/export.py); returns what was written."""
+    step = int(meta["step"])
+    return export_zero_lora(path, max_shard_size, lambda ckpt: write_lora_export(cfg, ckpt, out, step=step),
+                            adapter="a LoRA adapter", source=cfg.model.init_from)
+
+
+def write_lora_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int) -> int:
     """Write the export of finetune=lora checkpoint `ckpt` (of step `step`) to `out`: the EMA adapter as a PEFT folder,
     with export.merge_lora the merged model as a whole export in out/merged; returns the adapter's parameter count."""
     in_channels, sample_size, _ = model_geometry(cfg)

@@ -196,6 +196,9 @@ class DiTTrainer(Trainer):
         if self.dist.is_main:
             save_grid(images, rows=rows, path=self.run_dir / "samples" / name)
 
+    def after_fit(self) -> None:
+        self.save_samples("final.png", progress="final sample grid")
+
     def evaluate(self) -> dict | None:
         d, num_classes = self.cfg.diffusion, len(self.classes)
         labels = class_labels(num_classes, d.eval_samples_per_class)
@@ -212,6 +215,10 @@ class DiTTrainer(Trainer):
         save_grid(images[: rows * d.eval_samples_per_class: max(1, d.eval_samples_per_class // 8)], rows=rows,
                   path=self.run_dir / "samples" / "eval.png")
         return result
+
+    def eval_summary(self, result: dict) -> str:
+        return (f"kiln: eval mean accuracy {result['mean_accuracy']:.3f} (chance {result['chance']:.2f}, "
+                f"classifier on real images {result['classifier_accuracy_on_real_val']:.3f})")
 
     def export(self) -> Path:
         """EMA weights in diffusers format under run.dir/export/ (`write_pipeline`). Under finetune=lora: the EMA
@@ -324,17 +331,3 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
 
 
 TRAINER = DiTTrainer  # recipes/registry.py
-
-
-def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
-    trainer = DiTTrainer(cfg, dist, run_dir)
-    trainer.fit()
-    trainer.save_samples("final.png", progress="final sample grid")
-    if cfg.trainer.eval:
-        result = trainer.evaluate()
-        if result is not None:
-            print(f"kiln: eval mean accuracy {result['mean_accuracy']:.3f} (chance {result['chance']:.2f}, "
-                  f"classifier on real images {result['classifier_accuracy_on_real_val']:.3f})", flush=True)
-    out = trainer.export()
-    if dist.is_main:
-        print(f"kiln: exported to {out}", flush=True)

@@ -17,7 +17,6 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # finetune=lora (common/lora.py): the linears an adapter may target, all of them by default (recipes/llm/model.py's
 # names; the export names them as Hugging Face does: q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj, up_proj).
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-QLORA = True  # lora.quantize_base=nf4 (common/lora.py: quantize_base), on one GPU
 
 
 @dataclass

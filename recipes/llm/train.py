@@ -295,15 +295,37 @@ class LLMTrainer(Trainer):
                                                                              ignore_frozen_params=adapter_only))
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
         if self.dist.is_main:
-            if self.lora:
-                shutil.rmtree(tmp, ignore_errors=True)
-                llm_lora.write_export(lora.dequantized(full), self.args, self.cfg, tmp, tokenizer=self.tokenizer)
-            else:
-                hf.write_hf_folder(full, self.args, tmp, tokenizer=self.tokenizer, source=self.cfg.model.init_from or None)
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_export(full, self.args, self.cfg, tmp, tokenizer=self.tokenizer)
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
         barrier()
         return out
+
+    def after_fit(self) -> None:
+        self.log_moe_summary()
+
+    def eval_summary(self, result: dict) -> str:
+        return (f"kiln: eval loss {result['val_loss']:.4f} (perplexity {result['val_perplexity']:.1f}) on "
+                f"{result['num_samples']} held-out documents ({result['val_tokens']:,} tokens)")
+
+    def after_export(self, out: Path) -> None:
+        """A greedy generation from the exported folder, in samples/generation.txt and on stdout."""
+        text = sample_generation(out)
+        (self.run_dir / "samples").mkdir(exist_ok=True)
+        (self.run_dir / "samples" / "generation.txt").write_text(text + "\n")
+        print(f"kiln: sample: {text!r}", flush=True)
+
+
+def write_export(state: dict, args: LlamaArgs, cfg: TrainConfig, folder: Path, *, tokenizer) -> None:
+    """The export folder of a whole model's weights (a full state dict on the host): a Hugging Face folder, with
+    model.init_from in the source's format (recipes/llm/hf.py:write_hf_folder); under LoRA a PEFT adapter folder on
+    model.init_from (recipes/llm/lora.py). The end of a run and scripts/export.py (recipes/llm/export.py) both write
+    through it."""
+    if cfg.finetune == "lora":
+        llm_lora.write_export(lora.dequantized(state), args, cfg, folder, tokenizer=tokenizer)
+    else:
+        hf.write_hf_folder(state, args, folder, tokenizer=tokenizer, source=cfg.model.init_from or None)
 
 
 def sample_generation(export: Path, prompt: str = "The with statement", max_new_tokens: int = 40) -> str:
@@ -364,20 +386,3 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
 
 
 TRAINER = LLMTrainer  # recipes/registry.py
-
-
-def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
-    trainer = LLMTrainer(cfg, dist, run_dir)
-    trainer.fit()
-    trainer.log_moe_summary()
-    if cfg.trainer.eval:
-        result = trainer.evaluate()
-        if result is not None:
-            print(f"kiln: eval loss {result['val_loss']:.4f} (perplexity {result['val_perplexity']:.1f}) on "
-                  f"{result['num_samples']} held-out documents ({result['val_tokens']:,} tokens)", flush=True)
-    out = trainer.export()
-    if dist.is_main:
-        text = sample_generation(out)
-        (run_dir / "samples").mkdir(exist_ok=True)
-        (run_dir / "samples" / "generation.txt").write_text(text + "\n")
-        print(f"kiln: exported to {out}\nkiln: sample: {text!r}", flush=True)

@@ -14,6 +14,9 @@ from recipes.vlm.sources import llava_folder, weight_source
 # (transformers' Llama names); the projector still trains in full, the vision tower stays frozen.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+# The top-level sections only this family has (its spec's `sections`, recipes/registry.py): vlm.* keys.
+SECTIONS = {"vlm": VLMConfig}
+
 
 def register() -> None:
     cs = ConfigStore.instance()

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from common.config import TrainConfig
-from common.ds_export import ZeroCheckpoint, copy_checked, write_safetensors
+from common.ds_export import ZeroCheckpoint, copy_checked, export_zero, export_zero_lora, write_safetensors
 from common.errors import UserError
 from recipes.vlm import lora as vlm_lora
 from recipes.vlm.data import PROCESSOR_DIR
 from recipes.vlm.model import build_model
 from recipes.vlm.parallelize import trainable_parts
-from recipes.vlm.sources import weight_source
+from recipes.vlm.sources import llava_folder, weight_source
 from recipes.vlm.train import llava_hf_state_dict, load_model
 
 
@@ -57,9 +57,13 @@ def saved_names(model) -> dict[str, str]:
     return {k: module_key[id(v)] for k, v in saved.items()}
 
 
-def export_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int, max_shard_size) -> int:
-    """Write the export of checkpoint `ckpt` to `out`; returns the weight bytes written. (`step`: the
-    checkpoint's; the llava-hf folder does not record it.)"""
+def export_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
+    """Write the export of checkpoint `path` to `out` (scripts/export.py); returns what was written, in words."""
+    return export_zero(path, max_shard_size, lambda ckpt, shard_size: write_export(cfg, ckpt, out, shard_size))
+
+
+def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, max_shard_size: int) -> int:
+    """Write the export of checkpoint `ckpt` to `out`; returns the weight bytes written."""
     source = weight_source(cfg, dataset_meta(cfg))
     processor, config = source.processor(), source.config()
     with torch.device("meta"):
@@ -86,7 +90,19 @@ def export_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step
     return written
 
 
-def export_lora_checkpoint(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path) -> int:
+def lora_base(cfg: TrainConfig) -> str:
+    """The folder a finetune=lora export loads its base from, as the trainer does: the LLaVA folder model.init_from
+    names (an align run's export/, or the folder itself)."""
+    return str(llava_folder(cfg.model.init_from))
+
+
+def export_lora_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
+    """Write the export of finetune=lora checkpoint `path` to `out` (scripts/export.py); returns what was written."""
+    return export_zero_lora(path, max_shard_size, lambda ckpt: write_lora_export(cfg, ckpt, out),
+                            adapter="a LoRA adapter and projector", source=cfg.model.init_from)
+
+
+def write_lora_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path) -> int:
     """Write the export of finetune=lora checkpoint `ckpt` to `out`: the PEFT adapter folder (the projector in it) with
     the processor, with export.merge_lora the merged LLaVA in out/merged; returns the parameter count read from the
     checkpoint."""

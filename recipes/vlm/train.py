@@ -134,6 +134,13 @@ class VLMTrainer(Trainer):
                                    device=self.device)
         return {**result, "step": self.state.step, "stage": self.cfg.vlm.stage} if self.dist.is_main else None
 
+    def eval_summary(self, result: dict) -> str:
+        if "accuracy" in result:
+            return (f"kiln: eval accuracy {result['accuracy']:.3f} on {result['num_samples']} held-out digits "
+                    f"(chance {result['chance']:.2f})")
+        return (f"kiln: eval loss {result['val_loss']:.4f} on {result['num_samples']} held-out conversations "
+                f"({result['val_tokens']:,} answer tokens)")
+
     def export(self) -> Path:
         """Hugging Face folder: config (image_token_index, vision_feature_layer, ...), safetensors, tokenizer,
         processor + chat template; the image processor also in its own preprocessor_config.json, where
@@ -184,19 +191,3 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
 
 
 TRAINER = VLMTrainer  # recipes/registry.py
-
-
-def main(cfg: TrainConfig, dist: DistInfo, run_dir: Path) -> None:
-    trainer = VLMTrainer(cfg, dist, run_dir)
-    trainer.fit()
-    if cfg.trainer.eval:
-        result = trainer.evaluate()
-        if result is not None and "accuracy" in result:
-            print(f"kiln: eval accuracy {result['accuracy']:.3f} on {result['num_samples']} held-out digits "
-                  f"(chance {result['chance']:.2f})", flush=True)
-        elif result is not None:
-            print(f"kiln: eval loss {result['val_loss']:.4f} on {result['num_samples']} held-out conversations "
-                  f"({result['val_tokens']:,} answer tokens)", flush=True)
-    out = trainer.export()
-    if dist.is_main:
-        print(f"kiln: exported to {out}", flush=True)
