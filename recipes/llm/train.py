@@ -137,7 +137,7 @@ class LLMTrainer(Trainer):
             moe_layers, cfg.model.moe.aux_loss_coef, cfg.model.moe.z_loss_coef,
             self.mesh["dp"].get_group() if self.dims.dp > 1 else None)
         self.moe_worst = torch.zeros(2, device=self.device)  # the run's worst (max/mean load, MoE layer index)
-        # Expert parallelism's token exchanges (recipes/llm/parallelize.py:ExpertParallel): their host counters.
+        # Expert parallelism's token exchanges (recipes/llm/expert_parallel.py): their host counters.
         self.token_exchanges = [m.token_exchange for m in moe_layers.values() if hasattr(m, "token_exchange")]
         pipeline = Pipeline(self.model, cfg, self.mesh, self.device, self.pad_id, self.moe_aux) if pp > 1 else None
         tied = TiedEmbeddings(self.model, self.mesh) if pp > 1 and self.args.tie_embeddings else None
