@@ -17,8 +17,8 @@ from recipes.llm.model import LlamaArgs
 # The architecture picks the transformers model (hf_model_type): Llama, Qwen3 (q/k norm), Mixtral,
 # Qwen3-MoE or Qwen2-MoE (shared expert). Dense weights are a pure rename in both directions (see the
 # RoPE convention note in recipes/llm/model.py): the tensors are shared, not copied. Experts are stacked
-# [E, out, in] in Kiln and one tensor per expert in the safetensors that save_pretrained writes (and released checkpoints
-# hold; transformers 5 fuses them only in memory): to_hf_state_dict gives each expert's slice as a view
+# [E, out, in] in Kiln and one tensor per expert in the safetensors that save_pretrained writes (and released
+# checkpoints hold; transformers 5 fuses them only in memory): to_hf_state_dict gives each expert's slice as a view
 # of the stacked weight (so loading writes straight into it), from_hf_state_dict stacks them (a copy).
 # Keys are plain module FQNs (what get_model_state_dict / DCP produce); pipeline stages may pass partial
 # dicts, and each key is renamed on its own. Tied embeddings have ONE tensor in Hugging Face format,
