@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +39,11 @@ class NextTokenLoss:
         self.autocast_bf16 = cfg.toggles.precision in ("bf16", "fp8") and dims.dp == 1
         self.loss_parallel = cfg.model.loss_parallel and dims.tp > 1
 
-    def forward(self) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        if self.autocast_bf16:
-            stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
-        stack.enter_context(self.backward())
-        return stack
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        cast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
+        with cast, self.backward():
+            yield
 
     def backward(self) -> contextlib.AbstractContextManager:
         if self.loss_parallel:
