@@ -41,7 +41,7 @@ class NextTokenLoss:
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        cast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
+        cast = torch.autocast(self.device.type, torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
         with cast, self.backward():
             yield
 
