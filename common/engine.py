@@ -169,22 +169,20 @@ def _flat_optim():
 class NativeEngine(Engine):
     """AdamW + Kiln's LR schedule over an already parallelized model on a ("pp", "dp", "tp") mesh.
 
-    `pipeline`: the rank's pipeline schedule (an object with `step(batch, scale) -> loss sum`, which runs
-    forward and backward itself); `tied`: tied embeddings held by two pipeline stages (gradients summed
-    before clipping, one copy left out of the norm); `loss_parallel`: the loss runs on vocabulary-sharded
-    logits (tensor parallelism)."""
+    The recipe's loss runs its forward in its own contexts (autocast, loss parallel: recipes/llm/loss.py);
+    `backward_context`: the context its backward needs (torch's loss_parallel). A pipeline schedule runs forward
+    and backward itself: the recipe calls it instead of `forward_backward`, with `grad_scale(inv_count)`.
+    `tied`: tied embeddings held by two pipeline stages (gradients summed before clipping, one copy left out of
+    the norm)."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, mesh, *, pipeline=None, tied=None,
-                 loss_parallel: bool = False):
+    def __init__(self, model: nn.Module, cfg: TrainConfig, mesh, *, tied=None,
+                 backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         o = cfg.optim
         self.model = self.module = model
-        self.mesh, self.pipeline, self.tied = mesh, pipeline, tied
+        self.mesh, self.tied, self.backward_context = mesh, tied, backward_context
         self.dp, self.tp, self.pp = mesh["dp"].size(), mesh["tp"].size(), mesh["pp"].size()
         self.ep = getattr(cfg.parallel, "ep", 1)  # the experts' gradients live on their own ("edp", "ep") mesh
         self.grad_clip = o.grad_clip or float("inf")
-        self.loss_parallel = loss_parallel and self.tp > 1
-        # FSDP's mixed-precision policy casts under dp > 1 (recipes/llm/parallelize.py); autocast otherwise.
-        self.autocast_bf16 = cfg.toggles.precision in ("bf16", "fp8") and self.dp == 1
         device = next(iter(model.parameters())).device
         # Only what trains (a LoRA run: the adapter) reaches the optimizer: no state for a frozen base.
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -195,28 +193,15 @@ class NativeEngine(Engine):
         self.extras = {"scheduler": self.scheduler}
         self._stager = None  # async saves' host copy, reused save after save
 
-    def autocast(self):
-        device = next(iter(self.model.parameters())).device
-        return torch.autocast(device.type, dtype=torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
-
-    def loss_context(self):
-        if self.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
+    def grad_scale(self, inv_count: torch.Tensor) -> torch.Tensor:
+        """What a loss sum is multiplied by before its backward: FSDP averages gradients over dp."""
+        return inv_count * self.dp
 
     def forward_backward(self, loss, batch, inv_count, last, timer):
-        scale = inv_count * self.dp  # FSDP averages gradients over dp
-        if self.pipeline is not None:
-            with timer.phase("forward"), self.autocast():  # forward and backward, interleaved by the schedule
-                return self.pipeline.step(batch, scale)
-        with timer.phase("forward"), self.autocast(), self.loss_context():
+        with timer.phase("forward"):
             loss_sum = loss(batch)
-            if hasattr(loss_sum, "full_tensor"):  # loss parallel: a replicated DTensor scalar
-                loss_sum = loss_sum.full_tensor()
-        with timer.phase("backward"), self.loss_context():
-            (loss_sum * scale.to(loss_sum.dtype)).backward()
+        with timer.phase("backward"), self.backward_context():
+            (loss_sum * self.grad_scale(inv_count).to(loss_sum.dtype)).backward()
         return loss_sum.detach()
 
     def clip_grad_norm(self):

@@ -194,6 +194,11 @@ class Trainer(ABC):
     def loss(self, batch) -> torch.Tensor:
         """The forward of one micro-batch: its loss summed over `count(batch)` tokens or samples."""
 
+    def forward_backward(self, batch, inv_count: torch.Tensor, last: bool, timer: StepTimer) -> torch.Tensor:
+        """One micro-batch's forward and backward: the engine's, on `loss(batch)` (common/engine.py). A recipe whose
+        schedule runs both itself (the LLM's pipeline) overrides it, so the engine never gets a loss it won't call."""
+        return self.engine.forward_backward(self.loss, batch, inv_count, last, timer)
+
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """Named terms of the step's loss to log on their own (e.g. an MoE's auxiliary losses): device scalars
         summed over this rank's micro-batches like `loss(batch)`, so that the step divides them by the same
@@ -256,7 +261,7 @@ class Trainer(ABC):
         inv_count = 1.0 / totals[0].clamp(min=1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, batch in enumerate(micro):
-            loss_sum += self.engine.forward_backward(self.loss, batch, inv_count, i == accum - 1, timer)
+            loss_sum += self.forward_backward(batch, inv_count, i == accum - 1, timer)
         with timer.phase("optimizer"):
             grad_norm = self.engine.clip_grad_norm()
             if grad_norm is not None:  # the host decides before the step

@@ -262,7 +262,8 @@ def validate_moe(cfg: TrainConfig) -> None:
         # recompute than in the forward, and selective AC replays a forward's ops by position. Full AC does not.
         raise ConfigError(f"toggles.activation_checkpointing=selective with parallel.ep={p.ep} is not supported yet; "
                           "use toggles.activation_checkpointing=full")
-    from recipes.llm.model import LlamaArgs, MoEArgs, hf_model_type
+    from recipes.llm.hf_adapter import hf_model_type
+    from recipes.llm.model import LlamaArgs, MoEArgs
 
     try:  # every model is exported in a Hugging Face format: refuse one that has none
         hf_model_type(LlamaArgs(dim=8, n_layers=m.n_layers, n_heads=1, n_kv_heads=1, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, moe=MoEArgs(

@@ -4,7 +4,7 @@ the export folder.
 
 Loading reads only what each rank holds: the model is built on meta, split/parallelized, materialized
 empty, and ``torch.distributed.checkpoint.load`` with ``HuggingFaceStorageReader`` fills the sharded
-state dict (keys renamed by the adapter in recipes/llm/model.py), each rank reading its own slices of
+state dict (keys renamed by the adapter in recipes/llm/hf_adapter.py), each rank reading its own slices of
 each tensor from the safetensors files (``get_slice``) and converting them to the parameters' dtype.
 """
 
@@ -20,8 +20,9 @@ import torch
 from common.errors import ConfigError, DataError
 from common.lora import base_key, is_adapter_key
 from common.weights import check_folder
-from recipes.llm.model import (HF_ARCHITECTURES, Llama3RopeScaling, LlamaArgs, MoEArgs, Transformer, from_hf_state_dict,
-                                hf_model_type, is_expert_key, to_hf_config, to_hf_state_dict)
+from recipes.llm.hf_adapter import (HF_ARCHITECTURES, from_hf_state_dict, hf_model_type, is_expert_key, to_hf_config,
+                                    to_hf_state_dict)
+from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoEArgs, Transformer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -2,7 +2,7 @@
 `PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), folder)` and vLLM's LoRA load), and with
 export.merge_lora the base with the adapter merged in by peft, as a LlamaForCausalLM folder.
 
-Names go through recipes/llm/model.py's state-dict adapter, the one place Kiln names meet Hugging Face's. It is a
+Names go through recipes/llm/hf_adapter.py's state-dict adapter, the one place Kiln names meet Hugging Face's. It is a
 pure rename: Kiln's attention uses transformers' RoPE layout (rotate_half), so q_proj/k_proj need no row
 permutation, and neither do their lora_B (the rows they write).
 """
@@ -16,7 +16,8 @@ import torch
 from common.config import TrainConfig
 from common.lora import apply_lora, merge_into, peft_config, peft_state_dict, quantize_base, write_adapter_folder
 from recipes.llm import hf
-from recipes.llm.model import LlamaArgs, Transformer, to_hf_state_dict
+from recipes.llm.hf_adapter import to_hf_state_dict
+from recipes.llm.model import LlamaArgs, Transformer
 
 
 def hf_module(module: str, args: LlamaArgs) -> str:

@@ -58,12 +58,12 @@ import math
 
 import torch
 import torch.distributed as tdist
-import torch.nn.functional as F
 from torch import nn
 
 from common.config import TrainConfig
 from common.data.packing import IGNORE_INDEX, PackedBatch, cu_seqlens_of_rows
 from recipes.llm.data import real_token_mask
+from recipes.llm.loss import NextTokenLoss
 from recipes.llm.model import MoE, Segments, Transformer
 from recipes.llm.moe_losses import MoEAux, RouterSums
 
@@ -171,12 +171,6 @@ class _VarlenStage(nn.Module):
         return self.view(x, position_ids=position_ids, attn_mask=segments)
 
 
-def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy summed over the labelled positions (``labels`` unshifted, -100 where unlabelled)."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-
-
 class _CarriedCounts(torch.autograd.Function):
     """A stage's routing counts added to those carried from the stages before, and, in the backward, the gradient of
     the stage's routing sums from the microbatch's totals (``aux_grads(totals, prob_sum, z_sum)``).
@@ -253,7 +247,7 @@ class Pipeline:
     """The rank's PipelineStages and schedule over the (already parallelized, materialized) rank model."""
 
     def __init__(self, rank_model: Transformer, cfg: TrainConfig, mesh, device: torch.device, pad_id: int,
-                 moe_aux: MoEAux | None = None):
+                 loss: NextTokenLoss, moe_aux: MoEAux | None = None):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         p = cfg.parallel
@@ -263,7 +257,7 @@ class Pipeline:
         self.m = num_microbatches(cfg)
         self.rows_per_microbatch = max(1, math.ceil(cfg.trainer.micro_batch_size / self.m))
         self.round_rows = self.m * self.rows_per_microbatch
-        self.device, self.pad_id = device, pad_id
+        self.device, self.pad_id, self.loss = device, pad_id, loss
         self.pp_group = mesh["pp"].get_group()
         pp_rank = mesh["pp"].get_local_rank()
         n_stages = self.pp * self.v
@@ -300,27 +294,30 @@ class Pipeline:
         return torch.as_tensor(self._scale).to(dtype)
 
     def _loss_fn(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-        """Token-sum CE of one microbatch, scaled as common/engine.py scales every loss sum. An MoE's last stage also
-        returns the microbatch's routing counts: a zero term ties them into the loss, so that its backward starts
-        their way back through the stages (_CarriedCounts)."""
+        """The recipe's loss (recipes/llm/loss.py) of one microbatch, scaled as common/engine.py scales every loss sum.
+        An MoE's last stage also returns the microbatch's routing counts: a zero term ties them into the loss, so that
+        its backward starts their way back through the stages (_CarriedCounts)."""
         logits, counts = output if self.moe else (output, None)
-        loss = ce_sum(logits, labels) * self._scale
+        loss = self.loss(logits, labels) * self._scale
         return loss if counts is None else loss + 0 * counts.sum()
 
     def step(self, batch, scale: torch.Tensor) -> torch.Tensor:
         """Forward + backward of the whole packed batch (recipes/llm/train.py:LocalBatch), gradients scaled
         by ``scale``; returns this rank's CE token sum (0 off the last stage), plus its stages' MoE aux losses.
         ``batch.max_rows``: the most rows any dp rank packed (every rank runs the same number of rounds: matched
-        P2P and FSDP collectives)."""
+        P2P and FSDP collectives). The schedule's backward runs inside the loss's forward context too (it
+        interleaves with the forwards)."""
         self._scale = scale
-        loss_sum = self._rounds(batch, functools.partial(self.schedule.step, return_outputs=False)) / scale
+        with self.loss.forward():
+            loss_sum = self._rounds(batch, functools.partial(self.schedule.step, return_outputs=False)) / scale
         aux_sum, self.aux_sum = self.aux_sum, torch.zeros_like(self.aux_sum)  # the stages' shares, in their backward
         return loss_sum + aux_sum
 
     def eval_loss(self, batch) -> torch.Tensor:
         """Forward only (``schedule.eval``): this rank's CE token sum of the batch (0 off the last stage)."""
         self._scale = torch.ones((), device=self.device)
-        return self._rounds(batch, self.schedule.eval)
+        with self.loss.forward():
+            return self._rounds(batch, self.schedule.eval)
 
     def _rounds(self, batch, run) -> torch.Tensor:
         """``run`` (the schedule's step or eval) over the batch's rounds; the sum of the last stage's scaled losses."""

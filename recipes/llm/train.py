@@ -34,10 +34,11 @@ from recipes.llm import lora as llm_lora
 from recipes.llm.config import check_qlora_layout
 from recipes.llm.data import (build_train_loader, decode_document, load_tokenizer, local_batch, model_inputs, pad_id,
                               prepare_data, real_token_mask)
+from recipes.llm.loss import NextTokenLoss
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoE, MoEArgs, Transformer
 from recipes.llm.moe_losses import MoEAux, expert_load
 from recipes.llm.parallelize import parallelize
-from recipes.llm.pipeline import Pipeline, TiedEmbeddings, ce_sum, split_for_rank, virtual_stages
+from recipes.llm.pipeline import Pipeline, TiedEmbeddings, split_for_rank, virtual_stages
 
 
 def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
@@ -85,8 +86,6 @@ class LocalBatch:
 
 class LLMTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
         super().__init__(cfg, dist, run_dir)
         self.lora = cfg.finetune == "lora"  # adapters on a frozen model.init_from (common/lora.py)
         if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
@@ -103,52 +102,72 @@ class LLMTrainer(Trainer):
         if len(self.tokenizer) > self.args.vocab_size:
             raise DataError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size={self.args.vocab_size}")
 
-        pp = self.dims.pp
         self.model = build_model(self.args, cfg, self.mesh, self.device)
-        resume_from = self.resume_from
-        # The weights: from the checkpoint resumed (load_checkpoint, below), else from model.init_from
-        # (each rank reads its own slices), else rank 0's seeded init copied into every layout, so all
-        # layouts start from the same weights (a "seed checkpoint"). Under LoRA the checkpoints hold the
-        # adapter only: the frozen base always comes from model.init_from, the adapter from a seeded init.
-        if cfg.model.init_from and (resume_from is None or self.lora):
-            hf.load_weights(self.model, self.args, cfg.model.init_from)
-            if dist.is_main:
-                n = sum(math.prod(shape) for shape, _ in hf.safetensors_weights(Path(cfg.model.init_from)).values())
-                print(f"kiln: model.init_from: loaded {n:,} weights from {cfg.model.init_from}", flush=True)
-        elif resume_from is None:
-            full = None
-            if dist.is_main:
-                reference = Transformer(self.args)
-                reference.init_weights(seed=cfg.trainer.seed)
-                full = reference.state_dict()
-            # strict=False under PP: rank 0's full dict holds the other stages' keys too.
-            set_model_state_dict(self.model, full or {}, options=StateDictOptions(
-                full_state_dict=True, broadcast_from_rank0=True, strict=pp == 1))
-        if cfg.lora.quantize_base == "nf4":  # QLoRA: the loaded base's adapted linears in 4 bits
-            check_qlora_layout(cfg, self.dims.dp, self.dims.tp, pp)
-            held = lora.quantize_base(self.model)
-            print(f"kiln: lora.quantize_base=nf4: the adapted linears' base weights hold {held / 2**20:,.1f} MiB", flush=True)
-        # The MoE layers this rank holds (found through any wrapper: AC, FSDP), whose routing the aux losses read,
-        # and every MoE layer of the model (under pipeline parallelism, other ranks hold some: step_metrics).
-        moe_layers = {int(re.search(r"layers\.(\d+)\.", name)[1]): m for name, m in self.model.named_modules()
-                      if isinstance(m, MoE)}
-        self.moe_layer_ids = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
-        self.moe_aux = None if not self.args.moe else MoEAux(
-            moe_layers, cfg.model.moe.aux_loss_coef, cfg.model.moe.z_loss_coef,
-            self.mesh["dp"].get_group() if self.dims.dp > 1 else None)
-        self.moe_worst = torch.zeros(2, device=self.device)  # the run's worst (max/mean load, MoE layer index)
-        # Expert parallelism's token exchanges (recipes/llm/parallelize.py:ExpertParallel): their host counters.
-        self.token_exchanges = [m.token_exchange for m in moe_layers.values() if hasattr(m, "token_exchange")]
-        pipeline = Pipeline(self.model, cfg, self.mesh, self.device, self.pad_id, self.moe_aux) if pp > 1 else None
-        tied = TiedEmbeddings(self.model, self.mesh) if pp > 1 and self.args.tie_embeddings else None
-        self.engine = NativeEngine(self.model, cfg, self.mesh, pipeline=pipeline, tied=tied,
-                                   loss_parallel=cfg.model.loss_parallel)
-        if self.lora and resume_from is None:
+        self.load_weights()
+        if cfg.lora.quantize_base == "nf4":
+            self.quantize_base()
+        self.find_moe_layers()
+        self.objective = NextTokenLoss(cfg, self.dims, self.device)  # the one loss: training, pipeline, evaluation
+        self.pipeline, tied = self.build_pipeline()
+        self.engine = NativeEngine(self.model, cfg, self.mesh, tied=tied, backward_context=self.objective.backward)
+        if self.lora and self.resume_from is None:
             lora.init_adapter(self.model, cfg.trainer.seed)
         # Layout-independent: one global data stream and no per-rank random draws, so rank 0's copy
         # (step, data position, LR schedule) resumes any layout. LoRA dropout draws per rank: its streams are saved.
         self.start(loader, per_rank_rng=self.lora and cfg.lora.dropout > 0)
         self.model.train()
+
+    # ---- setup steps (in __init__'s order) ------------------------------------------------------
+    def load_weights(self) -> None:
+        """The weights: from the checkpoint resumed (load_checkpoint, in start), else from model.init_from (each
+        rank reads its own slices), else rank 0's seeded init copied into every layout, so all layouts start from
+        the same weights (a "seed checkpoint"). Under LoRA the checkpoints hold the adapter only: the frozen base
+        always comes from model.init_from, the adapter from a seeded init (init_adapter)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        cfg, source = self.cfg, self.cfg.model.init_from
+        if source and (self.resume_from is None or self.lora):
+            hf.load_weights(self.model, self.args, source)
+            if self.dist.is_main:
+                n = sum(math.prod(shape) for shape, _ in hf.safetensors_weights(Path(source)).values())
+                print(f"kiln: model.init_from: loaded {n:,} weights from {source}", flush=True)
+        elif self.resume_from is None:
+            full = None
+            if self.dist.is_main:
+                reference = Transformer(self.args)
+                reference.init_weights(seed=cfg.trainer.seed)
+                full = reference.state_dict()
+            # strict=False under PP: rank 0's full dict holds the other stages' keys too.
+            set_model_state_dict(self.model, full or {}, options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=self.dims.pp == 1))
+
+    def quantize_base(self) -> None:
+        """QLoRA (lora.quantize_base=nf4): the loaded base's adapted linears in 4 bits."""
+        check_qlora_layout(self.cfg, self.dims.dp, self.dims.tp, self.dims.pp)
+        held = lora.quantize_base(self.model)
+        print(f"kiln: lora.quantize_base=nf4: the adapted linears' base weights hold {held / 2**20:,.1f} MiB",
+              flush=True)
+
+    def find_moe_layers(self) -> None:
+        """The MoE layers this rank holds (found through any wrapper: AC, FSDP), whose routing the aux losses read,
+        and every MoE layer of the model (under pipeline parallelism, other ranks hold some: step_metrics)."""
+        moe_layers = {int(re.search(r"layers\.(\d+)\.", name)[1]): m for name, m in self.model.named_modules()
+                      if isinstance(m, MoE)}
+        self.moe_layer_ids = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
+        moe = self.cfg.model.moe
+        self.moe_aux = None if not self.args.moe else MoEAux(
+            moe_layers, moe.aux_loss_coef, moe.z_loss_coef, self.mesh["dp"].get_group() if self.dims.dp > 1 else None)
+        self.moe_worst = torch.zeros(2, device=self.device)  # the run's worst (max/mean load, MoE layer index)
+        # Expert parallelism's token exchanges (recipes/llm/expert_parallel.py): their host counters.
+        self.token_exchanges = [m.token_exchange for m in moe_layers.values() if hasattr(m, "token_exchange")]
+
+    def build_pipeline(self) -> tuple[Pipeline | None, TiedEmbeddings | None]:
+        """Under pipeline parallelism: the rank's stages and schedule, and the tied embeddings that its first and
+        last stages hold twice (gradients summed over the pair: recipes/llm/pipeline.py:TiedEmbeddings)."""
+        if self.dims.pp == 1:
+            return None, None
+        pipeline = Pipeline(self.model, self.cfg, self.mesh, self.device, self.pad_id, self.objective, self.moe_aux)
+        return pipeline, TiedEmbeddings(self.model, self.mesh) if self.args.tie_embeddings else None
 
     def resolve_tokenizer(self):
         """The data's tokenizer, or with model.init_from the checkpoint's, after checking that the data
@@ -180,16 +199,29 @@ class LLMTrainer(Trainer):
         return {"tokens": batch.packed.num_real_tokens, "slots": batch.packed.input_ids.numel()}
 
     def loss(self, batch: LocalBatch) -> torch.Tensor:
-        """Cross-entropy summed over the labelled tokens (under pipeline parallelism the pipeline computes
-        the same sum on its last stage: recipes/llm/pipeline.py), plus an MoE's auxiliary losses."""
-        packed = batch.packed
-        logits = self.model(packed.input_ids.to(self.device), **model_inputs(packed, self.cfg.toggles.attention, self.device))
-        loss = ce_sum(logits, packed.labels.to(self.device))
-        if self.moe_aux is not None:  # the MoE's auxiliary losses (recipes/llm/moe_losses.py:MoEAux)
-            real = real_token_mask(packed).flatten().to(self.device)
-            weight = torch.tensor(float(packed.num_labels), device=self.device)
-            loss = loss + self.moe_aux.loss(*self.moe_aux.routed(real, weight))
+        """The recipe's loss (recipes/llm/loss.py) summed over the labelled tokens, plus an MoE's auxiliary losses."""
+        return self.forward_sum(batch, aux=True)
+
+    def forward_sum(self, batch: LocalBatch, aux: bool) -> torch.Tensor:
+        """The one forward path without pipeline parallelism (training and evaluation): the model and the loss in the
+        loss's context; ``aux``: plus the MoE's auxiliary losses (recipes/llm/moe_losses.py:MoEAux), training only."""
+        packed, device = batch.packed, self.device
+        with self.objective.forward():
+            logits = self.model(packed.input_ids.to(device), **model_inputs(packed, self.cfg.toggles.attention, device))
+            loss = self.objective(logits, packed.labels.to(device))
+            if aux and self.moe_aux is not None:
+                real = real_token_mask(packed).flatten().to(device)
+                weight = torch.tensor(float(self.count(batch)), device=device)
+                loss = loss + self.moe_aux.loss(*self.moe_aux.routed(real, weight))
         return loss
+
+    def forward_backward(self, batch: LocalBatch, inv_count, last, timer) -> torch.Tensor:
+        """Under pipeline parallelism the schedule runs the micro-batch's forward and backward itself (calling the
+        same loss on its last stage: recipes/llm/pipeline.py); otherwise the engine runs `loss`."""
+        if self.pipeline is None:
+            return super().forward_backward(batch, inv_count, last, timer)
+        with timer.phase("forward"):  # forward and backward, interleaved by the schedule
+            return self.pipeline.step(batch, self.engine.grad_scale(inv_count))
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
         return {} if self.moe_aux is None else self.moe_aux.pop_terms(self.device)
@@ -252,16 +284,8 @@ class LLMTrainer(Trainer):
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # CE sum, labelled tokens
         for documents in batches:
             batch = self.prepare(documents)
-            if self.engine.pipeline is not None:
-                loss_sum = self.engine.pipeline.eval_loss(batch)
-            else:
-                packed = batch.packed
-                with self.engine.autocast(), self.engine.loss_context():
-                    logits = self.model(packed.input_ids.to(self.device),
-                                        **model_inputs(packed, self.cfg.toggles.attention, self.device))
-                    loss_sum = ce_sum(logits, packed.labels.to(self.device))
-                    loss_sum = loss_sum.full_tensor() if hasattr(loss_sum, "full_tensor") else loss_sum
-            sums += torch.stack([loss_sum.double(), torch.tensor(float(batch.packed.num_labels), device=self.device)])
+            loss_sum = self.pipeline.eval_loss(batch) if self.pipeline is not None else self.forward_sum(batch, aux=False)
+            sums += torch.stack([loss_sum.double(), torch.tensor(float(self.count(batch)), device=self.device)])
         self.model.train()
         # Over dp; the CE sum over pp too (only the last stage computes it: Engine.all_reduce).
         loss, tokens = torch.cat([self.engine.all_reduce(sums[:1], loss=True), self.engine.all_reduce(sums[1:])]).tolist()

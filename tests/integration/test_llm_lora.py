@@ -61,7 +61,7 @@ def _train_and_export(folders: dict, run_dir: str, out: str) -> dict:
     from common.distributed import init_distributed
     from common.launch import compose
     from common.lora import base_key, is_adapter_key
-    from recipes.llm.model import to_hf_state_dict
+    from recipes.llm.hf_adapter import to_hf_state_dict
     from recipes.llm.train import LLMTrainer
 
     cfg = compose(overrides(folders, Path(run_dir), "trainer.max_steps=4", "export.merge_lora=true"))

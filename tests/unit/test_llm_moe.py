@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from common.errors import ConfigError
 from common.launch import compose
 from recipes.llm import hf
-from recipes.llm.model import (GroupedExperts, LlamaArgs, MoE, MoEArgs, Transformer, permute_tokens, to_hf_config,
-                                to_hf_state_dict)
+from recipes.llm.hf_adapter import to_hf_config, to_hf_state_dict
+from recipes.llm.model import GroupedExperts, LlamaArgs, MoE, MoEArgs, Transformer, permute_tokens
 from recipes.llm.moe_losses import load_balancing_loss, model_router_sums, z_loss
 from recipes.llm.train import llama_args
 from tests.fixtures.llm import write_moe_folder
@@ -229,7 +229,7 @@ def test_dense_qk_norm_is_qwen3():
 def test_expert_parallel_regroups_received_rows_by_local_expert():
     """Rows arrive per source rank, then local expert: rank 0 sent 1 row to expert 0 and 2 to expert 1, rank 1
     sent 3 rows to expert 0. Expert 0's rows come first, in source-rank order."""
-    from recipes.llm.parallelize import expert_major_order
+    from recipes.llm.expert_parallel import expert_major_order
 
     order = expert_major_order(torch.tensor([[1, 2], [3, 0]]), total=6)
     assert order.tolist() == [0, 3, 4, 5, 1, 2]
