@@ -36,8 +36,8 @@ import torch
 import torch.distributed as tdist
 
 from common import faults
-from common.errors import ConfigError
 from common.distributed import DistInfo, barrier, broadcast_object
+from common.errors import ConfigError
 
 STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -72,8 +72,11 @@ def file_crc32(path: Path) -> str:
 
 def write_manifest(ckpt: Path) -> None:
     """manifest.json: every file under `ckpt` (relative path -> size, CRC-32); written last."""
-    files = {str(p.relative_to(ckpt)): {"size": p.stat().st_size, "crc32": file_crc32(p)}
-             for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    files = {
+        str(p.relative_to(ckpt)): {"size": p.stat().st_size, "crc32": file_crc32(p)}
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
     _atomic_write_text(ckpt / MANIFEST, json.dumps({"checksum": "crc32", "files": files}, indent=1))
 
 
@@ -132,8 +135,11 @@ def _newest_verified(root: Path, *, move_aside: bool) -> Path | None:
             shutil.rmtree(aside, ignore_errors=True)
             os.rename(ckpt, aside)
             moved = f" (moved to {aside.name})"
-        print(f"kiln: checkpoint {ckpt.name} fails verification: {problem}{moved}; falling back to the previous "
-              "checkpoint", flush=True)
+        print(
+            f"kiln: checkpoint {ckpt.name} fails verification: {problem}{moved}; falling back to the previous "
+            "checkpoint",
+            flush=True,
+        )
     return None
 
 
@@ -163,8 +169,10 @@ def resolve_checkpoint(resume: str, own_root: Path) -> Path | None:
         if problem:
             raise ConfigError(f"run.resume={resume}: the checkpoint fails verification: {problem}")
         return path
-    raise ConfigError(f"run.resume={resume}: no complete checkpoint there (expected a run dir, its checkpoints dir or "
-                      f"a step_* dir with {MANIFEST})")
+    raise ConfigError(
+        f"run.resume={resume}: no complete checkpoint there (expected a run dir, its checkpoints dir or "
+        f"a step_* dir with {MANIFEST})"
+    )
 
 
 @dataclasses.dataclass
@@ -185,7 +193,9 @@ class CheckpointManager:
         self.async_save = async_save
         self._pending: _Pending | None = None
         self._groups = None  # (DCP's background writes, the ranks' agreement): gloo groups of their own
-        self._sealer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-ckpt") if async_save else None
+        self._sealer = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-ckpt") if async_save else None
+        )
         if dist.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(self.root / ".tmp", ignore_errors=True)  # leftovers of a crashed save
@@ -218,11 +228,15 @@ class CheckpointManager:
             self._groups = (tdist.new_group(backend="gloo"), tdist.new_group(backend="gloo"))
         return self._groups[0]
 
-    def save(self, step: int, write: Callable[[Path], concurrent.futures.Future | None], meta: dict | None = None) -> Path:
+    def save(
+        self, step: int, write: Callable[[Path], concurrent.futures.Future | None], meta: dict | None = None
+    ) -> Path:
         """Collective: every rank calls it; `write(tmp_dir)` writes this rank's share, or starts writing it in the
         background and returns its Future (then the checkpoint is committed later: `poll`, `wait`)."""
         final = self.root / step_dir_name(step)
-        if self._pending is not None and self._pending.final == final:  # e.g. the final save of a run, just after its last
+        if (
+            self._pending is not None and self._pending.final == final
+        ):  # e.g. the final save of a run, just after its last
             return final
         self.wait(f"step {step}'s save")
         if final.exists():  # e.g. the final save of a run resumed at its last step
@@ -251,7 +265,9 @@ class CheckpointManager:
         if written is None:
             barrier()  # every rank's shard is on disk before rank 0 seals it
         if self.dist.is_main:
-            _atomic_write_text(tmp / "meta.json", json.dumps({**info, "time": time.time(), "manifest": MANIFEST}, indent=1))
+            _atomic_write_text(
+                tmp / "meta.json", json.dumps({**info, "time": time.time(), "manifest": MANIFEST}, indent=1)
+            )
             write_manifest(tmp)
 
     def _commit(self, tmp: Path, final: Path) -> None:
@@ -289,7 +305,9 @@ class CheckpointManager:
         if self._pending is None:
             return
         if not self._agree(self._pending.done.done())[0] and self.dist.is_main:
-            print(f"kiln: checkpoint {self._pending.final.name} is still being written; {waiter} waits for it", flush=True)
+            print(
+                f"kiln: checkpoint {self._pending.final.name} is still being written; {waiter} waits for it", flush=True
+            )
         faults.checkpoint_waited_for()
         concurrent.futures.wait([self._pending.done])
         self._commit_pending()
@@ -298,8 +316,9 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         error = pending.done.exception()
         if not self._agree(True, error is None)[1]:
-            raise RuntimeError(f"checkpoint {pending.final.name} failed to write"
-                               f"{f': {error}' if error else ' on another rank'}") from error
+            raise RuntimeError(
+                f"checkpoint {pending.final.name} failed to write{f': {error}' if error else ' on another rank'}"
+            ) from error
         self._commit(pending.tmp, pending.final)
 
     def _prune(self) -> None:

@@ -262,15 +262,21 @@ def validate(cfg: TrainConfig) -> None:
     if not (0.0 <= cfg.optim.beta1 < 1.0 and 0.0 <= cfg.optim.beta2 < 1.0):
         raise ConfigError("optim.beta1 and optim.beta2 must be in [0, 1)")
     if cfg.toggles.attention == "flash" and cfg.toggles.precision not in ("bf16", "fp16", "fp8"):
-        raise ConfigError(f"toggles.attention=flash needs toggles.precision=bf16 or fp16 (flash kernels have no "
-                          f"{cfg.toggles.precision} path); got toggles.precision={cfg.toggles.precision}")
+        raise ConfigError(
+            f"toggles.attention=flash needs toggles.precision=bf16 or fp16 (flash kernels have no "
+            f"{cfg.toggles.precision} path); got toggles.precision={cfg.toggles.precision}"
+        )
     build = cfg.data.build
     if build and (not build[0] or build[0].startswith("-")):
-        raise ConfigError(f"data.build={build}: the first item must be the builder's module (it runs as python -m MODULE ARGS...)")
+        raise ConfigError(
+            f"data.build={build}: the first item must be the builder's module (it runs as python -m MODULE ARGS...)"
+        )
     if any(arg == "--out" or arg.startswith("--out=") for arg in build):
         raise ConfigError(f"data.build={build} must not give --out: the run appends --out <data.root>")
     if cfg.checkpoint.async_save and isinstance(cfg.parallel, ZeroParallelConfig):
-        raise ConfigError("checkpoint.async_save=true is for the LLM recipes (DCP); DeepSpeed recipes save synchronously")
+        raise ConfigError(
+            "checkpoint.async_save=true is for the LLM recipes (DCP); DeepSpeed recipes save synchronously"
+        )
     resume = cfg.run.resume
     if resume not in ("auto", "never") and not Path(resume).exists():
         raise ConfigError(f"run.resume={resume}: no such path (use auto, never, or a checkpoint path)")
@@ -279,8 +285,9 @@ def validate(cfg: TrainConfig) -> None:
 ZERO_LAYOUTS = "parallel=single|zero1|zero2|zero3: parallel.dp, parallel.zero_stage"
 
 
-def check_family_sections(cfg: TrainConfig, recipe: str, *, parallel: type, layouts: str, data: type,
-                          datasets: str) -> None:
+def check_family_sections(
+    cfg: TrainConfig, recipe: str, *, parallel: type, layouts: str, data: type, datasets: str
+) -> None:
     """One line where a `parallel` or `data` option of another family was picked (each family's schema is
     its own: recipes/<family>/config.py)."""
     if not isinstance(cfg.parallel, parallel):

@@ -142,7 +142,9 @@ def grad_norm(engine) -> torch.Tensor | float:
 
 def trained_shapes(engine) -> dict[str, list[int]]:
     """Name -> shape of every trained parameter (meta.json records them: a resume checks it fits)."""
-    return {name: list(getattr(p, "ds_shape", p.shape)) for name, p in engine.module.named_parameters() if p.requires_grad}
+    return {
+        name: list(getattr(p, "ds_shape", p.shape)) for name, p in engine.module.named_parameters() if p.requires_grad
+    }
 
 
 def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool = True, strict: bool = True) -> None:
@@ -159,8 +161,12 @@ def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool =
     saved = (meta["world_size"], meta.get("zero_stage"))
     if saved == (world, engine.zero_optimization_stage()) or not load_optimizer:
         engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=load_optimizer,
-            load_lr_scheduler_states=load_optimizer, load_module_only=not load_optimizer, load_module_strict=strict,
+            str(path.parent),
+            tag=path.name,
+            load_optimizer_states=load_optimizer,
+            load_lr_scheduler_states=load_optimizer,
+            load_module_only=not load_optimizer,
+            load_module_strict=strict,
         )
         return
     main = not tdist.is_initialized() or tdist.get_rank() == 0
@@ -168,9 +174,11 @@ def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool =
     start = time.perf_counter()
     error = None
     if main:
-        print(f"kiln: {path} was written by {saved[0]} rank(s) under ZeRO-{saved[1]}; this run has {world} under "
-              f"ZeRO-{engine.zero_optimization_stage()}: converting it to a DeepSpeed universal checkpoint in {folder}",
-              flush=True)
+        print(
+            f"kiln: {path} was written by {saved[0]} rank(s) under ZeRO-{saved[1]}; this run has {world} under "
+            f"ZeRO-{engine.zero_optimization_stage()}: converting it to a DeepSpeed universal checkpoint in {folder}",
+            flush=True,
+        )
         try:
             to_universal(path, folder)
         except Exception as exc:  # the original is only read; the partial conversion goes
@@ -189,8 +197,10 @@ def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool =
             tdist.barrier()
     except Exception as exc:  # one line, and the conversion goes: a failed resume leaves no checkpoints/.tmp
         why = (str(exc).splitlines() or [""])[0]
-        raise UserError(f"run.resume: loading {path}, converted to a universal checkpoint, into this run's layout "
-                        f"failed ({type(exc).__name__}: {why}); it is left as it was") from exc
+        raise UserError(
+            f"run.resume: loading {path}, converted to a universal checkpoint, into this run's layout "
+            f"failed ({type(exc).__name__}: {why}); it is left as it was"
+        ) from exc
     finally:
         if main:  # the conversion goes, and the scratch folder with it where nothing else is in it
             shutil.rmtree(folder, ignore_errors=True)
@@ -207,8 +217,10 @@ def check_trained_shapes(engine, meta: dict, path: Path) -> None:
         return
     differ = sorted(set(saved) ^ set(mine)) or [n for n in mine if saved[n] != mine[n]]
     name = differ[0]
-    raise ConfigError(f"run.resume: {path} holds another model: {len(differ)} trained parameter(s) differ, first "
-                      f"{name} (saved {saved.get(name, 'absent')}, this run {mine.get(name, 'absent')})")
+    raise ConfigError(
+        f"run.resume: {path} holds another model: {len(differ)} trained parameter(s) differ, first "
+        f"{name} (saved {saved.get(name, 'absent')}, this run {mine.get(name, 'absent')})"
+    )
 
 
 _STATES = ("exp_avg", "exp_avg_sq")  # AdamW's moments, beside the fp32 weight
@@ -227,8 +239,15 @@ def to_universal(src: Path, out: Path) -> None:
         return _zero0_to_universal(src, out)
     from deepspeed.checkpoint import ds_to_universal
 
-    args = argparse.Namespace(input_folder=str(src), output_folder=str(out), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    args = argparse.Namespace(
+        input_folder=str(src),
+        output_folder=str(out),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     log = io.StringIO()  # its progress lines and bars: not Kiln's output
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
@@ -316,8 +335,11 @@ def _zero0_masters(engine) -> dict[torch.nn.Parameter, torch.Tensor]:
     the fp32 master copy DeepSpeed's FP16_UnfusedOptimizer keeps of it (no `deepspeed.utils.safe_set_full_*` there)."""
     opt = engine.optimizer
     if hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups"):
-        return {lp: hp for lps, hps in zip(opt.fp16_groups, opt.fp32_groups, strict=True)
-                for lp, hp in zip(lps, hps, strict=True)}
+        return {
+            lp: hp
+            for lps, hps in zip(opt.fp16_groups, opt.fp32_groups, strict=True)
+            for lp, hp in zip(lps, hps, strict=True)
+        }
     return {p: p for group in opt.param_groups for p in group["params"]}
 
 
@@ -397,8 +419,12 @@ def record_state_bytes(engine, cfg: TrainConfig, dist: DistInfo, dp: int, path: 
         states = model_state_bytes(trainable, stage, dp, deepspeed_state_bytes(stage, precision))
         frozen = (n - trainable) * (4 if precision == "fp32" else 2) / (dp if stage == 3 else 1)
         info = {
-            "zero_stage": stage, "world_size": dist.world_size, "dp": dp,
-            "num_params": n, "trainable_params": trainable, "per_rank_state_bytes": measured,
+            "zero_stage": stage,
+            "world_size": dist.world_size,
+            "dp": dp,
+            "num_params": n,
+            "trainable_params": trainable,
+            "per_rank_state_bytes": measured,
             "predicted_weights_plus_optimizer_bytes": states["weights"] + states["optimizer"] + frozen,
         }
         path.write_text(json.dumps(info, indent=2))

@@ -54,8 +54,10 @@ class ZeroCheckpoint:
             meta = json.loads((self.path / "meta.json").read_text())
             self.world, self.stage = int(meta["world_size"]), int(meta["zero_stage"])
         except (OSError, ValueError, KeyError, TypeError):
-            raise UserError(f"{self.path} is not a DeepSpeed checkpoint of a Kiln run (no meta.json naming its "
-                            "world_size and zero_stage)") from None
+            raise UserError(
+                f"{self.path} is not a DeepSpeed checkpoint of a Kiln run (no meta.json naming its "
+                "world_size and zero_stage)"
+            ) from None
         files = [self.model_file(r) for r in range(self.world if self.stage == 3 else 1)]
         files += [self.optim_file(r) for r in range(self.world)] if self.stage == 3 else []
         missing = [f.name for f in files if not f.exists()]
@@ -116,8 +118,10 @@ class ZeroCheckpoint:
                 spans[name] = (offset, size)
             offset += size
         flats = [_load(self.optim_file(r))["optimizer_state_dict"]["fp32_flat_groups"] for r in range(self.world)]
-        return {n: unpartition((_span(groups, *spans[n]) for groups in flats), self.param_shapes[n]).to(self.dtype)
-                for n in names}
+        return {
+            n: unpartition((_span(groups, *spans[n]) for groups in flats), self.param_shapes[n]).to(self.dtype)
+            for n in names
+        }
 
     def trainer_state(self) -> dict:
         """Kiln's TrainState, mapped (see common/trainer.py save_checkpoint)."""
@@ -133,7 +137,7 @@ def _span(groups: list[torch.Tensor], start: int, size: int) -> torch.Tensor:
     for g in groups:
         lo, hi = max(start, base), min(start + size, base + g.numel())
         if lo < hi:
-            pieces.append(g[lo - base: hi - base])
+            pieces.append(g[lo - base : hi - base])
         base += g.numel()
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
@@ -149,19 +153,28 @@ def copy_checked(params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]
     in place; one line where the names or a shape differ (the run's config.yaml builds another model than it saved)."""
     only = sorted(params.keys() - saved.keys()) or sorted(saved.keys() - params.keys())
     if only:
-        raise UserError(f"{source} holds other tensors than the model the run's config.yaml builds ({only[0]} is in "
-                        "one of them only)")
+        raise UserError(
+            f"{source} holds other tensors than the model the run's config.yaml builds ({only[0]} is in "
+            "one of them only)"
+        )
     wrong = [n for n, p in params.items() if saved[n].shape != p.shape]
     if wrong:
-        raise UserError(f"{source} holds {wrong[0]} of shape {tuple(saved[wrong[0]].shape)}; the run's config.yaml "
-                        f"builds {tuple(params[wrong[0]].shape)}")
+        raise UserError(
+            f"{source} holds {wrong[0]} of shape {tuple(saved[wrong[0]].shape)}; the run's config.yaml "
+            f"builds {tuple(params[wrong[0]].shape)}"
+        )
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(saved[name])
 
 
-def write_safetensors(folder: Path, weights_name: str, layout: dict[str, torch.Tensor], fetch: Fetch,
-                      max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> int:
+def write_safetensors(
+    folder: Path,
+    weights_name: str,
+    layout: dict[str, torch.Tensor],
+    fetch: Fetch,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> int:
     """`layout` (names -> meta tensors of the saved shapes and dtypes) as safetensors files in `folder`, split as
     transformers and diffusers split them (huggingface_hub; `weights_name` plus an index when there are several).
     `fetch(names)` gives one shard's tensors at a time. Returns the bytes written."""
@@ -177,8 +190,10 @@ def write_safetensors(folder: Path, weights_name: str, layout: dict[str, torch.T
         for n in names:
             t = tensors[n]
             if t.shape != layout[n].shape or t.dtype != layout[n].dtype:
-                raise RuntimeError(f"{n}: the checkpoint holds {tuple(t.shape)} {t.dtype}, the model "
-                                   f"{tuple(layout[n].shape)} {layout[n].dtype}")
+                raise RuntimeError(
+                    f"{n}: the checkpoint holds {tuple(t.shape)} {t.dtype}, the model "
+                    f"{tuple(layout[n].shape)} {layout[n].dtype}"
+                )
             shard[n] = t.contiguous()
         save_file(shard, folder / filename, metadata={"format": "pt"})
         del tensors, shard
@@ -200,18 +215,23 @@ def export_zero(path: Path, max_shard_size: str | None, write: Callable[["ZeroCh
         raise UserError(f"--max-shard-size {max_shard_size}: not a size (e.g. 500MB, 2GB)") from None
     ckpt = ZeroCheckpoint(path)
     written = write(ckpt, shard_size)
-    return (f"ZeRO-{ckpt.stage} checkpoint of {ckpt.world} rank(s); {written / 1e6:.1f} MB of "
-            f"{str(ckpt.dtype).removeprefix('torch.')} weights")
+    return (
+        f"ZeRO-{ckpt.stage} checkpoint of {ckpt.world} rank(s); {written / 1e6:.1f} MB of "
+        f"{str(ckpt.dtype).removeprefix('torch.')} weights"
+    )
 
 
-def export_zero_lora(path: Path, max_shard_size: str | None, write: Callable[["ZeroCheckpoint"], int], *,
-                     adapter: str, source: str) -> str:
+def export_zero_lora(
+    path: Path, max_shard_size: str | None, write: Callable[["ZeroCheckpoint"], int], *, adapter: str, source: str
+) -> str:
     """A finetune=lora run's export of ZeRO checkpoint `path`: `write(ckpt)` writes the adapter folder (the base whole
     in host memory, as the end of the run writes it) and returns the parameters it read from the checkpoint
     (`adapter`: what they are, on model.init_from `source`). Returns what was written, in words."""
     if max_shard_size is not None:
-        raise UserError("--max-shard-size is for full DiT/VLM runs (a LoRA run's export is written by peft, diffusers "
-                        "and transformers, as at the end of the run)")
+        raise UserError(
+            "--max-shard-size is for full DiT/VLM runs (a LoRA run's export is written by peft, diffusers "
+            "and transformers, as at the end of the run)"
+        )
     ckpt = ZeroCheckpoint(path)
     count = write(ckpt)
     return f"{adapter} of {count:,} parameters on {source}, from a ZeRO-{ckpt.stage} checkpoint of {ckpt.world} rank(s)"

@@ -47,7 +47,7 @@ def _part(p: torch.nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
         return whole
     n = p.ds_tensor.numel()
     rank, world = tdist.get_rank(p.ds_process_group), tdist.get_world_size(p.ds_process_group)
-    return torch.nn.functional.pad(whole.flatten(), (0, n * world - whole.numel()))[rank * n: (rank + 1) * n]
+    return torch.nn.functional.pad(whole.flatten(), (0, n * world - whole.numel()))[rank * n : (rank + 1) * n]
 
 
 class EMA:

@@ -48,8 +48,9 @@ class Engine(ABC):
     scratch: Path | None = None  # a folder every rank sees, for a conversion on load (the Trainer sets it)
 
     @abstractmethod
-    def forward_backward(self, loss: Callable, batch, inv_count: torch.Tensor, last: bool,
-                         timer: StepTimer) -> torch.Tensor:
+    def forward_backward(
+        self, loss: Callable, batch, inv_count: torch.Tensor, last: bool, timer: StepTimer
+    ) -> torch.Tensor:
         """`loss(batch)` (a summed loss), its backward scaled to the global mean, and the detached sum.
         `last`: the step's last micro-batch (gradients are reduced across ranks then)."""
 
@@ -78,8 +79,10 @@ class Engine(ABC):
     def save_async(self, tmp: Path, group) -> Future:
         """Collective: `save`, with the state copied to host memory first and written in the background on process
         group `group`; the Future completes when the write is. Only engines that can (config.py refuses the rest)."""
-        raise RuntimeError(f"{type(self).__name__} saves synchronously: checkpoint.async_save=true is refused for it at "
-                           "composition (common/config.py)")
+        raise RuntimeError(
+            f"{type(self).__name__} saves synchronously: checkpoint.async_save=true is refused for it at "
+            "composition (common/config.py)"
+        )
 
     @abstractmethod
     def load(self, path: Path) -> None:
@@ -134,13 +137,15 @@ class DeepSpeedEngine(Engine):
         return t
 
     def save(self, tmp):
-        self.ds.save_checkpoint(str(tmp.parent), tag=tmp.name, save_latest=False,
-                                exclude_frozen_parameters=not self.frozen_in_checkpoints)
+        self.ds.save_checkpoint(
+            str(tmp.parent), tag=tmp.name, save_latest=False, exclude_frozen_parameters=not self.frozen_in_checkpoints
+        )
 
     def load(self, path):
         """Any ZeRO stage and number of ranks: another layout than this run's is converted (common/deepspeed.py)."""
-        ds.load_checkpoint(self.ds, path, scratch=self.scratch or path.parent / ".tmp",
-                           strict=self.frozen_in_checkpoints)
+        ds.load_checkpoint(
+            self.ds, path, scratch=self.scratch or path.parent / ".tmp", strict=self.frozen_in_checkpoints
+        )
 
     def layout(self):
         return {"zero_stage": self.zero_stage, "trained_shapes": ds.trained_shapes(self.ds)}
@@ -175,8 +180,15 @@ class NativeEngine(Engine):
     `tied`: tied embeddings held by two pipeline stages (gradients summed before clipping, one copy left out of
     the norm)."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, mesh, *, tied=None,
-                 backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        mesh,
+        *,
+        tied=None,
+        backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
         o = cfg.optim
         self.model = self.module = model
         self.mesh, self.tied, self.backward_context = mesh, tied, backward_context
@@ -186,10 +198,12 @@ class NativeEngine(Engine):
         device = next(iter(model.parameters())).device
         # Only what trains (a LoRA run: the adapter) reaches the optimizer: no state for a frozen base.
         trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay, **adamw_kernel(device))
+        self.optimizer = torch.optim.AdamW(
+            trainable, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **adamw_kernel(device)
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, functools.partial(lr_factor, cfg=o, max_steps=cfg.trainer.max_steps))
+            self.optimizer, functools.partial(lr_factor, cfg=o, max_steps=cfg.trainer.max_steps)
+        )
         self.extras = {"scheduler": self.scheduler}
         self._stager = None  # async saves' host copy, reused save after save
 
@@ -211,10 +225,13 @@ class NativeEngine(Engine):
         if self.pp == 1 and self.ep == 1:  # one mesh: DTensor's own norm
             norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
             return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        return clip_grad_norm_(params, self.grad_clip,
-                               dp_group=self.mesh["dp"].get_group() if self.ep > 1 else None,  # DTensors on two meshes
-                               pp_group=self.mesh["pp"].get_group() if self.pp > 1 else None,  # every stage's gradients
-                               skip=self.tied.norm_skip if self.tied is not None else None)
+        return clip_grad_norm_(
+            params,
+            self.grad_clip,
+            dp_group=self.mesh["dp"].get_group() if self.ep > 1 else None,  # DTensors on two meshes
+            pp_group=self.mesh["pp"].get_group() if self.pp > 1 else None,  # every stage's gradients
+            skip=self.tied.norm_skip if self.tied is not None else None,
+        )
 
     def step(self, skip=False):
         if not skip:
@@ -254,9 +271,14 @@ class NativeEngine(Engine):
 
         if self._stager is None:
             cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
-        return dcp.async_save(self._state(), checkpoint_id=str(tmp / "dcp"), process_group=group, async_stager=self._stager)
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+                )
+            )
+        return dcp.async_save(
+            self._state(), checkpoint_id=str(tmp / "dcp"), process_group=group, async_stager=self._stager
+        )
 
     def load(self, path):
         """DCP reshards: a checkpoint written under one (pp, dp, tp) layout loads under another."""
@@ -266,8 +288,13 @@ class NativeEngine(Engine):
         state = self._state()
         dcp.load(state, checkpoint_id=str(path / "dcp"))
         # Not strict: the frozen weights are not in a checkpoint (they are loaded from their source already).
-        loaded = set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                                options=dataclasses.replace(_flat_optim(), strict=False))
+        loaded = set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=dataclasses.replace(_flat_optim(), strict=False),
+        )
         trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
         if trainable & set(loaded.missing_keys):
             raise RuntimeError(f"{path} lacks trained weights: {sorted(trainable & set(loaded.missing_keys))[:3]}")
@@ -278,13 +305,17 @@ class NativeEngine(Engine):
     def _trained(self, model_sd: dict) -> dict:
         """`model_sd` without frozen weights. `ignore_frozen_params` drops them by `named_parameters()`, which names
         a tied weight once: a frozen tied output projection (`output.weight`) would stay in."""
-        frozen = {_WRAPPERS.sub("", name) for name, p in self.model.named_parameters(remove_duplicate=False)
-                  if not p.requires_grad}
+        frozen = {
+            _WRAPPERS.sub("", name)
+            for name, p in self.model.named_parameters(remove_duplicate=False)
+            if not p.requires_grad
+        }
         return {k: v for k, v in model_sd.items() if k not in frozen}
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, dp_group=None, pp_group=None,
-                    skip: nn.Parameter | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    params: list[nn.Parameter], max_norm: float, *, dp_group=None, pp_group=None, skip: nn.Parameter | None = None
+) -> torch.Tensor:
     """Clip by the global norm of gradients that one DTensor norm cannot take.
 
     ``dp_group`` (expert parallelism): the gradients are DTensors on different meshes whose shards each cover their
@@ -301,10 +332,14 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, dp_group=Non
     if dp_group is not None:
         dp = tdist.get_world_size(dp_group)
         for g in grads:
-            if not (isinstance(g, DTensor) and g.device_mesh.size() == dp
-                    and all(isinstance(x, (Shard, _StridedShard)) for x in g.placements)):
-                raise RuntimeError(f"a gradient {getattr(g, 'placements', 'not a DTensor')} is not sharded over the "
-                                   f"{dp} dp ranks")
+            if not (
+                isinstance(g, DTensor)
+                and g.device_mesh.size() == dp
+                and all(isinstance(x, (Shard, _StridedShard)) for x in g.placements)
+            ):
+                raise RuntimeError(
+                    f"a gradient {getattr(g, 'placements', 'not a DTensor')} is not sharded over the {dp} dp ranks"
+                )
         sq = torch.nn.utils.get_total_norm([g.to_local() for g in grads], 2.0).float() ** 2
         tdist.all_reduce(sq, group=dp_group)
     else:

@@ -25,8 +25,14 @@ import time
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils.flop_counter import (FlopCounterMode, _FlopCounterMode, flop_registry, sdpa_backward_flop_count,
-                                      sdpa_flop_count, shape_wrapper)
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    _FlopCounterMode,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
 
 
 def _cpu_flash_attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
@@ -55,8 +61,9 @@ def _seq_lengths(cu_seqlens: torch.Tensor, max_len: int) -> list[int]:
     return cu_seqlens.diff().tolist()
 
 
-def varlen_attention_flops(query, key, value, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, *,
-                           grad_out=None) -> int:
+def varlen_attention_flops(
+    query, key, value, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, *, grad_out=None
+) -> int:
     """FLOPs of packed attention on [total, heads, dim] q/k/v: forward, or backward with grad_out."""
     _, h_q, d_q = query.shape
     _, h_k, _ = key.shape
@@ -83,13 +90,30 @@ def _flash_attn_backward_flops(dout, q, k, v, *args, out_val=None, **kwargs) -> 
     return sdpa_backward_flop_count(_bhsd(dout.shape), _bhsd(q.shape), _bhsd(k.shape), _bhsd(v.shape))
 
 
-def _flash_attn_varlen_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, out_val=None,
-                             **kwargs) -> int:
+def _flash_attn_varlen_flops(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, out_val=None, **kwargs
+) -> int:
     return varlen_attention_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
-def _flash_attn_varlen_backward_flops(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                      max_seqlen_q, max_seqlen_k, *args, out_val=None, **kwargs) -> int:
+def _flash_attn_varlen_backward_flops(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *args,
+    out_val=None,
+    **kwargs,
+) -> int:
     return varlen_attention_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, grad_out=dout)
 
 
@@ -97,13 +121,15 @@ def _torch_varlen_flops(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *ar
     return varlen_attention_flops(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
 
 
-def _torch_varlen_out_flops(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *args, out_val=None,
-                            **kwargs) -> int:
+def _torch_varlen_out_flops(
+    out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *args, out_val=None, **kwargs
+) -> int:
     return varlen_attention_flops(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
 
 
-def _torch_varlen_backward_flops(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, *args,
-                                 out_val=None, **kwargs) -> int:
+def _torch_varlen_backward_flops(
+    grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, *args, out_val=None, **kwargs
+) -> int:
     return varlen_attention_flops(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, grad_out=grad_out)
 
 
@@ -112,12 +138,16 @@ def _torch_varlen_backward_flops(grad_out, query, key, value, out, lse, cu_seq_q
 # never imports it itself. torch's varlen ops have formulas in torch's table once
 # torch.nn.attention.varlen is imported (torch 2.13); Kiln's are for a torch whose table lacks them.
 ATTENTION_FORMULAS_BY_NAME = {
-    **{f"{ns}::{op}": formula for ns in ("flash_attn", "flashattn") for op, formula in (
-        ("_flash_attn_forward", _flash_attn_flops),
-        ("_flash_attn_backward", _flash_attn_backward_flops),
-        ("_flash_attn_varlen_forward", _flash_attn_varlen_flops),
-        ("_flash_attn_varlen_backward", _flash_attn_varlen_backward_flops),
-    )},
+    **{
+        f"{ns}::{op}": formula
+        for ns in ("flash_attn", "flashattn")
+        for op, formula in (
+            ("_flash_attn_forward", _flash_attn_flops),
+            ("_flash_attn_backward", _flash_attn_backward_flops),
+            ("_flash_attn_varlen_forward", _flash_attn_varlen_flops),
+            ("_flash_attn_varlen_backward", _flash_attn_varlen_backward_flops),
+        )
+    },
     "torch_attn::_varlen_attn": _torch_varlen_flops,
     "torch_attn::_varlen_attn_out": _torch_varlen_out_flops,
     "torch_attn::_varlen_attn_backward": _torch_varlen_backward_flops,
@@ -160,6 +190,7 @@ def _shard_count(out) -> int:
 
 def _local(formula):
     """A raw-argument formula that counts this rank's share of a DTensor op."""
+
     def count(*args, out_val=None, **kwargs):
         return formula(*args, out_val=out_val, **kwargs) // _shard_count(out_val)
 
@@ -191,8 +222,9 @@ def _formulas() -> _FormulaTable:
         torch.ops.aten._grouped_mm: _grouped_mm_flops,  # not in torch's registry: MoE experts would count zero
     }
     raw = {**flop_registry, **{op: shape_wrapper(f) for op, f in kiln.items()}}
-    return _FormulaTable({op: _local(f) for op, f in raw.items()},
-                         {name: _local(f) for name, f in ATTENTION_FORMULAS_BY_NAME.items()})
+    return _FormulaTable(
+        {op: _local(f) for op, f in raw.items()}, {name: _local(f) for name, f in ATTENTION_FORMULAS_BY_NAME.items()}
+    )
 
 
 class _GlobalFlopCounterMode(FlopCounterMode):

@@ -88,8 +88,10 @@ def parse_overrides(overrides: list[str]) -> list[str]:
         try:
             parser.parse_overrides([override])
         except OverrideParseException as exc:
-            raise ConfigError(f"cannot read the argument {given!r}: {_parse_error(override, exc)} (quote a value "
-                              "with special characters: 'key=\"...\"')") from None
+            raise ConfigError(
+                f"cannot read the argument {given!r}: {_parse_error(override, exc)} (quote a value "
+                "with special characters: 'key=\"...\"')"
+            ) from None
         expanded.append(override)
     return expanded
 
@@ -108,7 +110,8 @@ def _parse_error(override: str, exc: Exception) -> str:
 
 def compose(overrides: list[str]) -> TrainConfig:
     """Composed, typed and validated config (raises ConfigError)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -171,8 +174,15 @@ def dry_run(cfg: TrainConfig, spec, world_size: int) -> None:
     from common.memory import configured_layout, dry_run_report
 
     dims = ParallelDims.for_sizing(cfg.parallel, world_size)
-    layout = configured_layout(spec, dp=dims.dp, tp=dims.tp, pp=dims.pp, zero_stage=cfg.parallel.zero_stage,
-                               ac=cfg.toggles.activation_checkpointing, ep=cfg.parallel.ep)
+    layout = configured_layout(
+        spec,
+        dp=dims.dp,
+        tp=dims.tp,
+        pp=dims.pp,
+        zero_stage=cfg.parallel.zero_stage,
+        ac=cfg.toggles.activation_checkpointing,
+        ep=cfg.parallel.ep,
+    )
     print(dry_run_report(spec, layout))
     if cfg.parallel.dp <= 0:
         print("(sized for this launch's world size; set parallel.dp=N to size for N GPUs)")
@@ -238,7 +248,10 @@ def main(argv: list[str]) -> int:
             created = None if run_dir.exists() else run_dir
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-            print(f"kiln: {cfg.recipe.name} on {dist.world_size} rank(s), device {dist.device}, run.dir={run_dir}", flush=True)
+            print(
+                f"kiln: {cfg.recipe.name} on {dist.world_size} rank(s), device {dist.device}, run.dir={run_dir}",
+                flush=True,
+            )
         run_recipe(spec.trainer(cfg, dist, run_dir))
         if dist.is_main:
             print(f"kiln: done; outputs in {run_dir}", flush=True)

@@ -42,19 +42,25 @@ def complete(cfg: TrainConfig, spec, given: set[str] = frozenset()) -> None:
         raise ConfigError(f"lora.quantize_base={cfg.lora.quantize_base!r}: choose one of {', '.join(QUANTIZE_BASE)}")
     if cfg.finetune != "lora":
         if cfg.lora.quantize_base != "none":
-            raise ConfigError(f"lora.quantize_base={cfg.lora.quantize_base} quantizes a LoRA run's frozen base: it needs "
-                              "finetune=lora")
+            raise ConfigError(
+                f"lora.quantize_base={cfg.lora.quantize_base} quantizes a LoRA run's frozen base: it needs "
+                "finetune=lora"
+            )
         # What the user typed, not what differs from the schema's default: `lora.rank=8` (the default) is as sure
         # a sign that LoRA was meant, and a recipe file may carry LoRA settings for when finetune=lora is chosen.
         lora_keys = sorted(k for k in given if k == "lora" or k.startswith("lora."))
         if lora_keys:
-            raise ConfigError(f"{', '.join(lora_keys)}: LoRA settings, but this run is finetune={cfg.finetune}, which "
-                              "would ignore them; add finetune=lora to train adapters, or drop them to train every "
-                              "weight")
+            raise ConfigError(
+                f"{', '.join(lora_keys)}: LoRA settings, but this run is finetune={cfg.finetune}, which "
+                "would ignore them; add finetune=lora to train adapters, or drop them to train every "
+                "weight"
+            )
         return
     if cfg.lora.quantize_base != "none" and not spec.qlora:
-        raise ConfigError(f"lora.quantize_base={cfg.lora.quantize_base} is not offered by the {cfg.recipe.family} recipe "
-                          "yet; use lora.quantize_base=none")
+        raise ConfigError(
+            f"lora.quantize_base={cfg.lora.quantize_base} is not offered by the {cfg.recipe.family} recipe "
+            "yet; use lora.quantize_base=none"
+        )
     allowed = spec.lora_targets
     if not allowed:
         raise ConfigError(f"finetune=lora is not offered by the {cfg.recipe.family} recipe yet; use finetune=full")
@@ -62,21 +68,33 @@ def complete(cfg: TrainConfig, spec, given: set[str] = frozenset()) -> None:
         cfg.lora.targets = list(allowed)
     unknown = [t for t in cfg.lora.targets if t not in allowed]
     if unknown:
-        raise ConfigError(f"lora.targets: {unknown[0]!r} matches no module the {cfg.recipe.family} recipe's LoRA can "
-                          f"target; choose from: {', '.join(allowed)}")
+        raise ConfigError(
+            f"lora.targets: {unknown[0]!r} matches no module the {cfg.recipe.family} recipe's LoRA can "
+            f"target; choose from: {', '.join(allowed)}"
+        )
     if len(set(cfg.lora.targets)) != len(cfg.lora.targets):
         raise ConfigError(f"lora.targets={list(cfg.lora.targets)} names a module twice")
 
 
-def peft_config(lora: LoRAConfig, targets: list[str] | str | None = None, base: str | None = None,
-                modules_to_save: list[str] | None = None):
+def peft_config(
+    lora: LoRAConfig,
+    targets: list[str] | str | None = None,
+    base: str | None = None,
+    modules_to_save: list[str] | None = None,
+):
     """peft's LoraConfig of these settings (`targets`: the names in the model at hand, default lora.targets, or
     one regex over whole module names; `modules_to_save`: modules trained in full, saved whole in the adapter)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
-                      target_modules=targets if isinstance(targets, str) else sorted(targets or lora.targets),
-                      modules_to_save=modules_to_save, base_model_name_or_path=base)
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        bias="none",
+        target_modules=targets if isinstance(targets, str) else sorted(targets or lora.targets),
+        modules_to_save=modules_to_save,
+        base_model_name_or_path=base,
+    )
 
 
 # ---- the parallelize step ---------------------------------------------------------------------------
@@ -98,7 +116,9 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:
     return model
 
 
-def merge_into(model: nn.Module, state: dict[str, torch.Tensor], lora: LoRAConfig, scope: nn.Module | None = None) -> nn.Module:
+def merge_into(
+    model: nn.Module, state: dict[str, torch.Tensor], lora: LoRAConfig, scope: nn.Module | None = None
+) -> nn.Module:
     """`model` (materialized, not yet LoRA-wrapped: its own weights are overwritten) holding `state` (an adapted
     model's names: `base_layer` + adapter, LoRA on `scope`, default the whole model), the adapter then merged by
     peft's merge_and_unload (W + B A * alpha / rank) and unwrapped, in place: the caller's tensors are copied."""
@@ -121,7 +141,9 @@ def quantize_base(model: nn.Module) -> int:
     try:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     except ImportError as exc:
-        raise ConfigError(f"lora.quantize_base=nf4 needs torchao's NF4 tensor ({exc}): pip install -e '.[gpu]'") from None
+        raise ConfigError(
+            f"lora.quantize_base=nf4 needs torchao's NF4 tensor ({exc}): pip install -e '.[gpu]'"
+        ) from None
 
     held = 0
     for name, module in model.named_modules():
@@ -129,8 +151,10 @@ def quantize_base(model: nn.Module) -> int:
             continue
         weight = module.base_layer.weight
         if weight.numel() % NF4_BLOCK:
-            raise ConfigError(f"lora.quantize_base=nf4: {name} has {weight.numel()} weights, not a multiple of "
-                              f"NF4's block of {NF4_BLOCK}")
+            raise ConfigError(
+                f"lora.quantize_base=nf4: {name} has {weight.numel()} weights, not a multiple of "
+                f"NF4's block of {NF4_BLOCK}"
+            )
         scales = weight.numel() // NF4_BLOCK
         # QLoRA quantizes the scales in blocks of 256; a small model's scale count may need a smaller block.
         scale_block = next(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if scales % b == 0)
@@ -183,8 +207,9 @@ def init_adapter(model: nn.Module, seed: int) -> None:
         for p in adapter:
             (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
     shapes = {k: v.shape for k, v in get_model_state_dict(model).items() if is_adapter_key(k)}  # DTensors: global
-    set_model_state_dict(model, adapter_init(sorted(shapes), shapes, seed),
-                         options=StateDictOptions(full_state_dict=True, strict=False))
+    set_model_state_dict(
+        model, adapter_init(sorted(shapes), shapes, seed), options=StateDictOptions(full_state_dict=True, strict=False)
+    )
     if any((p.to_local() if hasattr(p, "to_local") else p).isnan().any() for p in adapter):
         raise RuntimeError("LoRA: adapter weights left uninitialized")
 
@@ -209,16 +234,20 @@ def is_header_only(saved: str) -> bool:
 
 
 def header_only_note(path: Path) -> str:
-    return (f"kiln: note: {path} records its LoRA base by the safetensors headers only (a checkpoint from before the "
-            "weights were fingerprinted): a same-shaped base with other weights is not detected")
+    return (
+        f"kiln: note: {path} records its LoRA base by the safetensors headers only (a checkpoint from before the "
+        "weights were fingerprinted): a same-shaped base with other weights is not detected"
+    )
 
 
 def checkpoint_meta(cfg: TrainConfig, base: str) -> dict:
     """What a checkpoint records of its fine-tuning: the method and, for LoRA, every lora.* key and the base."""
     if cfg.finetune != "lora":
         return {"finetune": cfg.finetune}
-    return {"finetune": "lora",
-            "lora": {**_lora_keys(cfg.lora), "base": base, "base_fingerprint": base_fingerprint(base)}}
+    return {
+        "finetune": "lora",
+        "lora": {**_lora_keys(cfg.lora), "base": base, "base_fingerprint": base_fingerprint(base)},
+    }
 
 
 def _lora_keys(lora: LoRAConfig) -> dict:
@@ -237,11 +266,15 @@ def check_resume(meta: dict, cfg: TrainConfig, base: str, path: Path) -> None:
     saved = meta["lora"]
     for key, now in _lora_keys(cfg.lora).items():
         if key in saved and saved[key] != now:  # older checkpoints recorded rank, alpha and targets only
-            raise ConfigError(f"run.resume: {path} holds an adapter with lora.{key}={saved[key]}, this run asks for "
-                              f"{now}; resume with lora.{key}={saved[key]} or start a new run.dir")
+            raise ConfigError(
+                f"run.resume: {path} holds an adapter with lora.{key}={saved[key]}, this run asks for "
+                f"{now}; resume with lora.{key}={saved[key]} or start a new run.dir"
+            )
     if not same_base(saved["base_fingerprint"], base):
-        raise ConfigError(f"run.resume: {path} trained an adapter on the base {saved['base']}; this run's base {base} "
-                          f"has other weights (the checkpoint holds the adapter only)")
+        raise ConfigError(
+            f"run.resume: {path} trained an adapter on the base {saved['base']}; this run's base {base} "
+            f"has other weights (the checkpoint holds the adapter only)"
+        )
     if is_header_only(saved["base_fingerprint"]) and os.environ.get("RANK", "0") == "0":
         print(header_only_note(path), flush=True)
 
@@ -254,8 +287,11 @@ def write_adapter_folder(out: Path, adapter: dict[str, torch.Tensor], config) ->
 
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
-    save_file({k: v.detach().contiguous() for k, v in adapter.items()}, str(out / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous() for k, v in adapter.items()},
+        str(out / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 def peft_state_dict(state: dict[str, torch.Tensor], module_name=lambda module: module) -> dict[str, torch.Tensor]:

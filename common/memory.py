@@ -62,8 +62,9 @@ def nf4_bytes(numel: int) -> float:
     return numel * (0.5 + 1 / 64 + 4 / (64 * 256)) + 16 * 4 + 4
 
 
-def model_state_bytes(num_params: float, stage: int, dp: int, per_param: StateBytes,
-                      gathered_params: float = 0.0, compute_bytes: int = 2) -> dict[str, float]:
+def model_state_bytes(
+    num_params: float, stage: int, dp: int, per_param: StateBytes, gathered_params: float = 0.0, compute_bytes: int = 2
+) -> dict[str, float]:
     """Per-rank weights, gradients and optimizer state under ZeRO stage 0-3 (Rajbhandari et al. 2020,
     Figure 1: P_os shards the optimizer state, P_os+g also the gradients, P_os+g+p also the weights).
 
@@ -75,11 +76,17 @@ def model_state_bytes(num_params: float, stage: int, dp: int, per_param: StateBy
     grads = num_params * per_param.grads / (dp if stage >= 2 else 1)
     optim = num_params * per_param.optimizer / (dp if stage >= 1 else 1)
     gathered = 2 * compute_bytes * gathered_params if stage >= 3 and dp > 1 else 0.0
-    return {"weights": weights, "grads": grads, "optimizer": optim, "gathered": gathered,
-            "total": weights + grads + optim + gathered}
+    return {
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optim,
+        "gathered": gathered,
+        "total": weights + grads + optim + gathered,
+    }
 
 
 # ---- activations --------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Block:
@@ -96,10 +103,14 @@ class Block:
     norm: str = "layernorm"  # layernorm | rmsnorm (fp32 statistics) | adaln_zero (DiT)
     mlp: str = "gelu"  # gelu: fc1 -> gelu -> fc2 | swiglu: down(silu(gate) * up)
     dropout: bool = True  # on attention probabilities, attention output and MLP output
-    attention: str = "eager"  # eager: softmax(QK^T)V keeps a*s*s scores | fused: flash/SDPA kernels keep out + logsumexp
+    attention: str = (
+        "eager"  # eager: softmax(QK^T)V keeps a*s*s scores | fused: flash/SDPA kernels keep out + logsumexp
+    )
     repeat_kv: bool = True  # GQA: k/v repeated to every query head before the kernel (kept at full size)
     dense_mask: bool = False  # fused SDPA handed a [b,1,s,s] bool mask converts it to a bias per layer and keeps it
-    megatron_sp: bool = True  # TP+SP: linears keep their sequence shard (Megatron); False: DTensor keeps the gathered input
+    megatron_sp: bool = (
+        True  # TP+SP: linears keep their sequence shard (Megatron); False: DTensor keeps the gathered input
+    )
     # selective AC keeps: all but the s^2 attention core (Korthikanti §5) | save_matmuls (common/toggles.py's
     # policy) | save_narrow_matmuls (the same with recompute_widening: up projections recomputed too)
     selective: str = "attention_core"
@@ -122,12 +133,18 @@ def _norm_saved(block: Block, where: str, sbh: float, sb: float, e: int) -> list
     if block.norm == "rmsnorm":
         # HF/Kiln RMSNorm: x.float() * rsqrt(mean(x^2)) then weight * h.to(dtype): pow and mul keep the
         # fp32 input, mul keeps 1/rms, the weight multiply keeps the normalized x.
-        return [Saved(f"{where} norm input (fp32)", 4 * sbh, True), Saved(f"{where} norm 1/rms", 4 * sb, True),
-                Saved(f"{where} norm normalized", e * sbh, True)]
+        return [
+            Saved(f"{where} norm input (fp32)", 4 * sbh, True),
+            Saved(f"{where} norm 1/rms", 4 * sb, True),
+            Saved(f"{where} norm normalized", e * sbh, True),
+        ]
     # adaLN-Zero (Peebles & Xie 2023): LayerNorm input, its output (kept by the (1 + scale) multiply),
     # and the sub-block's output (kept by the gate multiply).
-    return [Saved(f"{where} norm input", e * sbh, True), Saved(f"{where} norm output", e * sbh, True),
-            Saved(f"{where} gated output", e * sbh, True)]
+    return [
+        Saved(f"{where} norm input", e * sbh, True),
+        Saved(f"{where} norm output", e * sbh, True),
+        Saved(f"{where} gated output", e * sbh, True),
+    ]
 
 
 def _attention_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
@@ -135,15 +152,20 @@ def _attention_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
     if block.attention == "fused":
         # Flash/SDPA kernels keep q, k, v, their output and the fp32 logsumexp, never the scores; they
         # write the output as [b, s, a, d], so the reshape before the projection is a view of it.
-        out = [Saved("q, k, v", e * sbh * (1 + 2 * kv), True), Saved("attention output", e * sbh, True),
-               Saved("logsumexp", 4 * a * s * b, True)]
+        out = [
+            Saved("q, k, v", e * sbh * (1 + 2 * kv), True),
+            Saved("attention output", e * sbh, True),
+            Saved("logsumexp", 4 * a * s * b, True),
+        ]
         if block.dense_mask:  # broadcast over heads: every TP rank converts and keeps the whole mask
             out.append(Saved("attention mask as bias", e * b * s * s, False, quadratic=True))
         return out
     out = [Saved("q, k", e * sbh * (1 + kv), True), Saved("softmax output", e * a * s * s * b, True, quadratic=True)]
     if block.dropout:
-        out += [Saved("softmax dropout mask", a * s * s * b, True, quadratic=True),
-                Saved("softmax dropout output", e * a * s * s * b, True, quadratic=True)]
+        out += [
+            Saved("softmax dropout mask", a * s * s * b, True, quadratic=True),
+            Saved("softmax dropout output", e * a * s * s * b, True, quadratic=True),
+        ]
     return out + [Saved("v", e * sbh * kv, True), Saved("projection input", e * sbh, True)]
 
 
@@ -162,11 +184,20 @@ def _save_matmuls_saved(block: Block, s: int, b: int, e: int, widening: bool = T
     sample, b x 6h: not counted.)"""
     sbh, sbf = s * b * block.hidden, s * b * block.ffn
     kv = (block.kv_heads or block.heads) / block.heads
-    up = Saved("gate, up projections", 2 * e * sbf, True) if block.mlp == "swiglu" else Saved("fc1 output", e * sbf, True)
-    return [Saved("layer input", e * sbh, True), Saved("q, k, v projections", e * sbh * (1 + 2 * kv), True),
-            Saved("attention output", e * sbh, True), Saved("logsumexp", 4 * block.heads * s * b, True),
-            Saved("output projection", e * sbh, False), *([up] if widening else []),
-            Saved("down projection", e * sbh, False)]
+    up = (
+        Saved("gate, up projections", 2 * e * sbf, True)
+        if block.mlp == "swiglu"
+        else Saved("fc1 output", e * sbf, True)
+    )
+    return [
+        Saved("layer input", e * sbh, True),
+        Saved("q, k, v projections", e * sbh * (1 + 2 * kv), True),
+        Saved("attention output", e * sbh, True),
+        Saved("logsumexp", 4 * block.heads * s * b, True),
+        Saved("output projection", e * sbh, False),
+        *([up] if widening else []),
+        Saved("down projection", e * sbh, False),
+    ]
 
 
 def layer_saved(block: Block, *, seq: int, batch: int, act_bytes: int, recompute: str = "none") -> list[Saved]:
@@ -199,14 +230,16 @@ def per_gpu_bytes(saved: list[Saved], tp: int = 1) -> float:
     return sum(t.nbytes / (tp if t.tp_sharded else 1) for t in saved)
 
 
-def layer_activation_bytes(block: Block, *, seq: int, batch: int, act_bytes: int, tp: int = 1,
-                           recompute: str = "none") -> float:
+def layer_activation_bytes(
+    block: Block, *, seq: int, batch: int, act_bytes: int, tp: int = 1, recompute: str = "none"
+) -> float:
     """Bytes one layer keeps for backward on one GPU of a tp-way tensor (+ sequence) parallel group."""
     return per_gpu_bytes(layer_saved(block, seq=seq, batch=batch, act_bytes=act_bytes, recompute=recompute), tp)
 
 
-def head_saved(block: Block, *, seq: int, batch: int, vocab: int, act_bytes: int, loss: bool = True,
-               vocab_parallel: bool = False) -> list[Saved]:
+def head_saved(
+    block: Block, *, seq: int, batch: int, vocab: int, act_bytes: int, loss: bool = True, vocab_parallel: bool = False
+) -> list[Saved]:
     """What a language model keeps after its last layer: the final norm, the output projection's
     input (gathered over TP), and with the loss the fp32 log-probabilities that cross_entropy's
     log_softmax keeps (the recipes upcast the logits first). At 8k tokens x 128k vocabulary the
@@ -218,8 +251,9 @@ def head_saved(block: Block, *, seq: int, batch: int, vocab: int, act_bytes: int
     return out
 
 
-def logits_transient_bytes(*, seq: int, batch: int, vocab: int, act_bytes: int, tp: int = 1,
-                           vocab_parallel: bool = False) -> float:
+def logits_transient_bytes(
+    *, seq: int, batch: int, vocab: int, act_bytes: int, tp: int = 1, vocab_parallel: bool = False
+) -> float:
     """Live only around the loss: the logits in the compute dtype and their fp32 copy."""
     return seq * batch * vocab * (act_bytes + 4) / (tp if vocab_parallel else 1)
 
@@ -242,6 +276,7 @@ def microbatches_in_flight(schedule: str, pp: int, microbatches: int, rank: int)
 
 
 # ---- a model and a layout ----------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -313,8 +348,14 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     # Expert parallelism: each rank's experts are FSDP-sharded over the dp/ep others, so the states stay
     # params / dp, but a gathered MoE layer holds only its 1/ep of the experts.
     gathered = (spec.gather_unit_params - spec.expert_params * (1 - 1 / layout.ep)) / tp
-    states = model_state_bytes(params, layout.zero_stage, layout.dp, _state_bytes_per_param(spec, layout.zero_stage),
-                               gathered_params=gathered, compute_bytes=e)
+    states = model_state_bytes(
+        params,
+        layout.zero_stage,
+        layout.dp,
+        _state_bytes_per_param(spec, layout.zero_stage),
+        gathered_params=gathered,
+        compute_bytes=e,
+    )
     states["weights"] += (spec.frozen_bytes or spec.frozen_params * e) / (layout.dp if layout.zero_stage >= 3 else 1)
     if spec.ema:  # 4 bytes per trainable parameter, partitioned only where the weights are (ZeRO-3)
         states["optimizer"] += 4 * params / (layout.dp if layout.zero_stage >= 3 else 1)
@@ -329,10 +370,12 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     if spec.experts:  # each token's top_k rows, permuted by expert: sent, received and combined back (one layer)
         transient = max(transient, 3 * spec.top_k * spec.seq * rows * spec.block.hidden * e)
     if last and spec.vocab:
-        per_microbatch += per_gpu_bytes(head_saved(spec.block, vocab=spec.vocab, vocab_parallel=spec.vocab_parallel,
-                                                   **shape), tp)
-        transient = max(transient, logits_transient_bytes(vocab=spec.vocab, tp=tp, vocab_parallel=spec.vocab_parallel,
-                                                          **shape))
+        per_microbatch += per_gpu_bytes(
+            head_saved(spec.block, vocab=spec.vocab, vocab_parallel=spec.vocab_parallel, **shape), tp
+        )
+        transient = max(
+            transient, logits_transient_bytes(vocab=spec.vocab, tp=tp, vocab_parallel=spec.vocab_parallel, **shape)
+        )
     activations = microbatches_in_flight(spec.pp_schedule, p, microbatches, rank) * per_microbatch
     parts = {k: states[k] for k in ("weights", "grads", "optimizer", "gathered")}
     parts.update(activations=activations, transient=transient)
@@ -342,8 +385,6 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
 def estimate(spec: ModelSpec, layout: Layout) -> dict[str, float]:
     """The worst pipeline rank: the first holds the most microbatches, the last the logits."""
     return max((estimate_rank(spec, layout, r) for r in {0, layout.pp - 1}), key=lambda d: d["total"])
-
-
 
 
 def configured_layout(spec: ModelSpec, *, dp: int, tp: int, pp: int, zero_stage: int, ac: str, ep: int = 1) -> Layout:
@@ -365,13 +406,18 @@ def dry_run_report(spec: ModelSpec, layout: Layout) -> str:
     est = estimate(spec, layout)
     n = spec.total_params
     states = est["weights"] + est["grads"] + est["optimizer"] + est["gathered"]
-    lines = [f"recipe {spec.name}: {n:,} parameters ({n / 1e9:.2f}B)",
-             f"per GPU at dp={layout.dp} tp={layout.tp} pp={layout.pp}, {describe_sharding(spec, layout)}, "
-             f"{spec.precision}, micro batch {spec.micro_batch} x {spec.seq} tokens, AC {layout.ac}"
-             + (f" (pipeline rank {est['rank']}, the fullest)" if layout.pp > 1 else "") + ":"]
+    lines = [
+        f"recipe {spec.name}: {n:,} parameters ({n / 1e9:.2f}B)",
+        f"per GPU at dp={layout.dp} tp={layout.tp} pp={layout.pp}, {describe_sharding(spec, layout)}, "
+        f"{spec.precision}, micro batch {spec.micro_batch} x {spec.seq} tokens, AC {layout.ac}"
+        + (f" (pipeline rank {est['rank']}, the fullest)" if layout.pp > 1 else "")
+        + ":",
+    ]
     lines += [f"  {key:<12}{est[key] / GIB:10.2f} GiB" for key in MEMORY_COLUMNS]
-    lines.append(f"model states per GPU: {states:,.0f} bytes (weights {est['weights']:,.0f} + grads {est['grads']:,.0f} "
-                 f"+ optimizer {est['optimizer']:,.0f} + gathered {est['gathered']:,.0f})")
+    lines.append(
+        f"model states per GPU: {states:,.0f} bytes (weights {est['weights']:,.0f} + grads {est['grads']:,.0f} "
+        f"+ optimizer {est['optimizer']:,.0f} + gathered {est['gathered']:,.0f})"
+    )
     return "\n".join(lines)
 
 

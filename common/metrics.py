@@ -50,7 +50,9 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}", refresh=False)
         else:
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()), flush=True)
+            print(
+                " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()), flush=True
+            )
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:

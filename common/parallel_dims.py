@@ -68,5 +68,7 @@ def expert_mesh(mesh, ep: int):
 
 def check_ep_divides_dp(ep: int, dp: int) -> None:
     if ep < 1 or dp % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide the {dp} data-parallel ranks (parallel.dp): expert "
-                          "parallelism splits the experts over ep of the dp ranks, which still read different data")
+        raise ConfigError(
+            f"parallel.ep={ep} must divide the {dp} data-parallel ranks (parallel.dp): expert "
+            "parallelism splits the experts over ep of the dp ranks, which still read different data"
+        )

@@ -98,8 +98,11 @@ def maybe_profile(cfg: ProfileConfig, run_dir: str | Path, rank: int):
     if size > MERGE_LIMIT_BYTES:
         # The other ranks wait in their next collective meanwhile, and Perfetto cannot open a
         # timeline this big anyway: leave the per-rank files and the summary to the report script.
-        print(f"kiln: profile traces total {size / 2**30:.1f} GiB: not merged; "
-              f"scripts/profile_report.py run.dir={run_dir} writes the step breakdown", flush=True)
+        print(
+            f"kiln: profile traces total {size / 2**30:.1f} GiB: not merged; "
+            f"scripts/profile_report.py run.dir={run_dir} writes the step breakdown",
+            flush=True,
+        )
         return
     from common.tools.traces import merge_traces, write_summary
 

@@ -30,16 +30,22 @@ def check_toggles(t: TogglesConfig) -> None:
     cap = _cuda_capability()
     where = f"CUDA capability {cap[0]}.{cap[1]}" if cap else "no CUDA device"
     if t.precision == "fp16" and cap is None:
-        raise ConfigError("toggles.precision=fp16 needs a CUDA GPU (loss-scaled fp16 is GPU-only); use bf16 or fp32 on CPU")
+        raise ConfigError(
+            "toggles.precision=fp16 needs a CUDA GPU (loss-scaled fp16 is GPU-only); use bf16 or fp32 on CPU"
+        )
     if t.precision == "fp8":
         if cap is None or cap < (8, 9):
-            raise ConfigError(f"toggles.precision=fp8 needs a GPU with fp8 tensor cores (capability >= 8.9); found {where}")
+            raise ConfigError(
+                f"toggles.precision=fp8 needs a GPU with fp8 tensor cores (capability >= 8.9); found {where}"
+            )
         if importlib.util.find_spec("torchao") is None:
             raise ConfigError("toggles.precision=fp8 needs the torchao package (pip install torchao)")
     if t.attention == "flash" and (cap is None or cap < (8, 0)):
         # torch's own FlashAttention kernels (SDPA's flash backend, torch.nn.attention.varlen): Ampere or newer.
-        raise ConfigError(f"toggles.attention=flash needs a CUDA GPU of capability >= 8.0 (torch's FlashAttention "
-                          f"kernels); found {where}: use sdpa")
+        raise ConfigError(
+            f"toggles.attention=flash needs a CUDA GPU of capability >= 8.0 (torch's FlashAttention "
+            f"kernels); found {where}: use sdpa"
+        )
 
 
 def apply_global_toggles(t: TogglesConfig) -> None:
@@ -58,17 +64,23 @@ def apply_fp8(model: torch.nn.Module) -> torch.nn.Module:
     from torchao.float8 import convert_to_float8_training
 
     def fits(module: torch.nn.Module, fqn: str) -> bool:
-        return (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
-                and fqn.rsplit(".", 1)[-1] not in ("output", "lm_head"))
+        return (
+            isinstance(module, torch.nn.Linear)
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+            and fqn.rsplit(".", 1)[-1] not in ("output", "lm_head")
+        )
 
     return convert_to_float8_training(model, module_filter_fn=fits)
 
 
 _MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
-_KEEP = _MATMULS | {torch.ops.aten._scaled_dot_product_flash_attention.default,
-                    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-                    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-                    torch.ops.torch_attn._varlen_attn.default}  # packed rows on CUDA (toggles.attention=flash)
+_KEEP = _MATMULS | {
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.torch_attn._varlen_attn.default,
+}  # packed rows on CUDA (toggles.attention=flash)
 
 
 def _save_matmuls(ctx, op, *args, recompute_widening: bool = False, **kwargs):
@@ -102,14 +114,17 @@ def draws_random_numbers(module: nn.Module) -> bool:
     return False
 
 
-def apply_ac(model: nn.Module, mode: str, block_types: tuple[type[nn.Module], ...], *,
-             recompute_widening: bool = False) -> list[nn.Module]:
+def apply_ac(
+    model: nn.Module, mode: str, block_types: tuple[type[nn.Module], ...], *, recompute_widening: bool = False
+) -> list[nn.Module]:
     """Wrap every block in place: `full` recomputes the whole block in backward, `selective` only its
     cheap ops (`_save_matmuls`, with `recompute_widening`); with the RNG state kept where a block has
     dropout, so the recomputation is exact. Returns the wrappers. checkpoint_wrapper's
     state-dict hooks drop its prefix, so checkpoints and exports keep the model's own parameter names."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
-                                                                             checkpoint_wrapper)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     # The recomputation must draw the dropout masks the forward drew: keep (and restore) the RNG state
@@ -129,8 +144,14 @@ def apply_ac(model: nn.Module, mode: str, block_types: tuple[type[nn.Module], ..
     return wrapped
 
 
-def apply_toggles(model: nn.Module, t: TogglesConfig, *, block_types: tuple[type[nn.Module], ...],
-                  fp8_module: nn.Module | None = None, recompute_widening: bool = False) -> None:
+def apply_toggles(
+    model: nn.Module,
+    t: TogglesConfig,
+    *,
+    block_types: tuple[type[nn.Module], ...],
+    fp8_module: nn.Module | None = None,
+    recompute_widening: bool = False,
+) -> None:
     """fp8 (on `fp8_module`, default the whole model) -> activation checkpointing of every
     `block_types` module -> torch.compile of each block (its AC wrapper when there is one: compile
     traces the recompute too). `recompute_widening`: selective AC also recomputes up projections

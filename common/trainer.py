@@ -51,7 +51,6 @@ from common.metrics import MetricsLogger
 from common.profiling import StepTimer, maybe_profile
 from common.seed import rng_state, seed_everything, set_rng_state
 
-
 Scalar = float | int | torch.Tensor
 
 
@@ -108,8 +107,12 @@ class StepStats:
             out["token_utilization"] = v["token_utilization"]
         if self.corrupt_shards is not None:
             out["corrupt_shards"] = self.corrupt_shards
-        return out | {k: round(v[f"counts.{k}"]) for k in self.counts} | {k: v[f"losses.{k}"] for k in self.losses} \
+        return (
+            out
+            | {k: round(v[f"counts.{k}"]) for k in self.counts}
+            | {k: v[f"losses.{k}"] for k in self.losses}
             | {k: v[f"metrics.{k}"] for k in self.metrics}
+        )
 
 
 class Stateful(Protocol):
@@ -278,11 +281,18 @@ class Trainer(ABC):
         counts = dict(zip(tally, totals[1:]))
         samples, tokens, slots = (counts.pop(name, None) for name in ("samples", "tokens", "slots"))
         return StepStats(
-            loss=loss, grad_norm=grad_norm, lr=self.engine.lr,
-            samples=0 if samples is None else samples, tokens=0 if tokens is None else tokens,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=self.engine.lr,
+            samples=0 if samples is None else samples,
+            tokens=0 if tokens is None else tokens,
             token_utilization=None if slots is None else tokens / slots.clamp(min=1),
             corrupt_shards=getattr(self.state.loader, "corrupt_shards", None),
-            counts=counts, losses=terms, metrics=self.step_metrics(), skipped=skipped, signum=signum,
+            counts=counts,
+            losses=terms,
+            metrics=self.step_metrics(),
+            skipped=skipped,
+            signum=signum,
         )
 
     def read_once(self, grad_norm: Scalar) -> tuple[bool, int]:
@@ -319,8 +329,10 @@ class Trainer(ABC):
     def load_checkpoint(self, path: Path) -> None:
         saved = read_meta(path)
         if saved.get("recipe") != self.cfg.recipe.name:
-            raise ConfigError(f"run.resume: {path} is a checkpoint of recipe {saved.get('recipe')}; this run is "
-                              f"{self.cfg.recipe.name}")
+            raise ConfigError(
+                f"run.resume: {path} is a checkpoint of recipe {saved.get('recipe')}; this run is "
+                f"{self.cfg.recipe.name}"
+            )
         self.engine.load(path)
         self.state.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
         if self.state.rng:
@@ -330,8 +342,11 @@ class Trainer(ABC):
             else:  # another number of ranks: each rank's stream starts afresh, keyed by the step
                 seed_everything(self.cfg.trainer.seed + 1 + self.dist.rank + 1_000_003 * self.state.step)
                 if self.dist.is_main:
-                    print(f"kiln: {path} was written by {saved['world_size']} ranks: the per-rank random streams "
-                          "(dropout) start afresh; the rest resumes exactly", flush=True)
+                    print(
+                        f"kiln: {path} was written by {saved['world_size']} ranks: the per-rank random streams "
+                        "(dropout) start afresh; the rest resumes exactly",
+                        flush=True,
+                    )
         if self.dist.is_main:
             print(f"kiln: resumed from {path} at step {self.state.step}", flush=True)
 
@@ -341,8 +356,9 @@ class Trainer(ABC):
         loader; a benchmark passes batches it holds in memory."""
         cfg, t, state = self.cfg, self.cfg.trainer, self.state
         batches = iter(state.loader if batches is None else batches)
-        metrics = MetricsLogger(self.run_dir, self.dist, max_steps=t.max_steps, start_step=state.step,
-                                progress_bar=t.progress_bar)
+        metrics = MetricsLogger(
+            self.run_dir, self.dist, max_steps=t.max_steps, start_step=state.step, progress_bar=t.progress_bar
+        )
         timer = StepTimer()
         start_step = state.step
         flops = StepFlops(cfg, self.dist, metrics, self.run_dir, fresh=start_step == 0)
@@ -371,8 +387,14 @@ class Trainer(ABC):
                         self.after_first_step()
                     if log_now or bad:
                         rates = {} if first else flops.rates(stats, step_time)  # counting slows its step
-                        record = {**stats.record(step_time), "skipped_steps": bad_total, **rates,
-                                  "step_time_s": step_time, "data_wait_s": phases.pop("data_wait_s", 0.0), **phases}
+                        record = {
+                            **stats.record(step_time),
+                            "skipped_steps": bad_total,
+                            **rates,
+                            "step_time_s": step_time,
+                            "data_wait_s": phases.pop("data_wait_s", 0.0),
+                            **phases,
+                        }
                         metrics.log(step, record)
                     if t.max_bad_steps and bad_in_row >= t.max_bad_steps:
                         # Skipped steps never touched the weights: this checkpoint holds the last good ones.
@@ -382,7 +404,8 @@ class Trainer(ABC):
                             f"{bad_in_row} steps in a row had a non-finite loss or gradient (steps "
                             f"{step - bad_in_row + 1}-{step}, trainer.max_bad_steps={t.max_bad_steps}); "
                             f"stopped with the weights of step {step - bad_in_row} saved as checkpoint step "
-                            f"{step} in {self.run_dir}/checkpoints")
+                            f"{step} in {self.run_dir}/checkpoints"
+                        )
                     if not bad:
                         self.after_step()
                     self.ckpt.poll()  # an async save whose write is done everywhere becomes `latest`
@@ -489,8 +512,11 @@ class StopSignals:
         name = signal.Signals(signum).name
         job = os.environ.get("SLURM_JOB_ID")
         if dist.is_main:
-            print(f"kiln: {name} received: stopped after step {step} with a checkpoint in {run_dir}/checkpoints; "
-                  "run.resume=auto continues from it", flush=True)
+            print(
+                f"kiln: {name} received: stopped after step {step} with a checkpoint in {run_dir}/checkpoints; "
+                "run.resume=auto continues from it",
+                flush=True,
+            )
             if signum == signal.SIGUSR1 and job:
                 # #SBATCH --signal=USR1@...: put the job back in the queue; it restarts with the same
                 # job id, hence the same run.dir, and resumes from this checkpoint.

@@ -16,8 +16,16 @@ def _kernel():
     return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
-def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                            max_q: int, max_k: int, scale: float | None = None) -> torch.Tensor:
+def varlen_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float | None = None,
+) -> torch.Tensor:
     """``[T, Hq, hd]`` queries over ``[T, Hkv, hd]`` keys/values -> ``[T, Hq, hd]``; ``cu_*`` are the int32 segment
     boundaries, ``max_*`` the longest segment (a Python int: no device sync). With grouped-query attention the kernel
     shares each key/value head among its query heads where torch's kernel takes ``enable_gqa`` (torch 2.13); an older

@@ -21,8 +21,25 @@ from common.errors import ConfigError
 
 HEADER_LIMIT = 100 * 2**20  # safetensors' own cap on the JSON header
 # Bytes per element of safetensors' dtypes (sub-byte ones, e.g. F4, are checked by the file's extent only).
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
-               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 
 # The fingerprint's sample of a tensor: the whole tensor up to SAMPLE_CHUNKS * SAMPLE_BYTES, else SAMPLE_CHUNKS runs of
 # SAMPLE_BYTES spread evenly from its first byte to its last: 131k bf16 elements of each large tensor. A fine-tune that
@@ -43,14 +60,17 @@ def read_header(path: str | Path, label: str) -> tuple[bytes, dict[str, dict], i
     what = f"{label}: {path}"
     with open(path, "rb") as f:
         if size < 8:
-            raise ConfigError(f"{what} is cut short ({size} bytes: not even a safetensors header); copy or download it "
-                              "again")
+            raise ConfigError(
+                f"{what} is cut short ({size} bytes: not even a safetensors header); copy or download it again"
+            )
         n = int.from_bytes(f.read(8), "little")
         if n > HEADER_LIMIT:
             raise ConfigError(f"{what} is not a safetensors file (its first 8 bytes give a header of {n:,} bytes)")
         if 8 + n > size:
-            raise ConfigError(f"{what} is cut short: its header alone is {n:,} bytes, the file holds {size:,}; copy or "
-                              "download it again")
+            raise ConfigError(
+                f"{what} is cut short: its header alone is {n:,} bytes, the file holds {size:,}; copy or "
+                "download it again"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw)
@@ -60,16 +80,20 @@ def read_header(path: str | Path, label: str) -> tuple[bytes, dict[str, dict], i
         raise ConfigError(f"{what} is not a safetensors file (its header does not parse: {exc})") from None
     have, want = size - 8 - n, max((end for _, end in extents), default=0)
     if have < want:
-        raise ConfigError(f"{what} is cut short: its header describes {want:,} bytes of tensor data, the file holds "
-                          f"{have:,}; copy or download it again")
+        raise ConfigError(
+            f"{what} is cut short: its header describes {want:,} bytes of tensor data, the file holds "
+            f"{have:,}; copy or download it again"
+        )
     if have > want:
         raise ConfigError(f"{what} is damaged: it holds {have:,} bytes of tensor data, its header describes {want:,}")
     for name, entry in tensors.items():
         begin, end = entry["data_offsets"]
         itemsize = DTYPE_BYTES.get(entry["dtype"])
         if itemsize is not None and end - begin != math.prod(entry["shape"]) * itemsize:
-            raise ConfigError(f"{what} is damaged: its header gives {name} {end - begin:,} bytes for a "
-                              f"{entry['dtype']} tensor of shape {list(entry['shape'])}")
+            raise ConfigError(
+                f"{what} is damaged: its header gives {name} {end - begin:,} bytes for a "
+                f"{entry['dtype']} tensor of shape {list(entry['shape'])}"
+            )
     return raw, tensors, 8 + n
 
 

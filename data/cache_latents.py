@@ -34,7 +34,9 @@ from data import shards
 
 def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m data.cache_latents", description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. recipe=dit_xl2 data.root=DIR diffusion.vae=DIR")
+    parser.add_argument(
+        "overrides", nargs="*", help="config overrides, e.g. recipe=dit_xl2 data.root=DIR diffusion.vae=DIR"
+    )
     parser.add_argument("--out", required=True, type=Path, help="the latent cache directory (created)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per VAE forward")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -104,38 +106,65 @@ def build_cache(cfg, out: Path, *, batch_size: int, device: str, force: bool) ->
     images = check_image_size(cfg, load_dataset_meta(root))
     geometry = vae_geometry(cfg.diffusion.vae, cfg.data.image_size)
     if geometry.image_channels != channels_of(images):
-        raise ValueError(f"data.root={root} holds {channels_of(images)}-channel images; the VAE in "
-                         f"diffusion.vae={cfg.diffusion.vae} encodes {geometry.image_channels}-channel ones")
+        raise ValueError(
+            f"data.root={root} holds {channels_of(images)}-channel images; the VAE in "
+            f"diffusion.vae={cfg.diffusion.vae} encodes {geometry.image_channels}-channel ones"
+        )
     wanted = {"data_root": str(root), "image_size": cfg.data.image_size, "vae": vae_identity(cfg.diffusion.vae)}
     existing = read_meta(out)
     if existing is not None and not force:
         if _settings(existing) == wanted:
             print(f"{out}/{META_NAME} exists; nothing to do (pass --force to rebuild)")
             return None, 0
-        print(f"error: {out} already holds a latent cache of other images, size or VAE; pass --force to rebuild",
-              file=sys.stderr)
+        print(
+            f"error: {out} already holds a latent cache of other images, size or VAE; pass --force to rebuild",
+            file=sys.stderr,
+        )
         return None, 1
     if existing is None and out.is_dir() and any(out.iterdir()):
-        raise ValueError(f"{out} is not empty and holds no complete latent cache; choose an empty directory or pass --force")
+        raise ValueError(
+            f"{out} is not empty and holds no complete latent cache; choose an empty directory or pass --force"
+        )
 
     vae = load_vae(geometry, torch.device(device))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        meta = {"source": LATENT_SOURCE, **wanted, "vae_path": str(geometry.path), "latent_channels": geometry.latent_channels,
-                "latent_size": geometry.latent_size, "scaling_factor": geometry.scaling_factor,
-                "shift_factor": geometry.shift_factor, "num_classes": images["num_classes"],
-                "classes": class_names(images), "splits": {}, "corrupt_shards": {}}
+        meta = {
+            "source": LATENT_SOURCE,
+            **wanted,
+            "vae_path": str(geometry.path),
+            "latent_channels": geometry.latent_channels,
+            "latent_size": geometry.latent_size,
+            "scaling_factor": geometry.scaling_factor,
+            "shift_factor": geometry.shift_factor,
+            "num_classes": images["num_classes"],
+            "classes": class_names(images),
+            "splits": {},
+            "corrupt_shards": {},
+        }
         total = sum(images["splits"][s]["samples"] for s in SPLITS)
         with tqdm(total=total, desc="encoding", unit="image", dynamic_ncols=True) as bar:
             for split in SPLITS:
-                done = [encode_shard(url, tmp, vae=vae, image_size=cfg.data.image_size,
-                                     channels=channels_of(images), batch_size=batch_size, bar=bar)
-                        for url in images[f"{split}_urls"]]
+                done = [
+                    encode_shard(
+                        url,
+                        tmp,
+                        vae=vae,
+                        image_size=cfg.data.image_size,
+                        channels=channels_of(images),
+                        batch_size=batch_size,
+                        bar=bar,
+                    )
+                    for url in images[f"{split}_urls"]
+                ]
                 meta["corrupt_shards"].update({d["name"]: d["error"] for d in done if d["error"]})
-                meta["splits"][split] = {"shards": [d["name"] for d in done], "samples": sum(d["samples"] for d in done),
-                                         "shard_samples": [d["samples"] for d in done],
-                                         "shard_bytes": [d["bytes"] for d in done]}
+                meta["splits"][split] = {
+                    "shards": [d["name"] for d in done],
+                    "samples": sum(d["samples"] for d in done),
+                    "shard_samples": [d["samples"] for d in done],
+                    "shard_bytes": [d["bytes"] for d in done],
+                }
         if meta["splits"]["train"]["samples"] == 0:
             raise ValueError(f"no training image of data.root={root} could be read; nothing cached")
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
@@ -168,9 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     if meta is None:
         return rc
     splits, bad = meta["splits"], meta["corrupt_shards"]
-    print(f"wrote {args.out}: train {splits['train']['samples']} and val {splits['val']['samples']} latents "
-          f"({meta['latent_channels']}x{meta['latent_size']}x{meta['latent_size']} posterior mean + std) from "
-          f"{meta['data_root']}" + (f"; {len(bad)} corrupt shard(s) cached up to the damage: {', '.join(bad)}" if bad else ""))
+    print(
+        f"wrote {args.out}: train {splits['train']['samples']} and val {splits['val']['samples']} latents "
+        f"({meta['latent_channels']}x{meta['latent_size']}x{meta['latent_size']} posterior mean + std) from "
+        f"{meta['data_root']}"
+        + (f"; {len(bad)} corrupt shard(s) cached up to the damage: {', '.join(bad)}" if bad else "")
+    )
     return 0
 
 

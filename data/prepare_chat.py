@@ -46,16 +46,20 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_SEQ_LEN = 8192
 TOO_LONG = "longer than --max-seq-len"
-CHAT_PREP = {"render": "apply_chat_template(messages, tokenize=False), tokenized without special tokens",
-             "labels": "tokens starting in [render(m[:i], gen prompt), render(m[:i+1])) for assistant message i",
-             "too_long": "dropped whole"}
+CHAT_PREP = {
+    "render": "apply_chat_template(messages, tokenize=False), tokenized without special tokens",
+    "labels": "tokens starting in [render(m[:i], gen prompt), render(m[:i+1])) for assistant message i",
+    "too_long": "dropped whole",
+}
 
 
 def _check_messages(row: object) -> list[dict]:
     if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
         raise user_data.Skip("no messages list")
     messages = row["messages"]
-    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+    if not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
         raise user_data.Skip("a message without a string role and content")
     if not any(m["role"] == "assistant" for m in messages):
         raise user_data.Skip("no assistant turn")
@@ -116,11 +120,19 @@ def encode_conversation(tokenizer: PreTrainedTokenizerFast, messages: list[dict]
     for tok_start, _ in enc["offset_mapping"]:
         k = bisect.bisect_right(starts, tok_start) - 1
         mask.append(k >= 0 and tok_start < spans[k][1])
-    return {"ids": np.asarray(enc["input_ids"], dtype=user_data.ids_dtype(tokenizer)), "mask": np.asarray(mask, dtype=np.uint8)}
+    return {
+        "ids": np.asarray(enc["input_ids"], dtype=user_data.ids_dtype(tokenizer)),
+        "mask": np.asarray(mask, dtype=np.uint8),
+    }
 
 
-def encode_chats(tokenizer: PreTrainedTokenizerFast, files: list[tuple[str, list[list[dict]]]],
-                 skipped_rows: collections.Counter, *, max_seq_len: int) -> tuple[list[dict], dict]:
+def encode_chats(
+    tokenizer: PreTrainedTokenizerFast,
+    files: list[tuple[str, list[list[dict]]]],
+    skipped_rows: collections.Counter,
+    *,
+    max_seq_len: int,
+) -> tuple[list[dict], dict]:
     """Every conversation that encodes and fits, in order; the others are counted in ``skipped_rows``."""
     encoded = []
     for _, conversations in files:
@@ -139,36 +151,58 @@ def encode_chats(tokenizer: PreTrainedTokenizerFast, files: list[tuple[str, list
     if not encoded:
         reasons = ", ".join(f"{n} {r}" for r, n in skipped_rows.most_common())
         raise ValueError(f"no conversation could be used ({reasons})")
-    return encoded, {"conversations": len(encoded), "dropped_too_long": skipped_rows[TOO_LONG],
-                     "max_seq_len": max_seq_len, "labelled_tokens": int(sum(s["mask"].sum() for s in encoded)),
-                     "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()}
+    return encoded, {
+        "conversations": len(encoded),
+        "dropped_too_long": skipped_rows[TOO_LONG],
+        "max_seq_len": max_seq_len,
+        "labelled_tokens": int(sum(s["mask"].sum() for s in encoded)),
+        "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     def extra(parser, positive_int) -> None:
         user_data.add_arguments(parser, required=True)
-        parser.add_argument("--max-seq-len", type=positive_int, default=DEFAULT_MAX_SEQ_LEN,
-                            help="conversations with more tokens are dropped (and counted); train with data.max_seq_len >= the longest kept")
+        parser.add_argument(
+            "--max-seq-len",
+            type=positive_int,
+            default=DEFAULT_MAX_SEQ_LEN,
+            help="conversations with more tokens are dropped (and counted); train with data.max_seq_len >= the longest kept",
+        )
 
-    parser = shards.arg_parser("python -m data.prepare_chat", __doc__.splitlines()[0],
-                               "output directory (created; must be empty or a previous chat build)", extra=extra,
-                               seed_help="seed of the train/val split and of the shard order")
+    parser = shards.arg_parser(
+        "python -m data.prepare_chat",
+        __doc__.splitlines()[0],
+        "output directory (created; must be empty or a previous chat build)",
+        extra=extra,
+        seed_help="seed of the train/val split and of the shard order",
+    )
     parser.set_defaults(val_fraction=user_data.DEFAULT_VAL_FRACTION)
     args = parser.parse_args(argv)
 
     def options(tokenizer) -> dict:
         if not tokenizer.chat_template:
-            raise ValueError(f"--tokenizer {args.tokenizer}: the tokenizer has no chat template to render conversations with")
-        return {"max_seq_len": args.max_seq_len,
-                "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
-                "prep_fingerprint": hashlib.sha256(json.dumps(CHAT_PREP, sort_keys=True).encode()).hexdigest()[:16]}
+            raise ValueError(
+                f"--tokenizer {args.tokenizer}: the tokenizer has no chat template to render conversations with"
+            )
+        return {
+            "max_seq_len": args.max_seq_len,
+            "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
+            "prep_fingerprint": hashlib.sha256(json.dumps(CHAT_PREP, sort_keys=True).encode()).hexdigest()[:16],
+        }
 
     return user_data.run_cli(
-        args, fmt="chat", options=options, read=read_chat_file,
+        args,
+        fmt="chat",
+        options=options,
+        read=read_chat_file,
         encode=lambda tok, files, rows: encode_chats(tok, files, rows, max_seq_len=args.max_seq_len),
-        describe=lambda meta: (f"{meta['conversations']:,} conversations ({meta['dropped_too_long']} dropped as longer "
-                               f"than {meta['max_seq_len']} tokens), {meta['labelled_tokens']:,} assistant tokens of "
-                               f"{meta['tokens']['train'] + meta['tokens']['val']:,}"))
+        describe=lambda meta: (
+            f"{meta['conversations']:,} conversations ({meta['dropped_too_long']} dropped as longer "
+            f"than {meta['max_seq_len']} tokens), {meta['labelled_tokens']:,} assistant tokens of "
+            f"{meta['tokens']['train'] + meta['tokens']['val']:,}"
+        ),
+    )
 
 
 if __name__ == "__main__":

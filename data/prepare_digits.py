@@ -58,8 +58,15 @@ def encode_png(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _write_shards(out: Path, split: str, rows: np.ndarray, images: np.ndarray, labels: np.ndarray, num_shards: int,
-                  extra_fields: Callable[[str, int], dict] | None = None) -> list[dict]:
+def _write_shards(
+    out: Path,
+    split: str,
+    rows: np.ndarray,
+    images: np.ndarray,
+    labels: np.ndarray,
+    num_shards: int,
+    extra_fields: Callable[[str, int], dict] | None = None,
+) -> list[dict]:
     """One split's shards; ``extra_fields(key, label)`` adds fields to each sample after png and cls."""
     import webdataset as wds
 
@@ -92,7 +99,13 @@ def read_meta(root: str | Path) -> dict[str, Any] | None:
 
 
 def build_digits_shards(
-    out: str | Path, *, train_shards: int = 8, val_shards: int = 2, val_fraction: float = 0.15, seed: int = 0, force: bool = False
+    out: str | Path,
+    *,
+    train_shards: int = 8,
+    val_shards: int = 2,
+    val_fraction: float = 0.15,
+    seed: int = 0,
+    force: bool = False,
 ) -> tuple[dict, bool]:
     """Build the dataset in ``out`` unless a complete one is there. Returns (meta, built_now).
 
@@ -112,13 +125,22 @@ def build_digits_shards(
         }
 
     return shards.build_atomically(
-        out, train_shards=train_shards, val_shards=val_shards, val_fraction=val_fraction, force=force, dataset="digits",
-        read_meta=read_meta, load=lambda: load_split(val_fraction=val_fraction, seed=seed), start_meta=start_meta,
+        out,
+        train_shards=train_shards,
+        val_shards=val_shards,
+        val_fraction=val_fraction,
+        force=force,
+        dataset="digits",
+        read_meta=read_meta,
+        load=lambda: load_split(val_fraction=val_fraction, seed=seed),
+        start_meta=start_meta,
         write_shards=_write_shards,
     )
 
 
-def ensure_digits_shards(root: str | Path, *, train_shards: int = 8, val_shards: int = 2, seed: int = 0, val_fraction: float = 0.15) -> dict:
+def ensure_digits_shards(
+    root: str | Path, *, train_shards: int = 8, val_shards: int = 2, seed: int = 0, val_fraction: float = 0.15
+) -> dict:
     """Parsed meta.json of the digits shards under ``root``, building them first if missing.
 
     Adds ``train_urls`` / ``val_urls`` (absolute shard paths). For scripts and tests
@@ -126,25 +148,47 @@ def ensure_digits_shards(root: str | Path, *, train_shards: int = 8, val_shards:
     settings raises ValueError rather than being silently reused or overwritten.
     """
     root = Path(root).absolute()
-    meta, _ = build_digits_shards(root, train_shards=train_shards, val_shards=val_shards, val_fraction=val_fraction, seed=seed)
+    meta, _ = build_digits_shards(
+        root, train_shards=train_shards, val_shards=val_shards, val_fraction=val_fraction, seed=seed
+    )
     wanted = {"train_shards": train_shards, "val_shards": val_shards, "val_fraction": val_fraction, "seed": seed}
-    shards.require_settings(root, shards.split_settings(meta), wanted, holds="digits shards",
-                            rebuild=f"`python -m data.prepare_digits --out {root} --force`")
+    shards.require_settings(
+        root,
+        shards.split_settings(meta),
+        wanted,
+        holds="digits shards",
+        rebuild=f"`python -m data.prepare_digits --out {root} --force`",
+    )
     return common_dataset.with_urls(root, meta)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = shards.arg_parser("python -m data.prepare_digits", __doc__.splitlines()[0],
-                               "output directory (created; must be empty or a previous digits build)")
+    parser = shards.arg_parser(
+        "python -m data.prepare_digits",
+        __doc__.splitlines()[0],
+        "output directory (created; must be empty or a previous digits build)",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     out = args.out.absolute()
-    wanted = {"train_shards": args.train_shards, "val_shards": args.val_shards, "val_fraction": args.val_fraction, "seed": args.seed}
-    meta, rc = shards.cli_build(build_digits_shards, out, wanted, force=args.force, settings=shards.split_settings,
-                                holds="digits shards", show_wanted=False)
+    wanted = {
+        "train_shards": args.train_shards,
+        "val_shards": args.val_shards,
+        "val_fraction": args.val_fraction,
+        "seed": args.seed,
+    }
+    meta, rc = shards.cli_build(
+        build_digits_shards,
+        out,
+        wanted,
+        force=args.force,
+        settings=shards.split_settings,
+        holds="digits shards",
+        show_wanted=False,
+    )
     if meta is None:
         return rc
     print(shards.summary(out, meta))

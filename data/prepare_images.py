@@ -44,12 +44,16 @@ def list_image_folder(root: Path) -> tuple[list[str], list[list[Path]]]:
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise ValueError(f"--input {root} has no class subfolders (expected {root}/<class name>/<image files>)")
-    files = [sorted(p for p in (root / name).rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-             for name in classes]
+    files = [
+        sorted(p for p in (root / name).rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+        for name in classes
+    ]
     empty = [name for name, found in zip(classes, files) if not found]
     if empty:
-        raise ValueError(f"--input {root}: class folder(s) without images: {', '.join(empty)} "
-                         f"(image files: {' '.join(IMAGE_EXTENSIONS)})")
+        raise ValueError(
+            f"--input {root}: class folder(s) without images: {', '.join(empty)} "
+            f"(image files: {' '.join(IMAGE_EXTENSIONS)})"
+        )
     return classes, files
 
 
@@ -89,17 +93,33 @@ def split_files(files: list[list[Path]], *, val_fraction: float, seed: int) -> t
             rows["val" if i < n_val else "train"].append(len(paths))
             paths.append(class_files[j])
             labels.append(label)
-    return (np.array(paths, dtype=object), np.asarray(labels, dtype=np.int64),
-            {k: np.asarray(sorted(v), dtype=np.int64) for k, v in rows.items()})
+    return (
+        np.array(paths, dtype=object),
+        np.asarray(labels, dtype=np.int64),
+        {k: np.asarray(sorted(v), dtype=np.int64) for k, v in rows.items()},
+    )
 
 
 def _settings(meta: dict) -> dict:
-    return {"input": meta.get("input"), "image_files": meta.get("image_files"), "image_size": meta.get("image_size"),
-            **shards.split_settings(meta)}
+    return {
+        "input": meta.get("input"),
+        "image_files": meta.get("image_files"),
+        "image_size": meta.get("image_size"),
+        **shards.split_settings(meta),
+    }
 
 
-def build_image_shards(out: str | Path, *, input: str | Path, image_size: int, train_shards: int = 8, val_shards: int = 2,
-                       val_fraction: float = 0.15, seed: int = 0, force: bool = False) -> tuple[dict, bool]:
+def build_image_shards(
+    out: str | Path,
+    *,
+    input: str | Path,
+    image_size: int,
+    train_shards: int = 8,
+    val_shards: int = 2,
+    val_fraction: float = 0.15,
+    seed: int = 0,
+    force: bool = False,
+) -> tuple[dict, bool]:
     """Build the dataset in ``out`` unless a complete one is there. Returns (meta, built_now)."""
     import webdataset as wds
 
@@ -107,8 +127,9 @@ def build_image_shards(out: str | Path, *, input: str | Path, image_size: int, t
     classes, files = list_image_folder(root)
     skipped: list[str] = []
 
-    def write_shards(tmp: Path, split: str, rows: np.ndarray, paths: np.ndarray, labels: np.ndarray,
-                     num_shards: int) -> list[dict]:
+    def write_shards(
+        tmp: Path, split: str, rows: np.ndarray, paths: np.ndarray, labels: np.ndarray, num_shards: int
+    ) -> list[dict]:
         written, per_class = [], np.zeros(len(classes), dtype=np.int64)
         for shard_id, chunk in enumerate(np.array_split(rows, num_shards)):
             name, count = f"{split}-{shard_id:06d}.tar", 0
@@ -130,14 +151,31 @@ def build_image_shards(out: str | Path, *, input: str | Path, image_size: int, t
 
     def start_meta(tmp: Path) -> dict[str, Any]:
         (tmp / CLASSES_NAME).write_text(json.dumps(classes, indent=2) + "\n")
-        return {"source": SOURCE, "input": str(root), "image_files": sum(map(len, files)), "image_size": image_size,
-                "channels": 3, "num_classes": len(classes), "classes": classes, "splits": {}, "seed": seed,
-                "val_fraction": val_fraction, "skipped_undecodable": skipped}  # filled while the shards are written
+        return {
+            "source": SOURCE,
+            "input": str(root),
+            "image_files": sum(map(len, files)),
+            "image_size": image_size,
+            "channels": 3,
+            "num_classes": len(classes),
+            "classes": classes,
+            "splits": {},
+            "seed": seed,
+            "val_fraction": val_fraction,
+            "skipped_undecodable": skipped,
+        }  # filled while the shards are written
 
     return shards.build_atomically(
-        out, train_shards=train_shards, val_shards=val_shards, val_fraction=val_fraction, force=force, dataset="image",
-        read_meta=common_dataset.read_meta, load=lambda: split_files(files, val_fraction=val_fraction, seed=seed),
-        start_meta=start_meta, write_shards=write_shards,
+        out,
+        train_shards=train_shards,
+        val_shards=val_shards,
+        val_fraction=val_fraction,
+        force=force,
+        dataset="image",
+        read_meta=common_dataset.read_meta,
+        load=lambda: split_files(files, val_fraction=val_fraction, seed=seed),
+        start_meta=start_meta,
+        write_shards=write_shards,
     )
 
 
@@ -146,16 +184,24 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument("--input", required=True, type=Path, help="ImageFolder: one subfolder of images per class")
         parser.add_argument("--image-size", required=True, type=positive_int, help="side of the square images written")
 
-    parser = shards.arg_parser("python -m data.prepare_images", __doc__.splitlines()[0],
-                               "output directory (created; must be empty or a previous build)", extra=extra)
+    parser = shards.arg_parser(
+        "python -m data.prepare_images",
+        __doc__.splitlines()[0],
+        "output directory (created; must be empty or a previous build)",
+        extra=extra,
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     out = args.out.absolute()
-    wanted = {"train_shards": args.train_shards, "val_shards": args.val_shards, "val_fraction": args.val_fraction,
-              "seed": args.seed}
+    wanted = {
+        "train_shards": args.train_shards,
+        "val_shards": args.val_shards,
+        "val_fraction": args.val_fraction,
+        "seed": args.seed,
+    }
     try:
         root = args.input.expanduser().absolute()
         classes, files = list_image_folder(root)
@@ -164,14 +210,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     build = lambda out, **kw: build_image_shards(out, input=root, image_size=args.image_size, **kw)  # noqa: E731
     also = {"input": str(root), "image_files": sum(map(len, files)), "image_size": args.image_size}
-    meta, rc = shards.cli_build(build, out, wanted, force=args.force, settings=_settings, holds="image shards",
-                                show_wanted=True, also_wanted=also)
+    meta, rc = shards.cli_build(
+        build,
+        out,
+        wanted,
+        force=args.force,
+        settings=_settings,
+        holds="image shards",
+        show_wanted=True,
+        also_wanted=also,
+    )
     if meta is None:
         return rc
     skipped = meta["skipped_undecodable"]
-    print(f"{shards.summary(out, meta)}; {meta['num_classes']} classes ({CLASSES_NAME}), {args.image_size}x"
-          f"{args.image_size} RGB; skipped {len(skipped)} undecodable file(s)"
-          + (f": {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}" if skipped else ""))
+    print(
+        f"{shards.summary(out, meta)}; {meta['num_classes']} classes ({CLASSES_NAME}), {args.image_size}x"
+        f"{args.image_size} RGB; skipped {len(skipped)} undecodable file(s)"
+        + (f": {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}" if skipped else "")
+    )
     return 0
 
 

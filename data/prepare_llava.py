@@ -73,8 +73,11 @@ def to_messages(record: Any) -> tuple[list[dict], list[str]]:
         raise Rejected("malformed", "no assistant answer")
     count = sum(m["content"].count(IMAGE_TOKEN) for m in messages)
     if count != len(images) or any(IMAGE_TOKEN in m["content"] for m in messages if m["role"] != "user"):
-        raise Rejected("<image> count mismatch", f"{count} {IMAGE_TOKEN} in the text, {len(images)} image(s); "
-                                                 "placeholders belong in user turns, one per image")
+        raise Rejected(
+            "<image> count mismatch",
+            f"{count} {IMAGE_TOKEN} in the text, {len(images)} image(s); "
+            "placeholders belong in user turns, one per image",
+        )
     return messages, images
 
 
@@ -102,7 +105,9 @@ def load_records(json_path: Path, images_dir: Path, workers: int) -> tuple[list[
     try:
         records = json.loads(json_path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"--json {json_path}: not readable as JSON ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        raise ValueError(
+            f"--json {json_path}: not readable as JSON ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from None
     if not isinstance(records, list):
         raise ValueError(f"--json {json_path}: a list of LLaVA samples is expected, found a {type(records).__name__}")
     skipped, examples, parsed = Counter(), {}, []
@@ -135,7 +140,11 @@ def load_records(json_path: Path, images_dir: Path, workers: int) -> tuple[list[
             reject(r["id"], bad[1], str(bad[0]))
         else:
             usable.append(r)
-    return usable, {"total": len(records), "skipped": {k: skipped[k] for k in REASONS if skipped[k]}, "examples": examples}
+    return usable, {
+        "total": len(records),
+        "skipped": {k: skipped[k] for k in REASONS if skipped[k]},
+        "examples": examples,
+    }
 
 
 def split_rows(n: int, *, val_fraction: float, val_shards: int, seed: int) -> dict[str, np.ndarray]:
@@ -145,7 +154,9 @@ def split_rows(n: int, *, val_fraction: float, val_shards: int, seed: int) -> di
     return {"train": np.sort(order[n_val:]), "val": np.sort(order[:n_val])}
 
 
-def _write_shards(out: Path, split: str, rows: np.ndarray, records: list[dict], labels: None, num_shards: int) -> list[dict]:
+def _write_shards(
+    out: Path, split: str, rows: np.ndarray, records: list[dict], labels: None, num_shards: int
+) -> list[dict]:
     """One split's shards (a data.shards.ShardWriter; `labels` unused: conversations carry their text)."""
     import webdataset as wds
 
@@ -155,8 +166,10 @@ def _write_shards(out: Path, split: str, rows: np.ndarray, records: list[dict], 
         with wds.TarWriter(str(out / name), mtime=0) as sink:  # mtime fixed: same input, same bytes
             for row in chunk:
                 r = records[row]
-                sample = {"__key__": f"{split}_{row:09d}",
-                          "json": json.dumps({"id": r["id"], "messages": r["messages"], "num_images": len(r["images"])})}
+                sample = {
+                    "__key__": f"{split}_{row:09d}",
+                    "json": json.dumps({"id": r["id"], "messages": r["messages"], "num_images": len(r["images"])}),
+                }
                 sample.update({f"image{i}": path.read_bytes() for i, path in enumerate(r["images"])})
                 sink.write(sample)
         written.append({"name": name, "samples": len(chunk), "bytes": (out / name).stat().st_size})
@@ -175,8 +188,18 @@ def _settings(meta: dict) -> dict:
     return {"json_sha256": meta.get("json_sha256"), "images": meta.get("images"), **shards.split_settings(meta)}
 
 
-def build_llava(out: str | Path, *, json_path: str | Path, images: str | Path, train_shards: int = 64, val_shards: int = 2,
-                val_fraction: float = 0.005, seed: int = 0, workers: int = 1, force: bool = False) -> tuple[dict, bool]:
+def build_llava(
+    out: str | Path,
+    *,
+    json_path: str | Path,
+    images: str | Path,
+    train_shards: int = 64,
+    val_shards: int = 2,
+    val_fraction: float = 0.005,
+    seed: int = 0,
+    workers: int = 1,
+    force: bool = False,
+) -> tuple[dict, bool]:
     """Build the dataset in ``out`` unless a complete one is there. Returns (meta, built_now); callers compare
     settings of a dataset that was there (``_settings``). ValueError for unusable input."""
     out, json_path, images = Path(out).absolute(), Path(json_path).absolute(), Path(images).absolute()
@@ -191,12 +214,16 @@ def build_llava(out: str | Path, *, json_path: str | Path, images: str | Path, t
         if not records:
             counts = ", ".join(f"{k} {v}" for k, v in report["skipped"].items()) or "the list is empty"
             first = next(iter(report["examples"].values()), "")
-            raise ValueError(f"--json {json_path}: none of its {report['total']} samples is usable ({counts})"
-                             + (f"; first: {first}" if first else ""))
+            raise ValueError(
+                f"--json {json_path}: none of its {report['total']} samples is usable ({counts})"
+                + (f"; first: {first}" if first else "")
+            )
         needed = train_shards + max(val_shards, round(val_fraction * len(records)))
         if len(records) < needed:
-            raise ValueError(f"{len(records)} usable samples cannot fill {train_shards} train + {val_shards} val shards; "
-                             "lower --train-shards / --val-shards")
+            raise ValueError(
+                f"{len(records)} usable samples cannot fill {train_shards} train + {val_shards} val shards; "
+                "lower --train-shards / --val-shards"
+            )
         found.update(report, records=records)
         return records, None, split_rows(len(records), val_fraction=val_fraction, val_shards=val_shards, seed=seed)
 
@@ -219,16 +246,25 @@ def build_llava(out: str | Path, *, json_path: str | Path, images: str | Path, t
         }
 
     return shards.build_atomically(
-        out, train_shards=train_shards, val_shards=val_shards, val_fraction=val_fraction, force=force,
-        dataset="LLaVA conversations", read_meta=common_dataset.read_meta, load=load, start_meta=start_meta,
+        out,
+        train_shards=train_shards,
+        val_shards=val_shards,
+        val_fraction=val_fraction,
+        force=force,
+        dataset="LLaVA conversations",
+        read_meta=common_dataset.read_meta,
+        load=load,
+        start_meta=start_meta,
         write_shards=_write_shards,
     )
 
 
 def summary(out: Path, meta: dict) -> str:
     skipped = meta["skipped"]
-    lines = [f"{shards.summary(out, meta)}; {meta['usable']:,} of {meta['total']:,} samples usable "
-             f"({meta['text_only']:,} text-only, {meta['multi_turn']:,} multi-turn)"]
+    lines = [
+        f"{shards.summary(out, meta)}; {meta['usable']:,} of {meta['total']:,} samples usable "
+        f"({meta['text_only']:,} text-only, {meta['multi_turn']:,} multi-turn)"
+    ]
     if skipped:
         lines.append(f"skipped {sum(skipped.values()):,}: " + ", ".join(f"{k} {v:,}" for k, v in skipped.items()))
         lines += [f"  first {k}: {v}" for k, v in meta["skipped_examples"].items()]
@@ -237,14 +273,26 @@ def summary(out: Path, meta: dict) -> str:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     def inputs(parser: argparse.ArgumentParser, positive_int) -> None:
-        parser.add_argument("--json", required=True, type=Path, help="LLaVA-format JSON: a list of {id, image, conversations}")
-        parser.add_argument("--images", required=True, type=Path, help="folder the samples' image paths are relative to")
-        parser.add_argument("--workers", type=positive_int, default=min(8, os.cpu_count() or 1),
-                            help="processes decoding the images to check them")
+        parser.add_argument(
+            "--json", required=True, type=Path, help="LLaVA-format JSON: a list of {id, image, conversations}"
+        )
+        parser.add_argument(
+            "--images", required=True, type=Path, help="folder the samples' image paths are relative to"
+        )
+        parser.add_argument(
+            "--workers",
+            type=positive_int,
+            default=min(8, os.cpu_count() or 1),
+            help="processes decoding the images to check them",
+        )
 
-    parser = shards.arg_parser("python -m data.prepare_llava", __doc__.splitlines()[0],
-                               "output directory (created; must be empty or a previous build)", extra=inputs,
-                               seed_help="seed of the train/val split")
+    parser = shards.arg_parser(
+        "python -m data.prepare_llava",
+        __doc__.splitlines()[0],
+        "output directory (created; must be empty or a previous build)",
+        extra=inputs,
+        seed_help="seed of the train/val split",
+    )
     parser.set_defaults(train_shards=64, val_fraction=0.005)
     return parser.parse_args(argv)
 
@@ -252,17 +300,30 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     out = args.out.absolute()
-    wanted = {"train_shards": args.train_shards, "val_shards": args.val_shards, "val_fraction": args.val_fraction, "seed": args.seed}
+    wanted = {
+        "train_shards": args.train_shards,
+        "val_shards": args.val_shards,
+        "val_fraction": args.val_fraction,
+        "seed": args.seed,
+    }
     try:
-        meta, built = build_llava(out, json_path=args.json, images=args.images, workers=args.workers, force=args.force, **wanted)
+        meta, built = build_llava(
+            out, json_path=args.json, images=args.images, workers=args.workers, force=args.force, **wanted
+        )
     except ValueError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 2
     if not built:
-        have, want = _settings(meta), {"json_sha256": _sha256(args.json.absolute()), "images": str(args.images.absolute()), **wanted}
+        have, want = (
+            _settings(meta),
+            {"json_sha256": _sha256(args.json.absolute()), "images": str(args.images.absolute()), **wanted},
+        )
         if have != want:
-            print(f"kiln: error: {out} already holds LLaVA conversations built with other input or settings "
-                  f"({shards.mismatch(have, want)}); pass --force to rebuild", file=sys.stderr)
+            print(
+                f"kiln: error: {out} already holds LLaVA conversations built with other input or settings "
+                f"({shards.mismatch(have, want)}); pass --force to rebuild",
+                file=sys.stderr,
+            )
             return 1
         print(f"{out}/{shards.META_NAME} exists; nothing to do (pass --force to rebuild)")
         return 0

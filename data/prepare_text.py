@@ -136,7 +136,9 @@ def chunk_text(text: str, max_chars: int = MAX_DOC_CHARS) -> list[str]:
 def load_documents(topics: dict[str, str] | None = None, *, max_chars: int = MAX_DOC_CHARS) -> list[Document]:
     """Every topic cut by :func:`chunk_text`, in topic order then part order (the keys' numbering)."""
     topics = load_topics() if topics is None else topics
-    return [Document(name, part, text) for name in topics for part, text in enumerate(chunk_text(topics[name], max_chars))]
+    return [
+        Document(name, part, text) for name in topics for part, text in enumerate(chunk_text(topics[name], max_chars))
+    ]
 
 
 def split_topics(names: list[str], *, val_fraction: float, seed: int) -> dict[str, list[str]]:
@@ -159,7 +161,9 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}"
+        )
     # Byte-level with no normalizer: every string encodes and decodes back unchanged, so
     # <unk> never occurs; it is set because the tokenizer API (and some servers) expect one.
     tok = Tokenizer(models.BPE())
@@ -207,10 +211,17 @@ def _prep_fingerprint() -> str:
     return hashlib.sha256(json.dumps(_PREP_RECIPE, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _write_shards(out: Path, split: str, rows: np.ndarray, texts: list[str], ids: list[np.ndarray], num_shards: int) -> list[dict]:
+def _write_shards(
+    out: Path, split: str, rows: np.ndarray, texts: list[str], ids: list[np.ndarray], num_shards: int
+) -> list[dict]:
     """One split's shards (``data.shards.ShardWriter``; the "images" and "labels" are texts and id arrays)."""
-    return shards.write_split(out, split, rows, lambda row: {"__key__": f"{split}_{row:06d}", "ids.npy": encode_ids(ids[row]),
-                                                            "txt": texts[row]}, num_shards)
+    return shards.write_split(
+        out,
+        split,
+        rows,
+        lambda row: {"__key__": f"{split}_{row:06d}", "ids.npy": encode_ids(ids[row]), "txt": texts[row]},
+        num_shards,
+    )
 
 
 def _settings(meta: dict) -> dict:
@@ -222,8 +233,14 @@ def _settings(meta: dict) -> dict:
 
 
 def build_text_shards(
-    out: str | Path, *, vocab_size: int = 2048, train_shards: int = 8, val_shards: int = 2,
-    val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = 0, force: bool = False,
+    out: str | Path,
+    *,
+    vocab_size: int = 2048,
+    train_shards: int = 8,
+    val_shards: int = 2,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    seed: int = 0,
+    force: bool = False,
 ) -> tuple[dict, bool]:
     """Build the dataset in ``out`` unless a complete one is there. Returns (meta, built_now).
 
@@ -231,7 +248,9 @@ def build_text_shards(
     """
     out = Path(out).absolute()
     if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}"
+        )
     built: dict[str, Any] = {}  # what load() makes and start_meta() records
 
     def load() -> tuple[list[str], list[np.ndarray], dict[str, np.ndarray]]:
@@ -241,8 +260,12 @@ def build_text_shards(
         in_val = set(split["val"])
         rng = np.random.default_rng(seed)
         # Written in a seeded order, so each shard holds a mix of topics (and similar token counts).
-        rows = {s: rng.permutation(np.asarray([i for i, d in enumerate(docs) if (d.topic in in_val) == (s == "val")],
-                                              dtype=np.int64)) for s in SPLITS}
+        rows = {
+            s: rng.permutation(
+                np.asarray([i for i, d in enumerate(docs) if (d.topic in in_val) == (s == "val")], dtype=np.int64)
+            )
+            for s in SPLITS
+        }
         texts = [d.text for d in docs]
         # Train documents only: val text must stay unseen, by the tokenizer too.
         tokenizer = train_tokenizer([texts[i] for i in sorted(rows["train"])], vocab_size)
@@ -269,21 +292,40 @@ def build_text_shards(
             "vocab_size": len(tokenizer),
             "requested_vocab_size": vocab_size,
             "special_tokens": {"pad": PAD, "bos": BOS, "eos": EOS, "unk": UNK},
-            "special_token_ids": {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id,
-                                  "eos": tokenizer.eos_token_id, "unk": tokenizer.unk_token_id},
+            "special_token_ids": {
+                "pad": tokenizer.pad_token_id,
+                "bos": tokenizer.bos_token_id,
+                "eos": tokenizer.eos_token_id,
+                "unk": tokenizer.unk_token_id,
+            },
             "tokenizer": TOKENIZER_DIR,
             "tokenizer_files": shards.file_sizes(tmp / TOKENIZER_DIR),
             "prep_fingerprint": _prep_fingerprint(),
         }
 
     return shards.build_atomically(
-        out, train_shards=train_shards, val_shards=val_shards, val_fraction=val_fraction, force=force, dataset="text",
-        read_meta=read_meta, load=load, start_meta=start_meta, write_shards=_write_shards,
+        out,
+        train_shards=train_shards,
+        val_shards=val_shards,
+        val_fraction=val_fraction,
+        force=force,
+        dataset="text",
+        read_meta=read_meta,
+        load=load,
+        start_meta=start_meta,
+        write_shards=_write_shards,
     )
 
 
-def ensure_text_shards(root: str | Path, *, vocab_size: int = 2048, train_shards: int = 8, val_shards: int = 2, seed: int = 0,
-                       val_fraction: float = DEFAULT_VAL_FRACTION) -> dict:
+def ensure_text_shards(
+    root: str | Path,
+    *,
+    vocab_size: int = 2048,
+    train_shards: int = 8,
+    val_shards: int = 2,
+    seed: int = 0,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+) -> dict:
     """Parsed meta.json of the text dataset under ``root``, building it first if missing.
 
     Adds absolute ``train_urls`` / ``val_urls`` and ``tokenizer_dir``. For scripts and
@@ -292,12 +334,29 @@ def ensure_text_shards(root: str | Path, *, vocab_size: int = 2048, train_shards
     rather than being reused.
     """
     root = Path(root).absolute()
-    meta, _ = build_text_shards(root, vocab_size=vocab_size, train_shards=train_shards, val_shards=val_shards,
-                                val_fraction=val_fraction, seed=seed)
-    wanted = {"vocab_size": vocab_size, "train_shards": train_shards, "val_shards": val_shards,
-              "val_fraction": val_fraction, "seed": seed, "prep_fingerprint": _prep_fingerprint()}
-    shards.require_settings(root, _settings(meta), wanted, holds="text data",
-                            rebuild=f"`python -m data.prepare_text --out {root} --force` (plus your settings)")
+    meta, _ = build_text_shards(
+        root,
+        vocab_size=vocab_size,
+        train_shards=train_shards,
+        val_shards=val_shards,
+        val_fraction=val_fraction,
+        seed=seed,
+    )
+    wanted = {
+        "vocab_size": vocab_size,
+        "train_shards": train_shards,
+        "val_shards": val_shards,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "prep_fingerprint": _prep_fingerprint(),
+    }
+    shards.require_settings(
+        root,
+        _settings(meta),
+        wanted,
+        holds="text data",
+        rebuild=f"`python -m data.prepare_text --out {root} --force` (plus your settings)",
+    )
     return common_dataset.with_urls(root, meta, asset="tokenizer")
 
 
@@ -305,11 +364,15 @@ def ensure_text_shards(root: str | Path, *, vocab_size: int = 2048, train_shards
 
 # .txt through datasets' "text" builder, .jsonl/.json through "json", .parquet through "parquet".
 TEXT_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-USER_PREP = {"documents": "tokenizer(text, add_special_tokens=True) + eos unless already last",
-             "empty": "texts that are empty or whitespace are not documents"}
+USER_PREP = {
+    "documents": "tokenizer(text, add_special_tokens=True) + eos unless already last",
+    "empty": "texts that are empty or whitespace are not documents",
+}
 
 
-def read_text_file(path: str, *, field: str = "text", sample_by: str = "document") -> tuple[list[str], collections.Counter]:
+def read_text_file(
+    path: str, *, field: str = "text", sample_by: str = "document"
+) -> tuple[list[str], collections.Counter]:
     """The documents of one file and its skipped rows by reason; ``user_data.Skip`` if it cannot be read."""
     import datasets
 
@@ -334,8 +397,12 @@ def read_text_file(path: str, *, field: str = "text", sample_by: str = "document
     return texts, rows
 
 
-def encode_user_text(tokenizer: PreTrainedTokenizerFast, files: list[tuple[str, list[str]]],
-                     skipped_rows: collections.Counter, batch: int = 256) -> tuple[list[dict], dict]:
+def encode_user_text(
+    tokenizer: PreTrainedTokenizerFast,
+    files: list[tuple[str, list[str]]],
+    skipped_rows: collections.Counter,
+    batch: int = 256,
+) -> tuple[list[dict], dict]:
     """Every document of every file, in order, as ``{"ids": ...}`` (:func:`encode_documents`)."""
     texts = [t for _, file_texts in files for t in file_texts]
     ids = [a for i in range(0, len(texts), batch) for a in encode_documents(tokenizer, texts[i : i + batch])]
@@ -347,16 +414,30 @@ def encode_user_text(tokenizer: PreTrainedTokenizerFast, files: list[tuple[str, 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     def extra(parser: argparse.ArgumentParser, positive_int) -> None:
-        parser.add_argument("--vocab-size", type=positive_int, default=None,
-                            help=f"pydoc corpus: BPE vocabulary size, special tokens included (>= {MIN_VOCAB_SIZE}; default 2048)")
+        parser.add_argument(
+            "--vocab-size",
+            type=positive_int,
+            default=None,
+            help=f"pydoc corpus: BPE vocabulary size, special tokens included (>= {MIN_VOCAB_SIZE}; default 2048)",
+        )
         user_data.add_arguments(parser, required=False)
-        parser.add_argument("--text-field", default="text", help="your text: the field (.jsonl/.json) or column (.parquet) holding it")
-        parser.add_argument("--sample-by", choices=("document", "paragraph", "line"), default="document",
-                            help="your text: a .txt file is one document, or one per blank-line paragraph, or per line")
+        parser.add_argument(
+            "--text-field", default="text", help="your text: the field (.jsonl/.json) or column (.parquet) holding it"
+        )
+        parser.add_argument(
+            "--sample-by",
+            choices=("document", "paragraph", "line"),
+            default="document",
+            help="your text: a .txt file is one document, or one per blank-line paragraph, or per line",
+        )
 
-    parser = shards.arg_parser("python -m data.prepare_text", __doc__.splitlines()[0],
-                               "output directory (created; must be empty or a previous text build)", extra=extra,
-                               seed_help="seed of the train/val split (pydoc: of the topic split) and of the shard order")
+    parser = shards.arg_parser(
+        "python -m data.prepare_text",
+        __doc__.splitlines()[0],
+        "output directory (created; must be empty or a previous text build)",
+        extra=extra,
+        seed_help="seed of the train/val split (pydoc: of the topic split) and of the shard order",
+    )
     # Held out by topic for pydoc (not stratified), by document for your text; the shared default (0.15) suits the digits.
     parser.set_defaults(val_fraction=None)
     args = parser.parse_args(argv)
@@ -366,7 +447,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     if own and args.vocab_size is not None:
         parser.error("--vocab-size is for the pydoc corpus; your text keeps --tokenizer's vocabulary")
     if args.vocab_size is not None and args.vocab_size < MIN_VOCAB_SIZE:
-        parser.error(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {args.vocab_size}")
+        parser.error(
+            f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {args.vocab_size}"
+        )
     if args.val_fraction is None:
         args.val_fraction = user_data.DEFAULT_VAL_FRACTION if own else DEFAULT_VAL_FRACTION
     if args.vocab_size is None:
@@ -376,12 +459,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _main_own_text(args: argparse.Namespace) -> int:
     user_data.quiet_datasets()
-    options = {"text_field": args.text_field, "sample_by": args.sample_by,
-               "prep_fingerprint": hashlib.sha256(json.dumps(USER_PREP, sort_keys=True).encode()).hexdigest()[:16]}
+    options = {
+        "text_field": args.text_field,
+        "sample_by": args.sample_by,
+        "prep_fingerprint": hashlib.sha256(json.dumps(USER_PREP, sort_keys=True).encode()).hexdigest()[:16],
+    }
     return user_data.run_cli(
-        args, fmt="text", options=lambda _tokenizer: options,
-        read=functools.partial(read_text_file, field=args.text_field, sample_by=args.sample_by), encode=encode_user_text,
-        describe=lambda meta: f"tokens train {meta['tokens']['train']:,} / val {meta['tokens']['val']:,}")
+        args,
+        fmt="text",
+        options=lambda _tokenizer: options,
+        read=functools.partial(read_text_file, field=args.text_field, sample_by=args.sample_by),
+        encode=encode_user_text,
+        describe=lambda meta: f"tokens train {meta['tokens']['train']:,} / val {meta['tokens']['val']:,}",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,13 +479,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokenizer is not None:
         return _main_own_text(args)
     out = args.out.absolute()
-    wanted = {"vocab_size": args.vocab_size, "train_shards": args.train_shards, "val_shards": args.val_shards,
-              "val_fraction": args.val_fraction, "seed": args.seed}
-    meta, rc = shards.cli_build(build_text_shards, out, wanted, force=args.force, settings=_settings, holds="text data",
-                                show_wanted=True, also_wanted={"prep_fingerprint": _prep_fingerprint()})
+    wanted = {
+        "vocab_size": args.vocab_size,
+        "train_shards": args.train_shards,
+        "val_shards": args.val_shards,
+        "val_fraction": args.val_fraction,
+        "seed": args.seed,
+    }
+    meta, rc = shards.cli_build(
+        build_text_shards,
+        out,
+        wanted,
+        force=args.force,
+        settings=_settings,
+        holds="text data",
+        show_wanted=True,
+        also_wanted={"prep_fingerprint": _prep_fingerprint()},
+    )
     if meta is None:
         return rc
-    note = "" if meta["vocab_size"] == args.vocab_size else f" (asked for {args.vocab_size}: the corpus has no more merges)"
+    note = (
+        ""
+        if meta["vocab_size"] == args.vocab_size
+        else f" (asked for {args.vocab_size}: the corpus has no more merges)"
+    )
     print(
         f"{shards.summary(out, meta)}; "
         f"tokens train {meta['tokens']['train']:,} / val {meta['tokens']['val']:,} "

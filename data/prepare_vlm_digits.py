@@ -260,8 +260,15 @@ def _settings(meta: dict) -> dict:
 
 
 def build_vlm_digits(
-    out: str | Path, *, image_size: int = 16, patch_size: int = 4, train_shards: int = 8, val_shards: int = 2,
-    val_fraction: float = 0.15, seed: int = 0, force: bool = False,
+    out: str | Path,
+    *,
+    image_size: int = 16,
+    patch_size: int = 4,
+    train_shards: int = 8,
+    val_shards: int = 2,
+    val_fraction: float = 0.15,
+    seed: int = 0,
+    force: bool = False,
 ) -> tuple[dict, bool]:
     """Build the dataset in ``out`` unless a complete one is there. Returns (meta, built_now).
 
@@ -296,14 +303,29 @@ def build_vlm_digits(
 
     # The digits split, chunking, keys and PNG bytes, unchanged; each sample gets its json added.
     return shards.build_atomically(
-        out, train_shards=train_shards, val_shards=val_shards, val_fraction=val_fraction, force=force, dataset="VLM digits",
-        read_meta=read_meta, load=lambda: digits.load_split(val_fraction=val_fraction, seed=seed), start_meta=start_meta,
+        out,
+        train_shards=train_shards,
+        val_shards=val_shards,
+        val_fraction=val_fraction,
+        force=force,
+        dataset="VLM digits",
+        read_meta=read_meta,
+        load=lambda: digits.load_split(val_fraction=val_fraction, seed=seed),
+        start_meta=start_meta,
         write_shards=functools.partial(digits._write_shards, extra_fields=functools.partial(_text_fields, seed=seed)),
     )
 
 
-def ensure_vlm_digits(root: str | Path, *, image_size: int = 16, patch_size: int = 4, train_shards: int = 8, val_shards: int = 2,
-                      seed: int = 0, val_fraction: float = 0.15) -> dict:
+def ensure_vlm_digits(
+    root: str | Path,
+    *,
+    image_size: int = 16,
+    patch_size: int = 4,
+    train_shards: int = 8,
+    val_shards: int = 2,
+    seed: int = 0,
+    val_fraction: float = 0.15,
+) -> dict:
     """Parsed meta.json of the VLM digits dataset under ``root``, building it first if missing.
 
     Adds absolute ``train_urls`` / ``val_urls`` and ``processor_dir``. For scripts and
@@ -311,12 +333,31 @@ def ensure_vlm_digits(root: str | Path, *, image_size: int = 16, patch_size: int
     (or by an older version of this file's text) raises ValueError rather than being reused.
     """
     root = Path(root).absolute()
-    meta, _ = build_vlm_digits(root, image_size=image_size, patch_size=patch_size, train_shards=train_shards,
-                               val_shards=val_shards, val_fraction=val_fraction, seed=seed)
-    wanted = {"image_size": image_size, "patch_size": patch_size, "train_shards": train_shards, "val_shards": val_shards,
-              "val_fraction": val_fraction, "seed": seed, "text_fingerprint": _text_fingerprint()}
-    shards.require_settings(root, _settings(meta), wanted, holds="VLM digits data",
-                            rebuild=f"`python -m data.prepare_vlm_digits --out {root} --force` (plus your settings)")
+    meta, _ = build_vlm_digits(
+        root,
+        image_size=image_size,
+        patch_size=patch_size,
+        train_shards=train_shards,
+        val_shards=val_shards,
+        val_fraction=val_fraction,
+        seed=seed,
+    )
+    wanted = {
+        "image_size": image_size,
+        "patch_size": patch_size,
+        "train_shards": train_shards,
+        "val_shards": val_shards,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "text_fingerprint": _text_fingerprint(),
+    }
+    shards.require_settings(
+        root,
+        _settings(meta),
+        wanted,
+        holds="VLM digits data",
+        rebuild=f"`python -m data.prepare_vlm_digits --out {root} --force` (plus your settings)",
+    )
     return common_dataset.with_urls(root, meta, asset="processor")
 
 
@@ -325,12 +366,20 @@ def ensure_vlm_digits(root: str | Path, *, image_size: int = 16, patch_size: int
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     def sizes(parser: argparse.ArgumentParser, positive_int) -> None:
-        parser.add_argument("--image-size", type=positive_int, default=16, help="side the processor resizes the 8x8 digits to")
-        parser.add_argument("--patch-size", type=positive_int, default=4, help="vision tower patch size (image tokens = (size/patch)^2)")
+        parser.add_argument(
+            "--image-size", type=positive_int, default=16, help="side the processor resizes the 8x8 digits to"
+        )
+        parser.add_argument(
+            "--patch-size", type=positive_int, default=4, help="vision tower patch size (image tokens = (size/patch)^2)"
+        )
 
-    parser = shards.arg_parser("python -m data.prepare_vlm_digits", __doc__.splitlines()[0],
-                               "output directory (created; must be empty or a previous build)", extra=sizes,
-                               seed_help="split seed; also picks each sample's question and answer style")
+    parser = shards.arg_parser(
+        "python -m data.prepare_vlm_digits",
+        __doc__.splitlines()[0],
+        "output directory (created; must be empty or a previous build)",
+        extra=sizes,
+        seed_help="split seed; also picks each sample's question and answer style",
+    )
     args = parser.parse_args(argv)
     if args.image_size % args.patch_size:
         parser.error(f"--image-size {args.image_size} must be a multiple of --patch-size {args.patch_size}")
@@ -340,10 +389,24 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     out = args.out.absolute()
-    wanted = {"image_size": args.image_size, "patch_size": args.patch_size, "train_shards": args.train_shards,
-              "val_shards": args.val_shards, "val_fraction": args.val_fraction, "seed": args.seed}
-    meta, rc = shards.cli_build(build_vlm_digits, out, wanted, force=args.force, settings=_settings, holds="VLM digits data",
-                                show_wanted=True, also_wanted={"text_fingerprint": _text_fingerprint()})
+    wanted = {
+        "image_size": args.image_size,
+        "patch_size": args.patch_size,
+        "train_shards": args.train_shards,
+        "val_shards": args.val_shards,
+        "val_fraction": args.val_fraction,
+        "seed": args.seed,
+    }
+    meta, rc = shards.cli_build(
+        build_vlm_digits,
+        out,
+        wanted,
+        force=args.force,
+        settings=_settings,
+        holds="VLM digits data",
+        show_wanted=True,
+        also_wanted={"text_fingerprint": _text_fingerprint()},
+    )
     if meta is None:
         return rc
     print(

@@ -29,7 +29,6 @@ import numpy as np
 # the builders write datasets that satisfy it and reuse its checks (common.data.dataset).
 from common.data.dataset import META_NAME, SPLITS
 
-
 # (tmp dir, split, rows, images, labels, num_shards) -> [{"name", "samples", "bytes"}, ...]
 ShardWriter = Callable[[Path, str, np.ndarray, np.ndarray, np.ndarray, int], list[dict]]
 
@@ -46,13 +45,17 @@ def split_settings(meta: dict) -> dict:
 
 def mismatch(have: dict, wanted: dict, *, show_wanted: bool = True) -> str:
     """``"seed=0 (wanted 1), ..."`` for the keys of ``wanted`` whose value in ``have`` differs."""
-    return ", ".join(f"{k}={have[k]}" + (f" (wanted {wanted[k]})" if show_wanted else "") for k in wanted if have[k] != wanted[k])
+    return ", ".join(
+        f"{k}={have[k]}" + (f" (wanted {wanted[k]})" if show_wanted else "") for k in wanted if have[k] != wanted[k]
+    )
 
 
 def require_settings(root: Path, have: dict, wanted: dict, *, holds: str, rebuild: str) -> None:
     """ValueError unless a dataset's settings ``have`` equal ``wanted``; the message names ``rebuild`` (a command)."""
     if have != wanted:
-        raise ValueError(f"{root} holds {holds} built with {mismatch(have, wanted)}; delete it or rebuild with {rebuild}")
+        raise ValueError(
+            f"{root} holds {holds} built with {mismatch(have, wanted)}; delete it or rebuild with {rebuild}"
+        )
 
 
 def file_sizes(folder: Path) -> dict[str, int]:
@@ -67,7 +70,9 @@ def npy_bytes(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def write_split(out: Path, split: str, rows: np.ndarray, sample_of: Callable[[int], dict], num_shards: int) -> list[dict]:
+def write_split(
+    out: Path, split: str, rows: np.ndarray, sample_of: Callable[[int], dict], num_shards: int
+) -> list[dict]:
     """One split's ``{split}-NNNNNN.tar`` shards in ``out``: ``rows`` spread evenly over ``num_shards``, each
     written as ``sample_of(row)`` (a WebDataset sample dict). Returns the shard bookkeeping of a ShardWriter."""
     import webdataset as wds
@@ -118,7 +123,9 @@ def build_atomically(
         raise ValueError(f"{out} exists and is not a directory")
     if existing is None and out.is_dir() and any(out.iterdir()) and not force:
         # Never delete files we did not write: a non-empty dir without our meta.json is the user's.
-        raise ValueError(f"{out} is not empty and holds no complete {dataset} dataset; choose an empty directory or pass --force")
+        raise ValueError(
+            f"{out} is not empty and holds no complete {dataset} dataset; choose an empty directory or pass --force"
+        )
 
     images, labels, rows = load()
     counts = {"train": train_shards, "val": val_shards}
@@ -153,7 +160,9 @@ def build_atomically(
     return final, True
 
 
-def move_into_place(tmp: Path, out: Path, *, force: bool, dataset: str, read_meta: Callable[[Path], dict | None]) -> None:
+def move_into_place(
+    tmp: Path, out: Path, *, force: bool, dataset: str, read_meta: Callable[[Path], dict | None]
+) -> None:
     try:
         os.rename(tmp, out)  # atomic; also replaces an empty directory
         return
@@ -188,9 +197,13 @@ def _fraction(text: str) -> float:
     return value
 
 
-def arg_parser(prog: str, description: str, out_help: str,
-               extra: Callable[[argparse.ArgumentParser, Callable[[str], int]], None] | None = None,
-               seed_help: str = "split seed") -> argparse.ArgumentParser:
+def arg_parser(
+    prog: str,
+    description: str,
+    out_help: str,
+    extra: Callable[[argparse.ArgumentParser, Callable[[str], int]], None] | None = None,
+    seed_help: str = "split seed",
+) -> argparse.ArgumentParser:
     """``--out``, then what ``extra(parser, positive_int)`` adds, then the split arguments and ``--force``."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--out", required=True, type=Path, help=out_help)
@@ -198,14 +211,27 @@ def arg_parser(prog: str, description: str, out_help: str,
         extra(parser, _positive_int)
     parser.add_argument("--train-shards", type=_positive_int, default=8)
     parser.add_argument("--val-shards", type=_positive_int, default=2)
-    parser.add_argument("--val-fraction", type=_fraction, default=0.15, help="share of samples held out for val (stratified)")
+    parser.add_argument(
+        "--val-fraction", type=_fraction, default=0.15, help="share of samples held out for val (stratified)"
+    )
     parser.add_argument("--seed", type=int, default=0, help=seed_help)
-    parser.add_argument("--force", action="store_true", help="rebuild even if a complete dataset is there (replaces DIR)")
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even if a complete dataset is there (replaces DIR)"
+    )
     return parser
 
 
-def cli_build(build: Callable[..., tuple[dict, bool]], out: Path, wanted: dict, *, force: bool, settings: Callable[[dict], dict],
-              holds: str, show_wanted: bool, also_wanted: dict | None = None) -> tuple[dict | None, int]:
+def cli_build(
+    build: Callable[..., tuple[dict, bool]],
+    out: Path,
+    wanted: dict,
+    *,
+    force: bool,
+    settings: Callable[[dict], dict],
+    holds: str,
+    show_wanted: bool,
+    also_wanted: dict | None = None,
+) -> tuple[dict | None, int]:
     """A CLI's ``build(out, **wanted, force=force)``: (meta, 0) when it built, else (None, exit code).
 
     Exit codes: 2 after printing a ValueError; for a complete dataset already there, 0 if
@@ -221,8 +247,11 @@ def cli_build(build: Callable[..., tuple[dict, bool]], out: Path, wanted: dict, 
     wanted = {**wanted, **(also_wanted or {})}
     have = settings(meta)
     if have != wanted:
-        print(f"error: {out} already holds {holds} built with {mismatch(have, wanted, show_wanted=show_wanted)}; "
-              "pass --force to rebuild", file=sys.stderr)
+        print(
+            f"error: {out} already holds {holds} built with {mismatch(have, wanted, show_wanted=show_wanted)}; "
+            "pass --force to rebuild",
+            file=sys.stderr,
+        )
         return None, 1
     print(f"{out}/{META_NAME} exists; nothing to do (pass --force to rebuild)")
     return None, 0

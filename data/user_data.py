@@ -164,8 +164,14 @@ def read_meta(root: str | Path) -> dict[str, Any] | None:
     return common_dataset.read_meta(root, also_complete=common_dataset.asset_complete(TOKENIZER_DIR))
 
 
-def build(out: Path, *, settings: dict, samples: Callable[[], tuple[list[dict[str, np.ndarray]], dict]],
-          tokenizer: PreTrainedTokenizerFast, force: bool) -> tuple[dict, bool]:
+def build(
+    out: Path,
+    *,
+    settings: dict,
+    samples: Callable[[], tuple[list[dict[str, np.ndarray]], dict]],
+    tokenizer: PreTrainedTokenizerFast,
+    force: bool,
+) -> tuple[dict, bool]:
     """Write the dataset in ``out`` unless a complete one is there. Returns (meta, built_now).
 
     ``samples()`` reads and encodes the inputs (only when building): a list of ``{"ids": ..., ["mask": ...]}``
@@ -193,8 +199,11 @@ def build(out: Path, *, settings: dict, samples: Callable[[], tuple[list[dict[st
             **built["described"],
             "ids_dtype": ids_dtype(tokenizer).name,
             "vocab_size": len(tokenizer),
-            "special_token_ids": {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id,
-                                  "pad": tokenizer.pad_token_id},
+            "special_token_ids": {
+                "bos": tokenizer.bos_token_id,
+                "eos": tokenizer.eos_token_id,
+                "pad": tokenizer.pad_token_id,
+            },
             "tokenizer": TOKENIZER_DIR,
             "tokenizer_files": shards.file_sizes(tmp / TOKENIZER_DIR),
             "tokenizer_sha256": common_dataset.tokenizer_sha256(tokenizer),
@@ -205,14 +214,25 @@ def build(out: Path, *, settings: dict, samples: Callable[[], tuple[list[dict[st
         encoded = built["encoded"]
 
         def sample(row: int) -> dict:
-            return {"__key__": f"{split}_{row:08d}", **{f"{k}.npy": shards.npy_bytes(v) for k, v in encoded[row].items()}}
+            return {
+                "__key__": f"{split}_{row:08d}",
+                **{f"{k}.npy": shards.npy_bytes(v) for k, v in encoded[row].items()},
+            }
 
         return shards.write_split(tmp, split, rows, sample, num_shards)
 
     return shards.build_atomically(
-        Path(out).absolute(), train_shards=settings["train_shards"], val_shards=settings["val_shards"],
-        val_fraction=settings["val_fraction"], force=force, dataset=f"{settings['format']} data", read_meta=read_meta,
-        load=load, start_meta=start_meta, write_shards=write, fewer_shards_ok=True,
+        Path(out).absolute(),
+        train_shards=settings["train_shards"],
+        val_shards=settings["val_shards"],
+        val_fraction=settings["val_fraction"],
+        force=force,
+        dataset=f"{settings['format']} data",
+        read_meta=read_meta,
+        load=load,
+        start_meta=start_meta,
+        write_shards=write,
+        fewer_shards_ok=True,
     )
 
 
@@ -221,14 +241,31 @@ def build(out: Path, *, settings: dict, samples: Callable[[], tuple[list[dict[st
 
 def add_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
     """``--tokenizer`` and ``--input``, the two arguments every user-data build takes."""
-    parser.add_argument("--tokenizer", type=Path, required=required, metavar="FOLDER",
-                        help="folder holding the tokenizer to use, e.g. the checkpoint you fine-tune (~/models/Llama-3.2-1B)")
-    parser.add_argument("--input", nargs="+", required=required, metavar="FILE_OR_GLOB",
-                        help="input files or globs (quote a glob to let it match more files than the shell allows)")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        required=required,
+        metavar="FOLDER",
+        help="folder holding the tokenizer to use, e.g. the checkpoint you fine-tune (~/models/Llama-3.2-1B)",
+    )
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=required,
+        metavar="FILE_OR_GLOB",
+        help="input files or globs (quote a glob to let it match more files than the shell allows)",
+    )
 
 
-def run_cli(args: argparse.Namespace, *, fmt: str, options: Callable[[Any], dict], read: Reader, encode: Encoder,
-            describe: Callable[[dict], str]) -> int:
+def run_cli(
+    args: argparse.Namespace,
+    *,
+    fmt: str,
+    options: Callable[[Any], dict],
+    read: Reader,
+    encode: Encoder,
+    describe: Callable[[dict], str],
+) -> int:
     """Build ``args.out`` from ``args.input`` with ``args.tokenizer``; print one summary line. Exit codes as
     ``shards.cli_build``: 0 built or already there, 1 there with other settings, 2 a one-line error.
 
@@ -243,9 +280,16 @@ def run_cli(args: argparse.Namespace, *, fmt: str, options: Callable[[Any], dict
         print(f"error: {exc}", file=sys.stderr)
         return 2
     files = resolve_inputs(args.input)
-    settings = {"format": fmt, "tokenizer_sha256": common_dataset.tokenizer_sha256(tokenizer),
-                "inputs_digest": inputs_digest(files), **own, "train_shards": args.train_shards,
-                "val_shards": args.val_shards, "val_fraction": args.val_fraction, "seed": args.seed}
+    settings = {
+        "format": fmt,
+        "tokenizer_sha256": common_dataset.tokenizer_sha256(tokenizer),
+        "inputs_digest": inputs_digest(files),
+        **own,
+        "train_shards": args.train_shards,
+        "val_shards": args.val_shards,
+        "val_fraction": args.val_fraction,
+        "seed": args.seed,
+    }
 
     def samples() -> tuple[list[dict[str, np.ndarray]], dict]:
         used, inputs = read_files(files, read)
@@ -256,11 +300,19 @@ def run_cli(args: argparse.Namespace, *, fmt: str, options: Callable[[Any], dict
     def have(meta: dict) -> dict:  # a dataset of another kind (e.g. the pydoc build) has no settings
         return {k: meta.get("settings", {}).get(k) for k in settings}
 
-    meta, rc = shards.cli_build(lambda *_, **__: build(out, settings=settings, samples=samples, tokenizer=tokenizer,
-                                                       force=args.force),
-                                out, settings, force=args.force, settings=have, holds=f"{fmt} data", show_wanted=True)
+    meta, rc = shards.cli_build(
+        lambda *_, **__: build(out, settings=settings, samples=samples, tokenizer=tokenizer, force=args.force),
+        out,
+        settings,
+        force=args.force,
+        settings=have,
+        holds=f"{fmt} data",
+        show_wanted=True,
+    )
     if meta is None:
         return rc
-    print(f"{shards.summary(out, meta)}; {describe(meta)}; {summarize(meta['inputs'])}; "
-          f"tokenizer in {out / TOKENIZER_DIR}: vocab {meta['vocab_size']}")
+    print(
+        f"{shards.summary(out, meta)}; {describe(meta)}; {summarize(meta['inputs'])}; "
+        f"tokenizer in {out / TOKENIZER_DIR}: vocab {meta['vocab_size']}"
+    )
     return 0

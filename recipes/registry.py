@@ -67,12 +67,25 @@ class RecipeSpec:
 
 
 SPECS: dict[str, RecipeSpec] = {
-    "dit": RecipeSpec("dit", dit_config, "recipes.dit.train", "recipes.dit.export",
-                      sections=dit_config.SECTIONS, lora_targets=dit_config.LORA_TARGETS),
-    "vlm": RecipeSpec("vlm", vlm_config, "recipes.vlm.train", "recipes.vlm.export",
-                      sections=vlm_config.SECTIONS, lora_targets=vlm_config.LORA_TARGETS),
-    "llm": RecipeSpec("llm", llm_config, "recipes.llm.train", "recipes.llm.export",
-                      lora_targets=llm_config.LORA_TARGETS, qlora=True),  # QLoRA on one GPU (check_qlora_layout)
+    "dit": RecipeSpec(
+        "dit",
+        dit_config,
+        "recipes.dit.train",
+        "recipes.dit.export",
+        sections=dit_config.SECTIONS,
+        lora_targets=dit_config.LORA_TARGETS,
+    ),
+    "vlm": RecipeSpec(
+        "vlm",
+        vlm_config,
+        "recipes.vlm.train",
+        "recipes.vlm.export",
+        sections=vlm_config.SECTIONS,
+        lora_targets=vlm_config.LORA_TARGETS,
+    ),
+    "llm": RecipeSpec(
+        "llm", llm_config, "recipes.llm.train", "recipes.llm.export", lora_targets=llm_config.LORA_TARGETS, qlora=True
+    ),  # QLoRA on one GPU (check_qlora_layout)
 }
 
 

@@ -12,15 +12,42 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout
 
-from scripts.benchmarks import (ac, checkpoint, data_wait, dit, export, loading, lora, moe,  # noqa: E402
-                                overhead, packing, pipeline, report, scaling, serving, zero)
+from scripts.benchmarks import (
+    ac,
+    checkpoint,
+    data_wait,
+    dit,
+    export,
+    loading,
+    lora,
+    moe,  # noqa: E402
+    overhead,
+    packing,
+    pipeline,
+    report,
+    scaling,
+    serving,
+    zero,
+)
 from scripts.benchmarks.harness import Options  # noqa: E402
 
 # Each section is a module of scripts/benchmarks/ with `run(opts) -> report.Section`; one alone: --only NAME.
-SECTIONS = {"overhead": overhead.run, "ac": ac.run, "zero": zero.run, "data": data_wait.run, "scaling": scaling.run,
-            "packing": packing.run, "pipeline": pipeline.run, "serving": serving.run, "loading": loading.run,
-            "dit": dit.run, "moe": moe.run, "checkpoint": checkpoint.run, "export": export.run,
-            "lora": lora.run}
+SECTIONS = {
+    "overhead": overhead.run,
+    "ac": ac.run,
+    "zero": zero.run,
+    "data": data_wait.run,
+    "scaling": scaling.run,
+    "packing": packing.run,
+    "pipeline": pipeline.run,
+    "serving": serving.run,
+    "loading": loading.run,
+    "dit": dit.run,
+    "moe": moe.run,
+    "checkpoint": checkpoint.run,
+    "export": export.run,
+    "lora": lora.run,
+}
 # A quick run is a smoke test: it keeps its own folder so that it never replaces a full run's report.
 FULL_OUT, QUICK_OUT = REPO / "outputs" / "bench", REPO / "outputs" / "bench" / "quick"
 
@@ -29,11 +56,18 @@ def parse_args(argv: list[str]) -> tuple[Options, list[str]]:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="fewer steps and smaller runs (the smoke test's mode)")
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections: {','.join(SECTIONS)}")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads per process, for every benchmark (default 1: on a shared machine "
-                        "OpenMP's barriers stall whenever another job takes a core)")
-    p.add_argument("--out", help=f"where bench.md, bench.json and runs go (default {FULL_OUT.relative_to(REPO)}, "
-                                 f"with --quick {QUICK_OUT.relative_to(REPO)})")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads per process, for every benchmark (default 1: on a shared machine "
+        "OpenMP's barriers stall whenever another job takes a core)",
+    )
+    p.add_argument(
+        "--out",
+        help=f"where bench.md, bench.json and runs go (default {FULL_OUT.relative_to(REPO)}, "
+        f"with --quick {QUICK_OUT.relative_to(REPO)})",
+    )
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in sections if s not in SECTIONS]

@@ -49,10 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     labels = class_labels(info["num_classes"], args.per_class)
     print(f"eval_dit: sampling {len(labels)} images ({args.per_class} per class) from {args.export}", flush=True)
     images = sample_images(
-        model, scheduler_config, labels, null_class=info["null_class"], image_size=model.config.sample_size,
-        in_channels=model.config.in_channels, steps=args.steps or info["sample_steps"],
+        model,
+        scheduler_config,
+        labels,
+        null_class=info["null_class"],
+        image_size=model.config.sample_size,
+        in_channels=model.config.in_channels,
+        steps=args.steps or info["sample_steps"],
         guidance_scale=info["guidance_scale"] if args.guidance is None else args.guidance,
-        generator=torch.Generator().manual_seed(args.seed), device=torch.device("cpu"), progress="sampling",
+        generator=torch.Generator().manual_seed(args.seed),
+        device=torch.device("cpu"),
+        progress="sampling",
         decode=decode,
     )
     if read_meta(args.data) is None:
@@ -65,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(result, indent=2))
     if args.grid:
         rows = min(info["num_classes"], GRID_MAX_CLASSES)
-        save_grid(images[: rows * args.per_class: max(1, args.per_class // 8)], rows=rows, path=args.grid)
+        save_grid(images[: rows * args.per_class : max(1, args.per_class // 8)], rows=rows, path=args.grid)
     return 0
 
 

@@ -49,7 +49,7 @@ def fail(msg: str) -> int:
 def find_checkpoint(run_dir: Path, name: str) -> Path:
     """The checkpoint dir `--checkpoint` names: `auto` (the run's latest), a path, or a dir under RUN_DIR/checkpoints
     (`step_0000500`, or `step_500`)."""
-    from common.checkpoint import CheckpointManager, STEP_PREFIX, step_dir_name
+    from common.checkpoint import STEP_PREFIX, CheckpointManager, step_dir_name
     from common.errors import UserError
 
     if name == "auto":
@@ -66,8 +66,9 @@ def find_checkpoint(run_dir: Path, name: str) -> Path:
     for path in candidates:
         if (path / "meta.json").exists():
             return path
-    raise UserError(f"--checkpoint {name} is not a checkpoint (a step_* dir with meta.json, in {run_dir}/checkpoints "
-                    "or a path)")
+    raise UserError(
+        f"--checkpoint {name} is not a checkpoint (a step_* dir with meta.json, in {run_dir}/checkpoints or a path)"
+    )
 
 
 def default_out(run_dir: Path, checkpoint: str, step: int) -> Path:
@@ -82,16 +83,28 @@ def default_out(run_dir: Path, checkpoint: str, step: int) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--checkpoint", default="auto", help="a step_* dir or its name under RUN_DIR/checkpoints "
-                                                          "(default: the run's latest)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="replaced if it exists (default: RUN_DIR/export for the latest checkpoint of a run without an "
-                         "export, else RUN_DIR/exports/step_N)")
-    ap.add_argument("--merge-lora", action="store_true",
-                    help="finetune=lora runs (LLM, VLM, DiT): also write the merged model in OUT/merged, as "
-                         "export.merge_lora does")
-    ap.add_argument("--max-shard-size", default=None,
-                    help="full DiT/VLM runs: the largest safetensors file, what host memory is bounded by (default 1GB)")
+    ap.add_argument(
+        "--checkpoint",
+        default="auto",
+        help="a step_* dir or its name under RUN_DIR/checkpoints (default: the run's latest)",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="replaced if it exists (default: RUN_DIR/export for the latest checkpoint of a run without an "
+        "export, else RUN_DIR/exports/step_N)",
+    )
+    ap.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="finetune=lora runs (LLM, VLM, DiT): also write the merged model in OUT/merged, as export.merge_lora does",
+    )
+    ap.add_argument(
+        "--max-shard-size",
+        default=None,
+        help="full DiT/VLM runs: the largest safetensors file, what host memory is bounded by (default 1GB)",
+    )
     args = ap.parse_args(argv)
     if not (args.run_dir / "config.yaml").exists():
         return fail(f"{args.run_dir} has no config.yaml (not a Kiln run dir)")
@@ -111,12 +124,16 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"{path} is a checkpoint of recipe {meta.get('recipe')}; {args.run_dir} ran {cfg.recipe.name}")
     out = args.out or default_out(args.run_dir, args.checkpoint, int(meta["step"]))
     if args.out is None and out.exists():
-        return fail(f"{out} exists (an earlier export of this checkpoint): pass --out DIR to write it elsewhere "
-                    "(an existing --out is replaced)")
+        return fail(
+            f"{out} exists (an earlier export of this checkpoint): pass --out DIR to write it elsewhere "
+            "(an existing --out is replaced)"
+        )
     lora = cfg.get("finetune", "full") == "lora"
     if args.merge_lora and not lora:
-        return fail(f"--merge-lora is for finetune=lora runs ({args.run_dir} is a finetune={cfg.get('finetune', 'full')} "
-                    "run: its export is the whole model)")
+        return fail(
+            f"--merge-lora is for finetune=lora runs ({args.run_dir} is a finetune={cfg.get('finetune', 'full')} "
+            "run: its export is the whole model)"
+        )
     from recipes.registry import recipe_spec
 
     tmp = out.with_name(f".{out.name}.tmp")
@@ -126,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         if lora:  # the checkpoints hold the adapter only: the export loads the base from model.init_from
             source = cfg.model.get("init_from") or ""
             if not source:
-                return fail(f"{args.run_dir} is a finetune=lora run without model.init_from in its config.yaml (the "
-                            "adapter's base)")
+                return fail(
+                    f"{args.run_dir} is a finetune=lora run without model.init_from in its config.yaml (the "
+                    "adapter's base)"
+                )
             if not Path(source).expanduser().is_dir():
-                return fail(f"the run started from model.init_from={source}, which is gone (its checkpoints hold the "
-                            "adapter only: the export names that base and merges into it)")
+                return fail(
+                    f"the run started from model.init_from={source}, which is gone (its checkpoints hold the "
+                    "adapter only: the export names that base and merges into it)"
+                )
             problem = changed_base(meta, path, exporter.lora_base(cfg))
             if problem:
                 return fail(problem)
@@ -163,8 +184,10 @@ def changed_base(meta: dict, path: Path, base: str) -> str | None:
     if saved and is_header_only(saved):
         print(header_only_note(path), flush=True)
     if not same:
-        return (f"model.init_from={base} holds other weights than the base the adapter of {path} trained on (its "
-                "weights differ from the fingerprint in the checkpoint's meta.json)")
+        return (
+            f"model.init_from={base} holds other weights than the base the adapter of {path} trained on (its "
+            "weights differ from the fingerprint in the checkpoint's meta.json)"
+        )
     return None
 
 

@@ -33,11 +33,35 @@ BUILD_SCRIPT = REPO / "scripts" / "build_trt_engine.sh"
 TRT_VERSIONS = (10, 11)
 
 
-def trtexec_command(onnx: Path, engine: Path, *, image_size: int, in_channels: int, max_batch: int, opt_batch: int,
-                    precision: str, trt_version: int | None = None) -> list[str]:
+def trtexec_command(
+    onnx: Path,
+    engine: Path,
+    *,
+    image_size: int,
+    in_channels: int,
+    max_batch: int,
+    opt_batch: int,
+    precision: str,
+    trt_version: int | None = None,
+) -> list[str]:
     """Arguments for scripts/build_trt_engine.sh (the one place the trtexec command is assembled)."""
-    args = [str(onnx), "--engine", str(engine), "--image-size", str(image_size), "--in-channels", str(in_channels),
-            "--min-batch", "1", "--opt-batch", str(opt_batch), "--max-batch", str(max_batch), "--precision", precision]
+    args = [
+        str(onnx),
+        "--engine",
+        str(engine),
+        "--image-size",
+        str(image_size),
+        "--in-channels",
+        str(in_channels),
+        "--min-batch",
+        "1",
+        "--opt-batch",
+        str(opt_batch),
+        "--max-batch",
+        str(max_batch),
+        "--precision",
+        precision,
+    ]
     return args + (["--trt-version", str(trt_version)] if trt_version else [])
 
 
@@ -53,11 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=64, help="largest model batch of the TensorRT profile")
     ap.add_argument("--opt-batch", type=int, default=None, help="batch TensorRT tunes for (default: --max-batch)")
     ap.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16", help="TensorRT engine precision")
-    ap.add_argument("--trt-version", type=int, choices=TRT_VERSIONS, default=None,
-                    help="TensorRT major version to write the command for (default: trtexec's, else both)")
+    ap.add_argument(
+        "--trt-version",
+        type=int,
+        choices=TRT_VERSIONS,
+        default=None,
+        help="TensorRT major version to write the command for (default: trtexec's, else both)",
+    )
     ap.add_argument("--tol", type=float, default=1e-5, help="max relative error of onnxruntime vs PyTorch (fp32 graph)")
-    ap.add_argument("--typed-tol", type=float, default=None,
-                    help="max relative error of the fp16/bf16 graph vs fp32 PyTorch (default: PARITY_TOL)")
+    ap.add_argument(
+        "--typed-tol",
+        type=float,
+        default=None,
+        help="max relative error of the fp16/bf16 graph vs fp32 PyTorch (default: PARITY_TOL)",
+    )
     ap.add_argument("--parity-batches", type=int, nargs=2, default=(1, 4), metavar=("B1", "B2"))
     args = ap.parse_args(argv)
     if hasattr(sys.stdout, "reconfigure"):
@@ -89,9 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     # when trtexec is here); the graphs those commands read are the ones to export.
     have_trtexec = shutil.which("trtexec") is not None
     versions = [args.trt_version] if args.trt_version else [None] if have_trtexec else list(TRT_VERSIONS)
-    build_args = {v: trtexec_command(onnx_path, engine, image_size=image_size, in_channels=in_channels,
-                                     max_batch=args.max_batch, opt_batch=args.opt_batch or args.max_batch,
-                                     precision=args.precision, trt_version=v) for v in versions}
+    build_args = {
+        v: trtexec_command(
+            onnx_path,
+            engine,
+            image_size=image_size,
+            in_channels=in_channels,
+            max_batch=args.max_batch,
+            opt_batch=args.opt_batch or args.max_batch,
+            precision=args.precision,
+            trt_version=v,
+        )
+        for v in versions
+    }
     commands: dict[int | None, str] = {}
     for v, build in build_args.items():
         printed = subprocess.run(["bash", str(BUILD_SCRIPT), *build, "--print"], capture_output=True, text=True)
@@ -111,29 +154,51 @@ def main(argv: list[str] | None = None) -> int:
             path.unlink(missing_ok=True)
             return fail(f"parity check of the {precision} graph failed: {exc}; removed {path}")
         how = " (run widened to fp32: onnxruntime's CPU provider has no bf16 kernels)" if precision == "bf16" else ""
-        print(f"export_dit: parity onnxruntime ({precision} graph{how}) vs PyTorch fp32 (max rel err): "
-              + ", ".join(f"batch {b}: {e:.2e}" for b, e in errors.items()) + f" (tol {tol:g})")
+        print(
+            f"export_dit: parity onnxruntime ({precision} graph{how}) vs PyTorch fp32 (max rel err): "
+            + ", ".join(f"batch {b}: {e:.2e}" for b, e in errors.items())
+            + f" (tol {tol:g})"
+        )
         parity[path.name] = {"precision": precision, "tol": tol, "rel_err": {str(b): e for b, e in errors.items()}}
 
     command_file = onnx_path.parent / "trtexec.txt"
     if len(commands) == 1:
         command_file.write_text(next(iter(commands.values())) + "\n")
     else:  # no trtexec here: one command per version, the build machine's decides
-        command_file.write_text("".join(
-            f"# TensorRT {v}: {'fp32 graph + precision flag' if v == 10 else 'strongly typed, precision from the graph'}\n"
-            f"{c}\n" for v, c in commands.items()))
-    (onnx_path.parent / "onnx.json").write_text(json.dumps({
-        "onnx": onnx_path.name, "engine": engine.name, "opset": 18, "inputs": ["sample", "timestep", "class_labels"],
-        "objective": info.get("objective", "ddpm"),
-        "output": "prediction", "image_size": image_size, "in_channels": in_channels, "max_batch": args.max_batch,
-        "precision": args.precision, "parity_rel_err": parity[onnx_path.name]["rel_err"], "graphs": parity,
-        "trtexec": {str(v or "detected"): c for v, c in commands.items()},
-    }, indent=2))
+        command_file.write_text(
+            "".join(
+                f"# TensorRT {v}: {'fp32 graph + precision flag' if v == 10 else 'strongly typed, precision from the graph'}\n"
+                f"{c}\n"
+                for v, c in commands.items()
+            )
+        )
+    (onnx_path.parent / "onnx.json").write_text(
+        json.dumps(
+            {
+                "onnx": onnx_path.name,
+                "engine": engine.name,
+                "opset": 18,
+                "inputs": ["sample", "timestep", "class_labels"],
+                "objective": info.get("objective", "ddpm"),
+                "output": "prediction",
+                "image_size": image_size,
+                "in_channels": in_channels,
+                "max_batch": args.max_batch,
+                "precision": args.precision,
+                "parity_rel_err": parity[onnx_path.name]["rel_err"],
+                "graphs": parity,
+                "trtexec": {str(v or "detected"): c for v, c in commands.items()},
+            },
+            indent=2,
+        )
+    )
     print(f"export_dit: trtexec command in {command_file}")
 
     if not have_trtexec:
-        print("export_dit: trtexec is not on PATH: SKIPPED building the TensorRT engine "
-              f"(run scripts/build_trt_engine.sh or the command in {command_file} on a machine with TensorRT)")
+        print(
+            "export_dit: trtexec is not on PATH: SKIPPED building the TensorRT engine "
+            f"(run scripts/build_trt_engine.sh or the command in {command_file} on a machine with TensorRT)"
+        )
         return 0
     built = subprocess.run(["bash", str(BUILD_SCRIPT), *next(iter(build_args.values()))])
     if built.returncode != 0:

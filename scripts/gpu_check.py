@@ -46,12 +46,30 @@ PACKAGES = ("transformers", "diffusers", "deepspeed", "torchao", "accelerate", "
 # digits, judged by a classifier fitted on real ones: the recipe's own bar (its CPU demo reaches 1.0).
 EVAL_BARS = {"dit_tiny": ("mean_accuracy", 0.95), "vlm_tiny": ("accuracy", 0.7)}
 # A Llama of ~1.0B parameters (1,015,089,152 with llm_tiny's 2,048-token vocabulary) on packed 4,096-token rows.
-LLM_1B = ["recipe=llm_tiny", "model.dim=2048", "model.n_layers=16", "model.n_heads=16", "model.n_kv_heads=8",
-          "model.ffn_dim=8192", "model.max_seq_len=4096", "data.max_seq_len=4096", "trainer.micro_batch_size=16",
-          "toggles.precision=bf16", "toggles.tf32=true", "toggles.activation_checkpointing=none"]
+LLM_1B = [
+    "recipe=llm_tiny",
+    "model.dim=2048",
+    "model.n_layers=16",
+    "model.n_heads=16",
+    "model.n_kv_heads=8",
+    "model.ffn_dim=8192",
+    "model.max_seq_len=4096",
+    "data.max_seq_len=4096",
+    "trainer.micro_batch_size=16",
+    "toggles.precision=bf16",
+    "toggles.tf32=true",
+    "toggles.activation_checkpointing=none",
+]
 DIT_MFU = ("dit_xl2", "dit_2b")  # the DiT recipes the dit_mfu section measures, on the same offline 256 px inputs
-MEASURE = ["trainer.progress_bar=false", "trainer.log_every=1", "trainer.eval=false", "trainer.sample_every=0",
-           "checkpoint.every=0", "checkpoint.final=false", "profile.count_flops=true"]
+MEASURE = [
+    "trainer.progress_bar=false",
+    "trainer.log_every=1",
+    "trainer.eval=false",
+    "trainer.sample_every=0",
+    "checkpoint.every=0",
+    "checkpoint.final=false",
+    "profile.count_flops=true",
+]
 TARGET_BARE_RATIO = 1.03  # Kiln's LLM step time / the bare step's, same model and tokens
 TARGET_MFU = 0.40  # of the dense bf16 datasheet peak, ~1B LLM on an H100
 # fp8 vs bf16: a chosen bar, not a measurement. Dynamic-scaling float8 training is reported (torchao, torchtitan) to
@@ -76,13 +94,16 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 # ---- pure helpers (tests/unit/test_gpu_check.py) -------------------------------------------------
 
+
 def gib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f} GiB"
 
 
 def parse_pytest_summary(output: str) -> dict[str, int]:
     """{'passed': 3, 'skipped': 1, ...} from pytest's closing line ('3 passed, 1 skipped in 4.2s')."""
-    lines = [line for line in output.splitlines() if re.search(r"\b(passed|failed|error|errors|skipped|deselected)\b", line)]
+    lines = [
+        line for line in output.splitlines() if re.search(r"\b(passed|failed|error|errors|skipped|deselected)\b", line)
+    ]
     if not lines:
         return {}
     counts = re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)", lines[-1])
@@ -93,8 +114,11 @@ def planned_bytes(plan: dict, ac: str, zero_stage: int | None = None) -> float |
     """scripts/plan.py --json's total bytes per GPU for one GPU (dp = tp = pp = 1) with activation
     checkpointing `ac` (and `zero_stage`, when given), or None when the plan has no such layout."""
     for layout in plan.get("layouts", []):
-        if (layout["dp"], layout["tp"], layout["pp"]) == (1, 1, 1) and layout["ac"] == ac \
-                and (zero_stage is None or layout["zero_stage"] == zero_stage):
+        if (
+            (layout["dp"], layout["tp"], layout["pp"]) == (1, 1, 1)
+            and layout["ac"] == ac
+            and (zero_stage is None or layout["zero_stage"] == zero_stage)
+        ):
             return float(layout["total_bytes"])
     return None
 
@@ -117,17 +141,29 @@ def kiln_llm_row(name: str, records: list[dict], peak: dict | None, planned: flo
     step = median_after_warmup(records, "step_time_s")
     tokens = median_after_warmup(records, "tokens_per_s")
     util = median_after_warmup(records, "token_utilization")
-    return {"run": name, "step_time_s": step, "tokens_per_s": tokens,
-            "slots_per_s": tokens / util if tokens and util else None, "mfu": median_after_warmup(records, "mfu"),
-            "peak_bytes": (peak or {}).get("max_allocated"), "planned_bytes": planned}
+    return {
+        "run": name,
+        "step_time_s": step,
+        "tokens_per_s": tokens,
+        "slots_per_s": tokens / util if tokens and util else None,
+        "mfu": median_after_warmup(records, "mfu"),
+        "peak_bytes": (peak or {}).get("max_allocated"),
+        "planned_bytes": planned,
+    }
 
 
 def llm_1b(steps: int, attention: str = "sdpa", compiled: bool = True, precision: str = "bf16") -> list[str]:
     """The overrides of one measured ~1B LLM run: throughput's flash/sdpa x compile grid and fp8's pair share them,
     so Check.train trains a run both sections name only once."""
     size = [o for o in LLM_1B if not o.startswith("toggles.precision=")]
-    return [*size, f"toggles.precision={precision}", *MEASURE, f"trainer.max_steps={steps}",
-            f"toggles.attention={attention}", f"toggles.compile={compiled}"]
+    return [
+        *size,
+        f"toggles.precision={precision}",
+        *MEASURE,
+        f"trainer.max_steps={steps}",
+        f"toggles.attention={attention}",
+        f"toggles.compile={compiled}",
+    ]
 
 
 def fp8_unavailable() -> str | None:
@@ -153,24 +189,40 @@ def loss_parity(reference: list[dict], other: list[dict], warmup: int = WARMUP_S
     if not steps:
         raise ValueError("no common logged steps after warm-up")
     mean_ref, mean_got = statistics.fmean(ref[s] for s in steps), statistics.fmean(got[s] for s in steps)
-    return {"steps": len(steps), "loss_ref": mean_ref, "loss": mean_got,
-            "mean_rel": abs(mean_got - mean_ref) / mean_ref,
-            "max_step_rel": max(abs(got[s] - ref[s]) / ref[s] for s in steps)}
+    return {
+        "steps": len(steps),
+        "loss_ref": mean_ref,
+        "loss": mean_got,
+        "mean_rel": abs(mean_got - mean_ref) / mean_ref,
+        "max_step_rel": max(abs(got[s] - ref[s]) / ref[s] for s in steps),
+    }
 
 
 def throughput_table(rows: list[dict]) -> str:
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    return md_table(["run", "step s", "steps/s", "token slots/s", "MFU", "peak memory", "plan.py"], [
-        [r["run"], num(r.get("step_time_s"), ".4f"), num(1 / r["step_time_s"] if r.get("step_time_s") else None, ".2f"),
-         num(r.get("slots_per_s"), ",.0f"), num(r.get("mfu"), ".1%"), gib(r.get("peak_bytes")),
-         gib(r.get("planned_bytes"))] if "error" not in r else [r["run"], f"not available: {r['error']}", "", "", "",
-                                                                "", ""]
-        for r in rows])
+    return md_table(
+        ["run", "step s", "steps/s", "token slots/s", "MFU", "peak memory", "plan.py"],
+        [
+            [
+                r["run"],
+                num(r.get("step_time_s"), ".4f"),
+                num(1 / r["step_time_s"] if r.get("step_time_s") else None, ".2f"),
+                num(r.get("slots_per_s"), ",.0f"),
+                num(r.get("mfu"), ".1%"),
+                gib(r.get("peak_bytes")),
+                gib(r.get("planned_bytes")),
+            ]
+            if "error" not in r
+            else [r["run"], f"not available: {r['error']}", "", "", "", "", ""]
+            for r in rows
+        ],
+    )
 
 
 # ---- sections ------------------------------------------------------------------------------------
+
 
 class Check:
     """The report: each section's data or error, written as report.json and report.md."""
@@ -190,15 +242,21 @@ class Check:
             result = fn(self)
             self.data["sections"][name] = {"status": "ok", **result}
         except Exception as exc:  # one section's failure is reported, the others still run
-            self.data["sections"][name] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                                           "traceback": traceback.format_exc()}
+            self.data["sections"][name] = {
+                "status": "failed",
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
             self.md += [f"## {name}", "", f"**failed**: `{type(exc).__name__}: {exc}`", ""]
         print(f"gpu-check: {name} {self.data['sections'][name]['status']} ({time.time() - start:.0f} s)", flush=True)
 
-    def run(self, name: str, cmd: list[str], env: dict | None = None, timeout: float = 3600) -> subprocess.CompletedProcess:
+    def run(
+        self, name: str, cmd: list[str], env: dict | None = None, timeout: float = 3600
+    ) -> subprocess.CompletedProcess:
         """A subprocess with its output in logs/NAME.log."""
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})})
+        proc = subprocess.run(
+            cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        )
         (self.logs / f"{name}.log").write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
         return proc
 
@@ -211,8 +269,20 @@ class Check:
             return self.trained[key]
         run_dir, peak_file = self.out / "runs" / name, self.logs / f"{name}.peak.json"
         peak_file.unlink(missing_ok=True)
-        proc = self.run(name, [sys.executable, "-c", PEAK_WRAPPER, "scripts/train.py", *overrides, f"run.dir={run_dir}",
-                               "run.resume=never"], env={"KILN_PEAK_MEMORY_FILE": str(peak_file)}, timeout=timeout)
+        proc = self.run(
+            name,
+            [
+                sys.executable,
+                "-c",
+                PEAK_WRAPPER,
+                "scripts/train.py",
+                *overrides,
+                f"run.dir={run_dir}",
+                "run.resume=never",
+            ],
+            env={"KILN_PEAK_MEMORY_FILE": str(peak_file)},
+            timeout=timeout,
+        )
         if proc.returncode != 0:
             lines = [line for line in proc.stderr.splitlines() if line.strip()]
             why = next((line for line in lines if line.startswith("kiln: error:")), lines[-1] if lines else "")
@@ -222,8 +292,18 @@ class Check:
         return self.trained[key]
 
     def plan(self, name: str, overrides: list[str]) -> dict:
-        proc = self.run(f"plan_{name}", [sys.executable, "scripts/plan.py", *overrides, "cluster.gpus=1",
-                                         f"cluster.gpu={self.data.get('plan_gpu', 'h100_80gb')}", "--all", "--json"])
+        proc = self.run(
+            f"plan_{name}",
+            [
+                sys.executable,
+                "scripts/plan.py",
+                *overrides,
+                "cluster.gpus=1",
+                f"cluster.gpu={self.data.get('plan_gpu', 'h100_80gb')}",
+                "--all",
+                "--json",
+            ],
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"plan.py: {proc.stderr.strip()}")
         return json.loads(proc.stdout)
@@ -236,11 +316,22 @@ class Check:
 def versions(check: Check) -> dict:
     import torch
 
-    found = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-             "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-             "capability": ".".join(map(str, torch.cuda.get_device_capability()))}
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True) if _which("nvidia-smi") else None
+    found = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+    }
+    smi = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
+        if _which("nvidia-smi")
+        else None
+    )
     found["driver"] = smi.stdout.splitlines()[0].strip() if smi and smi.returncode == 0 and smi.stdout else "unknown"
     for package in PACKAGES:
         try:
@@ -248,8 +339,15 @@ def versions(check: Check) -> dict:
         except importlib.metadata.PackageNotFoundError:
             found[package] = "not installed"
     name = found["gpus"][0].upper()
-    check.data["plan_gpu"] = "h200_141gb" if "H200" in name else "a100_40gb" if "A100" in name and "40GB" in name \
-        else "a100_80gb" if "A100" in name else "h100_80gb"
+    check.data["plan_gpu"] = (
+        "h200_141gb"
+        if "H200" in name
+        else "a100_40gb"
+        if "A100" in name and "40GB" in name
+        else "a100_80gb"
+        if "A100" in name
+        else "h100_80gb"
+    )
     check.md += ["## Versions", "", md_table(["component", "version"], [[k, v] for k, v in found.items()]), ""]
     return found
 
@@ -263,9 +361,13 @@ def _which(cmd: str) -> bool:
 def gpu_tests(check: Check) -> dict:
     proc = check.run("pytest_gpu", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"])
     counts = parse_pytest_summary(proc.stdout)
-    check.md += ["## GPU tests (`pytest -m gpu`)", "",
-                 ", ".join(f"{n} {k}" for k, n in counts.items()) or f"no summary (exit {proc.returncode})",
-                 f"; log: `{check.logs / 'pytest_gpu.log'}`", ""]
+    check.md += [
+        "## GPU tests (`pytest -m gpu`)",
+        "",
+        ", ".join(f"{n} {k}" for k, n in counts.items()) or f"no summary (exit {proc.returncode})",
+        f"; log: `{check.logs / 'pytest_gpu.log'}`",
+        "",
+    ]
     return {"exit_code": proc.returncode, **counts}
 
 
@@ -273,7 +375,9 @@ def recipes(check: Check) -> dict:
     rows, results = [], {}
     for recipe in ("dit_tiny", "vlm_tiny", "llm_tiny"):
         try:
-            records, _ = check.train(recipe, [f"recipe={recipe}", "toggles.precision=bf16", "trainer.progress_bar=false"])
+            records, _ = check.train(
+                recipe, [f"recipe={recipe}", "toggles.precision=bf16", "trainer.progress_bar=false"]
+            )
             losses = [r["loss"] for r in records if isinstance(r.get("loss"), float)]
             first, last, fell = loss_fell(losses)
             result = {"loss_first": first, "loss_last": last, "loss_fell": fell}
@@ -288,7 +392,12 @@ def recipes(check: Check) -> dict:
             result = {"error": str(exc)}
             rows.append([recipe, "-", f"**failed**: {exc}"])
         results[recipe] = result
-    check.md += ["## Tiny recipes on CUDA, bf16", "", md_table(["recipe", "loss (first 10 -> last 10)", "verdict"], rows), ""]
+    check.md += [
+        "## Tiny recipes on CUDA, bf16",
+        "",
+        md_table(["recipe", "loss (first 10 -> last 10)", "verdict"], rows),
+        "",
+    ]
     return results
 
 
@@ -302,8 +411,9 @@ def throughput(check: Check, steps: int) -> dict:
         for compiled in (False, True):
             name = f"Kiln LLM ~1B, attention={attention}, compile={'on' if compiled else 'off'}"
             try:
-                records, peak = check.train(f"llm_1b_{attention}_{'compile' if compiled else 'eager'}",
-                                            llm_1b(steps, attention, compiled))
+                records, peak = check.train(
+                    f"llm_1b_{attention}_{'compile' if compiled else 'eager'}", llm_1b(steps, attention, compiled)
+                )
                 rows.append(kiln_llm_row(name, records, peak, None))
             except Exception as exc:  # e.g. a config error: the path does not exist (yet)
                 rows.append({"run": name, "error": str(exc)})
@@ -320,9 +430,15 @@ def throughput(check: Check, steps: int) -> dict:
         dit = ["recipe=dit_2b", *dit_inputs(check)]
         records, peak = check.train("dit_2b", dit_run("dit_2b", check, steps))
         dit_plan = planned_bytes(check.plan("dit_2b", dit), "full")  # one rank: ZeRO has nothing to partition
-        rows.append({"run": "Kiln dit_2b (bf16, ZeRO-2, full AC)", "step_time_s": median_after_warmup(records, "step_time_s"),
-                     "mfu": median_after_warmup(records, "mfu"), "peak_bytes": (peak or {}).get("max_allocated"),
-                     "planned_bytes": dit_plan})
+        rows.append(
+            {
+                "run": "Kiln dit_2b (bf16, ZeRO-2, full AC)",
+                "step_time_s": median_after_warmup(records, "step_time_s"),
+                "mfu": median_after_warmup(records, "mfu"),
+                "peak_bytes": (peak or {}).get("max_allocated"),
+                "planned_bytes": dit_plan,
+            }
+        )
     except Exception as exc:
         rows.append({"run": "Kiln dit_2b", "error": str(exc)})
 
@@ -338,22 +454,45 @@ def throughput(check: Check, steps: int) -> dict:
     torch.cuda.empty_cache()
     targets = []
     for compiled in ("off", "on"):
-        kiln = next((r for r in rows if r["run"] == f"Kiln LLM ~1B, attention=sdpa, compile={compiled}" and "error" not in r), None)
-        bare = next((r for r in rows if r["run"] == f"bare PyTorch step, compile={compiled}" and "error" not in r), None)
+        kiln = next(
+            (r for r in rows if r["run"] == f"Kiln LLM ~1B, attention=sdpa, compile={compiled}" and "error" not in r),
+            None,
+        )
+        bare = next(
+            (r for r in rows if r["run"] == f"bare PyTorch step, compile={compiled}" and "error" not in r), None
+        )
         if kiln and bare and kiln.get("slots_per_s") and bare.get("slots_per_s"):
             ratio = bare["slots_per_s"] / kiln["slots_per_s"]  # Kiln's time per token slot over the bare step's
-            targets.append([f"Kiln LLM step <= {TARGET_BARE_RATIO:.2f}x bare (sdpa, compile {compiled})", f"{ratio:.3f}x",
-                            "met" if ratio <= TARGET_BARE_RATIO else "**NOT met**"])
+            targets.append(
+                [
+                    f"Kiln LLM step <= {TARGET_BARE_RATIO:.2f}x bare (sdpa, compile {compiled})",
+                    f"{ratio:.3f}x",
+                    "met" if ratio <= TARGET_BARE_RATIO else "**NOT met**",
+                ]
+            )
     best = max((r["mfu"] for r in rows if "LLM" in r["run"] and r.get("mfu")), default=None)
     chip = gpu_model(torch.cuda.get_device_name())
     if best is not None:
         where = "" if chip and chip.startswith("H100") else f" (measured on {chip or torch.cuda.get_device_name()})"
-        targets.append([f"~1B LLM MFU >= {TARGET_MFU:.0%} of dense bf16 peak on an H100{where}", f"{best:.1%}",
-                        "met" if best >= TARGET_MFU else "**NOT met**"])
+        targets.append(
+            [
+                f"~1B LLM MFU >= {TARGET_MFU:.0%} of dense bf16 peak on an H100{where}",
+                f"{best:.1%}",
+                "met" if best >= TARGET_MFU else "**NOT met**",
+            ]
+        )
     peak = PEAK_TFLOPS.get(chip or "", {}).get("bf16")
-    check.md += ["## Throughput", "", f"{torch.cuda.get_device_name()}, dense bf16 peak {peak or '?'} TFLOP/s; medians "
-                 f"of steps {WARMUP_STEPS + 1}-{steps}; token slots include padding (the model computes on it).", "",
-                 throughput_table(rows), "", md_table(["target", "measured", ""], targets), ""]
+    check.md += [
+        "## Throughput",
+        "",
+        f"{torch.cuda.get_device_name()}, dense bf16 peak {peak or '?'} TFLOP/s; medians "
+        f"of steps {WARMUP_STEPS + 1}-{steps}; token slots include padding (the model computes on it).",
+        "",
+        throughput_table(rows),
+        "",
+        md_table(["target", "measured", ""], targets),
+        "",
+    ]
     return {"rows": rows, "targets": targets}
 
 
@@ -368,8 +507,20 @@ def dit_inputs(check: Check) -> list[str]:
     root = check.out / "dit_2b_inputs"
     vae = make_vae(root / "vae", block_out_channels=(128, 256, 512, 512))
     images = make_image_folder(root / "images", classes=4, per_class=64, size=256, corrupt=False)
-    proc = check.run("prepare_images", [sys.executable, "-m", "data.prepare_images", "--input", str(images),
-                                        "--out", str(root / "shards"), "--image-size", "256"])
+    proc = check.run(
+        "prepare_images",
+        [
+            sys.executable,
+            "-m",
+            "data.prepare_images",
+            "--input",
+            str(images),
+            "--out",
+            str(root / "shards"),
+            "--image-size",
+            "256",
+        ],
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"data.prepare_images: {proc.stderr.strip()[-300:]}")
     check.inputs["dit"] = [f"diffusion.vae={vae}", f"data.root={root / 'shards'}"]
@@ -378,8 +529,12 @@ def dit_inputs(check: Check) -> list[str]:
 
 def dit_run(recipe: str, check: Check | None, steps: int, inputs: list[str] | None = None) -> list[str]:
     """The overrides of one measured DiT run on dit_inputs (or `inputs`): throughput and dit_mfu share dit_2b's."""
-    return [f"recipe={recipe}", *(dit_inputs(check) if inputs is None else inputs), *MEASURE,
-            f"trainer.max_steps={steps}"]
+    return [
+        f"recipe={recipe}",
+        *(dit_inputs(check) if inputs is None else inputs),
+        *MEASURE,
+        f"trainer.max_steps={steps}",
+    ]
 
 
 def fp8(check: Check, steps: int) -> dict:
@@ -391,8 +546,9 @@ def fp8(check: Check, steps: int) -> dict:
     for precision in ("bf16", "fp8"):
         name = f"Kiln LLM ~1B, {precision}, sdpa, compile=on"
         try:
-            runs[precision], peak = check.train(f"llm_1b_sdpa_compile{'_fp8' if precision == 'fp8' else ''}",
-                                                llm_1b(steps, precision=precision))
+            runs[precision], peak = check.train(
+                f"llm_1b_sdpa_compile{'_fp8' if precision == 'fp8' else ''}", llm_1b(steps, precision=precision)
+            )
             row = kiln_llm_row(name, runs[precision], peak, None)
             row["tflops"] = median_after_warmup(runs[precision], "achieved_tflops")
             rows.append(row)
@@ -403,17 +559,29 @@ def fp8(check: Check, steps: int) -> dict:
     if len(runs) == 2:
         parity = loss_parity(runs["bf16"], runs["fp8"])
         result["parity"] = parity
-        targets.append([f"fp8 mean loss within {TARGET_FP8_LOSS_REL:.0%} of bf16 (steps {WARMUP_STEPS + 1}-{steps})",
-                        f"{parity['mean_rel']:.2%} ({parity['loss']:.4f} vs {parity['loss_ref']:.4f}; largest step "
-                        f"gap {parity['max_step_rel']:.2%})", "met" if parity["mean_rel"] <= TARGET_FP8_LOSS_REL
-                        else "**NOT met**"])
+        targets.append(
+            [
+                f"fp8 mean loss within {TARGET_FP8_LOSS_REL:.0%} of bf16 (steps {WARMUP_STEPS + 1}-{steps})",
+                f"{parity['mean_rel']:.2%} ({parity['loss']:.4f} vs {parity['loss_ref']:.4f}; largest step "
+                f"gap {parity['max_step_rel']:.2%})",
+                "met" if parity["mean_rel"] <= TARGET_FP8_LOSS_REL else "**NOT met**",
+            ]
+        )
         bf16, fp8_row = rows
         if bf16.get("tokens_per_s") and fp8_row.get("tokens_per_s"):
             result["speedup"] = fp8_row["tokens_per_s"] / bf16["tokens_per_s"]
             targets.append(["fp8 tokens/s over bf16's", f"{result['speedup']:.3f}x", ""])
-    check.md += ["## fp8 vs bf16 (~1B LLM)", "", "torchao float8 training linears (dynamic scaling) where dims are "
-                 "multiples of 16; MFU against the datasheet peak of the run's precision.", "", throughput_table(rows),
-                 "", md_table(["target", "measured", ""], targets), ""]
+    check.md += [
+        "## fp8 vs bf16 (~1B LLM)",
+        "",
+        "torchao float8 training linears (dynamic scaling) where dims are "
+        "multiples of 16; MFU against the datasheet peak of the run's precision.",
+        "",
+        throughput_table(rows),
+        "",
+        md_table(["target", "measured", ""], targets),
+        "",
+    ]
     return result
 
 
@@ -423,14 +591,27 @@ def dit_mfu(check: Check, steps: int) -> dict:
     for recipe in DIT_MFU:
         try:
             records, peak = check.train(recipe, dit_run(recipe, check, steps))
-            rows.append({"run": f"Kiln {recipe}", "step_time_s": median_after_warmup(records, "step_time_s"),
-                         "samples_per_s": median_after_warmup(records, "samples_per_s"),
-                         "tflops": median_after_warmup(records, "achieved_tflops"),
-                         "mfu": median_after_warmup(records, "mfu"), "peak_bytes": (peak or {}).get("max_allocated")})
+            rows.append(
+                {
+                    "run": f"Kiln {recipe}",
+                    "step_time_s": median_after_warmup(records, "step_time_s"),
+                    "samples_per_s": median_after_warmup(records, "samples_per_s"),
+                    "tflops": median_after_warmup(records, "achieved_tflops"),
+                    "mfu": median_after_warmup(records, "mfu"),
+                    "peak_bytes": (peak or {}).get("max_allocated"),
+                }
+            )
         except Exception as exc:
             rows.append({"run": f"Kiln {recipe}", "error": str(exc)})
-    check.md += ["## DiT MFU", "", f"256x256 images (4x32x32 latents), the recipes' own micro-batch, precision and "
-                 f"ZeRO stage on one GPU; medians of steps {WARMUP_STEPS + 1}-{steps}.", "", dit_table(rows), ""]
+    check.md += [
+        "## DiT MFU",
+        "",
+        f"256x256 images (4x32x32 latents), the recipes' own micro-batch, precision and "
+        f"ZeRO stage on one GPU; medians of steps {WARMUP_STEPS + 1}-{steps}.",
+        "",
+        dit_table(rows),
+        "",
+    ]
     return {"rows": rows}
 
 
@@ -438,10 +619,22 @@ def dit_table(rows: list[dict]) -> str:
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    return md_table(["run", "step s", "images/s", "TFLOP/s", "MFU", "peak memory"], [
-        [r["run"], num(r.get("step_time_s"), ".4f"), num(r.get("samples_per_s"), ",.1f"), num(r.get("tflops"), ".1f"),
-         num(r.get("mfu"), ".1%"), gib(r.get("peak_bytes"))] if "error" not in r
-        else [r["run"], f"not available: {r['error']}", "", "", "", ""] for r in rows])
+    return md_table(
+        ["run", "step s", "images/s", "TFLOP/s", "MFU", "peak memory"],
+        [
+            [
+                r["run"],
+                num(r.get("step_time_s"), ".4f"),
+                num(r.get("samples_per_s"), ",.1f"),
+                num(r.get("tflops"), ".1f"),
+                num(r.get("mfu"), ".1%"),
+                gib(r.get("peak_bytes")),
+            ]
+            if "error" not in r
+            else [r["run"], f"not available: {r['error']}", "", "", "", ""]
+            for r in rows
+        ],
+    )
 
 
 def bare_llm_row(rows: int, compiled: bool, steps: int, planned: float | None) -> dict:
@@ -488,21 +681,30 @@ def bare_llm_row(rows: int, compiled: bool, steps: int, planned: float | None) -
         if i >= WARMUP_STEPS:
             times.append(start.elapsed_time(end) / 1e3)
     step_time = statistics.median(times)
-    return {"run": f"bare PyTorch step, compile={'on' if compiled else 'off'}", "step_time_s": step_time,
-            "slots_per_s": rows * seq / step_time, "mfu": mfu(flops, step_time, peak) if peak else None,
-            "peak_bytes": torch.cuda.max_memory_allocated(), "planned_bytes": planned}
+    return {
+        "run": f"bare PyTorch step, compile={'on' if compiled else 'off'}",
+        "step_time_s": step_time,
+        "slots_per_s": rows * seq / step_time,
+        "mfu": mfu(flops, step_time, peak) if peak else None,
+        "peak_bytes": torch.cuda.max_memory_allocated(),
+        "planned_bytes": planned,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "gpu_check")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections: {', '.join(SECTIONS)}")
-    ap.add_argument("--steps", type=int, default=30, help="steps per throughput run (the first WARMUP_STEPS are dropped)")
+    ap.add_argument(
+        "--steps", type=int, default=30, help="steps per throughput run (the first WARMUP_STEPS are dropped)"
+    )
     args = ap.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
     if unknown := [s for s in only if s not in SECTIONS]:
-        print(f"kiln: error: --only: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}",
-              file=sys.stderr)
+        print(
+            f"kiln: error: --only: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}",
+            file=sys.stderr,
+        )
         return 2
     if args.steps <= WARMUP_STEPS:
         print(f"kiln: error: --steps must be > {WARMUP_STEPS} (the warm-up steps are dropped)", file=sys.stderr)
@@ -513,13 +715,21 @@ def main(argv: list[str] | None = None) -> int:
         build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
         seen = os.environ.get("CUDA_VISIBLE_DEVICES")
         hint = f"; CUDA_VISIBLE_DEVICES={seen!r}" if seen is not None else ""
-        print(f"kiln: error: gpu-check needs a CUDA GPU: torch {torch.__version__} ({build}) sees none{hint}", file=sys.stderr)
+        print(
+            f"kiln: error: gpu-check needs a CUDA GPU: torch {torch.__version__} ({build}) sees none{hint}",
+            file=sys.stderr,
+        )
         return 2
 
     check = Check(args.out)
-    steps = {"versions": versions, "tests": gpu_tests, "recipes": recipes,
-             "throughput": lambda c: throughput(c, args.steps), "fp8": lambda c: fp8(c, args.steps),
-             "dit_mfu": lambda c: dit_mfu(c, args.steps)}
+    steps = {
+        "versions": versions,
+        "tests": gpu_tests,
+        "recipes": recipes,
+        "throughput": lambda c: throughput(c, args.steps),
+        "fp8": lambda c: fp8(c, args.steps),
+        "dit_mfu": lambda c: dit_mfu(c, args.steps),
+    }
     for name in SECTIONS:
         if name in only:
             check.section(name, steps[name])

@@ -48,7 +48,7 @@ def parse_cluster(argv: list[str]) -> tuple[Cluster, list[str]]:
         if not arg.startswith("cluster."):
             overrides.append(arg)
             continue
-        key, _, value = arg[len("cluster."):].partition("=")
+        key, _, value = arg[len("cluster.") :].partition("=")
         if key not in fields:
             raise ConfigError(f"unknown key 'cluster.{key}'; cluster keys: {', '.join(fields)}")
         kind = {"int": (int, "an integer"), "float": (float, "a number")}.get(fields[key], (str, "a name"))
@@ -131,33 +131,59 @@ def table(spec: ModelSpec, rows: list[dict], cluster: Cluster, configured: Layou
     gpu = GPUS[cluster.gpu]
     budget = gpu.memory * cluster.headroom
     fit = sum(r["fits"] for r in rows)
-    lines = [f"{spec.name}: {spec.total_params:,} parameters, {spec.precision}, micro batch {spec.micro_batch} x "
-             f"{spec.seq} tokens on {cluster.gpus} x {gpu.name} ({gpu.memory / GIB:.1f} GiB, plan to "
-             f"{budget / GIB:.1f} GiB at headroom {cluster.headroom})",
-             f"{fit} of {len(rows)} layouts the recipe allows fit; GiB per GPU at the worst pipeline rank",
-             "",
-             f"{'#':>3} {'dp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'shard':>6} {'AC':>9} " + " ".join(f"{h:>9}" for h in HEADERS)
-             + "   use"]
+    lines = [
+        f"{spec.name}: {spec.total_params:,} parameters, {spec.precision}, micro batch {spec.micro_batch} x "
+        f"{spec.seq} tokens on {cluster.gpus} x {gpu.name} ({gpu.memory / GIB:.1f} GiB, plan to "
+        f"{budget / GIB:.1f} GiB at headroom {cluster.headroom})",
+        f"{fit} of {len(rows)} layouts the recipe allows fit; GiB per GPU at the worst pipeline rank",
+        "",
+        f"{'#':>3} {'dp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'shard':>6} {'AC':>9} "
+        + " ".join(f"{h:>9}" for h in HEADERS)
+        + "   use",
+    ]
     for i, r in enumerate(rows if show_all else rows[:fit], 1):
         lay = r["layout"]
         mark = "*" if lay == configured else " "
         cells = " ".join(f"{r[c] / GIB:9.2f}" for c in COLUMNS)
         note = "" if r["fits"] else "  does not fit"
-        lines.append(f"{i:>3}{mark}{lay.dp:>3} {lay.tp:>3} {lay.pp:>3} {lay.ep:>3} {lay.sharding(spec):>6} {lay.ac:>9} {cells} "
-                     f"{r['total'] / gpu.memory:5.0%}{note}")
-    lines += ["", "* the recipe's configured layout. Ranked: less recomputation, smaller tp*pp, less pp, lower ZeRO "
-                  "stage, less memory (common/memory.py:rank_key).",
-              "gathered: ZeRO-3/FSDP unit (or autocast bf16 copies); transient: logits at the loss or one layer "
-              "recomputed in backward."]
+        lines.append(
+            f"{i:>3}{mark}{lay.dp:>3} {lay.tp:>3} {lay.pp:>3} {lay.ep:>3} {lay.sharding(spec):>6} {lay.ac:>9} {cells} "
+            f"{r['total'] / gpu.memory:5.0%}{note}"
+        )
+    lines += [
+        "",
+        "* the recipe's configured layout. Ranked: less recomputation, smaller tp*pp, less pp, lower ZeRO "
+        "stage, less memory (common/memory.py:rank_key).",
+        "gathered: ZeRO-3/FSDP unit (or autocast bf16 copies); transient: logits at the loss or one layer "
+        "recomputed in backward.",
+    ]
     return "\n".join(lines)
 
 
 def as_json(spec: ModelSpec, rows: list[dict], cluster: Cluster) -> str:
     gpu = GPUS[cluster.gpu]
-    layouts = [{**dataclasses.asdict(r["layout"]), "sharding": r["layout"].sharding(spec), "fits": r["fits"],
-                "pipeline_rank": r["rank"], **{f"{c}_bytes": r[c] for c in COLUMNS}} for r in rows]
-    return json.dumps({"recipe": spec.name, "params": spec.total_params, "gpu": gpu.name, "gpus": cluster.gpus,
-                       "gpu_memory_bytes": gpu.memory, "headroom": cluster.headroom, "layouts": layouts}, indent=2)
+    layouts = [
+        {
+            **dataclasses.asdict(r["layout"]),
+            "sharding": r["layout"].sharding(spec),
+            "fits": r["fits"],
+            "pipeline_rank": r["rank"],
+            **{f"{c}_bytes": r[c] for c in COLUMNS},
+        }
+        for r in rows
+    ]
+    return json.dumps(
+        {
+            "recipe": spec.name,
+            "params": spec.total_params,
+            "gpu": gpu.name,
+            "gpus": cluster.gpus,
+            "gpu_memory_bytes": gpu.memory,
+            "headroom": cluster.headroom,
+            "layouts": layouts,
+        },
+        indent=2,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -177,8 +203,15 @@ def main(argv: list[str]) -> int:
         print(as_json(spec, rows, cluster))
         return 0
     p = cfg.parallel
-    configured = configured_layout(spec, dp=cluster.gpus // (p.tp * p.pp), tp=p.tp, pp=p.pp, zero_stage=p.zero_stage,
-                                   ac=cfg.toggles.activation_checkpointing, ep=p.ep)
+    configured = configured_layout(
+        spec,
+        dp=cluster.gpus // (p.tp * p.pp),
+        tp=p.tp,
+        pp=p.pp,
+        zero_stage=p.zero_stage,
+        ac=cfg.toggles.activation_checkpointing,
+        ep=p.ep,
+    )
     if refused:
         print(f"kiln: the recipe's own layout is refused here ({refused}); planned from one GPU's layout instead\n")
     print(table(spec, rows, cluster, configured, show_all="--all" in flags))

@@ -54,11 +54,15 @@ def report(run_dir: Path) -> str:
     columns = {f"rank {r}": v for r, v in b["ranks"].items()}
     columns["overall"] = b["overall"]
     o = b["overall"]
-    lines = [f"profile report: {run_dir} ({len(b['ranks'])} rank(s), {o['device']}, "
-             f"{b['ranks'][min(b['ranks'], key=int)]['steps']} profiled step(s) per rank)"]
+    lines = [
+        f"profile report: {run_dir} ({len(b['ranks'])} rank(s), {o['device']}, "
+        f"{b['ranks'][min(b['ranks'], key=int)]['steps']} profiled step(s) per rank)"
+    ]
     if not o["phases_found"]:
-        lines.append("note: the traces have no phase/* ranges (recorded before StepTimer added them); "
-                     "phase time shows as 'other'")
+        lines.append(
+            "note: the traces have no phase/* ranges (recorded before StepTimer added them); "
+            "phase time shows as 'other'"
+        )
     lines.append(f"{'':14}" + "".join(f"{name:>20}" for name in columns))
     lines.append(f"{'step':14}" + "".join(f"{cell(c['step_s'], c['step_s']):>20}" for c in columns.values()))
     for row in ROWS:
@@ -70,8 +74,10 @@ def report(run_dir: Path) -> str:
     m = b["metrics"]
     if m is not None:
         parts = " ".join(f"{k} {v:.1f}%" for k, v in m["percent"].items())
-        lines.append(f"metrics.jsonl (rank 0, mean of logged steps {m['steps'][0]}-{m['steps'][1]}): "
-                     f"step {m['step_s']:.4f} s = {parts}")
+        lines.append(
+            f"metrics.jsonl (rank 0, mean of logged steps {m['steps'][0]}-{m['steps'][1]}): "
+            f"step {m['step_s']:.4f} s = {parts}"
+        )
         lines.append("  (the whole run by StepTimer; communication and idle are inside its phases)")
     v = b["verdict"]
     lines.append(f"verdict: {v['label']}: {v['reason']}")

@@ -30,9 +30,21 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-DEFAULTS = {"backend": "torch", "steps": None, "seed": "0", "out": None, "per_class": "4", "guidance": None,
-            "compare": None, "onnx": None, "engine": None, "threads": None, "device": None, "classes": None,
-            "images": None}
+DEFAULTS = {
+    "backend": "torch",
+    "steps": None,
+    "seed": "0",
+    "out": None,
+    "per_class": "4",
+    "guidance": None,
+    "compare": None,
+    "onnx": None,
+    "engine": None,
+    "threads": None,
+    "device": None,
+    "classes": None,
+    "images": None,
+}
 
 
 def parse_kv(argv: list[str]) -> tuple[Path, dict]:
@@ -68,8 +80,10 @@ def class_ids(spec: str | None, classes: list[str]) -> list[int]:
         elif item.isdigit() and int(item) < len(classes):
             ids.append(int(item))
         else:
-            raise ValueError(f"classes: no class {item!r} in this export (it has: {', '.join(classes[:10])}"
-                             f"{', ...' if len(classes) > 10 else ''})")
+            raise ValueError(
+                f"classes: no class {item!r} in this export (it has: {', '.join(classes[:10])}"
+                f"{', ...' if len(classes) > 10 else ''})"
+            )
     return ids
 
 
@@ -79,14 +93,23 @@ def sample(name: str, export: Path, opts: dict):
 
     from recipes.dit.onnx import ExportSampler
 
-    sampler = ExportSampler(export, name, onnx_path=opts["onnx"], engine_path=opts["engine"],
-                            threads=int(opts["threads"]) if opts["threads"] else None, device=opts["device"])
+    sampler = ExportSampler(
+        export,
+        name,
+        onnx_path=opts["onnx"],
+        engine_path=opts["engine"],
+        threads=int(opts["threads"]) if opts["threads"] else None,
+        device=opts["device"],
+    )
     rows = class_ids(opts["classes"], sampler.classes)
     labels = torch.tensor(rows).repeat_interleave(int(opts["per_class"]))
     start = time.perf_counter()
-    images = sampler(labels, generator=torch.Generator().manual_seed(int(opts["seed"])),
-                     steps=int(opts["steps"]) if opts["steps"] else None,
-                     guidance_scale=None if opts["guidance"] is None else float(opts["guidance"]))
+    images = sampler(
+        labels,
+        generator=torch.Generator().manual_seed(int(opts["seed"])),
+        steps=int(opts["steps"]) if opts["steps"] else None,
+        guidance_scale=None if opts["guidance"] is None else float(opts["guidance"]),
+    )
     return images, [sampler.classes[i] for i in labels.tolist()], time.perf_counter() - start
 
 
@@ -130,16 +153,25 @@ def main(argv: list[str] | None = None) -> int:
             save_images(images, names, Path(opts["images"]))
             result["images"] = opts["images"]
         result.update(grid=str(out), seconds=round(secs, 3), steps_per_s=round(steps / secs, 2))
-        print(f"sample_dit: {opts['backend']}: {images.shape[0]} images, {steps} steps in {secs:.2f}s "
-              f"({steps / secs:.2f} denoising steps/s) -> {out}")
+        print(
+            f"sample_dit: {opts['backend']}: {images.shape[0]} images, {steps} steps in {secs:.2f}s "
+            f"({steps / secs:.2f} denoising steps/s) -> {out}"
+        )
         if opts["compare"]:
             other, _, osecs = sample(opts["compare"], export, opts)
             other_out = out.with_name(f"{out.stem}_{opts['compare']}{out.suffix}")
             save_grid(other, rows=rows, path=other_out)
             diff = int(np.abs(to_uint8(images).astype(np.int16) - to_uint8(other).astype(np.int16)).max())
-            result.update(compare=opts["compare"], compare_grid=str(other_out), compare_seconds=round(osecs, 3),
-                          max_abs_pixel_diff=diff, max_abs_diff_float=float((images - other).abs().max()))
-            print(f"sample_dit: {opts['compare']}: {steps} steps in {osecs:.2f}s ({steps / osecs:.2f} steps/s) -> {other_out}")
+            result.update(
+                compare=opts["compare"],
+                compare_grid=str(other_out),
+                compare_seconds=round(osecs, 3),
+                max_abs_pixel_diff=diff,
+                max_abs_diff_float=float((images - other).abs().max()),
+            )
+            print(
+                f"sample_dit: {opts['compare']}: {steps} steps in {osecs:.2f}s ({steps / osecs:.2f} steps/s) -> {other_out}"
+            )
             print(f"sample_dit: max abs pixel difference {opts['backend']} vs {opts['compare']}: {diff} / 255")
     except (FileNotFoundError, ImportError, RuntimeError, ValueError) as exc:
         print(f"sample_dit: error: {exc}", file=sys.stderr)

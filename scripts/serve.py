@@ -36,8 +36,11 @@ def main(argv: list[str]) -> int:
         launch = plan(s)
     except UserError as exc:
         raise user_error_exit(str(exc)) from None
-    print(f"kiln: serving {s.model} as '{launch.name}' on http://{s.host}:{s.port}/v1 "
-          f"with engine={launch.engine} ({launch.why})", flush=True)
+    print(
+        f"kiln: serving {s.model} as '{launch.name}' on http://{s.host}:{s.port}/v1 "
+        f"with engine={launch.engine} ({launch.why})",
+        flush=True,
+    )
     for note in launch.notes:
         print(f"kiln: note: {note}", flush=True)
     print("kiln: " + launch.shown(), flush=True)

@@ -83,7 +83,11 @@ def load_dataset_meta(root: str | Path, asset: str | None = None) -> dict:
     root = Path(root).absolute()
     meta = complete_meta(root, asset)
     if meta is None:
-        what = "no dataset" if not (root / META_NAME).exists() else "an incomplete dataset (a shard or file is missing or has the wrong size)"
+        what = (
+            "no dataset"
+            if not (root / META_NAME).exists()
+            else "an incomplete dataset (a shard or file is missing or has the wrong size)"
+        )
         raise DataError(f"data.root={root}: {what} there")
     return with_urls(root, meta, asset)
 
@@ -131,5 +135,7 @@ def run_builder(build: Sequence[str], root: str | Path) -> str:
     if proc.returncode != 0:
         lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
         reason = lines[-1] if lines else "no message"
-        raise DataError(f"data.build ({' '.join(build)}) failed for data.root={root} (exit code {proc.returncode}): {reason}")
+        raise DataError(
+            f"data.build ({' '.join(build)}) failed for data.root={root} (exit code {proc.returncode}): {reason}"
+        )
     return proc.stdout

@@ -150,10 +150,24 @@ class _EpochStream(IterableDataset):
     part of a global batch: ``accum`` micro-batches ``{"positions", "batch"}``, collated here.
     """
 
-    def __init__(self, *, urls: list[str], decode: Callable[[dict], Any], collate: Callable, batch_size: int,
-                 rank: int, world_size: int, num_workers: int, seed: int, shuffle_buffer: int, shuffle_shards: bool,
-                 share: RankShare | None, epoch: int, resume: list[dict] | None,
-                 known_bad: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        *,
+        urls: list[str],
+        decode: Callable[[dict], Any],
+        collate: Callable,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        num_workers: int,
+        seed: int,
+        shuffle_buffer: int,
+        shuffle_shards: bool,
+        share: RankShare | None,
+        epoch: int,
+        resume: list[dict] | None,
+        known_bad: frozenset[str] = frozenset(),
+    ):
         super().__init__()
         self.urls, self.decode, self.collate, self.share = urls, decode, collate, share
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
@@ -207,7 +221,9 @@ class _EpochStream(IterableDataset):
             if url not in bad:
                 bad[url] = reason
                 level = logging.DEBUG if url in self.known_bad else logging.WARNING
-                log.log(level, "skipping rest of corrupt shard %s (rank %d, worker %d): %s", url, self.rank, worker, reason)
+                log.log(
+                    level, "skipping rest of corrupt shard %s (rank %d, worker %d): %s", url, self.rank, worker, reason
+                )
 
         failed: dict[str, str] = {}  # with a share: url -> first reason, this rank's decode failures
 
@@ -223,8 +239,14 @@ class _EpochStream(IterableDataset):
                 elif url not in failed:
                     failed[url] = reason
                     level = logging.DEBUG if url in self.known_bad else logging.WARNING
-                    log.log(level, "skipping samples of shard %s that fail to decode (rank %d of %d): %s", url,
-                            self.share.rank, self.share.dp, reason)
+                    log.log(
+                        level,
+                        "skipping samples of shard %s that fail to decode (rank %d of %d): %s",
+                        url,
+                        self.share.rank,
+                        self.share.dp,
+                        reason,
+                    )
                 return None
 
         stream: Iterator[dict] = raw_samples()
@@ -255,8 +277,15 @@ class _EpochStream(IterableDataset):
                     continue
                 out, batch = self.collate(batch), []
             batches += 1
-            yield {"worker": worker, "epoch": epoch, "drawn": drawn, "batches": batches, "bad": dict(bad),
-                   "failed": dict(failed), "batch": out}
+            yield {
+                "worker": worker,
+                "epoch": epoch,
+                "drawn": drawn,
+                "batches": batches,
+                "bad": dict(bad),
+                "failed": dict(failed),
+                "batch": out,
+            }
         # A worker always reads the same shards, so what it found corrupt is known in its later epochs.
         self.known_bad = self.known_bad | frozenset(bad) | frozenset(failed)
         # The final partial batch is dropped: every batch has exactly batch_size samples.
@@ -293,12 +322,36 @@ class ResumableLoader:
     epoch's seeds); workers are only started anew after ``close()`` or ``load_state_dict``.
     """
 
-    def __init__(self, *, urls: list[str], decode: Callable[[dict], Any], batch_size: int, rank: int, world_size: int,
-                 num_workers: int, seed: int, shuffle_buffer: int, shuffle_shards: bool, collate: Callable | None,
-                 max_corrupt_shards: int, pin_memory: bool, share: RankShare | None = None):
-        self._cfg = dict(urls=list(urls), decode=decode, collate=collate or default_collate, batch_size=batch_size,
-                         rank=rank, world_size=world_size, num_workers=num_workers, seed=seed,
-                         shuffle_buffer=shuffle_buffer, shuffle_shards=shuffle_shards, share=share)
+    def __init__(
+        self,
+        *,
+        urls: list[str],
+        decode: Callable[[dict], Any],
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        num_workers: int,
+        seed: int,
+        shuffle_buffer: int,
+        shuffle_shards: bool,
+        collate: Callable | None,
+        max_corrupt_shards: int,
+        pin_memory: bool,
+        share: RankShare | None = None,
+    ):
+        self._cfg = dict(
+            urls=list(urls),
+            decode=decode,
+            collate=collate or default_collate,
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+            num_workers=num_workers,
+            seed=seed,
+            shuffle_buffer=shuffle_buffer,
+            shuffle_shards=shuffle_shards,
+            share=share,
+        )
         # Whose data this is, for messages: with a share the stream is rank 0 of 1 on every data-parallel rank.
         self._rank = rank if share is None else share.rank
         self._num_workers = num_workers
@@ -325,8 +378,10 @@ class ResumableLoader:
         c = self._cfg
         # Shard basenames, not full paths: a run may resume on a machine that mounts the data elsewhere.
         names = hashlib.sha1("\n".join(os.path.basename(u) for u in c["urls"]).encode()).hexdigest()[:16]
-        return {k: c[k] for k in ("rank", "world_size", "num_workers", "batch_size", "seed", "shuffle_buffer", "shuffle_shards")} | {
-            "num_urls": len(c["urls"]), "url_names_sha1": names}
+        return {
+            k: c[k]
+            for k in ("rank", "world_size", "num_workers", "batch_size", "seed", "shuffle_buffer", "shuffle_shards")
+        } | {"num_urls": len(c["urls"]), "url_names_sha1": names}
 
     def state_dict(self) -> dict:
         """Position after the last batch handed out. Small and JSON-able; one per rank."""
@@ -349,8 +404,9 @@ class ResumableLoader:
         for key, value in state["layout"].items():
             if mine.get(key) != value:
                 hint = f" ({self.resume_hints[key].format(saved=value)})" if key in self.resume_hints else ""
-                raise DataError(f"cannot resume the data loader: {key} was {value} when saved, now {mine.get(key)}"
-                                + hint)
+                raise DataError(
+                    f"cannot resume the data loader: {key} was {value} when saved, now {mine.get(key)}" + hint
+                )
         workers = [dict(w, bad=dict(w["bad"])) for w in state["workers"]]
         self.close()
         self._corrupt = dict(state["corrupt_shards"])
@@ -370,14 +426,26 @@ class ResumableLoader:
     def _start_epoch(self) -> Iterator[dict]:
         if self._loader is None:  # (re)start workers at the current position, within its epoch
             resumed = any(p["drawn"] or p["batches"] or p["bad"] for p in self._positions)
-            dataset = _EpochStream(**self._cfg, epoch=self._epoch, resume=self._positions if resumed else None,
-                                   known_bad=frozenset(self._corrupt))
+            dataset = _EpochStream(
+                **self._cfg,
+                epoch=self._epoch,
+                resume=self._positions if resumed else None,
+                known_bad=frozenset(self._corrupt),
+            )
             # A dedicated generator: DataLoader draws its worker base seed from it instead of the
             # global torch RNG, so building/iterating the loader leaves the caller's RNG untouched.
-            gen = torch.Generator().manual_seed(_rng(self._cfg["seed"], self._epoch, self._cfg["rank"], -1).getrandbits(63))
-            self._loader = DataLoader(dataset, batch_size=None, num_workers=self._num_workers, generator=gen,
-                                      pin_memory=self._pin_memory, persistent_workers=self._num_workers > 0,
-                                      worker_init_fn=functools.partial(_init_worker, trainer=os.getpid()))
+            gen = torch.Generator().manual_seed(
+                _rng(self._cfg["seed"], self._epoch, self._cfg["rank"], -1).getrandbits(63)
+            )
+            self._loader = DataLoader(
+                dataset,
+                batch_size=None,
+                num_workers=self._num_workers,
+                generator=gen,
+                pin_memory=self._pin_memory,
+                persistent_workers=self._num_workers > 0,
+                worker_init_fn=functools.partial(_init_worker, trainer=os.getpid()),
+            )
         return iter(self._loader)  # with persistent workers: their next pass, i.e. the next epoch
 
     def _absorb_bad(self, bad: dict[str, str]) -> None:
@@ -387,8 +455,10 @@ class ResumableLoader:
         self._corrupt.update(new)
         if len(self._corrupt) > self._max_corrupt:
             listing = "; ".join(f"{u} ({r})" for u, r in self._corrupt.items())
-            raise DataError(f"{len(self._corrupt)} corrupt shard(s) skipped on rank {self._rank}, "
-                               f"more than max_corrupt_shards={self._max_corrupt}: {listing}")
+            raise DataError(
+                f"{len(self._corrupt)} corrupt shard(s) skipped on rank {self._rank}, "
+                f"more than max_corrupt_shards={self._max_corrupt}: {listing}"
+            )
 
     def _next_batch(self) -> Any | None:
         """Next batch of this epoch in round-robin worker order, or None when every worker is done."""
@@ -424,8 +494,10 @@ class ResumableLoader:
                 yield batch
                 continue
             if sum(p["batches"] for p in self._positions) == 0:
-                raise DataError(f"rank {self._rank} produced no full batch of {self._cfg['batch_size']} in epoch "
-                                 f"{self._epoch}: each worker's shards hold fewer samples than one batch")
+                raise DataError(
+                    f"rank {self._rank} produced no full batch of {self._cfg['batch_size']} in epoch "
+                    f"{self._epoch}: each worker's shards hold fewer samples than one batch"
+                )
             # Every worker sent its end marker: nothing of this epoch is in flight. The workers stay;
             # the next iter() of the DataLoader starts their pass over the next epoch.
             self._reset_epoch(self._epoch + 1, next_worker=0, positions=None)
@@ -443,10 +515,12 @@ class ResumableLoader:
 
 
 def build_webdataset_loader(
-    urls: list[str], *,
+    urls: list[str],
+    *,
     decode: Callable[[dict], Any],
     batch_size: int,
-    rank: int, world_size: int,
+    rank: int,
+    world_size: int,
     num_workers: int = 0,
     seed: int = 0,
     shuffle_buffer: int = 256,
@@ -471,40 +545,75 @@ def build_webdataset_loader(
     urls = [str(u) for u in urls]
     if not urls:
         raise ValueError("no shard urls given (empty url list)")
-    for name, value, low in (("batch_size", batch_size, 1), ("world_size", world_size, 1), ("num_workers", num_workers, 0),
-                             ("shuffle_buffer", shuffle_buffer, 0), ("max_corrupt_shards", max_corrupt_shards, 0)):
+    for name, value, low in (
+        ("batch_size", batch_size, 1),
+        ("world_size", world_size, 1),
+        ("num_workers", num_workers, 0),
+        ("shuffle_buffer", shuffle_buffer, 0),
+        ("max_corrupt_shards", max_corrupt_shards, 0),
+    ):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
     if share is not None and (world_size != 1 or batch_size != share.global_batch or not 0 <= share.rank < share.dp):
-        raise ValueError(f"a share of the global stream needs rank 0 of 1 and its global batch: got rank {rank} of "
-                         f"{world_size}, batch_size {batch_size}, {share}")
+        raise ValueError(
+            f"a share of the global stream needs rank 0 of 1 and its global batch: got rank {rank} of "
+            f"{world_size}, batch_size {batch_size}, {share}"
+        )
     missing = [u for u in urls if _is_local(u) and not os.path.isfile(u)]
     if missing:
         raise FileNotFoundError(f"{len(missing)} shard file(s) missing, first: {missing[0]}")
     readers = world_size * max(1, num_workers)
     if len(urls) < readers:
         # Every (rank, worker) must own at least one shard, or it would yield nothing.
-        raise DataError(f"{len(urls)} shards cannot feed {world_size} ranks x {max(1, num_workers)} workers; "
-                         f"write more shards or lower data.num_workers")
-    return ResumableLoader(urls=urls, decode=decode, batch_size=batch_size, rank=rank, world_size=world_size,
-                           num_workers=num_workers, seed=seed, shuffle_buffer=shuffle_buffer, shuffle_shards=shuffle_shards,
-                           collate=collate, max_corrupt_shards=max_corrupt_shards, pin_memory=pin_memory, share=share)
+        raise DataError(
+            f"{len(urls)} shards cannot feed {world_size} ranks x {max(1, num_workers)} workers; "
+            f"write more shards or lower data.num_workers"
+        )
+    return ResumableLoader(
+        urls=urls,
+        decode=decode,
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        num_workers=num_workers,
+        seed=seed,
+        shuffle_buffer=shuffle_buffer,
+        shuffle_shards=shuffle_shards,
+        collate=collate,
+        max_corrupt_shards=max_corrupt_shards,
+        pin_memory=pin_memory,
+        share=share,
+    )
 
 
-def train_loader(cfg, urls: list[str], *, decode: Callable[[dict], Any], rank: int, world_size: int,
-                 batch_size: int | None = None, collate: Callable | None = None,
-                 share: RankShare | None = None) -> ResumableLoader:
+def train_loader(
+    cfg,
+    urls: list[str],
+    *,
+    decode: Callable[[dict], Any],
+    rank: int,
+    world_size: int,
+    batch_size: int | None = None,
+    collate: Callable | None = None,
+    share: RankShare | None = None,
+) -> ResumableLoader:
     """A recipe's training loader: `build_webdataset_loader` with what the config says of every recipe's
     (``data.num_workers``, ``data.shuffle_buffer``, ``data.max_corrupt_shards``, ``trainer.seed``;
     ``trainer.micro_batch_size`` unless the recipe batches otherwise)."""
     return build_webdataset_loader(
-        urls, decode=decode, collate=collate,
+        urls,
+        decode=decode,
+        collate=collate,
         batch_size=cfg.trainer.micro_batch_size if batch_size is None else batch_size,
-        rank=rank, world_size=world_size,
-        num_workers=cfg.data.num_workers, seed=cfg.trainer.seed,
-        shuffle_buffer=cfg.data.shuffle_buffer, max_corrupt_shards=cfg.data.max_corrupt_shards, share=share,
+        rank=rank,
+        world_size=world_size,
+        num_workers=cfg.data.num_workers,
+        seed=cfg.trainer.seed,
+        shuffle_buffer=cfg.data.shuffle_buffer,
+        max_corrupt_shards=cfg.data.max_corrupt_shards,
+        share=share,
     )
 
 
@@ -547,8 +656,11 @@ def _send_small_tensors_inline() -> None:
 
     def reduce(t: torch.Tensor):
         if t.device.type == "cpu" and not t.requires_grad and t.numel() * t.element_size() <= INLINE_BYTES:
-            return _tensor_from_bytes, (t.detach().contiguous().view(-1).view(torch.uint8).numpy(), t.dtype,
-                                        tuple(t.shape))
+            return _tensor_from_bytes, (
+                t.detach().contiguous().view(-1).view(torch.uint8).numpy(),
+                t.dtype,
+                tuple(t.shape),
+            )
         return reduce_tensor(t)
 
     ForkingPickler.register(torch.Tensor, reduce)
@@ -587,9 +699,11 @@ class GlobalBatches:
             self.served += 1
             for i, part in enumerate(parts):
                 if part["batch"] is None:
-                    raise DataError(f"every sample of rank {self.rank}'s micro-batch {i} of step {self.served} failed "
-                                    f"to decode (corrupt shards so far: {self.loader.corrupt_shards}); a micro-batch "
-                                    f"cannot be empty: fix or remove the shards, or raise trainer.micro_batch_size")
+                    raise DataError(
+                        f"every sample of rank {self.rank}'s micro-batch {i} of step {self.served} failed "
+                        f"to decode (corrupt shards so far: {self.loader.corrupt_shards}); a micro-batch "
+                        f"cannot be empty: fix or remove the shards, or raise trainer.micro_batch_size"
+                    )
                 # host ints: drawing per-sample numbers reads no tensor
                 yield {**part["batch"], "sample_ids": [first + j for j in part["positions"]]}
 
@@ -608,7 +722,8 @@ class GlobalBatches:
             raise ConfigError(
                 f"run.resume: the checkpoint's run took {state.get('global_batch')} samples per step; this run takes "
                 f"{self.global_batch} (trainer.micro_batch_size={self.micro} x trainer.grad_accum={self.accum} x "
-                f"{self.dp} ranks): set them so that their product is {state.get('global_batch')}")
+                f"{self.dp} ranks): set them so that their product is {state.get('global_batch')}"
+            )
         self.loader.load_state_dict(state["loader"])
         self.served = int(state["global_batches"])
 
@@ -624,12 +739,20 @@ class GlobalBatches:
         self.loader.close()
 
 
-def global_train_loader(cfg, urls: list[str], *, decode: Callable[[dict], Any], rank: int, dp: int,
-                        collate: Callable[[list], Any] = default_collate) -> GlobalBatches:
+def global_train_loader(
+    cfg,
+    urls: list[str],
+    *,
+    decode: Callable[[dict], Any],
+    rank: int,
+    dp: int,
+    collate: Callable[[list], Any] = default_collate,
+) -> GlobalBatches:
     """A recipe's training loader over one global stream (:class:`GlobalBatches`): ``decode`` and ``collate`` run in
     the loader's workers, on this rank's samples only (both picklable: module-level functions or partials)."""
     t = cfg.trainer
     share = RankShare(rank=rank, dp=dp, micro=t.micro_batch_size, accum=t.grad_accum)
-    inner = train_loader(cfg, urls, decode=decode, collate=collate, rank=0, world_size=1,
-                         batch_size=share.global_batch, share=share)
+    inner = train_loader(
+        cfg, urls, decode=decode, collate=collate, rank=0, world_size=1, batch_size=share.global_batch, share=share
+    )
     return GlobalBatches(inner, rank=rank, dp=dp, micro=t.micro_batch_size, accum=t.grad_accum)

@@ -37,12 +37,27 @@ def train_command(args: list[str], nproc: int = 1, *torchrun_args: str) -> list[
     """`python scripts/train.py ARGS`, or under torchrun on a free port for nproc > 1."""
     if nproc == 1:
         return [sys.executable, TRAIN, *args]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-            *torchrun_args, TRAIN, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        *torchrun_args,
+        TRAIN,
+        *args,
+    ]
 
 
-def run_train(args: list[str], nproc: int = 1, *, timeout: float = 600, check: bool = True, threads: int | None = None,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_train(
+    args: list[str],
+    nproc: int = 1,
+    *,
+    timeout: float = 600,
+    check: bool = True,
+    threads: int | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """Run a training job to its end; `check`: raise with its output's tail if it exits non-zero."""
     cmd = train_command(args, nproc)
     run_env = launch_env(nproc, threads, **(env or {}))
@@ -51,7 +66,9 @@ def run_train(args: list[str], nproc: int = 1, *, timeout: float = 600, check: b
     else:
         proc = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -61,8 +78,12 @@ def spawn_ranks(fn: Callable, args: tuple, world: int, out_dir: str | Path, thre
     ``fn`` must be importable (module level); its JSON-able results come back by rank."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_rank_main, args=(world, free_port(), fn, args, str(out_dir), threads), nprocs=world,
-                       start_method="forkserver" if _PRELOADED else "spawn")
+    mp.start_processes(
+        _rank_main,
+        args=(world, free_port(), fn, args, str(out_dir), threads),
+        nprocs=world,
+        start_method="forkserver" if _PRELOADED else "spawn",
+    )
     return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -70,8 +91,9 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_
     import torch
 
     _platform_start_method()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(threads)
     from common.distributed import init_distributed, teardown
 
@@ -91,11 +113,29 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_
 # failed rank ends the others, exit status 1 as torchrun's). Only third-party modules are preloaded: Kiln's
 # own are imported fresh by each process (some read the environment at import). Tests of the launch itself
 # (torchrun's restarts, signals, timeouts, import-time output) start real processes with train_command.
-PRELOAD = ("numpy", "PIL.Image", "torch", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "torch.distributed.pipelining", "torch.distributed.checkpoint", "torch.nn.attention.varlen",
-           "safetensors.torch", "tokenizers", "omegaconf", "hydra", "webdataset", "tqdm",
-           "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
-           "diffusers", "deepspeed", "peft", "matplotlib.pyplot")
+PRELOAD = (
+    "numpy",
+    "PIL.Image",
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.pipelining",
+    "torch.distributed.checkpoint",
+    "torch.nn.attention.varlen",
+    "safetensors.torch",
+    "tokenizers",
+    "omegaconf",
+    "hydra",
+    "webdataset",
+    "tqdm",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "diffusers",
+    "deepspeed",
+    "peft",
+    "matplotlib.pyplot",
+)
 _PRELOADED = False
 
 
@@ -114,8 +154,9 @@ def preload() -> None:
     _PRELOADED = True
 
 
-def _run_preloaded(cmd: list[str], args: list[str], nproc: int, env: dict[str, str],
-                   timeout: float) -> subprocess.CompletedProcess:
+def _run_preloaded(
+    cmd: list[str], args: list[str], nproc: int, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
     import multiprocessing as mp
     from multiprocessing.connection import wait
 
@@ -127,10 +168,19 @@ def _run_preloaded(cmd: list[str], args: list[str], nproc: int, env: dict[str, s
         for rank in range(nproc):
             rank_env = dict(env)
             if nproc > 1:  # what torchrun gives each worker
-                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), GROUP_RANK="0",
-                                LOCAL_WORLD_SIZE=str(nproc), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
-                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCHELASTIC_RESTART_COUNT="0",
-                                TORCHELASTIC_MAX_RESTARTS="0")
+                rank_env.update(
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(nproc),
+                    GROUP_RANK="0",
+                    LOCAL_WORLD_SIZE=str(nproc),
+                    ROLE_RANK=str(rank),
+                    ROLE_WORLD_SIZE=str(nproc),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port,
+                    TORCHELASTIC_RESTART_COUNT="0",
+                    TORCHELASTIC_MAX_RESTARTS="0",
+                )
             p = ctx.Process(target=_train_main, args=(args, rank_env, str(out), str(err)), daemon=False)
             p.start()
             procs.append(p)

@@ -16,12 +16,15 @@ class GPU:
     per_node: int = 8
 
 
-GPUS = {g.name: g for g in (
-    GPU("h100_80gb", 81559 * 2**20),
-    GPU("h200_141gb", 143771 * 2**20),
-    GPU("a100_80gb", 81920 * 2**20),
-    GPU("a100_40gb", 40960 * 2**20),
-)}
+GPUS = {
+    g.name: g
+    for g in (
+        GPU("h100_80gb", 81559 * 2**20),
+        GPU("h200_141gb", 143771 * 2**20),
+        GPU("a100_80gb", 81920 * 2**20),
+        GPU("a100_40gb", 40960 * 2**20),
+    )
+}
 
 
 def _divisors(n: int) -> list[int]:
@@ -40,8 +43,12 @@ def candidate_layouts(spec: ModelSpec, gpus: int, gpus_per_node: int = 8) -> lis
                 continue
             dp = gpus // (tp * pp)
             eps = [e for e in _divisors(dp) if spec.experts % e == 0] if spec.experts else [1]
-            out += [Layout(dp, tp, pp, stage, ac, ep) for stage in _zero_stages(spec, dp) for ac in spec.ac_modes
-                    for ep in eps]
+            out += [
+                Layout(dp, tp, pp, stage, ac, ep)
+                for stage in _zero_stages(spec, dp)
+                for ac in spec.ac_modes
+                for ep in eps
+            ]
     return out
 
 
@@ -66,8 +73,9 @@ def rank_key(layout: Layout, total: float) -> tuple:
     return (AC_COST[layout.ac], layout.tp * layout.pp, layout.pp, layout.zero_stage, total, layout.ep)
 
 
-def plan(spec: ModelSpec, gpus: int, gpu: GPU, headroom: float = 0.9,
-         allowed: Callable[[Layout], bool] = lambda layout: True) -> list[dict]:
+def plan(
+    spec: ModelSpec, gpus: int, gpu: GPU, headroom: float = 0.9, allowed: Callable[[Layout], bool] = lambda layout: True
+) -> list[dict]:
     """Every candidate layout the recipe allows, with its per-GPU estimate and whether it fits in
     headroom x the GPU's memory; fitting layouts first, best first."""
     budget = gpu.memory * headroom

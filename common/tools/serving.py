@@ -121,15 +121,21 @@ def validate(s: ServeSection) -> None:
     if not 0 < s.port < 65536:
         raise ConfigError(f"serve.port={s.port} must be in 1..65535")
     if not ENV_NAME.match(s.api_key_env):  # not echoed: it may be a key pasted in by mistake
-        raise ConfigError("serve.api_key_env must be the name of an environment variable holding the key "
-                          "(letters, digits, '_'; e.g. KILN_API_KEY), not the key itself")
+        raise ConfigError(
+            "serve.api_key_env must be the name of an environment variable holding the key "
+            "(letters, digits, '_'; e.g. KILN_API_KEY), not the key itself"
+        )
     if s.served_model_name and not NAME.match(s.served_model_name):
-        raise ConfigError(f"serve.served_model_name={s.served_model_name!r}: use letters, digits, '_', '.', "
-                          "single '-' and at most one '/' (like a hub id)")
+        raise ConfigError(
+            f"serve.served_model_name={s.served_model_name!r}: use letters, digits, '_', '.', "
+            "single '-' and at most one '/' (like a hub id)"
+        )
     for name in s.lora:
         if not NAME.match(name) or name == s.served_model_name:
-            raise ConfigError(f"serve.lora: adapter name {name!r} must be a model name (letters, digits, '_', '.', '-') "
-                              "other than serve.served_model_name")
+            raise ConfigError(
+                f"serve.lora: adapter name {name!r} must be a model name (letters, digits, '_', '.', '-') "
+                "other than serve.served_model_name"
+            )
     if s.tensor_parallel_size < 1:
         raise ConfigError(f"serve.tensor_parallel_size={s.tensor_parallel_size} must be >= 1")
     if not 0.0 < s.gpu_memory_utilization <= 1.0:
@@ -145,7 +151,8 @@ def validate(s: ServeSection) -> None:
 
 def compose(overrides: list[str]) -> ServeSection:
     """configs/serve.yaml + overrides, typed and validated (raises ConfigError with one line)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -177,22 +184,30 @@ def check_export(path: str) -> Path:
         raise UserError(f"serve.model={path}: no such folder (pass <run.dir>/export of a run)")
     if is_adapter(folder):
         raise UserError(f"serve.model={path} {adapter_advice(folder)}")
-    if not (folder / "config.json").exists() and (is_dit_export(folder / "export")
-                                                  or (folder / "export" / "config.json").exists()):
+    if not (folder / "config.json").exists() and (
+        is_dit_export(folder / "export") or (folder / "export" / "config.json").exists()
+    ):
         raise UserError(f"serve.model={path} is a run folder; serve its export: serve.model={folder / 'export'}")
     if is_dit_export(folder):
-        missing = [f for f in ("kiln.json", "transformer/config.json", "scheduler/scheduler_config.json")
-                   if not (folder / f).exists()]
+        missing = [
+            f
+            for f in ("kiln.json", "transformer/config.json", "scheduler/scheduler_config.json")
+            if not (folder / f).exists()
+        ]
         if missing:
             raise UserError(f"serve.model={path} is not a complete DiT export (missing {', '.join(missing)})")
         for part in ("transformer", "vae"):  # what the images server loads: one line for a file cut short
             check_folder(folder / part, f"serve.model={path}")
         return folder
-    missing = [what for what, ok in (
-        ("config.json", (folder / "config.json").exists()),
-        ("*.safetensors weights", any(folder.glob("*.safetensors"))),
-        ("tokenizer", (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()),
-    ) if not ok]
+    missing = [
+        what
+        for what, ok in (
+            ("config.json", (folder / "config.json").exists()),
+            ("*.safetensors weights", any(folder.glob("*.safetensors"))),
+            ("tokenizer", (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()),
+        )
+        if not ok
+    ]
     if missing:
         raise UserError(f"serve.model={path} is not a Hugging Face model export (missing {', '.join(missing)})")
     return folder
@@ -206,14 +221,19 @@ def is_adapter(folder: Path) -> bool:
 def adapter_advice(folder: Path, key: str = "serve.model=") -> str:
     """Why ``folder`` (a PEFT adapter) is not a model, and what to use instead: its merged model, or (LLM/VLM) its
     base with the adapter on vLLM. ``key``: how the caller's command line names the folder."""
-    merged = (f"its merged model, {key}{folder / 'merged'}" if (folder / "merged").is_dir() else
-              "its merged model (export.merge_lora=true or scripts/export.py RUN --merge-lora writes export/merged)")
+    merged = (
+        f"its merged model, {key}{folder / 'merged'}"
+        if (folder / "merged").is_dir()
+        else "its merged model (export.merge_lora=true or scripts/export.py RUN --merge-lora writes export/merged)"
+    )
     base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or "<its base>"
     base_config = Path(base) / "config.json"
     if base_config.exists() and "_class_name" in json.loads(base_config.read_text()):  # a diffusers model: a DiT's
         return f"is a LoRA adapter (adapter_config.json), not a whole DiT export: use {merged}"
-    return (f"is a LoRA adapter (adapter_config.json), not a model: serve its base with it (scripts/serve.py "
-            f"serve.model={base} 'serve.lora={{adapter:{folder}}}', on vLLM) or use {merged}")
+    return (
+        f"is a LoRA adapter (adapter_config.json), not a model: serve its base with it (scripts/serve.py "
+        f"serve.model={base} 'serve.lora={{adapter:{folder}}}', on vLLM) or use {merged}"
+    )
 
 
 def default_served_name(export: Path) -> str:
@@ -225,8 +245,9 @@ def default_served_name(export: Path) -> str:
     info = export / "kiln.json"
     names = [json.loads(info.read_text()).get("recipe")] if info.exists() else []
     for run in (export.parent, export.parent.parent):
-        if (export.is_relative_to(run / "export") or export.is_relative_to(run / "exports")) \
-                and (run / "config.yaml").exists():
+        if (export.is_relative_to(run / "export") or export.is_relative_to(run / "exports")) and (
+            run / "config.yaml"
+        ).exists():
             names.append(OmegaConf.select(OmegaConf.load(run / "config.yaml"), "recipe.name", default=None))
     for name in names:
         if name and NAME.match(str(name)):
@@ -244,8 +265,17 @@ def model_config(export: Path) -> dict:
 # vLLM derives the longest sequence from the smallest of these config keys (vllm/transformers_utils/
 # model_arch_config_convertor.py), times the RoPE scaling factor unless the rope type already counts it
 # (vllm/config/model.py, _get_and_verify_max_len), and the tokenizer's model_max_length.
-VLLM_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
-                    "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+VLLM_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
 VLLM_SCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 
 
@@ -290,8 +320,10 @@ def vllm_cpu_refuses(export: Path) -> str | None:
     size = head_size(export)
     if size is None or size in VLLM_CPU_HEAD_SIZES:
         return None
-    return (f"its attention heads have {size} dimensions and vLLM's CPU attention runs "
-            f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only")
+    return (
+        f"its attention heads have {size} dimensions and vLLM's CPU attention runs "
+        f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only"
+    )
 
 
 def check_vllm_limits(s: ServeSection, export: Path, on_cpu: bool) -> None:
@@ -299,12 +331,16 @@ def check_vllm_limits(s: ServeSection, export: Path, on_cpu: bool) -> None:
     the first request on (a head size its CPU build has no kernel for): one line before it starts."""
     limit = longest_sequence(export)
     if s.max_model_len and limit is not None and s.max_model_len > limit[0]:
-        raise UserError(f"serve.max_model_len={s.max_model_len} is longer than the model takes ({limit[0]} tokens, "
-                        f"{limit[1]}): set serve.max_model_len={limit[0]} or less (0: the model's own)")
+        raise UserError(
+            f"serve.max_model_len={s.max_model_len} is longer than the model takes ({limit[0]} tokens, "
+            f"{limit[1]}): set serve.max_model_len={limit[0]} or less (0: the model's own)"
+        )
     problem = vllm_cpu_refuses(export) if on_cpu else None
     if problem:
-        raise UserError(f"serve.engine=vllm on CPU cannot serve {export}: {problem}; use serve.engine=transformers "
-                        "(or serve on a GPU)")
+        raise UserError(
+            f"serve.engine=vllm on CPU cannot serve {export}: {problem}; use serve.engine=transformers "
+            "(or serve on a GPU)"
+        )
 
 
 def is_multimodal(export: Path) -> bool:
@@ -342,8 +378,10 @@ def choose_image_engine(requested: str, export: Path, cuda: bool | None = None) 
     """(engine, why) for a DiT export: auto takes TensorRT on a CUDA device with the engine built
     (onnx/model.plan), else onnxruntime with an ONNX file (onnx/model.onnx), else PyTorch."""
     if requested in TEXT_ENGINES:
-        raise ConfigError(f"serve.engine={requested} serves LLM/VLM exports; {export} is a DiT export: "
-                          f"choose auto, {', '.join(IMAGE_ENGINES)}")
+        raise ConfigError(
+            f"serve.engine={requested} serves LLM/VLM exports; {export} is a DiT export: "
+            f"choose auto, {', '.join(IMAGE_ENGINES)}"
+        )
     if requested != "auto":
         return requested, "requested"
     if cuda is None:
@@ -352,18 +390,26 @@ def choose_image_engine(requested: str, export: Path, cuda: bool | None = None) 
         return "tensorrt", "auto: CUDA device and a TensorRT engine (onnx/model.plan)"
     if (export / "onnx" / "model.onnx").exists() and importlib.util.find_spec("onnxruntime") is not None:
         return "onnxruntime", "auto: an ONNX file (onnx/model.onnx)" + (
-            "; no TensorRT engine for the GPU (scripts/export_dit.py builds one where trtexec is)" if cuda else "")
+            "; no TensorRT engine for the GPU (scripts/export_dit.py builds one where trtexec is)" if cuda else ""
+        )
     return "torch", f"auto: no ONNX file (scripts/export_dit.py {export} writes one for onnxruntime)"
 
 
-def choose_engine(requested: str, cuda: bool | None = None, vllm: bool | None = None,
-                  env: str | None = None, multimodal: bool = False, cpu_refusal: str | None = None) -> tuple[str, str]:
+def choose_engine(
+    requested: str,
+    cuda: bool | None = None,
+    vllm: bool | None = None,
+    env: str | None = None,
+    multimodal: bool = False,
+    cpu_refusal: str | None = None,
+) -> tuple[str, str]:
     """(engine, why) for an LLM/VLM export: auto takes vLLM wherever it can run: from .venv-serve (its CPU
     build too, LLaVA included, unless `cpu_refusal` says why that build cannot run the model), or a vllm
     package beside a CUDA device; else transformers serve."""
     if requested in IMAGE_ENGINES:
-        raise ConfigError(f"serve.engine={requested} serves DiT exports; for an LLM/VLM export choose auto, "
-                          f"{', '.join(TEXT_ENGINES)}")
+        raise ConfigError(
+            f"serve.engine={requested} serves DiT exports; for an LLM/VLM export choose auto, {', '.join(TEXT_ENGINES)}"
+        )
     if requested != "auto":
         return requested, "requested"
     env = serve_env() if env is None else env or None
@@ -372,8 +418,10 @@ def choose_engine(requested: str, cuda: bool | None = None, vllm: bool | None = 
     if env == "cpu" and multimodal and not any(serve_venv().glob("lib/python*/site-packages/torchvision/__init__.py")):
         # vLLM's LLaVA imports transformers' image processors, which need torchvision. `make serve-env` gives the CPU
         # build one (on the CUDA build of its torch); a .venv-serve made before it did has none.
-        return "transformers", ("auto: this .venv-serve has no torchvision, which vLLM's LLaVA needs "
-                                "(rebuild it: rm -r .venv-serve; make serve-env)")
+        return "transformers", (
+            "auto: this .venv-serve has no torchvision, which vLLM's LLaVA needs "
+            "(rebuild it: rm -r .venv-serve; make serve-env)"
+        )
     if env is not None:
         return "vllm", f"auto: vLLM's {env.upper()} build in {serve_venv()}"
     if cuda is None:
@@ -413,15 +461,21 @@ def check_adapters(s: ServeSection, export: Path) -> dict[str, tuple[Path, int]]
         folder = Path(path).expanduser().resolve()
         config_file = folder / "adapter_config.json"
         if not config_file.exists() or not any(folder.glob("adapter_model.*")):
-            raise UserError(f"serve.lora.{name}={path} is not a PEFT adapter folder (adapter_config.json + "
-                            "adapter_model.safetensors)")
+            raise UserError(
+                f"serve.lora.{name}={path} is not a PEFT adapter folder (adapter_config.json + "
+                "adapter_model.safetensors)"
+            )
         config = json.loads(config_file.read_text())
         if config.get("peft_type") != "LORA":
-            raise UserError(f"serve.lora.{name}={path} is a {config.get('peft_type')} adapter; vLLM serves LoRA adapters")
+            raise UserError(
+                f"serve.lora.{name}={path} is a {config.get('peft_type')} adapter; vLLM serves LoRA adapters"
+            )
         base = config.get("base_model_name_or_path") or ""
         if not base or Path(base).expanduser().resolve() != export:
-            raise UserError(f"serve.lora.{name}={path} was trained on base {base or '(none named)'!r}, not on "
-                            f"serve.model={export}: serve its own base")
+            raise UserError(
+                f"serve.lora.{name}={path} was trained on base {base or '(none named)'!r}, not on "
+                f"serve.model={export}: serve its own base"
+            )
         rank = max([int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())])
         adapters[name] = (folder, rank)
     return adapters
@@ -434,19 +488,47 @@ def lora_flags(adapters: dict[str, tuple[Path, int]]) -> list[str]:
     max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), None)
     if max_rank is None:
         raise UserError(f"serve.lora: rank {rank} is above vLLM's largest LoRA rank ({VLLM_LORA_RANKS[-1]})")
-    return ["--enable-lora", "--lora-modules", *(f"{n}={folder}" for n, (folder, _) in adapters.items()),
-            "--max-lora-rank", str(max_rank), "--max-loras", str(len(adapters))]
+    return [
+        "--enable-lora",
+        "--lora-modules",
+        *(f"{n}={folder}" for n, (folder, _) in adapters.items()),
+        "--max-lora-rank",
+        str(max_rank),
+        "--max-loras",
+        str(len(adapters)),
+    ]
 
 
-def vllm_command(s: ServeSection, export: Path, name: str, chat_template: Path | None,
-                 python: Path | None = None, adapters: dict[str, tuple[Path, int]] | None = None) -> list[str]:
+def vllm_command(
+    s: ServeSection,
+    export: Path,
+    name: str,
+    chat_template: Path | None,
+    python: Path | None = None,
+    adapters: dict[str, tuple[Path, int]] | None = None,
+) -> list[str]:
     """vLLM's OpenAI server: `python -m vllm.entrypoints.openai.api_server` from .venv-serve (`python`; the
     CPU build's `vllm` console script looks itself up under the wrong name and dies), else `vllm serve`."""
-    server = ([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(export)] if python is not None
-              else ["vllm", "serve", str(export)])
-    cmd = [*server, "--served-model-name", name, "--host", s.host, "--port", str(s.port),
-           "--tensor-parallel-size", str(s.tensor_parallel_size), "--dtype", s.dtype,
-           "--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    server = (
+        [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(export)]
+        if python is not None
+        else ["vllm", "serve", str(export)]
+    )
+    cmd = [
+        *server,
+        "--served-model-name",
+        name,
+        "--host",
+        s.host,
+        "--port",
+        str(s.port),
+        "--tensor-parallel-size",
+        str(s.tensor_parallel_size),
+        "--dtype",
+        s.dtype,
+        "--gpu-memory-utilization",
+        str(s.gpu_memory_utilization),
+    ]
     if s.max_model_len:
         cmd += ["--max-model-len", str(s.max_model_len)]
     if chat_template is not None:
@@ -478,9 +560,24 @@ def build_hub_cache(export: Path, name: str, cache: Path, chat_template: Path | 
 
 
 def transformers_command(s: ServeSection, name: str) -> list[str]:
-    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", name, "--host", s.host,
-           "--port", str(s.port), "--device", s.device, "--dtype", s.dtype, "--log-level", s.log_level,
-           "--continuous-batching" if s.continuous_batching else "--no-continuous-batching"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        name,
+        "--host",
+        s.host,
+        "--port",
+        str(s.port),
+        "--device",
+        s.device,
+        "--dtype",
+        s.dtype,
+        "--log-level",
+        s.log_level,
+        "--continuous-batching" if s.continuous_batching else "--no-continuous-batching",
+    ]
     if s.cb_num_blocks:
         cmd += ["--cb-num-blocks", str(s.cb_num_blocks)]
     if s.cb_max_batch_tokens:
@@ -512,13 +609,17 @@ def api_key(s: ServeSection, engine: str) -> str | None:
     if is_loopback(s.host) or s.allow_unauthenticated:
         return key
     if engine == "transformers":
-        raise UserError(f"serve.host={s.host} with serve.engine=transformers: transformers serve has no authentication, "
-                        "so it serves on loopback only (serve.host=127.0.0.1); use serve.engine=vllm with an API key, "
-                        "or serve.allow_unauthenticated=true")
+        raise UserError(
+            f"serve.host={s.host} with serve.engine=transformers: transformers serve has no authentication, "
+            "so it serves on loopback only (serve.host=127.0.0.1); use serve.engine=vllm with an API key, "
+            "or serve.allow_unauthenticated=true"
+        )
     if key is None:
-        raise UserError(f"serve.host={s.host} accepts connections from other machines without an API key: "
-                        f"export {s.api_key_env}=<secret> (serve.api_key_env names the variable), "
-                        "or serve.allow_unauthenticated=true")
+        raise UserError(
+            f"serve.host={s.host} accepts connections from other machines without an API key: "
+            f"export {s.api_key_env}=<secret> (serve.api_key_env names the variable), "
+            "or serve.allow_unauthenticated=true"
+        )
     return key
 
 
@@ -545,8 +646,15 @@ class Launch:
 
 # The keys each engine reads beyond the common ones (model, engine, host, port, api key, name, dry_run).
 ENGINE_KEYS = {
-    "vllm": ("dtype", "lora", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "cpu_kvcache_gib",
-             "enforce_eager"),
+    "vllm": (
+        "dtype",
+        "lora",
+        "tensor_parallel_size",
+        "max_model_len",
+        "gpu_memory_utilization",
+        "cpu_kvcache_gib",
+        "enforce_eager",
+    ),
     "transformers": ("dtype", "device", "continuous_batching", "cb_num_blocks", "cb_max_batch_tokens", "log_level"),
     "onnxruntime": ("log_level", "max_batch_images", "batch_wait_ms"),
     "tensorrt": ("device", "log_level", "max_batch_images", "batch_wait_ms"),
@@ -572,28 +680,44 @@ def serve_images(s: ServeSection, export: Path, name: str, engine: str, key: str
     if engine == "torch" and device is None and torch.cuda.is_available():
         device = "cuda"
     sampler = ExportSampler(export, engine, **({} if engine == "onnxruntime" else {"device": device}))
-    serve(sampler, name, host=s.host, port=s.port, api_key=key, max_batch_images=s.max_batch_images,
-          batch_wait_ms=s.batch_wait_ms, log_level=s.log_level)
+    serve(
+        sampler,
+        name,
+        host=s.host,
+        port=s.port,
+        api_key=key,
+        max_batch_images=s.max_batch_images,
+        batch_wait_ms=s.batch_wait_ms,
+        log_level=s.log_level,
+    )
 
 
 def plan_images(s: ServeSection, export: Path, name: str) -> Launch:
     engine, why = choose_image_engine(s.engine, export)
     if s.lora:
-        raise ConfigError("serve.lora: the images server serves one DiT; serve the merged export instead "
-                          "(export.merge_lora=true)")
+        raise ConfigError(
+            "serve.lora: the images server serves one DiT; serve the merged export instead (export.merge_lora=true)"
+        )
     if s.dtype not in ("auto", "float32"):
-        raise ConfigError(f"serve.dtype={s.dtype}: a DiT export serves in its graph's precision "
-                          "(scripts/export_dit.py --precision); leave serve.dtype=auto")
+        raise ConfigError(
+            f"serve.dtype={s.dtype}: a DiT export serves in its graph's precision "
+            "(scripts/export_dit.py --precision); leave serve.dtype=auto"
+        )
     notes = [f"{', '.join(keys)} not used by engine={engine}"] if (keys := ignored_keys(s, engine)) else []
     key = api_key(s, engine)
     if key is None and not is_loopback(s.host):
         notes.append(f"serve.allow_unauthenticated=true: anyone who reaches {s.host}:{s.port} can use the model")
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         raise UserError("the images server needs the serve extra: pip install -e '.[serve]'")
-    shown = ["images server (recipes/dit/server.py, in this process):", f"engine={engine}",
-             f"max_batch_images={s.max_batch_images}", f"batch_wait_ms={s.batch_wait_ms}"]
-    return Launch(engine, why, name, shown, {}, None, notes,
-                  run=functools.partial(serve_images, s, export, name, engine, key))
+    shown = [
+        "images server (recipes/dit/server.py, in this process):",
+        f"engine={engine}",
+        f"max_batch_images={s.max_batch_images}",
+        f"batch_wait_ms={s.batch_wait_ms}",
+    ]
+    return Launch(
+        engine, why, name, shown, {}, None, notes, run=functools.partial(serve_images, s, export, name, engine, key)
+    )
 
 
 def plan(s: ServeSection) -> Launch:
@@ -610,15 +734,19 @@ def plan(s: ServeSection) -> Launch:
         notes.append("the export has no chat template (a base LM): chat messages are joined as plain text")
     key = api_key(s, engine)
     if s.lora and engine != "vllm":
-        raise UserError(f"serve.lora needs vLLM, and engine={engine} ({why}): make serve-env, or serve the merged "
-                        "model (export.merge_lora=true)")
+        raise UserError(
+            f"serve.lora needs vLLM, and engine={engine} ({why}): make serve-env, or serve the merged "
+            "model (export.merge_lora=true)"
+        )
     if engine == "vllm":
         adapters = check_adapters(s, export)
         build = serve_env()
         check_vllm_limits(s, export, on_cpu=build == "cpu" if build is not None else not cuda_available())
         if build is None and shutil.which("vllm") is None and not s.dry_run:
-            raise UserError("serve.engine=vllm: vLLM is not installed; make serve-env builds it in .venv-serve "
-                            "(its CPU build on a machine without CUDA)")
+            raise UserError(
+                "serve.engine=vllm: vLLM is not installed; make serve-env builds it in .venv-serve "
+                "(its CPU build on a machine without CUDA)"
+            )
         if key is None and not is_loopback(s.host):
             notes.append(f"serve.allow_unauthenticated=true: anyone who reaches {s.host}:{s.port} can use the model")
         # The environment, not --api-key: a command line is visible to every user of the machine (ps).
@@ -626,8 +754,16 @@ def plan(s: ServeSection) -> Launch:
         if build == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(s.cpu_kvcache_gib)
         python = serve_venv() / "bin" / "python" if build is not None else None
-        return Launch(engine, why, name, vllm_command(s, export, name, chat_template, python, adapters), env, None, notes,
-                      tuple(k for k in env if k == "VLLM_API_KEY"))
+        return Launch(
+            engine,
+            why,
+            name,
+            vllm_command(s, export, name, chat_template, python, adapters),
+            env,
+            None,
+            notes,
+            tuple(k for k in env if k == "VLLM_API_KEY"),
+        )
     if key is not None:
         notes.append(f"${s.api_key_env} is set but transformers serve does not check API keys")
     if s.tensor_parallel_size > 1:
@@ -654,8 +790,9 @@ def http(url: str, body: bytes | None = None, timeout: float = 60) -> tuple[int,
 
 
 @contextmanager
-def running_server(export: str | Path, *overrides: str, log_path: str | Path, startup_s: float = 180,
-                   env: dict[str, str] | None = None) -> Iterator[str]:
+def running_server(
+    export: str | Path, *overrides: str, log_path: str | Path, startup_s: float = 180, env: dict[str, str] | None = None
+) -> Iterator[str]:
     """scripts/serve.py on a free local port, up once /health answers 200; yields the base URL and
     always stops the server (SIGTERM: uvicorn's graceful shutdown; SIGKILL after 20 s)."""
     from common.distributed import free_port  # imports torch, which the rest of this module does only where needed
@@ -665,8 +802,12 @@ def running_server(export: str | Path, *overrides: str, log_path: str | Path, st
     base = f"http://127.0.0.1:{port}"
     # Its own TMPDIR, so the per-server state (state_dir) goes away with the server.
     with open(log_path, "w") as log, tempfile.TemporaryDirectory(prefix="kiln-serve-") as tmp:
-        proc = subprocess.Popen([sys.executable, str(serve), f"serve.model={export}", f"serve.port={port}", *overrides],
-                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": tmp, **(env or {})})
+        proc = subprocess.Popen(
+            [sys.executable, str(serve), f"serve.model={export}", f"serve.port={port}", *overrides],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TMPDIR": tmp, **(env or {})},
+        )
         try:
             deadline = time.monotonic() + startup_s
             while True:

@@ -36,6 +36,7 @@ TRACE_FILE = re.compile(r"rank(\d+)_step(\d+)\.json")
 
 # ---- intervals: sorted lists of disjoint (start_ns, end_ns) ---------------------------------
 
+
 def union(spans) -> list[tuple[int, int]]:
     out: list[list[int]] = []
     for s, e in sorted(spans):
@@ -86,6 +87,7 @@ def _inside(t: int, spans, starts) -> bool:
 
 # ---- loading ------------------------------------------------------------------------------
 
+
 class RankTrace:
     """One trace file: its events with absolute times (`_ns`, `_end` in Unix ns) and its main thread."""
 
@@ -135,6 +137,7 @@ def load_traces(profile_dir: str | Path) -> dict[int, list[RankTrace]]:
 
 # ---- the merged timeline ------------------------------------------------------------------
 
+
 def merge_traces(profile_dir: str | Path) -> Path:
     """`profile/trace.json`: one process per rank (pid = rank), communication on its own tracks.
 
@@ -162,8 +165,11 @@ def merge_traces(profile_dir: str | Path) -> Path:
                 if main:
                     name = "communication" if comm else "main thread"
                 else:
-                    name = f"GPU {e['pid']} stream {e['tid']}" if gpu else \
-                        trace.thread_names.get((e["pid"], e["tid"]), f"thread {e['tid']}")
+                    name = (
+                        f"GPU {e['pid']} stream {e['tid']}"
+                        if gpu
+                        else trace.thread_names.get((e["pid"], e["tid"]), f"thread {e['tid']}")
+                    )
                     name = f"communication: {name}" if comm else name
                 # The two main tracks first, so a rank reads top to bottom: compute, then its collectives.
                 tids[key] = {"main thread": 0, "communication": 1}.get(name, 2 + sum(t > 1 for t in names))
@@ -186,21 +192,30 @@ def merge_traces(profile_dir: str | Path) -> Path:
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
         for tid, name in names.items():
             events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid,
-                           "args": {"sort_index": tid}})
+            events.append(
+                {"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}}
+            )
     out = profile_dir / "trace.json"
     tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {"kiln_origin_unix_ns": origin, "ranks": list(ranks),
-                      "alignment": "wall clock: baseTimeNanoseconds + ts of each rank's trace"},
-    }))
+    tmp.write_text(
+        json.dumps(
+            {
+                "traceEvents": events,
+                "displayTimeUnit": "ms",
+                "otherData": {
+                    "kiln_origin_unix_ns": origin,
+                    "ranks": list(ranks),
+                    "alignment": "wall clock: baseTimeNanoseconds + ts of each rank's trace",
+                },
+            }
+        )
+    )
     tmp.replace(out)
     return out
 
 
 # ---- the step breakdown -------------------------------------------------------------------
+
 
 def rank_breakdown(traces: list[RankTrace]) -> dict:
     """Mean seconds per profiled step of one rank, split into ROWS that partition the step.
@@ -305,8 +320,12 @@ def metrics_breakdown(path: Path) -> dict | None:
     mean = {k: statistics.fmean(r.get(f"{k}_s", 0.0) for r in records) for k in ("step_time", *PHASES)}
     step = mean.pop("step_time")
     seconds = {**mean, "other": step - sum(mean.values())}
-    return {"steps": [records[0]["step"], records[-1]["step"]], "step_s": step, "seconds": seconds,
-            "percent": {k: 100 * v / step for k, v in seconds.items()}}
+    return {
+        "steps": [records[0]["step"], records[-1]["step"]],
+        "step_s": step,
+        "seconds": seconds,
+        "percent": {k: 100 * v / step for k, v in seconds.items()},
+    }
 
 
 # Decision tree, in order. Thresholds are shares of the step: waiting on input or on peers is
@@ -328,17 +347,24 @@ def overhead_percent(b: dict) -> float:
 def verdict(overall: dict) -> dict:
     p, overhead = overall["percent"], overhead_percent(overall)
     unit = "kernels" if overall["device"] == "cuda" else "top-level ops"
-    evidence = (f"data_wait {p['data_wait']:.1f}%, communication {p['communication']:.1f}%, idle {p['idle']:.1f}%, "
-                f"overhead {overhead:.1f}%, {overall['ops_per_step']:.0f} {unit}/step "
-                f"(median {overall['median_op_us']:.1f} µs)")
+    evidence = (
+        f"data_wait {p['data_wait']:.1f}%, communication {p['communication']:.1f}%, idle {p['idle']:.1f}%, "
+        f"overhead {overhead:.1f}%, {overall['ops_per_step']:.0f} {unit}/step "
+        f"(median {overall['median_op_us']:.1f} µs)"
+    )
     if p["data_wait"] >= INPUT_BOUND_PCT:
         label, why = "input-bound", f"data wait {p['data_wait']:.1f}% of the step (>= {INPUT_BOUND_PCT:.0f}%)"
     elif p["communication"] >= COMM_BOUND_PCT:
-        label, why = "communication-bound", \
-            f"exposed communication {p['communication']:.1f}% of the step (>= {COMM_BOUND_PCT:.0f}%)"
+        label, why = (
+            "communication-bound",
+            f"exposed communication {p['communication']:.1f}% of the step (>= {COMM_BOUND_PCT:.0f}%)",
+        )
     elif overhead >= OVERHEAD_BOUND_PCT:
-        what = ("the GPU idles between kernels" if overall["device"] == "cuda" else
-                f"the main thread runs no op or ops under {TINY_OP_US:.0f} µs")
+        what = (
+            "the GPU idles between kernels"
+            if overall["device"] == "cuda"
+            else f"the main thread runs no op or ops under {TINY_OP_US:.0f} µs"
+        )
         label, why = "launch/CPU-bound", f"{what} {overhead:.1f}% of the step (>= {OVERHEAD_BOUND_PCT:.0f}%)"
     else:
         label, why = "compute-bound", "input wait, communication and overhead are all below their thresholds"

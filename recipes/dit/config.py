@@ -95,8 +95,10 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     for key, name in CHECKPOINT_KEYS.items():
         value = config[name]
         if f"model.{key}" in command_line and getattr(m, key) != value:
-            raise ConfigError(f"model.{key}={getattr(m, key)} disagrees with model.init_from={folder}, whose config.json "
-                              f"gives {name}={value}; leave model.{key} out of the command line")
+            raise ConfigError(
+                f"model.{key}={getattr(m, key)} disagrees with model.init_from={folder}, whose config.json "
+                f"gives {name}={value}; leave model.{key} out of the command line"
+            )
         setattr(m, key, value)
 
 
@@ -111,23 +113,39 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be > 0")
     inner = m.num_attention_heads * m.attention_head_dim
     if inner % m.norm_num_groups:
-        raise ConfigError(f"model.num_attention_heads*attention_head_dim={inner} must be divisible by model.norm_num_groups={m.norm_num_groups}")
+        raise ConfigError(
+            f"model.num_attention_heads*attention_head_dim={inner} must be divisible by model.norm_num_groups={m.norm_num_groups}"
+        )
     if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
-        raise ConfigError("finetune=lora trains an adapter on a DiT checkpoint: set model.init_from=<a DiTPipeline folder "
-                          "or a DiT run's export>")
+        raise ConfigError(
+            "finetune=lora trains an adapter on a DiT checkpoint: set model.init_from=<a DiTPipeline folder "
+            "or a DiT run's export>"
+        )
     if m.init_from and m.shared_conditioning:
-        raise ConfigError(f"model.shared_conditioning=true with model.init_from={m.init_from}: a diffusers DiT holds one "
-                          "conditioning embedding per block; set model.shared_conditioning=false")
-    check_family_sections(cfg, "DiT", parallel=ZeroParallelConfig, layouts=f"DeepSpeed ZeRO ({ZERO_LAYOUTS})",
-                          data=DiTDataConfig, datasets="digits or images (image shards)")
+        raise ConfigError(
+            f"model.shared_conditioning=true with model.init_from={m.init_from}: a diffusers DiT holds one "
+            "conditioning embedding per block; set model.shared_conditioning=false"
+        )
+    check_family_sections(
+        cfg,
+        "DiT",
+        parallel=ZeroParallelConfig,
+        layouts=f"DeepSpeed ZeRO ({ZERO_LAYOUTS})",
+        data=DiTDataConfig,
+        datasets="digits or images (image shards)",
+    )
     if cfg.data.image_size <= 0:
         raise ConfigError(f"data.image_size={cfg.data.image_size} must be > 0")
     if d.objective not in OBJECTIVES:
         raise ConfigError(f"diffusion.objective={d.objective!r} is not allowed; choose one of: {', '.join(OBJECTIVES)}")
     if d.prediction_type not in PREDICTION_TYPES:
-        raise ConfigError(f"diffusion.prediction_type={d.prediction_type!r} is not allowed; choose epsilon or v_prediction")
+        raise ConfigError(
+            f"diffusion.prediction_type={d.prediction_type!r} is not allowed; choose epsilon or v_prediction"
+        )
     if d.flow_timesteps not in FLOW_TIMESTEPS:
-        raise ConfigError(f"diffusion.flow_timesteps={d.flow_timesteps!r} is not allowed; choose one of: {', '.join(FLOW_TIMESTEPS)}")
+        raise ConfigError(
+            f"diffusion.flow_timesteps={d.flow_timesteps!r} is not allowed; choose one of: {', '.join(FLOW_TIMESTEPS)}"
+        )
     for key in ("flow_logit_std", "flow_shift"):
         if not getattr(d, key) > 0:
             raise ConfigError(f"diffusion.{key}={getattr(d, key)} must be > 0")
@@ -143,16 +161,23 @@ def validate(cfg: TrainConfig) -> None:
     if d.objective == "ddpm" and d.sample_steps > d.num_train_timesteps:
         raise ConfigError("diffusion.sample_steps must be <= diffusion.num_train_timesteps")
     if cfg.data.latents and not d.vae:
-        raise ConfigError(f"data.latents={cfg.data.latents} needs diffusion.vae (the VAE that encoded them decodes the samples)")
+        raise ConfigError(
+            f"data.latents={cfg.data.latents} needs diffusion.vae (the VAE that encoded them decodes the samples)"
+        )
     # The VAE's config.json decides the latent shape (a missing folder is reported when training
     # starts: sizing a run with run.dry_run or scripts/plan.py does not need it).
     geometry = vae_geometry(d.vae, cfg.data.image_size, must_exist=False) if d.vae else None
     size = geometry.latent_size if geometry else cfg.data.image_size
     if size % m.patch_size:
-        what = f"the latent size {size} (data.image_size={cfg.data.image_size} through diffusion.vae)" if geometry else \
-            f"data.image_size={cfg.data.image_size}"
+        what = (
+            f"the latent size {size} (data.image_size={cfg.data.image_size} through diffusion.vae)"
+            if geometry
+            else f"data.image_size={cfg.data.image_size}"
+        )
         raise ConfigError(f"{what} must be a multiple of model.patch_size={m.patch_size}")
     base_size = json.loads((Path(m.init_from) / "config.json").read_text())["sample_size"] if m.init_from else size
     if base_size != size:
-        raise ConfigError(f"model.init_from={m.init_from} is a DiT on {base_size}x{base_size} inputs; this run's are "
-                          f"{size}x{size} (data.image_size={cfg.data.image_size}{' through diffusion.vae' if geometry else ''})")
+        raise ConfigError(
+            f"model.init_from={m.init_from} is a DiT on {base_size}x{base_size} inputs; this run's are "
+            f"{size}x{size} (data.image_size={cfg.data.image_size}{' through diffusion.vae' if geometry else ''})"
+        )

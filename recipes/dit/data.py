@@ -39,8 +39,9 @@ def to_model_space(images_u8: torch.Tensor, image_size: int) -> torch.Tensor:
     x = images_u8.float().div(127.5).sub(1.0)
     x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2)
     if x.shape[-1] != image_size:
-        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False,
-                          antialias=x.shape[-1] > image_size)
+        x = F.interpolate(
+            x, size=(image_size, image_size), mode="bilinear", align_corners=False, antialias=x.shape[-1] > image_size
+        )
     return x.clamp(-1.0, 1.0)
 
 
@@ -74,8 +75,10 @@ def load_split_arrays(root: str | Path, split: str, max_per_class: int | None = 
     for sample in iter_samples(meta[f"{split}_urls"]):
         image, label = decode_image(sample, channels)
         if image.shape[:2] != (size, size) or not 0 <= label < num_classes:
-            raise DataError(f"{sample['__url__']}: sample {sample['__key__']} is a {image.shape} image of class {label}; "
-                            f"meta.json says {size}x{size} and classes 0..{num_classes - 1}")
+            raise DataError(
+                f"{sample['__url__']}: sample {sample['__key__']} is a {image.shape} image of class {label}; "
+                f"meta.json says {size}x{size} and classes 0..{num_classes - 1}"
+            )
         if max_per_class is not None and counts[label] >= max_per_class:
             if counts.min() >= max_per_class:
                 break
@@ -84,7 +87,9 @@ def load_split_arrays(root: str | Path, split: str, max_per_class: int | None = 
         images.append(image)
         labels.append(label)
     if max_per_class is None and len(images) != meta["splits"][split]["samples"]:
-        raise DataError(f"{root}: read {len(images)} {split} samples, meta.json says {meta['splits'][split]['samples']}")
+        raise DataError(
+            f"{root}: read {len(images)} {split} samples, meta.json says {meta['splits'][split]['samples']}"
+        )
     return np.stack(images), np.asarray(labels, dtype=np.int64)
 
 
@@ -97,9 +102,11 @@ def check_image_size(cfg: TrainConfig, meta: dict) -> dict:
     """`meta` if its images suit data.image_size: the digits are upscaled from 8x8 by design, an image
     folder's shards must have been built at that size (no silent resampling of a user's images)."""
     if meta.get("source") == IMAGE_FOLDER and meta["image_size"] != cfg.data.image_size:
-        raise DataError(f"data.root={cfg.data.root} holds {meta['image_size']}x{meta['image_size']} images but "
-                        f"data.image_size={cfg.data.image_size}: set data.image_size={meta['image_size']} or rebuild the "
-                        f"shards with prepare_images --image-size {cfg.data.image_size}")
+        raise DataError(
+            f"data.root={cfg.data.root} holds {meta['image_size']}x{meta['image_size']} images but "
+            f"data.image_size={cfg.data.image_size}: set data.image_size={meta['image_size']} or rebuild the "
+            f"shards with prepare_images --image-size {cfg.data.image_size}"
+        )
     return meta
 
 
@@ -109,19 +116,29 @@ def load_latent_meta(cfg: TrainConfig, vae: dict, images: dict) -> dict:
     DataError line naming the rebuild otherwise."""
     root = Path(cfg.data.latents).expanduser()
     meta = load_dataset_meta(root)
-    rebuild = (f"rebuild it: python -m data.cache_latents recipe={cfg.recipe.name} data.root={cfg.data.root} "
-               f"diffusion.vae={cfg.diffusion.vae} data.image_size={cfg.data.image_size} --out {cfg.data.latents}")
+    rebuild = (
+        f"rebuild it: python -m data.cache_latents recipe={cfg.recipe.name} data.root={cfg.data.root} "
+        f"diffusion.vae={cfg.diffusion.vae} data.image_size={cfg.data.image_size} --out {cfg.data.latents}"
+    )
     if meta.get("source") != LATENT_SOURCE:
-        raise DataError(f"data.latents={cfg.data.latents} is not a latent cache (meta.json source "
-                        f"{meta.get('source')!r}); build one with python -m data.cache_latents")
-    differs = [what for what, have, want in (
-        ("VAE", meta.get("vae"), vae),
-        ("image size", meta.get("image_size"), cfg.data.image_size),
-        ("classes", meta.get("num_classes"), images["num_classes"]),
-    ) if have != want]
+        raise DataError(
+            f"data.latents={cfg.data.latents} is not a latent cache (meta.json source "
+            f"{meta.get('source')!r}); build one with python -m data.cache_latents"
+        )
+    differs = [
+        what
+        for what, have, want in (
+            ("VAE", meta.get("vae"), vae),
+            ("image size", meta.get("image_size"), cfg.data.image_size),
+            ("classes", meta.get("num_classes"), images["num_classes"]),
+        )
+        if have != want
+    ]
     if differs:
-        raise DataError(f"data.latents={cfg.data.latents} was encoded with another {' and '.join(differs)} than this "
-                        f"run's (diffusion.vae={cfg.diffusion.vae}, data.image_size={cfg.data.image_size}); {rebuild}")
+        raise DataError(
+            f"data.latents={cfg.data.latents} was encoded with another {' and '.join(differs)} than this "
+            f"run's (diffusion.vae={cfg.diffusion.vae}, data.image_size={cfg.data.image_size}); {rebuild}"
+        )
     return meta
 
 
@@ -134,4 +151,3 @@ def build_train_loader(cfg: TrainConfig, dist: DistInfo, urls: list[str], meta: 
     else:
         decode = functools.partial(decode_sample, image_size=cfg.data.image_size, channels=channels_of(meta))
     return global_train_loader(cfg, urls, decode=decode, rank=dist.rank, dp=dist.world_size)
-

@@ -26,8 +26,9 @@ MAX_PER_CLASS = 500
 
 def _features(images: torch.Tensor) -> torch.Tensor:
     if images.shape[-1] > FEATURE_SIZE:
-        images = F.interpolate(images, size=(FEATURE_SIZE, FEATURE_SIZE), mode="bilinear", antialias=True,
-                               align_corners=False)
+        images = F.interpolate(
+            images, size=(FEATURE_SIZE, FEATURE_SIZE), mode="bilinear", antialias=True, align_corners=False
+        )
     return images.flatten(1)
 
 

@@ -19,7 +19,8 @@ import torch
 from common.config import TrainConfig
 from common.data.dataset import load_dataset_meta
 from common.ds_export import ZeroCheckpoint, copy_checked, export_zero, export_zero_lora, saved_ema, write_safetensors
-from recipes.dit import lora as dit_lora, vae as vae_lib
+from recipes.dit import lora as dit_lora
+from recipes.dit import vae as vae_lib
 from recipes.dit.data import class_names
 from recipes.dit.model import build_model, null_class
 from recipes.dit.train import model_geometry, write_export_files, write_pipeline
@@ -38,8 +39,11 @@ def export_parts(cfg: TrainConfig) -> tuple[list[str], vae_lib.VaeGeometry | Non
 
 def export_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
     """Write the export of checkpoint `path` to `out` (scripts/export.py); returns what was written, in words."""
-    return export_zero(path, max_shard_size, lambda ckpt, shard_size: write_export(
-        cfg, ckpt, out, step=int(meta["step"]), max_shard_size=shard_size))
+    return export_zero(
+        path,
+        max_shard_size,
+        lambda ckpt, shard_size: write_export(cfg, ckpt, out, step=int(meta["step"]), max_shard_size=shard_size),
+    )
 
 
 def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int, max_shard_size: int) -> int:
@@ -52,8 +56,10 @@ def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int
     ema_name = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
     # The saved layout: every state-dict key, a shared embedding under each block (untied()'s layout).
     tensors = model.state_dict(keep_vars=True)
-    layout = {k: torch.empty(v.shape, dtype=ckpt.dtype if v.is_floating_point() else v.dtype, device="meta")
-              for k, v in tensors.items()}
+    layout = {
+        k: torch.empty(v.shape, dtype=ckpt.dtype if v.is_floating_point() else v.dtype, device="meta")
+        for k, v in tensors.items()
+    }
 
     def fetch(names: list[str]) -> dict[str, torch.Tensor]:
         from_ema = {n: ema_name[id(tensors[n])] for n in names if id(tensors[n]) in ema_name}
@@ -67,8 +73,9 @@ def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int
     folder = out / "transformer"
     written = write_safetensors(folder, "diffusion_pytorch_model.safetensors", layout, fetch, max_shard_size)
     model.save_config(folder)
-    write_export_files(out, cfg, geometry, classes, vae=vae, step=step, null_class=null_class(model),
-                       sample_size=sample_size)
+    write_export_files(
+        out, cfg, geometry, classes, vae=vae, step=step, null_class=null_class(model), sample_size=sample_size
+    )
     return written
 
 
@@ -81,8 +88,13 @@ def lora_base(cfg: TrainConfig) -> str:
 def export_lora_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
     """Write the export of finetune=lora checkpoint `path` to `out` (scripts/export.py); returns what was written."""
     step = int(meta["step"])
-    return export_zero_lora(path, max_shard_size, lambda ckpt: write_lora_export(cfg, ckpt, out, step=step),
-                            adapter="a LoRA adapter", source=cfg.model.init_from)
+    return export_zero_lora(
+        path,
+        max_shard_size,
+        lambda ckpt: write_lora_export(cfg, ckpt, out, step=step),
+        adapter="a LoRA adapter",
+        source=cfg.model.init_from,
+    )
 
 
 def write_lora_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int) -> int:
@@ -97,8 +109,17 @@ def write_lora_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step
 
     def pipeline(folder: Path, transformer) -> None:  # export.merge_lora only: the data's classes and the VAE
         classes, geometry, vae = export_parts(cfg)
-        write_pipeline(folder, transformer, cfg, geometry, classes, vae=vae, step=step, null_class=null_class(model),
-                       sample_size=sample_size)
+        write_pipeline(
+            folder,
+            transformer,
+            cfg,
+            geometry,
+            classes,
+            vae=vae,
+            step=step,
+            null_class=null_class(model),
+            sample_size=sample_size,
+        )
 
     dit_lora.write_export(model, cfg, out, base=cfg.model.init_from, write_pipeline=pipeline)
     return sum(p.numel() for p in adapter.values())

@@ -25,8 +25,12 @@ FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
 
 
 def ddpm_scheduler(d: DiffusionConfig) -> DDPMScheduler:
-    return DDPMScheduler(num_train_timesteps=d.num_train_timesteps, beta_schedule=d.beta_schedule,
-                         prediction_type=d.prediction_type, clip_sample=False)
+    return DDPMScheduler(
+        num_train_timesteps=d.num_train_timesteps,
+        beta_schedule=d.beta_schedule,
+        prediction_type=d.prediction_type,
+        clip_sample=False,
+    )
 
 
 def sampling_scheduler(d: DiffusionConfig) -> DDIMScheduler | FlowMatchEulerDiscreteScheduler:
@@ -68,7 +72,9 @@ class Objective:
         normal = per_sample(rngs, lambda r: r.standard_normal(dtype=np.float32)).float()
         return torch.sigmoid(d.flow_logit_mean + d.flow_logit_std * normal)
 
-    def noisy(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def noisy(
+        self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x_t, the DiT's timestep input, the regression target) for clean inputs `x0` at timesteps `t` (`timesteps`)."""
         t = t.to(x0.device)
         if self.ddpm is None:

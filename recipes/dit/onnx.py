@@ -73,7 +73,9 @@ class _DiTForExport(torch.nn.Module):
         self.dtype = next(transformer.parameters()).dtype
 
     def forward(self, sample: torch.Tensor, timestep: torch.Tensor, class_labels: torch.Tensor) -> torch.Tensor:
-        out = self.transformer(sample.to(self.dtype), timestep=timestep, class_labels=class_labels, return_dict=False)[0]
+        out = self.transformer(sample.to(self.dtype), timestep=timestep, class_labels=class_labels, return_dict=False)[
+            0
+        ]
         return out.float()
 
 
@@ -95,8 +97,15 @@ def _null_class(transformer: torch.nn.Module) -> int:
     return int(transformer.config.num_embeds_ada_norm)
 
 
-def _random_inputs(batch: int, *, image_size: int, in_channels: int, null_class: int, generator: torch.Generator,
-                   num_train_timesteps: int = 1000) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _random_inputs(
+    batch: int,
+    *,
+    image_size: int,
+    in_channels: int,
+    null_class: int,
+    generator: torch.Generator,
+    num_train_timesteps: int = 1000,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fresh random inputs: Gaussian images, random (fractional) timesteps, random labels with the null class in them."""
     x = torch.randn(batch, in_channels, image_size, image_size, generator=generator)
     t = torch.rand(batch, generator=generator) * num_train_timesteps
@@ -105,8 +114,9 @@ def _random_inputs(batch: int, *, image_size: int, in_channels: int, null_class:
     return x, t, y
 
 
-def export_onnx(transformer: torch.nn.Module, path: str | Path, *, image_size: int, in_channels: int,
-                precision: str = "fp32") -> Path:
+def export_onnx(
+    transformer: torch.nn.Module, path: str | Path, *, image_size: int, in_channels: int, precision: str = "fp32"
+) -> Path:
     """Write `transformer` (a DiTTransformer2DModel) as an ONNX graph computing in `precision`, fp32
     I/O, with a dynamic batch axis."""
     dtype = check_precision(precision)
@@ -115,8 +125,13 @@ def export_onnx(transformer: torch.nn.Module, path: str | Path, *, image_size: i
     was_training = transformer.training
     wrapper = _DiTForExport(_eval_in(transformer, dtype))
     # Trace at batch 2 so nothing specialises to a batch of one.
-    dummy = _random_inputs(2, image_size=image_size, in_channels=in_channels, null_class=_null_class(transformer),
-                           generator=torch.Generator().manual_seed(0))
+    dummy = _random_inputs(
+        2,
+        image_size=image_size,
+        in_channels=in_channels,
+        null_class=_null_class(transformer),
+        generator=torch.Generator().manual_seed(0),
+    )
     batch_axis = {0: "batch"}
     try:
         with torch.no_grad(), warnings.catch_warnings():
@@ -124,8 +139,13 @@ def export_onnx(transformer: torch.nn.Module, path: str | Path, *, image_size: i
             # resolution is fixed by design; the batch axis stays dynamic (check_parity covers it).
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
             torch.onnx.export(
-                wrapper, dummy, str(path), dynamo=False, opset_version=OPSET,
-                input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
+                wrapper,
+                dummy,
+                str(path),
+                dynamo=False,
+                opset_version=OPSET,
+                input_names=list(INPUT_NAMES),
+                output_names=[OUTPUT_NAME],
                 dynamic_axes={name: batch_axis for name in (*INPUT_NAMES, OUTPUT_NAME)},
                 do_constant_folding=True,
             )
@@ -158,8 +178,9 @@ def widen_bf16(onnx_path: str | Path, out_path: str | Path) -> Path:
                 widen(attr.t)
     del model.graph.value_info[:]  # shape inference's bf16 annotations; onnxruntime infers them again
     out_path = Path(out_path)
-    onnx.save_model(model, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=out_path.name + ".data")
+    onnx.save_model(
+        model, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True, location=out_path.name + ".data"
+    )
     return out_path
 
 
@@ -175,8 +196,14 @@ def _ort_session(onnx_path: str | Path, providers: list[str] | None = None, thre
 
 
 @torch.no_grad()
-def check_parity(transformer: torch.nn.Module, onnx_path: str | Path, batch_sizes=(1, 4), tol: float | None = 1e-5,
-                 seed: int = 1234, precision: str = "fp32") -> dict[int, float]:
+def check_parity(
+    transformer: torch.nn.Module,
+    onnx_path: str | Path,
+    batch_sizes=(1, 4),
+    tol: float | None = 1e-5,
+    seed: int = 1234,
+    precision: str = "fp32",
+) -> dict[int, float]:
     """Max relative error of onnxruntime (CPU) vs eager fp32 PyTorch per batch size, on fresh random inputs.
 
     The error is max|ort - torch| / max|torch| over the whole output. Raises ParityError if any
@@ -204,15 +231,21 @@ def _parity(transformer, cfg, onnx_path, batch_sizes, tol, seed) -> dict[int, fl
     gen = torch.Generator().manual_seed(seed)
     errors: dict[int, float] = {}
     for batch in batch_sizes:
-        x, t, y = _random_inputs(batch, image_size=cfg.sample_size, in_channels=cfg.in_channels,
-                                 null_class=_null_class(transformer), generator=gen)
+        x, t, y = _random_inputs(
+            batch,
+            image_size=cfg.sample_size,
+            in_channels=cfg.in_channels,
+            null_class=_null_class(transformer),
+            generator=gen,
+        )
         dev = next(transformer.parameters()).device
         ref = transformer(x.to(dev), timestep=t.to(dev), class_labels=y.to(dev)).sample.cpu()
         (got,) = session.run([OUTPUT_NAME], {"sample": x.numpy(), "timestep": t.numpy(), "class_labels": y.numpy()})
         got = torch.from_numpy(got)
         if got.shape != ref.shape:
-            raise ParityError(f"onnxruntime output shape {tuple(got.shape)} != PyTorch {tuple(ref.shape)} at batch {batch}",
-                              errors)
+            raise ParityError(
+                f"onnxruntime output shape {tuple(got.shape)} != PyTorch {tuple(ref.shape)} at batch {batch}", errors
+            )
         errors[int(batch)] = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
     bad = {b: e for b, e in errors.items() if tol is not None and not e <= tol}
     if bad:
@@ -235,8 +268,9 @@ class OnnxDiT:
     def eval(self) -> OnnxDiT:
         return self
 
-    def __call__(self, sample: torch.Tensor, timestep: torch.Tensor | int, class_labels: torch.Tensor,
-                 return_dict: bool = True):
+    def __call__(
+        self, sample: torch.Tensor, timestep: torch.Tensor | int, class_labels: torch.Tensor, return_dict: bool = True
+    ):
         device = sample.device
         t = torch.as_tensor(timestep, dtype=torch.float32)
         if t.ndim == 0:
@@ -290,8 +324,13 @@ class TensorRTDiT:
 
     def _torch_dtype(self, dt) -> torch.dtype:
         trt = self.trt
-        table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32, trt.int8: torch.int8,
-                 trt.bool: torch.bool}
+        table = {
+            trt.float32: torch.float32,
+            trt.float16: torch.float16,
+            trt.int32: torch.int32,
+            trt.int8: torch.int8,
+            trt.bool: torch.bool,
+        }
         for name, torch_dt in (("int64", torch.int64), ("bf16", torch.bfloat16)):
             if hasattr(trt, name):
                 table[getattr(trt, name)] = torch_dt
@@ -308,8 +347,9 @@ class TensorRTDiT:
             bufs[name] = buf
             self.context.set_input_shape(name, tuple(buf.shape))
             self.context.set_tensor_address(name, buf.data_ptr())
-        out = torch.empty(tuple(self.context.get_tensor_shape(OUTPUT_NAME)), dtype=self._dtypes[OUTPUT_NAME],
-                          device=self.device)
+        out = torch.empty(
+            tuple(self.context.get_tensor_shape(OUTPUT_NAME)), dtype=self._dtypes[OUTPUT_NAME], device=self.device
+        )
         self.context.set_tensor_address(OUTPUT_NAME, out.data_ptr())
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         if not self.context.execute_async_v3(self.stream.cuda_stream):
@@ -317,13 +357,18 @@ class TensorRTDiT:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return out.float()
 
-    def __call__(self, sample: torch.Tensor, timestep: torch.Tensor | int, class_labels: torch.Tensor,
-                 return_dict: bool = True):
+    def __call__(
+        self, sample: torch.Tensor, timestep: torch.Tensor | int, class_labels: torch.Tensor, return_dict: bool = True
+    ):
         t = torch.as_tensor(timestep, dtype=torch.float32)
         if t.ndim == 0:
             t = t.expand(sample.shape[0])
-        chunks = [self._run(xs, ts, ys) for xs, ts, ys in
-                  zip(sample.split(self.max_batch), t.split(self.max_batch), class_labels.split(self.max_batch))]
+        chunks = [
+            self._run(xs, ts, ys)
+            for xs, ts, ys in zip(
+                sample.split(self.max_batch), t.split(self.max_batch), class_labels.split(self.max_batch)
+            )
+        ]
         out = torch.cat(chunks)
         return Transformer2DModelOutput(sample=out) if return_dict else (out,)
 
@@ -331,8 +376,15 @@ class TensorRTDiT:
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 
-def load_backend(name: str, export: Path, *, onnx_path: str | Path | None = None, engine_path: str | Path | None = None,
-                 threads: int | None = None, device: str | None = None) -> tuple[object, torch.device]:
+def load_backend(
+    name: str,
+    export: Path,
+    *,
+    onnx_path: str | Path | None = None,
+    engine_path: str | Path | None = None,
+    threads: int | None = None,
+    device: str | None = None,
+) -> tuple[object, torch.device]:
     """(model, device) of an export on one backend, in the diffusers call signature sample_images uses:
     PyTorch (transformer/), onnxruntime (onnx/model.onnx) or TensorRT (onnx/model.plan), the last two
     written by scripts/export_dit.py."""
@@ -374,24 +426,45 @@ class ExportSampler:
         self.image_size = int(self.info["image_size"])
         self.classes = [str(c) for c in self.info.get("classes") or range(self.info["num_classes"])]
         self.model, self.device = load_backend(backend, self.export, **backend_kwargs)
-        self.decode = (folder_decoder(self.export / "vae", self.image_size, self.device)
-                       if (self.export / "vae").is_dir() else None)
+        self.decode = (
+            folder_decoder(self.export / "vae", self.image_size, self.device)
+            if (self.export / "vae").is_dir()
+            else None
+        )
 
-    def __call__(self, labels: torch.Tensor, *, generator: torch.Generator | None = None,
-                 noise: torch.Tensor | None = None, steps: int | None = None,
-                 guidance_scale: float | torch.Tensor | None = None, batch_size: int = 512) -> torch.Tensor:
+    def __call__(
+        self,
+        labels: torch.Tensor,
+        *,
+        generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
+        steps: int | None = None,
+        guidance_scale: float | torch.Tensor | None = None,
+        batch_size: int = 512,
+    ) -> torch.Tensor:
         """Images in [-1, 1] for `labels`; steps and guidance default to the export's (kiln.json)."""
         from recipes.dit.sampling import sample_images
 
         if self.backend == "tensorrt":  # keep CFG's doubled batch inside the engine's profile (TensorRTDiT also splits)
             batch_size = min(batch_size, max(1, self.model.max_batch // 2))
         return sample_images(
-            self.model, self.scheduler_config, labels, null_class=self.info["null_class"],
-            image_size=self.sample_size, in_channels=self.in_channels, steps=steps or int(self.info["sample_steps"]),
+            self.model,
+            self.scheduler_config,
+            labels,
+            null_class=self.info["null_class"],
+            image_size=self.sample_size,
+            in_channels=self.in_channels,
+            steps=steps or int(self.info["sample_steps"]),
             guidance_scale=self.info["guidance_scale"] if guidance_scale is None else guidance_scale,
-            generator=generator, noise=noise, device=self.device, decode=self.decode, batch_size=batch_size)
+            generator=generator,
+            noise=noise,
+            device=self.device,
+            decode=self.decode,
+            batch_size=batch_size,
+        )
 
     def noise(self, n: int, seed: int) -> torch.Tensor:
         """The starting noise sample_images draws for a chunk of n labels from a generator seeded with `seed`."""
-        return torch.randn((n, self.in_channels, self.sample_size, self.sample_size),
-                           generator=torch.Generator().manual_seed(seed))
+        return torch.randn(
+            (n, self.in_channels, self.sample_size, self.sample_size), generator=torch.Generator().manual_seed(seed)
+        )

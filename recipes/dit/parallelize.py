@@ -27,7 +27,8 @@ def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 def flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """SDPA restricted to torch's own FlashAttention kernel (no flash-attn package): an error, not a
     silent fallback to another kernel, where flash cannot run (fp32, CPU, an unsupported head size)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel as sdpa_backends
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import sdpa_kernel as sdpa_backends
 
     with sdpa_backends(SDPBackend.FLASH_ATTENTION):
         return sdpa_kernel(q, k, v)
@@ -44,7 +45,15 @@ class KernelAttnProcessor:
     def __init__(self, kernel: Kernel):
         self.kernel = kernel
 
-    def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states=None, attention_mask=None, temb=None, **_):
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        temb=None,
+        **_,
+    ):
         if encoder_hidden_states is not None or attention_mask is not None or attn.norm_q is not None:
             raise ValueError("KernelAttnProcessor handles unmasked self-attention only")
         residual = hidden_states
@@ -58,7 +67,9 @@ class KernelAttnProcessor:
 
 
 def set_attention(model: DiTTransformer2DModel, backend: str) -> None:
-    make = {"sdpa": AttnProcessor2_0, "eager": AttnProcessor, "flash": lambda: KernelAttnProcessor(flash_kernel)}[backend]
+    make = {"sdpa": AttnProcessor2_0, "eager": AttnProcessor, "flash": lambda: KernelAttnProcessor(flash_kernel)}[
+        backend
+    ]
     for module in model.modules():
         if isinstance(module, Attention):
             module.set_processor(make())

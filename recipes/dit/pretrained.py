@@ -13,9 +13,16 @@ from common.errors import ConfigError
 from common.weights import check_folder
 
 # model.* keys and the DiTTransformer2DModel config.json entries they come from.
-CHECKPOINT_KEYS = {"num_layers": "num_layers", "num_attention_heads": "num_attention_heads",
-                   "attention_head_dim": "attention_head_dim", "patch_size": "patch_size", "in_channels": "in_channels",
-                   "num_classes": "num_embeds_ada_norm", "norm_num_groups": "norm_num_groups", "dropout": "dropout"}
+CHECKPOINT_KEYS = {
+    "num_layers": "num_layers",
+    "num_attention_heads": "num_attention_heads",
+    "attention_head_dim": "attention_head_dim",
+    "patch_size": "patch_size",
+    "in_channels": "in_channels",
+    "num_classes": "num_embeds_ada_norm",
+    "norm_num_groups": "norm_num_groups",
+    "dropout": "dropout",
+}
 
 
 def transformer_folder(init_from: str) -> Path:
@@ -28,8 +35,10 @@ def transformer_folder(init_from: str) -> Path:
                 raise ConfigError(f"model.init_from={init_from}: no *.safetensors weights in {candidate}")
             check_folder(candidate, f"model.init_from={init_from}")  # one line for a file cut short
             return candidate
-    raise ConfigError(f"model.init_from={init_from}: no diffusers DiTTransformer2DModel there (a DiTPipeline folder, a "
-                      "Kiln DiT export or run dir, or a transformer folder with config.json)")
+    raise ConfigError(
+        f"model.init_from={init_from}: no diffusers DiTTransformer2DModel there (a DiTPipeline folder, a "
+        "Kiln DiT export or run dir, or a transformer folder with config.json)"
+    )
 
 
 def base_config(folder: Path) -> dict:
@@ -37,8 +46,10 @@ def base_config(folder: Path) -> dict:
     config = json.loads((folder / "config.json").read_text())
     out = config.get("out_channels") or config["in_channels"]
     if out != config["in_channels"]:
-        raise ConfigError(f"model.init_from={folder}: out_channels={out} != in_channels={config['in_channels']} (a learned "
-                          "variance head, as in DiT-XL-2's release); Kiln's DiT predicts one value per input channel")
+        raise ConfigError(
+            f"model.init_from={folder}: out_channels={out} != in_channels={config['in_channels']} (a learned "
+            "variance head, as in DiT-XL-2's release); Kiln's DiT predicts one value per input channel"
+        )
     if not config.get("num_embeds_ada_norm"):
         raise ConfigError(f"model.init_from={folder}: not a class-conditional DiT (no num_embeds_ada_norm)")
     return config

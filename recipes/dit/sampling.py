@@ -52,11 +52,14 @@ def sample_images(
     bar = tqdm(total=len(starts) * steps, desc=progress, unit="step", disable=progress is None, dynamic_ncols=True)
     out = []
     for start in starts:
-        chunk, scale = labels[start: start + batch_size], scales[start: start + batch_size].to(device)
+        chunk, scale = labels[start : start + batch_size], scales[start : start + batch_size].to(device)
         scheduler.set_timesteps(steps)  # also resets the flow scheduler's step index
         n = chunk.shape[0]
-        x = (torch.randn((n, in_channels, image_size, image_size), generator=generator) if noise is None
-             else noise[start: start + n]).to(device)
+        x = (
+            torch.randn((n, in_channels, image_size, image_size), generator=generator)
+            if noise is None
+            else noise[start : start + n]
+        ).to(device)
         cond = torch.cat([chunk, torch.full_like(chunk, null_class)]).to(device)
         for t in scheduler.timesteps:
             # DDIM's timesteps are integers, the flow scheduler's floats (sigma * T): the DiT's

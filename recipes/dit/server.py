@@ -41,8 +41,9 @@ MAX_STEPS = 1000
 
 def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
     """An OpenAI-style error response."""
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
-                                                               "code": status}})
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": status}}
+    )
 
 
 class RequestError(Exception):
@@ -54,6 +55,7 @@ class RequestError(Exception):
 @dataclass
 class Job:
     """One request: n images of one class."""
+
     label: int
     n: int
     seed: int
@@ -95,8 +97,7 @@ class Batcher:
         labels = torch.tensor([job.label for job in jobs for _ in range(job.n)])
         noise = torch.cat([self.sampler.noise(job.n, job.seed) for job in jobs])
         guidance = torch.tensor([job.guidance_scale for job in jobs for _ in range(job.n)])
-        return self.sampler(labels, noise=noise, steps=jobs[0].steps, guidance_scale=guidance,
-                            batch_size=len(labels))
+        return self.sampler(labels, noise=noise, steps=jobs[0].steps, guidance_scale=guidance, batch_size=len(labels))
 
     async def loop(self) -> None:
         while True:
@@ -115,8 +116,11 @@ class Batcher:
             else:
                 n = images.shape[0]
                 self.batches.append(n)
-                print(f"kiln: images batch: {n} images from {len(jobs)} requests, {jobs[0].steps} steps, "
-                      f"{time.perf_counter() - start:.2f} s", flush=True)
+                print(
+                    f"kiln: images batch: {n} images from {len(jobs)} requests, {jobs[0].steps} steps, "
+                    f"{time.perf_counter() - start:.2f} s",
+                    flush=True,
+                )
                 for job, part in zip(jobs, images.split([job.n for job in jobs])):
                     if not job.future.cancelled():
                         job.future.set_result(part)
@@ -140,12 +144,16 @@ def resolve_class(prompt: str, classes: list[str]) -> int:
     if text.isdigit() and int(text) < len(classes):
         return int(text)
     shown = ", ".join(repr(c) for c in classes[:8]) + (", ..." if len(classes) > 8 else "")
-    raise RequestError(f"prompt {prompt[:80]!r} is not a class of this model; the prompt is a class name or id "
-                       f"(0..{len(classes) - 1}), e.g. {shown}", "prompt")
+    raise RequestError(
+        f"prompt {prompt[:80]!r} is not a class of this model; the prompt is a class name or id "
+        f"(0..{len(classes) - 1}), e.g. {shown}",
+        "prompt",
+    )
 
 
 class ImagesRequest(BaseModel):
     """The body of POST /v1/images/generations: OpenAI's fields this server honours, then Kiln's extras."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     prompt: str
     model: str | None = None
@@ -172,32 +180,44 @@ def parse_job(body: dict, name: str, sampler: ExportSampler, max_images: int) ->
     if r.model not in (None, name):
         raise RequestError(f"The model `{r.model}` does not exist; this server serves `{name}`", "model", 404)
     if not 1 <= r.n <= max_images:
-        raise RequestError(f"n={r.n}: this server makes 1 to {max_images} images per request "
-                           "(serve.max_batch_images)", "n")
+        raise RequestError(
+            f"n={r.n}: this server makes 1 to {max_images} images per request (serve.max_batch_images)", "n"
+        )
     size = f"{sampler.image_size}x{sampler.image_size}"
     if r.size not in (None, "auto", size):
         raise RequestError(f"size={r.size!r}: this model makes {size} images only", "size")
     if r.response_format not in (None, "b64_json"):
-        raise RequestError(f"response_format={r.response_format!r}: only b64_json (this server keeps no files)",
-                           "response_format")
+        raise RequestError(
+            f"response_format={r.response_format!r}: only b64_json (this server keeps no files)", "response_format"
+        )
     if r.output_format not in (None, "png"):
         raise RequestError(f"output_format={r.output_format!r}: only png", "output_format")
-    if r.seed is not None and not 0 <= r.seed < 2 ** 63:
+    if r.seed is not None and not 0 <= r.seed < 2**63:
         raise RequestError(f"seed={r.seed} must be in 0..2**63-1", "seed")
     if r.guidance_scale is not None and not 0 <= r.guidance_scale <= 100:
         raise RequestError(f"guidance_scale={r.guidance_scale} must be in [0, 100]", "guidance_scale")
     if r.num_inference_steps is not None and not 1 <= r.num_inference_steps <= MAX_STEPS:
-        raise RequestError(f"num_inference_steps={r.num_inference_steps} must be in 1..{MAX_STEPS}",
-                           "num_inference_steps")
+        raise RequestError(
+            f"num_inference_steps={r.num_inference_steps} must be in 1..{MAX_STEPS}", "num_inference_steps"
+        )
     info = sampler.info
-    return Job(label=resolve_class(r.prompt, sampler.classes), n=r.n,
-               seed=secrets.randbits(63) if r.seed is None else r.seed,
-               steps=r.num_inference_steps or int(info["sample_steps"]),
-               guidance_scale=float(info["guidance_scale"] if r.guidance_scale is None else r.guidance_scale))
+    return Job(
+        label=resolve_class(r.prompt, sampler.classes),
+        n=r.n,
+        seed=secrets.randbits(63) if r.seed is None else r.seed,
+        steps=r.num_inference_steps or int(info["sample_steps"]),
+        guidance_scale=float(info["guidance_scale"] if r.guidance_scale is None else r.guidance_scale),
+    )
 
 
-def create_app(sampler: ExportSampler, name: str, *, api_key: str | None = None, max_batch_images: int = 16,
-               batch_wait_ms: int = 10):
+def create_app(
+    sampler: ExportSampler,
+    name: str,
+    *,
+    api_key: str | None = None,
+    max_batch_images: int = 16,
+    batch_wait_ms: int = 10,
+):
     """The FastAPI app serving `sampler`'s export as model `name`."""
     batcher = Batcher(sampler, max_batch_images, batch_wait_ms / 1000)
 
@@ -224,8 +244,12 @@ def create_app(sampler: ExportSampler, name: str, *, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "kiln",
-                                            "classes": sampler.classes}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": created, "owned_by": "kiln", "classes": sampler.classes}
+            ],
+        }
 
     @app.post("/v1/images/generations")
     async def generate(request: Request):
@@ -250,8 +274,17 @@ def create_app(sampler: ExportSampler, name: str, *, api_key: str | None = None,
     return app
 
 
-def serve(sampler: ExportSampler, name: str, *, host: str, port: int, api_key: str | None, max_batch_images: int,
-          batch_wait_ms: int, log_level: str = "warning") -> None:
+def serve(
+    sampler: ExportSampler,
+    name: str,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_batch_images: int,
+    batch_wait_ms: int,
+    log_level: str = "warning",
+) -> None:
     """Serve until interrupted (uvicorn handles SIGINT/SIGTERM)."""
     import uvicorn
 

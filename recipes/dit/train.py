@@ -22,22 +22,23 @@ from common import deepspeed as ds
 from common import lora
 from common.checkpoint import read_meta
 from common.config import TrainConfig
-from common.parallel_dims import ParallelDims
-from common.memory import Block, ModelSpec, count_params, largest_module_params
 from common.distributed import DistInfo, barrier
 from common.ema import EMA
-from common.errors import ConfigError, DataError
-from common.seed import per_sample, sample_rngs, seed_everything
 from common.engine import DeepSpeedEngine
+from common.errors import ConfigError, DataError
+from common.memory import Block, ModelSpec, count_params, largest_module_params
+from common.parallel_dims import ParallelDims
+from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
+from recipes.dit import lora as dit_lora
+from recipes.dit import pretrained
+from recipes.dit import vae as vae_lib
 from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
 from recipes.dit.evaluate import class_labels, fit_classifier, score_samples
 from recipes.dit.model import build_model, null_class, shared_conditioning, untied
 from recipes.dit.objective import Objective, sampling_scheduler, scheduler_config
-from recipes.dit import lora as dit_lora, pretrained
 from recipes.dit.parallelize import parallelize
 from recipes.dit.sampling import GRID_MAX_CLASSES, sample_images, save_grid
-from recipes.dit import vae as vae_lib
 
 
 def model_geometry(cfg: TrainConfig) -> tuple[int, int, vae_lib.VaeGeometry | None]:
@@ -60,20 +61,26 @@ class DiTTrainer(Trainer):
         meta = prepare_data(cfg, dist)  # the images: what on-the-fly training and eval read
         self.classes = class_names(meta)
         if len(self.classes) > cfg.model.num_classes:
-            raise ConfigError(f"data.root={cfg.data.root} has {len(self.classes)} classes but the model's label table "
-                              f"has model.num_classes={cfg.model.num_classes}; set model.num_classes={len(self.classes)}")
+            raise ConfigError(
+                f"data.root={cfg.data.root} has {len(self.classes)} classes but the model's label table "
+                f"has model.num_classes={cfg.model.num_classes}; set model.num_classes={len(self.classes)}"
+            )
         self.in_channels, self.sample_size, self.geometry = model_geometry(cfg)
         self.vae = None
         if self.geometry is not None:
             self.geometry = vae_lib.vae_geometry(cfg.diffusion.vae, cfg.data.image_size)  # the folder must be here now
             if self.geometry.image_channels != channels_of(meta):
-                raise DataError(f"data.root={cfg.data.root} holds {channels_of(meta)}-channel images; the VAE in "
-                                f"diffusion.vae={cfg.diffusion.vae} encodes {self.geometry.image_channels}-channel ones")
+                raise DataError(
+                    f"data.root={cfg.data.root} holds {channels_of(meta)}-channel images; the VAE in "
+                    f"diffusion.vae={cfg.diffusion.vae} encodes {self.geometry.image_channels}-channel ones"
+                )
             # Frozen, eval, fp32 and outside the module DeepSpeed wraps: never trained, never partitioned.
             self.vae = vae_lib.load_vae(self.geometry, self.device)
         elif channels_of(meta) != cfg.model.in_channels:
-            raise ConfigError(f"data.root={cfg.data.root} holds {channels_of(meta)}-channel images; set "
-                              f"model.in_channels={channels_of(meta)} (or train on latents with diffusion.vae)")
+            raise ConfigError(
+                f"data.root={cfg.data.root} holds {channels_of(meta)}-channel images; set "
+                f"model.in_channels={channels_of(meta)} (or train on latents with diffusion.vae)"
+            )
         train = load_latent_meta(cfg, vae_lib.vae_identity(cfg.diffusion.vae), meta) if cfg.data.latents else meta
         loader = build_train_loader(cfg, dist, train["train_urls"], train)
 
@@ -145,16 +152,23 @@ class DiTTrainer(Trainer):
         if self.vae is not None:
             # The VAE beside the engine: whole on every rank (no ZeRO attributes), frozen, not in the optimizer.
             params = list(self.vae.parameters())
-            flags = torch.tensor([any(hasattr(p, "ds_id") for p in params), any(p.requires_grad for p in params)],
-                                 dtype=torch.int64, device=self.device)
+            flags = torch.tensor(
+                [any(hasattr(p, "ds_id") for p in params), any(p.requires_grad for p in params)],
+                dtype=torch.int64,
+                device=self.device,
+            )
             tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
             # DeepSpeed's optimizer and partitions are built from the engine's module's parameters.
             engine_params = {id(p) for p in self.model.parameters()}
             in_engine = any(id(p) in engine_params for p in params)
             if self.dist.is_main:
                 info = json.loads(path.read_text())
-                info["vae"] = {"params": sum(p.numel() for p in params), "zero_partitioned": bool(flags[0]),
-                               "requires_grad": bool(flags[1]), "in_engine_module": in_engine}
+                info["vae"] = {
+                    "params": sum(p.numel() for p in params),
+                    "zero_partitioned": bool(flags[0]),
+                    "requires_grad": bool(flags[1]),
+                    "in_engine_module": in_engine,
+                }
                 path.write_text(json.dumps(info, indent=2))
 
     def after_step(self) -> None:  # the loop calls it after steps DeepSpeed did not skip
@@ -170,19 +184,29 @@ class DiTTrainer(Trainer):
         d = self.cfg.diffusion
         if progress and self.dist.is_main:
             sampler = "Euler (flow)" if d.objective == "flow" else "DDIM"
-            print(f"kiln: {progress}: {len(labels)} images, {d.sample_steps} {sampler} steps, guidance {d.guidance_scale}",
-                  flush=True)
+            print(
+                f"kiln: {progress}: {len(labels)} images, {d.sample_steps} {sampler} steps, guidance {d.guidance_scale}",
+                flush=True,
+            )
         show_bar = progress if self.dist.is_main and self.cfg.trainer.progress_bar else None
         decode = None if self.vae is None else functools.partial(vae_lib.decode, self.vae, geometry=self.geometry)
         was_training = self.model.training
         self.model.eval()
         with self.ema.swapped():
             images = sample_images(
-                self.model, self.sampler_config, labels,
-                null_class=self.null_class, image_size=self.sample_size,
-                in_channels=self.in_channels, steps=d.sample_steps,
-                guidance_scale=d.guidance_scale, generator=generator, device=self.device, dtype=self.dtype,
-                progress=show_bar, decode=decode,
+                self.model,
+                self.sampler_config,
+                labels,
+                null_class=self.null_class,
+                image_size=self.sample_size,
+                in_channels=self.in_channels,
+                steps=d.sample_steps,
+                guidance_scale=d.guidance_scale,
+                generator=generator,
+                device=self.device,
+                dtype=self.dtype,
+                progress=show_bar,
+                decode=decode,
             )
         self.model.train(was_training)
         return images
@@ -202,8 +226,9 @@ class DiTTrainer(Trainer):
     def evaluate(self) -> dict | None:
         d, num_classes = self.cfg.diffusion, len(self.classes)
         labels = class_labels(num_classes, d.eval_samples_per_class)
-        images = self.generate(labels, torch.Generator().manual_seed(self.cfg.trainer.seed + 999),
-                               progress="eval samples")
+        images = self.generate(
+            labels, torch.Generator().manual_seed(self.cfg.trainer.seed + 999), progress="eval samples"
+        )
         if not self.dist.is_main:
             return None
         print("kiln: eval: fitting a classifier on the real images and scoring the samples", flush=True)
@@ -212,13 +237,18 @@ class DiTTrainer(Trainer):
         result.update(classifier_accuracy_on_real_val=real_acc, chance=1.0 / num_classes, step=self.state.step)
         (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
         rows = min(num_classes, GRID_MAX_CLASSES)
-        save_grid(images[: rows * d.eval_samples_per_class: max(1, d.eval_samples_per_class // 8)], rows=rows,
-                  path=self.run_dir / "samples" / "eval.png")
+        save_grid(
+            images[: rows * d.eval_samples_per_class : max(1, d.eval_samples_per_class // 8)],
+            rows=rows,
+            path=self.run_dir / "samples" / "eval.png",
+        )
         return result
 
     def eval_summary(self, result: dict) -> str:
-        return (f"kiln: eval mean accuracy {result['mean_accuracy']:.3f} (chance {result['chance']:.2f}, "
-                f"classifier on real images {result['classifier_accuracy_on_real_val']:.3f})")
+        return (
+            f"kiln: eval mean accuracy {result['mean_accuracy']:.3f} (chance {result['chance']:.2f}, "
+            f"classifier on real images {result['classifier_accuracy_on_real_val']:.3f})"
+        )
 
     def export(self) -> Path:
         """EMA weights in diffusers format under run.dir/export/ (`write_pipeline`). Under finetune=lora: the EMA
@@ -230,7 +260,9 @@ class DiTTrainer(Trainer):
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 if self.lora_base:
-                    dit_lora.write_export(self.model, self.cfg, tmp, base=self.lora_base, write_pipeline=self.write_pipeline)
+                    dit_lora.write_export(
+                        self.model, self.cfg, tmp, base=self.lora_base, write_pipeline=self.write_pipeline
+                    )
                 else:
                     self.write_pipeline(tmp, untied(self.model))
                 shutil.rmtree(out, ignore_errors=True)
@@ -239,20 +271,50 @@ class DiTTrainer(Trainer):
         return out
 
     def write_pipeline(self, folder: Path, transformer) -> None:
-        write_pipeline(folder, transformer, self.cfg, self.geometry, self.classes, vae=self.vae, step=self.state.step,
-                       null_class=self.null_class, sample_size=self.sample_size)
+        write_pipeline(
+            folder,
+            transformer,
+            self.cfg,
+            self.geometry,
+            self.classes,
+            vae=self.vae,
+            step=self.state.step,
+            null_class=self.null_class,
+            sample_size=self.sample_size,
+        )
 
 
-def write_pipeline(folder: Path, transformer, cfg: TrainConfig, geometry: vae_lib.VaeGeometry | None, classes: list[str],
-                   *, vae, step: int, null_class: int, sample_size: int) -> None:
+def write_pipeline(
+    folder: Path,
+    transformer,
+    cfg: TrainConfig,
+    geometry: vae_lib.VaeGeometry | None,
+    classes: list[str],
+    *,
+    vae,
+    step: int,
+    null_class: int,
+    sample_size: int,
+) -> None:
     """A whole DiT export of ``transformer`` in ``folder``: transformer/ and what every DiT export holds besides
     (write_export_files)."""
     transformer.save_pretrained(folder / "transformer", safe_serialization=True)
-    write_export_files(folder, cfg, geometry, classes, vae=vae, step=step, null_class=null_class, sample_size=sample_size)
+    write_export_files(
+        folder, cfg, geometry, classes, vae=vae, step=step, null_class=null_class, sample_size=sample_size
+    )
 
 
-def write_export_files(folder: Path, cfg: TrainConfig, geometry: vae_lib.VaeGeometry | None, classes: list[str], *,
-                       vae, step: int, null_class: int, sample_size: int) -> None:
+def write_export_files(
+    folder: Path,
+    cfg: TrainConfig,
+    geometry: vae_lib.VaeGeometry | None,
+    classes: list[str],
+    *,
+    vae,
+    step: int,
+    null_class: int,
+    sample_size: int,
+) -> None:
     """What a DiT export holds besides transformer/ (the end of a run and scripts/export.py write the same):
     the sampling scheduler/, the VAE (vae/) and a DiTPipeline model_index.json for latent DDPM models, kiln.json."""
     sampling_scheduler(cfg.diffusion).save_pretrained(folder / "scheduler")
@@ -269,13 +331,25 @@ def dit_pipeline_index(classes: list[str]) -> dict:
     ids to names (DiTPipeline.get_label_ids reads it)."""
     import diffusers
 
-    return {"_class_name": "DiTPipeline", "_diffusers_version": diffusers.__version__,
-            "transformer": ["diffusers", "DiTTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
-            "scheduler": ["diffusers", "DDIMScheduler"], "id2label": {str(i): name for i, name in enumerate(classes)}}
+    return {
+        "_class_name": "DiTPipeline",
+        "_diffusers_version": diffusers.__version__,
+        "transformer": ["diffusers", "DiTTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+        "scheduler": ["diffusers", "DDIMScheduler"],
+        "id2label": {str(i): name for i, name in enumerate(classes)},
+    }
 
 
-def export_info(cfg: TrainConfig, geometry: vae_lib.VaeGeometry | None, classes: list[str], *, step: int,
-                null_class: int, sample_size: int) -> dict:
+def export_info(
+    cfg: TrainConfig,
+    geometry: vae_lib.VaeGeometry | None,
+    classes: list[str],
+    *,
+    step: int,
+    null_class: int,
+    sample_size: int,
+) -> dict:
     """kiln.json: what sampling an export needs besides the diffusers folders, and whether diffusers'
     DiTPipeline runs it. It does for latent DDPM models: its denoising loop is DDIM's here, its decode
     is vae.decode(latents / scaling_factor). It does not for pixel-space models (it always decodes
@@ -284,20 +358,38 @@ def export_info(cfg: TrainConfig, geometry: vae_lib.VaeGeometry | None, classes:
     samples every kind. DiTPipeline's guidance uses ImageNet's null class 1000, so guided sampling
     (guidance_scale > 1) through it is right only for model.num_classes=1000."""
     d = cfg.diffusion
-    why_not = ("pixel space (DiTPipeline decodes with a VAE)" if geometry is None else
-               "flow objective (DiTPipeline's loop is for DDPM schedulers)" if d.objective == "flow" else
-               "the VAE has a shift_factor (DiTPipeline's decode ignores it)" if geometry.shift_factor else None)
+    why_not = (
+        "pixel space (DiTPipeline decodes with a VAE)"
+        if geometry is None
+        else "flow objective (DiTPipeline's loop is for DDPM schedulers)"
+        if d.objective == "flow"
+        else "the VAE has a shift_factor (DiTPipeline's decode ignores it)"
+        if geometry.shift_factor
+        else None
+    )
     info = {
-        "recipe": cfg.recipe.name, "step": step, "objective": d.objective,
+        "recipe": cfg.recipe.name,
+        "step": step,
+        "objective": d.objective,
         "prediction": "velocity (noise - x_0)" if d.objective == "flow" else d.prediction_type,
-        "image_size": cfg.data.image_size, "sample_size": sample_size,
-        "num_classes": len(classes), "classes": classes, "null_class": null_class,
-        "sample_steps": d.sample_steps, "guidance_scale": d.guidance_scale,
-        "scheduler": "FlowMatchEulerDiscreteScheduler (Euler on the velocity, t from 1 to 0)" if d.objective == "flow"
+        "image_size": cfg.data.image_size,
+        "sample_size": sample_size,
+        "num_classes": len(classes),
+        "classes": classes,
+        "null_class": null_class,
+        "sample_steps": d.sample_steps,
+        "guidance_scale": d.guidance_scale,
+        "scheduler": "FlowMatchEulerDiscreteScheduler (Euler on the velocity, t from 1 to 0)"
+        if d.objective == "flow"
         else "DDIMScheduler (eta=0) on the DDPM schedule the model was trained with",
-        "latent": None if geometry is None else {"vae": "vae/", "scaling_factor": geometry.scaling_factor,
-                                                 "shift_factor": geometry.shift_factor,
-                                                 "decode": "vae.decode(latents / scaling_factor + shift_factor)"},
+        "latent": None
+        if geometry is None
+        else {
+            "vae": "vae/",
+            "scaling_factor": geometry.scaling_factor,
+            "shift_factor": geometry.shift_factor,
+            "decode": "vae.decode(latents / scaling_factor + shift_factor)",
+        },
         "diffusers_pipeline": None if why_not else "DiTPipeline",
         "sample_with": "python scripts/sample_dit.py EXPORT_DIR",
     }
@@ -318,16 +410,32 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     first_block = model.transformer_blocks[0]
     # A shared conditioning embedding belongs to no layer: counted once, with the patch embedding.
     layer = trained(first_block) - trained(shared_conditioning(model))
-    block = Block(hidden=m.num_attention_heads * m.attention_head_dim, heads=m.num_attention_heads,
-                  ffn=first_block.ff.net[-1].in_features, norm="adaln_zero", mlp="gelu", dropout=m.dropout > 0,
-                  attention="eager" if cfg.toggles.attention == "eager" else "fused", selective="save_narrow_matmuls")
+    block = Block(
+        hidden=m.num_attention_heads * m.attention_head_dim,
+        heads=m.num_attention_heads,
+        ffn=first_block.ff.net[-1].in_features,
+        norm="adaln_zero",
+        mlp="gelu",
+        dropout=m.dropout > 0,
+        attention="eager" if cfg.toggles.attention == "eager" else "fused",
+        selective="save_narrow_matmuls",
+    )
     # The DiT only: a VAE (sd-vae-ft-mse: 84M parameters, 335 MB in fp32 on every rank) sits outside
     # the engine, and a latent cache removes its activations from the step.
-    return ModelSpec(cfg.recipe.name, block, layers=m.num_layers, seq=(sample_size // m.patch_size) ** 2,
-                     micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
-                     first_params=trained(model) - m.num_layers * layer, frozen_params=count_params(model) - trained(model),
-                     gather_unit_params=largest_module_params(model), precision=cfg.toggles.precision,
-                     ac_modes=("none", "selective", "full"), ema=True)
+    return ModelSpec(
+        cfg.recipe.name,
+        block,
+        layers=m.num_layers,
+        seq=(sample_size // m.patch_size) ** 2,
+        micro_batch=cfg.trainer.micro_batch_size,
+        layer_params=layer,
+        first_params=trained(model) - m.num_layers * layer,
+        frozen_params=count_params(model) - trained(model),
+        gather_unit_params=largest_module_params(model),
+        precision=cfg.toggles.precision,
+        ac_modes=("none", "selective", "full"),
+        ema=True,
+    )
 
 
 TRAINER = DiTTrainer  # recipes/registry.py

@@ -8,9 +8,9 @@ beside the DeepSpeed engine, so it is neither in the optimizer nor in the ZeRO p
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,17 +47,26 @@ def read_vae_config(path: str | Path) -> dict:
     """config.json of a diffusers AutoencoderKL folder; ConfigError (one line) for anything else."""
     folder = resolve(path)
     if not folder.is_dir():
-        raise ConfigError(f"diffusion.vae={path}: no such folder (a diffusers AutoencoderKL folder, e.g. "
-                          f"stabilityai/sd-vae-ft-mse saved with save_pretrained)")
+        raise ConfigError(
+            f"diffusion.vae={path}: no such folder (a diffusers AutoencoderKL folder, e.g. "
+            f"stabilityai/sd-vae-ft-mse saved with save_pretrained)"
+        )
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
-        raise ConfigError(f"diffusion.vae={path} is not a diffusers AutoencoderKL folder (no readable config.json)") from None
+        raise ConfigError(
+            f"diffusion.vae={path} is not a diffusers AutoencoderKL folder (no readable config.json)"
+        ) from None
     name = config.get("_class_name") if isinstance(config, dict) else None
-    if name != "AutoencoderKL" or not isinstance(config.get("block_out_channels"), list) \
-            or not isinstance(config.get("latent_channels"), int):
-        raise ConfigError(f"diffusion.vae={path} is not a diffusers AutoencoderKL folder (its config.json describes "
-                          f"{'a ' + name if name else 'no diffusers model'})")
+    if (
+        name != "AutoencoderKL"
+        or not isinstance(config.get("block_out_channels"), list)
+        or not isinstance(config.get("latent_channels"), int)
+    ):
+        raise ConfigError(
+            f"diffusion.vae={path} is not a diffusers AutoencoderKL folder (its config.json describes "
+            f"{'a ' + name if name else 'no diffusers model'})"
+        )
     return config
 
 
@@ -69,12 +78,20 @@ def vae_geometry(path: str | Path, image_size: int, *, must_exist: bool = True) 
     config = read_vae_config(path)
     factor = 2 ** (len(config["block_out_channels"]) - 1)
     if image_size % factor:
-        raise ConfigError(f"data.image_size={image_size}: the VAE in diffusion.vae={path} downsamples by {factor} "
-                          f"(2^(len(block_out_channels)-1)); choose an image size that is a multiple of {factor}")
+        raise ConfigError(
+            f"data.image_size={image_size}: the VAE in diffusion.vae={path} downsamples by {factor} "
+            f"(2^(len(block_out_channels)-1)); choose an image size that is a multiple of {factor}"
+        )
     shift = config.get("shift_factor")
-    return VaeGeometry(resolve(path), int(config.get("in_channels", 3)), int(config["latent_channels"]), factor, image_size,
-                       scaling_factor=float(config.get("scaling_factor", 1.0)),
-                       shift_factor=float(shift) if shift is not None else 0.0)
+    return VaeGeometry(
+        resolve(path),
+        int(config.get("in_channels", 3)),
+        int(config["latent_channels"]),
+        factor,
+        image_size,
+        scaling_factor=float(config.get("scaling_factor", 1.0)),
+        shift_factor=float(shift) if shift is not None else 0.0,
+    )
 
 
 def vae_identity(path: str | Path) -> dict:

@@ -89,14 +89,29 @@ class LLMDataConfig(DataConfig):
 
 
 # The model.* keys a checkpoint's config.json decides (LlamaArgs fields of the same name) -> its config.json key.
-CHECKPOINT_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-                   "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size", "vocab_size": "vocab_size",
-                   "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "max_seq_len": "max_position_embeddings",
-                   "head_dim": "head_dim", "tie_embeddings": "tie_word_embeddings", "qk_norm": "qk_norm",
-                   "qkv_bias": "qkv_bias", "moe.num_experts": "num_experts", "moe.top_k": "num_experts_per_tok",
-                   "moe.ffn_dim": "moe_intermediate_size", "moe.norm_topk_prob": "norm_topk_prob",
-                   "moe.shared_ffn_dim": "shared_expert_intermediate_size", "moe.shared_gate": "shared_expert_gate",
-                   "moe.first_dense_layers": "mlp_only_layers", "moe.interval": "decoder_sparse_step"}
+CHECKPOINT_KEYS = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "max_seq_len": "max_position_embeddings",
+    "head_dim": "head_dim",
+    "tie_embeddings": "tie_word_embeddings",
+    "qk_norm": "qk_norm",
+    "qkv_bias": "qkv_bias",
+    "moe.num_experts": "num_experts",
+    "moe.top_k": "num_experts_per_tok",
+    "moe.ffn_dim": "moe_intermediate_size",
+    "moe.norm_topk_prob": "norm_topk_prob",
+    "moe.shared_ffn_dim": "shared_expert_intermediate_size",
+    "moe.shared_gate": "shared_expert_gate",
+    "moe.first_dense_layers": "mlp_only_layers",
+    "moe.interval": "decoder_sparse_step",
+}
 
 
 def register() -> None:
@@ -133,8 +148,10 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
         given = getattr(owner, name)
         if f"model.{key}" in command_line and given != value:
             hf_key = CHECKPOINT_KEYS.get(key, key)
-            raise ConfigError(f"model.{key}={given} disagrees with model.init_from={m.init_from}, whose config.json "
-                              f"gives {hf_key}={value}; leave model.{key} out of the command line")
+            raise ConfigError(
+                f"model.{key}={given} disagrees with model.init_from={m.init_from}, whose config.json "
+                f"gives {hf_key}={value}; leave model.{key} out of the command line"
+            )
         setattr(owner, name, value)
 
 
@@ -142,84 +159,117 @@ def validate(cfg: TrainConfig) -> None:
     m, p = cfg.model, cfg.parallel
     if not isinstance(m, LLMModelConfig):
         raise ConfigError("recipe.family=llm needs a model=llm_* config group")
-    check_family_sections(cfg, "LLM", parallel=MeshParallelConfig,
-                          layouts="FSDP2 over parallel.dp, tensor, pipeline and expert parallelism (parallel=mesh: parallel.dp/tp/pp/ep), "
-                                  "not DeepSpeed ZeRO",
-                          data=LLMDataConfig, datasets="pydoc_text, text_shards or chat_shards (token shards)")
+    check_family_sections(
+        cfg,
+        "LLM",
+        parallel=MeshParallelConfig,
+        layouts="FSDP2 over parallel.dp, tensor, pipeline and expert parallelism (parallel=mesh: parallel.dp/tp/pp/ep), "
+        "not DeepSpeed ZeRO",
+        data=LLMDataConfig,
+        datasets="pydoc_text, text_shards or chat_shards (token shards)",
+    )
     for key in ("tp", "pp", "ep"):
         if getattr(p, key) <= 0:
             raise ConfigError(f"parallel.{key}={getattr(p, key)} must be > 0")
     if p.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} is not allowed; choose one of: {', '.join(PP_SCHEDULES)}")
+        raise ConfigError(
+            f"parallel.pp_schedule={p.pp_schedule!r} is not allowed; choose one of: {', '.join(PP_SCHEDULES)}"
+        )
     if cfg.data.max_seq_len <= 0:
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")
     if cfg.data.eval_docs <= 0:
         raise ConfigError(f"data.eval_docs={cfg.data.eval_docs} must be > 0 (trainer.eval=false turns the eval off)")
     if m.rope_scaling.rope_type not in ("default", "llama3"):
-        raise ConfigError(f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not allowed; choose default or llama3")
+        raise ConfigError(
+            f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not allowed; choose default or llama3"
+        )
     if not m.head_dim and m.dim % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (or set model.head_dim)")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")
     if m.n_kv_heads % p.tp or m.ffn_dim % p.tp:
-        raise ConfigError(f"parallel.tp={p.tp} must divide model.n_kv_heads={m.n_kv_heads} and model.ffn_dim={m.ffn_dim}")
+        raise ConfigError(
+            f"parallel.tp={p.tp} must divide model.n_kv_heads={m.n_kv_heads} and model.ffn_dim={m.ffn_dim}"
+        )
     if p.ep > 1 and not m.moe.num_experts:
-        raise ConfigError(f"parallel.ep={p.ep} needs an MoE model (model.moe.num_experts > 0): a dense model has no experts to split")
+        raise ConfigError(
+            f"parallel.ep={p.ep} needs an MoE model (model.moe.num_experts > 0): a dense model has no experts to split"
+        )
     if p.dp > 0:
         check_ep_divides_dp(p.ep, p.dp)
     if m.moe.num_experts:
         validate_moe(cfg)
     elif m.qkv_bias:
-        raise ConfigError("model.qkv_bias=true without MoE (dense Qwen2) is not supported; it goes with model.moe.shared_ffn_dim")
+        raise ConfigError(
+            "model.qkv_bias=true without MoE (dense Qwen2) is not supported; it goes with model.moe.shared_ffn_dim"
+        )
     if p.pp > 1:
         stages = p.pp * (2 if p.pp_schedule == "interleaved_1f1b" else 1)
         if m.n_layers < stages:
-            raise ConfigError(f"parallel.pp={p.pp} with pp_schedule={p.pp_schedule} needs {stages} pipeline stages "
-                              f"but model.n_layers={m.n_layers}")
+            raise ConfigError(
+                f"parallel.pp={p.pp} with pp_schedule={p.pp_schedule} needs {stages} pipeline stages "
+                f"but model.n_layers={m.n_layers}"
+            )
         if m.loss_parallel:
             raise ConfigError("model.loss_parallel is not supported with parallel.pp>1 yet")
         if p.pp_microbatches < 0:
             raise ConfigError("parallel.pp_microbatches must be >= 0 (0 = parallel.pp)")
         if p.pp_schedule == "interleaved_1f1b" and (p.pp_microbatches or p.pp) % p.pp:
-            raise ConfigError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_microbatches divisible by parallel.pp")
+            raise ConfigError(
+                "parallel.pp_schedule=interleaved_1f1b needs parallel.pp_microbatches divisible by parallel.pp"
+            )
     if cfg.data.max_seq_len > m.max_seq_len:
         # With init_from, model.max_seq_len is the checkpoint's max_position_embeddings: rows longer
         # than the positions it was trained on are refused rather than extrapolated.
         source = f" (max_position_embeddings of model.init_from={m.init_from})" if m.init_from else ""
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} exceeds model.max_seq_len={m.max_seq_len}{source}")
     if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
-        raise ConfigError("finetune=lora trains an adapter on a base checkpoint: set model.init_from=<a Hugging Face Llama folder>")
+        raise ConfigError(
+            "finetune=lora trains an adapter on a base checkpoint: set model.init_from=<a Hugging Face Llama folder>"
+        )
     if cfg.finetune == "lora" and p.tp > 1:
         # peft wraps nn.Linear; tensor parallelism would need its own styles for lora_A/lora_B (A replicated
         # beside a column-sharded base, row-sharded beside wo/w2) and DTensor-aware merging: not done yet.
-        raise ConfigError(f"finetune=lora with parallel.tp={p.tp}: LoRA runs under FSDP2 (parallel.dp) and pipeline "
-                          "parallelism (parallel.pp), not tensor parallelism yet (parallel.tp=1)")
+        raise ConfigError(
+            f"finetune=lora with parallel.tp={p.tp}: LoRA runs under FSDP2 (parallel.dp) and pipeline "
+            "parallelism (parallel.pp), not tensor parallelism yet (parallel.tp=1)"
+        )
     check_qlora_layout(cfg, max(p.dp, 1), p.tp, p.pp)  # dp=-1 (the world's) is checked again once it is known
     if cfg.lora.quantize_base == "nf4" and cfg.toggles.compile:
-        raise ConfigError("lora.quantize_base=nf4 with toggles.compile=true is not supported yet: torch.compile of the "
-                          "NF4 weights is untested here; use toggles.compile=false")
+        raise ConfigError(
+            "lora.quantize_base=nf4 with toggles.compile=true is not supported yet: torch.compile of the "
+            "NF4 weights is untested here; use toggles.compile=false"
+        )
     if cfg.finetune == "lora" and m.moe.num_experts:
         # The experts are stacked weights, not linears: adapters on them need peft's target_parameters, and a
         # PEFT folder for Mixtral/Qwen-MoE names per-expert modules. Not done yet.
-        raise ConfigError(f"finetune=lora on an MoE model (model.moe.num_experts={m.moe.num_experts}) is not supported yet; "
-                          "LoRA fine-tunes dense models")
+        raise ConfigError(
+            f"finetune=lora on an MoE model (model.moe.num_experts={m.moe.num_experts}) is not supported yet; "
+            "LoRA fine-tunes dense models"
+        )
     if cfg.toggles.precision == "fp16":
         # Loss-scaled fp16 under FSDP2 (a sharded grad scaler) is not implemented; bf16 needs no scaling.
         raise ConfigError("toggles.precision=fp16 is not offered by the LLM recipe; use bf16 (or fp32)")
     if cfg.toggles.precision == "fp8" and p.tp > 1:
         # torchao's float8 linears need their own tensor-parallel styles (Float8ColwiseParallel, ...).
-        raise ConfigError(f"toggles.precision=fp8 with parallel.tp={p.tp}: the LLM recipe converts to fp8 without "
-                          "tensor parallelism only (parallel.tp=1)")
+        raise ConfigError(
+            f"toggles.precision=fp8 with parallel.tp={p.tp}: the LLM recipe converts to fp8 without "
+            "tensor parallelism only (parallel.tp=1)"
+        )
     if cfg.toggles.attention == "eager":
-        raise ConfigError("toggles.attention=eager is not in the LLM recipe: its own Llama runs sdpa (a dense mask) "
-                          "or flash (the varlen kernel on packed rows)")
+        raise ConfigError(
+            "toggles.attention=eager is not in the LLM recipe: its own Llama runs sdpa (a dense mask) "
+            "or flash (the varlen kernel on packed rows)"
+        )
 
 
 def check_qlora_layout(cfg: TrainConfig, dp: int, tp: int, pp: int) -> None:
     if cfg.lora.quantize_base == "nf4" and (dp, tp, pp) != (1, 1, 1):
         # FSDP2 would have to shard and gather NF4 tensors (torchao implements it, Kiln does not wire it yet).
-        raise ConfigError(f"lora.quantize_base=nf4 runs on one GPU (parallel.dp=1, tp=1, pp=1); this run has "
-                          f"dp={dp}, tp={tp}, pp={pp}")
+        raise ConfigError(
+            f"lora.quantize_base=nf4 runs on one GPU (parallel.dp=1, tp=1, pp=1); this run has "
+            f"dp={dp}, tp={tp}, pp={pp}"
+        )
 
 
 def validate_moe(cfg: TrainConfig) -> None:
@@ -239,36 +289,64 @@ def validate_moe(cfg: TrainConfig) -> None:
     if moe.interval < 1:
         raise ConfigError(f"model.moe.interval={moe.interval} must be >= 1")
     if not any(i >= moe.first_dense_layers and (i + 1) % moe.interval == 0 for i in range(m.n_layers)):
-        raise ConfigError(f"model.moe.first_dense_layers={moe.first_dense_layers} and model.moe.interval={moe.interval} "
-                          f"leave no MoE layer among model.n_layers={m.n_layers}")
+        raise ConfigError(
+            f"model.moe.first_dense_layers={moe.first_dense_layers} and model.moe.interval={moe.interval} "
+            f"leave no MoE layer among model.n_layers={m.n_layers}"
+        )
     for key in ("aux_loss_coef", "z_loss_coef"):
         if getattr(moe, key) < 0:
             raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0")
     if moe.num_experts % p.ep:
-        raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.num_experts={moe.num_experts} (each ep rank holds "
-                          "num_experts / ep experts)")
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide model.moe.num_experts={moe.num_experts} (each ep rank holds "
+            "num_experts / ep experts)"
+        )
     if p.tp > 1:
-        raise ConfigError(f"parallel.tp={p.tp} with model.moe.num_experts={moe.num_experts}: the MoE layers have no "
-                          "tensor-parallel plan (parallel.ep splits the experts instead) yet")
+        raise ConfigError(
+            f"parallel.tp={p.tp} with model.moe.num_experts={moe.num_experts}: the MoE layers have no "
+            "tensor-parallel plan (parallel.ep splits the experts instead) yet"
+        )
     if cfg.toggles.precision == "fp8":
-        raise ConfigError("toggles.precision=fp8 with model.moe.num_experts>0: the experts' grouped GEMM has no fp8 path")
+        raise ConfigError(
+            "toggles.precision=fp8 with model.moe.num_experts>0: the experts' grouped GEMM has no fp8 path"
+        )
     if cfg.toggles.compile and cfg.toggles.precision != "bf16":
         # torch.compile traces torch._grouped_mm through its meta kernel, which takes bf16 only (torch 2.13; eager
         # runs fp32 too): checked here, fp32 stops in the trace, bf16 trains (ep=2 included).
-        raise ConfigError(f"toggles.compile=true with model.moe.num_experts>0 needs toggles.precision=bf16 (got "
-                          f"{cfg.toggles.precision}): the experts' grouped GEMM compiles in bf16 only")
+        raise ConfigError(
+            f"toggles.compile=true with model.moe.num_experts>0 needs toggles.precision=bf16 (got "
+            f"{cfg.toggles.precision}): the experts' grouped GEMM compiles in bf16 only"
+        )
     if p.ep > 1 and cfg.toggles.activation_checkpointing == "selective":
         # The experts are an FSDP2 unit of their own inside each checkpointed block: its hooks run other ops in the
         # recompute than in the forward, and selective AC replays a forward's ops by position. Full AC does not.
-        raise ConfigError(f"toggles.activation_checkpointing=selective with parallel.ep={p.ep} is not supported yet; "
-                          "use toggles.activation_checkpointing=full")
+        raise ConfigError(
+            f"toggles.activation_checkpointing=selective with parallel.ep={p.ep} is not supported yet; "
+            "use toggles.activation_checkpointing=full"
+        )
     from recipes.llm.hf_adapter import hf_model_type
     from recipes.llm.model import LlamaArgs, MoEArgs
 
     try:  # every model is exported in a Hugging Face format: refuse one that has none
-        hf_model_type(LlamaArgs(dim=8, n_layers=m.n_layers, n_heads=1, n_kv_heads=1, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, moe=MoEArgs(
-            num_experts=moe.num_experts, top_k=moe.top_k, ffn_dim=8, norm_topk_prob=moe.norm_topk_prob,
-            shared_ffn_dim=moe.shared_ffn_dim, shared_gate=moe.shared_gate, first_dense_layers=moe.first_dense_layers,
-            interval=moe.interval)))
+        hf_model_type(
+            LlamaArgs(
+                dim=8,
+                n_layers=m.n_layers,
+                n_heads=1,
+                n_kv_heads=1,
+                qk_norm=m.qk_norm,
+                qkv_bias=m.qkv_bias,
+                moe=MoEArgs(
+                    num_experts=moe.num_experts,
+                    top_k=moe.top_k,
+                    ffn_dim=8,
+                    norm_topk_prob=moe.norm_topk_prob,
+                    shared_ffn_dim=moe.shared_ffn_dim,
+                    shared_gate=moe.shared_gate,
+                    first_dense_layers=moe.first_dense_layers,
+                    interval=moe.interval,
+                ),
+            )
+        )
     except ValueError as exc:
         raise ConfigError(f"model.moe: no Hugging Face architecture to export to: {exc}") from None

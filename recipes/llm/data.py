@@ -42,9 +42,11 @@ def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
     """
     meta = prepare_dataset(cfg.data, dist, asset=TOKENIZER_DIR)
     if meta.get("format") == "chat" and meta["longest_sample"] > cfg.data.max_seq_len:
-        raise DataError(f"data.root={cfg.data.root} holds conversations of up to {meta['longest_sample']} tokens, more than "
-                        f"data.max_seq_len={cfg.data.max_seq_len}: raise data.max_seq_len or rebuild it with "
-                        f"the prepare_chat builder: --max-seq-len {cfg.data.max_seq_len} ... --force")
+        raise DataError(
+            f"data.root={cfg.data.root} holds conversations of up to {meta['longest_sample']} tokens, more than "
+            f"data.max_seq_len={cfg.data.max_seq_len}: raise data.max_seq_len or rebuild it with "
+            f"the prepare_chat builder: --max-seq-len {cfg.data.max_seq_len} ... --force"
+        )
     return meta
 
 
@@ -70,7 +72,9 @@ def decode_document(sample: dict) -> dict:
     """
     ids = np.load(io.BytesIO(sample["ids.npy"]), allow_pickle=False)
     if ids.ndim != 1 or ids.size < 2 or ids.dtype.kind not in "iu":
-        raise ValueError(f"{sample.get('__key__')}: expected a 1-D integer array of >= 2 ids, got {ids.dtype} {ids.shape}")
+        raise ValueError(
+            f"{sample.get('__key__')}: expected a 1-D integer array of >= 2 ids, got {ids.dtype} {ids.shape}"
+        )
     input_ids = torch.from_numpy(ids.astype(np.int64))
     if "mask.npy" not in sample:
         return {"input_ids": input_ids, "labels": input_ids}
@@ -96,11 +100,19 @@ def chunk_document(ids: torch.Tensor, max_len: int) -> list[torch.Tensor]:
 
 def build_train_loader(cfg: TrainConfig, urls: list[str], dp: int):
     micro = cfg.trainer.micro_batch_size
-    loader = train_loader(cfg, urls, decode=decode_document, collate=list,
-                          batch_size=micro * dp,  # the global micro-batch, in documents
-                          rank=0, world_size=1)  # one stream, sliced per dp rank in `local_batch`
-    loader.resume_hints["batch_size"] = (f"documents per micro-batch: trainer.micro_batch_size={micro} x dp={dp} "
-                                         "data-parallel ranks; set them so that their product is {saved}")
+    loader = train_loader(
+        cfg,
+        urls,
+        decode=decode_document,
+        collate=list,
+        batch_size=micro * dp,  # the global micro-batch, in documents
+        rank=0,
+        world_size=1,
+    )  # one stream, sliced per dp rank in `local_batch`
+    loader.resume_hints["batch_size"] = (
+        f"documents per micro-batch: trainer.micro_batch_size={micro} x dp={dp} "
+        "data-parallel ranks; set them so that their product is {saved}"
+    )
     return loader
 
 
@@ -110,7 +122,9 @@ def local_batch(documents: list[dict], *, dp_rank: int, dp: int, max_seq_len: in
     samples = [
         {"input_ids": ids, "labels": labels}
         for doc in documents[dp_rank::dp]
-        for ids, labels in zip(chunk_document(doc["input_ids"], max_seq_len), chunk_document(doc["labels"], max_seq_len))
+        for ids, labels in zip(
+            chunk_document(doc["input_ids"], max_seq_len), chunk_document(doc["labels"], max_seq_len)
+        )
     ]
     return pack_samples(samples, max_seq_len, pad_id)
 

@@ -31,8 +31,10 @@ def _model_args(cfg, path: Path, max_shard_size: str | None):
     cfg.model = OmegaConf.merge(OmegaConf.structured(LLMModelConfig), cfg.model)
     source = cfg.model.init_from or None
     if source and not Path(source).is_dir():
-        raise UserError(f"the run started from model.init_from={source}, which is gone (its config and tokenizer go "
-                        "into the export)")
+        raise UserError(
+            f"the run started from model.init_from={source}, which is gone (its config and tokenizer go "
+            "into the export)"
+        )
     tokenizer = hf.load_tokenizer(source) if source else load_tokenizer(cfg.data.root)
     return llama_args(cfg, len(tokenizer)), tokenizer
 

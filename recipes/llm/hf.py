@@ -20,8 +20,14 @@ import torch
 from common.errors import ConfigError, DataError
 from common.lora import base_key, is_adapter_key
 from common.weights import check_folder
-from recipes.llm.hf_adapter import (HF_ARCHITECTURES, from_hf_state_dict, hf_model_type, is_expert_key, to_hf_config,
-                                    to_hf_state_dict)
+from recipes.llm.hf_adapter import (
+    HF_ARCHITECTURES,
+    from_hf_state_dict,
+    hf_model_type,
+    is_expert_key,
+    to_hf_config,
+    to_hf_state_dict,
+)
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoEArgs, Transformer
 
 if TYPE_CHECKING:
@@ -64,13 +70,22 @@ def checkpoint_args(folder: str | Path) -> LlamaArgs:
         expected = {k: tuple(t.shape) for k, t in to_hf_state_dict(Transformer(args).state_dict(), args).items()}
     missing = sorted(expected.keys() - weights.keys())
     if missing:
-        raise _error(folder, f"its safetensors lack {len(missing)} of the {len(expected)} weights its config.json "
-                             f"describes (first: {missing[0]})")
-    extra = sorted(k for k in weights.keys() - expected.keys()
-                   if not k.endswith(_IGNORED_WEIGHTS) and not (k == "lm_head.weight" and args.tie_embeddings))
+        raise _error(
+            folder,
+            f"its safetensors lack {len(missing)} of the {len(expected)} weights its config.json "
+            f"describes (first: {missing[0]})",
+        )
+    extra = sorted(
+        k
+        for k in weights.keys() - expected.keys()
+        if not k.endswith(_IGNORED_WEIGHTS) and not (k == "lm_head.weight" and args.tie_embeddings)
+    )
     if extra:
-        raise _error(folder, f"{len(extra)} weights that a {HF_ARCHITECTURES[hf_model_type(args)]} does not have "
-                             f"(first: {extra[0]}); not supported")
+        raise _error(
+            folder,
+            f"{len(extra)} weights that a {HF_ARCHITECTURES[hf_model_type(args)]} does not have "
+            f"(first: {extra[0]}); not supported",
+        )
     for key, shape in expected.items():
         if weights[key][0] != shape:
             raise _error(folder, f"{key} has shape {list(weights[key][0])} but config.json implies {list(shape)}")
@@ -84,8 +99,11 @@ def _hf_config(folder: Path):
     if not folder.is_dir():
         raise _error(folder, "no such directory")
     if (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir():
-        raise _error(folder, f"a Kiln run dir, not a Hugging Face model folder; fine-tune from its export "
-                             f"(model.init_from={folder / 'export'}, see scripts/export.py) or continue it with run.resume")
+        raise _error(
+            folder,
+            f"a Kiln run dir, not a Hugging Face model folder; fine-tune from its export "
+            f"(model.init_from={folder / 'export'}, see scripts/export.py) or continue it with run.resume",
+        )
     if not (folder / "config.json").is_file():
         kind = " (a diffusers export: a DiT, not a Llama)" if (folder / "transformer").is_dir() else ""
         raise _error(folder, f"no config.json, so not a Hugging Face model folder{kind}")
@@ -96,13 +114,18 @@ def _hf_config(folder: Path):
     model_type = raw.get("model_type")
     if model_type not in HF_ARCHITECTURES:
         why = f": {_UNSUPPORTED_TYPES[model_type]}" if model_type in _UNSUPPORTED_TYPES else ""
-        raise _error(folder, f"model_type={model_type!r} in config.json is not supported{why} "
-                             f"(supported: {', '.join(HF_ARCHITECTURES)})")
+        raise _error(
+            folder,
+            f"model_type={model_type!r} in config.json is not supported{why} "
+            f"(supported: {', '.join(HF_ARCHITECTURES)})",
+        )
     architecture = HF_ARCHITECTURES[model_type]
     architectures = raw.get("architectures") or [architecture]
     if architecture not in architectures:
-        raise _error(folder, f"architectures={architectures} is not supported (only {architecture} for "
-                             f"model_type={model_type!r})")
+        raise _error(
+            folder,
+            f"architectures={architectures} is not supported (only {architecture} for model_type={model_type!r})",
+        )
 
     from transformers import AutoConfig
 
@@ -130,7 +153,9 @@ def _hf_config(folder: Path):
     for key, (value, allowed) in unsupported.items():
         if value not in allowed:
             shown = f"rope_scaling type {value!r}" if key == "rope_type" else f"{key}={value!r}"
-            raise _error(folder, f"{shown} in config.json is not supported (supported: {', '.join(map(repr, allowed))})")
+            raise _error(
+                folder, f"{shown} in config.json is not supported (supported: {', '.join(map(repr, allowed))})"
+            )
     return config
 
 
@@ -139,26 +164,49 @@ def llama_args_from_hf(config) -> LlamaArgs:
     rope = config.rope_parameters
     scaling = None
     if rope.get("rope_type", "default") == "llama3":
-        scaling = Llama3RopeScaling(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
-                                    high_freq_factor=rope["high_freq_factor"],
-                                    original_max_position_embeddings=rope["original_max_position_embeddings"])
+        scaling = Llama3RopeScaling(
+            factor=rope["factor"],
+            low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"],
+            original_max_position_embeddings=rope["original_max_position_embeddings"],
+        )
     model_type = config.model_type
     moe = None
     if model_type == "mixtral":
-        moe = MoEArgs(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
-                      ffn_dim=config.intermediate_size, norm_topk_prob=True)
+        moe = MoEArgs(
+            num_experts=config.num_local_experts,
+            top_k=config.num_experts_per_tok,
+            ffn_dim=config.intermediate_size,
+            norm_topk_prob=True,
+        )
     elif model_type in ("qwen3_moe", "qwen2_moe"):
-        moe = MoEArgs(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
-                      ffn_dim=config.moe_intermediate_size, norm_topk_prob=bool(config.norm_topk_prob),
-                      shared_ffn_dim=getattr(config, "shared_expert_intermediate_size", 0), shared_gate=True,
-                      first_dense_layers=len(config.mlp_only_layers or []), interval=config.decoder_sparse_step)
-    return LlamaArgs(dim=config.hidden_size, n_layers=config.num_hidden_layers, n_heads=config.num_attention_heads,
-                     n_kv_heads=config.num_key_value_heads or config.num_attention_heads, vocab_size=config.vocab_size,
-                     ffn_dim=config.intermediate_size, norm_eps=config.rms_norm_eps, rope_theta=rope["rope_theta"],
-                     max_seq_len=config.max_position_embeddings, tie_embeddings=bool(config.tie_word_embeddings),
-                     head_dim=getattr(config, "head_dim", None) or 0, rope_scaling=scaling,
-                     qk_norm=model_type in ("qwen3", "qwen3_moe"),
-                     qkv_bias=model_type == "qwen2_moe" and bool(config.qkv_bias), moe=moe)
+        moe = MoEArgs(
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            ffn_dim=config.moe_intermediate_size,
+            norm_topk_prob=bool(config.norm_topk_prob),
+            shared_ffn_dim=getattr(config, "shared_expert_intermediate_size", 0),
+            shared_gate=True,
+            first_dense_layers=len(config.mlp_only_layers or []),
+            interval=config.decoder_sparse_step,
+        )
+    return LlamaArgs(
+        dim=config.hidden_size,
+        n_layers=config.num_hidden_layers,
+        n_heads=config.num_attention_heads,
+        n_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        ffn_dim=config.intermediate_size,
+        norm_eps=config.rms_norm_eps,
+        rope_theta=rope["rope_theta"],
+        max_seq_len=config.max_position_embeddings,
+        tie_embeddings=bool(config.tie_word_embeddings),
+        head_dim=getattr(config, "head_dim", None) or 0,
+        rope_scaling=scaling,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qkv_bias=model_type == "qwen2_moe" and bool(config.qkv_bias),
+        moe=moe,
+    )
 
 
 def safetensors_weights(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -169,8 +217,10 @@ def safetensors_weights(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         found = sorted(p.name for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
-        raise _error(folder, "no *.safetensors weights" + (f" (found {', '.join(found)}: only safetensors are read)"
-                                                           if found else ""))
+        raise _error(
+            folder,
+            "no *.safetensors weights" + (f" (found {', '.join(found)}: only safetensors are read)" if found else ""),
+        )
     index = folder / WEIGHT_INDEX
     if index.is_file():
         named = set(json.loads(index.read_text()).get("weight_map", {}).values())
@@ -178,8 +228,11 @@ def safetensors_weights(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.
         if absent:
             raise _error(folder, f"{WEIGHT_INDEX} names {len(absent)} missing file(s) (first: {absent[0]})")
     headers = check_folder(folder, f"model.init_from={folder}")  # one line for a file cut short (common/weights.py)
-    return {key: (tuple(entry["shape"]), _getdtype(entry["dtype"])) for tensors in headers.values()
-            for key, entry in tensors.items()}
+    return {
+        key: (tuple(entry["shape"]), _getdtype(entry["dtype"]))
+        for tensors in headers.values()
+        for key, entry in tensors.items()
+    }
 
 
 def weights_dtype(folder: str | Path) -> torch.dtype:
@@ -201,16 +254,21 @@ def check_same_tokenizer(data_tokenizer, checkpoint_tokenizer, data_root: str, f
     """DataError (one line) unless the data was tokenized with the checkpoint's tokenizer: the same
     vocabulary (added tokens included) and the same bos/eos ids."""
     a, b = data_tokenizer, checkpoint_tokenizer
-    differs = [f"{name}_token_id {getattr(a, f'{name}_token_id')} vs {getattr(b, f'{name}_token_id')}"
-               for name in ("bos", "eos") if getattr(a, f"{name}_token_id") != getattr(b, f"{name}_token_id")]
+    differs = [
+        f"{name}_token_id {getattr(a, f'{name}_token_id')} vs {getattr(b, f'{name}_token_id')}"
+        for name in ("bos", "eos")
+        if getattr(a, f"{name}_token_id") != getattr(b, f"{name}_token_id")
+    ]
     if len(a) != len(b):
         differs.insert(0, f"{len(a)} vs {len(b)} tokens")
     elif not differs and a.get_vocab() != b.get_vocab():
         differs.append("the same size but different tokens")
     if differs:
-        raise DataError(f"data.root={data_root} was tokenized with another tokenizer than model.init_from={folder} "
-                        f"({'; '.join(differs)}); tokenize the data with the checkpoint's tokenizer "
-                        f"(the prepare_text builder: --tokenizer {folder} ...)")
+        raise DataError(
+            f"data.root={data_root} was tokenized with another tokenizer than model.init_from={folder} "
+            f"({'; '.join(differs)}); tokenize the data with the checkpoint's tokenizer "
+            f"(the prepare_text builder: --tokenizer {folder} ...)"
+        )
 
 
 # ---- weights in: each rank reads its own slices --------------------------------------------------
@@ -254,14 +312,22 @@ def load_weights(model: Transformer, args: LlamaArgs, folder: str | Path) -> Non
     # experts' per-expert entries were views of the stacked weights this rank holds: DCP wrote them in place.
     dense = {k for k in base if not is_expert_key(k)}
     loaded = from_hf_state_dict(to_hf_state_dict({k: base[k] for k in dense}, args), args)
-    set_model_state_dict(model, {names[k]: loaded[k] for k in dense}, options=StateDictOptions(strict=len(dense) == len(state)))
+    set_model_state_dict(
+        model, {names[k]: loaded[k] for k in dense}, options=StateDictOptions(strict=len(dense) == len(state))
+    )
 
 
 # ---- the export folder --------------------------------------------------------------------------
 
 
-def write_hf_folder(state_dict: dict[str, torch.Tensor], args: LlamaArgs, out: Path, *,
-                    tokenizer: PreTrainedTokenizerBase, source: str | Path | None = None) -> None:
+def write_hf_folder(
+    state_dict: dict[str, torch.Tensor],
+    args: LlamaArgs,
+    out: Path,
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    source: str | Path | None = None,
+) -> None:
     """A Hugging Face folder (:func:`hf_model_type`'s architecture) from a full (consolidated, CPU) Kiln state dict.
 
     With ``source`` (the run's model.init_from) the folder keeps the source's own files (config.json with
@@ -286,10 +352,13 @@ def write_hf_folder(state_dict: dict[str, torch.Tensor], args: LlamaArgs, out: P
             if path.is_file() and path.suffix not in _WEIGHT_SUFFIXES and path.name not in _WEIGHT_INDEXES:
                 shutil.copy2(path, out / path.name)
         return
-    config = to_hf_config(args, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                          pad_token_id=tokenizer.pad_token_id)
+    config = to_hf_config(
+        args,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     config.architectures, config.dtype = [HF_ARCHITECTURES[hf_model_type(args)]], torch.float32  # as save_pretrained
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-

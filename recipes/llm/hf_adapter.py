@@ -27,8 +27,13 @@ from recipes.llm.model import LlamaArgs
 # embedding, loads and exports.
 # --------------------------------------------------------------------------------------------
 
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                    "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
 _ATTENTION_KEYS = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
@@ -52,8 +57,10 @@ _KILN_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _KILN_EXPERTS = re.compile(r"moe\.experts\.(w[123])")
 # Per-expert names on disk: Mixtral keeps its original checkpoint names, the Qwen MoEs nn.Linear-style ones.
-_HF_EXPERTS = {"mixtral": re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight"),
-               "qwen": re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight")}
+_HF_EXPERTS = {
+    "mixtral": re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight"),
+    "qwen": re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight"),
+}
 
 
 def hf_model_type(args: LlamaArgs) -> str:
@@ -65,7 +72,9 @@ def hf_model_type(args: LlamaArgs) -> str:
         return "qwen3" if args.qk_norm else "llama"
     if moe.shared_ffn_dim:
         if not moe.shared_gate or args.qk_norm:
-            raise ValueError("a shared expert is Qwen2-MoE's: with its sigmoid gate (moe.shared_gate) and without qk_norm")
+            raise ValueError(
+                "a shared expert is Qwen2-MoE's: with its sigmoid gate (moe.shared_gate) and without qk_norm"
+            )
         return "qwen2_moe"
     if args.qkv_bias:
         raise ValueError("q/k/v biases are Qwen2-MoE's: they need its shared expert (moe.shared_ffn_dim)")
@@ -73,8 +82,10 @@ def hf_model_type(args: LlamaArgs) -> str:
         return "qwen3_moe"
     if moe.norm_topk_prob and moe.first_dense_layers == 0 and moe.interval == 1:
         return "mixtral"
-    raise ValueError("an MoE without qk_norm or a shared expert is Mixtral's, which renormalizes the top-k "
-                     "probabilities (moe.norm_topk_prob) and has no dense layers (moe.first_dense_layers=0, moe.interval=1)")
+    raise ValueError(
+        "an MoE without qk_norm or a shared expert is Mixtral's, which renormalizes the top-k "
+        "probabilities (moe.norm_topk_prob) and has no dense layers (moe.first_dense_layers=0, moe.interval=1)"
+    )
 
 
 def _layer_keys(args: LlamaArgs, layer_id: int) -> dict[str, str]:
@@ -111,7 +122,9 @@ def _held_experts(t: Tensor) -> tuple[int, tuple[Tensor, ...]]:
         return 0, t.unbind(0)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if any(not (p.is_replicate() or p.is_shard(0) or (isinstance(p, _StridedShard) and p.dim == 0)) for p in t.placements):
+    if any(
+        not (p.is_replicate() or p.is_shard(0) or (isinstance(p, _StridedShard) and p.dim == 0)) for p in t.placements
+    ):
         raise RuntimeError(f"experts sharded as {t.placements}: only over the experts (Shard(0))")
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return offset[0], t.to_local().unbind(0)
@@ -134,10 +147,21 @@ def to_hf_config(args: LlamaArgs, **token_ids: int | list[int] | None):
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling is not None:
         rope.update(rope_type="llama3", **dataclasses.asdict(args.rope_scaling))
-    common = dict(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
-                  num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-                  head_dim=args.head_dim, hidden_act="silu", max_position_embeddings=args.max_seq_len,
-                  rms_norm_eps=args.norm_eps, rope_parameters=rope, tie_word_embeddings=args.tie_embeddings, **ids)
+    common = dict(
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.ffn_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=args.max_seq_len,
+        rms_norm_eps=args.norm_eps,
+        rope_parameters=rope,
+        tie_word_embeddings=args.tie_embeddings,
+        **ids,
+    )
     model_type, moe = hf_model_type(args), args.moe
     if model_type == "llama":
         return transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False)
@@ -145,15 +169,26 @@ def to_hf_config(args: LlamaArgs, **token_ids: int | list[int] | None):
         return transformers.Qwen3Config(**common, attention_bias=False, use_sliding_window=False)
     routed = dict(num_experts_per_tok=moe.top_k)
     if model_type == "mixtral":
-        return transformers.MixtralConfig(**{**common, "intermediate_size": moe.ffn_dim}, **routed,
-                                          num_local_experts=moe.num_experts, sliding_window=None)
-    qwen_moe = dict(**routed, num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_dim,
-                    norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=moe.interval,
-                    mlp_only_layers=list(range(moe.first_dense_layers)), use_sliding_window=False)
+        return transformers.MixtralConfig(
+            **{**common, "intermediate_size": moe.ffn_dim},
+            **routed,
+            num_local_experts=moe.num_experts,
+            sliding_window=None,
+        )
+    qwen_moe = dict(
+        **routed,
+        num_experts=moe.num_experts,
+        moe_intermediate_size=moe.ffn_dim,
+        norm_topk_prob=moe.norm_topk_prob,
+        decoder_sparse_step=moe.interval,
+        mlp_only_layers=list(range(moe.first_dense_layers)),
+        use_sliding_window=False,
+    )
     if model_type == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, **qwen_moe, attention_bias=False)
-    return transformers.Qwen2MoeConfig(**common, **qwen_moe, shared_expert_intermediate_size=moe.shared_ffn_dim,
-                                       qkv_bias=args.qkv_bias)
+    return transformers.Qwen2MoeConfig(
+        **common, **qwen_moe, shared_expert_intermediate_size=moe.shared_ffn_dim, qkv_bias=args.qkv_bias
+    )
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
@@ -182,7 +217,9 @@ def to_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor
             continue
         names = _layer_keys(args, layer) if layer < args.n_layers else {}
         if m is None or m.group(2) not in names:
-            raise KeyError(f"not a Kiln {HF_ARCHITECTURES[model_type]} state-dict key for {args.n_layers} layers: {key!r}")
+            raise KeyError(
+                f"not a Kiln {HF_ARCHITECTURES[model_type]} state-dict key for {args.n_layers} layers: {key!r}"
+            )
         out[f"model.layers.{layer}.{names[m.group(2)]}"] = t
     return out
 

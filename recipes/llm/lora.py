@@ -51,8 +51,9 @@ def write_export(state: dict[str, torch.Tensor], args: LlamaArgs, cfg: TrainConf
     write_adapter_folder(out, adapter, config)
     tokenizer.save_pretrained(str(out))
     if cfg.export.merge_lora:
-        hf.write_hf_folder(merged_state_dict(state, args, cfg), args, out / "merged", tokenizer=tokenizer,
-                           source=cfg.model.init_from)
+        hf.write_hf_folder(
+            merged_state_dict(state, args, cfg), args, out / "merged", tokenizer=tokenizer, source=cfg.model.init_from
+        )
 
 
 def adapted_model(args: LlamaArgs, cfg: TrainConfig) -> Transformer:
@@ -64,6 +65,8 @@ def adapted_model(args: LlamaArgs, cfg: TrainConfig) -> Transformer:
     model.to_empty(device="cpu")
     model.init_buffers()
     hf.load_weights(model, args, cfg.model.init_from)
-    if cfg.lora.get("quantize_base", "none") == "nf4":  # the base the adapter was trained on (the merged export merges into it)
+    if (
+        cfg.lora.get("quantize_base", "none") == "nf4"
+    ):  # the base the adapter was trained on (the merged export merges into it)
         quantize_base(model)
     return model

@@ -15,8 +15,9 @@ from common.parallel_dims import ParallelDims
 
 def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy summed over the labelled positions (``labels`` unshifted, -100 where unlabelled)."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 class NextTokenLoss:

@@ -56,7 +56,9 @@ class MoEArgs:
     num_experts: int = 8
     top_k: int = 2
     ffn_dim: int = 256  # each routed expert's SwiGLU width (HF moe_intermediate_size; Mixtral's intermediate_size)
-    norm_topk_prob: bool = True  # renormalize the top-k probabilities to sum to 1 (Mixtral always; Qwen: norm_topk_prob)
+    norm_topk_prob: bool = (
+        True  # renormalize the top-k probabilities to sum to 1 (Mixtral always; Qwen: norm_topk_prob)
+    )
     shared_ffn_dim: int = 0  # 0: no shared expert; else the width of one always-on SwiGLU (Qwen2-MoE's shared expert)
     shared_gate: bool = True  # the shared expert's output scaled by sigmoid(x @ g) per token (Qwen2-MoE)
     first_dense_layers: int = 0
@@ -110,8 +112,10 @@ class LlamaArgs:
             if self.dim % 8:
                 raise ValueError(f"dim ({self.dim}) must be a multiple of 8 with MoE (grouped GEMM alignment)")
             if not any(self.moe.is_moe_layer(i) for i in range(self.n_layers)):
-                raise ValueError(f"moe first_dense_layers={self.moe.first_dense_layers} and interval={self.moe.interval} "
-                                 f"leave no MoE layer among {self.n_layers}")
+                raise ValueError(
+                    f"moe first_dense_layers={self.moe.first_dense_layers} and interval={self.moe.interval} "
+                    f"leave no MoE layer among {self.n_layers}"
+                )
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(layer_id)
@@ -129,8 +133,9 @@ class LlamaArgs:
 # --------------------------------------------------------------------------------------------
 
 
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None,
-                  scaling: Llama3RopeScaling | None = None) -> Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, device: torch.device | str | None = None, scaling: Llama3RopeScaling | None = None
+) -> Tensor:
     """``1 / theta^(2i/d)``, computed exactly as transformers' default RoPE does (fp32 arange). With
     ``scaling``, Llama 3.1's rescaled frequencies, op for op as transformers'
     ``_compute_llama3_parameters`` (same fp32 operations in the same order, hence the same bits)."""
@@ -150,8 +155,13 @@ def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_table(head_dim: int, theta: float, max_seq_len: int, device: torch.device | str | None = None,
-               scaling: Llama3RopeScaling | None = None) -> Tensor:
+def rope_table(
+    head_dim: int,
+    theta: float,
+    max_seq_len: int,
+    device: torch.device | str | None = None,
+    scaling: Llama3RopeScaling | None = None,
+) -> Tensor:
     """``[2, max_seq_len, head_dim]`` fp32: cos and sin of every position, halves duplicated (rotate_half).
 
     ``position * inv_freq`` is the same fp32 product transformers computes per forward, so indexing
@@ -320,7 +330,8 @@ def permute_tokens(x: Tensor, experts: Tensor, num_experts: int) -> tuple[Tensor
     flat = experts.flatten()
     order = flat.argsort(stable=True)
     tokens_per_expert = torch.zeros(num_experts, dtype=torch.long, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
+        0, flat, torch.ones_like(flat)
+    )
     return x[order // experts.shape[1]], order, tokens_per_expert
 
 
@@ -457,11 +468,17 @@ class Transformer(nn.Module):
                 else:
                     ffns = [moe.experts] if moe.shared_expert is None else [moe.experts, moe.shared_expert]
                 for ffn in ffns:
-                    w = (ffn.w1, ffn.w2, ffn.w3) if isinstance(ffn, GroupedExperts) else (ffn.w1.weight, ffn.w2.weight, ffn.w3.weight)
+                    w = (
+                        (ffn.w1, ffn.w2, ffn.w3)
+                        if isinstance(ffn, GroupedExperts)
+                        else (ffn.w1.weight, ffn.w2.weight, ffn.w3.weight)
+                    )
                     inputs.append(w[0])
                     outputs += w[1:]
                 if moe is not None:
-                    inputs += [moe.router.gate.weight] + ([moe.shared_gate.weight] if moe.shared_gate is not None else [])
+                    inputs += [moe.router.gate.weight] + (
+                        [moe.shared_gate.weight] if moe.shared_gate is not None else []
+                    )
                 for w in inputs:
                     nn.init.trunc_normal_(w, mean=0.0, std=0.02)
                 for w in outputs:
@@ -492,8 +509,9 @@ class Transformer(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
 
-    def forward(self, tokens_or_hidden: Tensor, position_ids: Tensor | None = None,
-                attn_mask: Tensor | Segments | None = None) -> Tensor:
+    def forward(
+        self, tokens_or_hidden: Tensor, position_ids: Tensor | None = None, attn_mask: Tensor | Segments | None = None
+    ) -> Tensor:
         """Logits ``[B, S, V]`` if this module has ``output``, else hidden states ``[B, S, D]``.
 
         tokens_or_hidden: token ids ``[B, S]`` when ``tok_embeddings`` exists (first pipeline stage
@@ -511,8 +529,9 @@ class Transformer(nn.Module):
             h = self.tok_embeddings(tokens_or_hidden)
         else:
             if tokens_or_hidden.dim() != 3:
-                raise ValueError(f"expected hidden states [B, S, D] (no tok_embeddings), got shape "
-                                 f"{tuple(tokens_or_hidden.shape)}")
+                raise ValueError(
+                    f"expected hidden states [B, S, D] (no tok_embeddings), got shape {tuple(tokens_or_hidden.shape)}"
+                )
             h = tokens_or_hidden
         # From the input, not h: under sequence parallelism the embedding output may be a
         # sequence shard, while token ids (and the RoPE positions) cover the whole row.

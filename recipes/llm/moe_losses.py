@@ -34,10 +34,14 @@ def router_sums(routing: Routing, token_mask: Tensor | None = None) -> RouterSum
     """The sums of one layer's routing over its tokens; ``token_mask`` ``[T]`` (bool or 0/1) leaves out padding,
     as transformers' attention_mask does."""
     num_experts = routing.probs.shape[-1]
-    mask = (torch.ones(routing.probs.shape[0], device=routing.probs.device) if token_mask is None
-            else token_mask.reshape(-1).to(routing.probs.device, torch.float32))
+    mask = (
+        torch.ones(routing.probs.shape[0], device=routing.probs.device)
+        if token_mask is None
+        else token_mask.reshape(-1).to(routing.probs.device, torch.float32)
+    )
     counts = torch.zeros(num_experts, dtype=torch.float32, device=mask.device).scatter_add_(
-        0, routing.experts.reshape(-1), mask.repeat_interleave(routing.experts.shape[-1]))
+        0, routing.experts.reshape(-1), mask.repeat_interleave(routing.experts.shape[-1])
+    )
     prob_sum = (routing.probs * mask[:, None]).sum(0)
     z_sum = (torch.logsumexp(routing.logits, dim=-1).square() * mask).sum()
     return RouterSums(counts, prob_sum, z_sum, mask.sum())
@@ -65,11 +69,15 @@ def global_counts(sums: RouterSums, weight: Tensor, layer_counts: Tensor, group)
     import torch.distributed as tdist
 
     num_experts = sums.tokens_per_expert.shape[0]
-    counts = torch.cat([sums.tokens_per_expert, sums.num_tokens.reshape(1), weight.reshape(1).float(),
-                        layer_counts.flatten()])
+    counts = torch.cat(
+        [sums.tokens_per_expert, sums.num_tokens.reshape(1), weight.reshape(1).float(), layer_counts.flatten()]
+    )
     tdist.all_reduce(counts, group=group)
-    return (sums._replace(tokens_per_expert=counts[:num_experts], num_tokens=counts[num_experts]),
-            counts[num_experts + 1], counts[num_experts + 2:].view_as(layer_counts))
+    return (
+        sums._replace(tokens_per_expert=counts[:num_experts], num_tokens=counts[num_experts]),
+        counts[num_experts + 1],
+        counts[num_experts + 2 :].view_as(layer_counts),
+    )
 
 
 def expert_load(layer_counts: Tensor) -> tuple[Tensor, Tensor]:

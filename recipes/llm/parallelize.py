@@ -35,8 +35,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> No
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         # Loss parallel keeps the logits sharded over the vocabulary (no all-gather of [B,S,V]).
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
     # Pipeline stages lack some ends; between stages the hidden state is the local sequence shard.
     parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if getattr(model, k) is not None})
@@ -45,25 +48,31 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> No
         # vocabulary (embedding rows, output features), so one DTensor serves both: tie them again.
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            # (x, cos, sin, attn_mask): gather the sequence shards of x; rope and mask are plain tensors.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
-                                            desired_input_layouts=(Replicate(), None, None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                # (x, cos, sin, attn_mask): gather the sequence shards of x; rope and mask are plain tensors.
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            },
+        )
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, precision: str, pipeline: bool = False,
-               edp_mesh: DeviceMesh | None = None) -> None:
+def apply_fsdp(
+    model: Transformer, dp_mesh: DeviceMesh, precision: str, pipeline: bool = False, edp_mesh: DeviceMesh | None = None
+) -> None:
     """``edp_mesh`` (expert parallelism): the experts, already split over ep, are sharded over these ranks."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -108,4 +117,3 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: TrainConfig) -> Trans
     if dp > 1:
         apply_fsdp(model, mesh["dp"], cfg.toggles.precision, pipeline=mesh["pp"].size() > 1, edp_mesh=edp_mesh)
     return model
-

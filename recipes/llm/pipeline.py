@@ -126,8 +126,9 @@ def _stage_view(rank_model: Transformer, layer_ids: list[int], first: bool, last
     return view
 
 
-def pad_rows(packed: PackedBatch, num_rows: int, pad_id: int, attention: str = "sdpa",
-             moe: bool = False) -> dict[str, torch.Tensor]:
+def pad_rows(
+    packed: PackedBatch, num_rows: int, pad_id: int, attention: str = "sdpa", moe: bool = False
+) -> dict[str, torch.Tensor]:
     """Inputs of ``packed`` grown to ``num_rows`` rows with empty rows (pad, -100, pos 0, one causal segment):
     input_ids, labels, position_ids and, by ``attention``, the dense ``attn_mask`` or (``flash``)
     ``row_segments``: the model's keyword names. ``moe``: also each row's ``real_tokens`` (bool, no padding) and
@@ -205,8 +206,16 @@ class _MoEStage(nn.Module):
 
     The last stage returns ``(logits, counts)``; ``Pipeline._loss_fn`` ties the counts into the loss by a zero term."""
 
-    def __init__(self, inner: nn.Module, aux: MoEAux, ids: list[int], num_experts: int, first: bool, last: bool,
-                 pipeline: "Pipeline"):
+    def __init__(
+        self,
+        inner: nn.Module,
+        aux: MoEAux,
+        ids: list[int],
+        num_experts: int,
+        first: bool,
+        last: bool,
+        pipeline: "Pipeline",
+    ):
         super().__init__()
         self.inner, self.aux, self.ids, self.num_experts = inner, aux, ids, num_experts
         self.first, self.last, self.pipeline = first, last, pipeline
@@ -219,8 +228,15 @@ class _MoEStage(nn.Module):
         meta = getattr(self.stage, "_stage_meta", None)  # older torch infers on meta tensors, without grad: see forward
         return meta is not None and meta.outputs is None
 
-    def forward(self, x: torch.Tensor, carried: torch.Tensor | None = None, *, real_tokens: torch.Tensor,
-                labelled: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        carried: torch.Tensor | None = None,
+        *,
+        real_tokens: torch.Tensor,
+        labelled: torch.Tensor,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.inner(x, **kwargs)
         if self.first:  # nothing counted yet; a leaf that requires grad, so that the counts are differentiable
             carried = torch.zeros(self.num_experts + 1, device=out.device, requires_grad=True)
@@ -246,8 +262,16 @@ class _MoEStage(nn.Module):
 class Pipeline:
     """The rank's PipelineStages and schedule over the (already parallelized, materialized) rank model."""
 
-    def __init__(self, rank_model: Transformer, cfg: TrainConfig, mesh, device: torch.device, pad_id: int,
-                 loss: NextTokenLoss, moe_aux: MoEAux | None = None):
+    def __init__(
+        self,
+        rank_model: Transformer,
+        cfg: TrainConfig,
+        mesh,
+        device: torch.device,
+        pad_id: int,
+        loss: NextTokenLoss,
+        moe_aux: MoEAux | None = None,
+    ):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         p = cfg.parallel
@@ -325,8 +349,10 @@ class Pipeline:
         loss_sum = torch.zeros((), device=self.device)
         rounds = math.ceil(max_rows / self.round_rows)
         # row_segments stay on the host: each stage derives its microbatch's cu_seqlens from them.
-        inputs = {k: v if k == "row_segments" else v.to(self.device)
-                  for k, v in pad_rows(packed, rounds * self.round_rows, pad_id, self.attention, self.moe).items()}
+        inputs = {
+            k: v if k == "row_segments" else v.to(self.device)
+            for k, v in pad_rows(packed, rounds * self.round_rows, pad_id, self.attention, self.moe).items()
+        }
         mask = "row_segments" if self.attention == "flash" else "attn_mask"
         extra = ("real_tokens", "labelled") if self.moe else ()
         for r in range(rounds):
@@ -334,8 +360,13 @@ class Pipeline:
             rows = slice(r * self.round_rows, (r + 1) * self.round_rows)
             args = (inputs["input_ids"][rows],) if self.is_first else ()
             target = inputs["labels"][rows] if self.is_last else None
-            run(*args, target=target, losses=losses, position_ids=inputs["position_ids"][rows],
-                **{k: inputs[k][rows] for k in (mask, *extra)})
+            run(
+                *args,
+                target=target,
+                losses=losses,
+                position_ids=inputs["position_ids"][rows],
+                **{k: inputs[k][rows] for k in (mask, *extra)},
+            )
             if losses:  # last stage: the scaled microbatch losses
                 loss_sum += torch.stack([x.detach() for x in losses]).sum()
         return loss_sum

@@ -32,8 +32,16 @@ from common.trainer import Trainer
 from recipes.llm import hf
 from recipes.llm import lora as llm_lora
 from recipes.llm.config import check_qlora_layout
-from recipes.llm.data import (build_train_loader, decode_document, load_tokenizer, local_batch, model_inputs, pad_id,
-                              prepare_data, real_token_mask)
+from recipes.llm.data import (
+    build_train_loader,
+    decode_document,
+    load_tokenizer,
+    local_batch,
+    model_inputs,
+    pad_id,
+    prepare_data,
+    real_token_mask,
+)
 from recipes.llm.loss import NextTokenLoss
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoE, MoEArgs, Transformer
 from recipes.llm.moe_losses import MoEAux, expert_load
@@ -45,18 +53,48 @@ def llama_args(cfg: TrainConfig, vocab_size: int) -> LlamaArgs:
     """The model of cfg.model (with model.init_from, the checkpoint's: recipes/llm/config.py:complete)."""
     m = cfg.model
     r = m.rope_scaling
-    scaling = None if r.rope_type == "default" else Llama3RopeScaling(
-        factor=r.factor, low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
-        original_max_position_embeddings=r.original_max_position_embeddings)
+    scaling = (
+        None
+        if r.rope_type == "default"
+        else Llama3RopeScaling(
+            factor=r.factor,
+            low_freq_factor=r.low_freq_factor,
+            high_freq_factor=r.high_freq_factor,
+            original_max_position_embeddings=r.original_max_position_embeddings,
+        )
+    )
     e = m.moe
-    moe = None if not e.num_experts else MoEArgs(
-        num_experts=e.num_experts, top_k=e.top_k, ffn_dim=e.ffn_dim, norm_topk_prob=e.norm_topk_prob,
-        shared_ffn_dim=e.shared_ffn_dim, shared_gate=e.shared_gate, first_dense_layers=e.first_dense_layers,
-        interval=e.interval)
-    return LlamaArgs(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                     vocab_size=m.vocab_size or vocab_size, ffn_dim=m.ffn_dim, norm_eps=m.norm_eps,
-                     rope_theta=m.rope_theta, max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings,
-                     head_dim=m.head_dim, rope_scaling=scaling, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, moe=moe)
+    moe = (
+        None
+        if not e.num_experts
+        else MoEArgs(
+            num_experts=e.num_experts,
+            top_k=e.top_k,
+            ffn_dim=e.ffn_dim,
+            norm_topk_prob=e.norm_topk_prob,
+            shared_ffn_dim=e.shared_ffn_dim,
+            shared_gate=e.shared_gate,
+            first_dense_layers=e.first_dense_layers,
+            interval=e.interval,
+        )
+    )
+    return LlamaArgs(
+        dim=m.dim,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        vocab_size=m.vocab_size or vocab_size,
+        ffn_dim=m.ffn_dim,
+        norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        max_seq_len=m.max_seq_len,
+        tie_embeddings=m.tie_embeddings,
+        head_dim=m.head_dim,
+        rope_scaling=scaling,
+        qk_norm=m.qk_norm,
+        qkv_bias=m.qkv_bias,
+        moe=moe,
+    )
 
 
 def build_model(args: LlamaArgs, cfg: TrainConfig, mesh, device: torch.device) -> Transformer:
@@ -100,7 +138,9 @@ class LLMTrainer(Trainer):
         loader = build_train_loader(cfg, self.meta["train_urls"], self.dims.dp)
         self.args = llama_args(cfg, len(self.tokenizer))
         if len(self.tokenizer) > self.args.vocab_size:
-            raise DataError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size={self.args.vocab_size}")
+            raise DataError(
+                f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size={self.args.vocab_size}"
+            )
 
         self.model = build_model(self.args, cfg, self.mesh, self.device)
         self.load_weights()
@@ -138,25 +178,40 @@ class LLMTrainer(Trainer):
                 reference.init_weights(seed=cfg.trainer.seed)
                 full = reference.state_dict()
             # strict=False under PP: rank 0's full dict holds the other stages' keys too.
-            set_model_state_dict(self.model, full or {}, options=StateDictOptions(
-                full_state_dict=True, broadcast_from_rank0=True, strict=self.dims.pp == 1))
+            set_model_state_dict(
+                self.model,
+                full or {},
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=self.dims.pp == 1),
+            )
 
     def quantize_base(self) -> None:
         """QLoRA (lora.quantize_base=nf4): the loaded base's adapted linears in 4 bits."""
         check_qlora_layout(self.cfg, self.dims.dp, self.dims.tp, self.dims.pp)
         held = lora.quantize_base(self.model)
-        print(f"kiln: lora.quantize_base=nf4: the adapted linears' base weights hold {held / 2**20:,.1f} MiB",
-              flush=True)
+        print(
+            f"kiln: lora.quantize_base=nf4: the adapted linears' base weights hold {held / 2**20:,.1f} MiB", flush=True
+        )
 
     def find_moe_layers(self) -> None:
         """The MoE layers this rank holds (found through any wrapper: AC, FSDP), whose routing the aux losses read,
         and every MoE layer of the model (under pipeline parallelism, other ranks hold some: step_metrics)."""
-        moe_layers = {int(re.search(r"layers\.(\d+)\.", name)[1]): m for name, m in self.model.named_modules()
-                      if isinstance(m, MoE)}
+        moe_layers = {
+            int(re.search(r"layers\.(\d+)\.", name)[1]): m
+            for name, m in self.model.named_modules()
+            if isinstance(m, MoE)
+        }
         self.moe_layer_ids = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
         moe = self.cfg.model.moe
-        self.moe_aux = None if not self.args.moe else MoEAux(
-            moe_layers, moe.aux_loss_coef, moe.z_loss_coef, self.mesh["dp"].get_group() if self.dims.dp > 1 else None)
+        self.moe_aux = (
+            None
+            if not self.args.moe
+            else MoEAux(
+                moe_layers,
+                moe.aux_loss_coef,
+                moe.z_loss_coef,
+                self.mesh["dp"].get_group() if self.dims.dp > 1 else None,
+            )
+        )
         self.moe_worst = torch.zeros(2, device=self.device)  # the run's worst (max/mean load, MoE layer index)
         # Expert parallelism's token exchanges (recipes/llm/expert_parallel.py): their host counters.
         self.token_exchanges = [m.token_exchange for m in moe_layers.values() if hasattr(m, "token_exchange")]
@@ -186,8 +241,9 @@ class LLMTrainer(Trainer):
         parallelism every rank also needs the most rows any dp rank packs: every rank holds the whole
         global micro-batch (one stream, sliced by dp rank), so packing the other shares here is a little
         host work instead of a collective read back to the host."""
-        pack = functools.partial(local_batch, documents, dp=self.dims.dp, max_seq_len=self.cfg.data.max_seq_len,
-                                 pad_id=self.pad_id)
+        pack = functools.partial(
+            local_batch, documents, dp=self.dims.dp, max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id
+        )
         packed = pack(dp_rank=self.dp_rank)
         rows = max(pack(dp_rank=r).num_rows for r in range(self.dims.dp)) if self.dims.pp > 1 else packed.num_rows
         return LocalBatch(packed, rows)
@@ -245,8 +301,10 @@ class LLMTrainer(Trainer):
         for i, layer in enumerate(self.moe_layer_ids):
             out |= {f"moe.layer{layer}.max_load": max_load[i], f"moe.layer{layer}.load_entropy": entropy[i]}
         if self.token_exchanges:  # this rank's forward all-to-alls, over its MoE layers (host counts; not global)
-            out |= {"moe.dispatched_rows": sum(e.rows_dispatched for e in self.token_exchanges),
-                    "moe.all_to_all_bytes": sum(e.bytes_sent for e in self.token_exchanges)}
+            out |= {
+                "moe.dispatched_rows": sum(e.rows_dispatched for e in self.token_exchanges),
+                "moe.all_to_all_bytes": sum(e.bytes_sent for e in self.token_exchanges),
+            }
             for e in self.token_exchanges:
                 e.rows_dispatched = e.bytes_sent = 0
         return out
@@ -255,9 +313,12 @@ class LLMTrainer(Trainer):
         """One line at the end of the run: the worst layer's expert imbalance over the run (one host read)."""
         if self.moe_layer_ids and self.dist.is_main:
             worst, at = self.moe_worst.tolist()
-            print(f"kiln: MoE expert load: worst max/mean {worst:.2f} (layer {self.moe_layer_ids[int(at)]}; "
-                  f"1.00 = balanced, {self.cfg.model.moe.num_experts} = one expert takes every token; "
-                  "per layer in metrics.jsonl: moe.layer<i>.max_load, load_entropy)", flush=True)
+            print(
+                f"kiln: MoE expert load: worst max/mean {worst:.2f} (layer {self.moe_layer_ids[int(at)]}; "
+                f"1.00 = balanced, {self.cfg.model.moe.num_experts} = one expert takes every token; "
+                "per layer in metrics.jsonl: moe.layer<i>.max_load, load_entropy)",
+                flush=True,
+            )
 
     def checkpoint_meta(self) -> dict:
         return lora.checkpoint_meta(self.cfg, self.cfg.model.init_from)
@@ -274,26 +335,38 @@ class LLMTrainer(Trainer):
         per_batch = self.cfg.trainer.micro_batch_size * self.dims.dp
         held_out = iter_samples(self.meta.get("val_urls", []))
         docs = [decode_document(s) for s, _ in zip(held_out, range(self.cfg.data.eval_docs))]
-        batches = [docs[i:i + per_batch] for i in range(0, len(docs) - per_batch + 1, per_batch)]
+        batches = [docs[i : i + per_batch] for i in range(0, len(docs) - per_batch + 1, per_batch)]
         if not batches:
             if self.dist.is_main:
-                print(f"kiln: eval: skipped: the val split has {len(docs)} documents, fewer than one global micro-batch "
-                      f"({per_batch})", flush=True)
+                print(
+                    f"kiln: eval: skipped: the val split has {len(docs)} documents, fewer than one global micro-batch "
+                    f"({per_batch})",
+                    flush=True,
+                )
             return None
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # CE sum, labelled tokens
         for documents in batches:
             batch = self.prepare(documents)
-            loss_sum = self.pipeline.eval_loss(batch) if self.pipeline is not None else self.forward_sum(batch, aux=False)
+            loss_sum = (
+                self.pipeline.eval_loss(batch) if self.pipeline is not None else self.forward_sum(batch, aux=False)
+            )
             sums += torch.stack([loss_sum.double(), torch.tensor(float(self.count(batch)), device=self.device)])
         self.model.train()
         # Over dp; the CE sum over pp too (only the last stage computes it: Engine.all_reduce).
-        loss, tokens = torch.cat([self.engine.all_reduce(sums[:1], loss=True), self.engine.all_reduce(sums[1:])]).tolist()
+        loss, tokens = torch.cat(
+            [self.engine.all_reduce(sums[:1], loss=True), self.engine.all_reduce(sums[1:])]
+        ).tolist()
         if not self.dist.is_main:
             return None
         val_loss = loss / max(tokens, 1)
-        result = {"val_loss": val_loss, "val_perplexity": math.exp(val_loss), "val_tokens": int(tokens),
-                  "num_samples": sum(map(len, batches)), "step": self.state.step}
+        result = {
+            "val_loss": val_loss,
+            "val_perplexity": math.exp(val_loss),
+            "val_tokens": int(tokens),
+            "num_samples": sum(map(len, batches)),
+            "step": self.state.step,
+        }
         (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
         return result
 
@@ -308,15 +381,19 @@ class LLMTrainer(Trainer):
         adapter_only = self.lora and not self.cfg.export.merge_lora
         if self.dims.pp > 1:
             # Each rank holds its stages' weights (disjoint FQNs): consolidate, then gather the stages.
-            part = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                             ignore_frozen_params=adapter_only))
+            part = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=adapter_only)
+            )
             parts = [None] * self.dims.pp
-            tdist.all_gather_object(parts, {k: v.detach().cpu() for k, v in part.items()},
-                                    group=self.mesh["pp"].get_group())
+            tdist.all_gather_object(
+                parts, {k: v.detach().cpu() for k, v in part.items()}, group=self.mesh["pp"].get_group()
+            )
             full = {k: v for p in parts for k, v in p.items()}
         else:
-            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                             ignore_frozen_params=adapter_only))
+            full = get_model_state_dict(
+                self.model,
+                options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter_only),
+            )
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
         if self.dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -330,8 +407,10 @@ class LLMTrainer(Trainer):
         self.log_moe_summary()
 
     def eval_summary(self, result: dict) -> str:
-        return (f"kiln: eval loss {result['val_loss']:.4f} (perplexity {result['val_perplexity']:.1f}) on "
-                f"{result['num_samples']} held-out documents ({result['val_tokens']:,} tokens)")
+        return (
+            f"kiln: eval loss {result['val_loss']:.4f} (perplexity {result['val_perplexity']:.1f}) on "
+            f"{result['num_samples']} held-out documents ({result['val_tokens']:,} tokens)"
+        )
 
     def after_export(self, out: Path) -> None:
         """A greedy generation from the exported folder, in samples/generation.txt and on stdout."""
@@ -369,11 +448,15 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     args = llama_args(cfg, vocab_size=cfg.model.vocab_size or 2048)
     with torch.device("meta"):
         model = Transformer(args)
+
     # MoE: layers differ (dense first layers); the mean layer, counting every expert (total, not active, parameters).
     # Tied embeddings are counted once (on the first stage); under PP the last stage holds a second copy.
     def sizes(count) -> tuple[int, int, int]:  # (mean layer, first stage's rest, last stage's rest)
-        return (sum(map(count, model.layers.values())) // args.n_layers, count(model.tok_embeddings),
-                count(model.norm) + (0 if args.tie_embeddings else count(model.output)))
+        return (
+            sum(map(count, model.layers.values())) // args.n_layers,
+            count(model.tok_embeddings),
+            count(model.norm) + (0 if args.tie_embeddings else count(model.output)),
+        )
 
     layer, first, last = sizes(count_params)
     gather_unit = max(layer, first + last)  # FSDP units: blocks, root
@@ -395,18 +478,44 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     moe = args.moe
     ffn = moe.top_k * moe.ffn_dim + moe.shared_ffn_dim if moe else args.ffn_dim
     experts = max((count_params(m.experts) for m in model.modules() if isinstance(m, MoE)), default=0)
-    block = Block(hidden=args.dim, heads=args.n_heads, ffn=ffn, kv_heads=args.n_kv_heads, norm="rmsnorm",
-                  mlp="swiglu", dropout=False, attention="fused", repeat_kv=not varlen, dense_mask=not varlen,
-                  megatron_sp=False, selective="save_matmuls")
+    block = Block(
+        hidden=args.dim,
+        heads=args.n_heads,
+        ffn=ffn,
+        kv_heads=args.n_kv_heads,
+        norm="rmsnorm",
+        mlp="swiglu",
+        dropout=False,
+        attention="fused",
+        repeat_kv=not varlen,
+        dense_mask=not varlen,
+        megatron_sp=False,
+        selective="save_matmuls",
+    )
     p = cfg.parallel
-    return ModelSpec(cfg.recipe.name, block, layers=args.n_layers, seq=cfg.data.max_seq_len,
-                     micro_batch=cfg.trainer.micro_batch_size, layer_params=layer, first_params=first,
-                     last_params=last, gather_unit_params=gather_unit,
-                     frozen_params=frozen, frozen_bytes=frozen_bytes,
-                     vocab=args.vocab_size, precision=cfg.toggles.precision, sharding="fsdp",
-                     ac_modes=("none", "selective", "full"), pp_schedule=p.pp_schedule,
-                     pp_microbatches=p.pp_microbatches, vocab_parallel=cfg.model.loss_parallel,
-                     expert_params=experts, experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 0)
+    return ModelSpec(
+        cfg.recipe.name,
+        block,
+        layers=args.n_layers,
+        seq=cfg.data.max_seq_len,
+        micro_batch=cfg.trainer.micro_batch_size,
+        layer_params=layer,
+        first_params=first,
+        last_params=last,
+        gather_unit_params=gather_unit,
+        frozen_params=frozen,
+        frozen_bytes=frozen_bytes,
+        vocab=args.vocab_size,
+        precision=cfg.toggles.precision,
+        sharding="fsdp",
+        ac_modes=("none", "selective", "full"),
+        pp_schedule=p.pp_schedule,
+        pp_microbatches=p.pp_microbatches,
+        vocab_parallel=cfg.model.loss_parallel,
+        expert_params=experts,
+        experts=moe.num_experts if moe else 0,
+        top_k=moe.top_k if moe else 0,
+    )
 
 
 TRAINER = LLMTrainer  # recipes/registry.py

@@ -24,9 +24,16 @@ def attn_implementation(attention: str) -> dict[str, str]:
     return {"text_config": TEXT_ATTENTION[attention], "vision_config": vision, "": vision}
 
 
-def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs) -> tuple[torch.Tensor, None]:
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function (AttentionInterface) over packed rows: torch's varlen flash kernel.
 
     The packed batch arrives as one flattened row (`PackedBatch.model_inputs("flash")`): q/k/v are
@@ -37,13 +44,16 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """
     cu_q = kwargs.get("cu_seq_lens_q")
     if cu_q is None or attention_mask is not None or query.shape[0] != 1 or not getattr(module, "is_causal", True):
-        raise ValueError("the varlen flash attention takes packed rows only: one flattened row with cu_seq_lens_q/k "
-                         "and no attention mask (PackedBatch.model_inputs('flash'))")
+        raise ValueError(
+            "the varlen flash attention takes packed rows only: one flattened row with cu_seq_lens_q/k "
+            "and no attention mask (PackedBatch.model_inputs('flash'))"
+        )
     if dropout:
         raise ValueError("the varlen flash attention has no dropout")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, head_dim]
-    out = varlen_causal_attention(q, k, v, cu_q, kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"],
-                                  scale=scaling)
+    out = varlen_causal_attention(
+        q, k, v, cu_q, kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"], scale=scaling
+    )
     return out.unsqueeze(0), None
 
 

@@ -76,8 +76,10 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     folder = llava_folder(m.init_from)
     for key, (name, value) in checkpoint_values(folder).items():
         if f"model.{key}" in command_line and getattr(m, key) != value:
-            raise ConfigError(f"model.{key}={getattr(m, key)} disagrees with model.init_from={m.init_from}, whose "
-                              f"config.json gives {name}={value}; leave model.{key} out of the command line")
+            raise ConfigError(
+                f"model.{key}={getattr(m, key)} disagrees with model.init_from={m.init_from}, whose "
+                f"config.json gives {name}={value}; leave model.{key} out of the command line"
+            )
         setattr(m, key, value)
 
 
@@ -88,7 +90,9 @@ def validate(cfg: TrainConfig) -> None:
     if m.vision not in ("siglip", "clip"):
         raise ConfigError(f"model.vision={m.vision!r} is not allowed; choose siglip or clip")
     if m.vision_feature_select_strategy not in ("auto", "full", "default"):
-        raise ConfigError(f"model.vision_feature_select_strategy={m.vision_feature_select_strategy!r}: choose auto, full or default")
+        raise ConfigError(
+            f"model.vision_feature_select_strategy={m.vision_feature_select_strategy!r}: choose auto, full or default"
+        )
     if m.image_size % m.patch_size:
         raise ConfigError(f"model.image_size={m.image_size} must be a multiple of model.patch_size={m.patch_size}")
     if m.text_heads % m.text_kv_heads or m.text_hidden_size % m.text_heads:
@@ -98,13 +102,23 @@ def validate(cfg: TrainConfig) -> None:
     if v.train_vision and v.stage == "align":
         raise ConfigError("vlm.train_vision=true is for vlm.stage=finetune (align trains the projector only)")
     if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
-        raise ConfigError("finetune=lora trains an adapter on a LLaVA checkpoint: set model.init_from=<a llava-hf folder or "
-                          "an align run> (vlm.stage=align from vlm.vision_from + vlm.language_from makes one)")
+        raise ConfigError(
+            "finetune=lora trains an adapter on a LLaVA checkpoint: set model.init_from=<a llava-hf folder or "
+            "an align run> (vlm.stage=align from vlm.vision_from + vlm.language_from makes one)"
+        )
     if cfg.finetune == "lora" and v.train_vision:
-        raise ConfigError("vlm.train_vision=true with finetune=lora: LoRA adapts the language model (the projector trains "
-                          "in full); the vision tower stays frozen")
+        raise ConfigError(
+            "vlm.train_vision=true with finetune=lora: LoRA adapts the language model (the projector trains "
+            "in full); the vision tower stays frozen"
+        )
     weight_source(cfg)  # json only: one line for sources that contradict each other or a folder that does not fit
-    check_family_sections(cfg, "VLM", parallel=ZeroParallelConfig, layouts=f"DeepSpeed ZeRO ({ZERO_LAYOUTS})",
-                          data=VLMDataConfig, datasets="vlm_digits or llava (image-conversation shards)")
+    check_family_sections(
+        cfg,
+        "VLM",
+        parallel=ZeroParallelConfig,
+        layouts=f"DeepSpeed ZeRO ({ZERO_LAYOUTS})",
+        data=VLMDataConfig,
+        datasets="vlm_digits or llava (image-conversation shards)",
+    )
     if cfg.data.max_seq_len <= 0:
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")

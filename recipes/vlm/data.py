@@ -43,8 +43,10 @@ def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
     except DataError as exc:
         if cfg.data.build:
             raise
-        raise DataError(f"{exc}; LLaVA-format data becomes a dataset with the prepare_llava builder: --json FILE "
-                        f"--images DIR --out {cfg.data.root}") from None
+        raise DataError(
+            f"{exc}; LLaVA-format data becomes a dataset with the prepare_llava builder: --json FILE "
+            f"--images DIR --out {cfg.data.root}"
+        ) from None
     if is_conversations(meta):
         return meta
     # The digits: their processor must be there too (recipes/vlm/sources.py: FreshWeights checks it fits `model.*`).
@@ -107,11 +109,14 @@ def _template_messages(messages: list[dict], processor: LlavaProcessor) -> list[
 
 def chat_prompt(processor: LlavaProcessor, messages: list[dict]) -> str:
     """The rendered prompt that asks the model for the next assistant turn (generation)."""
-    return processor.apply_chat_template(_template_messages(messages, processor), add_generation_prompt=True, tokenize=False)
+    return processor.apply_chat_template(
+        _template_messages(messages, processor), add_generation_prompt=True, tokenize=False
+    )
 
 
-def encode_conversation(messages: list[dict], images: list, processor: LlavaProcessor, *,
-                        max_seq_len: int | None = None) -> dict:
+def encode_conversation(
+    messages: list[dict], images: list, processor: LlavaProcessor, *, max_seq_len: int | None = None
+) -> dict:
     """A conversation -> one training sequence, token for token the chat template's rendering.
 
     ``messages``: [{"role": system|user|assistant, "content": str}], `<image>` in the text where each
@@ -133,18 +138,27 @@ def encode_conversation(messages: list[dict], images: list, processor: LlavaProc
             continue
         before, through = render(msgs[:i], add_generation_prompt=True), render(msgs[: i + 1])
         if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError("the chat template does not render conversations turn by turn (a rendered prefix of the "
-                             "conversation is not a prefix of the whole), so the assistant turns cannot be located")
+            raise ValueError(
+                "the chat template does not render conversations turn by turn (a rendered prefix of the "
+                "conversation is not a prefix of the whole), so the assistant turns cannot be located"
+            )
         # Whitespace closing a turn is layout, not answer: left unlabeled, it cannot drag the next turn's
         # first token (" USER") into the labels.
         spans.append((len(before), len(through.rstrip())))
-    enc = processor(text=text, images=images or None, add_special_tokens=False, return_offsets_mapping=True,
-                    return_text_replacement_offsets=bool(images))
+    enc = processor(
+        text=text,
+        images=images or None,
+        add_special_tokens=False,
+        return_offsets_mapping=True,
+        return_text_replacement_offsets=bool(images),
+    )
     ids = np.asarray(enc["input_ids"][0], dtype=np.int64)
     offsets = np.asarray(enc["offset_mapping"][0], dtype=np.int64).reshape(-1, 2)
     # Span ends in the text as tokenized, where each <image> became one token per image feature.
-    grow = [(r["span"][1], (r["new_span"][1] - r["new_span"][0]) - (r["span"][1] - r["span"][0]))
-            for r in (enc["text_replacement_offsets"][0] if images else [])]
+    grow = [
+        (r["span"][1], (r["new_span"][1] - r["new_span"][0]) - (r["span"][1] - r["span"][0]))
+        for r in (enc["text_replacement_offsets"][0] if images else [])
+    ]
 
     def shifted(pos: int) -> int:
         return pos + sum(d for end, d in grow if end <= pos)
@@ -164,16 +178,24 @@ def encode_conversation(messages: list[dict], images: list, processor: LlavaProc
         if per_image and whole < len(images) and image_pos[whole * per_image] < cut:
             cut = int(image_pos[whole * per_image])  # the cut fell inside an image: cut before it
         ids, labels, pixel_values = ids[:cut], labels[:cut], pixel_values[:whole]
-    return {"input_ids": torch.from_numpy(ids.copy()), "labels": torch.from_numpy(labels.copy()),
-            "pixel_values": pixel_values.float(), "truncated": truncated}
+    return {
+        "input_ids": torch.from_numpy(ids.copy()),
+        "labels": torch.from_numpy(labels.copy()),
+        "pixel_values": pixel_values.float(),
+        "truncated": truncated,
+    }
 
 
 def check_chat_template(processor: LlavaProcessor) -> bool:
     """One line at start-up for a chat template training cannot use (rather than every sample failing).
     Returns whether its assistant turns end in eos (llava-hf's template, for one, drops it: a model
     trained on it does not learn to stop)."""
-    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]
+    probe = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Bye."},
+    ]
     try:
         enc = encode_conversation(probe, [], processor)
     except Exception as exc:
@@ -201,7 +223,9 @@ def encode_sample(sample: dict, processor: LlavaProcessor) -> dict:
     text = json.loads(sample["json"])
     label = int(sample["cls"])
     if text["label"] != label or not 0 <= label < NUM_CLASSES:
-        raise ValueError(f"{key}: json label {text['label']} and cls {label} disagree or are outside 0..{NUM_CLASSES - 1}")
+        raise ValueError(
+            f"{key}: json label {text['label']} and cls {label} disagree or are outside 0..{NUM_CLASSES - 1}"
+        )
     enc = encode_conversation(digit_messages(text["question"], text["answer"]), [decode_png(sample["png"])], processor)
     return {
         "input_ids": enc["input_ids"],
@@ -252,16 +276,32 @@ def collate(samples: list[dict], *, packing: bool, max_seq_len: int, pad_id: int
     packed: PackedBatch = pack_samples(samples, max_seq_len, pad_id) if packing else pad_samples(samples, pad_id)
     # Images in the order their <image> tokens appear in the row-major flattened batch.
     images = [image for i in packed.order for image in _images(samples[i])]
-    return {"packed": packed, "pixel_values": torch.stack(images) if images else None,
-            "real_tokens": sum(len(s["input_ids"]) for s in real), "slots": packed.input_ids.numel(), "samples": len(real),
-            "text_only": sum(not _images(s) for s in real), "truncated": sum(bool(s.get("truncated")) for s in real)}
+    return {
+        "packed": packed,
+        "pixel_values": torch.stack(images) if images else None,
+        "real_tokens": sum(len(s["input_ids"]) for s in real),
+        "slots": packed.input_ids.numel(),
+        "samples": len(real),
+        "text_only": sum(not _images(s) for s in real),
+        "truncated": sum(bool(s.get("truncated")) for s in real),
+    }
 
 
 def build_train_loader(cfg: TrainConfig, dist: DistInfo, meta: dict, processor, blank: dict):
-    decode = (functools.partial(encode_llava, processor=processor, max_seq_len=cfg.data.max_seq_len) if is_conversations(meta)
-              else functools.partial(encode_sample, processor=processor))
-    batches = functools.partial(collate, packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len,
-                                pad_id=processor.tokenizer.pad_token_id, blank=blank)
+    decode = (
+        functools.partial(encode_llava, processor=processor, max_seq_len=cfg.data.max_seq_len)
+        if is_conversations(meta)
+        else functools.partial(encode_sample, processor=processor)
+    )
+    batches = functools.partial(
+        collate,
+        packing=cfg.data.packing,
+        max_seq_len=cfg.data.max_seq_len,
+        pad_id=processor.tokenizer.pad_token_id,
+        blank=blank,
+    )
     # One global sample stream, this rank's share of each step (ZeRO's dp is the world size): the same samples
     # whatever the layout, so a checkpoint resumes under another one (common/data/webdataset.py: GlobalBatches).
-    return global_train_loader(cfg, meta["train_urls"], decode=decode, collate=batches, rank=dist.rank, dp=dist.world_size)
+    return global_train_loader(
+        cfg, meta["train_urls"], decode=decode, collate=batches, rank=dist.rank, dp=dist.world_size
+    )

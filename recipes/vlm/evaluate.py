@@ -41,8 +41,9 @@ def parse_answer(text: str) -> int | None:
 
 
 @torch.no_grad()
-def generate_answers(model, processor, samples: list[dict], *, max_new_tokens: int, device: torch.device,
-                     batch_size: int = 32) -> list[str]:
+def generate_answers(
+    model, processor, samples: list[dict], *, max_new_tokens: int, device: torch.device, batch_size: int = 32
+) -> list[str]:
     """Greedy answers, batched with left padding (every rank runs the same batches under ZeRO-3)."""
     tokenizer = processor.tokenizer
     tokenizer.padding_side = "left"
@@ -50,11 +51,20 @@ def generate_answers(model, processor, samples: list[dict], *, max_new_tokens: i
     answers: list[str] = []
     for i in range(0, len(samples), batch_size):
         chunk = samples[i : i + batch_size]
-        prompts = [chat_prompt(processor, [{"role": "user", "content": processor.image_token + s["question"]}]) for s in chunk]
-        batch = processor(text=prompts, images=[s["image"] for s in chunk], return_tensors="pt", padding=True).to(device)
+        prompts = [
+            chat_prompt(processor, [{"role": "user", "content": processor.image_token + s["question"]}]) for s in chunk
+        ]
+        batch = processor(text=prompts, images=[s["image"] for s in chunk], return_tensors="pt", padding=True).to(
+            device
+        )
         batch["pixel_values"] = batch["pixel_values"].to(dtype)
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            **batch,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         answers += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     tokenizer.padding_side = "right"
     return [a.strip() for a in answers]
@@ -73,7 +83,9 @@ def score(samples: list[dict], answers: list[str]) -> dict:
         "unparsable": sum(p is None for p in predicted),
         "num_samples": len(labels),
         "chance": 0.1,
-        "examples": [{"question": s["question"], "answer": a, "label": s["label"]} for s, a in zip(samples[:10], answers[:10])],
+        "examples": [
+            {"question": s["question"], "answer": a, "label": s["label"]} for s, a in zip(samples[:10], answers[:10])
+        ],
     }
 
 
@@ -102,8 +114,18 @@ def save_answer_grid(samples: list[dict], answers: list[str], path: Path, n: int
 
 
 @torch.no_grad()
-def conversation_eval(model, processor, urls: list[str], *, limit: int, max_seq_len: int, max_new_tokens: int,
-                      device: torch.device, batch_size: int = 8, examples: int = 4) -> dict:
+def conversation_eval(
+    model,
+    processor,
+    urls: list[str],
+    *,
+    limit: int,
+    max_seq_len: int,
+    max_new_tokens: int,
+    device: torch.device,
+    batch_size: int = 8,
+    examples: int = 4,
+) -> dict:
     """Token-mean loss over the first `limit` held-out conversations (every rank the same batches: ZeRO-3
     gathers collectively), and the first `examples` answers generated for each one's first prompt."""
     samples = [encode_llava(s, processor, max_seq_len) for s, _ in zip(iter_samples(urls), range(limit))]
@@ -129,9 +151,20 @@ def conversation_eval(model, processor, urls: list[str], *, limit: int, max_seq_
         per_image = int((s["input_ids"] == image_id).sum()) // len(images) if images.dim() == 4 and len(images) else 0
         n_images = int((prompt == image_id).sum()) // per_image if per_image else 0
         kwargs = {"pixel_values": images[:n_images].to(device, dtype)} if n_images else {}
-        out = model.generate(input_ids=prompt[None].to(device), attention_mask=torch.ones_like(prompt)[None].to(device),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id, **kwargs)
-        shown.append({"key": s["key"], "prompt": tok.decode(prompt, skip_special_tokens=True).strip(),
-                      "reference": tok.decode(s["labels"][first:end], skip_special_tokens=True).strip(),
-                      "answer": tok.decode(out[0, len(prompt):], skip_special_tokens=True).strip()})
+        out = model.generate(
+            input_ids=prompt[None].to(device),
+            attention_mask=torch.ones_like(prompt)[None].to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            **kwargs,
+        )
+        shown.append(
+            {
+                "key": s["key"],
+                "prompt": tok.decode(prompt, skip_special_tokens=True).strip(),
+                "reference": tok.decode(s["labels"][first:end], skip_special_tokens=True).strip(),
+                "answer": tok.decode(out[0, len(prompt) :], skip_special_tokens=True).strip(),
+            }
+        )
     return {"val_loss": total / max(tokens, 1), "val_tokens": tokens, "num_samples": len(samples), "examples": shown}

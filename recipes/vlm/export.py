@@ -70,9 +70,12 @@ def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, max_shard_si
         model = build_model(config, cfg.toggles.attention)
     names = saved_names(model)
     shapes = model.state_dict()
-    layout = {k: torch.empty(shapes[m].shape, device="meta",
-                             dtype=ckpt.dtype if shapes[m].is_floating_point() else shapes[m].dtype)
-              for k, m in names.items()}
+    layout = {
+        k: torch.empty(
+            shapes[m].shape, device="meta", dtype=ckpt.dtype if shapes[m].is_floating_point() else shapes[m].dtype
+        )
+        for k, m in names.items()
+    }
 
     def fetch(keys: list[str]) -> dict[str, torch.Tensor]:
         got = ckpt.tensors([names[k] for k in keys])
@@ -98,8 +101,13 @@ def lora_base(cfg: TrainConfig) -> str:
 
 def export_lora_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
     """Write the export of finetune=lora checkpoint `path` to `out` (scripts/export.py); returns what was written."""
-    return export_zero_lora(path, max_shard_size, lambda ckpt: write_lora_export(cfg, ckpt, out),
-                            adapter="a LoRA adapter and projector", source=cfg.model.init_from)
+    return export_zero_lora(
+        path,
+        max_shard_size,
+        lambda ckpt: write_lora_export(cfg, ckpt, out),
+        adapter="a LoRA adapter and projector",
+        source=cfg.model.init_from,
+    )
 
 
 def write_lora_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path) -> int:
@@ -114,8 +122,9 @@ def write_lora_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path) -> int:
     try:
         got = ckpt.tensors(list(trained))
     except KeyError as exc:
-        raise UserError(f"{ckpt.path} holds no {exc.args[0]}: not a checkpoint of the adapter lora.* in the run's "
-                        "config.yaml build") from None
+        raise UserError(
+            f"{ckpt.path} holds no {exc.args[0]}: not a checkpoint of the adapter lora.* in the run's config.yaml build"
+        ) from None
     copy_checked(trained, got, ckpt.path)
     vlm_lora.write_export(model, cfg, out, base=str(source.folder), processor=processor)
     return sum(p.numel() for p in trained.values())

@@ -35,7 +35,9 @@ def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     """The adapter and the projector of a LoRA-wrapped LLaVA's state dict under peft's saved names
     (`base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight`,
     `base_model.model.model.multi_modal_projector.linear_1.weight`, ...)."""
-    return peft_state_dict(state) | {f"base_model.model.{k}": v for k, v in state.items() if k.startswith(PROJECTOR + ".")}
+    return peft_state_dict(state) | {
+        f"base_model.model.{k}": v for k, v in state.items() if k.startswith(PROJECTOR + ".")
+    }
 
 
 def write_export(model, cfg: TrainConfig, out: Path, *, base: str, processor) -> None:

@@ -4,8 +4,15 @@ kernels: recipes/vlm/attention.py)."""
 
 from __future__ import annotations
 
-from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
-                          PretrainedConfig, SiglipVisionConfig)
+from transformers import (
+    AutoModelForImageTextToText,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    PretrainedConfig,
+    SiglipVisionConfig,
+)
 
 from recipes.vlm.attention import attn_implementation, register_varlen_attention
 from recipes.vlm.schema import TOWER_DEFAULTS, VLMModelConfig
@@ -31,11 +38,15 @@ def tower_image_tokens(config: LlavaConfig) -> int:
 def feature_choice(m: VLMModelConfig, kind: str) -> tuple[int, str]:
     """(vision_feature_layer, vision_feature_select_strategy): `model.*`, defaulting per tower (TOWER_DEFAULTS)."""
     layer, strategy = TOWER_DEFAULTS[kind]
-    return (layer if m.vision_feature_layer is None else m.vision_feature_layer,
-            strategy if m.vision_feature_select_strategy == "auto" else m.vision_feature_select_strategy)
+    return (
+        layer if m.vision_feature_layer is None else m.vision_feature_layer,
+        strategy if m.vision_feature_select_strategy == "auto" else m.vision_feature_select_strategy,
+    )
 
 
-def assemble_config(m: VLMModelConfig, vision: PretrainedConfig, text: PretrainedConfig, *, image_token_id: int) -> LlavaConfig:
+def assemble_config(
+    m: VLMModelConfig, vision: PretrainedConfig, text: PretrainedConfig, *, image_token_id: int
+) -> LlavaConfig:
     """vision tower -> 2-layer GELU MLP projector -> language model, LLaVA-1.5's shape."""
     layer, strategy = feature_choice(m, tower_kind(vision))
     config = LlavaConfig(
@@ -51,8 +62,9 @@ def assemble_config(m: VLMModelConfig, vision: PretrainedConfig, text: Pretraine
     return config
 
 
-def llava_config(m: VLMModelConfig, *, vocab_size: int, image_token_id: int, pad_token_id: int,
-                 bos_token_id: int, eos_token_id: int) -> LlavaConfig:
+def llava_config(
+    m: VLMModelConfig, *, vocab_size: int, image_token_id: int, pad_token_id: int, bos_token_id: int, eos_token_id: int
+) -> LlavaConfig:
     """A LLaVA shaped by `model.*` (fresh weights: the digits demo, run.dry_run of the size presets)."""
     vision_cls = SiglipVisionConfig if m.vision == "siglip" else CLIPVisionConfig
     vision = vision_cls(

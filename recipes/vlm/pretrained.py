@@ -25,8 +25,10 @@ IMAGE_TOKEN = "<image>"
 # LLaVA-1.5's conversation format (its `vicuna_v1` template: system prompt, "USER: ... ASSISTANT: ...",
 # each answer closed by eos), for a language model whose tokenizer has no chat template of its own.
 # Content is a string (with <image> where the image goes) or OpenAI-style parts (an image part -> "<image>\n").
-LLAVA_SYSTEM = ("A chat between a curious human and an artificial intelligence assistant. The assistant gives helpful, "
-                "detailed, and polite answers to the human's questions.")
+LLAVA_SYSTEM = (
+    "A chat between a curious human and an artificial intelligence assistant. The assistant gives helpful, "
+    "detailed, and polite answers to the human's questions."
+)
 LLAVA_CHAT_TEMPLATE = r"""{%- if messages and messages[0]['role'] == 'system' -%}
 {%- set system = messages[0]['content'] -%}
 {%- set loop_messages = messages[1:] -%}
@@ -66,6 +68,7 @@ LLAVA_CHAT_TEMPLATE = r"""{%- if messages and messages[0]['role'] == 'system' -%
 
 
 # --- configs and processors --------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def _quiet_loading():
@@ -130,7 +133,9 @@ def parts_config(vision_from: str, language_from: str, m: VLMModelConfig, tokeni
     text = AutoConfig.from_pretrained(Path(language_from).expanduser(), local_files_only=True)
     text.vocab_size = max(text.vocab_size, len(tokenizer))
     text.pad_token_id = tokenizer.pad_token_id
-    return assemble_config(m, vision_config(vision_from), text, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+    return assemble_config(
+        m, vision_config(vision_from), text, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    )
 
 
 def llava_processor(folder: Path):
@@ -139,7 +144,9 @@ def llava_processor(folder: Path):
 
     processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
     if not isinstance(processor, LlavaProcessor):
-        raise ConfigError(f"model.init_from={folder}: its processor is a {type(processor).__name__}, not a LlavaProcessor")
+        raise ConfigError(
+            f"model.init_from={folder}: its processor is a {type(processor).__name__}, not a LlavaProcessor"
+        )
     return processor
 
 
@@ -153,20 +160,27 @@ def check_image_tokens(processor, config, source: str) -> torch.Tensor:
     enc = processor(text=processor.image_token, images=[Image.new("RGB", (side, side))], return_tensors="pt")
     pixels, ids = enc["pixel_values"], enc["input_ids"][0]
     if tuple(pixels.shape[-2:]) != (side, side):
-        raise ConfigError(f"{source}: the image processor makes {pixels.shape[-2]}x{pixels.shape[-1]} images, the vision "
-                          f"tower takes {side}x{side}")
+        raise ConfigError(
+            f"{source}: the image processor makes {pixels.shape[-2]}x{pixels.shape[-1]} images, the vision "
+            f"tower takes {side}x{side}"
+        )
     if processor.image_token_id != config.image_token_id:
-        raise ConfigError(f"{source}: the processor's {processor.image_token} is token {processor.image_token_id}, the "
-                          f"model's image_token_index is {config.image_token_id}")
+        raise ConfigError(
+            f"{source}: the processor's {processor.image_token} is token {processor.image_token_id}, the "
+            f"model's image_token_index is {config.image_token_id}"
+        )
     have, want = int((ids == config.image_token_id).sum()), tower_image_tokens(config)
     if have != want:
-        raise ConfigError(f"{source}: the processor expands {processor.image_token} to {have} tokens but the vision tower "
-                          f"gives {want} features per image (patch_size {config.vision_config.patch_size}, "
-                          f"vision_feature_select_strategy {config.vision_feature_select_strategy}); they must agree")
+        raise ConfigError(
+            f"{source}: the processor expands {processor.image_token} to {have} tokens but the vision tower "
+            f"gives {want} features per image (patch_size {config.vision_config.patch_size}, "
+            f"vision_feature_select_strategy {config.vision_feature_select_strategy}); they must agree"
+        )
     return pixels
 
 
 # --- weights -----------------------------------------------------------------------------------------------
+
 
 def grow_vocab(lm, vocab_size: int) -> None:
     """Resize the language model's embeddings (and untied output layer) to `vocab_size` rows; every new
@@ -191,10 +205,19 @@ def load_parts(config, vision_from: str, language_from: str, attention: str):
     impl = attn_implementation(attention)
     tower_cls = CLIPVisionModel if tower_kind(config.vision_config) == "clip" else SiglipVisionModel
     with _quiet_loading():
-        tower = tower_cls.from_pretrained(Path(vision_from).expanduser(), config=config.vision_config, dtype=torch.float32,
-                                          attn_implementation=impl["vision_config"], local_files_only=True)
-        lm = AutoModelForCausalLM.from_pretrained(Path(language_from).expanduser(), dtype=torch.float32,
-                                                  attn_implementation=impl["text_config"], local_files_only=True)
+        tower = tower_cls.from_pretrained(
+            Path(vision_from).expanduser(),
+            config=config.vision_config,
+            dtype=torch.float32,
+            attn_implementation=impl["vision_config"],
+            local_files_only=True,
+        )
+        lm = AutoModelForCausalLM.from_pretrained(
+            Path(language_from).expanduser(),
+            dtype=torch.float32,
+            attn_implementation=impl["text_config"],
+            local_files_only=True,
+        )
     grow_vocab(lm, config.text_config.vocab_size)
     with torch.device("meta"):  # the shell: its parts are replaced by the loaded ones below
         model = build_model(config, attention)
@@ -219,11 +242,13 @@ def load_llava(folder: Path, attention: str):
     if attention == "flash":
         register_varlen_attention()
     with _quiet_loading():
-        return LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, local_files_only=True,
-                                                             attn_implementation=attn_implementation(attention))
+        return LlavaForConditionalGeneration.from_pretrained(
+            folder, dtype=torch.float32, local_files_only=True, attn_implementation=attn_implementation(attention)
+        )
 
 
 # --- weights out ----------------------------------------------------------------------------------------------
+
 
 def llava_hf_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's tensors with the vision tower under llava-hf's names (`vision_tower.vision_model.*` once saved).
@@ -231,5 +256,7 @@ def llava_hf_state_dict(model) -> dict[str, torch.Tensor]:
     (`vision_tower.embeddings.*`); it reads both layouts, but vLLM (0.32, the CPU build included) reads only
     llava-hf's and refuses the other ("no module or parameter named 'vision_tower.embeddings'")."""
     flat, nested = "model.vision_tower.", "model.vision_tower.vision_model."
-    return {(nested + k[len(flat):] if k.startswith(flat) and not k.startswith(nested) else k): v
-            for k, v in model.state_dict().items()}
+    return {
+        (nested + k[len(flat) :] if k.startswith(flat) and not k.startswith(nested) else k): v
+        for k, v in model.state_dict().items()
+    }

@@ -27,6 +27,7 @@ VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 
 # --- the folders, checked from their json (config validation) -------------------------------------------
 
+
 def _folder_config(path: str, key: str) -> tuple[Path, dict]:
     """(the folder, its config.json) after checking its safetensors files' headers (one line for a file cut short)."""
     folder = Path(path).expanduser()
@@ -35,7 +36,9 @@ def _folder_config(path: str, key: str) -> tuple[Path, dict]:
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
-        raise ConfigError(f"{key}={path}: no readable config.json there (a Hugging Face model folder is expected)") from None
+        raise ConfigError(
+            f"{key}={path}: no readable config.json there (a Hugging Face model folder is expected)"
+        ) from None
     check_folder(folder, f"{key}={path}")
     return folder.resolve(), config
 
@@ -46,8 +49,10 @@ def llava_folder(init_from: str) -> Path:
     candidate = path / "export" if (path / "export" / "config.json").exists() else path
     folder, config = _folder_config(str(candidate), "model.init_from")
     if config.get("model_type") != "llava":
-        raise ConfigError(f"model.init_from={init_from}: model_type {config.get('model_type')!r} is not a LLaVA "
-                          "(a LlavaForConditionalGeneration folder or an align run is expected)")
+        raise ConfigError(
+            f"model.init_from={init_from}: model_type {config.get('model_type')!r} is not a LLaVA "
+            "(a LlavaForConditionalGeneration folder or an align run is expected)"
+        )
     if not any(folder.glob("*.safetensors")):
         raise ConfigError(f"model.init_from={init_from}: no *.safetensors weights in {folder}")
     return folder
@@ -57,18 +62,24 @@ def check_vision_folder(vision_from: str) -> None:
     """One line, before anything is written, for a `vlm.vision_from` that is no CLIP / SigLIP tower."""
     _, config = _folder_config(vision_from, "vlm.vision_from")
     if config.get("model_type") not in VISION_TYPES:
-        raise ConfigError(f"vlm.vision_from={vision_from}: model_type {config.get('model_type')!r} is not a CLIP or "
-                          "SigLIP vision tower (CLIPVisionModel, CLIPModel, SiglipVisionModel or SiglipModel)")
+        raise ConfigError(
+            f"vlm.vision_from={vision_from}: model_type {config.get('model_type')!r} is not a CLIP or "
+            "SigLIP vision tower (CLIPVisionModel, CLIPModel, SiglipVisionModel or SiglipModel)"
+        )
 
 
 def check_language_folder(language_from: str) -> None:
     """One line, before anything is written, for a `vlm.language_from` that is no causal LM with a tokenizer."""
     folder, config = _folder_config(language_from, "vlm.language_from")
     if not any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or []):
-        raise ConfigError(f"vlm.language_from={language_from}: architectures {config.get('architectures')} name no "
-                          "*ForCausalLM (a Llama-family causal language model is expected)")
+        raise ConfigError(
+            f"vlm.language_from={language_from}: architectures {config.get('architectures')} name no "
+            "*ForCausalLM (a Llama-family causal language model is expected)"
+        )
     if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
-        raise ConfigError(f"vlm.language_from={language_from}: no tokenizer there (tokenizer.json / tokenizer_config.json)")
+        raise ConfigError(
+            f"vlm.language_from={language_from}: no tokenizer there (tokenizer.json / tokenizer_config.json)"
+        )
 
 
 def _params(module) -> int:
@@ -92,19 +103,25 @@ class FreshWeights:
         from recipes.vlm.data import is_conversations
 
         if is_conversations(self.meta):
-            raise ConfigError(f"data.root={self.data_root} holds LLaVA conversations, which the model's own processor "
-                              "tokenizes: give vlm.vision_from + vlm.language_from (pretrained parts) or model.init_from "
-                              "(a LLaVA)")
+            raise ConfigError(
+                f"data.root={self.data_root} holds LLaVA conversations, which the model's own processor "
+                "tokenizes: give vlm.vision_from + vlm.language_from (pretrained parts) or model.init_from "
+                "(a LLaVA)"
+            )
         # The dataset's processor decides how many image tokens a prompt holds; the vision tower must agree.
         built = {"image_size": self.meta["image_size"], "patch_size": self.meta["patch_size"]}
         wanted = {"image_size": self.model.image_size, "patch_size": self.model.patch_size}
         if built != wanted:
-            raise DataError(f"data.root={self.data_root} was built for {built}, the model has {wanted}: "
-                            "rebuild it with those sizes (see data.build) or point data.root elsewhere")
+            raise DataError(
+                f"data.root={self.data_root} was built for {built}, the model has {wanted}: "
+                "rebuild it with those sizes (see data.build) or point data.root elsewhere"
+            )
 
     def processor(self):
         if self.meta is None:
-            raise RuntimeError("fresh weights take the dataset's processor: weight_source(cfg, meta) after prepare_data")
+            raise RuntimeError(
+                "fresh weights take the dataset's processor: weight_source(cfg, meta) after prepare_data"
+            )
         if self._processor is None:
             from recipes.vlm.data import load_processor
 
@@ -116,8 +133,9 @@ class FreshWeights:
 
         if self.meta is None:
             vocab = self.model.vocab_size or 1024
-            return llava_config(self.model, vocab_size=vocab, image_token_id=vocab - 1, pad_token_id=0, bos_token_id=1,
-                                eos_token_id=2)
+            return llava_config(
+                self.model, vocab_size=vocab, image_token_id=vocab - 1, pad_token_id=0, bos_token_id=1, eos_token_id=2
+            )
         tokenizer = self.processor().tokenizer
         return llava_config(
             self.model,
@@ -172,11 +190,13 @@ class PartWeights:
 
         c = model.config
         tower = f"{tower_kind(c.vision_config)} vision tower ({_params(model.model.vision_tower):,})"
-        return (f"kiln: LLaVA from {self.label}: {tower}, projector ({_params(model.model.multi_modal_projector):,}, "
-                f"fresh), language model ({_params(model.model.language_model) + _params(model.lm_head):,}, vocabulary "
-                f"{c.text_config.vocab_size:,} with <image> = {c.image_token_id}); image features: layer "
-                f"{c.vision_feature_layer}, strategy {c.vision_feature_select_strategy}, {tower_image_tokens(c)} tokens "
-                "per image")
+        return (
+            f"kiln: LLaVA from {self.label}: {tower}, projector ({_params(model.model.multi_modal_projector):,}, "
+            f"fresh), language model ({_params(model.model.language_model) + _params(model.lm_head):,}, vocabulary "
+            f"{c.text_config.vocab_size:,} with <image> = {c.image_token_id}); image features: layer "
+            f"{c.vision_feature_layer}, strategy {c.vision_feature_select_strategy}, {tower_image_tokens(c)} tokens "
+            "per image"
+        )
 
 
 class LlavaWeights:
@@ -220,11 +240,15 @@ def weight_source(cfg: TrainConfig, meta: dict | None = None) -> WeightSource:
     if bool(v.vision_from) != bool(v.language_from):
         raise ConfigError("vlm.vision_from and vlm.language_from go together: a LLaVA is built from both parts")
     if m.init_from and v.vision_from:
-        raise ConfigError("model.init_from and vlm.vision_from/language_from exclude each other: continue from a LLaVA, "
-                          "or build one from pretrained parts")
+        raise ConfigError(
+            "model.init_from and vlm.vision_from/language_from exclude each other: continue from a LLaVA, "
+            "or build one from pretrained parts"
+        )
     if m.init_from and v.stage == "align":
-        raise ConfigError("model.init_from is for vlm.stage=finetune (align starts from vlm.vision_from + "
-                          "vlm.language_from, or from fresh weights)")
+        raise ConfigError(
+            "model.init_from is for vlm.stage=finetune (align starts from vlm.vision_from + "
+            "vlm.language_from, or from fresh weights)"
+        )
     if m.init_from:
         source = LlavaWeights(m.init_from)
     elif v.vision_from:

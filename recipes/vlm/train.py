@@ -24,11 +24,12 @@ from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
 from common.engine import DeepSpeedEngine
-from common.parallel_dims import ParallelDims
 from common.memory import Block, ModelSpec, count_params, largest_module_params
+from common.parallel_dims import ParallelDims
 from common.seed import seed_everything
 from common.trainer import Trainer
-from recipes.vlm import lora as vlm_lora, pretrained
+from recipes.vlm import lora as vlm_lora
+from recipes.vlm import pretrained
 from recipes.vlm.attention import eval_attention
 from recipes.vlm.data import blank_sample, build_train_loader, check_chat_template, is_conversations, prepare_data
 from recipes.vlm.evaluate import conversation_eval, generate_answers, load_eval_samples, save_answer_grid, score
@@ -63,8 +64,11 @@ class VLMTrainer(Trainer):
         if dist.is_main and loaded:
             print(loaded, flush=True)
         if dist.is_main and not stops:
-            print("kiln: warning: the chat template ends assistant turns without eos, so the model does not learn to "
-                  "stop (llava-hf's template drops LLaVA's </s>)", flush=True)
+            print(
+                "kiln: warning: the chat template ends assistant turns without eos, so the model does not learn to "
+                "stop (llava-hf's template drops LLaVA's </s>)",
+                flush=True,
+            )
         loader = build_train_loader(cfg, dist, self.meta, self.processor, blank)
         self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
         self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
@@ -118,9 +122,14 @@ class VLMTrainer(Trainer):
     def evaluate_digits(self) -> dict | None:
         samples = load_eval_samples(self.meta["val_urls"], self.cfg.vlm.eval_samples)
         if self.dist.is_main:
-            print(f"kiln: eval: answering {len(samples)} held-out images (greedy, up to {self.cfg.vlm.max_new_tokens} "
-                  "new tokens)", flush=True)
-        answers = generate_answers(self.model, self.processor, samples, max_new_tokens=self.cfg.vlm.max_new_tokens, device=self.device)
+            print(
+                f"kiln: eval: answering {len(samples)} held-out images (greedy, up to {self.cfg.vlm.max_new_tokens} "
+                "new tokens)",
+                flush=True,
+            )
+        answers = generate_answers(
+            self.model, self.processor, samples, max_new_tokens=self.cfg.vlm.max_new_tokens, device=self.device
+        )
         if not self.dist.is_main:
             return None
         save_answer_grid(samples, answers, self.run_dir / "samples" / "eval.png")
@@ -129,17 +138,27 @@ class VLMTrainer(Trainer):
     def evaluate_conversations(self) -> dict | None:
         if self.dist.is_main:
             print(f"kiln: eval: loss on up to {self.cfg.vlm.eval_samples} held-out conversations", flush=True)
-        result = conversation_eval(self.model, self.processor, self.meta["val_urls"], limit=self.cfg.vlm.eval_samples,
-                                   max_seq_len=self.cfg.data.max_seq_len, max_new_tokens=self.cfg.vlm.max_new_tokens,
-                                   device=self.device)
+        result = conversation_eval(
+            self.model,
+            self.processor,
+            self.meta["val_urls"],
+            limit=self.cfg.vlm.eval_samples,
+            max_seq_len=self.cfg.data.max_seq_len,
+            max_new_tokens=self.cfg.vlm.max_new_tokens,
+            device=self.device,
+        )
         return {**result, "step": self.state.step, "stage": self.cfg.vlm.stage} if self.dist.is_main else None
 
     def eval_summary(self, result: dict) -> str:
         if "accuracy" in result:
-            return (f"kiln: eval accuracy {result['accuracy']:.3f} on {result['num_samples']} held-out digits "
-                    f"(chance {result['chance']:.2f})")
-        return (f"kiln: eval loss {result['val_loss']:.4f} on {result['num_samples']} held-out conversations "
-                f"({result['val_tokens']:,} answer tokens)")
+            return (
+                f"kiln: eval accuracy {result['accuracy']:.3f} on {result['num_samples']} held-out digits "
+                f"(chance {result['chance']:.2f})"
+            )
+        return (
+            f"kiln: eval loss {result['val_loss']:.4f} on {result['num_samples']} held-out conversations "
+            f"({result['val_tokens']:,} answer tokens)"
+        )
 
     def export(self) -> Path:
         """Hugging Face folder: config (image_token_index, vision_feature_layer, ...), safetensors, tokenizer,
@@ -180,14 +199,30 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     trainable = count_params(model, trainable_only=True)
     # The frozen vision tower runs without autograd: it keeps nothing. The text rows are taken at
     # their longest, micro_batch x max_seq_len tokens (image tokens included).
-    block = Block(hidden=t.hidden_size, heads=t.num_attention_heads, ffn=t.intermediate_size, kv_heads=t.num_key_value_heads,
-                  norm="rmsnorm", mlp="swiglu", dropout=False,
-                  attention="eager" if cfg.toggles.attention == "eager" else "fused",
-                  dense_mask=cfg.toggles.attention == "sdpa")
-    return ModelSpec(cfg.recipe.name, block, layers=t.num_hidden_layers, seq=cfg.data.max_seq_len,
-                     micro_batch=cfg.trainer.micro_batch_size, layer_params=layer,
-                     first_params=trainable - t.num_hidden_layers * layer, frozen_params=count_params(model) - trainable,
-                     gather_unit_params=largest_module_params(model), vocab=t.vocab_size, precision=cfg.toggles.precision)
+    block = Block(
+        hidden=t.hidden_size,
+        heads=t.num_attention_heads,
+        ffn=t.intermediate_size,
+        kv_heads=t.num_key_value_heads,
+        norm="rmsnorm",
+        mlp="swiglu",
+        dropout=False,
+        attention="eager" if cfg.toggles.attention == "eager" else "fused",
+        dense_mask=cfg.toggles.attention == "sdpa",
+    )
+    return ModelSpec(
+        cfg.recipe.name,
+        block,
+        layers=t.num_hidden_layers,
+        seq=cfg.data.max_seq_len,
+        micro_batch=cfg.trainer.micro_batch_size,
+        layer_params=layer,
+        first_params=trainable - t.num_hidden_layers * layer,
+        frozen_params=count_params(model) - trainable,
+        gather_unit_params=largest_module_params(model),
+        vocab=t.vocab_size,
+        precision=cfg.toggles.precision,
+    )
 
 
 TRAINER = VLMTrainer  # recipes/registry.py

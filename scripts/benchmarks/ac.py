@@ -33,8 +33,15 @@ def saved_bytes(trainer, batch) -> int:
 def measure(opts, recipe: str, steps: int, warmup: int) -> tuple[dict, dict]:
     """Saved bytes per mode, and both modes' trainers interleaved on the same batches."""
     batch = opts.pick([], [QUICK_BATCH[recipe]])
-    trainers = {mode: build_trainer(opts, recipe, [f"toggles.activation_checkpointing={mode}", *batch],
-                                    opts.work / f"ac_{recipe.removesuffix('_tiny')}_{mode}") for mode in MODES}
+    trainers = {
+        mode: build_trainer(
+            opts,
+            recipe,
+            [f"toggles.activation_checkpointing={mode}", *batch],
+            opts.work / f"ac_{recipe.removesuffix('_tiny')}_{mode}",
+        )
+        for mode in MODES
+    }
     batches = take(trainers["none"], warmup + steps)
     return {m: saved_bytes(t, batches[0]) for m, t in trainers.items()}, interleaved(trainers, batches, warmup)
 
@@ -51,20 +58,36 @@ def run(opts) -> Section:
         vs_none = {m: ratio(r["times"], steps_by_mode["none"]["times"]) for m, r in steps_by_mode.items()}
         fewer, slower = 1 - saved["full"] / saved["none"], vs_none["full"]
         for mode in MODES:
-            rows.append([recipe, mode, mib(saved[mode]), f"{saved[mode] / saved['none']:.2f}", ms(times[mode]),
-                         f"{vs_none[mode]:.2f}x"])
-        s.targets.append(Target(f"{recipe}: full AC saves >= {TARGET_AC_SAVED:.0%} of activation bytes for <= "
-                                f"{TARGET_AC_TIME - 1:.0%} more step time",
-                                f"{fewer:.1%} fewer bytes, {slower:.2f}x time",
-                                fewer >= TARGET_AC_SAVED and slower <= TARGET_AC_TIME))
+            rows.append(
+                [
+                    recipe,
+                    mode,
+                    mib(saved[mode]),
+                    f"{saved[mode] / saved['none']:.2f}",
+                    ms(times[mode]),
+                    f"{vs_none[mode]:.2f}x",
+                ]
+            )
+        s.targets.append(
+            Target(
+                f"{recipe}: full AC saves >= {TARGET_AC_SAVED:.0%} of activation bytes for <= "
+                f"{TARGET_AC_TIME - 1:.0%} more step time",
+                f"{fewer:.1%} fewer bytes, {slower:.2f}x time",
+                fewer >= TARGET_AC_SAVED and slower <= TARGET_AC_TIME,
+            )
+        )
         s.data[recipe] = {"saved_bytes": saved, "step_s": {m: r["times"] for m, r in steps_by_mode.items()}}
     s.tables.append(md_table(["recipe", "AC", "saved for backward", "vs none", "step ms (median)", "vs none"], rows))
-    s.notes.append("saved bytes: storages created in one forward + loss of the recipe's trainer that are still alive "
-                   "when it returns (common/tools/activations.py; weights, batch and output excluded; AC applied by "
-                   "the recipe's parallelize()). "
-                   "Full AC keeps each block's input; what remains is mostly outside the blocks: the LLM's fp32 "
-                   "log-probabilities over the vocabulary, the DiT's patch embedding and output head.")
-    s.notes.append(f"step: the trainer's train_step (forward, backward, optimizer), the two modes alternating on the "
-                   f"same batches, {steps} steps each after {warmup} warm-up; time 'vs none' is the median of per-step "
-                   "ratios")
+    s.notes.append(
+        "saved bytes: storages created in one forward + loss of the recipe's trainer that are still alive "
+        "when it returns (common/tools/activations.py; weights, batch and output excluded; AC applied by "
+        "the recipe's parallelize()). "
+        "Full AC keeps each block's input; what remains is mostly outside the blocks: the LLM's fp32 "
+        "log-probabilities over the vocabulary, the DiT's patch embedding and output head."
+    )
+    s.notes.append(
+        f"step: the trainer's train_step (forward, backward, optimizer), the two modes alternating on the "
+        f"same batches, {steps} steps each after {warmup} warm-up; time 'vs none' is the median of per-step "
+        "ratios"
+    )
     return s

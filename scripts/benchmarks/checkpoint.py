@@ -17,8 +17,10 @@ from scripts.benchmarks.report import Section, Target, md_table, median, ms, say
 TARGET_STALL = 0.5  # the async loop's stall per save <= this x the sync loop's
 TARGET_SAVE_S = 1.0  # a sync save of the model takes at least this long (else the model is too small to say much)
 # ~56M parameters (checkpoint ~0.67 GB with AdamW's two moments); quick: ~4M.
-MODEL = {False: ["model.dim=1024", "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_dim=2816"],
-         True: ["model.dim=256", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_dim=688"]}
+MODEL = {
+    False: ["model.dim=1024", "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_dim=2816"],
+    True: ["model.dim=256", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_dim=688"],
+}
 EVERY = 3
 
 
@@ -49,8 +51,10 @@ class TimedSaves(LLMTrainer):
 
 def checksum_costs(path: Path) -> dict[str, float]:
     """Seconds per 100 MB of each candidate checksum over `path` (read from the page cache: the file was just written)."""
-    algos = {"crc32 (zlib)": lambda f: _chunks(f, zlib.crc32, 0),
-             "sha256 (hashlib)": lambda f: hashlib.file_digest(f, "sha256").digest()}
+    algos = {
+        "crc32 (zlib)": lambda f: _chunks(f, zlib.crc32, 0),
+        "sha256 (hashlib)": lambda f: hashlib.file_digest(f, "sha256").digest(),
+    }
     try:
         import xxhash
 
@@ -79,18 +83,33 @@ def run(opts, model: list[str] | None = None) -> Section:
     for mode in (False, True):
         run_dir = opts.work / f"checkpoint_{'async' if mode else 'sync'}"
         say(f"checkpoint: llm_tiny {' '.join(model)}, {steps} steps, a save every {EVERY}, async_save={mode}")
-        trainer = build_trainer(opts, "llm_tiny", [*model, "trainer.micro_batch_size=2", "trainer.log_every=1",
-                                                   f"trainer.max_steps={steps}", f"checkpoint.every={EVERY}",
-                                                   "checkpoint.keep=2", f"checkpoint.async_save={str(mode).lower()}",
-                                                   "profile.count_flops=false"], run_dir, cls=TimedSaves)
+        trainer = build_trainer(
+            opts,
+            "llm_tiny",
+            [
+                *model,
+                "trainer.micro_batch_size=2",
+                "trainer.log_every=1",
+                f"trainer.max_steps={steps}",
+                f"checkpoint.every={EVERY}",
+                "checkpoint.keep=2",
+                f"checkpoint.async_save={str(mode).lower()}",
+                "profile.count_flops=false",
+            ],
+            run_dir,
+            cls=TimedSaves,
+        )
         docs = docs or take(trainer, steps)
         with quiet(opts.log):
             trainer.fit(batches=docs)
         records = read_metrics(run_dir / "metrics.jsonl")
         latest = trainer.ckpt.latest()
-        results[mode] = {"trainer": trainer, "step_s": {r["step"]: r["step_time_s"] for r in records},
-                         "bytes": sum(e["size"] for e in json.loads((latest / "manifest.json").read_text())["files"].values()),
-                         "shard": max((latest / "dcp").glob("*.distcp"), key=lambda p: p.stat().st_size)}
+        results[mode] = {
+            "trainer": trainer,
+            "step_s": {r["step"]: r["step_time_s"] for r in records},
+            "bytes": sum(e["size"] for e in json.loads((latest / "manifest.json").read_text())["files"].values()),
+            "shard": max((latest / "dcp").glob("*.distcp"), key=lambda p: p.stat().st_size),
+        }
     return section(results, steps)
 
 
@@ -104,26 +123,63 @@ def section(results: dict, steps: int) -> Section:
     ratio = stall[True] / stall[False]
     gb = results[False]["bytes"] / 1e9
     s = Section("checkpoint", "Checkpoint stall: sync vs async saves (llm_tiny widened, DCP)")
-    s.tables.append(md_table(
-        ["checkpoint.async_save", "loop blocked per save (s)", "vs sync", "median step ms (no save in flight)",
-         "median step ms (write in flight)"],
-        [["false", f"{stall[False]:.3f}", "1.00", ms(median(v for k, v in results[False]["step_s"].items() if k > 1)), "-"],
-         ["true", f"{stall[True]:.3f}", f"{ratio:.2f}", ms(median(idle)), ms(median(busy)) if busy else "-"]]))
+    s.tables.append(
+        md_table(
+            [
+                "checkpoint.async_save",
+                "loop blocked per save (s)",
+                "vs sync",
+                "median step ms (no save in flight)",
+                "median step ms (write in flight)",
+            ],
+            [
+                [
+                    "false",
+                    f"{stall[False]:.3f}",
+                    "1.00",
+                    ms(median(v for k, v in results[False]["step_s"].items() if k > 1)),
+                    "-",
+                ],
+                ["true", f"{stall[True]:.3f}", f"{ratio:.2f}", ms(median(idle)), ms(median(busy)) if busy else "-"],
+            ],
+        )
+    )
     costs = checksum_costs(results[False]["shard"])
     s.tables.append(md_table(["manifest checksum", "seconds per 100 MB"], [[k, f"{v:.3f}"] for k, v in costs.items()]))
-    s.targets.append(Target(f"a sync save takes >= {TARGET_SAVE_S:.0f} s (a model big enough to measure)",
-                            f"{stall[False]:.2f} s for {gb:.2f} GB", stall[False] >= TARGET_SAVE_S))
-    s.targets.append(Target(f"async stall per save <= {TARGET_STALL:.2f}x sync", f"{ratio:.2f}x "
-                            f"({stall[True]:.3f} s vs {stall[False]:.3f} s)", ratio <= TARGET_STALL))
-    s.notes.append(f"one process, {saves} saves each of {gb:.2f} GB (weights + AdamW moments) over {steps} steps, the "
-                   "same documents for both runs (sync first, then async). 'Loop blocked': seconds inside "
-                   "save_checkpoint (sync: the whole write, its manifest and commit; async: the host copy, and any "
-                   "wait for the previous save) plus the async commits at step boundaries (ckpt.poll), per save; "
-                   "the end of run's wait for the last write is not counted.")
-    s.notes.append("on CPU the staging copy is a plain host copy (pinned memory needs CUDA); the background write "
-                   "shares the cores with training: the two step columns of the async run show what that costs.")
-    s.data = {"stall_s": {"sync": stall[False], "async": stall[True]}, "ratio": ratio, "checkpoint_bytes": results[False]["bytes"],
-              "sync_saves_s": sync.saves, "async_saves_s": asyn.saves, "async_polls_s": asyn.polls,
-              "step_s": {"sync": results[False]["step_s"], "async": results[True]["step_s"]},
-              "async_in_flight_steps": sorted(asyn.in_flight), "checksum_s_per_100mb": costs}
+    s.targets.append(
+        Target(
+            f"a sync save takes >= {TARGET_SAVE_S:.0f} s (a model big enough to measure)",
+            f"{stall[False]:.2f} s for {gb:.2f} GB",
+            stall[False] >= TARGET_SAVE_S,
+        )
+    )
+    s.targets.append(
+        Target(
+            f"async stall per save <= {TARGET_STALL:.2f}x sync",
+            f"{ratio:.2f}x ({stall[True]:.3f} s vs {stall[False]:.3f} s)",
+            ratio <= TARGET_STALL,
+        )
+    )
+    s.notes.append(
+        f"one process, {saves} saves each of {gb:.2f} GB (weights + AdamW moments) over {steps} steps, the "
+        "same documents for both runs (sync first, then async). 'Loop blocked': seconds inside "
+        "save_checkpoint (sync: the whole write, its manifest and commit; async: the host copy, and any "
+        "wait for the previous save) plus the async commits at step boundaries (ckpt.poll), per save; "
+        "the end of run's wait for the last write is not counted."
+    )
+    s.notes.append(
+        "on CPU the staging copy is a plain host copy (pinned memory needs CUDA); the background write "
+        "shares the cores with training: the two step columns of the async run show what that costs."
+    )
+    s.data = {
+        "stall_s": {"sync": stall[False], "async": stall[True]},
+        "ratio": ratio,
+        "checkpoint_bytes": results[False]["bytes"],
+        "sync_saves_s": sync.saves,
+        "async_saves_s": asyn.saves,
+        "async_polls_s": asyn.polls,
+        "step_s": {"sync": results[False]["step_s"], "async": results[True]["step_s"]},
+        "async_in_flight_steps": sorted(asyn.in_flight),
+        "checksum_s_per_100mb": costs,
+    }
     return s

@@ -24,22 +24,54 @@ def run(opts) -> Section:
     for recipe, steps in (("dit_tiny", opts.pick(75, 30)), ("vlm_tiny", opts.pick(110, 30))):
         cfg = compose([f"recipe={recipe}"])
         say(f"data: {recipe}, {steps} steps, log_every=1, data.num_workers={cfg.data.num_workers}")
-        records = train_run(opts, recipe, [f"trainer.max_steps={steps}", "trainer.log_every=1"],
-                            opts.work / f"data_{recipe}")
+        records = train_run(
+            opts, recipe, [f"trainer.max_steps={steps}", "trainer.log_every=1"], opts.work / f"data_{recipe}"
+        )
         steady = [r for r in records if r["step"] > WARMUP]
         fraction = sum(r["data_wait_s"] for r in steady) / sum(r["step_time_s"] for r in steady)
         worst = max(steady, key=lambda r: r["data_wait_s"])
-        rows.append([recipe, cfg.data.num_workers, cfg.trainer.micro_batch_size, f"{WARMUP + 1}-{steps}",
-                     steps_per_epoch(cfg), f"{fraction:.2%}",
-                     f"{median(r['data_wait_s'] / r['step_time_s'] for r in steady):.2%}",
-                     f"{ms(worst['data_wait_s'])} ms (step {worst['step']})",
-                     ms(median(r["step_time_s"] for r in steady))])
-        s.targets.append(Target(f"{recipe}: data wait <= {TARGET_DATA_WAIT:.0%} of step time", f"{fraction:.2%}",
-                                fraction <= TARGET_DATA_WAIT))
-        s.data[recipe] = {"fraction": fraction, "records": [{k: r[k] for k in ("step", "step_time_s", "data_wait_s")}
-                                                            for r in records]}
-    s.tables.append(md_table(["recipe", "workers", "micro batch", "steps", "steps per epoch", "data wait / step time",
-                              "median per step", "worst step", "step ms (median)"], rows))
-    s.notes.append("from metrics.jsonl (trainer.log_every=1): sum of data_wait_s over sum of step_time_s, steps after "
-                   f"{WARMUP} warm-up; one process, {opts.threads} thread(s)")
+        rows.append(
+            [
+                recipe,
+                cfg.data.num_workers,
+                cfg.trainer.micro_batch_size,
+                f"{WARMUP + 1}-{steps}",
+                steps_per_epoch(cfg),
+                f"{fraction:.2%}",
+                f"{median(r['data_wait_s'] / r['step_time_s'] for r in steady):.2%}",
+                f"{ms(worst['data_wait_s'])} ms (step {worst['step']})",
+                ms(median(r["step_time_s"] for r in steady)),
+            ]
+        )
+        s.targets.append(
+            Target(
+                f"{recipe}: data wait <= {TARGET_DATA_WAIT:.0%} of step time",
+                f"{fraction:.2%}",
+                fraction <= TARGET_DATA_WAIT,
+            )
+        )
+        s.data[recipe] = {
+            "fraction": fraction,
+            "records": [{k: r[k] for k in ("step", "step_time_s", "data_wait_s")} for r in records],
+        }
+    s.tables.append(
+        md_table(
+            [
+                "recipe",
+                "workers",
+                "micro batch",
+                "steps",
+                "steps per epoch",
+                "data wait / step time",
+                "median per step",
+                "worst step",
+                "step ms (median)",
+            ],
+            rows,
+        )
+    )
+    s.notes.append(
+        "from metrics.jsonl (trainer.log_every=1): sum of data_wait_s over sum of step_time_s, steps after "
+        f"{WARMUP} warm-up; one process, {opts.threads} thread(s)"
+    )
     return s

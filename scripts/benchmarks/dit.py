@@ -28,9 +28,18 @@ TARGET_SELECTIVE_TIME = 1.20  # ... for at most this step-time factor
 FAST_DIT_RATIO = 1.95  # fast-DiT: DiT-XL/2 at 256px on an A100, 0.43 -> 0.84 steps/s with cached features
 MODES = ("none", "selective", "full")
 # sd-vae-ft-mse (stabilityai), the AutoencoderKL of Stable Diffusion 1.x/2.x.
-SD_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, block_out_channels=(128, 256, 512, 512),
-              down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-              norm_num_groups=32, sample_size=256, scaling_factor=0.18215)
+SD_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    layers_per_block=2,
+    block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    norm_num_groups=32,
+    sample_size=256,
+    scaling_factor=0.18215,
+)
 XL2_WIDTH, XL2_HEADS = 1152, 16
 NO_FLOP_COUNT = ["profile.count_flops=false"]  # the loop's FLOP counter: these sections time train_step alone
 
@@ -42,6 +51,7 @@ def dit_trainer(opts, overrides: list[str], run_dir: Path):
 
 # ---- activation checkpointing ------------------------------------------------------------------------
 
+
 def ac(opts, s: Section) -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -51,8 +61,10 @@ def ac(opts, s: Section) -> None:
     warmup, steps = 1, opts.pick(12, 3)
     batch = opts.pick([], ["trainer.micro_batch_size=16"])
     say(f"dit: ac, dit_tiny, AC {'/'.join(MODES)}, {warmup + steps} steps each, interleaved")
-    trainers = {m: dit_trainer(opts, [f"toggles.activation_checkpointing={m}", *batch], opts.work / f"dit_ac_{m}")
-                for m in MODES}
+    trainers = {
+        m: dit_trainer(opts, [f"toggles.activation_checkpointing={m}", *batch], opts.work / f"dit_ac_{m}")
+        for m in MODES
+    }
     batches = take(trainers["none"], warmup + steps)
     kept, flops = {}, {}
     for mode, trainer in trainers.items():
@@ -71,16 +83,42 @@ def ac(opts, s: Section) -> None:
     planned = {m: spec.layers * layer_activation_bytes(spec.block, recompute=m, **shape) for m in MODES}
     base = result["none"]["times"]
     vs_none = {m: ratio(result[m]["times"], base) for m in MODES}
-    rows = [[m, mib(kept[m]), f"{kept[m] / kept['none']:.2f}", mib(planned[m]), f"{flops[m] / flops['none']:.3f}x",
-             ms(median(result[m]["times"])), f"{vs_none[m]:.2f}x"] for m in MODES]
+    rows = [
+        [
+            m,
+            mib(kept[m]),
+            f"{kept[m] / kept['none']:.2f}",
+            mib(planned[m]),
+            f"{flops[m] / flops['none']:.3f}x",
+            ms(median(result[m]["times"])),
+            f"{vs_none[m]:.2f}x",
+        ]
+        for m in MODES
+    ]
     fewer, slower = 1 - kept["selective"] / kept["none"], vs_none["selective"]
     cfg = trainers["none"].cfg
-    s.tables.append(md_table(["AC", "kept for backward", "vs none", "common/memory.py, blocks only",
-                              "fwd+bwd FLOPs vs none", "train_step ms (median)", "vs none"], rows))
-    s.targets.append(Target(f"dit_tiny: selective AC keeps <= {1 - TARGET_SELECTIVE_SAVED:.0%} of the activation bytes "
-                            f"of no AC for <= {TARGET_SELECTIVE_TIME:.2f}x the step time",
-                            f"{fewer:.1%} fewer bytes, {slower:.2f}x time",
-                            fewer >= TARGET_SELECTIVE_SAVED and slower <= TARGET_SELECTIVE_TIME))
+    s.tables.append(
+        md_table(
+            [
+                "AC",
+                "kept for backward",
+                "vs none",
+                "common/memory.py, blocks only",
+                "fwd+bwd FLOPs vs none",
+                "train_step ms (median)",
+                "vs none",
+            ],
+            rows,
+        )
+    )
+    s.targets.append(
+        Target(
+            f"dit_tiny: selective AC keeps <= {1 - TARGET_SELECTIVE_SAVED:.0%} of the activation bytes "
+            f"of no AC for <= {TARGET_SELECTIVE_TIME:.2f}x the step time",
+            f"{fewer:.1%} fewer bytes, {slower:.2f}x time",
+            fewer >= TARGET_SELECTIVE_SAVED and slower <= TARGET_SELECTIVE_TIME,
+        )
+    )
     s.notes += [
         f"full AC: {1 - kept['full'] / kept['none']:.1%} fewer bytes, {vs_none['full']:.2f}x time",
         f"FLOPs (torch's FlopCounterMode over forward + backward, recomputation included): selective "
@@ -91,23 +129,37 @@ def ac(opts, s: Section) -> None:
         f"ac: micro batch {cfg.trainer.micro_batch_size} x {spec.seq} tokens, fp32, {opts.threads} torch thread(s); "
         f"{steps} steps per mode after {warmup} warm-up, modes rotating first; 'vs none' time is the median of "
         f"per-step ratios. Selective = common/toggles.py's policy with recompute_widening (the DiT's): keep matmul "
-        f"and attention outputs except the MLP's up projection and adaLN's modulation."]
-    s.data["ac"] = {"kept_bytes": kept, "planned_bytes": planned, "flops": flops,
-                    "step_s": {m: r["times"] for m, r in result.items()}}
+        f"and attention outputs except the MLP's up projection and adaLN's modulation.",
+    ]
+    s.data["ac"] = {
+        "kept_bytes": kept,
+        "planned_bytes": planned,
+        "flops": flops,
+        "step_s": {m: r["times"] for m, r in result.items()},
+    }
 
 
 # ---- latent cache vs on-the-fly encoding -------------------------------------------------------------
 
+
 def scaled_vae_config(div: int) -> dict:
     groups = min(32, SD_VAE["block_out_channels"][0] // div)
-    return {**SD_VAE, "block_out_channels": tuple(c // div for c in SD_VAE["block_out_channels"]), "norm_num_groups": groups}
+    return {
+        **SD_VAE,
+        "block_out_channels": tuple(c // div for c in SD_VAE["block_out_channels"]),
+        "norm_num_groups": groups,
+    }
 
 
 def xl2_overrides(div: int) -> list[str]:
     width = XL2_WIDTH // div
     heads = max(1, XL2_HEADS // div)
-    return ["model=dit_xl2", f"model.num_attention_heads={heads}", f"model.attention_head_dim={width // heads}",
-            f"model.norm_num_groups={min(32, width // 8)}"]
+    return [
+        "model=dit_xl2",
+        f"model.num_attention_heads={heads}",
+        f"model.attention_head_dim={width // heads}",
+        f"model.norm_num_groups={min(32, width // 8)}",
+    ]
 
 
 def full_size_flops(batch: int) -> tuple[float, float]:
@@ -160,17 +212,41 @@ def latents(opts, s: Section) -> None:
     shards, cache, vae = work / "shards", work / "latents", work / "vae"
     torch.manual_seed(0)
     AutoencoderKL(**scaled_vae_config(div)).save_pretrained(vae)
-    common = ["data=images", f"data.root={shards}", "data.image_size=256", f"diffusion.vae={vae}", "data.num_workers=0",
-              f"trainer.micro_batch_size={mb}", *xl2_overrides(div)]
+    common = [
+        "data=images",
+        f"data.root={shards}",
+        "data.image_size=256",
+        f"diffusion.vae={vae}",
+        "data.num_workers=0",
+        f"trainer.micro_batch_size={mb}",
+        *xl2_overrides(div),
+    ]
     with quiet(opts.log):  # their summaries are not part of the report
-        rc = prepare_images.main(["--input", str(folder), "--out", str(shards), "--image-size", "256",
-                                  "--train-shards", "1", "--val-shards", "1", "--val-fraction", "0.1", "--force"])
+        rc = prepare_images.main(
+            [
+                "--input",
+                str(folder),
+                "--out",
+                str(shards),
+                "--image-size",
+                "256",
+                "--train-shards",
+                "1",
+                "--val-shards",
+                "1",
+                "--val-fraction",
+                "0.1",
+                "--force",
+            ]
+        )
         rc = rc or cache_latents.main([*common, "--out", str(cache), "--batch-size", str(mb), "--force"])
     if rc:
         raise RuntimeError("building the bench's image shards or latent cache failed")
     say(f"dit: latents, on-the-fly vs cached, {warmup + steps} steps each, interleaved")
-    trainers = {"on-the-fly encoding": dit_trainer(opts, common, work / "run_fly"),
-                "cached latents": dit_trainer(opts, [*common, f"data.latents={cache}"], work / "run_cached")}
+    trainers = {
+        "on-the-fly encoding": dit_trainer(opts, common, work / "run_fly"),
+        "cached latents": dit_trainer(opts, [*common, f"data.latents={cache}"], work / "run_cached"),
+    }
     batches = {name: take(t, warmup + steps) for name, t in trainers.items()}
     result = interleaved(trainers, batches, warmup, own_rng=True)
     fly, cached = result["on-the-fly encoding"], result["cached latents"]
@@ -188,9 +264,14 @@ def latents(opts, s: Section) -> None:
         f"AMP together).",
         f"same model, same batches: per-step losses of the two agree to {loss_diff:.1e} (relative); {steps} steps each "
         f"after {warmup} warm-up, alternating first. The cache stores the posterior's mean and std, so both draw a "
-        f"fresh latent each step. Image decoding (PNG) is outside the timed step in both."]
-    s.data["latents"] = {"ratio": measured, "flops_ratio": 1 + enc / step, "max_loss_rel_diff": loss_diff,
-                         "step_s": {name: r["times"] for name, r in result.items()}}
+        f"fresh latent each step. Image decoding (PNG) is outside the timed step in both.",
+    ]
+    s.data["latents"] = {
+        "ratio": measured,
+        "flops_ratio": 1 + enc / step,
+        "max_loss_rel_diff": loss_diff,
+        "step_s": {name: r["times"] for name, r in result.items()},
+    }
 
 
 def run(opts) -> Section:

@@ -22,8 +22,10 @@ from scripts.benchmarks.report import Section, Target, md_table, say
 
 TARGET = 0.5
 SHARD = "2MB"  # Kiln's --max-shard-size here: a few of the model's largest tensors (1.5 MB in the full size)
-WIDTHS = {"full": ["model.num_attention_heads=8", "model.attention_head_dim=32"],
-          "quick": ["model.num_attention_heads=4", "model.attention_head_dim=32"]}
+WIDTHS = {
+    "full": ["model.num_attention_heads=8", "model.attention_head_dim=32"],
+    "quick": ["model.num_attention_heads=4", "model.attention_head_dim=32"],
+}
 
 
 def _imports() -> None:
@@ -64,8 +66,11 @@ def _zero_to_fp32(checkpoints: str, tag: str, out: str) -> dict:
 
 
 def _measured(baseline: int, start: float, out: str) -> dict:
-    return {"peak": _status("VmHWM") - baseline, "seconds": time.perf_counter() - start,
-            "written": sum(f.stat().st_size for f in Path(out).rglob("*.safetensors"))}
+    return {
+        "peak": _status("VmHWM") - baseline,
+        "seconds": time.perf_counter() - start,
+        "written": sum(f.stat().st_size for f in Path(out).rglob("*.safetensors")),
+    }
 
 
 def measure(run_dir: Path) -> tuple[dict[str, dict], int]:
@@ -77,36 +82,73 @@ def measure(run_dir: Path) -> tuple[dict[str, dict], int]:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         rows[f"kiln scripts/export.py (--max-shard-size {SHARD})"] = spawn_ranks(
-            _kiln, (str(run_dir), str(Path(tmp) / "kiln")), 1, tmp)[0]
+            _kiln, (str(run_dir), str(Path(tmp) / "kiln")), 1, tmp
+        )[0]
         rows["deepspeed zero_to_fp32 (safetensors, default 5GB shards)"] = spawn_ranks(
-            _zero_to_fp32, (str(run_dir / "checkpoints"), step, str(Path(tmp) / "ds")), 1, tmp)[0]
+            _zero_to_fp32, (str(run_dir / "checkpoints"), step, str(Path(tmp) / "ds")), 1, tmp
+        )[0]
     return rows, checkpoint_bytes
 
 
 def section(rows: dict[str, dict], checkpoint_bytes: int) -> Section:
     mib = 2**20
     s = Section("export", "Exporting a ZeRO-3 checkpoint: peak host memory")
-    s.tables.append(md_table(
-        ["exporter", "peak RSS above baseline (MiB)", "x checkpoint bytes", "weights written (MiB)", "wall time (s)"],
-        [[name, f"{r['peak'] / mib:.1f}", f"{r['peak'] / checkpoint_bytes:.2f}x", f"{r['written'] / mib:.1f}",
-          f"{r['seconds']:.1f}"] for name, r in rows.items()]))
-    s.notes.append(f"a dit_tiny widened to {checkpoint_bytes / mib:.1f} MiB of ZeRO-3 checkpoint (2 ranks, fp32: "
-                   "masters, Adam moments, EMA); each exporter in a fresh process")
+    s.tables.append(
+        md_table(
+            [
+                "exporter",
+                "peak RSS above baseline (MiB)",
+                "x checkpoint bytes",
+                "weights written (MiB)",
+                "wall time (s)",
+            ],
+            [
+                [
+                    name,
+                    f"{r['peak'] / mib:.1f}",
+                    f"{r['peak'] / checkpoint_bytes:.2f}x",
+                    f"{r['written'] / mib:.1f}",
+                    f"{r['seconds']:.1f}",
+                ]
+                for name, r in rows.items()
+            ],
+        )
+    )
+    s.notes.append(
+        f"a dit_tiny widened to {checkpoint_bytes / mib:.1f} MiB of ZeRO-3 checkpoint (2 ranks, fp32: "
+        "masters, Adam moments, EMA); each exporter in a fresh process"
+    )
     kiln, ds = rows.values()
     ratio = kiln["peak"] / ds["peak"]
-    s.targets.append(Target(f"Kiln's peak <= {TARGET}x zero_to_fp32's on the same checkpoint", f"{ratio:.2f}x",
-                            ratio <= TARGET))
-    s.data = {"checkpoint_bytes": checkpoint_bytes, "max_shard_size": SHARD, "exporters": rows,
-              "peak_ratio_kiln_over_zero_to_fp32": ratio}
+    s.targets.append(
+        Target(f"Kiln's peak <= {TARGET}x zero_to_fp32's on the same checkpoint", f"{ratio:.2f}x", ratio <= TARGET)
+    )
+    s.data = {
+        "checkpoint_bytes": checkpoint_bytes,
+        "max_shard_size": SHARD,
+        "exporters": rows,
+        "peak_ratio_kiln_over_zero_to_fp32": ratio,
+    }
     return s
 
 
 def run(opts) -> Section:
     run_dir = fresh_dir(opts.work / "export_dit_zero3")
     say("export: one ZeRO-3 step of a widened dit_tiny on 2 ranks, with its checkpoint")
-    train_run(opts, "dit_tiny", [*WIDTHS[opts.pick("full", "quick")], "parallel.zero_stage=3", "trainer.max_steps=1",
-                                 "trainer.micro_batch_size=4", "data.num_workers=1", "checkpoint.final=true"],
-              run_dir, nproc=2)
+    train_run(
+        opts,
+        "dit_tiny",
+        [
+            *WIDTHS[opts.pick("full", "quick")],
+            "parallel.zero_stage=3",
+            "trainer.max_steps=1",
+            "trainer.micro_batch_size=4",
+            "data.num_workers=1",
+            "checkpoint.final=true",
+        ],
+        run_dir,
+        nproc=2,
+    )
     say("export: scripts/export.py and zero_to_fp32, fresh processes each")
     rows, checkpoint_bytes = measure(run_dir)
     return section(rows, checkpoint_bytes)

@@ -19,10 +19,19 @@ from common.tools.launcher import run_train
 from recipes.registry import recipe_spec
 
 # Only what a timing run needs: no evaluation, samples or checkpoints beyond the loop itself.
-RUN_ARGS = ["trainer.progress_bar=false", "trainer.eval=false", "checkpoint.every=0", "checkpoint.final=false",
-            "run.resume=never"]
-RECIPE_ARGS = {"dit_tiny": ["trainer.sample_every=0", "diffusion.sample_steps=2", "diffusion.samples_per_class=1"],
-               "vlm_tiny": [], "llm_tiny": [], "moe_tiny": []}
+RUN_ARGS = [
+    "trainer.progress_bar=false",
+    "trainer.eval=false",
+    "checkpoint.every=0",
+    "checkpoint.final=false",
+    "run.resume=never",
+]
+RECIPE_ARGS = {
+    "dit_tiny": ["trainer.sample_every=0", "diffusion.sample_steps=2", "diffusion.samples_per_class=1"],
+    "vlm_tiny": [],
+    "llm_tiny": [],
+    "moe_tiny": [],
+}
 
 
 @dataclass
@@ -75,6 +84,7 @@ def quiet(log: Path):
 
 
 # ---- subprocesses --------------------------------------------------------------------------------
+
 
 def logged(opts: Options, cmd: list[str], proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Append a finished subprocess's output to the log; raise with its stderr's tail if it failed."""

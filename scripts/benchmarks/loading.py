@@ -25,12 +25,30 @@ from scripts.benchmarks.report import Section, Target, md_table, say
 
 TARGET = 0.6
 # ~0.50B and ~50M parameters (untied, GQA); 4 shards either way.
-SIZES = {"full": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,
-                      num_key_value_heads=4, vocab_size=32000),
-         "quick": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=14, num_attention_heads=8,
-                       num_key_value_heads=4, vocab_size=8000)}
-LAYOUTS = {"kiln, 1 rank": (1, []), "kiln, tp=2": (2, ["parallel.tp=2"]), "kiln, pp=2": (2, ["parallel.pp=2"]),
-           "kiln, dp=2 (FSDP2)": (2, [])}
+SIZES = {
+    "full": dict(
+        hidden_size=1536,
+        intermediate_size=4096,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+    "quick": dict(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=14,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8000,
+    ),
+}
+LAYOUTS = {
+    "kiln, 1 rank": (1, []),
+    "kiln, tp=2": (2, ["parallel.tp=2"]),
+    "kiln, pp=2": (2, ["parallel.pp=2"]),
+    "kiln, dp=2 (FSDP2)": (2, []),
+}
 
 
 def build_checkpoint(out: Path, size: str) -> int:
@@ -57,7 +75,9 @@ def _write_tokenizer(out: Path) -> None:
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), bos_token="<s>", eos_token="</s>").save_pretrained(out)
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE()), bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(out)
 
 
 def _status(field: str) -> int:
@@ -127,19 +147,33 @@ def measure(folder: Path) -> dict[str, list[dict]]:
 def section(rows: dict[str, list[dict]], checkpoint_bytes: int, n_params: int) -> Section:
     gib = 2**30
     s = Section("loading", "Loading a Llama checkpoint: host memory per rank")
-    table = [[name, len(ranks), " / ".join(f"{r['peak'] / gib:.2f}" for r in ranks),
-              " / ".join(f"{r['peak'] / checkpoint_bytes:.2f}x" for r in ranks),
-              f"{max(r['seconds'] for r in ranks):.1f}"]
-             for name, ranks in rows.items()]
-    s.notes.append(f"Loading a {n_params / 1e9:.2f}B-parameter Llama ({checkpoint_bytes / gib:.2f} GiB of fp32 "
-                   "safetensors in 4 shards); peak RSS above each process's baseline")
-    s.tables.append(md_table(["loader", "ranks", "peak RSS per rank (GiB)", "x checkpoint bytes", "wall time (s)"],
-                             table))
+    table = [
+        [
+            name,
+            len(ranks),
+            " / ".join(f"{r['peak'] / gib:.2f}" for r in ranks),
+            " / ".join(f"{r['peak'] / checkpoint_bytes:.2f}x" for r in ranks),
+            f"{max(r['seconds'] for r in ranks):.1f}",
+        ]
+        for name, ranks in rows.items()
+    ]
+    s.notes.append(
+        f"Loading a {n_params / 1e9:.2f}B-parameter Llama ({checkpoint_bytes / gib:.2f} GiB of fp32 "
+        "safetensors in 4 shards); peak RSS above each process's baseline"
+    )
+    s.tables.append(
+        md_table(["loader", "ranks", "peak RSS per rank (GiB)", "x checkpoint bytes", "wall time (s)"], table)
+    )
     for name, ranks in rows.items():
         if len(ranks) == 2:
             worst = max(r["peak"] for r in ranks) / checkpoint_bytes
-            s.targets.append(Target(f"{name}: each of 2 ranks <= {TARGET}x the checkpoint's bytes above baseline",
-                                    f"worst {worst:.2f}x", worst <= TARGET))
+            s.targets.append(
+                Target(
+                    f"{name}: each of 2 ranks <= {TARGET}x the checkpoint's bytes above baseline",
+                    f"worst {worst:.2f}x",
+                    worst <= TARGET,
+                )
+            )
     s.data = {"checkpoint_bytes": checkpoint_bytes, "loaders": rows}
     return s
 

@@ -85,31 +85,85 @@ def run(opts) -> Section:
     peaks = {}
     for m in METHODS:
         run_dir = opts.work / f"lora_peak_{m}"
-        argv = ["recipe=llm_tiny", "trainer.progress_bar=false", "trainer.eval=false", "checkpoint.final=false",
-                "run.resume=never", f"trainer.max_steps={warmup + steps}", *args[m]]
+        argv = [
+            "recipe=llm_tiny",
+            "trainer.progress_bar=false",
+            "trainer.eval=false",
+            "checkpoint.final=false",
+            "run.resume=never",
+            f"trainer.max_steps={warmup + steps}",
+            *args[m],
+        ]
         peaks[m] = spawn_ranks(_peak_rss, (argv, str(run_dir)), 1, run_dir.parent, threads=opts.threads)[0]["peak"]
 
     time_ratio = ratio(by_method["lora"]["times"], by_method["full"]["times"])
-    ratios = {"trainable_fraction": trainable["lora"] / params["lora"], "step_time": time_ratio,
-              "checkpoint_bytes": ckpt["lora"] / ckpt["full"], "model_state_bytes": states["lora"] / states["full"],
-              "peak_rss": peaks["lora"] / peaks["full"]}
-    rows = [[m, f"{trainable[m]:,} / {params[m]:,} ({trainable[m] / params[m]:.1%})", ms(median(by_method[m]["times"])),
-             f"{ckpt[m]:,}", mib(states[m]), mib(peaks[m])] for m in METHODS]
-    rows.append(["lora / full", f"{ratios['trainable_fraction']:.3f} of the model", f"{time_ratio:.2f}x",
-                 f"{ratios['checkpoint_bytes']:.3f}x", f"{ratios['model_state_bytes']:.3f}x", f"{ratios['peak_rss']:.3f}x"])
-    s.tables.append(md_table(["method", "trainable / all parameters", "step ms (median)", "checkpoint bytes",
-                              "weights + grads + Adam", "peak RSS above baseline"], rows))
+    ratios = {
+        "trainable_fraction": trainable["lora"] / params["lora"],
+        "step_time": time_ratio,
+        "checkpoint_bytes": ckpt["lora"] / ckpt["full"],
+        "model_state_bytes": states["lora"] / states["full"],
+        "peak_rss": peaks["lora"] / peaks["full"],
+    }
+    rows = [
+        [
+            m,
+            f"{trainable[m]:,} / {params[m]:,} ({trainable[m] / params[m]:.1%})",
+            ms(median(by_method[m]["times"])),
+            f"{ckpt[m]:,}",
+            mib(states[m]),
+            mib(peaks[m]),
+        ]
+        for m in METHODS
+    ]
+    rows.append(
+        [
+            "lora / full",
+            f"{ratios['trainable_fraction']:.3f} of the model",
+            f"{time_ratio:.2f}x",
+            f"{ratios['checkpoint_bytes']:.3f}x",
+            f"{ratios['model_state_bytes']:.3f}x",
+            f"{ratios['peak_rss']:.3f}x",
+        ]
+    )
+    s.tables.append(
+        md_table(
+            [
+                "method",
+                "trainable / all parameters",
+                "step ms (median)",
+                "checkpoint bytes",
+                "weights + grads + Adam",
+                "peak RSS above baseline",
+            ],
+            rows,
+        )
+    )
     s.targets += [
-        Target(f"LoRA checkpoint <= {TARGET_CHECKPOINT}x a full one's bytes", f"{ratios['checkpoint_bytes']:.3f}x",
-               ratios["checkpoint_bytes"] <= TARGET_CHECKPOINT),
-        Target(f"LoRA model states (weights + grads + Adam) <= {TARGET_STATES}x full's",
-               f"{ratios['model_state_bytes']:.3f}x", ratios["model_state_bytes"] <= TARGET_STATES),
+        Target(
+            f"LoRA checkpoint <= {TARGET_CHECKPOINT}x a full one's bytes",
+            f"{ratios['checkpoint_bytes']:.3f}x",
+            ratios["checkpoint_bytes"] <= TARGET_CHECKPOINT,
+        ),
+        Target(
+            f"LoRA model states (weights + grads + Adam) <= {TARGET_STATES}x full's",
+            f"{ratios['model_state_bytes']:.3f}x",
+            ratios["model_state_bytes"] <= TARGET_STATES,
+        ),
         Target(f"LoRA step time <= {TARGET_TIME}x full's", f"{time_ratio:.2f}x", time_ratio <= TARGET_TIME),
     ]
-    s.notes.append(f"step: the trainer's train_step, full and lora alternating on the same batches, {steps} steps each "
-                   f"after {warmup} warm-up; the ratio is the median of per-step ratios. Peak RSS: each method trains "
-                   f"{warmup + steps} steps in a fresh process; VmHWM above the resident set after imports.")
-    s.data = {"base": str(base), "params": params, "trainable": trainable, "checkpoint_bytes": ckpt,
-              "model_state_bytes": states, "peak_rss_bytes": peaks, "ratios": ratios,
-              "step_s": {m: r["times"] for m, r in by_method.items()}}
+    s.notes.append(
+        f"step: the trainer's train_step, full and lora alternating on the same batches, {steps} steps each "
+        f"after {warmup} warm-up; the ratio is the median of per-step ratios. Peak RSS: each method trains "
+        f"{warmup + steps} steps in a fresh process; VmHWM above the resident set after imports."
+    )
+    s.data = {
+        "base": str(base),
+        "params": params,
+        "trainable": trainable,
+        "checkpoint_bytes": ckpt,
+        "model_state_bytes": states,
+        "peak_rss_bytes": peaks,
+        "ratios": ratios,
+        "step_s": {m: r["times"] for m, r in by_method.items()},
+    }
     return s

@@ -17,7 +17,10 @@ from scripts.benchmarks.report import Section, md_table, say
 
 @dataclass(frozen=True)
 class Config:
-    shapes: tuple[tuple[int, int, int, int, int], ...] = ((1024, 128, 128, 8, 2), (4096, 256, 512, 16, 4))  # T, D, F, E, k
+    shapes: tuple[tuple[int, int, int, int, int], ...] = (
+        (1024, 128, 128, 8, 2),
+        (4096, 256, 512, 16, 4),
+    )  # T, D, F, E, k
     repeat: int = 5
     steps: int = 20  # moe_tiny steps per layout
 
@@ -63,14 +66,32 @@ def gemm_table(cfg: Config, s: Section) -> None:
         grouped = experts_fwd_bwd(True, tokens, dim, ffn, experts, top_k, cfg.repeat)
         looped = experts_fwd_bwd(False, tokens, dim, ffn, experts, top_k, cfg.repeat)
         say(f"moe: grouped GEMM {grouped * 1e3:.1f} ms, loop {looped * 1e3:.1f} ms ({tokens}x{dim}, {experts} experts)")
-        rows.append([f"{tokens} x {dim}, F {ffn}, {experts} experts, top-{top_k}", f"{grouped * 1e3:.1f}",
-                     f"{looped * 1e3:.1f}", f"{looped / grouped:.2f}x"])
-        data.append({"tokens": tokens, "dim": dim, "ffn": ffn, "experts": experts, "top_k": top_k,
-                     "grouped_s": grouped, "loop_s": looped})
-    s.tables.append(md_table(["experts' shapes (tokens x dim)", "grouped GEMM ms", "loop over experts ms",
-                              "loop / grouped"], rows))
-    s.notes.append(f"Experts' forward + backward (SwiGLU, fp32, random routing), best of {cfg.repeat}: "
-                   "torch._grouped_mm (one call per projection) against one F.linear per expert.")
+        rows.append(
+            [
+                f"{tokens} x {dim}, F {ffn}, {experts} experts, top-{top_k}",
+                f"{grouped * 1e3:.1f}",
+                f"{looped * 1e3:.1f}",
+                f"{looped / grouped:.2f}x",
+            ]
+        )
+        data.append(
+            {
+                "tokens": tokens,
+                "dim": dim,
+                "ffn": ffn,
+                "experts": experts,
+                "top_k": top_k,
+                "grouped_s": grouped,
+                "loop_s": looped,
+            }
+        )
+    s.tables.append(
+        md_table(["experts' shapes (tokens x dim)", "grouped GEMM ms", "loop over experts ms", "loop / grouped"], rows)
+    )
+    s.notes.append(
+        f"Experts' forward + backward (SwiGLU, fp32, random routing), best of {cfg.repeat}: "
+        "torch._grouped_mm (one call per projection) against one F.linear per expert."
+    )
     s.data["grouped_gemm"] = data
 
 
@@ -81,17 +102,28 @@ def median(values: list[float]) -> float:
 def ep_table(opts, cfg: Config, work: Path, s: Section) -> None:
     rates = {}
     for ep in (1, 2):
-        records = train_run(opts, "moe_tiny", [f"trainer.max_steps={cfg.steps}", "trainer.log_every=1",
-                                               "parallel.dp=2", f"parallel.ep={ep}"], work / f"ep{ep}", nproc=2)
+        records = train_run(
+            opts,
+            "moe_tiny",
+            [f"trainer.max_steps={cfg.steps}", "trainer.log_every=1", "parallel.dp=2", f"parallel.ep={ep}"],
+            work / f"ep{ep}",
+            nproc=2,
+        )
         later = [r for r in records if r["step"] > 2]  # past the first steps (FLOP counting, warm-up)
         rates[ep] = median([r["tokens_per_s"] for r in later])
         say(f"moe: moe_tiny dp=2 ep={ep}: {rates[ep]:.0f} tokens/s (median)")
         if ep > 1:
             all_to_all_table(opts, later, ep, s)
-    s.tables.append(md_table(["moe_tiny on 2 ranks", "tokens/s (median step)", "vs ep=1"],
-                             [[f"parallel.ep={ep}", f"{rates[ep]:.0f}", f"{rates[ep] / rates[1]:.2f}x"] for ep in (1, 2)]))
-    s.notes.append(f"moe_tiny, 2 gloo ranks (parallel.dp=2), {cfg.steps} steps, median tokens/s after step 2: ep=2 "
-                   f"holds 4 of 8 experts per rank and exchanges tokens by all-to-all; ep=1 holds all 8 (FSDP2).")
+    s.tables.append(
+        md_table(
+            ["moe_tiny on 2 ranks", "tokens/s (median step)", "vs ep=1"],
+            [[f"parallel.ep={ep}", f"{rates[ep]:.0f}", f"{rates[ep] / rates[1]:.2f}x"] for ep in (1, 2)],
+        )
+    )
+    s.notes.append(
+        f"moe_tiny, 2 gloo ranks (parallel.dp=2), {cfg.steps} steps, median tokens/s after step 2: ep=2 "
+        f"holds 4 of 8 experts per rank and exchanges tokens by all-to-all; ep=1 holds all 8 (FSDP2)."
+    )
     s.data["ep"] = {str(k): v for k, v in rates.items()}
 
 
@@ -115,16 +147,30 @@ def all_to_all_table(opts, records: list[dict], ep: int, s: Section) -> None:
         rows.append((r["moe.all_to_all_bytes"], formula, tokens))
     measured, formula, tokens = (median([row[i] for row in rows]) for i in range(3))
     ratio = median(ratios)
-    say(f"moe: all-to-all bytes per step (rank 0, forward) measured {measured / 1e6:.3f} MB / formula "
-        f"{formula / 1e6:.3f} MB = {ratio:.3f}")
-    s.tables.append(md_table(["moe_tiny ep=2, rank 0, per step", "measured MB", "formula MB", "measured / formula"],
-                             [[f"{tokens:.0f} tokens x top-{m.moe.top_k} x dim {m.dim} x {moe_layers} MoE layers",
-                               f"{measured / 1e6:.3f}", f"{formula / 1e6:.3f}", f"{ratio:.3f}"]]))
-    s.notes.append("All-to-all bytes: what rank 0's dispatch and combine all_to_all_single calls sent to the other rank "
-                   "in a step's forwards, counted from their split sizes (metrics moe.all_to_all_bytes; the backward "
-                   "sends as much again), against tokens x top_k x dim x 4 bytes x 2 directions x (ep-1)/ep per MoE "
-                   "layer, the uniform-routing estimate; medians over the steps after step 2. Off 1.0 by how unevenly "
-                   "the router splits rank 0's rows between its own experts and the other rank's.")
+    say(
+        f"moe: all-to-all bytes per step (rank 0, forward) measured {measured / 1e6:.3f} MB / formula "
+        f"{formula / 1e6:.3f} MB = {ratio:.3f}"
+    )
+    s.tables.append(
+        md_table(
+            ["moe_tiny ep=2, rank 0, per step", "measured MB", "formula MB", "measured / formula"],
+            [
+                [
+                    f"{tokens:.0f} tokens x top-{m.moe.top_k} x dim {m.dim} x {moe_layers} MoE layers",
+                    f"{measured / 1e6:.3f}",
+                    f"{formula / 1e6:.3f}",
+                    f"{ratio:.3f}",
+                ]
+            ],
+        )
+    )
+    s.notes.append(
+        "All-to-all bytes: what rank 0's dispatch and combine all_to_all_single calls sent to the other rank "
+        "in a step's forwards, counted from their split sizes (metrics moe.all_to_all_bytes; the backward "
+        "sends as much again), against tokens x top_k x dim x 4 bytes x 2 directions x (ep-1)/ep per MoE "
+        "layer, the uniform-routing estimate; medians over the steps after step 2. Off 1.0 by how unevenly "
+        "the router splits rank 0's rows between its own experts and the other rank's."
+    )
     s.data["all_to_all"] = {"measured_bytes": measured, "formula_bytes": formula, "ratio": ratio}
 
 

@@ -25,13 +25,15 @@ def bare_step(model, opt, *, grad_clip: float | None, sched=None, autocast: torc
     (under `autocast` when given), token-mean cross-entropy, backward, clip, optimizer and LR step; returns the
     loss, detached. It shares none of Kiln's step code: it is the reference that this section and
     scripts/gpu_check.py's bare row (the ~1B model on a GPU) measure Kiln's step against."""
+
     def step(inputs: dict) -> torch.Tensor:
         device = inputs["input_ids"].device.type
         with torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext():
             logits = model(inputs["input_ids"], position_ids=inputs["position_ids"], attn_mask=inputs["attention_mask"])
         labels = inputs["labels"][:, 1:]
-        loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                                   reduction="sum")
+        loss_sum = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
         loss = loss_sum / (labels != -100).sum().clamp(min=1)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
@@ -51,8 +53,9 @@ def bare_llm(trainer):
     model = Transformer(trainer.args).to(trainer.device)
     model.init_weights(seed=cfg.trainer.seed)  # the recipe's seed checkpoint
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, foreach=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=True
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, cfg=o, max_steps=cfg.trainer.max_steps))
     train = bare_step(model, opt, grad_clip=o.grad_clip, sched=sched)
     pad = trainer.tokenizer.pad_token_id
@@ -94,14 +97,15 @@ def run(opts) -> Section:
     total = warmup + steps
     run_dir = opts.work / "overhead"
     batch = opts.pick([], ["trainer.micro_batch_size=4"])
-    trainer = build_trainer(opts, "llm_tiny", ["trainer.log_every=1", f"trainer.max_steps={total}", *batch], run_dir,
-                            cls=InterleavedTrainer)
+    trainer = build_trainer(
+        opts, "llm_tiny", ["trainer.log_every=1", f"trainer.max_steps={total}", *batch], run_dir, cls=InterleavedTrainer
+    )
     say(f"overhead: llm_tiny, {total} steps each ({warmup} warm-up), Kiln and bare interleaved")
     with quiet(opts.log):
         trainer.fit(batches=trainer.documents)
     records = read_metrics(run_dir / "metrics.jsonl")
     timed = range(max(1, warmup), total)  # loop iteration i runs from the end of hook i-1 to the start of hook i
-    marks, bare = trainer.marks, trainer.bare_times[timed.start:]
+    marks, bare = trainer.marks, trainer.bare_times[timed.start :]
     kiln_step = [records[i]["step_time_s"] for i in timed]
     kiln_loop = [marks[i][0] - marks[i - 1][1] for i in timed]
     loss_diff = max(abs(r["loss"] - b) / abs(b) for r, b in zip(records, trainer.bare_losses))
@@ -113,21 +117,37 @@ def section(trainer, bare, kiln_step, kiln_loop, loss_diff) -> Section:
         return median(x / b for x, b in zip(xs, bare))
 
     cfg = trainer.cfg
-    rows = [["bare PyTorch loop", "pack + forward + backward + clip + AdamW + LR step", ms(median(bare)), "1.000"],
-            ["Kiln `train_step`", "+ batch iterator, phase timers, token all-reduce (gloo, group of one); "
-             "metrics.jsonl `step_time_s`", ms(median(kiln_step)), f"{paired(kiln_step):.3f}"],
-            ["Kiln loop iteration", "+ metrics.jsonl/TensorBoard record, heartbeat, fault and stop-signal "
-             "checks (`Trainer.fit`)", ms(median(kiln_loop)), f"{paired(kiln_loop):.3f}"]]
+    rows = [
+        ["bare PyTorch loop", "pack + forward + backward + clip + AdamW + LR step", ms(median(bare)), "1.000"],
+        [
+            "Kiln `train_step`",
+            "+ batch iterator, phase timers, token all-reduce (gloo, group of one); metrics.jsonl `step_time_s`",
+            ms(median(kiln_step)),
+            f"{paired(kiln_step):.3f}",
+        ],
+        [
+            "Kiln loop iteration",
+            "+ metrics.jsonl/TensorBoard record, heartbeat, fault and stop-signal checks (`Trainer.fit`)",
+            ms(median(kiln_loop)),
+            f"{paired(kiln_loop):.3f}",
+        ],
+    ]
     s = Section("overhead", "Framework overhead: Kiln's training loop vs a bare PyTorch loop (llm_tiny)")
     s.tables.append(md_table(["loop", "a step includes", "median ms", "vs bare"], rows))
-    s.targets.append(Target(f"Kiln loop iteration <= {TARGET_OVERHEAD:.2f}x bare step",
-                            f"{paired(kiln_loop):.3f}x ({ms(median(kiln_loop))} vs {ms(median(bare))} ms)",
-                            paired(kiln_loop) <= TARGET_OVERHEAD))
-    s.notes.append(f"{len(bare)} steps each after warm-up, one process, {torch.get_num_threads()} torch threads for "
-                   f"both; micro batch {cfg.trainer.micro_batch_size} documents x {cfg.data.max_seq_len} tokens, "
-                   f"trainer.log_every=1 (every step logged: the worst case); steps interleaved K0 B0 B1 K1 K2 B2 ... "
-                   f"(each loop first half the time), 'vs bare' is the median of per-step ratios (same documents "
-                   f"at each step).")
+    s.targets.append(
+        Target(
+            f"Kiln loop iteration <= {TARGET_OVERHEAD:.2f}x bare step",
+            f"{paired(kiln_loop):.3f}x ({ms(median(kiln_loop))} vs {ms(median(bare))} ms)",
+            paired(kiln_loop) <= TARGET_OVERHEAD,
+        )
+    )
+    s.notes.append(
+        f"{len(bare)} steps each after warm-up, one process, {torch.get_num_threads()} torch threads for "
+        f"both; micro batch {cfg.trainer.micro_batch_size} documents x {cfg.data.max_seq_len} tokens, "
+        f"trainer.log_every=1 (every step logged: the worst case); steps interleaved K0 B0 B1 K1 K2 B2 ... "
+        f"(each loop first half the time), 'vs bare' is the median of per-step ratios (same documents "
+        f"at each step)."
+    )
     s.notes.append(f"same math: the two loops' per-step losses differ by at most {loss_diff:.1e} (relative)")
     s.data = {"bare_s": bare, "kiln_train_step_s": kiln_step, "kiln_loop_s": kiln_loop, "max_loss_rel_diff": loss_diff}
     return s

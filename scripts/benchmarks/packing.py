@@ -91,11 +91,15 @@ def stream(cfg: Config, distribution: str) -> tuple[str, object]:
     total = cfg.warmup + cfg.steps
     if distribution == "llava":
         image_tokens = cfg.image_tokens or round(576 * cfg.max_seq_len / 2048)
-        return (f"LLaVA-style conversations ({image_tokens} image tokens, Geometric(0.4) rounds, 10% text-only, "
-                f"labels on answers) cut at {cfg.max_seq_len}",
-                llava_stream(total, cfg.samples_per_step, cfg.max_seq_len, image_tokens, cfg.vocab, cfg.seed))
-    return (f"lengths lognormal(median {cfg.median_len:g}, sigma {cfg.sigma:g}) in [8, {cfg.max_seq_len}]",
-            sample_stream(total, cfg.samples_per_step, cfg.max_seq_len, cfg.median_len, cfg.sigma, cfg.vocab, cfg.seed))
+        return (
+            f"LLaVA-style conversations ({image_tokens} image tokens, Geometric(0.4) rounds, 10% text-only, "
+            f"labels on answers) cut at {cfg.max_seq_len}",
+            llava_stream(total, cfg.samples_per_step, cfg.max_seq_len, image_tokens, cfg.vocab, cfg.seed),
+        )
+    return (
+        f"lengths lognormal(median {cfg.median_len:g}, sigma {cfg.sigma:g}) in [8, {cfg.max_seq_len}]",
+        sample_stream(total, cfg.samples_per_step, cfg.max_seq_len, cfg.median_len, cfg.sigma, cfg.vocab, cfg.seed),
+    )
 
 
 def measure(cfg: Config, distribution: str) -> dict:
@@ -106,17 +110,27 @@ def measure(cfg: Config, distribution: str) -> dict:
     from common.data.packing import pack_samples, pad_samples
 
     torch.manual_seed(cfg.seed)
-    config = LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=4 * cfg.hidden,
-                         num_hidden_layers=cfg.layers, num_attention_heads=max(1, cfg.hidden // 32),
-                         num_key_value_heads=max(1, cfg.hidden // 64), max_position_embeddings=cfg.max_seq_len,
-                         pad_token_id=0, attn_implementation=cfg.attention)
+    config = LlamaConfig(
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.hidden,
+        intermediate_size=4 * cfg.hidden,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=max(1, cfg.hidden // 32),
+        num_key_value_heads=max(1, cfg.hidden // 64),
+        max_position_embeddings=cfg.max_seq_len,
+        pad_token_id=0,
+        attn_implementation=cfg.attention,
+    )
     base = LlamaForCausalLM(config).train()
-    collate = {"padded": lambda s: pad_samples(s, pad_id=0),
-               "packed": lambda s: pack_samples(s, cfg.max_seq_len, pad_id=0)}
+    collate = {
+        "padded": lambda s: pad_samples(s, pad_id=0),
+        "packed": lambda s: pack_samples(s, cfg.max_seq_len, pad_id=0),
+    }
     models = {mode: copy.deepcopy(base) for mode in collate}
     optims = {mode: torch.optim.AdamW(models[mode].parameters(), lr=1e-3) for mode in collate}
-    stats = {mode: {"time": [], "collate": [], "real_steps": [], "slots": 0, "rows": [], "loss": []}
-             for mode in collate}
+    stats = {
+        mode: {"time": [], "collate": [], "real_steps": [], "slots": 0, "rows": [], "loss": []} for mode in collate
+    }
     lengths, samples_per_step = stream(cfg, distribution)
     for step, samples in enumerate(samples_per_step):
         for mode in list(collate) if step % 2 == 0 else list(reversed(collate)):
@@ -150,25 +164,64 @@ def add_distribution(s: Section, cfg: Config, distribution: str, measured: dict)
     rows = []
     for mode, st in stats.items():
         shape = f"{statistics.median(r for r, _ in st['rows']):g} x {statistics.median(n for _, n in st['rows']):g}"
-        rows.append([mode, shape, f"{util[mode]:.1%}", f"{statistics.median(st['time']) * 1e3:.0f} ms",
-                     f"{statistics.median(st['collate']) * 1e3:.1f} ms", f"{rate[mode]:,.0f}",
-                     f"{rate[mode] / rate['padded']:.2f}x"])
+        rows.append(
+            [
+                mode,
+                shape,
+                f"{util[mode]:.1%}",
+                f"{statistics.median(st['time']) * 1e3:.0f} ms",
+                f"{statistics.median(st['collate']) * 1e3:.1f} ms",
+                f"{rate[mode]:,.0f}",
+                f"{rate[mode] / rate['padded']:.2f}x",
+            ]
+        )
     l0 = stats["padded"]["loss"][0], stats["packed"]["loss"][0]
     rel = abs(l0[0] - l0[1]) / abs(l0[0])
-    s.notes.append(f"--distribution {distribution}: {cfg.warmup + cfg.steps} steps/mode ({cfg.warmup} warm-up), "
-                   f"{cfg.samples_per_step} samples/step, {measured['lengths']}, Llama {measured['params'] / 1e6:.2f}M "
-                   f"params, attention={cfg.attention}, {torch.get_num_threads()} threads, load average "
-                   f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    s.tables.append(md_table(["mode", "rows x len (median)", "token utilization", "step time (median)",
-                              "collate (median)", "real tokens/s (median)", "vs padded"], rows))
-    s.targets.append(Target(f"{distribution}: packed utilization >= {TARGET_UTILIZATION:.0%}", f"{util['packed']:.1%}",
-                            util["packed"] >= TARGET_UTILIZATION))
-    s.targets.append(Target(f"{distribution}: packed tokens/s >= {TARGET_SPEEDUP:.1f}x padded", f"{speedup:.2f}x",
-                            speedup >= TARGET_SPEEDUP))
-    s.notes.append(f"{distribution} check: step-0 loss padded {l0[0]:.7f} vs packed {l0[1]:.7f} (rel diff {rel:.1e}) "
-                   f"-> {'OK' if rel <= LOSS_TOLERANCE else 'MISMATCH'}")
-    s.data[distribution] = {"utilization": util, "tokens_per_s": rate, "speedup": speedup, "step0_loss_rel_diff": rel,
-                            "step_s": {m: st["time"] for m, st in stats.items()}}
+    s.notes.append(
+        f"--distribution {distribution}: {cfg.warmup + cfg.steps} steps/mode ({cfg.warmup} warm-up), "
+        f"{cfg.samples_per_step} samples/step, {measured['lengths']}, Llama {measured['params'] / 1e6:.2f}M "
+        f"params, attention={cfg.attention}, {torch.get_num_threads()} threads, load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    s.tables.append(
+        md_table(
+            [
+                "mode",
+                "rows x len (median)",
+                "token utilization",
+                "step time (median)",
+                "collate (median)",
+                "real tokens/s (median)",
+                "vs padded",
+            ],
+            rows,
+        )
+    )
+    s.targets.append(
+        Target(
+            f"{distribution}: packed utilization >= {TARGET_UTILIZATION:.0%}",
+            f"{util['packed']:.1%}",
+            util["packed"] >= TARGET_UTILIZATION,
+        )
+    )
+    s.targets.append(
+        Target(
+            f"{distribution}: packed tokens/s >= {TARGET_SPEEDUP:.1f}x padded",
+            f"{speedup:.2f}x",
+            speedup >= TARGET_SPEEDUP,
+        )
+    )
+    s.notes.append(
+        f"{distribution} check: step-0 loss padded {l0[0]:.7f} vs packed {l0[1]:.7f} (rel diff {rel:.1e}) "
+        f"-> {'OK' if rel <= LOSS_TOLERANCE else 'MISMATCH'}"
+    )
+    s.data[distribution] = {
+        "utilization": util,
+        "tokens_per_s": rate,
+        "speedup": speedup,
+        "step0_loss_rel_diff": rel,
+        "step_s": {m: st["time"] for m, st in stats.items()},
+    }
     if rel > LOSS_TOLERANCE:  # the two layouts did not compute the same step: the timings compare nothing
         raise RuntimeError(f"packing, {distribution}: step-0 losses differ by {rel:.1e} (relative) between modes")
 
@@ -177,8 +230,9 @@ def run(opts, cfg: Config | None = None) -> Section:
     cfg = cfg or opts.pick(Config(), QUICK)
     s = Section("packing", "Sequence packing vs padding")
     for distribution in DISTRIBUTIONS:
-        say(f"packing: {distribution}, {cfg.warmup + cfg.steps} steps per mode, {cfg.samples_per_step} samples/step, "
-            f"rows of {cfg.max_seq_len}")
+        say(
+            f"packing: {distribution}, {cfg.warmup + cfg.steps} steps per mode, {cfg.samples_per_step} samples/step, "
+            f"rows of {cfg.max_seq_len}"
+        )
         add_distribution(s, cfg, distribution, measure(cfg, distribution))
     return s
-

@@ -71,8 +71,15 @@ def _worker(rank: int, world: int, port: int, cfg: Config, threads: int, results
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     tdist.init_process_group("gloo", rank=rank, world_size=world)
-    args = LlamaArgs(dim=cfg.dim, n_layers=cfg.layers, n_heads=4, n_kv_heads=2, vocab_size=cfg.vocab,
-                     ffn_dim=int(8 * cfg.dim / 3 + 7) // 8 * 8, max_seq_len=cfg.seq)
+    args = LlamaArgs(
+        dim=cfg.dim,
+        n_layers=cfg.layers,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=cfg.vocab,
+        ffn_dim=int(8 * cfg.dim / 3 + 7) // 8 * 8,
+        max_seq_len=cfg.seq,
+    )
     with torch.device("meta"):
         model = Transformer(args)
     split_for_rank(model, rank, world, 1)
@@ -98,8 +105,11 @@ def _worker(rank: int, world: int, port: int, cfg: Config, threads: int, results
                 busy.clear()
                 tdist.barrier()
                 t0 = time.perf_counter()
-                schedule.step(*((tokens,) if rank == 0 else ()), target=tokens if rank == world - 1 else None,
-                              return_outputs=False)
+                schedule.step(
+                    *((tokens,) if rank == 0 else ()),
+                    target=tokens if rank == world - 1 else None,
+                    return_outputs=False,
+                )
                 tdist.barrier()  # one wall clock for all stages: the last one done ends the step
                 wall = time.perf_counter() - t0
                 if it == 0:
@@ -108,8 +118,15 @@ def _worker(rank: int, world: int, port: int, cfg: Config, threads: int, results
                     walls.append(wall)
                     fractions.append(1 - sum(busy) / wall)
                 model.zero_grad(set_to_none=True)
-            out.append({"schedule": sched_name, "microbatches": m, "rank": rank, "step_s": sum(walls) / len(walls),
-                        "idle": sorted(fractions)[len(fractions) // 2]})
+            out.append(
+                {
+                    "schedule": sched_name,
+                    "microbatches": m,
+                    "rank": rank,
+                    "step_s": sum(walls) / len(walls),
+                    "idle": sorted(fractions)[len(fractions) // 2],
+                }
+            )
     results.put(out)
     tdist.destroy_process_group()
 
@@ -137,8 +154,11 @@ def measure(cfg: Config, threads: int, timeout: float = 900) -> list[dict]:
             except queues.Empty:
                 failed = [p.exitcode for p in procs if p.exitcode]
                 if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"a pipeline stage process failed (exit codes {failed})" if failed
-                                       else f"the pipeline stages sent no result in {timeout:.0f} s") from None
+                    raise RuntimeError(
+                        f"a pipeline stage process failed (exit codes {failed})"
+                        if failed
+                        else f"the pipeline stages sent no result in {timeout:.0f} s"
+                    ) from None
     finally:
         for proc in procs:
             proc.join(timeout=60)
@@ -149,8 +169,10 @@ def measure(cfg: Config, threads: int, timeout: float = 900) -> list[dict]:
 
 def run(opts, cfg: Config | None = None) -> Section:
     cfg = cfg or opts.pick(Config(), QUICK)
-    say(f"pipeline: {STAGES} stage processes, schedules {'/'.join(cfg.schedules)}, microbatches "
-        f"{'/'.join(map(str, cfg.microbatches))}")
+    say(
+        f"pipeline: {STAGES} stage processes, schedules {'/'.join(cfg.schedules)}, microbatches "
+        f"{'/'.join(map(str, cfg.microbatches))}"
+    )
     rows = measure(cfg, opts.threads)
     by_key = {(r["schedule"], r["microbatches"], r["rank"]): r for r in rows}
     table = []
@@ -160,9 +182,15 @@ def run(opts, cfg: Config | None = None) -> Section:
             idle = [by_key[(s, m, r)]["idle"] for r in range(STAGES)]
             table.append([s, m, f"{wall:.3f}", *(f"{i:.1%}" for i in idle), f"{(STAGES - 1) / (m + STAGES - 1):.1%}"])
     section = Section("pipeline", f"Pipeline bubble, {STAGES} stages")
-    section.tables.append(md_table(["schedule", "microbatches", "step s", *(f"idle stage {r}" for r in range(STAGES)),
-                                    "theory (p-1)/(m+p-1)"], table))
-    section.notes.append(f"p={STAGES}, batch {cfg.rows} x {cfg.seq} tokens, dim {cfg.dim}, {cfg.layers} layers, "
-                         f"{opts.threads} thread(s)/stage; median of {cfg.iters} steps")
+    section.tables.append(
+        md_table(
+            ["schedule", "microbatches", "step s", *(f"idle stage {r}" for r in range(STAGES)), "theory (p-1)/(m+p-1)"],
+            table,
+        )
+    )
+    section.notes.append(
+        f"p={STAGES}, batch {cfg.rows} x {cfg.seq} tokens, dim {cfg.dim}, {cfg.layers} layers, "
+        f"{opts.threads} thread(s)/stage; median of {cfg.iters} steps"
+    )
     section.data["stages"] = rows
     return section

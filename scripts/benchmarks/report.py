@@ -70,10 +70,14 @@ def render(sections: list[Section], *, quick: bool, seconds: float) -> str:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-    head = [f"# Kiln benchmarks{' (--quick)' if quick else ''}", "",
-            f"{device}, torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
-            f"load average {os.getloadavg()[0]:.1f} at the end; {seconds / 60:.1f} min. "
-            "Medians of interleaved repeats (the machine is shared: absolute times are noisy, ratios less so).", ""]
+    head = [
+        f"# Kiln benchmarks{' (--quick)' if quick else ''}",
+        "",
+        f"{device}, torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
+        f"load average {os.getloadavg()[0]:.1f} at the end; {seconds / 60:.1f} min. "
+        "Medians of interleaved repeats (the machine is shared: absolute times are noisy, ratios less so).",
+        "",
+    ]
     summary = [[s.name, t.what, t.value, "met" if t.met else "**NOT met**"] for s in sections for t in s.targets]
     summary += [[s.name, "(section failed)", s.error, "**failed**"] for s in sections if s.error]
     if summary:
@@ -85,7 +89,20 @@ def write(out: Path, markdown: str, sections: list[Section]) -> list[Path]:
     """bench.md (the rendered report) and bench.json (every section's raw numbers) in `out`; returns both paths."""
     md, raw = out / "bench.md", out / "bench.json"
     md.write_text(markdown)
-    raw.write_text(json.dumps(
-        {s.name: {"title": s.title, "targets": [vars(t) for t in s.targets], "notes": s.notes, "error": s.error,
-                  "data": s.data} for s in sections}, indent=1, default=str))
+    raw.write_text(
+        json.dumps(
+            {
+                s.name: {
+                    "title": s.title,
+                    "targets": [vars(t) for t in s.targets],
+                    "notes": s.notes,
+                    "error": s.error,
+                    "data": s.data,
+                }
+                for s in sections
+            },
+            indent=1,
+            default=str,
+        )
+    )
     return [md, raw]

@@ -14,8 +14,12 @@ from scripts.benchmarks.report import Section, md_table, median, mib, ms, say
 WIDTHS = {  # model.* overrides at a width factor of the recipe's own (1)
     "llm_tiny": lambda f: [f"model.dim={int(128 * f)}", f"model.ffn_dim={int(344 * f)}"],
     "dit_tiny": lambda f: [f"model.attention_head_dim={int(16 * f)}"],
-    "vlm_tiny": lambda f: [f"model.text_hidden_size={int(128 * f)}", f"model.text_intermediate_size={int(256 * f)}",
-                           f"model.vision_hidden_size={int(64 * f)}", f"model.vision_intermediate_size={int(128 * f)}"],
+    "vlm_tiny": lambda f: [
+        f"model.text_hidden_size={int(128 * f)}",
+        f"model.text_intermediate_size={int(256 * f)}",
+        f"model.vision_hidden_size={int(64 * f)}",
+        f"model.vision_intermediate_size={int(128 * f)}",
+    ],
 }
 
 
@@ -32,9 +36,11 @@ def width_trainers(opts, recipe: str, factors: list[float], n_batches: int):
         batches = batches or take(trainer, n_batches)
         with FlopCounter() as counter:
             _, stats, _ = timed_step(trainer, batches[0], step_timer())
-        extra[name] = {"flops": (counter.flops, stats.work),
-                       "resident": (torch.cuda.memory_allocated() - before) if cuda else None,
-                       "params": sum(p.numel() for p in trainer.model.parameters())}
+        extra[name] = {
+            "flops": (counter.flops, stats.work),
+            "resident": (torch.cuda.memory_allocated() - before) if cuda else None,
+            "params": sum(p.numel() for p in trainer.model.parameters()),
+        }
     return trainers, extra, batches
 
 
@@ -54,8 +60,18 @@ def width_rows(recipe: str, result: dict, extra: dict, peak: float | None) -> li
         memory = "n/a (CPU)"
         if extra[name]["resident"] is not None:
             memory = mib(extra[name]["resident"] + max(r["peaks"]))
-        rows.append([recipe, name, f"{extra[name]['params']:,}", ms(t), f"{t / median(result[base]['times']):.2f}x",
-                     f"{rate:,.0f} {unit}", utilization, memory])
+        rows.append(
+            [
+                recipe,
+                name,
+                f"{extra[name]['params']:,}",
+                ms(t),
+                f"{t / median(result[base]['times']):.2f}x",
+                f"{rate:,.0f} {unit}",
+                utilization,
+                memory,
+            ]
+        )
     return rows
 
 
@@ -81,10 +97,16 @@ def widths(opts, s: Section) -> None:
         rows += width_rows(recipe, result, extra, peak)
         s.data[f"width_{recipe}"] = {n: {"step_s": r["times"], **extra[n]} for n, r in result.items()}
         del trainers
-    s.tables.append(md_table(["recipe", "width", "parameters", "step ms (median)", "vs narrowest", "throughput",
-                              "MFU", "peak memory"], rows))
-    s.notes.append(f"widths: the recipes' trainers side by side in one process, steps interleaved on the same batches, "
-                   f"{steps} steps each after {warmup} warm-up, {opts.threads} thread(s); {peak_note}")
+    s.tables.append(
+        md_table(
+            ["recipe", "width", "parameters", "step ms (median)", "vs narrowest", "throughput", "MFU", "peak memory"],
+            rows,
+        )
+    )
+    s.notes.append(
+        f"widths: the recipes' trainers side by side in one process, steps interleaved on the same batches, "
+        f"{steps} steps each after {warmup} warm-up, {opts.threads} thread(s); {peak_note}"
+    )
 
 
 def ranks(opts, s: Section) -> None:
@@ -98,24 +120,45 @@ def ranks(opts, s: Section) -> None:
         runs = {}
         for nproc in (1, 2):
             say(f"scaling: {recipe} on {nproc} rank(s), global batch {batch}, {steps} steps")
-            records = train_run(opts, recipe, [f"trainer.max_steps={steps}", "trainer.log_every=1",
-                                               f"trainer.micro_batch_size={batch // nproc}"],
-                                opts.work / f"ranks_{recipe}_{nproc}", nproc=nproc)
+            records = train_run(
+                opts,
+                recipe,
+                [f"trainer.max_steps={steps}", "trainer.log_every=1", f"trainer.micro_batch_size={batch // nproc}"],
+                opts.work / f"ranks_{recipe}_{nproc}",
+                nproc=nproc,
+            )
             runs[nproc] = [r for r in records if r["step"] > warmup]
         t1, t2 = (median(r["step_time_s"] for r in runs[n]) for n in (1, 2))
         key = "samples_per_s" if recipe == "dit_tiny" else "tokens_per_s"
         rate = {n: median(r[key] for r in runs[n]) for n in (1, 2)}
         unit = key.replace("_per_s", "/s")
-        rows.append([recipe, batch, ms(t1), ms(t2), f"{t1 / t2:.2f}x", f"{rate[1]:,.0f} {unit}",
-                     f"{rate[2] / 2:,.0f} {unit}"])
-        s.data[f"ranks_{recipe}"] = {"step_s_1": [r["step_time_s"] for r in runs[1]],
-                                     "step_s_2": [r["step_time_s"] for r in runs[2]]}
-    s.tables.append(md_table(["recipe", "global batch", "1 rank: step ms", "2 ranks: step ms", "speedup",
-                              "1 rank: throughput", "2 ranks: throughput per rank"], rows))
-    s.notes.append(f"ranks: scripts/train.py vs torchrun --nproc_per_node 2 (DiT/VLM: DeepSpeed data parallel; "
-                   f"LLM: FSDP2), same global batch, {opts.threads} thread(s) per rank, median step_time_s of steps "
-                   f"{warmup + 1}-{steps}; {os.cpu_count()} cores shared with other jobs, so 2 ranks cannot give more "
-                   f"than ~{os.cpu_count()}x")
+        rows.append(
+            [recipe, batch, ms(t1), ms(t2), f"{t1 / t2:.2f}x", f"{rate[1]:,.0f} {unit}", f"{rate[2] / 2:,.0f} {unit}"]
+        )
+        s.data[f"ranks_{recipe}"] = {
+            "step_s_1": [r["step_time_s"] for r in runs[1]],
+            "step_s_2": [r["step_time_s"] for r in runs[2]],
+        }
+    s.tables.append(
+        md_table(
+            [
+                "recipe",
+                "global batch",
+                "1 rank: step ms",
+                "2 ranks: step ms",
+                "speedup",
+                "1 rank: throughput",
+                "2 ranks: throughput per rank",
+            ],
+            rows,
+        )
+    )
+    s.notes.append(
+        f"ranks: scripts/train.py vs torchrun --nproc_per_node 2 (DiT/VLM: DeepSpeed data parallel; "
+        f"LLM: FSDP2), same global batch, {opts.threads} thread(s) per rank, median step_time_s of steps "
+        f"{warmup + 1}-{steps}; {os.cpu_count()} cores shared with other jobs, so 2 ranks cannot give more "
+        f"than ~{os.cpu_count()}x"
+    )
 
 
 def run(opts) -> Section:

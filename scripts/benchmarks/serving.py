@@ -83,8 +83,9 @@ async def _completions(base: str, name: str, texts: list[str], max_tokens: int, 
     return tokens, seconds
 
 
-def bench_server(export: Path, texts: list[str], cfg: Config, engine: str, threads: int, log: Path
-                 ) -> tuple[dict[int, tuple], float]:
+def bench_server(
+    export: Path, texts: list[str], cfg: Config, engine: str, threads: int, log: Path
+) -> tuple[dict[int, tuple], float]:
     """({concurrency: (generated tokens, seconds)}, start-up seconds) through scripts/serve.py on `engine`."""
     from common.tools.serving import running_server
 
@@ -95,14 +96,14 @@ def bench_server(export: Path, texts: list[str], cfg: Config, engine: str, threa
     results = {}
     start = time.perf_counter()
     # OMP_NUM_THREADS caps transformers serve's torch threads; vLLM's CPU build binds its own worker threads.
-    with running_server(export, *overrides, log_path=log, startup_s=600,
-                        env={"OMP_NUM_THREADS": str(threads)}) as base:
+    with running_server(export, *overrides, log_path=log, startup_s=600, env={"OMP_NUM_THREADS": str(threads)}) as base:
         startup = time.perf_counter() - start
         say(f"serving: {engine} up in {startup:.0f} s")
         asyncio.run(_completions(base, name, texts[:2], cfg.max_tokens, 2))  # warm-up: caches, kernels
         for c in cfg.concurrency:
-            results[c] = best([asyncio.run(_completions(base, name, texts, cfg.max_tokens, c))
-                               for _ in range(cfg.repeat)])
+            results[c] = best(
+                [asyncio.run(_completions(base, name, texts, cfg.max_tokens, c)) for _ in range(cfg.repeat)]
+            )
             say(f"serving: {engine}, {c} concurrent: {results[c][0] / results[c][1]:.0f} tokens/s")
     return results, startup
 
@@ -122,23 +123,35 @@ def llm_table(opts, cfg: Config, work: Path, s: Section) -> None:
     label = {"transformers": "transformers serve (CB)", "vllm": f"vLLM ({serve_env()} build)"}
     rows = [("`model.generate`, one request at a time", gen_tokens, gen_s)]
     rows += [(f"{label[e]}, {c} concurrent", *served[e][0][c]) for e in engines for c in cfg.concurrency]
-    s.notes.append(f"LLM serving on CPU (llm_tiny trained {cfg.llm_steps} steps; {cfg.requests} requests of "
-                   f"{cfg.max_tokens} new tokens, greedy, float32; {opts.threads} thread(s) for transformers; "
-                   f"best of {cfg.repeat}); start-up to /health: "
-                   + ", ".join(f"{label[e]} {served[e][1]:.0f} s" for e in engines)
-                   + ("" if "vllm" in served else "; no vLLM row: make serve-env builds its environment"))
-    s.tables.append(md_table(["engine", "tokens", "seconds", "tokens/s", "vs generate"],
-                             [[name, tokens, f"{secs:.2f}", f"{tokens / secs:.0f}",
-                               f"{tokens / secs / base_rate:.2f}x"] for name, tokens, secs in rows]))
+    s.notes.append(
+        f"LLM serving on CPU (llm_tiny trained {cfg.llm_steps} steps; {cfg.requests} requests of "
+        f"{cfg.max_tokens} new tokens, greedy, float32; {opts.threads} thread(s) for transformers; "
+        f"best of {cfg.repeat}); start-up to /health: "
+        + ", ".join(f"{label[e]} {served[e][1]:.0f} s" for e in engines)
+        + ("" if "vllm" in served else "; no vLLM row: make serve-env builds its environment")
+    )
+    s.tables.append(
+        md_table(
+            ["engine", "tokens", "seconds", "tokens/s", "vs generate"],
+            [
+                [name, tokens, f"{secs:.2f}", f"{tokens / secs:.0f}", f"{tokens / secs / base_rate:.2f}x"]
+                for name, tokens, secs in rows
+            ],
+        )
+    )
     if "vllm" in served:
         top = max(cfg.concurrency)
         (vt, vs), (tt, ts) = served["vllm"][0][top], served["transformers"][0][top]
         ratio = (vt / vs) / (tt / ts)
         s.notes.append(f"vLLM / transformers serve at {top} concurrent: {ratio:.2f}x completion tokens/s")
         s.data["vllm_over_transformers"] = ratio
-    s.data["llm"] = {"generate": {"tokens": gen_tokens, "seconds": gen_s},
-                     **{e: {"startup_s": up, **{c: {"tokens": t, "seconds": sec} for c, (t, sec) in r.items()}}
-                        for e, (r, up) in served.items()}}
+    s.data["llm"] = {
+        "generate": {"tokens": gen_tokens, "seconds": gen_s},
+        **{
+            e: {"startup_s": up, **{c: {"tokens": t, "seconds": sec} for c, (t, sec) in r.items()}}
+            for e, (r, up) in served.items()
+        },
+    }
 
 
 def write_dit_export(model, recipe, folder: Path) -> Path:
@@ -154,11 +167,22 @@ def write_dit_export(model, recipe, folder: Path) -> Path:
     model.save_pretrained(folder / "transformer", safe_serialization=True)
     sampling_scheduler(d).save_pretrained(folder / "scheduler")
     classes = [str(c) for c in range(recipe.model.num_classes)]
-    (folder / "kiln.json").write_text(json.dumps({
-        "recipe": "dit_tiny", "image_size": recipe.data.image_size, "num_classes": len(classes), "classes": classes,
-        "null_class": null_class(model), "sample_steps": d.sample_steps, "guidance_scale": d.guidance_scale}))
-    return export_onnx(model, folder / "onnx" / "model.onnx", image_size=recipe.data.image_size,
-                       in_channels=recipe.model.in_channels)
+    (folder / "kiln.json").write_text(
+        json.dumps(
+            {
+                "recipe": "dit_tiny",
+                "image_size": recipe.data.image_size,
+                "num_classes": len(classes),
+                "classes": classes,
+                "null_class": null_class(model),
+                "sample_steps": d.sample_steps,
+                "guidance_scale": d.guidance_scale,
+            }
+        )
+    )
+    return export_onnx(
+        model, folder / "onnx" / "model.onnx", image_size=recipe.data.image_size, in_channels=recipe.model.in_channels
+    )
 
 
 def images_per_s(base: str, requests: int, steps: int, concurrency: int) -> float:
@@ -182,19 +206,35 @@ def dit_server_table(opts, cfg: Config, work: Path, model, recipe, s: Section) -
     export = work / "dit_export"
     write_dit_export(model, recipe, export)
     n = cfg.dit_server_requests
-    with running_server(export, "serve.engine=onnxruntime", f"serve.max_batch_images={n}", log_path=work / "serve_dit.log",
-                        env={"OMP_NUM_THREADS": str(opts.threads)}) as base:
+    with running_server(
+        export,
+        "serve.engine=onnxruntime",
+        f"serve.max_batch_images={n}",
+        log_path=work / "serve_dit.log",
+        env={"OMP_NUM_THREADS": str(opts.threads)},
+    ) as base:
         images_per_s(base, 2, 2, 1)  # warm-up
         single = max(images_per_s(base, n, cfg.dit_steps, 1) for _ in range(cfg.repeat))
         batched = max(images_per_s(base, n, cfg.dit_steps, n) for _ in range(cfg.repeat))
     say(f"serving: DiT images server: {single:.1f} images/s one at a time, {batched:.1f} images/s {n} at once")
-    s.notes.append(f"DiT images server (scripts/serve.py, onnxruntime, {cfg.dit_steps} steps, {n} one-image requests; "
-                   f"best of {cfg.repeat}): batched / one at a time {batched / single:.2f}x images/s")
-    s.tables.append(md_table(["DiT images server", "images/s", "vs one at a time"],
-                             [["one request at a time", f"{single:.1f}", "1.00x"],
-                              [f"{n} concurrent (shared batches)", f"{batched:.1f}", f"{batched / single:.2f}x"]]))
-    s.data["dit_server"] = {"single_images_per_s": single, "batched_images_per_s": batched,
-                            "batched_over_single": batched / single}
+    s.notes.append(
+        f"DiT images server (scripts/serve.py, onnxruntime, {cfg.dit_steps} steps, {n} one-image requests; "
+        f"best of {cfg.repeat}): batched / one at a time {batched / single:.2f}x images/s"
+    )
+    s.tables.append(
+        md_table(
+            ["DiT images server", "images/s", "vs one at a time"],
+            [
+                ["one request at a time", f"{single:.1f}", "1.00x"],
+                [f"{n} concurrent (shared batches)", f"{batched:.1f}", f"{batched / single:.2f}x"],
+            ],
+        )
+    )
+    s.data["dit_server"] = {
+        "single_images_per_s": single,
+        "batched_images_per_s": batched,
+        "batched_over_single": batched / single,
+    }
 
 
 def dit_table(opts, cfg: Config, work: Path, s: Section) -> None:
@@ -218,9 +258,17 @@ def dit_table(opts, cfg: Config, work: Path, s: Section) -> None:
     def steps_per_s(backend, images: int) -> float:
         labels = torch.arange(images) % recipe.model.num_classes
         run = lambda steps: sample_images(  # noqa: E731
-            backend, scheduler, labels, null_class=null_class(model), image_size=size, in_channels=channels,
-            steps=steps, guidance_scale=recipe.diffusion.guidance_scale, generator=torch.Generator().manual_seed(0),
-            device=torch.device("cpu"))
+            backend,
+            scheduler,
+            labels,
+            null_class=null_class(model),
+            image_size=size,
+            in_channels=channels,
+            steps=steps,
+            guidance_scale=recipe.diffusion.guidance_scale,
+            generator=torch.Generator().manual_seed(0),
+            device=torch.device("cpu"),
+        )
         run(2)  # warm-up
         times = []
         for _ in range(cfg.repeat):
@@ -235,10 +283,13 @@ def dit_table(opts, cfg: Config, work: Path, s: Section) -> None:
         say(f"serving: DiT {images} images: {rates[images]}")
         r = rates[images]
         rows.append([images, f"{r['torch']:.1f}", f"{r['onnxruntime']:.1f}", f"{r['onnxruntime'] / r['torch']:.2f}x"])
-    s.notes.append(f"DiT denoising on CPU (dit_tiny, {size}x{size}, CFG, {cfg.dit_steps} DDIM steps, {opts.threads} "
-                   f"thread(s); best of {cfg.repeat}; onnxruntime vs PyTorch max rel err {parity:.1e})")
-    s.tables.append(md_table(["images per run", "PyTorch eager steps/s", "onnxruntime steps/s",
-                              "onnxruntime / PyTorch"], rows))
+    s.notes.append(
+        f"DiT denoising on CPU (dit_tiny, {size}x{size}, CFG, {cfg.dit_steps} DDIM steps, {opts.threads} "
+        f"thread(s); best of {cfg.repeat}; onnxruntime vs PyTorch max rel err {parity:.1e})"
+    )
+    s.tables.append(
+        md_table(["images per run", "PyTorch eager steps/s", "onnxruntime steps/s", "onnxruntime / PyTorch"], rows)
+    )
     s.data["dit"] = {"steps_per_s": rates, "onnx_max_rel_err": parity}
     dit_server_table(opts, cfg, work, model, recipe, s)
 
@@ -246,8 +297,11 @@ def dit_table(opts, cfg: Config, work: Path, s: Section) -> None:
 def run(opts, cfg: Config | None = None) -> Section:
     cfg = cfg or Config()
     work = fresh_dir(opts.work / "serving")
-    s = Section("serving", "Serving: vLLM and transformers serve vs model.generate (LLM); onnxruntime vs PyTorch, "
-                           "and the images server batched vs one at a time (DiT)")
+    s = Section(
+        "serving",
+        "Serving: vLLM and transformers serve vs model.generate (LLM); onnxruntime vs PyTorch, "
+        "and the images server batched vs one at a time (DiT)",
+    )
     llm_table(opts, cfg, work, s)
     dit_table(opts, cfg, work, s)
     return s

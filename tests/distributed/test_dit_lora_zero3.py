@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tests.conftest import load_script, losses, run_train
+from tests.fixtures.lora import DIT_ADAPTED as ADAPTED
 from tests.fixtures.lora import assert_same_export, checkpoint_bytes, tensors
-from tests.fixtures.lora import DIT_ADAPTED as ADAPTED, dit_overrides as overrides
+from tests.fixtures.lora import dit_overrides as overrides
 
 pytestmark = pytest.mark.distributed
 

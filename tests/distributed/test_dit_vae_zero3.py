@@ -20,11 +20,29 @@ def runs(tmp_path_factory, latent_dit_data):
     out = {}
     for stage in (0, 3):
         out[stage] = root / f"zero{stage}"
-        run_train(["recipe=dit_tiny", "data=images", f"data.root={shards}", "data.image_size=16", f"diffusion.vae={vae}",
-                   "model.shared_conditioning=true", f"parallel.zero_stage={stage}", f"trainer.max_steps={STEPS}",
-                   "trainer.micro_batch_size=4", "data.num_workers=1", "trainer.eval=false", "checkpoint.final=false",
-                   "trainer.progress_bar=false", "trainer.log_every=1", "diffusion.sample_steps=2",
-                   "diffusion.samples_per_class=1", f"run.dir={out[stage]}"], nproc=2, timeout=600)
+        run_train(
+            [
+                "recipe=dit_tiny",
+                "data=images",
+                f"data.root={shards}",
+                "data.image_size=16",
+                f"diffusion.vae={vae}",
+                "model.shared_conditioning=true",
+                f"parallel.zero_stage={stage}",
+                f"trainer.max_steps={STEPS}",
+                "trainer.micro_batch_size=4",
+                "data.num_workers=1",
+                "trainer.eval=false",
+                "checkpoint.final=false",
+                "trainer.progress_bar=false",
+                "trainer.log_every=1",
+                "diffusion.sample_steps=2",
+                "diffusion.samples_per_class=1",
+                f"run.dir={out[stage]}",
+            ],
+            nproc=2,
+            timeout=600,
+        )
     return out
 
 

@@ -22,8 +22,15 @@ from tests.conftest import FAST_DIT, losses, run_train
 pytestmark = pytest.mark.distributed
 STEPS, SAVED = 8, 4
 GLOBAL_BATCH = 8
-COMMON = ["trainer.eval=false", "checkpoint.final=false", f"trainer.max_steps={STEPS}", f"checkpoint.every={SAVED}",
-          "data.num_workers=0", "trainer.log_every=1", "trainer.progress_bar=false"]
+COMMON = [
+    "trainer.eval=false",
+    "checkpoint.final=false",
+    f"trainer.max_steps={STEPS}",
+    f"checkpoint.every={SAVED}",
+    "data.num_workers=0",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+]
 DIT = [*FAST_DIT, *COMMON, "diffusion.sample_steps=2", "diffusion.samples_per_class=1"]
 VLM = ["recipe=vlm_tiny", *COMMON]
 
@@ -74,14 +81,23 @@ def assert_continues(resumed: dict, reference: dict) -> None:
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=0), f"step {step}"
 
 
-@pytest.mark.parametrize("source, target", [
-    (layout(2, 2), layout(1, 0, accum=2)),  # 2 ranks ZeRO-2 -> 1 rank ZeRO-0 (accumulating the global batch)
-    (layout(2, 2), layout(2, 3)),  # -> 2 ranks ZeRO-3
-    (layout(2, 1), layout(4, 1)),  # 2 ranks ZeRO-1 -> 4 ranks ZeRO-1
-    (layout(2, 3), layout(2, 2)),  # 2 ranks ZeRO-3 -> 2 ranks ZeRO-2
-    (layout(2, 3), layout(1, 0, accum=2)),  # 2 ranks ZeRO-3 -> 1 rank ZeRO-0
-], ids=["2r-zero2-to-1r-zero0", "2r-zero2-to-2r-zero3", "2r-zero1-to-4r-zero1", "2r-zero3-to-2r-zero2",
-        "2r-zero3-to-1r-zero0"])
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        (layout(2, 2), layout(1, 0, accum=2)),  # 2 ranks ZeRO-2 -> 1 rank ZeRO-0 (accumulating the global batch)
+        (layout(2, 2), layout(2, 3)),  # -> 2 ranks ZeRO-3
+        (layout(2, 1), layout(4, 1)),  # 2 ranks ZeRO-1 -> 4 ranks ZeRO-1
+        (layout(2, 3), layout(2, 2)),  # 2 ranks ZeRO-3 -> 2 ranks ZeRO-2
+        (layout(2, 3), layout(1, 0, accum=2)),  # 2 ranks ZeRO-3 -> 1 rank ZeRO-0
+    ],
+    ids=[
+        "2r-zero2-to-1r-zero0",
+        "2r-zero2-to-2r-zero3",
+        "2r-zero1-to-4r-zero1",
+        "2r-zero3-to-2r-zero2",
+        "2r-zero3-to-1r-zero0",
+    ],
+)
 def test_dit_resumes_under_another_layout(runs, tmp_path, source, target):
     reference = losses(runs.full(DIT, *target))
     ckpt = runs.source(DIT, *source)
@@ -92,10 +108,14 @@ def test_dit_resumes_under_another_layout(runs, tmp_path, source, target):
     assert_continues(resume(DIT, ckpt, *target, tmp_path / "resumed"), reference)
 
 
-@pytest.mark.parametrize("source, target", [
-    (layout(1, 0), layout(2, 3)),  # 1 rank ZeRO-0 (whole torch AdamW state) -> 2 ranks ZeRO-3, rows packed per rank
-    (layout(2, 3), layout(1, 1)),  # 2 ranks ZeRO-3 (micro-batch 4) -> 1 rank ZeRO-1 (micro-batch 8)
-], ids=["1r-zero0-to-2r-zero3", "2r-zero3-to-1r-zero1"])
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        (layout(1, 0), layout(2, 3)),  # 1 rank ZeRO-0 (whole torch AdamW state) -> 2 ranks ZeRO-3, rows packed per rank
+        (layout(2, 3), layout(1, 1)),  # 2 ranks ZeRO-3 (micro-batch 4) -> 1 rank ZeRO-1 (micro-batch 8)
+    ],
+    ids=["1r-zero0-to-2r-zero3", "2r-zero3-to-1r-zero1"],
+)
 def test_vlm_resumes_under_another_layout(runs, tmp_path, source, target):
     reference = losses(runs.full(VLM, *target))
     ckpt = runs.source(VLM, *source)
@@ -113,8 +133,11 @@ def refused(recipe: list[str], args: list[str], resume_from, run_dir) -> str:
 
 
 def tree_digest(folder) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_refusals(runs, tmp_path):
@@ -173,8 +196,15 @@ def _engine(stage: int, precision: str, ranks: int):
     from recipes.dit.model import build_model
     from recipes.dit.parallelize import parallelize
 
-    cfg = compose(["recipe=dit_tiny", f"parallel.zero_stage={stage}", f"toggles.precision={precision}",
-                   f"trainer.micro_batch_size={GLOBAL_BATCH // ranks}", "optim.warmup_steps=1"])
+    cfg = compose(
+        [
+            "recipe=dit_tiny",
+            f"parallel.zero_stage={stage}",
+            f"toggles.precision={precision}",
+            f"trainer.micro_batch_size={GLOBAL_BATCH // ranks}",
+            "optim.warmup_steps=1",
+        ]
+    )
     torch.manual_seed(0)  # the same initial weights on every rank and in every layout
     model = build_model(cfg.model, cfg.data.image_size, cfg.model.in_channels)
     return DeepSpeedEngine(parallelize(model, cfg), cfg, ranks), cfg
@@ -200,8 +230,10 @@ def _full_state(engine) -> dict:
             hp = whole[p]
             params[name] = [hp.detach().clone(), *(inner.state[hp][k].clone() for k in ("exp_avg", "exp_avg_sq"))]
         else:
-            params[name] = [safe_get_full_fp32_param(p), *(safe_get_full_optimizer_state(p, k)
-                                                           for k in ("exp_avg", "exp_avg_sq"))]
+            params[name] = [
+                safe_get_full_fp32_param(p),
+                *(safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")),
+            ]
         with gathered_one(p, e.zero_optimization_stage()):
             params[name].append(p.detach().clone())
         params[name] = [t.reshape(-1) for t in params[name]]
@@ -221,8 +253,9 @@ def _save_sources(root: str) -> dict:
         engine, cfg = _engine(stage, precision, world)
         dtype = next(engine.module.parameters()).dtype
         g = torch.Generator().manual_seed(rank)
-        x = torch.randn(cfg.trainer.micro_batch_size, cfg.model.in_channels, cfg.data.image_size, cfg.data.image_size,
-                        generator=g).to(dtype)
+        x = torch.randn(
+            cfg.trainer.micro_batch_size, cfg.model.in_channels, cfg.data.image_size, cfg.data.image_size, generator=g
+        ).to(dtype)
         labels, t = torch.arange(x.shape[0]) % 10, torch.full((x.shape[0],), 500)
         for _ in range(2):
             engine.ds.backward(engine.ds(x, timestep=t, class_labels=labels).sample.float().square().mean())
@@ -250,8 +283,11 @@ def _load_everywhere(root: str) -> dict:
             ds.load_checkpoint(engine.ds, run / "checkpoints" / "step_0000002", scratch=Path(root, "scratch"))
             loaded = _full_state(engine)
             key = f"zero{stage}_{precision}->zero{target}"
-            differ[key] = [name for name, ts in saved["params"].items()
-                           if not all(torch.equal(a, b) for a, b in zip(ts, loaded["params"][name], strict=True))]
+            differ[key] = [
+                name
+                for name, ts in saved["params"].items()
+                if not all(torch.equal(a, b) for a, b in zip(ts, loaded["params"][name], strict=True))
+            ]
             differ[key] += [k for k in ("steps", "lr", "global_steps") if saved[k] != loaded[k]]
             engine.ds.destroy()
     return differ

@@ -22,8 +22,14 @@ pytestmark = pytest.mark.distributed
 def _worker(rank: int, world: int, port: int, job: str, args: tuple, out: str) -> None:
     # gloo on the CPU, on any host: with a GPU visible init_distributed would pick NCCL and cuda:<rank>
     # (the meshes below are CPU meshes). CUDA reads the variable when first used, after this line.
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        CUDA_VISIBLE_DEVICES="",
+    )
     torch.set_num_threads(1)
     from common.distributed import init_distributed, teardown
 
@@ -79,8 +85,7 @@ def _recipe_step_flops(overrides: list[str]) -> dict:
 
     cfg = compose(overrides)
     family = cfg.recipe.family
-    trainer = recipe_spec(family).train().TRAINER(
-        cfg, init_distributed(), Path(cfg.run.dir))
+    trainer = recipe_spec(family).train().TRAINER(cfg, init_distributed(), Path(cfg.run.dir))
     batches = iter(trainer.state.loader)
     try:
         with FlopCounter() as fc:
@@ -103,8 +108,13 @@ def _recipe_step_flops(overrides: list[str]) -> dict:
 @pytest.mark.parametrize("recipe", ["dit_tiny", "vlm_tiny", "llm_tiny"])
 def test_counts_a_recipe_train_step(recipe, tmp_path):
     """DeepSpeed engines (DiT, VLM) and the plain FSDP-less Llama step count through the Trainer."""
-    overrides = [f"recipe={recipe}", "trainer.micro_batch_size=4", "data.num_workers=0", "checkpoint.final=false",
-                 f"run.dir={tmp_path / 'run'}"]
+    overrides = [
+        f"recipe={recipe}",
+        "trainer.micro_batch_size=4",
+        "data.num_workers=0",
+        "checkpoint.final=false",
+        f"run.dir={tmp_path / 'run'}",
+    ]
     [result] = run_ranks("_recipe_step_flops", (overrides,), 1, tmp_path)
     assert result["flops"] > 0 and any("mm" in op for op in result["by_op"])
     if recipe == "llm_tiny":

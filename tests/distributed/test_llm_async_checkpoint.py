@@ -9,8 +9,17 @@ import pytest
 from tests.conftest import losses, run_train
 
 pytestmark = pytest.mark.distributed
-BASE = ["recipe=llm_tiny", "trainer.max_steps=6", "trainer.log_every=1", "trainer.progress_bar=false", "trainer.eval=false",
-        "profile.count_flops=false", "checkpoint.every=2", "checkpoint.keep=5", "checkpoint.async_save=true"]
+BASE = [
+    "recipe=llm_tiny",
+    "trainer.max_steps=6",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "trainer.eval=false",
+    "profile.count_flops=false",
+    "checkpoint.every=2",
+    "checkpoint.keep=5",
+    "checkpoint.async_save=true",
+]
 LAYOUTS = {"dp2": ["trainer.micro_batch_size=4"], "tp2": ["parallel.tp=2", "trainer.micro_batch_size=8"]}
 
 
@@ -24,8 +33,11 @@ def dp2_run(tmp_path_factory):
 @pytest.mark.parametrize("layout", ["dp2", "tp2"])
 def test_async_checkpoint_resumes(dp2_run, tmp_path, layout):
     resumed = tmp_path / "resumed"
-    proc = run_train([*BASE, *LAYOUTS[layout], f"run.dir={resumed}", f"run.resume={dp2_run}/checkpoints/step_0000002"],
-                     nproc=2, timeout=900)
+    proc = run_train(
+        [*BASE, *LAYOUTS[layout], f"run.dir={resumed}", f"run.resume={dp2_run}/checkpoints/step_0000002"],
+        nproc=2,
+        timeout=900,
+    )
     assert "at step 2" in proc.stdout
     ref, got = losses(dp2_run), losses(resumed)
     assert sorted(got) == [3, 4, 5, 6]

@@ -32,8 +32,17 @@ def folders(tmp_path_factory):
 
 
 def overrides(folder: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
-    return ["recipe=llm_tiny", f"model.init_from={folder}", f"data.root={data}", "data.build=[]", "data.num_workers=0",
-            "data.max_seq_len=64", "trainer.progress_bar=false", f"run.dir={run_dir}", *extra]
+    return [
+        "recipe=llm_tiny",
+        f"model.init_from={folder}",
+        f"data.root={data}",
+        "data.build=[]",
+        "data.num_workers=0",
+        "data.max_seq_len=64",
+        "trainer.progress_bar=false",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -45,8 +54,10 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
 def compare_export(source: Path, export: Path) -> dict[str, bool]:
     """Whether an export holds the source folder's tensor names, and every shared one bit for bit in its dtype."""
     a, b = tensors(source), tensors(export)
-    return {"same_keys": a.keys() == b.keys(),
-            "bitwise": all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a if k in b)}
+    return {
+        "same_keys": a.keys() == b.keys(),
+        "bitwise": all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a if k in b),
+    }
 
 
 def _rank_logits(trainer, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -115,11 +126,16 @@ def _tied_training(folders: dict, run_root: str) -> dict:
     from recipes.llm.train import LLMTrainer
 
     dist, out = init_distributed(), {}
-    for layout, extra in {"dp2": [f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"],
-                          "pp2": ["parallel.pp=2", f"trainer.micro_batch_size={GLOBAL_DOCS}"]}.items():
+    for layout, extra in {
+        "dp2": [f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"],
+        "pp2": ["parallel.pp=2", f"trainer.micro_batch_size={GLOBAL_DOCS}"],
+    }.items():
         run_dir = Path(run_root) / layout
-        cfg = compose(overrides(Path(folders["tied"]), Path(folders["data"]), run_dir, "optim.lr=1e-2",
-                                "optim.warmup_steps=0", *extra))
+        cfg = compose(
+            overrides(
+                Path(folders["tied"]), Path(folders["data"]), run_dir, "optim.lr=1e-2", "optim.warmup_steps=0", *extra
+            )
+        )
         trainer = LLMTrainer(cfg, dist, run_dir)
         batches = iter(trainer.state.loader)
         out[layout] = [trainer.train_step(batches, StepTimer()).values["loss"] for _ in range(3)]
@@ -147,24 +163,49 @@ def test_cli_round_trip_pp2(folders, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source, run_dir = folders["tied"], tmp_path / "run"
-    run_train(overrides(source, folders["data"], run_dir, "parallel.pp=2", "trainer.max_steps=1", "optim.lr=0",
-                        f"trainer.micro_batch_size={GLOBAL_DOCS}"), nproc=2)
+    run_train(
+        overrides(
+            source,
+            folders["data"],
+            run_dir,
+            "parallel.pp=2",
+            "trainer.max_steps=1",
+            "optim.lr=0",
+            f"trainer.micro_batch_size={GLOBAL_DOCS}",
+        ),
+        nproc=2,
+    )
     again = tmp_path / "again"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), str(run_dir), "--out", str(again)], cwd=REPO,
-                   check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "export.py"), str(run_dir), "--out", str(again)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     want = tensors(source)
     for export in (run_dir / "export", again):
         got = tensors(export)
         assert got.keys() == want.keys() and "lm_head.weight" not in got  # tied: one tensor
         for key in want:
             assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
-        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        for name in (
+            "config.json",
+            "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+        ):
             assert (export / name).read_bytes() == (source / name).read_bytes(), name
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "export")
     prompt = tokenizer("The with statement", return_tensors="pt")
     outputs = []
     for folder in (source, run_dir / "export"):
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
-        outputs.append(model.generate(**prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                      pad_token_id=tokenizer.eos_token_id)[0].tolist())
+        outputs.append(
+            model.generate(
+                **prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=tokenizer.eos_token_id
+            )[0].tolist()
+        )
     assert outputs[0] == outputs[1] and len(outputs[0]) == prompt["input_ids"].shape[1] + 16

@@ -22,7 +22,10 @@ def runs(trained):
     layouts = {
         "single": (1, [f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
         "tp2": (2, ["parallel.tp=2", f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
-        "tp2_loss_parallel": (2, ["parallel.tp=2", "model.loss_parallel=true", f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
+        "tp2_loss_parallel": (
+            2,
+            ["parallel.tp=2", "model.loss_parallel=true", f"trainer.micro_batch_size={GLOBAL_DOCS}"],
+        ),
         "dp2": (2, [f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"]),
         "tp2_dp2": (4, ["parallel.tp=2", f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"]),
     }
@@ -41,7 +44,9 @@ def test_losses_match_single_process(runs, layout):
 def test_tp2_checkpoint_resumes_under_dp2(runs, tmp_path):
     ckpt = runs["tp2"] / "checkpoints" / "step_0000005"
     resumed = tmp_path / "resumed"
-    run_train([*BASE, f"trainer.micro_batch_size={GLOBAL_DOCS // 2}", f"run.dir={resumed}", f"run.resume={ckpt}"], nproc=2)
+    run_train(
+        [*BASE, f"trainer.micro_batch_size={GLOBAL_DOCS // 2}", f"run.dir={resumed}", f"run.resume={ckpt}"], nproc=2
+    )
     ref, got = losses(runs["tp2"]), losses(resumed)
     assert sorted(got) == list(range(6, STEPS + 1))
     for step in got:
@@ -55,8 +60,14 @@ def test_export_consolidates_and_matches_logits(runs, tmp_path):
 
     run_dir = runs["tp2"]
     out = tmp_path / "hf"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), str(run_dir), "--out", str(out)],
-                   cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "export.py"), str(run_dir), "--out", str(out)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     in_run = AutoModelForCausalLM.from_pretrained(run_dir / "export").eval()  # written by the tp=2 run itself

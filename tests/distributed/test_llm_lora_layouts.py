@@ -21,10 +21,23 @@ LAYOUTS = {
 
 
 def overrides(folders: dict, run_dir: Path, *extra: str) -> list[str]:
-    return ["recipe=llm_tiny", "finetune=lora", f"model.init_from={folders['base']}", f"data.root={folders['data']}",
-            "data.build=[]", "data.num_workers=0", "data.max_seq_len=64", "trainer.progress_bar=false",
-            "trainer.log_every=1", f"trainer.max_steps={STEPS}", "checkpoint.every=2", "optim.lr=1e-2",
-            "optim.warmup_steps=0", f"run.dir={run_dir}", *extra]
+    return [
+        "recipe=llm_tiny",
+        "finetune=lora",
+        f"model.init_from={folders['base']}",
+        f"data.root={folders['data']}",
+        "data.build=[]",
+        "data.num_workers=0",
+        "data.max_seq_len=64",
+        "trainer.progress_bar=false",
+        "trainer.log_every=1",
+        f"trainer.max_steps={STEPS}",
+        "checkpoint.every=2",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=0",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,9 @@ def single(trained):
 def runs(single, trained):
     out = {"single": single}
     for schedule, m in SCHEDULES.items():
-        out[schedule] = trained([*BASE, "parallel.pp=2", f"parallel.pp_schedule={schedule}",
-                                 f"parallel.pp_microbatches={m}"], 2)
+        out[schedule] = trained(
+            [*BASE, "parallel.pp=2", f"parallel.pp_schedule={schedule}", f"parallel.pp_microbatches={m}"], 2
+        )
     return out
 
 
@@ -54,8 +55,14 @@ def test_export_from_pp2_checkpoint_loads_in_transformers(runs, tmp_path):
 
     run_dir = runs["1f1b"]
     out = tmp_path / "hf"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), str(run_dir), "--out", str(out)],
-                   cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "export.py"), str(run_dir), "--out", str(out)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     in_run = AutoModelForCausalLM.from_pretrained(run_dir / "export").eval()  # gathered from both stages in-run
@@ -91,8 +98,19 @@ def _untrained_eval(run_dir: str, extra: list[str]) -> dict:
     from recipes.llm.train import LLMTrainer
 
     dist = init_distributed()
-    cfg = compose(["recipe=llm_tiny", "trainer.progress_bar=false", "checkpoint.every=0", "checkpoint.final=false",
-                   "data.num_workers=0", "data.eval_docs=16", "toggles.precision=bf16", f"run.dir={run_dir}", *extra])
+    cfg = compose(
+        [
+            "recipe=llm_tiny",
+            "trainer.progress_bar=false",
+            "checkpoint.every=0",
+            "checkpoint.final=false",
+            "data.num_workers=0",
+            "data.eval_docs=16",
+            "toggles.precision=bf16",
+            f"run.dir={run_dir}",
+            *extra,
+        ]
+    )
     return LLMTrainer(cfg, dist, Path(run_dir)).evaluate()
 
 

@@ -19,12 +19,21 @@ from tests.fixtures.llm import write_moe_folder, write_token_dataset
 pytestmark = pytest.mark.distributed
 STEPS = 10
 GLOBAL_DOCS = 8
-BASE = ["recipe=moe_tiny", f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.progress_bar=false",
-        "checkpoint.every=5", "data.num_workers=1", "data.max_seq_len=64"]
+BASE = [
+    "recipe=moe_tiny",
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "checkpoint.every=5",
+    "data.num_workers=1",
+    "data.max_seq_len=64",
+]
 # name: (ranks, overrides); every layout reads GLOBAL_DOCS documents per step.
-LAYOUTS = {"single": (1, [f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
-           "ep2": (2, ["parallel.ep=2", f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"]),
-           "ep2_dp2": (4, ["parallel.ep=2", f"trainer.micro_batch_size={GLOBAL_DOCS // 4}"])}
+LAYOUTS = {
+    "single": (1, [f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
+    "ep2": (2, ["parallel.ep=2", f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"]),
+    "ep2_dp2": (4, ["parallel.ep=2", f"trainer.micro_batch_size={GLOBAL_DOCS // 4}"]),
+}
 # Expert parallelism under full activation checkpointing: each block's recompute exchanges its tokens again.
 RUNS = {**LAYOUTS, "ep2_ac": (2, [*LAYOUTS["ep2"][1], "toggles.activation_checkpointing=full"])}
 
@@ -81,7 +90,10 @@ def _first_step_gradients(run_dir: str, extra: list[str]) -> dict:
     grads, step = {}, trainer.engine.step
 
     def capture(skip=False):  # the gradients the optimizer steps with, before it clears them
-        for name, p in [("router", moe.router.gate.weight), *((w, getattr(moe.experts, w)) for w in ("w1", "w2", "w3"))]:
+        for name, p in [
+            ("router", moe.router.gate.weight),
+            *((w, getattr(moe.experts, w)) for w in ("w1", "w2", "w3")),
+        ]:
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             grads[name] = (g if name == "router" else g[5]).tolist()
         return step(skip)
@@ -93,8 +105,10 @@ def _first_step_gradients(run_dir: str, extra: list[str]) -> dict:
 
 
 def test_router_and_expert_gradients_match_single_process(tmp_path):
-    grads = {name: spawn_ranks(_first_step_gradients, (str(tmp_path / name), extra), nproc, tmp_path / name)[0]
-             for name, (nproc, extra) in LAYOUTS.items()}
+    grads = {
+        name: spawn_ranks(_first_step_gradients, (str(tmp_path / name), extra), nproc, tmp_path / name)[0]
+        for name, (nproc, extra) in LAYOUTS.items()
+    }
     for layout in ("ep2", "ep2_dp2"):
         for key, ref in grads["single"].items():
             ref, got = torch.tensor(ref), torch.tensor(grads[layout][key])
@@ -126,9 +140,22 @@ def _init_from_under_ep2(folders: dict, run_root: str, extra: list[str]) -> dict
         tokens = torch.randint(0, reference.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             expected = reference(tokens).logits
-        cfg = compose(["recipe=llm_tiny", f"model.init_from={folder}", f"data.root={folders['data']}", "data.build=[]",
-                       "data.num_workers=0", "data.max_seq_len=64", "trainer.progress_bar=false", "parallel.ep=2",
-                       "trainer.micro_batch_size=2", "optim.lr=0", f"run.dir={run_dir}", *extra])
+        cfg = compose(
+            [
+                "recipe=llm_tiny",
+                f"model.init_from={folder}",
+                f"data.root={folders['data']}",
+                "data.build=[]",
+                "data.num_workers=0",
+                "data.max_seq_len=64",
+                "trainer.progress_bar=false",
+                "parallel.ep=2",
+                "trainer.micro_batch_size=2",
+                "optim.lr=0",
+                f"run.dir={run_dir}",
+                *extra,
+            ]
+        )
         trainer = LLMTrainer(cfg, dist, run_dir)
         logits = _rank_logits(trainer, tokens)
         result = {"error": None if logits is None else (logits - expected).abs().max().item()}
@@ -148,8 +175,9 @@ def test_init_from_under_ep2_matches_transformers_and_exports_the_source(tmp_pat
     pipeline stages whose experts each split over an ep pair."""
     folders = {v: write_moe_folder(tmp_path / v, v) for v in VARIANTS}
     folders["data"] = write_token_dataset(tmp_path / "data", folders[VARIANTS[0]])
-    ranks = spawn_ranks(_init_from_under_ep2, ({k: str(v) for k, v in folders.items()}, str(tmp_path / "runs"), extra),
-                        nproc, tmp_path)
+    ranks = spawn_ranks(
+        _init_from_under_ep2, ({k: str(v) for k, v in folders.items()}, str(tmp_path / "runs"), extra), nproc, tmp_path
+    )
     for variant in VARIANTS:
         errors = [r[variant]["error"] for r in ranks if r[variant]["error"] is not None]
         assert len(errors) == nproc // (2 if extra else 1), variant  # under pp=2: the last stage's ranks

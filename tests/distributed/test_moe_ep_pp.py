@@ -25,19 +25,32 @@ GLOBAL_DOCS = 8
 
 
 def base(data: Path) -> list[str]:
-    return ["recipe=moe_tiny", "model.moe.num_experts=4", f"data.root={data}", "data.build=[]", "data.num_workers=0",
-            "data.max_seq_len=128", f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.progress_bar=false",
-            "checkpoint.every=2", "checkpoint.final=false", "profile.count_flops=false"]
+    return [
+        "recipe=moe_tiny",
+        "model.moe.num_experts=4",
+        f"data.root={data}",
+        "data.build=[]",
+        "data.num_workers=0",
+        "data.max_seq_len=128",
+        f"trainer.max_steps={STEPS}",
+        "trainer.log_every=1",
+        "trainer.progress_bar=false",
+        "checkpoint.every=2",
+        "checkpoint.final=false",
+        "profile.count_flops=false",
+    ]
 
 
 EP2_PP2 = ["parallel.ep=2", "parallel.pp=2", f"trainer.micro_batch_size={GLOBAL_DOCS // 2}"]
-LAYOUTS = {"single": (1, [f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
-           "ep2_pp2": (4, [*EP2_PP2, "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=1"]),
-           # Two pipeline microbatches (rows cut at 64 tokens: both hold documents): the aux loss is per microbatch
-           # (another objective than one process's), the same under GPipe (every forward before any backward) as
-           # under 1F1B, whose first microbatch's backward runs before the second's forward on the last stage.
-           "gpipe_m2": (4, [*EP2_PP2, "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=2", "data.max_seq_len=64"]),
-           "1f1b_m2": (4, [*EP2_PP2, "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=2", "data.max_seq_len=64"])}
+LAYOUTS = {
+    "single": (1, [f"trainer.micro_batch_size={GLOBAL_DOCS}"]),
+    "ep2_pp2": (4, [*EP2_PP2, "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=1"]),
+    # Two pipeline microbatches (rows cut at 64 tokens: both hold documents): the aux loss is per microbatch
+    # (another objective than one process's), the same under GPipe (every forward before any backward) as
+    # under 1F1B, whose first microbatch's backward runs before the second's forward on the last stage.
+    "gpipe_m2": (4, [*EP2_PP2, "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=2", "data.max_seq_len=64"]),
+    "1f1b_m2": (4, [*EP2_PP2, "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=2", "data.max_seq_len=64"]),
+}
 
 
 def metrics(run_dir: Path) -> dict[int, tuple[float, float, float]]:

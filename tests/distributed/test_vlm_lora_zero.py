@@ -26,8 +26,17 @@ def runs(world, tmp_path_factory):
     out = {}
     for stage in (2, 3):
         out[stage] = tmp_path_factory.mktemp(f"zero{stage}")
-        run_train(overrides(world, out[stage], f"parallel.zero_stage={stage}", "trainer.micro_batch_size=4",
-                            f"trainer.max_steps={STEPS}", "checkpoint.every=2"), nproc=2)
+        run_train(
+            overrides(
+                world,
+                out[stage],
+                f"parallel.zero_stage={stage}",
+                "trainer.micro_batch_size=4",
+                f"trainer.max_steps={STEPS}",
+                "checkpoint.every=2",
+            ),
+            nproc=2,
+        )
     return out
 
 
@@ -48,8 +57,17 @@ def test_zero2_and_zero3_train_the_same_adapter(runs):
 
 
 def test_zero3_resumes_bitwise(world, runs, tmp_path):
-    run_train(overrides(world, tmp_path, "parallel.zero_stage=3", "trainer.micro_batch_size=4",
-                        f"trainer.max_steps={STEPS}", f"run.resume={runs[3] / 'checkpoints' / 'step_0000002'}"), nproc=2)
+    run_train(
+        overrides(
+            world,
+            tmp_path,
+            "parallel.zero_stage=3",
+            "trainer.micro_batch_size=4",
+            f"trainer.max_steps={STEPS}",
+            f"run.resume={runs[3] / 'checkpoints' / 'step_0000002'}",
+        ),
+        nproc=2,
+    )
     want, got = losses(runs[3]), losses(tmp_path)
     assert sorted(got) == list(range(3, STEPS + 1)) and all(got[s] == want[s] for s in got), (want, got)
     assert all(torch.equal(v, tensors(runs[3] / "export")[k]) for k, v in tensors(tmp_path / "export").items())

@@ -18,10 +18,19 @@ def stage_runs(tmp_path_factory):
     for stage in (0, 1, 2, 3):
         run_dir = tmp_path_factory.mktemp(f"zero{stage}")
         run_train(
-            [*FAST_DIT, f"run.dir={run_dir}", f"parallel.zero_stage={stage}", f"trainer.max_steps={STEPS}",
-             "toggles.activation_checkpointing=full", "trainer.micro_batch_size=16", "data.num_workers=1",
-             "trainer.eval=false", "checkpoint.final=false"],
-            nproc=2, timeout=600,
+            [
+                *FAST_DIT,
+                f"run.dir={run_dir}",
+                f"parallel.zero_stage={stage}",
+                f"trainer.max_steps={STEPS}",
+                "toggles.activation_checkpointing=full",
+                "trainer.micro_batch_size=16",
+                "data.num_workers=1",
+                "trainer.eval=false",
+                "checkpoint.final=false",
+            ],
+            nproc=2,
+            timeout=600,
         )
         runs[stage] = run_dir
     return runs

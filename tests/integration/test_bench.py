@@ -17,8 +17,11 @@ pytestmark = pytest.mark.integration
 
 def table_rows(markdown: str) -> list[list[str]]:
     """Cells of every markdown table row (header and separator rows included)."""
-    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in markdown.splitlines()
-            if line.startswith("|")]
+    return [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in markdown.splitlines()
+        if line.startswith("|")
+    ]
 
 
 def number(cell: str) -> float:
@@ -28,7 +31,15 @@ def number(cell: str) -> float:
 
 def test_quick_bench_overhead_and_ac(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--only", "overhead,ac", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "bench.py"),
+        "--quick",
+        "--only",
+        "overhead,ac",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     markdown = (tmp_path / "bench.md").read_text()

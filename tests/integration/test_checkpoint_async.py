@@ -17,8 +17,16 @@ from common.tools.launcher import REPO, TRAIN, launch_env, train_command
 from tests.conftest import losses, run_train
 
 pytestmark = pytest.mark.integration
-ARGS = ["recipe=llm_tiny", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.eval=false",
-        "profile.count_flops=false", "trainer.max_steps=8", "checkpoint.every=2", "checkpoint.async_save=true"]
+ARGS = [
+    "recipe=llm_tiny",
+    "trainer.progress_bar=false",
+    "trainer.log_every=1",
+    "trainer.eval=false",
+    "profile.count_flops=false",
+    "trainer.max_steps=8",
+    "checkpoint.every=2",
+    "checkpoint.async_save=true",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +41,14 @@ def test_kill_during_an_async_write_keeps_the_previous_latest_and_resumes_bitwis
     broken = tmp_path / "broken"
     # Step 4's write is held until step 6's save waits for it (faults: slow_checkpoint), then the process is killed
     # before the write is committed.
-    proc = subprocess.run(train_command([*ARGS, f"run.dir={broken}"], 1), cwd=REPO, capture_output=True, text=True,
-                          env=launch_env(1, KILN_FAULTS="slow_checkpoint@4,kill_in_checkpoint@4"), timeout=600)
+    proc = subprocess.run(
+        train_command([*ARGS, f"run.dir={broken}"], 1),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=launch_env(1, KILN_FAULTS="slow_checkpoint@4,kill_in_checkpoint@4"),
+        timeout=600,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert "kiln: checkpoint step_0000004 is still being written; step 6's save waits for it" in proc.stdout
     assert {5, 6} <= set(losses(broken))  # training went on while step 4 was being written
@@ -75,8 +89,13 @@ def test_a_corrupted_shard_resumes_from_the_previous_checkpoint_bitwise(full, tm
 
 @pytest.mark.parametrize("recipe", ["dit_tiny", "vlm_tiny"])
 def test_deepspeed_recipes_refuse_async_save_with_one_line(recipe, tmp_path):
-    proc = subprocess.run([sys.executable, TRAIN, f"recipe={recipe}", "checkpoint.async_save=true", f"run.dir={tmp_path / 'run'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, TRAIN, f"recipe={recipe}", "checkpoint.async_save=true", f"run.dir={tmp_path / 'run'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("kiln: error: checkpoint.async_save=true is for the LLM")

@@ -22,8 +22,13 @@ SOLO = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 # ---- verified checkpoints: a manifest written last, checked at resume ---------------------------------------
 RUNS = {
-    "llm": ["recipe=llm_tiny", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.eval=false",
-            "profile.count_flops=false"],
+    "llm": [
+        "recipe=llm_tiny",
+        "trainer.progress_bar=false",
+        "trainer.log_every=1",
+        "trainer.eval=false",
+        "profile.count_flops=false",
+    ],
     "dit": [*FAST_DIT, "trainer.eval=false", "diffusion.samples_per_class=1", "diffusion.sample_steps=2"],
 }
 

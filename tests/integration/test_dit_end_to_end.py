@@ -22,15 +22,36 @@ STEPS = 80
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("dit_e2e")
-    run_train([*FAST_DIT, f"run.dir={d}", f"trainer.max_steps={STEPS}", "trainer.log_every=10",
-               "trainer.sample_every=40", "profile.enabled=true", "profile.wait=1", "profile.warmup=1", "profile.active=2"])
+    run_train(
+        [
+            *FAST_DIT,
+            f"run.dir={d}",
+            f"trainer.max_steps={STEPS}",
+            "trainer.log_every=10",
+            "trainer.sample_every=40",
+            "profile.enabled=true",
+            "profile.wait=1",
+            "profile.warmup=1",
+            "profile.active=2",
+        ]
+    )
     return d
 
 
 def test_loss_falls_and_metrics_are_complete(run_dir):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(10, STEPS + 1, 10))
-    for key in ("loss", "lr", "grad_norm", "step_time_s", "data_wait_s", "samples_per_s", "forward_s", "backward_s", "optimizer_s"):
+    for key in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "step_time_s",
+        "data_wait_s",
+        "samples_per_s",
+        "forward_s",
+        "backward_s",
+        "optimizer_s",
+    ):
         assert key in records[-1], key
     ls = losses(run_dir)
     assert ls[STEPS] < 0.6 * ls[10]
@@ -72,5 +93,8 @@ def test_export_loads_in_diffusers_and_matches_ema_weights(run_dir):
     t, y = torch.tensor([10, 200, 600, 999]), torch.tensor([0, 4, 9, 10])
     with torch.no_grad():
         torch.testing.assert_close(
-            loaded(x, timestep=t, class_labels=y).sample, reference(x, timestep=t, class_labels=y).sample, rtol=0, atol=0
+            loaded(x, timestep=t, class_labels=y).sample,
+            reference(x, timestep=t, class_labels=y).sample,
+            rtol=0,
+            atol=0,
         )

@@ -27,16 +27,43 @@ def setup(tmp_path_factory, latent_dit_data):
     root = tmp_path_factory.mktemp("dit_latent")
     vae, shards = latent_dit_data(SIZE).values()  # shared with test_dit_lora
     latents = root / "latents"
-    common = ["recipe=dit_tiny", "data=images", f"data.root={shards}", f"data.image_size={SIZE}", f"diffusion.vae={vae}",
-              "trainer.micro_batch_size=8", "data.num_workers=1", "trainer.progress_bar=false", "trainer.log_every=1",
-              "diffusion.sample_steps=2", "diffusion.samples_per_class=1", "diffusion.eval_samples_per_class=2"]
+    common = [
+        "recipe=dit_tiny",
+        "data=images",
+        f"data.root={shards}",
+        f"data.image_size={SIZE}",
+        f"diffusion.vae={vae}",
+        "trainer.micro_batch_size=8",
+        "data.num_workers=1",
+        "trainer.progress_bar=false",
+        "trainer.log_every=1",
+        "diffusion.sample_steps=2",
+        "diffusion.samples_per_class=1",
+        "diffusion.eval_samples_per_class=2",
+    ]
     assert cache_latents.main([*common, "--out", str(latents), "--batch-size", "16"]) == 0
     runs = {"fly": root / "fly", "cached": root / "cached", "flow": root / "flow"}
     run_train([*common, f"run.dir={runs['fly']}", f"trainer.max_steps={STEPS}"])
-    run_train([*common, f"run.dir={runs['cached']}", f"trainer.max_steps={STEPS}", f"data.latents={latents}",
-               "trainer.eval=false"])
-    run_train([*common, f"run.dir={runs['flow']}", "trainer.max_steps=2", f"data.latents={latents}", "trainer.eval=false",
-               "diffusion.objective=flow", "model.shared_conditioning=true"])
+    run_train(
+        [
+            *common,
+            f"run.dir={runs['cached']}",
+            f"trainer.max_steps={STEPS}",
+            f"data.latents={latents}",
+            "trainer.eval=false",
+        ]
+    )
+    run_train(
+        [
+            *common,
+            f"run.dir={runs['flow']}",
+            "trainer.max_steps=2",
+            f"data.latents={latents}",
+            "trainer.eval=false",
+            "diffusion.objective=flow",
+            "model.shared_conditioning=true",
+        ]
+    )
     return {"root": root, "vae": vae, "shards": shards, "latents": latents, "common": common, **runs}
 
 
@@ -58,8 +85,12 @@ def test_cached_and_on_the_fly_latents_give_equal_losses(setup):
 
 def test_vae_stays_outside_the_engine(setup):
     info = json.loads((setup["fly"] / "memory.json").read_text())
-    assert info["vae"] == {"params": info["vae"]["params"], "zero_partitioned": False, "requires_grad": False,
-                           "in_engine_module": False}
+    assert info["vae"] == {
+        "params": info["vae"]["params"],
+        "zero_partitioned": False,
+        "requires_grad": False,
+        "in_engine_module": False,
+    }
     transformer = json.loads((setup["fly"] / "export" / "transformer" / "config.json").read_text())
     assert transformer["in_channels"] == transformer["out_channels"] == 4 and transformer["sample_size"] == SIZE // 2
 
@@ -74,14 +105,28 @@ def test_export_runs_in_diffusers_dit_pipeline(setup):
     assert info["diffusers_pipeline"] == "DiTPipeline" and info["classes"] == ["digit_0", "digit_1", "digit_2"]
     pipe = DiTPipeline.from_pretrained(export)
     assert pipe.get_label_ids(["digit_2"]) == [2]
-    out = pipe(class_labels=[0, 1], guidance_scale=1.0, num_inference_steps=2, output_type="np",
-               generator=torch.Generator().manual_seed(7)).images
+    out = pipe(
+        class_labels=[0, 1],
+        guidance_scale=1.0,
+        num_inference_steps=2,
+        output_type="np",
+        generator=torch.Generator().manual_seed(7),
+    ).images
     assert out.shape == (2, SIZE, SIZE, 3)
     scheduler = json.loads((export / "scheduler" / "scheduler_config.json").read_text())
-    ours = sample_images(pipe.transformer, scheduler, torch.tensor([0, 1]), null_class=info["null_class"],
-                         image_size=SIZE // 2, in_channels=4, steps=2, guidance_scale=1.0,
-                         generator=torch.Generator().manual_seed(7), device=torch.device("cpu"),
-                         decode=folder_decoder(export / "vae", SIZE, torch.device("cpu")))
+    ours = sample_images(
+        pipe.transformer,
+        scheduler,
+        torch.tensor([0, 1]),
+        null_class=info["null_class"],
+        image_size=SIZE // 2,
+        in_channels=4,
+        steps=2,
+        guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(7),
+        device=torch.device("cpu"),
+        decode=folder_decoder(export / "vae", SIZE, torch.device("cpu")),
+    )
     np.testing.assert_allclose(out, (ours.permute(0, 2, 3, 1).numpy() + 1) / 2, atol=1e-4)
 
 
@@ -90,8 +135,10 @@ def test_flow_export_samples_with_sample_dit(setup, tmp_path, capsys):
     info = json.loads((export / "kiln.json").read_text())
     assert info["objective"] == "flow" and info["diffusers_pipeline"] is None
     assert not (export / "model_index.json").exists()
-    assert json.loads((export / "scheduler" / "scheduler_config.json").read_text())["_class_name"] == \
-        "FlowMatchEulerDiscreteScheduler"
+    assert (
+        json.loads((export / "scheduler" / "scheduler_config.json").read_text())["_class_name"]
+        == "FlowMatchEulerDiscreteScheduler"
+    )
     out = tmp_path / "grid.png"
     assert load_script("sample_dit").main([str(export), "steps=2", "per_class=2", f"out={out}"]) == 0
     from PIL import Image
@@ -111,8 +158,19 @@ def test_onnx_parity_for_latent_models(setup, run, capsys):
     assert onnx["image_size"] == SIZE // 2 and onnx["in_channels"] == 4
     assert all(e <= 1e-5 for e in onnx["parity_rel_err"].values()), onnx["parity_rel_err"]
     capsys.readouterr()
-    assert load_script("sample_dit").main([str(export), "backend=onnxruntime", "compare=torch", "steps=2", "per_class=1",
-                                       f"out={setup['root'] / f'grid_{run}.png'}"]) == 0
+    assert (
+        load_script("sample_dit").main(
+            [
+                str(export),
+                "backend=onnxruntime",
+                "compare=torch",
+                "steps=2",
+                "per_class=1",
+                f"out={setup['root'] / f'grid_{run}.png'}",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["max_abs_pixel_diff"] <= 2
 

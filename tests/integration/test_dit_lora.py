@@ -15,8 +15,18 @@ import pytest
 import torch
 
 from common.tools.launcher import spawn_ranks
-from tests.fixtures.lora import (DIT_ADAPTED, DIT_SAMPLER_STEPS, checkpoint_bytes, dit_overrides as overrides,
-                                 export_matches_end_of_run, fit_and_export, resumed_bitwise, tensors)
+from tests.fixtures.lora import (
+    DIT_ADAPTED,
+    DIT_SAMPLER_STEPS,
+    checkpoint_bytes,
+    export_matches_end_of_run,
+    fit_and_export,
+    resumed_bitwise,
+    tensors,
+)
+from tests.fixtures.lora import (
+    dit_overrides as overrides,
+)
 
 pytestmark = pytest.mark.integration
 STEPS = DIT_SAMPLER_STEPS
@@ -34,13 +44,18 @@ def _train_and_export(world: dict, run_dir: str, out: str) -> dict:
     from common.lora import base_key, is_adapter_key
     from recipes.dit.train import DiTTrainer
 
-    argv = overrides({k: Path(v) for k, v in world.items()}, Path(run_dir), "trainer.max_steps=4", "export.merge_lora=true")
+    argv = overrides(
+        {k: Path(v) for k, v in world.items()}, Path(run_dir), "trainer.max_steps=4", "export.merge_lora=true"
+    )
     trainer, optimized = fit_and_export(DiTTrainer, argv, Path(run_dir))
     source = tensors(Path(world["base_run"]) / "export" / "transformer")
     frozen = {base_key(k): v for k, v in trainer.model.state_dict().items() if not is_adapter_key(k)}
     torch.save(trainer.generate(torch.tensor([0, 1, 2]), torch.Generator().manual_seed(7)), out)
-    return {"optimized": optimized, "frozen_keys_match": frozen.keys() == source.keys(),
-            "frozen_unchanged": all(torch.equal(v, source[k]) for k, v in frozen.items())}
+    return {
+        "optimized": optimized,
+        "frozen_keys_match": frozen.keys() == source.keys(),
+        "frozen_unchanged": all(torch.equal(v, source[k]) for k, v in frozen.items()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +64,9 @@ def lora_run(world, tmp_path_factory) -> dict:
     process (`_train_and_export`): its run dir, what the trainer reported, the path of Kiln's images."""
     root = tmp_path_factory.mktemp("dit_lora_run")
     run_dir, saved = root / "run", root / "kiln_images.pt"
-    result = spawn_ranks(_train_and_export, ({k: str(v) for k, v in world.items()}, str(run_dir), str(saved)), 1,
-                         root, threads=2)[0]
+    result = spawn_ranks(
+        _train_and_export, ({k: str(v) for k, v in world.items()}, str(run_dir), str(saved)), 1, root, threads=2
+    )[0]
     return {"run_dir": run_dir, "saved": saved, **result}
 
 
@@ -69,8 +85,13 @@ def test_adapter_trains_alone_and_dit_pipeline_samples_kilns_images(world, lora_
     assert len(tensors(export)) == ADAPTED
 
     def pipeline_images(pipe):
-        out = pipe(class_labels=[0, 1, 2], guidance_scale=1.0, num_inference_steps=STEPS, output_type="np",
-                   generator=torch.Generator().manual_seed(7)).images
+        out = pipe(
+            class_labels=[0, 1, 2],
+            guidance_scale=1.0,
+            num_inference_steps=STEPS,
+            output_type="np",
+            generator=torch.Generator().manual_seed(7),
+        ).images
         return out * 2 - 1  # [0, 1] -> Kiln's [-1, 1]
 
     pipe = DiTPipeline.from_pretrained(base)
@@ -79,8 +100,10 @@ def test_adapter_trains_alone_and_dit_pipeline_samples_kilns_images(world, lora_
     got = pipeline_images(pipe)
     kiln = torch.load(saved).permute(0, 2, 3, 1).numpy()
     error, moved = np.abs(got - kiln).max(), np.abs(before - kiln).max()
-    print(f"max |DiTPipeline + adapter - Kiln's sampler| = {error:.2e} (pixels in [-1, 1]); the adapter moved them "
-          f"by up to {moved:.2e}")
+    print(
+        f"max |DiTPipeline + adapter - Kiln's sampler| = {error:.2e} (pixels in [-1, 1]); the adapter moved them "
+        f"by up to {moved:.2e}"
+    )
     assert error <= 1e-4 and moved > 1e-3
 
     merged = adapted.merge_and_unload().state_dict()
@@ -113,6 +136,8 @@ def test_checkpoints_hold_the_adapter_and_resume_bitwise(world, tmp_path):
     lora_bytes = checkpoint_bytes(ckpt)
     # A full run's checkpoint of the same DiT (weights, Adam, EMA): the base run's last one.
     full_bytes = checkpoint_bytes(world["base_run"] / "checkpoints" / "step_0000002")
-    print(f"checkpoint bytes: LoRA {lora_bytes:,} (adapter {adapter:,}), full run {full_bytes:,} "
-          f"({lora_bytes / full_bytes:.3f}x)")
+    print(
+        f"checkpoint bytes: LoRA {lora_bytes:,} (adapter {adapter:,}), full run {full_bytes:,} "
+        f"({lora_bytes / full_bytes:.3f}x)"
+    )
     assert 4 * adapter <= lora_bytes <= 4 * adapter + 200_000 and lora_bytes < 0.5 * full_bytes

@@ -40,10 +40,21 @@ def export_dir(tmp_path_factory):
     d = cfg.diffusion
     out = tmp_path_factory.mktemp("dit_onnx") / "export"
     model.save_pretrained(out / "transformer", safe_serialization=True)
-    DDPMScheduler(num_train_timesteps=d.num_train_timesteps, beta_schedule=d.beta_schedule,
-                  prediction_type=d.prediction_type, clip_sample=False).save_pretrained(out / "scheduler")
-    info = {"recipe": "dit_tiny", "step": 0, "image_size": IMAGE_SIZE, "num_classes": cfg.model.num_classes,
-            "null_class": cfg.model.num_classes, "sample_steps": SAMPLE_STEPS, "guidance_scale": d.guidance_scale}
+    DDPMScheduler(
+        num_train_timesteps=d.num_train_timesteps,
+        beta_schedule=d.beta_schedule,
+        prediction_type=d.prediction_type,
+        clip_sample=False,
+    ).save_pretrained(out / "scheduler")
+    info = {
+        "recipe": "dit_tiny",
+        "step": 0,
+        "image_size": IMAGE_SIZE,
+        "num_classes": cfg.model.num_classes,
+        "null_class": cfg.model.num_classes,
+        "sample_steps": SAMPLE_STEPS,
+        "guidance_scale": d.guidance_scale,
+    }
     (out / "kiln.json").write_text(json.dumps(info))
     return out
 
@@ -88,9 +99,18 @@ def test_full_sampler_torch_vs_onnxruntime(export_dir, exported, torch_model):
     labels = class_labels(info["num_classes"], 2)  # 20 images, model batch 40 with CFG
 
     def run(model):
-        return sample_images(model, scheduler_config, labels, null_class=info["null_class"], image_size=IMAGE_SIZE,
-                             in_channels=1, steps=SAMPLE_STEPS, guidance_scale=info["guidance_scale"],
-                             generator=torch.Generator().manual_seed(3), device=torch.device("cpu"))
+        return sample_images(
+            model,
+            scheduler_config,
+            labels,
+            null_class=info["null_class"],
+            image_size=IMAGE_SIZE,
+            in_channels=1,
+            steps=SAMPLE_STEPS,
+            guidance_scale=info["guidance_scale"],
+            generator=torch.Generator().manual_seed(3),
+            device=torch.device("cpu"),
+        )
 
     ref, got = run(torch_model), run(OnnxDiT(exported))
     assert got.shape == ref.shape == (20, 1, IMAGE_SIZE, IMAGE_SIZE)
@@ -102,8 +122,9 @@ def test_full_sampler_torch_vs_onnxruntime(export_dir, exported, torch_model):
 
 def test_sample_script_compare(export_dir, exported, tmp_path, capsys):
     out = tmp_path / "grid.png"
-    rc = load_script("sample_dit").main([str(export_dir), "backend=onnxruntime", "compare=torch", "steps=5",
-                                          "per_class=1", "seed=1", f"out={out}"])
+    rc = load_script("sample_dit").main(
+        [str(export_dir), "backend=onnxruntime", "compare=torch", "steps=5", "per_class=1", "seed=1", f"out={out}"]
+    )
     assert rc == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out.exists() and (tmp_path / "grid_torch.png").exists()
@@ -129,8 +150,19 @@ def test_trtexec_commands_for_both_versions_without_tensorrt(exported):
     graphs = json.loads((exported.parent / "onnx.json").read_text())["graphs"]
     assert graphs["model.fp16.onnx"]["tol"] == PARITY_TOL["fp16"]
     assert all(e <= PARITY_TOL["fp16"] for e in graphs["model.fp16.onnx"]["rel_err"].values())
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "build_trt_engine.sh"), str(exported),
-                           "--image-size", "16", "--in-channels", "1"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(REPO / "scripts" / "build_trt_engine.sh"),
+            str(exported),
+            "--image-size",
+            "16",
+            "--in-channels",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "trtexec not found on PATH" in proc.stderr
 
 
@@ -148,13 +180,18 @@ def _tensor_types(path) -> tuple[set[int], dict[str, int]]:
 def test_typed_graphs_compute_in_their_precision_and_match_fp32_pytorch(torch_model, tmp_path, precision):
     from onnx import TensorProto
 
-    path = export_onnx(torch_model, tmp_path / f"model.{precision}.onnx", image_size=IMAGE_SIZE, in_channels=1,
-                       precision=precision)
+    path = export_onnx(
+        torch_model, tmp_path / f"model.{precision}.onnx", image_size=IMAGE_SIZE, in_channels=1, precision=precision
+    )
     weights, io = _tensor_types(path)
     assert weights == {TensorProto.FLOAT16 if precision == "fp16" else TensorProto.BFLOAT16}
     # fp32 I/O (timestep too: the flow sampler's timesteps are floats): OnnxDiT/TensorRTDiT feed the same tensors
-    assert io == {"sample": TensorProto.FLOAT, "timestep": TensorProto.FLOAT, "class_labels": TensorProto.INT64,
-                  "prediction": TensorProto.FLOAT}
+    assert io == {
+        "sample": TensorProto.FLOAT,
+        "timestep": TensorProto.FLOAT,
+        "class_labels": TensorProto.INT64,
+        "prediction": TensorProto.FLOAT,
+    }
     errors = check_parity(torch_model, path, batch_sizes=(1, 4), tol=PARITY_TOL[precision], seed=7, precision=precision)
     print(f"{precision} graph vs fp32 PyTorch, max rel err: {errors}")
     # Rounding happened (the graph is not secretly fp32), within the bound.
@@ -190,9 +227,25 @@ def test_tensorrt_engine_matches_pytorch(export_dir, exported, torch_model, tmp_
     from recipes.dit.onnx import TensorRTDiT
 
     engine = tmp_path / "model.plan"
-    subprocess.run(["bash", str(REPO / "scripts" / "build_trt_engine.sh"), str(exported), "--engine", str(engine),
-                    "--image-size", "16", "--in-channels", "1", "--max-batch", "16", "--precision", "fp16"],
-                   check=True, env=os.environ.copy())
+    subprocess.run(
+        [
+            "bash",
+            str(REPO / "scripts" / "build_trt_engine.sh"),
+            str(exported),
+            "--engine",
+            str(engine),
+            "--image-size",
+            "16",
+            "--in-channels",
+            "1",
+            "--max-batch",
+            "16",
+            "--precision",
+            "fp16",
+        ],
+        check=True,
+        env=os.environ.copy(),
+    )
     trt_model = TensorRTDiT(engine)
     g = torch.Generator().manual_seed(5)
     x, t = torch.randn(40, 1, 16, 16, generator=g), torch.randint(0, 1000, (40,), generator=g)

@@ -20,8 +20,14 @@ ARGS = [*FAST_DIT, "trainer.max_steps=20", "checkpoint.every=10", "trainer.eval=
 def _kill_after_first_checkpoint(run_dir) -> None:
     """SIGKILL the run as soon as checkpoints/latest appears (step 10 of 20)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen([sys.executable, TRAIN, *ARGS, f"run.dir={run_dir}"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, *ARGS, f"run.dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and proc.poll() is None and time.time() < deadline:

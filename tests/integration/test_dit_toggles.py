@@ -13,7 +13,9 @@ SHORT = [*FAST_DIT, "trainer.eval=false", "checkpoint.final=false", "trainer.mic
 
 
 def test_bf16_zero2_trains(tmp_path):
-    run_train([*SHORT, f"run.dir={tmp_path}", "trainer.max_steps=30", "toggles.precision=bf16", "parallel.zero_stage=2"])
+    run_train(
+        [*SHORT, f"run.dir={tmp_path}", "trainer.max_steps=30", "toggles.precision=bf16", "parallel.zero_stage=2"]
+    )
     ls = losses(tmp_path)
     assert all(math.isfinite(v) for v in ls.values())
     assert sum(ls[s] for s in range(26, 31)) < 0.7 * sum(ls[s] for s in range(1, 6))

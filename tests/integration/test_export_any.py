@@ -28,14 +28,42 @@ def runs(tmp_path_factory, trained, latent_dit_data):
     root = tmp_path_factory.mktemp("export_any")
     quick = ["trainer.eval=false", "trainer.micro_batch_size=8", "data.num_workers=1", "diffusion.samples_per_class=1"]
     out = {name: root / name for name in ("dit3", "dit2_latent", "vlm2", "vlm3")}
-    run_train([*FAST_DIT, *quick, f"run.dir={out['dit3']}", "parallel.zero_stage=3", "toggles.precision=bf16",
-               "model.shared_conditioning=true", "trainer.max_steps=3", "checkpoint.every=2"], nproc=2)
+    run_train(
+        [
+            *FAST_DIT,
+            *quick,
+            f"run.dir={out['dit3']}",
+            "parallel.zero_stage=3",
+            "toggles.precision=bf16",
+            "model.shared_conditioning=true",
+            "trainer.max_steps=3",
+            "checkpoint.every=2",
+        ],
+        nproc=2,
+    )
     vae, shards = latent_dit_data(16).values()  # shared with test_dit_vae_zero3
-    run_train([*FAST_DIT, *quick, f"run.dir={out['dit2_latent']}", "parallel.zero_stage=2", "data=images",
-               f"data.root={shards}", "data.image_size=16", f"diffusion.vae={vae}", "trainer.max_steps=2"],
-              nproc=2)
-    vlm = ["recipe=vlm_tiny", "trainer.max_steps=2", "trainer.micro_batch_size=8", "trainer.progress_bar=false",
-           "trainer.eval=false", "data.num_workers=1"]
+    run_train(
+        [
+            *FAST_DIT,
+            *quick,
+            f"run.dir={out['dit2_latent']}",
+            "parallel.zero_stage=2",
+            "data=images",
+            f"data.root={shards}",
+            "data.image_size=16",
+            f"diffusion.vae={vae}",
+            "trainer.max_steps=2",
+        ],
+        nproc=2,
+    )
+    vlm = [
+        "recipe=vlm_tiny",
+        "trainer.max_steps=2",
+        "trainer.micro_batch_size=8",
+        "trainer.progress_bar=false",
+        "trainer.eval=false",
+        "data.num_workers=1",
+    ]
     out["vlm2"] = trained(VLM_ZERO2, 2)  # test_vlm_zero2's run
     # ZeRO-3 partitions the frozen tower too (DeepSpeed's frozen_param_fragments, per rank).
     run_train([*vlm, f"run.dir={out['vlm3']}", "parallel.zero_stage=3", "toggles.precision=bf16"], nproc=2)
@@ -109,8 +137,13 @@ def test_vlm_equals_the_end_of_run_export(runs, name, tmp_path, capsys, monkeypa
     assert code == 0, err
     ours, theirs = tmp_path / "out", run / "export"
     assert_same_folder(ours, theirs)
-    for name in ("config.json", "generation_config.json", "processor_config.json", "preprocessor_config.json",
-                 "tokenizer.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "processor_config.json",
+        "preprocessor_config.json",
+        "tokenizer.json",
+    ):
         assert json.loads((ours / name).read_text()) == json.loads((theirs / name).read_text()), name
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import LlavaForConditionalGeneration
@@ -125,7 +158,7 @@ def test_refusals_are_one_line(runs, tmp_path, capsys):
     dit, vlm = runs["dit3"], runs["vlm2"]
     code, err = export(capsys, dit, "--checkpoint", dit / "samples")
     assert code == 2 and "is not a checkpoint" in err and len(err.strip().splitlines()) == 1
-    latest = (dit / "checkpoints" / (dit / "checkpoints" / "latest").read_text().strip())
+    latest = dit / "checkpoints" / (dit / "checkpoints" / "latest").read_text().strip()
     code, err = export(capsys, vlm, "--checkpoint", latest)
     assert code == 2 and "checkpoint of recipe dit_tiny" in err and len(err.strip().splitlines()) == 1
     code, err = export(capsys, dit, "--max-shard-size", "lots")
@@ -155,6 +188,17 @@ def test_refusals_are_one_line(runs, tmp_path, capsys):
     assert code == 2 and f"model.init_from={tmp_path / 'moved'}, which is gone" in err
     assert len(err.strip().splitlines()) == 1
     # As a user runs it: exit 2, one line, no traceback, nothing written.
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), str(vlm), "--checkpoint",
-                           str(latest), "--out", str(tmp_path / "never")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "export.py"),
+            str(vlm),
+            "--checkpoint",
+            str(latest),
+            "--out",
+            str(tmp_path / "never"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and not (tmp_path / "never").exists()

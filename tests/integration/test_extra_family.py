@@ -35,8 +35,9 @@ def test_a_family_from_the_test_tree_trains_resumes_and_exports(tmp_path, capsys
     export = load_script("export").main
     assert export([str(first), "--checkpoint", "step_4", "--out", str(tmp_path / "step4")]) == 0
     assert export([str(first), "--checkpoint", "step_2", "--out", str(tmp_path / "step2")]) == 0
-    end, step4, step2 = (load_file(d / "model.safetensors") for d in (first / "export", tmp_path / "step4",
-                                                                       tmp_path / "step2"))
+    end, step4, step2 = (
+        load_file(d / "model.safetensors") for d in (first / "export", tmp_path / "step4", tmp_path / "step2")
+    )
     assert end.keys() == step4.keys() and all(torch.equal(end[k], step4[k]) for k in end)  # the final checkpoint
     assert not all(torch.equal(end[k], step2[k]) for k in end)  # an earlier step's weights
     assert "161 parameters" in capsys.readouterr().out  # 8x16 + 16 + 16x1 + 1

@@ -39,8 +39,14 @@ def kill_at_random_step(args: list[str], run_dir, nproc: int, first: int, last: 
     """SIGKILL the whole process group once step k (random in [first, last]) is logged; returns k."""
     k = random.randint(first, last)
     print(f"killing at step {k}")
-    proc = subprocess.Popen(train_command([*args, f"run.dir={run_dir}"], nproc), cwd=REPO, env=launch_env(nproc),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        train_command([*args, f"run.dir={run_dir}"], nproc),
+        cwd=REPO,
+        env=launch_env(nproc),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 600
     while _logged(run_dir) < k and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
@@ -63,8 +69,16 @@ def assert_resumes_exactly(args: list[str], trained, tmp_path, nproc: int, first
 
 
 def test_vlm_killed_at_random_step_resumes_exactly(trained, tmp_path):
-    args = ["recipe=vlm_tiny", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.micro_batch_size=16",
-            "trainer.max_steps=16", "checkpoint.every=4", "trainer.eval=false", "data.max_seq_len=128"]
+    args = [
+        "recipe=vlm_tiny",
+        "trainer.progress_bar=false",
+        "trainer.log_every=1",
+        "trainer.micro_batch_size=16",
+        "trainer.max_steps=16",
+        "checkpoint.every=4",
+        "trainer.eval=false",
+        "data.max_seq_len=128",
+    ]
     assert_resumes_exactly(args, trained, tmp_path, nproc=1, first=5, last=14)
 
 
@@ -79,8 +93,14 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path):
     args = [*DIT, "trainer.max_steps=12", "checkpoint.every=4"]
     full, broken = tmp_path / "full", tmp_path / "broken"
     run_train([*args, f"run.dir={full}"])
-    proc = subprocess.run(train_command([*args, f"run.dir={broken}"], 1), cwd=REPO, capture_output=True, text=True,
-                          env=launch_env(1, KILN_FAULTS="kill_in_checkpoint@8"), timeout=600)
+    proc = subprocess.run(
+        train_command([*args, f"run.dir={broken}"], 1),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=launch_env(1, KILN_FAULTS="kill_in_checkpoint@8"),
+        timeout=600,
+    )
     assert proc.returncode == -signal.SIGKILL
     ckpts = broken / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_0000004"
@@ -97,8 +117,14 @@ def test_crashed_rank_is_restarted_by_torchrun_and_resumes(tmp_path):
     args = [*DIT, "trainer.max_steps=10", "checkpoint.every=4", "parallel.zero_stage=1"]
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     run_train([*args, f"run.dir={full}"], nproc=2)
-    proc = subprocess.run(train_command([*args, f"run.dir={crashed}"], 2, "--max-restarts=1"), cwd=REPO, capture_output=True,
-                          text=True, env=launch_env(2, KILN_FAULTS="crash@6:1"), timeout=600)
+    proc = subprocess.run(
+        train_command([*args, f"run.dir={crashed}"], 2, "--max-restarts=1"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=launch_env(2, KILN_FAULTS="crash@6:1"),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 1 crashes at step 6" in proc.stdout and "resumed from" in proc.stdout and "at step 4" in proc.stdout
     assert losses(crashed) == losses(full)
@@ -113,13 +139,27 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("nproc,zero_stage,fault", [(1, 0, "nan_loss@3,nan_loss@4"), (2, 2, "nan_loss@3:1,nan_loss@4:1")])
+@pytest.mark.parametrize(
+    "nproc,zero_stage,fault", [(1, 0, "nan_loss@3,nan_loss@4"), (2, 2, "nan_loss@3:1,nan_loss@4:1")]
+)
 def test_nonfinite_steps_are_skipped_and_counted(tmp_path, nproc, zero_stage, fault):
     """ZeRO-0 (plain torch AdamW) and ZeRO-2 (DeepSpeed's own overflow check, NaN on one rank only)."""
-    args = [*DIT, "trainer.max_steps=6", "checkpoint.every=1", "checkpoint.keep=10", f"parallel.zero_stage={zero_stage}",
-            f"run.dir={tmp_path}"]
-    proc = subprocess.run(train_command(args, nproc), cwd=REPO, capture_output=True, text=True, env=launch_env(nproc, KILN_FAULTS=fault),
-                          timeout=600)
+    args = [
+        *DIT,
+        "trainer.max_steps=6",
+        "checkpoint.every=1",
+        "checkpoint.keep=10",
+        f"parallel.zero_stage={zero_stage}",
+        f"run.dir={tmp_path}",
+    ]
+    proc = subprocess.run(
+        train_command(args, nproc),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=launch_env(nproc, KILN_FAULTS=fault),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
     assert [s for s, r in records.items() if r["loss"] != r["loss"]] == [3, 4]  # NaN exactly where injected
@@ -129,10 +169,24 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path, nproc, zero_stage, fa
 
 
 def test_too_many_bad_steps_stop_with_the_last_good_weights(tmp_path):
-    args = ["recipe=llm_tiny", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.max_steps=10",
-            "checkpoint.every=2", "checkpoint.keep=5", "trainer.max_bad_steps=3", f"run.dir={tmp_path}"]
-    proc = subprocess.run(train_command(args, 1), cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=launch_env(1, KILN_FAULTS="nan_loss@4,nan_loss@5,nan_loss@6"))
+    args = [
+        "recipe=llm_tiny",
+        "trainer.progress_bar=false",
+        "trainer.log_every=1",
+        "trainer.max_steps=10",
+        "checkpoint.every=2",
+        "checkpoint.keep=5",
+        "trainer.max_bad_steps=3",
+        f"run.dir={tmp_path}",
+    ]
+    proc = subprocess.run(
+        train_command(args, 1),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=launch_env(1, KILN_FAULTS="nan_loss@4,nan_loss@5,nan_loss@6"),
+    )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("kiln: error: 3 steps in a row had a non-finite loss"), proc.stderr
@@ -161,11 +215,19 @@ STOP_HUNG = ("--shutdown_timeout=2",)
 def test_hung_rank_becomes_a_timeout_naming_it(tmp_path):
     args = [*DIT, "trainer.max_steps=6", "parallel.timeout_s=10", f"run.dir={tmp_path}"]
     start = time.time()
-    proc = subprocess.run(train_command(args, 2, *STOP_HUNG), cwd=REPO, capture_output=True, text=True,
-                          env=launch_env(2, KILN_FAULTS="hang@3:1"), timeout=300)
+    proc = subprocess.run(
+        train_command(args, 2, *STOP_HUNG),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=launch_env(2, KILN_FAULTS="hang@3:1"),
+        timeout=300,
+    )
     assert proc.returncode != 0 and time.time() - start < 240
-    assert "kiln: error: rank 0: a collective timed out after 10 s (parallel.timeout_s) at step 3; " \
-           "not in the collective: rank 1 (last started step 3)" in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "kiln: error: rank 0: a collective timed out after 10 s (parallel.timeout_s) at step 3; "
+        "not in the collective: rank 1 (last started step 3)" in proc.stderr
+    ), proc.stderr[-3000:]
 
 
 @pytest.mark.distributed
@@ -173,9 +235,17 @@ def test_hung_rank_is_named_by_the_watchdog(tmp_path):
     """The watchdog (on by default under NCCL; KILN_WATCHDOG=1 here on gloo) fires at parallel.timeout_s,
     before the process group's own timeout (timeout_s + WATCHDOG_MARGIN_S = 40 s here) would."""
     args = [*DIT, "trainer.max_steps=6", "parallel.timeout_s=10", f"run.dir={tmp_path}"]
-    proc = subprocess.run(train_command(args, 2, *STOP_HUNG), cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=launch_env(2, KILN_FAULTS="hang@3:1", KILN_WATCHDOG="1"))
+    proc = subprocess.run(
+        train_command(args, 2, *STOP_HUNG),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=launch_env(2, KILN_FAULTS="hang@3:1", KILN_WATCHDOG="1"),
+    )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
-    assert errors == ["kiln: error: rank 0: a collective timed out after 10 s (parallel.timeout_s, kiln watchdog) at "
-                      "step 3; not in the collective: rank 1 (last started step 3)"], proc.stderr[-3000:]
+    assert errors == [
+        "kiln: error: rank 0: a collective timed out after 10 s (parallel.timeout_s, kiln watchdog) at "
+        "step 3; not in the collective: rank 1 (last started step 3)"
+    ], proc.stderr[-3000:]

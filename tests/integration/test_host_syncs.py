@@ -79,8 +79,15 @@ RECIPES = {
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_a_training_step_reads_the_device_at_most_once(recipe, nproc, tmp_path):
     out = tmp_path / "counts.json"
-    argv = [f"recipe={recipe}", f"trainer.max_steps={STEPS}", f"trainer.log_every={LOG_EVERY}", "trainer.eval=false",
-            "checkpoint.every=0", f"run.dir={tmp_path / 'run'}", *RECIPES[recipe]]
+    argv = [
+        f"recipe={recipe}",
+        f"trainer.max_steps={STEPS}",
+        f"trainer.log_every={LOG_EVERY}",
+        "trainer.eval=false",
+        "checkpoint.every=0",
+        f"run.dir={tmp_path / 'run'}",
+        *RECIPES[recipe],
+    ]
     cmd = train_command([str(out), *argv], nproc)
     cmd[cmd.index(TRAIN)] = __file__  # scripts/train.py's main, counting
     proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(nproc), capture_output=True, text=True, timeout=900)

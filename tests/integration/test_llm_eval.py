@@ -20,9 +20,19 @@ def _eval_before_and_after(recipe: str, run_dir: str) -> dict:
     from recipes.llm.train import LLMTrainer
 
     dist = init_distributed()
-    cfg = compose([f"recipe={recipe}", "trainer.max_steps=12", "trainer.log_every=12", "trainer.progress_bar=false",
-                   "checkpoint.every=0", "checkpoint.final=false", "data.num_workers=0", "data.eval_docs=16",
-                   f"run.dir={run_dir}"])
+    cfg = compose(
+        [
+            f"recipe={recipe}",
+            "trainer.max_steps=12",
+            "trainer.log_every=12",
+            "trainer.progress_bar=false",
+            "checkpoint.every=0",
+            "checkpoint.final=false",
+            "data.num_workers=0",
+            "data.eval_docs=16",
+            f"run.dir={run_dir}",
+        ]
+    )
     trainer = LLMTrainer(cfg, dist, Path(run_dir))
     before = trainer.evaluate()
     trainer.fit()

@@ -29,10 +29,22 @@ def folders(tmp_path_factory):
 
 
 def overrides(folders: dict, run_dir: Path, *extra: str) -> list[str]:
-    return ["recipe=llm_tiny", "finetune=lora", f"model.init_from={folders['base']}", f"data.root={folders['data']}",
-            "data.build=[]", "data.num_workers=0", "data.max_seq_len=64", "trainer.micro_batch_size=4",
-            "trainer.progress_bar=false", "trainer.log_every=1", "optim.lr=1e-2", "optim.warmup_steps=0",
-            f"run.dir={run_dir}", *extra]
+    return [
+        "recipe=llm_tiny",
+        "finetune=lora",
+        f"model.init_from={folders['base']}",
+        f"data.root={folders['data']}",
+        "data.build=[]",
+        "data.num_workers=0",
+        "data.max_seq_len=64",
+        "trainer.micro_batch_size=4",
+        "trainer.progress_bar=false",
+        "trainer.log_every=1",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=0",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -47,10 +59,14 @@ def dcp_contents(ckpt: Path) -> tuple[list[str], int, int]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     items = dcp.FileSystemReader(str(ckpt / "dcp")).read_metadata().state_dict_metadata
-    tensor_bytes = sum(m.size.numel() * m.properties.dtype.itemsize for m in items.values()
-                       if isinstance(m, TensorStorageMetadata))
-    return ([k for k in items if k.startswith("model.")], tensor_bytes,
-            sum(f.stat().st_size for f in (ckpt / "dcp").iterdir()))
+    tensor_bytes = sum(
+        m.size.numel() * m.properties.dtype.itemsize for m in items.values() if isinstance(m, TensorStorageMetadata)
+    )
+    return (
+        [k for k in items if k.startswith("model.")],
+        tensor_bytes,
+        sum(f.stat().st_size for f in (ckpt / "dcp").iterdir()),
+    )
 
 
 def _train_and_export(folders: dict, run_dir: str, out: str) -> dict:
@@ -77,8 +93,11 @@ def _train_and_export(folders: dict, run_dir: str, out: str) -> dict:
     tokens = torch.randint(0, trainer.args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.save({"tokens": tokens, "logits": model(tokens)}, out)
-    return {"optimized": optimized, "base_keys_match": base.keys() == source.keys(),
-            "base_unchanged": all(torch.equal(base[k], source[k]) for k in source if k in base)}
+    return {
+        "optimized": optimized,
+        "base_keys_match": base.keys() == source.keys(),
+        "base_unchanged": all(torch.equal(base[k], source[k]) for k in source if k in base),
+    }
 
 
 def test_adapter_trains_alone_and_exports_for_peft(folders, tmp_path):
@@ -86,8 +105,9 @@ def test_adapter_trains_alone_and_exports_for_peft(folders, tmp_path):
     from transformers import LlamaForCausalLM
 
     run_dir, saved = tmp_path / "run", tmp_path / "kiln_logits.pt"
-    result = spawn_ranks(_train_and_export, ({k: str(v) for k, v in folders.items()}, str(run_dir), str(saved)), 1,
-                         tmp_path, threads=2)[0]
+    result = spawn_ranks(
+        _train_and_export, ({k: str(v) for k, v in folders.items()}, str(run_dir), str(saved)), 1, tmp_path, threads=2
+    )[0]
     # Only the adapter reaches the optimizer: 7 projections x 4 layers x (A, B).
     assert len(result["optimized"]) == 56 and all(".lora_A." in n or ".lora_B." in n for n in result["optimized"])
     assert result["base_keys_match"] and result["base_unchanged"]
@@ -117,9 +137,13 @@ def test_adapter_trains_alone_and_exports_for_peft(folders, tmp_path):
     assert ours.keys() == {k for k in merged if k != "lm_head.weight"}  # tied: one tensor, as save_pretrained writes
     merge_error = max((ours[k] - merged[k]).abs().max().item() for k in ours)
     with torch.no_grad():
-        merged_logits = LlamaForCausalLM.from_pretrained(export / "merged", dtype=torch.float32).eval()(kiln["tokens"]).logits
-    print(f"max |merged - peft merge_and_unload| = {merge_error:.2e}; "
-          f"logits {(merged_logits - kiln['logits']).abs().max().item():.2e}")
+        merged_logits = (
+            LlamaForCausalLM.from_pretrained(export / "merged", dtype=torch.float32).eval()(kiln["tokens"]).logits
+        )
+    print(
+        f"max |merged - peft merge_and_unload| = {merge_error:.2e}; "
+        f"logits {(merged_logits - kiln['logits']).abs().max().item():.2e}"
+    )
     assert merge_error <= 1e-6 and (merged_logits - kiln["logits"]).abs().max().item() <= 1e-5
 
 
@@ -143,8 +167,14 @@ def test_checkpoints_hold_the_adapter_and_resume_bitwise(folders, six_steps, tmp
 
     # scripts/export.py rebuilds the run's export from its last checkpoint and model.init_from.
     again = tmp_path / "again"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), str(first), "--out", str(again)], cwd=REPO,
-                   check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "export.py"), str(first), "--out", str(again)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     want, got = tensors(first / "export"), tensors(again)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     configs = [json.loads((d / "adapter_config.json").read_text()) for d in (again, first / "export")]
@@ -159,9 +189,11 @@ def test_checkpoints_hold_the_adapter_and_resume_bitwise(folders, six_steps, tmp
     assert adapter_bytes * 3 <= lora_tensors <= adapter_bytes * 3 + 56 * 8, (adapter_bytes, lora_tensors)
     run_train(overrides(folders, full, "finetune=full", "trainer.max_steps=1"))
     _, full_tensors, full_files = dcp_contents(full / "checkpoints" / "step_0000001")
-    print(f"checkpoint tensor bytes: LoRA {lora_tensors:,}, full fine-tune {full_tensors:,} "
-          f"({lora_tensors / full_tensors:.3f}x); files {lora_files:,} vs {full_files:,} ({lora_files / full_files:.2f}x; "
-          f"the rest is per-parameter optimizer hyperparameters)")
+    print(
+        f"checkpoint tensor bytes: LoRA {lora_tensors:,}, full fine-tune {full_tensors:,} "
+        f"({lora_tensors / full_tensors:.3f}x); files {lora_files:,} vs {full_files:,} ({lora_files / full_files:.2f}x; "
+        f"the rest is per-parameter optimizer hyperparameters)"
+    )
     assert lora_tensors < 0.25 * full_tensors and lora_files < full_files
 
 
@@ -169,7 +201,9 @@ def test_activation_checkpointing_and_dropout(folders, six_steps, tmp_path):
     """Full activation checkpointing recomputes the adapted blocks exactly; with lora.dropout the masks are drawn
     per rank and their random streams are checkpointed: a resumed run is still bit for bit."""
     ac = tmp_path / "ac"
-    run_train(overrides(folders, ac, "trainer.max_steps=6", "checkpoint.final=false", "toggles.activation_checkpointing=full"))
+    run_train(
+        overrides(folders, ac, "trainer.max_steps=6", "checkpoint.final=false", "toggles.activation_checkpointing=full")
+    )
     ref, got = losses(six_steps), losses(ac)
     assert sorted(got) == sorted(ref) and all(got[s] == pytest.approx(ref[s], rel=1e-6) for s in ref), (ref, got)
 
@@ -192,12 +226,27 @@ def test_qlora_nf4_base(folders, tmp_path):
     from transformers import LlamaForCausalLM
 
     first, resumed = tmp_path / "first", tmp_path / "resumed"
-    out = run_train(overrides(folders, first, "trainer.max_steps=6", "checkpoint.every=3", "lora.quantize_base=nf4",
-                              "export.merge_lora=true")).stdout
+    out = run_train(
+        overrides(
+            folders,
+            first,
+            "trainer.max_steps=6",
+            "checkpoint.every=3",
+            "lora.quantize_base=nf4",
+            "export.merge_lora=true",
+        )
+    ).stdout
     # 4 layers x 7 linears, 151,552 weights: half a byte each plus the scales, against 4 bytes each in fp32.
     assert "lora.quantize_base=nf4: the adapted linears' base weights hold 0.1 MiB" in out, out
-    run_train(overrides(folders, resumed, "trainer.max_steps=6", "lora.quantize_base=nf4",
-                        f"run.resume={first / 'checkpoints' / 'step_0000003'}"))
+    run_train(
+        overrides(
+            folders,
+            resumed,
+            "trainer.max_steps=6",
+            "lora.quantize_base=nf4",
+            f"run.resume={first / 'checkpoints' / 'step_0000003'}",
+        )
+    )
     want, got = losses(first), losses(resumed)
     assert want[6] < want[1] and sorted(got) == [4, 5, 6] and all(got[s] == want[s] for s in got), (want, got)
 
@@ -212,7 +261,9 @@ def test_qlora_nf4_base(folders, tmp_path):
                 block = next(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if scales % b == 0)
                 module.weight.copy_(to_nf4(module.weight, 64, block).get_original_weight())
         nf4_logits = PeftModel.from_pretrained(nf4, first / "export").eval()(tokens).logits
-        merged = LlamaForCausalLM.from_pretrained(first / "export" / "merged", dtype=torch.float32).eval()(tokens).logits
+        merged = (
+            LlamaForCausalLM.from_pretrained(first / "export" / "merged", dtype=torch.float32).eval()(tokens).logits
+        )
     error, quantized = (merged - nf4_logits).abs().max().item(), (merged - full_logits).abs().max().item()
     print(f"max |merged - PeftModel on the NF4 base| = {error:.2e}; against the fp32 base {quantized:.2e}")
     assert error <= 1e-5 and quantized > 1e-3

@@ -8,8 +8,13 @@ import pytest
 from tests.conftest import losses, run_train
 
 pytestmark = pytest.mark.integration
-BASE = ["recipe=llm_tiny", "trainer.max_steps=5", "trainer.log_every=1", "trainer.progress_bar=false",
-        "checkpoint.final=false"]
+BASE = [
+    "recipe=llm_tiny",
+    "trainer.max_steps=5",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "checkpoint.final=false",
+]
 
 
 def test_activation_checkpointing_changes_memory_not_math(tmp_path):

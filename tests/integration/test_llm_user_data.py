@@ -17,7 +17,9 @@ FAST = ["recipe=llm_tiny", "trainer.log_every=1", "trainer.progress_bar=false", 
 
 
 def _prepare(module: str, *args: str) -> None:
-    subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO, check=True, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_chat_fine_tuning_lowers_the_assistant_loss(tmp_path):

@@ -24,17 +24,36 @@ VERDICTS = ("input-bound", "communication-bound", "launch/CPU-bound", "compute-b
 @pytest.fixture(scope="module")
 def dit_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("dit_profile")
-    run_train([*FAST_DIT, f"run.dir={run_dir}", "trainer.micro_batch_size=16", "trainer.eval=false",
-               "checkpoint.final=false", *PROFILE])
+    run_train(
+        [
+            *FAST_DIT,
+            f"run.dir={run_dir}",
+            "trainer.micro_batch_size=16",
+            "trainer.eval=false",
+            "checkpoint.final=false",
+            *PROFILE,
+        ]
+    )
     return run_dir
 
 
 @pytest.fixture(scope="module")
 def llm_tp2_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("llm_tp2_profile")
-    run_train(["recipe=llm_tiny", "parallel.tp=2", "trainer.micro_batch_size=4", "trainer.log_every=1",
-               "trainer.progress_bar=false", "checkpoint.final=false", "data.num_workers=1", f"run.dir={run_dir}",
-               *PROFILE], nproc=2)
+    run_train(
+        [
+            "recipe=llm_tiny",
+            "parallel.tp=2",
+            "trainer.micro_batch_size=4",
+            "trainer.log_every=1",
+            "trainer.progress_bar=false",
+            "checkpoint.final=false",
+            "data.num_workers=1",
+            f"run.dir={run_dir}",
+            *PROFILE,
+        ],
+        nproc=2,
+    )
     return run_dir
 
 
@@ -54,8 +73,9 @@ def check_report(out: str, columns: list[str]) -> str:
     lines = out.splitlines()
     header = next(line for line in lines if line.split() and line.split()[0] == "rank")
     assert header.split() == [w for c in columns for w in c.split()]
-    shares = [[float(p) for p in re.findall(r"(\d+\.\d)%", next(l for l in lines if l.startswith(f"{row} ")))]
-              for row in ROWS]
+    shares = [
+        [float(p) for p in re.findall(r"(\d+\.\d)%", next(l for l in lines if l.startswith(f"{row} ")))] for row in ROWS
+    ]
     for column in zip(*shares):  # each rank and the overall column: rows partition the step
         assert sum(column) == pytest.approx(100, abs=0.5)
     verdict = next(line for line in lines if line.startswith("verdict: "))
@@ -97,8 +117,10 @@ def test_two_rank_trace_and_report(llm_tp2_run):
         assert not any(COMM_PATTERN.match(n) for n in on_main)
     # One clock: the same collective finishes at the same moment on both ranks (the later rank's
     # wait ends when the data arrives), so matching waits end within milliseconds of each other.
-    waits = [sorted(e["ts"] + e["dur"] for e in events
-                    if e["pid"] == r and e["name"] == "_c10d_functional::wait_tensor") for r in (0, 1)]
+    waits = [
+        sorted(e["ts"] + e["dur"] for e in events if e["pid"] == r and e["name"] == "_c10d_functional::wait_tensor")
+        for r in (0, 1)
+    ]
     assert len(waits[0]) == len(waits[1]) > 0
     assert statistics.median(abs(a - b) for a, b in zip(*waits)) < 2000  # µs
 
@@ -112,11 +134,14 @@ def test_two_rank_trace_and_report(llm_tp2_run):
 
 def _fake_trace(rank: int, base_ns: int, step_ts_us: float) -> dict:
     thread = {"pid": 1000 + rank, "tid": 1000 + rank}
-    return {"baseTimeNanoseconds": base_ns, "traceEvents": [
-        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", **thread, "ts": step_ts_us, "dur": 100.0},
-        {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", **thread, "ts": step_ts_us + 10, "dur": 5.0},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", **thread, "ts": step_ts_us + 20, "dur": 50.0},
-    ]}
+    return {
+        "baseTimeNanoseconds": base_ns,
+        "traceEvents": [
+            {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", **thread, "ts": step_ts_us, "dur": 100.0},
+            {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", **thread, "ts": step_ts_us + 10, "dur": 5.0},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", **thread, "ts": step_ts_us + 20, "dur": 50.0},
+        ],
+    }
 
 
 def test_merge_aligns_ranks_on_their_base_times(tmp_path):
@@ -140,8 +165,11 @@ def test_breakdown_partitions_a_step(tmp_path):
     events = [
         x("ProfilerStep#3", 0, 100, "user_annotation"),
         x("phase/data_wait", 0, 10, "user_annotation"),
-        x("phase/forward", 10, 50, "user_annotation"), x("aten::mm", 12, 30), x("c10d::allreduce_", 30, 40),
-        x("phase/backward", 50, 90, "user_annotation"), x("aten::mm", 50, 85),
+        x("phase/forward", 10, 50, "user_annotation"),
+        x("aten::mm", 12, 30),
+        x("c10d::allreduce_", 30, 40),
+        x("phase/backward", 50, 90, "user_annotation"),
+        x("aten::mm", 50, 85),
         x("gloo:all_reduce", 86, 89, "user_annotation", gloo),  # the main thread waits on it, idle
         x("aten::item", 92, 95),  # outside every phase
     ]
@@ -149,8 +177,15 @@ def test_breakdown_partitions_a_step(tmp_path):
     path.write_text(json.dumps({"baseTimeNanoseconds": 0, "traceEvents": events}))
     b = rank_breakdown([RankTrace(path)])
     micros = {row: round(s * 1e6, 6) for row, s in b["seconds"].items()}
-    assert micros == {"data_wait": 10, "forward": 18, "backward": 35, "optimizer": 0, "communication": 13,
-                      "other": 3, "idle": 21}  # idle: 10-12, 40-50, 85-86, 89-92, 95-100
+    assert micros == {
+        "data_wait": 10,
+        "forward": 18,
+        "backward": 35,
+        "optimizer": 0,
+        "communication": 13,
+        "other": 3,
+        "idle": 21,
+    }  # idle: 10-12, 40-50, 85-86, 89-92, 95-100
     assert b["step_s"] == pytest.approx(100e-6) and b["ops_per_step"] == 4
 
 

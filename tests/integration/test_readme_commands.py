@@ -23,17 +23,23 @@ import pytest
 from omegaconf import OmegaConf
 
 from common.distributed import free_port
+from common.tools import fixtures
 from common.tools.launcher import launch_env
 from tests.conftest import REPO
-from common.tools import fixtures
 from tests.fixtures import llm, vlm
 
 pytestmark = pytest.mark.integration
 
 # Appended to a training command of each family: the run shrinks, the code path stays the same.
 TINY = {
-    "dit": ["trainer.max_steps=2", "trainer.log_every=1", "trainer.sample_every=0", "diffusion.sample_steps=2",
-            "diffusion.samples_per_class=1", "diffusion.eval_samples_per_class=1"],
+    "dit": [
+        "trainer.max_steps=2",
+        "trainer.log_every=1",
+        "trainer.sample_every=0",
+        "diffusion.sample_steps=2",
+        "diffusion.samples_per_class=1",
+        "diffusion.eval_samples_per_class=1",
+    ],
     "vlm": ["trainer.max_steps=2", "trainer.log_every=1", "vlm.eval_samples=4", "vlm.max_new_tokens=4"],
     "llm": ["trainer.max_steps=2", "trainer.log_every=1"],
 }
@@ -92,27 +98,20 @@ NOT_RUN = {
 # changes such a command makes it train here again until it is listed anew.
 TRAINED_ELSEWHERE = {
     "python scripts/train.py recipe=dit_tiny": "make demo, the README's first command, runs it",
-    "torchrun --nproc_per_node 2 scripts/train.py recipe=dit_tiny parallel.zero_stage=3":
-        "tests/distributed/test_zero_stages.py",
+    "torchrun --nproc_per_node 2 scripts/train.py recipe=dit_tiny parallel.zero_stage=3": "tests/distributed/test_zero_stages.py",
     "python scripts/train.py recipe=dit_tiny diffusion.objective=flow": "tests/integration/test_dit_latent.py (flow)",
-    "python scripts/train.py recipe=vlm_tiny model.init_from=outputs/align run.dir=outputs/ft":
-        "tests/integration/test_vlm.py (align -> finetune)",
-    "torchrun --nproc_per_node 4 scripts/train.py recipe=llm_tiny parallel.tp=2 trainer.micro_batch_size=4":
-        "tests/distributed/test_llm_layouts.py (tp2 x dp2)",
+    "python scripts/train.py recipe=vlm_tiny model.init_from=outputs/align run.dir=outputs/ft": "tests/integration/test_vlm.py (align -> finetune)",
+    "torchrun --nproc_per_node 4 scripts/train.py recipe=llm_tiny parallel.tp=2 trainer.micro_batch_size=4": "tests/distributed/test_llm_layouts.py (tp2 x dp2)",
     "torchrun --nproc_per_node 4 scripts/train.py recipe=llm_tiny parallel.tp=2 parallel.pp=2 "
     "parallel.pp_schedule=1f1b": "tests/distributed/test_llm_pipeline.py (tp2 x pp2)",
-    "python scripts/train.py recipe=llm_tiny data=text_shards data.root=data/my_text":
-        "tests/integration/test_llm_user_data.py",
-    "python scripts/train.py recipe=llm_tiny data=chat_shards data.root=data/my_chat":
-        "tests/integration/test_llm_user_data.py",
+    "python scripts/train.py recipe=llm_tiny data=text_shards data.root=data/my_text": "tests/integration/test_llm_user_data.py",
+    "python scripts/train.py recipe=llm_tiny data=chat_shards data.root=data/my_chat": "tests/integration/test_llm_user_data.py",
     "python scripts/train.py recipe=vlm_tiny finetune=lora model.init_from=outputs/align export.merge_lora=true "
     "run.dir=outputs/vlm_lora": "tests/integration/test_vlm_lora.py",
     "python scripts/train.py recipe=moe_tiny run.dir=outputs/moe": "tests/integration/test_moe_tiny.py",
     "torchrun --nproc_per_node 8 scripts/train.py recipe=vlm_7b model.init_from=~/models/llava-1.5-7b-hf "
-    "data.root=data/my_llava_instruct run.dir=outputs/llava_more":
-        "tests/integration/test_vlm_llava.py (llava-hf continued, on vlm_tiny)",
-    "python scripts/train.py recipe=dit_tiny profile.enabled=true run.dir=outputs/prof":
-        "tests/integration/test_profile_report.py",
+    "data.root=data/my_llava_instruct run.dir=outputs/llava_more": "tests/integration/test_vlm_llava.py (llava-hf continued, on vlm_tiny)",
+    "python scripts/train.py recipe=dit_tiny profile.enabled=true run.dir=outputs/prof": "tests/integration/test_profile_report.py",
 }
 
 
@@ -167,6 +166,7 @@ class Session:
             token = f"{self.home}{token[1:]}"
         if token.startswith("data/my_") or "=data/my_" in token:
             token = token.replace("data/my_", f"{self.tmp}/data/my_")
+
         def run_dir(match: re.Match) -> str:  # outputs/<recipe>/<run> -> that recipe's latest run
             assert match[1] in self.latest, f"{token}: no {match[1]} run earlier in the README"
             return str(self.latest[match[1]])
@@ -205,13 +205,15 @@ class Session:
     def command(self, argv: list[str]) -> list[str]:
         if " ".join(argv) in TRAINED_ELSEWHERE:  # a dry run of the same arguments, one process
             script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
-            args = self.dataset_args([self.path(a) for a in argv[script + 1:]])
+            args = self.dataset_args([self.path(a) for a in argv[script + 1 :]])
             return [sys.executable, argv[script], *args, "run.dry_run=true"]
         argv = [self.path(a) for a in argv]
         if argv[0] == "make":
             # The Makefile passes ARGS to the command behind the target.
-            extra = {"demo": self.train_args(["recipe=dit_tiny"])[1:], "bench": ["--quick", "--only", "overhead",
-                                                                                 "--out", str(self.tmp / "bench")]}
+            extra = {
+                "demo": self.train_args(["recipe=dit_tiny"])[1:],
+                "bench": ["--quick", "--only", "overhead", "--out", str(self.tmp / "bench")],
+            }
             # -o install: this environment is already installed (make would otherwise check it, and
             # rebuild it when pyproject.toml is newer than its stamp).
             return ["make", "-o", "install", *argv[1:], f"PY={sys.executable}", f"ARGS={shlex.join(extra[argv[1]])}"]
@@ -219,8 +221,15 @@ class Session:
             nproc = int(argv[argv.index("--nproc_per_node") + 1])
             nproc = nproc if nproc <= 4 else GPU_NODE_NPROC
             script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
-            return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    f"--master_port={free_port()}", argv[script], *self.train_args(argv[script + 1:])]
+            return [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={nproc}",
+                f"--master_port={free_port()}",
+                argv[script],
+                *self.train_args(argv[script + 1 :]),
+            ]
         assert argv[0] in ("python", "python3"), f"a README command this test does not know how to run: {argv}"
         script = argv[1]
         if script == "scripts/train.py":
@@ -254,8 +263,10 @@ def test_readme_command_runs(argv, session):
     cmd = session.command(argv)
     env = launch_env(2 if "torch.distributed.run" in cmd else 1, PYTHONPATH=str(REPO), HOME=str(session.home))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (f"README command failed ({proc.returncode}): {' '.join(argv)}\nran: {shlex.join(cmd)}\n"
-                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    assert proc.returncode == 0, (
+        f"README command failed ({proc.returncode}): {' '.join(argv)}\nran: {shlex.join(cmd)}\n"
+        f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
     assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
 
 

@@ -11,7 +11,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from common.tools.serving import http as _http, running_server
+from common.tools.serving import http as _http
+from common.tools.serving import running_server
 from tests.conftest import run_train
 from tests.fixtures.runs import LLM_SERVED
 
@@ -38,8 +39,9 @@ def llm(trained, tmp_path_factory):
 def vlm(tmp_path_factory):
     run = tmp_path_factory.mktemp("vlm")
     run_train(["recipe=vlm_tiny", "trainer.max_steps=30", "trainer.micro_batch_size=16", f"run.dir={run}", *FAST])
-    with serving(run / "export", run / "serve.log", "serve.engine=transformers",
-                 "serve.served_model_name=kiln/vlm-tiny") as (base, client):
+    with serving(
+        run / "export", run / "serve.log", "serve.engine=transformers", "serve.served_model_name=kiln/vlm-tiny"
+    ) as (base, client):
         yield base, client, "kiln/vlm-tiny"
 
 
@@ -58,8 +60,9 @@ def test_chat_streamed_and_not(llm):
     used = reply.usage.completion_tokens
     assert 0 < used <= 12 and reply.choices[0].finish_reason == ("length" if used == 12 else "stop")
 
-    chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0, stream=True)
+    )
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(pieces) >= 2  # really streamed, token by token
     assert "".join(pieces) == text  # greedy: the same answer either way
@@ -77,8 +80,9 @@ def test_sixteen_concurrent_requests_are_all_answered(llm):
     _, client, name = llm
 
     def ask(i):
-        reply = client.chat.completions.create(model=name, max_tokens=16, temperature=0,
-                                               messages=[{"role": "user", "content": f"Topic {i}: the"}])
+        reply = client.chat.completions.create(
+            model=name, max_tokens=16, temperature=0, messages=[{"role": "user", "content": f"Topic {i}: the"}]
+        )
         return reply.id, reply.choices[0].message.content, reply.usage.completion_tokens
 
     with ThreadPoolExecutor(16) as pool:
@@ -115,30 +119,45 @@ def test_vlm_answers_about_an_image(vlm):
     assert [m.id for m in client.models.list().data] == [name]
     question = {"type": "text", "text": "What digit is this?"}
     image = {"type": "image_url", "image_url": {"url": _digit_data_url(0)}}
-    with_image = client.chat.completions.create(model=name, max_tokens=8, temperature=0,
-                                                messages=[{"role": "user", "content": [image, question]}])
-    text_only = client.chat.completions.create(model=name, max_tokens=8, temperature=0,
-                                               messages=[{"role": "user", "content": [question]}])
+    with_image = client.chat.completions.create(
+        model=name, max_tokens=8, temperature=0, messages=[{"role": "user", "content": [image, question]}]
+    )
+    text_only = client.chat.completions.create(
+        model=name, max_tokens=8, temperature=0, messages=[{"role": "user", "content": [question]}]
+    )
     answer = with_image.choices[0].message.content
     assert isinstance(answer, str) and answer.strip()
     # The image reached the model: its 16 image tokens are in the prompt.
     assert with_image.usage.prompt_tokens == text_only.usage.prompt_tokens + 16
 
-    stream = client.chat.completions.create(model=name, max_tokens=8, temperature=0, stream=True,
-                                            messages=[{"role": "user", "content": [image, question]}])
+    stream = client.chat.completions.create(
+        model=name, max_tokens=8, temperature=0, stream=True, messages=[{"role": "user", "content": [image, question]}]
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
 
 
 @pytest.mark.gpu
 def test_vllm_serves_the_llm_export(trained, tmp_path):
     pytest.importorskip("vllm", reason="needs vllm (its own venv: pip install -e '.[serve-gpu]')")
-    with serving(trained(LLM_SERVED) / "export", tmp_path / "serve.log", "serve.engine=vllm",
-                 "serve.gpu_memory_utilization=0.3", startup_s=600) as (_, client):
+    with serving(
+        trained(LLM_SERVED) / "export",
+        tmp_path / "serve.log",
+        "serve.engine=vllm",
+        "serve.gpu_memory_utilization=0.3",
+        startup_s=600,
+    ) as (_, client):
         assert [m.id for m in client.models.list().data] == ["llm_tiny"]
-        reply = client.chat.completions.create(model="llm_tiny", max_tokens=8, temperature=0,
-                                               messages=[{"role": "user", "content": "The with statement"}])
+        reply = client.chat.completions.create(
+            model="llm_tiny", max_tokens=8, temperature=0, messages=[{"role": "user", "content": "The with statement"}]
+        )
         assert reply.choices[0].message.content and reply.usage.completion_tokens <= 8
         with ThreadPoolExecutor(16) as pool:
-            texts = list(pool.map(lambda i: client.completions.create(
-                model="llm_tiny", prompt=f"Topic {i}", max_tokens=8).choices[0].text, range(16)))
+            texts = list(
+                pool.map(
+                    lambda i: (
+                        client.completions.create(model="llm_tiny", prompt=f"Topic {i}", max_tokens=8).choices[0].text
+                    ),
+                    range(16),
+                )
+            )
         assert len(texts) == 16 and all(isinstance(t, str) for t in texts)

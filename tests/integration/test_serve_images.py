@@ -39,8 +39,9 @@ def export(tmp_path_factory):
 def server(export):
     log = export.parent / "serve.log"
     # A long batching window, so that the concurrent test's requests surely share batches.
-    with running_server(export, "serve.batch_wait_ms=300", "serve.max_batch_images=8", log_path=log,
-                        env={"KILN_API_KEY": KEY}) as base:
+    with running_server(
+        export, "serve.batch_wait_ms=300", "serve.max_batch_images=8", log_path=log, env={"KILN_API_KEY": KEY}
+    ) as base:
         yield base, openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120), log
 
 
@@ -68,16 +69,35 @@ def test_a_seeded_request_equals_sample_dit_with_that_seed(server, export, tmp_p
         [f.result() for f in others]
     served = np.stack([decode(item) for item in ours.data])
     folder = tmp_path / "sampled"
-    assert load_script("sample_dit").main([str(export), "backend=torch", "classes=7", "per_class=2", "seed=1234",
-                                           "steps=8", f"out={tmp_path / 'grid.png'}", f"images={folder}"]) == 0
+    assert (
+        load_script("sample_dit").main(
+            [
+                str(export),
+                "backend=torch",
+                "classes=7",
+                "per_class=2",
+                "seed=1234",
+                "steps=8",
+                f"out={tmp_path / 'grid.png'}",
+                f"images={folder}",
+            ]
+        )
+        == 0
+    )
     sampled = np.stack([np.array(Image.open(p)) for p in sorted(folder.glob("*.png"))])
     assert sampled.shape == served.shape == (2, 16, 16)
     diff = np.abs(served.astype(np.int16) - sampled.astype(np.int16)).max()
     print(f"max pixel difference, served vs sample_dit.py: {diff} / 255")
     assert diff <= MAX_PIXEL_DIFF, diff
     # Not vacuous: another seed gives other images.
-    other = np.stack([decode(i) for i in client.images.generate(prompt="7", **{**ask, "extra_body": {
-        "seed": 99, "num_inference_steps": 8}}).data])
+    other = np.stack(
+        [
+            decode(i)
+            for i in client.images.generate(
+                prompt="7", **{**ask, "extra_body": {"seed": 99, "num_inference_steps": 8}}
+            ).data
+        ]
+    )
     assert np.abs(other.astype(np.int16) - sampled.astype(np.int16)).max() > 20
 
 
@@ -85,11 +105,16 @@ def test_eight_concurrent_requests_are_answered_in_shared_batches(server):
     _, client, log = server
     before = log.read_text().count("kiln: images batch:")
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda c: client.images.generate(prompt=str(c % 10), extra_body={
-            "num_inference_steps": 4}), range(8)))
+        results = list(
+            pool.map(
+                lambda c: client.images.generate(prompt=str(c % 10), extra_body={"num_inference_steps": 4}), range(8)
+            )
+        )
     assert all(len(r.data) == 1 and decode(r.data[0]).shape == (16, 16) for r in results)
-    batches = [(int(n), int(k)) for n, k in re.findall(r"kiln: images batch: (\d+) images from (\d+) requests",
-                                                       log.read_text())][before:]
+    batches = [
+        (int(n), int(k))
+        for n, k in re.findall(r"kiln: images batch: (\d+) images from (\d+) requests", log.read_text())
+    ][before:]
     print(f"batches (images, requests): {batches}")
     assert sum(n for n, _ in batches) == 8 and max(k for _, k in batches) > 1, batches
 
@@ -102,20 +127,26 @@ def test_an_unknown_class_is_a_400_naming_valid_ones(server):
     assert "'a cat' is not a class" in message and "'0', '1', '2'" in message
 
 
-@pytest.mark.parametrize("body, status, words", [
-    (b'{"prompt": "3",', 400, "not valid JSON"),
-    (json.dumps({"prompt": "3", "size": "64x64"}).encode(), 400, "16x16 images only"),
-    (json.dumps({"prompt": "3", "response_format": "url"}).encode(), 400, "only b64_json"),
-    (json.dumps({"prompt": "3", "n": 9}).encode(), 400, "1 to 8 images"),
-    (json.dumps({"prompt": "3", "style": "vivid"}).encode(), 400, "Extra inputs are not permitted"),
-    (json.dumps({"prompt": "3", "model": "dall-e-3"}).encode(), 404, "does not exist"),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        (b'{"prompt": "3",', 400, "not valid JSON"),
+        (json.dumps({"prompt": "3", "size": "64x64"}).encode(), 400, "16x16 images only"),
+        (json.dumps({"prompt": "3", "response_format": "url"}).encode(), 400, "only b64_json"),
+        (json.dumps({"prompt": "3", "n": 9}).encode(), 400, "1 to 8 images"),
+        (json.dumps({"prompt": "3", "style": "vivid"}).encode(), 400, "Extra inputs are not permitted"),
+        (json.dumps({"prompt": "3", "model": "dall-e-3"}).encode(), 404, "does not exist"),
+    ],
+)
 def test_bad_requests_are_4xx_with_a_message_and_the_server_stays_up(server, body, status, words):
     base, _, _ = server
     import urllib.request
 
-    request = urllib.request.Request(f"{base}/v1/images/generations", data=body, headers={
-        "content-type": "application/json", "authorization": f"Bearer {KEY}"})
+    request = urllib.request.Request(
+        f"{base}/v1/images/generations",
+        data=body,
+        headers={"content-type": "application/json", "authorization": f"Bearer {KEY}"},
+    )
     try:
         urllib.request.urlopen(request, timeout=60)
         code, text = 200, ""
@@ -150,7 +181,20 @@ def test_the_tensorrt_engine_serves_what_pytorch_samples(export, tmp_path):
         served = decode(client.images.generate(prompt="5", extra_body={"seed": 3, "num_inference_steps": 8}).data[0])
     assert "engine=tensorrt" in (tmp_path / "serve.log").read_text()
     folder = tmp_path / "sampled"
-    assert load_script("sample_dit").main([str(gpu_export), "backend=torch", "classes=5", "per_class=1", "seed=3",
-                                           "steps=8", f"out={tmp_path / 'grid.png'}", f"images={folder}"]) == 0
+    assert (
+        load_script("sample_dit").main(
+            [
+                str(gpu_export),
+                "backend=torch",
+                "classes=5",
+                "per_class=1",
+                "seed=3",
+                "steps=8",
+                f"out={tmp_path / 'grid.png'}",
+                f"images={folder}",
+            ]
+        )
+        == 0
+    )
     sampled = np.array(Image.open(next(folder.glob("*.png"))))
     assert np.abs(served.astype(np.int16) - sampled.astype(np.int16)).max() <= 8  # fp16 engine vs fp32 PyTorch

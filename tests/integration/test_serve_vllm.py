@@ -17,12 +17,14 @@ import pytest
 
 from common.tools.serving import BASE_LM_CHAT_TEMPLATE, http, running_server, serve_env
 from tests.conftest import run_train
-from tests.fixtures.runs import LLM_SERVED
 from tests.fixtures.llm import write_llama_folder, write_token_dataset
+from tests.fixtures.runs import LLM_SERVED
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(serve_env() is None, reason="needs vLLM's environment: make serve-env (.venv-serve)")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(serve_env() is None, reason="needs vLLM's environment: make serve-env (.venv-serve)"),
+]
 
 FAST = ["trainer.progress_bar=false", "trainer.eval=false", "checkpoint.final=false", "trainer.max_steps=3"]
 VLLM = ["serve.engine=vllm", "serve.dtype=float32", "serve.max_model_len=128", "serve.cpu_kvcache_gib=1"]
@@ -45,8 +47,18 @@ def hf_export(tmp_path_factory):
     # configuration"): 2 heads of 32.
     folder = write_llama_folder(root / "llama", "tied", num_attention_heads=2, num_key_value_heads=2)
     data = write_token_dataset(root / "data", folder)
-    run_train(["recipe=llm_tiny", f"model.init_from={folder}", f"data.root={data}", "data.build=[]",
-               "data.num_workers=0", "data.max_seq_len=64", f"run.dir={root / 'run'}", *FAST])
+    run_train(
+        [
+            "recipe=llm_tiny",
+            f"model.init_from={folder}",
+            f"data.root={data}",
+            "data.build=[]",
+            "data.num_workers=0",
+            "data.max_seq_len=64",
+            f"run.dir={root / 'run'}",
+            *FAST,
+        ]
+    )
     return root / "run" / "export"
 
 
@@ -65,7 +77,9 @@ def hf_server(hf_export):
 def own_server(own_export, tmp_path_factory):
     # Eager (serve.enforce_eager): the hf server above runs vLLM's default torch.compile path, this one the other.
     with vllm_server(own_export, tmp_path_factory.mktemp("own") / "serve.log", KEY, "serve.enforce_eager=true") as (
-            base, client):
+        base,
+        client,
+    ):
         yield base, client, own_export
 
 
@@ -86,15 +100,24 @@ def reference(export, prompts: list[str], *, chat: bool) -> list[tuple[list[int]
     for prompt in prompts:
         if chat:
             template = None if tokenizer.chat_template else BASE_LM_CHAT_TEMPLATE
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], chat_template=template,
-                                                 add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                chat_template=template,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
             ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids  # the template has its BOS
         else:
             ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                       do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        out.append((ids[0].tolist(), generated[0, ids.shape[1]:].tolist()))
+            generated = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        out.append((ids[0].tolist(), generated[0, ids.shape[1] :].tolist()))
     return out
 
 
@@ -110,16 +133,23 @@ IDS = {"extra_body": {"return_token_ids": True}}
 
 def test_completions_equal_transformers_generate_token_for_token(server):
     _, client, export = server
-    answers = [token_ids(client.completions.create(model="llm_tiny", prompt=p, max_tokens=NEW_TOKENS, temperature=0,
-                                                   **IDS)) for p in PROMPTS]
+    answers = [
+        token_ids(client.completions.create(model="llm_tiny", prompt=p, max_tokens=NEW_TOKENS, temperature=0, **IDS))
+        for p in PROMPTS
+    ]
     assert answers == reference(export, PROMPTS, chat=False)
 
 
 def test_chat_equals_transformers_generate_with_the_chat_template(server):
     _, client, export = server
-    answers = [token_ids(client.chat.completions.create(model="llm_tiny", messages=[{"role": "user", "content": p}],
-                                                        max_tokens=NEW_TOKENS, temperature=0, **IDS))
-               for p in PROMPTS]
+    answers = [
+        token_ids(
+            client.chat.completions.create(
+                model="llm_tiny", messages=[{"role": "user", "content": p}], max_tokens=NEW_TOKENS, temperature=0, **IDS
+            )
+        )
+        for p in PROMPTS
+    ]
     assert answers == reference(export, PROMPTS, chat=True)
 
 
@@ -127,8 +157,11 @@ def test_streaming_gives_the_same_text(hf_server):
     _, client, _ = hf_server
     messages = [{"role": "user", "content": PROMPTS[0]}]
     whole = client.chat.completions.create(model="llm_tiny", messages=messages, max_tokens=NEW_TOKENS, temperature=0)
-    chunks = list(client.chat.completions.create(model="llm_tiny", messages=messages, max_tokens=NEW_TOKENS,
-                                                 temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="llm_tiny", messages=messages, max_tokens=NEW_TOKENS, temperature=0, stream=True
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len(chunks) > 2 and streamed == whole.choices[0].message.content
 
@@ -137,8 +170,11 @@ def test_sixteen_concurrent_requests_are_all_answered(hf_server):
     _, client, _ = hf_server
 
     def ask(i: int) -> str:
-        return client.completions.create(model="llm_tiny", prompt=f"{PROMPTS[i % 3]} {i}", max_tokens=8,
-                                         temperature=0).choices[0].text
+        return (
+            client.completions.create(model="llm_tiny", prompt=f"{PROMPTS[i % 3]} {i}", max_tokens=8, temperature=0)
+            .choices[0]
+            .text
+        )
 
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(ask, range(16)))

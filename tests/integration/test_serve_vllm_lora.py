@@ -12,8 +12,10 @@ from tests.fixtures.llm import write_llama_folder
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
 peft = pytest.importorskip("peft")
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(serve_env() is None, reason="needs vLLM's environment: make serve-env (.venv-serve)")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(serve_env() is None, reason="needs vLLM's environment: make serve-env (.venv-serve)"),
+]
 
 PROMPTS = ["The with statement", "A class definition"]
 NEW_TOKENS = 10
@@ -27,8 +29,10 @@ def write_adapter(base, out, seed: int, targets: list[str]):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(base),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False))
+    model = get_peft_model(
+        LlamaForCausalLM.from_pretrained(base),
+        LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False),
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -42,17 +46,27 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     # vLLM's CPU attention takes head sizes of 32 and up: 2 heads of 32.
     base = write_llama_folder(root / "base", "tied", num_attention_heads=2, num_key_value_heads=2)
-    return base, {"attn": write_adapter(base, root / "attn", 1, ["q_proj", "k_proj", "v_proj", "o_proj"]),
-                  "mlp": write_adapter(base, root / "mlp", 2, ["gate_proj", "up_proj", "down_proj"])}
+    return base, {
+        "attn": write_adapter(base, root / "attn", 1, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+        "mlp": write_adapter(base, root / "mlp", 2, ["gate_proj", "up_proj", "down_proj"]),
+    }
 
 
 @pytest.fixture(scope="module")
 def client(folders):
     base, adapters = folders
     lora = ",".join(f"{name}:{folder}" for name, folder in adapters.items())
-    with running_server(base, "serve.engine=vllm", "serve.dtype=float32", "serve.max_model_len=128",
-                        "serve.cpu_kvcache_gib=1", "serve.served_model_name=base", f"serve.lora={{{lora}}}",
-                        log_path=base.parent / "serve.log", startup_s=420) as url:
+    with running_server(
+        base,
+        "serve.engine=vllm",
+        "serve.dtype=float32",
+        "serve.max_model_len=128",
+        "serve.cpu_kvcache_gib=1",
+        "serve.served_model_name=base",
+        f"serve.lora={{{lora}}}",
+        log_path=base.parent / "serve.log",
+        startup_s=420,
+    ) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
@@ -71,15 +85,26 @@ def reference(base, adapter=None) -> list[list[int]]:
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                       do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        out.append(generated[0, ids.shape[1]:].tolist())
+            generated = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        out.append(generated[0, ids.shape[1] :].tolist())
     return out
 
 
 def served(client, model: str) -> list[list[int]]:
-    return [list(client.completions.create(model=model, prompt=p, max_tokens=NEW_TOKENS, temperature=0, **IDS)
-                 .choices[0].model_extra["token_ids"]) for p in PROMPTS]
+    return [
+        list(
+            client.completions.create(model=model, prompt=p, max_tokens=NEW_TOKENS, temperature=0, **IDS)
+            .choices[0]
+            .model_extra["token_ids"]
+        )
+        for p in PROMPTS
+    ]
 
 
 def test_each_adapter_answers_like_peft_and_the_base_like_the_base(client, folders):

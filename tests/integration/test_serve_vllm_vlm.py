@@ -20,12 +20,19 @@ from common.tools.serving import http, running_server, serve_env
 from tests.conftest import run_train
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(serve_env() is None, reason="needs vLLM's environment: make serve-env (.venv-serve)")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(serve_env() is None, reason="needs vLLM's environment: make serve-env (.venv-serve)"),
+]
 
 # Eager: test_serve_vllm's hf server covers vLLM's torch.compile start.
-VLLM = ["serve.engine=vllm", "serve.dtype=float32", "serve.max_model_len=128", "serve.cpu_kvcache_gib=1",
-        "serve.enforce_eager=true"]
+VLLM = [
+    "serve.engine=vllm",
+    "serve.dtype=float32",
+    "serve.max_model_len=128",
+    "serve.cpu_kvcache_gib=1",
+    "serve.enforce_eager=true",
+]
 QUESTION = "What digit is this?"
 NEW_TOKENS = 8
 
@@ -37,16 +44,37 @@ def export(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("llava")
     raw = fx.write_llava_data(root / "raw", n_pretrain=8, n_instruct=32, n_images=16)
-    prepare_llava.build_llava(root / "data", json_path=raw / "llava_instruct.json", images=raw / "images",
-                              train_shards=1, val_shards=1, val_fraction=0.1)
+    prepare_llava.build_llava(
+        root / "data",
+        json_path=raw / "llava_instruct.json",
+        images=raw / "images",
+        train_shards=1,
+        val_shards=1,
+        val_fraction=0.1,
+    )
     clip = fx.write_clip(root / "clip")
     # vLLM's CPU attention kernels take head sizes of 32 and up: the LLM gets 2 heads of 32 (the fixture's 4 of 16).
     # The CLIP tower's 16 are fine (vLLM runs it with torch's SDPA).
     llama = fx.write_llama(root / "llama", chat_template=True, num_attention_heads=2)
-    run_train(["recipe=vlm_tiny", "data=llava", f"data.root={root / 'data'}", "data.num_workers=0",
-               "data.max_seq_len=256", f"vlm.vision_from={clip}", f"vlm.language_from={llama}",
-               "trainer.micro_batch_size=8", "trainer.max_steps=3", "trainer.progress_bar=false", "trainer.eval=false",
-               "checkpoint.final=false", "optim.warmup_steps=1", "optim.lr=1e-2", f"run.dir={root / 'run'}"])
+    run_train(
+        [
+            "recipe=vlm_tiny",
+            "data=llava",
+            f"data.root={root / 'data'}",
+            "data.num_workers=0",
+            "data.max_seq_len=256",
+            f"vlm.vision_from={clip}",
+            f"vlm.language_from={llama}",
+            "trainer.micro_batch_size=8",
+            "trainer.max_steps=3",
+            "trainer.progress_bar=false",
+            "trainer.eval=false",
+            "checkpoint.final=false",
+            "optim.warmup_steps=1",
+            "optim.lr=1e-2",
+            f"run.dir={root / 'run'}",
+        ]
+    )
     return root / "run" / "export"
 
 
@@ -77,9 +105,17 @@ def png(image) -> bytes:
 
 def ask(client, url: str, question: str = QUESTION, **kw):
     return client.chat.completions.create(
-        model="vlm_tiny", max_tokens=NEW_TOKENS, temperature=0, **kw,
-        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                               {"type": "text", "text": question}]}])
+        model="vlm_tiny",
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        **kw,
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}],
+            }
+        ],
+    )
 
 
 def reference(export, images) -> list[tuple[list[int], list[int], list[float]]]:
@@ -91,15 +127,22 @@ def reference(export, images) -> list[tuple[list[int], list[int], list[float]]]:
 
     processor = AutoProcessor.from_pretrained(export)
     model = LlavaForConditionalGeneration.from_pretrained(export, dtype=torch.float32).eval()
-    prompt = processor.apply_chat_template([{"role": "user", "content": f"<image>\n{QUESTION}"}],
-                                           add_generation_prompt=True, tokenize=False)
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": f"<image>\n{QUESTION}"}], add_generation_prompt=True, tokenize=False
+    )
     out = []
     for image in images:
         inputs = processor(text=prompt, images=[image], return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():
-            g = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True, pad_token_id=processor.tokenizer.eos_token_id)
-        ids = g.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+            g = model.generate(
+                **inputs,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=processor.tokenizer.eos_token_id,
+            )
+        ids = g.sequences[0, inputs["input_ids"].shape[1] :].tolist()
         logprobs = [torch.log_softmax(step[0].double(), -1)[t].item() for step, t in zip(g.logits, ids)]
         out.append((inputs["input_ids"][0].tolist(), ids, logprobs))
     return out
@@ -113,7 +156,9 @@ def test_image_answers_equal_transformers_generate(server):
         r = ask(client, data_url(png(image)), logprobs=True, extra_body={"return_token_ids": True})
         choice = r.choices[0]
         prompt = (r.model_extra or {}).get("prompt_token_ids") or choice.model_extra["prompt_token_ids"]
-        answers.append((list(prompt), list(choice.model_extra["token_ids"]), [t.logprob for t in choice.logprobs.content]))
+        answers.append(
+            (list(prompt), list(choice.model_extra["token_ids"]), [t.logprob for t in choice.logprobs.content])
+        )
     expected = reference(export, images)
     for (prompt, ids, logprobs), (ref_prompt, ref_ids, ref_logprobs) in zip(answers, expected):
         assert (prompt, ids) == (ref_prompt, ref_ids)  # the image's 16 tokens included

@@ -19,9 +19,18 @@ from tests.conftest import REPO, losses, run_train
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
 STEPS = 30
-ARGS = ["recipe=dit_tiny", f"trainer.max_steps={STEPS}", "checkpoint.every=5", "parallel.zero_stage=2",
-        "trainer.log_every=1", "trainer.progress_bar=false", "trainer.eval=false", "trainer.sample_every=0",
-        "diffusion.sample_steps=2", "diffusion.samples_per_class=1"]
+ARGS = [
+    "recipe=dit_tiny",
+    f"trainer.max_steps={STEPS}",
+    "checkpoint.every=5",
+    "parallel.zero_stage=2",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "trainer.eval=false",
+    "trainer.sample_every=0",
+    "diffusion.sample_steps=2",
+    "diffusion.samples_per_class=1",
+]
 
 
 def _sh(*cmd: str, env=None, check=True) -> subprocess.CompletedProcess:
@@ -55,7 +64,9 @@ def reference(tmp_path_factory):
 
 
 def submit(env, run_dir: Path, log: Path) -> str:
-    out = _sh("sbatch", "--parsable", f"--output={log}", "scripts/slurm/train.sbatch", *ARGS, f"run.dir={run_dir}", env=env)
+    out = _sh(
+        "sbatch", "--parsable", f"--output={log}", "scripts/slurm/train.sbatch", *ARGS, f"run.dir={run_dir}", env=env
+    )
     return out.stdout.strip().split(";")[0]
 
 
@@ -79,11 +90,13 @@ def logged_steps(run_dir: Path) -> int:
 
 def wait_done(env, job: str, log: Path, timeout: float = 400) -> None:
     """Until the job ends; a requeued job's 2-minute BeginTime delay is lifted as soon as it is pending."""
+
     def done() -> bool:
         state = job_state(env, job)
         if state == "PENDING":
             _sh("scontrol", "update", f"JobId={job}", "StartTime=now", env=env, check=False)
         return state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
     wait_for(done, timeout, f"job {job}")
     assert job_state(env, job) == "COMPLETED", f"job {job} ended {job_state(env, job)}:\n{log.read_text()[-3000:]}"
 

@@ -42,7 +42,9 @@ def test_packing_changes_speed_not_math(tmp_path):
 def align_then_finetune(tmp_path_factory):
     align, finetune = tmp_path_factory.mktemp("align"), tmp_path_factory.mktemp("finetune")
     run_train([*FAST_VLM, f"run.dir={align}", "vlm.stage=align", "trainer.max_steps=15", "trainer.eval=false"])
-    run_train([*FAST_VLM, f"run.dir={finetune}", "vlm.stage=finetune", f"model.init_from={align}", "trainer.max_steps=15"])
+    run_train(
+        [*FAST_VLM, f"run.dir={finetune}", "vlm.stage=finetune", f"model.init_from={align}", "trainer.max_steps=15"]
+    )
     return align, finetune
 
 
@@ -87,7 +89,9 @@ def test_eval_and_export_load_offline_with_the_trained_logits(align_then_finetun
 
     from recipes.vlm.data import prompt_messages
 
-    prompt = processor.apply_chat_template(prompt_messages("What digit is this?"), add_generation_prompt=True, tokenize=False)
+    prompt = processor.apply_chat_template(
+        prompt_messages("What digit is this?"), add_generation_prompt=True, tokenize=False
+    )
     image = Image.new("RGB", (8, 8), color=(255, 255, 255))
     inputs = processor(text=[prompt], images=[image], return_tensors="pt")
     with torch.no_grad():

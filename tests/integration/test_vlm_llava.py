@@ -23,19 +23,40 @@ def world(tmp_path_factory):
     """Parts folders and the two LLaVA datasets (pretrain: captions; instruct: multi-turn + text-only)."""
     root = tmp_path_factory.mktemp("llava_world")
     raw = fx.write_llava_data(root / "raw", n_pretrain=64, n_instruct=64)
-    out = {"clip": fx.write_clip(root / "clip"), "llama": fx.write_llama(root / "llama", chat_template=True),
-           "llava_hf": fx.write_llava_hf(root / "llava_hf")}
+    out = {
+        "clip": fx.write_clip(root / "clip"),
+        "llama": fx.write_llama(root / "llama", chat_template=True),
+        "llava_hf": fx.write_llava_hf(root / "llava_hf"),
+    }
     for name in ("llava_pretrain", "llava_instruct"):
         out[name] = root / name
-        prepare_llava.build_llava(out[name], json_path=raw / f"{name}.json", images=raw / "images", train_shards=2, val_shards=1,
-                                  val_fraction=0.05)
+        prepare_llava.build_llava(
+            out[name],
+            json_path=raw / f"{name}.json",
+            images=raw / "images",
+            train_shards=2,
+            val_shards=1,
+            val_fraction=0.05,
+        )
     return out
 
 
 def fast(world, data: str, run_dir, *extra: str) -> list[str]:
-    return ["recipe=vlm_tiny", "data=llava", f"data.root={world[data]}", "data.num_workers=1", "data.max_seq_len=256",
-            "trainer.micro_batch_size=8", "trainer.log_every=1", "trainer.progress_bar=false", "vlm.eval_samples=4",
-            "vlm.max_new_tokens=4", "optim.warmup_steps=1", f"run.dir={run_dir}", *extra]
+    return [
+        "recipe=vlm_tiny",
+        "data=llava",
+        f"data.root={world[data]}",
+        "data.num_workers=1",
+        "data.max_seq_len=256",
+        "trainer.micro_batch_size=8",
+        "trainer.log_every=1",
+        "trainer.progress_bar=false",
+        "vlm.eval_samples=4",
+        "vlm.max_new_tokens=4",
+        "optim.warmup_steps=1",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def exported(run_dir) -> dict[str, torch.Tensor]:
@@ -47,8 +68,18 @@ def exported(run_dir) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def align_then_finetune(world, tmp_path_factory):
     align, finetune = tmp_path_factory.mktemp("align"), tmp_path_factory.mktemp("finetune")
-    run_train(fast(world, "llava_pretrain", align, "vlm.stage=align", f"vlm.vision_from={world['clip']}",
-                   f"vlm.language_from={world['llama']}", "trainer.max_steps=4", "optim.lr=1e-2"))
+    run_train(
+        fast(
+            world,
+            "llava_pretrain",
+            align,
+            "vlm.stage=align",
+            f"vlm.vision_from={world['clip']}",
+            f"vlm.language_from={world['llama']}",
+            "trainer.max_steps=4",
+            "optim.lr=1e-2",
+        )
+    )
     run_train(fast(world, "llava_instruct", finetune, f"model.init_from={align}", "trainer.max_steps=3"))
     return align, finetune
 
@@ -62,9 +93,12 @@ def test_align_leaves_tower_and_llm_bit_for_bit(world, align_then_finetune):
         assert torch.equal(out[f"vision_tower.vision_model.{k}"], w), k
     for k, w in lm.items():
         assert torch.equal(out[f"language_model.{k}"][:image_id], w), k
-    assert torch.equal(out["language_model.model.embed_tokens.weight"][image_id], lm["model.embed_tokens.weight"].mean(0))
+    assert torch.equal(
+        out["language_model.model.embed_tokens.weight"][image_id], lm["model.embed_tokens.weight"].mean(0)
+    )
     assert set(out) == {f"vision_tower.vision_model.{k}" for k in tower} | {f"language_model.{k}" for k in lm} | {
-        f"multi_modal_projector.linear_{i}.{p}" for i in (1, 2) for p in ("weight", "bias")}
+        f"multi_modal_projector.linear_{i}.{p}" for i in (1, 2) for p in ("weight", "bias")
+    }
     assert losses(align)[4] < losses(align)[1]  # the projector alone learns
     config = json.loads((align / "export" / "config.json").read_text())
     assert config["image_token_index"] == image_id and config["vision_feature_layer"] == -2
@@ -87,13 +121,20 @@ def test_export_loads_offline_for_serving(align_then_finetune, monkeypatch):
     _, finetune = align_then_finetune
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     export = finetune / "export"
-    for name in ("config.json", "model.safetensors", "processor_config.json", "preprocessor_config.json",
-                 "tokenizer.json", "chat_template.jinja"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "processor_config.json",
+        "preprocessor_config.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+    ):
         assert (export / name).exists(), name
     processor, model = AutoProcessor.from_pretrained(export), LlavaForConditionalGeneration.from_pretrained(export)
     assert processor.image_token_id == model.config.image_token_id and processor.chat_template
-    prompt = processor.apply_chat_template([{"role": "user", "content": "<image>\nWhat digit is this?"}],
-                                           add_generation_prompt=True, tokenize=False)
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": "<image>\nWhat digit is this?"}], add_generation_prompt=True, tokenize=False
+    )
     from PIL import Image
 
     inputs = processor(text=prompt, images=[Image.new("RGB", (8, 8))], return_tensors="pt", add_special_tokens=False)
@@ -102,7 +143,13 @@ def test_export_loads_offline_for_serving(align_then_finetune, monkeypatch):
 
 def test_llava_hf_continues_and_packing_changes_speed_not_math(world, tmp_path):
     on, off = tmp_path / "on", tmp_path / "off"
-    common = ["trainer.max_steps=5", "trainer.eval=false", "checkpoint.final=false", "optim.lr=2e-3", f"model.init_from={world['llava_hf']}"]
+    common = [
+        "trainer.max_steps=5",
+        "trainer.eval=false",
+        "checkpoint.final=false",
+        "optim.lr=2e-3",
+        f"model.init_from={world['llava_hf']}",
+    ]
     run_train(fast(world, "llava_instruct", on, *common, "data.packing=true"))
     run_train(fast(world, "llava_instruct", off, *common, "data.packing=false"))
     packed, padded = losses(on), losses(off)

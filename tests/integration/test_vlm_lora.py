@@ -16,9 +16,17 @@ from omegaconf import OmegaConf
 
 from common.tools.launcher import spawn_ranks
 from tests.conftest import load_script, run_train
-from tests.fixtures.lora import (checkpoint_bytes, export_matches_end_of_run, fit_and_export, resumed_bitwise, tensors,
-                                 vlm_overrides as overrides)
 from tests.fixtures import vlm as fx
+from tests.fixtures.lora import (
+    checkpoint_bytes,
+    export_matches_end_of_run,
+    fit_and_export,
+    resumed_bitwise,
+    tensors,
+)
+from tests.fixtures.lora import (
+    vlm_overrides as overrides,
+)
 
 pytestmark = pytest.mark.integration
 HF_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -36,10 +44,18 @@ def probe(folder: Path) -> dict[str, torch.Tensor]:
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(folder)
-    image = Image.fromarray((torch.rand(fx.IMAGE_SIZE, fx.IMAGE_SIZE, 3, generator=torch.Generator().manual_seed(0))
-                             * 255).to(torch.uint8).numpy())
-    return dict(processor(text="USER: <image>\nWhat digit is this? ASSISTANT: A handwritten seven.", images=[image],
-                          return_tensors="pt"))
+    image = Image.fromarray(
+        (torch.rand(fx.IMAGE_SIZE, fx.IMAGE_SIZE, 3, generator=torch.Generator().manual_seed(0)) * 255)
+        .to(torch.uint8)
+        .numpy()
+    )
+    return dict(
+        processor(
+            text="USER: <image>\nWhat digit is this? ASSISTANT: A handwritten seven.",
+            images=[image],
+            return_tensors="pt",
+        )
+    )
 
 
 def _train_and_export(world: dict, run_dir: str, out: str) -> dict:
@@ -50,17 +66,25 @@ def _train_and_export(world: dict, run_dir: str, out: str) -> dict:
     from common.lora import base_key, is_adapter_key
     from recipes.vlm.train import VLMTrainer
 
-    argv = overrides({k: Path(v) for k, v in world.items()}, Path(run_dir), "trainer.max_steps=4", "export.merge_lora=true")
+    argv = overrides(
+        {k: Path(v) for k, v in world.items()}, Path(run_dir), "trainer.max_steps=4", "export.merge_lora=true"
+    )
     trainer, optimized = fit_and_export(VLMTrainer, argv, Path(run_dir))
     model = trainer.model.eval()
     source = LlavaForConditionalGeneration.from_pretrained(world["base"], dtype=torch.float32).state_dict()
-    frozen = {base_key(k): v for k, v in model.state_dict().items()
-              if not is_adapter_key(k) and "multi_modal_projector" not in k}
+    frozen = {
+        base_key(k): v
+        for k, v in model.state_dict().items()
+        if not is_adapter_key(k) and "multi_modal_projector" not in k
+    }
     with torch.no_grad():
         logits = model(**probe(Path(world["base"]))).logits
     torch.save(logits, out)
-    return {"optimized": optimized, "frozen_keys_match": frozen.keys() == {k for k in source if "multi_modal" not in k},
-            "frozen_unchanged": all(torch.equal(v, source[k]) for k, v in frozen.items())}
+    return {
+        "optimized": optimized,
+        "frozen_keys_match": frozen.keys() == {k for k in source if "multi_modal" not in k},
+        "frozen_unchanged": all(torch.equal(v, source[k]) for k, v in frozen.items()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +93,9 @@ def lora_run(world, tmp_path_factory) -> dict:
     process (`_train_and_export`): its run dir, what the trainer reported, the path of its logits."""
     root = tmp_path_factory.mktemp("vlm_lora_run")
     run_dir, saved = root / "run", root / "kiln_logits.pt"
-    result = spawn_ranks(_train_and_export, ({k: str(v) for k, v in world.items()}, str(run_dir), str(saved)), 1,
-                         root, threads=2)[0]
+    result = spawn_ranks(
+        _train_and_export, ({k: str(v) for k, v in world.items()}, str(run_dir), str(saved)), 1, root, threads=2
+    )[0]
     return {"run_dir": run_dir, "saved": saved, "base": world["base"], **result}
 
 
@@ -87,7 +112,9 @@ def test_adapter_and_projector_train_alone_and_export_for_peft(world, lora_run):
 
     export = run_dir / "export"
     config = json.loads((export / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == str(world["base"]) and config["modules_to_save"] == ["multi_modal_projector"]
+    assert config["base_model_name_or_path"] == str(world["base"]) and config["modules_to_save"] == [
+        "multi_modal_projector"
+    ]
     assert (export / "tokenizer.json").exists() and (export / "processor_config.json").exists()
     assert len(tensors(export)) == ADAPTED + 4
 
@@ -131,8 +158,10 @@ def test_export_py_rebuilds_the_export_from_the_last_checkpoint(lora_run, tmp_pa
     cfg = OmegaConf.load(run_dir / "config.yaml")
     cfg.model.init_from = str(base)
     OmegaConf.save(cfg, moved / "config.yaml")
-    for changed in ({k: v + 1e-3 * torch.randn_like(v) if v.is_floating_point() else v for k, v in original.items()},
-                    original | {"extra": torch.zeros(1)}):
+    for changed in (
+        {k: v + 1e-3 * torch.randn_like(v) if v.is_floating_point() else v for k, v in original.items()},
+        original | {"extra": torch.zeros(1)},
+    ):
         save_file(changed, weights, metadata={"format": "pt"})
         assert load_script("export").main([str(moved), "--merge-lora", "--out", str(tmp_path / "never")]) == 2
         err = capsys.readouterr().err
@@ -150,6 +179,8 @@ def test_checkpoints_hold_what_trains_and_resume_bitwise(world, tmp_path):
     lora_bytes = checkpoint_bytes(ckpt)
     run_train(overrides(world, full, "finetune=full", "trainer.max_steps=1"))
     full_bytes = checkpoint_bytes(full / "checkpoints" / "step_0000001")
-    print(f"checkpoint bytes: LoRA {lora_bytes:,} (adapter + projector {trained:,}), full fine-tune {full_bytes:,} "
-          f"({lora_bytes / full_bytes:.3f}x)")
+    print(
+        f"checkpoint bytes: LoRA {lora_bytes:,} (adapter + projector {trained:,}), full fine-tune {full_bytes:,} "
+        f"({lora_bytes / full_bytes:.3f}x)"
+    )
     assert 3 * trained <= lora_bytes <= 3 * trained + 200_000 and lora_bytes < 0.5 * full_bytes

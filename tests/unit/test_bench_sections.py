@@ -47,9 +47,11 @@ def test_pipeline_section_from_its_stage_processes(tmp_path):
 
 def test_loading_targets_are_per_two_rank_layout():
     gib = 2**30
-    rows = {"transformers from_pretrained, 1 process": [{"peak": gib, "seconds": 1.0}],
-            "kiln, tp=2": [{"peak": gib // 2, "seconds": 1.0}, {"peak": gib // 2, "seconds": 1.0}],
-            "kiln, pp=2": [{"peak": gib // 2, "seconds": 1.0}, {"peak": gib, "seconds": 1.0}]}
+    rows = {
+        "transformers from_pretrained, 1 process": [{"peak": gib, "seconds": 1.0}],
+        "kiln, tp=2": [{"peak": gib // 2, "seconds": 1.0}, {"peak": gib // 2, "seconds": 1.0}],
+        "kiln, pp=2": [{"peak": gib // 2, "seconds": 1.0}, {"peak": gib, "seconds": 1.0}],
+    }
     s = loading.section(rows, checkpoint_bytes=gib, n_params=gib // 4)
     check(s, "loading")
     assert [(t.what.split(":")[0], t.met) for t in s.targets] == [("kiln, tp=2", True), ("kiln, pp=2", False)]
@@ -69,8 +71,10 @@ def test_export_target_is_kilns_peak_over_zero_to_fp32s():
     from scripts.benchmarks import export
 
     mib = 2**20
-    rows = {"kiln": {"peak": 10 * mib, "seconds": 1.0, "written": 20 * mib},
-            "zero_to_fp32": {"peak": 60 * mib, "seconds": 1.0, "written": 20 * mib}}
+    rows = {
+        "kiln": {"peak": 10 * mib, "seconds": 1.0, "written": 20 * mib},
+        "zero_to_fp32": {"peak": 60 * mib, "seconds": 1.0, "written": 20 * mib},
+    }
     s = export.section(rows, checkpoint_bytes=80 * mib)
     check(s, "export")
     assert [t.met for t in s.targets] == [True] and s.data["peak_ratio_kiln_over_zero_to_fp32"] == 10 / 60
@@ -102,8 +106,9 @@ def test_bare_step_is_token_mean_cross_entropy_per_document():
     from recipes.llm.model import LlamaArgs, Transformer
     from scripts.benchmarks.overhead import bare_step
 
-    model = Transformer(LlamaArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=64,
-                                  max_seq_len=32))
+    model = Transformer(
+        LlamaArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=64, max_seq_len=32)
+    )
     model.init_weights(seed=0)
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 64, (n,), generator=gen) for n in (9, 14, 20, 5)]

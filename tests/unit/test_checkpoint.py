@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from common.checkpoint import MANIFEST, CheckpointManager, verify
-from common.errors import ConfigError
 from common.distributed import DistInfo
+from common.errors import ConfigError
 
 SOLO = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from common.config import OptimConfig, TogglesConfig
-from common.errors import ConfigError
 from common.ema import EMA
+from common.errors import ConfigError
 from common.metrics import plot_loss_curve, rewind_jsonl
 from common.optim import lr_factor
 from common.toggles import check_toggles
@@ -53,16 +53,25 @@ def test_metrics_rewind_and_plot(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only expectations")
-@pytest.mark.parametrize("toggles", [TogglesConfig(attention="flash"), TogglesConfig(precision="fp8"), TogglesConfig(precision="fp16")])
+@pytest.mark.parametrize(
+    "toggles", [TogglesConfig(attention="flash"), TogglesConfig(precision="fp8"), TogglesConfig(precision="fp16")]
+)
 def test_gpu_only_toggles_fail_clearly_on_cpu(toggles):
     with pytest.raises(ConfigError, match="toggles"):
         check_toggles(toggles)
     check_toggles(TogglesConfig(precision="bf16"))  # bf16 is fine on CPU
 
 
-@pytest.mark.parametrize("switch, backend, on", [
-    (None, "nccl", True), (None, "gloo", False), ("1", "gloo", True), ("0", "nccl", False), ("1", "nccl", True),
-])
+@pytest.mark.parametrize(
+    "switch, backend, on",
+    [
+        (None, "nccl", True),
+        (None, "gloo", False),
+        ("1", "gloo", True),
+        ("0", "nccl", False),
+        ("1", "nccl", True),
+    ],
+)
 def test_watchdog_is_on_under_nccl_and_switchable(monkeypatch, switch, backend, on):
     from common.distributed import watchdog_enabled
 
@@ -80,8 +89,14 @@ def test_bad_watchdog_switch_is_one_line(tmp_path):
 
     from tests.conftest import REPO, TRAIN
 
-    proc = subprocess.run([sys.executable, TRAIN, "recipe=dit_tiny", f"run.dir={tmp_path}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "KILN_WATCHDOG": "yes"})
+    proc = subprocess.run(
+        [sys.executable, TRAIN, "recipe=dit_tiny", f"run.dir={tmp_path}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KILN_WATCHDOG": "yes"},
+    )
     assert proc.returncode == 2 and not (tmp_path / "config.yaml").exists()
     assert proc.stderr == "kiln: error: KILN_WATCHDOG='yes': use 1 (on) or 0 (off); unset: on under NCCL only\n"
 

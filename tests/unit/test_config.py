@@ -16,8 +16,12 @@ from tests.conftest import REPO, TRAIN
 RECIPES = sorted(p.stem for p in (REPO / "configs" / "recipe").glob("*.yaml"))
 # A group option whose schema is a family's (configs/<group>/<option>.yaml's first default) composes with
 # that family's tiny recipe; the others with every family's.
-SCHEMA_RECIPES = {"dit_schema": ["dit_tiny"], "vlm_schema": ["vlm_tiny"], "llm_schema": ["llm_tiny"],
-                  "zero_schema": ["dit_tiny", "vlm_tiny"]}
+SCHEMA_RECIPES = {
+    "dit_schema": ["dit_tiny"],
+    "vlm_schema": ["vlm_tiny"],
+    "llm_schema": ["llm_tiny"],
+    "zero_schema": ["dit_tiny", "vlm_tiny"],
+}
 
 
 def _schema(option: Path) -> str | None:
@@ -54,8 +58,10 @@ def test_each_family_has_only_its_own_parallel_and_data_keys():
     """The root schema is not the union of the families': ZeRO is the DeepSpeed recipes', tp/pp/ep the LLM's,
     image sizes and latents the DiT's, packing the VLM's (the LLM always packs), eval_docs the LLM's."""
     keys = {r: compose([f"recipe={r}"]) for r in ("dit_tiny", "vlm_tiny", "llm_tiny")}
-    fields = {r: ({f.name for f in dataclasses.fields(c.parallel)}, {f.name for f in dataclasses.fields(c.data)})
-              for r, c in keys.items()}
+    fields = {
+        r: ({f.name for f in dataclasses.fields(c.parallel)}, {f.name for f in dataclasses.fields(c.data)})
+        for r, c in keys.items()
+    }
     assert fields["dit_tiny"][0] == fields["vlm_tiny"][0] == {"dp", "timeout_s", "zero_stage"}
     assert fields["llm_tiny"][0] == {"dp", "timeout_s", "tp", "pp", "ep", "pp_schedule", "pp_microbatches"}
     common = {"name", "root", "build", "build_hint", "num_workers", "shuffle_buffer", "max_corrupt_shards"}
@@ -75,7 +81,13 @@ def test_dataset_builder_argv_follows_the_model():
     """data.build is the builder's argv; the VLM's processor sizes come from the model config."""
     assert compose(["recipe=dit_tiny"]).data.build == ["data.prepare_digits"]
     assert compose(["recipe=llm_tiny"]).data.build == ["data.prepare_text"]
-    assert compose(["recipe=vlm_tiny"]).data.build == ["data.prepare_vlm_digits", "--image-size", "16", "--patch-size", "4"]
+    assert compose(["recipe=vlm_tiny"]).data.build == [
+        "data.prepare_vlm_digits",
+        "--image-size",
+        "16",
+        "--patch-size",
+        "4",
+    ]
     cfg = compose(["recipe=vlm_tiny", "model.image_size=32", "model.patch_size=8"])
     assert cfg.data.build == ["data.prepare_vlm_digits", "--image-size", "32", "--patch-size", "8"]
     assert compose(["recipe=vlm_7b", "data=vlm_digits"]).data.build[2:] == ["336", "--patch-size", "14"]
@@ -110,16 +122,19 @@ def test_bad_values_raise_config_error(override, needle):
         compose(["recipe=dit_tiny", override])
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("parallel.pp=8", "needs 8 pipeline stages but model.n_layers=4"),
-    ("parallel.tp=4", "parallel.tp=4 must divide model.n_kv_heads=2"),
-    ("parallel.zero_stage=2", "unknown config key 'parallel.zero_stage'"),  # the LLM's schema has no ZeRO
-    ("parallel=zero2", "FSDP2"),
-    ("data=digits", "data=digits is not a dataset of the LLM recipe"),
-    ("data.max_seq_len=512", "exceeds model.max_seq_len=256"),
-    ("toggles.precision=fp16", "toggles.precision=fp16 is not offered by the LLM recipe"),
-    ("toggles.precision=fp8 parallel.tp=2", "the LLM recipe converts to fp8 without tensor parallelism"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("parallel.pp=8", "needs 8 pipeline stages but model.n_layers=4"),
+        ("parallel.tp=4", "parallel.tp=4 must divide model.n_kv_heads=2"),
+        ("parallel.zero_stage=2", "unknown config key 'parallel.zero_stage'"),  # the LLM's schema has no ZeRO
+        ("parallel=zero2", "FSDP2"),
+        ("data=digits", "data=digits is not a dataset of the LLM recipe"),
+        ("data.max_seq_len=512", "exceeds model.max_seq_len=256"),
+        ("toggles.precision=fp16", "toggles.precision=fp16 is not offered by the LLM recipe"),
+        ("toggles.precision=fp8 parallel.tp=2", "the LLM recipe converts to fp8 without tensor parallelism"),
+    ],
+)
 def test_llm_layout_mistakes(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
         compose(["recipe=llm_tiny", *override.split()])
@@ -147,7 +162,10 @@ def test_cli_mistakes_print_one_line_and_write_nothing(tmp_path: Path, override,
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, TRAIN, "recipe=dit_tiny", *override.split(), f"run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -168,8 +186,15 @@ def test_a_tilde_in_a_path_value_is_the_home_folder(tmp_path, monkeypatch, capsy
     write_llama_folder(tmp_path / "models" / "llama")
     assert main(["recipe=llm_tiny", "model.init_from=~/models/llama", "--cfg"]) == 0
     assert f"init_from: {tmp_path}/models/llama\n" in capsys.readouterr().out
-    cfg = compose(["recipe=dit_xl2", "diffusion.vae=~/models/sd-vae-ft-mse", "run.dir=~", "run.dry_run=true",
-                   "data.build=[data.prepare_digits,--images,~/d]"])
+    cfg = compose(
+        [
+            "recipe=dit_xl2",
+            "diffusion.vae=~/models/sd-vae-ft-mse",
+            "run.dir=~",
+            "run.dry_run=true",
+            "data.build=[data.prepare_digits,--images,~/d]",
+        ]
+    )
     assert (cfg.diffusion.vae, cfg.run.dir) == (f"{tmp_path}/models/sd-vae-ft-mse", str(tmp_path))
     assert cfg.data.build == ["data.prepare_digits", "--images", f"{tmp_path}/d"]
     serve = compose_serve(["serve.model=~/models/llama", "serve.lora={a:~/lora/a, b:'~/lora/b'}"])
@@ -178,11 +203,14 @@ def test_a_tilde_in_a_path_value_is_the_home_folder(tmp_path, monkeypatch, capsy
     assert compose_serve(['serve.model="a~b"']).model == "a~b"  # a `~` inside a word is not a home folder
 
 
-@pytest.mark.parametrize("argv,argument", [
-    (["recipe=dit_tiny", "model.num_layers=[2"], "model.num_layers=[2"),
-    (["recipe=dit_tiny", "run.dir=a(b)"], "run.dir=a(b)"),
-    (["serve.model=a=b"], "serve.model=a=b"),
-])
+@pytest.mark.parametrize(
+    "argv,argument",
+    [
+        (["recipe=dit_tiny", "model.num_layers=[2"], "model.num_layers=[2"),
+        (["recipe=dit_tiny", "run.dir=a(b)"], "run.dir=a(b)"),
+        (["serve.model=a=b"], "serve.model=a=b"),
+    ],
+)
 def test_an_unreadable_argument_is_one_line_naming_it(argv, argument, capsys):
     from common.launch import main as train
     from scripts.serve import main as serve

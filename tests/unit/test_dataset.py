@@ -77,11 +77,23 @@ def test_cli_prints_one_error_line_for_a_missing_dataset(tmp_path):
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "train.py"), "recipe=dit_tiny", "data.build=[]",
-         f"data.root={tmp_path / 'none'}", f"run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            str(REPO / "scripts" / "train.py"),
+            "recipe=dit_tiny",
+            "data.build=[]",
+            f"data.root={tmp_path / 'none'}",
+            f"run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("kiln: error: data.root=") and "data.build is empty" in lines[0], proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("kiln: error: data.root=") and "data.build is empty" in lines[0], (
+        proc.stderr
+    )
     assert "Traceback" not in proc.stderr + proc.stdout

@@ -33,7 +33,9 @@ def test_flow_interpolates_and_targets_the_velocity():
 
 @pytest.mark.parametrize("kind", ["uniform", "logit_normal"])
 def test_flow_timestep_distributions(kind):
-    objective = Objective(DiffusionConfig(objective="flow", flow_timesteps=kind, flow_logit_mean=0.5, flow_logit_std=0.8))
+    objective = Objective(
+        DiffusionConfig(objective="flow", flow_timesteps=kind, flow_logit_mean=0.5, flow_logit_std=0.8)
+    )
     _, timestep, _ = objective.noisy(torch.zeros(20000, 1), torch.zeros(20000, 1), draw_t(objective, 20000))
     t = timestep / 1000
     assert 0 < t.min() and t.max() < 1
@@ -51,7 +53,9 @@ def test_ddpm_objective_is_diffusers_schedule():
     x_t, t, target = objective.noisy(x0, noise, draw_t(objective, 16))
     abar = objective.ddpm.alphas_cumprod[t][:, None, None, None]
     torch.testing.assert_close(x_t, abar.sqrt() * x0 + (1 - abar).sqrt() * noise)
-    torch.testing.assert_close(target, abar.sqrt() * noise - (1 - abar).sqrt() * x0)  # v = sqrt(abar) eps - sqrt(1-abar) x0
+    torch.testing.assert_close(
+        target, abar.sqrt() * noise - (1 - abar).sqrt() * x0
+    )  # v = sqrt(abar) eps - sqrt(1-abar) x0
     assert t.dtype == torch.long and 0 <= t.min() and t.max() < d.num_train_timesteps
 
 
@@ -83,9 +87,18 @@ def test_samplers_reach_the_data_with_an_oracle(objective):
     scheduler = sampling_scheduler(d)
     x0 = torch.rand(1, 3, 8, 8) * 1.6 - 0.8
     oracle = OracleDiT(x0, objective, getattr(scheduler, "alphas_cumprod", None))
-    images = sample_images(oracle, scheduler_config(scheduler), torch.tensor([0, 1, 2]), null_class=3, image_size=8,
-                           in_channels=3, steps=8, guidance_scale=2.0, generator=torch.Generator().manual_seed(0),
-                           device=torch.device("cpu"))
+    images = sample_images(
+        oracle,
+        scheduler_config(scheduler),
+        torch.tensor([0, 1, 2]),
+        null_class=3,
+        image_size=8,
+        in_channels=3,
+        steps=8,
+        guidance_scale=2.0,
+        generator=torch.Generator().manual_seed(0),
+        device=torch.device("cpu"),
+    )
     assert images.shape == (3, 3, 8, 8)
     torch.testing.assert_close(images, x0.expand(3, -1, -1, -1), rtol=0, atol=1e-4)
 

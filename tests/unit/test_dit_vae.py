@@ -56,15 +56,27 @@ def test_shift_factor_is_read(tmp_path):
     torch.testing.assert_close(to_latents(mean, std, eps, g), (mean + std * eps - 0.1159) * g.scaling_factor)
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("diffusion.vae={not_a_vae}", "is not a diffusers AutoencoderKL folder (its config.json describes a DiTTransformer2DModel)"),
-    ("diffusion.vae={empty}", "is not a diffusers AutoencoderKL folder (no readable config.json)"),
-    ("diffusion.vae={vae} data.image_size=31", "data.image_size=31: the VAE in diffusion.vae="),
-    ("diffusion.vae={vae} data.image_size=18", "the latent size 9 (data.image_size=18 through diffusion.vae) must be a multiple"),
-    ("data.latents=/tmp/somewhere", "data.latents=/tmp/somewhere needs diffusion.vae"),
-    ("diffusion.objective=score", "diffusion.objective='score' is not allowed"),
-    ("diffusion.objective=flow diffusion.flow_timesteps=normal", "diffusion.flow_timesteps='normal' is not allowed"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        (
+            "diffusion.vae={not_a_vae}",
+            "is not a diffusers AutoencoderKL folder (its config.json describes a DiTTransformer2DModel)",
+        ),
+        ("diffusion.vae={empty}", "is not a diffusers AutoencoderKL folder (no readable config.json)"),
+        ("diffusion.vae={vae} data.image_size=31", "data.image_size=31: the VAE in diffusion.vae="),
+        (
+            "diffusion.vae={vae} data.image_size=18",
+            "the latent size 9 (data.image_size=18 through diffusion.vae) must be a multiple",
+        ),
+        ("data.latents=/tmp/somewhere", "data.latents=/tmp/somewhere needs diffusion.vae"),
+        ("diffusion.objective=score", "diffusion.objective='score' is not allowed"),
+        (
+            "diffusion.objective=flow diffusion.flow_timesteps=normal",
+            "diffusion.flow_timesteps='normal' is not allowed",
+        ),
+    ],
+)
 def test_bad_latent_config_is_one_config_error(override, needle, vae_dir, not_a_vae, tmp_path):
     (tmp_path / "empty").mkdir()
     override = override.format(vae=vae_dir, not_a_vae=not_a_vae, empty=tmp_path / "empty")
@@ -72,19 +84,32 @@ def test_bad_latent_config_is_one_config_error(override, needle, vae_dir, not_a_
         compose(["recipe=dit_tiny", "data=images", *override.split()])
 
 
-@pytest.mark.parametrize("what, needle", [("not_a_vae", "is not a diffusers AutoencoderKL folder"),
-                                          ("image_size", "data.image_size=33: the VAE in diffusion.vae="),
-                                          ("empty_images", "no dataset there")])
+@pytest.mark.parametrize(
+    "what, needle",
+    [
+        ("not_a_vae", "is not a diffusers AutoencoderKL folder"),
+        ("image_size", "data.image_size=33: the VAE in diffusion.vae="),
+        ("empty_images", "no dataset there"),
+    ],
+)
 def test_cli_bad_inputs_print_one_line(what, needle, vae_dir, not_a_vae, tmp_path):
     """scripts/train.py: a folder that is not a VAE, an image size the VAE cannot downsample evenly
     (both refused before anything is written), an image folder with no dataset in it: one
     `kiln: error:` line, exit 2."""
     (tmp_path / "empty").mkdir()
-    args = {"not_a_vae": [f"diffusion.vae={not_a_vae}"], "image_size": [f"diffusion.vae={vae_dir}", "data.image_size=33"],
-            "empty_images": [f"diffusion.vae={vae_dir}", f"data.root={tmp_path / 'empty'}", "data.image_size=32"]}
+    args = {
+        "not_a_vae": [f"diffusion.vae={not_a_vae}"],
+        "image_size": [f"diffusion.vae={vae_dir}", "data.image_size=33"],
+        "empty_images": [f"diffusion.vae={vae_dir}", f"data.root={tmp_path / 'empty'}", "data.image_size=32"],
+    }
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, TRAIN, "recipe=dit_tiny", "data=images", *args[what], f"run.dir={run_dir}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, TRAIN, "recipe=dit_tiny", "data=images", *args[what], f"run.dir={run_dir}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("kiln: error: ") and needle in lines[0]
@@ -132,15 +157,21 @@ def test_selective_ac_keeps_what_the_memory_model_says_and_recomputes_exactly():
     spec = memory_spec(cfg)
     b, size = cfg.trainer.micro_batch_size, cfg.data.image_size
     g = torch.Generator().manual_seed(0)
-    x, t, y = torch.randn(b, 1, size, size, generator=g), torch.randint(0, 1000, (b,), generator=g), torch.arange(b) % 11
+    x, t, y = (
+        torch.randn(b, 1, size, size, generator=g),
+        torch.randint(0, 1000, (b,), generator=g),
+        torch.arange(b) % 11,
+    )
     kept, grads = {}, {}
     for mode in ("none", "selective"):
         torch.manual_seed(0)
         model = build_model(cfg.model, size)
         if mode != "none":
             apply_ac(model, mode, (BasicTransformerBlock,), recompute_widening=True)
-        kept[mode], loss = kept_for_backward(lambda: model(x, timestep=t, class_labels=y).sample.square().mean(),
-                                             [*model.parameters(), *model.buffers(), x, t, y])
+        kept[mode], loss = kept_for_backward(
+            lambda: model(x, timestep=t, class_labels=y).sample.square().mean(),
+            [*model.parameters(), *model.buffers(), x, t, y],
+        )
         loss.backward()
         grads[mode] = [p.grad for p in model.parameters()]
     shape = dict(seq=spec.seq, batch=b, act_bytes=4)

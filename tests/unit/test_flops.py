@@ -7,8 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.flops import (ATTENTION_FORMULAS_BY_NAME, PEAK_TFLOPS, FlopCounter, _one_thread_matmul_peak,
-                          count_step_flops, gpu_model, mfu, peak_flops, precision_key)
+from common.flops import (
+    ATTENTION_FORMULAS_BY_NAME,
+    PEAK_TFLOPS,
+    FlopCounter,
+    _one_thread_matmul_peak,
+    count_step_flops,
+    gpu_model,
+    mfu,
+    peak_flops,
+    precision_key,
+)
 from recipes.llm.model import Transformer
 from tests.fixtures.flops import ARGS, BATCH, SDPA_BACKWARD_RECOMPUTE, SEQ, flops_per_token, llama_step, tiny_llama
 
@@ -58,7 +67,10 @@ def test_moe_experts_count_their_routed_tokens_only():
     experts = 6 * n * a.n_layers * moe.top_k * 3 * a.dim * moe.ffn_dim  # routed tokens only, 2 fwd + 4 bwd
     assert by_op["aten._grouped_mm"] == experts
     attention = 2 * a.dim * a.n_heads * a.head_dim + 2 * a.dim * a.n_kv_heads * a.head_dim
-    dense = a.n_layers * (attention + a.dim * moe.num_experts + 3 * a.dim * moe.shared_ffn_dim + a.dim) + a.dim * a.vocab_size
+    dense = (
+        a.n_layers * (attention + a.dim * moe.num_experts + 3 * a.dim * moe.shared_ffn_dim + a.dim)
+        + a.dim * a.vocab_size
+    )
     assert by_op["aten.mm"] == 6 * n * dense  # router, shared expert and its gate, attention, lm head
     total_params = sum(p.numel() for p in model.parameters())
     print(f"moe step: {fc.flops:.3e} FLOPs; experts {experts / fc.flops:.0%}; params {total_params}")
@@ -88,17 +100,25 @@ def test_torch_sdpa_gpu_kernels_count_like_sdpa():
     aten = torch.ops.aten
     with FlopCounter() as fc:
         out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, q, q)
-        aten._scaled_dot_product_flash_attention_backward(out, q, q, q, out, lse, cu_q, cu_k, max_q, max_k, 0.0, False,
-                                                          seed, offset)
+        aten._scaled_dot_product_flash_attention_backward(
+            out, q, q, q, out, lse, cu_q, cu_k, max_q, max_k, 0.0, False, seed, offset
+        )
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, q, q, None, True)
-        aten._scaled_dot_product_efficient_attention_backward(out, q, q, q, None, out, lse, seed, offset, 0.0,
-                                                              [True, True, True, False])
-        out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(q, q, q, None, True)
-        aten._scaled_dot_product_cudnn_attention_backward(out, q, q, q, out, lse, seed, offset, meta(0), meta(0), meta(0),
-                                                          S, S, 0.0, False)
+        aten._scaled_dot_product_efficient_attention_backward(
+            out, q, q, q, None, out, lse, seed, offset, 0.0, [True, True, True, False]
+        )
+        out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+            q, q, q, None, True
+        )
+        aten._scaled_dot_product_cudnn_attention_backward(
+            out, q, q, q, out, lse, seed, offset, meta(0), meta(0), meta(0), S, S, 0.0, False
+        )
     forward = B * hand_forward([S])
-    assert fc.by_op() == {f"aten._scaled_dot_product_{kernel}_attention{part}": forward * (2.5 if part else 1)
-                          for kernel in ("flash", "efficient", "cudnn") for part in ("", "_backward")}
+    assert fc.by_op() == {
+        f"aten._scaled_dot_product_{kernel}_attention{part}": forward * (2.5 if part else 1)
+        for kernel in ("flash", "efficient", "cudnn")
+        for part in ("", "_backward")
+    }
 
 
 def test_torch_varlen_attention_counts_each_sequence():
@@ -109,8 +129,10 @@ def test_torch_varlen_attention_counts_each_sequence():
     with FlopCounter() as fc:
         out, lse, rng = torch.ops.torch_attn._varlen_attn(q, kv, kv, CU, CU, 60, 60, True, None, [-1, 0], True)
         torch.ops.torch_attn._varlen_attn_backward(out, q, kv, kv, out, lse, CU, CU, 60, 60, True, rng)
-    assert fc.by_op() == {"torch_attn._varlen_attn": hand_forward(LENGTHS),
-                          "torch_attn._varlen_attn_backward": hand_forward(LENGTHS) * 5 // 2}
+    assert fc.by_op() == {
+        "torch_attn._varlen_attn": hand_forward(LENGTHS),
+        "torch_attn._varlen_attn_backward": hand_forward(LENGTHS) * 5 // 2,
+    }
     # Kiln's stand-ins for a torch without these formulas count the same, also with unknown lengths
     # (meta cu_seqlens: every sequence as long as the longest).
     fwd, bwd = (ATTENTION_FORMULAS_BY_NAME[f"torch_attn::_varlen_attn{p}"] for p in ("", "_backward"))
@@ -123,23 +145,34 @@ def test_torch_varlen_attention_counts_each_sequence():
 def test_flash_attn_package_ops(ns):
     """flash-attn's custom ops (its [batch, seq, heads, dim] and packed [total, heads, dim] layouts),
     called with flash-attn's argument order; flash-attn itself is never imported."""
-    f = {op: ATTENTION_FORMULAS_BY_NAME[f"{ns}::_flash_attn_{op}"]
-         for op in ("forward", "backward", "varlen_forward", "varlen_backward")}
+    f = {
+        op: ATTENTION_FORMULAS_BY_NAME[f"{ns}::_flash_attn_{op}"]
+        for op in ("forward", "backward", "varlen_forward", "varlen_backward")
+    }
     q, kv = meta(B, S, H, D), meta(B, S, H_KV, D)
     assert f["forward"](q, kv, kv, 0.0, D**-0.5, True, -1, 0, 0.0, None, False) == B * hand_forward([S])
-    assert f["backward"](q, q, kv, kv, q, None, None, None, None, 0.0, D**-0.5, True, -1, 0, 0.0, None, False) \
+    assert (
+        f["backward"](q, q, kv, kv, q, None, None, None, None, 0.0, D**-0.5, True, -1, 0, 0.0, None, False)
         == B * hand_forward([S]) * 5 // 2
+    )
     q, kv = meta(100, H, D), meta(100, H_KV, D)
     assert f["varlen_forward"](q, kv, kv, CU, CU, 60, 60, 0.0, D**-0.5, True) == hand_forward(LENGTHS)
-    assert f["varlen_backward"](q, q, kv, kv, q, None, None, None, None, CU, CU, 60, 60, 0.0, D**-0.5, True, -1, 0,
-                                0.0, None, False) == hand_forward(LENGTHS) * 5 // 2
+    assert (
+        f["varlen_backward"](
+            q, q, kv, kv, q, None, None, None, None, CU, CU, 60, 60, 0.0, D**-0.5, True, -1, 0, 0.0, None, False
+        )
+        == hand_forward(LENGTHS) * 5 // 2
+    )
 
 
 def test_ops_named_in_the_table_count_even_when_registered_after_the_counter(monkeypatch):
     """flash-attn registers its ops when imported, possibly after a FlopCounter exists: the counter
     matches ops by name when it first meets them. A CPU op stands in under a test namespace."""
-    monkeypatch.setitem(ATTENTION_FORMULAS_BY_NAME, "kiln_flops_test::bshd_attention",
-                        ATTENTION_FORMULAS_BY_NAME["flash_attn::_flash_attn_forward"])
+    monkeypatch.setitem(
+        ATTENTION_FORMULAS_BY_NAME,
+        "kiln_flops_test::bshd_attention",
+        ATTENTION_FORMULAS_BY_NAME["flash_attn::_flash_attn_forward"],
+    )
     counter = FlopCounter()
 
     @torch.library.custom_op("kiln_flops_test::bshd_attention", mutates_args=())
@@ -154,11 +187,21 @@ def test_ops_named_in_the_table_count_even_when_registered_after_the_counter(mon
 
 # ---- peaks and MFU -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,model", [
-    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
-    ("NVIDIA H200", "H200 SXM"), ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA A100-SXM4-80GB", "A100"),
-    ("NVIDIA A100 80GB PCIe", "A100"), ("NVIDIA A100-SXM4-40GB", "A100"), ("NVIDIA GeForce RTX 4090", None),
-])
+
+@pytest.mark.parametrize(
+    "name,model",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA H200", "H200 SXM"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A100 80GB PCIe", "A100"),
+        ("NVIDIA A100-SXM4-40GB", "A100"),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
 def test_gpu_names_match_datasheet_rows(name, model):
     assert gpu_model(name) == model
 
@@ -201,8 +244,9 @@ def test_cpu_peak_is_measured_fast_and_cached():
     start = time.perf_counter()
     peak = peak_flops("cpu", "fp32")
     elapsed = time.perf_counter() - start
-    print(f"CPU fp32 matmul peak {peak / 1e9:.1f} GFLOP/s measured in {elapsed:.2f} s "
-          f"({torch.get_num_threads()} threads)")
+    print(
+        f"CPU fp32 matmul peak {peak / 1e9:.1f} GFLOP/s measured in {elapsed:.2f} s ({torch.get_num_threads()} threads)"
+    )
     assert peak > 1e8 and elapsed < 1.5  # < 1 s on an idle machine; slack for shared CI cores
     assert peak_flops("cpu", "fp32") == peak  # cached per process
 

@@ -18,40 +18,54 @@ spec.loader.exec_module(gpu_check)
 
 
 def test_without_a_gpu_it_stops_with_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert proc.returncode == 2 and not proc.stdout and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("kiln: error: gpu-check needs a CUDA GPU: torch ")
     assert not (tmp_path / "out").exists()  # nothing written
 
 
 def test_bad_section_is_one_line():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--only", "versions,speed"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr == ("kiln: error: --only: unknown section(s) speed; choose from "
-                                                    "versions, tests, recipes, throughput, fp8, dit_mfu\n")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--only", "versions,speed"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and proc.stderr == (
+        "kiln: error: --only: unknown section(s) speed; choose from "
+        "versions, tests, recipes, throughput, fp8, dit_mfu\n"
+    )
 
 
 def test_markdown_table():
     assert gpu_check.md_table(["a", "b"], [[1, "x"], [2.5, None]]) == "| a | b |\n|---|---|\n| 1 | x |\n| 2.5 | None |"
 
 
-@pytest.mark.parametrize("line, counts", [
-    ("3 passed, 1 skipped, 2 deselected in 4.21s", {"passed": 3, "skipped": 1, "deselected": 2}),
-    ("1 failed, 2 passed, 1 error in 9.00s", {"failed": 1, "passed": 2, "errors": 1}),
-    ("== 5 passed in 1.0s ==", {"passed": 5}),
-])
+@pytest.mark.parametrize(
+    "line, counts",
+    [
+        ("3 passed, 1 skipped, 2 deselected in 4.21s", {"passed": 3, "skipped": 1, "deselected": 2}),
+        ("1 failed, 2 passed, 1 error in 9.00s", {"failed": 1, "passed": 2, "errors": 1}),
+        ("== 5 passed in 1.0s ==", {"passed": 5}),
+    ],
+)
 def test_pytest_summary(line, counts):
     assert gpu_check.parse_pytest_summary(f"....F\nsome output\n{line}\n") == counts
     assert gpu_check.parse_pytest_summary("no tests ran\n") == {}
 
 
-PLAN = {"layouts": [  # the shape of scripts/plan.py --json (its own test checks the numbers)
-    {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0, "ac": "none", "total_bytes": 26480398336.0},
-    {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0, "ac": "full", "total_bytes": 19144331264.0},
-    {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 2, "ac": "full", "total_bytes": 17000000000.0},
-    {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0, "ac": "none", "total_bytes": 1.0},
-]}
+PLAN = {
+    "layouts": [  # the shape of scripts/plan.py --json (its own test checks the numbers)
+        {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0, "ac": "none", "total_bytes": 26480398336.0},
+        {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0, "ac": "full", "total_bytes": 19144331264.0},
+        {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 2, "ac": "full", "total_bytes": 17000000000.0},
+        {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0, "ac": "none", "total_bytes": 1.0},
+    ]
+}
 
 
 def test_planned_bytes_picks_the_one_gpu_layout():
@@ -70,11 +84,15 @@ def test_medians_and_loss():
 
 
 def test_kiln_row_and_table():
-    records = [{"step": s, "step_time_s": 0.5, "tokens_per_s": 24576.0, "token_utilization": 0.75, "mfu": 0.41}
-               for s in range(1, 11)]
+    records = [
+        {"step": s, "step_time_s": 0.5, "tokens_per_s": 24576.0, "token_utilization": 0.75, "mfu": 0.41}
+        for s in range(1, 11)
+    ]
     row = gpu_check.kiln_llm_row("Kiln", records, {"max_allocated": 3 * 2**30}, 2**31)
     assert row["slots_per_s"] == 32768.0 and row["step_time_s"] == 0.5 and row["mfu"] == 0.41
-    table = gpu_check.throughput_table([row, {"run": "flash", "error": "toggles.attention=flash is not in the LLM recipe yet"}])
+    table = gpu_check.throughput_table(
+        [row, {"run": "flash", "error": "toggles.attention=flash is not in the LLM recipe yet"}]
+    )
     assert table.splitlines()[2] == "| Kiln | 0.5000 | 2.00 | 32,768 | 41.0% | 3.0 GiB | 2.0 GiB |"
     assert table.splitlines()[3].startswith("| flash | not available: toggles.attention=flash is not in the LLM recipe")
 
@@ -115,15 +133,27 @@ def test_gpu_rows_compose_the_recipes_they_run():
     assert bf16.toggles.compile and bf16.profile.count_flops and bf16.trainer.max_steps == 30
     assert gpu_check.llm_1b(30, "sdpa", True) == gpu_check.llm_1b(30)  # the throughput grid's run: trained once
     for recipe in gpu_check.DIT_MFU:
-        cfg = compose(gpu_check.dit_run(recipe, None, 30, inputs=["diffusion.vae=/nonexistent/vae",
-                                                                  "data.root=/nonexistent/shards"]))
+        cfg = compose(
+            gpu_check.dit_run(
+                recipe, None, 30, inputs=["diffusion.vae=/nonexistent/vae", "data.root=/nonexistent/shards"]
+            )
+        )
         assert (cfg.recipe.name, cfg.data.image_size, cfg.trainer.max_steps) == (recipe, 256, 30)
         assert cfg.profile.count_flops and cfg.diffusion.vae == "/nonexistent/vae"
 
 
 def test_dit_table():
-    rows = [{"run": "Kiln dit_xl2", "step_time_s": 0.25, "samples_per_s": 128.0, "tflops": 312.5, "mfu": 0.316,
-             "peak_bytes": 40 * 2**30}, {"run": "Kiln dit_2b", "error": "out of memory (log: dit_2b.log)"}]
+    rows = [
+        {
+            "run": "Kiln dit_xl2",
+            "step_time_s": 0.25,
+            "samples_per_s": 128.0,
+            "tflops": 312.5,
+            "mfu": 0.316,
+            "peak_bytes": 40 * 2**30,
+        },
+        {"run": "Kiln dit_2b", "error": "out of memory (log: dit_2b.log)"},
+    ]
     lines = gpu_check.dit_table(rows).splitlines()
     assert lines[2] == "| Kiln dit_xl2 | 0.2500 | 128.0 | 312.5 | 31.6% | 40.0 GiB |"
     assert lines[3] == "| Kiln dit_2b | not available: out of memory (log: dit_2b.log) |  |  |  |  |"

@@ -107,8 +107,13 @@ def test_cycles_finds_a_circle():
 def test_graph_sees_function_level_and_relative_imports(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("import os\nfrom . import sibling\n\ndef f():\n    from recipes.vlm.model import build_model\n")
-    assert imported_names("recipes.vlm.m", path) == {"os", "recipes.vlm", "recipes.vlm.sibling", "recipes.vlm.model",
-                                                      "recipes.vlm.model.build_model"}
+    assert imported_names("recipes.vlm.m", path) == {
+        "os",
+        "recipes.vlm",
+        "recipes.vlm.sibling",
+        "recipes.vlm.model",
+        "recipes.vlm.model.build_model",
+    }
 
 
 def test_no_import_cycles_among_kiln_modules():
@@ -125,6 +130,10 @@ def test_no_import_cycles_among_kiln_modules():
 def test_product_code_never_imports_the_tests():
     """common, recipes, data and scripts run where tests/ is not installed (a wheel, a GPU node's checkout may lack
     it): what they need from a fixture lives in common/tools/fixtures.py."""
-    offenders = sorted(f"{name} imports {target}" for name, path in kiln_modules().items()
-                       for target in imported_names(name, path) if target == "tests" or target.startswith("tests."))
+    offenders = sorted(
+        f"{name} imports {target}"
+        for name, path in kiln_modules().items()
+        for target in imported_names(name, path)
+        if target == "tests" or target.startswith("tests.")
+    )
     assert not offenders, "; ".join(offenders)

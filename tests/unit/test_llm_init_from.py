@@ -46,17 +46,26 @@ def loaded(folder: Path, device: str = "cpu") -> tuple[Transformer, LlamaArgs]:
     return model.eval(), args
 
 
-@pytest.mark.parametrize("scaling", [Llama3RopeScaling(), Llama3RopeScaling(32.0, 1.0, 4.0, 8192),
-                                     Llama3RopeScaling(8.0, 2.0, 8.0, 16)])
+@pytest.mark.parametrize(
+    "scaling", [Llama3RopeScaling(), Llama3RopeScaling(32.0, 1.0, 4.0, 8192), Llama3RopeScaling(8.0, 2.0, 8.0, 16)]
+)
 @pytest.mark.parametrize("head_dim,theta", [(128, 500000.0), (64, 500000.0), (16, 10000.0)])
 def test_llama3_rope_frequencies_are_transformers_bits(scaling, head_dim, theta):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, rope_parameters={
-        "rope_type": "llama3", "rope_theta": theta, "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
-        "high_freq_factor": scaling.high_freq_factor,
-        "original_max_position_embeddings": scaling.original_max_position_embeddings})
+    config = LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": theta,
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        },
+    )
     expected, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config)
     got = rope_inv_freq(head_dim, theta, scaling=scaling)
     assert attention_factor == 1.0 and torch.equal(got, expected)
@@ -67,8 +76,9 @@ def test_model_keys_come_from_the_checkpoint(folders):
     from transformers import LlamaForCausalLM
 
     # llm_8b's preset shapes (4096 wide, 32 layers, ...) give way to the checkpoint's.
-    cfg = compose(["recipe=llm_8b", f"model.init_from={folders['tied']}", "data.max_seq_len=128", "model.dim=64",
-                   "parallel.tp=1"])
+    cfg = compose(
+        ["recipe=llm_8b", f"model.init_from={folders['tied']}", "data.max_seq_len=128", "model.dim=64", "parallel.tp=1"]
+    )
     m = cfg.model
     assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size) == (64, 4, 4, 4, 160, 384)
     assert (m.tie_embeddings, m.rope_theta, m.max_seq_len, m.norm_eps) == (True, 500000.0, 2048, 1e-5)
@@ -87,8 +97,10 @@ def test_adapter_gives_tied_checkpoints_one_tensor():
     assert "lm_head.weight" not in to_hf_state_dict(full, args)
     # A last pipeline stage holds the output projection without the embedding: it is the embedding.
     last_stage = {"output.weight": full["output.weight"], "norm.weight": full["norm.weight"]}
-    assert to_hf_state_dict(last_stage, args) == {"model.embed_tokens.weight": full["output.weight"],
-                                                  "model.norm.weight": full["norm.weight"]}
+    assert to_hf_state_dict(last_stage, args) == {
+        "model.embed_tokens.weight": full["output.weight"],
+        "model.norm.weight": full["norm.weight"],
+    }
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -116,9 +128,15 @@ def test_step0_logits_export_and_generate_match_the_source(folders, variant, tmp
     assert AutoTokenizer.from_pretrained(out).chat_template == tokenizer.chat_template
 
     prompt = tokenizer("The with statement", return_tensors="pt")
-    runs = [AutoModelForCausalLM.from_pretrained(f).eval().generate(
-        **prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=tokenizer.eos_token_id)[0].tolist()
-        for f in (source, out)]
+    runs = [
+        AutoModelForCausalLM.from_pretrained(f)
+        .eval()
+        .generate(**prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=tokenizer.eos_token_id)[
+            0
+        ]
+        .tolist()
+        for f in (source, out)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -139,8 +157,15 @@ def _edit_config(folder: Path, **changes) -> None:
 
 
 def _rope(folder: Path) -> None:
-    _edit_config(folder, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                          "original_max_position_embeddings": 64})
+    _edit_config(
+        folder,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
 
 
 def _drop_a_shard(folder: Path) -> None:
@@ -199,13 +224,18 @@ def test_unsupported_checkpoints_stop_with_one_line(folders, case, tmp_path, cap
 
 def test_command_line_keys_that_disagree_stop_with_both_values(folders, tmp_path, capsys):
     run = tmp_path / "run"
-    line = _kiln_error(["recipe=llm_tiny", f"model.init_from={folders['gqa']}", "model.dim=128", f"run.dir={run}"], capsys)
+    line = _kiln_error(
+        ["recipe=llm_tiny", f"model.init_from={folders['gqa']}", "model.dim=128", f"run.dir={run}"], capsys
+    )
     assert "model.dim=128 disagrees" in line and "hidden_size=64" in line
-    line = _kiln_error(["recipe=llm_tiny", f"model.init_from={folders['tied']}", "model.tie_embeddings=false",
-                        f"run.dir={run}"], capsys)
+    line = _kiln_error(
+        ["recipe=llm_tiny", f"model.init_from={folders['tied']}", "model.tie_embeddings=false", f"run.dir={run}"],
+        capsys,
+    )
     assert "model.tie_embeddings=False disagrees" in line and "tie_word_embeddings=True" in line
-    line = _kiln_error(["recipe=llm_tiny", f"model.init_from={folders['gqa']}", "data.max_seq_len=4096",
-                        f"run.dir={run}"], capsys)
+    line = _kiln_error(
+        ["recipe=llm_tiny", f"model.init_from={folders['gqa']}", "data.max_seq_len=4096", f"run.dir={run}"], capsys
+    )
     assert "data.max_seq_len=4096 exceeds model.max_seq_len=2048 (max_position_embeddings" in line
     assert not run.exists()
 
@@ -214,10 +244,21 @@ def test_data_from_another_tokenizer_stops_with_one_line(folders, tmp_path):
     other = tmp_path / "other_tokenizer"
     train_tokenizer(vocab_size=320).save_pretrained(other)
     data, run = write_token_dataset(tmp_path / "data", other), tmp_path / "run"
-    proc = run_train(["recipe=llm_tiny", f"model.init_from={folders['tied']}", f"data.root={data}", "data.build=[]",
-                      f"run.dir={run}"], check=False, timeout=300)
+    proc = run_train(
+        [
+            "recipe=llm_tiny",
+            f"model.init_from={folders['tied']}",
+            f"data.root={data}",
+            "data.build=[]",
+            f"run.dir={run}",
+        ],
+        check=False,
+        timeout=300,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"kiln: error: data.root={data} was tokenized with another tokenizer than "
-                               f"model.init_from={folders['tied']} (320 vs 384 tokens)"), lines[0]
+    assert lines[0].startswith(
+        f"kiln: error: data.root={data} was tokenized with another tokenizer than "
+        f"model.init_from={folders['tied']} (320 vs 384 tokens)"
+    ), lines[0]
     assert not run.exists()

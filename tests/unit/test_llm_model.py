@@ -56,8 +56,12 @@ def test_logits_match_transformers(attn: str, tie: bool) -> None:
     position_ids = torch.arange(24)[None] + torch.tensor([[0], [17]])
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(input_ids=tokens).logits, atol=1e-5, rtol=0)
-        torch.testing.assert_close(model(tokens, position_ids=position_ids),
-                                   hf(input_ids=tokens, position_ids=position_ids).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            model(tokens, position_ids=position_ids),
+            hf(input_ids=tokens, position_ids=position_ids).logits,
+            atol=1e-5,
+            rtol=0,
+        )
 
 
 def test_state_dict_round_trip() -> None:
@@ -105,8 +109,8 @@ def test_packed_rows_match_documents_run_alone() -> None:
             start = 0
             for n in row:
                 alone = model(docs[next(doc_iter)][None])[0]
-                torch.testing.assert_close(packed[r, start:start + n], alone, atol=1e-5, rtol=0)
-                max_leak = max(max_leak, (leaked[r, start:start + n] - alone).abs().max().item())
+                torch.testing.assert_close(packed[r, start : start + n], alone, atol=1e-5, rtol=0)
+                max_leak = max(max_leak, (leaked[r, start : start + n] - alone).abs().max().item())
                 start += n
     assert max_leak > 1e-2  # the mask is what isolates documents, not a coincidence of the data
 
@@ -163,8 +167,10 @@ def test_pipeline_split_chains_to_full_model() -> None:
     # FQNs survive the split: the stages' state dicts partition the full one, and each converts alone.
     sd0, sd1 = stage0.state_dict(), stage1.state_dict()
     assert not sd0.keys() & sd1.keys() and sd0.keys() | sd1.keys() == model.state_dict().keys()
-    assert to_hf_state_dict(sd0, ARGS).keys() | to_hf_state_dict(sd1, ARGS).keys() == \
-        to_hf_state_dict(model.state_dict(), ARGS).keys()
+    assert (
+        to_hf_state_dict(sd0, ARGS).keys() | to_hf_state_dict(sd1, ARGS).keys()
+        == to_hf_state_dict(model.state_dict(), ARGS).keys()
+    )
     tokens = _tokens(2, 16)
     with torch.no_grad():
         hidden = stage0(tokens)

@@ -23,14 +23,20 @@ from recipes.llm.train import llama_args
 from tests.fixtures.llm import write_moe_folder
 
 # qwen3_moe_norm: the same Qwen3-MoE with norm_topk_prob on (the fixture's is off); mixtral always renormalizes.
-VARIANTS = {"mixtral": ("mixtral", {}), "qwen3_moe": ("qwen3_moe", {}),
-            "qwen3_moe_norm": ("qwen3_moe", {"norm_topk_prob": True}), "qwen2_moe": ("qwen2_moe", {})}
+VARIANTS = {
+    "mixtral": ("mixtral", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_moe_norm": ("qwen3_moe", {"norm_topk_prob": True}),
+    "qwen2_moe": ("qwen2_moe", {}),
+}
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe")
-    return {name: write_moe_folder(root / name, variant, **overrides) for name, (variant, overrides) in VARIANTS.items()}
+    return {
+        name: write_moe_folder(root / name, variant, **overrides) for name, (variant, overrides) in VARIANTS.items()
+    }
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -69,9 +75,17 @@ def test_grouped_experts_equal_a_loop_over_experts():
     assert counts.tolist() == torch.bincount(chosen.flatten(), minlength=num_experts).tolist() and counts[4] == 0
     got = torch.empty(tokens * top_k, dim).index_copy(0, order, experts(x_sorted, counts)).view(tokens, top_k, dim)
 
-    want = torch.stack([torch.stack([
-        F.linear(F.silu(F.linear(x[t], experts.w1[e])) * F.linear(x[t], experts.w3[e]), experts.w2[e])
-        for e in chosen[t].tolist()]) for t in range(tokens)])
+    want = torch.stack(
+        [
+            torch.stack(
+                [
+                    F.linear(F.silu(F.linear(x[t], experts.w1[e])) * F.linear(x[t], experts.w3[e]), experts.w2[e])
+                    for e in chosen[t].tolist()
+                ]
+            )
+            for t in range(tokens)
+        ]
+    )
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     upstream = torch.randn_like(want)
     grads = torch.autograd.grad((got * upstream).sum(), [x, experts.w1, experts.w2, experts.w3])
@@ -99,7 +113,9 @@ def test_checkpoint_logits_aux_loss_and_export_match_transformers(folders, name,
         theirs_masked = reference(input_ids=tokens, attention_mask=mask, output_router_logits=True)
     error = (ours - theirs.logits).abs().max().item()
     aux_error = max(abs(aux - theirs.aux_loss).item(), abs(aux_masked - theirs_masked.aux_loss).item())
-    print(f"{name}: max |logits - transformers| = {error:.2e}; aux {aux.item():.6f}, |aux - transformers| = {aux_error:.2e}")
+    print(
+        f"{name}: max |logits - transformers| = {error:.2e}; aux {aux.item():.6f}, |aux - transformers| = {aux_error:.2e}"
+    )
     assert error <= 1e-5 and aux_error <= 1e-6
     assert not torch.isclose(aux, aux_masked)  # the mask matters
 
@@ -131,8 +147,16 @@ def test_renormalization_is_what_distinguishes_the_two_qwen3_moe(folders):
 
 
 def test_z_loss_is_the_mean_squared_logsumexp_over_layers_and_tokens():
-    args = LlamaArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=50, ffn_dim=64, qk_norm=True,
-                     moe=MoEArgs(num_experts=4, top_k=2, ffn_dim=16))
+    args = LlamaArgs(
+        dim=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        vocab_size=50,
+        ffn_dim=64,
+        qk_norm=True,
+        moe=MoEArgs(num_experts=4, top_k=2, ffn_dim=16),
+    )
     model = Transformer(args)
     model.init_weights(seed=0)
     model(torch.randint(0, 50, (2, 10)))
@@ -145,34 +169,60 @@ def test_dense_layers_keep_their_names():
     """A dense model's FQNs are the Llama's (its checkpoints unchanged); MoE layers name theirs moe.*."""
     dense = LlamaArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=50, ffn_dim=64)
     layer0 = {k for k in Transformer(dense).state_dict() if k.startswith("layers.0.")}
-    assert layer0 == {f"layers.0.{k}.weight" for k in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                                                       "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
-                                                       "attention_norm", "ffn_norm")}
-    moe = LlamaArgs(dim=32, n_layers=3, n_heads=2, n_kv_heads=1, vocab_size=50, ffn_dim=64, qk_norm=True,
-                    moe=MoEArgs(num_experts=4, top_k=2, ffn_dim=16, first_dense_layers=1))
+    assert layer0 == {
+        f"layers.0.{k}.weight"
+        for k in (
+            "attention.wq",
+            "attention.wk",
+            "attention.wv",
+            "attention.wo",
+            "feed_forward.w1",
+            "feed_forward.w2",
+            "feed_forward.w3",
+            "attention_norm",
+            "ffn_norm",
+        )
+    }
+    moe = LlamaArgs(
+        dim=32,
+        n_layers=3,
+        n_heads=2,
+        n_kv_heads=1,
+        vocab_size=50,
+        ffn_dim=64,
+        qk_norm=True,
+        moe=MoEArgs(num_experts=4, top_k=2, ffn_dim=16, first_dense_layers=1),
+    )
     sd = Transformer(moe).state_dict()
     assert "layers.0.feed_forward.w1.weight" in sd and sd["layers.1.moe.experts.w1"].shape == (4, 16, 32)
     hf_keys = to_hf_state_dict(sd, moe)
-    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in hf_keys and "model.layers.0.mlp.gate_proj.weight" in hf_keys
+    assert (
+        "model.layers.1.mlp.experts.3.gate_proj.weight" in hf_keys and "model.layers.0.mlp.gate_proj.weight" in hf_keys
+    )
     assert type(to_hf_config(moe)).__name__ == "Qwen3MoeConfig"
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("model.moe.top_k=9", "model.moe.top_k=9 must be between 1 and model.moe.num_experts=8"),
-    ("model.moe.ffn_dim=100", "model.moe.ffn_dim=100 must be a multiple of 8"),
-    ("model.moe.first_dense_layers=4", "leave no MoE layer among model.n_layers=4"),
-    ("model.moe.interval=0", "model.moe.interval=0 must be >= 1"),
-    ("model.moe.aux_loss_coef=-1", "model.moe.aux_loss_coef=-1.0 must be >= 0"),
-    ("parallel.tp=2", "parallel.tp=2 with model.moe.num_experts=8"),
-    ("parallel.ep=3", "parallel.ep=3 must divide model.moe.num_experts=8"),
-    ("toggles.compile=true", "toggles.compile=true with model.moe.num_experts>0 needs toggles.precision=bf16"),
-    ("parallel.dp=2 parallel.ep=2 toggles.activation_checkpointing=selective",
-     "toggles.activation_checkpointing=selective with parallel.ep=2 is not supported yet"),
-    ("parallel.dp=2 parallel.ep=4", "parallel.ep=4 must divide the 2 data-parallel ranks"),
-    ("recipe=llm_tiny parallel.ep=2", "parallel.ep=2 needs an MoE model"),
-    ("model.qk_norm=false", "no Hugging Face architecture to export to"),
-    ("toggles.precision=fp8", "grouped GEMM has no fp8 path"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("model.moe.top_k=9", "model.moe.top_k=9 must be between 1 and model.moe.num_experts=8"),
+        ("model.moe.ffn_dim=100", "model.moe.ffn_dim=100 must be a multiple of 8"),
+        ("model.moe.first_dense_layers=4", "leave no MoE layer among model.n_layers=4"),
+        ("model.moe.interval=0", "model.moe.interval=0 must be >= 1"),
+        ("model.moe.aux_loss_coef=-1", "model.moe.aux_loss_coef=-1.0 must be >= 0"),
+        ("parallel.tp=2", "parallel.tp=2 with model.moe.num_experts=8"),
+        ("parallel.ep=3", "parallel.ep=3 must divide model.moe.num_experts=8"),
+        ("toggles.compile=true", "toggles.compile=true with model.moe.num_experts>0 needs toggles.precision=bf16"),
+        (
+            "parallel.dp=2 parallel.ep=2 toggles.activation_checkpointing=selective",
+            "toggles.activation_checkpointing=selective with parallel.ep=2 is not supported yet",
+        ),
+        ("parallel.dp=2 parallel.ep=4", "parallel.ep=4 must divide the 2 data-parallel ranks"),
+        ("recipe=llm_tiny parallel.ep=2", "parallel.ep=2 needs an MoE model"),
+        ("model.qk_norm=false", "no Hugging Face architecture to export to"),
+        ("toggles.precision=fp8", "grouped GEMM has no fp8 path"),
+    ],
+)
 def test_moe_config_mistakes_are_one_line(override, needle):
     with pytest.raises(ConfigError) as exc:
         compose(["recipe=moe_tiny", *override.split()])
@@ -243,5 +293,7 @@ def test_expert_load_against_hand_counts():
     max_load, entropy = expert_load(counts)
     torch.testing.assert_close(max_load, torch.tensor([1.0, 4.0, 3.0]))
     p = torch.tensor([0.75, 0.25])
-    torch.testing.assert_close(entropy, torch.stack([torch.tensor(1.0), torch.tensor(0.0),
-                                                     -(p * p.log()).sum() / torch.log(torch.tensor(4.0))]))
+    torch.testing.assert_close(
+        entropy,
+        torch.stack([torch.tensor(1.0), torch.tensor(0.0), -(p * p.log()).sum() / torch.log(torch.tensor(4.0))]),
+    )

@@ -68,8 +68,9 @@ def test_each_pipeline_microbatch_gets_its_own_segments(microbatches):
     batch = _batch(seed=1)
     rows = batch.num_rows + 2
     flash, dense = pad_rows(batch, rows, PAD, "flash"), pad_rows(batch, rows, PAD, "sdpa")
-    _, chunks = split_args_kwargs_into_chunks((), {"row_segments": flash["row_segments"], "attn_mask": dense["attn_mask"]},
-                                              microbatches)
+    _, chunks = split_args_kwargs_into_chunks(
+        (), {"row_segments": flash["row_segments"], "attn_mask": dense["attn_mask"]}, microbatches
+    )
     assert len(chunks) == microbatches
     for chunk in chunks:
         cu, longest = cu_seqlens_of_rows(chunk["row_segments"])
@@ -125,8 +126,10 @@ def test_pipeline_stage_runs_each_microbatch_on_its_segments(monkeypatch):
     rows = batch.num_rows + 1
     flash, dense = pad_rows(batch, rows, PAD, "flash"), pad_rows(batch, rows, PAD, "sdpa")
     args, kwargs = split_args_kwargs_into_chunks(
-        (flash["input_ids"],), {"position_ids": flash["position_ids"], "row_segments": flash["row_segments"],
-                                "attn_mask": dense["attn_mask"]}, 2)
+        (flash["input_ids"],),
+        {"position_ids": flash["position_ids"], "row_segments": flash["row_segments"], "attn_mask": dense["attn_mask"]},
+        2,
+    )
     with torch.no_grad():
         for (ids,), kw in zip(args, kwargs):
             got = stage(ids, position_ids=kw["position_ids"], row_segments=kw["row_segments"])
@@ -146,7 +149,10 @@ def test_flash_is_offered_and_planned_without_the_dense_mask():
     from torch.utils.checkpoint import CheckpointPolicy
 
     assert _save_matmuls(None, torch.ops.aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
-    assert varlen.varlen_attn and _save_matmuls(None, torch.ops.torch_attn._varlen_attn.default) == CheckpointPolicy.MUST_SAVE
+    assert (
+        varlen.varlen_attn
+        and _save_matmuls(None, torch.ops.torch_attn._varlen_attn.default) == CheckpointPolicy.MUST_SAVE
+    )
 
 
 @pytest.mark.gpu

@@ -29,8 +29,9 @@ def test_full_is_the_default_and_lora_composes_on_a_base(base):
     cfg = compose(["recipe=llm_tiny", "finetune=lora", f"model.init_from={base}", "lora.rank=4", "lora.alpha=8"])
     assert (cfg.finetune, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout) == ("lora", 4, 8.0, 0.0)
     assert cfg.lora.targets == PROJECTIONS  # [] = the family's: config.yaml records what ran
-    assert compose(["recipe=llm_tiny", "finetune=lora", f"model.init_from={base}", "lora.targets=[wq,wv]",
-                    "parallel.pp=2"]).lora.targets == ["wq", "wv"]
+    assert compose(
+        ["recipe=llm_tiny", "finetune=lora", f"model.init_from={base}", "lora.targets=[wq,wv]", "parallel.pp=2"]
+    ).lora.targets == ["wq", "wv"]
 
 
 BAD = {
@@ -44,17 +45,26 @@ BAD = {
     "tensor parallel": (["parallel.tp=2", "BASE"], "finetune=lora with parallel.tp=2"),
     "unknown method": (["finetune=qlora", "BASE"], "no such finetune (finetune=qlora); choose one of: full, lora"),
     # A full fine-tune would ignore them: lora.rank=8 (the default's value) is as sure a sign that LoRA was meant.
-    "lora keys without lora": (["finetune=full", "lora.rank=8", "lora.targets=[wq]"], "lora.rank, lora.targets: LoRA "
-                               "settings, but this run is finetune=full, which would ignore them; add finetune=lora"),
-    "lora section without lora": (["finetune=full", "lora={rank:4}"], "lora: LoRA settings, but this run is "
-                                  "finetune=full"),
+    "lora keys without lora": (
+        ["finetune=full", "lora.rank=8", "lora.targets=[wq]"],
+        "lora.rank, lora.targets: LoRA "
+        "settings, but this run is finetune=full, which would ignore them; add finetune=lora",
+    ),
+    "lora section without lora": (
+        ["finetune=full", "lora={rank:4}"],
+        "lora: LoRA settings, but this run is finetune=full",
+    ),
     "unknown quantization": (["lora.quantize_base=int8", "BASE"], "lora.quantize_base='int8': choose one of none, nf4"),
-    "nf4 without lora": (["finetune=full", "lora.quantize_base=nf4", "BASE"], "lora.quantize_base=nf4 quantizes a LoRA "
-                         "run's frozen base: it needs finetune=lora"),
+    "nf4 without lora": (
+        ["finetune=full", "lora.quantize_base=nf4", "BASE"],
+        "lora.quantize_base=nf4 quantizes a LoRA run's frozen base: it needs finetune=lora",
+    ),
     "nf4 with dp": (["lora.quantize_base=nf4", "parallel.dp=2", "BASE"], "lora.quantize_base=nf4 runs on one GPU"),
     "nf4 with pp": (["lora.quantize_base=nf4", "parallel.pp=2", "BASE"], "this run has dp=1, tp=1, pp=2"),
-    "nf4 compiled": (["lora.quantize_base=nf4", "toggles.compile=true", "BASE"], "with toggles.compile=true is not "
-                     "supported yet"),
+    "nf4 compiled": (
+        ["lora.quantize_base=nf4", "toggles.compile=true", "BASE"],
+        "with toggles.compile=true is not supported yet",
+    ),
 }
 
 
@@ -94,8 +104,13 @@ def bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("bases")
     build_model(compose(["recipe=dit_tiny"]).model, 16).save_pretrained(root / "dit" / "transformer")
     (root / "empty").mkdir()
-    return {"DIT": root / "dit" / "transformer", "LLAVA": fx.write_llava_hf(root / "llava_hf"),
-            "CLIP": fx.write_clip(root / "clip"), "LLAMA": fx.write_llama(root / "llama"), "EMPTY": root / "empty"}
+    return {
+        "DIT": root / "dit" / "transformer",
+        "LLAVA": fx.write_llava_hf(root / "llava_hf"),
+        "CLIP": fx.write_clip(root / "clip"),
+        "LLAMA": fx.write_llama(root / "llama"),
+        "EMPTY": root / "empty",
+    }
 
 
 def test_zero_recipes_compose_lora_on_their_base(bases):
@@ -109,20 +124,42 @@ def test_zero_recipes_compose_lora_on_their_base(bases):
 ZERO_BAD = {  # (recipe, overrides: a capitalised name is one of `bases`), the line's words
     "dit: no base": ("dit_tiny", [], "finetune=lora trains an adapter on a DiT checkpoint: set model.init_from="),
     "dit: not a DiT": ("dit_tiny", ["model.init_from=EMPTY"], "no diffusers DiTTransformer2DModel there"),
-    "dit: other size": ("dit_tiny", ["model.init_from=DIT", "data.image_size=8"], "is a DiT on 16x16 inputs; this run's are 8x8"),
-    "dit: shared embedding": ("dit_tiny", ["model.init_from=DIT", "model.shared_conditioning=true"],
-                              "model.shared_conditioning=true with model.init_from"),
-    "dit: a key the base sets": ("dit_tiny", ["model.init_from=DIT", "model.num_layers=3"],
-                                 "model.num_layers=3 disagrees with model.init_from="),
-    "dit: an LLM name": ("dit_tiny", ["model.init_from=DIT", "lora.targets=[wq]"],
-                         "lora.targets: 'wq' matches no module the dit recipe's LoRA"),
+    "dit: other size": (
+        "dit_tiny",
+        ["model.init_from=DIT", "data.image_size=8"],
+        "is a DiT on 16x16 inputs; this run's are 8x8",
+    ),
+    "dit: shared embedding": (
+        "dit_tiny",
+        ["model.init_from=DIT", "model.shared_conditioning=true"],
+        "model.shared_conditioning=true with model.init_from",
+    ),
+    "dit: a key the base sets": (
+        "dit_tiny",
+        ["model.init_from=DIT", "model.num_layers=3"],
+        "model.num_layers=3 disagrees with model.init_from=",
+    ),
+    "dit: an LLM name": (
+        "dit_tiny",
+        ["model.init_from=DIT", "lora.targets=[wq]"],
+        "lora.targets: 'wq' matches no module the dit recipe's LoRA",
+    ),
     "vlm: no base": ("vlm_tiny", [], "finetune=lora trains an adapter on a LLaVA checkpoint: set model.init_from="),
-    "vlm: parts, no LLaVA": ("vlm_tiny", ["vlm.vision_from=CLIP", "vlm.language_from=LLAMA"],
-                             "set model.init_from=<a llava-hf folder"),
-    "vlm: the tower trains": ("vlm_tiny", ["model.init_from=LLAVA", "vlm.train_vision=true"],
-                              "vlm.train_vision=true with finetune=lora"),
-    "vlm: an LLM name": ("vlm_tiny", ["model.init_from=LLAVA", "lora.targets=[wq]"],
-                         "lora.targets: 'wq' matches no module the vlm recipe's LoRA"),
+    "vlm: parts, no LLaVA": (
+        "vlm_tiny",
+        ["vlm.vision_from=CLIP", "vlm.language_from=LLAMA"],
+        "set model.init_from=<a llava-hf folder",
+    ),
+    "vlm: the tower trains": (
+        "vlm_tiny",
+        ["model.init_from=LLAVA", "vlm.train_vision=true"],
+        "vlm.train_vision=true with finetune=lora",
+    ),
+    "vlm: an LLM name": (
+        "vlm_tiny",
+        ["model.init_from=LLAVA", "lora.targets=[wq]"],
+        "lora.targets: 'wq' matches no module the vlm recipe's LoRA",
+    ),
     "vlm: rank 0": ("vlm_tiny", ["model.init_from=LLAVA", "lora.rank=0"], "lora.rank=0 must be > 0"),
 }
 
@@ -152,13 +189,17 @@ def test_apply_lora_freezes_the_base_and_inits_the_adapter_alike_everywhere():
     assert len(trainable) == 2 * 7 * 2 and all(lora.is_adapter_key(n) for n in trainable)
     state = model.state_dict()
     assert {lora.base_key(k) for k in state if not lora.is_adapter_key(k)} == before.keys()
-    assert "layers.0.attention.wq.base_layer.weight" in state and "layers.1.feed_forward.w2.lora_B.default.weight" in state
+    assert (
+        "layers.0.attention.wq.base_layer.weight" in state and "layers.1.feed_forward.w2.lora_B.default.weight" in state
+    )
 
     lora.init_adapter(model, seed=3)
     a, b = state["layers.1.attention.wk.lora_A.default.weight"], state["layers.1.attention.wk.lora_B.default.weight"]
     assert a.abs().max() > 0 and b.abs().max() == 0  # B = 0: the adapted model starts as the base
     shapes = {k: v.shape for k, v in state.items() if lora.is_adapter_key(k)}
-    alone = lora.adapter_init(["layers.1.attention.wk.lora_A.default.weight"], shapes, seed=3)  # a pipeline stage's share
+    alone = lora.adapter_init(
+        ["layers.1.attention.wk.lora_A.default.weight"], shapes, seed=3
+    )  # a pipeline stage's share
     assert torch.equal(alone["layers.1.attention.wk.lora_A.default.weight"], a)
     # Under activation checkpointing (its wrapper renames the parameters) the adapter starts the same.
     wrapped = Transformer(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48))
@@ -181,12 +222,13 @@ def test_resume_checks_method_adapter_and_base(base, tmp_path, capsys):
     with pytest.raises(ConfigError, match="is a finetune=full checkpoint; this run is finetune=lora"):
         lora.check_resume({"recipe": "llm_tiny"}, cfg, str(base), tmp_path)
     # Every lora.* key changed on resume: one line with the key, the checkpoint's value and this run's.
-    for key, value, words in [("rank", 16, "lora.rank=8, this run asks for 16"),
-                              ("alpha", 32.0, "lora.alpha=16.0, this run asks for 32.0"),
-                              ("dropout", 0.1, "lora.dropout=0.0, this run asks for 0.1"),
-                              ("targets", ["wq"], "lora.targets=['wq', 'wk', 'wv', 'wo', 'w1', 'w2', 'w3'], this run "
-                                                  "asks for ['wq']"),
-                              ("quantize_base", "nf4", "lora.quantize_base=none, this run asks for nf4")]:
+    for key, value, words in [
+        ("rank", 16, "lora.rank=8, this run asks for 16"),
+        ("alpha", 32.0, "lora.alpha=16.0, this run asks for 32.0"),
+        ("dropout", 0.1, "lora.dropout=0.0, this run asks for 0.1"),
+        ("targets", ["wq"], "lora.targets=['wq', 'wk', 'wv', 'wo', 'w1', 'w2', 'w3'], this run asks for ['wq']"),
+        ("quantize_base", "nf4", "lora.quantize_base=none, this run asks for nf4"),
+    ]:
         changed = compose(["recipe=llm_tiny", "finetune=lora", f"model.init_from={base}"])
         setattr(changed.lora, key, value)
         with pytest.raises(ConfigError) as err:
@@ -213,13 +255,23 @@ def test_resume_checks_method_adapter_and_base(base, tmp_path, capsys):
     headers = hashlib.sha256()
     for path in sorted(base.glob("*.safetensors")):
         data = path.read_bytes()
-        headers.update(f"{path.name}:{len(data)}:".encode() + data[8:8 + int.from_bytes(data[:8], "little")])
-    old = {"finetune": "lora", "lora": {"rank": 8, "alpha": 16.0, "targets": PROJECTIONS, "base": str(base),
-                                        "base_fingerprint": headers.hexdigest()}}
+        headers.update(f"{path.name}:{len(data)}:".encode() + data[8 : 8 + int.from_bytes(data[:8], "little")])
+    old = {
+        "finetune": "lora",
+        "lora": {
+            "rank": 8,
+            "alpha": 16.0,
+            "targets": PROJECTIONS,
+            "base": str(base),
+            "base_fingerprint": headers.hexdigest(),
+        },
+    }
     capsys.readouterr()
     lora.check_resume(old, cfg, str(base), tmp_path)
-    assert capsys.readouterr().out == (f"kiln: note: {tmp_path} records its LoRA base by the safetensors headers only "
-                                       "(a checkpoint from before the weights were fingerprinted): a same-shaped base "
-                                       "with other weights is not detected\n")
+    assert capsys.readouterr().out == (
+        f"kiln: note: {tmp_path} records its LoRA base by the safetensors headers only "
+        "(a checkpoint from before the weights were fingerprinted): a same-shaped base "
+        "with other weights is not detected\n"
+    )
     with pytest.raises(ConfigError, match="has other weights"):
         lora.check_resume(old, cfg, str(other), tmp_path)

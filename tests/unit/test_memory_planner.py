@@ -15,8 +15,20 @@ import torch
 import torch.nn.functional as F
 
 from common.launch import compose
-from common.memory import (DEEPSPEED_MIXED, GB, MIXED_ADAM, Block, Layout, StateBytes, estimate, head_saved,
-                           layer_activation_bytes, microbatches_in_flight, model_state_bytes, per_gpu_bytes)
+from common.memory import (
+    DEEPSPEED_MIXED,
+    GB,
+    MIXED_ADAM,
+    Block,
+    Layout,
+    StateBytes,
+    estimate,
+    head_saved,
+    layer_activation_bytes,
+    microbatches_in_flight,
+    model_state_bytes,
+    per_gpu_bytes,
+)
 from common.tools.planner import GPUS, plan
 from recipes.dit.train import memory_spec as dit_spec
 from recipes.llm.train import memory_spec as llm_spec
@@ -37,6 +49,7 @@ plan_script = load_plan_script()
 
 # ---- a) Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 GPUs, K = 12 --------------------
 
+
 @pytest.mark.parametrize("stage, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_figure_1(stage, expected_gb):
     states = model_state_bytes(7.5e9, stage, 64, MIXED_ADAM)
@@ -45,6 +58,7 @@ def test_zero_paper_figure_1(stage, expected_gb):
 
 # ---- b) DeepSpeed's own estimators --------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def recipe_sizes() -> list[tuple[str, int, int]]:
     """(recipe, parameters, largest module) from the recipes' own builders on the meta device. All
@@ -52,8 +66,9 @@ def recipe_sizes() -> list[tuple[str, int, int]]:
     sizes = []
     for name, build in (("dit_2b", dit_spec), ("llm_8b", llm_spec)):
         spec = build(compose([f"recipe={name}"]))
-        sizes.append((name, spec.total_params, spec.gather_unit_params if name == "dit_2b" else
-                       spec.first_params))  # the LLM's largest module: its embedding table
+        sizes.append(
+            (name, spec.total_params, spec.gather_unit_params if name == "dit_2b" else spec.first_params)
+        )  # the LLM's largest module: its embedding table
     return sizes
 
 
@@ -76,7 +91,8 @@ def test_zero3_matches_deepspeed_estimator(recipe_sizes, gpus_per_node, nodes):
     n_gpus = gpus_per_node * nodes
     for _, params, largest in recipe_sizes:
         _, ds_gpu, ds_largest = estimate_zero3_model_states_mem_needs(
-            params, largest, gpus_per_node, nodes, cpu_offload=False, cpu_offload_params=False)
+            params, largest, gpus_per_node, nodes, cpu_offload=False, cpu_offload_params=False
+        )
         # DeepSpeed's stage-3 estimator: 18 bytes / N (16-bit weights + fp32 weights, grads, Adam) plus
         # the largest layer gathered as 16-bit weights and grads (4 bytes each parameter).
         exact = model_state_bytes(params, 3, n_gpus, StateBytes(2, 0, 16), gathered_params=largest)
@@ -89,6 +105,7 @@ def test_zero3_matches_deepspeed_estimator(recipe_sizes, gpus_per_node, nodes):
 
 
 # ---- c) activations: the generalized count, and bytes autograd keeps on CPU ----------------------
+
 
 def test_gpt3_layer_reduces_to_korthikanti():
     """Layernorm, 4h gelu MLP, dropout, eager attention, 16-bit: s·b·h·34 + 5·a·s²·b per layer."""
@@ -138,10 +155,12 @@ def tiny_llm():
     args = llama_args(cfg, vocab_size=spec.vocab)
     b, s = cfg.trainer.micro_batch_size, cfg.data.max_seq_len
     gen = torch.Generator().manual_seed(0)
-    batch = {"tokens": torch.randint(0, args.vocab_size, (b, s), generator=gen),
-             "positions": torch.arange(s).repeat(b, 1),
-             "mask": torch.ones(b, 1, s, s, dtype=torch.bool).tril(),  # the recipe's 4D mask, one document per row
-             "labels": torch.randint(0, args.vocab_size, (b * (s - 1),), generator=gen)}
+    batch = {
+        "tokens": torch.randint(0, args.vocab_size, (b, s), generator=gen),
+        "positions": torch.arange(s).repeat(b, 1),
+        "mask": torch.ones(b, 1, s, s, dtype=torch.bool).tril(),  # the recipe's 4D mask, one document per row
+        "labels": torch.randint(0, args.vocab_size, (b * (s - 1),), generator=gen),
+    }
     return spec, lambda: Transformer(args), batch
 
 
@@ -176,8 +195,10 @@ def test_llm_tiny_activations_match_saved_tensors(tiny_llm, ac, loss):
     """One fp32 forward of the real llm_tiny at the recipe's 8 x 256 tokens. Not modelled: the RoPE
     cos/sin gathered by position_ids ([2, b, s, head_dim] fp32, shared by every layer)."""
     measured, predicted = measure_llm(tiny_llm, ac, loss)
-    print(f"llm_tiny AC={ac} loss={loss}: predicted {predicted:,.0f} B, measured {measured:,.0f} B, "
-          f"ratio {predicted / measured:.3f}")
+    print(
+        f"llm_tiny AC={ac} loss={loss}: predicted {predicted:,.0f} B, measured {measured:,.0f} B, "
+        f"ratio {predicted / measured:.3f}"
+    )
     assert predicted == pytest.approx(measured, rel=0.15)
 
 
@@ -193,15 +214,23 @@ def test_dit_tiny_activations_match_saved_tensors():
     model = build_model(cfg.model, cfg.data.image_size)
     set_attention(model, cfg.toggles.attention)
     b, size = cfg.trainer.micro_batch_size, cfg.data.image_size
-    x, t, y = torch.randn(b, cfg.model.in_channels, size, size), torch.randint(0, 1000, (b,)), torch.randint(0, 10, (b,))
-    measured, _ = saved_bytes(lambda: model(x, timestep=t, class_labels=y).sample,
-                              [*model.parameters(), *model.buffers(), x, t, y])
+    x, t, y = (
+        torch.randn(b, cfg.model.in_channels, size, size),
+        torch.randint(0, 1000, (b,)),
+        torch.randint(0, 10, (b,)),
+    )
+    measured, _ = saved_bytes(
+        lambda: model(x, timestep=t, class_labels=y).sample, [*model.parameters(), *model.buffers(), x, t, y]
+    )
     predicted = spec.layers * layer_activation_bytes(spec.block, seq=spec.seq, batch=b, act_bytes=4)
-    print(f"dit_tiny AC=none: predicted {predicted:,.0f} B, measured {measured:,.0f} B, ratio {predicted / measured:.3f}")
+    print(
+        f"dit_tiny AC=none: predicted {predicted:,.0f} B, measured {measured:,.0f} B, ratio {predicted / measured:.3f}"
+    )
     assert predicted == pytest.approx(measured, rel=0.15)
 
 
 # ---- d) the planner ----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def llm_8b():
@@ -224,9 +253,9 @@ def test_plan_lists_fitting_layouts_best_first(llm_8b):
     fits = [r for r in rows if r["fits"]]
     assert fits and len(fits) < len(rows)
     assert all(r["total"] <= 0.9 * gpu.memory for r in fits)
-    assert all(r["total"] > 0.9 * gpu.memory for r in rows[len(fits):])
+    assert all(r["total"] > 0.9 * gpu.memory for r in rows[len(fits) :])
     # No recomputation without sharding at 8k tokens: pure FSDP-8 keeps ~60 GiB of activations.
-    assert Layout(8, 1, 1, 3, "none") in [r["layout"] for r in rows[len(fits):]]
+    assert Layout(8, 1, 1, 3, "none") in [r["layout"] for r in rows[len(fits) :]]
     assert fits[0]["layout"].ac == "none"
     assert all(r["layout"].dp * r["layout"].tp * r["layout"].pp == 8 for r in rows)
 
@@ -237,7 +266,11 @@ def test_plan_respects_recipe_layout_rules():
     rows = plan(dit_spec(cfg), 8, GPUS["h100_80gb"], allowed=plan_script.recipe_allows(cfg))
     layouts = {r["layout"] for r in rows}
     assert {(lay.tp, lay.pp) for lay in layouts} == {(1, 1)}
-    assert {lay.zero_stage for lay in layouts} == {0, 1, 2, 3} and {lay.ac for lay in layouts} == {"none", "selective", "full"}
+    assert {lay.zero_stage for lay in layouts} == {0, 1, 2, 3} and {lay.ac for lay in layouts} == {
+        "none",
+        "selective",
+        "full",
+    }
 
 
 def test_moe_planner_prices_experts_per_ep_rank():
@@ -270,11 +303,21 @@ def test_lora_prices_the_adapter_with_adam_and_the_base_as_weights():
     spec = llm_spec(cfg)
     m = cfg.model
     with torch.device("meta"):
-        hf = LlamaForCausalLM(LlamaConfig(hidden_size=m.dim, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-                                          num_key_value_heads=m.n_kv_heads, intermediate_size=m.ffn_dim,
-                                          vocab_size=m.vocab_size, tie_word_embeddings=False))
+        hf = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=m.dim,
+                num_hidden_layers=m.n_layers,
+                num_attention_heads=m.n_heads,
+                num_key_value_heads=m.n_kv_heads,
+                intermediate_size=m.ffn_dim,
+                vocab_size=m.vocab_size,
+                tie_word_embeddings=False,
+            )
+        )
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    trainable, total = get_peft_model(hf, LoraConfig(r=cfg.lora.rank, target_modules=targets)).get_nb_trainable_parameters()
+    trainable, total = get_peft_model(
+        hf, LoraConfig(r=cfg.lora.rank, target_modules=targets)
+    ).get_nb_trainable_parameters()
     assert spec.layers * spec.layer_params + spec.first_params + spec.last_params == trainable == 20_971_520
     assert spec.total_params == total and spec.frozen_params == total - trainable
     est = estimate(spec, Layout(dp=1, tp=1, pp=1, zero_stage=0, ac="full"))
@@ -298,13 +341,18 @@ def test_qlora_prices_the_adapted_linears_base_as_torchao_nf4():
     lora_spec, qlora = llm_spec(compose(base)), llm_spec(compose([*base, "lora.quantize_base=nf4"]))
     m = compose(base).model
     per_layer = m.dim * (2 * m.dim + 2 * m.dim * m.n_kv_heads // m.n_heads) + 3 * m.dim * m.ffn_dim
-    saved = m.n_layers * (4 * per_layer) - sum(nf4_bytes(n) for n in [m.dim * m.dim] * 2 * m.n_layers
-                                               + [m.dim * m.dim * m.n_kv_heads // m.n_heads] * 2 * m.n_layers
-                                               + [m.dim * m.ffn_dim] * 3 * m.n_layers)
+    saved = m.n_layers * (4 * per_layer) - sum(
+        nf4_bytes(n)
+        for n in [m.dim * m.dim] * 2 * m.n_layers
+        + [m.dim * m.dim * m.n_kv_heads // m.n_heads] * 2 * m.n_layers
+        + [m.dim * m.ffn_dim] * 3 * m.n_layers
+    )
     assert lora_spec.frozen_bytes - qlora.frozen_bytes == pytest.approx(saved, rel=1e-12)
     one = Layout(dp=1, tp=1, pp=1, zero_stage=0, ac="full")
-    print(f"llm_8b on one GPU: LoRA weights {estimate(lora_spec, one)['weights'] / 2**30:.2f} GiB, "
-          f"QLoRA {estimate(qlora, one)['weights'] / 2**30:.2f} GiB")
+    print(
+        f"llm_8b on one GPU: LoRA weights {estimate(lora_spec, one)['weights'] / 2**30:.2f} GiB, "
+        f"QLoRA {estimate(qlora, one)['weights'] / 2**30:.2f} GiB"
+    )
     assert estimate(lora_spec, one)["weights"] - estimate(qlora, one)["weights"] == pytest.approx(saved, rel=1e-12)
 
 
@@ -320,7 +368,10 @@ def test_dit_lora_prices_its_adapters():
     est = estimate(spec, Layout(dp=1, tp=1, pp=1, zero_stage=0, ac="full"))
     trainable = spec.layers * spec.layer_params
     # Adam's state and the fp32 EMA (common/ema.py) of the adapter alone
-    assert (est["grads"], est["optimizer"]) == (DEEPSPEED_MIXED.grads * trainable, (DEEPSPEED_MIXED.optimizer + 4) * trainable)
+    assert (est["grads"], est["optimizer"]) == (
+        DEEPSPEED_MIXED.grads * trainable,
+        (DEEPSPEED_MIXED.optimizer + 4) * trainable,
+    )
     assert est["weights"] == DEEPSPEED_MIXED.weights * trainable + 2 * spec.frozen_params  # bf16: DeepSpeed casts it
 
 
@@ -338,8 +389,9 @@ def test_plan_says_llm_8b_lora_fits_one_h100(capsys):
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "plan.py"), *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_plan_cli_table_and_json(capsys):
@@ -364,19 +416,35 @@ def test_plan_cli_unknown_gpu_is_one_line_exit_2():
 # What importing transformers/peft/diffusers prints with torchao installed (its CUDA kernels on a CPU build, its
 # pytree registrations), silenced by common/known_warnings.py in every CLI: noise a user cannot act on.
 IMPORT_NOISE = re.compile(r"Failed to load .*_C_|register_constant\(\) on Enum|Unable to import `torchao`")
-DRY_RUN_STATES = re.compile(r"model states per GPU: ([\d,]+) bytes \(weights ([\d,]+) \+ grads ([\d,]+) "
-                            r"\+ optimizer ([\d,]+) \+ gathered ([\d,]+)\)")
+DRY_RUN_STATES = re.compile(
+    r"model states per GPU: ([\d,]+) bytes \(weights ([\d,]+) \+ grads ([\d,]+) "
+    r"\+ optimizer ([\d,]+) \+ gathered ([\d,]+)\)"
+)
 
 
-@pytest.mark.parametrize("recipe, overrides, layout", [
-    *[("dit_2b", [f"parallel.zero_stage={s}"], dict(dp=8, tp=1, pp=1, zero_stage=s)) for s in range(4)],
-    ("llm_8b", ["parallel.tp=2"], dict(dp=4, tp=2, pp=1, zero_stage=3)),  # FSDP over dp=4
-])
+@pytest.mark.parametrize(
+    "recipe, overrides, layout",
+    [
+        *[("dit_2b", [f"parallel.zero_stage={s}"], dict(dp=8, tp=1, pp=1, zero_stage=s)) for s in range(4)],
+        ("llm_8b", ["parallel.tp=2"], dict(dp=4, tp=2, pp=1, zero_stage=3)),  # FSDP over dp=4
+    ],
+)
 def test_dry_run_and_plan_report_the_same_model_states(recipe, overrides, layout):
     """`scripts/train.py run.dry_run=true` (what a user sizes a run with) and `scripts/plan.py` print the
     same per-GPU weights, grads and optimizer bytes for the same layout, to the byte."""
-    dry = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), f"recipe={recipe}", "run.dry_run=true",
-                          f"parallel.dp={layout['dp']}", *overrides], capture_output=True, text=True, timeout=300)
+    dry = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "train.py"),
+            f"recipe={recipe}",
+            "run.dry_run=true",
+            f"parallel.dp={layout['dp']}",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert not IMPORT_NOISE.search(dry.stderr), dry.stderr
     found = DRY_RUN_STATES.search(dry.stdout)
@@ -386,10 +454,12 @@ def test_dry_run_and_plan_report_the_same_model_states(recipe, overrides, layout
     assert planned.returncode == 0, planned.stderr
     assert not IMPORT_NOISE.search(planned.stderr), planned.stderr  # the DiT imports diffusers, the LLM transformers
     ac = compose([f"recipe={recipe}"]).toggles.activation_checkpointing
-    row = next(r for r in json.loads(planned.stdout)["layouts"]
-               if {k: r[k] for k in layout} == layout and r["ac"] == ac)
+    row = next(
+        r for r in json.loads(planned.stdout)["layouts"] if {k: r[k] for k in layout} == layout and r["ac"] == ac
+    )
     assert (weights, grads, optimizer, gathered) == tuple(
-        round(row[f"{k}_bytes"]) for k in ("weights", "grads", "optimizer", "gathered"))
+        round(row[f"{k}_bytes"]) for k in ("weights", "grads", "optimizer", "gathered")
+    )
     assert total == weights + grads + optimizer + gathered
 
 

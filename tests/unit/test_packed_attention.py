@@ -38,8 +38,13 @@ def tiny_llama(attn: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalL
 def tiny_llava(attn: str | dict, dtype: torch.dtype = torch.float32) -> LlavaForConditionalGeneration:
     torch.manual_seed(0)
     vision = SiglipVisionConfig(
-        image_size=16, patch_size=4, num_channels=3, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=1, num_attention_heads=2,
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
     )
     config = LlavaConfig(
         vision_config=vision,
@@ -153,7 +158,9 @@ def test_llava_loss_packing_on_equals_off(attn):
     _assert_loss_on_equals_off(tiny_llava(attn), samples, attn, pixel_values)
 
 
-def _reference_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+def _reference_varlen_attn(
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+):
     """torch.nn.attention.varlen.varlen_attn as documented, on CPU (the kernel is CUDA only): q/k/v
     [tokens, heads, head_dim]; each cu_seq segment attends within itself, causally for window (-1, 0)."""
     assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int(cu_seq_q.diff().max())
@@ -161,8 +168,9 @@ def _reference_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=N
     out = torch.empty_like(q)
     for a, b in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
         seg = [t[a:b].transpose(0, 1) for t in (q, k, v)]  # [heads, n, head_dim]
-        out[a:b] = torch.nn.functional.scaled_dot_product_attention(*seg, scale=scale, is_causal=True,
-                                                                     enable_gqa=enable_gqa).transpose(0, 1)
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+            *seg, scale=scale, is_causal=True, enable_gqa=enable_gqa
+        ).transpose(0, 1)
     return out
 
 
@@ -236,8 +244,10 @@ def test_varlen_inputs_describe_the_dense_mask(packing):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
-                    reason="needs a CUDA GPU of capability >= 8.0 (torch's varlen flash kernel)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+    reason="needs a CUDA GPU of capability >= 8.0 (torch's varlen flash kernel)",
+)
 @pytest.mark.parametrize("family", ["llama", "llava"])
 def test_flash_varlen_matches_sdpa(family):
     # Same packed batch, same weights: torch's varlen kernel through the recipe's attention function
@@ -257,7 +267,11 @@ def test_flash_varlen_matches_sdpa(family):
         extra = {"pixel_values": pixel_values[batch.order].to("cuda", torch.bfloat16)}
     out = {}
     for attn in ("flash", "sdpa"):
-        model = build(_attn(family, attn_implementation("flash")) if attn == "flash" else "sdpa", torch.bfloat16).cuda().train()
+        model = (
+            build(_attn(family, attn_implementation("flash")) if attn == "flash" else "sdpa", torch.bfloat16)
+            .cuda()
+            .train()
+        )
         res = model(**batch.model_inputs(attn, device="cuda"), **extra)
         res.loss.backward()
         grad = torch.cat([p.grad.float().reshape(-1) for p in model.parameters() if p.grad is not None])

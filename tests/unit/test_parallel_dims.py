@@ -2,9 +2,9 @@
 
 import pytest
 
-from recipes.llm.config import MeshParallelConfig
 from common.errors import ConfigError
 from common.parallel_dims import ParallelDims
+from recipes.llm.config import MeshParallelConfig
 
 
 def test_dp_is_derived_from_the_world_size():
@@ -12,11 +12,14 @@ def test_dp_is_derived_from_the_world_size():
     assert (dims.dp, dims.tp, dims.pp) == (2, 2, 2)
 
 
-@pytest.mark.parametrize("dp,tp,pp,world,needle", [
-    (2, 2, 2, 4, "parallel.dp*tp*pp=2*2*2=8 but the job has 4 ranks"),
-    (-1, 3, 1, 4, "parallel.tp*pp=3*1=3 does not divide the 4 ranks"),
-    (1, 1, 1, 2, "parallel.dp*tp*pp=1*1*1=1 but the job has 2 ranks"),
-])
+@pytest.mark.parametrize(
+    "dp,tp,pp,world,needle",
+    [
+        (2, 2, 2, 4, "parallel.dp*tp*pp=2*2*2=8 but the job has 4 ranks"),
+        (-1, 3, 1, 4, "parallel.tp*pp=3*1=3 does not divide the 4 ranks"),
+        (1, 1, 1, 2, "parallel.dp*tp*pp=1*1*1=1 but the job has 2 ranks"),
+    ],
+)
 def test_impossible_layouts_are_rejected(dp, tp, pp, world, needle):
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*")):
         ParallelDims.from_config(MeshParallelConfig(dp=dp, tp=tp, pp=pp), world_size=world)

@@ -191,8 +191,15 @@ def test_refuses_foreign_nonempty_dir(tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "keep me"
 
 
-@pytest.mark.parametrize("argv", [[], ["--out", "x", "--val-fraction", "1.5"], ["--out", "x", "--train-shards", "0"],
-                                  ["--out", "x", "--seed", "abc"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--out", "x", "--val-fraction", "1.5"],
+        ["--out", "x", "--train-shards", "0"],
+        ["--out", "x", "--seed", "abc"],
+    ],
+)
 def test_bad_args_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         pd.main(argv)
@@ -206,8 +213,16 @@ def test_digits_through_the_resumable_loader(built, source):
 
     images, labels = source
     meta = pd.ensure_digits_shards(built, train_shards=4, val_shards=2, seed=7)
-    loader = build_webdataset_loader(meta["train_urls"], decode=functools.partial(decode_sample, image_size=8), batch_size=16,
-                                     rank=1, world_size=2, num_workers=2, seed=0, collate=list)
+    loader = build_webdataset_loader(
+        meta["train_urls"],
+        decode=functools.partial(decode_sample, image_size=8),
+        batch_size=16,
+        rank=1,
+        world_size=2,
+        num_workers=2,
+        seed=0,
+        collate=list,
+    )
     try:
         batch = next(iter(loader))
     finally:
@@ -217,8 +232,10 @@ def test_digits_through_the_resumable_loader(built, source):
         assert sample["image"].shape == (1, 8, 8) and sample["image"].dtype == torch.float32
         assert isinstance(sample["label"], int) and 0 <= sample["label"] <= 9
     # Rank 1 of 2 reads the odd shards: every decoded sample is one of their digits, label included.
-    rows = [int(s["__key__"].split("_")[1])
-            for s in wds.WebDataset(meta["train_urls"][1::2], shardshuffle=False, empty_check=False)]
+    rows = [
+        int(s["__key__"].split("_")[1])
+        for s in wds.WebDataset(meta["train_urls"][1::2], shardshuffle=False, empty_check=False)
+    ]
     expected = to_model_space(torch.from_numpy(images[rows]), 8)
     for sample in batch:
         same = (expected - sample["image"]).abs().amax(dim=(1, 2, 3)) == 0

@@ -13,10 +13,10 @@ from PIL import Image
 
 from common.data.dataset import load_dataset_meta
 from common.data.webdataset import iter_samples
+from common.tools.fixtures import make_image_folder
 from data import prepare_images
 from recipes.dit.data import decode_sample
 from tests.conftest import REPO
-from common.tools.fixtures import make_image_folder
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,25 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def built(folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("shards") / "ds"
-    assert prepare_images.main(["--input", str(folder), "--out", str(out), "--image-size", "32", "--train-shards", "2",
-                                "--val-shards", "1", "--val-fraction", "0.2"]) == 0
+    assert (
+        prepare_images.main(
+            [
+                "--input",
+                str(folder),
+                "--out",
+                str(out),
+                "--image-size",
+                "32",
+                "--train-shards",
+                "2",
+                "--val-shards",
+                "1",
+                "--val-fraction",
+                "0.2",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -70,26 +87,52 @@ def test_center_crop_of_a_wide_image():
     wide = Image.fromarray(np.tile(np.arange(200, dtype=np.uint8)[None, :, None], (50, 1, 3)))
     out = prepare_images.center_crop(wide, 25)  # 200x50 -> box-halved once to 100x25, crop the middle 25 columns
     assert out.size == (25, 25)
-    assert np.asarray(out)[0, 0, 0] == pytest.approx(75, abs=2) and np.asarray(out)[0, -1, 0] == pytest.approx(123, abs=2)
+    assert np.asarray(out)[0, 0, 0] == pytest.approx(75, abs=2) and np.asarray(out)[0, -1, 0] == pytest.approx(
+        123, abs=2
+    )
 
 
 def test_rerun_is_a_noop(built, folder, capsys):
-    assert prepare_images.main(["--input", str(folder), "--out", str(built), "--image-size", "32", "--train-shards", "2",
-                                "--val-shards", "1", "--val-fraction", "0.2"]) == 0
+    assert (
+        prepare_images.main(
+            [
+                "--input",
+                str(folder),
+                "--out",
+                str(built),
+                "--image-size",
+                "32",
+                "--train-shards",
+                "2",
+                "--val-shards",
+                "1",
+                "--val-fraction",
+                "0.2",
+            ]
+        )
+        == 0
+    )
     assert "nothing to do" in capsys.readouterr().out
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "data.prepare_images", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "data.prepare_images", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("layout, needle", [
-    ({}, "has no class subfolders"),  # an empty folder
-    ({"cats": ["a.png"], "dogs": []}, "class folder(s) without images: dogs"),
-    ({"cats": ["a.png"], "dogs": ["notes.txt"]}, "class folder(s) without images: dogs"),
-    ({"cats": ["a.png", "b.png"], "dogs": ["bad.png", "bad2.png"]}, "no decodable training image in class folder(s): dogs"),
-])
+@pytest.mark.parametrize(
+    "layout, needle",
+    [
+        ({}, "has no class subfolders"),  # an empty folder
+        ({"cats": ["a.png"], "dogs": []}, "class folder(s) without images: dogs"),
+        ({"cats": ["a.png"], "dogs": ["notes.txt"]}, "class folder(s) without images: dogs"),
+        (
+            {"cats": ["a.png", "b.png"], "dogs": ["bad.png", "bad2.png"]},
+            "no decodable training image in class folder(s): dogs",
+        ),
+    ],
+)
 def test_bad_folders_stop_with_one_line(tmp_path, layout, needle):
     root = tmp_path / "in"
     root.mkdir()
@@ -100,8 +143,20 @@ def test_bad_folders_stop_with_one_line(tmp_path, layout, needle):
                 Image.new("RGB", (8, 8), (200, 10, 10)).save(root / name / f)
             else:
                 (root / name / f).write_bytes(b"not an image")
-    proc = _run("--input", str(root), "--out", str(tmp_path / "out"), "--image-size", "8", "--train-shards", "1",
-                "--val-shards", "1", "--val-fraction", "0.5")
+    proc = _run(
+        "--input",
+        str(root),
+        "--out",
+        str(tmp_path / "out"),
+        "--image-size",
+        "8",
+        "--train-shards",
+        "1",
+        "--val-shards",
+        "1",
+        "--val-fraction",
+        "0.5",
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error:") and needle in lines[0]
@@ -115,5 +170,8 @@ def test_training_refuses_shards_of_another_size(built):
 
     meta = load_dataset_meta(built)
     assert check_image_size(compose(["recipe=dit_tiny", "data=images", "data.image_size=32"]), meta) is meta
-    with pytest.raises(DataError, match="holds 32x32 images but data.image_size=64: set data.image_size=32 or rebuild the shards with prepare_images --image-size 64"):
+    with pytest.raises(
+        DataError,
+        match="holds 32x32 images but data.image_size=64: set data.image_size=32 or rebuild the shards with prepare_images --image-size 64",
+    ):
         check_image_size(compose(["recipe=dit_tiny", "data=images", "data.image_size=64"]), meta)

@@ -23,7 +23,12 @@ def llava(tmp_path_factory):
 @pytest.fixture(scope="module")
 def built(llava, tmp_path_factory):
     out = tmp_path_factory.mktemp("built") / "instruct"
-    assert pl.main(["--json", str(llava / "llava_instruct.json"), "--images", str(llava / "images"), "--out", str(out), *SMALL]) == 0
+    assert (
+        pl.main(
+            ["--json", str(llava / "llava_instruct.json"), "--images", str(llava / "images"), "--out", str(out), *SMALL]
+        )
+        == 0
+    )
     return out
 
 
@@ -62,15 +67,20 @@ def test_rebuild_is_a_noop_and_other_input_is_refused(built, llava, capsys):
     args = ["--json", llava / "llava_instruct.json", "--images", llava / "images", "--out", built, *SMALL]
     rc, out, _ = run(capsys, *args)
     assert rc == 0 and "nothing to do" in out
-    rc, _, err = run(capsys, "--json", llava / "llava_pretrain.json", "--images", llava / "images", "--out", built, *SMALL)
+    rc, _, err = run(
+        capsys, "--json", llava / "llava_pretrain.json", "--images", llava / "images", "--out", built, *SMALL
+    )
     assert rc == 1 and err.startswith("kiln: error:") and "--force" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("content,message", [
-    ("not json {", "not readable as JSON"),
-    ('{"id": "x"}', "a list of LLaVA samples is expected"),
-    ("[]", "none of its 0 samples is usable (the list is empty)"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("not json {", "not readable as JSON"),
+        ('{"id": "x"}', "a list of LLaVA samples is expected"),
+        ("[]", "none of its 0 samples is usable (the list is empty)"),
+    ],
+)
 def test_unusable_json_is_one_line(tmp_path, llava, capsys, content, message):
     bad = tmp_path / "bad.json"
     bad.write_text(content)
@@ -84,15 +94,26 @@ def test_all_bad_is_one_line_with_the_counts(tmp_path, llava, capsys):
     bad.write_text(json.dumps(fx.broken_records("x")))
     rc, _, err = run(capsys, "--json", bad, "--images", llava / "images", "--out", tmp_path / "out", *SMALL)
     assert rc == 2 and len(err.strip().splitlines()) == 1
-    assert "none of its 6 samples is usable (missing image 2, undecodable image 1, <image> count mismatch 2, malformed 1)" in err
+    assert (
+        "none of its 6 samples is usable (missing image 2, undecodable image 1, <image> count mismatch 2, malformed 1)"
+        in err
+    )
     rc, _, err = run(capsys, "--json", bad, "--images", tmp_path / "nope", "--out", tmp_path / "out", *SMALL)
     assert rc == 2 and "--images" in err and "no such folder" in err
 
 
 def test_record_rules():
     turn = lambda f, v: {"from": f, "value": v}  # noqa: E731
-    messages, images = pl.to_messages({"image": ["a.png", "b.png"], "conversations": [
-        turn("system", "Be brief."), turn("human", "<image>\nFirst.\n<image>"), turn("gpt", "Two digits.")]})
+    messages, images = pl.to_messages(
+        {
+            "image": ["a.png", "b.png"],
+            "conversations": [
+                turn("system", "Be brief."),
+                turn("human", "<image>\nFirst.\n<image>"),
+                turn("gpt", "Two digits."),
+            ],
+        }
+    )
     assert images == ["a.png", "b.png"] and [m["role"] for m in messages] == ["system", "user", "assistant"]
     for record, reason in [
         ({"conversations": [turn("gpt", "Hi"), turn("human", "Hi")]}, "malformed"),

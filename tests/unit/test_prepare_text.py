@@ -62,6 +62,7 @@ def samples(meta):
 @pytest.fixture
 def no_network(monkeypatch):
     """Any attempt to open a network connection fails the test (the tokenizer must load offline)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError(f"network access attempted: {args}")
 
@@ -94,7 +95,9 @@ def test_chunk_text_is_lossless_bounded_and_cuts_at_paragraphs(topics, documents
         assert "".join(d.text for d in parts) == text
         assert all(0 < len(d.text) <= pt.MAX_DOC_CHARS for d in parts)
     # Every cut lands on a paragraph boundary unless a paragraph alone exceeds the limit.
-    paragraph_cuts = sum(d.text.endswith("\n\n") for d in documents if d.part < max(p.part for p in documents if p.topic == d.topic))
+    paragraph_cuts = sum(
+        d.text.endswith("\n\n") for d in documents if d.part < max(p.part for p in documents if p.topic == d.topic)
+    )
     cuts = len(documents) - len(topics)
     assert cuts > 150 and paragraph_cuts >= 0.8 * cuts
 
@@ -192,7 +195,11 @@ def test_tokenizer_loads_offline_and_round_trips(meta, samples, no_network):
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
     # Paragraphs from both splits (val text was never seen by the BPE trainer) plus odd text.
     paragraphs = [p for s in pt.SPLITS for x in samples[s][:5] for p in x["txt"].decode().split("\n\n") if p.strip()]
-    paragraphs += ["  leading spaces, tabs\tand trailing newline\n", "déjà vu — “quotes” … 你好 🙂", "x = f(a) ; y=[1 ,2]"]
+    paragraphs += [
+        "  leading spaces, tabs\tand trailing newline\n",
+        "déjà vu — “quotes” … 你好 🙂",
+        "x = f(a) ; y=[1 ,2]",
+    ]
     for text in paragraphs:
         ids = tok(text)["input_ids"]
         assert ids[0] == tok.bos_token_id and ids[-1] != tok.eos_token_id  # Llama-style: <s> added, </s> not
@@ -263,8 +270,16 @@ def test_refuses_a_foreign_non_empty_dir(tmp_path):
 def test_decode_document_through_the_resumable_loader(meta, samples):
     assert pickle.loads(pickle.dumps(decode_document)) is decode_document
     n = meta["splits"]["train"]["samples"]
-    loader = build_webdataset_loader(meta["train_urls"], decode=decode_document, collate=list, batch_size=1,
-                                     rank=0, world_size=1, seed=SEED, shuffle_buffer=16)
+    loader = build_webdataset_loader(
+        meta["train_urls"],
+        decode=decode_document,
+        collate=list,
+        batch_size=1,
+        rank=0,
+        world_size=1,
+        seed=SEED,
+        shuffle_buffer=16,
+    )
     it = iter(loader)
     batches = [next(it) for _ in range(n)]  # one epoch: every train document once
     loader.close()

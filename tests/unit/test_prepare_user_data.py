@@ -53,7 +53,11 @@ def tok(tok_dir):
 
 def _samples(root: Path) -> list[dict]:
     meta = load_dataset_meta(root, asset="tokenizer")
-    return [s for split in ("train", "val") for s in wds.WebDataset(meta[f"{split}_urls"], shardshuffle=False, empty_check=False)]
+    return [
+        s
+        for split in ("train", "val")
+        for s in wds.WebDataset(meta[f"{split}_urls"], shardshuffle=False, empty_check=False)
+    ]
 
 
 # --- text ----------------------------------------------------------------------------------------------
@@ -77,8 +81,21 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def text_root(tmp_path_factory, tok_dir, corpus) -> Path:
     out = tmp_path_factory.mktemp("built") / "my_text"
-    argv = ["--tokenizer", str(tok_dir), "--input", f"{corpus}/*", str(corpus / "missing.txt"), "--out", str(out),
-            "--train-shards", "4", "--val-shards", "1", "--val-fraction", "0.2"]
+    argv = [
+        "--tokenizer",
+        str(tok_dir),
+        "--input",
+        f"{corpus}/*",
+        str(corpus / "missing.txt"),
+        "--out",
+        str(out),
+        "--train-shards",
+        "4",
+        "--val-shards",
+        "1",
+        "--val-fraction",
+        "0.2",
+    ]
     assert prepare_text.main(argv) == 0
     return out
 
@@ -102,9 +119,15 @@ def test_bad_text_files_are_skipped_and_counted(text_root, corpus):
     inputs = json.loads((text_root / "meta.json").read_text())["inputs"]
     assert len(inputs["used"]) == 8  # six .txt, rows.jsonl, rows.parquet
     reasons = {Path(s["path"]).name: s["reason"].split(" (")[0] for s in inputs["skipped"]}
-    assert reasons == {"broken.jsonl": "unreadable", "latin1.txt": "unreadable", "wrong_field.jsonl": "no 'text' field",
-                       "no_column.parquet": "no 'text' field", "empty.txt": "empty", "notes.md": "unsupported suffix",
-                       "missing.txt": "missing"}
+    assert reasons == {
+        "broken.jsonl": "unreadable",
+        "latin1.txt": "unreadable",
+        "wrong_field.jsonl": "no 'text' field",
+        "no_column.parquet": "no 'text' field",
+        "empty.txt": "empty",
+        "notes.md": "unsupported suffix",
+        "missing.txt": "missing",
+    }
 
 
 def test_the_tokenizer_travels_with_the_data(text_root, tok):
@@ -116,8 +139,21 @@ def test_the_tokenizer_travels_with_the_data(text_root, tok):
 
 
 def test_rebuild_is_a_noop_and_other_inputs_are_refused(text_root, tok_dir, corpus, capsys):
-    argv = ["--tokenizer", str(tok_dir), "--input", f"{corpus}/*", str(corpus / "missing.txt"), "--out", str(text_root),
-            "--train-shards", "4", "--val-shards", "1", "--val-fraction", "0.2"]
+    argv = [
+        "--tokenizer",
+        str(tok_dir),
+        "--input",
+        f"{corpus}/*",
+        str(corpus / "missing.txt"),
+        "--out",
+        str(text_root),
+        "--train-shards",
+        "4",
+        "--val-shards",
+        "1",
+        "--val-fraction",
+        "0.2",
+    ]
     assert prepare_text.main(argv) == 0 and "nothing to do" in capsys.readouterr().out
     assert prepare_text.main([*argv[:3], f"{corpus}/doc*.txt", *argv[5:]]) == 1
     assert "inputs_digest" in capsys.readouterr().err
@@ -125,11 +161,24 @@ def test_rebuild_is_a_noop_and_other_inputs_are_refused(text_root, tok_dir, corp
 
 def test_all_bad_inputs_stop_with_one_line_and_write_nothing(tmp_path, tok_dir, corpus, capsys):
     out = tmp_path / "nothing"
-    argv = ["--tokenizer", str(tok_dir), "--input", str(corpus / "broken.jsonl"), str(corpus / "empty.txt"), "--out", str(out)]
+    argv = [
+        "--tokenizer",
+        str(tok_dir),
+        "--input",
+        str(corpus / "broken.jsonl"),
+        str(corpus / "empty.txt"),
+        "--out",
+        str(out),
+    ]
     assert prepare_text.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: none of the 2 input files could be used") and not out.exists()
-    assert prepare_text.main(["--tokenizer", str(tmp_path / "no_model"), "--input", str(corpus / "doc00.txt"), "--out", str(out)]) == 2
+    assert (
+        prepare_text.main(
+            ["--tokenizer", str(tmp_path / "no_model"), "--input", str(corpus / "doc00.txt"), "--out", str(out)]
+        )
+        == 2
+    )
     assert "--tokenizer" in capsys.readouterr().err and not out.exists()
     with pytest.raises(SystemExit):  # --tokenizer without --input
         prepare_text.main(["--tokenizer", str(tok_dir), "--out", str(out)])
@@ -145,8 +194,12 @@ def expected_llama3(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
     special = tok.convert_tokens_to_ids
     ids, mask = [tok.bos_token_id], [0]
     for m in messages:
-        head = [special(HEADER_START), *tok.encode(m["role"], add_special_tokens=False), special(HEADER_END),
-                *tok.encode("\n\n", add_special_tokens=False)]
+        head = [
+            special(HEADER_START),
+            *tok.encode(m["role"], add_special_tokens=False),
+            special(HEADER_END),
+            *tok.encode("\n\n", add_special_tokens=False),
+        ]
         body = [*tok.encode(m["content"].strip(), add_special_tokens=False), special(EOT)]
         ids += head + body
         mask += [0] * len(head) + [int(m["role"] == "assistant")] * len(body)
@@ -166,8 +219,13 @@ def test_exactly_the_assistant_tokens_carry_labels(tok):
 
 def test_chat_labels_reach_the_packed_batch(tok):
     sample = prepare_chat.encode_conversation(tok, CONVERSATION)
-    decoded = decode_document({"__key__": "k", "ids.npy": prepare_text.encode_ids(sample["ids"]),
-                               "mask.npy": prepare_text.encode_ids(sample["mask"])})
+    decoded = decode_document(
+        {
+            "__key__": "k",
+            "ids.npy": prepare_text.encode_ids(sample["ids"]),
+            "mask.npy": prepare_text.encode_ids(sample["mask"]),
+        }
+    )
     ids, mask = expected_llama3(tok, CONVERSATION)
     assert decoded["labels"].tolist() == [i if m else -100 for i, m in zip(ids, mask)]
     # Packed with a text document: the conversation keeps its labels, the document all of its own.
@@ -180,12 +238,14 @@ def test_chat_labels_reach_the_packed_batch(tok):
 def chat_file(tmp_path_factory) -> Path:
     """The chat fixture plus one malformed row of each kind and one conversation too long for --max-seq-len 200."""
     path = write_chat(tmp_path_factory.mktemp("data") / "chat.jsonl", n=40)
-    bad = ['{"messages": [{"role": "user", "content": "unterminated"}',  # bad JSON
-           json.dumps({"conversation": []}),  # no messages list
-           json.dumps({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}),  # no content
-           json.dumps({"messages": [{"role": "user", "content": "Hello?"}]}),  # no assistant turn
-           json.dumps({"messages": [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "ok"}]}),
-           json.dumps({"messages": [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]})]
+    bad = [
+        '{"messages": [{"role": "user", "content": "unterminated"}',  # bad JSON
+        json.dumps({"conversation": []}),  # no messages list
+        json.dumps({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}),  # no content
+        json.dumps({"messages": [{"role": "user", "content": "Hello?"}]}),  # no assistant turn
+        json.dumps({"messages": [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "ok"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]}),
+    ]
     with path.open("a") as f:
         f.write("\n".join(bad) + "\n")
     return path
@@ -193,15 +253,33 @@ def chat_file(tmp_path_factory) -> Path:
 
 def test_chat_build_counts_malformed_and_too_long_rows(tmp_path, tok_dir, chat_file, capsys):
     out = tmp_path / "my_chat"
-    argv = ["--tokenizer", str(tok_dir), "--input", str(chat_file), "--out", str(out), "--max-seq-len", "200",
-            "--train-shards", "2", "--val-shards", "1"]
+    argv = [
+        "--tokenizer",
+        str(tok_dir),
+        "--input",
+        str(chat_file),
+        "--out",
+        str(out),
+        "--max-seq-len",
+        "200",
+        "--train-shards",
+        "2",
+        "--val-shards",
+        "1",
+    ]
     assert prepare_chat.main(argv) == 0
     assert "1 dropped as longer than 200 tokens" in capsys.readouterr().out
     meta = json.loads((out / "meta.json").read_text())
     assert meta["format"] == "chat" and meta["conversations"] == 40 and meta["dropped_too_long"] == 1
     rows = {reason.split(" (")[0]: n for reason, n in meta["inputs"]["skipped_rows"].items()}
-    assert rows == {"bad JSON": 1, "no messages list": 1, "a message without a string role and content": 1,
-                    "no assistant turn": 1, "refused by the chat template": 1, "longer than --max-seq-len": 1}
+    assert rows == {
+        "bad JSON": 1,
+        "no messages list": 1,
+        "a message without a string role and content": 1,
+        "no assistant turn": 1,
+        "refused by the chat template": 1,
+        "longer than --max-seq-len": 1,
+    }
     assert meta["longest_sample"] <= 200
     labels = [decode_document(s)["labels"] for s in _samples(out)]
     assert sum(int((lab != -100).sum()) for lab in labels) == meta["labelled_tokens"]
@@ -223,7 +301,12 @@ def test_chat_needs_a_template_and_usable_rows(tmp_path, tok_dir, chat_file, cap
     out = tmp_path / "out"
     assert prepare_chat.main(["--tokenizer", str(no_template), "--input", str(chat_file), "--out", str(out)]) == 2
     assert "no chat template" in capsys.readouterr().err and not out.exists()
-    assert prepare_chat.main(["--tokenizer", str(tok_dir), "--input", str(chat_file), "--out", str(out), "--max-seq-len", "8"]) == 2
+    assert (
+        prepare_chat.main(
+            ["--tokenizer", str(tok_dir), "--input", str(chat_file), "--out", str(out), "--max-seq-len", "8"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no conversation could be used" in err[0] and not out.exists()
 
@@ -231,22 +314,32 @@ def test_chat_needs_a_template_and_usable_rows(tmp_path, tok_dir, chat_file, cap
 def test_a_file_without_one_usable_row_says_why(tmp_path, tok_dir, capsys):
     """No row parses: the one line counts the rows' reasons (the three most frequent), not just "no usable row"."""
     path = tmp_path / "broken.jsonl"
-    rows = ["{not json", "{not json either", json.dumps({"messages": [{"role": "user", "content": "Hi?"}]}),
-            json.dumps({"conversation": []}), json.dumps({"messages": [{"role": "user"}]})]
+    rows = [
+        "{not json",
+        "{not json either",
+        json.dumps({"messages": [{"role": "user", "content": "Hi?"}]}),
+        json.dumps({"conversation": []}),
+        json.dumps({"messages": [{"role": "user"}]}),
+    ]
     path.write_text("\n".join(rows) + "\n")
     out = tmp_path / "out"
     assert prepare_chat.main(["--tokenizer", str(tok_dir), "--input", str(path), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and not out.exists()
-    assert err[0].startswith(f"error: none of the 1 input files could be used ({path}: empty (no usable row: 2 bad "
-                             "JSON, 1 no assistant turn, 1 no messages list, ...))"), err[0]
+    assert err[0].startswith(
+        f"error: none of the 1 input files could be used ({path}: empty (no usable row: 2 bad "
+        "JSON, 1 no assistant turn, 1 no messages list, ...))"
+    ), err[0]
 
 
 def test_a_missing_user_dataset_names_its_build_command(tmp_path):
     from common.launch import compose
 
     cfg = compose(["recipe=llm_tiny", "data=chat_shards", f"data.root={tmp_path / 'none'}"])
-    with pytest.raises(DataError, match=r"data.build is empty.*python -m data.prepare_chat --tokenizer .* --out " + str(tmp_path / "none")):
+    with pytest.raises(
+        DataError,
+        match=r"data.build is empty.*python -m data.prepare_chat --tokenizer .* --out " + str(tmp_path / "none"),
+    ):
         prepare_dataset(cfg.data, SOLO)
     assert DataConfig().build_hint == ""
 

@@ -58,6 +58,7 @@ def encoded(samples, processor):
 @pytest.fixture
 def no_network(monkeypatch):
     """Any attempt to open a network connection fails the test (the processor must load offline)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError(f"network access attempted: {args}")
 
@@ -88,7 +89,9 @@ def test_files_and_meta(built, meta):
     assert meta["train_urls"] == [str(built / n) for n in train["shards"]]
     assert all(os.path.isabs(u) for u in meta["train_urls"] + meta["val_urls"])
     assert meta["processor_dir"] == str(built / "processor")
-    assert sorted(p.name for p in built.iterdir()) == sorted(["meta.json", "processor", *train["shards"], *val["shards"]])
+    assert sorted(p.name for p in built.iterdir()) == sorted(
+        ["meta.json", "processor", *train["shards"], *val["shards"]]
+    )
     assert set(meta["processor_files"]) == {p.name for p in (built / "processor").iterdir()}
     assert [p.name for p in built.parent.iterdir()] == ["vlm_digits"]  # no temp dirs left behind
 
@@ -96,8 +99,10 @@ def test_files_and_meta(built, meta):
 def test_same_split_and_images_as_prepare_digits(tmp_path, meta, samples):
     assert pd.main(["--out", str(tmp_path / "digits"), *BUILD_ARGS]) == 0
     ref_meta = pd.ensure_digits_shards(tmp_path / "digits", train_shards=4, val_shards=2, seed=SEED)
-    ref = {s["__key__"]: s for s in wds.WebDataset(ref_meta["train_urls"] + ref_meta["val_urls"], shardshuffle=False,
-                                                     empty_check=False)}
+    ref = {
+        s["__key__"]: s
+        for s in wds.WebDataset(ref_meta["train_urls"] + ref_meta["val_urls"], shardshuffle=False, empty_check=False)
+    }
     ours = {s["__key__"]: s for s in samples}
     assert len(ours) == len(samples) == 1797
     assert set(ours) == set(ref)  # same keys, and the split is in the key ("train_000123")
@@ -219,10 +224,14 @@ def test_chat_template_renders_strings_parts_and_generation_prompt(processor):
     msgs = prompt_messages("What digit is this?")
     assert processor.apply_chat_template(msgs) == "<s><|user|>\n<image>What digit is this?<|end|>\n"
     assert processor.apply_chat_template(msgs, add_generation_prompt=True).endswith("<|end|>\n<|assistant|>\n")
-    conv = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": [{"type": "text", "text": "seven"}]}]
+    conv = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "seven"}]},
+    ]
     assert processor.tokenizer.apply_chat_template(conv, tokenize=False) == (
-        "<s><|system|>\nAnswer briefly.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nseven</s>")
+        "<s><|system|>\nAnswer briefly.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nseven</s>"
+    )
     with pytest.raises(Exception, match="unsupported role"):
         processor.apply_chat_template([{"role": "tool", "content": "x"}])
 
@@ -257,7 +266,9 @@ def test_prompt_matches_tokenizing_chat_template(processor, samples, encoded):
     s, e = samples[1], encoded[1]
     msgs = prompt_messages(e["question"])
     msgs[0]["content"][0]["image"] = _image(s["png"])
-    out = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt")
+    out = processor.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
     n = out["input_ids"].shape[1]
     assert torch.equal(out["input_ids"][0], e["input_ids"][:n]) and bool((e["labels"][:n] == IGNORE_INDEX).all())
     assert bool((e["labels"][n:] != IGNORE_INDEX).all())
@@ -267,8 +278,9 @@ def test_encode_sample_is_picklable_and_works_in_the_loader(meta, processor, enc
     decode = functools.partial(encode_sample, processor=processor)
     restored = pickle.loads(pickle.dumps(decode))
     by_key = {e["key"]: e for e in encoded}
-    loader = build_webdataset_loader(meta["train_urls"], decode=restored, batch_size=8, rank=0, world_size=1,
-                                     num_workers=2, seed=0, collate=list)
+    loader = build_webdataset_loader(
+        meta["train_urls"], decode=restored, batch_size=8, rank=0, world_size=1, num_workers=2, seed=0, collate=list
+    )
     try:
         batches = [batch for _, batch in zip(range(3), loader)]
     finally:

@@ -60,15 +60,24 @@ def fake_serve_env(folder, build: str):
 def _serve(*args, tmp="/nonexistent", **env):
     """scripts/serve.py; its per-server scratch state (a dry run writes some) goes under `tmp`."""
     base = {k: v for k, v in os.environ.items() if k not in ("KILN_API_KEY", "VLLM_API_KEY")}
-    return subprocess.run([sys.executable, SERVE, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**base, "TMPDIR": str(tmp), **env})
+    return subprocess.run(
+        [sys.executable, SERVE, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**base, "TMPDIR": str(tmp), **env},
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "serve.model is required"),
-    (["serve.model=/nonexistent/export"], "no such folder"),
-    (["serve.model=x", "serve.prot=1"], "unknown config key 'serve.prot'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "serve.model is required"),
+        (["serve.model=/nonexistent/export"], "no such folder"),
+        (["serve.model=x", "serve.prot=1"], "unknown config key 'serve.prot'"),
+    ],
+)
 def test_user_mistakes_end_in_one_line_and_exit_2(args, message):
     proc = _serve(*args)
     assert proc.returncode == 2
@@ -76,16 +85,19 @@ def test_user_mistakes_end_in_one_line_and_exit_2(args, message):
     assert proc.stderr.count("\n") == 1 and not proc.stdout
 
 
-@pytest.mark.parametrize("override, message", [
-    ("serve.engine=tgi", "serve.engine='tgi' is not allowed"),
-    ("serve.dtype=fp8", "serve.dtype='fp8' is not allowed"),
-    ("serve.port=abc", "bad value for 'serve.port'"),
-    ("serve.port=0", "serve.port=0 must be in 1..65535"),
-    ("serve.served_model_name=a@b", "serve.served_model_name='a@b'"),
-    ("serve.gpu_memory_utilization=1.5", "serve.gpu_memory_utilization=1.5 must be in (0, 1]"),
-    ("serve.cb_num_blocks=-1", "serve.cb_num_blocks=-1 must be >= 0"),
-    ("serve.api_key_env=sk-live-123", "serve.api_key_env must be the name of an environment variable"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("serve.engine=tgi", "serve.engine='tgi' is not allowed"),
+        ("serve.dtype=fp8", "serve.dtype='fp8' is not allowed"),
+        ("serve.port=abc", "bad value for 'serve.port'"),
+        ("serve.port=0", "serve.port=0 must be in 1..65535"),
+        ("serve.served_model_name=a@b", "serve.served_model_name='a@b'"),
+        ("serve.gpu_memory_utilization=1.5", "serve.gpu_memory_utilization=1.5 must be in (0, 1]"),
+        ("serve.cb_num_blocks=-1", "serve.cb_num_blocks=-1 must be >= 0"),
+        ("serve.api_key_env=sk-live-123", "serve.api_key_env must be the name of an environment variable"),
+    ],
+)
 def test_bad_values_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as info:
         compose(["serve.model=x", override])
@@ -111,12 +123,15 @@ def test_served_name_defaults_to_the_recipe_then_the_folder(export, tmp_path):
     assert default_served_name(tmp_path / "my-model") == "my-model"
 
 
-@pytest.mark.parametrize("cuda, vllm, engine, why", [
-    (True, True, "vllm", "CUDA device and vllm available"),
-    (True, False, "transformers", "vllm not installed"),
-    (False, True, "transformers", "no CUDA device"),
-    (False, False, "transformers", "no CUDA device and vllm not installed"),
-])
+@pytest.mark.parametrize(
+    "cuda, vllm, engine, why",
+    [
+        (True, True, "vllm", "CUDA device and vllm available"),
+        (True, False, "transformers", "vllm not installed"),
+        (False, True, "transformers", "no CUDA device"),
+        (False, False, "transformers", "no CUDA device and vllm not installed"),
+    ],
+)
 def test_auto_takes_vllm_only_with_cuda_and_vllm(cuda, vllm, engine, why):
     why = why if engine == "vllm" else f"no vLLM environment (make serve-env), {why}"
     assert choose_engine("auto", cuda=cuda, vllm=vllm) == (engine, f"auto: {why}")
@@ -130,8 +145,13 @@ def test_auto_takes_the_vllm_environment_even_without_cuda(build, export, tmp_pa
     assert choose_engine("auto", cuda=False, vllm=False) == ("vllm", f"auto: vLLM's {build.upper()} build in {venv}")
     launch = plan(ServeSection(model=str(export), port=8003, dtype="float32", cpu_kvcache_gib=3, dry_run=True))
     # Its OpenAI server module (the CPU build's `vllm` script cannot find its own distribution).
-    assert launch.argv[:5] == [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-                               "--model", str(export)]
+    assert launch.argv[:5] == [
+        str(venv / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(export),
+    ]
     assert launch.argv[launch.argv.index("--dtype") + 1] == "float32"
     assert launch.env == ({"VLLM_CPU_KVCACHE_SPACE": "3"} if build == "cpu" else {})
     # LLaVA exports: vLLM's, on the CPU build too once it has torchvision (make serve-env installs it); a CPU
@@ -146,13 +166,37 @@ def test_auto_takes_the_vllm_environment_even_without_cuda(build, export, tmp_pa
 
 
 def test_vllm_command_line(export, tmp_path):
-    s = ServeSection(model=str(export), host="0.0.0.0", port=8001, tensor_parallel_size=4, max_model_len=4096,
-                     dtype="bfloat16", gpu_memory_utilization=0.85)
+    s = ServeSection(
+        model=str(export),
+        host="0.0.0.0",
+        port=8001,
+        tensor_parallel_size=4,
+        max_model_len=4096,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.85,
+    )
     template = tmp_path / "chat_template.jinja"
     assert vllm_command(s, export, "llm_tiny", template) == [
-        "vllm", "serve", str(export), "--served-model-name", "llm_tiny", "--host", "0.0.0.0", "--port", "8001",
-        "--tensor-parallel-size", "4", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.85",
-        "--max-model-len", "4096", "--chat-template", str(template)]
+        "vllm",
+        "serve",
+        str(export),
+        "--served-model-name",
+        "llm_tiny",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8001",
+        "--tensor-parallel-size",
+        "4",
+        "--dtype",
+        "bfloat16",
+        "--gpu-memory-utilization",
+        "0.85",
+        "--max-model-len",
+        "4096",
+        "--chat-template",
+        str(template),
+    ]
     # max_model_len=0 leaves it to vLLM (the model's max_position_embeddings); no template when the export has one
     assert "--max-model-len" not in vllm_command(ServeSection(model="x"), export, "n", None)
     assert "--chat-template" not in vllm_command(ServeSection(model="x"), export, "n", None)
@@ -210,26 +254,51 @@ def test_gpu_launch_scripts(export, tmp_path):
     srun = tmp_path / "bin" / "srun"
     srun.write_text('#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
     srun.chmod(0o755)
-    env = {"PATH": f"{srun.parent}:/usr/bin:/bin", "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "7", "TMPDIR": str(tmp_path),
-           "CUDA_VISIBLE_DEVICES": "0,1", "KILN_PYTHON": sys.executable, "KILN_API_KEY": SECRET_KEY,
-           "KILN_SERVE_VENV": os.environ["KILN_SERVE_VENV"]}  # (the fixture's: no vLLM environment)
-    proc = subprocess.run(["bash", str(scripts[1]), f"serve.model={export}", "serve.port=8123", "serve.dry_run=true"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        "PATH": f"{srun.parent}:/usr/bin:/bin",
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "SLURM_JOB_ID": "7",
+        "TMPDIR": str(tmp_path),
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "KILN_PYTHON": sys.executable,
+        "KILN_API_KEY": SECRET_KEY,
+        "KILN_SERVE_VENV": os.environ["KILN_SERVE_VENV"],
+    }  # (the fixture's: no vLLM environment)
+    proc = subprocess.run(
+        ["bash", str(scripts[1]), f"serve.model={export}", "serve.port=8123", "serve.dry_run=true"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("kiln: job 7 serves on http://") and ":8123/v1" in lines[0]
-    assert lines[-1].startswith(f"kiln: VLLM_API_KEY=******** vllm serve {export} --served-model-name llm_tiny "
-                                "--host 0.0.0.0 --port 8123 --tensor-parallel-size 2")
+    assert lines[-1].startswith(
+        f"kiln: VLLM_API_KEY=******** vllm serve {export} --served-model-name llm_tiny "
+        "--host 0.0.0.0 --port 8123 --tensor-parallel-size 2"
+    )
     assert SECRET_KEY not in proc.stdout + proc.stderr
-    no_gpu = subprocess.run(["bash", str(scripts[0]), f"serve.model={export}", "serve.dry_run=true"], capture_output=True, text=True,
-                            env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    no_gpu = subprocess.run(
+        ["bash", str(scripts[0]), f"serve.model={export}", "serve.dry_run=true"],
+        capture_output=True,
+        text=True,
+        env={**env, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert no_gpu.returncode == 2 and no_gpu.stderr.startswith("kiln: error: no GPU visible")
     del env["KILN_API_KEY"]  # serve_gpu.sh listens on 0.0.0.0: no key, no server
-    open_door = subprocess.run(["bash", str(scripts[0]), f"serve.model={export}", "serve.dry_run=true"], capture_output=True,
-                               text=True, env=env)
+    open_door = subprocess.run(
+        ["bash", str(scripts[0]), f"serve.model={export}", "serve.dry_run=true"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert open_door.returncode == 2 and open_door.stderr.count("\n") == 1
-    assert open_door.stderr.startswith("kiln: error: serve.host=0.0.0.0 accepts connections from other machines without "
-                                       "an API key: export KILN_API_KEY=<secret>")
+    assert open_door.stderr.startswith(
+        "kiln: error: serve.host=0.0.0.0 accepts connections from other machines without "
+        "an API key: export KILN_API_KEY=<secret>"
+    )
 
 
 SECRET_KEY = "sk-kiln-test-3f9a1c"
@@ -245,8 +314,14 @@ def test_vllm_gets_the_key_in_its_environment_never_on_a_command_line(export, tm
 
 
 def test_dry_run_masks_the_key(export, tmp_path):
-    proc = _serve(f"serve.model={export}", "serve.engine=vllm", "serve.host=0.0.0.0", "serve.dry_run=true", tmp=tmp_path,
-                  KILN_API_KEY=SECRET_KEY)
+    proc = _serve(
+        f"serve.model={export}",
+        "serve.engine=vllm",
+        "serve.host=0.0.0.0",
+        "serve.dry_run=true",
+        tmp=tmp_path,
+        KILN_API_KEY=SECRET_KEY,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1].startswith(f"kiln: VLLM_API_KEY=******** vllm serve {export} ")
     assert SECRET_KEY not in proc.stdout + proc.stderr
@@ -254,31 +329,57 @@ def test_dry_run_masks_the_key(export, tmp_path):
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "gpu-node-7"])
 def test_no_open_door_by_default(export, tmp_path, host):
-    proc = _serve(f"serve.model={export}", "serve.engine=vllm", f"serve.host={host}", "serve.dry_run=true", tmp=tmp_path)
+    proc = _serve(
+        f"serve.model={export}", "serve.engine=vllm", f"serve.host={host}", "serve.dry_run=true", tmp=tmp_path
+    )
     assert proc.returncode == 2 and not proc.stdout and proc.stderr.count("\n") == 1
-    assert proc.stderr.startswith(f"kiln: error: serve.host={host} accepts connections from other machines without an API key")
-    allowed = _serve(f"serve.model={export}", "serve.engine=vllm", f"serve.host={host}", "serve.dry_run=true",
-                     "serve.allow_unauthenticated=true", tmp=tmp_path)
+    assert proc.stderr.startswith(
+        f"kiln: error: serve.host={host} accepts connections from other machines without an API key"
+    )
+    allowed = _serve(
+        f"serve.model={export}",
+        "serve.engine=vllm",
+        f"serve.host={host}",
+        "serve.dry_run=true",
+        "serve.allow_unauthenticated=true",
+        tmp=tmp_path,
+    )
     assert allowed.returncode == 0, allowed.stderr
     assert "anyone who reaches" in allowed.stdout and "VLLM_API_KEY" not in allowed.stdout
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
 def test_loopback_needs_no_key(export, tmp_path, host):
-    proc = _serve(f"serve.model={export}", "serve.engine=vllm", f"serve.host={host}", "serve.dry_run=true", tmp=tmp_path)
+    proc = _serve(
+        f"serve.model={export}", "serve.engine=vllm", f"serve.host={host}", "serve.dry_run=true", tmp=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
 
 
 def test_cpu_engine_serves_loopback_only(export, tmp_path):
     """transformers serve cannot check a key: beyond loopback it is refused, with a key or without."""
     for env in ({}, {"KILN_API_KEY": SECRET_KEY}):
-        proc = _serve(f"serve.model={export}", "serve.engine=transformers", "serve.host=0.0.0.0", "serve.dry_run=true",
-                      tmp=tmp_path, **env)
+        proc = _serve(
+            f"serve.model={export}",
+            "serve.engine=transformers",
+            "serve.host=0.0.0.0",
+            "serve.dry_run=true",
+            tmp=tmp_path,
+            **env,
+        )
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and SECRET_KEY not in proc.stderr
-        assert proc.stderr.startswith("kiln: error: serve.host=0.0.0.0 with serve.engine=transformers: transformers "
-                                      "serve has no authentication, so it serves on loopback only")
-    allowed = _serve(f"serve.model={export}", "serve.engine=transformers", "serve.host=0.0.0.0", "serve.dry_run=true",
-                     "serve.allow_unauthenticated=true", tmp=tmp_path)
+        assert proc.stderr.startswith(
+            "kiln: error: serve.host=0.0.0.0 with serve.engine=transformers: transformers "
+            "serve has no authentication, so it serves on loopback only"
+        )
+    allowed = _serve(
+        f"serve.model={export}",
+        "serve.engine=transformers",
+        "serve.host=0.0.0.0",
+        "serve.dry_run=true",
+        "serve.allow_unauthenticated=true",
+        tmp=tmp_path,
+    )
     assert allowed.returncode == 0, allowed.stderr
 
 
@@ -297,7 +398,9 @@ def dit_export(tmp_path):
 
 def test_dit_engine_choice(dit_export):
     assert choose_image_engine("auto", dit_export, cuda=False) == (
-        "torch", f"auto: no ONNX file (scripts/export_dit.py {dit_export} writes one for onnxruntime)")
+        "torch",
+        f"auto: no ONNX file (scripts/export_dit.py {dit_export} writes one for onnxruntime)",
+    )
     (dit_export / "onnx").mkdir()
     (dit_export / "onnx" / "model.onnx").write_bytes(b"0")
     assert choose_image_engine("auto", dit_export, cuda=False)[0] == "onnxruntime"
@@ -319,9 +422,11 @@ def test_dit_dry_run_and_its_refusals(dit_export, tmp_path):
     assert "as 'dit_tiny'" in proc.stdout and "engine=torch (auto: no ONNX file" in proc.stdout
     assert "images server (recipes/dit/server.py, in this process): engine=torch max_batch_images=16" in proc.stdout
     assert "serve.cb_num_blocks not used by engine=torch" in proc.stdout
-    for args, message in [(["serve.dtype=bfloat16"], "serve.dtype=bfloat16: a DiT export serves in its graph's precision"),
-                          (["serve.host=0.0.0.0"], "without an API key"),
-                          (["serve.max_batch_images=0"], "serve.max_batch_images=0 must be >= 1")]:
+    for args, message in [
+        (["serve.dtype=bfloat16"], "serve.dtype=bfloat16: a DiT export serves in its graph's precision"),
+        (["serve.host=0.0.0.0"], "without an API key"),
+        (["serve.max_batch_images=0"], "serve.max_batch_images=0 must be >= 1"),
+    ]:
         proc = _serve(f"serve.model={dit_export}", "serve.dry_run=true", *args, tmp=tmp_path)
         assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     proc = _serve(f"serve.model={dit_export.parent}", "serve.dry_run=true", tmp=tmp_path)
@@ -330,8 +435,9 @@ def test_dit_dry_run_and_its_refusals(dit_export, tmp_path):
 
 def write_adapter_config(folder, base, r=8):
     folder.mkdir(parents=True)
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r,
-                                                            "base_model_name_or_path": str(base)}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": r, "base_model_name_or_path": str(base)})
+    )
     (folder / "adapter_model.safetensors").write_bytes(b"0")
     return folder
 
@@ -342,9 +448,17 @@ def test_lora_adapters_go_to_vllm_with_their_ranks(export, tmp_path, monkeypatch
     b = write_adapter_config(tmp_path / "b", export, r=24)
     launch = plan(compose([f"serve.model={export}", f"serve.lora={{math:{a},code:{b}}}"]))
     assert launch.engine == "vllm"
-    flags = launch.argv[launch.argv.index("--enable-lora"):]
-    assert flags == ["--enable-lora", "--lora-modules", f"math={a}", f"code={b}", "--max-lora-rank", "32",
-                     "--max-loras", "2"]
+    flags = launch.argv[launch.argv.index("--enable-lora") :]
+    assert flags == [
+        "--enable-lora",
+        "--lora-modules",
+        f"math={a}",
+        f"code={b}",
+        "--max-lora-rank",
+        "32",
+        "--max-loras",
+        "2",
+    ]
 
 
 def test_lora_refusals_are_one_line(export, tmp_path, monkeypatch):
@@ -361,24 +475,34 @@ def test_lora_refusals_are_one_line(export, tmp_path, monkeypatch):
 
 
 def set_model_config(export, **config):
-    (export / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                                    **config}))
+    (export / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config})
+    )
 
 
 def test_max_model_len_beyond_the_model_is_one_line_before_vllm_starts(export, tmp_path):
     """The README's serve.max_model_len=4096 on llm_tiny (256 positions): vLLM's own check is a pydantic traceback
     once the engine starts; the dry run already says what to set."""
     set_model_config(export, max_position_embeddings=256, hidden_size=128, num_attention_heads=4)
-    proc = _serve(f"serve.model={export}", "serve.engine=vllm", "serve.max_model_len=4096", "serve.dry_run=true",
-                  tmp=tmp_path)
+    proc = _serve(
+        f"serve.model={export}", "serve.engine=vllm", "serve.max_model_len=4096", "serve.dry_run=true", tmp=tmp_path
+    )
     assert proc.returncode == 2 and not proc.stdout and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith("kiln: error: serve.max_model_len=4096 is longer than the model takes (256 tokens, "
-                                  "config.json's max_position_embeddings): set serve.max_model_len=256 or less")
-    assert _serve(f"serve.model={export}", "serve.engine=vllm", "serve.max_model_len=256", "serve.dry_run=true",
-                  tmp=tmp_path).returncode == 0
+    assert proc.stderr.startswith(
+        "kiln: error: serve.max_model_len=4096 is longer than the model takes (256 tokens, "
+        "config.json's max_position_embeddings): set serve.max_model_len=256 or less"
+    )
+    assert (
+        _serve(
+            f"serve.model={export}", "serve.engine=vllm", "serve.max_model_len=256", "serve.dry_run=true", tmp=tmp_path
+        ).returncode
+        == 0
+    )
     # As vLLM derives the limit: a linear RoPE scaling factor stretches it; llama3's is already in the positions.
-    for rope, longest in (({"rope_type": "linear", "factor": 4.0}, 1024),
-                          ({"rope_type": "llama3", "factor": 8.0}, 256)):
+    for rope, longest in (
+        ({"rope_type": "linear", "factor": 4.0}, 1024),
+        ({"rope_type": "llama3", "factor": 8.0}, 256),
+    ):
         set_model_config(export, max_position_embeddings=256, rope_scaling=rope)
         plan(ServeSection(model=str(export), engine="vllm", max_model_len=longest, dry_run=True))
         with pytest.raises(UserError, match=f"set serve.max_model_len={longest} or less"):
@@ -396,20 +520,26 @@ def test_vllm_cpu_head_sizes_are_checked_before_it_starts(build, export, tmp_pat
     set_model_config(export, hidden_size=64, num_attention_heads=4, max_position_embeddings=256)  # 16 dimensions
     auto = plan(ServeSection(model=str(export), dry_run=True))
     if build == "cpu":
-        with pytest.raises(UserError, match=r"serve.engine=vllm on CPU cannot serve .*: its attention heads have 16 "
-                                            r"dimensions .* use serve.engine=transformers"):
+        with pytest.raises(
+            UserError,
+            match=r"serve.engine=vllm on CPU cannot serve .*: its attention heads have 16 "
+            r"dimensions .* use serve.engine=transformers",
+        ):
             plan(ServeSection(model=str(export), engine="vllm", dry_run=True))
         assert auto.engine == "transformers" and "its attention heads have 16 dimensions" in auto.why
-        proc = _serve(f"serve.model={export}", "serve.engine=vllm", "serve.dry_run=true", tmp=tmp_path,
-                      KILN_SERVE_VENV=str(venv))
+        proc = _serve(
+            f"serve.model={export}", "serve.engine=vllm", "serve.dry_run=true", tmp=tmp_path, KILN_SERVE_VENV=str(venv)
+        )
         assert proc.returncode == 2 and not proc.stdout and proc.stderr.count("\n") == 1
         assert proc.stderr.startswith("kiln: error: serve.engine=vllm on CPU cannot serve")
     else:
         assert auto.engine == "vllm" and plan(ServeSection(model=str(export), engine="vllm", dry_run=True))
-    for config in (dict(hidden_size=64, num_attention_heads=2),
-                   dict(hidden_size=64, num_attention_heads=8, head_dim=80),
-                   # LLaVA: its language model's heads (the vision tower runs on SDPA)
-                   dict(text_config=dict(hidden_size=128, num_attention_heads=4), vision_config={})):
+    for config in (
+        dict(hidden_size=64, num_attention_heads=2),
+        dict(hidden_size=64, num_attention_heads=8, head_dim=80),
+        # LLaVA: its language model's heads (the vision tower runs on SDPA)
+        dict(text_config=dict(hidden_size=128, num_attention_heads=4), vision_config={}),
+    ):
         set_model_config(export, **config)
         assert plan(ServeSection(model=str(export), engine="vllm", dry_run=True)).engine == "vllm"
 
@@ -431,9 +561,14 @@ def test_served_name_is_the_recipe_for_folders_under_the_export(export, dit_expo
 
 def test_an_adapter_folder_is_named_and_what_to_serve_instead(export, tmp_path):
     adapter = write_adapter_config(tmp_path / "run" / "export", export)
-    with pytest.raises(UserError, match=re.escape(f"serve.model={adapter} is a LoRA adapter (adapter_config.json), "
-                                                  f"not a model: serve its base with it (scripts/serve.py "
-                                                  f"serve.model={export} 'serve.lora={{adapter:{adapter}}}'")):
+    with pytest.raises(
+        UserError,
+        match=re.escape(
+            f"serve.model={adapter} is a LoRA adapter (adapter_config.json), "
+            f"not a model: serve its base with it (scripts/serve.py "
+            f"serve.model={export} 'serve.lora={{adapter:{adapter}}}'"
+        ),
+    ):
         check_export(str(adapter))
     (adapter / "merged").mkdir()
     with pytest.raises(UserError, match=re.escape(f"or use its merged model, serve.model={adapter / 'merged'}")):
@@ -445,9 +580,12 @@ def test_an_adapter_folder_is_named_and_what_to_serve_instead(export, tmp_path):
     dit = write_adapter_config(tmp_path / "dit_run" / "export", base)
     proc = _serve(f"serve.model={dit}", "serve.dry_run=true", tmp=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert proc.stderr.startswith(f"kiln: error: serve.model={dit} is a LoRA adapter (adapter_config.json), not a "
-                                  "whole DiT export: use its merged model (export.merge_lora=true")
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "sample_dit.py"), str(dit)], capture_output=True,
-                          text=True, timeout=120)
+    assert proc.stderr.startswith(
+        f"kiln: error: serve.model={dit} is a LoRA adapter (adapter_config.json), not a "
+        "whole DiT export: use its merged model (export.merge_lora=true"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "sample_dit.py"), str(dit)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith(f"sample_dit: error: {dit} is a LoRA adapter (adapter_config.json), not a whole DiT")

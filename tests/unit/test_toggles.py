@@ -28,8 +28,9 @@ def test_ac_wraps_every_block_and_keeps_the_math(mode):
     names = sorted(model.state_dict())
     apply_toggles(model, toggles, block_types=(TransformerBlock,))
     wrapped = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
-    assert len(wrapped) == model.args.n_layers and all(isinstance(w._checkpoint_wrapped_module, TransformerBlock)
-                                                      for w in wrapped)
+    assert len(wrapped) == model.args.n_layers and all(
+        isinstance(w._checkpoint_wrapped_module, TransformerBlock) for w in wrapped
+    )
     assert sorted(model.state_dict()) == names  # checkpoints and exports keep the model's own names
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     for m in (model, reference):
@@ -57,8 +58,14 @@ def dit_with_dropout(dropout: float, **toggles):
     from recipes.dit.model import build_model
     from recipes.dit.parallelize import parallelize
 
-    cfg = compose(["recipe=dit_tiny", f"model.dropout={dropout}", "model.num_layers=2",
-                   *(f"toggles.{k}={v}" for k, v in toggles.items())])
+    cfg = compose(
+        [
+            "recipe=dit_tiny",
+            f"model.dropout={dropout}",
+            "model.num_layers=2",
+            *(f"toggles.{k}={v}" for k, v in toggles.items()),
+        ]
+    )
     torch.manual_seed(0)
     model = parallelize(build_model(cfg.model, cfg.data.image_size), cfg).train()
     assert any(isinstance(m, BasicTransformerBlock) for m in model.modules())
@@ -71,8 +78,11 @@ def dit_grads(model) -> dict[str, torch.Tensor]:
     x, t, y = torch.randn(4, 1, 16, 16, generator=g), torch.randint(0, 1000, (4,), generator=g), torch.arange(4)
     torch.manual_seed(2)  # the dropout masks' stream: the same for every model
     model(x, timestep=t, class_labels=y).sample.square().mean().backward()
-    return {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()
-            if p.grad is not None}
+    return {
+        name.replace("_checkpoint_wrapped_module.", ""): p.grad
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

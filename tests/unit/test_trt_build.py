@@ -19,11 +19,17 @@ PRECISION_FLAGS = {"--fp16", "--bf16", "--int8", "--fp8", "--int4", "--best", "-
 # Banners as trtexec prints them: TensorRT 10 has no --version option (it prints the banner, then
 # fails on the missing model); 11 is assumed to behave the same way or to answer it, either works.
 BANNERS = {
-    10: ("&&&& RUNNING TensorRT.trtexec [TensorRT v101303] [b9] # trtexec --version\n"
-         "[03/29/2026-18:58:09] [E] Model missing or format not recognized\n"
-         "&&&& FAILED TensorRT.trtexec [TensorRT v101303] [b9] # trtexec --version\n", 1),
-    11: ("&&&& RUNNING TensorRT.trtexec [TensorRT v110100] [b12] # trtexec --version\n"
-         "[09/25/2026-10:00:00] [I] TensorRT version: 11.1.0\n", 0),
+    10: (
+        "&&&& RUNNING TensorRT.trtexec [TensorRT v101303] [b9] # trtexec --version\n"
+        "[03/29/2026-18:58:09] [E] Model missing or format not recognized\n"
+        "&&&& FAILED TensorRT.trtexec [TensorRT v101303] [b9] # trtexec --version\n",
+        1,
+    ),
+    11: (
+        "&&&& RUNNING TensorRT.trtexec [TensorRT v110100] [b12] # trtexec --version\n"
+        "[09/25/2026-10:00:00] [I] TensorRT version: 11.1.0\n",
+        0,
+    ),
     8: ("&&&& RUNNING TensorRT.trtexec [TensorRT v8601] [b8] # trtexec --version\n", 1),
     0: ("trtexec: some other tool\n", 0),
 }
@@ -52,8 +58,9 @@ for a in args:
 
 def run_build(args: list[str], bin_dir: Path | None) -> subprocess.CompletedProcess:
     path = f"{bin_dir}:/usr/bin:/bin" if bin_dir else "/usr/bin:/bin"
-    return subprocess.run(["bash", BUILD, *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PATH": path})
+    return subprocess.run(
+        ["bash", BUILD, *args], capture_output=True, text=True, timeout=60, env={**os.environ, "PATH": path}
+    )
 
 
 @pytest.fixture
@@ -67,24 +74,47 @@ def onnx_files(tmp_path):
 
 
 def expected_argv(onnx: Path, engine: Path, *flags: str, opt: int = 8, top: int = 8) -> list[str]:
-    return [f"--onnx={onnx}", f"--saveEngine={engine}", f"--minShapes={SHAPES.format(b=1)}",
-            f"--optShapes={SHAPES.format(b=opt)}", f"--maxShapes={SHAPES.format(b=top)}", *flags]
+    return [
+        f"--onnx={onnx}",
+        f"--saveEngine={engine}",
+        f"--minShapes={SHAPES.format(b=1)}",
+        f"--optShapes={SHAPES.format(b=opt)}",
+        f"--maxShapes={SHAPES.format(b=top)}",
+        *flags,
+    ]
 
 
-@pytest.mark.parametrize("major, precision, graph, flags", [
-    (10, "fp16", "model.onnx", ["--fp16"]),           # weakly typed: fp32 graph + flag
-    (10, "bf16", "model.onnx", ["--bf16"]),
-    (10, "fp32", "model.onnx", []),
-    (11, "fp16", "model.fp16.onnx", []),              # strongly typed: the graph's precision, no flag
-    (11, "bf16", "model.bf16.onnx", []),
-    (11, "fp32", "model.onnx", []),
-])
+@pytest.mark.parametrize(
+    "major, precision, graph, flags",
+    [
+        (10, "fp16", "model.onnx", ["--fp16"]),  # weakly typed: fp32 graph + flag
+        (10, "bf16", "model.onnx", ["--bf16"]),
+        (10, "fp32", "model.onnx", []),
+        (11, "fp16", "model.fp16.onnx", []),  # strongly typed: the graph's precision, no flag
+        (11, "bf16", "model.bf16.onnx", []),
+        (11, "fp32", "model.onnx", []),
+    ],
+)
 def test_build_command_per_tensorrt_version(tmp_path, onnx_files, major, precision, graph, flags):
     bin_dir = tmp_path / "bin"
     fake_trtexec(bin_dir, major)
     engine = tmp_path / "dit.plan"
-    proc = run_build([str(onnx_files / "model.onnx"), "--engine", str(engine), "--image-size", "16",
-                      "--in-channels", "1", "--max-batch", "8", "--precision", precision], bin_dir)
+    proc = run_build(
+        [
+            str(onnx_files / "model.onnx"),
+            "--engine",
+            str(engine),
+            "--image-size",
+            "16",
+            "--in-channels",
+            "1",
+            "--max-batch",
+            "8",
+            "--precision",
+            precision,
+        ],
+        bin_dir,
+    )
     assert proc.returncode == 0, proc.stderr
     argv = json.loads((bin_dir / "argv.json").read_text())
     assert argv == expected_argv(onnx_files / graph, engine, *flags)
@@ -99,15 +129,20 @@ def test_tensorrt_11_needs_the_typed_graph(tmp_path, onnx_files):
     fake_trtexec(bin_dir, 11)
     proc = run_build([str(onnx_files / "model.onnx"), "--image-size", "16", "--in-channels", "1"], bin_dir)
     assert proc.returncode == 2 and not (bin_dir / "argv.json").exists()
-    assert proc.stderr.strip() == (f"build_trt_engine: error: no fp16 graph at {onnx_files / 'model.fp16.onnx'}: "
-                                   "TensorRT 11 takes the precision from the ONNX; write it with "
-                                   "scripts/export_dit.py EXPORT_DIR --precision fp16")
+    assert proc.stderr.strip() == (
+        f"build_trt_engine: error: no fp16 graph at {onnx_files / 'model.fp16.onnx'}: "
+        "TensorRT 11 takes the precision from the ONNX; write it with "
+        "scripts/export_dit.py EXPORT_DIR --precision fp16"
+    )
 
 
-@pytest.mark.parametrize("major, message", [
-    (8, "TensorRT 8 is not supported: Kiln builds with TensorRT 10 or 11"),
-    (0, "could not read the TensorRT version from 'trtexec --version'"),
-])
+@pytest.mark.parametrize(
+    "major, message",
+    [
+        (8, "TensorRT 8 is not supported: Kiln builds with TensorRT 10 or 11"),
+        (0, "could not read the TensorRT version from 'trtexec --version'"),
+    ],
+)
 def test_unknown_tensorrt_versions_stop_with_one_line(tmp_path, onnx_files, major, message):
     bin_dir = tmp_path / "bin"
     fake_trtexec(bin_dir, major)
@@ -132,7 +167,19 @@ def test_print_without_tensorrt(onnx_files):
 def test_version_flag_overrides_the_banner(tmp_path, onnx_files):
     bin_dir = tmp_path / "bin"
     fake_trtexec(bin_dir, 11)
-    proc = run_build([str(onnx_files / "model.onnx"), "--image-size", "16", "--in-channels", "1", "--max-batch", "8",
-                      "--trt-version", "10"], bin_dir)
+    proc = run_build(
+        [
+            str(onnx_files / "model.onnx"),
+            "--image-size",
+            "16",
+            "--in-channels",
+            "1",
+            "--max-batch",
+            "8",
+            "--trt-version",
+            "10",
+        ],
+        bin_dir,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads((bin_dir / "argv.json").read_text())[-1] == "--fp16"

@@ -9,8 +9,13 @@ import os
 import pytest
 import torch
 from PIL import Image
-from transformers import (CLIPVisionModel, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
-                          SiglipVisionModel)
+from transformers import (
+    CLIPVisionModel,
+    LlamaForCausalLM,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    SiglipVisionModel,
+)
 
 from common.data.packing import IGNORE_INDEX
 from common.errors import ConfigError
@@ -20,17 +25,25 @@ from recipes.vlm.data import blank_sample, chat_prompt, check_chat_template, col
 from recipes.vlm.sources import LlavaWeights, PartWeights, llava_folder
 from tests.fixtures import vlm as fx
 
-CONVERSATION = [{"role": "user", "content": "<image>\nWhat digit is this?"}, {"role": "assistant", "content": "Seven."},
-                {"role": "user", "content": "Is it odd or even?"}, {"role": "assistant", "content": "It is odd."}]
+CONVERSATION = [
+    {"role": "user", "content": "<image>\nWhat digit is this?"},
+    {"role": "assistant", "content": "Seven."},
+    {"role": "user", "content": "Is it odd or even?"},
+    {"role": "assistant", "content": "It is odd."},
+]
 
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
     root = tmp_path_factory.mktemp("parts")
-    return {"clip": fx.write_clip(root / "clip"), "clip_dual": fx.write_clip(root / "clip_dual", dual_encoder=True),
-            "siglip": fx.write_siglip(root / "siglip"), "vicuna": fx.write_llama(root / "vicuna"),
-            "llama3": fx.write_llama(root / "llama3", chat_template=True, tie_word_embeddings=True),
-            "llava_hf": fx.write_llava_hf(root / "llava_hf")}
+    return {
+        "clip": fx.write_clip(root / "clip"),
+        "clip_dual": fx.write_clip(root / "clip_dual", dual_encoder=True),
+        "siglip": fx.write_siglip(root / "siglip"),
+        "vicuna": fx.write_llama(root / "vicuna"),
+        "llama3": fx.write_llama(root / "llama3", chat_template=True, tie_word_embeddings=True),
+        "llava_hf": fx.write_llava_hf(root / "llava_hf"),
+    }
 
 
 def assemble(parts, vision: str, language: str, attention: str = "sdpa"):
@@ -51,9 +64,15 @@ def hand_assembled(vision_dir, language_dir, tower_cls, processor, projector, la
     set to the mean of the old (LLaVA's rule), and the projector under test copied in (it is fresh)."""
     tower, lm = tower_cls.from_pretrained(vision_dir), LlamaForCausalLM.from_pretrained(language_dir)
     old = lm.config.vocab_size
-    ref = LlavaForConditionalGeneration(LlavaConfig(
-        vision_config=tower.config, text_config=lm.config, image_token_index=processor.image_token_id,
-        vision_feature_layer=layer, vision_feature_select_strategy=strategy))
+    ref = LlavaForConditionalGeneration(
+        LlavaConfig(
+            vision_config=tower.config,
+            text_config=lm.config,
+            image_token_index=processor.image_token_id,
+            vision_feature_layer=layer,
+            vision_feature_select_strategy=strategy,
+        )
+    )
     ref.model.vision_tower.load_state_dict(tower.state_dict())
     ref.model.language_model.load_state_dict(lm.model.state_dict())
     ref.lm_head.load_state_dict(lm.lm_head.state_dict())
@@ -65,15 +84,20 @@ def hand_assembled(vision_dir, language_dir, tower_cls, processor, projector, la
     return ref.eval()
 
 
-@pytest.mark.parametrize("vision,language,tower_cls,layer,strategy", [
-    ("clip", "vicuna", CLIPVisionModel, -2, "default"),
-    ("clip_dual", "llama3", CLIPVisionModel, -2, "default"),
-    ("siglip", "llama3", SiglipVisionModel, -1, "full"),
-])
+@pytest.mark.parametrize(
+    "vision,language,tower_cls,layer,strategy",
+    [
+        ("clip", "vicuna", CLIPVisionModel, -2, "default"),
+        ("clip_dual", "llama3", CLIPVisionModel, -2, "default"),
+        ("siglip", "llama3", SiglipVisionModel, -1, "full"),
+    ],
+)
 def test_logits_equal_llava_assembled_by_hand(parts, vision, language, tower_cls, layer, strategy):
     model, processor = assemble(parts, vision, language)
     assert (model.config.vision_feature_layer, model.config.vision_feature_select_strategy) == (layer, strategy)
-    ref = hand_assembled(parts[vision], parts[language], tower_cls, processor, model.model.multi_modal_projector, layer, strategy)
+    ref = hand_assembled(
+        parts[vision], parts[language], tower_cls, processor, model.model.multi_modal_projector, layer, strategy
+    )
     enc = encode_conversation(CONVERSATION, [digit_image()], processor)
     with torch.no_grad():
         ours = model(input_ids=enc["input_ids"][None], pixel_values=enc["pixel_values"], labels=enc["labels"][None])
@@ -106,7 +130,9 @@ def test_processor_and_tower_must_agree(parts):
     blank = pretrained.check_image_tokens(processor, model.config, "src")
     assert blank.shape == (1, 3, fx.IMAGE_SIZE, fx.IMAGE_SIZE)
     processor.num_additional_image_tokens = 0  # as if the CLS token were forgotten: 15 tokens for 16 features
-    with pytest.raises(ConfigError, match=r"src: the processor expands <image> to 15 tokens but the vision tower gives 16"):
+    with pytest.raises(
+        ConfigError, match=r"src: the processor expands <image> to 15 tokens but the vision tower gives 16"
+    ):
         pretrained.check_image_tokens(processor, model.config, "src")
     processor.num_additional_image_tokens = 1
     processor.image_processor.crop_size = {"height": 64, "width": 64}
@@ -130,17 +156,22 @@ def test_unusable_folders_are_one_line(parts, tmp_path):
     assert "no readable config.json" in check(LlavaWeights(str(tmp_path)))
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["vlm.vision_from={clip}"], "vlm.vision_from and vlm.language_from go together"),
-    (["vlm.vision_from={clip}", "vlm.language_from={vicuna}", "model.init_from={llava_hf}"], "exclude each other"),
-    (["model.init_from={llava_hf}", "vlm.stage=align"], "model.init_from is for vlm.stage=finetune"),
-    (["vlm.init_from={llava_hf}"], "Key 'init_from' not in 'VLMConfig'"),  # the old key's release has passed
-    (["vlm.train_vision=true", "vlm.stage=align"], "vlm.train_vision=true is for vlm.stage=finetune"),
-    # A quoted ~ (and a bare one: common/launch.py parse_overrides): expanded, as the README's commands rely on; the
-    # line names the folder that was looked for.
-    (["vlm.vision_from='~/no/such/kiln/folder'", "vlm.language_from={vicuna}"],
-     f"vlm.vision_from={os.path.expanduser('~')}/no/such/kiln/folder: no such folder"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["vlm.vision_from={clip}"], "vlm.vision_from and vlm.language_from go together"),
+        (["vlm.vision_from={clip}", "vlm.language_from={vicuna}", "model.init_from={llava_hf}"], "exclude each other"),
+        (["model.init_from={llava_hf}", "vlm.stage=align"], "model.init_from is for vlm.stage=finetune"),
+        (["vlm.init_from={llava_hf}"], "Key 'init_from' not in 'VLMConfig'"),  # the old key's release has passed
+        (["vlm.train_vision=true", "vlm.stage=align"], "vlm.train_vision=true is for vlm.stage=finetune"),
+        # A quoted ~ (and a bare one: common/launch.py parse_overrides): expanded, as the README's commands rely on; the
+        # line names the folder that was looked for.
+        (
+            ["vlm.vision_from='~/no/such/kiln/folder'", "vlm.language_from={vicuna}"],
+            f"vlm.vision_from={os.path.expanduser('~')}/no/such/kiln/folder: no such folder",
+        ),
+    ],
+)
 def test_source_mistakes_stop_at_composition(parts, overrides, needle):
     from common.launch import compose
 
@@ -160,16 +191,31 @@ def test_init_from_sets_the_model_keys_and_refuses_one_that_disagrees(parts, cap
     cfg = compose(["recipe=vlm_tiny", f"model.init_from={folder}", "model.text_hidden_size=64"])  # agrees: accepted
     m = cfg.model
     assert (m.vision, m.vision_hidden_size, m.vision_layers, m.image_size, m.patch_size) == (
-        "clip", fx.TOWER["hidden_size"], fx.TOWER["num_hidden_layers"], fx.TOWER["image_size"], fx.TOWER["patch_size"])
-    assert (m.text_hidden_size, m.text_layers, m.text_heads, m.text_kv_heads, m.text_intermediate_size) == (64, 2, 4, 2, 128)
+        "clip",
+        fx.TOWER["hidden_size"],
+        fx.TOWER["num_hidden_layers"],
+        fx.TOWER["image_size"],
+        fx.TOWER["patch_size"],
+    )
+    assert (m.text_hidden_size, m.text_layers, m.text_heads, m.text_kv_heads, m.text_intermediate_size) == (
+        64,
+        2,
+        4,
+        2,
+        128,
+    )
     assert (m.vision_feature_layer, m.vision_feature_select_strategy, m.max_position_embeddings) == (-2, "default", 512)
-    for key, value, name, want in (("text_hidden_size", 128, "text_config.hidden_size", 64),
-                                   ("vision", "siglip", "vision_config.model_type", "clip"),
-                                   ("vision_feature_layer", -1, "vision_feature_layer", -2)):
+    for key, value, name, want in (
+        ("text_hidden_size", 128, "text_config.hidden_size", 64),
+        ("vision", "siglip", "vision_config.model_type", "clip"),
+        ("vision_feature_layer", -1, "vision_feature_layer", -2),
+    ):
         with pytest.raises(ConfigError) as exc:
             compose(["recipe=vlm_tiny", f"model.init_from={folder}", f"model.{key}={value}"])
-        assert str(exc.value) == (f"model.{key}={value} disagrees with model.init_from={folder}, whose config.json gives "
-                                  f"{name}={want}; leave model.{key} out of the command line")
+        assert str(exc.value) == (
+            f"model.{key}={value} disagrees with model.init_from={folder}, whose config.json gives "
+            f"{name}={want}; leave model.{key} out of the command line"
+        )
     assert capsys.readouterr().out == ""
 
 
@@ -179,8 +225,14 @@ def test_dry_run_sizes_the_parts_not_the_preset(parts):
 
     model, _ = assemble(parts, "clip", "vicuna")
     for stage, trainable in (("align", model.model.multi_modal_projector), ("finetune", None)):
-        cfg = compose(["recipe=vlm_7b", f"vlm.vision_from={parts['clip']}", f"vlm.language_from={parts['vicuna']}",
-                       f"vlm.stage={stage}"])
+        cfg = compose(
+            [
+                "recipe=vlm_7b",
+                f"vlm.vision_from={parts['clip']}",
+                f"vlm.language_from={parts['vicuna']}",
+                f"vlm.stage={stage}",
+            ]
+        )
         spec = memory_spec(cfg)
         total = spec.frozen_params + spec.first_params + spec.layers * spec.layer_params
         assert total == sum(p.numel() for p in model.parameters())
@@ -199,23 +251,39 @@ def test_llava_hf_folder_loads_with_its_processor(parts):
 
 # --- label masks ---------------------------------------------------------------------------------------------
 
+
 def expected_pieces(template: str, image: str) -> list[tuple[str, bool]]:
     """The conversation rendered by hand in each template's format: (text, is it an answer?)."""
     if template == "llava-1.5":
         q = pretrained.LLAVA_SYSTEM
-        return [(f"<s>{q} USER: {image}\nWhat digit is this? ASSISTANT:", False), (" Seven.</s>", True),
-                ("USER: Is it odd or even? ASSISTANT:", False), (" It is odd.</s>", True)]
+        return [
+            (f"<s>{q} USER: {image}\nWhat digit is this? ASSISTANT:", False),
+            (" Seven.</s>", True),
+            ("USER: Is it odd or even? ASSISTANT:", False),
+            (" It is odd.</s>", True),
+        ]
     if template == "llama3":
         h = lambda role: f"<|start_header_id|>{role}<|end_header_id|>\n\n"  # noqa: E731
-        return [(f"<s>{h('user')}{image}\nWhat digit is this?<|eot_id|>{h('assistant')}", False), ("Seven.<|eot_id|>", True),
-                (f"{h('user')}Is it odd or even?<|eot_id|>{h('assistant')}", False), ("It is odd.<|eot_id|>", True)]
+        return [
+            (f"<s>{h('user')}{image}\nWhat digit is this?<|eot_id|>{h('assistant')}", False),
+            ("Seven.<|eot_id|>", True),
+            (f"{h('user')}Is it odd or even?<|eot_id|>{h('assistant')}", False),
+            ("It is odd.<|eot_id|>", True),
+        ]
     # llava-hf: parts, images first then text + " ", "ASSISTANT:" generation prompt, no eos.
-    return [(f"USER: {image}\nWhat digit is this? ASSISTANT:", False), (" Seven.", True),
-            (" USER: Is it odd or even? ASSISTANT:", False), (" It is odd.", True), (" ", False)]
+    return [
+        (f"USER: {image}\nWhat digit is this? ASSISTANT:", False),
+        (" Seven.", True),
+        (" USER: Is it odd or even? ASSISTANT:", False),
+        (" It is odd.", True),
+        (" ", False),
+    ]
 
 
-@pytest.mark.parametrize("template,vision,language", [("llava-1.5", "clip", "vicuna"), ("llama3", "siglip", "llama3"),
-                                                      ("llava-hf", None, "llava_hf")])
+@pytest.mark.parametrize(
+    "template,vision,language",
+    [("llava-1.5", "clip", "vicuna"), ("llama3", "siglip", "llama3"), ("llava-hf", None, "llava_hf")],
+)
 def test_multi_turn_labels_are_the_assistant_turns(parts, template, vision, language):
     if vision:
         processor = pretrained.parts_processor(str(parts[vision]), str(parts[language]), VLMModelConfig())
@@ -240,8 +308,12 @@ def test_multi_turn_labels_are_the_assistant_turns(parts, template, vision, lang
 
 def test_truncation_never_splits_an_image(parts):
     processor = pretrained.parts_processor(str(parts["clip"]), str(parts["vicuna"]), VLMModelConfig())
-    two = [{"role": "user", "content": "<image>\nWhat digit is this?"}, {"role": "assistant", "content": "Seven."},
-           {"role": "user", "content": "And this one?\n<image>"}, {"role": "assistant", "content": "It is odd."}]
+    two = [
+        {"role": "user", "content": "<image>\nWhat digit is this?"},
+        {"role": "assistant", "content": "Seven."},
+        {"role": "user", "content": "And this one?\n<image>"},
+        {"role": "assistant", "content": "It is odd."},
+    ]
     full = encode_conversation(two, [digit_image(0), digit_image(1)], processor)
     second = int((full["input_ids"] == processor.image_token_id).nonzero()[16])  # first token of image 2
     for cut in (second + 5, second + 16 + 3):
@@ -258,17 +330,26 @@ def test_text_only_micro_batch_gets_a_silent_blank_image(parts, packing):
     # A micro-batch without images still runs the tower (ZeRO-3 ranks must run the same modules): a blank
     # image's tokens ride along as their own unlabeled segment, and the loss is the same as without it.
     model, processor = assemble(parts, "clip", "vicuna")
-    text = encode_conversation([{"role": "user", "content": "What is two plus three?"}, {"role": "assistant", "content": "Five."}],
-                               [], processor)
-    assert tuple(text["pixel_values"].shape) == (0,) and processor.tokenizer.decode(text["labels"][text["labels"] >= 0]) == " Five.</s>"
+    text = encode_conversation(
+        [{"role": "user", "content": "What is two plus three?"}, {"role": "assistant", "content": "Five."}],
+        [],
+        processor,
+    )
+    assert (
+        tuple(text["pixel_values"].shape) == (0,)
+        and processor.tokenizer.decode(text["labels"][text["labels"] >= 0]) == " Five.</s>"
+    )
     blank = blank_sample(processor.image_token_id, 16, pretrained.check_image_tokens(processor, model.config, "src"))
-    short = encode_conversation([{"role": "user", "content": "Thank you!"}, {"role": "assistant", "content": "You are welcome."}],
-                                [], processor)
+    short = encode_conversation(
+        [{"role": "user", "content": "Thank you!"}, {"role": "assistant", "content": "You are welcome."}], [], processor
+    )
     plain = collate([text, short], packing=packing, max_seq_len=256, pad_id=0)
     padded = collate([text, short], packing=packing, max_seq_len=256, pad_id=0, blank=blank)
     assert plain["pixel_values"] is None and padded["pixel_values"].shape == (1, 3, fx.IMAGE_SIZE, fx.IMAGE_SIZE)
     for batch in (plain, padded):
-        assert batch["text_only"] == batch["samples"] == 2 and batch["real_tokens"] == len(text["input_ids"]) + len(short["input_ids"])
+        assert batch["text_only"] == batch["samples"] == 2 and batch["real_tokens"] == len(text["input_ids"]) + len(
+            short["input_ids"]
+        )
     with torch.no_grad():
         loss = model(**plain["packed"].model_inputs("sdpa")).loss
         with_blank = model(**padded["packed"].model_inputs("sdpa"), pixel_values=padded["pixel_values"]).loss

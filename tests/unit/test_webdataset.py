@@ -184,9 +184,13 @@ def test_the_llm_loader_names_the_keys_behind_its_batch(shards):
     urls, _ = shards
     cfg = compose(["recipe=llm_tiny", "trainer.micro_batch_size=8"])
     saved = build_train_loader(cfg, urls, dp=2).state_dict()
-    with pytest.raises(DataError, match=re.escape(
+    with pytest.raises(
+        DataError,
+        match=re.escape(
             "batch_size was 16 when saved, now 8 (documents per micro-batch: trainer.micro_batch_size=8 x dp=1 "
-            "data-parallel ranks; set them so that their product is 16)")):
+            "data-parallel ranks; set them so that their product is 16)"
+        ),
+    ):
         build_train_loader(cfg, urls, dp=1).load_state_dict(saved)
 
 
@@ -208,7 +212,9 @@ def test_global_rng_untouched(shards, num_workers):
 
 def test_build_time_errors(shards, tmp_path):
     urls, _ = shards
-    with pytest.raises(DataError, match=r"4 shards cannot feed 2 ranks x 4 workers; write more shards or lower data.num_workers"):
+    with pytest.raises(
+        DataError, match=r"4 shards cannot feed 2 ranks x 4 workers; write more shards or lower data.num_workers"
+    ):
         make(urls[:4], world_size=2, num_workers=4)
     make(urls[:4], world_size=2, num_workers=2)  # exactly enough is fine
     with pytest.raises(ValueError, match="empty"):
@@ -351,8 +357,10 @@ def whole_stream(urls, batch_size: int, n: int) -> list[int | None]:
 
 
 def global_loader(urls, *, rank, dp, micro, accum, num_workers=0, decode=decode_id, **kw):
-    cfg = SimpleNamespace(trainer=SimpleNamespace(micro_batch_size=micro, grad_accum=accum, seed=0),
-                          data=SimpleNamespace(num_workers=num_workers, shuffle_buffer=16, max_corrupt_shards=3))
+    cfg = SimpleNamespace(
+        trainer=SimpleNamespace(micro_batch_size=micro, grad_accum=accum, seed=0),
+        data=SimpleNamespace(num_workers=num_workers, shuffle_buffer=16, max_corrupt_shards=3),
+    )
     return global_train_loader(cfg, urls, decode=decode, rank=rank, dp=dp, **kw)
 
 
@@ -362,8 +370,12 @@ def steps(loader, n: int, accum: int) -> list[list[tuple[list, list[int]]]]:
     out = []
     for _ in range(n):
         micro = [next(it) for _ in range(accum)]
-        out.append([(list(map(int, b["id"])) if isinstance(b["id"], torch.Tensor) else b["id"], b["sample_ids"])
-                    for b in micro])
+        out.append(
+            [
+                (list(map(int, b["id"])) if isinstance(b["id"], torch.Tensor) else b["id"], b["sample_ids"])
+                for b in micro
+            ]
+        )
     return out
 
 
@@ -382,10 +394,35 @@ def test_each_rank_decodes_only_its_share_of_the_global_stream(shards, tmp_path,
     # decoded (what each rank read before).
     plain = take(make(urls, num_workers=num_workers, batch_size=GLOBAL), n)
     logs = {key: tmp_path / f"decoded_{key}" for key in ("dp1", 0, 1)}
-    one = steps(global_loader(urls, rank=0, dp=1, micro=4, accum=2, num_workers=num_workers,
-                              decode=functools.partial(decode_logged, log=logs["dp1"])), n, accum=2)
-    two = {r: steps(global_loader(urls, rank=r, dp=2, micro=2, accum=2, num_workers=num_workers,
-                                  decode=functools.partial(decode_logged, log=logs[r])), n, accum=2) for r in (0, 1)}
+    one = steps(
+        global_loader(
+            urls,
+            rank=0,
+            dp=1,
+            micro=4,
+            accum=2,
+            num_workers=num_workers,
+            decode=functools.partial(decode_logged, log=logs["dp1"]),
+        ),
+        n,
+        accum=2,
+    )
+    two = {
+        r: steps(
+            global_loader(
+                urls,
+                rank=r,
+                dp=2,
+                micro=2,
+                accum=2,
+                num_workers=num_workers,
+                decode=functools.partial(decode_logged, log=logs[r]),
+            ),
+            n,
+            accum=2,
+        )
+        for r in (0, 1)
+    }
     for step in range(n):
         assert [i for ids, _ in one[step] for i in ids] == plain[step]
         assert [j for _, ids in one[step] for j in ids] == list(range(step * GLOBAL, (step + 1) * GLOBAL))
@@ -440,19 +477,48 @@ def test_a_micro_batch_left_empty_is_an_error_unless_collate_takes_it(tmp_path):
 
 # A GlobalBatches state written by the code before each rank decoded only its share (rank 0 of dp=2, micro 2,
 # accum 2, 3 steps on write_shards' data): the format is unchanged, so it still resumes, in any layout.
-OLD_STATE = {"global_batches": 3, "global_batch": 8, "loader": {
-    "version": 1, "epoch": 0, "next_worker": 0, "workers": [{"drawn": 24, "batches": 3, "bad": {}}],
-    "corrupt_shards": {}, "layout": {"rank": 0, "world_size": 1, "num_workers": 0, "batch_size": 8, "seed": 0,
-                                     "shuffle_buffer": 16, "shuffle_shards": True, "num_urls": 8,
-                                     "url_names_sha1": "709dcbcc949c3ccc"}}}
+OLD_STATE = {
+    "global_batches": 3,
+    "global_batch": 8,
+    "loader": {
+        "version": 1,
+        "epoch": 0,
+        "next_worker": 0,
+        "workers": [{"drawn": 24, "batches": 3, "bad": {}}],
+        "corrupt_shards": {},
+        "layout": {
+            "rank": 0,
+            "world_size": 1,
+            "num_workers": 0,
+            "batch_size": 8,
+            "seed": 0,
+            "shuffle_buffer": 16,
+            "shuffle_shards": True,
+            "num_urls": 8,
+            "url_names_sha1": "709dcbcc949c3ccc",
+        },
+    },
+}
 
 
 def test_global_stream_resumes_in_another_layout(shards):
     urls, _ = shards
     reference = steps(global_loader(urls, rank=0, dp=1, micro=2, accum=4), 10, accum=4)
     # What that code handed rank 0 in those 3 steps, recorded with the state: still the stream's samples.
-    assert [i for step in reference[:3] for ids, _ in step for i in ids][0::2] == \
-        [1, 0, 202, 201, 200, 402, 503, 406, 404, 413, 411, 501]
+    assert [i for step in reference[:3] for ids, _ in step for i in ids][0::2] == [
+        1,
+        0,
+        202,
+        201,
+        200,
+        402,
+        503,
+        406,
+        404,
+        413,
+        411,
+        501,
+    ]
     for state in (OLD_STATE, None):
         if state is None:  # today's: 4 steps at dp=2, then resumed at dp=1 (micro 2, accum 4) and vice versa
             first = global_loader(urls, rank=1, dp=2, micro=2, accum=2)
@@ -466,18 +532,25 @@ def test_global_stream_resumes_in_another_layout(shards):
         for r in (0, 1):
             halves[r] = global_loader(urls, rank=r, dp=2, micro=4, accum=1)
             halves[r].load_state_dict(state)
-        for step, (a, b) in enumerate(zip(steps(halves[0], 10 - done, accum=1), steps(halves[1], 10 - done, accum=1),
-                                          strict=True)):
+        for step, (a, b) in enumerate(
+            zip(steps(halves[0], 10 - done, accum=1), steps(halves[1], 10 - done, accum=1), strict=True)
+        ):
             whole = reference[done + step]
             assert interleave([a[0][0], b[0][0]]) == [i for ids, _ in whole for i in ids]
 
 
 def _wire_tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"ids": torch.randint(0, 1000, (4, 33), generator=g), "bf16": torch.randn(3, 5, generator=g).bfloat16(),
-            "mask": torch.rand(7, generator=g) > 0.5, "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
-            "cu": torch.tensor([0, 3, 9], dtype=torch.int32), "strided": torch.arange(24.0).view(4, 6).t(),
-            "big": torch.randn(300, 1000, generator=g)}  # 1.2 MB: over INLINE_BYTES, through shared memory
+    return {
+        "ids": torch.randint(0, 1000, (4, 33), generator=g),
+        "bf16": torch.randn(3, 5, generator=g).bfloat16(),
+        "mask": torch.rand(7, generator=g) > 0.5,
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "cu": torch.tensor([0, 3, 9], dtype=torch.int32),
+        "strided": torch.arange(24.0).view(4, 6).t(),
+        "big": torch.randn(300, 1000, generator=g),
+    }  # 1.2 MB: over INLINE_BYTES, through shared memory
 
 
 class _WireStream(torch.utils.data.IterableDataset):

@@ -53,7 +53,8 @@ def test_read_header_checks_the_file_against_its_header(case, tmp_path):
     _, tensors, _ = read_header(path, "model.init_from=x")
     with safe_open(path, framework="pt") as f:  # the reference: safetensors' own reading
         assert {k: (v["dtype"], v["shape"]) for k, v in tensors.items()} == {
-            k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
+            k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()
+        }
     damage, needle = DAMAGE[case]
     damage(path)
     with pytest.raises(ConfigError) as err:
@@ -129,6 +130,10 @@ def test_a_fine_tune_of_a_large_tensor_changes_its_sampled_fingerprint(tmp_path)
 
     edited = weight.clone()
     edited.view(-1)[-1] += 1
-    prints = [saved("base"), saved("fine_tuned", weight=weight + 1e-4 * torch.randn_like(weight)),
-              saved("last_element", weight=edited), saved("norm", norm=norm * 1.01)]
+    prints = [
+        saved("base"),
+        saved("fine_tuned", weight=weight + 1e-4 * torch.randn_like(weight)),
+        saved("last_element", weight=edited),
+        saved("norm", norm=norm * 1.01),
+    ]
     assert len(set(prints)) == len(prints), prints
