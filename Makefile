@@ -60,7 +60,10 @@ bench: data
 	$(PY) scripts/bench.py $(ARGS)
 
 # The suite ends with its 30 slowest tests: CI (.ci/run) has ~55 minutes on 2 cores, and this is where to look first.
+# Ruff first (config in pyproject.toml): style is kept by the linter, not by hand, and a finding stops the run.
 test: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q --durations=30
 
 # The first command on a GPU node: versions, gpu tests, the tiny recipes on CUDA in bf16, throughput/MFU/memory

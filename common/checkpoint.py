@@ -295,7 +295,8 @@ class CheckpointManager:
         return self._pending is not None
 
     def poll(self) -> None:
-        """At a step boundary (collective): commit the async save in flight if every rank's write is done; never waits."""
+        """At a step boundary (collective): commit the async save in flight if every rank's write is done;
+        never waits."""
         if self._pending is not None and self._agree(self._pending.done.done())[0]:
             self._commit_pending()
 

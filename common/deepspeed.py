@@ -184,7 +184,10 @@ def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool =
         except Exception as exc:  # the original is only read; the partial conversion goes
             shutil.rmtree(folder, ignore_errors=True)
             why = (str(exc).splitlines() or [""])[0]
-            error = f"run.resume: converting {path} to a universal checkpoint failed ({type(exc).__name__}: {why}); it is left as it was"
+            error = (
+                f"run.resume: converting {path} to a universal checkpoint failed ({type(exc).__name__}: {why}); "
+                "it is left as it was"
+            )
     if tdist.is_initialized():
         box = [error]
         tdist.broadcast_object_list(box, src=0)

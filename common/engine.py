@@ -61,7 +61,8 @@ class Engine(ABC):
 
     @abstractmethod
     def step(self, skip: bool = False) -> torch.Tensor | float | None:
-        """The optimizer and LR step (none with `skip`), gradients cleared; the norm where `clip_grad_norm` gave None."""
+        """The optimizer and LR step (none with `skip`), gradients cleared; the norm where `clip_grad_norm` gave
+        None."""
 
     @property
     @abstractmethod

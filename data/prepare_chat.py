@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             "--max-seq-len",
             type=positive_int,
             default=DEFAULT_MAX_SEQ_LEN,
-            help="conversations with more tokens are dropped (and counted); train with data.max_seq_len >= the longest kept",
+            help="conversations with more tokens are dropped (and counted); "
+            "train with data.max_seq_len >= the longest kept",
         )
 
     parser = shards.arg_parser(

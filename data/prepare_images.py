@@ -1,4 +1,5 @@
-"""Turn an ImageFolder (one subfolder of images per class) into class-labelled WebDataset image shards (train / held-out val).
+"""Turn an ImageFolder (one subfolder of images per class) into class-labelled WebDataset image shards \
+(train / held-out val).
 
     python -m data.prepare_images --input ~/data/my_images --out data/my_images --image-size 256
                                   [--train-shards 8] [--val-shards 2] [--val-fraction 0.15] [--seed 0] [--force]

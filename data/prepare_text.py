@@ -78,7 +78,8 @@ _PREP_RECIPE = {
     "chunking": "split after blank-line runs, then after newlines, then hard; greedy merge; lossless",
     "split": "topics, numpy default_rng(seed).permutation of sorted names, max(2, round(f * n)) to val",
     "special_tokens": list(SPECIAL_TOKENS),
-    "bpe": "tokenizers BPE, ByteLevel(add_prefix_space=False) pre-tokenizer + decoder, no normalizer, full byte alphabet",
+    "bpe": "tokenizers BPE, ByteLevel(add_prefix_space=False) pre-tokenizer + decoder, "
+    "no normalizer, full byte alphabet",
     "sample_ids": "<s> + tokens + </s>",
 }
 
@@ -162,7 +163,8 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
 
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(
-            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}"
+            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), "
+            f"got {vocab_size}"
         )
     # Byte-level with no normalizer: every string encodes and decodes back unchanged, so
     # <unk> never occurs; it is set because the tokenizer API (and some servers) expect one.
@@ -249,7 +251,8 @@ def build_text_shards(
     out = Path(out).absolute()
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(
-            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}"
+            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), "
+            f"got {vocab_size}"
         )
     built: dict[str, Any] = {}  # what load() makes and start_meta() records
 
@@ -438,7 +441,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         extra=extra,
         seed_help="seed of the train/val split (pydoc: of the topic split) and of the shard order",
     )
-    # Held out by topic for pydoc (not stratified), by document for your text; the shared default (0.15) suits the digits.
+    # Held out by topic for pydoc (not stratified), by document for your text; the shared default (0.15) suits
+    # the digits.
     parser.set_defaults(val_fraction=None)
     args = parser.parse_args(argv)
     own = args.tokenizer is not None or args.input is not None
@@ -448,7 +452,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--vocab-size is for the pydoc corpus; your text keeps --tokenizer's vocabulary")
     if args.vocab_size is not None and args.vocab_size < MIN_VOCAB_SIZE:
         parser.error(
-            f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {args.vocab_size}"
+            f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), "
+            f"got {args.vocab_size}"
         )
     if args.val_fraction is None:
         args.val_fraction = user_data.DEFAULT_VAL_FRACTION if own else DEFAULT_VAL_FRACTION

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Score an exported DiT: sample N images per class and classify them with an SVM fitted on the real images.
 
-    python scripts/eval_dit.py EXPORT_DIR [--per-class 50] [--steps 50] [--guidance 2.0] [--data data/cache/digits] [--out eval.json]
+    python scripts/eval_dit.py EXPORT_DIR [--per-class 50] [--steps 50] [--guidance 2.0]
+                               [--data data/cache/digits] [--out eval.json]
 
 --data is the image dataset the model was trained on (the digits by default, built there if missing).
 """

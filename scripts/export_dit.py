@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     else:  # no trtexec here: one command per version, the build machine's decides
         command_file.write_text(
             "".join(
-                f"# TensorRT {v}: {'fp32 graph + precision flag' if v == 10 else 'strongly typed, precision from the graph'}\n"
+                f"# TensorRT {v}: "
+                f"{'fp32 graph + precision flag' if v == 10 else 'strongly typed, precision from the graph'}\n"
                 f"{c}\n"
                 for v, c in commands.items()
             )

@@ -85,7 +85,8 @@ def _peak():
     torch = sys.modules.get("torch")  # not imported: the run stopped early (a config error), nothing to report
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         with open(os.environ["KILN_PEAK_MEMORY_FILE"], "w") as f:
-            json.dump({"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}, f)
+            json.dump({"max_allocated": torch.cuda.max_memory_allocated(), \
+"max_reserved": torch.cuda.max_memory_reserved()}, f)
 atexit.register(_peak)
 sys.argv = [sys.argv[1], *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")

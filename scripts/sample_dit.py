@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_abs_diff_float=float((images - other).abs().max()),
             )
             print(
-                f"sample_dit: {opts['compare']}: {steps} steps in {osecs:.2f}s ({steps / osecs:.2f} steps/s) -> {other_out}"
+                f"sample_dit: {opts['compare']}: {steps} steps in {osecs:.2f}s ({steps / osecs:.2f} steps/s) "
+                f"-> {other_out}"
             )
             print(f"sample_dit: max abs pixel difference {opts['backend']} vs {opts['compare']}: {diff} / 255")
     except (FileNotFoundError, ImportError, RuntimeError, ValueError) as exc:

@@ -21,7 +21,8 @@ USAGE = """usage: python scripts/serve.py serve.model=<run.dir>/export [serve.KE
            (onnx/model.onnx from scripts/export_dit.py), else torch; serve.max_batch_images, serve.batch_wait_ms
   serve.host, serve.port, serve.served_model_name, serve.dtype, serve.dry_run=true (print the command, exit)
   beyond loopback (serve.host=0.0.0.0): an API key in $KILN_API_KEY (serve.api_key_env=NAME picks another
-  variable; vLLM and the images server check it) or serve.allow_unauthenticated=true; transformers serve only with the latter
+  variable; vLLM and the images server check it) or serve.allow_unauthenticated=true; \
+transformers serve only with the latter
   vllm: serve.tensor_parallel_size, serve.max_model_len, serve.gpu_memory_utilization
   transformers: serve.device, serve.continuous_batching, serve.cb_num_blocks, serve.cb_max_batch_tokens
 All keys and defaults: common/tools/serving.py (ServeSection); README.md, section Serving."""

@@ -4,15 +4,15 @@ LLM and VLM exports (Hugging Face folders) are served by an OpenAI-compatible en
 Kiln's images server (recipes/dit/server.py: OpenAI's /v1/images/generations on FastAPI + uvicorn, with
 dynamic batching) on TensorRT, onnxruntime or PyTorch.
 
-The engines are vLLM -- from its own environment, `.venv-serve` (`make serve-env`: vLLM's CPU build
-on a machine without CUDA, vLLM itself on a GPU machine), or a `vllm` on the PATH -- and `transformers
-serve` with continuous batching where there is no vLLM; neither is re-implemented here. No open door by default: serving beyond loopback needs an API key (vLLM checks
-it; the key comes from an environment variable, never from the config or a command line) or an
-explicit serve.allow_unauthenticated=true; `transformers serve` cannot check a key. The one adapter is for `transformers serve`, which resolves a request's
-`model` like `from_pretrained` (a hub id or a path) and lists `/v1/models` from the Hugging Face
-cache: each server gets a private cache holding one entry named `serve.served_model_name` whose
-files are symlinks into the export, and runs offline. The requested name, the listed name and the
-loaded folder then agree, as with `vllm serve --served-model-name`.
+The engines are vLLM -- from its own environment, `.venv-serve` (`make serve-env`: vLLM's CPU build on a
+machine without CUDA, vLLM itself on a GPU machine), or a `vllm` on the PATH -- and `transformers serve` with
+continuous batching where there is no vLLM; neither is re-implemented here. No open door by default: serving
+beyond loopback needs an API key (vLLM checks it; the key comes from an environment variable, never from the
+config or a command line) or an explicit serve.allow_unauthenticated=true; `transformers serve` cannot check a
+key. The one adapter is for `transformers serve`, which resolves a request's `model` like `from_pretrained` (a
+hub id or a path) and lists `/v1/models` from the Hugging Face cache: each server gets a private cache holding
+one entry named `serve.served_model_name` whose files are symlinks into the export, and runs offline. The
+requested name, the listed name and the loaded folder then agree, as with `vllm serve --served-model-name`.
 """
 
 from __future__ import annotations

@@ -114,7 +114,8 @@ def validate(cfg: TrainConfig) -> None:
     inner = m.num_attention_heads * m.attention_head_dim
     if inner % m.norm_num_groups:
         raise ConfigError(
-            f"model.num_attention_heads*attention_head_dim={inner} must be divisible by model.norm_num_groups={m.norm_num_groups}"
+            f"model.num_attention_heads*attention_head_dim={inner} must be divisible by "
+            f"model.norm_num_groups={m.norm_num_groups}"
         )
     if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
         raise ConfigError(

@@ -1,5 +1,6 @@
 """DiT inputs: image shards (the digits, or an ImageFolder turned into shards by prepare_images) decoded to [-1, 1]
-images at `data.image_size`, or a latent cache's posterior moments (data.cache_latents); a split read whole for evaluation."""
+images at `data.image_size`, or a latent cache's posterior moments (data.cache_latents); a split read whole for
+evaluation."""
 
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ def write_export(model, cfg: TrainConfig, out: Path, *, base: str, write_pipelin
 
 
 def write_adapter(model, cfg: TrainConfig, out: Path, *, base: str) -> None:
-    """The PEFT adapter folder of ``model`` (the LoRA-wrapped DiT, its weights here) on the transformer folder ``base``."""
+    """The PEFT adapter folder of ``model`` (the LoRA-wrapped DiT, its weights here) on the transformer folder
+    ``base``."""
     config = peft_config(cfg.lora, base=base)
     config.inference_mode = True  # as PeftModel.save_pretrained writes it
     write_adapter_folder(out, peft_state_dict(model.state_dict()), config)

@@ -1,4 +1,5 @@
-"""Training objectives -- DDPM (epsilon or v prediction) and rectified flow -- and the diffusers scheduler that samples each.
+"""Training objectives -- DDPM (epsilon or v prediction) and rectified flow -- and the diffusers scheduler that
+samples each.
 
     ddpm: x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) noise, integer t in [0, T); the DDPM schedule
           trains, DDIM (deterministic, eta=0) samples.
@@ -75,7 +76,8 @@ class Objective:
     def noisy(
         self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x_t, the DiT's timestep input, the regression target) for clean inputs `x0` at timesteps `t` (`timesteps`)."""
+        """(x_t, the DiT's timestep input, the regression target) for clean inputs `x0` at timesteps `t`
+        (`timesteps`)."""
         t = t.to(x0.device)
         if self.ddpm is None:
             tb = t.view(-1, *([1] * (x0.dim() - 1)))

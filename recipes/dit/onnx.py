@@ -80,7 +80,8 @@ class _DiTForExport(torch.nn.Module):
 
 
 def _eval_in(transformer: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """An eval-mode view of the model in `dtype`: the model itself if already in it (mode restored by callers), else a copy."""
+    """An eval-mode view of the model in `dtype`: the model itself if already in it (mode restored by callers),
+    else a copy."""
     if any(p.dtype != dtype for p in transformer.parameters()):
         # nn.Module.to, not diffusers' override: that one warns about fp32-pinned modules (DiT has none).
         transformer = torch.nn.Module.to(copy.deepcopy(transformer), dtype)
@@ -106,7 +107,8 @@ def _random_inputs(
     generator: torch.Generator,
     num_train_timesteps: int = 1000,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fresh random inputs: Gaussian images, random (fractional) timesteps, random labels with the null class in them."""
+    """Fresh random inputs: Gaussian images, random (fractional) timesteps, random labels with the null class in
+    them."""
     x = torch.randn(batch, in_channels, image_size, image_size, generator=generator)
     t = torch.rand(batch, generator=generator) * num_train_timesteps
     y = torch.randint(0, null_class + 1, (batch,), generator=generator, dtype=torch.long)
@@ -288,8 +290,8 @@ class OnnxDiT:
 class TensorRTDiT:
     """A TensorRT engine (built by scripts/build_trt_engine.sh) in the diffusers call signature.
 
-    Needs a CUDA GPU and the `tensorrt` package (the name-based tensor API of TensorRT 10 and 11). Batches larger than the
-    engine's optimisation profile allows are split into chunks. Returns CUDA tensors.
+    Needs a CUDA GPU and the `tensorrt` package (the name-based tensor API of TensorRT 10 and 11). Batches larger
+    than the engine's optimisation profile allows are split into chunks. Returns CUDA tensors.
     """
 
     def __init__(self, engine_path: str | Path, device: str | torch.device = "cuda"):

@@ -1,4 +1,5 @@
-"""Class-conditional sampling with classifier-free guidance (DDIM for DDPM models, Euler for flow models), and sample grids."""
+"""Class-conditional sampling with classifier-free guidance (DDIM for DDPM models, Euler for flow models), and
+sample grids."""
 
 from __future__ import annotations
 

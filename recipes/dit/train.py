@@ -185,7 +185,8 @@ class DiTTrainer(Trainer):
         if progress and self.dist.is_main:
             sampler = "Euler (flow)" if d.objective == "flow" else "DDIM"
             print(
-                f"kiln: {progress}: {len(labels)} images, {d.sample_steps} {sampler} steps, guidance {d.guidance_scale}",
+                f"kiln: {progress}: {len(labels)} images, {d.sample_steps} {sampler} steps, "
+                f"guidance {d.guidance_scale}",
                 flush=True,
             )
         show_bar = progress if self.dist.is_main and self.cfg.trainer.progress_bar else None

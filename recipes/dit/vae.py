@@ -1,4 +1,5 @@
-"""The frozen VAE of latent diffusion: its folder checked from config.json, images to posterior moments, latents, and back.
+"""The frozen VAE of latent diffusion: its folder checked from config.json, images to posterior moments, latents,
+and back.
 
 A latent is `(z - shift_factor) * scaling_factor` with `z = mean + std * eps` drawn from the VAE's
 posterior (the shift only where the VAE's config has one, as in SD3/Flux VAEs); decoding inverts it.

@@ -1,5 +1,6 @@
-"""Schemas of the LLM recipe's own config sections: `model` (a Llama, optionally MoE; see recipes/llm/model.py:LlamaArgs),
-`parallel` (the ("pp", "dp", "tp") mesh, ep inside dp) and `data` (packed token rows)."""
+"""Schemas of the LLM recipe's own config sections: `model` (a Llama, optionally MoE; see
+recipes/llm/model.py:LlamaArgs), `parallel` (the ("pp", "dp", "tp") mesh, ep inside dp) and `data` (packed token
+rows)."""
 
 from __future__ import annotations
 
@@ -163,8 +164,8 @@ def validate(cfg: TrainConfig) -> None:
         cfg,
         "LLM",
         parallel=MeshParallelConfig,
-        layouts="FSDP2 over parallel.dp, tensor, pipeline and expert parallelism (parallel=mesh: parallel.dp/tp/pp/ep), "
-        "not DeepSpeed ZeRO",
+        layouts="FSDP2 over parallel.dp, tensor, pipeline and expert parallelism "
+        "(parallel=mesh: parallel.dp/tp/pp/ep), not DeepSpeed ZeRO",
         data=LLMDataConfig,
         datasets="pydoc_text, text_shards or chat_shards (token shards)",
     )

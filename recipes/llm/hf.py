@@ -1,6 +1,6 @@
 """Hugging Face folders in and out of the LLM recipe (Llama, Qwen3, and the MoEs Mixtral, Qwen3-MoE, Qwen2-MoE):
-model.init_from's config.json as LlamaArgs (refusing what the model does not implement), sharded loading of its safetensors, its tokenizer, and
-the export folder.
+model.init_from's config.json as LlamaArgs (refusing what the model does not implement), sharded loading of its
+safetensors, its tokenizer, and the export folder.
 
 Loading reads only what each rank holds: the model is built on meta, split/parallelized, materialized
 empty, and ``torch.distributed.checkpoint.load`` with ``HuggingFaceStorageReader`` fills the sharded
@@ -57,8 +57,8 @@ def _error(folder: Path | str, what: str) -> ConfigError:
 
 
 def checkpoint_args(folder: str | Path) -> LlamaArgs:
-    """The architecture of the model in ``folder`` (one of HF_ARCHITECTURES), after checking that Kiln's Llama implements
-    all of it and that its safetensors hold exactly its weights. ConfigError (one line) otherwise."""
+    """The architecture of the model in ``folder`` (one of HF_ARCHITECTURES), after checking that Kiln's Llama
+    implements all of it and that its safetensors hold exactly its weights. ConfigError (one line) otherwise."""
     folder = Path(folder)
     config = _hf_config(folder)
     try:

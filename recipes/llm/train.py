@@ -374,7 +374,8 @@ class LLMTrainer(Trainer):
     def export(self) -> Path:
         """A Hugging Face LlamaForCausalLM folder (safetensors + tokenizer) from the sharded model; with
         model.init_from, in the source's format (recipes/llm/hf.py:write_hf_folder). Under LoRA a PEFT adapter
-        folder on model.init_from, and with export.merge_lora the merged model in export/merged (recipes/llm/lora.py)."""
+        folder on model.init_from, and with export.merge_lora the merged model in export/merged
+        (recipes/llm/lora.py)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         # LoRA without merging gathers the adapter only.

@@ -1,5 +1,6 @@
 """Schemas of the VLM recipe's own config sections: `model` (architecture), `vlm` (training stage, sources,
-eval) and `data` (image-conversation shards). A leaf in recipes/vlm: recipes/vlm/config.py registers and validates them."""
+eval) and `data` (image-conversation shards). A leaf in recipes/vlm: recipes/vlm/config.py registers and validates
+them."""
 
 from __future__ import annotations
 

@@ -44,7 +44,8 @@ def _folder_config(path: str, key: str) -> tuple[Path, dict]:
 
 
 def llava_folder(init_from: str) -> Path:
-    """The LLaVA folder `model.init_from` names: an align run (its export/) or a LlavaForConditionalGeneration folder."""
+    """The LLaVA folder `model.init_from` names: an align run (its export/) or a LlavaForConditionalGeneration
+    folder."""
     path = Path(init_from).expanduser()
     candidate = path / "export" if (path / "export" / "config.json").exists() else path
     folder, config = _folder_config(str(candidate), "model.init_from")

@@ -50,7 +50,8 @@ class TimedSaves(LLMTrainer):
 
 
 def checksum_costs(path: Path) -> dict[str, float]:
-    """Seconds per 100 MB of each candidate checksum over `path` (read from the page cache: the file was just written)."""
+    """Seconds per 100 MB of each candidate checksum over `path` (read from the page cache: the file was just
+    written)."""
     algos = {
         "crc32 (zlib)": lambda f: _chunks(f, zlib.crc32, 0),
         "sha256 (hashlib)": lambda f: hashlib.file_digest(f, "sha256").digest(),

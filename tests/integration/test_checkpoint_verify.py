@@ -35,7 +35,8 @@ RUNS = {
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def real_run(request, trained):
-    """A real tiny run (LLM: DCP; DiT: DeepSpeed) with checkpoints at steps 2 and 4 (tests copy it before damaging it)."""
+    """A real tiny run (LLM: DCP; DiT: DeepSpeed) with checkpoints at steps 2 and 4 (tests copy it before damaging
+    it)."""
     return trained([*RUNS[request.param], "trainer.max_steps=4", "checkpoint.every=2", "checkpoint.keep=5"])
 
 

@@ -176,7 +176,8 @@ def test_refusals_are_one_line(runs, tmp_path, capsys):
     code, err = export(capsys, cut)
     assert code == 2 and "trainer.pt is unreadable" in err and len(err.strip().splitlines()) == 1
     assert (cut / "export" / "kiln.json").exists() and not list(cut.rglob("*.tmp"))  # nothing lost, nothing left
-    # --merge-lora on a full run; a LoRA run whose base (model.init_from) is gone: its checkpoints hold the adapter only.
+    # --merge-lora on a full run; a LoRA run whose base (model.init_from) is gone: its checkpoints hold the adapter
+    # only.
     code, err = export(capsys, vlm, "--merge-lora")
     assert code == 2 and "--merge-lora is for finetune=lora runs" in err and len(err.strip().splitlines()) == 1
     lora = tmp_path / "lora"

@@ -191,8 +191,8 @@ def test_checkpoints_hold_the_adapter_and_resume_bitwise(folders, six_steps, tmp
     _, full_tensors, full_files = dcp_contents(full / "checkpoints" / "step_0000001")
     print(
         f"checkpoint tensor bytes: LoRA {lora_tensors:,}, full fine-tune {full_tensors:,} "
-        f"({lora_tensors / full_tensors:.3f}x); files {lora_files:,} vs {full_files:,} ({lora_files / full_files:.2f}x; "
-        f"the rest is per-parameter optimizer hyperparameters)"
+        f"({lora_tensors / full_tensors:.3f}x); files {lora_files:,} vs {full_files:,} "
+        f"({lora_files / full_files:.2f}x; the rest is per-parameter optimizer hyperparameters)"
     )
     assert lora_tensors < 0.25 * full_tensors and lora_files < full_files
 

@@ -74,7 +74,8 @@ def check_report(out: str, columns: list[str]) -> str:
     header = next(line for line in lines if line.split() and line.split()[0] == "rank")
     assert header.split() == [w for c in columns for w in c.split()]
     shares = [
-        [float(p) for p in re.findall(r"(\d+\.\d)%", next(l for l in lines if l.startswith(f"{row} ")))] for row in ROWS
+        [float(p) for p in re.findall(r"(\d+\.\d)%", next(line for line in lines if line.startswith(f"{row} ")))]
+        for row in ROWS
     ]
     for column in zip(*shares):  # each rank and the overall column: rows partition the step
         assert sum(column) == pytest.approx(100, abs=0.5)

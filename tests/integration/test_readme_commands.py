@@ -78,15 +78,18 @@ FIXTURES = {
 # Commands that cannot run here, each with the place that runs the same code path.
 NOT_RUN = {
     "make test": "this test runs inside it",
-    "make serve-env": "installs vLLM's environment: CI's .ci/run builds it, tests/integration/test_serve_vllm.py serves from it",
+    "make serve-env": "installs vLLM's environment: CI's .ci/run builds it, "
+    "tests/integration/test_serve_vllm.py serves from it",
     "pip install": "installs an environment (CI's .ci/run installs the CPU one with make)",
     "python3 -m venv": "installs an environment (CI's .ci/run installs the CPU one with make)",
     "curl": "needs a live server: tests/integration/test_serve.py sends the same requests",
     "sbatch": "needs a SLURM cluster: tests/integration/test_slurm.py submits train.sbatch to a real one",
-    "scripts/slurm/local_cluster.sh": "installs and starts SLURM as root: the fixture of tests/integration/test_slurm.py",
+    "scripts/slurm/local_cluster.sh": "installs and starts SLURM as root: "
+    "the fixture of tests/integration/test_slurm.py",
     "scripts/serve_gpu.sh": "needs a CUDA GPU and vLLM: tests/unit/test_serve_config.py checks its command lines",
     "scripts/bench.py --only serving": "trains llm_tiny and starts a server for minutes: make bench runs this section",
-    "scripts/build_trt_engine.sh": "needs TensorRT's trtexec: tests/unit/test_trt_build.py runs it with stand-in trtexecs",
+    "scripts/build_trt_engine.sh": "needs TensorRT's trtexec: "
+    "tests/unit/test_trt_build.py runs it with stand-in trtexecs",
     "make gpu-check": "needs a CUDA GPU (without one: one line, exit 2, tests/unit/test_gpu_check.py)",
     "outputs/dit_2b/": "needs a trained dit_2b (a GPU run): the same export on dit_tiny runs above",
 }
@@ -98,20 +101,27 @@ NOT_RUN = {
 # changes such a command makes it train here again until it is listed anew.
 TRAINED_ELSEWHERE = {
     "python scripts/train.py recipe=dit_tiny": "make demo, the README's first command, runs it",
-    "torchrun --nproc_per_node 2 scripts/train.py recipe=dit_tiny parallel.zero_stage=3": "tests/distributed/test_zero_stages.py",
+    "torchrun --nproc_per_node 2 scripts/train.py recipe=dit_tiny "
+    "parallel.zero_stage=3": "tests/distributed/test_zero_stages.py",
     "python scripts/train.py recipe=dit_tiny diffusion.objective=flow": "tests/integration/test_dit_latent.py (flow)",
-    "python scripts/train.py recipe=vlm_tiny model.init_from=outputs/align run.dir=outputs/ft": "tests/integration/test_vlm.py (align -> finetune)",
-    "torchrun --nproc_per_node 4 scripts/train.py recipe=llm_tiny parallel.tp=2 trainer.micro_batch_size=4": "tests/distributed/test_llm_layouts.py (tp2 x dp2)",
+    "python scripts/train.py recipe=vlm_tiny model.init_from=outputs/align "
+    "run.dir=outputs/ft": "tests/integration/test_vlm.py (align -> finetune)",
+    "torchrun --nproc_per_node 4 scripts/train.py recipe=llm_tiny parallel.tp=2 "
+    "trainer.micro_batch_size=4": "tests/distributed/test_llm_layouts.py (tp2 x dp2)",
     "torchrun --nproc_per_node 4 scripts/train.py recipe=llm_tiny parallel.tp=2 parallel.pp=2 "
     "parallel.pp_schedule=1f1b": "tests/distributed/test_llm_pipeline.py (tp2 x pp2)",
-    "python scripts/train.py recipe=llm_tiny data=text_shards data.root=data/my_text": "tests/integration/test_llm_user_data.py",
-    "python scripts/train.py recipe=llm_tiny data=chat_shards data.root=data/my_chat": "tests/integration/test_llm_user_data.py",
+    "python scripts/train.py recipe=llm_tiny data=text_shards "
+    "data.root=data/my_text": "tests/integration/test_llm_user_data.py",
+    "python scripts/train.py recipe=llm_tiny data=chat_shards "
+    "data.root=data/my_chat": "tests/integration/test_llm_user_data.py",
     "python scripts/train.py recipe=vlm_tiny finetune=lora model.init_from=outputs/align export.merge_lora=true "
     "run.dir=outputs/vlm_lora": "tests/integration/test_vlm_lora.py",
     "python scripts/train.py recipe=moe_tiny run.dir=outputs/moe": "tests/integration/test_moe_tiny.py",
     "torchrun --nproc_per_node 8 scripts/train.py recipe=vlm_7b model.init_from=~/models/llava-1.5-7b-hf "
-    "data.root=data/my_llava_instruct run.dir=outputs/llava_more": "tests/integration/test_vlm_llava.py (llava-hf continued, on vlm_tiny)",
-    "python scripts/train.py recipe=dit_tiny profile.enabled=true run.dir=outputs/prof": "tests/integration/test_profile_report.py",
+    "data.root=data/my_llava_instruct run.dir=outputs/llava_more": "tests/integration/test_vlm_llava.py "
+    "(llava-hf continued, on vlm_tiny)",
+    "python scripts/train.py recipe=dit_tiny profile.enabled=true "
+    "run.dir=outputs/prof": "tests/integration/test_profile_report.py",
 }
 
 

@@ -1,5 +1,5 @@
-"""scripts/serve.py on CPU (transformers serve, continuous batching; vLLM's CPU build: test_serve_vllm.py) in front of freshly trained
-llm_tiny and vlm_tiny exports, driven by the official openai client: chat (streamed and not),
+"""scripts/serve.py on CPU (transformers serve, continuous batching; vLLM's CPU build: test_serve_vllm.py) in front
+of freshly trained llm_tiny and vlm_tiny exports, driven by the official openai client: chat (streamed and not),
 completions, models, health, images, 16 concurrent requests, malformed requests."""
 
 from __future__ import annotations

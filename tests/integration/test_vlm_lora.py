@@ -1,8 +1,8 @@
 """finetune=lora on the VLM (DeepSpeed ZeRO-0, one process) from a tiny llava-hf checkpoint: the language model's
 adapters and the projector train -- the rest stays model.init_from's bit for bit -- and only they reach the optimizer
 and the checkpoints; the export is a PEFT adapter folder that PeftModel loads onto LlavaForConditionalGeneration with
-the trained model's logits, export.merge_lora's merged LLaVA is peft's merge_and_unload; scripts/export.py --merge-lora rebuilds that export from
-the run's last checkpoint, bit for bit; a resumed run is bitwise."""
+the trained model's logits, export.merge_lora's merged LLaVA is peft's merge_and_unload; scripts/export.py
+--merge-lora rebuilds that export from the run's last checkpoint, bit for bit; a resumed run is bitwise."""
 
 from __future__ import annotations
 

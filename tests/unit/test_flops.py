@@ -1,5 +1,6 @@
 """FLOP counting (tiny Llama vs 6N + attention, every attention kernel a run may use against a hand
-count), peak FLOP/s tables, measured CPU peak, MFU. On ranks and in real train steps: tests/distributed/test_flops_ranks.py."""
+count), peak FLOP/s tables, measured CPU peak, MFU. On ranks and in real train steps:
+tests/distributed/test_flops_ranks.py."""
 
 from __future__ import annotations
 

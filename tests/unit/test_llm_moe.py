@@ -114,7 +114,8 @@ def test_checkpoint_logits_aux_loss_and_export_match_transformers(folders, name,
     error = (ours - theirs.logits).abs().max().item()
     aux_error = max(abs(aux - theirs.aux_loss).item(), abs(aux_masked - theirs_masked.aux_loss).item())
     print(
-        f"{name}: max |logits - transformers| = {error:.2e}; aux {aux.item():.6f}, |aux - transformers| = {aux_error:.2e}"
+        f"{name}: max |logits - transformers| = {error:.2e}; "
+        f"aux {aux.item():.6f}, |aux - transformers| = {aux_error:.2e}"
     )
     assert error <= 1e-5 and aux_error <= 1e-6
     assert not torch.isclose(aux, aux_masked)  # the mask matters

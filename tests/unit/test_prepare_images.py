@@ -1,4 +1,5 @@
-"""data.prepare_images: an ImageFolder becomes class-labelled RGB shards the DiT reads; bad folders stop with one line."""
+"""data.prepare_images: an ImageFolder becomes class-labelled RGB shards the DiT reads; bad folders stop with one
+line."""
 
 from __future__ import annotations
 
@@ -172,6 +173,7 @@ def test_training_refuses_shards_of_another_size(built):
     assert check_image_size(compose(["recipe=dit_tiny", "data=images", "data.image_size=32"]), meta) is meta
     with pytest.raises(
         DataError,
-        match="holds 32x32 images but data.image_size=64: set data.image_size=32 or rebuild the shards with prepare_images --image-size 64",
+        match="holds 32x32 images but data.image_size=64: set data.image_size=32 "
+        "or rebuild the shards with prepare_images --image-size 64",
     ):
         check_image_size(compose(["recipe=dit_tiny", "data=images", "data.image_size=64"]), meta)
