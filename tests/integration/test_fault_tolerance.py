@@ -206,17 +206,12 @@ def test_too_many_bad_steps_stop_with_the_last_good_weights(tmp_path):
     assert "at step 6" in resumed.stdout and losses(tmp_path)[7] < 10
 
 
-# The hung rank sleeps through torchrun's SIGTERM (its handler only asks for a checkpoint after the next step):
-# torchrun kills it after --shutdown_timeout (30 s by default).
-STOP_HUNG = ("--shutdown_timeout=2",)
-
-
 @pytest.mark.distributed
 def test_hung_rank_becomes_a_timeout_naming_it(tmp_path):
     args = [*DIT, "trainer.max_steps=6", "parallel.timeout_s=10", f"run.dir={tmp_path}"]
     start = time.time()
     proc = subprocess.run(
-        train_command(args, 2, *STOP_HUNG),
+        train_command(args, 2),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -236,7 +231,7 @@ def test_hung_rank_is_named_by_the_watchdog(tmp_path):
     before the process group's own timeout (timeout_s + WATCHDOG_MARGIN_S = 40 s here) would."""
     args = [*DIT, "trainer.max_steps=6", "parallel.timeout_s=10", f"run.dir={tmp_path}"]
     proc = subprocess.run(
-        train_command(args, 2, *STOP_HUNG),
+        train_command(args, 2),
         cwd=REPO,
         capture_output=True,
         text=True,
