@@ -88,7 +88,7 @@ def test_dataset_builder_argv_follows_the_model():
         "--patch-size",
         "4",
     ]
-    cfg = compose(["recipe=vlm_tiny", "model.image_size=32", "model.patch_size=8"])
+    cfg = compose(["recipe=vlm_tiny", "model.image_size=32", "model.vision_patch_size=8"])
     assert cfg.data.build == ["data.prepare_vlm_digits", "--image-size", "32", "--patch-size", "8"]
     assert compose(["recipe=vlm_7b", "data=vlm_digits"]).data.build[2:] == ["336", "--patch-size", "14"]
     assert compose(["recipe=vlm_7b"]).data.build == []  # LLaVA data: a user dataset (data.prepare_llava builds it)
