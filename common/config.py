@@ -40,7 +40,6 @@ class TrainerConfig:
     log_every: int = 10
     micro_batch_size: int = 32
     grad_accum: int = 1
-    sample_every: int = 0  # 0: samples only at the end
     progress_bar: bool = True
     eval: bool = True  # run the recipe's evaluation after training
     # A step with a non-finite loss or gradient is skipped (weights untouched) and counted; this
@@ -217,7 +216,6 @@ POSITIVE = (
     "lora.alpha",
 )
 NON_NEGATIVE = (
-    "trainer.sample_every",
     "trainer.max_bad_steps",
     "checkpoint.every",
     "optim.lr",
@@ -283,6 +281,22 @@ def validate(cfg: TrainConfig) -> None:
 
 
 ZERO_LAYOUTS = "parallel=single|zero1|zero2|zero3: parallel.dp, parallel.zero_stage"
+
+
+def rename_saved(cfg: Any, renamed: dict[str, str]) -> None:
+    """A config.yaml written before its family renamed keys (an OmegaConf DictConfig; `renamed`: the spec's old
+    dotted key -> new) with their values under the new names, in place: an older run's folder still exports."""
+    from omegaconf import OmegaConf
+
+    absent = object()
+    for old, new in renamed.items():
+        value = OmegaConf.select(cfg, old, default=absent)
+        if value is absent:
+            continue
+        parent, _, leaf = old.rpartition(".")
+        del (OmegaConf.select(cfg, parent) if parent else cfg)[leaf]
+        if OmegaConf.select(cfg, new, default=absent) is absent:
+            OmegaConf.update(cfg, new, value, force_add=True)
 
 
 def check_family_sections(

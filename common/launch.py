@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from common.config import TrainConfig, register, validate
 from common.errors import ConfigError, UserError
@@ -110,29 +110,19 @@ def _parse_error(override: str, exc: Exception) -> str:
 
 def compose(overrides: list[str]) -> TrainConfig:
     """Composed, typed and validated config (raises ConfigError)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from common import lora
     from recipes.registry import recipe_spec, specs
 
-    families = specs().values()
+    families = list(specs().values())
     register(name for spec in families for name in spec.sections)
     for spec in families:
         spec.config.register()
-    overrides = parse_overrides(overrides)
-    # Families from outside the checkout bring their config groups in their own folder.
-    extra = [f"file://{spec.config_dir}" for spec in families if spec.config_dir is not None]
-    search = [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
-    GlobalHydra.instance().clear()
+    overrides = rename_overrides(parse_overrides(overrides), families)
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            raw = hydra_compose(config_name="train", overrides=[*overrides, *search])
-        cfg: TrainConfig = OmegaConf.to_object(raw)
-    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        cfg: TrainConfig = OmegaConf.to_object(_hydra_compose(overrides, families))
+    except (OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(explain_compose_error(exc)) from None
     spec = recipe_spec(cfg.recipe.family)
     validate(cfg)
@@ -141,6 +131,60 @@ def compose(overrides: list[str]) -> TrainConfig:
     spec.config.complete(cfg, given)  # keys filled from files (the LLM: model.init_from)
     spec.config.validate(cfg)
     return cfg
+
+
+def _hydra_compose(overrides: list[str], families) -> DictConfig:
+    """configs/train.yaml composed with `overrides`, untyped (raises ConfigError)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    # Families from outside the checkout bring their config groups in their own folder.
+    extra = [f"file://{spec.config_dir}" for spec in families if spec.config_dir is not None]
+    search = [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return hydra_compose(config_name="train", overrides=[*overrides, *search])
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(explain_compose_error(exc)) from None
+
+
+_NOTED: set[str] = set()  # renamed keys already noted by this process (scripts/plan.py may compose twice)
+
+
+def rename_overrides(overrides: list[str], families) -> list[str]:
+    """`overrides` with each key that the recipe's family renamed (its spec's `renamed`) spelled the new way, and one
+    `kiln: note:` line on stderr per old key: an old spelling works for one release. The family is the recipe's,
+    which composition decides, so a command line holding an old key of any family is composed once without those
+    keys to learn it. An old key of another family than the recipe's is left alone: composition refuses it as it
+    refuses any key the family does not have."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    old = {key for spec in families for key in spec.renamed}
+    parser = OverridesParser.create()
+    keys = [parser.parse_override(o).key_or_group for o in overrides]
+    if not old.intersection(keys):
+        return overrides
+    probe = _hydra_compose([o for o, key in zip(overrides, keys) if key not in old], families)
+    family = OmegaConf.select(probe, "recipe.family", default=None)
+    renamed = next((spec.renamed for spec in families if spec.family == family), {})
+    spelled = []
+    for override, key in zip(overrides, keys):
+        if key in renamed:
+            start = override.index(key)  # after a `+`, `++` or `~`
+            override = f"{override[:start]}{renamed[key]}{override[start + len(key) :]}"
+            if key not in _NOTED and os.environ.get("RANK", "0") == "0":
+                print(
+                    f"kiln: note: {key} is now {renamed[key]}; the old name is accepted until the next release",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            _NOTED.add(key)
+        spelled.append(override)
+    return spelled
 
 
 def command_line_keys(overrides: list[str]) -> set[str]:

@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
     from common.checkpoint import read_meta
+    from common.config import rename_saved
     from common.errors import UserError
+    from recipes.registry import recipe_spec
 
     cfg = OmegaConf.load(args.run_dir / "config.yaml")
     try:
@@ -134,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             f"--merge-lora is for finetune=lora runs ({args.run_dir} is a finetune={cfg.get('finetune', 'full')} "
             "run: its export is the whole model)"
         )
-    from recipes.registry import recipe_spec
-
     tmp = out.with_name(f".{out.name}.tmp")
     try:
-        exporter = recipe_spec(cfg.recipe.family).exporter()  # recipes/<family>/export.py
+        spec = recipe_spec(cfg.recipe.family)
+        rename_saved(cfg, spec.renamed)  # a run from before a key was renamed reads as a new one
+        exporter = spec.exporter()  # recipes/<family>/export.py
         write = exporter.export_checkpoint
         if lora:  # the checkpoints hold the adapter only: the export loads the base from model.init_from
             source = cfg.model.get("init_from") or ""

@@ -65,7 +65,6 @@ MEASURE = [
     "trainer.progress_bar=false",
     "trainer.log_every=1",
     "trainer.eval=false",
-    "trainer.sample_every=0",
     "checkpoint.every=0",
     "checkpoint.final=false",
     "profile.count_flops=true",
@@ -534,6 +533,7 @@ def dit_run(recipe: str, check: Check | None, steps: int, inputs: list[str] | No
         f"recipe={recipe}",
         *(dit_inputs(check) if inputs is None else inputs),
         *MEASURE,
+        "diffusion.sample_every=0",
         f"trainer.max_steps={steps}",
     ]
 

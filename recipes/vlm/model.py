@@ -73,7 +73,7 @@ def llava_config(
         num_hidden_layers=m.vision_layers,
         num_attention_heads=m.vision_heads,
         image_size=m.image_size,
-        patch_size=m.patch_size,
+        patch_size=m.vision_patch_size,
         num_channels=3,
     )
     text = LlamaConfig(
@@ -83,7 +83,7 @@ def llava_config(
         num_hidden_layers=m.text_layers,
         num_attention_heads=m.text_heads,
         num_key_value_heads=m.text_kv_heads,
-        max_position_embeddings=m.max_position_embeddings,
+        max_position_embeddings=m.max_seq_len,
         rope_theta=m.rope_theta,
         pad_token_id=pad_token_id,
         bos_token_id=bos_token_id,

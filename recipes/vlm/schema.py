@@ -16,7 +16,7 @@ class VLMModelConfig:
 
     vision: str = "siglip"  # siglip | clip
     image_size: int = 16
-    patch_size: int = 4
+    vision_patch_size: int = 4  # the tower's patch side in pixels (vision_config.patch_size)
     vision_hidden_size: int = 64
     vision_layers: int = 2
     vision_heads: int = 4
@@ -30,7 +30,7 @@ class VLMModelConfig:
     text_heads: int = 4
     text_kv_heads: int = 2
     text_intermediate_size: int = 256
-    max_position_embeddings: int = 512
+    max_seq_len: int = 512  # the longest row the language model accepts (text_config.max_position_embeddings)
     vocab_size: int = 0  # 0: the size of the data's tokenizer
     rope_theta: float = 10000.0
     # A LLaVA to continue from (its config.json decides the architecture: `model.*` above are read from it, and one

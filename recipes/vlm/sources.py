@@ -111,7 +111,7 @@ class FreshWeights:
             )
         # The dataset's processor decides how many image tokens a prompt holds; the vision tower must agree.
         built = {"image_size": self.meta["image_size"], "patch_size": self.meta["patch_size"]}
-        wanted = {"image_size": self.model.image_size, "patch_size": self.model.patch_size}
+        wanted = {"image_size": self.model.image_size, "patch_size": self.model.vision_patch_size}
         if built != wanted:
             raise DataError(
                 f"data.root={self.data_root} was built for {built}, the model has {wanted}: "

@@ -27,7 +27,7 @@ RUN_ARGS = [
     "run.resume=never",
 ]
 RECIPE_ARGS = {
-    "dit_tiny": ["trainer.sample_every=0", "diffusion.sample_steps=2", "diffusion.samples_per_class=1"],
+    "dit_tiny": ["diffusion.sample_every=0", "diffusion.sample_steps=2", "diffusion.samples_per_class=1"],
     "vlm_tiny": [],
     "llm_tiny": [],
     "moe_tiny": [],

@@ -28,7 +28,7 @@ def run_dir(tmp_path_factory):
             f"run.dir={d}",
             f"trainer.max_steps={STEPS}",
             "trainer.log_every=10",
-            "trainer.sample_every=40",
+            "diffusion.sample_every=40",
             "profile.enabled=true",
             "profile.wait=1",
             "profile.warmup=1",

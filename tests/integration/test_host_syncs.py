@@ -68,7 +68,7 @@ def count_reads(argv: list[str], out: Path) -> None:
 
 
 RECIPES = {
-    "dit_tiny": ["trainer.sample_every=0"],
+    "dit_tiny": ["diffusion.sample_every=0"],
     "vlm_tiny": [],
     "llm_tiny": [],
     "moe_tiny": [],  # the MoE's routing and auxiliary losses stay on the device (dp=2: FSDP2 over stacked experts)

@@ -35,7 +35,7 @@ TINY = {
     "dit": [
         "trainer.max_steps=2",
         "trainer.log_every=1",
-        "trainer.sample_every=0",
+        "diffusion.sample_every=0",
         "diffusion.sample_steps=2",
         "diffusion.samples_per_class=1",
         "diffusion.eval_samples_per_class=1",

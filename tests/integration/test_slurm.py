@@ -27,7 +27,7 @@ ARGS = [
     "trainer.log_every=1",
     "trainer.progress_bar=false",
     "trainer.eval=false",
-    "trainer.sample_every=0",
+    "diffusion.sample_every=0",
     "diffusion.sample_steps=2",
     "diffusion.samples_per_class=1",
 ]

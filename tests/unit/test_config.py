@@ -88,11 +88,109 @@ def test_dataset_builder_argv_follows_the_model():
         "--patch-size",
         "4",
     ]
-    cfg = compose(["recipe=vlm_tiny", "model.image_size=32", "model.patch_size=8"])
+    cfg = compose(["recipe=vlm_tiny", "model.image_size=32", "model.vision_patch_size=8"])
     assert cfg.data.build == ["data.prepare_vlm_digits", "--image-size", "32", "--patch-size", "8"]
     assert compose(["recipe=vlm_7b", "data=vlm_digits"]).data.build[2:] == ["336", "--patch-size", "14"]
     assert compose(["recipe=vlm_7b"]).data.build == []  # LLaVA data: a user dataset (data.prepare_llava builds it)
     assert compose(["recipe=dit_tiny", "data.build=[]"]).data.build == []
+
+
+@pytest.fixture
+def notes(monkeypatch, capsys):
+    """() -> the `kiln: note:` lines on stderr since the last call; every renamed key is noted afresh (a process
+    notes each once: common/launch.py)."""
+    import common.launch
+
+    monkeypatch.setattr(common.launch, "_NOTED", set())
+    capsys.readouterr()
+    return lambda: [line for line in capsys.readouterr().err.splitlines() if line.startswith("kiln: note:")]
+
+
+def test_renamed_keys_reach_the_code_that_reads_them(notes):
+    """diffusion.sample_every is the DiT's sample period (no other family draws samples); the VLM's model.max_seq_len
+    and model.vision_patch_size are its LLaVA's text max_position_embeddings and vision patch_size."""
+    from types import SimpleNamespace
+
+    from recipes.dit.train import DiTTrainer
+    from recipes.vlm.model import llava_config
+
+    assert compose(["recipe=dit_tiny"]).diffusion.sample_every == 500  # configs/recipe/dit_tiny.yaml
+    cfg = compose(["recipe=dit_tiny", "diffusion.sample_every=3"])
+    assert cfg.diffusion.sample_every == 3 and not hasattr(cfg.trainer, "sample_every")
+    grids = []
+    for step in (5, 6):
+        trainer = SimpleNamespace(cfg=cfg, ema=SimpleNamespace(update=lambda: None), state=SimpleNamespace(step=step))
+        DiTTrainer.after_step(SimpleNamespace(**vars(trainer), save_samples=grids.append))
+    assert grids == ["step_0000006.png"]
+    m = compose(["recipe=vlm_tiny", "model.max_seq_len=300", "model.image_size=32", "model.vision_patch_size=8"]).model
+    config = llava_config(m, vocab_size=64, image_token_id=63, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    assert (config.text_config.max_position_embeddings, config.vision_config.patch_size) == (300, 8)
+    assert notes() == []
+
+
+@pytest.mark.parametrize(
+    "recipe,old,new",
+    [
+        ("dit_tiny", "trainer.sample_every=7", "diffusion.sample_every=7"),
+        ("vlm_tiny", "model.max_position_embeddings=300", "model.max_seq_len=300"),
+        ("vlm_tiny", "model.patch_size=8", "model.vision_patch_size=8"),
+    ],
+)
+def test_an_old_key_composes_as_the_new_one_with_one_note(recipe, old, new, notes):
+    """For one release the old spelling of a renamed key is the new one, said once on stderr."""
+    extra = ["model.image_size=32"] if recipe == "vlm_tiny" else []
+    assert compose([f"recipe={recipe}", *extra, new]) == compose([f"recipe={recipe}", *extra, old])
+    assert compose([f"recipe={recipe}", *extra, new]) != compose([f"recipe={recipe}", *extra])  # the value took
+    (note,) = notes()
+    assert note == (
+        f"kiln: note: {old.split('=')[0]} is now {new.split('=')[0]}; the old name is accepted until the next release"
+    )
+
+
+@pytest.mark.parametrize(
+    "recipe,old",
+    [
+        ("llm_tiny", "trainer.sample_every=5"),  # the DiT's rename: the LLM never read it
+        ("vlm_tiny", "trainer.sample_every=5"),
+        ("dit_tiny", "model.max_position_embeddings=64"),  # the VLM's rename
+        ("llm_tiny", "model.patch_size=4"),
+    ],
+)
+def test_an_old_key_of_another_family_is_unknown(recipe, old, capsys, notes):
+    from common.launch import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([f"recipe={recipe}", old])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    key = old.split("=")[0]
+    assert len(err) == 1 and err[0].startswith(f"kiln: error: unknown config key '{key}'"), err
+
+
+def test_an_old_runs_config_yaml_reads_with_the_new_keys():
+    """scripts/export.py reads a run's config.yaml: one written before the renames holds the old keys."""
+    from omegaconf import OmegaConf
+
+    from common.config import rename_saved
+    from recipes.registry import recipe_spec
+
+    for recipe, moved in (
+        ("dit_tiny", {"diffusion.sample_every": "trainer.sample_every"}),
+        (
+            "vlm_tiny",
+            {"model.max_seq_len": "model.max_position_embeddings", "model.vision_patch_size": "model.patch_size"},
+        ),
+    ):
+        cfg = compose([f"recipe={recipe}"])
+        new = OmegaConf.create(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # as launch writes config.yaml
+        old = OmegaConf.create(OmegaConf.to_container(new))
+        for new_key, old_key in moved.items():
+            section, _, leaf = new_key.rpartition(".")
+            value = old[section].pop(leaf)
+            OmegaConf.update(old, old_key, value, force_add=True)
+        assert old != new
+        rename_saved(old, recipe_spec(cfg.recipe.family).renamed)
+        assert OmegaConf.to_container(old) == OmegaConf.to_container(new)
 
 
 def test_overrides_are_typed():

@@ -190,7 +190,7 @@ def test_init_from_sets_the_model_keys_and_refuses_one_that_disagrees(parts, cap
     folder = str(parts["llava_hf"])
     cfg = compose(["recipe=vlm_tiny", f"model.init_from={folder}", "model.text_hidden_size=64"])  # agrees: accepted
     m = cfg.model
-    assert (m.vision, m.vision_hidden_size, m.vision_layers, m.image_size, m.patch_size) == (
+    assert (m.vision, m.vision_hidden_size, m.vision_layers, m.image_size, m.vision_patch_size) == (
         "clip",
         fx.TOWER["hidden_size"],
         fx.TOWER["num_hidden_layers"],
@@ -204,7 +204,7 @@ def test_init_from_sets_the_model_keys_and_refuses_one_that_disagrees(parts, cap
         2,
         128,
     )
-    assert (m.vision_feature_layer, m.vision_feature_select_strategy, m.max_position_embeddings) == (-2, "default", 512)
+    assert (m.vision_feature_layer, m.vision_feature_select_strategy, m.max_seq_len) == (-2, "default", 512)
     for key, value, name, want in (
         ("text_hidden_size", 128, "text_config.hidden_size", 64),
         ("vision", "siglip", "vision_config.model_type", "clip"),
