@@ -64,7 +64,7 @@ bench: data
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 # The first command on a GPU node: versions, gpu tests, the tiny recipes on CUDA in bf16, throughput/MFU/memory
 # against the planner (outputs/gpu_check/report.md). Without a CUDA GPU it stops with one line.

@@ -38,25 +38,28 @@ FAST_DIT = [
 def trained(tmp_path_factory):
     """The session's cache of training runs (tests/fixtures/runs.py): `trained(args, nproc)` -> its run dir."""
     from tests.fixtures.runs import TrainedRuns
+    from tests.fixtures.shared import shared_root
 
-    return TrainedRuns(tmp_path_factory.mktemp("trained"))
+    root = shared_root(tmp_path_factory) / "trained"
+    root.mkdir(exist_ok=True)
+    return TrainedRuns(root)
 
 
 @pytest.fixture(scope="session")
 def latent_dit_data(tmp_path_factory):
     """`latent_dit_data(image_size)` -> {"vae", "shards"}: one small random VAE (it halves images) and the image
-    shards of tests/fixtures/dit.py's IMAGE_SETS, each built once per session for the latent DiT tests."""
+    shards of tests/fixtures/dit.py's IMAGE_SETS, each built once per pytest run for the latent DiT tests."""
     from common.tools.fixtures import make_vae
     from tests.fixtures.dit import make_image_shards
+    from tests.fixtures.shared import once, shared_root
 
-    root = tmp_path_factory.mktemp("latent_dit")
-    vae = make_vae(root / "sd-vae-ft-mse", block_out_channels=(16, 32))
-    shards: dict[int, Path] = {}
+    root = shared_root(tmp_path_factory) / "latent_dit"
+    root.mkdir(exist_ok=True)
 
     def get(image_size: int) -> dict:
-        if image_size not in shards:
-            shards[image_size] = make_image_shards(root / f"{image_size}px", image_size)
-        return {"vae": vae, "shards": shards[image_size]}
+        vae = once(root, "sd-vae-ft-mse", lambda out: make_vae(out, block_out_channels=(16, 32)))
+        shards = once(root, f"{image_size}px", lambda out: make_image_shards(out, image_size))
+        return {"vae": vae, "shards": shards}
 
     return get
 
@@ -65,16 +68,18 @@ def latent_dit_data(tmp_path_factory):
 def dit_lora_world(tmp_path_factory, latent_dit_data):
     """The DiT LoRA tests' images, VAE and base run (tests/fixtures/lora.py make_dit_world), built once."""
     from tests.fixtures.lora import DIT_SIZE, make_dit_world
+    from tests.fixtures.shared import once, shared_root
 
-    return make_dit_world(tmp_path_factory.mktemp("dit_lora"), latent_dit_data(DIT_SIZE))
+    return once(shared_root(tmp_path_factory), "dit_lora", lambda out: make_dit_world(out, latent_dit_data(DIT_SIZE)))
 
 
 @pytest.fixture(scope="session")
 def vlm_lora_world(tmp_path_factory):
     """The VLM LoRA tests' LLaVA data and llava-hf base (tests/fixtures/lora.py make_vlm_world), built once."""
     from tests.fixtures.lora import make_vlm_world
+    from tests.fixtures.shared import once, shared_root
 
-    return make_vlm_world(tmp_path_factory.mktemp("vlm_lora"))
+    return once(shared_root(tmp_path_factory), "vlm_lora", make_vlm_world)
 
 
 def load_script(name: str):
