@@ -59,8 +59,11 @@ demo: data
 bench: data
 	$(PY) scripts/bench.py $(ARGS)
 
-# The suite ends with its 30 slowest tests: CI (.ci/run) has ~55 minutes on 2 cores, and this is where to look first.
+# The suite ends with its 30 slowest tests: CI (.ci/run) has 30 minutes on 2 cores, and this is where to look first.
+# It runs in TEST_WORKERS pytest-xdist processes, a test file each at a time (--dist loadfile: a module's fixtures are
+# built once); runs and fixtures that several files share are built once for all workers (tests/fixtures/shared.py).
 # Ruff first (config in pyproject.toml): style is kept by the linter, not by hand, and a finding stops the run.
+TEST_WORKERS ?= 2
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import os
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch

@@ -210,14 +210,7 @@ def test_too_many_bad_steps_stop_with_the_last_good_weights(tmp_path):
 def test_hung_rank_becomes_a_timeout_naming_it(tmp_path):
     args = [*DIT, "trainer.max_steps=6", "parallel.timeout_s=10", f"run.dir={tmp_path}"]
     start = time.time()
-    proc = subprocess.run(
-        train_command(args, 2),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=launch_env(2, KILN_FAULTS="hang@3:1"),
-        timeout=300,
-    )
+    proc = run_train(args, 2, check=False, env={"KILN_FAULTS": "hang@3:1"}, timeout=300)
     assert proc.returncode != 0 and time.time() - start < 240
     assert (
         "kiln: error: rank 0: a collective timed out after 10 s (parallel.timeout_s) at step 3; "
@@ -230,14 +223,7 @@ def test_hung_rank_is_named_by_the_watchdog(tmp_path):
     """The watchdog (on by default under NCCL; KILN_WATCHDOG=1 here on gloo) fires at parallel.timeout_s,
     before the process group's own timeout (timeout_s + WATCHDOG_MARGIN_S = 40 s here) would."""
     args = [*DIT, "trainer.max_steps=6", "parallel.timeout_s=10", f"run.dir={tmp_path}"]
-    proc = subprocess.run(
-        train_command(args, 2),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=launch_env(2, KILN_FAULTS="hang@3:1", KILN_WATCHDOG="1"),
-    )
+    proc = run_train(args, 2, check=False, env={"KILN_FAULTS": "hang@3:1", "KILN_WATCHDOG": "1"}, timeout=300)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
     assert errors == [
