@@ -93,6 +93,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"data.caption_dropout={cfg.data.caption_dropout} must be in [0, 1)")
     if not 0.0 <= d.ema_decay < 1.0:
         raise ConfigError(f"diffusion.ema_decay={d.ema_decay} must be in [0, 1)")
+    if d.sample_every < 0:
+        raise ConfigError(f"diffusion.sample_every={d.sample_every} must be >= 0")
     for key in ("sample_steps", "flow_logit_std", "flow_shift", "num_train_timesteps"):
         if not getattr(d, key) > 0:
             raise ConfigError(f"diffusion.{key}={getattr(d, key)} must be > 0")

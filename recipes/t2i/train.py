@@ -105,7 +105,7 @@ class T2ITrainer(Trainer):
     # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_step(self) -> None:  # the loop calls it after steps DeepSpeed did not skip
         self.ema.update()
-        every = self.cfg.trainer.sample_every
+        every = self.cfg.diffusion.sample_every  # the diffusion section the DiT shares
         if every and self.state.step % every == 0:
             self.save_samples(f"step_{self.state.step:07d}.png")
 
