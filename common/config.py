@@ -178,7 +178,7 @@ def schema(sections: Iterable[str] = ()) -> type:
     """TrainConfig with one more top-level field per family section (`sections`: their names, e.g. `diffusion`),
     each None unless the run's family fills it from its config group (configs/<section>/*.yaml): the keys
     every run's config.yaml holds, the same class for the same names."""
-    names = tuple(sections)
+    names = tuple(dict.fromkeys(sections))  # a section two families share (the diffusion core's) is one field
     if names not in _SCHEMAS:
         cls = TrainConfig
         if names:

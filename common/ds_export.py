@@ -235,3 +235,32 @@ def export_zero_lora(
     ckpt = ZeroCheckpoint(path)
     count = write(ckpt)
     return f"{adapter} of {count:,} parameters on {source}, from a ZeRO-{ckpt.stage} checkpoint of {ckpt.world} rank(s)"
+
+
+def write_ema_module(
+    ckpt: ZeroCheckpoint, model: torch.nn.Module, folder: Path, weights_name: str, max_shard_size: int
+) -> int:
+    """A diffusers model's weights from checkpoint `ckpt` as its export holds them: the trainable parameters from
+    the EMA in the TrainState (by name, `saved_ema`), anything else (buffers, frozen tensors) from DeepSpeed's model
+    states, in the checkpoint's dtype, one safetensors shard at a time; and its config.json. `model` is built on
+    the meta device with the trained module's names; a tensor two names share (a tied embedding) is written under
+    each. Returns the weight bytes written."""
+    ema_name = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+    tensors = model.state_dict(keep_vars=True)
+    layout = {
+        k: torch.empty(v.shape, dtype=ckpt.dtype if v.is_floating_point() else v.dtype, device="meta")
+        for k, v in tensors.items()
+    }
+
+    def fetch(names: list[str]) -> dict[str, torch.Tensor]:
+        from_ema = {n: ema_name[id(tensors[n])] for n in names if id(tensors[n]) in ema_name}
+        got = ckpt.tensors([n for n in names if n not in from_ema])
+        if from_ema:
+            ema = saved_ema(ckpt.trainer_state())
+            for n, name in from_ema.items():
+                got[n] = ema[name].to(ckpt.dtype, copy=True)  # a tensor two names share: one copy each
+        return got
+
+    written = write_safetensors(folder, weights_name, layout, fetch, max_shard_size)
+    model.save_config(folder)
+    return written

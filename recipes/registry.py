@@ -37,6 +37,7 @@ from typing import Any
 from common.errors import ConfigError
 from recipes.dit import config as dit_config
 from recipes.llm import config as llm_config
+from recipes.t2i import config as t2i_config
 from recipes.vlm import config as vlm_config
 
 
@@ -94,6 +95,9 @@ SPECS: dict[str, RecipeSpec] = {
     "llm": RecipeSpec(
         "llm", llm_config, "recipes.llm.train", "recipes.llm.export", lora_targets=llm_config.LORA_TARGETS, qlora=True
     ),  # QLoRA on one GPU (check_qlora_layout)
+    # Text-to-image on a released SD3 pipeline. It shares the DiT's diffusion core (recipes/dit: objective, VAE path,
+    # sampler; its `diffusion` section) by import rather than a copy; the only family that imports another.
+    "t2i": RecipeSpec("t2i", t2i_config, "recipes.t2i.train", "recipes.t2i.export", sections=t2i_config.SECTIONS),
 }
 
 

@@ -64,6 +64,14 @@ def latent_dit_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def t2i_world(tmp_path_factory):
+    """The text-to-image tests' tiny SD3 pipeline folder and caption shards (tests/fixtures/t2i.py), built once."""
+    from tests.fixtures.t2i import make_t2i_world
+
+    return make_t2i_world(tmp_path_factory.mktemp("t2i"))
+
+
+@pytest.fixture(scope="session")
 def dit_lora_world(tmp_path_factory, latent_dit_data):
     """The DiT LoRA tests' images, VAE and base run (tests/fixtures/lora.py make_dit_world), built once."""
     from tests.fixtures.lora import DIT_SIZE, make_dit_world

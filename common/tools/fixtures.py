@@ -1,14 +1,19 @@
-"""Offline stand-ins for what a DiT user brings, built in seconds: a diffusers VAE folder and an ImageFolder of images.
+"""Offline stand-ins for what a DiT or text-to-image user brings, built in seconds: a diffusers VAE folder, an
+ImageFolder of images, a Stable Diffusion 3 pipeline folder and a folder of captioned images.
 
-    make_vae(dir)            # ~/models/sd-vae-ft-mse: a small random AutoencoderKL (save_pretrained)
-    make_image_folder(dir)   # ~/data/my_images: digits upscaled to RGB PNGs, one folder per class, one corrupt file
+    make_vae(dir)              # ~/models/sd-vae-ft-mse: a small random AutoencoderKL (save_pretrained)
+    make_image_folder(dir)     # ~/data/my_images: digits upscaled to RGB PNGs, one folder per class, one corrupt file
+    make_sd3_pipeline(dir)     # ~/models/stable-diffusion-3.5-medium: a tiny random StableDiffusion3Pipeline
+    make_caption_folder(dir)   # ~/data/captioned: digit PNGs with a caption each (name.txt), in several phrasings
 
-Both write into the folder they are given and return it. scripts/gpu_check.py builds dit_2b's inputs with them
+Each writes into the folder it is given and returns it. scripts/gpu_check.py builds dit_2b's inputs with them
 (a GPU node has no VAE or images either); the tests use them through tests/fixtures/dit.py.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 CLASS_NAMES = tuple(f"digit_{c}" for c in range(10))  # sorted like the digits they hold
@@ -72,4 +77,215 @@ def make_image_folder(
             Image.fromarray(rgb).save(folder / f"{i:04d}.png")
     if corrupt:
         (out / CLASS_NAMES[0] / "broken.png").write_bytes(b"this is not a PNG file")
+    return out
+
+
+# Captions of a digit in several phrasings (the text-to-image demo and tests): "{name}" is the digit's word.
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+CAPTION_TEMPLATES = (
+    "a handwritten {name}",
+    "the digit {digit}",
+    "a picture of the number {name}",
+    "{name}, written by hand",
+)
+
+
+def digit_caption(digit: int, phrasing: int) -> str:
+    """The `phrasing`-th caption (mod the templates) of `digit`."""
+    template = CAPTION_TEMPLATES[phrasing % len(CAPTION_TEMPLATES)]
+    return template.format(name=DIGIT_WORDS[digit], digit=digit)
+
+
+def make_clip_tokenizer(out: str | Path, *, max_length: int = 16, vocab_size: int = 300):
+    """A CLIPTokenizer on a byte-level BPE trained offline (the `tokenizers` library) on the digit captions:
+    CLIP's end-of-word suffix and special tokens, `model_max_length` = `max_length`. Saved to `out`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import CLIPTokenizer
+
+    specials = ["<|startoftext|>", "<|endoftext|>"]
+    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        end_of_word_suffix="</w>",
+        initial_alphabet=list("abcdefghijklmnopqrstuvwxyz0123456789,.!?'-"),
+    )
+    text = [digit_caption(d, p) for d in range(10) for p in range(len(CAPTION_TEMPLATES))]
+    bpe.train_from_iterator(text, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tokenizer = CLIPTokenizer(vocab=model["vocab"], merges=merges, model_max_length=max_length)
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
+def make_t5_tokenizer(out: str | Path, *, vocab_size: int = 120):
+    """A T5Tokenizer (SentencePiece-style Unigram, T5's <pad>/</s>/<unk> at ids 0-2, no extra ids) on a Unigram
+    model trained offline (the `tokenizers` library) on the digit captions. Saved to `out`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import T5Tokenizer
+
+    specials = ["<pad>", "</s>", "<unk>"]
+    unigram = Tokenizer(models.Unigram())
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=specials, unk_token="<unk>")
+    unigram.train_from_iterator(
+        [digit_caption(d, p) for d in range(10) for p in range(len(CAPTION_TEMPLATES))], trainer
+    )
+    vocab = [tuple(v) for v in json.loads(unigram.to_str())["model"]["vocab"]]
+    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
+def make_sd3_pipeline(
+    out: str | Path,
+    *,
+    sample_size: int = 8,
+    patch_size: int = 2,
+    num_layers: int = 2,
+    attention_head_dim: int = 8,
+    num_attention_heads: int = 2,
+    joint_attention_dim: int = 32,
+    clip_hidden: int = 16,
+    text_length: int = 16,
+    block_out_channels: tuple[int, ...] = (16, 32),
+    shift: float = 3.0,
+    seed: int = 0,
+) -> Path:
+    """A random StableDiffusion3Pipeline folder (`save_pretrained`, diffusers' and transformers' real classes),
+    shaped like SD3 but a few hundred kilobytes: an SD3Transformer2DModel on `sample_size`^2 latents, an SD3-style
+    AutoencoderKL (16 latent channels, SD3's scaling_factor and shift_factor; it downsamples by
+    2^(len(block_out_channels)-1)), two CLIPTextModelWithProjection + CLIPTokenizer pairs (CLIP-L/G's roles) and a
+    FlowMatchEulerDiscreteScheduler with SD3's shift, and a T5EncoderModel + T5Tokenizer (T5-XXL's role) whose
+    width is the transformer's joint_attention_dim, as in SD3."""
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    out = Path(out)
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=sample_size,
+        patch_size=patch_size,
+        in_channels=16,
+        out_channels=16,
+        num_layers=num_layers,
+        attention_head_dim=attention_head_dim,
+        num_attention_heads=num_attention_heads,
+        joint_attention_dim=joint_attention_dim,
+        caption_projection_dim=attention_head_dim * num_attention_heads,
+        pooled_projection_dim=2 * clip_hidden,
+        pos_embed_max_size=sample_size // patch_size * 2,
+    )
+    n = len(block_out_channels)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        block_out_channels=block_out_channels,
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=8,
+        sample_size=sample_size * 2 ** (n - 1),
+        scaling_factor=1.5305,  # SD3's
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    encoders, tokenizers = [], []
+    for i in range(2):
+        tokenizer = make_clip_tokenizer(out / ".tokenizer", max_length=text_length)
+        config = CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=clip_hidden,
+            intermediate_size=2 * clip_hidden,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=text_length,
+            projection_dim=clip_hidden,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        torch.manual_seed(seed + 1 + i)
+        encoders.append(CLIPTextModelWithProjection(config).eval())
+        tokenizers.append(tokenizer)
+    t5_tokenizer = make_t5_tokenizer(out / ".tokenizer")
+    torch.manual_seed(seed + 3)
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tokenizer),
+            d_model=joint_attention_dim,
+            d_kv=8,
+            d_ff=2 * joint_attention_dim,
+            num_layers=2,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",  # T5 v1.1's, as in T5-XXL
+            pad_token_id=t5_tokenizer.pad_token_id,
+            eos_token_id=t5_tokenizer.eos_token_id,
+        )
+    ).eval()
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift),
+        vae=vae,
+        text_encoder=encoders[0],
+        tokenizer=tokenizers[0],
+        text_encoder_2=encoders[1],
+        tokenizer_2=tokenizers[1],
+        text_encoder_3=t5,
+        tokenizer_3=t5_tokenizer,
+    )
+    pipe.save_pretrained(out)
+    shutil.rmtree(out / ".tokenizer", ignore_errors=True)
+    return out
+
+
+def make_caption_folder(
+    out: str | Path,
+    *,
+    per_digit: int = 16,
+    digits: int = 10,
+    size: int = 16,
+    metadata: bool = False,
+    bad: bool = True,
+) -> Path:
+    """A folder of captioned images, diffusers' ImageFolder layout: sklearn digits as `size`^2 RGB PNGs, each
+    captioned in one of several phrasings ("a handwritten seven", "the digit 7", ...), in `name.txt` beside
+    `name.png` or (`metadata`) one metadata.jsonl of {"file_name", "text"}. With `bad`: one file that is not an
+    image, one image without a caption and one with an empty caption (prepare_captions skips and counts them)."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for d in range(digits):
+        for i, row in enumerate(np.flatnonzero(data.target == d)[:per_digit]):
+            name = f"{d}_{i:04d}.png"
+            gray = Image.fromarray(np.rint(data.images[row] * 255 / 16).astype(np.uint8))
+            gray.resize((size, size), Image.BILINEAR).convert("RGB").save(out / name)
+            rows.append({"file_name": name, "text": digit_caption(d, i)})
+    if bad:
+        (out / "broken.png").write_bytes(b"this is not a PNG file")
+        rows.append({"file_name": "broken.png", "text": "a broken file"})
+        Image.new("RGB", (size, size)).save(out / "uncaptioned.png")
+        Image.new("RGB", (size, size)).save(out / "empty_caption.png")
+        rows.append({"file_name": "empty_caption.png", "text": "  "})
+    if metadata:
+        (out / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        for r in rows:
+            (out / r["file_name"]).with_suffix(".txt").write_text(r["text"])
     return out

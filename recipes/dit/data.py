@@ -48,9 +48,13 @@ def to_model_space(images_u8: torch.Tensor, image_size: int) -> torch.Tensor:
 
 def decode_image(sample: dict, channels: int = 1) -> tuple[np.ndarray, int]:
     """Raw shard sample -> (uint8 image [H, W] (channels=1) or [H, W, 3], class label)."""
-    with Image.open(io.BytesIO(sample["png"])) as im:
-        image = np.array(im.convert("L" if channels == 1 else "RGB"), dtype=np.uint8)  # a writable copy
-    return image, int(sample["cls"])  # int() takes the raw b"3" as well as 3
+    return decode_png(sample["png"], channels), int(sample["cls"])  # int() takes the raw b"3" as well as 3
+
+
+def decode_png(data: bytes, channels: int = 1) -> np.ndarray:
+    """A shard's PNG bytes -> uint8 image [H, W] (channels=1) or [H, W, 3]."""
+    with Image.open(io.BytesIO(data)) as im:
+        return np.array(im.convert("L" if channels == 1 else "RGB"), dtype=np.uint8)  # a writable copy
 
 
 def decode_sample(sample: dict, image_size: int, channels: int = 1) -> dict:

@@ -18,7 +18,7 @@ import torch
 
 from common.config import TrainConfig
 from common.data.dataset import load_dataset_meta
-from common.ds_export import ZeroCheckpoint, copy_checked, export_zero, export_zero_lora, saved_ema, write_safetensors
+from common.ds_export import ZeroCheckpoint, copy_checked, export_zero, export_zero_lora, saved_ema, write_ema_module
 from recipes.dit import lora as dit_lora
 from recipes.dit import vae as vae_lib
 from recipes.dit.data import class_names
@@ -52,27 +52,9 @@ def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int
     in_channels, sample_size, _ = model_geometry(cfg)
     with torch.device("meta"):
         model = build_model(cfg.model, sample_size, in_channels)
-    # The EMA's names: the trainable parameters of model.named_parameters() (a shared embedding once).
-    ema_name = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
-    # The saved layout: every state-dict key, a shared embedding under each block (untied()'s layout).
-    tensors = model.state_dict(keep_vars=True)
-    layout = {
-        k: torch.empty(v.shape, dtype=ckpt.dtype if v.is_floating_point() else v.dtype, device="meta")
-        for k, v in tensors.items()
-    }
-
-    def fetch(names: list[str]) -> dict[str, torch.Tensor]:
-        from_ema = {n: ema_name[id(tensors[n])] for n in names if id(tensors[n]) in ema_name}
-        got = ckpt.tensors([n for n in names if n not in from_ema])
-        if from_ema:
-            ema = saved_ema(ckpt.trainer_state())
-            for n, name in from_ema.items():
-                got[n] = ema[name].to(ckpt.dtype)
-        return got
-
-    folder = out / "transformer"
-    written = write_safetensors(folder, "diffusion_pytorch_model.safetensors", layout, fetch, max_shard_size)
-    model.save_config(folder)
+    # The EMA's names: the trainable parameters (a shared embedding once); the saved layout: every state-dict key,
+    # a shared embedding under each block (untied()'s layout).
+    written = write_ema_module(ckpt, model, out / "transformer", "diffusion_pytorch_model.safetensors", max_shard_size)
     write_export_files(
         out, cfg, geometry, classes, vae=vae, step=step, null_class=null_class(model), sample_size=sample_size
     )

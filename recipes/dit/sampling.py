@@ -1,4 +1,4 @@
-"""Class-conditional sampling with classifier-free guidance (DDIM for DDPM models, Euler for flow models), and
+"""Conditional sampling with classifier-free guidance (DDIM for DDPM models, Euler for flow models), and
 sample grids."""
 
 from __future__ import annotations
@@ -22,6 +22,26 @@ def sample_images(
     labels: torch.Tensor,
     *,
     null_class: int,
+    **kwargs,
+) -> torch.Tensor:
+    """Images in [-1, 1] for the class ids in `labels` (deterministic given `generator`): `sample` with the
+    class-conditional DiT's conditioning, `class_labels`, and the null class as the unconditional one."""
+    return sample(
+        model,
+        scheduler_config,
+        {"class_labels": labels},
+        {"class_labels": torch.tensor([null_class], dtype=labels.dtype)},
+        **kwargs,
+    )
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    scheduler_config: dict,
+    conditions: dict[str, torch.Tensor],
+    unconditional: dict[str, torch.Tensor],
+    *,
     image_size: int,
     in_channels: int,
     steps: int,
@@ -34,39 +54,48 @@ def sample_images(
     progress: str | None = None,
     decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Images in [-1, 1] for the class ids in `labels` (deterministic given `generator`).
+    """Images in [-1, 1], one per row of `conditions`, with classifier-free guidance (deterministic given
+    `generator`); the one sampler of every diffusion recipe, whatever conditions its transformer.
 
-    The model works on `in_channels` x `image_size`^2 inputs (pixels, or VAE latents); the scheduler
-    (`scheduler_config`: DDPM/DDIM or FlowMatchEulerDiscrete, see recipes.dit.objective) picks the
-    sampler. `decode` maps each chunk of final model-space samples to images (a VAE's decoder);
-    None: they are pixels, clamped to [-1, 1]. `progress`: a progress bar label (None: silent).
-    The starting noise is drawn from `generator` chunk by chunk, or given whole as `noise` [N, C, S, S]
-    (an images server batches requests that each drew their own). `guidance_scale` is one scale, or one
-    per label."""
+    `conditions` are the model's conditioning keyword arguments, one row per image (the DiT's `class_labels`; a
+    text-to-image transformer's `encoder_hidden_states` and `pooled_projections`); `unconditional` the same keys
+    with one row (the null class; the empty prompt's embeddings), paired with every image for guidance. The model
+    is called as `model(x, timestep=t, **conditioning).sample` on the conditional and unconditional halves at once.
+    It works on `in_channels` x `image_size`^2 inputs (pixels, or VAE latents); the scheduler (`scheduler_config`:
+    DDPM/DDIM or FlowMatchEulerDiscrete, see recipes.dit.objective) picks the sampler. `decode` maps each chunk
+    of final model-space samples to images (a VAE's decoder); None: they are pixels, clamped to [-1, 1].
+    `progress`: a progress bar label (None: silent). The starting noise is drawn from `generator` chunk by
+    chunk, or given whole as `noise` [N, C, S, S] (an images server batches requests that each drew their own).
+    `guidance_scale` is one scale, or one per image."""
     from tqdm.auto import tqdm
 
     if (noise is None) == (generator is None):
-        raise ValueError("sample_images needs a generator or the starting noise, not both")
+        raise ValueError("sample needs a generator or the starting noise, not both")
     scheduler = scheduler_from_config(scheduler_config)
-    starts = range(0, labels.shape[0], batch_size)
-    scales = torch.as_tensor(guidance_scale, dtype=torch.float32).expand(labels.shape[0]).reshape(-1, 1, 1, 1)
+    total = next(iter(conditions.values())).shape[0]
+    starts = range(0, total, batch_size)
+    scales = torch.as_tensor(guidance_scale, dtype=torch.float32).expand(total).reshape(-1, 1, 1, 1)
     bar = tqdm(total=len(starts) * steps, desc=progress, unit="step", disable=progress is None, dynamic_ncols=True)
     out = []
     for start in starts:
-        chunk, scale = labels[start : start + batch_size], scales[start : start + batch_size].to(device)
+        scale = scales[start : start + batch_size].to(device)
         scheduler.set_timesteps(steps)  # also resets the flow scheduler's step index
-        n = chunk.shape[0]
+        n = scale.shape[0]
         x = (
             torch.randn((n, in_channels, image_size, image_size), generator=generator)
             if noise is None
             else noise[start : start + n]
         ).to(device)
-        cond = torch.cat([chunk, torch.full_like(chunk, null_class)]).to(device)
+        cond = {
+            key: torch.cat([value[start : start + n], unconditional[key].expand(n, *value.shape[1:])]).to(device)
+            for key, value in conditions.items()
+        }
+        cond = {key: value.to(dtype) if value.is_floating_point() else value for key, value in cond.items()}
         for t in scheduler.timesteps:
             # DDIM's timesteps are integers, the flow scheduler's floats (sigma * T): the DiT's
             # sinusoidal embedding takes either.
             t_batch = t.to(device).expand(2 * n)
-            pred = model(torch.cat([x, x]).to(dtype), timestep=t_batch, class_labels=cond).sample.float()
+            pred = model(torch.cat([x, x]).to(dtype), timestep=t_batch, **cond).sample.float()
             pred_cond, pred_uncond = pred.chunk(2)
             guided = pred_uncond + scale * (pred_cond - pred_uncond)
             x = scheduler.step(guided, t, x).prev_sample

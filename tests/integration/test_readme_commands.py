@@ -42,12 +42,13 @@ TINY = {
     ],
     "vlm": ["trainer.max_steps=2", "trainer.log_every=1", "vlm.eval_samples=4", "vlm.max_new_tokens=4"],
     "llm": ["trainer.max_steps=2", "trainer.log_every=1"],
+    "t2i": ["trainer.max_steps=2", "trainer.log_every=1", "diffusion.sample_steps=2"],
 }
 COMMON = ["trainer.progress_bar=false", "checkpoint.every=0"]
 # A GPU recipe (dit_xl2, vlm_7b, ...) on its user's parts, here on the tiny stand-ins: CPU toggles and
 # small micro-batches; the datasets of the README's data/my_* folders sit in the temp dir.
 CPU = ["toggles=default"]
-GPU_RECIPE = {"vlm": ["trainer.micro_batch_size=4", "data.num_workers=1"], "dit": [], "llm": []}
+GPU_RECIPE = {"vlm": ["trainer.micro_batch_size=4", "data.num_workers=1"], "dit": [], "llm": [], "t2i": []}
 DATASETS = {"data=images": "data/my_images"}
 GPU_NODE_NPROC = 2  # a README torchrun of a whole GPU node (more than 4 ranks) runs on 2 here
 
@@ -73,6 +74,9 @@ FIXTURES = {
     "~/data/my_images": fixtures.make_image_folder,
     "~/data/corpus": llm.write_corpus,
     "~/data/chat.jsonl": llm.write_chat,
+    # 64 px images through its VAE (it halves them) are 16 patches a side: a position embedding that wide.
+    "~/models/stable-diffusion-3.5-medium": lambda d: fixtures.make_sd3_pipeline(d, sample_size=32),
+    "~/data/captioned": fixtures.make_caption_folder,
 }
 
 # Commands that cannot run here, each with the place that runs the same code path.

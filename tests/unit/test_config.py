@@ -20,7 +20,8 @@ SCHEMA_RECIPES = {
     "dit_schema": ["dit_tiny"],
     "vlm_schema": ["vlm_tiny"],
     "llm_schema": ["llm_tiny"],
-    "zero_schema": ["dit_tiny", "vlm_tiny"],
+    "t2i_schema": ["t2i_tiny"],
+    "zero_schema": ["dit_tiny", "vlm_tiny", "t2i_tiny"],
 }
 
 
@@ -45,7 +46,7 @@ GROUP_OPTIONS = [
 def test_every_recipe_composes(recipe):
     cfg = compose([f"recipe={recipe}"])
     assert cfg.recipe.name == recipe
-    assert cfg.recipe.family in ("dit", "vlm", "llm")
+    assert cfg.recipe.family in ("dit", "vlm", "llm", "t2i")
 
 
 @pytest.mark.parametrize("group,option,recipe", GROUP_OPTIONS)

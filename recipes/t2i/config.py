@@ -1,0 +1,104 @@
+"""Schemas of the text-to-image recipe's config sections: `model` (a released pipeline folder to train), `data`
+(captioned image shards) and, shared with the class-conditional DiT, `diffusion` (recipes/dit/config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hydra.core.config_store import ConfigStore
+
+from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
+from common.errors import ConfigError
+from recipes.dit.config import DiffusionConfig
+
+
+@dataclass
+class T2IModelConfig:
+    """The pipeline to train: its folder's model_index.json names the transformer, VAE, text encoders, tokenizers
+    and scheduler (recipes/t2i/pipeline.py); nothing about the architecture is a key here."""
+
+    # A diffusers StableDiffusion3Pipeline folder (save_pretrained / a downloaded stabilityai/stable-diffusion-3.5-*).
+    init_from: str = ""
+    # T5 tokens per prompt (diffusers' StableDiffusion3Pipeline default, its `max_sequence_length`); CLIP's length is
+    # its tokenizer's model_max_length. Longer prompts are truncated with one warning, as the pipeline does.
+    max_sequence_length: int = 256
+
+
+@dataclass
+class T2IDataConfig(DataConfig):
+    """Captioned image shards (python -m data.prepare_captions)."""
+
+    image_size: int = 16
+    caption_dropout: float = 0.1  # share of samples trained on the empty prompt: classifier-free guidance
+
+
+# The diffusion core's section, the class-conditional DiT's schema (one section for both families: recipes/registry.py).
+SECTIONS = {"diffusion": DiffusionConfig}
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(group="data", name="t2i_schema", node=T2IDataConfig)
+    cs.store(group="model", name="t2i_schema", node=T2IModelConfig)
+    cs.store(group="diffusion", name="dit_schema", node=DiffusionConfig)
+
+
+def complete(cfg: TrainConfig, command_line: set[str]) -> None:
+    """With model.init_from: the folder checked (a pipeline Kiln trains, one line otherwise) and the flow schedule's
+    keys (diffusion.num_train_timesteps, diffusion.flow_shift) read from its scheduler; a key given on the command
+    line that disagrees stops the run."""
+    from recipes.t2i.pipeline import SCHEDULER_KEYS, pipeline_folder, scheduler_config
+
+    m = cfg.model
+    if not isinstance(m, T2IModelConfig) or not m.init_from:
+        return
+    folder = pipeline_folder(m.init_from)
+    m.init_from = str(folder)
+    scheduler = scheduler_config(folder)
+    for key, name in SCHEDULER_KEYS.items():
+        value = type(getattr(cfg.diffusion, key))(scheduler[name])
+        if f"diffusion.{key}" in command_line and getattr(cfg.diffusion, key) != value:
+            raise ConfigError(
+                f"diffusion.{key}={getattr(cfg.diffusion, key)} disagrees with model.init_from={folder}, whose "
+                f"scheduler gives {name}={value}; leave diffusion.{key} out of the command line"
+            )
+        setattr(cfg.diffusion, key, value)
+
+
+def validate(cfg: TrainConfig) -> None:
+    m, d = cfg.model, cfg.diffusion
+    if not isinstance(m, T2IModelConfig) or not isinstance(d, DiffusionConfig):
+        raise ConfigError("recipe.family=t2i needs model=t2i_* and diffusion=flow config groups")
+    check_family_sections(
+        cfg,
+        "text-to-image",
+        parallel=ZeroParallelConfig,
+        layouts=f"DeepSpeed ZeRO ({ZERO_LAYOUTS})",
+        data=T2IDataConfig,
+        datasets="captions (captioned image shards)",
+    )
+    if d.objective != "flow":
+        raise ConfigError(
+            f"diffusion.objective={d.objective}: SD3-class transformers are trained with rectified flow; set "
+            "diffusion.objective=flow"
+        )
+    if cfg.toggles.attention != "sdpa":
+        raise ConfigError(
+            f"toggles.attention={cfg.toggles.attention} is not offered by the text-to-image recipe yet; use "
+            "toggles.attention=sdpa (diffusers' joint attention)"
+        )
+    if cfg.data.image_size <= 0 or m.max_sequence_length <= 0:
+        raise ConfigError("data.image_size and model.max_sequence_length must be > 0")
+    if not 0.0 <= cfg.data.caption_dropout < 1.0:
+        raise ConfigError(f"data.caption_dropout={cfg.data.caption_dropout} must be in [0, 1)")
+    if not 0.0 <= d.ema_decay < 1.0:
+        raise ConfigError(f"diffusion.ema_decay={d.ema_decay} must be in [0, 1)")
+    if d.sample_every < 0:
+        raise ConfigError(f"diffusion.sample_every={d.sample_every} must be >= 0")
+    for key in ("sample_steps", "flow_logit_std", "flow_shift", "num_train_timesteps"):
+        if not getattr(d, key) > 0:
+            raise ConfigError(f"diffusion.{key}={getattr(d, key)} must be > 0")
+    if m.init_from:
+        from recipes.t2i.pipeline import check_image_size
+
+        check_image_size(m.init_from, cfg.data.image_size)

@@ -1,0 +1,69 @@
+"""Text-to-image sampling: prompts -> images with the shared sampler (recipes/dit/sampling.py: Euler on the flow's
+velocity, classifier-free guidance against the empty prompt), for a training run's model and for an export folder
+(the parity test, sample scripts, a server)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from recipes.dit import vae as vae_lib
+from recipes.dit.sampling import sample
+from recipes.t2i.pipeline import PromptEncoder, scheduler_config
+
+
+class PromptSampler:
+    """A transformer, its pipeline's prompt encoder, VAE and scheduler: `__call__(prompts, generator)` -> images in
+    [-1, 1] [N, 3, S, S], deterministic given the generator (the starting noise is drawn from it as diffusers'
+    pipelines draw theirs: one [N, C, h, w] normal on the CPU)."""
+
+    def __init__(self, model, encode: PromptEncoder, vae, geometry: vae_lib.VaeGeometry, sampler_config: dict):
+        self.model, self.encode, self.vae, self.geometry = model, encode, vae, geometry
+        self.sampler_config = sampler_config
+        self.empty = encode([""])  # the unconditional prompt (caption dropout trains on it)
+
+    @classmethod
+    def from_export(cls, folder: str | Path, *, image_size: int, device=torch.device("cpu"), max_sequence_length=None):
+        """The sampler of a text-to-image export (or any StableDiffusion3Pipeline folder), in fp32."""
+        from recipes.t2i.pipeline import load_transformer
+
+        folder = Path(folder)
+        info = json.loads((folder / "kiln.json").read_text()) if (folder / "kiln.json").exists() else {}
+        model = load_transformer(folder).eval().to(device)
+        encode = PromptEncoder(
+            folder,
+            device=device,
+            dtype=torch.float32,
+            max_sequence_length=max_sequence_length or info.get("max_sequence_length", 256),
+            joint_dim=model.config.joint_attention_dim,
+        )
+        geometry = vae_lib.vae_geometry(folder / "vae", image_size)
+        return cls(model, encode, vae_lib.load_vae(geometry, device), geometry, scheduler_config(folder))
+
+    def __call__(
+        self,
+        prompts: list[str],
+        generator: torch.Generator,
+        *,
+        steps: int,
+        guidance_scale: float,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        device = self.empty["pooled_projections"].device
+        return sample(
+            self.model,
+            self.sampler_config,
+            self.encode(prompts),
+            self.empty,
+            image_size=self.geometry.latent_size,
+            in_channels=self.model.config.in_channels,
+            steps=steps,
+            guidance_scale=guidance_scale,
+            generator=generator,
+            device=device,
+            dtype=dtype,
+            decode=functools.partial(vae_lib.decode, self.vae, geometry=self.geometry),
+        )

@@ -1,0 +1,181 @@
+"""Text-to-image recipe: fine-tune a released SD3-class pipeline's transformer (`model.init_from`) on captioned
+images with rectified flow, under DeepSpeed ZeRO + activation checkpointing, EMA, sample grids and an export that
+diffusers' StableDiffusion3Pipeline loads.
+
+The diffusion core is the class-conditional DiT's (recipes/dit: the flow objective, the VAE's latent path and the
+sampler) and common/'s (the EMA, the engine, the step): this family adds only what text conditioning changes --
+the frozen text encoders run on the fly in the compute dtype, caption dropout to the empty prompt's embedding,
+the pipeline folder in and out. Read top to bottom: setup → the loss → hooks → samples → export.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from common.config import TrainConfig
+from common.distributed import DistInfo, barrier
+from common.ema import EMA
+from common.engine import DeepSpeedEngine
+from common.errors import ConfigError
+from common.parallel_dims import ParallelDims
+from common.seed import per_sample, sample_rngs, seed_everything
+from common.trainer import Trainer
+from recipes.dit import vae as vae_lib
+from recipes.dit.objective import Objective
+from recipes.dit.sampling import save_grid
+from recipes.t2i.data import build_train_loader, prepare_data, val_captions
+from recipes.t2i.parallelize import parallelize
+from recipes.t2i.pipeline import PromptEncoder, load_transformer, pipeline_folder, scheduler_config
+from recipes.t2i.sampling import PromptSampler
+
+SAMPLE_PROMPTS = 8  # a sample grid: this many held-out captions, one row each
+
+
+class T2ITrainer(Trainer):
+    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
+        super().__init__(cfg, dist, run_dir)
+        if not cfg.model.init_from:
+            raise ConfigError(
+                "the text-to-image recipe fine-tunes a released pipeline: set model.init_from=<a "
+                "StableDiffusion3Pipeline folder>"
+            )
+        self.base = pipeline_folder(cfg.model.init_from)
+        meta = prepare_data(cfg, dist)
+        loader = build_train_loader(cfg, dist, meta)
+        self.prompts = val_captions(meta, SAMPLE_PROMPTS)
+        # Frozen, eval, fp32 and outside the module DeepSpeed wraps: never trained, never partitioned.
+        self.geometry = vae_lib.vae_geometry(self.base / "vae", cfg.data.image_size)
+        self.vae = vae_lib.load_vae(self.geometry, self.device)
+
+        self.objective = Objective(cfg.diffusion)  # flow; its schedule's keys came from the base's scheduler
+        seed_everything(cfg.trainer.seed)
+        model = load_transformer(self.base)
+        self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
+        self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
+        self.model = self.engine.module
+        self.dtype = next(self.model.parameters()).dtype
+        # The text encoders: frozen, in the compute dtype, beside the engine like the VAE.
+        encode = PromptEncoder(
+            self.base,
+            device=self.device,
+            dtype=self.dtype,
+            max_sequence_length=cfg.model.max_sequence_length,
+            joint_dim=model.config.joint_attention_dim,
+        )
+        self.sampler = PromptSampler(self.model, encode, self.vae, self.geometry, scheduler_config(self.base))
+        self.encode, self.empty = encode, self.sampler.empty  # caption dropout trains on the empty prompt
+        self.ema = EMA(self.model, cfg.diffusion.ema_decay)
+        # Every random draw comes from each sample's generator (`loss`): nothing per rank.
+        self.start(loader, per_rank_rng=False, extras={"ema": self.ema})
+        self.model.train()
+
+    # ---- the loss (common/trainer.py runs the step) ------------------------------------------
+    def normal(self, rngs: list, shape) -> torch.Tensor:
+        """N(0, 1) of `shape` per sample, from each sample's generator, on the device."""
+        return per_sample(rngs, lambda r: r.standard_normal(tuple(shape), dtype=np.float32)).to(self.device)
+
+    def loss(self, batch: dict) -> torch.Tensor:
+        """The flow loss summed over the batch's samples. Every random draw comes from the sample's own generator in
+        a fixed order (posterior noise, flow noise, timestep, caption drop): the same numbers whatever rank,
+        micro-batch or layout takes the sample."""
+        rngs = sample_rngs(self.cfg.trainer.seed, batch["sample_ids"])
+        mean, std = vae_lib.posterior(self.vae, batch["image"].to(self.device))
+        x0 = vae_lib.to_latents(mean, std, self.normal(rngs, mean.shape[1:]), self.geometry)
+        noise = self.normal(rngs, x0.shape[1:])
+        x_t, t, target = self.objective.noisy(x0, noise, self.objective.timesteps(rngs))
+        drop = per_sample(rngs, lambda r: r.random()).to(self.device) < self.cfg.data.caption_dropout
+        text = self.encode(batch["caption"])
+        for key, value in text.items():  # a dropped caption is the empty prompt's embedding
+            text[key] = torch.where(drop.view(-1, *[1] * (value.dim() - 1)), self.empty[key], value)
+        pred = self.engine.model(x_t.to(self.dtype), timestep=t, **text).sample
+        return F.mse_loss(pred.float(), target) * x0.shape[0]
+
+    def count(self, batch: dict) -> int:
+        return len(batch["caption"])
+
+    def tally(self, batch: dict) -> dict[str, int]:
+        return {"samples": len(batch["caption"])}
+
+    # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
+    def after_step(self) -> None:  # the loop calls it after steps DeepSpeed did not skip
+        self.ema.update()
+        every = self.cfg.diffusion.sample_every  # the diffusion section the DiT shares
+        if every and self.state.step % every == 0:
+            self.save_samples(f"step_{self.state.step:07d}.png")
+
+    # ---- samples and export -----------------------------------------------------------------
+    def generate(self, prompts: list[str], generator: torch.Generator, guidance_scale: float | None = None):
+        """EMA-weight images in [-1, 1] for `prompts`, with guidance against the empty prompt; every rank runs it
+        (ZeRO-3 gathers weights collectively)."""
+        d = self.cfg.diffusion
+        was_training = self.model.training
+        self.model.eval()
+        with self.ema.swapped():
+            images = self.sampler(
+                prompts,
+                generator,
+                steps=d.sample_steps,
+                guidance_scale=d.guidance_scale if guidance_scale is None else guidance_scale,
+                dtype=self.dtype,
+            )
+        self.model.train(was_training)
+        return images
+
+    def save_samples(self, name: str) -> None:
+        """A grid of held-out captions' images, seeded by the step: the same grid for the same weights."""
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 12345 + self.state.step)
+        images = self.generate(self.prompts, generator)
+        if self.dist.is_main:
+            save_grid(images, rows=len(self.prompts), path=self.run_dir / "samples" / name)
+            (self.run_dir / "samples" / "prompts.json").write_text(json.dumps(self.prompts, indent=2))
+
+    def after_fit(self) -> None:
+        self.save_samples("final.png")
+
+    def export(self) -> Path:
+        """A StableDiffusion3Pipeline folder under run.dir/export/: the EMA transformer, the base's other parts."""
+        out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
+        with self.ema.swapped(), self.engine.gathered():
+            if self.dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                write_pipeline(tmp, self.base, self.cfg, step=self.state.step, transformer=self.model)
+                shutil.rmtree(out, ignore_errors=True)
+                tmp.rename(out)
+        barrier()
+        return out
+
+
+def write_pipeline(folder: Path, base: Path, cfg: TrainConfig, *, step: int, transformer=None) -> None:
+    """The export: the base pipeline's folder with its transformer replaced (`transformer` saved with
+    save_pretrained, in the dtype it trained in; None: the caller writes transformer/), and kiln.json."""
+    shutil.copytree(base, folder, ignore=lambda d, names: ["transformer"] if Path(d) == base else [])
+    if transformer is not None:
+        transformer.save_pretrained(folder / "transformer", safe_serialization=True)
+    info = {
+        "recipe": cfg.recipe.name,
+        "step": step,
+        "base": str(base),
+        "diffusers_pipeline": json.loads((base / "model_index.json").read_text())["_class_name"],
+        "image_size": cfg.data.image_size,
+        "sample_steps": cfg.diffusion.sample_steps,
+        "guidance_scale": cfg.diffusion.guidance_scale,
+        "max_sequence_length": cfg.model.max_sequence_length,
+        "sample_with": "StableDiffusion3Pipeline.from_pretrained(EXPORT)(prompt, height=image_size, "
+        "width=image_size, num_inference_steps=sample_steps, guidance_scale=guidance_scale, "
+        "max_sequence_length=max_sequence_length)",
+    }
+    (folder / "kiln.json").write_text(json.dumps(info, indent=2))
+
+
+def memory_spec(cfg: TrainConfig):
+    """The memory model's view of the run (run.dry_run, scripts/plan.py): not there yet for text-to-image."""
+    raise ConfigError("run.dry_run and scripts/plan.py do not size the text-to-image recipe yet")
+
+
+TRAINER = T2ITrainer  # recipes/registry.py

@@ -1,0 +1,72 @@
+"""t2i_tiny end to end on a tiny random StableDiffusion3Pipeline: training through the shared engine, then the
+export that diffusers loads, checked against an independent reference: diffusers' own StableDiffusion3Pipeline,
+from the same prompt and seed, must draw the image Kiln's sampler draws; and scripts/export.py from the run's
+checkpoint writes the end of the run's export, tensor for tensor."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import torch
+
+from tests.conftest import load_script, losses
+from tests.distributed.test_llm_init_from_layouts import compare_export
+from tests.fixtures.t2i import IMAGE_SIZE, t2i_run_args
+
+# Measured max pixel difference (0-255 scale) between diffusers' pipeline and Kiln's sampler on the export: 0.0
+# (3 prompts, 4-20 steps, guidance 1.5-5; fp32 runs and a bf16 ZeRO-3 run, sampled in fp32: the same ops in the
+# same order on CPU). The bound leaves room for another BLAS's summation order.
+MAX_PIXEL_DIFF = 1.0
+
+
+def test_t2i_tiny_trains_and_its_export_samples_like_kiln_in_diffusers(trained, t2i_world, tmp_path, capsys):
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from recipes.t2i.sampling import PromptSampler
+
+    run = trained(t2i_run_args(t2i_world))
+    loss = losses(run)
+    assert len(loss) == 12 and all(math.isfinite(v) for v in loss.values())
+    first, last = np.mean([loss[s] for s in range(1, 5)]), np.mean([loss[s] for s in range(9, 13)])
+    assert last < first, loss  # it learns
+
+    export = run / "export"
+    info = json.loads((export / "kiln.json").read_text())
+    assert info["diffusers_pipeline"] == "StableDiffusion3Pipeline" and info["step"] == 12
+    assert info["max_sequence_length"] == 32
+    # The transformer trained; the rest of the pipeline is the base's.
+    base = SD3Transformer2DModel.from_pretrained(t2i_world["pipeline"] / "transformer").state_dict()
+    ours = SD3Transformer2DModel.from_pretrained(export / "transformer").state_dict()
+    assert base.keys() == ours.keys() and not all(torch.equal(base[k], ours[k]) for k in base)
+    assert (export / "text_encoder_3" / "model.safetensors").read_bytes() == (
+        t2i_world["pipeline"] / "text_encoder_3" / "model.safetensors"
+    ).read_bytes()
+
+    # Parity: diffusers' pipeline on the export vs Kiln's sampler, same prompt (one it never saw), seed, steps.
+    prompt, steps, guidance = "a picture of a handwritten 7", 4, 3.0
+    pipe = StableDiffusion3Pipeline.from_pretrained(export)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(
+        prompt,
+        height=IMAGE_SIZE,
+        width=IMAGE_SIZE,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        generator=torch.Generator().manual_seed(7),
+        max_sequence_length=info["max_sequence_length"],  # t2i_tiny's 32 T5 tokens (diffusers' default: 256)
+        output_type="np",
+    ).images[0]
+    sampler = PromptSampler.from_export(export, image_size=IMAGE_SIZE)
+    image = sampler([prompt], torch.Generator().manual_seed(7), steps=steps, guidance_scale=guidance)[0]
+    ours = ((image + 1) / 2).permute(1, 2, 0).numpy()
+    assert theirs.shape == ours.shape == (IMAGE_SIZE, IMAGE_SIZE, 3) and theirs.std() > 0.01
+    assert np.abs(ours - theirs).max() * 255 <= MAX_PIXEL_DIFF
+    other = sampler([prompt], torch.Generator().manual_seed(8), steps=steps, guidance_scale=guidance)[0]
+    assert not torch.equal(other, image)  # the seed matters: the comparison can fail
+
+    # scripts/export.py from the final checkpoint: the end of the run's export, tensor for tensor.
+    out = tmp_path / "from_checkpoint"
+    assert load_script("export").main([str(run), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert compare_export(export, out) == {"same_keys": True, "bitwise": True}

@@ -1,0 +1,63 @@
+"""The text-to-image recipe's inputs: captioned image folders to shards (skips counted, not-text captions refused)
+and pipeline folders Kiln does not train refused with one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.errors import ConfigError
+from common.launch import compose, main
+
+
+@pytest.mark.parametrize("metadata", [False, True], ids=["txt_beside", "metadata_jsonl"])
+def test_captioned_folder_to_shards_counts_its_skips(tmp_path, metadata):
+    from common.data.dataset import load_dataset_meta
+    from common.data.webdataset import iter_samples
+    from common.tools.fixtures import digit_caption, make_caption_folder
+    from data.prepare_captions import build_caption_shards, skip_summary
+
+    folder = make_caption_folder(tmp_path / "in", per_digit=3, digits=2, size=8, metadata=metadata)
+    meta, built = build_caption_shards(tmp_path / "out", input=folder, image_size=16, train_shards=2, val_shards=1)
+    assert built and meta["image_files"] == 9  # 6 digits, a broken file, an uncaptioned and an empty-captioned image
+    assert meta["skipped"] == {
+        "undecodable": ["broken.png"],
+        "no_caption": ["uncaptioned.png"],
+        "empty_caption": ["empty_caption.png"],
+    }
+    assert skip_summary(meta).startswith("skipped 3 file(s): 1 undecodable (broken.png)")
+    urls = load_dataset_meta(tmp_path / "out")
+    samples = [s for split in ("train", "val") for s in iter_samples(urls[f"{split}_urls"])]
+    assert meta["splits"]["train"]["samples"] + meta["splits"]["val"]["samples"] == len(samples) == 6
+    captions = sorted(s["txt"].decode() if isinstance(s["txt"], bytes) else s["txt"] for s in samples)
+    assert captions == sorted(digit_caption(d, i) for d in range(2) for i in range(3))
+    assert "a handwritten zero" in captions and "the digit 1" in captions  # several phrasings
+
+
+def test_a_caption_that_is_not_text_is_one_line(tmp_path):
+    from common.tools.fixtures import make_caption_folder
+    from data.prepare_captions import main as prepare
+
+    folder = make_caption_folder(tmp_path / "in", per_digit=2, digits=1, size=8, bad=False)
+    (folder / "0_0000.txt").write_bytes(b"\xff\xfe\x00binary")
+    assert prepare(["--input", str(folder), "--out", str(tmp_path / "out"), "--image-size", "16"]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_pipeline_kiln_does_not_train_is_refused_with_one_line(tmp_path, capsys):
+    flux = tmp_path / "flux"
+    flux.mkdir()
+    (flux / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(
+        ConfigError, match="is a FluxPipeline; the text-to-image recipe trains StableDiffusion3Pipeline"
+    ):
+        compose(["recipe=t2i_tiny", f"model.init_from={flux}"])
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        main(["recipe=t2i_tiny", f"model.init_from={flux}", f"run.dir={run_dir}"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.startswith("kiln: error: model.init_from=") and len(err.splitlines()) == 1
+    assert not run_dir.exists()
+    with pytest.raises(ConfigError, match="no diffusers pipeline folder there"):
+        compose(["recipe=t2i_tiny", f"model.init_from={tmp_path}"])
