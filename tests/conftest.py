@@ -66,9 +66,10 @@ def latent_dit_data(tmp_path_factory):
 @pytest.fixture(scope="session")
 def t2i_world(tmp_path_factory):
     """The text-to-image tests' tiny SD3 pipeline folder and caption shards (tests/fixtures/t2i.py), built once."""
+    from tests.fixtures.shared import once, shared_root
     from tests.fixtures.t2i import make_t2i_world
 
-    return make_t2i_world(tmp_path_factory.mktemp("t2i"))
+    return once(shared_root(tmp_path_factory), "t2i", make_t2i_world)
 
 
 @pytest.fixture(scope="session")

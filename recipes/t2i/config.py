@@ -36,6 +36,18 @@ class T2IDataConfig(DataConfig):
 SECTIONS = {"diffusion": DiffusionConfig}
 
 
+# The shared diffusion section's keys that only the class-conditional DiT reads: given on a t2i command line they
+# stop the run with one line instead of being ignored.
+NOT_READ = {
+    "diffusion.vae": "the VAE is the one in model.init_from's pipeline folder",
+    "diffusion.class_dropout": "prompts are dropped for guidance by data.caption_dropout",
+    "diffusion.samples_per_class": "sample grids are drawn from the validation captions",
+    "diffusion.eval_samples_per_class": "there is no class-accuracy evaluation yet",
+    "diffusion.beta_schedule": "SD3-class transformers are trained with rectified flow (no DDPM schedule)",
+    "diffusion.prediction_type": "rectified flow always predicts the velocity",
+}
+
+
 def register() -> None:
     cs = ConfigStore.instance()
     cs.store(group="data", name="t2i_schema", node=T2IDataConfig)
@@ -49,6 +61,9 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     line that disagrees stops the run."""
     from recipes.t2i.pipeline import SCHEDULER_KEYS, pipeline_folder, scheduler_config
 
+    for key, why in NOT_READ.items():
+        if key in command_line:
+            raise ConfigError(f"{key} is not read by the text-to-image recipe: {why}")
     m = cfg.model
     if not isinstance(m, T2IModelConfig) or not m.init_from:
         return

@@ -61,3 +61,9 @@ def test_a_pipeline_kiln_does_not_train_is_refused_with_one_line(tmp_path, capsy
     assert not run_dir.exists()
     with pytest.raises(ConfigError, match="no diffusers pipeline folder there"):
         compose(["recipe=t2i_tiny", f"model.init_from={tmp_path}"])
+
+
+@pytest.mark.parametrize("key", ["diffusion.class_dropout=0.2", "diffusion.vae=/x", "diffusion.samples_per_class=2"])
+def test_a_class_conditional_diffusion_key_is_refused_not_ignored(key):
+    with pytest.raises(ConfigError, match=f"^{key.split('=')[0]} is not read by the text-to-image recipe: "):
+        compose(["recipe=t2i_tiny", key])
