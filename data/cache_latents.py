@@ -59,8 +59,8 @@ def encode_shard(url: str, out: Path, *, vae, image_size: int, channels: int, ba
     import webdataset as wds
 
     from common.data.webdataset import iter_samples
+    from common.diffusion.vae import posterior
     from recipes.dit.data import MOMENTS, decode_sample
-    from recipes.dit.vae import posterior
 
     name, written, error = os.path.basename(url), 0, None
     pending: list[tuple[str, int, torch.Tensor]] = []
@@ -97,8 +97,8 @@ def build_cache(cfg, out: Path, *, batch_size: int, device: str, force: bool) ->
     from tqdm.auto import tqdm
 
     from common.data.dataset import load_dataset_meta, run_builder
+    from common.diffusion.vae import load_vae, vae_geometry, vae_identity
     from recipes.dit.data import LATENT_SOURCE, channels_of, check_image_size, class_names
-    from recipes.dit.vae import load_vae, vae_geometry, vae_identity
 
     root = Path(cfg.data.root).absolute()
     if cfg.data.build and read_meta(root) is None:

@@ -95,8 +95,8 @@ SPECS: dict[str, RecipeSpec] = {
     "llm": RecipeSpec(
         "llm", llm_config, "recipes.llm.train", "recipes.llm.export", lora_targets=llm_config.LORA_TARGETS, qlora=True
     ),  # QLoRA on one GPU (check_qlora_layout)
-    # Text-to-image on a released SD3 pipeline. It shares the DiT's diffusion core (recipes/dit: objective, VAE path,
-    # sampler; its `diffusion` section) by import rather than a copy; the only family that imports another.
+    # Text-to-image on a released SD3 pipeline. It shares the diffusion core with the DiT (common/diffusion: objective,
+    # VAE path, sampler, the `diffusion` section), as every family shares common/: no recipe imports another.
     "t2i": RecipeSpec("t2i", t2i_config, "recipes.t2i.train", "recipes.t2i.export", sections=t2i_config.SECTIONS),
 }
 

@@ -6,7 +6,7 @@
         [onnx=EXPORT_DIR/onnx/model.onnx] [engine=EXPORT_DIR/onnx/model.plan] [threads=N] [device=cpu|cuda]
         [classes=NAME,ID,...] [images=DIR]
 
-Every backend runs recipes.dit.sampling.sample_images with the same seed, so grids are comparable:
+Every backend runs common.diffusion.sampling.sample_images with the same seed, so grids are comparable:
 `compare=B` also samples on backend B (e.g. backend=onnxruntime compare=torch) and prints the max
 abs pixel difference (uint8, 0..255) between the two grids.
 onnxruntime/tensorrt need scripts/export_dit.py to have written the ONNX file / engine first.
@@ -69,7 +69,7 @@ def parse_kv(argv: list[str]) -> tuple[Path, dict]:
 
 def class_ids(spec: str | None, classes: list[str]) -> list[int]:
     """Rows of the grid: `classes=cat,3` (names or ids) or, by default, the first GRID_MAX_CLASSES classes."""
-    from recipes.dit.sampling import GRID_MAX_CLASSES
+    from common.diffusion.sampling import GRID_MAX_CLASSES
 
     if spec is None:
         return list(range(min(len(classes), GRID_MAX_CLASSES)))
@@ -117,7 +117,7 @@ def save_images(images, names: list[str], folder: Path) -> None:
     """One PNG per sample: <index>_<class>.png."""
     from PIL import Image
 
-    from recipes.dit.sampling import to_uint8
+    from common.diffusion.sampling import to_uint8
 
     folder.mkdir(parents=True, exist_ok=True)
     for i, (pixels, name) in enumerate(zip(to_uint8(images), names)):
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import numpy as np
 
-    from recipes.dit.sampling import save_grid, to_uint8
+    from common.diffusion.sampling import save_grid, to_uint8
 
     steps = int(opts["steps"] or json.loads((export / "kiln.json").read_text())["sample_steps"])
     out = Path(opts["out"] or f"samples_{opts['backend']}.png")

@@ -9,6 +9,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 
 from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
+from common.diffusion.config import DiffusionConfig
 from common.errors import ConfigError
 
 OBJECTIVES = ("ddpm", "flow")
@@ -22,7 +23,7 @@ LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
 class DiTModelConfig:
     """Arguments of diffusers' DiTTransformer2DModel. Its input shape follows the data: the image
     channels and `data.image_size` in pixel space, the VAE's latent channels and latent size with
-    `diffusion.vae` (recipes/dit/vae.py)."""
+    `diffusion.vae` (common/diffusion/vae.py)."""
 
     num_layers: int = 4
     num_attention_heads: int = 4
@@ -38,28 +39,6 @@ class DiTModelConfig:
     # A diffusers DiT to start from (recipes/dit/pretrained.py): a DiTPipeline folder, a Kiln DiT export or run dir,
     # or a DiTTransformer2DModel folder. Its config.json sets the keys above; finetune=lora adapts it.
     init_from: str = ""
-
-
-@dataclass
-class DiffusionConfig:
-    objective: str = "ddpm"  # ddpm (DDPM noise schedule, DDIM sampling) | flow (rectified flow, Euler sampling)
-    num_train_timesteps: int = 1000  # ddpm: the schedule's steps; flow: the timestep embedding's scale (t * this)
-    beta_schedule: str = "squaredcos_cap_v2"  # ddpm
-    prediction_type: str = "v_prediction"  # ddpm: v_prediction or epsilon; flow always predicts the velocity
-    flow_timesteps: str = "logit_normal"  # flow: training t ~ sigmoid(N(mean, std)) (SD3) or uniform
-    flow_logit_mean: float = 0.0
-    flow_logit_std: float = 1.0
-    flow_shift: float = 1.0  # flow: FlowMatchEulerDiscreteScheduler's `shift` for sampling (1 = no shift)
-    # A diffusers AutoencoderKL folder: train on its latents ((z - shift_factor) * scaling_factor),
-    # decode samples with it. Empty: pixel space.
-    vae: str = ""
-    class_dropout: float = 0.1  # label dropout for classifier-free guidance
-    ema_decay: float = 0.999
-    sample_steps: int = 50  # sampler steps for sample grids and eval
-    guidance_scale: float = 2.0
-    sample_every: int = 0  # a sample grid every this many steps; 0: only at the end
-    samples_per_class: int = 8  # sample grid: one row per class
-    eval_samples_per_class: int = 50
 
 
 @dataclass
@@ -107,7 +86,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
-    from recipes.dit.vae import vae_geometry
+    from common.diffusion.vae import vae_geometry
 
     m, d = cfg.model, cfg.diffusion
     if not isinstance(m, DiTModelConfig) or not isinstance(d, DiffusionConfig):

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from PIL import Image
 
 from common.config import TrainConfig
 from common.data import prepare_dataset
 from common.data.dataset import SPLITS, load_dataset_meta
 from common.data.webdataset import global_train_loader, iter_samples
+from common.diffusion.images import decode_png, to_model_space
 from common.distributed import DistInfo
 from common.errors import DataError
 
@@ -34,27 +33,9 @@ def class_names(meta: dict) -> list[str]:
     return list(meta.get("classes") or [str(c) for c in range(meta["num_classes"])])
 
 
-def to_model_space(images_u8: torch.Tensor, image_size: int) -> torch.Tensor:
-    """uint8 [N, H, W] (grayscale) or [N, H, W, C] -> float [N, C, S, S] in [-1, 1]. Bilinear resizing
-    (8x8 digits are upscaled; a larger source is downscaled with antialiasing)."""
-    x = images_u8.float().div(127.5).sub(1.0)
-    x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2)
-    if x.shape[-1] != image_size:
-        x = F.interpolate(
-            x, size=(image_size, image_size), mode="bilinear", align_corners=False, antialias=x.shape[-1] > image_size
-        )
-    return x.clamp(-1.0, 1.0)
-
-
 def decode_image(sample: dict, channels: int = 1) -> tuple[np.ndarray, int]:
     """Raw shard sample -> (uint8 image [H, W] (channels=1) or [H, W, 3], class label)."""
     return decode_png(sample["png"], channels), int(sample["cls"])  # int() takes the raw b"3" as well as 3
-
-
-def decode_png(data: bytes, channels: int = 1) -> np.ndarray:
-    """A shard's PNG bytes -> uint8 image [H, W] (channels=1) or [H, W, 3]."""
-    with Image.open(io.BytesIO(data)) as im:
-        return np.array(im.convert("L" if channels == 1 else "RGB"), dtype=np.uint8)  # a writable copy
 
 
 def decode_sample(sample: dict, image_size: int, channels: int = 1) -> dict:

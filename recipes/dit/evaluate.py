@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from recipes.dit.data import load_split_arrays, to_model_space
+from common.diffusion.images import to_model_space
+from recipes.dit.data import load_split_arrays
 
 if TYPE_CHECKING:
     from sklearn.svm import SVC

@@ -18,9 +18,9 @@ import torch
 
 from common.config import TrainConfig
 from common.data.dataset import load_dataset_meta
+from common.diffusion import vae as vae_lib
 from common.ds_export import ZeroCheckpoint, copy_checked, export_zero, export_zero_lora, saved_ema, write_ema_module
 from recipes.dit import lora as dit_lora
-from recipes.dit import vae as vae_lib
 from recipes.dit.data import class_names
 from recipes.dit.model import build_model, null_class
 from recipes.dit.train import model_geometry, write_export_files, write_pipeline

@@ -260,7 +260,7 @@ class OnnxDiT:
     """onnxruntime in the diffusers call signature: `model(x, timestep=t, class_labels=y).sample`.
 
     Takes and returns torch tensors (on the CPU; outputs are moved to the input's device), so
-    recipes.dit.sampling.sample_images runs on it unchanged.
+    common.diffusion.sampling.sample_images runs on it unchanged.
     """
 
     def __init__(self, onnx_path: str | Path, providers: list[str] | None = None, threads: int | None = None):
@@ -417,7 +417,7 @@ class ExportSampler:
     def __init__(self, export: str | Path, backend: str = "torch", **backend_kwargs):
         import json
 
-        from recipes.dit.vae import folder_decoder
+        from common.diffusion.vae import folder_decoder
 
         self.export = Path(export)
         self.backend = backend
@@ -445,7 +445,7 @@ class ExportSampler:
         batch_size: int = 512,
     ) -> torch.Tensor:
         """Images in [-1, 1] for `labels`; steps and guidance default to the export's (kiln.json)."""
-        from recipes.dit.sampling import sample_images
+        from common.diffusion.sampling import sample_images
 
         if self.backend == "tensorrt":  # keep CFG's doubled batch inside the engine's profile (TensorRTDiT also splits)
             batch_size = min(batch_size, max(1, self.model.max_batch // 2))

@@ -33,8 +33,8 @@ from fastapi.responses import JSONResponse
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from common.diffusion.sampling import to_uint8
 from recipes.dit.onnx import ExportSampler
-from recipes.dit.sampling import to_uint8
 
 MAX_STEPS = 1000
 

@@ -22,6 +22,9 @@ from common import deepspeed as ds
 from common import lora
 from common.checkpoint import read_meta
 from common.config import TrainConfig
+from common.diffusion import vae as vae_lib
+from common.diffusion.objective import Objective, sampling_scheduler, scheduler_config
+from common.diffusion.sampling import GRID_MAX_CLASSES, sample_images, save_grid
 from common.distributed import DistInfo, barrier
 from common.ema import EMA
 from common.engine import DeepSpeedEngine
@@ -32,13 +35,10 @@ from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
 from recipes.dit import lora as dit_lora
 from recipes.dit import pretrained
-from recipes.dit import vae as vae_lib
 from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
 from recipes.dit.evaluate import class_labels, fit_classifier, score_samples
 from recipes.dit.model import build_model, null_class, shared_conditioning, untied
-from recipes.dit.objective import Objective, sampling_scheduler, scheduler_config
 from recipes.dit.parallelize import parallelize
-from recipes.dit.sampling import GRID_MAX_CLASSES, sample_images, save_grid
 
 
 def model_geometry(cfg: TrainConfig) -> tuple[int, int, vae_lib.VaeGeometry | None]:

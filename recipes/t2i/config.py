@@ -1,5 +1,5 @@
 """Schemas of the text-to-image recipe's config sections: `model` (a released pipeline folder to train), `data`
-(captioned image shards) and, shared with the class-conditional DiT, `diffusion` (recipes/dit/config.py)."""
+(captioned image shards) and, shared with the class-conditional DiT, `diffusion` (common/diffusion/config.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from hydra.core.config_store import ConfigStore
 
 from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
+from common.diffusion.config import DiffusionConfig
 from common.errors import ConfigError
-from recipes.dit.config import DiffusionConfig
 
 
 @dataclass

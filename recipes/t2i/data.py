@@ -10,9 +10,9 @@ import torch
 from common.config import TrainConfig
 from common.data import prepare_dataset
 from common.data.webdataset import global_train_loader, iter_samples
+from common.diffusion.images import decode_png, to_model_space
 from common.distributed import DistInfo
 from common.errors import DataError
-from recipes.dit.data import decode_png, to_model_space
 
 CAPTIONED = "captioned_images"  # meta.json "source" of data.prepare_captions' shards
 

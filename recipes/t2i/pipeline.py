@@ -45,7 +45,7 @@ def pipeline_folder(init_from: str) -> Path:
 
 
 def scheduler_config(folder: Path) -> dict:
-    """The pipeline's scheduler_config.json, with its class name (it picks the sampler: recipes/dit/objective.py);
+    """The pipeline's scheduler_config.json, with its class name (it picks the sampler: common/diffusion/objective.py);
     one line for a scheduler Kiln's flow objective and sampler do not implement."""
     config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     if config.get("_class_name") != "FlowMatchEulerDiscreteScheduler":

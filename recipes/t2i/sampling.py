@@ -1,4 +1,4 @@
-"""Text-to-image sampling: prompts -> images with the shared sampler (recipes/dit/sampling.py: Euler on the flow's
+"""Text-to-image sampling: prompts -> images with the shared sampler (common/diffusion/sampling.py: Euler on the flow's
 velocity, classifier-free guidance against the empty prompt), for a training run's model and for an export folder
 (the parity test, sample scripts, a server)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from recipes.dit import vae as vae_lib
-from recipes.dit.sampling import sample
+from common.diffusion import vae as vae_lib
+from common.diffusion.sampling import sample
 from recipes.t2i.pipeline import PromptEncoder, scheduler_config
 
 

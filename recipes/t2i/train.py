@@ -2,10 +2,10 @@
 images with rectified flow, under DeepSpeed ZeRO + activation checkpointing, EMA, sample grids and an export that
 diffusers' StableDiffusion3Pipeline loads.
 
-The diffusion core is the class-conditional DiT's (recipes/dit: the flow objective, the VAE's latent path and the
-sampler) and common/'s (the EMA, the engine, the step): this family adds only what text conditioning changes --
-the frozen text encoders run on the fly in the compute dtype, caption dropout to the empty prompt's embedding,
-the pipeline folder in and out. Read top to bottom: setup → the loss → hooks → samples → export.
+The diffusion core is the one the class-conditional DiT uses (common/diffusion: the flow objective, the VAE's
+latent path and the sampler) and common/'s (the EMA, the engine, the step): this family adds only what text
+conditioning changes -- the frozen text encoders run on the fly in the compute dtype, caption dropout to the empty
+prompt's embedding, the pipeline folder in and out. Read top to bottom: setup → the loss → hooks → samples → export.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from common.config import TrainConfig
+from common.diffusion import vae as vae_lib
+from common.diffusion.objective import Objective
+from common.diffusion.sampling import save_grid
 from common.distributed import DistInfo, barrier
 from common.ema import EMA
 from common.engine import DeepSpeedEngine
@@ -26,9 +29,6 @@ from common.errors import ConfigError
 from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
-from recipes.dit import vae as vae_lib
-from recipes.dit.objective import Objective
-from recipes.dit.sampling import save_grid
 from recipes.t2i.data import build_train_loader, prepare_data, val_captions
 from recipes.t2i.parallelize import parallelize
 from recipes.t2i.pipeline import PromptEncoder, load_transformer, pipeline_folder, scheduler_config

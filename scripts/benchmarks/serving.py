@@ -159,8 +159,8 @@ def write_dit_export(model, recipe, folder: Path) -> Path:
     speed does not depend on them), with its fp32 ONNX graph where the images server's auto looks."""
     import json
 
+    from common.diffusion.objective import sampling_scheduler
     from recipes.dit.model import null_class
-    from recipes.dit.objective import sampling_scheduler
     from recipes.dit.onnx import export_onnx
 
     d = recipe.diffusion
@@ -240,11 +240,11 @@ def dit_server_table(opts, cfg: Config, work: Path, model, recipe, s: Section) -
 def dit_table(opts, cfg: Config, work: Path, s: Section) -> None:
     import torch
 
+    from common.diffusion.objective import ddpm_scheduler
+    from common.diffusion.sampling import sample_images
     from common.launch import compose
     from recipes.dit.model import build_model, null_class
-    from recipes.dit.objective import ddpm_scheduler
     from recipes.dit.onnx import OnnxDiT, check_parity, export_onnx
-    from recipes.dit.sampling import sample_images
 
     recipe = compose(["recipe=dit_tiny"])
     torch.manual_seed(0)

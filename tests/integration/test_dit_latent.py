@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from common.data.dataset import read_meta
+from common.diffusion.sampling import sample_images
+from common.diffusion.vae import folder_decoder
 from data import cache_latents
-from recipes.dit.sampling import sample_images
-from recipes.dit.vae import folder_decoder
 from tests.conftest import load_script, losses, run_train
 
 pytestmark = pytest.mark.integration

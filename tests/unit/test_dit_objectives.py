@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from common.diffusion.config import DiffusionConfig
+from common.diffusion.objective import Objective, sampling_scheduler, scheduler_config
+from common.diffusion.sampling import sample_images
 from common.seed import sample_rngs
-from recipes.dit.config import DiffusionConfig
-from recipes.dit.objective import Objective, sampling_scheduler, scheduler_config
-from recipes.dit.sampling import sample_images
 
 
 def draw_t(objective: Objective, n: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from diffusers import DiTTransformer2DModel
 from diffusers.models.attention import BasicTransformerBlock
 
+from common.diffusion.vae import vae_geometry
 from common.errors import ConfigError
 from common.launch import compose, dry_run
 from common.memory import layer_activation_bytes
@@ -21,7 +22,6 @@ from common.tools.fixtures import make_vae
 from recipes.dit.config import DiTModelConfig
 from recipes.dit.model import build_model, shared_conditioning, untied
 from recipes.dit.train import memory_spec
-from recipes.dit.vae import vae_geometry
 from tests.conftest import REPO, TRAIN
 
 
@@ -51,7 +51,7 @@ def test_shift_factor_is_read(tmp_path):
     g = vae_geometry(make_vae(tmp_path / "flux_like", shift_factor=0.1159), 16)
     assert g.shift_factor == pytest.approx(0.1159)
     mean, std, eps = torch.randn(2, 4, 8, 8), torch.rand(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
-    from recipes.dit.vae import to_latents
+    from common.diffusion.vae import to_latents
 
     torch.testing.assert_close(to_latents(mean, std, eps, g), (mean + std * eps - 0.1159) * g.scaling_factor)
 

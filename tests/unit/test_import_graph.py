@@ -137,3 +137,16 @@ def test_product_code_never_imports_the_tests():
         if target == "tests" or target.startswith("tests.")
     )
     assert not offenders, "; ".join(offenders)
+
+
+def test_a_recipe_never_imports_another_recipe():
+    """DESIGN.md: what two families share lives in common/ (the DiT and text-to-image share common/diffusion);
+    only the registry, which lists every family, imports them all."""
+    offenders = sorted(
+        f"{name} imports {target}"
+        for name, path in kiln_modules().items()
+        if name.startswith("recipes.") and name != "recipes.registry"
+        for target in imported_names(name, path)
+        if target.startswith("recipes.") and target != "recipes.registry" and target.split(".")[1] != name.split(".")[1]
+    )
+    assert not offenders, "; ".join(offenders)

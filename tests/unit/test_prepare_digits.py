@@ -13,8 +13,9 @@ import torch
 import webdataset as wds
 from PIL import Image
 
+from common.diffusion.images import to_model_space
 from data import prepare_digits as pd
-from recipes.dit.data import decode_sample, load_split_arrays, to_model_space
+from recipes.dit.data import decode_sample, load_split_arrays
 
 N_DIGITS = 1797
 

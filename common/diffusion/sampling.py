@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from recipes.dit.objective import scheduler_from_config
+from common.diffusion.objective import scheduler_from_config
 
 GRID_MAX_CLASSES = 32  # sample grids show one row per class, for the first this many classes
 
@@ -62,7 +62,7 @@ def sample(
     with one row (the null class; the empty prompt's embeddings), paired with every image for guidance. The model
     is called as `model(x, timestep=t, **conditioning).sample` on the conditional and unconditional halves at once.
     It works on `in_channels` x `image_size`^2 inputs (pixels, or VAE latents); the scheduler (`scheduler_config`:
-    DDPM/DDIM or FlowMatchEulerDiscrete, see recipes.dit.objective) picks the sampler. `decode` maps each chunk
+    DDPM/DDIM or FlowMatchEulerDiscrete, see common.diffusion.objective) picks the sampler. `decode` maps each chunk
     of final model-space samples to images (a VAE's decoder); None: they are pixels, clamped to [-1, 1].
     `progress`: a progress bar label (None: silent). The starting noise is drawn from `generator` chunk by
     chunk, or given whole as `noise` [N, C, S, S] (an images server batches requests that each drew their own).

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
+from common.diffusion.config import DiffusionConfig
 from common.seed import per_sample
-from recipes.dit.config import DiffusionConfig
 
 FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
 
