@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,7 +172,30 @@ def _process_group_variables_stay_in_the_test():
         yield
 
 
+# `make test` runs the files in xdist workers in collection order (--dist loadfile --no-loadscope-reorder), so the
+# longest go first and the last file to end is a short one (longest first: no worker idles while another still has
+# a long file ahead of it). Integration before distributed before unit; within a tier the files measured longest
+# (module wall time on CI's 2 cores, stop 35) first.
+LONGEST_FIRST = (
+    "integration/test_readme_commands.py",  # ~460 s, its commands one after another
+    "integration/test_fault_tolerance.py",  # ~230 s
+    "distributed/test_ds_any_layout.py",  # ~135 s
+    "integration/test_slurm.py",  # ~120 s
+    "integration/test_serve_vllm.py",  # ~115 s
+    "integration/test_host_syncs.py",  # ~110 s
+)
+TIERS = ("integration", "distributed", "unit")
+
+
+def _file_order(item) -> tuple[int, int]:
+    path = Path(str(item.fspath)).resolve().relative_to(REPO / "tests").as_posix()
+    tier = path.split("/")[0]
+    first = LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+    return first, TIERS.index(tier) if tier in TIERS else len(TIERS)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_file_order)  # stable: a file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
