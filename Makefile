@@ -61,11 +61,11 @@ bench: data
 
 # The suite ends with its 30 slowest tests: CI (.ci/run) has 30 minutes on 2 cores, and this is where to look first.
 # It runs in TEST_WORKERS pytest-xdist processes, a test file each at a time (--dist loadfile: a module's fixtures are
-# built once), the longest files first (tests/conftest.py: LONGEST_FIRST). Three workers on CI's two cores: a test
-# mostly waits (process starts, servers, timeouts), so two left the cores idle half the time (measured: 0.93 cores
-# busy on average). Runs and fixtures that several files share are built once for all workers (tests/fixtures/shared.py).
+# built once), the longest files first (tests/conftest.py: LONGEST_FIRST). Measured on CI's 2 cores: 2 workers
+# 1,795 s of .ci/run, 3 workers 1,935 s (the training runs then contend for the cores). Runs and fixtures that
+# several files share are built once for all workers (tests/fixtures/shared.py).
 # Ruff first (config in pyproject.toml): style is kept by the linter, not by hand, and a finding stops the run.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
