@@ -60,11 +60,7 @@ def run_train(
 ) -> subprocess.CompletedProcess:
     """Run a training job to its end; `check`: raise with its output's tail if it exits non-zero."""
     cmd = train_command(args, nproc)
-    run_env = launch_env(nproc, threads, **(env or {}))
-    if _PRELOADED:
-        proc = _run_preloaded(cmd, args, nproc, run_env, timeout)
-    else:
-        proc = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout)
+    proc = run_python(cmd, env=launch_env(nproc, threads, **(env or {})), timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -107,12 +103,13 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_
 
 # Preloaded processes, for the test suite. Most of a short CPU run's seconds go to importing torch,
 # transformers, diffusers and DeepSpeed (a 1-step llm_tiny run: ~6 of ~10 s). After `preload()`,
-# run_train and spawn_ranks fork their processes from multiprocessing's fork server, which imported those
-# once: the same scripts/train.py as __main__, with the same arguments, working directory, environment and
+# run_python (and run_train through it) and spawn_ranks fork their processes from multiprocessing's fork server,
+# which imported those once: the same script or module as __main__, with the same arguments, working directory,
+# environment and
 # intra-op thread count, on one rank or as torchrun's N ranks (its RANK/WORLD_SIZE/MASTER_* variables; any
 # failed rank ends the others, exit status 1 as torchrun's). Only third-party modules are preloaded: Kiln's
 # own are imported fresh by each process (some read the environment at import). Tests of the launch itself
-# (torchrun's restarts, signals, timeouts, import-time output) start real processes with train_command.
+# (torchrun's restarts, signals, timeouts, import-time output) start real processes with subprocess.
 PRELOAD = (
     "numpy",
     "PIL.Image",
@@ -154,8 +151,43 @@ def preload() -> None:
     _PRELOADED = True
 
 
+def run_python(
+    cmd: list[str], *, env: dict[str, str] | None = None, cwd: str | Path = REPO, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """A `python` command line run as `subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+    timeout=timeout)` runs it: a script (`python scripts/x.py ARGS`), a module (`python -m data.x ARGS`) or
+    torchrun's N ranks of a script (`python -m torch.distributed.run --nproc_per_node=N --master_port=P
+    script.py ARGS`). After preload() it is forked from the fork server; any other command line (another
+    program, torchrun's own options) is a real process."""
+    target = _python_target(cmd) if _PRELOADED and cmd[0] == sys.executable else None
+    env = dict(os.environ if env is None else env)
+    if target is None:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    nproc, kind, name, args = target
+    return _run_preloaded(cmd, (kind, name, args, str(cwd)), nproc, env, timeout)
+
+
+def _python_target(cmd: list[str]) -> tuple[int, str, str, list[str]] | None:
+    """(ranks, "path" or "module", script or module, its arguments) of a command line run_python can fork."""
+    if cmd[1:3] == ["-m", "torch.distributed.run"]:
+        nproc, i = 1, 3
+        while i < len(cmd) and cmd[i].startswith("--"):
+            flag, _, value = cmd[i].partition("=")
+            if flag not in ("--nproc_per_node", "--nproc-per-node", "--master_port", "--master-port"):
+                return None  # restarts, rendezvous, ...: torchrun itself
+            if not value:
+                i, value = i + 1, cmd[i + 1]
+            if flag.startswith("--nproc"):
+                nproc = int(value)
+            i += 1
+        return (nproc, "path", cmd[i], cmd[i + 1 :]) if cmd[i].endswith(".py") else None
+    if cmd[1] == "-m":
+        return 1, "module", cmd[2], cmd[3:]
+    return (1, "path", cmd[1], cmd[2:]) if cmd[1].endswith(".py") else None
+
+
 def _run_preloaded(
-    cmd: list[str], args: list[str], nproc: int, env: dict[str, str], timeout: float
+    cmd: list[str], target: tuple[str, str, list[str], str], nproc: int, env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess:
     import multiprocessing as mp
     from multiprocessing.connection import wait
@@ -168,6 +200,7 @@ def _run_preloaded(
         for rank in range(nproc):
             rank_env = dict(env)
             if nproc > 1:  # what torchrun gives each worker
+                rank_env.setdefault("OMP_NUM_THREADS", "1")
                 rank_env.update(
                     RANK=str(rank),
                     LOCAL_RANK=str(rank),
@@ -181,7 +214,7 @@ def _run_preloaded(
                     TORCHELASTIC_RESTART_COUNT="0",
                     TORCHELASTIC_MAX_RESTARTS="0",
                 )
-            p = ctx.Process(target=_train_main, args=(args, rank_env, str(out), str(err)), daemon=False)
+            p = ctx.Process(target=_python_main, args=(target, rank_env, str(out), str(err)), daemon=False)
             p.start()
             procs.append(p)
         deadline = time.monotonic() + timeout
@@ -204,12 +237,14 @@ def _run_preloaded(
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
-def _train_main(args: list[str], env: dict[str, str], out: str, err: str) -> None:
-    """`python scripts/train.py ARGS` in a forked process: its exit status as Python's."""
+def _python_main(target: tuple[str, str, list[str], str], env: dict[str, str], out: str, err: str) -> None:
+    """`python SCRIPT ARGS` or `python -m MODULE ARGS` in a forked process: its exit status as Python's."""
+    kind, name, args, cwd = target
     _platform_start_method()
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(REPO)
+    tempfile.tempdir = None  # TMPDIR as this process's environment has it (the server may have cached its own)
+    os.chdir(cwd)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     for path, fd in ((out, 1), (err, 2)):
@@ -220,12 +255,17 @@ def _train_main(args: list[str], env: dict[str, str], out: str, err: str) -> Non
     sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
     import torch
 
-    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # as the OpenMP runtime reads it at a process's start
-    sys.argv = [TRAIN, *args]
-    sys.path.insert(0, str(Path(TRAIN).parent))
+    if "OMP_NUM_THREADS" in env:  # as the OpenMP runtime reads it at a process's start
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [name, *args]
+    # What the interpreter puts first on sys.path: the script's folder, or the working directory for -m.
+    sys.path.insert(0, str(Path(name).resolve().parent) if kind == "path" else os.getcwd())
     code = 0
     try:
-        runpy.run_path(TRAIN, run_name="__main__")
+        if kind == "path":
+            runpy.run_path(name, run_name="__main__")
+        else:
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = _exit_status(e.code)
     except BaseException:

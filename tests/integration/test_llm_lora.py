@@ -6,14 +6,13 @@ logits, export.merge_lora's merged model is peft's merge_and_unload; a resumed r
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from common.tools.launcher import spawn_ranks
+from common.tools.launcher import run_python, spawn_ranks
 from tests.conftest import REPO, losses, run_train
 from tests.fixtures.llm import write_llama_folder, write_token_dataset
 
@@ -167,14 +166,8 @@ def test_checkpoints_hold_the_adapter_and_resume_bitwise(folders, six_steps, tmp
 
     # scripts/export.py rebuilds the run's export from its last checkpoint and model.init_from.
     again = tmp_path / "again"
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "export.py"), str(first), "--out", str(again)],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    exported = run_python([sys.executable, str(REPO / "scripts" / "export.py"), str(first), "--out", str(again)])
+    assert exported.returncode == 0, exported.stderr
     want, got = tensors(first / "export"), tensors(again)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     configs = [json.loads((d / "adapter_config.json").read_text()) for d in (again, first / "export")]

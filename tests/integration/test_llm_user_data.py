@@ -4,12 +4,12 @@ the assistant tokens (the only labelled ones)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO, losses, run_train
+from common.tools.launcher import run_python
+from tests.conftest import losses, run_train
 from tests.fixtures.llm import write_chat, write_corpus, write_llama_tokenizer
 
 pytestmark = pytest.mark.integration
@@ -17,9 +17,8 @@ FAST = ["recipe=llm_tiny", "trainer.log_every=1", "trainer.progress_bar=false", 
 
 
 def _prepare(module: str, *args: str) -> None:
-    subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=REPO, check=True, capture_output=True, text=True, timeout=300
-    )
+    proc = run_python([sys.executable, "-m", module, *args], timeout=300)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_chat_fine_tuning_lowers_the_assistant_loss(tmp_path):

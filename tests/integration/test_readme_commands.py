@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from omegaconf import OmegaConf
 
 from common.distributed import free_port
 from common.tools import fixtures
-from common.tools.launcher import launch_env
+from common.tools.launcher import launch_env, run_python
 from tests.conftest import REPO
 from tests.fixtures import llm, vlm
 
@@ -276,7 +275,7 @@ def test_readme_command_runs(argv, session):
         pytest.skip(f"not run here: {reason}")
     cmd = session.command(argv)
     env = launch_env(2 if "torch.distributed.run" in cmd else 1, PYTHONPATH=str(REPO), HOME=str(session.home))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_python(cmd, env=env, timeout=900)  # forked from the preloaded server (common/tools/launcher.py)
     assert proc.returncode == 0, (
         f"README command failed ({proc.returncode}): {' '.join(argv)}\nran: {shlex.join(cmd)}\n"
         f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from common.errors import ConfigError
 from common.launch import compose
+from common.tools.launcher import run_python
 from tests.conftest import REPO, TRAIN
 
 RECIPES = sorted(p.stem for p in (REPO / "configs" / "recipe").glob("*.yaml"))
@@ -259,13 +259,7 @@ def test_cli_mistakes_print_one_line_and_write_nothing(tmp_path: Path, override,
     if torch.cuda.is_available() and "toggles." in override and "not offered" not in needle:
         pytest.skip("hardware checks pass on this machine")
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, TRAIN, "recipe=dit_tiny", *override.split(), f"run.dir={run_dir}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_python([sys.executable, TRAIN, "recipe=dit_tiny", *override.split(), f"run.dir={run_dir}"], timeout=120)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr

@@ -7,7 +7,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ from common.config import DataConfig
 from common.data import prepare_dataset
 from common.distributed import DistInfo
 from common.errors import DataError
+from common.tools.launcher import run_python
 from tests.conftest import REPO
 
 SOLO = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -76,7 +76,7 @@ def test_no_builder_and_no_dataset_names_data_root(tmp_path, digits):
 def test_cli_prints_one_error_line_for_a_missing_dataset(tmp_path):
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(
+    proc = run_python(
         [
             sys.executable,
             str(REPO / "scripts" / "train.py"),
@@ -85,10 +85,6 @@ def test_cli_prints_one_error_line_for_a_missing_dataset(tmp_path):
             f"data.root={tmp_path / 'none'}",
             f"run.dir={run_dir}",
         ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
         env=env,
     )
     assert proc.returncode == 2

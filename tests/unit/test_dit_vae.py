@@ -4,7 +4,6 @@ conditioning, and selective activation checkpointing (bytes kept vs common/memor
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -19,10 +18,11 @@ from common.memory import layer_activation_bytes
 from common.toggles import apply_ac
 from common.tools.activations import kept_for_backward
 from common.tools.fixtures import make_vae
+from common.tools.launcher import run_python
 from recipes.dit.config import DiTModelConfig
 from recipes.dit.model import build_model, shared_conditioning, untied
 from recipes.dit.train import memory_spec
-from tests.conftest import REPO, TRAIN
+from tests.conftest import TRAIN
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +103,7 @@ def test_cli_bad_inputs_print_one_line(what, needle, vae_dir, not_a_vae, tmp_pat
         "empty_images": [f"diffusion.vae={vae_dir}", f"data.root={tmp_path / 'empty'}", "data.image_size=32"],
     }
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, TRAIN, "recipe=dit_tiny", "data=images", *args[what], f"run.dir={run_dir}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python([sys.executable, TRAIN, "recipe=dit_tiny", "data=images", *args[what], f"run.dir={run_dir}"])
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("kiln: error: ") and needle in lines[0]

@@ -15,9 +15,9 @@ from PIL import Image
 from common.data.dataset import load_dataset_meta
 from common.data.webdataset import iter_samples
 from common.tools.fixtures import make_image_folder
+from common.tools.launcher import run_python
 from data import prepare_images
 from recipes.dit.data import decode_sample
-from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +117,7 @@ def test_rerun_is_a_noop(built, folder, capsys):
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "data.prepare_images", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    return run_python([sys.executable, "-m", "data.prepare_images", *args], timeout=120)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import tempfile
 import pytest
 
 from common.errors import ConfigError, UserError
+from common.tools.launcher import run_python
 from common.tools.serving import (
     ServeSection,
     build_hub_cache,
@@ -57,17 +58,14 @@ def fake_serve_env(folder, build: str):
     return folder
 
 
-def _serve(*args, tmp="/nonexistent", **env):
-    """scripts/serve.py; its per-server scratch state (a dry run writes some) goes under `tmp`."""
+def _serve(*args, tmp="/nonexistent", fresh=False, **env):
+    """scripts/serve.py, forked preloaded (common/tools/launcher.py), or in a `fresh` interpreter of its own (what
+    it prints at import shows there); its per-server scratch state (a dry run writes some) goes under `tmp`."""
     base = {k: v for k, v in os.environ.items() if k not in ("KILN_API_KEY", "VLLM_API_KEY")}
-    return subprocess.run(
-        [sys.executable, SERVE, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**base, "TMPDIR": str(tmp), **env},
-    )
+    cmd, env = [sys.executable, SERVE, *args], {**base, "TMPDIR": str(tmp), **env}
+    if fresh:
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    return run_python(cmd, env=env, timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -79,7 +77,7 @@ def _serve(*args, tmp="/nonexistent", **env):
     ],
 )
 def test_user_mistakes_end_in_one_line_and_exit_2(args, message):
-    proc = _serve(*args)
+    proc = _serve(*args, fresh=not args)  # one in a fresh interpreter: no import-time output either
     assert proc.returncode == 2
     assert proc.stderr.startswith("kiln: error: ") and message in proc.stderr
     assert proc.stderr.count("\n") == 1 and not proc.stdout
