@@ -155,7 +155,8 @@ def run_python(
     cmd: list[str], *, env: dict[str, str] | None = None, cwd: str | Path = REPO, timeout: float = 600
 ) -> subprocess.CompletedProcess:
     """A `python` command line run as `subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-    timeout=timeout)` runs it: a script (`python scripts/x.py ARGS`), a module (`python -m data.x ARGS`) or
+    timeout=timeout)` runs it: a script (`python scripts/x.py ARGS`), a module (`python -m data.x ARGS`), code
+    (`python -c CODE`) or
     torchrun's N ranks of a script (`python -m torch.distributed.run --nproc_per_node=N --master_port=P
     script.py ARGS`). After preload() it is forked from the fork server; any other command line (another
     program, torchrun's own options) is a real process."""
@@ -181,8 +182,8 @@ def _python_target(cmd: list[str]) -> tuple[int, str, str, list[str]] | None:
                 nproc = int(value)
             i += 1
         return (nproc, "path", cmd[i], cmd[i + 1 :]) if cmd[i].endswith(".py") else None
-    if cmd[1] == "-m":
-        return 1, "module", cmd[2], cmd[3:]
+    if cmd[1] in ("-m", "-c"):
+        return 1, {"-m": "module", "-c": "code"}[cmd[1]], cmd[2], cmd[3:]
     return (1, "path", cmd[1], cmd[2:]) if cmd[1].endswith(".py") else None
 
 
@@ -238,7 +239,8 @@ def _run_preloaded(
 
 
 def _python_main(target: tuple[str, str, list[str], str], env: dict[str, str], out: str, err: str) -> None:
-    """`python SCRIPT ARGS` or `python -m MODULE ARGS` in a forked process: its exit status as Python's."""
+    """`python SCRIPT ARGS`, `python -m MODULE ARGS` or `python -c CODE ARGS` in a forked process: its exit status
+    as Python's."""
     kind, name, args, cwd = target
     _platform_start_method()
     os.environ.clear()
@@ -257,15 +259,17 @@ def _python_main(target: tuple[str, str, list[str], str], env: dict[str, str], o
 
     if "OMP_NUM_THREADS" in env:  # as the OpenMP runtime reads it at a process's start
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    sys.argv = [name, *args]
-    # What the interpreter puts first on sys.path: the script's folder, or the working directory for -m.
+    sys.argv = ["-c" if kind == "code" else name, *args]
+    # What the interpreter puts first on sys.path: the script's folder, or the working directory for -m and -c.
     sys.path.insert(0, str(Path(name).resolve().parent) if kind == "path" else os.getcwd())
     code = 0
     try:
         if kind == "path":
             runpy.run_path(name, run_name="__main__")
-        else:
+        elif kind == "module":
             runpy.run_module(name, run_name="__main__", alter_sys=True)
+        else:
+            exec(compile(name, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     except SystemExit as e:
         code = _exit_status(e.code)
     except BaseException:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from common.tools.launcher import TRAIN, launch_env, train_command
+from common.tools.launcher import TRAIN, launch_env, run_python, train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 KILN = tuple(f"{ROOT / folder}/" for folder in ("common", "recipes", "scripts", "data"))  # not .venv/, not tests/
@@ -90,7 +89,7 @@ def test_a_training_step_reads_the_device_at_most_once(recipe, nproc, tmp_path):
     ]
     cmd = train_command([str(out), *argv], nproc)
     cmd[cmd.index(TRAIN)] = __file__  # scripts/train.py's main, counting
-    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(nproc), capture_output=True, text=True, timeout=900)
+    proc = run_python(cmd, env=launch_env(nproc), timeout=900)  # forked from the preloaded server, as run_train
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in range(nproc):
         result = json.loads((tmp_path / f"counts.rank{rank}.json").read_text())
