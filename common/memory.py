@@ -114,6 +114,14 @@ class Block:
     # selective AC keeps: all but the s^2 attention core (Korthikanti §5) | save_matmuls (common/toggles.py's
     # policy) | save_narrow_matmuls (the same with recompute_widening: up projections recomputed too)
     selective: str = "attention_core"
+    qk_norm: bool = False  # diffusers' RMSNorm per head on q and k before the kernel (SD3.5, Flux)
+    # A second adaLN-gated self-attention sub-block (SD3.5's dual attention, `attn2`, over the image tokens only), as
+    # the share of layers x tokens it covers: (layers with it / layers) x (its tokens / seq). Its tensors are counted
+    # at that share of the layer's (exact in the sum over layers for fused attention, whose tensors are linear in s).
+    attention2: float = 0.0
+    # The share of layers x tokens whose stream ends at the attention (SD3's last layer: `context_pre_only`, its text
+    # tokens get no output projection, no MLP): their post-attention tensors are not kept.
+    pre_only: float = 0.0
 
     @property
     def kv_fraction(self) -> float:
@@ -145,6 +153,42 @@ def _norm_saved(block: Block, where: str, sbh: float, sb: float, e: int) -> list
         Saved(f"{where} norm output", e * sbh, True),
         Saved(f"{where} gated output", e * sbh, True),
     ]
+
+
+def _qk_norm_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
+    """diffusers' RMSNorm on q and k: `x.to(float32).pow(2)` keeps an fp32 copy (the input itself in fp32), the
+    `x * rsqrt(...)` multiply keeps x and the fp32 1/rms per head, the weight multiply the normalized x."""
+    if not block.qk_norm:
+        return []
+    sbh, sba = s * b * block.hidden, s * b * block.heads
+    return [
+        Saved(f"{name} norm {what}", nbytes, True)
+        for name, frac in (("q", 1.0), ("k", block.kv_fraction))
+        for what, nbytes in (
+            ("input", e * sbh * frac),
+            ("input (fp32)", 4 * sbh * frac if e != 4 else 0.0),
+            ("1/rms (fp32)", 4 * sba * frac),
+            ("normalized", e * sbh * frac),
+        )
+    ]
+
+
+def _attention2_saved(block: Block, s: int, b: int, e: int, recompute: str) -> list[Saved]:
+    """The second attention sub-block (Block.attention2): its modulated input, the kernel's tensors and the gated
+    output without AC; with save_matmuls AC, its projections and kernel output (the modulation is per sample)."""
+    if not block.attention2 or recompute == "full":
+        return []
+    sbh = s * b * block.hidden
+    if recompute == "selective" and block.selective in ("save_matmuls", "save_narrow_matmuls"):
+        inner = [t for t in _save_matmuls_saved(block, s, b, e) if t.name in SAVED_BY_ATTENTION_MATMULS]
+    else:
+        inner = [Saved("modulated input", e * sbh, True)] + _attention_saved(block, s, b, e)
+        inner += _qk_norm_saved(block, s, b, e) + [Saved("gated output", e * sbh, True)]
+    return [t._replace(name=f"second attention {t.name}", nbytes=t.nbytes * block.attention2) for t in inner]
+
+
+AFTER_ATTENTION = ("output projection", "gate, up projections", "fc1 output", "down projection")
+SAVED_BY_ATTENTION_MATMULS = ("q, k, v projections", "attention output", "logsumexp", "output projection")
 
 
 def _attention_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
@@ -212,15 +256,19 @@ def layer_saved(block: Block, *, seq: int, batch: int, act_bytes: int, recompute
     if recompute == "full":
         return [Saved("layer input", e * sbh, True)]
     if recompute == "selective" and block.selective in ("save_matmuls", "save_narrow_matmuls"):
-        return _save_matmuls_saved(block, s, b, e, widening=block.selective == "save_matmuls")
+        widening = block.selective == "save_matmuls"
+        kept = _save_matmuls_saved(block, s, b, e, widening=widening)
+        kept = [t._replace(nbytes=t.nbytes * (1 - block.pre_only)) if t.name in AFTER_ATTENTION else t for t in kept]
+        return kept + _attention2_saved(block, s, b, e, recompute)
     out = _norm_saved(block, "attention", sbh, sb, e) + [Saved("qkv input", e * sbh, block.megatron_sp)]
-    out += _attention_saved(block, s, b, e)
+    out += _attention_saved(block, s, b, e) + _qk_norm_saved(block, s, b, e) + _attention2_saved(block, s, b, e, "")
     if block.dropout:
         out.append(Saved("attention dropout mask", sbh, True))
-    out += _norm_saved(block, "mlp", sbh, sb, e) + [Saved("mlp input", e * sbh, block.megatron_sp)]
-    out += _mlp_saved(block, s, b, e)
+    mlp = _norm_saved(block, "mlp", sbh, sb, e) + [Saved("mlp input", e * sbh, block.megatron_sp)]
+    mlp += _mlp_saved(block, s, b, e)
     if block.dropout:
-        out.append(Saved("mlp dropout mask", sbh, True))
+        mlp.append(Saved("mlp dropout mask", sbh, True))
+    out += [t._replace(nbytes=t.nbytes * (1 - block.pre_only)) for t in mlp]
     if recompute == "selective":
         out = [t for t in out if not t.quadratic]
     return out
@@ -307,6 +355,10 @@ class ModelSpec:
     experts: int = 0
     top_k: int = 0
     ema: bool = False  # an fp32 EMA of the trainable weights (the DiT's, common/ema.py): held like them, in "optimizer"
+    # Bytes held whole on every GPU whatever the ZeRO stage, in "weights": frozen models beside the engine (a
+    # text-to-image run's text encoders and VAE) and the trained model's buffers (ZeRO partitions parameters only).
+    unsharded_bytes: float = 0
+    note: str = ""  # what the estimate holds and leaves out, printed under it (run.dry_run, scripts/plan.py)
 
     @property
     def total_params(self) -> int:
@@ -357,6 +409,7 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
         compute_bytes=e,
     )
     states["weights"] += (spec.frozen_bytes or spec.frozen_params * e) / (layout.dp if layout.zero_stage >= 3 else 1)
+    states["weights"] += spec.unsharded_bytes
     if spec.ema:  # 4 bytes per trainable parameter, partitioned only where the weights are (ZeRO-3)
         states["optimizer"] += 4 * params / (layout.dp if layout.zero_stage >= 3 else 1)
     if spec.sharding == "fsdp" and layout.dp == 1 and e == 2:
@@ -418,6 +471,8 @@ def dry_run_report(spec: ModelSpec, layout: Layout) -> str:
         f"model states per GPU: {states:,.0f} bytes (weights {est['weights']:,.0f} + grads {est['grads']:,.0f} "
         f"+ optimizer {est['optimizer']:,.0f} + gathered {est['gathered']:,.0f})"
     )
+    if spec.note:
+        lines.append(spec.note)
     return "\n".join(lines)
 
 

@@ -156,6 +156,7 @@ def table(spec: ModelSpec, rows: list[dict], cluster: Cluster, configured: Layou
         "stage, less memory (common/memory.py:rank_key).",
         "gathered: ZeRO-3/FSDP unit (or autocast bf16 copies); transient: logits at the loss or one layer "
         "recomputed in backward.",
+        *([spec.note] if spec.note else []),
     ]
     return "\n".join(lines)
 
@@ -180,6 +181,7 @@ def as_json(spec: ModelSpec, rows: list[dict], cluster: Cluster) -> str:
             "gpus": cluster.gpus,
             "gpu_memory_bytes": gpu.memory,
             "headroom": cluster.headroom,
+            "note": spec.note,
             "layouts": layouts,
         },
         indent=2,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
@@ -67,6 +68,10 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     m = cfg.model
     if not isinstance(m, T2IModelConfig) or not m.init_from:
         return
+    if not Path(m.init_from).expanduser().exists():
+        # Reported when training starts (as the DiT's diffusion.vae): sizing a run with run.dry_run or scripts/plan.py
+        # takes a released pipeline's shape from recipes/t2i/sizing.py instead.
+        return
     folder = pipeline_folder(m.init_from)
     m.init_from = str(folder)
     scheduler = scheduler_config(folder)
@@ -114,6 +119,6 @@ def validate(cfg: TrainConfig) -> None:
         if not getattr(d, key) > 0:
             raise ConfigError(f"diffusion.{key}={getattr(d, key)} must be > 0")
     if m.init_from:
-        from recipes.t2i.pipeline import check_image_size
+        from recipes.t2i.sizing import check_image_size
 
         check_image_size(m.init_from, cfg.data.image_size)

@@ -71,20 +71,24 @@ def vae_factor(folder: str | Path) -> int:
 
 
 def check_image_size(folder: str | Path, image_size: int) -> None:
-    """One line unless `image_size` images fit the pipeline: a multiple of the VAE's factor times the transformer's
-    patch, and within its position embedding (pos_embed_max_size patches a side)."""
-    t = transformer_config(folder)
-    step = vae_factor(folder) * t["patch_size"]
+    """One line unless `image_size` images fit the pipeline in `folder` (check_patches)."""
+    check_patches(transformer_config(folder), vae_factor(folder), image_size, f"model.init_from={folder}")
+
+
+def check_patches(transformer: dict, factor: int, image_size: int, source: str) -> None:
+    """One line unless `image_size` images fit a transformer config and a VAE factor: a multiple of the VAE's factor
+    times the transformer's patch, and within its position embedding (pos_embed_max_size patches a side)."""
+    step = factor * transformer["patch_size"]
     if image_size % step:
         raise ConfigError(
             f"data.image_size={image_size} must be a multiple of {step} (the VAE's downsampling x the transformer's "
-            f"patch_size) for model.init_from={folder}"
+            f"patch_size) for {source}"
         )
     side = image_size // step
-    if t.get("pos_embed_max_size") and side > t["pos_embed_max_size"]:
+    if transformer.get("pos_embed_max_size") and side > transformer["pos_embed_max_size"]:
         raise ConfigError(
-            f"data.image_size={image_size} is {side} patches a side; the transformer in model.init_from={folder} "
-            f"embeds at most pos_embed_max_size={t['pos_embed_max_size']}"
+            f"data.image_size={image_size} is {side} patches a side; the transformer in {source} "
+            f"embeds at most pos_embed_max_size={transformer['pos_embed_max_size']}"
         )
 
 

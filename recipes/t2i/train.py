@@ -174,8 +174,10 @@ def write_pipeline(folder: Path, base: Path, cfg: TrainConfig, *, step: int, tra
 
 
 def memory_spec(cfg: TrainConfig):
-    """The memory model's view of the run (run.dry_run, scripts/plan.py): not there yet for text-to-image."""
-    raise ConfigError("run.dry_run and scripts/plan.py do not size the text-to-image recipe yet")
+    """The memory model's view of the run (run.dry_run, scripts/plan.py): recipes/t2i/sizing.py."""
+    from recipes.t2i.sizing import memory_spec as spec
+
+    return spec(cfg)
 
 
 TRAINER = T2ITrainer  # recipes/registry.py
