@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Serve an export with an OpenAI-compatible API: python scripts/serve.py serve.model=<export dir>.
 
-LLM/VLM exports on vLLM or transformers serve (/v1/chat/completions, /v1/completions), DiT exports on
-Kiln's images server (/v1/images/generations)."""
+LLM/VLM exports on vLLM or transformers serve (/v1/chat/completions, /v1/completions), DiT and text-to-image
+exports on Kiln's images server (/v1/images/generations)."""
 
 import os
 import sys
@@ -19,6 +19,7 @@ USAGE = """usage: python scripts/serve.py serve.model=<run.dir>/export [serve.KE
            else transformers serve
   DiT:     serve.engine=auto|tensorrt|onnxruntime|torch   auto: TensorRT (CUDA + onnx/model.plan), else onnxruntime
            (onnx/model.onnx from scripts/export_dit.py), else torch; serve.max_batch_images, serve.batch_wait_ms
+  text-to-image: serve.engine=auto|torch, serve.device; serve.max_batch_images, serve.batch_wait_ms
   serve.host, serve.port, serve.served_model_name, serve.dtype, serve.dry_run=true (print the command, exit)
   beyond loopback (serve.host=0.0.0.0): an API key in $KILN_API_KEY (serve.api_key_env=NAME picks another
   variable; vLLM and the images server check it) or serve.allow_unauthenticated=true; \

@@ -1,8 +1,9 @@
 """Serve an export: the `serve` config schema, engine choice, engine command lines.
 
-LLM and VLM exports (Hugging Face folders) are served by an OpenAI-compatible engine, DiT exports by
-Kiln's images server (recipes/dit/server.py: OpenAI's /v1/images/generations on FastAPI + uvicorn, with
-dynamic batching) on TensorRT, onnxruntime or PyTorch.
+LLM and VLM exports (Hugging Face folders) are served by an OpenAI-compatible engine, DiT and text-to-image exports by
+Kiln's images server (common/diffusion/server.py: OpenAI's /v1/images/generations on FastAPI + uvicorn, with
+dynamic batching; recipes/dit/server.py takes class names on TensorRT, onnxruntime or PyTorch, recipes/t2i/server.py
+text prompts on PyTorch).
 
 The engines are vLLM -- from its own environment, `.venv-serve` (`make serve-env`: vLLM's CPU build on a
 machine without CUDA, vLLM itself on a GPU machine), or a `vllm` on the PATH -- and `transformers serve` with
@@ -43,6 +44,7 @@ from common.weights import check_folder
 
 TEXT_ENGINES = ("vllm", "transformers")  # Hugging Face LLM/VLM exports
 IMAGE_ENGINES = ("tensorrt", "onnxruntime", "torch")  # DiT exports: the backend under the images server
+T2I_ENGINES = ("torch",)  # text-to-image exports: PyTorch only (no ONNX graph of the pipeline yet)
 ENGINES = ("auto", *TEXT_ENGINES, *IMAGE_ENGINES)
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # spelled the same by both engines
@@ -66,7 +68,7 @@ class ServeSection:
     model: str = ""  # the export folder (<run.dir>/export); required
     # LLM/VLM: auto (vLLM from .venv-serve or with CUDA, else transformers) | vllm | transformers.
     # DiT: auto (TensorRT with CUDA and an engine, else onnxruntime with an ONNX file, else torch) | tensorrt |
-    # onnxruntime | torch; the ONNX file and engine come from scripts/export_dit.py.
+    # onnxruntime | torch; the ONNX file and engine come from scripts/export_dit.py. Text-to-image: auto | torch.
     engine: str = "auto"
     host: str = "127.0.0.1"  # 0.0.0.0 to accept connections from other machines (needs an API key)
     # The NAME of the environment variable that holds the API key (the key itself never enters the
@@ -90,15 +92,15 @@ class ServeSection:
     # start takes ~40 s instead of ~80 s), at the compiled graph's speed per token
     enforce_eager: bool = False
     # transformers serve only
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (transformers serve; a DiT on torch or tensorrt)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (transformers serve; a DiT on torch or tensorrt; text-to-image)
     continuous_batching: bool = True  # LLMs only: transformers serve runs VLM requests one at a time
     # KV-cache blocks (of 256 tokens) for continuous batching. 0 sizes it like on a GPU, from free
     # memory: on CPU that is 90% of the RAM, touched at the first request (9 GB here for a 1M-param model).
     cb_num_blocks: int = 64
     cb_max_batch_tokens: int = 0  # tokens per forward pass; 0: transformers' default
     log_level: str = "warning"
-    # DiT images server only: requests that arrive within batch_wait_ms of each other share one denoising
-    # loop of up to max_batch_images images (also the most one request may ask for)
+    # Images server only (DiT, text-to-image): requests that arrive within batch_wait_ms of each other share one
+    # denoising loop of up to max_batch_images images (also the most one request may ask for)
     max_batch_images: int = 16
     batch_wait_ms: int = 10
 
@@ -174,7 +176,19 @@ def compose(overrides: list[str]) -> ServeSection:
 
 
 def is_dit_export(folder: Path) -> bool:
+    """A diffusion export the images server serves: a DiT's, or a text-to-image pipeline's (is_t2i_export)."""
     return (folder / "kiln.json").exists() or (folder / "transformer").is_dir()
+
+
+def is_t2i_export(folder: Path) -> bool:
+    """A text-to-image export: a diffusers pipeline folder whose model_index.json names a text encoder
+    (recipes/t2i/train.py write_pipeline; a DiT's DiTPipeline index names none)."""
+    index = folder / "model_index.json"
+    return index.exists() and "text_encoder" in json.loads(index.read_text())
+
+
+def image_export_kind(folder: Path) -> str:
+    return "text-to-image" if is_t2i_export(folder) else "DiT"
 
 
 def check_export(path: str) -> Path:
@@ -195,8 +209,12 @@ def check_export(path: str) -> Path:
             if not (folder / f).exists()
         ]
         if missing:
-            raise UserError(f"serve.model={path} is not a complete DiT export (missing {', '.join(missing)})")
-        for part in ("transformer", "vae"):  # what the images server loads: one line for a file cut short
+            kind = image_export_kind(folder)
+            raise UserError(f"serve.model={path} is not a complete {kind} export (missing {', '.join(missing)})")
+        parts = ["transformer", "vae"]
+        if is_t2i_export(folder):
+            parts += [k for k in json.loads((folder / "model_index.json").read_text()) if k.startswith("text_encoder")]
+        for part in parts:  # what the images server loads: one line for a file cut short
             check_folder(folder / part, f"serve.model={path}")
         return folder
     missing = [
@@ -377,11 +395,15 @@ def cuda_available() -> bool:
 def choose_image_engine(requested: str, export: Path, cuda: bool | None = None) -> tuple[str, str]:
     """(engine, why) for a DiT export: auto takes TensorRT on a CUDA device with the engine built
     (onnx/model.plan), else onnxruntime with an ONNX file (onnx/model.onnx), else PyTorch."""
-    if requested in TEXT_ENGINES:
+    t2i = is_t2i_export(export)
+    if requested in TEXT_ENGINES or (t2i and requested not in ("auto", *T2I_ENGINES)):
+        served = "LLM/VLM exports" if requested in TEXT_ENGINES else "DiT exports"
         raise ConfigError(
-            f"serve.engine={requested} serves LLM/VLM exports; {export} is a DiT export: "
-            f"choose auto, {', '.join(IMAGE_ENGINES)}"
+            f"serve.engine={requested} serves {served}; {export} is a {image_export_kind(export)} export: "
+            f"choose auto, {', '.join(T2I_ENGINES if t2i else IMAGE_ENGINES)}"
         )
+    if t2i:
+        return "torch", "requested" if requested != "auto" else "auto: a text-to-image export runs on PyTorch"
     if requested != "auto":
         return requested, "requested"
     if cuda is None:
@@ -636,7 +658,7 @@ class Launch:
     cwd: Path | None
     notes: list[str]
     secret_env: tuple[str, ...] = ()  # names in env whose values are secrets
-    run: Callable[[], None] | None = None  # an in-process server (the DiT's) instead of argv
+    run: Callable[[], None] | None = None  # an in-process server (the images server) instead of argv
 
     def shown(self) -> str:
         """The command line as printed: secret environment values masked."""
@@ -669,19 +691,31 @@ def ignored_keys(s: ServeSection, engine: str) -> list[str]:
     return [f"serve.{k}" for k in other if getattr(s, k) != getattr(default, k)]
 
 
+def image_server(export: Path) -> str:
+    """The module of the recipe's images server for `export` (its load() builds what it serves)."""
+    return "recipes/t2i/server.py" if is_t2i_export(export) else "recipes/dit/server.py"
+
+
 def serve_images(s: ServeSection, export: Path, name: str, engine: str, key: str | None) -> None:
-    """Kiln's images server (recipes/dit/server.py) on the chosen backend, in this process."""
+    """Kiln's images server (common/diffusion/server.py) with the recipe's model on the chosen backend, in this
+    process."""
     import torch
 
-    from recipes.dit.onnx import ExportSampler
-    from recipes.dit.server import serve
+    from common.diffusion.server import serve
 
     device = None if s.device == "auto" else s.device
     if engine == "torch" and device is None and torch.cuda.is_available():
         device = "cuda"
-    sampler = ExportSampler(export, engine, **({} if engine == "onnxruntime" else {"device": device}))
+    if is_t2i_export(export):
+        from recipes.t2i.server import load
+
+        model = load(export, device)
+    else:
+        from recipes.dit.server import load
+
+        model = load(export, engine, device)
     serve(
-        sampler,
+        model,
         name,
         host=s.host,
         port=s.port,
@@ -694,14 +728,21 @@ def serve_images(s: ServeSection, export: Path, name: str, engine: str, key: str
 
 def plan_images(s: ServeSection, export: Path, name: str) -> Launch:
     engine, why = choose_image_engine(s.engine, export)
+    kind = image_export_kind(export)
     if s.lora:
         raise ConfigError(
-            "serve.lora: the images server serves one DiT; serve the merged export instead (export.merge_lora=true)"
+            f"serve.lora: the images server serves one {kind} model; serve the merged export instead "
+            "(export.merge_lora=true)"
         )
     if s.dtype not in ("auto", "float32"):
         raise ConfigError(
-            f"serve.dtype={s.dtype}: a DiT export serves in its graph's precision "
-            "(scripts/export_dit.py --precision); leave serve.dtype=auto"
+            f"serve.dtype={s.dtype}: "
+            + (
+                "a text-to-image export serves in float32 (recipes/t2i/sampling.py)"
+                if is_t2i_export(export)
+                else "a DiT export serves in its graph's precision (scripts/export_dit.py --precision)"
+            )
+            + "; leave serve.dtype=auto"
         )
     notes = [f"{', '.join(keys)} not used by engine={engine}"] if (keys := ignored_keys(s, engine)) else []
     key = api_key(s, engine)
@@ -710,7 +751,7 @@ def plan_images(s: ServeSection, export: Path, name: str) -> Launch:
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         raise UserError("the images server needs the serve extra: pip install -e '.[serve]'")
     shown = [
-        "images server (recipes/dit/server.py, in this process):",
+        f"images server ({image_server(export)}, in this process):",
         f"engine={engine}",
         f"max_batch_images={s.max_batch_images}",
         f"batch_wait_ms={s.batch_wait_ms}",

@@ -1,137 +1,15 @@
-"""OpenAI's images API for a DiT export: `POST /v1/images/generations`, on FastAPI + uvicorn.
+"""The DiT's images server (scripts/serve.py on a DiT export): OpenAI's /v1/images/generations through the shared
+server (common/diffusion/server.py), where the prompt is a class name from the export's kiln.json (or a class id).
 
-`prompt` is a class name from the export's kiln.json (or a class id); `n`, `size` (the export's own
-only), `response_format=b64_json` and `output_format=png` are OpenAI's fields, and `seed`,
-`guidance_scale` and `num_inference_steps` are extra fields (`extra_body` in the openai client). Each
-request draws its starting noise from its own seed exactly as scripts/sample_dit.py does, so a seeded
-request returns the images `sample_dit.py classes=<prompt> per_class=<n> seed=<seed>` gives on the
-same backend. Requests that arrive together share one denoising loop: the batcher waits
-`batch_wait_ms` after the first, then runs every waiting request with the same number of steps, up to
-`max_batch_images` images (classifier-free guidance doubles the model's batch). Per-request guidance
-scales ride along in the same batch. Every batch is logged with its size.
-
-Also `GET /v1/models` and `GET /health`. With an API key, /v1 answers 401 without
-`Authorization: Bearer <key>`. scripts/serve.py starts this for a DiT export (common/tools/serving.py
-picks the backend: TensorRT, onnxruntime or PyTorch).
-"""
+A seeded request returns the images `scripts/sample_dit.py classes=<prompt> per_class=<n> seed=<seed>` gives on the
+same backend (TensorRT, onnxruntime or PyTorch: recipes/dit/onnx.py's ExportSampler)."""
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import hmac
-import io
-import json
-import secrets
-import time
-from collections import deque
-from dataclasses import dataclass, field
-
 import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from PIL import Image
-from pydantic import BaseModel, ConfigDict, ValidationError
 
-from common.diffusion.sampling import to_uint8
+from common.diffusion.server import RequestError
 from recipes.dit.onnx import ExportSampler
-
-MAX_STEPS = 1000
-
-
-def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-    """An OpenAI-style error response."""
-    return JSONResponse(
-        status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": status}}
-    )
-
-
-class RequestError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-@dataclass
-class Job:
-    """One request: n images of one class."""
-
-    label: int
-    n: int
-    seed: int
-    steps: int
-    guidance_scale: float
-    future: asyncio.Future = field(repr=False, default=None)
-
-
-class Batcher:
-    """Collects jobs that arrive together and runs them as one sampling batch in a worker thread."""
-
-    def __init__(self, sampler: ExportSampler, max_images: int, wait_s: float):
-        self.sampler, self.max_images, self.wait_s = sampler, max_images, wait_s
-        self.pending: deque[Job] = deque()
-        self.wake = asyncio.Event()
-        self.batches: list[int] = []  # images per batch run, for the log and tests
-
-    async def submit(self, job: Job) -> torch.Tensor:
-        job.future = asyncio.get_running_loop().create_future()
-        self.pending.append(job)
-        self.wake.set()
-        return await job.future
-
-    def take(self) -> list[Job]:
-        """The oldest job and the waiting ones with its step count, up to max_images images."""
-        first = self.pending.popleft()
-        batch, images, keep = [first], first.n, deque()
-        while self.pending:
-            job = self.pending.popleft()
-            if job.steps == first.steps and images + job.n <= self.max_images:
-                batch.append(job)
-                images += job.n
-            else:
-                keep.append(job)
-        self.pending = keep
-        return batch
-
-    def run(self, jobs: list[Job]) -> torch.Tensor:
-        labels = torch.tensor([job.label for job in jobs for _ in range(job.n)])
-        noise = torch.cat([self.sampler.noise(job.n, job.seed) for job in jobs])
-        guidance = torch.tensor([job.guidance_scale for job in jobs for _ in range(job.n)])
-        return self.sampler(labels, noise=noise, steps=jobs[0].steps, guidance_scale=guidance, batch_size=len(labels))
-
-    async def loop(self) -> None:
-        while True:
-            await self.wake.wait()
-            self.wake.clear()
-            if not self.pending:
-                continue
-            await asyncio.sleep(self.wait_s)  # requests sent together arrive a few ms apart
-            jobs = self.take()
-            start = time.perf_counter()
-            try:
-                images = await asyncio.to_thread(self.run, jobs)
-            except Exception as exc:  # the request fails, the server stays up
-                for job in jobs:
-                    job.future.set_exception(exc)
-            else:
-                n = images.shape[0]
-                self.batches.append(n)
-                print(
-                    f"kiln: images batch: {n} images from {len(jobs)} requests, {jobs[0].steps} steps, "
-                    f"{time.perf_counter() - start:.2f} s",
-                    flush=True,
-                )
-                for job, part in zip(jobs, images.split([job.n for job in jobs])):
-                    if not job.future.cancelled():
-                        job.future.set_result(part)
-            if self.pending:
-                self.wake.set()
-
-
-def png_b64(pixels) -> str:
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def resolve_class(prompt: str, classes: list[str]) -> int:
@@ -151,142 +29,28 @@ def resolve_class(prompt: str, classes: list[str]) -> int:
     )
 
 
-class ImagesRequest(BaseModel):
-    """The body of POST /v1/images/generations: OpenAI's fields this server honours, then Kiln's extras."""
+class ClassImages:
+    """A DiT export as the images server serves it (common/diffusion/server.py's ServedImages)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-    prompt: str
-    model: str | None = None
-    n: int = 1
-    size: str | None = None
-    response_format: str | None = None
-    output_format: str | None = None
-    user: str | None = None
-    seed: int | None = None
-    guidance_scale: float | int | None = None
-    num_inference_steps: int | None = None
+    def __init__(self, sampler: ExportSampler):
+        self.sampler = sampler
+        self.image_size = sampler.image_size
+        self.sample_steps = int(sampler.info["sample_steps"])
+        self.guidance_scale = float(sampler.info["guidance_scale"])
+        self.card = {"classes": sampler.classes}
 
+    def condition(self, prompt: str) -> int:
+        return resolve_class(prompt, self.sampler.classes)
 
-def parse_job(body: dict, name: str, sampler: ExportSampler, max_images: int) -> Job:
-    """A validated Job from a request body, or a RequestError naming the problem."""
-    try:
-        r = ImagesRequest.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
-        known = ", ".join(ImagesRequest.model_fields)
-        hint = f" (fields: {known})" if first["type"] == "extra_forbidden" else ""
-        raise RequestError(f"{where}: {first['msg']}{hint}", where) from None
-    if r.model not in (None, name):
-        raise RequestError(f"The model `{r.model}` does not exist; this server serves `{name}`", "model", 404)
-    if not 1 <= r.n <= max_images:
-        raise RequestError(
-            f"n={r.n}: this server makes 1 to {max_images} images per request (serve.max_batch_images)", "n"
+    def noise(self, n: int, seed: int) -> torch.Tensor:
+        return self.sampler.noise(n, seed)
+
+    def draw(self, labels: list[int], noise: torch.Tensor, steps: int, guidance_scale: torch.Tensor) -> torch.Tensor:
+        return self.sampler(
+            torch.tensor(labels), noise=noise, steps=steps, guidance_scale=guidance_scale, batch_size=len(labels)
         )
-    size = f"{sampler.image_size}x{sampler.image_size}"
-    if r.size not in (None, "auto", size):
-        raise RequestError(f"size={r.size!r}: this model makes {size} images only", "size")
-    if r.response_format not in (None, "b64_json"):
-        raise RequestError(
-            f"response_format={r.response_format!r}: only b64_json (this server keeps no files)", "response_format"
-        )
-    if r.output_format not in (None, "png"):
-        raise RequestError(f"output_format={r.output_format!r}: only png", "output_format")
-    if r.seed is not None and not 0 <= r.seed < 2**63:
-        raise RequestError(f"seed={r.seed} must be in 0..2**63-1", "seed")
-    if r.guidance_scale is not None and not 0 <= r.guidance_scale <= 100:
-        raise RequestError(f"guidance_scale={r.guidance_scale} must be in [0, 100]", "guidance_scale")
-    if r.num_inference_steps is not None and not 1 <= r.num_inference_steps <= MAX_STEPS:
-        raise RequestError(
-            f"num_inference_steps={r.num_inference_steps} must be in 1..{MAX_STEPS}", "num_inference_steps"
-        )
-    info = sampler.info
-    return Job(
-        label=resolve_class(r.prompt, sampler.classes),
-        n=r.n,
-        seed=secrets.randbits(63) if r.seed is None else r.seed,
-        steps=r.num_inference_steps or int(info["sample_steps"]),
-        guidance_scale=float(info["guidance_scale"] if r.guidance_scale is None else r.guidance_scale),
-    )
 
 
-def create_app(
-    sampler: ExportSampler,
-    name: str,
-    *,
-    api_key: str | None = None,
-    max_batch_images: int = 16,
-    batch_wait_ms: int = 10,
-):
-    """The FastAPI app serving `sampler`'s export as model `name`."""
-    batcher = Batcher(sampler, max_batch_images, batch_wait_ms / 1000)
-
-    async def lifespan(app):
-        worker = asyncio.create_task(batcher.loop())
-        yield
-        worker.cancel()
-
-    app = FastAPI(title=f"Kiln images: {name}", lifespan=lifespan)
-    app.state.batcher = batcher
-    created = int(time.time())
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse(status_code=401, content={"error": "Unauthorized"})
-        return await call_next(request)
-
-    @app.get("/health")
-    async def health():
-        return {}
-
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": created, "owned_by": "kiln", "classes": sampler.classes}
-            ],
-        }
-
-    @app.post("/v1/images/generations")
-    async def generate(request: Request):
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error(400, f"the body is not valid JSON: {exc}")
-        if not isinstance(body, dict):
-            return error(400, "the body must be a JSON object")
-        try:
-            job = parse_job(body, name, sampler, max_batch_images)
-        except RequestError as exc:
-            return error(exc.status, str(exc), exc.param)
-        try:
-            images = await batcher.submit(job)
-        except Exception as exc:  # a failure inside the model: the server's fault, one line
-            return error(500, f"sampling failed: {type(exc).__name__}: {exc}", kind="server_error")
-        data = [{"b64_json": png_b64(pixels)} for pixels in to_uint8(images)]
-        size = f"{sampler.image_size}x{sampler.image_size}"
-        return {"created": int(time.time()), "data": data, "output_format": "png", "size": size}
-
-    return app
-
-
-def serve(
-    sampler: ExportSampler,
-    name: str,
-    *,
-    host: str,
-    port: int,
-    api_key: str | None,
-    max_batch_images: int,
-    batch_wait_ms: int,
-    log_level: str = "warning",
-) -> None:
-    """Serve until interrupted (uvicorn handles SIGINT/SIGTERM)."""
-    import uvicorn
-
-    app = create_app(sampler, name, api_key=api_key, max_batch_images=max_batch_images, batch_wait_ms=batch_wait_ms)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+def load(export, engine: str, device: str | None) -> ClassImages:
+    """The DiT export on backend `engine` (tensorrt, onnxruntime or torch); `device` None: the backend's default."""
+    return ClassImages(ExportSampler(export, engine, **({} if engine == "onnxruntime" else {"device": device})))

@@ -43,15 +43,24 @@ class PromptSampler:
         geometry = vae_lib.vae_geometry(folder / "vae", image_size)
         return cls(model, encode, vae_lib.load_vae(geometry, device), geometry, scheduler_config(folder))
 
+    def noise(self, n: int, seed: int) -> torch.Tensor:
+        """The starting noise of n images drawn from a generator seeded with `seed`: what `__call__` draws from that
+        generator, and diffusers' pipeline for n images of one prompt (`num_images_per_prompt=n`)."""
+        shape = (n, self.model.config.in_channels, self.geometry.latent_size, self.geometry.latent_size)
+        return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
     def __call__(
         self,
         prompts: list[str],
-        generator: torch.Generator,
+        generator: torch.Generator | None = None,
         *,
         steps: int,
-        guidance_scale: float,
+        guidance_scale: float | torch.Tensor,
+        noise: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
+        """Images for `prompts`, from `generator` or the given starting `noise` (an images server's batch of
+        requests that each drew their own); `guidance_scale`: one, or one per prompt."""
         device = self.empty["pooled_projections"].device
         return sample(
             self.model,
@@ -63,6 +72,7 @@ class PromptSampler:
             steps=steps,
             guidance_scale=guidance_scale,
             generator=generator,
+            noise=noise,
             device=device,
             dtype=dtype,
             decode=functools.partial(vae_lib.decode, self.vae, geometry=self.geometry),

@@ -431,6 +431,39 @@ def test_dit_dry_run_and_its_refusals(dit_export, tmp_path):
     assert "is a run folder; serve its export" in proc.stderr
 
 
+@pytest.fixture
+def t2i_export(dit_export):
+    """A text-to-image export as recipes/t2i/train.py write_pipeline lays it out (files stubbed): a model_index.json
+    naming text encoders beside the DiT's parts."""
+    index = {"_class_name": "StableDiffusion3Pipeline", "text_encoder": ["transformers", "CLIPTextModelWithProjection"]}
+    (dit_export / "model_index.json").write_text(json.dumps(index))
+    (dit_export.parent / "config.yaml").write_text("recipe:\n  name: t2i_tiny\n  family: t2i\n")
+    return dit_export
+
+
+def test_a_t2i_export_is_served_on_torch_by_its_own_server(t2i_export):
+    assert choose_image_engine("auto", t2i_export, cuda=True) == (
+        "torch",
+        "auto: a text-to-image export runs on PyTorch",
+    )
+    for engine, served in (("onnxruntime", "DiT exports"), ("tensorrt", "DiT exports"), ("vllm", "LLM/VLM exports")):
+        with pytest.raises(
+            ConfigError, match=f"serve.engine={engine} serves {served}; .* text-to-image export: choose auto, torch"
+        ):
+            choose_image_engine(engine, t2i_export)
+    launch = plan(ServeSection(model=str(t2i_export), dry_run=True))
+    assert (launch.name, launch.engine) == ("t2i_tiny", "torch")
+    assert (
+        launch.shown()
+        == "images server (recipes/t2i/server.py, in this process): engine=torch max_batch_images=16 batch_wait_ms=10"
+    )
+    with pytest.raises(ConfigError, match="serve.dtype=bfloat16: a text-to-image export serves in float32"):
+        plan(ServeSection(model=str(t2i_export), dtype="bfloat16"))
+    (t2i_export / "kiln.json").unlink()
+    with pytest.raises(UserError, match="is not a complete text-to-image export \\(missing kiln.json\\)"):
+        check_export(str(t2i_export))
+
+
 def write_adapter_config(folder, base, r=8):
     folder.mkdir(parents=True)
     (folder / "adapter_config.json").write_text(
