@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.tools.launcher import run_train
 from tests.conftest import load_script
 from tests.fixtures.lora import assert_same_export
 from tests.fixtures.t2i import IMAGE_SIZE, t2i_lora_run_args
@@ -99,3 +100,14 @@ def test_t2i_lora_export_loads_in_diffusers_and_samples_like_kiln(trained, t2i_w
     again = tmp_path / "again"
     assert load_script("export").main([str(run), "--out", str(again)]) == 0, capsys.readouterr().err
     assert_same_export(export, again)
+
+    # A resume that would train another adapter on the checkpoint's stops with one line (common/lora.py).
+    proc = run_train(
+        [*t2i_lora_run_args(t2i_world), "lora.rank=4", f"run.resume={ckpt}", f"run.dir={tmp_path / 'resumed'}"],
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"kiln: error: run.resume: {ckpt} holds an adapter with lora.rank=8, this run asks for 4; resume with "
+        "lora.rank=8 or start a new run.dir"
+    )
