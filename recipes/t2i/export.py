@@ -15,8 +15,7 @@ import torch
 from common.config import TrainConfig
 from common.ds_export import ZeroCheckpoint, copy_checked, export_zero, export_zero_lora, saved_ema, write_ema_module
 from recipes.t2i import lora as t2i_lora
-from recipes.t2i.pipeline import pipeline_folder, transformer_config
-from recipes.t2i.train import write_pipeline
+from recipes.t2i.pipeline import pipeline_folder, transformer_config, write_pipeline
 
 
 def export_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:

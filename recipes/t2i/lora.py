@@ -22,7 +22,7 @@ import torch
 
 from common.config import TrainConfig
 from common.lora import apply_lora, merge_into, peft_config, peft_state_dict
-from recipes.t2i.pipeline import load_transformer
+from recipes.t2i.pipeline import export_info, load_transformer, write_pipeline
 
 WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE: what load_lora_weights looks for
 
@@ -38,8 +38,6 @@ def write_export(model, cfg: TrainConfig, out: Path, *, base: Path, step: int) -
     whole, here; ``base``: the pipeline folder it adapts): diffusers' LoRA file and kiln.json; with export.merge_lora,
     ``out/merged`` holds the whole pipeline with the merged transformer."""
     from diffusers import StableDiffusion3Pipeline
-
-    from recipes.t2i.train import export_info, write_pipeline
 
     metadata = peft_config(cfg.lora, base=str(base)).to_dict()
     metadata["target_modules"] = sorted(metadata["target_modules"])  # peft keeps a set: the same file every time

@@ -34,7 +34,7 @@ from common.trainer import Trainer
 from recipes.t2i import lora as t2i_lora
 from recipes.t2i.data import build_train_loader, prepare_data, val_captions
 from recipes.t2i.parallelize import parallelize
-from recipes.t2i.pipeline import PromptEncoder, load_transformer, pipeline_folder, scheduler_config
+from recipes.t2i.pipeline import PromptEncoder, load_transformer, pipeline_folder, scheduler_config, write_pipeline
 from recipes.t2i.sampling import PromptSampler
 
 SAMPLE_PROMPTS = 8  # a sample grid: this many held-out captions, one row each
@@ -165,33 +165,6 @@ class T2ITrainer(Trainer):
                 tmp.rename(out)
         barrier()
         return out
-
-
-def write_pipeline(folder: Path, base: Path, cfg: TrainConfig, *, step: int, transformer=None) -> None:
-    """The export: the base pipeline's folder with its transformer replaced (`transformer` saved with
-    save_pretrained, in the dtype it trained in; None: the caller writes transformer/), and kiln.json."""
-    shutil.copytree(base, folder, ignore=lambda d, names: ["transformer"] if Path(d) == base else [])
-    if transformer is not None:
-        transformer.save_pretrained(folder / "transformer", safe_serialization=True)
-    (folder / "kiln.json").write_text(json.dumps(export_info(cfg, base, step), indent=2))
-
-
-def export_info(
-    cfg: TrainConfig, base: Path, step: int, load: str = "StableDiffusion3Pipeline.from_pretrained(EXPORT)"
-):
-    """kiln.json: the run, the base and the settings to sample the export with (`load`: how to build the pipeline)."""
-    return {
-        "recipe": cfg.recipe.name,
-        "step": step,
-        "base": str(base),
-        "diffusers_pipeline": json.loads((base / "model_index.json").read_text())["_class_name"],
-        "image_size": cfg.data.image_size,
-        "sample_steps": cfg.diffusion.sample_steps,
-        "guidance_scale": cfg.diffusion.guidance_scale,
-        "max_sequence_length": cfg.model.max_sequence_length,
-        "sample_with": f"{load}(prompt, height=image_size, width=image_size, num_inference_steps=sample_steps, "
-        "guidance_scale=guidance_scale, max_sequence_length=max_sequence_length)",
-    }
 
 
 def memory_spec(cfg: TrainConfig):
