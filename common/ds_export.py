@@ -144,8 +144,11 @@ def _span(groups: list[torch.Tensor], start: int, size: int) -> torch.Tensor:
 
 def saved_ema(trainer_state: dict) -> dict[str, torch.Tensor]:
     """The EMA a DiT TrainState holds (common/ema.py EMA.state_dict): one whole fp32 tensor per trainable
-    parameter, by its name in `model.named_parameters()`, whatever ZeRO stage wrote it."""
-    return trainer_state["ema"]["shadow"]
+    parameter, by its name in `model.named_parameters()` less activation checkpointing's and compile's wrapper
+    prefixes (the exports build unwrapped models), whatever ZeRO stage wrote it."""
+    from common.engine import _WRAPPERS
+
+    return {_WRAPPERS.sub("", name): t for name, t in trainer_state["ema"]["shadow"].items()}
 
 
 def copy_checked(params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], source: Path) -> None:

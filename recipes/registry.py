@@ -97,7 +97,14 @@ SPECS: dict[str, RecipeSpec] = {
     ),  # QLoRA on one GPU (check_qlora_layout)
     # Text-to-image on a released SD3 pipeline. It shares the diffusion core with the DiT (common/diffusion: objective,
     # VAE path, sampler, the `diffusion` section), as every family shares common/: no recipe imports another.
-    "t2i": RecipeSpec("t2i", t2i_config, "recipes.t2i.train", "recipes.t2i.export", sections=t2i_config.SECTIONS),
+    "t2i": RecipeSpec(
+        "t2i",
+        t2i_config,
+        "recipes.t2i.train",
+        "recipes.t2i.export",
+        sections=t2i_config.SECTIONS,
+        lora_targets=t2i_config.LORA_TARGETS,
+    ),
 }
 
 

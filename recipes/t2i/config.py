@@ -33,6 +33,11 @@ class T2IDataConfig(DataConfig):
     caption_dropout: float = 0.1  # share of samples trained on the empty prompt: classifier-free guidance
 
 
+# finetune=lora (common/lora.py): the joint attention's linears, image and text streams (diffusers' names), all by
+# default, as diffusers' examples/dreambooth/train_dreambooth_lora_sd3.py adapts them. A name matches in every block
+# that has it (the last block has no to_add_out; SD3.5's dual-attention blocks' attn2 has to_q, to_k, to_v, to_out.0).
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
 # The diffusion core's section, the class-conditional DiT's schema (one section for both families: recipes/registry.py).
 SECTIONS = {"diffusion": DiffusionConfig}
 

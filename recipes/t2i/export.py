@@ -1,6 +1,10 @@
 """A text-to-image run's export/ rebuilt from any of its DeepSpeed checkpoints (scripts/export.py): the
 StableDiffusion3Pipeline folder the end of the run writes (T2ITrainer.export), with the checkpoint's EMA transformer
-(common/ds_export.py: write_ema_module, one safetensors shard at a time) and the base pipeline's other parts."""
+(common/ds_export.py: write_ema_module, one safetensors shard at a time) and the base pipeline's other parts.
+
+A finetune=lora run's checkpoints hold the adapter only (and its EMA in the TrainState): `export_lora_checkpoint`
+builds the adapted transformer on model.init_from's weights, whole in host memory (the merged export needs them, and
+the adapter is small), puts the EMA adapter in and writes what the end of the run writes (recipes/t2i/lora.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +13,9 @@ from pathlib import Path
 import torch
 
 from common.config import TrainConfig
-from common.ds_export import ZeroCheckpoint, export_zero, write_ema_module
-from recipes.t2i.pipeline import pipeline_folder, transformer_config
-from recipes.t2i.train import write_pipeline
+from common.ds_export import ZeroCheckpoint, copy_checked, export_zero, export_zero_lora, saved_ema, write_ema_module
+from recipes.t2i import lora as t2i_lora
+from recipes.t2i.pipeline import pipeline_folder, transformer_config, write_pipeline
 
 
 def export_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
@@ -32,3 +36,34 @@ def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int
         model = SD3Transformer2DModel.from_config(transformer_config(base))
     write_pipeline(out, base, cfg, step=step)
     return write_ema_module(ckpt, model, out / "transformer", "diffusion_pytorch_model.safetensors", max_shard_size)
+
+
+def lora_base(cfg: TrainConfig) -> str:
+    """The folder a finetune=lora export loads its base from (and whose fingerprint its checkpoints record): the
+    pipeline folder model.init_from (resolved when the run composed)."""
+    return cfg.model.init_from
+
+
+def export_lora_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
+    """Write the export of finetune=lora checkpoint `path` to `out` (scripts/export.py); returns what was written."""
+    step = int(meta["step"])
+    return export_zero_lora(
+        path,
+        max_shard_size,
+        lambda ckpt: write_lora_export(cfg, ckpt, out, step=step),
+        adapter="a LoRA adapter",
+        source=cfg.model.init_from,
+    )
+
+
+def write_lora_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int) -> int:
+    """Write the export of finetune=lora checkpoint `ckpt` (of step `step`) to `out`: the EMA adapter as diffusers'
+    LoRA file, with export.merge_lora the merged pipeline in out/merged; returns the adapter's parameter count."""
+    base = pipeline_folder(cfg.model.init_from)
+    model = t2i_lora.adapted_model(cfg, base)
+    if ckpt.dtype != torch.float32:
+        model.to(ckpt.dtype)  # DeepSpeed's cast of the module (bf16/fp16 runs)
+    adapter = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    copy_checked(adapter, saved_ema(ckpt.trainer_state()), ckpt.path)  # what EMA.swapped() does at the end of the run
+    t2i_lora.write_export(model, cfg, out, base=base, step=step)
+    return sum(p.numel() for p in adapter.values())

@@ -1,16 +1,20 @@
-"""Apply the toggles to an SD3-class transformer, in the fixed order: fp8 → AC → compile (ZeRO comes last, when
-common/engine.py:DeepSpeedEngine wraps the model). Attention is diffusers' own joint attention (SDPA)."""
+"""Apply LoRA and the toggles to an SD3-class transformer, in the fixed order: LoRA → fp8 → AC → compile (ZeRO comes
+last, when common/engine.py:DeepSpeedEngine wraps the model). Attention is diffusers' own joint attention (SDPA)."""
 
 from __future__ import annotations
 
 from diffusers.models.attention import JointTransformerBlock
 
 from common.config import TrainConfig
+from common.lora import apply_lora
 from common.toggles import apply_toggles
 
 
 def parallelize(model, cfg: TrainConfig):
-    """`model` with activation checkpointing (per JointTransformerBlock) and the toggles applied, ready for the
-    engine (DeepSpeed ZeRO over every weight: a full fine-tune)."""
+    """`model` with its adapters (finetune=lora: the joint attention's linears, the rest frozen), activation
+    checkpointing (per JointTransformerBlock) and the toggles applied, ready for the engine (DeepSpeed ZeRO over what
+    trains: every weight in a full fine-tune)."""
+    if cfg.finetune == "lora":
+        apply_lora(model, cfg.lora)
     apply_toggles(model, cfg.toggles, block_types=(JointTransformerBlock,), recompute_widening=True)
     return model

@@ -1,14 +1,17 @@
 """A released text-to-image pipeline folder in (`model.init_from`): which pipeline it is (model_index.json), its
 transformer, VAE and scheduler settings, and its frozen text encoders as a prompt encoder that gives the
-transformer's conditioning exactly as the diffusers pipeline computes it."""
+transformer's conditioning exactly as the diffusers pipeline computes it; and out: the export's pipeline folder and
+its kiln.json (`write_pipeline`)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 
+from common.config import TrainConfig
 from common.errors import ConfigError
 from common.weights import check_folder
 
@@ -97,6 +100,34 @@ def load_transformer(folder: Path):
     from diffusers import SD3Transformer2DModel
 
     return SD3Transformer2DModel.from_pretrained(folder / "transformer", torch_dtype=torch.float32).train()
+
+
+# ---- out: the export's folder (T2ITrainer.export, recipes/t2i/export.py and lora.py) ----------------------
+def write_pipeline(folder: Path, base: Path, cfg: TrainConfig, *, step: int, transformer=None) -> None:
+    """The export: the base pipeline's folder with its transformer replaced (`transformer` saved with
+    save_pretrained, in the dtype it trained in; None: the caller writes transformer/), and kiln.json."""
+    shutil.copytree(base, folder, ignore=lambda d, names: ["transformer"] if Path(d) == base else [])
+    if transformer is not None:
+        transformer.save_pretrained(folder / "transformer", safe_serialization=True)
+    (folder / "kiln.json").write_text(json.dumps(export_info(cfg, base, step), indent=2))
+
+
+def export_info(
+    cfg: TrainConfig, base: Path, step: int, load: str = "StableDiffusion3Pipeline.from_pretrained(EXPORT)"
+):
+    """kiln.json: the run, the base and the settings to sample the export with (`load`: how to build the pipeline)."""
+    return {
+        "recipe": cfg.recipe.name,
+        "step": step,
+        "base": str(base),
+        "diffusers_pipeline": json.loads((base / "model_index.json").read_text())["_class_name"],
+        "image_size": cfg.data.image_size,
+        "sample_steps": cfg.diffusion.sample_steps,
+        "guidance_scale": cfg.diffusion.guidance_scale,
+        "max_sequence_length": cfg.model.max_sequence_length,
+        "sample_with": f"{load}(prompt, height=image_size, width=image_size, num_inference_steps=sample_steps, "
+        "guidance_scale=guidance_scale, max_sequence_length=max_sequence_length)",
+    }
 
 
 class PromptEncoder:

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from common import lora
+from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.diffusion import vae as vae_lib
 from common.diffusion.objective import Objective
@@ -29,9 +31,10 @@ from common.errors import ConfigError
 from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
+from recipes.t2i import lora as t2i_lora
 from recipes.t2i.data import build_train_loader, prepare_data, val_captions
 from recipes.t2i.parallelize import parallelize
-from recipes.t2i.pipeline import PromptEncoder, load_transformer, pipeline_folder, scheduler_config
+from recipes.t2i.pipeline import PromptEncoder, load_transformer, pipeline_folder, scheduler_config, write_pipeline
 from recipes.t2i.sampling import PromptSampler
 
 SAMPLE_PROMPTS = 8  # a sample grid: this many held-out captions, one row each
@@ -46,6 +49,10 @@ class T2ITrainer(Trainer):
                 "StableDiffusion3Pipeline folder>"
             )
         self.base = pipeline_folder(cfg.model.init_from)
+        # finetune=lora: adapters on the base pipeline's transformer, the base of every start (common/lora.py).
+        self.lora_base = str(self.base) if cfg.finetune == "lora" else ""
+        if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
+            lora.check_resume(read_meta(self.resume_from), cfg, self.lora_base, self.resume_from)
         meta = prepare_data(cfg, dist)
         loader = build_train_loader(cfg, dist, meta)
         self.prompts = val_captions(meta, SAMPLE_PROMPTS)
@@ -71,8 +78,9 @@ class T2ITrainer(Trainer):
         self.sampler = PromptSampler(self.model, encode, self.vae, self.geometry, scheduler_config(self.base))
         self.encode, self.empty = encode, self.sampler.empty  # caption dropout trains on the empty prompt
         self.ema = EMA(self.model, cfg.diffusion.ema_decay)
-        # Every random draw comes from each sample's generator (`loss`): nothing per rank.
-        self.start(loader, per_rank_rng=False, extras={"ema": self.ema})
+        # Every random draw comes from each sample's generator (`loss`): only LoRA's dropout draws per rank.
+        dropout = bool(self.lora_base) and cfg.lora.dropout > 0
+        self.start(loader, per_rank_rng=dropout, extras={"ema": self.ema})
         self.model.train()
 
     # ---- the loss (common/trainer.py runs the step) ------------------------------------------
@@ -101,6 +109,9 @@ class T2ITrainer(Trainer):
 
     def tally(self, batch: dict) -> dict[str, int]:
         return {"samples": len(batch["caption"])}
+
+    def checkpoint_meta(self) -> dict:
+        return lora.checkpoint_meta(self.cfg, self.lora_base)
 
     # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_step(self) -> None:  # the loop calls it after steps DeepSpeed did not skip
@@ -139,38 +150,21 @@ class T2ITrainer(Trainer):
         self.save_samples("final.png")
 
     def export(self) -> Path:
-        """A StableDiffusion3Pipeline folder under run.dir/export/: the EMA transformer, the base's other parts."""
+        """A StableDiffusion3Pipeline folder under run.dir/export/: the EMA transformer, the base's other parts. Under
+        finetune=lora: the EMA adapter as diffusers' LoRA file on the base, and with export.merge_lora the merged
+        pipeline in export/merged (recipes/t2i/lora.py)."""
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
         with self.ema.swapped(), self.engine.gathered():
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-                write_pipeline(tmp, self.base, self.cfg, step=self.state.step, transformer=self.model)
+                if self.lora_base:
+                    t2i_lora.write_export(self.model, self.cfg, tmp, base=self.base, step=self.state.step)
+                else:
+                    write_pipeline(tmp, self.base, self.cfg, step=self.state.step, transformer=self.model)
                 shutil.rmtree(out, ignore_errors=True)
                 tmp.rename(out)
         barrier()
         return out
-
-
-def write_pipeline(folder: Path, base: Path, cfg: TrainConfig, *, step: int, transformer=None) -> None:
-    """The export: the base pipeline's folder with its transformer replaced (`transformer` saved with
-    save_pretrained, in the dtype it trained in; None: the caller writes transformer/), and kiln.json."""
-    shutil.copytree(base, folder, ignore=lambda d, names: ["transformer"] if Path(d) == base else [])
-    if transformer is not None:
-        transformer.save_pretrained(folder / "transformer", safe_serialization=True)
-    info = {
-        "recipe": cfg.recipe.name,
-        "step": step,
-        "base": str(base),
-        "diffusers_pipeline": json.loads((base / "model_index.json").read_text())["_class_name"],
-        "image_size": cfg.data.image_size,
-        "sample_steps": cfg.diffusion.sample_steps,
-        "guidance_scale": cfg.diffusion.guidance_scale,
-        "max_sequence_length": cfg.model.max_sequence_length,
-        "sample_with": "StableDiffusion3Pipeline.from_pretrained(EXPORT)(prompt, height=image_size, "
-        "width=image_size, num_inference_steps=sample_steps, guidance_scale=guidance_scale, "
-        "max_sequence_length=max_sequence_length)",
-    }
-    (folder / "kiln.json").write_text(json.dumps(info, indent=2))
 
 
 def memory_spec(cfg: TrainConfig):

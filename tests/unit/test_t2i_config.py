@@ -67,3 +67,37 @@ def test_a_pipeline_kiln_does_not_train_is_refused_with_one_line(tmp_path, capsy
 def test_a_class_conditional_diffusion_key_is_refused_not_ignored(key):
     with pytest.raises(ConfigError, match=f"^{key.split('=')[0]} is not read by the text-to-image recipe: "):
         compose(["recipe=t2i_tiny", key])
+
+
+def test_t2i_lora_targets_and_refusals(tmp_path, capsys):
+    """finetune=lora fills in the joint attention's linears (diffusers' SD3 LoRA example's); a target the recipe's LoRA
+    cannot take, and one that the transformer has no linear of, each stop with one line, nothing written."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+
+    from recipes.t2i.parallelize import parallelize
+
+    cfg = compose(["recipe=t2i_tiny", "finetune=lora"])
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    assert cfg.lora.targets == targets  # config.yaml records what ran
+    run_dir = tmp_path / "run"
+    capsys.readouterr()  # what importing peft and diffusers printed
+    with pytest.raises(SystemExit) as exit_:
+        main(["recipe=t2i_tiny", "finetune=lora", "lora.targets=[to_q,ff.net.0.proj]", f"run.dir={run_dir}"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and not run_dir.exists()
+    assert err.startswith("kiln: error: lora.targets: 'ff.net.0.proj' matches no module the t2i recipe's LoRA"), err
+
+    # One block is SD3's last, context_pre_only: its attention has no to_add_out, so that target matches nothing.
+    one_block = SD3Transformer2DModel(
+        sample_size=8, num_layers=1, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+        caption_projection_dim=16, pooled_projection_dim=32, out_channels=16, pos_embed_max_size=8,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="^lora.targets: 'to_add_out' matches no linear of this model$"):
+        parallelize(one_block, cfg)
+    cfg.lora.targets = ["to_q", "add_q_proj"]
+    adapted = parallelize(SD3Transformer2DModel.from_config(one_block.config), cfg)
+    trainable = sorted(n for n, p in adapted.named_parameters() if p.requires_grad)
+    assert trainable == [f"transformer_blocks.0.attn.{m}.lora_{ab}.default.weight" for m in ("add_q_proj", "to_q")
+                         for ab in "AB"]  # fmt: skip
+    assert torch.equal(adapted.transformer_blocks[0].attn.to_q.lora_B.default.weight, torch.zeros(16, 8))
