@@ -41,7 +41,12 @@ TINY = {
     ],
     "vlm": ["trainer.max_steps=2", "trainer.log_every=1", "vlm.eval_samples=4", "vlm.max_new_tokens=4"],
     "llm": ["trainer.max_steps=2", "trainer.log_every=1"],
-    "t2i": ["trainer.max_steps=2", "trainer.log_every=1", "diffusion.sample_steps=2"],
+    "t2i": [
+        "trainer.max_steps=2",
+        "trainer.log_every=1",
+        "diffusion.sample_steps=2",
+        "diffusion.eval_samples_per_class=1",
+    ],
 }
 COMMON = ["trainer.progress_bar=false", "checkpoint.every=0"]
 # A GPU recipe (dit_xl2, vlm_7b, ...) on its user's parts, here on the tiny stand-ins: CPU toggles and
