@@ -59,6 +59,7 @@ GPU_NODE_NPROC = 2  # a README torchrun of a whole GPU node (more than 4 ranks) 
 # Other scripts: what makes each one small (appended like the training overrides).
 SCRIPT_ARGS = {
     "scripts/eval_dit.py": ["--per-class", "1", "--steps", "2"],
+    "scripts/eval_t2i.py": ["--per-digit", "1", "--steps", "2"],
     "scripts/sample_dit.py": ["steps=2", "per_class=1"],
     "scripts/serve.py": ["serve.dry_run=true"],  # the servers themselves: tests/integration/test_serve.py
 }
