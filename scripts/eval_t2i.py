@@ -6,8 +6,9 @@
 
 The export of a t2i_tiny run (or any StableDiffusion3Pipeline folder) draws --per-digit images per digit from the
 held-out phrasings (common/data/digit_captions.py); the DiT's digit classifier, fitted on --data's real images (the
-captioned digits the run trained on, built there if missing), reads each one: the score is the share showing the
-prompted digit (chance 0.1), per digit too -- what the run's eval.json holds (recipes/t2i/evaluate.py).
+captioned digits the run trained on, built there if missing) as the export's VAE renders them, reads each one: the
+score is the share showing the prompted digit (chance 0.1), per digit too -- what the run's eval.json holds
+(recipes/t2i/evaluate.py).
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from common.data.dataset import load_dataset_meta, read_meta
     from common.diffusion.sampling import save_grid
-    from recipes.t2i.evaluate import NUM_DIGITS, eval_prompts, read_captioned_digits, score_prompt_adherence
+    from recipes.t2i.evaluate import (
+        NUM_DIGITS,
+        eval_prompts,
+        read_captioned_digits,
+        score_prompt_adherence,
+        through_vae,
+    )
     from recipes.t2i.sampling import PromptSampler
 
     info = json.loads((args.export / "kiln.json").read_text())
@@ -78,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(0, len(prompts), args.batch)
             ]
         )
-    result = score_prompt_adherence(images, digits, prompts, train, val, args.seed)
+    render = lambda x: through_vae(sampler.vae, sampler.geometry, x)  # noqa: E731
+    result = score_prompt_adherence(images, digits, prompts, train, val, args.seed, render=render)
     result.update(sample_steps=steps, guidance_scale=guidance)
     print(json.dumps(result, indent=2))
     if args.out:

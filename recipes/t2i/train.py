@@ -10,6 +10,7 @@ prompt's embedding, the pipeline folder in and out. Read top to bottom: setup â†
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -30,7 +31,13 @@ from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
 from recipes.t2i.data import build_train_loader, prepare_data, val_captions
-from recipes.t2i.evaluate import NUM_DIGITS, eval_prompts, read_captioned_digits, score_prompt_adherence
+from recipes.t2i.evaluate import (
+    NUM_DIGITS,
+    eval_prompts,
+    read_captioned_digits,
+    score_prompt_adherence,
+    through_vae,
+)
 from recipes.t2i.parallelize import parallelize
 from recipes.t2i.pipeline import PromptEncoder, load_transformer, pipeline_folder, scheduler_config
 from recipes.t2i.sampling import PromptSampler
@@ -160,8 +167,11 @@ class T2ITrainer(Trainer):
         images = torch.cat([self.generate(prompts[i : i + chunk], generator) for i in range(0, len(prompts), chunk)])
         if not main:
             return None
-        print("kiln: eval: fitting a classifier on the real images and scoring the samples", flush=True)
-        result = score_prompt_adherence(images, digits, prompts, train, val, self.cfg.trainer.seed)
+        print(
+            "kiln: eval: fitting a classifier on the real images (through the VAE) and scoring the samples", flush=True
+        )
+        render = functools.partial(through_vae, self.vae, self.geometry)
+        result = score_prompt_adherence(images, digits, prompts, train, val, self.cfg.trainer.seed, render=render)
         result.update(step=self.state.step, sample_steps=d.sample_steps, guidance_scale=d.guidance_scale)
         (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
         per, cols = d.eval_samples_per_class, min(d.eval_samples_per_class, EVAL_GRID_COLUMNS)

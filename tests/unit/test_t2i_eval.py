@@ -5,6 +5,8 @@ images and their classes taken straight from scikit-learn, not through the capti
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -59,9 +61,10 @@ def test_the_scorer_reads_the_prompted_digit_on_real_images_and_not_another(tmp_
     from sklearn.datasets import load_digits
 
     from common.data.dataset import load_dataset_meta
-    from common.tools.fixtures import make_caption_folder
+    from common.diffusion import vae as vae_lib
+    from common.tools.fixtures import make_caption_folder, make_vae
     from data.prepare_captions import build_caption_shards
-    from recipes.t2i.evaluate import eval_prompts, read_captioned_digits, score_prompt_adherence
+    from recipes.t2i.evaluate import eval_prompts, read_captioned_digits, score_prompt_adherence, through_vae
 
     per_digit = 30
     folder = make_caption_folder(tmp_path / "in", per_digit=per_digit, size=8, bad=False)
@@ -84,6 +87,18 @@ def test_the_scorer_reads_the_prompted_digit_on_real_images_and_not_another(tmp_
     assert np.isclose(np.mean(list(right["per_class_accuracy"].values())), right["mean_accuracy"])
     wrong = score_prompt_adherence(images, (digits + 1) % 10, prompts, train, val)
     assert wrong["mean_accuracy"] <= 0.1
+    # Samples come out of the pipeline's VAE: the classifier fits on the real images as that VAE renders them, and
+    # then reads real digits rendered by a random VAE (the tests' and the demo's stand-in) as their class.
+    vae_folder = make_vae(tmp_path / "vae", block_out_channels=(16, 32), latent_channels=16)
+    geometry = vae_lib.vae_geometry(vae_folder, 16)
+    render = functools.partial(through_vae, vae_lib.load_vae(geometry, torch.device("cpu")), geometry)
+    rendered = render(images)
+    assert rendered.shape == images.shape and not torch.allclose(rendered, images, atol=0.1)
+    through = score_prompt_adherence(rendered, digits, prompts, train, val, render=render)
+    assert through["mean_accuracy"] >= 0.9 and through["classifier_accuracy_on_real_val"] >= 0.9
+    assert (
+        score_prompt_adherence(rendered, (digits + 1) % 10, prompts, train, val, render=render)["mean_accuracy"] <= 0.1
+    )
     # A caption shard that is not the captioned digits has no classifier: the eval is skipped, not guessed.
     (folder / "0_0000.txt").write_text("a photo of a cat")
     build_caption_shards(tmp_path / "other", input=folder, image_size=16, train_shards=1, val_shards=1)
