@@ -37,10 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     from diffusers import DiTTransformer2DModel
 
     from common.data.dataset import read_meta
+    from common.diffusion.evaluate import class_labels, score_samples
     from common.diffusion.sampling import GRID_MAX_CLASSES, sample_images, save_grid
     from common.diffusion.vae import folder_decoder
     from data.prepare_digits import ensure_digits_shards
-    from recipes.dit.evaluate import class_labels, fit_classifier, score_samples
+    from recipes.dit.evaluate import fit_classifier
 
     info = json.loads((args.export / "kiln.json").read_text())
     model = DiTTransformer2DModel.from_pretrained(args.export / "transformer").eval()

@@ -25,4 +25,4 @@ class DiffusionConfig:
     guidance_scale: float = 2.0
     sample_every: int = 0  # a sample grid every this many steps; 0: only at the end
     samples_per_class: int = 8  # sample grid: one row per class
-    eval_samples_per_class: int = 50
+    eval_samples_per_class: int = 50  # eval: samples per class (text-to-image: per digit, in held-out phrasings)

@@ -13,9 +13,13 @@ Each writes into the folder it is given and returns it. scripts/gpu_check.py bui
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
+from common.data.digit_captions import CAPTION_TEMPLATES, HELD_OUT_TEMPLATES, digit_caption
+
+POSTERIOR_STD = 0.01  # make_sd3_pipeline's VAE: its posterior's standard deviation, for every input
 CLASS_NAMES = tuple(f"digit_{c}" for c in range(10))  # sorted like the digits they hold
 
 
@@ -80,20 +84,14 @@ def make_image_folder(
     return out
 
 
-# Captions of a digit in several phrasings (the text-to-image demo and tests): "{name}" is the digit's word.
-DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-CAPTION_TEMPLATES = (
-    "a handwritten {name}",
-    "the digit {digit}",
-    "a picture of the number {name}",
-    "{name}, written by hand",
+# Every phrasing a tokenizer learns: the training captions' and the held-out ones (a released tokenizer knows the
+# words of any prompt; which phrasings train is the caption folder's choice, make_caption_folder).
+TOKENIZER_TEXT = tuple(
+    digit_caption(d, p, templates)
+    for templates in (CAPTION_TEMPLATES, HELD_OUT_TEMPLATES)
+    for d in range(10)
+    for p in range(len(templates))
 )
-
-
-def digit_caption(digit: int, phrasing: int) -> str:
-    """The `phrasing`-th caption (mod the templates) of `digit`."""
-    template = CAPTION_TEMPLATES[phrasing % len(CAPTION_TEMPLATES)]
-    return template.format(name=DIGIT_WORDS[digit], digit=digit)
 
 
 def make_clip_tokenizer(out: str | Path, *, max_length: int = 16, vocab_size: int = 300):
@@ -111,8 +109,7 @@ def make_clip_tokenizer(out: str | Path, *, max_length: int = 16, vocab_size: in
         end_of_word_suffix="</w>",
         initial_alphabet=list("abcdefghijklmnopqrstuvwxyz0123456789,.!?'-"),
     )
-    text = [digit_caption(d, p) for d in range(10) for p in range(len(CAPTION_TEMPLATES))]
-    bpe.train_from_iterator(text, trainer)
+    bpe.train_from_iterator(TOKENIZER_TEXT, trainer)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     tokenizer = CLIPTokenizer(vocab=model["vocab"], merges=merges, model_max_length=max_length)
@@ -130,9 +127,7 @@ def make_t5_tokenizer(out: str | Path, *, vocab_size: int = 120):
     unigram = Tokenizer(models.Unigram())
     unigram.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
     trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=specials, unk_token="<unk>")
-    unigram.train_from_iterator(
-        [digit_caption(d, p) for d in range(10) for p in range(len(CAPTION_TEMPLATES))], trainer
-    )
+    unigram.train_from_iterator(TOKENIZER_TEXT, trainer)
     vocab = [tuple(v) for v in json.loads(unigram.to_str())["model"]["vocab"]]
     tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
     tokenizer.save_pretrained(out)
@@ -200,6 +195,15 @@ def make_sd3_pipeline(
         use_quant_conv=False,
         use_post_quant_conv=False,
     )
+    # A stand-in for a trained VAE's encoder: a sharp posterior (a trained KL-VAE's std is a small fraction of its
+    # mean's spread; a random one's is ~1.0 against a spread of ~0.2 over the digits, which buries the image in
+    # posterior noise) and latents that vary about as much as SD3's scaled ones (x3: ~0.9 across the digits).
+    with torch.no_grad():
+        conv = vae.encoder.conv_out  # its 2 * latent_channels outputs: the posterior's mean, then its log-variance
+        conv.weight[:16].mul_(3.0)
+        conv.bias[:16].mul_(3.0)
+        conv.weight[16:].zero_()
+        conv.bias[16:].fill_(2 * math.log(POSTERIOR_STD))
     encoders, tokenizers = [], []
     for i in range(2):
         tokenizer = make_clip_tokenizer(out / ".tokenizer", max_length=text_length)
@@ -260,7 +264,8 @@ def make_caption_folder(
     bad: bool = True,
 ) -> Path:
     """A folder of captioned images, diffusers' ImageFolder layout: sklearn digits as `size`^2 RGB PNGs, each
-    captioned in one of several phrasings ("a handwritten seven", "the digit 7", ...), in `name.txt` beside
+    captioned in one of the training phrasings (common/data/digit_captions.py: "a handwritten seven", "the digit 7",
+    ...; never a held-out one), in `name.txt` beside
     `name.png` or (`metadata`) one metadata.jsonl of {"file_name", "text"}. With `bad`: one file that is not an
     image, one image without a caption and one with an empty caption (prepare_captions skips and counts them)."""
     import numpy as np

@@ -23,6 +23,7 @@ from common import lora
 from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.diffusion import vae as vae_lib
+from common.diffusion.evaluate import class_labels, score_samples
 from common.diffusion.objective import Objective, sampling_scheduler, scheduler_config
 from common.diffusion.sampling import GRID_MAX_CLASSES, sample_images, save_grid
 from common.distributed import DistInfo, barrier
@@ -36,7 +37,7 @@ from common.trainer import Trainer
 from recipes.dit import lora as dit_lora
 from recipes.dit import pretrained
 from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
-from recipes.dit.evaluate import class_labels, fit_classifier, score_samples
+from recipes.dit.evaluate import fit_classifier
 from recipes.dit.model import build_model, null_class, shared_conditioning, untied
 from recipes.dit.parallelize import parallelize
 

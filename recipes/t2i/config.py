@@ -48,7 +48,6 @@ NOT_READ = {
     "diffusion.vae": "the VAE is the one in model.init_from's pipeline folder",
     "diffusion.class_dropout": "prompts are dropped for guidance by data.caption_dropout",
     "diffusion.samples_per_class": "sample grids are drawn from the validation captions",
-    "diffusion.eval_samples_per_class": "there is no class-accuracy evaluation yet",
     "diffusion.beta_schedule": "SD3-class transformers are trained with rectified flow (no DDPM schedule)",
     "diffusion.prediction_type": "rectified flow always predicts the velocity",
 }
@@ -120,7 +119,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"diffusion.ema_decay={d.ema_decay} must be in [0, 1)")
     if d.sample_every < 0:
         raise ConfigError(f"diffusion.sample_every={d.sample_every} must be >= 0")
-    for key in ("sample_steps", "flow_logit_std", "flow_shift", "num_train_timesteps"):
+    for key in ("sample_steps", "flow_logit_std", "flow_shift", "num_train_timesteps", "eval_samples_per_class"):
         if not getattr(d, key) > 0:
             raise ConfigError(f"diffusion.{key}={getattr(d, key)} must be > 0")
     if m.init_from:

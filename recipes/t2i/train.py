@@ -10,6 +10,7 @@ prompt's embedding, the pipeline folder in and out. Read top to bottom: setup â†
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -33,11 +34,19 @@ from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
 from recipes.t2i import lora as t2i_lora
 from recipes.t2i.data import build_train_loader, prepare_data, val_captions
+from recipes.t2i.evaluate import (
+    NUM_DIGITS,
+    eval_prompts,
+    read_captioned_digits,
+    score_prompt_adherence,
+    through_vae,
+)
 from recipes.t2i.parallelize import parallelize
 from recipes.t2i.pipeline import PromptEncoder, load_transformer, pipeline_folder, scheduler_config, write_pipeline
 from recipes.t2i.sampling import PromptSampler
 
 SAMPLE_PROMPTS = 8  # a sample grid: this many held-out captions, one row each
+EVAL_GRID_COLUMNS = 8  # samples/eval.png: at most this many of each digit's eval samples
 
 
 class T2ITrainer(Trainer):
@@ -53,7 +62,7 @@ class T2ITrainer(Trainer):
         self.lora_base = str(self.base) if cfg.finetune == "lora" else ""
         if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
             lora.check_resume(read_meta(self.resume_from), cfg, self.lora_base, self.resume_from)
-        meta = prepare_data(cfg, dist)
+        self.meta = meta = prepare_data(cfg, dist)
         loader = build_train_loader(cfg, dist, meta)
         self.prompts = val_captions(meta, SAMPLE_PROMPTS)
         # Frozen, eval, fp32 and outside the module DeepSpeed wraps: never trained, never partitioned.
@@ -148,6 +157,44 @@ class T2ITrainer(Trainer):
 
     def after_fit(self) -> None:
         self.save_samples("final.png")
+
+    def evaluate(self) -> dict | None:
+        """Prompt adherence on held-out phrasings (recipes/t2i/evaluate.py), for the captioned digits only: every
+        rank samples (in micro-batch-sized chunks), rank 0 scores and writes eval.json and samples/eval.png."""
+        d, size, main = self.cfg.diffusion, self.cfg.data.image_size, self.dist.is_main
+        train = read_captioned_digits(self.meta["train_urls"], size, images=main)
+        val = read_captioned_digits(self.meta["val_urls"], size, images=main)
+        if train is None or val is None:  # the same on every rank: the captions are read whole
+            if main:
+                print(
+                    f"kiln: eval: skipped: the captions in data.root={self.cfg.data.root} are not the captioned "
+                    "digits', the only ones the prompt-adherence eval has a classifier for",
+                    flush=True,
+                )
+            return None
+        prompts, digits = eval_prompts(d.eval_samples_per_class)
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 999)
+        chunk = self.cfg.trainer.micro_batch_size
+        images = torch.cat([self.generate(prompts[i : i + chunk], generator) for i in range(0, len(prompts), chunk)])
+        if not main:
+            return None
+        print(
+            "kiln: eval: fitting a classifier on the real images (through the VAE) and scoring the samples", flush=True
+        )
+        render = functools.partial(through_vae, self.vae, self.geometry)
+        result = score_prompt_adherence(images, digits, prompts, train, val, self.cfg.trainer.seed, render=render)
+        result.update(step=self.state.step, sample_steps=d.sample_steps, guidance_scale=d.guidance_scale)
+        (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+        per, cols = d.eval_samples_per_class, min(d.eval_samples_per_class, EVAL_GRID_COLUMNS)
+        pick = [digit * per + j for digit in range(NUM_DIGITS) for j in range(cols)]
+        save_grid(images[pick], rows=NUM_DIGITS, path=self.run_dir / "samples" / "eval.png")
+        return result
+
+    def eval_summary(self, result: dict) -> str:
+        return (
+            f"kiln: eval prompt adherence {result['mean_accuracy']:.3f} on held-out phrasings (chance "
+            f"{result['chance']:.2f}, classifier on real images {result['classifier_accuracy_on_real_val']:.3f})"
+        )
 
     def export(self) -> Path:
         """A StableDiffusion3Pipeline folder under run.dir/export/: the EMA transformer, the base's other parts. Under

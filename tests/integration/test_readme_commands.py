@@ -41,7 +41,12 @@ TINY = {
     ],
     "vlm": ["trainer.max_steps=2", "trainer.log_every=1", "vlm.eval_samples=4", "vlm.max_new_tokens=4"],
     "llm": ["trainer.max_steps=2", "trainer.log_every=1"],
-    "t2i": ["trainer.max_steps=2", "trainer.log_every=1", "diffusion.sample_steps=2"],
+    "t2i": [
+        "trainer.max_steps=2",
+        "trainer.log_every=1",
+        "diffusion.sample_steps=2",
+        "diffusion.eval_samples_per_class=1",
+    ],
 }
 COMMON = ["trainer.progress_bar=false", "checkpoint.every=0"]
 # A GPU recipe (dit_xl2, vlm_7b, ...) on its user's parts, here on the tiny stand-ins: CPU toggles and
@@ -54,6 +59,7 @@ GPU_NODE_NPROC = 2  # a README torchrun of a whole GPU node (more than 4 ranks) 
 # Other scripts: what makes each one small (appended like the training overrides).
 SCRIPT_ARGS = {
     "scripts/eval_dit.py": ["--per-class", "1", "--steps", "2"],
+    "scripts/eval_t2i.py": ["--per-digit", "1", "--steps", "2"],
     "scripts/sample_dit.py": ["steps=2", "per_class=1"],
     "scripts/serve.py": ["serve.dry_run=true"],  # the servers themselves: tests/integration/test_serve.py
 }

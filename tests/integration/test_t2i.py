@@ -26,11 +26,21 @@ def test_t2i_tiny_trains_and_its_export_samples_like_kiln_in_diffusers(trained, 
 
     from recipes.t2i.sampling import PromptSampler
 
-    run = trained(t2i_run_args(t2i_world))
+    run, proc = trained.run(t2i_run_args(t2i_world))
     loss = losses(run)
     assert len(loss) == 12 and all(math.isfinite(v) for v in loss.values())
     first, last = np.mean([loss[s] for s in range(1, 5)]), np.mean([loss[s] for s in range(9, 13)])
     assert last < first, loss  # it learns
+
+    # The prompt-adherence eval (recipes/t2i/evaluate.py): 2 held-out prompts per digit, none a training caption,
+    # scored like the DiT's class accuracy; the mean is the per-digit shares' mean (2 samples each), and logged.
+    result = json.loads((run / "eval.json").read_text())
+    assert result["num_samples"] == 20 and result["chance"] == 0.1 and result["prompts_seen_in_training"] == 0
+    assert set(result["per_class_accuracy"]) == {str(d) for d in range(10)}
+    assert all(v in (0.0, 0.5, 1.0) for v in result["per_class_accuracy"].values())
+    assert math.isclose(np.mean(list(result["per_class_accuracy"].values())), result["mean_accuracy"])
+    assert result["step"] == 12 and result["held_out_phrasings"] and (run / "samples" / "eval.png").exists()
+    assert f"kiln: eval prompt adherence {result['mean_accuracy']:.3f} on held-out phrasings" in proc.stdout
 
     export = run / "export"
     info = json.loads((export / "kiln.json").read_text())
