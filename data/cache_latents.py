@@ -1,4 +1,4 @@
-"""Encode a DiT run's image shards once with its VAE into a latent cache that training reads with data.latents=DIR.
+"""Encode a diffusion run's shards once with its frozen encoders into a cache that training reads with data.latents=DIR.
 
     python -m data.cache_latents recipe=dit_xl2 data.root=data/my_images diffusion.vae=~/models/sd-vae-ft-mse
                                  --out data/my_images_latents [--batch-size 64] [--device cpu|cuda] [--force]
@@ -11,6 +11,11 @@ does. The cache mirrors the image dataset shard for shard (same names, same samp
 order), so the training loader's shuffle, resume position and corrupt-shard handling are the same
 as on the images, and a run on the cache sees the same batches as one that encodes on the fly.
 
+A text-to-image run's cache (recipe=t2i_* model.init_from=<pipeline folder>) also holds each sample's caption and
+its prompt embedding from the pipeline's text encoders, run in toggles.precision's compute dtype (float32 arrays of
+those values: recipes/t2i/data.py TEXT_FIELDS), and the empty prompt's once (EMPTY_PROMPT, caption dropout); its
+meta.json records the text encoders and VAE (config + weights fingerprint), model.max_sequence_length, the image
+size and the precision, and a run with other ones stops with one line. For a DiT,
 meta.json records the VAE (its config and a digest of its weights), the image size and the
 classes; training refuses a cache made by another VAE or at another size. A shard that cannot be
 read to its end is cached up to where it broke, counted and named in meta.json (``corrupt_shards``);
