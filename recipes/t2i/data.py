@@ -117,7 +117,9 @@ def load_cache_meta(cfg: TrainConfig, identity: dict) -> dict:
         raise DataError(
             f"data.latents={cfg.data.latents} was made with other settings than this run's: {'; '.join(differs)}; "
             f"rebuild it: python -m data.cache_latents recipe={cfg.recipe.name} model.init_from={cfg.model.init_from} "
-            f"data.root={cfg.data.root} --out {cfg.data.latents} --force"
+            f"data.root={cfg.data.root} model.max_sequence_length={cfg.model.max_sequence_length} "
+            f"data.image_size={cfg.data.image_size} toggles.precision={cfg.toggles.precision} --out {cfg.data.latents} "
+            "--force"
         )
     return meta
 

@@ -114,6 +114,7 @@ def test_a_cache_made_with_other_settings_stops_the_run_with_one_line(t2i_world,
         check=False,
     )
     err_lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert not (tmp_path / "r").exists()
     assert proc.returncode == 2 and len(err_lines) == 1 and err_lines[0].startswith("kiln: error: data.latents="), (
         proc.stderr
     )
