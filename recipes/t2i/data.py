@@ -147,3 +147,14 @@ class CachedPrompts:
         return {
             key: torch.stack([self.table[p][key] for p in prompts]).to(self.device, self.dtype) for key in TEXT_FIELDS
         }
+
+
+def val_captions(meta: dict, n: int) -> list[str]:
+    """The first `n` held-out captions (in shard order, the same on every rank): the prompts of sample grids."""
+    out = []
+    for sample in iter_samples(meta["val_urls"]):
+        text = sample["txt"]
+        out.append(text.decode("utf-8") if isinstance(text, bytes) else text)
+        if len(out) == n:
+            break
+    return out
