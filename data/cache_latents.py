@@ -1,4 +1,4 @@
-"""Encode a DiT run's image shards once with its VAE into a latent cache that training reads with data.latents=DIR.
+"""Encode a diffusion run's shards once with its frozen encoders into a cache that training reads with data.latents=DIR.
 
     python -m data.cache_latents recipe=dit_xl2 data.root=data/my_images diffusion.vae=~/models/sd-vae-ft-mse
                                  --out data/my_images_latents [--batch-size 64] [--device cpu|cuda] [--force]
@@ -11,6 +11,11 @@ does. The cache mirrors the image dataset shard for shard (same names, same samp
 order), so the training loader's shuffle, resume position and corrupt-shard handling are the same
 as on the images, and a run on the cache sees the same batches as one that encodes on the fly.
 
+A text-to-image run's cache (recipe=t2i_* model.init_from=<pipeline folder>) also holds each sample's caption and
+its prompt embedding from the pipeline's text encoders, run in toggles.precision's compute dtype (float32 arrays of
+those values: recipes/t2i/data.py TEXT_FIELDS), and the empty prompt's once (EMPTY_PROMPT, caption dropout); its
+meta.json records the text encoders and VAE (config + weights fingerprint), model.max_sequence_length, the image
+size and the precision, and a run with other ones stops with one line. For a DiT,
 meta.json records the VAE (its config and a digest of its weights), the image size and the
 classes; training refuses a cache made by another VAE or at another size. A shard that cannot be
 read to its end is cached up to where it broke, counted and named in meta.json (``corrupt_shards``);
@@ -48,32 +53,22 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return args, args.overrides
 
 
-def _settings(meta: dict) -> dict:
-    return {k: meta.get(k) for k in ("data_root", "image_size", "vae")}
-
-
-def encode_shard(url: str, out: Path, *, vae, image_size: int, channels: int, batch_size: int, bar) -> dict:
-    """One image shard -> one latent shard of the same name: {"name", "samples", "bytes", "error"}."""
-    import numpy as np
-    import torch
+def encode_shard(url: str, out: Path, *, decode, encode, batch_size: int, bar) -> dict:
+    """One shard -> one cache shard of the same name: {"name", "samples", "bytes", "error"}. `decode` turns a raw
+    sample into the encoders' input, `encode` a list of those into each sample's cached fields."""
     import webdataset as wds
 
     from common.data.webdataset import iter_samples
-    from common.diffusion.vae import posterior
-    from recipes.dit.data import MOMENTS, decode_sample
 
     name, written, error = os.path.basename(url), 0, None
-    pending: list[tuple[str, int, torch.Tensor]] = []
+    pending: list[tuple[str, dict]] = []
 
     def flush(sink) -> None:
         nonlocal written
         if not pending:
             return
-        device = next(vae.parameters()).device
-        mean, std = posterior(vae, torch.stack([image for _, _, image in pending]).to(device))
-        moments = torch.stack([mean, std], dim=1).float().cpu().numpy()
-        for (key, label, _), m in zip(pending, moments):
-            sink.write({"__key__": key, MOMENTS: np.ascontiguousarray(m), "cls": label})
+        for (key, _), fields in zip(pending, encode([decoded for _, decoded in pending])):
+            sink.write({"__key__": key, **fields})
         written += len(pending)
         bar.update(len(pending))
         pending.clear()
@@ -81,8 +76,7 @@ def encode_shard(url: str, out: Path, *, vae, image_size: int, channels: int, ba
     with wds.TarWriter(str(out / name), mtime=0) as sink:
         try:
             for sample in iter_samples([url]):
-                decoded = decode_sample(sample, image_size, channels)
-                pending.append((sample["__key__"], decoded["label"], decoded["image"]))
+                pending.append((sample["__key__"], decode(sample)))
                 if len(pending) == batch_size:
                     flush(sink)
         except Exception as exc:  # a truncated or corrupt tar, or a sample that does not decode
@@ -91,33 +85,142 @@ def encode_shard(url: str, out: Path, *, vae, image_size: int, channels: int, ba
     return {"name": name, "samples": written, "bytes": (out / name).stat().st_size, "error": error}
 
 
+def dit_encoder(vae, image_size: int, channels: int):
+    """(decode, encode) of a DiT's image shards: the image's posterior moments and its class."""
+    import functools
+
+    import torch
+
+    from common.diffusion.vae import MOMENTS, moments_record, posterior
+    from recipes.dit.data import decode_sample
+
+    def encode(batch: list[dict]) -> list[dict]:
+        device = next(vae.parameters()).device
+        mean, std = posterior(vae, torch.stack([b["image"] for b in batch]).to(device))
+        return [{MOMENTS: m, "cls": b["label"]} for b, m in zip(batch, moments_record(mean, std))]
+
+    return functools.partial(decode_sample, image_size=image_size, channels=channels), encode
+
+
+def t2i_encoder(vae, prompts, image_size: int):
+    """(decode, encode) of caption shards: the image's posterior moments, the caption and its prompt embedding."""
+    import functools
+
+    import numpy as np
+    import torch
+
+    from common.diffusion.vae import MOMENTS, moments_record, posterior
+    from recipes.t2i.data import TEXT_FIELDS, decode_captioned
+
+    def encode(batch: list[dict]) -> list[dict]:
+        device = next(vae.parameters()).device
+        mean, std = posterior(vae, torch.stack([b["image"] for b in batch]).to(device))
+        captions = [b["caption"] for b in batch]
+        text = {TEXT_FIELDS[k]: v.float().cpu().numpy() for k, v in prompts(captions).items()}
+        return [
+            {MOMENTS: m, "txt": c, **{name: np.ascontiguousarray(a[i]) for name, a in text.items()}}
+            for i, (c, m) in enumerate(zip(captions, moments_record(mean, std)))
+        ]
+
+    return functools.partial(decode_captioned, image_size=image_size), encode
+
+
+def dit_cache(cfg, device: str):
+    """(images meta, settings, meta fields, decode, encode) of a DiT run's latent cache."""
+    import torch
+
+    from common.data.dataset import load_dataset_meta
+    from common.diffusion.vae import load_vae, vae_geometry, vae_identity
+    from recipes.dit.data import channels_of, check_image_size, class_names
+
+    images = check_image_size(cfg, load_dataset_meta(Path(cfg.data.root).absolute()))
+    geometry = vae_geometry(cfg.diffusion.vae, cfg.data.image_size)
+    if geometry.image_channels != channels_of(images):
+        raise ValueError(
+            f"data.root={cfg.data.root} holds {channels_of(images)}-channel images; the VAE in "
+            f"diffusion.vae={cfg.diffusion.vae} encodes {geometry.image_channels}-channel ones"
+        )
+    settings = {"image_size": cfg.data.image_size, "vae": vae_identity(cfg.diffusion.vae)}
+    fields = {
+        "vae_path": str(geometry.path),
+        "latent_channels": geometry.latent_channels,
+        "latent_size": geometry.latent_size,
+        "scaling_factor": geometry.scaling_factor,
+        "shift_factor": geometry.shift_factor,
+        "num_classes": images["num_classes"],
+        "classes": class_names(images),
+    }
+
+    def encoders():
+        return dit_encoder(load_vae(geometry, torch.device(device)), cfg.data.image_size, channels_of(images)), None
+
+    return images, settings, fields, encoders
+
+
+def t2i_cache(cfg, device: str):
+    """(images meta, settings, meta fields, encoders) of a text-to-image run's cache: model.init_from's VAE and
+    text encoders, run in the compute dtype of toggles.precision (what training on the fly would give)."""
+    import torch
+
+    from common.data.dataset import load_dataset_meta
+    from common.diffusion.vae import load_vae, vae_geometry
+    from recipes.t2i.data import cache_settings, check_captions
+    from recipes.t2i.pipeline import (
+        COMPUTE_DTYPES,
+        PromptEncoder,
+        encoders_identity,
+        pipeline_folder,
+        transformer_config,
+    )
+
+    if cfg.toggles.precision not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"toggles.precision={cfg.toggles.precision}: a cache is made in one of {', '.join(COMPUTE_DTYPES)}"
+        )
+    base = pipeline_folder(cfg.model.init_from)
+    images = check_captions(cfg, load_dataset_meta(Path(cfg.data.root).absolute()))
+    geometry = vae_geometry(base / "vae", cfg.data.image_size)
+    settings = cache_settings(cfg, encoders_identity(base))
+    fields = {
+        "vae_path": str(geometry.path),
+        "latent_channels": geometry.latent_channels,
+        "latent_size": geometry.latent_size,
+    }
+
+    def encoders():
+        prompts = PromptEncoder(
+            base,
+            device=torch.device(device),
+            dtype=COMPUTE_DTYPES[cfg.toggles.precision],
+            max_sequence_length=cfg.model.max_sequence_length,
+            joint_dim=transformer_config(base)["joint_attention_dim"],
+        )
+        empty = {k: v[0].float().cpu().numpy() for k, v in prompts([""]).items()}
+        return t2i_encoder(load_vae(geometry, torch.device(device)), prompts, cfg.data.image_size), empty
+
+    return images, settings, fields, encoders
+
+
 def build_cache(cfg, out: Path, *, batch_size: int, device: str, force: bool) -> tuple[dict | None, int]:
     """(meta, 0) after building; (None, exit code) when a cache is already there or on an error."""
-    import torch
+    import numpy as np
     from tqdm.auto import tqdm
 
-    from common.data.dataset import load_dataset_meta, run_builder
-    from common.diffusion.vae import load_vae, vae_geometry, vae_identity
-    from recipes.dit.data import LATENT_SOURCE, channels_of, check_image_size, class_names
+    from common.data.dataset import run_builder
+    from common.diffusion.vae import LATENT_SOURCE
 
     root = Path(cfg.data.root).absolute()
     if cfg.data.build and read_meta(root) is None:
         run_builder(cfg.data.build, root)  # e.g. the digits: built on first use, as training does
-    images = check_image_size(cfg, load_dataset_meta(root))
-    geometry = vae_geometry(cfg.diffusion.vae, cfg.data.image_size)
-    if geometry.image_channels != channels_of(images):
-        raise ValueError(
-            f"data.root={root} holds {channels_of(images)}-channel images; the VAE in "
-            f"diffusion.vae={cfg.diffusion.vae} encodes {geometry.image_channels}-channel ones"
-        )
-    wanted = {"data_root": str(root), "image_size": cfg.data.image_size, "vae": vae_identity(cfg.diffusion.vae)}
+    images, settings, fields, encoders = (t2i_cache if cfg.recipe.family == "t2i" else dit_cache)(cfg, device)
+    wanted = {"data_root": str(root), **settings}
     existing = read_meta(out)
     if existing is not None and not force:
-        if _settings(existing) == wanted:
+        if {k: existing.get(k) for k in wanted} == wanted:
             print(f"{out}/{META_NAME} exists; nothing to do (pass --force to rebuild)")
             return None, 0
         print(
-            f"error: {out} already holds a latent cache of other images, size or VAE; pass --force to rebuild",
+            f"error: {out} already holds a latent cache of other images, size or encoders; pass --force to rebuild",
             file=sys.stderr,
         )
         return None, 1
@@ -126,36 +229,20 @@ def build_cache(cfg, out: Path, *, batch_size: int, device: str, force: bool) ->
             f"{out} is not empty and holds no complete latent cache; choose an empty directory or pass --force"
         )
 
-    vae = load_vae(geometry, torch.device(device))
+    (decode, encode), empty = encoders()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        meta = {
-            "source": LATENT_SOURCE,
-            **wanted,
-            "vae_path": str(geometry.path),
-            "latent_channels": geometry.latent_channels,
-            "latent_size": geometry.latent_size,
-            "scaling_factor": geometry.scaling_factor,
-            "shift_factor": geometry.shift_factor,
-            "num_classes": images["num_classes"],
-            "classes": class_names(images),
-            "splits": {},
-            "corrupt_shards": {},
-        }
+        meta = {"source": LATENT_SOURCE, **wanted, **fields, "splits": {}, "corrupt_shards": {}}
+        if empty is not None:  # the text-to-image cache: the empty prompt's embedding (caption dropout), once
+            from recipes.t2i.data import EMPTY_PROMPT
+
+            np.savez(tmp / EMPTY_PROMPT, **empty)
         total = sum(images["splits"][s]["samples"] for s in SPLITS)
         with tqdm(total=total, desc="encoding", unit="image", dynamic_ncols=True) as bar:
             for split in SPLITS:
                 done = [
-                    encode_shard(
-                        url,
-                        tmp,
-                        vae=vae,
-                        image_size=cfg.data.image_size,
-                        channels=channels_of(images),
-                        batch_size=batch_size,
-                        bar=bar,
-                    )
+                    encode_shard(url, tmp, decode=decode, encode=encode, batch_size=batch_size, bar=bar)
                     for url in images[f"{split}_urls"]
                 ]
                 meta["corrupt_shards"].update({d["name"]: d["error"] for d in done if d["error"]})
@@ -183,8 +270,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = compose(overrides)
-        if getattr(cfg, "diffusion", None) is None or not cfg.diffusion.vae:  # only the DiT has diffusion.*
-            raise ValueError("a latent cache needs a DiT recipe with diffusion.vae=<an AutoencoderKL folder>")
+        if cfg.recipe.family == "t2i":
+            if not cfg.model.init_from:
+                raise ValueError("a text-to-image cache needs model.init_from=<a StableDiffusion3Pipeline folder>")
+        elif getattr(cfg, "diffusion", None) is None or not cfg.diffusion.vae:  # only the diffusion families have it
+            raise ValueError(
+                "a latent cache needs a DiT recipe with diffusion.vae=<an AutoencoderKL folder>, or a text-to-image "
+                "recipe with model.init_from"
+            )
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
         import torch
@@ -199,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     splits, bad = meta["splits"], meta["corrupt_shards"]
     print(
         f"wrote {args.out}: train {splits['train']['samples']} and val {splits['val']['samples']} latents "
-        f"({meta['latent_channels']}x{meta['latent_size']}x{meta['latent_size']} posterior mean + std) from "
+        f"({meta['latent_channels']}x{meta['latent_size']}x{meta['latent_size']} posterior mean + std"
+        + (", prompt embeddings" if cfg.recipe.family == "t2i" else "")
+        + ") from "
         f"{meta['data_root']}"
         + (f"; {len(bad)} corrupt shard(s) cached up to the damage: {', '.join(bad)}" if bad else "")
     )

@@ -20,6 +20,10 @@ from common.errors import ConfigError
 # What run.dry_run and scripts/plan.py size a latent model with when the VAE folder is not on this
 # machine: the Stable Diffusion VAE's shape (stabilityai/sd-vae-ft-mse, SDXL's VAE), 4 channels at 1/8.
 ASSUMED_LATENT_CHANNELS, ASSUMED_DOWNSAMPLE = 4, 8
+# A latent cache (python -m data.cache_latents; a run reads it with data.latents=DIR): its meta.json "source", and
+# each sample's [2, C, h, w] float32 posterior mean and std (the trainer draws the latent itself, as without it).
+LATENT_SOURCE = "latents"
+MOMENTS = "moments.npy"
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,25 @@ def posterior(vae, images):
     # CPU) and a chunk of it is strided, and randn_like(x) fills x's memory order -- a different
     # noise tensor for the same seed.
     return dist.mean.contiguous(), dist.std.contiguous()
+
+
+def moments_record(mean, std) -> list:
+    """A batch's posterior moments as the latent cache stores them: one float32 [2, C, h, w] array per sample."""
+    import numpy as np
+    import torch
+
+    return [np.ascontiguousarray(m) for m in torch.stack([mean, std], dim=1).float().cpu().numpy()]
+
+
+def read_moments(sample: dict):
+    """(mean, std) float32 [C, h, w] of a latent cache sample."""
+    import io
+
+    import numpy as np
+    import torch
+
+    moments = torch.from_numpy(np.load(io.BytesIO(sample[MOMENTS])))
+    return moments[0], moments[1]
 
 
 def to_latents(mean, std, eps, geometry: VaeGeometry):

@@ -5,7 +5,6 @@ evaluation."""
 from __future__ import annotations
 
 import functools
-import io
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +15,11 @@ from common.data import prepare_dataset
 from common.data.dataset import SPLITS, load_dataset_meta
 from common.data.webdataset import global_train_loader, iter_samples
 from common.diffusion.images import decode_png, to_model_space
+from common.diffusion.vae import LATENT_SOURCE, read_moments
 from common.distributed import DistInfo
 from common.errors import DataError
 
-LATENT_SOURCE = "latents"  # meta.json "source" of a latent cache
-IMAGE_FOLDER = "image_folder"  # ... of an ImageFolder's shards (the prepare_images builder)
-MOMENTS = "moments.npy"  # a latent cache sample's [2, C, h, w] float32: the VAE posterior's mean and std
+IMAGE_FOLDER = "image_folder"  # meta.json "source" of an ImageFolder's shards (the prepare_images builder)
 
 
 def channels_of(meta: dict) -> int:
@@ -46,8 +44,8 @@ def decode_sample(sample: dict, image_size: int, channels: int = 1) -> dict:
 
 def decode_latent_sample(sample: dict) -> dict:
     """A latent cache sample: {"mean", "std": float [C, h, w], "label": int}."""
-    moments = torch.from_numpy(np.load(io.BytesIO(sample[MOMENTS])))
-    return {"mean": moments[0], "std": moments[1], "label": int(sample["cls"])}
+    mean, std = read_moments(sample)
+    return {"mean": mean, "std": std, "label": int(sample["cls"])}
 
 
 def load_split_arrays(root: str | Path, split: str, max_per_class: int | None = None) -> tuple[np.ndarray, np.ndarray]:

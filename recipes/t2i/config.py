@@ -31,6 +31,9 @@ class T2IDataConfig(DataConfig):
 
     image_size: int = 16
     caption_dropout: float = 0.1  # share of samples trained on the empty prompt: classifier-free guidance
+    # A cache of the frozen encoders' outputs on data.root (python -m data.cache_latents, as the DiT's latent cache):
+    # the run then reads latents' moments and prompt embeddings from it and never loads the text encoders.
+    latents: str = ""
 
 
 # finetune=lora (common/lora.py): the joint attention's linears, image and text streams (diffusers' names), all by

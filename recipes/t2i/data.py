@@ -1,25 +1,40 @@
 """Text-to-image inputs: captioned image shards (python -m data.prepare_captions) decoded to RGB images in [-1, 1]
-at `data.image_size` with their captions."""
+at `data.image_size` with their captions, or the cache of the frozen encoders' outputs on them (data.latents:
+python -m data.cache_latents): per sample the VAE posterior's moments, the caption and its prompt embedding; the
+empty prompt's embedding once, beside them."""
 
 from __future__ import annotations
 
 import functools
+import io
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.config import TrainConfig
 from common.data import prepare_dataset
+from common.data.dataset import load_dataset_meta
 from common.data.webdataset import global_train_loader, iter_samples
 from common.diffusion.images import decode_png, to_model_space
+from common.diffusion.vae import LATENT_SOURCE, read_moments
 from common.distributed import DistInfo
 from common.errors import DataError
 
 CAPTIONED = "captioned_images"  # meta.json "source" of data.prepare_captions' shards
+# A cache sample's prompt embedding (float32 arrays of the values the encoders gave in the compute dtype, so casting
+# back is exact), by the transformer's argument names; the empty prompt's, once per cache, in EMPTY_PROMPT.
+TEXT_FIELDS = {"encoder_hidden_states": "context.npy", "pooled_projections": "pooled.npy"}
+EMPTY_PROMPT = "empty_prompt.npz"
 
 
 def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
     """The caption shards' meta on every rank (built by data.build if missing), checked against this run."""
-    meta = prepare_dataset(cfg.data, dist)
+    return check_captions(cfg, prepare_dataset(cfg.data, dist))
+
+
+def check_captions(cfg: TrainConfig, meta: dict) -> dict:
+    """`meta` if it is data.prepare_captions' shards at data.image_size; one DataError line otherwise."""
     if meta.get("source") != CAPTIONED:
         raise DataError(
             f"data.root={cfg.data.root} holds no captioned images (meta.json source {meta.get('source')!r}); build "
@@ -44,10 +59,94 @@ def decode_captioned(sample: dict, image_size: int) -> dict:
     }
 
 
+def decode_cached(sample: dict) -> dict:
+    """A cache sample: {"mean", "std": float [C, h, w], "caption": str, and the prompt embedding's TEXT_FIELDS}."""
+    mean, std = read_moments(sample)
+    text = {key: torch.from_numpy(np.load(io.BytesIO(sample[name]))) for key, name in TEXT_FIELDS.items()}
+    caption = sample["txt"]
+    return {
+        "mean": mean,
+        "std": std,
+        "caption": caption.decode("utf-8") if isinstance(caption, bytes) else caption,
+        **text,
+    }
+
+
 def build_train_loader(cfg: TrainConfig, dist: DistInfo, meta: dict):
-    """The resumable loader over the caption shards: one global sample stream, this rank's share of each step."""
-    decode = functools.partial(decode_captioned, image_size=cfg.data.image_size)
+    """The resumable loader over the caption shards, or over their cache (meta from load_cache_meta): one global
+    sample stream, this rank's share of each step."""
+    if meta.get("source") == LATENT_SOURCE:
+        decode = decode_cached
+    else:
+        decode = functools.partial(decode_captioned, image_size=cfg.data.image_size)
     return global_train_loader(cfg, meta["train_urls"], decode=decode, rank=dist.rank, dp=dist.world_size)
+
+
+def cache_settings(cfg: TrainConfig, identity: dict) -> dict:
+    """What a cache records of the run that may read it, and what that run checks: the pipeline's frozen encoders
+    (recipes/t2i/pipeline.py encoders_identity), the T5 length, the image size and the encoders' compute dtype."""
+    return {
+        "encoders": identity,
+        "max_sequence_length": cfg.model.max_sequence_length,
+        "image_size": cfg.data.image_size,
+        "precision": cfg.toggles.precision,
+    }
+
+
+def load_cache_meta(cfg: TrainConfig, identity: dict) -> dict:
+    """meta.json of the cache at data.latents, checked against this run (`identity`: encoders_identity of
+    model.init_from): one DataError line naming what differs and the rebuild otherwise."""
+    meta = load_dataset_meta(Path(cfg.data.latents).expanduser())
+    if meta.get("source") != LATENT_SOURCE or "encoders" not in meta:
+        raise DataError(
+            f"data.latents={cfg.data.latents} is not a text-to-image cache (meta.json source {meta.get('source')!r}); "
+            "build one with python -m data.cache_latents recipe=<this recipe> ... --out DIR"
+        )
+    want = cache_settings(cfg, identity)
+    differs = [
+        f"model.init_from's {name}"
+        for name in sorted(set(want["encoders"]) | set(meta["encoders"]))
+        if want["encoders"].get(name) != meta["encoders"].get(name)
+    ]
+    differs += [
+        f"{section}.{key}={want[key]} (the cache's: {meta.get(key)})"
+        for section, key in (("model", "max_sequence_length"), ("data", "image_size"), ("toggles", "precision"))
+        if meta.get(key) != want[key]
+    ]
+    if differs:
+        raise DataError(
+            f"data.latents={cfg.data.latents} was made with other settings than this run's: {'; '.join(differs)}; "
+            f"rebuild it: python -m data.cache_latents recipe={cfg.recipe.name} model.init_from={cfg.model.init_from} "
+            f"data.root={cfg.data.root} model.max_sequence_length={cfg.model.max_sequence_length} "
+            f"data.image_size={cfg.data.image_size} toggles.precision={cfg.toggles.precision} --out {cfg.data.latents} "
+            "--force"
+        )
+    return meta
+
+
+class CachedPrompts:
+    """The prompt encoder of a run on a cache: the embeddings of the empty prompt and of the first `n` validation
+    captions (the sample grids' prompts), read from the cache; the text encoders are not loaded for training. A
+    prompt it does not hold (the eval's held-out phrasings) loads them then, once: `load()` -> a PromptEncoder."""
+
+    def __init__(self, root: str | Path, meta: dict, n: int, *, device, dtype: torch.dtype, load):
+        with np.load(Path(root).expanduser() / EMPTY_PROMPT) as empty:
+            self.table = {"": {key: torch.from_numpy(empty[key]) for key in TEXT_FIELDS}}
+        for i, sample in enumerate(iter_samples(meta["val_urls"])):
+            if i == n:
+                break
+            cached = decode_cached(sample)
+            self.table[cached["caption"]] = {key: cached[key] for key in TEXT_FIELDS}
+        self.device, self.dtype, self.load, self.encoder = device, dtype, load, None
+
+    def __call__(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        if any(p not in self.table for p in prompts):
+            if self.encoder is None:
+                self.encoder = self.load()
+            return self.encoder(prompts)
+        return {
+            key: torch.stack([self.table[p][key] for p in prompts]).to(self.device, self.dtype) for key in TEXT_FIELDS
+        }
 
 
 def val_captions(meta: dict, n: int) -> list[str]:

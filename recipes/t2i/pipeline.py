@@ -95,6 +95,25 @@ def check_patches(transformer: dict, factor: int, image_size: int, source: str) 
         )
 
 
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def encoders_identity(folder: Path) -> dict:
+    """What a cache of the pipeline's frozen encoders records of them (recipes/t2i/data.py): each text encoder's and
+    the VAE's config (version stamps left out) and weights fingerprint (common/weights.py), by subfolder name."""
+    from common.diffusion.vae import vae_identity
+    from common.weights import fingerprint
+
+    index = json.loads((folder / "model_index.json").read_text())
+    out = {"vae": vae_identity(folder / "vae")}
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        if index.get(name, [None, None])[0] is not None:
+            config = json.loads((folder / name / "config.json").read_text())
+            config = {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}
+            out[name] = {"config": config, "weights": fingerprint(folder / name, f"model.init_from={folder}")}
+    return out
+
+
 def load_transformer(folder: Path):
     """The pipeline's transformer in fp32 (the engine casts it to the compute dtype), in training mode."""
     from diffusers import SD3Transformer2DModel

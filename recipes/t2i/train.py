@@ -4,8 +4,9 @@ diffusers' StableDiffusion3Pipeline loads.
 
 The diffusion core is the one the class-conditional DiT uses (common/diffusion: the flow objective, the VAE's
 latent path and the sampler) and common/'s (the EMA, the engine, the step): this family adds only what text
-conditioning changes -- the frozen text encoders run on the fly in the compute dtype, caption dropout to the empty
-prompt's embedding, the pipeline folder in and out. Read top to bottom: setup → the loss → hooks → samples → export.
+conditioning changes -- the frozen text encoders run on the fly in the compute dtype (or their outputs are read from
+a cache, data.latents), caption dropout to the empty prompt's embedding, the pipeline folder in and out. Read top
+to bottom: setup → the loss → hooks → samples → export.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
 from recipes.t2i import lora as t2i_lora
-from recipes.t2i.data import build_train_loader, prepare_data, val_captions
+from recipes.t2i.data import CachedPrompts, build_train_loader, load_cache_meta, prepare_data, val_captions
 from recipes.t2i.evaluate import (
     NUM_DIGITS,
     eval_prompts,
@@ -42,7 +43,15 @@ from recipes.t2i.evaluate import (
     through_vae,
 )
 from recipes.t2i.parallelize import parallelize
-from recipes.t2i.pipeline import PromptEncoder, load_transformer, pipeline_folder, scheduler_config, write_pipeline
+from recipes.t2i.pipeline import (
+    COMPUTE_DTYPES,
+    PromptEncoder,
+    encoders_identity,
+    load_transformer,
+    pipeline_folder,
+    scheduler_config,
+    write_pipeline,
+)
 from recipes.t2i.sampling import PromptSampler
 
 SAMPLE_PROMPTS = 8  # a sample grid: this many held-out captions, one row each
@@ -63,11 +72,15 @@ class T2ITrainer(Trainer):
         if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
             lora.check_resume(read_meta(self.resume_from), cfg, self.lora_base, self.resume_from)
         self.meta = meta = prepare_data(cfg, dist)
-        loader = build_train_loader(cfg, dist, meta)
+        # data.latents: the frozen encoders' outputs read from their cache (data/cache_latents.py), checked first.
+        cache = load_cache_meta(cfg, encoders_identity(self.base)) if cfg.data.latents else None
+        loader = build_train_loader(cfg, dist, cache or meta)
         self.prompts = val_captions(meta, SAMPLE_PROMPTS)
         # Frozen, eval, fp32 and outside the module DeepSpeed wraps: never trained, never partitioned.
         self.geometry = vae_lib.vae_geometry(self.base / "vae", cfg.data.image_size)
         self.vae = vae_lib.load_vae(self.geometry, self.device)
+        if cache and not cfg.trainer.eval:  # the eval renders real images through the VAE: it keeps the encoder
+            self.vae.encoder = self.vae.quant_conv = None  # only sample grids decode; the cache holds the moments
 
         self.objective = Objective(cfg.diffusion)  # flow; its schedule's keys came from the base's scheduler
         seed_everything(cfg.trainer.seed)
@@ -76,14 +89,26 @@ class T2ITrainer(Trainer):
         self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
-        # The text encoders: frozen, in the compute dtype, beside the engine like the VAE.
-        encode = PromptEncoder(
+        # The text encoders: frozen, in the compute dtype, beside the engine like the VAE; or their cached outputs.
+        load_encoders = functools.partial(
+            PromptEncoder,
             self.base,
             device=self.device,
             dtype=self.dtype,
             max_sequence_length=cfg.model.max_sequence_length,
             joint_dim=model.config.joint_attention_dim,
         )
+        if cache:
+            if COMPUTE_DTYPES.get(cfg.toggles.precision) != self.dtype:
+                raise ConfigError(
+                    f"data.latents: toggles.precision={cfg.toggles.precision} computes in {self.dtype}; a cache holds "
+                    "embeddings computed in fp32, bf16 or fp16: train without data.latents"
+                )
+            encode = CachedPrompts(
+                cfg.data.latents, cache, SAMPLE_PROMPTS, device=self.device, dtype=self.dtype, load=load_encoders
+            )
+        else:
+            encode = load_encoders()
         self.sampler = PromptSampler(self.model, encode, self.vae, self.geometry, scheduler_config(self.base))
         self.encode, self.empty = encode, self.sampler.empty  # caption dropout trains on the empty prompt
         self.ema = EMA(self.model, cfg.diffusion.ema_decay)
@@ -102,12 +127,16 @@ class T2ITrainer(Trainer):
         a fixed order (posterior noise, flow noise, timestep, caption drop): the same numbers whatever rank,
         micro-batch or layout takes the sample."""
         rngs = sample_rngs(self.cfg.trainer.seed, batch["sample_ids"])
-        mean, std = vae_lib.posterior(self.vae, batch["image"].to(self.device))
+        if "mean" in batch:  # a cache (data.latents): the posterior's moments and the prompt embeddings, read
+            mean, std = batch["mean"].to(self.device), batch["std"].to(self.device)
+            text = {key: batch[key].to(self.device, self.dtype) for key in self.empty}
+        else:
+            mean, std = vae_lib.posterior(self.vae, batch["image"].to(self.device))
+            text = self.encode(batch["caption"])
         x0 = vae_lib.to_latents(mean, std, self.normal(rngs, mean.shape[1:]), self.geometry)
         noise = self.normal(rngs, x0.shape[1:])
         x_t, t, target = self.objective.noisy(x0, noise, self.objective.timesteps(rngs))
         drop = per_sample(rngs, lambda r: r.random()).to(self.device) < self.cfg.data.caption_dropout
-        text = self.encode(batch["caption"])
         for key, value in text.items():  # a dropped caption is the empty prompt's embedding
             text[key] = torch.where(drop.view(-1, *[1] * (value.dim() - 1)), self.empty[key], value)
         pred = self.engine.model(x_t.to(self.dtype), timestep=t, **text).sample
