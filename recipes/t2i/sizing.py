@@ -170,8 +170,9 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     note = (
         f"held whole on every GPU (in weights): the text encoders ({parts}) in {cfg.toggles.precision}, "
         f"{encoders * e / GB:.2f} GB, and the VAE ({arch.vae_params / 1e6:.1f}M) in fp32, "
-        f"{arch.vae_params * 4 / GB:.2f} GB: they encode every batch on the fly (no text-embedding or latent cache "
-        f"yet); the transformer's buffers {buffers * e / GB:.2f} GB. {seq} tokens = {image_tokens} image + "
+        f"{arch.vae_params * 4 / GB:.2f} GB: they encode every batch on the fly (a run on a data.latents cache loads "
+        f"them only for its eval, after training: not subtracted here); the transformer's buffers "
+        f"{buffers * e / GB:.2f} GB. {seq} tokens = {image_tokens} image + "
         f"{arch.clip_length} CLIP + {cfg.model.max_sequence_length} T5 (joint attention). Not counted: the encoders' "
         f"no-grad forward before each micro-batch (the VAE encoder at data.image_size={cfg.data.image_size}) and "
         f"the patch embedding and final projection outside the layers. Sized from {arch.source}."

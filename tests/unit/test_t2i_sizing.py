@@ -127,7 +127,7 @@ def test_sd35_medium_is_the_release_sized_without_its_folder():
     assert spec.total_params == sum(p.numel() for p in reference.parameters()) == 2_243_171_520
     assert spec.seq == 4096 + 77 + 256 and spec.micro_batch == cfg.trainer.micro_batch_size
     assert spec.block.qk_norm and spec.block.attention2 == pytest.approx(13 / 24 * 4096 / spec.seq)
-    assert "no text-embedding or latent cache yet" in spec.note and "T5-XXL 4.76B" in spec.note
+    assert "a run on a data.latents cache loads them only for its eval" in spec.note and "T5-XXL 4.76B" in spec.note
 
 
 def test_an_unknown_missing_pipeline_is_one_line_when_sizing():
