@@ -1,4 +1,5 @@
-"""Sequence packing: bin variable-length samples into fixed-length rows, with per-sample attention isolation.
+"""Sequence packing: bin variable-length samples into rows (of max_seq_len tokens, or as short as the samples allow:
+``fit_rows``), with per-sample attention isolation.
 
 One metadata structure -- ``cu_seqlens`` / ``max_seqlen`` over the flattened ``[R*L]`` token
 stream -- drives both attention paths:
@@ -228,11 +229,20 @@ def _build(
     )
 
 
-def pack_samples(samples: list[dict], max_seq_len: int, pad_id: int) -> PackedBatch:
+ROW_ALIGN = 8  # fit_rows: a row's length is a multiple of this (kernels like aligned shapes)
+
+
+def pack_samples(samples: list[dict], max_seq_len: int, pad_id: int, *, fit_rows: bool = False) -> PackedBatch:
     """Packing on: FFD-pack ``samples`` into rows of exactly ``max_seq_len`` tokens.
 
     ``samples``: dicts with ``input_ids`` and ``labels`` (1-D LongTensor or list of ints, same
     length; callers have already put -100 on prompt/image tokens).
+
+    ``fit_rows``: as many rows as FFD needs, but as short as the samples allow: filled evenly (:func:`even_rows`)
+    and cut to the longest row's fill, rounded up to a multiple of ROW_ALIGN (never above ``max_seq_len``). The
+    padding FFD leaves in its last row is then spread thin: on few samples per rank (a micro-batch of short
+    conversations split over dp ranks) it is most of the padding. For callers whose shapes may vary per batch in
+    both dimensions (the VLM); the LLM keeps fixed-length rows (sequence and pipeline parallelism want them).
 
     The VLM reorders ``pixel_values`` by ``PackedBatch.order`` so images line up with the
     ``<image>`` tokens in row-major order.
@@ -240,8 +250,29 @@ def pack_samples(samples: list[dict], max_seq_len: int, pad_id: int) -> PackedBa
     if not samples:
         raise ValueError("cannot pack an empty list of samples")
     tensors = _as_tensors(samples)
-    rows = pack_ffd([ids.numel() for ids, _ in tensors], max_seq_len)
-    return _build(tensors, rows, max_seq_len, pad_id)
+    lengths = [ids.numel() for ids, _ in tensors]
+    rows = pack_ffd(lengths, max_seq_len)
+    row_len = max_seq_len
+    if fit_rows:
+        even = even_rows(lengths, len(rows))
+        if max(sum(lengths[i] for i in row) for row in even) <= max_seq_len:
+            rows = even
+        fill = max(sum(lengths[i] for i in row) for row in rows)
+        row_len = min(max_seq_len, -(-fill // ROW_ALIGN) * ROW_ALIGN)
+    return _build(tensors, rows, row_len, pad_id)
+
+
+def even_rows(lengths: Sequence[int], num_rows: int) -> list[list[int]]:
+    """``lengths`` spread over ``num_rows`` rows as evenly as greedy allows: longest first (ties by index), each into
+    the least-filled row (the lowest-numbered of equals). Longest-processing-time scheduling: the fullest row holds
+    at most 4/3 of the optimum (Graham 1969). Deterministic; within a row, indices in placement order."""
+    fill = [0] * num_rows
+    rows: list[list[int]] = [[] for _ in range(num_rows)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(num_rows), key=lambda r: (fill[r], r))
+        rows[r].append(i)
+        fill[r] += lengths[i]
+    return rows
 
 
 def pad_samples(samples: list[dict], pad_id: int, max_seq_len: int | None = None) -> PackedBatch:

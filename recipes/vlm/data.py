@@ -273,7 +273,10 @@ def collate(samples: list[dict], *, packing: bool, max_seq_len: int, pad_id: int
     real = samples
     if blank is not None and not any(_images(s) for s in samples):
         samples = [*samples, blank]
-    packed: PackedBatch = pack_samples(samples, max_seq_len, pad_id) if packing else pad_samples(samples, pad_id)
+    # Rows as short as the samples allow (fit_rows): a rank's share of the global batch is few samples.
+    packed: PackedBatch = (
+        pack_samples(samples, max_seq_len, pad_id, fit_rows=True) if packing else pad_samples(samples, pad_id)
+    )
     # Images in the order their <image> tokens appear in the row-major flattened batch.
     images = [image for i in packed.order for image in _images(samples[i])]
     return {

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.data.packing import IGNORE_INDEX, pack_ffd, pack_samples, pad_samples
+from common.data.packing import IGNORE_INDEX, ROW_ALIGN, even_rows, pack_ffd, pack_samples, pad_samples
 
 FAST = settings(max_examples=150, deadline=None)
 
@@ -210,6 +210,36 @@ def test_pack_samples_metadata(lengths, max_seq_len):
     batch = pack_samples(samples, max_seq_len, pad_id=0)
     _check_batch(batch, samples, max_seq_len, pad_id=0)
     assert batch.num_rows == len(pack_ffd(lengths, max_seq_len))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 48), min_size=1, max_size=24), st.integers(48, 96))
+def test_fit_rows_keeps_ffds_rows_and_cuts_their_padding(lengths, max_seq_len):
+    """fit_rows: FFD's number of rows, each row as long as the fullest (rounded up to ROW_ALIGN, at most
+    max_seq_len), every sample and mask as the brute force has them, never more padding than FFD's rows."""
+    samples = _samples(lengths, seed=3)
+    fitted = pack_samples(samples, max_seq_len, pad_id=0, fit_rows=True)
+    fill = max(map(sum, fitted.seq_lens))
+    assert fitted.row_len % ROW_ALIGN == 0 or fitted.row_len == max_seq_len
+    assert fill <= fitted.row_len < fill + ROW_ALIGN and fitted.row_len <= max_seq_len
+    _check_batch(fitted, samples, fitted.row_len, pad_id=0)
+    ffd = pack_samples(samples, max_seq_len, pad_id=0)
+    assert fitted.num_rows == ffd.num_rows and fitted.utilization >= ffd.utilization
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=7), st.integers(1, 3))
+def test_even_rows_is_within_four_thirds_of_the_best_split(lengths, num_rows):
+    """Against the optimum found by trying every assignment: the fullest row is at most 4/3 of the best one's."""
+    import itertools
+
+    rows = even_rows(lengths, num_rows)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths))) and len(rows) == num_rows
+    best = min(
+        max(sum(n for n, r in zip(lengths, assign) if r == row) for row in range(num_rows))
+        for assign in itertools.product(range(num_rows), repeat=len(lengths))
+    )
+    assert max(sum(lengths[i] for i in row) for row in rows) <= best * 4 / 3
 
 
 @settings(max_examples=40, deadline=None)
