@@ -3,6 +3,8 @@
     python -m data.prepare_captions --input ~/data/captioned --out data/captioned --image-size 512
                                     [--train-shards 8] [--val-shards 2] [--val-fraction 0.05] [--seed 0] [--force]
     python -m data.prepare_captions --digits --out data/cache/captioned_digits --image-size 16   # the t2i_tiny demo
+    python -m data.prepare_captions --input ... --image-size 512 --buckets [1:2,2:3,3:4,1:1,4:3,3:2,2:1]
+                                    [--bucket-multiple 16] [--max-bad-samples N]
 
 A caption per image, in either of the layouts diffusers' ImageFolder and its training scripts read:
 ``name.txt`` beside ``name.png`` (any image extension), or one ``metadata.jsonl`` in --input with a
@@ -13,15 +15,24 @@ prepare_images does (``center_crop``), and stored as ``{__key__, png: RGB PNG, t
 An image that does not decode, an image without a caption and an image whose caption is empty (whitespace only)
 are skipped and counted (meta.json ``skipped``: file names by reason, and the summary line). A caption file that
 is not UTF-8 text, a metadata.jsonl line that is not a {"file_name", "text"} object, or no captioned image at all
-stop with one line (exit 2). ``--digits`` captions scikit-learn's digits in several phrasings ("a handwritten
+stop with one line (exit 2), and so do more skipped images than ``--max-bad-samples`` (no limit by default;
+nothing is written then). ``--digits`` captions scikit-learn's digits in several phrasings ("a handwritten
 seven", "the digit 7", ...: common/tools/fixtures.py) and converts them the same way. Like the other builders,
 DIR appears at once with meta.json written last.
+
+Aspect-ratio buckets (``--buckets``, as SDXL and SimpleTuner train; the run's data.buckets=true reads them): a bucket
+shape per aspect ratio (width:height), of about --image-size squared pixels with both sides multiples of
+``--bucket-multiple`` (the VAE's downsampling x the transformer's patch size: 16 for SD3's 8 x 2; the run checks it
+against model.init_from). Each image is resized to cover the bucket whose aspect ratio is nearest its own (in log
+ratio, the first of equals) and center-cropped to it -- never squashed or padded -- and its sample gets a ``bucket``
+field, ``WxH``. meta.json ``buckets``: the ratios, the multiple, the shapes and each split's samples per shape.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import tempfile
@@ -37,6 +48,74 @@ from data.prepare_images import IMAGE_EXTENSIONS, encode_image
 SOURCE = "captioned_images"  # recipes.t2i.data.CAPTIONED: what the text-to-image recipe reads
 METADATA = "metadata.jsonl"
 SKIP_REASONS = ("undecodable", "no_caption", "empty_caption")
+ASPECT_RATIOS = ("1:2", "2:3", "3:4", "1:1", "4:3", "3:2", "2:1")  # --buckets' default: portrait 1:2 to landscape 2:1
+BUCKET_MULTIPLE = 16  # SD3's VAE downsamples by 8 and its transformer patches 2x2
+
+
+def parse_ratio(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(x) for x in text.split(":"))
+        if w > 0 and h > 0:
+            return w, h
+    except ValueError:
+        pass
+    raise ValueError(f"--buckets: {text!r} is not an aspect ratio width:height of positive integers (e.g. 3:2)")
+
+
+def bucket_shapes(image_size: int, ratios, multiple: int) -> list[tuple[int, int]]:
+    """(width, height) per aspect ratio, of about image_size^2 pixels, both sides multiples of `multiple` (at least
+    one multiple); distinct, from the tallest to the widest. ValueError for an image size `multiple` does not divide."""
+    if multiple < 1 or image_size % multiple:
+        raise ValueError(
+            f"--image-size {image_size} must be a multiple of --bucket-multiple {multiple} (the VAE's downsampling x "
+            "the transformer's patch size)"
+        )
+    shapes = set()
+    for text in ratios:
+        w, h = parse_ratio(text)
+        side = lambda x: max(multiple, round(image_size * math.sqrt(x) / multiple) * multiple)  # noqa: E731
+        shapes.add((side(w / h), side(h / w)))
+    return sorted(shapes, key=lambda s: s[0] / s[1])
+
+
+def nearest_bucket(width: int, height: int, shapes: list[tuple[int, int]]) -> tuple[int, int]:
+    """The shape whose aspect ratio is nearest width/height in log ratio (the first of equals)."""
+    return min(shapes, key=lambda s: abs(math.log(width / height) - math.log(s[0] / s[1])))
+
+
+def cover_crop(image, width: int, height: int):
+    """`image` resized (box-halved while twice the target, then bicubic) to cover width x height, center-cropped."""
+    from PIL import Image
+
+    while image.size[0] >= 2 * width and image.size[1] >= 2 * height:
+        image = image.resize(tuple(x // 2 for x in image.size), resample=Image.BOX)
+    scale = max(width / image.size[0], height / image.size[1])
+    size = (max(width, round(image.size[0] * scale)), max(height, round(image.size[1] * scale)))
+    image = image.resize(size, resample=Image.BICUBIC)
+    left, top = (size[0] - width) // 2, (size[1] - height) // 2
+    return image.crop((left, top, left + width, top + height))
+
+
+def encode_bucketed(path: Path, shapes: list[tuple[int, int]]) -> tuple[bytes, tuple[int, int]]:
+    """The file as an RGB PNG of its nearest bucket's shape, and that shape; raises what PIL raises for a bad file."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(path) as im:
+        shape = nearest_bucket(*im.size, shapes)
+        image = cover_crop(im.convert("RGB"), *shape)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue(), shape
+
+
+def check_skipped(skipped: dict[str, list[str]], max_bad_samples: int | None, what: str) -> None:
+    """ValueError when more images were skipped than `max_bad_samples` (None: no limit)."""
+    n = sum(map(len, skipped.values()))
+    if max_bad_samples is not None and n > max_bad_samples:
+        meta = {"skipped": skipped}
+        raise ValueError(f"{skip_summary(meta)}, more than {what}={max_bad_samples}: fix or remove them, or raise it")
 
 
 def list_captioned(root: Path) -> tuple[list[Path], list[str | None]]:
@@ -87,7 +166,14 @@ def split_rows(n: int, *, val_fraction: float, seed: int) -> dict[str, np.ndarra
 
 
 def _settings(meta: dict) -> dict:
-    return {"input": meta.get("input"), "image_size": meta.get("image_size"), **shards.split_settings(meta)}
+    buckets = meta.get("buckets") or {}
+    return {
+        "input": meta.get("input"),
+        "image_size": meta.get("image_size"),
+        **shards.split_settings(meta),
+        "buckets": buckets.get("aspect_ratios"),
+        "bucket_multiple": buckets.get("multiple"),
+    }
 
 
 def build_caption_shards(
@@ -100,8 +186,14 @@ def build_caption_shards(
     val_fraction: float = 0.05,
     seed: int = 0,
     force: bool = False,
+    buckets: list[str] | tuple[str, ...] | None = None,
+    bucket_multiple: int = BUCKET_MULTIPLE,
+    max_bad_samples: int | None = None,
 ) -> tuple[dict, bool]:
-    """Build the dataset in ``out`` unless a complete one is there. Returns (meta, built_now)."""
+    """Build the dataset in ``out`` unless a complete one is there. Returns (meta, built_now). ``buckets``: aspect
+    ratios (``"3:2"``) to bucket by (the module docstring); ``max_bad_samples``: the most images skipped."""
+    shapes = bucket_shapes(image_size, buckets, bucket_multiple) if buckets else None
+    per_bucket: dict[str, dict[str, int]] = {}
     out, root = Path(out).absolute(), Path(input).expanduser().absolute()
     images, captions = list_captioned(root)
     skipped: dict[str, list[str]] = {reason: [] for reason in SKIP_REASONS}
@@ -114,6 +206,7 @@ def build_caption_shards(
             skipped["empty_caption"].append(name)
         else:
             usable.append((path, caption.strip()))
+    check_skipped(skipped, max_bad_samples, "--max-bad-samples")
     if len(usable) < 2:
         raise ValueError(
             f"--input {root}: {len(usable)} captioned image(s); a caption per image is name.txt beside name.png, "
@@ -131,18 +224,35 @@ def build_caption_shards(
             with wds.TarWriter(str(tmp / name), mtime=0) as sink:
                 for row in chunk:
                     try:
-                        png = encode_image(paths[row], image_size)
+                        if shapes:
+                            png, shape = encode_bucketed(paths[row], shapes)
+                        else:
+                            png = encode_image(paths[row], image_size)
                     except Exception:  # PIL raises many kinds (UnidentifiedImageError, OSError, ValueError, ...)
                         skipped["undecodable"].append(str(paths[row].relative_to(root)))
                         continue
-                    sink.write({"__key__": f"{split}_{row:07d}", "png": png, "txt": texts[row]})
+                    sample = {"__key__": f"{split}_{row:07d}", "png": png, "txt": texts[row]}
+                    if shapes:
+                        sample["bucket"] = f"{shape[0]}x{shape[1]}"
+                        counts = per_bucket.setdefault(split, {f"{w}x{h}": 0 for w, h in shapes})
+                        counts[sample["bucket"]] += 1
+                    sink.write(sample)
                     count += 1
             written.append({"name": name, "samples": count, "bytes": (tmp / name).stat().st_size})
         if split == "train" and not sum(w["samples"] for w in written):
             raise ValueError(f"--input {root}: no decodable training image")
+        check_skipped(skipped, max_bad_samples, "--max-bad-samples")
         return written
 
     def start_meta(tmp: Path) -> dict[str, Any]:
+        bucketed = {}
+        if shapes:
+            bucketed["buckets"] = {
+                "aspect_ratios": list(buckets),
+                "multiple": bucket_multiple,
+                "shapes": [list(s) for s in shapes],
+                "samples": per_bucket,  # {split: {"WxH": samples}}, filled while the shards are written
+            }
         return {
             "source": SOURCE,
             "input": str(root),
@@ -153,6 +263,7 @@ def build_caption_shards(
             "seed": seed,
             "val_fraction": val_fraction,
             "skipped": skipped,  # filled while the shards are written
+            **bucketed,
         }
 
     return shards.build_atomically(
@@ -187,6 +298,26 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         source.add_argument("--input", type=Path, help="a folder of images with name.txt captions or metadata.jsonl")
         source.add_argument("--digits", action="store_true", help="scikit-learn's digits, captioned (the demo)")
         parser.add_argument("--image-size", required=True, type=positive_int, help="side of the square images written")
+        parser.add_argument(
+            "--buckets",
+            nargs="?",
+            const=",".join(ASPECT_RATIOS),
+            default=None,
+            help="aspect-ratio buckets of about --image-size^2 pixels: width:height ratios, comma-separated "
+            f"(default {','.join(ASPECT_RATIOS)})",
+        )
+        parser.add_argument(
+            "--bucket-multiple",
+            type=positive_int,
+            default=BUCKET_MULTIPLE,
+            help="both sides of every bucket are multiples of this: the VAE's downsampling x the patch size",
+        )
+        parser.add_argument(
+            "--max-bad-samples",
+            type=int,
+            default=None,
+            help="stop (nothing written) when more images than this are skipped (default: no limit)",
+        )
 
     parser = shards.arg_parser(
         "python -m data.prepare_captions",
@@ -217,15 +348,26 @@ def main(argv: list[str] | None = None) -> int:
             root = make_caption_folder(Path(scratch) / "digits", per_digit=180, size=8, bad=False)
         else:
             root = args.input.expanduser().absolute()
-        build = lambda out, **kw: build_caption_shards(out, input=root, image_size=args.image_size, **kw)  # noqa: E731
-        also = {"input": str(root), "image_size": args.image_size}
+        ratios = args.buckets.split(",") if args.buckets else None
+        extra = dict(buckets=ratios, bucket_multiple=args.bucket_multiple, max_bad_samples=args.max_bad_samples)
+        build = lambda out, **kw: build_caption_shards(out, input=root, image_size=args.image_size, **extra, **kw)  # noqa: E731
+        also = {
+            "input": str(root),
+            "image_size": args.image_size,
+            "buckets": ratios,
+            "bucket_multiple": args.bucket_multiple if ratios else None,
+        }
         meta, rc = shards.cli_build(
             build, out, wanted, force=args.force, settings=_settings, holds="caption shards", show_wanted=True,
             also_wanted=also,
         )  # fmt: skip
     if meta is None:
         return rc
-    print(f"{shards.summary(out, meta)}; {args.image_size}x{args.image_size} RGB with captions; {skip_summary(meta)}")
+    shape = f"{args.image_size}x{args.image_size}"
+    if meta.get("buckets"):
+        train = meta["buckets"]["samples"].get("train", {})
+        shape = "buckets " + ", ".join(f"{k} ({n})" for k, n in train.items())
+    print(f"{shards.summary(out, meta)}; {shape} RGB with captions; {skip_summary(meta)}")
     return 0
 
 

@@ -45,6 +45,17 @@ skipping only this rank's would lose more data for nothing. A micro-batch whose 
 is kept if the recipe's collate takes an empty list (the VLM's: a blank, unlabelled image) and is a
 DataError otherwise (the DiT's). ``max_corrupt_shards`` bounds the distinct corrupt shards each rank
 has met; a checkpoint records those of every rank (a union, gathered when it is saved).
+
+Grouped global batches (``group``: e.g. the text-to-image recipe's aspect-ratio buckets). With a ``group``
+function of the raw sample (cheap: it reads a small field, decodes nothing) each global batch is made of one
+group's samples: the stream's samples queue per group, in stream order, and a group whose queue reaches a
+global batch is emitted as the next global batch (positions ``j`` in queue order, then cut into ranks' shares
+and micro-batches as above). So every micro-batch of every rank holds one group, and the global batches are a
+function of the stream and the global batch size alone, the same for any layout. What waits in the queues is
+a function of the position too: a resumed worker replays its stream from the epoch's start, refilling the
+queues without decoding anything, up to the saved ``drawn`` -- the state stays the same small position. A
+shard found unreadable is re-found at the same stream position during the replay. At an epoch's end the
+samples still queued (fewer than a global batch per group) are dropped, as the final partial batch is.
 """
 
 from __future__ import annotations
@@ -167,9 +178,10 @@ class _EpochStream(IterableDataset):
         epoch: int,
         resume: list[dict] | None,
         known_bad: frozenset[str] = frozenset(),
+        group: Callable[[dict], Any] | None = None,
     ):
         super().__init__()
-        self.urls, self.decode, self.collate, self.share = urls, decode, collate, share
+        self.urls, self.decode, self.collate, self.share, self.group = urls, decode, collate, share, group
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.num_slots = max(1, num_workers)
         self.seed, self.shuffle_buffer, self.shuffle_shards = seed, shuffle_buffer, shuffle_shards
@@ -206,7 +218,8 @@ class _EpochStream(IterableDataset):
         start = resume[worker] if resume else {"drawn": 0, "batches": 0, "bad": {}}
         # url -> reason. Seeded from the saved position: those shards were found corrupt
         # (perhaps by decoding a sample we now skip without decoding) before the stop point.
-        bad: dict[str, str] = dict(start["bad"])
+        # Grouped: re-found while the replay reads to the saved position (the module docstring).
+        bad: dict[str, str] = {} if self.group is not None else dict(start["bad"])
 
         def raw_samples() -> Iterator[dict]:
             # Reads every shard to its end (or first tar error) whatever `bad` holds, so the raw
@@ -254,13 +267,27 @@ class _EpochStream(IterableDataset):
             stream = wds.shuffle(bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(stream)
 
         drawn, batches, batch, usable = 0, start["batches"], [], 0
+        queues: dict[Any, list[tuple[int, dict | None]]] = {}  # grouped: group -> its queued (position, sample)
         for sample in stream:
             drawn += 1
-            if drawn <= start["drawn"]:
+            if self.group is not None:
+                if sample.get("__url__") in bad:
+                    continue
+                key = self.group(sample)
+                queue = queues.setdefault(key, [])
+                j = len(queue)  # another rank's sample is counted, not kept
+                queue.append((j, sample if self.share.owns(j) else None))
+                if len(queue) < self.batch_size:
+                    continue
+                del queues[key]
+                if drawn <= start["drawn"]:
+                    continue  # replayed: handed out before the resume; not decoded
+                out = self._rank_share([(j, s) for j, s in queue if s is not None], decode)
+            elif drawn <= start["drawn"]:
                 continue  # fast-forward: already consumed by the caller before the resume; not decoded
-            if sample.get("__url__") in bad:
+            elif sample.get("__url__") in bad:
                 continue  # "skip the rest of a corrupt shard", also for samples still in the shuffle buffer
-            if self.share is not None:
+            elif self.share is not None:
                 # Grouped by stream position, undecoded: another rank's sample is counted and dropped.
                 if self.share.owns(usable):
                     batch.append((usable, sample))
@@ -338,6 +365,7 @@ class ResumableLoader:
         max_corrupt_shards: int,
         pin_memory: bool,
         share: RankShare | None = None,
+        group: Callable[[dict], Any] | None = None,
     ):
         self._cfg = dict(
             urls=list(urls),
@@ -351,6 +379,7 @@ class ResumableLoader:
             shuffle_buffer=shuffle_buffer,
             shuffle_shards=shuffle_shards,
             share=share,
+            group=group,
         )
         # Whose data this is, for messages: with a share the stream is rank 0 of 1 on every data-parallel rank.
         self._rank = rank if share is None else share.rank
@@ -381,7 +410,7 @@ class ResumableLoader:
         return {
             k: c[k]
             for k in ("rank", "world_size", "num_workers", "batch_size", "seed", "shuffle_buffer", "shuffle_shards")
-        } | {"num_urls": len(c["urls"]), "url_names_sha1": names}
+        } | {"num_urls": len(c["urls"]), "url_names_sha1": names, "grouped": c["group"] is not None}
 
     def state_dict(self) -> dict:
         """Position after the last batch handed out. Small and JSON-able; one per rank."""
@@ -529,6 +558,7 @@ def build_webdataset_loader(
     shuffle_shards: bool = True,
     pin_memory: bool = False,
     share: RankShare | None = None,
+    group: Callable[[dict], Any] | None = None,
 ) -> ResumableLoader:
     """Resumable loader over WebDataset tar shards for one rank; see the module docstring.
 
@@ -540,7 +570,8 @@ def build_webdataset_loader(
     ``max_corrupt_shards`` distinct ones were seen on this rank, then DataError.
 
     With ``share`` (rank 0 of 1, ``batch_size`` its global batch) the loader yields that data-parallel
-    rank's part of each global batch, decoded and collated in the workers: see the module docstring.
+    rank's part of each global batch, decoded and collated in the workers: see the module docstring. With a
+    ``share``, ``group`` (picklable, of the raw sample) makes each global batch one group's samples (idem).
     """
     urls = [str(u) for u in urls]
     if not urls:
@@ -561,6 +592,8 @@ def build_webdataset_loader(
             f"a share of the global stream needs rank 0 of 1 and its global batch: got rank {rank} of "
             f"{world_size}, batch_size {batch_size}, {share}"
         )
+    if group is not None and share is None:
+        raise ValueError("grouped batches are made of the global stream: a group needs a share")
     missing = [u for u in urls if _is_local(u) and not os.path.isfile(u)]
     if missing:
         raise FileNotFoundError(f"{len(missing)} shard file(s) missing, first: {missing[0]}")
@@ -585,6 +618,7 @@ def build_webdataset_loader(
         max_corrupt_shards=max_corrupt_shards,
         pin_memory=pin_memory,
         share=share,
+        group=group,
     )
 
 
@@ -598,6 +632,7 @@ def train_loader(
     batch_size: int | None = None,
     collate: Callable | None = None,
     share: RankShare | None = None,
+    group: Callable[[dict], Any] | None = None,
 ) -> ResumableLoader:
     """A recipe's training loader: `build_webdataset_loader` with what the config says of every recipe's
     (``data.num_workers``, ``data.shuffle_buffer``, ``data.max_corrupt_shards``, ``trainer.seed``;
@@ -614,6 +649,7 @@ def train_loader(
         shuffle_buffer=cfg.data.shuffle_buffer,
         max_corrupt_shards=cfg.data.max_corrupt_shards,
         share=share,
+        group=group,
     )
 
 
@@ -747,12 +783,22 @@ def global_train_loader(
     rank: int,
     dp: int,
     collate: Callable[[list], Any] = default_collate,
+    group: Callable[[dict], Any] | None = None,
 ) -> GlobalBatches:
     """A recipe's training loader over one global stream (:class:`GlobalBatches`): ``decode`` and ``collate`` run in
-    the loader's workers, on this rank's samples only (both picklable: module-level functions or partials)."""
+    the loader's workers, on this rank's samples only (both picklable: module-level functions or partials); with
+    ``group`` (of the raw sample, picklable) each global batch holds one group (the module docstring)."""
     t = cfg.trainer
     share = RankShare(rank=rank, dp=dp, micro=t.micro_batch_size, accum=t.grad_accum)
     inner = train_loader(
-        cfg, urls, decode=decode, collate=collate, rank=0, world_size=1, batch_size=share.global_batch, share=share
+        cfg,
+        urls,
+        decode=decode,
+        collate=collate,
+        rank=0,
+        world_size=1,
+        batch_size=share.global_batch,
+        share=share,
+        group=group,
     )
     return GlobalBatches(inner, rank=rank, dp=dp, micro=t.micro_batch_size, accum=t.grad_accum)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -34,6 +35,13 @@ class T2IDataConfig(DataConfig):
     # A cache of the frozen encoders' outputs on data.root (python -m data.cache_latents, as the DiT's latent cache):
     # the run then reads latents' moments and prompt embeddings from it and never loads the text encoders.
     latents: str = ""
+    # Aspect-ratio buckets: data.root built with prepare_captions --buckets (shapes of about data.image_size^2 pixels,
+    # each image cropped to its nearest aspect ratio's); every global batch is one bucket's (common/data/webdataset.py).
+    # Sample grids, the eval and the export stay square at data.image_size.
+    buckets: bool = False
+    # The most images prepare_captions may have skipped (meta.json `skipped`: undecodable, no or empty caption);
+    # null: no limit. The builder's --max-bad-samples stops a build the same way.
+    max_bad_samples: Optional[int] = None  # noqa: UP045 (OmegaConf's structured configs read Optional)
 
 
 # finetune=lora (common/lora.py): the joint attention's linears, image and text streams (diffusers' names), all by
@@ -116,6 +124,13 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.data.image_size <= 0 or m.max_sequence_length <= 0:
         raise ConfigError("data.image_size and model.max_sequence_length must be > 0")
+    if cfg.data.max_bad_samples is not None and cfg.data.max_bad_samples < 0:
+        raise ConfigError(f"data.max_bad_samples={cfg.data.max_bad_samples} must be >= 0 (or null: no limit)")
+    if cfg.data.buckets and cfg.data.latents:
+        raise ConfigError(
+            "data.buckets=true with data.latents: a latent cache holds square images only; train on the bucketed "
+            "shards without data.latents"
+        )
     if not 0.0 <= cfg.data.caption_dropout < 1.0:
         raise ConfigError(f"data.caption_dropout={cfg.data.caption_dropout} must be in [0, 1)")
     if not 0.0 <= d.ema_decay < 1.0:

@@ -30,11 +30,13 @@ EMPTY_PROMPT = "empty_prompt.npz"
 
 def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
     """The caption shards' meta on every rank (built by data.build if missing), checked against this run."""
-    return check_captions(cfg, prepare_dataset(cfg.data, dist))
+    return check_captions(cfg, prepare_dataset(cfg.data, dist), dp=dist.world_size)
 
 
-def check_captions(cfg: TrainConfig, meta: dict) -> dict:
-    """`meta` if it is data.prepare_captions' shards at data.image_size; one DataError line otherwise."""
+def check_captions(cfg: TrainConfig, meta: dict, dp: int | None = None) -> dict:
+    """`meta` if it is data.prepare_captions' shards at data.image_size, bucketed as data.buckets says, with no more
+    skipped images than data.max_bad_samples; one DataError line otherwise. `dp`: a training run's data-parallel
+    ranks (None: the latent cache's build, which takes square images only)."""
     if meta.get("source") != CAPTIONED:
         raise DataError(
             f"data.root={cfg.data.root} holds no captioned images (meta.json source {meta.get('source')!r}); build "
@@ -46,15 +48,77 @@ def check_captions(cfg: TrainConfig, meta: dict) -> dict:
             f"data.image_size={cfg.data.image_size}: set data.image_size={meta['image_size']} or rebuild the shards "
             f"with prepare_captions --image-size {cfg.data.image_size}"
         )
+    limit, skipped = cfg.data.max_bad_samples, sum(map(len, meta.get("skipped", {}).values()))
+    if limit is not None and skipped > limit:
+        from data.prepare_captions import skip_summary
+
+        raise DataError(
+            f"data.root={cfg.data.root}: {skip_summary(meta)} when it was built, more than data.max_bad_samples="
+            f"{limit}: fix or remove those images and rebuild, or raise data.max_bad_samples"
+        )
+    check_buckets(cfg, meta, dp)
     return meta
 
 
-def decode_captioned(sample: dict, image_size: int) -> dict:
-    """The training loader's decode: {"image": float [3, S, S] in [-1, 1], "caption": str}."""
+def check_buckets(cfg: TrainConfig, meta: dict, dp: int | None) -> None:
+    """One DataError / ConfigError line unless the shards are bucketed exactly when data.buckets says so, a global
+    batch fits in some bucket's training samples and every bucket's shape fits model.init_from's VAE and patching."""
+    buckets = meta.get("buckets")
+    if buckets and dp is None:
+        raise DataError(
+            f"data.root={cfg.data.root} holds aspect-ratio buckets; a latent cache (data.cache_latents) takes square "
+            "images only: train on the buckets without data.latents"
+        )
+    if dp is None:
+        return
+    if cfg.data.buckets and not buckets:
+        raise DataError(
+            f"data.buckets=true but data.root={cfg.data.root} holds square images: rebuild it with python -m "
+            f"data.prepare_captions --input <images> --image-size {cfg.data.image_size} --buckets --out <data.root>"
+        )
+    if buckets and not cfg.data.buckets:
+        raise DataError(
+            f"data.root={cfg.data.root} holds aspect-ratio buckets ({', '.join(buckets['samples']['train'])}): set "
+            "data.buckets=true, or rebuild it without --buckets"
+        )
+    if not buckets:
+        return
+    t = cfg.trainer
+    need, counts = t.micro_batch_size * t.grad_accum * dp, buckets["samples"].get("train", {})
+    if max(counts.values(), default=0) < need:
+        raise DataError(
+            f"data.buckets: no bucket of data.root={cfg.data.root} holds a global batch of {need} training images "
+            f"(trainer.micro_batch_size x trainer.grad_accum x {dp} ranks; per bucket: "
+            f"{', '.join(f'{k} {n}' for k, n in counts.items())}): lower the batch or build fewer buckets"
+        )
+    folder = Path(cfg.model.init_from).expanduser()
+    if cfg.model.init_from and folder.exists():
+        from recipes.t2i.pipeline import check_patches, pipeline_folder, transformer_config, vae_factor
+
+        folder = pipeline_folder(folder)
+        for w, h in buckets["shapes"]:
+            for side in (w, h):
+                check_patches(
+                    transformer_config(folder),
+                    vae_factor(folder),
+                    side,
+                    f"model.init_from={folder}",
+                    what=f"data.buckets: data.root={cfg.data.root}'s bucket {w}x{h}",
+                )
+
+
+def bucket_of(sample: dict) -> bytes:
+    """The training loader's group under data.buckets: the sample's bucket ("WxH"), read undecoded."""
+    return sample["bucket"]
+
+
+def decode_captioned(sample: dict, image_size: int | None) -> dict:
+    """The training loader's decode: {"image": float [3, S, S] in [-1, 1], "caption": str}; image_size None: as
+    stored (a bucket's [3, H, W])."""
     image = decode_png(sample["png"], channels=3)
     caption = sample["txt"]
     return {
-        "image": to_model_space(torch.from_numpy(image)[None], image_size)[0],
+        "image": to_model_space(torch.from_numpy(image)[None], image_size or image.shape[1])[0],
         "caption": caption.decode("utf-8") if isinstance(caption, bytes) else caption,
     }
 
@@ -77,9 +141,10 @@ def build_train_loader(cfg: TrainConfig, dist: DistInfo, meta: dict):
     sample stream, this rank's share of each step."""
     if meta.get("source") == LATENT_SOURCE:
         decode = decode_cached
-    else:
-        decode = functools.partial(decode_captioned, image_size=cfg.data.image_size)
-    return global_train_loader(cfg, meta["train_urls"], decode=decode, rank=dist.rank, dp=dist.world_size)
+    else:  # data.buckets: the images as stored, each global batch one bucket's (bucket_of)
+        decode = functools.partial(decode_captioned, image_size=None if cfg.data.buckets else cfg.data.image_size)
+    group = bucket_of if cfg.data.buckets else None
+    return global_train_loader(cfg, meta["train_urls"], decode=decode, rank=dist.rank, dp=dist.world_size, group=group)
 
 
 def cache_settings(cfg: TrainConfig, identity: dict) -> dict:

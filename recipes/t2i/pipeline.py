@@ -78,19 +78,20 @@ def check_image_size(folder: str | Path, image_size: int) -> None:
     check_patches(transformer_config(folder), vae_factor(folder), image_size, f"model.init_from={folder}")
 
 
-def check_patches(transformer: dict, factor: int, image_size: int, source: str) -> None:
+def check_patches(transformer: dict, factor: int, image_size: int, source: str, what: str = "") -> None:
     """One line unless `image_size` images fit a transformer config and a VAE factor: a multiple of the VAE's factor
-    times the transformer's patch, and within its position embedding (pos_embed_max_size patches a side)."""
+    times the transformer's patch, and within its position embedding (pos_embed_max_size patches a side). `what`:
+    the side's name in the message (data.image_size=N by default)."""
+    what = what or f"data.image_size={image_size}"
     step = factor * transformer["patch_size"]
     if image_size % step:
         raise ConfigError(
-            f"data.image_size={image_size} must be a multiple of {step} (the VAE's downsampling x the transformer's "
-            f"patch_size) for {source}"
+            f"{what} must be a multiple of {step} (the VAE's downsampling x the transformer's patch_size) for {source}"
         )
     side = image_size // step
     if transformer.get("pos_embed_max_size") and side > transformer["pos_embed_max_size"]:
         raise ConfigError(
-            f"data.image_size={image_size} is {side} patches a side; the transformer in {source} "
+            f"{what} is {side} patches a side; the transformer in {source} "
             f"embeds at most pos_embed_max_size={transformer['pos_embed_max_size']}"
         )
 

@@ -191,8 +191,9 @@ class T2ITrainer(Trainer):
         """Prompt adherence on held-out phrasings (recipes/t2i/evaluate.py), for the captioned digits only: every
         rank samples (in micro-batch-sized chunks), rank 0 scores and writes eval.json and samples/eval.png."""
         d, size, main = self.cfg.diffusion, self.cfg.data.image_size, self.dist.is_main
-        train = read_captioned_digits(self.meta["train_urls"], size, images=main)
-        val = read_captioned_digits(self.meta["val_urls"], size, images=main)
+        # data.buckets: the classifier's real images are square data.image_size digits, which bucketed shards are not
+        train = None if self.cfg.data.buckets else read_captioned_digits(self.meta["train_urls"], size, images=main)
+        val = None if self.cfg.data.buckets else read_captioned_digits(self.meta["val_urls"], size, images=main)
         if train is None or val is None:  # the same on every rank: the captions are read whole
             if main:
                 print(
