@@ -24,8 +24,6 @@ from torch import Tensor
 
 from common.data.packing import IGNORE_INDEX, PackedBatch
 
-CP_METHODS = ("allgather",)
-
 
 def chunk_positions(seq_len: int, cp: int, cp_rank: int) -> Tensor:
     """The row positions cp rank ``cp_rank`` holds, in its local order: chunk ``cp_rank`` then chunk
