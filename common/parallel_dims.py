@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from common.config import ParallelConfig
@@ -31,16 +32,18 @@ class ParallelDims:
         """`parallel.dp=-1` takes whatever ranks tp, pp and cp leave; any other mismatch is an error."""
         if world_size % p.cp:
             raise ConfigError(f"parallel.cp={p.cp} does not divide the {world_size} ranks this job started")
-        if world_size % (p.tp * p.pp * p.cp):
+        # The degrees besides dp, named as the user set them (cp only where context parallelism is on).
+        others = {"tp": p.tp, "pp": p.pp} | ({"cp": p.cp} if p.cp > 1 else {})
+        names, values, product = "*".join(others), "*".join(map(str, others.values())), math.prod(others.values())
+        if world_size % product:
             raise ConfigError(
-                f"parallel.tp*pp*cp={p.tp}*{p.pp}*{p.cp}={p.tp * p.pp * p.cp} does not divide the {world_size} ranks "
-                "this job started"
+                f"parallel.{names}={values}={product} does not divide the {world_size} ranks this job started"
             )
-        dp = world_size // (p.tp * p.pp * p.cp) if p.dp == -1 else p.dp
-        if dp * p.tp * p.pp * p.cp != world_size:
+        dp = world_size // product if p.dp == -1 else p.dp
+        if dp * product != world_size:
             raise ConfigError(
-                f"parallel.dp*tp*pp*cp={dp}*{p.tp}*{p.pp}*{p.cp}={dp * p.tp * p.pp * p.cp} but the job has "
-                f"{world_size} ranks (set parallel.dp=-1 to derive dp, or start that many ranks)"
+                f"parallel.dp*{names}={dp}*{values}={dp * product} but the job has {world_size} ranks "
+                "(set parallel.dp=-1 to derive dp, or start that many ranks)"
             )
         check_ep_divides_dp(p.ep, dp)
         return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=world_size, ep=p.ep, cp=p.cp)

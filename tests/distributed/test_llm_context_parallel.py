@@ -4,6 +4,8 @@ llm_tiny's per-step losses equal the single-process run's."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -94,14 +96,22 @@ def test_a_document_never_sees_another_or_a_later_token():
 
 @pytest.fixture(scope="module")
 def runs(trained):
+    """The single-process reference is test_llm_layouts' (the same arguments: one cached run); the cp=2 run writes no
+    checkpoint (only its losses, eval and export are read)."""
     single = [*LLM_10_STEPS, "trainer.micro_batch_size=8"]
-    return trained(single), trained([*single, f"parallel.cp={CP}"], nproc=CP)
+    lean = [a for a in single if not a.startswith("checkpoint.")] + ["checkpoint.every=0", "checkpoint.final=false"]
+    return trained(single), trained([*lean, f"parallel.cp={CP}"], nproc=CP)
 
 
 def test_cp2_losses_match_single_process(runs):
     ref, got = (losses(r) for r in runs)
-    assert sorted(got) == sorted(ref)
+    assert sorted(got) == sorted(ref) == list(range(1, 11))
     worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref)
     print(f"llm_tiny cp={CP} vs one process: max relative loss difference over {len(ref)} steps = {worst:.1e}")
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    assert ref[10] < ref[1]
+    # The held-out loss too: the same documents, the same token count, under the split.
+    ref_eval, got_eval = (json.loads((r / "eval.json").read_text()) for r in runs)
+    assert got_eval["val_tokens"] == ref_eval["val_tokens"]
+    assert got_eval["val_loss"] == pytest.approx(ref_eval["val_loss"], rel=1e-5)
