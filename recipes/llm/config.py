@@ -283,7 +283,6 @@ def check_context_parallel(cfg: TrainConfig) -> None:
     m, attention = cfg.model, cfg.toggles.attention
     refused = (  # (key, its value, refused?, why)
         ("parallel.pp", p.pp, p.pp > 1, "a pipeline stage would have to pass the cp chunks and masks between stages"),
-        ("parallel.tp", p.tp, p.tp > 1, "tensor parallelism's sequence-parallel regions are not wired to cp chunks"),
         (
             "model.moe.num_experts",
             m.moe.num_experts,

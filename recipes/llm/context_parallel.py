@@ -10,8 +10,10 @@ built from the packing metadata (``PackedBatch.attention_mask_4d``) at the token
 else changes: RoPE takes each token's position within its document (``position_ids``), the loss each token's
 next-token target, shifted on the whole row before the split, so no target crosses a chunk edge.
 
-Masked SDPA (torch's kernels), the CPU path. The varlen kernel (``toggles.attention=flash``) is not wired under cp
-yet: refused at composition (recipes/llm/config.py).
+Under tensor parallelism (cp x tp) each rank gathers its own heads' keys/values over its cp group: the
+sequence-parallel regions work on the rank's chunks unchanged. Masked SDPA (torch's kernels), the CPU path; the
+varlen kernel (``toggles.attention=flash``) is not wired under cp yet: refused at composition
+(recipes/llm/config.py).
 """
 
 from __future__ import annotations
