@@ -61,8 +61,12 @@ class ParallelConfig:
     `zero_stage` below; the LLM's tp/pp in recipes/llm/config.py); the degrees a family has no key for
     read as these class constants (no tensor or pipeline parallelism, no ZeRO partitioning)."""
 
-    dp: int = -1  # data-parallel degree; -1 = world_size / (tp * pp)
+    dp: int = -1  # data-parallel degree; -1 = world_size / (tp * pp * cp)
     timeout_s: int = 600  # collective timeout: a hang becomes an error
+    # Context parallelism: every family's sequences split over cp ranks (one key, one meaning); the LLM has it
+    # (recipes/llm/context_parallel.py), the DeepSpeed recipes refuse cp > 1 (validate, below).
+    cp: int = 1
+    cp_method: str = "allgather"  # how the cp ranks exchange what attention needs (the LLM: allgather)
     tp: ClassVar[int] = 1
     pp: ClassVar[int] = 1
     ep: ClassVar[int] = 1
@@ -251,6 +255,13 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
     if isinstance(cfg.parallel, ZeroParallelConfig) and cfg.parallel.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage!r} is not allowed; choose one of: 0, 1, 2, 3")
+    if cfg.parallel.cp < 1:
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp} must be >= 1 (1 = no context parallelism)")
+    if cfg.parallel.cp > 1 and isinstance(cfg.parallel, ZeroParallelConfig):
+        raise ConfigError(
+            f"parallel.cp={cfg.parallel.cp}: context parallelism is not yet in the DeepSpeed recipes (dit, vlm, "
+            "t2i); the LLM recipes have it"
+        )
     if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be -1 (derive from world size) or >= 1")
     if not 0.0 <= cfg.lora.dropout < 1.0:

@@ -33,6 +33,7 @@ from torch import nn
 from common import deepspeed as ds
 from common.config import TrainConfig
 from common.optim import adamw_kernel, lr_factor
+from common.parallel_dims import batch_mesh
 from common.profiling import StepTimer
 
 
@@ -194,6 +195,10 @@ class NativeEngine(Engine):
         self.model = self.module = model
         self.mesh, self.tied, self.backward_context = mesh, tied, backward_context
         self.dp, self.tp, self.pp = mesh["dp"].size(), mesh["tp"].size(), mesh["pp"].size()
+        # The ranks that split a step's tokens (dp, x cp under context parallelism): FSDP2 averages the gradients
+        # over them, and the loss and its token count are summed over them.
+        self.batch = batch_mesh(mesh)
+        self.cp = self.batch.size() // self.dp
         self.ep = getattr(cfg.parallel, "ep", 1)  # the experts' gradients live on their own ("edp", "ep") mesh
         self.grad_clip = o.grad_clip or float("inf")
         device = next(iter(model.parameters())).device
@@ -209,8 +214,8 @@ class NativeEngine(Engine):
         self._stager = None  # async saves' host copy, reused save after save
 
     def grad_scale(self, inv_count: torch.Tensor) -> torch.Tensor:
-        """What a loss sum is multiplied by before its backward: FSDP averages gradients over dp."""
-        return inv_count * self.dp
+        """What a loss sum is multiplied by before its backward: FSDP averages gradients over dp (x cp)."""
+        return inv_count * self.batch.size()
 
     def forward_backward(self, loss, batch, inv_count, last, timer):
         with timer.phase("forward"):
@@ -246,8 +251,8 @@ class NativeEngine(Engine):
         return self.scheduler.get_last_lr()[0]
 
     def all_reduce(self, t, *, loss=False):
-        if self.dp > 1:
-            tdist.all_reduce(t, group=self.mesh["dp"].get_group())
+        if self.batch.size() > 1:
+            tdist.all_reduce(t, group=self.batch.get_group())
         if loss and self.pp > 1:  # only the last stage computed it
             tdist.all_reduce(t, group=self.mesh["pp"].get_group())
         return t
@@ -301,7 +306,7 @@ class NativeEngine(Engine):
             raise RuntimeError(f"{path} lacks trained weights: {sorted(trainable & set(loaded.missing_keys))[:3]}")
 
     def layout(self):
-        return {"layout": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep}}
+        return {"layout": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp}}
 
     def _trained(self, model_sd: dict) -> dict:
         """`model_sd` without frozen weights. `ignore_frozen_params` drops them by `named_parameters()`, which names

@@ -1,7 +1,8 @@
-"""The parallel layout: validates dp * tp * pp == world size (ep inside dp) and builds the one DeviceMesh."""
+"""The parallel layout: validates dp * cp * tp * pp == world size (ep inside dp) and builds the one DeviceMesh."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from common.config import ParallelConfig
@@ -20,6 +21,7 @@ class ParallelDims:
     pp: int
     world_size: int
     ep: int = 1
+    cp: int = 1  # context parallelism: each row's sequence split over cp ranks that read the same documents
 
     @property
     def edp(self) -> int:
@@ -27,35 +29,56 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
-        """`parallel.dp=-1` takes whatever ranks tp and pp leave; any other mismatch is an error."""
-        if world_size % (p.tp * p.pp):
+        """`parallel.dp=-1` takes whatever ranks tp, pp and cp leave; any other mismatch is an error."""
+        if world_size % p.cp:
+            raise ConfigError(f"parallel.cp={p.cp} does not divide the {world_size} ranks this job started")
+        # The degrees besides dp, named as the user set them (cp only where context parallelism is on).
+        others = {"tp": p.tp, "pp": p.pp} | ({"cp": p.cp} if p.cp > 1 else {})
+        names, values, product = "*".join(others), "*".join(map(str, others.values())), math.prod(others.values())
+        if world_size % product:
             raise ConfigError(
-                f"parallel.tp*pp={p.tp}*{p.pp}={p.tp * p.pp} does not divide the {world_size} ranks this job started"
+                f"parallel.{names}={values}={product} does not divide the {world_size} ranks this job started"
             )
-        dp = world_size // (p.tp * p.pp) if p.dp == -1 else p.dp
-        if dp * p.tp * p.pp != world_size:
+        dp = world_size // product if p.dp == -1 else p.dp
+        if dp * product != world_size:
             raise ConfigError(
-                f"parallel.dp*tp*pp={dp}*{p.tp}*{p.pp}={dp * p.tp * p.pp} but the job has {world_size} ranks "
+                f"parallel.dp*{names}={dp}*{values}={dp * product} but the job has {world_size} ranks "
                 "(set parallel.dp=-1 to derive dp, or start that many ranks)"
             )
         check_ep_divides_dp(p.ep, dp)
-        return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=world_size, ep=p.ep)
+        return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=world_size, ep=p.ep, cp=p.cp)
 
     @classmethod
     def for_sizing(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
         """The layout a dry run sizes: `parallel.dp` when set (a laptop sizes a cluster's layout), else
         what this launch's ranks leave after tp and pp (at least ep)."""
-        dp = p.dp if p.dp > 0 else max(p.ep, world_size // (p.tp * p.pp))
+        dp = p.dp if p.dp > 0 else max(p.ep, world_size // (p.tp * p.pp * p.cp))
         check_ep_divides_dp(p.ep, dp)
-        return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=dp * p.tp * p.pp, ep=p.ep)
+        return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=dp * p.tp * p.pp * p.cp, ep=p.ep, cp=p.cp)
 
     def build_mesh(self, device_type: str):
         """A 3-D mesh ("pp", "dp", "tp"): tp innermost, so tensor-parallel peers are neighbours
         (same node on a GPU cluster), pp outermost (crosses nodes least often per step). Expert
-        parallelism splits "dp" further: :func:`expert_mesh`."""
+        parallelism splits "dp" further: :func:`expert_mesh`. Context parallelism (cp > 1) adds "cp" between dp
+        and tp, and the flattened "dp_cp" that FSDP2 shards over and the loss is summed over (:func:`batch_mesh`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+        if self.cp == 1:
+            return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh(
+            device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=("pp", "dp", "cp", "tp")
+        )
+        batch_mesh(mesh)
+        return mesh
+
+
+def batch_mesh(mesh):
+    """The ranks that split a step's tokens: "dp", or under context parallelism "dp" x "cp" flattened
+    (torchtitan's dp_shard_cp): FSDP2 shards the model over them and the loss and its token count are summed over
+    them. Collective the first time (flattening creates the group); the same mesh after."""
+    if "cp" not in (mesh.mesh_dim_names or ()):
+        return mesh["dp"]
+    return mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def expert_mesh(mesh, ep: int):

@@ -15,6 +15,7 @@ from common.errors import ConfigError
 from common.parallel_dims import check_ep_divides_dp
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+CP_METHODS = ("allgather",)  # parallel.cp_method: recipes/llm/context_parallel.py
 # finetune=lora (common/lora.py): the linears an adapter may target, all of them by default (recipes/llm/model.py's
 # names; the export names them as Hugging Face does: q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj, up_proj).
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -219,6 +220,7 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(
                 "parallel.pp_schedule=interleaved_1f1b needs parallel.pp_microbatches divisible by parallel.pp"
             )
+    check_context_parallel(cfg)
     if cfg.data.max_seq_len > m.max_seq_len:
         # With init_from, model.max_seq_len is the checkpoint's max_position_embeddings: rows longer
         # than the positions it was trained on are refused rather than extrapolated.
@@ -262,6 +264,41 @@ def validate(cfg: TrainConfig) -> None:
             "toggles.attention=eager is not in the LLM recipe: its own Llama runs sdpa (a dense mask) "
             "or flash (the varlen kernel on packed rows)"
         )
+
+
+def check_context_parallel(cfg: TrainConfig) -> None:
+    """parallel.cp / cp_method: what the LLM's context parallelism composes with (one line for what it does not)."""
+    p, cp = cfg.parallel, cfg.parallel.cp
+    if p.cp_method not in CP_METHODS:
+        raise ConfigError(
+            f"parallel.cp_method={p.cp_method!r} is not in the LLM recipe; choose one of: {', '.join(CP_METHODS)}"
+        )
+    if cp == 1:
+        return
+    if cfg.data.max_seq_len % (2 * cp):
+        raise ConfigError(
+            f"data.max_seq_len={cfg.data.max_seq_len} must be divisible by 2*parallel.cp={2 * cp}: each row is cut "
+            "into 2*cp equal chunks, cp rank r holding chunks r and 2*cp-1-r (the causal load balance)"
+        )
+    m, attention = cfg.model, cfg.toggles.attention
+    refused = (  # (key, its value, refused?, why)
+        ("parallel.pp", p.pp, p.pp > 1, "a pipeline stage would have to pass the cp chunks and masks between stages"),
+        (
+            "model.moe.num_experts",
+            m.moe.num_experts,
+            m.moe.num_experts > 0,
+            "the MoE's auxiliary losses and expert parallelism count tokens per dp rank, not per cp chunk",
+        ),
+        (
+            "toggles.attention",
+            attention,
+            attention == "flash",
+            "the varlen kernel is not wired to cp chunks (toggles.attention=sdpa runs masked SDPA)",
+        ),
+    )
+    for key, value, on, why in refused:
+        if on:
+            raise ConfigError(f"parallel.cp={cp} with {key}={value} is not supported yet: {why}")
 
 
 def check_qlora_layout(cfg: TrainConfig, dp: int, tp: int, pp: int) -> None:

@@ -13,11 +13,12 @@ from common.data.packing import IGNORE_INDEX
 from common.parallel_dims import ParallelDims
 
 
-def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy summed over the labelled positions (``labels`` unshifted, -100 where unlabelled)."""
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+def ce_sum(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+    """Next-token cross-entropy summed over the labelled positions (``labels`` unshifted, -100 where unlabelled;
+    ``shifted``: already each position's next-token target, as a context-parallel shard's are)."""
+    if not shifted:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class NextTokenLoss:
@@ -37,8 +38,11 @@ class NextTokenLoss:
 
     def __init__(self, cfg: TrainConfig, dims: ParallelDims, device: torch.device):
         self.device = device
-        self.autocast_bf16 = cfg.toggles.precision in ("bf16", "fp8") and dims.dp == 1
+        self.autocast_bf16 = cfg.toggles.precision in ("bf16", "fp8") and dims.dp * dims.cp == 1
         self.loss_parallel = cfg.model.loss_parallel and dims.tp > 1
+        # Under context parallelism the logits are a rank's chunks of each row: the targets come shifted (on the
+        # whole row, before the split: recipes/llm/context_parallel.py).
+        self.shifted = dims.cp > 1
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -54,5 +58,5 @@ class NextTokenLoss:
         return contextlib.nullcontext()
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = ce_sum(logits, labels)
+        loss = ce_sum(logits, labels, self.shifted)
         return loss.full_tensor() if hasattr(loss, "full_tensor") else loss

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from common.varlen import varlen_causal_attention
+from recipes.llm.context_parallel import ContextParallelMask, attend_gathered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,8 +226,11 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
     return varlen_causal_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Segments | None) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Segments | ContextParallelMask | None) -> Tensor:
     """Causal attention of ``[B, S, Hq, hd]`` queries over ``[B, S, Hkv, hd]`` keys/values -> ``[B, S, Hq, hd]``.
+
+    ``ContextParallelMask`` (``parallel.cp``): ``S`` is this rank's share of the row; the keys/values of every cp
+    rank are gathered first (recipes/llm/context_parallel.py).
 
     ``Segments`` (packed rows on CUDA, ``toggles.attention=flash``): the varlen kernel over the flattened
     tokens, no mask at all. Otherwise SDPA with the dense mask (or plain causal). There key/value head h
@@ -234,6 +238,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Segments | None) -> T
     support GQA, and ``enable_gqa`` would fall back to the math kernel.
     """
     bsz, seqlen = q.shape[:2]
+    if isinstance(mask, ContextParallelMask):
+        return attend_gathered(q, k, v, mask)
     if isinstance(mask, Segments):
         out = varlen_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), mask.cu_seqlens, mask.max_seqlen)
         return out.view(bsz, seqlen, *out.shape[1:])
@@ -260,7 +266,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | Segments | None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | Segments | ContextParallelMask | None
+    ) -> Tensor:
         bsz, seqlen, _ = x.shape
         # [B, S, heads, hd]; -1 heads: the local head count under tensor parallelism.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -410,7 +418,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | Segments | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | Segments | ContextParallelMask | None = None
+    ) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return h + ffn(self.ffn_norm(h))
@@ -510,7 +520,10 @@ class Transformer(nn.Module):
     # -- forward ------------------------------------------------------------------------------
 
     def forward(
-        self, tokens_or_hidden: Tensor, position_ids: Tensor | None = None, attn_mask: Tensor | Segments | None = None
+        self,
+        tokens_or_hidden: Tensor,
+        position_ids: Tensor | None = None,
+        attn_mask: Tensor | Segments | ContextParallelMask | None = None,
     ) -> Tensor:
         """Logits ``[B, S, V]`` if this module has ``output``, else hidden states ``[B, S, D]``.
 

@@ -4,6 +4,10 @@ Megatron-style tensor parallelism with DTensor: attention q/k/v and MLP w1/w3 sp
 columns, wo and w2 by rows; the norms run sequence-parallel (activations sharded along the
 sequence between the TP regions). FSDP2 then shards every block (and the root) over `dp`.
 
+Context parallelism (``parallel.cp``) changes no module (the attention gathers keys/values when the trainer hands
+it a ``ContextParallelMask``: recipes/llm/context_parallel.py); FSDP2 then shards over dp x cp flattened
+(torchtitan's dp_shard_cp), since the cp ranks hold the same weights and their gradients sum their tokens'.
+
 Expert parallelism (``parallel.ep``): each MoE layer's experts split over ep of the dp ranks, with the token
 exchange around them (recipes/llm/expert_parallel.py). FSDP2 shards the experts over the remaining
 "edp" = dp / ep ranks, the rest of the model over all dp ranks.
@@ -24,7 +28,7 @@ from torch.distributed.tensor.parallel import (
 
 from common.config import TrainConfig
 from common.lora import apply_lora
-from common.parallel_dims import expert_mesh
+from common.parallel_dims import batch_mesh, expert_mesh
 from common.toggles import apply_toggles
 from recipes.llm.expert_parallel import apply_ep
 from recipes.llm.model import MoE, Transformer, TransformerBlock
@@ -103,7 +107,7 @@ def param_dtype_for(precision: str) -> torch.dtype:
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh, cfg: TrainConfig) -> Transformer:
-    dp, tp, ep = mesh["dp"].size(), mesh["tp"].size(), cfg.parallel.ep
+    dp, tp, ep = batch_mesh(mesh).size(), mesh["tp"].size(), cfg.parallel.ep  # dp: x cp
     if tp > 1:
         apply_tp(model, mesh["tp"], cfg.model.loss_parallel)
     edp_mesh = None
@@ -115,5 +119,5 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: TrainConfig) -> Trans
         apply_lora(model, cfg.lora)
     apply_toggles(model, cfg.toggles, block_types=(TransformerBlock,))  # fp8 (tp = 1 only), AC, compile
     if dp > 1:
-        apply_fsdp(model, mesh["dp"], cfg.toggles.precision, pipeline=mesh["pp"].size() > 1, edp_mesh=edp_mesh)
+        apply_fsdp(model, batch_mesh(mesh), cfg.toggles.precision, pipeline=mesh["pp"].size() > 1, edp_mesh=edp_mesh)
     return model

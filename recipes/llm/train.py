@@ -32,6 +32,7 @@ from common.trainer import Trainer
 from recipes.llm import hf
 from recipes.llm import lora as llm_lora
 from recipes.llm.config import check_qlora_layout
+from recipes.llm.context_parallel import ContextShard
 from recipes.llm.data import (
     build_train_loader,
     decode_document,
@@ -120,6 +121,7 @@ class LocalBatch:
 
     packed: PackedBatch
     max_rows: int
+    cp: ContextShard | None = None  # under context parallelism (parallel.cp > 1): this cp rank's share of the rows
 
 
 class LLMTrainer(Trainer):
@@ -135,6 +137,8 @@ class LLMTrainer(Trainer):
         self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.mesh["dp"].get_local_rank()
+        # Context parallelism: the cp ranks of a dp rank read the same documents and split each row.
+        self.cp_rank = self.mesh["cp"].get_local_rank() if self.dims.cp > 1 else 0
         loader = build_train_loader(cfg, self.meta["train_urls"], self.dims.dp)
         self.args = llama_args(cfg, len(self.tokenizer))
         if len(self.tokenizer) > self.args.vocab_size:
@@ -246,12 +250,16 @@ class LLMTrainer(Trainer):
         )
         packed = pack(dp_rank=self.dp_rank)
         rows = max(pack(dp_rank=r).num_rows for r in range(self.dims.dp)) if self.dims.pp > 1 else packed.num_rows
-        return LocalBatch(packed, rows)
+        cp = ContextShard.of(packed, self.dims.cp, self.cp_rank) if self.dims.cp > 1 else None
+        return LocalBatch(packed, rows, cp)
 
     def count(self, batch: LocalBatch) -> int:
-        return batch.packed.num_labels  # only labelled tokens count (chat: the assistant's)
+        # Only labelled tokens count (chat: the assistant's); under cp this rank's (summed over dp x cp).
+        return batch.cp.num_labels if batch.cp is not None else batch.packed.num_labels
 
     def tally(self, batch: LocalBatch) -> dict[str, int]:
+        if batch.cp is not None:
+            return {"tokens": batch.cp.num_real_tokens, "slots": batch.cp.input_ids.numel()}
         return {"tokens": batch.packed.num_real_tokens, "slots": batch.packed.input_ids.numel()}
 
     def loss(self, batch: LocalBatch) -> torch.Tensor:
@@ -262,9 +270,15 @@ class LLMTrainer(Trainer):
         """The one forward path without pipeline parallelism (training and evaluation): the model and the loss in the
         loss's context; ``aux``: plus the MoE's auxiliary losses (recipes/llm/moe_losses.py:MoEAux), training only."""
         packed, device = batch.packed, self.device
+        if batch.cp is not None:  # this cp rank's chunks of the rows, their next-token targets (shifted)
+            input_ids, labels = batch.cp.input_ids, batch.cp.targets
+            inputs = batch.cp.model_inputs(self.mesh["cp"].get_group(), device)
+        else:
+            input_ids, labels = packed.input_ids, packed.labels
+            inputs = model_inputs(packed, self.cfg.toggles.attention, device)
         with self.objective.forward():
-            logits = self.model(packed.input_ids.to(device), **model_inputs(packed, self.cfg.toggles.attention, device))
-            loss = self.objective(logits, packed.labels.to(device))
+            logits = self.model(input_ids.to(device), **inputs)
+            loss = self.objective(logits, labels.to(device))
             if aux and self.moe_aux is not None:
                 real = real_token_mask(packed).flatten().to(device)
                 weight = torch.tensor(float(self.count(batch)), device=device)

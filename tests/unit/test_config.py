@@ -63,8 +63,10 @@ def test_each_family_has_only_its_own_parallel_and_data_keys():
         r: ({f.name for f in dataclasses.fields(c.parallel)}, {f.name for f in dataclasses.fields(c.data)})
         for r, c in keys.items()
     }
-    assert fields["dit_tiny"][0] == fields["vlm_tiny"][0] == {"dp", "timeout_s", "zero_stage"}
-    assert fields["llm_tiny"][0] == {"dp", "timeout_s", "tp", "pp", "ep", "pp_schedule", "pp_microbatches"}
+    # parallel.cp (and cp_method) is every family's key, one meaning: the sequence split over cp ranks.
+    every = {"dp", "timeout_s", "cp", "cp_method"}
+    assert fields["dit_tiny"][0] == fields["vlm_tiny"][0] == every | {"zero_stage"}
+    assert fields["llm_tiny"][0] == every | {"tp", "pp", "ep", "pp_schedule", "pp_microbatches"}
     common = {"name", "root", "build", "build_hint", "num_workers", "shuffle_buffer", "max_corrupt_shards"}
     assert fields["dit_tiny"][1] == common | {"image_size", "latents"}
     assert fields["vlm_tiny"][1] == common | {"packing", "max_seq_len"}
@@ -221,6 +223,13 @@ def test_bad_values_raise_config_error(override, needle):
         compose(["recipe=dit_tiny", override])
 
 
+@pytest.mark.parametrize("recipe", ["dit_tiny", "vlm_tiny", "t2i_tiny"])
+def test_the_deepspeed_recipes_refuse_context_parallelism_yet(recipe):
+    with pytest.raises(ConfigError, match="parallel.cp=2: context parallelism is not yet in the DeepSpeed recipes"):
+        compose([f"recipe={recipe}", "parallel.cp=2"])
+    assert compose([f"recipe={recipe}", "parallel.cp=1"]).parallel.cp == 1
+
+
 @pytest.mark.parametrize(
     "override,needle",
     [
@@ -232,6 +241,13 @@ def test_bad_values_raise_config_error(override, needle):
         ("data.max_seq_len=512", "exceeds model.max_seq_len=256"),
         ("toggles.precision=fp16", "toggles.precision=fp16 is not offered by the LLM recipe"),
         ("toggles.precision=fp8 parallel.tp=2", "the LLM recipe converts to fp8 without tensor parallelism"),
+        # Context parallelism: what it does not compose with, and a row that 2*cp chunks do not cut evenly.
+        ("parallel.cp=0", "parallel.cp=0 must be >= 1"),
+        ("parallel.cp_method=ring", "parallel.cp_method='ring' is not in the LLM recipe; choose one of: allgather"),
+        ("parallel.cp=3", "data.max_seq_len=256 must be divisible by 2"),
+        ("parallel.cp=2 parallel.pp=2", "parallel.cp=2 with parallel.pp=2 is not supported yet"),
+        ("parallel.cp=2 toggles.attention=flash toggles.precision=bf16", "with toggles.attention=flash is not"),
+        ("recipe=moe_tiny parallel.cp=2", "parallel.cp=2 with model.moe.num_experts=8 is not supported yet"),
     ],
 )
 def test_llm_layout_mistakes(override, needle):

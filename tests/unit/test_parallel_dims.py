@@ -30,3 +30,12 @@ def test_ep_splits_the_dp_ranks():
     assert (dims.dp, dims.ep, dims.edp, dims.world_size) == (4, 2, 2, 4)
     with pytest.raises(ConfigError, match="parallel.ep=4 must divide the 2 data-parallel ranks"):
         ParallelDims.from_config(MeshParallelConfig(dp=-1, ep=4), world_size=2)
+
+
+def test_cp_splits_the_world_besides_dp():
+    dims = ParallelDims.from_config(MeshParallelConfig(dp=-1, cp=2), world_size=4)
+    assert (dims.dp, dims.cp, dims.world_size) == (2, 2, 4)
+    with pytest.raises(ConfigError, match="parallel.cp=2 does not divide the 3 ranks"):
+        ParallelDims.from_config(MeshParallelConfig(dp=-1, cp=2), world_size=3)
+    with pytest.raises(ConfigError, match=r"parallel.dp\*tp\*pp\*cp=2\*1\*1\*2=4 but the job has 2 ranks"):
+        ParallelDims.from_config(MeshParallelConfig(dp=2, cp=2), world_size=2)

@@ -1,0 +1,117 @@
+"""Context parallelism (parallel.cp=2, cp_method=allgather) on packed documents, against one process: the attention
+of random documents (outputs and gradients, fp32) equals SDPA with the whole row's document + causal mask, and
+llm_tiny's per-step losses equal the single-process run's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.tools.launcher import spawn_ranks
+from tests.conftest import losses
+from tests.fixtures.runs import LLM_10_STEPS
+
+pytestmark = pytest.mark.distributed
+CP = 2
+ROW_LEN = 48  # divisible by 2 * CP
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def _random_batch():
+    """Two packed rows of random documents (one row ends in padding), and q/k/v for the whole rows."""
+    from common.data.packing import pack_samples
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [17, 5, 20, 9, 13, 30]  # rows: [30, 17] + padding and [20, 13, 9, 5] (FFD)
+    docs = [torch.randint(0, 100, (n,), generator=g) for n in lengths]
+    packed = pack_samples([{"input_ids": d, "labels": d} for d in docs], ROW_LEN, pad_id=0)
+    shapes = {"q": HEADS, "k": KV_HEADS, "v": KV_HEADS}
+    qkv = {name: torch.randn(packed.num_rows, ROW_LEN, h, HEAD_DIM, generator=g) for name, h in shapes.items()}
+    return packed, qkv, torch.randn(packed.num_rows, ROW_LEN, HEADS, HEAD_DIM, generator=g)
+
+
+def _cp_attention() -> dict:
+    """On each cp rank: its queries' attention over the gathered keys/values, and the gradients of its slices of q,
+    k, v (from the same upstream gradient as the reference), scattered back to their row positions."""
+    import torch.distributed as tdist
+
+    from recipes.llm.context_parallel import ContextShard, chunk_positions
+    from recipes.llm.model import attend
+
+    packed, qkv, upstream = _random_batch()
+    rank = tdist.get_rank()
+    idx = chunk_positions(ROW_LEN, CP, rank)
+    shard = ContextShard.of(packed, CP, rank)
+    mine = {name: t[:, idx].clone().requires_grad_() for name, t in qkv.items()}
+    out = attend(
+        mine["q"], mine["k"], mine["v"], shard.model_inputs(tdist.group.WORLD, torch.device("cpu"))["attn_mask"]
+    )
+    (out * upstream[:, idx]).sum().backward()
+    result = {"idx": idx.tolist(), "out": out.detach().tolist()}
+    return result | {f"grad_{name}": t.grad.tolist() for name, t in mine.items()}
+
+
+def test_allgather_attention_matches_unsplit_masked_attention(tmp_path):
+    from recipes.llm.model import attend
+
+    packed, qkv, upstream = _random_batch()
+    ref = {name: t.clone().requires_grad_() for name, t in qkv.items()}
+    expected = attend(ref["q"], ref["k"], ref["v"], packed.attention_mask_4d())
+    (expected * upstream).sum().backward()
+
+    got = {
+        key: torch.zeros_like(qkv["q"] if key in ("out", "grad_q") else qkv["k"])
+        for key in ("out", "grad_q", "grad_k", "grad_v")
+    }
+    for rank in spawn_ranks(_cp_attention, (), CP, tmp_path):
+        idx = torch.tensor(rank["idx"])
+        for key in got:  # back into row order
+            got[key][:, idx] = torch.tensor(rank[key])
+    reference = {"out": expected.detach(), "grad_q": ref["q"].grad, "grad_k": ref["k"].grad, "grad_v": ref["v"].grad}
+    for key, want in reference.items():
+        err = (got[key] - want).abs().max().item()
+        print(f"cp={CP} allgather {key}: max |cp - unsplit| = {err:.1e} (max |unsplit| {want.abs().max().item():.1e})")
+        assert want.abs().max() > 0 and err <= 1e-5, key
+
+
+def test_a_document_never_sees_another_or_a_later_token():
+    """The shard's mask is the whole row's mask at the rank's query rows and the gathered key columns."""
+    from recipes.llm.context_parallel import ContextShard, chunk_positions, gathered_positions
+
+    packed, _, _ = _random_batch()
+    full = packed.attention_mask_4d()
+    keys = gathered_positions(ROW_LEN, CP)
+    assert sorted(keys.tolist()) == list(range(ROW_LEN))
+    for rank in range(CP):
+        idx = chunk_positions(ROW_LEN, CP, rank)
+        n = ROW_LEN // (2 * CP)
+        assert idx.tolist() == [*range(rank * n, (rank + 1) * n), *range((2 * CP - 1 - rank) * n, (2 * CP - rank) * n)]
+        shard = ContextShard.of(packed, CP, rank)
+        assert torch.equal(shard.mask, full[:, :, idx][..., keys])
+        assert shard.mask.shape == (packed.num_rows, 1, ROW_LEN // CP, ROW_LEN)
+    assert sum(ContextShard.of(packed, CP, r).num_labels for r in range(CP)) == packed.num_labels
+
+
+@pytest.fixture(scope="module")
+def runs(trained):
+    """The single-process reference is test_llm_layouts' (the same arguments: one cached run); the cp=2 run writes no
+    checkpoint (only its losses, eval and export are read)."""
+    single = [*LLM_10_STEPS, "trainer.micro_batch_size=8"]
+    lean = [a for a in single if not a.startswith("checkpoint.")] + ["checkpoint.every=0", "checkpoint.final=false"]
+    return trained(single), trained([*lean, f"parallel.cp={CP}"], nproc=CP)
+
+
+def test_cp2_losses_match_single_process(runs):
+    ref, got = (losses(r) for r in runs)
+    assert sorted(got) == sorted(ref) == list(range(1, 11))
+    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref)
+    print(f"llm_tiny cp={CP} vs one process: max relative loss difference over {len(ref)} steps = {worst:.1e}")
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    assert ref[10] < ref[1]
+    # The held-out loss too: the same documents, the same token count, under the split.
+    ref_eval, got_eval = (json.loads((r / "eval.json").read_text()) for r in runs)
+    assert got_eval["val_tokens"] == ref_eval["val_tokens"]
+    assert got_eval["val_loss"] == pytest.approx(ref_eval["val_loss"], rel=1e-5)
