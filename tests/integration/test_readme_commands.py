@@ -131,6 +131,8 @@ TRAINED_ELSEWHERE = {
     "(llava-hf continued, on vlm_tiny)",
     "python scripts/train.py recipe=dit_tiny profile.enabled=true "
     "run.dir=outputs/prof": "tests/integration/test_profile_report.py",
+    "torchrun --nproc_per_node 2 scripts/train.py recipe=llm_tiny "
+    "parallel.cp=2": "tests/distributed/test_llm_context_parallel.py (cp=2 against one process)",
 }
 
 
