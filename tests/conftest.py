@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,6 +17,11 @@ from common.tools.launcher import DIST_VARS, REPO, TRAIN, preload, run_train  # 
 # Nothing is downloaded in a test: every process the suite starts (and the fork server's preloaded
 # huggingface_hub, which reads this once) runs offline.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# DeepSpeed builds its CPU shared-memory allreduce op (shm_comm) on the first engine of a process that does not find it
+# built (~30-60 s of compiling), in TORCH_EXTENSIONS_DIR, and builds it again whenever the one there came from another
+# DeepSpeed's sources: two checkouts testing at once (a worktree and a fresh clone) rebuilt it on each other's every
+# run. One folder per Python environment (the sources it is built from): built once per environment.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 # run_train's and spawn_ranks' processes fork from a server that imported torch, transformers, diffusers and
 # DeepSpeed once (common/tools/launcher.py): the same entrypoint, without ~6 s of imports each.
 # KILN_TEST_PRELOAD=0 starts every one as a fresh interpreter instead.
