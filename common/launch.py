@@ -226,6 +226,7 @@ def dry_run(cfg: TrainConfig, spec, world_size: int) -> None:
         zero_stage=cfg.parallel.zero_stage,
         ac=cfg.toggles.activation_checkpointing,
         ep=cfg.parallel.ep,
+        cp=dims.cp,
     )
     print(dry_run_report(spec, layout))
     if cfg.parallel.dp <= 0:

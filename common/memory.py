@@ -191,18 +191,21 @@ AFTER_ATTENTION = ("output projection", "gate, up projections", "fc1 output", "d
 SAVED_BY_ATTENTION_MATMULS = ("q, k, v projections", "attention output", "logsumexp", "output projection")
 
 
-def _attention_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
+def _attention_saved(block: Block, s: int, b: int, e: int, kv_seq: int = 0) -> list[Saved]:
+    """`kv_seq`: the keys' sequence length where it is not the queries' `s` (context parallelism's all-gather: the
+    rank's s = L/cp queries attend over the row's L gathered keys and values, which the kernel keeps)."""
     sbh, a, kv = s * b * block.hidden, block.heads, block.kv_fraction
+    kv_seq = kv_seq or s
     if block.attention == "fused":
         # Flash/SDPA kernels keep q, k, v, their output and the fp32 logsumexp, never the scores; they
         # write the output as [b, s, a, d], so the reshape before the projection is a view of it.
         out = [
-            Saved("q, k, v", e * sbh * (1 + 2 * kv), True),
+            Saved("q, k, v", e * sbh * (1 + 2 * kv * kv_seq / s), True),
             Saved("attention output", e * sbh, True),
             Saved("logsumexp", 4 * a * s * b, True),
         ]
         if block.dense_mask:  # broadcast over heads: every TP rank converts and keeps the whole mask
-            out.append(Saved("attention mask as bias", e * b * s * s, False, quadratic=True))
+            out.append(Saved("attention mask as bias", e * b * s * kv_seq, False, quadratic=True))
         return out
     out = [Saved("q, k", e * sbh * (1 + kv), True), Saved("softmax output", e * a * s * s * b, True, quadratic=True)]
     if block.dropout:
@@ -244,14 +247,18 @@ def _save_matmuls_saved(block: Block, s: int, b: int, e: int, widening: bool = T
     ]
 
 
-def layer_saved(block: Block, *, seq: int, batch: int, act_bytes: int, recompute: str = "none") -> list[Saved]:
+def layer_saved(
+    block: Block, *, seq: int, batch: int, act_bytes: int, recompute: str = "none", cp: int = 1
+) -> list[Saved]:
     """Every tensor one layer keeps for backward (generalized Korthikanti et al. 2022, §4.1 and §5).
 
     With GPT-3's ops in 16-bit (layernorm, 4h gelu MLP, dropout, eager attention) the sum is exactly
     s·b·h·34 + 5·a·s²·b; `full` keeps only the layer input (2·s·b·h), `selective` drops the s² terms.
     Masks of dropout are 1 byte; softmax statistics of layernorm are not counted (as in the paper).
+    Context parallelism (cp > 1, all-gather): each rank holds seq/cp tokens of every row; its attention kernel
+    keeps the row's gathered keys and values (seq) and its [seq/cp x seq] rows of the mask.
     """
-    s, b, e = seq, batch, act_bytes
+    s, b, e = seq // cp, batch, act_bytes
     sbh, sb = s * b * block.hidden, s * b
     if recompute == "full":
         return [Saved("layer input", e * sbh, True)]
@@ -261,7 +268,11 @@ def layer_saved(block: Block, *, seq: int, batch: int, act_bytes: int, recompute
         kept = [t._replace(nbytes=t.nbytes * (1 - block.pre_only)) if t.name in AFTER_ATTENTION else t for t in kept]
         return kept + _attention2_saved(block, s, b, e, recompute)
     out = _norm_saved(block, "attention", sbh, sb, e) + [Saved("qkv input", e * sbh, block.megatron_sp)]
-    out += _attention_saved(block, s, b, e) + _qk_norm_saved(block, s, b, e) + _attention2_saved(block, s, b, e, "")
+    out += (
+        _attention_saved(block, s, b, e, kv_seq=seq)
+        + _qk_norm_saved(block, s, b, e)
+        + _attention2_saved(block, s, b, e, "")
+    )
     if block.dropout:
         out.append(Saved("attention dropout mask", sbh, True))
     mlp = _norm_saved(block, "mlp", sbh, sb, e) + [Saved("mlp input", e * sbh, block.megatron_sp)]
@@ -279,10 +290,22 @@ def per_gpu_bytes(saved: list[Saved], tp: int = 1) -> float:
 
 
 def layer_activation_bytes(
-    block: Block, *, seq: int, batch: int, act_bytes: int, tp: int = 1, recompute: str = "none"
+    block: Block, *, seq: int, batch: int, act_bytes: int, tp: int = 1, recompute: str = "none", cp: int = 1
 ) -> float:
-    """Bytes one layer keeps for backward on one GPU of a tp-way tensor (+ sequence) parallel group."""
-    return per_gpu_bytes(layer_saved(block, seq=seq, batch=batch, act_bytes=act_bytes, recompute=recompute), tp)
+    """Bytes one layer keeps for backward on one GPU of a tp-way tensor (+ sequence) parallel group (and a cp-way
+    context parallel group: `seq` is the whole row's)."""
+    saved = layer_saved(block, seq=seq, batch=batch, act_bytes=act_bytes, recompute=recompute, cp=cp)
+    return per_gpu_bytes(saved, tp)
+
+
+def cp_gather_transient_bytes(block: Block, *, seq: int, batch: int, act_bytes: int, tp: int = 1, cp: int = 1) -> float:
+    """Context parallelism's all-gather (cp_method=allgather), live around one layer's attention: the gathered keys
+    and values of the row (2 x seq x kv_heads x head_dim, this rank's heads), and the rank's [seq/cp x seq] bool
+    rows of the document + causal mask (recipes/llm/context_parallel.py)."""
+    if cp == 1:
+        return 0.0
+    kv_width = (block.kv_heads or block.heads) * (block.hidden // block.heads)
+    return 2 * seq * batch * kv_width * act_bytes / tp + batch * (seq // cp) * seq
 
 
 def head_saved(
@@ -349,6 +372,7 @@ class ModelSpec:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0  # 0: pp
     vocab_parallel: bool = False  # TP keeps the logits sharded over the vocabulary (loss parallel)
+    context_parallel: bool = False  # the recipe splits rows over parallel.cp ranks (the planner varies cp)
     # Mixture of Experts: the routed experts of the largest MoE layer (in layer_params and gather_unit_params),
     # their count, and the (token, expert) pairs per token whose rows travel by all-to-all under expert parallelism.
     expert_params: int = 0
@@ -377,6 +401,7 @@ class Layout:
     zero_stage: int  # FSDP full shard counts as 3
     ac: str
     ep: int = 1  # MoE: the experts split over ep of the dp ranks
+    cp: int = 1  # context parallelism: each row's sequence split over cp ranks; FSDP shards over dp x cp
 
     def sharding(self, spec: ModelSpec) -> str:
         if spec.sharding == "fsdp":
@@ -393,33 +418,36 @@ def _state_bytes_per_param(spec: ModelSpec, stage: int) -> StateBytes:
 def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, float]:
     """Peak bytes on one GPU of pipeline rank `rank`: states + stored activations + the largest
     transient (the logits around the loss, or one layer recomputed in backward under AC)."""
-    p, tp, e = layout.pp, layout.tp, spec.act_bytes
+    p, tp, e, cp = layout.pp, layout.tp, spec.act_bytes, layout.cp
     first, last = rank == 0, rank == p - 1
     layers = spec.layers // p
     params = (layers * spec.layer_params + first * spec.first_params + last * spec.last_params) / tp
     # Expert parallelism: each rank's experts are FSDP-sharded over the dp/ep others, so the states stay
     # params / dp, but a gathered MoE layer holds only its 1/ep of the experts.
     gathered = (spec.gather_unit_params - spec.expert_params * (1 - 1 / layout.ep)) / tp
+    shard = layout.dp * cp  # FSDP shards over dp x cp (the ranks that split a step's tokens)
     states = model_state_bytes(
         params,
         layout.zero_stage,
-        layout.dp,
+        shard,
         _state_bytes_per_param(spec, layout.zero_stage),
         gathered_params=gathered,
         compute_bytes=e,
     )
-    states["weights"] += (spec.frozen_bytes or spec.frozen_params * e) / (layout.dp if layout.zero_stage >= 3 else 1)
+    states["weights"] += (spec.frozen_bytes or spec.frozen_params * e) / (shard if layout.zero_stage >= 3 else 1)
     states["weights"] += spec.unsharded_bytes
     if spec.ema:  # 4 bytes per trainable parameter, partitioned only where the weights are (ZeRO-3)
-        states["optimizer"] += 4 * params / (layout.dp if layout.zero_stage >= 3 else 1)
-    if spec.sharding == "fsdp" and layout.dp == 1 and e == 2:
+        states["optimizer"] += 4 * params / (shard if layout.zero_stage >= 3 else 1)
+    if spec.sharding == "fsdp" and shard == 1 and e == 2:
         states["gathered"] += 2 * params  # no FSDP policy to cast: autocast caches bf16 weight copies
 
     microbatches = spec.pp_microbatches or p
     rows = math.ceil(spec.micro_batch / microbatches) if p > 1 else spec.micro_batch
     shape = dict(seq=spec.seq, batch=rows, act_bytes=e)
-    per_microbatch = layers * layer_activation_bytes(spec.block, tp=tp, recompute=layout.ac, **shape)
-    transient = layer_activation_bytes(spec.block, tp=tp, **shape) if layout.ac != "none" else 0.0
+    per_microbatch = layers * layer_activation_bytes(spec.block, tp=tp, recompute=layout.ac, cp=cp, **shape)
+    transient = layer_activation_bytes(spec.block, tp=tp, cp=cp, **shape) if layout.ac != "none" else 0.0
+    transient += cp_gather_transient_bytes(spec.block, tp=tp, cp=cp, **shape)
+    shape["seq"] = spec.seq // cp  # the head and the loss see this rank's tokens only
     if spec.experts:  # each token's top_k rows, permuted by expert: sent, received and combined back (one layer)
         transient = max(transient, 3 * spec.top_k * spec.seq * rows * spec.block.hidden * e)
     if last and spec.vocab:
@@ -440,16 +468,19 @@ def estimate(spec: ModelSpec, layout: Layout) -> dict[str, float]:
     return max((estimate_rank(spec, layout, r) for r in {0, layout.pp - 1}), key=lambda d: d["total"])
 
 
-def configured_layout(spec: ModelSpec, *, dp: int, tp: int, pp: int, zero_stage: int, ac: str, ep: int = 1) -> Layout:
-    """The Layout a config describes: FSDP recipes shard fully whenever dp > 1 (counted as stage 3)."""
-    stage = (3 if dp > 1 else 0) if spec.sharding == "fsdp" else zero_stage
-    return Layout(dp=dp, tp=tp, pp=pp, zero_stage=stage, ac=ac, ep=ep)
+def configured_layout(
+    spec: ModelSpec, *, dp: int, tp: int, pp: int, zero_stage: int, ac: str, ep: int = 1, cp: int = 1
+) -> Layout:
+    """The Layout a config describes: FSDP recipes shard fully whenever dp x cp > 1 (counted as stage 3)."""
+    stage = (3 if dp * cp > 1 else 0) if spec.sharding == "fsdp" else zero_stage
+    return Layout(dp=dp, tp=tp, pp=pp, zero_stage=stage, ac=ac, ep=ep, cp=cp)
 
 
 def describe_sharding(spec: ModelSpec, layout: Layout) -> str:
     if spec.sharding == "fsdp":
         experts = f", experts split over ep={layout.ep}" if layout.ep > 1 else ""
-        return (f"FSDP over dp={layout.dp}" if layout.zero_stage == 3 else "no sharding (dp=1)") + experts
+        over = f"dp={layout.dp}" + (f" x cp={layout.cp}" if layout.cp > 1 else "")
+        return (f"FSDP over {over}" if layout.zero_stage == 3 else "no sharding (dp=1)") + experts
     return f"ZeRO stage {layout.zero_stage} over dp={layout.dp}"
 
 
@@ -461,7 +492,9 @@ def dry_run_report(spec: ModelSpec, layout: Layout) -> str:
     states = est["weights"] + est["grads"] + est["optimizer"] + est["gathered"]
     lines = [
         f"recipe {spec.name}: {n:,} parameters ({n / 1e9:.2f}B)",
-        f"per GPU at dp={layout.dp} tp={layout.tp} pp={layout.pp}, {describe_sharding(spec, layout)}, "
+        f"per GPU at dp={layout.dp} tp={layout.tp} pp={layout.pp}"
+        + (f" cp={layout.cp}" if layout.cp > 1 else "")
+        + f", {describe_sharding(spec, layout)}, "
         f"{spec.precision}, micro batch {spec.micro_batch} x {spec.seq} tokens, AC {layout.ac}"
         + (f" (pipeline rank {est['rank']}, the fullest)" if layout.pp > 1 else "")
         + ":",

@@ -94,7 +94,7 @@ def with_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig | None:
     them and the layout needs another value than the family's only one (DiT/VLM: tp = pp = 1). A layout's
     zero_stage is a key only where the family has it: the LLM's FSDP layouts carry 3 for full sharding."""
     own = {f.name for f in dataclasses.fields(cfg.parallel)}
-    keys = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep}
+    keys = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "cp": layout.cp}
     if "zero_stage" in own:
         keys["zero_stage"] = layout.zero_stage
     if any(getattr(cfg.parallel, k) != v for k, v in keys.items() if k not in own):
@@ -137,7 +137,7 @@ def table(spec: ModelSpec, rows: list[dict], cluster: Cluster, configured: Layou
         f"{budget / GIB:.1f} GiB at headroom {cluster.headroom})",
         f"{fit} of {len(rows)} layouts the recipe allows fit; GiB per GPU at the worst pipeline rank",
         "",
-        f"{'#':>3} {'dp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'shard':>6} {'AC':>9} "
+        f"{'#':>3} {'dp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'cp':>3} {'shard':>6} {'AC':>9} "
         + " ".join(f"{h:>9}" for h in HEADERS)
         + "   use",
     ]
@@ -147,15 +147,16 @@ def table(spec: ModelSpec, rows: list[dict], cluster: Cluster, configured: Layou
         cells = " ".join(f"{r[c] / GIB:9.2f}" for c in COLUMNS)
         note = "" if r["fits"] else "  does not fit"
         lines.append(
-            f"{i:>3}{mark}{lay.dp:>3} {lay.tp:>3} {lay.pp:>3} {lay.ep:>3} {lay.sharding(spec):>6} {lay.ac:>9} {cells} "
+            f"{i:>3}{mark}{lay.dp:>3} {lay.tp:>3} {lay.pp:>3} {lay.ep:>3} {lay.cp:>3} {lay.sharding(spec):>6} "
+            f"{lay.ac:>9} {cells} "
             f"{r['total'] / gpu.memory:5.0%}{note}"
         )
     lines += [
         "",
-        "* the recipe's configured layout. Ranked: less recomputation, smaller tp*pp, less pp, lower ZeRO "
-        "stage, less memory (common/memory.py:rank_key).",
+        "* the recipe's configured layout. Ranked: less recomputation, smaller tp*pp*cp, less pp, less tp, lower "
+        "ZeRO stage, less memory (common/memory.py:rank_key).",
         "gathered: ZeRO-3/FSDP unit (or autocast bf16 copies); transient: logits at the loss or one layer "
-        "recomputed in backward.",
+        "recomputed in backward (plus, under cp, the all-gathered keys/values and mask rows of one layer).",
         *([spec.note] if spec.note else []),
     ]
     return "\n".join(lines)
@@ -207,12 +208,13 @@ def main(argv: list[str]) -> int:
     p = cfg.parallel
     configured = configured_layout(
         spec,
-        dp=cluster.gpus // (p.tp * p.pp),
+        dp=cluster.gpus // (p.tp * p.pp * p.cp),
         tp=p.tp,
         pp=p.pp,
         zero_stage=p.zero_stage,
         ac=cfg.toggles.activation_checkpointing,
         ep=p.ep,
+        cp=p.cp,
     )
     if refused:
         print(f"kiln: the recipe's own layout is refused here ({refused}); planned from one GPU's layout instead\n")

@@ -1,4 +1,4 @@
-"""The layout planner behind scripts/plan.py: every dp x tp x pp x ZeRO stage x AC layout of a recipe's
+"""The layout planner behind scripts/plan.py: every dp x tp x pp (x cp) x ZeRO stage x AC layout of a recipe's
 model on N GPUs, the per-GPU estimate of each (common/memory.py), those that fit, best first."""
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(spec: ModelSpec, gpus: int, gpus_per_node: int = 8) -> list[Layout]:
-    """dp·tp·pp = gpus with tp inside a node and dividing the heads, pp dividing the layers; every
-    ZeRO stage (FSDP: full shard whenever dp > 1, as the LLM recipe does) and AC mode."""
+    """dp·tp·pp·cp = gpus with tp inside a node and dividing the heads, pp dividing the layers, cp (where the recipe
+    has context parallelism) splitting each row into 2·cp equal chunks and not combined with pp or ep (the LLM
+    refuses those); every ZeRO stage (FSDP: full shard whenever dp·cp > 1, as the LLM recipe does) and AC mode."""
     out = []
     for tp in _divisors(gpus):
         if tp > gpus_per_node or spec.block.heads % tp:
@@ -41,14 +42,16 @@ def candidate_layouts(spec: ModelSpec, gpus: int, gpus_per_node: int = 8) -> lis
         for pp in _divisors(gpus // tp):
             if spec.layers % pp:
                 continue
-            dp = gpus // (tp * pp)
-            eps = [e for e in _divisors(dp) if spec.experts % e == 0] if spec.experts else [1]
-            out += [
-                Layout(dp, tp, pp, stage, ac, ep)
-                for stage in _zero_stages(spec, dp)
-                for ac in spec.ac_modes
-                for ep in eps
-            ]
+            cps = [c for c in _divisors(gpus // (tp * pp)) if spec.seq % (2 * c) == 0] if spec.context_parallel else [1]
+            for cp in cps if pp == 1 else [1]:
+                dp = gpus // (tp * pp * cp)
+                eps = [e for e in _divisors(dp) if spec.experts % e == 0] if spec.experts and cp == 1 else [1]
+                out += [
+                    Layout(dp, tp, pp, stage, ac, ep, cp)
+                    for stage in _zero_stages(spec, dp * cp)
+                    for ac in spec.ac_modes
+                    for ep in eps
+                ]
     return out
 
 
@@ -64,13 +67,15 @@ AC_COST = {"none": 0, "selective": 1, "full": 2}
 def rank_key(layout: Layout, total: float) -> tuple:
     """Best first, by a simple throughput heuristic:
     1. less recomputation: full AC re-runs every forward (~+33% FLOPs), selective only cheap ops;
-    2. a smaller model-parallel group tp·pp: TP collectives sit on the critical path of every layer,
-       and PP adds the bubble (p-1)/(m+p-1) (Narayanan et al. 2021);
-    3. at equal tp·pp, less pp (the bubble costs more than intra-node TP);
+    2. a smaller model-parallel group tp·pp·cp: TP collectives sit on the critical path of every layer,
+       PP adds the bubble (p-1)/(m+p-1) (Narayanan et al. 2021), CP all-gathers each layer's keys and values;
+    3. at equal tp·pp·cp, less pp (the bubble costs more than intra-node TP), then less tp (CP moves a layer's
+       K/V, narrower than TP's activations under GQA);
     4. a lower ZeRO stage: stage 3 gathers the weights in forward and backward, 1.5x the traffic
        of stages 0-2 (Rajbhandari et al. 2020 §7);
     5. less memory."""
-    return (AC_COST[layout.ac], layout.tp * layout.pp, layout.pp, layout.zero_stage, total, layout.ep)
+    group = layout.tp * layout.pp * layout.cp
+    return (AC_COST[layout.ac], group, layout.pp, layout.tp, layout.zero_stage, total, layout.ep)
 
 
 def plan(

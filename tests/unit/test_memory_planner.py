@@ -29,7 +29,7 @@ from common.memory import (
     model_state_bytes,
     per_gpu_bytes,
 )
-from common.tools.planner import GPUS, plan
+from common.tools.planner import GPUS, candidate_layouts, plan
 from recipes.dit.train import memory_spec as dit_spec
 from recipes.llm.train import memory_spec as llm_spec
 
@@ -428,6 +428,7 @@ DRY_RUN_STATES = re.compile(
         *[("dit_2b", [f"parallel.zero_stage={s}"], dict(dp=8, tp=1, pp=1, zero_stage=s)) for s in range(4)],
         ("llm_8b", ["parallel.tp=2"], dict(dp=4, tp=2, pp=1, zero_stage=3)),  # FSDP over dp=4
         ("sd35_medium", ["parallel.zero_stage=3"], dict(dp=8, tp=1, pp=1, zero_stage=3)),  # without its folder
+        ("llm_tiny", ["parallel.cp=2"], dict(dp=4, tp=1, pp=1, cp=2, zero_stage=3)),  # FSDP over dp x cp = 8
     ],
 )
 def test_dry_run_and_plan_report_the_same_model_states(recipe, overrides, layout):
@@ -482,3 +483,39 @@ def test_dit_plan_holds_the_ema_the_trainer_allocates(zero_stage):
     planned = estimate(spec, layout)["optimizer"] - estimate(dataclasses.replace(spec, ema=False), layout)["optimizer"]
     # ZeRO-3 partitions the weights, and the EMA tracks the partitions (dp=2: half on each rank).
     assert planned == pytest.approx(allocated / (2 if zero_stage == 3 else 1), rel=1e-3)
+
+
+# ---- f) context parallelism ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cp2_halves_a_ranks_activations_but_the_gathered_keys_and_values(tp):
+    """At cp=2 a rank holds half of every row: its stored activations are half of cp=1's, except the keys and values
+    its attention kernel keeps, which are the whole row's (all-gathered, repeated per query head: 2 x L x hidden per
+    layer, this rank's heads). Live around one layer: the gathered K/V (2 x L x kv_heads x head_dim) and the rank's
+    [L/2 x L] bool mask rows, or the logits of its L/2 tokens at the loss, whichever is larger."""
+    spec = llm_spec(compose(["recipe=llm_tiny"]))
+    L, b, e, blk = spec.seq, spec.micro_batch, spec.act_bytes, spec.block
+    one, two = (estimate(spec, Layout(dp=1, tp=tp, pp=1, zero_stage=3, ac="none", cp=cp)) for cp in (1, 2))
+    kv_excess = spec.layers * 2 * (L - L // 2) * b * blk.hidden * e / tp
+    assert two["activations"] == pytest.approx(one["activations"] / 2 + kv_excess, rel=1e-12)
+    head_dim = blk.hidden // blk.heads
+    gather = 2 * L * b * blk.kv_heads * head_dim * e / tp + b * (L // 2) * L
+    logits = (L // 2) * b * spec.vocab * (e + 4)
+    assert two["transient"] == pytest.approx(max(gather, logits), rel=1e-12)
+    assert one["transient"] == pytest.approx(2 * logits, rel=1e-12)
+    # FSDP shards over dp x cp: cp=2 at dp=1 holds half of a one-rank run's states.
+    assert two["optimizer"] == pytest.approx(one["optimizer"] / 2) and one["optimizer"] > 0
+
+
+def test_planner_varies_cp_only_where_the_llm_runs_it():
+    spec = llm_spec(compose(["recipe=llm_8b", "model.max_seq_len=131072", "data.max_seq_len=131072"]))
+    layouts = candidate_layouts(spec, 8)
+    assert {lay.cp for lay in layouts} == {1, 2, 4, 8}
+    assert all(lay.dp * lay.tp * lay.pp * lay.cp == 8 for lay in layouts)
+    assert not any(lay.cp > 1 and (lay.pp > 1 or lay.ep > 1) for lay in layouts)
+    assert {lay.cp for lay in candidate_layouts(dit_spec(compose(["recipe=dit_2b"])), 8)} == {1}
+    # 128k tokens in one row: only context parallelism fits it on 80 GB GPUs.
+    rows = plan(spec, 8, GPUS["h100_80gb"])
+    fitting = [r["layout"] for r in rows if r["fits"]]
+    assert fitting and all(lay.cp > 1 for lay in fitting)
