@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.tools.launcher import spawn_ranks
-from tests.conftest import losses
+from tests.conftest import losses, run_train
 from tests.fixtures.runs import LLM_10_STEPS
 
 pytestmark = pytest.mark.distributed
@@ -96,11 +96,10 @@ def test_a_document_never_sees_another_or_a_later_token():
 
 @pytest.fixture(scope="module")
 def runs(trained):
-    """The single-process reference is test_llm_layouts' (the same arguments: one cached run); the cp=2 run writes no
-    checkpoint (only its losses, eval and export are read)."""
+    """The single-process reference is test_llm_layouts' (the same arguments: one cached run); the cp=2 run the same
+    arguments on 2 ranks (its step-5 checkpoint resumes under cp=1 below)."""
     single = [*LLM_10_STEPS, "trainer.micro_batch_size=8"]
-    lean = [a for a in single if not a.startswith("checkpoint.")] + ["checkpoint.every=0", "checkpoint.final=false"]
-    return trained(single), trained([*lean, f"parallel.cp={CP}"], nproc=CP)
+    return trained(single), trained([*single, f"parallel.cp={CP}"], nproc=CP)
 
 
 def test_cp2_losses_match_single_process(runs):
@@ -115,3 +114,28 @@ def test_cp2_losses_match_single_process(runs):
     ref_eval, got_eval = (json.loads((r / "eval.json").read_text()) for r in runs)
     assert got_eval["val_tokens"] == ref_eval["val_tokens"]
     assert got_eval["val_loss"] == pytest.approx(ref_eval["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("direction", ["cp2_to_cp1", "cp1_to_cp2"])
+def test_checkpoint_resumes_across_cp(runs, tmp_path, direction):
+    """DCP reshards over the mesh: a checkpoint written at cp=2 resumes in one process (and one written in one process
+    resumes at cp=2) with the uninterrupted run's losses."""
+    ref_run, cp_run = runs
+    source, nproc, extra = (cp_run, 1, []) if direction == "cp2_to_cp1" else (ref_run, CP, [f"parallel.cp={CP}"])
+    resumed = tmp_path / "resumed"
+    run_train(
+        [
+            *LLM_10_STEPS,
+            "trainer.micro_batch_size=8",
+            "trainer.eval=false",
+            "checkpoint.final=false",
+            *extra,
+            f"run.dir={resumed}",
+            f"run.resume={source / 'checkpoints' / 'step_0000005'}",
+        ],
+        nproc=nproc,
+    )
+    ref, got = losses(ref_run), losses(resumed)
+    assert sorted(got) == list(range(6, 11))
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
