@@ -257,7 +257,7 @@ def test_plan_lists_fitting_layouts_best_first(llm_8b):
     # No recomputation without sharding at 8k tokens: pure FSDP-8 keeps ~60 GiB of activations.
     assert Layout(8, 1, 1, 3, "none") in [r["layout"] for r in rows[len(fits) :]]
     assert fits[0]["layout"].ac == "none"
-    assert all(r["layout"].dp * r["layout"].tp * r["layout"].pp == 8 for r in rows)
+    assert all(r["layout"].dp * r["layout"].tp * r["layout"].pp * r["layout"].cp == 8 for r in rows)
 
 
 def test_plan_respects_recipe_layout_rules():
@@ -383,7 +383,7 @@ def test_plan_says_llm_8b_lora_fits_one_h100(capsys):
     out = capsys.readouterr().out
     assert "finetune=lora with parallel.tp=8" in out and "micro batch 1 x 8192 tokens on 1 x h100_80gb" in out
     fits = int(re.search(r"(\d+) of \d+ layouts the recipe allows fit", out)[1])
-    assert fits >= 1 and re.search(r"\n  \d\*?\s+1\s+1\s+1\s+1\s+none\s+full ", out)
+    assert fits >= 1 and re.search(r"\n  \d\*?\s+1\s+1\s+1\s+1\s+1\s+none\s+full ", out)
     assert plan_script.main(["recipe=llm_8b", "parallel.tp=1", "cluster.gpus=1"]) == 0
     assert "0 of 3 layouts the recipe allows fit" in capsys.readouterr().out
 
@@ -397,7 +397,7 @@ def run_plan(*args: str) -> subprocess.CompletedProcess:
 def test_plan_cli_table_and_json(capsys):
     assert plan_script.main(["recipe=llm_8b", "cluster.gpus=8", "cluster.gpu=h100_80gb"]) == 0
     table = capsys.readouterr().out
-    assert "of 30 layouts the recipe allows fit" in table and "does not fit" not in table
+    assert "of 48 layouts the recipe allows fit" in table and "does not fit" not in table
     assert plan_script.main(["recipe=llm_8b", "cluster.gpus=8", "cluster.gpu=h100_80gb", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["params"] == 8_030_261_248 and plan["gpu_memory_bytes"] == GPUS["h100_80gb"].memory
