@@ -67,7 +67,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     """With model.init_from: the folder checked (a pipeline Kiln trains, one line otherwise) and the flow schedule's
     keys (diffusion.num_train_timesteps, diffusion.flow_shift) read from its scheduler; a key given on the command
     line that disagrees stops the run."""
-    from recipes.t2i.pipeline import SCHEDULER_KEYS, pipeline_folder, scheduler_config
+    from recipes.t2i.pipeline import SCHEDULER_KEYS, adapter, pipeline_folder, scheduler_config
 
     for key, why in NOT_READ.items():
         if key in command_line:
@@ -81,6 +81,12 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
         return
     folder = pipeline_folder(m.init_from)
     m.init_from = str(folder)
+    spec = adapter(folder)
+    if cfg.finetune == "lora" and not spec.lora:
+        raise ConfigError(
+            f"finetune=lora: model.init_from={folder} is a {spec.pipeline}; the text-to-image recipe trains LoRA on "
+            "StableDiffusion3Pipeline folders only (yet): use finetune=full"
+        )
     scheduler = scheduler_config(folder)
     for key, name in SCHEDULER_KEYS.items():
         value = type(getattr(cfg.diffusion, key))(scheduler[name])
