@@ -37,7 +37,8 @@ class T2IDataConfig(DataConfig):
 
 
 # finetune=lora (common/lora.py): the joint attention's linears, image and text streams (diffusers' names), all by
-# default, as diffusers' examples/dreambooth/train_dreambooth_lora_sd3.py adapts them. A name matches in every block
+# default, as diffusers' examples/dreambooth/train_dreambooth_lora_sd3.py adapts them (and _flux.py, with its MLPs
+# besides; Flux's single-stream blocks have to_q, to_k, to_v only). A name matches in every block
 # that has it (the last block has no to_add_out; SD3.5's dual-attention blocks' attn2 has to_q, to_k, to_v, to_out.0).
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
@@ -67,7 +68,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     """With model.init_from: the folder checked (a pipeline Kiln trains, one line otherwise) and the flow schedule's
     keys (diffusion.num_train_timesteps, diffusion.flow_shift) read from its scheduler; a key given on the command
     line that disagrees stops the run."""
-    from recipes.t2i.pipeline import SCHEDULER_KEYS, adapter, pipeline_folder, scheduler_config
+    from recipes.t2i.pipeline import SCHEDULER_KEYS, pipeline_folder, scheduler_config
 
     for key, why in NOT_READ.items():
         if key in command_line:
@@ -81,12 +82,6 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
         return
     folder = pipeline_folder(m.init_from)
     m.init_from = str(folder)
-    spec = adapter(folder)
-    if cfg.finetune == "lora" and not spec.lora:
-        raise ConfigError(
-            f"finetune=lora: model.init_from={folder} is a {spec.pipeline}; the text-to-image recipe trains LoRA on "
-            "StableDiffusion3Pipeline folders only (yet): use finetune=full"
-        )
     scheduler = scheduler_config(folder)
     for key, name in SCHEDULER_KEYS.items():
         value = type(getattr(cfg.diffusion, key))(scheduler[name])

@@ -272,7 +272,6 @@ class Adapter:
     encoder: type[PromptEncoder] = PromptEncoder
     classifier_free = True
     dynamic_shifting = False
-    lora = True  # finetune=lora and its export (recipes/t2i/lora.py) are written and tested for it
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -304,7 +303,6 @@ class Flux(Adapter):
     pipeline, transformer, encoder = "FluxPipeline", FLUX_TRANSFORMER, FluxPromptEncoder
     classifier_free = False
     dynamic_shifting = True
-    lora = False
 
     def forward(self, model, x, timestep, text: dict, guidance: torch.Tensor) -> torch.Tensor:
         from diffusers import FluxPipeline
