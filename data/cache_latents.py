@@ -264,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(overrides)
         if cfg.recipe.family == "t2i":
             if not cfg.model.init_from:
-                raise ValueError("a text-to-image cache needs model.init_from=<a StableDiffusion3Pipeline folder>")
+                raise ValueError(
+                    "a text-to-image cache needs model.init_from=<a StableDiffusion3Pipeline or FluxPipeline folder>"
+                )
         elif getattr(cfg, "diffusion", None) is None or not cfg.diffusion.vae:  # only the diffusion families have it
             raise ValueError(
                 "a latent cache needs a DiT recipe with diffusion.vae=<an AutoencoderKL folder>, or a text-to-image "

@@ -18,7 +18,8 @@ class T2IModelConfig:
     """The pipeline to train: its folder's model_index.json names the transformer, VAE, text encoders, tokenizers
     and scheduler (recipes/t2i/pipeline.py); nothing about the architecture is a key here."""
 
-    # A diffusers StableDiffusion3Pipeline folder (save_pretrained / a downloaded stabilityai/stable-diffusion-3.5-*).
+    # A diffusers StableDiffusion3Pipeline or FluxPipeline folder (save_pretrained / a downloaded
+    # stabilityai/stable-diffusion-3.5-*, black-forest-labs/FLUX.1-*).
     init_from: str = ""
     # T5 tokens per prompt (diffusers' StableDiffusion3Pipeline default, its `max_sequence_length`); CLIP's length is
     # its tokenizer's model_max_length. Longer prompts are truncated with one warning, as the pipeline does.
@@ -52,7 +53,7 @@ NOT_READ = {
     "diffusion.vae": "the VAE is the one in model.init_from's pipeline folder",
     "diffusion.class_dropout": "prompts are dropped for guidance by data.caption_dropout",
     "diffusion.samples_per_class": "sample grids are drawn from the validation captions",
-    "diffusion.beta_schedule": "SD3-class transformers are trained with rectified flow (no DDPM schedule)",
+    "diffusion.beta_schedule": "SD3 and Flux transformers are trained with rectified flow (no DDPM schedule)",
     "diffusion.prediction_type": "rectified flow always predicts the velocity",
 }
 
@@ -107,7 +108,7 @@ def validate(cfg: TrainConfig) -> None:
     )
     if d.objective != "flow":
         raise ConfigError(
-            f"diffusion.objective={d.objective}: SD3-class transformers are trained with rectified flow; set "
+            f"diffusion.objective={d.objective}: SD3 and Flux transformers are trained with rectified flow; set "
             "diffusion.objective=flow"
         )
     if cfg.toggles.attention != "sdpa":

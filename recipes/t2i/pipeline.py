@@ -36,7 +36,7 @@ def pipeline_folder(init_from: str) -> Path:
     except (OSError, ValueError):
         raise ConfigError(
             f"model.init_from={init_from}: no diffusers pipeline folder there (no readable model_index.json; a "
-            "StableDiffusion3Pipeline saved with save_pretrained or downloaded whole)"
+            f"{' or '.join(ADAPTERS)} saved with save_pretrained or downloaded whole)"
         ) from None
     name = index.get("_class_name") if isinstance(index, dict) else None
     if name not in ADAPTERS:

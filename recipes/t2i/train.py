@@ -1,6 +1,7 @@
-"""Text-to-image recipe: fine-tune a released SD3-class pipeline's transformer (`model.init_from`) on captioned
-images with rectified flow, under DeepSpeed ZeRO + activation checkpointing, EMA, sample grids and an export that
-diffusers' StableDiffusion3Pipeline loads.
+"""Text-to-image recipe: fine-tune a released pipeline's transformer (`model.init_from`: a StableDiffusion3Pipeline
+or FluxPipeline folder; what differs between them is recipes/t2i/pipeline.py's adapter) on captioned images with
+rectified flow, under DeepSpeed ZeRO + activation checkpointing, EMA, sample grids and an export that the diffusers
+pipeline of the base's class loads.
 
 The diffusion core is the one the class-conditional DiT uses (common/diffusion: the flow objective, the VAE's
 latent path and the sampler) and common/'s (the EMA, the engine, the step): this family adds only what text
@@ -64,7 +65,7 @@ class T2ITrainer(Trainer):
         if not cfg.model.init_from:
             raise ConfigError(
                 "the text-to-image recipe fine-tunes a released pipeline: set model.init_from=<a "
-                "StableDiffusion3Pipeline folder>"
+                "StableDiffusion3Pipeline or FluxPipeline folder>"
             )
         self.base = pipeline_folder(cfg.model.init_from)
         self.adapter = adapter(self.base)  # what this pipeline class does its own way (recipes/t2i/pipeline.py)
@@ -230,7 +231,7 @@ class T2ITrainer(Trainer):
         )
 
     def export(self) -> Path:
-        """A StableDiffusion3Pipeline folder under run.dir/export/: the EMA transformer, the base's other parts. Under
+        """The base's pipeline folder under run.dir/export/: the EMA transformer, the base's other parts. Under
         finetune=lora: the EMA adapter as diffusers' LoRA file on the base, and with export.merge_lora the merged
         pipeline in export/merged (recipes/t2i/lora.py)."""
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
