@@ -165,13 +165,7 @@ def t2i_cache(cfg, device: str):
     from common.data.dataset import load_dataset_meta
     from common.diffusion.vae import load_vae, vae_geometry
     from recipes.t2i.data import cache_settings, check_captions
-    from recipes.t2i.pipeline import (
-        COMPUTE_DTYPES,
-        PromptEncoder,
-        encoders_identity,
-        pipeline_folder,
-        transformer_config,
-    )
+    from recipes.t2i.pipeline import COMPUTE_DTYPES, adapter, encoders_identity, pipeline_folder
 
     if cfg.toggles.precision not in COMPUTE_DTYPES:
         raise ValueError(
@@ -188,12 +182,10 @@ def t2i_cache(cfg, device: str):
     }
 
     def encoders():
-        prompts = PromptEncoder(
-            base,
+        prompts = adapter(base).prompt_encoder(
             device=torch.device(device),
             dtype=COMPUTE_DTYPES[cfg.toggles.precision],
             max_sequence_length=cfg.model.max_sequence_length,
-            joint_dim=transformer_config(base)["joint_attention_dim"],
         )
         empty = {k: v[0].float().cpu().numpy() for k, v in prompts([""]).items()}
         return t2i_encoder(load_vae(geometry, torch.device(device)), prompts, cfg.data.image_size), empty
@@ -272,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(overrides)
         if cfg.recipe.family == "t2i":
             if not cfg.model.init_from:
-                raise ValueError("a text-to-image cache needs model.init_from=<a StableDiffusion3Pipeline folder>")
+                raise ValueError(
+                    "a text-to-image cache needs model.init_from=<a StableDiffusion3Pipeline or FluxPipeline folder>"
+                )
         elif getattr(cfg, "diffusion", None) is None or not cfg.diffusion.vae:  # only the diffusion families have it
             raise ValueError(
                 "a latent cache needs a DiT recipe with diffusion.vae=<an AutoencoderKL folder>, or a text-to-image "

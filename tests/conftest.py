@@ -80,6 +80,16 @@ def t2i_world(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def t2i_flux_world(tmp_path_factory, t2i_world):
+    """t2i_world with a tiny FLUX.1-dev-shaped FluxPipeline folder as its "pipeline" (the same caption shards),
+    built once."""
+    from tests.fixtures.shared import once, shared_root
+    from tests.fixtures.t2i import make_flux_world
+
+    return {**t2i_world, **once(shared_root(tmp_path_factory), "t2i_flux", make_flux_world)}
+
+
+@pytest.fixture(scope="session")
 def dit_lora_world(tmp_path_factory, latent_dit_data):
     """The DiT LoRA tests' images, VAE and base run (tests/fixtures/lora.py make_dit_world), built once."""
     from tests.fixtures.lora import DIT_SIZE, make_dit_world

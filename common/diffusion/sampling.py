@@ -40,7 +40,7 @@ def sample(
     model: torch.nn.Module,
     scheduler_config: dict,
     conditions: dict[str, torch.Tensor],
-    unconditional: dict[str, torch.Tensor],
+    unconditional: dict[str, torch.Tensor] | None,
     *,
     image_size: int,
     in_channels: int,
@@ -53,14 +53,20 @@ def sample(
     batch_size: int = 512,
     progress: str | None = None,
     decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    forward: Callable[..., torch.Tensor] | None = None,
+    set_timesteps: Callable[[object, int], None] | None = None,
 ) -> torch.Tensor:
     """Images in [-1, 1], one per row of `conditions`, with classifier-free guidance (deterministic given
     `generator`); the one sampler of every diffusion recipe, whatever conditions its transformer.
 
     `conditions` are the model's conditioning keyword arguments, one row per image (the DiT's `class_labels`; a
     text-to-image transformer's `encoder_hidden_states` and `pooled_projections`); `unconditional` the same keys
-    with one row (the null class; the empty prompt's embeddings), paired with every image for guidance. The model
-    is called as `model(x, timestep=t, **conditioning).sample` on the conditional and unconditional halves at once.
+    with one row (the null class; the empty prompt's embeddings), paired with every image for guidance; None: no
+    pair, one model call per step (a guidance-distilled model, which reads the scale itself, or an unguided one).
+    The model is called as `model(x, timestep=t, **conditioning).sample` on the conditional and unconditional halves
+    at once, or as `forward(x, t, conditioning, scales)` (a transformer that takes its inputs otherwise: FLUX.1's
+    packed tokens; `scales`: each row's guidance scale), and the schedule set by `scheduler.set_timesteps(steps)`,
+    or `set_timesteps(scheduler, steps)`.
     It works on `in_channels` x `image_size`^2 inputs (pixels, or VAE latents); the scheduler (`scheduler_config`:
     DDPM/DDIM or FlowMatchEulerDiscrete, see common.diffusion.objective) picks the sampler. `decode` maps each chunk
     of final model-space samples to images (a VAE's decoder); None: they are pixels, clamped to [-1, 1].
@@ -72,6 +78,12 @@ def sample(
     if (noise is None) == (generator is None):
         raise ValueError("sample needs a generator or the starting noise, not both")
     scheduler = scheduler_from_config(scheduler_config)
+    if forward is None:
+
+        def forward(x, t, conditioning, scales):
+            return model(x, timestep=t, **conditioning).sample
+
+    pairs = 1 if unconditional is None else 2  # rows per image in a model call
     total = next(iter(conditions.values())).shape[0]
     starts = range(0, total, batch_size)
     scales = torch.as_tensor(guidance_scale, dtype=torch.float32).expand(total).reshape(-1, 1, 1, 1)
@@ -79,7 +91,8 @@ def sample(
     out = []
     for start in starts:
         scale = scales[start : start + batch_size].to(device)
-        scheduler.set_timesteps(steps)  # also resets the flow scheduler's step index
+        # (Re)setting the timesteps also resets the flow scheduler's step index.
+        scheduler.set_timesteps(steps) if set_timesteps is None else set_timesteps(scheduler, steps)
         n = scale.shape[0]
         x = (
             torch.randn((n, in_channels, image_size, image_size), generator=generator)
@@ -87,17 +100,25 @@ def sample(
             else noise[start : start + n]
         ).to(device)
         cond = {
-            key: torch.cat([value[start : start + n], unconditional[key].expand(n, *value.shape[1:])]).to(device)
+            key: (
+                value[start : start + n]
+                if unconditional is None
+                else torch.cat([value[start : start + n], unconditional[key].expand(n, *value.shape[1:])])
+            ).to(device)
             for key, value in conditions.items()
         }
         cond = {key: value.to(dtype) if value.is_floating_point() else value for key, value in cond.items()}
         for t in scheduler.timesteps:
             # DDIM's timesteps are integers, the flow scheduler's floats (sigma * T): the DiT's
             # sinusoidal embedding takes either.
-            t_batch = t.to(device).expand(2 * n)
-            pred = model(torch.cat([x, x]).to(dtype), timestep=t_batch, **cond).sample.float()
-            pred_cond, pred_uncond = pred.chunk(2)
-            guided = pred_uncond + scale * (pred_cond - pred_uncond)
+            t_batch = t.to(device).expand(pairs * n)
+            row_scales = scale.view(-1).repeat(pairs)
+            pred = forward(torch.cat([x] * pairs).to(dtype), t_batch, cond, row_scales).float()
+            if unconditional is None:
+                guided = pred
+            else:
+                pred_cond, pred_uncond = pred.chunk(2)
+                guided = pred_uncond + scale * (pred_cond - pred_uncond)
             x = scheduler.step(guided, t, x).prev_sample
             bar.update()
         out.append((decode(x) if decode is not None else x.clamp(-1, 1)).float().cpu())

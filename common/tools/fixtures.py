@@ -4,6 +4,7 @@ ImageFolder of images, a Stable Diffusion 3 pipeline folder and a folder of capt
     make_vae(dir)              # ~/models/sd-vae-ft-mse: a small random AutoencoderKL (save_pretrained)
     make_image_folder(dir)     # ~/data/my_images: digits upscaled to RGB PNGs, one folder per class, one corrupt file
     make_sd3_pipeline(dir)     # ~/models/stable-diffusion-3.5-medium: a tiny random StableDiffusion3Pipeline
+    make_flux_pipeline(dir)    # ~/models/FLUX.1-dev: a tiny random FluxPipeline
     make_caption_folder(dir)   # ~/data/captioned: digit PNGs with a caption each (name.txt), in several phrasings
 
 Each writes into the folder it is given and returns it. scripts/gpu_check.py builds dit_2b's inputs with them
@@ -156,13 +157,8 @@ def make_sd3_pipeline(
     FlowMatchEulerDiscreteScheduler with SD3's shift, and a T5EncoderModel + T5Tokenizer (T5-XXL's role) whose
     width is the transformer's joint_attention_dim, as in SD3."""
     import torch
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
 
     out = Path(out)
     torch.manual_seed(seed)
@@ -179,6 +175,98 @@ def make_sd3_pipeline(
         pooled_projection_dim=2 * clip_hidden,
         pos_embed_max_size=sample_size // patch_size * 2,
     )
+    vae = _latent_vae(block_out_channels, sample_size, scaling_factor=1.5305, shift_factor=0.0609)  # SD3's
+    clips = [_clip_text(CLIPTextModelWithProjection, out, clip_hidden, text_length, seed + 1 + i) for i in range(2)]
+    t5, t5_tokenizer = _t5_text(out, joint_attention_dim, seed + 3)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift),
+        vae=vae,
+        text_encoder=clips[0][0],
+        tokenizer=clips[0][1],
+        text_encoder_2=clips[1][0],
+        tokenizer_2=clips[1][1],
+        text_encoder_3=t5,
+        tokenizer_3=t5_tokenizer,
+    )
+    pipe.save_pretrained(out)
+    shutil.rmtree(out / ".tokenizer", ignore_errors=True)
+    return out
+
+
+def make_flux_pipeline(
+    out: str | Path,
+    *,
+    num_layers: int = 1,
+    num_single_layers: int = 1,
+    attention_head_dim: int = 8,
+    num_attention_heads: int = 2,
+    joint_attention_dim: int = 32,
+    clip_hidden: int = 16,
+    text_length: int = 16,
+    block_out_channels: tuple[int, ...] = (16, 32),
+    guidance_embeds: bool = True,
+    seed: int = 0,
+) -> Path:
+    """A random FluxPipeline folder (`save_pretrained`), shaped like FLUX.1 but a few hundred kilobytes: a
+    FluxTransformer2DModel on 2x2-packed latents (in_channels 64 = 16 latent channels x 4; `guidance_embeds`:
+    FLUX.1-dev's guidance-distilled embedding, False: schnell's), a Flux-style AutoencoderKL (16 latent channels,
+    Flux's scaling_factor and shift_factor), a CLIPTextModel + CLIPTokenizer (CLIP-L's role: the pooled output), a
+    T5EncoderModel + T5Tokenizer (T5-XXL's: the sequence, width joint_attention_dim) and FLUX.1-dev's
+    FlowMatchEulerDiscreteScheduler (dynamic shifting; schnell's shift=1 without it when not `guidance_embeds`)."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    out = Path(out)
+    torch.manual_seed(seed)
+    rope = attention_head_dim // 4  # RoPE's (text, row, column) axes: sum(axes_dims_rope) == attention_head_dim
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=num_layers,
+        num_single_layers=num_single_layers,
+        attention_head_dim=attention_head_dim,
+        num_attention_heads=num_attention_heads,
+        joint_attention_dim=joint_attention_dim,
+        pooled_projection_dim=clip_hidden,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(rope, rope, attention_head_dim - 2 * rope),
+    )
+    vae = _latent_vae(block_out_channels, 16, scaling_factor=0.3611, shift_factor=0.1159)  # Flux's
+    clip, clip_tokenizer = _clip_text(CLIPTextModel, out, clip_hidden, text_length, seed + 1)
+    t5, t5_tokenizer = _t5_text(out, joint_attention_dim, seed + 3)
+    if guidance_embeds:  # black-forest-labs/FLUX.1-dev's scheduler_config.json
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000,
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
+    else:  # FLUX.1-schnell's
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+    pipe = FluxPipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=clip_tokenizer,
+        text_encoder_2=t5,
+        tokenizer_2=t5_tokenizer,
+    )
+    pipe.save_pretrained(out)
+    shutil.rmtree(out / ".tokenizer", ignore_errors=True)
+    return out
+
+
+def _latent_vae(block_out_channels: tuple[int, ...], latent_size: int, *, scaling_factor: float, shift_factor: float):
+    """An SD3/Flux-style AutoencoderKL (16 latent channels, no quant convs) with a sharp posterior."""
+    import torch
+    from diffusers import AutoencoderKL
+
     n = len(block_out_channels)
     vae = AutoencoderKL(
         in_channels=3,
@@ -189,9 +277,9 @@ def make_sd3_pipeline(
         layers_per_block=1,
         latent_channels=16,
         norm_num_groups=8,
-        sample_size=sample_size * 2 ** (n - 1),
-        scaling_factor=1.5305,  # SD3's
-        shift_factor=0.0609,
+        sample_size=latent_size * 2 ** (n - 1),
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
         use_quant_conv=False,
         use_post_quant_conv=False,
     )
@@ -204,54 +292,54 @@ def make_sd3_pipeline(
         conv.bias[:16].mul_(3.0)
         conv.weight[16:].zero_()
         conv.bias[16:].fill_(2 * math.log(POSTERIOR_STD))
-    encoders, tokenizers = [], []
-    for i in range(2):
-        tokenizer = make_clip_tokenizer(out / ".tokenizer", max_length=text_length)
-        config = CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=clip_hidden,
-            intermediate_size=2 * clip_hidden,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            max_position_embeddings=text_length,
-            projection_dim=clip_hidden,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        torch.manual_seed(seed + 1 + i)
-        encoders.append(CLIPTextModelWithProjection(config).eval())
-        tokenizers.append(tokenizer)
-    t5_tokenizer = make_t5_tokenizer(out / ".tokenizer")
-    torch.manual_seed(seed + 3)
+    return vae
+
+
+def _clip_text(cls, out: Path, hidden: int, length: int, seed: int):
+    """(a random CLIP text encoder of class `cls` -- CLIPTextModel, CLIPTextModelWithProjection -- `hidden` wide, its
+    CLIPTokenizer of `length` tokens) trained offline on the digit captions (make_clip_tokenizer)."""
+    import torch
+    from transformers import CLIPTextConfig
+
+    tokenizer = make_clip_tokenizer(out / ".tokenizer", max_length=length)
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=length,
+        projection_dim=hidden,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return cls(config).eval(), tokenizer
+
+
+def _t5_text(out: Path, width: int, seed: int):
+    """(a random T5EncoderModel `width` wide, its T5Tokenizer) trained offline on the digit captions."""
+    import torch
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = make_t5_tokenizer(out / ".tokenizer")
+    torch.manual_seed(seed)
     t5 = T5EncoderModel(
         T5Config(
-            vocab_size=len(t5_tokenizer),
-            d_model=joint_attention_dim,
+            vocab_size=len(tokenizer),
+            d_model=width,
             d_kv=8,
-            d_ff=2 * joint_attention_dim,
+            d_ff=2 * width,
             num_layers=2,
             num_heads=2,
             relative_attention_num_buckets=8,
             feed_forward_proj="gated-gelu",  # T5 v1.1's, as in T5-XXL
-            pad_token_id=t5_tokenizer.pad_token_id,
-            eos_token_id=t5_tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
         )
     ).eval()
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift),
-        vae=vae,
-        text_encoder=encoders[0],
-        tokenizer=tokenizers[0],
-        text_encoder_2=encoders[1],
-        tokenizer_2=tokenizers[1],
-        text_encoder_3=t5,
-        tokenizer_3=t5_tokenizer,
-    )
-    pipe.save_pretrained(out)
-    shutil.rmtree(out / ".tokenizer", ignore_errors=True)
-    return out
+    return t5, tokenizer
 
 
 def make_caption_folder(

@@ -19,7 +19,8 @@ class T2IModelConfig:
     """The pipeline to train: its folder's model_index.json names the transformer, VAE, text encoders, tokenizers
     and scheduler (recipes/t2i/pipeline.py); nothing about the architecture is a key here."""
 
-    # A diffusers StableDiffusion3Pipeline folder (save_pretrained / a downloaded stabilityai/stable-diffusion-3.5-*).
+    # A diffusers StableDiffusion3Pipeline or FluxPipeline folder (save_pretrained / a downloaded
+    # stabilityai/stable-diffusion-3.5-*, black-forest-labs/FLUX.1-*).
     init_from: str = ""
     # T5 tokens per prompt (diffusers' StableDiffusion3Pipeline default, its `max_sequence_length`); CLIP's length is
     # its tokenizer's model_max_length. Longer prompts are truncated with one warning, as the pipeline does.
@@ -45,7 +46,8 @@ class T2IDataConfig(DataConfig):
 
 
 # finetune=lora (common/lora.py): the joint attention's linears, image and text streams (diffusers' names), all by
-# default, as diffusers' examples/dreambooth/train_dreambooth_lora_sd3.py adapts them. A name matches in every block
+# default, as diffusers' examples/dreambooth/train_dreambooth_lora_sd3.py adapts them (and _flux.py, with its MLPs
+# besides; Flux's single-stream blocks have to_q, to_k, to_v only). A name matches in every block
 # that has it (the last block has no to_add_out; SD3.5's dual-attention blocks' attn2 has to_q, to_k, to_v, to_out.0).
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
@@ -59,7 +61,7 @@ NOT_READ = {
     "diffusion.vae": "the VAE is the one in model.init_from's pipeline folder",
     "diffusion.class_dropout": "prompts are dropped for guidance by data.caption_dropout",
     "diffusion.samples_per_class": "sample grids are drawn from the validation captions",
-    "diffusion.beta_schedule": "SD3-class transformers are trained with rectified flow (no DDPM schedule)",
+    "diffusion.beta_schedule": "SD3 and Flux transformers are trained with rectified flow (no DDPM schedule)",
     "diffusion.prediction_type": "rectified flow always predicts the velocity",
 }
 
@@ -114,7 +116,7 @@ def validate(cfg: TrainConfig) -> None:
     )
     if d.objective != "flow":
         raise ConfigError(
-            f"diffusion.objective={d.objective}: SD3-class transformers are trained with rectified flow; set "
+            f"diffusion.objective={d.objective}: SD3 and Flux transformers are trained with rectified flow; set "
             "diffusion.objective=flow"
         )
     if cfg.toggles.attention != "sdpa":

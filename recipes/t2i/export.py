@@ -1,6 +1,7 @@
 """A text-to-image run's export/ rebuilt from any of its DeepSpeed checkpoints (scripts/export.py): the
-StableDiffusion3Pipeline folder the end of the run writes (T2ITrainer.export), with the checkpoint's EMA transformer
-(common/ds_export.py: write_ema_module, one safetensors shard at a time) and the base pipeline's other parts.
+pipeline folder (StableDiffusion3Pipeline, FluxPipeline: the base's class) the end of the run writes
+(T2ITrainer.export), with the checkpoint's EMA transformer (common/ds_export.py: write_ema_module, one safetensors
+shard at a time) and the base pipeline's other parts.
 
 A finetune=lora run's checkpoints hold the adapter only (and its EMA in the TrainState): `export_lora_checkpoint`
 builds the adapted transformer on model.init_from's weights, whole in host memory (the merged export needs them, and
@@ -15,7 +16,7 @@ import torch
 from common.config import TrainConfig
 from common.ds_export import ZeroCheckpoint, copy_checked, export_zero, export_zero_lora, saved_ema, write_ema_module
 from recipes.t2i import lora as t2i_lora
-from recipes.t2i.pipeline import pipeline_folder, transformer_config, write_pipeline
+from recipes.t2i.pipeline import pipeline_folder, transformer_class, transformer_config, write_pipeline
 
 
 def export_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
@@ -29,11 +30,9 @@ def export_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, ma
 
 def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int, max_shard_size: int) -> int:
     """Write the export of checkpoint `ckpt` (of step `step`) to `out`; returns the weight bytes written."""
-    from diffusers import SD3Transformer2DModel
-
     base = pipeline_folder(cfg.model.init_from)
     with torch.device("meta"):
-        model = SD3Transformer2DModel.from_config(transformer_config(base))
+        model = transformer_class(base).from_config(transformer_config(base))
     write_pipeline(out, base, cfg, step=step)
     return write_ema_module(ckpt, model, out / "transformer", "diffusion_pytorch_model.safetensors", max_shard_size)
 

@@ -16,8 +16,8 @@ import torch
 from common.config import TrainConfig
 from common.errors import ConfigError
 from common.memory import GB, Block, ModelSpec, count_params, largest_module_params
+from recipes.t2i.pipeline import FLUX_TRANSFORMER, check_patches, pipeline_folder, transformer_config, vae_factor
 from recipes.t2i.pipeline import check_image_size as pipeline_check_image_size
-from recipes.t2i.pipeline import check_patches, pipeline_folder, transformer_config, vae_factor
 
 TEXT_ENCODERS = {"text_encoder": "CLIP-L", "text_encoder_2": "CLIP-G", "text_encoder_3": "T5-XXL"}  # SD3's roles
 
@@ -137,6 +137,11 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         )
     arch = architecture(cfg.model.init_from)
     t = arch.transformer
+    if t.get("_class_name") == FLUX_TRANSFORMER:
+        raise ConfigError(
+            f"run.dry_run and scripts/plan.py size StableDiffusion3Pipeline runs only (yet); model.init_from="
+            f"{cfg.model.init_from} is a FluxPipeline"
+        )
     with torch.device("meta"):
         model = SD3Transformer2DModel.from_config(t)
     if cfg.finetune == "lora":  # the adapters train; the base is frozen weights in the engine (as the DiT's)

@@ -1,6 +1,7 @@
-"""Text-to-image recipe: fine-tune a released SD3-class pipeline's transformer (`model.init_from`) on captioned
-images with rectified flow, under DeepSpeed ZeRO + activation checkpointing, EMA, sample grids and an export that
-diffusers' StableDiffusion3Pipeline loads.
+"""Text-to-image recipe: fine-tune a released pipeline's transformer (`model.init_from`: a StableDiffusion3Pipeline
+or FluxPipeline folder; what differs between them is recipes/t2i/pipeline.py's adapter) on captioned images with
+rectified flow, under DeepSpeed ZeRO + activation checkpointing, EMA, sample grids and an export that the diffusers
+pipeline of the base's class loads.
 
 The diffusion core is the one the class-conditional DiT uses (common/diffusion: the flow objective, the VAE's
 latent path and the sampler) and common/'s (the EMA, the engine, the step): this family adds only what text
@@ -45,7 +46,7 @@ from recipes.t2i.evaluate import (
 from recipes.t2i.parallelize import parallelize
 from recipes.t2i.pipeline import (
     COMPUTE_DTYPES,
-    PromptEncoder,
+    adapter,
     encoders_identity,
     load_transformer,
     pipeline_folder,
@@ -64,9 +65,10 @@ class T2ITrainer(Trainer):
         if not cfg.model.init_from:
             raise ConfigError(
                 "the text-to-image recipe fine-tunes a released pipeline: set model.init_from=<a "
-                "StableDiffusion3Pipeline folder>"
+                "StableDiffusion3Pipeline or FluxPipeline folder>"
             )
         self.base = pipeline_folder(cfg.model.init_from)
+        self.adapter = adapter(self.base)  # what this pipeline class does its own way (recipes/t2i/pipeline.py)
         # finetune=lora: adapters on the base pipeline's transformer, the base of every start (common/lora.py).
         self.lora_base = str(self.base) if cfg.finetune == "lora" else ""
         if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
@@ -91,12 +93,10 @@ class T2ITrainer(Trainer):
         self.dtype = next(self.model.parameters()).dtype
         # The text encoders: frozen, in the compute dtype, beside the engine like the VAE; or their cached outputs.
         load_encoders = functools.partial(
-            PromptEncoder,
-            self.base,
+            self.adapter.prompt_encoder,
             device=self.device,
             dtype=self.dtype,
             max_sequence_length=cfg.model.max_sequence_length,
-            joint_dim=model.config.joint_attention_dim,
         )
         if cache:
             if COMPUTE_DTYPES.get(cfg.toggles.precision) != self.dtype:
@@ -109,7 +109,9 @@ class T2ITrainer(Trainer):
             )
         else:
             encode = load_encoders()
-        self.sampler = PromptSampler(self.model, encode, self.vae, self.geometry, scheduler_config(self.base))
+        self.sampler = PromptSampler(
+            self.model, encode, self.vae, self.geometry, scheduler_config(self.base), self.adapter
+        )
         self.encode, self.empty = encode, self.sampler.empty  # caption dropout trains on the empty prompt
         self.ema = EMA(self.model, cfg.diffusion.ema_decay)
         # Every random draw comes from each sample's generator (`loss`): only LoRA's dropout draws per rank.
@@ -139,7 +141,10 @@ class T2ITrainer(Trainer):
         drop = per_sample(rngs, lambda r: r.random()).to(self.device) < self.cfg.data.caption_dropout
         for key, value in text.items():  # a dropped caption is the empty prompt's embedding
             text[key] = torch.where(drop.view(-1, *[1] * (value.dim() - 1)), self.empty[key], value)
-        pred = self.engine.model(x_t.to(self.dtype), timestep=t, **text).sample
+        # A guidance-distilled transformer (FLUX.1-dev) trains at the guidance scale it samples with, as diffusers'
+        # train_dreambooth_flux.py does (one --guidance_scale for both); the others ignore it.
+        guidance = torch.full((x0.shape[0],), self.cfg.diffusion.guidance_scale)
+        pred = self.adapter.forward(self.engine.model, x_t.to(self.dtype), t, text, guidance)
         return F.mse_loss(pred.float(), target) * x0.shape[0]
 
     def count(self, batch: dict) -> int:
@@ -227,7 +232,7 @@ class T2ITrainer(Trainer):
         )
 
     def export(self) -> Path:
-        """A StableDiffusion3Pipeline folder under run.dir/export/: the EMA transformer, the base's other parts. Under
+        """The base's pipeline folder under run.dir/export/: the EMA transformer, the base's other parts. Under
         finetune=lora: the EMA adapter as diffusers' LoRA file on the base, and with export.merge_lora the merged
         pipeline in export/merged (recipes/t2i/lora.py)."""
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"

@@ -46,11 +46,12 @@ def test_a_caption_that_is_not_text_is_one_line(tmp_path):
 
 
 def test_a_pipeline_kiln_does_not_train_is_refused_with_one_line(tmp_path, capsys):
-    flux = tmp_path / "flux"
+    flux = tmp_path / "sdxl"
     flux.mkdir()
-    (flux / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    (flux / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(
-        ConfigError, match="is a FluxPipeline; the text-to-image recipe trains StableDiffusion3Pipeline"
+        ConfigError,
+        match="is a StableDiffusionXLPipeline; the text-to-image recipe trains StableDiffusion3Pipeline, FluxPipeline",
     ):
         compose(["recipe=t2i_tiny", f"model.init_from={flux}"])
     run_dir = tmp_path / "run"

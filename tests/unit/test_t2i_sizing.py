@@ -79,13 +79,13 @@ def test_frozen_models_beside_the_engine_are_what_the_trainer_loads(t2i_world):
     """The bytes held whole on every GPU are those of the trainer's own PromptEncoder (text encoders in the compute
     dtype) and VAE (fp32), plus the transformer's buffers, loaded from the pipeline folder; ZeRO-3 shards none of it."""
     from common.diffusion import vae as vae_lib
-    from recipes.t2i.pipeline import PromptEncoder, load_transformer
+    from recipes.t2i.pipeline import SD3PromptEncoder, load_transformer
 
     folder = t2i_world["pipeline"]
     cfg = tiny_cfg(folder)
     spec = memory_spec(cfg)
-    encode = PromptEncoder(
-        folder, device="cpu", dtype=torch.float32, max_sequence_length=cfg.model.max_sequence_length, joint_dim=32
+    encode = SD3PromptEncoder(
+        folder, device="cpu", dtype=torch.float32, max_sequence_length=cfg.model.max_sequence_length
     )
     vae = vae_lib.load_vae(vae_lib.vae_geometry(folder / "vae", IMAGE_SIZE), "cpu")
     encoders = [m for _, m in encode.clip] + [encode.t5[1]]
