@@ -240,6 +240,31 @@ def export_zero_lora(
     return f"{adapter} of {count:,} parameters on {source}, from a ZeRO-{ckpt.stage} checkpoint of {ckpt.world} rank(s)"
 
 
+def export_ema_lora(
+    cfg, path: Path, meta: dict, out: Path, max_shard_size: str | None, write: Callable[..., int]
+) -> str:
+    """export_zero_lora for a diffusion run (DiT, text-to-image): `write(cfg, ckpt, out, step=...)` writes the EMA
+    adapter on model.init_from's base, as the end of the run does."""
+    step = int(meta["step"])
+    return export_zero_lora(
+        path,
+        max_shard_size,
+        lambda ckpt: write(cfg, ckpt, out, step=step),
+        adapter="a LoRA adapter",
+        source=cfg.model.init_from,
+    )
+
+
+def load_ema_adapter(model: torch.nn.Module, ckpt: "ZeroCheckpoint") -> dict[str, torch.nn.Parameter]:
+    """`model`'s trainable (adapter) parameters, set in place to the EMA that checkpoint `ckpt`'s TrainState holds
+    (what EMA.swapped() does at the end of the run), in the checkpoint's dtype."""
+    if ckpt.dtype != torch.float32:
+        model.to(ckpt.dtype)  # DeepSpeed's cast of the module (bf16/fp16 runs)
+    adapter = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    copy_checked(adapter, saved_ema(ckpt.trainer_state()), ckpt.path)
+    return adapter
+
+
 def write_ema_module(
     ckpt: ZeroCheckpoint, model: torch.nn.Module, folder: Path, weights_name: str, max_shard_size: int
 ) -> int:

@@ -19,7 +19,7 @@ import torch
 from common.config import TrainConfig
 from common.data.dataset import load_dataset_meta
 from common.diffusion import vae as vae_lib
-from common.ds_export import ZeroCheckpoint, copy_checked, export_zero, export_zero_lora, saved_ema, write_ema_module
+from common.ds_export import ZeroCheckpoint, export_ema_lora, export_zero, load_ema_adapter, write_ema_module
 from recipes.dit import lora as dit_lora
 from recipes.dit.data import class_names
 from recipes.dit.model import build_model, null_class
@@ -69,14 +69,7 @@ def lora_base(cfg: TrainConfig) -> str:
 
 def export_lora_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
     """Write the export of finetune=lora checkpoint `path` to `out` (scripts/export.py); returns what was written."""
-    step = int(meta["step"])
-    return export_zero_lora(
-        path,
-        max_shard_size,
-        lambda ckpt: write_lora_export(cfg, ckpt, out, step=step),
-        adapter="a LoRA adapter",
-        source=cfg.model.init_from,
-    )
+    return export_ema_lora(cfg, path, meta, out, max_shard_size, write_lora_export)
 
 
 def write_lora_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int) -> int:
@@ -84,10 +77,7 @@ def write_lora_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step
     with export.merge_lora the merged model as a whole export in out/merged; returns the adapter's parameter count."""
     in_channels, sample_size, _ = model_geometry(cfg)
     model = dit_lora.adapted_model(cfg, sample_size, in_channels)
-    if ckpt.dtype != torch.float32:
-        model.to(ckpt.dtype)  # DeepSpeed's cast of the module (bf16/fp16 runs)
-    adapter = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    copy_checked(adapter, saved_ema(ckpt.trainer_state()), ckpt.path)  # what EMA.swapped() does at the end of the run
+    adapter = load_ema_adapter(model, ckpt)
 
     def pipeline(folder: Path, transformer) -> None:  # export.merge_lora only: the data's classes and the VAE
         classes, geometry, vae = export_parts(cfg)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from common.config import TrainConfig
-from common.ds_export import ZeroCheckpoint, copy_checked, export_zero, export_zero_lora, saved_ema, write_ema_module
+from common.ds_export import ZeroCheckpoint, export_ema_lora, export_zero, load_ema_adapter, write_ema_module
 from recipes.t2i import lora as t2i_lora
 from recipes.t2i.pipeline import pipeline_folder, transformer_class, transformer_config, write_pipeline
 
@@ -45,14 +45,7 @@ def lora_base(cfg: TrainConfig) -> str:
 
 def export_lora_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
     """Write the export of finetune=lora checkpoint `path` to `out` (scripts/export.py); returns what was written."""
-    step = int(meta["step"])
-    return export_zero_lora(
-        path,
-        max_shard_size,
-        lambda ckpt: write_lora_export(cfg, ckpt, out, step=step),
-        adapter="a LoRA adapter",
-        source=cfg.model.init_from,
-    )
+    return export_ema_lora(cfg, path, meta, out, max_shard_size, write_lora_export)
 
 
 def write_lora_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int) -> int:
@@ -60,9 +53,6 @@ def write_lora_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step
     LoRA file, with export.merge_lora the merged pipeline in out/merged; returns the adapter's parameter count."""
     base = pipeline_folder(cfg.model.init_from)
     model = t2i_lora.adapted_model(cfg, base)
-    if ckpt.dtype != torch.float32:
-        model.to(ckpt.dtype)  # DeepSpeed's cast of the module (bf16/fp16 runs)
-    adapter = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    copy_checked(adapter, saved_ema(ckpt.trainer_state()), ckpt.path)  # what EMA.swapped() does at the end of the run
+    adapter = load_ema_adapter(model, ckpt)
     t2i_lora.write_export(model, cfg, out, base=base, step=step)
     return sum(p.numel() for p in adapter.values())
