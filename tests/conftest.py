@@ -197,7 +197,7 @@ LONGEST_FIRST = (
     "integration/test_fault_tolerance.py",  # ~230 s
     "distributed/test_ds_any_layout.py",  # ~135 s
     "integration/test_slurm.py",  # ~120 s
-    "integration/test_serve_vllm.py",  # ~115 s
+    "integration/test_serve_vllm.py",  # ~115 s (stop 35); its two engines now also serve the LoRA and MoE cases
     "integration/test_host_syncs.py",  # ~110 s
 )
 TIERS = ("integration", "distributed", "unit")
