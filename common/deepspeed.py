@@ -141,10 +141,17 @@ def grad_norm(engine) -> torch.Tensor | float:
 
 
 def trained_shapes(engine) -> dict[str, list[int]]:
-    """Name -> shape of every trained parameter (meta.json records them: a resume checks it fits)."""
+    """Name -> shape of every trained parameter, by its name in the module DeepSpeed wraps (meta.json records them:
+    a resume checks it fits; AC's and compile's wrapper prefixes are part of these names)."""
     return {
         name: list(getattr(p, "ds_shape", p.shape)) for name, p in engine.module.named_parameters() if p.requires_grad
     }
+
+
+def _unwrapped(shapes: dict) -> dict:
+    from common.toggles import unwrapped_name
+
+    return {unwrapped_name(name): shape for name, shape in shapes.items()}
 
 
 def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool = True, strict: bool = True) -> None:
@@ -159,7 +166,10 @@ def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool =
     check_trained_shapes(engine, meta, path)
     world = tdist.get_world_size() if tdist.is_initialized() else 1
     saved = (meta["world_size"], meta.get("zero_stage"))
-    if saved == (world, engine.zero_optimization_stage()) or not load_optimizer:
+    # DeepSpeed's own shards name the module's parameters as the writing run wrapped them: another AC or compile
+    # setting loads through the universal checkpoint (by unwrapped name) like another layout.
+    same_names = list(meta.get("trained_shapes", trained_shapes(engine))) == list(trained_shapes(engine))
+    if (saved == (world, engine.zero_optimization_stage()) and same_names) or not load_optimizer:
         engine.load_checkpoint(
             str(path.parent),
             tag=path.name,
@@ -215,8 +225,11 @@ def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool =
 
 def check_trained_shapes(engine, meta: dict, path: Path) -> None:
     """One line when the checkpoint's trained parameters are not this model's (another model shape)."""
-    saved, mine = meta.get("trained_shapes"), trained_shapes(engine)
-    if saved is None or saved == mine:
+    saved, mine = meta.get("trained_shapes"), _unwrapped(trained_shapes(engine))
+    if saved is None:
+        return
+    saved = _unwrapped(saved)  # the same model whatever activation checkpointing or compile wrapped
+    if saved == mine:
         return
     differ = sorted(set(saved) ^ set(mine)) or [n for n in mine if saved[n] != mine[n]]
     name = differ[0]
@@ -296,6 +309,11 @@ def load_universal(engine, folder: Path) -> None:
     Frozen parameters are not the run's state: they come from their source on every start."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
+    from common.toggles import unwrapped_name
+
+    # The folder names each parameter as the writing run's module did (AC's and compile's wrapper prefixes in it).
+    saved_names = {unwrapped_name(f.name): f.name for f in (folder / "zero").iterdir() if f.is_dir()}
+
     def part(name: str, key: str, p: torch.nn.Parameter) -> torch.Tensor:
         return universal_state(folder, name, key, getattr(p, "ds_shape", p.shape)).to(p.device)
 
@@ -306,7 +324,7 @@ def load_universal(engine, folder: Path) -> None:
     _init_adam_state(inner, [[p] for p in flat] if flat is not None else [g["params"] for g in inner.param_groups])
     if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2, bf16: link the setters to it
         engine.optimizer._lazy_init_hp_params_optimizer_state()
-    trained = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
+    trained = [(saved_names[unwrapped_name(n)], p) for n, p in engine.module.named_parameters() if p.requires_grad]
     step = adam_step(folder, [name for name, _ in trained])
     for name, p in trained:
         fp32 = part(name, "fp32", p)

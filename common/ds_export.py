@@ -146,9 +146,9 @@ def saved_ema(trainer_state: dict) -> dict[str, torch.Tensor]:
     """The EMA a DiT TrainState holds (common/ema.py EMA.state_dict): one whole fp32 tensor per trainable
     parameter, by its name in `model.named_parameters()` less activation checkpointing's and compile's wrapper
     prefixes (the exports build unwrapped models), whatever ZeRO stage wrote it."""
-    from common.engine import _WRAPPERS
+    from common.toggles import unwrapped_name
 
-    return {_WRAPPERS.sub("", name): t for name, t in trainer_state["ema"]["shadow"].items()}
+    return {unwrapped_name(name): t for name, t in trainer_state["ema"]["shadow"].items()}
 
 
 def copy_checked(params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], source: Path) -> None:

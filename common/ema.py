@@ -22,6 +22,8 @@ import contextlib
 import torch
 import torch.distributed as tdist
 
+from common.toggles import unwrapped_name
+
 
 def _local(p: torch.nn.Parameter) -> torch.Tensor:
     return p.ds_tensor if hasattr(p, "ds_tensor") else p.data
@@ -54,7 +56,7 @@ class EMA:
     def __init__(self, model: torch.nn.Module, decay: float):
         self.decay = decay
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        self.names = [name for name, _ in named]
+        self.names = [unwrapped_name(name) for name, _ in named]  # whatever AC/compile wrap: resumes either way
         self.params = [p for _, p in named]
         self.shadow = [_local(p).detach().float().clone() for p in self.params]
         self.updates = 0  # the warm-up counts the EMA's own updates (skipped optimizer steps make none)
@@ -86,5 +88,6 @@ class EMA:
 
     def load_state_dict(self, state: dict) -> None:
         self.updates = state["updates"]
+        saved = {unwrapped_name(name): t for name, t in state["shadow"].items()}  # older EMAs kept the prefixes
         for name, p, s in zip(self.names, self.params, self.shadow):
-            s.copy_(_part(p, state["shadow"][name]))
+            s.copy_(_part(p, saved[name]))

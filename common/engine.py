@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import re
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from pathlib import Path
@@ -35,6 +34,7 @@ from common.config import TrainConfig
 from common.optim import adamw_kernel, lr_factor
 from common.parallel_dims import batch_mesh
 from common.profiling import StepTimer
+from common.toggles import unwrapped_name
 
 
 class Engine(ABC):
@@ -163,7 +163,6 @@ class DeepSpeedEngine(Engine):
 # different parameters, and the other stages would load groups without their hyperparameters.
 # Frozen parameters (a LoRA run's base) are not the run's state: they come from their source (model.init_from)
 # on every start, so a checkpoint holds what trains and its optimizer state only.
-_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod)\.")  # AC's and compile's prefixes: not in state dicts
 
 
 @functools.cache
@@ -312,7 +311,7 @@ class NativeEngine(Engine):
         """`model_sd` without frozen weights. `ignore_frozen_params` drops them by `named_parameters()`, which names
         a tied weight once: a frozen tied output projection (`output.weight`) would stay in."""
         frozen = {
-            _WRAPPERS.sub("", name)
+            unwrapped_name(name)
             for name, p in self.model.named_parameters(remove_duplicate=False)
             if not p.requires_grad
         }

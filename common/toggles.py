@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import re
 
 import torch
 import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn._varlen_attn)
@@ -96,6 +97,16 @@ def _save_matmuls(ctx, op, *args, recompute_widening: bool = False, **kwargs):
     if op not in _KEEP or (recompute_widening and op in _MATMULS and args[-1].shape[-1] > args[-2].shape[-1]):
         return CheckpointPolicy.PREFER_RECOMPUTE  # (..., mat1, mat2): mm, addmm and bmm alike
     return CheckpointPolicy.MUST_SAVE
+
+
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod)\.")  # AC's and compile's module prefixes
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without activation checkpointing's and compile's wrapper prefixes: its name in the model
+    as built, and in state dicts. Checkpoints, EMAs and exports key by it, so a run resumes and exports whatever
+    toggles.activation_checkpointing / toggles.compile wrote it."""
+    return _WRAPPERS.sub("", name)
 
 
 # Attention modules keep their dropout probability as a float (transformers: `attention_dropout`,
