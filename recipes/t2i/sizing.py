@@ -14,7 +14,7 @@ import torch
 
 from common.config import TrainConfig
 from common.errors import ConfigError
-from common.memory import GB, Block, LayerType, ModelSpec, count_params, largest_module_params
+from common.memory import GB, GIB, Block, LayerType, ModelSpec, count_params, largest_module_params
 from recipes.t2i.pipeline import (
     FLUX_TRANSFORMER,
     check_patches,
@@ -285,7 +285,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
             f"{vae * 4 / GB:.2f} GB ({'with' if cfg.trainer.eval else 'without'} its encoder: trainer.eval="
             f"{str(cfg.trainer.eval).lower()}); assumed: the eval after training (trainer.eval, on the captioned "
             f"digits only) loads the text encoders ({parts}, {encoders * e / GB:.2f} GB in {cfg.toggles.precision}) "
-            f"once the activations are freed: it fits where activations + transient >= that"
+            f"once the activations are freed: it fits where activations + transient >= {encoders * e / GIB:.2f} GiB"
         )
     else:
         beside = (
