@@ -122,6 +122,10 @@ class Block:
     # The share of layers x tokens whose stream ends at the attention (SD3's last layer: `context_pre_only`, its text
     # tokens get no output projection, no MLP): their post-attention tensors are not kept.
     pre_only: float = 0.0
+    # Attention and MLP side by side on one modulated norm output, one projection back from their concatenation
+    # [attention output ; MLP activation] (Flux's single-stream block; Dehghani et al. 2023's parallel layers): one
+    # norm, no output projection of the attention's own, the projection's input h + ffn wide.
+    parallel: bool = False
 
     @property
     def kv_fraction(self) -> float:
@@ -265,6 +269,8 @@ def layer_saved(
     if recompute == "selective" and block.selective in ("save_matmuls", "save_narrow_matmuls"):
         widening = block.selective == "save_matmuls"
         kept = _save_matmuls_saved(block, s, b, e, widening=widening)
+        if block.parallel:  # the one projection back is the "down projection"
+            kept = [t for t in kept if t.name != "output projection"]
         kept = [t._replace(nbytes=t.nbytes * (1 - block.pre_only)) if t.name in AFTER_ATTENTION else t for t in kept]
         return kept + _attention2_saved(block, s, b, e, recompute)
     out = _norm_saved(block, "attention", sbh, sb, e) + [Saved("qkv input", e * sbh, block.megatron_sp)]
@@ -275,6 +281,12 @@ def layer_saved(
     )
     if block.dropout:
         out.append(Saved("attention dropout mask", sbh, True))
+    if block.parallel:  # the MLP reads the attention's (modulated) input; the projection's input is a new tensor
+        out += [
+            Saved("gelu input", e * s * b * block.ffn, True),
+            Saved("projection input [attention output ; MLP activation]", e * s * b * (block.hidden + block.ffn), True),
+        ]
+        return [t for t in out if not t.quadratic] if recompute == "selective" else out
     mlp = _norm_saved(block, "mlp", sbh, sb, e) + [Saved("mlp input", e * sbh, block.megatron_sp)]
     mlp += _mlp_saved(block, s, b, e)
     if block.dropout:
@@ -350,6 +362,15 @@ def microbatches_in_flight(schedule: str, pp: int, microbatches: int, rank: int)
 
 
 @dataclass(frozen=True)
+class LayerType:
+    """One kind of layer in a model's stack: its Block, how many, and the trainable parameters of one."""
+
+    block: Block
+    layers: int
+    params: int
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What the planner knows about a recipe's model: shapes from its config, parameter counts from
     its own builder on the meta device (scripts/plan.py fills it in)."""
@@ -383,10 +404,18 @@ class ModelSpec:
     # text-to-image run's text encoders and VAE) and the trained model's buffers (ZeRO partitions parameters only).
     unsharded_bytes: float = 0
     note: str = ""  # what the estimate holds and leaves out, printed under it (run.dry_run, scripts/plan.py)
+    # Further layer types after `block` x `layers` (Flux's single-stream blocks after its dual-stream ones), each with
+    # its own activations and parameters. Not split over pipeline stages (the planner offers pp = 1 with them).
+    more_layers: tuple[LayerType, ...] = ()
+
+    @property
+    def layer_types(self) -> tuple[LayerType, ...]:
+        return (LayerType(self.block, self.layers, self.layer_params), *self.more_layers)
 
     @property
     def total_params(self) -> int:
-        return self.layers * self.layer_params + self.first_params + self.last_params + self.frozen_params
+        layers = sum(t.layers * t.params for t in self.layer_types)
+        return layers + self.first_params + self.last_params + self.frozen_params
 
     @property
     def act_bytes(self) -> int:
@@ -419,9 +448,11 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     """Peak bytes on one GPU of pipeline rank `rank`: states + stored activations + the largest
     transient (the logits around the loss, or one layer recomputed in backward under AC)."""
     p, tp, e, cp = layout.pp, layout.tp, spec.act_bytes, layout.cp
+    if p > 1 and spec.more_layers:
+        raise ValueError(f"{spec.name}: a pipeline split of several layer types is not modelled (pp={p})")
     first, last = rank == 0, rank == p - 1
-    layers = spec.layers // p
-    params = (layers * spec.layer_params + first * spec.first_params + last * spec.last_params) / tp
+    types = [(t, t.layers // p) for t in spec.layer_types]  # (type, this rank's layers of it)
+    params = (sum(n * t.params for t, n in types) + first * spec.first_params + last * spec.last_params) / tp
     # Expert parallelism: each rank's experts are FSDP-sharded over the dp/ep others, so the states stay
     # params / dp, but a gathered MoE layer holds only its 1/ep of the experts.
     gathered = (spec.gather_unit_params - spec.expert_params * (1 - 1 / layout.ep)) / tp
@@ -444,9 +475,13 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     microbatches = spec.pp_microbatches or p
     rows = math.ceil(spec.micro_batch / microbatches) if p > 1 else spec.micro_batch
     shape = dict(seq=spec.seq, batch=rows, act_bytes=e)
-    per_microbatch = layers * layer_activation_bytes(spec.block, tp=tp, recompute=layout.ac, cp=cp, **shape)
-    transient = layer_activation_bytes(spec.block, tp=tp, cp=cp, **shape) if layout.ac != "none" else 0.0
-    transient += cp_gather_transient_bytes(spec.block, tp=tp, cp=cp, **shape)
+    per_microbatch = sum(
+        n * layer_activation_bytes(t.block, tp=tp, recompute=layout.ac, cp=cp, **shape) for t, n in types
+    )
+    # Under AC, the largest layer recomputed in backward; under cp, the largest layer's all-gather.
+    recomputed = [layer_activation_bytes(t.block, tp=tp, cp=cp, **shape) for t, _ in types]
+    transient = max(recomputed) if layout.ac != "none" else 0.0
+    transient += max(cp_gather_transient_bytes(t.block, tp=tp, cp=cp, **shape) for t, _ in types)
     shape["seq"] = spec.seq // cp  # the head and the loss see this rank's tokens only
     if spec.experts:  # each token's top_k rows, permuted by expert: sent, received and combined back (one layer)
         transient = max(transient, 3 * spec.top_k * spec.seq * rows * spec.block.hidden * e)

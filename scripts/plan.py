@@ -197,10 +197,10 @@ def main(argv: list[str]) -> int:
     try:
         cluster, overrides = parse_cluster([a for a in argv if a not in flags])
         cfg, refused = compose_for_plan(overrides)
+        spec = model_spec(cfg)  # a model the recipe cannot size (t2i: a pipeline of no known shape) is one line too
     except ConfigError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 2
-    spec = model_spec(cfg)
     rows = plan(spec, cluster.gpus, GPUS[cluster.gpu], cluster.headroom, allowed=recipe_allows(cfg))
     if "--json" in flags:
         print(as_json(spec, rows, cluster))

@@ -40,7 +40,7 @@ def candidate_layouts(spec: ModelSpec, gpus: int, gpus_per_node: int = 8) -> lis
         if tp > gpus_per_node or spec.block.heads % tp:
             continue
         for pp in _divisors(gpus // tp):
-            if spec.layers % pp:
+            if spec.layers % pp or (pp > 1 and spec.more_layers):  # several layer types: not split over stages
                 continue
             cps = [c for c in _divisors(gpus // (tp * pp)) if spec.seq % (2 * c) == 0] if spec.context_parallel else [1]
             for cp in cps if pp == 1 else [1]:

@@ -87,14 +87,19 @@ def check_image_size(folder: str | Path, image_size: int) -> None:
     check_patches(transformer_config(folder), vae_factor(folder), image_size, f"model.init_from={folder}")
 
 
+def patch_step(transformer: dict, factor: int) -> int:
+    """Pixels per token a side: the VAE's downsampling `factor` x the transformer's patch (Flux's: the 2x2 packing of
+    its latents, FluxPipeline._pack_latents)."""
+    return factor * (2 if transformer.get("_class_name") == FLUX_TRANSFORMER else transformer["patch_size"])
+
+
 def check_patches(transformer: dict, factor: int, image_size: int, source: str, what: str = "") -> None:
     """One line unless `image_size` images fit a transformer config and a VAE factor: a multiple of the VAE's factor
     times the transformer's patch (Flux's: the 2x2 packing of its latents), and within its position embedding
     (pos_embed_max_size patches a side; Flux's RoPE has no such limit). `what`: the side's name in the message
     (data.image_size=N by default)."""
     what = what or f"data.image_size={image_size}"
-    packed = transformer.get("_class_name") == FLUX_TRANSFORMER
-    step = factor * (2 if packed else transformer["patch_size"])
+    step = patch_step(transformer, factor)
     if image_size % step:
         raise ConfigError(
             f"{what} must be a multiple of {step} (the VAE's downsampling x the transformer's patch_size) for {source}"

@@ -428,6 +428,7 @@ DRY_RUN_STATES = re.compile(
         *[("dit_2b", [f"parallel.zero_stage={s}"], dict(dp=8, tp=1, pp=1, zero_stage=s)) for s in range(4)],
         ("llm_8b", ["parallel.tp=2"], dict(dp=4, tp=2, pp=1, zero_stage=3)),  # FSDP over dp=4
         ("sd35_medium", ["parallel.zero_stage=3"], dict(dp=8, tp=1, pp=1, zero_stage=3)),  # without its folder
+        ("flux_dev", ["finetune=lora"], dict(dp=8, tp=1, pp=1, zero_stage=3)),  # two layer types, adapter-only states
         ("llm_tiny", ["parallel.cp=2"], dict(dp=4, tp=1, pp=1, cp=2, zero_stage=3)),  # FSDP over dp x cp = 8
     ],
 )

@@ -1,6 +1,6 @@
 """The text-to-image recipe on a FluxPipeline folder, against diffusers' FluxPipeline itself: the prompt encoder
 gives encode_prompt's conditioning, a schnell-shaped pipeline samples as FluxPipeline does, a LoRA export loads
-in FluxPipeline.load_lora_weights, and what the recipe does not size for Flux yet is refused with one line."""
+in FluxPipeline.load_lora_weights, and an image size Flux cannot pack is refused with one line."""
 
 from __future__ import annotations
 
@@ -30,13 +30,8 @@ def test_the_flux_prompt_encoder_is_flux_pipelines_encode_prompt(t2i_flux_world)
     assert torch.equal(text_ids, torch.zeros(24, 3))  # what Flux.forward passes as txt_ids
 
 
-def test_what_flux_is_not_sized_for_is_one_line(t2i_flux_world):
-    from recipes.t2i.sizing import memory_spec
-
+def test_an_image_size_flux_cannot_pack_is_one_line(t2i_flux_world):
     folder = t2i_flux_world["pipeline"]
-    cfg = compose(["recipe=t2i_tiny", f"model.init_from={folder}", "run.dry_run=true"])
-    with pytest.raises(ConfigError, match="size StableDiffusion3Pipeline runs only"):
-        memory_spec(cfg)
     # Flux packs 2x2 latents: 16 px images on its VAE's 1/2 are 4x4 tokens; 14 px are refused.
     with pytest.raises(ConfigError, match="must be a multiple of 4"):
         compose(["recipe=t2i_tiny", f"model.init_from={folder}", "data.image_size=14"])
