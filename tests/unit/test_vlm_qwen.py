@@ -1,0 +1,161 @@
+"""Qwen2.5-VL at native resolution, packed: a tiny random release folder (common/tools/fixtures.py's
+make_qwen2_5_vl, transformers' own classes), images of several sizes and aspect ratios, and a packed row of
+samples with 0, 1 and 2 images against transformers' own forward on each sample alone."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from common.data.packing import IGNORE_INDEX
+from common.tools.fixtures import make_qwen2_5_vl
+from recipes.vlm.qwen import (
+    IMAGE_PAD,
+    VIDEO_PAD,
+    ImageTokensExceed,
+    encode_qwen,
+    image_pad_repeats,
+    modality_types,
+    pack_qwen,
+)
+
+# (height, width): one above max_pixels (shrunk), one near min_pixels, a wide one spanning several
+# 112-px attention windows of the tower (its windowed blocks), a tall one.
+SIZES = [(300, 200), (56, 84), (140, 224), (112, 56)]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    folder = make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return types.SimpleNamespace(
+        model=model,
+        tokenizer=tokenizer,
+        image_processor=AutoImageProcessor.from_pretrained(folder),
+        image_pad=tokenizer.convert_tokens_to_ids(IMAGE_PAD),
+        video_pad=tokenizer.convert_tokens_to_ids(VIDEO_PAD),
+    )
+
+
+def image(height: int, width: int, seed: int):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def conversation(n_images: int) -> list[dict]:
+    if n_images == 0:
+        return [{"role": "user", "content": "What is two plus three?"}, {"role": "assistant", "content": "Five."}]
+    ask = "<image>\nDescribe the image." if n_images == 1 else "<image>\nCompare the two pictures.\n<image>"
+    return [
+        {"role": "user", "content": ask},
+        {"role": "assistant", "content": "A handwritten digit."},
+        {"role": "user", "content": "What digit is this?"},
+        {"role": "assistant", "content": "Five."},
+    ]
+
+
+def test_image_tokens_follow_the_processor_rule(qwen):
+    """Each image's tokens are the Qwen2.5-VL processor's own replacement for its pad (Qwen2_5_VLProcessor's
+    replace_image_token, which the processor applies itself; the processor object cannot be built without
+    torchvision), and that is the image processor's patch count for the raw size over merge^2: native resolution,
+    so the count varies with size and aspect ratio."""
+    from transformers import Qwen2_5_VLProcessor
+
+    images = [image(h, w, i) for i, (h, w) in enumerate(SIZES)]
+    messages = [
+        {"role": "user", "content": "Compare <image> and <image>.\n<image><image>"},
+        {"role": "assistant", "content": "Five."},
+    ]
+    enc = encode_qwen(messages, images, qwen.tokenizer, qwen.image_processor)
+    ip = qwen.image_processor
+    rule = types.SimpleNamespace(image_processor=ip, image_token=IMAGE_PAD)
+    expected = [
+        Qwen2_5_VLProcessor.replace_image_token(rule, {"image_grid_thw": enc["image_grid_thw"]}, i).count(IMAGE_PAD)
+        for i in range(len(images))
+    ]
+    assert expected == [ip.get_number_of_image_patches(h, w) // ip.merge_size**2 for h, w in SIZES]
+    assert len(set(expected)) == len(SIZES)  # a different count for every image
+    assert (28 * 28 * expected[0] <= ip.size["longest_edge"]) and expected[0] < (300 * 200) // (28 * 28)  # shrunk
+    # In the sequence: each image is one run of pads of its count, between <|vision_start|> and <|vision_end|>.
+    ids = enc["input_ids"]
+    is_pad = (ids == qwen.image_pad).int()
+    starts = torch.nonzero(torch.diff(is_pad, prepend=torch.zeros(1, dtype=torch.int32)) == 1).flatten()
+    ends = torch.nonzero(torch.diff(is_pad, append=torch.zeros(1, dtype=torch.int32)) == -1).flatten() + 1
+    vision_start, vision_end = qwen.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+    assert (ends - starts).tolist() == expected
+    assert ids[starts - 1].eq(vision_start).all() and ids[ends].eq(vision_end).all()
+    assert enc["pixel_values"].shape == (sum(expected) * ip.merge_size**2, 3 * 2 * 14 * 14)
+    # Labels: the assistant's answer and its <|im_end|>, nothing of the prompt or the images.
+    answer = qwen.tokenizer("Five.<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert enc["labels"][enc["labels"] != IGNORE_INDEX].tolist() == answer
+
+
+def test_placeholder_mismatch_and_image_budget_are_one_line(qwen):
+    images = [image(56, 84, 0), image(140, 224, 1)]
+    with pytest.raises(ValueError, match=r"^the conversation has 1 image placeholder\(s\) but 2 image\(s\)"):
+        encode_qwen(conversation(1), images, qwen.tokenizer, qwen.image_processor)
+    with pytest.raises(ImageTokensExceed, match=r"^its 2 image\(s\) take 46 tokens, more than data.max_seq_len 40$"):
+        encode_qwen(conversation(2), images, qwen.tokenizer, qwen.image_processor, max_seq_len=40)
+    # Over the length but the images fit: cut before the image the cut would split, never inside it.
+    full = encode_qwen(conversation(2), images, qwen.tokenizer, qwen.image_processor)
+    second = int(torch.nonzero(full["input_ids"] == qwen.image_pad).flatten()[6])  # first token of the 40-token image
+    assert second + 30 >= 46  # the images alone fit; the cut falls inside the second
+    enc = encode_qwen(conversation(2), images, qwen.tokenizer, qwen.image_processor, max_seq_len=second + 30)
+    assert enc["truncated"] and torch.equal(enc["input_ids"], full["input_ids"][:second])
+    assert enc["image_grid_thw"].tolist() == full["image_grid_thw"][:1].tolist()
+    assert torch.equal(enc["pixel_values"], full["pixel_values"][:24])
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_row_matches_each_sample_alone(qwen, attention):
+    """Three samples (0, 1 and 2 images of different sizes) packed into one row: the tower takes all three images
+    as one patch sequence, the language model one row with the block-diagonal mask and each sample's own mRoPE
+    positions. Every sample's logits equal transformers' own forward on that sample alone (fp32)."""
+    model = qwen.model
+    model.set_attn_implementation(attention)
+    samples = [
+        encode_qwen(conversation(n), ims, qwen.tokenizer, qwen.image_processor)
+        for n, ims in ((0, []), (1, [image(300, 200, 0)]), (2, [image(56, 84, 1), image(140, 224, 2)]))
+    ]
+    batch = pack_qwen(
+        samples,
+        model.model.get_rope_index,
+        max_seq_len=512,
+        pad_id=qwen.tokenizer.pad_token_id,
+        image_pad_id=qwen.image_pad,
+        video_pad_id=qwen.video_pad,
+    )
+    assert batch.packed.num_rows == 1 and batch.image_grid_thw.shape == (3, 3)
+    with torch.no_grad():
+        packed = model(**batch.model_inputs(attention)).logits
+        diffs = []
+        start = 0
+        for i, n in zip(batch.packed.order, batch.packed.seq_lens[0], strict=True):
+            s = samples[i]
+            ids = s["input_ids"][None]
+            alone = model(
+                input_ids=ids,
+                pixel_values=s["pixel_values"] if len(s["image_grid_thw"]) else None,
+                image_grid_thw=s["image_grid_thw"] if len(s["image_grid_thw"]) else None,
+                mm_token_type_ids=modality_types(ids, qwen.image_pad, qwen.video_pad),
+            ).logits[0]
+            diffs.append((packed[0, start : start + n] - alone).abs().max().item())
+            start += n
+    print(f"{attention}: max |packed - alone| per sample {diffs}")
+    assert max(diffs) < 1e-5
+    # mRoPE is live: image tokens' height and width positions differ from the text's running count.
+    assert not torch.equal(batch.position_ids[1], batch.position_ids[2])
+
+
+def test_pad_repeats_expand_each_placeholder():
+    ids = torch.tensor([5, 9, 6, 9, 7])
+    assert image_pad_repeats(ids, 9, [3, 2]).tolist() == [1, 3, 1, 2, 1]
+    assert ids.repeat_interleave(image_pad_repeats(ids, 9, [3, 2])).tolist() == [5, 9, 9, 9, 6, 9, 9, 7]
