@@ -149,8 +149,15 @@ def test_packed_row_matches_each_sample_alone(qwen, attention):
             ).logits[0]
             diffs.append((packed[0, start : start + n] - alone).abs().max().item())
             start += n
+        # The flash inputs (one flattened row, positions as [4, 1, R*L] with the text positions first) without
+        # their cu_seq_lens: transformers' own packed-sequence mask, built from that text row (no cache), must
+        # give the same logits, so the layout is the one transformers reads as packed.
+        flat = {k: v for k, v in batch.model_inputs("flash").items() if not k.startswith(("cu_seq", "max_length"))}
+        assert flat["position_ids"].shape == (4, 1, batch.packed.input_ids.numel())
+        flash_layout = model(**flat, use_cache=False).logits.reshape(packed.shape)
     print(f"{attention}: max |packed - alone| per sample {diffs}")
     assert max(diffs) < 1e-5
+    assert (flash_layout - packed).abs().max().item() < 1e-5
     # mRoPE is live: image tokens' height and width positions differ from the text's running count.
     assert not torch.equal(batch.position_ids[1], batch.position_ids[2])
 
