@@ -263,9 +263,14 @@ def encode_sample(sample: dict, processor: LlavaProcessor) -> dict:
 def encode_llava(sample: dict, processor: LlavaProcessor, max_seq_len: int | None = None) -> dict:
     """Raw prepare_llava sample -> one training sequence (see `encode_conversation`): ``input_ids``,
     ``labels``, ``pixel_values`` [n, 3, S, S] (n = 0 for a text-only conversation), ``truncated``, ``key``."""
-    record = json.loads(sample["json"])
-    images = [decode_image(sample[f"image{i}"]) for i in range(record["num_images"])]
+    record, images = read_llava_sample(sample)
     return {**encode_conversation(record["messages"], images, processor, max_seq_len=max_seq_len), "key": record["id"]}
+
+
+def read_llava_sample(sample: dict) -> tuple[dict, list[Image]]:
+    """A raw prepare_llava sample's record ({"id", "messages", "num_images"}) and its images, decoded (RGB)."""
+    record = json.loads(sample["json"])
+    return record, [decode_image(sample[f"image{i}"]) for i in range(record["num_images"])]
 
 
 def _images(sample: dict) -> list[torch.Tensor]:
@@ -304,10 +309,18 @@ def collate(samples: list[dict], *, packing: bool, max_seq_len: int, pad_id: int
     return {
         "packed": packed,
         "pixel_values": torch.stack(images) if images else None,
+        **batch_counts(real, packed, lambda s: len(_images(s))),
+    }
+
+
+def batch_counts(real: list[dict], packed: PackedBatch, num_images) -> dict:
+    """A micro-batch's token accounting (metrics.jsonl): its real samples' tokens against the slots of its rows,
+    and how many samples were text-only (``num_images(sample) == 0``) or truncated."""
+    return {
         "real_tokens": sum(len(s["input_ids"]) for s in real),
         "slots": packed.input_ids.numel(),
         "samples": len(real),
-        "text_only": sum(not _images(s) for s in real),
+        "text_only": sum(not num_images(s) for s in real),
         "truncated": sum(bool(s.get("truncated")) for s in real),
     }
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
-from recipes.vlm.data import IMAGE_TOKEN, render_turns, whole_images_cut
+from recipes.vlm.data import IMAGE_TOKEN, batch_counts, read_llava_sample, render_turns, whole_images_cut
 
 IMAGE_PAD = "<|image_pad|>"  # the one token the chat template writes per image; expanded to the image's tokens
 IMAGE_SLOT = "<|vision_start|>" + IMAGE_PAD + "<|vision_end|>"  # an image in Qwen's chat format
@@ -31,8 +31,18 @@ VIDEO_PAD = "<|video_pad|>"
 # mm_token_type_ids, as transformers' Qwen2.5-VL processor and get_rope_index number the modalities
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
-# model.model.get_rope_index of a Qwen2_5_VLForConditionalGeneration (transformers' own mRoPE layout)
+# transformers' Qwen2_5_VLModel.get_rope_index, bound to a model of the run's config (`rope_index_for`)
 RopeIndex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def rope_index_for(config) -> RopeIndex:
+    """transformers' own get_rope_index for a Qwen2_5_VLConfig, without weights: bound to a meta-device
+    Qwen2_5_VLModel (built in a fraction of a second even at 7B shapes), so the loader workers lay out the mRoPE
+    positions while they pack, as the model itself would for each sample."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    with torch.device("meta"):
+        return Qwen2_5_VLModel(config).get_rope_index
 
 
 def image_tokens(image_grid_thw: torch.Tensor, merge_size: int) -> list[int]:
@@ -212,4 +222,66 @@ def encode_qwen(
         "pixel_values": pixel_values,
         "image_grid_thw": grid,
         "truncated": truncated,
+    }
+
+
+def encode_llava_qwen(sample: dict, tokenizer, image_processor, max_seq_len: int | None = None) -> dict:
+    """Raw prepare_llava sample (any number of images) -> one Qwen2.5-VL training sequence (`encode_qwen`) with its
+    ``key``; a sample whose image tokens alone exceed ``max_seq_len`` -> ``{"skipped": reason, "key"}``, which
+    `collate_qwen` drops and counts (the loader's decode failures are corrupt data; this one is a budget)."""
+    record, images = read_llava_sample(sample)
+    try:
+        enc = encode_qwen(record["messages"], images, tokenizer, image_processor, max_seq_len=max_seq_len)
+    except ImageTokensExceed as exc:
+        return {"skipped": str(exc), "key": record["id"]}
+    return {**enc, "key": record["id"]}
+
+
+def blank_qwen_sample(image_processor, image_pad_id: int) -> dict:
+    """The smallest image the processor makes (a black min_pixels image) as its pads alone, no label: the stand-in
+    `collate_qwen` adds to a micro-batch without images, so the tower and merger run in every step on every rank
+    (ZeRO-3 gathers their weights collectively; see recipes/vlm/data.py's `collate`)."""
+    from PIL import Image
+
+    side = int(image_processor.size["shortest_edge"] ** 0.5)
+    vision = image_processor(images=[Image.new("RGB", (side, side))], return_tensors="pt")
+    grid = vision["image_grid_thw"].long()
+    ids = torch.full((image_tokens(grid, image_processor.merge_size)[0],), image_pad_id, dtype=torch.long)
+    return {
+        "input_ids": ids,
+        "labels": torch.full_like(ids, IGNORE_INDEX),
+        "pixel_values": vision["pixel_values"].float(),
+        "image_grid_thw": grid,
+    }
+
+
+def collate_qwen(
+    samples: list[dict],
+    *,
+    rope_index: RopeIndex,
+    packing: bool,
+    max_seq_len: int,
+    pad_id: int,
+    image_pad_id: int,
+    video_pad_id: int,
+    blank: dict | None = None,
+) -> dict:
+    """This rank's Qwen2.5-VL micro-batch (`pack_qwen`, run in the loader workers) and its accounting: LLaVA's
+    (`batch_counts`) plus ``skipped``, the samples whose image tokens did not fit in ``max_seq_len``. A micro-batch
+    without images gets ``blank`` (unlabelled: the loss and the other samples' logits are unchanged)."""
+    real = [s for s in samples if "skipped" not in s]
+    packable = real if blank is None or any(_num_images(s) for s in real) else [*real, blank]
+    batch = pack_qwen(
+        packable,
+        rope_index,
+        max_seq_len=max_seq_len,
+        pad_id=pad_id,
+        image_pad_id=image_pad_id,
+        video_pad_id=video_pad_id,
+        packing=packing,
+    )
+    return {
+        "batch": batch,
+        **batch_counts(real, batch.packed, _num_images),
+        "skipped": len(samples) - len(real),
     }
