@@ -124,7 +124,7 @@ def test_packed_row_matches_each_sample_alone(qwen, attention):
     """Three samples (0, 1 and 2 images of different sizes) packed into one row: the tower takes all three images
     as one patch sequence, the language model one row with the block-diagonal mask and each sample's own mRoPE
     positions. Every sample's logits equal transformers' own forward on that sample alone (fp32: max |diff| is
-    printed; 2.4e-7 when measured)."""
+    printed; 2.4e-7 when measured), and the packed loss (summed) the sum of the samples' own losses."""
     model = qwen.model
     model.set_attn_implementation(attention)
     samples = [
@@ -141,8 +141,10 @@ def test_packed_row_matches_each_sample_alone(qwen, attention):
     )
     assert batch.packed.num_rows == 1 and batch.image_grid_thw.shape == (3, 3)
     with torch.no_grad():
-        packed = model(**batch.model_inputs(attention)).logits
-        diffs = []
+        # The trainer's loss: transformers' own, summed over the labelled tokens (num_items_in_batch=1).
+        out = model(**batch.model_inputs(attention), use_cache=False, num_items_in_batch=1)
+        packed = out.logits
+        diffs, losses = [], []
         start = 0
         for i, n in zip(batch.packed.order, batch.packed.seq_lens[0], strict=True):
             s = samples[i]
@@ -152,8 +154,11 @@ def test_packed_row_matches_each_sample_alone(qwen, attention):
                 pixel_values=s["pixel_values"] if len(s["image_grid_thw"]) else None,
                 image_grid_thw=s["image_grid_thw"] if len(s["image_grid_thw"]) else None,
                 mm_token_type_ids=modality_types(ids, qwen.image_pad, qwen.video_pad),
-            ).logits[0]
-            diffs.append((packed[0, start : start + n] - alone).abs().max().item())
+                labels=s["labels"][None],
+                num_items_in_batch=1,
+            )
+            diffs.append((packed[0, start : start + n] - alone.logits[0]).abs().max().item())
+            losses.append(alone.loss)
             start += n
         # The flash inputs (one flattened row, positions as [4, 1, R*L] with the text positions first) without
         # their cu_seq_lens: transformers' own packed-sequence mask, built from that text row (no cache), must
@@ -163,6 +168,8 @@ def test_packed_row_matches_each_sample_alone(qwen, attention):
         flash_layout = model(**flat, use_cache=False).logits.reshape(packed.shape)
     print(f"{attention}: max |packed - alone| per sample {diffs}")
     assert max(diffs) < 1e-5
+    assert batch.packed.num_labels == sum(int((s["labels"][1:] != IGNORE_INDEX).sum()) for s in samples)
+    torch.testing.assert_close(out.loss, torch.stack(losses).sum(), rtol=1e-6, atol=1e-5)
     assert (flash_layout - packed).abs().max().item() < 1e-5
     # mRoPE is live: image tokens' height and width positions differ from the text's running count.
     assert not torch.equal(batch.position_ids[1], batch.position_ids[2])
