@@ -13,6 +13,7 @@ import torch
 
 from common.data.packing import IGNORE_INDEX
 from common.tools.fixtures import make_qwen2_5_vl
+from recipes.vlm.parallelize import freeze_for_stage
 from recipes.vlm.qwen import (
     IMAGE_PAD,
     VIDEO_PAD,
@@ -40,6 +41,7 @@ def qwen(tmp_path_factory):
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return types.SimpleNamespace(
+        folder=folder,
         model=model,
         tokenizer=tokenizer,
         image_processor=AutoImageProcessor.from_pretrained(folder),
@@ -232,3 +234,32 @@ def test_llava_samples_collate_with_counted_skips_and_a_blank(qwen):
     alone = collate_qwen([text], **collate)
     assert alone["batch"].image_grid_thw.tolist() == blank["image_grid_thw"].tolist() == [[1, 4, 4]]
     assert alone["batch"].packed.num_labels == int((text["labels"][1:] != IGNORE_INDEX).sum())
+
+
+@pytest.mark.parametrize("stage", ["align", "finetune"])
+def test_stages_freeze_qwen_parts(qwen, stage):
+    """LLaVA's stages on Qwen2.5-VL's parts: align trains the merger alone, finetune the merger and the language
+    model; the tower stays frozen (no vlm.train_vision). One packed backward: gradients reach exactly those."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.folder, dtype=torch.float32)
+    freeze_for_stage(model, stage)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    merger = {n for n, _ in model.named_parameters() if n.startswith("model.visual.merger.")}
+    language = {n for n, _ in model.named_parameters() if n.startswith(("model.language_model.", "lm_head."))}
+    assert trainable == (merger if stage == "align" else merger | language)
+    samples = [
+        encode_qwen(conversation(n), ims, qwen.tokenizer, qwen.image_processor)
+        for n, ims in ((0, []), (2, [image(56, 84, 1), image(140, 224, 2)]))
+    ]
+    batch = pack_qwen(
+        samples,
+        rope_index_for(model.config),
+        max_seq_len=512,
+        pad_id=qwen.tokenizer.pad_token_id,
+        image_pad_id=qwen.image_pad,
+        video_pad_id=qwen.video_pad,
+    )
+    model(**batch.model_inputs("sdpa"), use_cache=False).loss.backward()
+    reached = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert reached == trainable
