@@ -121,60 +121,74 @@ def test_placeholder_mismatch_and_image_budget_are_one_line(qwen):
     assert torch.equal(enc["pixel_values"], full["pixel_values"][:24])
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_packed_row_matches_each_sample_alone(qwen, attention):
-    """Three samples (0, 1 and 2 images of different sizes) packed into one row: the tower takes all three images
-    as one patch sequence, the language model one row with the block-diagonal mask and each sample's own mRoPE
-    positions. Every sample's logits equal transformers' own forward on that sample alone (fp32: max |diff| is
-    printed; 2.4e-7 when measured), and the packed loss (summed) the sum of the samples' own losses."""
-    model = qwen.model
-    model.set_attn_implementation(attention)
+@pytest.fixture(scope="module")
+def alone(qwen):
+    """Three samples (0, 1 and 2 images of different sizes) and transformers' own forward on each alone: its
+    logits and its loss summed over its labels (num_items_in_batch=1, as the trainer asks)."""
     samples = [
         encode_qwen(conversation(n), ims, qwen.tokenizer, qwen.image_processor)
         for n, ims in ((0, []), (1, [image(300, 200, 0)]), (2, [image(56, 84, 1), image(140, 224, 2)]))
     ]
+    outputs = []
+    with torch.no_grad():
+        for s in samples:
+            ids = s["input_ids"][None]
+            has_images = len(s["image_grid_thw"]) > 0
+            outputs.append(
+                qwen.model(
+                    input_ids=ids,
+                    pixel_values=s["pixel_values"] if has_images else None,
+                    image_grid_thw=s["image_grid_thw"] if has_images else None,
+                    mm_token_type_ids=modality_types(ids, qwen.image_pad, qwen.video_pad),
+                    labels=s["labels"][None],
+                    num_items_in_batch=1,
+                )
+            )
+    return samples, outputs
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_packed_rows_match_each_sample_alone(qwen, alone, rows):
+    """The three samples packed into one row (or two, images in both): the tower takes all the images as one patch
+    sequence, the language model the rows with the block-diagonal mask and each sample's own mRoPE positions.
+    Every sample's logits equal transformers' own forward on it alone (fp32, SDPA: max |diff| is printed; 1.9e-7
+    when measured), and the packed loss (summed) the sum of the samples' own losses."""
+    samples, outputs = alone
+    lengths = sorted(len(s["input_ids"]) for s in samples)
     batch = pack_qwen(
         samples,
-        rope_index_for(model.config),  # as the loader workers run it: transformers' get_rope_index, no weights
-        max_seq_len=512,
+        rope_index_for(qwen.model.config),  # as the loader workers run it: transformers' get_rope_index, no weights
+        max_seq_len=512 if rows == 1 else lengths[-1] + lengths[0],  # the longest + the shortest: two rows
         pad_id=qwen.tokenizer.pad_token_id,
         image_pad_id=qwen.image_pad,
         video_pad_id=qwen.video_pad,
     )
-    assert batch.packed.num_rows == 1 and batch.image_grid_thw.shape == (3, 3)
+    assert batch.packed.num_rows == rows and batch.image_grid_thw.shape == (3, 3)
     with torch.no_grad():
-        # The trainer's loss: transformers' own, summed over the labelled tokens (num_items_in_batch=1).
-        out = model(**batch.model_inputs(attention), use_cache=False, num_items_in_batch=1)
-        packed = out.logits
-        diffs, losses = [], []
-        start = 0
-        for i, n in zip(batch.packed.order, batch.packed.seq_lens[0], strict=True):
-            s = samples[i]
-            ids = s["input_ids"][None]
-            alone = model(
-                input_ids=ids,
-                pixel_values=s["pixel_values"] if len(s["image_grid_thw"]) else None,
-                image_grid_thw=s["image_grid_thw"] if len(s["image_grid_thw"]) else None,
-                mm_token_type_ids=modality_types(ids, qwen.image_pad, qwen.video_pad),
-                labels=s["labels"][None],
-                num_items_in_batch=1,
-            )
-            diffs.append((packed[0, start : start + n] - alone.logits[0]).abs().max().item())
-            losses.append(alone.loss)
-            start += n
+        out = qwen.model(**batch.model_inputs("sdpa"), use_cache=False, num_items_in_batch=1)
         # The flash inputs (one flattened row, positions as [4, 1, R*L] with the text positions first) without
         # their cu_seq_lens: transformers' own packed-sequence mask, built from that text row (no cache), must
         # give the same logits, so the layout is the one transformers reads as packed.
         flat = {k: v for k, v in batch.model_inputs("flash").items() if not k.startswith(("cu_seq", "max_length"))}
         assert flat["position_ids"].shape == (4, 1, batch.packed.input_ids.numel())
-        flash_layout = model(**flat, use_cache=False).logits.reshape(packed.shape)
-    print(f"{attention}: max |packed - alone| per sample {diffs}")
+        flash_layout = qwen.model(**flat, use_cache=False).logits.reshape(out.logits.shape)
+    placed = [(r, start, n) for r, lens in enumerate(batch.packed.seq_lens) for start, n in _starts(lens)]
+    diffs = [
+        (out.logits[r, start : start + n] - outputs[i].logits[0]).abs().max().item()
+        for i, (r, start, n) in zip(batch.packed.order, placed, strict=True)
+    ]
+    print(f"{rows} row(s): max |packed - alone| per sample {diffs}")
     assert max(diffs) < 1e-5
     assert batch.packed.num_labels == sum(int((s["labels"][1:] != IGNORE_INDEX).sum()) for s in samples)
-    torch.testing.assert_close(out.loss, torch.stack(losses).sum(), rtol=1e-6, atol=1e-5)
-    assert (flash_layout - packed).abs().max().item() < 1e-5
+    torch.testing.assert_close(out.loss, sum(o.loss for o in outputs), rtol=1e-6, atol=1e-5)
+    assert (flash_layout - out.logits).abs().max().item() < 1e-5
     # mRoPE is live: image tokens' height and width positions differ from the text's running count.
     assert not torch.equal(batch.position_ids[1], batch.position_ids[2])
+
+
+def _starts(lens: list[int]) -> list[tuple[int, int]]:
+    """(start, length) of each sample in a row."""
+    return [(sum(lens[:k]), n) for k, n in enumerate(lens)]
 
 
 def test_pad_repeats_expand_each_placeholder():
