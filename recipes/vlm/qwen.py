@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
+from common.errors import ConfigError
 from recipes.vlm.data import IMAGE_TOKEN, batch_counts, read_llava_sample, render_turns, whole_images_cut
 
 IMAGE_PAD = "<|image_pad|>"  # the one token the chat template writes per image; expanded to the image's tokens
@@ -43,6 +44,32 @@ def rope_index_for(config) -> RopeIndex:
 
     with torch.device("meta"):
         return Qwen2_5_VLModel(config).get_rope_index
+
+
+def load_processing(folder, image_token_id: int, *, min_pixels: int = 0, max_pixels: int = 0):
+    """(tokenizer, image processor) of a Qwen2.5-VL folder, offline, with the pixel budget ``min_pixels`` /
+    ``max_pixels`` (data.min_pixels / data.max_pixels; 0 keeps the folder's) in place of the folder's. One line
+    when the budget is inverted (transformers would resize silently outside it) or smaller than one merged patch,
+    and when the tokenizer's <|image_pad|> is not the model's ``image_token_id``."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
+        if value and value < 28 * 28:
+            raise ConfigError(f"{key}={value} is below one merged 28x28 patch (784 pixels)")
+    if min_pixels and max_pixels and min_pixels > max_pixels:
+        raise ConfigError(f"data.min_pixels={min_pixels} is above data.max_pixels={max_pixels}")
+    budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    image_processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True, **budget)
+    low, high = image_processor.size["shortest_edge"], image_processor.size["longest_edge"]
+    if low > high:  # one given, the folder's other one on the wrong side of it
+        raise ConfigError(f"the pixel budget {low}..{high} is inverted (data.min_pixels / data.max_pixels)")
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    if pad != image_token_id:
+        raise ConfigError(
+            f"{folder}: the tokenizer's {IMAGE_PAD} is id {pad}, the model's image_token_id is {image_token_id}"
+        )
+    return tokenizer, image_processor
 
 
 def image_tokens(image_grid_thw: torch.Tensor, merge_size: int) -> list[int]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common.data.packing import IGNORE_INDEX
+from common.errors import ConfigError
 from common.tools.fixtures import make_qwen2_5_vl
 from recipes.vlm.parallelize import freeze_for_stage
 from recipes.vlm.qwen import (
@@ -23,6 +24,7 @@ from recipes.vlm.qwen import (
     encode_llava_qwen,
     encode_qwen,
     image_pad_repeats,
+    load_processing,
     modality_types,
     pack_qwen,
     rope_index_for,
@@ -277,3 +279,30 @@ def test_stages_freeze_qwen_parts(qwen, stage):
     model(**batch.model_inputs("sdpa"), use_cache=False).loss.backward()
     reached = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert reached == trainable
+
+
+def test_pixel_budget_overrides_the_folder_and_bad_ones_are_one_line(qwen):
+    """data.min_pixels / data.max_pixels replace the folder's budget: a 300x200 image then has the tokens
+    transformers' smart_resize gives for it within the new budget; an inverted or too small budget, and a tokenizer
+    whose <|image_pad|> is not the model's, stop with one line."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    image_token_id = qwen.model.config.image_token_id
+    low, high = 28 * 28 * 8, 28 * 28 * 16
+    _, ip = load_processing(qwen.folder, image_token_id, min_pixels=low, max_pixels=high)
+    h, w = smart_resize(300, 200, 28, low, high)
+    grid = ip(images=[image(300, 200, 0)], return_tensors="pt")["image_grid_thw"]
+    assert grid.tolist() == [[1, h // 14, w // 14]] and h * w <= high
+    bad = {
+        (high, low): f"data.min_pixels={high} is above data.max_pixels={low}",
+        (28 * 28 * 100, 0): "the pixel budget 78400..50176 is inverted (data.min_pixels / data.max_pixels)",
+        (0, 700): "data.max_pixels=700 is below one merged 28x28 patch (784 pixels)",
+    }
+    for (mn, mx), message in bad.items():
+        with pytest.raises(ConfigError) as err:
+            load_processing(qwen.folder, image_token_id, min_pixels=mn, max_pixels=mx)
+        assert str(err.value) == message
+    with pytest.raises(
+        ConfigError, match=r"the tokenizer's <\|image_pad\|> is id \d+, the model's image_token_id is 3$"
+    ):
+        load_processing(qwen.folder, 3)
