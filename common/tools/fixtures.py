@@ -382,3 +382,146 @@ def make_caption_folder(
         for r in rows:
             (out / r["file_name"]).with_suffix(".txt").write_text(r["text"])
     return out
+
+
+# Qwen2-VL / Qwen2.5-VL's released chat template (string content as is; OpenAI-style parts: an image or a video
+# becomes <|vision_start|><|image_pad|><|vision_end|>, which the processor expands to one pad per merged patch).
+QWEN_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+# Qwen2.5-VL's special tokens, in its order (<|endoftext|> is pad, <|im_end|> ends a turn).
+QWEN_VL_SPECIALS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+QWEN_VL_TEXT = (
+    "You are a helpful assistant.",
+    "system user assistant",
+    "Describe the image.",
+    "What digit is this?",
+    "Compare the two pictures.",
+    "What is two plus three?",
+    "Five.",
+    "A handwritten digit on a dark background.",
+    "The first is wider than the second.",
+    "zero one two three four five six seven eight nine 0123456789",
+)
+
+
+def make_qwen2_5_vl(
+    out: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    vision_hidden: int = 32,
+    vision_depth: int = 2,
+    min_pixels: int = 28 * 28 * 4,
+    max_pixels: int = 28 * 28 * 64,
+    vocab_size: int = 400,
+    seed: int = 0,
+) -> Path:
+    """A random Qwen2.5-VL release folder (~/models/Qwen2.5-VL-7B-Instruct's layout, `save_pretrained`): a tiny
+    Qwen2_5_VLForConditionalGeneration (a `vision_depth`-block tower, patch 14, 2x2 spatial merge, window attention
+    in all but its last block as the release has it; a `num_layers` Qwen2 language model with mRoPE), its
+    Qwen2VLImageProcessor (PIL backend: smart_resize within `min_pixels`..`max_pixels`) and a Qwen2Tokenizer with
+    byte-level BPE trained offline (the `tokenizers` library) carrying Qwen's special tokens and chat template.
+
+    No video processor is saved: transformers' Qwen2VLVideoProcessor needs torchvision, which does not import
+    under the training env's CPU torch (PITFALLS.md). AutoProcessor therefore does not load the folder; the
+    image processor and tokenizer load on their own (AutoImageProcessor, AutoTokenizer)."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # Qwen2's own pre-tokenizer (its regex split, then byte-level): the trained merges are ones Qwen2Tokenizer applies.
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(QWEN_VL_SPECIALS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(QWEN_VL_TEXT, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tokenizer = Qwen2Tokenizer(
+        vocab=model["vocab"],
+        merges=merges,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(QWEN_VL_SPECIALS[1:]),
+        chat_template=QWEN_VL_TEMPLATE,
+    )
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIALS}
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+    heads = 4
+    head_dim = hidden_size // heads
+    half = head_dim // 2  # rotary frequencies per head, split by mRoPE over (temporal, height, width) ...
+    quarter = half // 4  # ... as the release's 16:24:24 of 64
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [quarter, (half - quarter) // 2, half - quarter - (half - quarter) // 2],
+            },
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            depth=vision_depth,
+            hidden_size=vision_hidden,
+            intermediate_size=2 * vision_hidden,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,  # the release's: 112 px = 4x4 merged patches per window
+            out_hidden_size=hidden_size,
+            fullatt_block_indexes=[vision_depth - 1],
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    image_processor.save_pretrained(out)
+    return out

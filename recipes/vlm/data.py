@@ -114,21 +114,11 @@ def chat_prompt(processor: LlavaProcessor, messages: list[dict]) -> str:
     )
 
 
-def encode_conversation(
-    messages: list[dict], images: list, processor: LlavaProcessor, *, max_seq_len: int | None = None
-) -> dict:
-    """A conversation -> one training sequence, token for token the chat template's rendering.
-
-    ``messages``: [{"role": system|user|assistant, "content": str}], `<image>` in the text where each
-    image goes, ``images`` in that order (PIL). Labels are the assistant turns: the tokens that overlap
-    what the template adds for turn i beyond the generation prompt of turns < i (the answer and its end
-    of turn, e.g. eos), so the model learns to answer and to stop; prompts, system text and image tokens
-    are -100. The template must render turn by turn (each prefix a prefix of the whole): ValueError if not.
-
-    Over ``max_seq_len`` tokens the sequence is cut there (as LLaVA truncates), but never inside an
-    image's tokens: the cut moves before that image, which is dropped with the ones after it.
-    Returns ``input_ids``, ``labels`` [T] long, ``pixel_values`` [images kept, 3, S, S] float32, ``truncated``.
-    """
+def render_turns(messages: list[dict], processor) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as the chat template renders it, and the character spans of its assistant turns: for turn
+    i, what the template adds beyond the generation prompt of turns < i (the answer and its end of turn, e.g. eos).
+    ``processor``: anything with the template's ``apply_chat_template`` and ``chat_template`` (a processor or a
+    tokenizer). ValueError if the template does not render turn by turn (each prefix a prefix of the whole)."""
     msgs = _template_messages(messages, processor)
     render = functools.partial(processor.apply_chat_template, tokenize=False)
     text = render(msgs)
@@ -145,6 +135,40 @@ def encode_conversation(
         # Whitespace closing a turn is layout, not answer: left unlabeled, it cannot drag the next turn's
         # first token (" USER") into the labels.
         spans.append((len(before), len(through.rstrip())))
+    return text, spans
+
+
+def whole_images_cut(ids: np.ndarray, image_token_id: int, counts: list[int], max_seq_len: int) -> tuple[int, int]:
+    """Where a sequence over ``max_seq_len`` tokens is cut, never inside an image: ``(cut, images kept)``. Image i
+    is ``counts[i]`` consecutive image tokens; an image whose tokens do not all fit is dropped with the ones after
+    it, and the cut moves before it when it would fall inside it."""
+    image_pos = np.flatnonzero(ids == image_token_id)
+    if image_pos.size != sum(counts) or not image_pos.size:
+        raise ValueError(f"{image_pos.size} image tokens for images of {list(counts)} tokens")
+    ends = np.cumsum(counts, dtype=np.int64)  # one past each image's last token, counted in image tokens
+    whole = int((image_pos[ends - 1] < max_seq_len).sum())
+    cut = max_seq_len
+    if whole < len(counts) and image_pos[ends[whole] - counts[whole]] < cut:
+        cut = int(image_pos[ends[whole] - counts[whole]])  # the cut fell inside an image: cut before it
+    return cut, whole
+
+
+def encode_conversation(
+    messages: list[dict], images: list, processor: LlavaProcessor, *, max_seq_len: int | None = None
+) -> dict:
+    """A conversation -> one training sequence, token for token the chat template's rendering.
+
+    ``messages``: [{"role": system|user|assistant, "content": str}], `<image>` in the text where each
+    image goes, ``images`` in that order (PIL). Labels are the assistant turns: the tokens that overlap
+    what the template adds for turn i beyond the generation prompt of turns < i (the answer and its end
+    of turn, e.g. eos), so the model learns to answer and to stop; prompts, system text and image tokens
+    are -100. The template must render turn by turn (each prefix a prefix of the whole): ValueError if not.
+
+    Over ``max_seq_len`` tokens the sequence is cut there (as LLaVA truncates), but never inside an
+    image's tokens: the cut moves before that image, which is dropped with the ones after it.
+    Returns ``input_ids``, ``labels`` [T] long, ``pixel_values`` [images kept, 3, S, S] float32, ``truncated``.
+    """
+    text, spans = render_turns(messages, processor)
     enc = processor(
         text=text,
         images=images or None,
@@ -171,12 +195,10 @@ def encode_conversation(
     pixel_values = torch.from_numpy(np.stack(enc["pixel_values"])) if images else torch.zeros(0)
     truncated = max_seq_len is not None and len(ids) > max_seq_len
     if truncated:
-        cut = max_seq_len
-        image_pos = np.flatnonzero(ids == processor.image_token_id)
-        per_image = len(image_pos) // max(len(images), 1)
-        whole = int((image_pos < cut).sum()) // per_image if per_image else 0  # images whose tokens all fit
-        if per_image and whole < len(images) and image_pos[whole * per_image] < cut:
-            cut = int(image_pos[whole * per_image])  # the cut fell inside an image: cut before it
+        cut, whole = max_seq_len, 0
+        if images:
+            per_image = int((ids == processor.image_token_id).sum()) // len(images)
+            cut, whole = whole_images_cut(ids, processor.image_token_id, [per_image] * len(images), max_seq_len)
         ids, labels, pixel_values = ids[:cut], labels[:cut], pixel_values[:whole]
     return {
         "input_ids": torch.from_numpy(ids.copy()),
@@ -241,9 +263,14 @@ def encode_sample(sample: dict, processor: LlavaProcessor) -> dict:
 def encode_llava(sample: dict, processor: LlavaProcessor, max_seq_len: int | None = None) -> dict:
     """Raw prepare_llava sample -> one training sequence (see `encode_conversation`): ``input_ids``,
     ``labels``, ``pixel_values`` [n, 3, S, S] (n = 0 for a text-only conversation), ``truncated``, ``key``."""
-    record = json.loads(sample["json"])
-    images = [decode_image(sample[f"image{i}"]) for i in range(record["num_images"])]
+    record, images = read_llava_sample(sample)
     return {**encode_conversation(record["messages"], images, processor, max_seq_len=max_seq_len), "key": record["id"]}
+
+
+def read_llava_sample(sample: dict) -> tuple[dict, list[Image]]:
+    """A raw prepare_llava sample's record ({"id", "messages", "num_images"}) and its images, decoded (RGB)."""
+    record = json.loads(sample["json"])
+    return record, [decode_image(sample[f"image{i}"]) for i in range(record["num_images"])]
 
 
 def _images(sample: dict) -> list[torch.Tensor]:
@@ -282,10 +309,18 @@ def collate(samples: list[dict], *, packing: bool, max_seq_len: int, pad_id: int
     return {
         "packed": packed,
         "pixel_values": torch.stack(images) if images else None,
+        **batch_counts(real, packed, lambda s: len(_images(s))),
+    }
+
+
+def batch_counts(real: list[dict], packed: PackedBatch, num_images) -> dict:
+    """A micro-batch's token accounting (metrics.jsonl): its real samples' tokens against the slots of its rows,
+    and how many samples were text-only (``num_images(sample) == 0``) or truncated."""
+    return {
         "real_tokens": sum(len(s["input_ids"]) for s in real),
         "slots": packed.input_ids.numel(),
         "samples": len(real),
-        "text_only": sum(not _images(s) for s in real),
+        "text_only": sum(not num_images(s) for s in real),
         "truncated": sum(bool(s.get("truncated")) for s in real),
     }
 

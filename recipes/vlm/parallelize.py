@@ -13,10 +13,23 @@ from common.lora import apply_lora
 from common.toggles import apply_toggles
 
 
-def unused_tower_modules(model: LlavaForConditionalGeneration) -> list[torch.nn.Module]:
+def vlm_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """(vision tower, projector, language model) of a LlavaForConditionalGeneration or a
+    Qwen2_5_VLForConditionalGeneration. Qwen's projector is its merger (2x2 patches -> one token, then an MLP), a
+    module of the tower: what its own fine-tuning calls the `mm_mlp`, as LLaVA's projector is."""
+    inner = model.model
+    if hasattr(inner, "visual"):  # Qwen2.5-VL
+        return inner.visual, inner.visual.merger, inner.language_model
+    return inner.vision_tower, inner.multi_modal_projector, inner.language_model
+
+
+def unused_tower_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Tower modules LLaVA's features never reach: the encoder layers after `vision_feature_layer` and
     the post-encoder norm/head (features are hidden states). Frozen even under `vlm.train_vision`: they
-    would get no gradient, which ZeRO's gradient buckets do not expect."""
+    would get no gradient, which ZeRO's gradient buckets do not expect. Qwen2.5-VL's merger reads the tower's
+    last block: none."""
+    if not hasattr(model.config, "vision_feature_layer"):
+        return []
     tower, layer = model.model.vision_tower, model.config.vision_feature_layer
     deepest = max(layer) if isinstance(layer, (list, tuple)) else layer
     layers = tower.encoder.layers
@@ -25,17 +38,18 @@ def unused_tower_modules(model: LlavaForConditionalGeneration) -> list[torch.nn.
     return list(layers[used:]) + [m for m in tail if m is not None]
 
 
-def freeze_for_stage(model: LlavaForConditionalGeneration, stage: str, train_vision: bool = False) -> None:
-    """align: only the projector learns (LLaVA stage 1). finetune: projector + language model (LLaVA
-    stage 2), plus the vision tower with `vlm.train_vision`. Frozen = requires_grad False, so it never
-    reaches the optimizer (common/deepspeed.py passes only trainable parameters)."""
+def freeze_for_stage(model: torch.nn.Module, stage: str, train_vision: bool = False) -> None:
+    """align: only the projector learns (LLaVA stage 1; Qwen2.5-VL's merger). finetune: projector + language
+    model (LLaVA stage 2), plus the vision tower with `vlm.train_vision`. Frozen = requires_grad False, so it
+    never reaches the optimizer (common/deepspeed.py passes only trainable parameters)."""
+    tower, projector, language_model = vlm_parts(model)
     model.requires_grad_(False)
-    model.model.multi_modal_projector.requires_grad_(True)
+    projector.requires_grad_(True)
     if stage == "finetune":
-        model.model.language_model.requires_grad_(True)
+        language_model.requires_grad_(True)
         model.lm_head.requires_grad_(True)
         if train_vision:
-            model.model.vision_tower.requires_grad_(True)
+            tower.requires_grad_(True)
             for module in unused_tower_modules(model):
                 module.requires_grad_(False)
 
@@ -47,7 +61,7 @@ def trainable_parts(model: LlavaForConditionalGeneration, cfg: TrainConfig) -> N
         freeze_for_stage(model, cfg.vlm.stage, cfg.vlm.train_vision)
         return
     freeze_for_stage(model, "align")  # the projector only
-    apply_lora(model.model.language_model, cfg.lora)
+    apply_lora(vlm_parts(model)[2], cfg.lora)
 
 
 def parallelize(model: LlavaForConditionalGeneration, cfg: TrainConfig) -> LlavaForConditionalGeneration:

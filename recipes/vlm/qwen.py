@@ -1,0 +1,314 @@
+"""Qwen2.5-VL inputs at native resolution, packed on both sides of the merger.
+
+Each image keeps its aspect ratio: the image processor's own smart_resize fits it within its
+min_pixels..max_pixels to a multiple of patch x merge (28 px), then cuts it into 14x14 patches (two frames each:
+temporal_patch_size 2), returned as one [patches, 3*2*14*14] sequence and a (t, h, w) grid per image. An image is
+(t*h*w) / merge^2 tokens: the number varies per image, and one `<|image_pad|>` in the chat template's rendering
+stands for all of them (`image_pad_repeats`: transformers' Qwen2_5_VLProcessor rule, applied here because the
+processor itself needs a torchvision video processor the training env lacks, PITFALLS.md).
+
+Packing, language side: the samples' tokens go into rows exactly as LLaVA's do (common/data/packing.py's
+PackedBatch: one cu_seqlens structure for the CPU's block-diagonal 4D mask and the GPU's varlen kernel), with
+Qwen's 3D mRoPE positions computed per sample by transformers' own `get_rope_index` and laid out by the same
+segments. Vision side: the images of all rows, in the order of their pads in the row-major flattened batch,
+go to the tower as one patch sequence with their grids; the tower's own per-image cu_seqlens keep its attention
+(full and windowed) within each image, so no image is padded to another's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
+from common.errors import ConfigError
+from recipes.vlm.data import IMAGE_TOKEN, batch_counts, read_llava_sample, render_turns, whole_images_cut
+
+IMAGE_PAD = "<|image_pad|>"  # the one token the chat template writes per image; expanded to the image's tokens
+IMAGE_SLOT = "<|vision_start|>" + IMAGE_PAD + "<|vision_end|>"  # an image in Qwen's chat format
+VIDEO_PAD = "<|video_pad|>"
+# mm_token_type_ids, as transformers' Qwen2.5-VL processor and get_rope_index number the modalities
+TEXT, IMAGE, VIDEO = 0, 1, 2
+
+# transformers' Qwen2_5_VLModel.get_rope_index, bound to a model of the run's config (`rope_index_for`)
+RopeIndex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def rope_index_for(config) -> RopeIndex:
+    """transformers' own get_rope_index for a Qwen2_5_VLConfig, without weights: bound to a meta-device
+    Qwen2_5_VLModel (built in a fraction of a second even at 7B shapes), so the loader workers lay out the mRoPE
+    positions while they pack, as the model itself would for each sample."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    with torch.device("meta"):
+        return Qwen2_5_VLModel(config).get_rope_index
+
+
+def load_processing(folder, image_token_id: int, *, min_pixels: int = 0, max_pixels: int = 0):
+    """(tokenizer, image processor) of a Qwen2.5-VL folder, offline, with the pixel budget ``min_pixels`` /
+    ``max_pixels`` (data.min_pixels / data.max_pixels; 0 keeps the folder's) in place of the folder's. One line
+    when the budget is inverted (transformers would resize silently outside it) or smaller than one merged patch,
+    and when the tokenizer's <|image_pad|> is not the model's ``image_token_id``."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
+        if value and value < 28 * 28:
+            raise ConfigError(f"{key}={value} is below one merged 28x28 patch (784 pixels)")
+    if min_pixels and max_pixels and min_pixels > max_pixels:
+        raise ConfigError(f"data.min_pixels={min_pixels} is above data.max_pixels={max_pixels}")
+    budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    image_processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True, **budget)
+    low, high = image_processor.size["shortest_edge"], image_processor.size["longest_edge"]
+    if low > high:  # one given, the folder's other one on the wrong side of it
+        raise ConfigError(f"the pixel budget {low}..{high} is inverted (data.min_pixels / data.max_pixels)")
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    if pad != image_token_id:
+        raise ConfigError(
+            f"{folder}: the tokenizer's {IMAGE_PAD} is id {pad}, the model's image_token_id is {image_token_id}"
+        )
+    return tokenizer, image_processor
+
+
+def image_tokens(image_grid_thw: torch.Tensor, merge_size: int) -> list[int]:
+    """Language-model tokens per image: its (t, h, w) patch grid over the merger's merge x merge units."""
+    return (image_grid_thw.prod(-1) // merge_size**2).tolist()
+
+
+def image_pad_repeats(input_ids: torch.Tensor, image_pad_id: int, counts: Sequence[int]) -> torch.Tensor:
+    """[T] repeat counts that expand one `<|image_pad|>` per image into image i's counts[i] tokens
+    (``input_ids.repeat_interleave(repeats)``; the same for aligned labels). This is what Qwen2_5_VLProcessor does
+    to the text before tokenizing; the pad is a special token, so expanding ids instead gives the same tokens.
+    ValueError (one line) when the pads and the images disagree in number."""
+    ids = input_ids.reshape(-1)
+    at = torch.nonzero(ids == image_pad_id).flatten()
+    if at.numel() != len(counts):
+        raise ValueError(
+            f"the conversation has {at.numel()} image placeholder(s) but {len(counts)} image(s); "
+            f"each image needs exactly one {IMAGE_TOKEN} where it goes"
+        )
+    repeats = torch.ones_like(ids)
+    repeats[at] = torch.as_tensor(list(counts), dtype=ids.dtype)
+    return repeats
+
+
+def modality_types(input_ids: torch.Tensor, image_pad_id: int, video_pad_id: int) -> torch.Tensor:
+    """mm_token_type_ids for `input_ids`: 0 text, 1 image, 2 video (the processor's output, get_rope_index's input)."""
+    types = torch.full_like(input_ids, TEXT, dtype=torch.int32)
+    types[input_ids == image_pad_id] = IMAGE
+    types[input_ids == video_pad_id] = VIDEO
+    return types
+
+
+def sample_positions(
+    rope_index: RopeIndex,
+    input_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    image_pad_id: int,
+    video_pad_id: int,
+) -> torch.Tensor:
+    """[3, T] mRoPE positions (temporal, height, width) of one sample, from transformers' get_rope_index on it
+    alone: text advances all three by one, an image's tokens share a start and spread over its merged grid."""
+    ids = input_ids.reshape(1, -1)
+    positions, _ = rope_index(
+        ids,
+        mm_token_type_ids=modality_types(ids, image_pad_id, video_pad_id),
+        image_grid_thw=image_grid_thw if image_grid_thw is not None and image_grid_thw.numel() else None,
+    )
+    return positions[:, 0]
+
+
+@dataclass
+class QwenPackedBatch:
+    """A packed (or padded) Qwen2.5-VL micro-batch: the language rows and their segments (``packed``: the same
+    PackedBatch, cu_seqlens and 4D mask as LLaVA's), the rows' mRoPE positions, and every image of the batch as one
+    patch sequence for the tower, in the order of their pads in the row-major flattened rows."""
+
+    packed: PackedBatch
+    position_ids: torch.Tensor  # [3, R, L] long: each sample's get_rope_index positions in its slots; 0 on padding
+    pixel_values: torch.Tensor | None  # [patches, 3*2*14*14] float32: all images' patches, concatenated
+    image_grid_thw: torch.Tensor | None  # [images, 3] long
+
+    def model_inputs(self, attention: str, device: torch.device | str | None = None) -> dict:
+        """Keyword arguments for Qwen2_5_VLForConditionalGeneration's forward under ``toggles.attention``.
+
+        ``sdpa``/``eager``: the rows with the block-diagonal 4D mask and [3, R, L] positions. ``flash``: one
+        flattened row with cu_seq_lens, and positions as transformers' packed layout [4, 1, R*L] (per-sample text
+        positions first, then the three mRoPE rows), which its Qwen2.5-VL text model splits off itself."""
+        inputs = self.packed.model_inputs(attention)
+        if attention == "flash":
+            text = self.packed.position_ids.reshape(1, 1, -1)
+            inputs["position_ids"] = torch.cat([text, self.position_ids.reshape(3, 1, -1)])
+        else:
+            inputs["position_ids"] = self.position_ids
+        if self.pixel_values is not None:
+            inputs["pixel_values"] = self.pixel_values
+            inputs["image_grid_thw"] = self.image_grid_thw
+        if device is not None:
+            inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        return inputs
+
+
+def pack_qwen(
+    samples: list[dict],
+    rope_index: RopeIndex,
+    *,
+    max_seq_len: int,
+    pad_id: int,
+    image_pad_id: int,
+    video_pad_id: int,
+    packing: bool = True,
+    fit_rows: bool = True,
+) -> QwenPackedBatch:
+    """Samples (``input_ids``, ``labels`` [T] with the pads expanded; ``pixel_values`` [patches, D] and
+    ``image_grid_thw`` [images, 3], both absent or empty for a text-only sample) -> one micro-batch.
+
+    The rows and segments are `pack_samples`' (packing) or `pad_samples`' (one sample per row); each sample's
+    positions are get_rope_index's on that sample alone, so a packed sample sees the positions, the mask and the
+    image features it would see on its own."""
+    packed = pack_samples(samples, max_seq_len, pad_id, fit_rows=fit_rows) if packing else pad_samples(samples, pad_id)
+    position_ids = torch.zeros((3, *packed.input_ids.shape), dtype=torch.long)
+    order = iter(packed.order)
+    for r, lens in enumerate(packed.seq_lens):
+        start = 0
+        for n in lens:
+            s = samples[next(order)]
+            position_ids[:, r, start : start + n] = sample_positions(
+                rope_index, torch.as_tensor(s["input_ids"]), s.get("image_grid_thw"), image_pad_id, video_pad_id
+            )
+            start += n
+    with_images = [samples[i] for i in packed.order if _num_images(samples[i])]
+    return QwenPackedBatch(
+        packed=packed,
+        position_ids=position_ids,
+        pixel_values=torch.cat([s["pixel_values"] for s in with_images]).float() if with_images else None,
+        image_grid_thw=torch.cat([s["image_grid_thw"] for s in with_images]) if with_images else None,
+    )
+
+
+def _num_images(sample: dict) -> int:
+    grid = sample.get("image_grid_thw")
+    return 0 if grid is None else int(grid.shape[0])
+
+
+class ImageTokensExceed(ValueError):
+    """A sample whose image tokens alone do not fit in data.max_seq_len: skipped and counted, never cut mid-image."""
+
+
+def encode_qwen(
+    messages: list[dict], images: list, tokenizer, image_processor, *, max_seq_len: int | None = None
+) -> dict:
+    """A LLaVA-format conversation -> one Qwen2.5-VL training sequence at native resolution.
+
+    ``messages``: [{"role", "content": str}] with `<image>` where each image goes, ``images`` in that order (PIL).
+    Each `<image>` becomes Qwen's <|vision_start|><|image_pad|><|vision_end|> (as Qwen's own fine-tuning code
+    writes it), the chat template renders the conversation (`render_turns`: labels on the assistant turns, their
+    end of turn included; prompts, system text and image tokens -100), the image processor resizes each image
+    within its min_pixels..max_pixels and patches it, and each pad becomes its image's tokens.
+
+    Over ``max_seq_len`` tokens the sequence is cut there, never inside an image (the image is dropped with the
+    ones after it: ``truncated``); a sample whose image tokens alone exceed it raises ImageTokensExceed.
+    Returns ``input_ids``, ``labels`` [T] long, ``pixel_values`` [patches, 3*2*14*14] float32 and
+    ``image_grid_thw`` [images, 3] long (both empty without images), ``truncated``.
+    """
+    image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    qwen = [{**m, "content": m["content"].replace(IMAGE_TOKEN, IMAGE_SLOT)} for m in messages]
+    text, spans = render_turns(qwen, tokenizer)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+    offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
+    is_label = torch.zeros(len(ids), dtype=torch.bool)
+    for a, b in spans:
+        is_label |= (offsets[:, 0] < b) & (offsets[:, 1] > a)
+    labels = torch.where(is_label & (ids != image_pad_id), ids, IGNORE_INDEX)
+    if images:
+        vision = image_processor(images=images, return_tensors="pt")
+        pixel_values, grid = vision["pixel_values"].float(), vision["image_grid_thw"].long()
+    else:
+        pixel_values, grid = torch.zeros(0), torch.zeros((0, 3), dtype=torch.long)
+    counts = image_tokens(grid, image_processor.merge_size)
+    repeats = image_pad_repeats(ids, image_pad_id, counts)
+    ids, labels = ids.repeat_interleave(repeats), labels.repeat_interleave(repeats)
+    truncated = max_seq_len is not None and len(ids) > max_seq_len
+    if truncated:
+        if sum(counts) > max_seq_len:
+            raise ImageTokensExceed(
+                f"its {len(counts)} image(s) take {sum(counts)} tokens, more than data.max_seq_len {max_seq_len}"
+            )
+        cut, whole = max_seq_len, 0
+        if counts:
+            cut, whole = whole_images_cut(ids.numpy(), image_pad_id, counts, max_seq_len)
+        ids, labels = ids[:cut], labels[:cut]
+        pixel_values = pixel_values[: int(grid[:whole].prod(-1).sum())] if whole else torch.zeros(0)
+        grid = grid[:whole]
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "pixel_values": pixel_values,
+        "image_grid_thw": grid,
+        "truncated": truncated,
+    }
+
+
+def encode_llava_qwen(sample: dict, tokenizer, image_processor, max_seq_len: int | None = None) -> dict:
+    """Raw prepare_llava sample (any number of images) -> one Qwen2.5-VL training sequence (`encode_qwen`) with its
+    ``key``; a sample whose image tokens alone exceed ``max_seq_len`` -> ``{"skipped": reason, "key"}``, which
+    `collate_qwen` drops and counts (the loader's decode failures are corrupt data; this one is a budget)."""
+    record, images = read_llava_sample(sample)
+    try:
+        enc = encode_qwen(record["messages"], images, tokenizer, image_processor, max_seq_len=max_seq_len)
+    except ImageTokensExceed as exc:
+        return {"skipped": str(exc), "key": record["id"]}
+    return {**enc, "key": record["id"]}
+
+
+def blank_qwen_sample(image_processor, image_pad_id: int) -> dict:
+    """The smallest image the processor makes (a black min_pixels image) as its pads alone, no label: the stand-in
+    `collate_qwen` adds to a micro-batch without images, so the tower and merger run in every step on every rank
+    (ZeRO-3 gathers their weights collectively; see recipes/vlm/data.py's `collate`)."""
+    from PIL import Image
+
+    side = int(image_processor.size["shortest_edge"] ** 0.5)
+    vision = image_processor(images=[Image.new("RGB", (side, side))], return_tensors="pt")
+    grid = vision["image_grid_thw"].long()
+    ids = torch.full((image_tokens(grid, image_processor.merge_size)[0],), image_pad_id, dtype=torch.long)
+    return {
+        "input_ids": ids,
+        "labels": torch.full_like(ids, IGNORE_INDEX),
+        "pixel_values": vision["pixel_values"].float(),
+        "image_grid_thw": grid,
+    }
+
+
+def collate_qwen(
+    samples: list[dict],
+    *,
+    rope_index: RopeIndex,
+    packing: bool,
+    max_seq_len: int,
+    pad_id: int,
+    image_pad_id: int,
+    video_pad_id: int,
+    blank: dict | None = None,
+) -> dict:
+    """This rank's Qwen2.5-VL micro-batch (`pack_qwen`, run in the loader workers) and its accounting: LLaVA's
+    (`batch_counts`) plus ``skipped``, the samples whose image tokens did not fit in ``max_seq_len``. A micro-batch
+    without images gets ``blank`` (unlabelled: the loss and the other samples' logits are unchanged)."""
+    real = [s for s in samples if "skipped" not in s]
+    packable = real if blank is None or any(_num_images(s) for s in real) else [*real, blank]
+    batch = pack_qwen(
+        packable,
+        rope_index,
+        max_seq_len=max_seq_len,
+        pad_id=pad_id,
+        image_pad_id=image_pad_id,
+        video_pad_id=video_pad_id,
+        packing=packing,
+    )
+    return {
+        "batch": batch,
+        **batch_counts(real, batch.packed, _num_images),
+        "skipped": len(samples) - len(real),
+    }
