@@ -423,6 +423,29 @@ QWEN_VL_TEXT = (
 )
 
 
+def train_byte_level_bpe(texts, *, split: str, specials, vocab_size: int):
+    """A byte-level BPE (the `tokenizers` library) trained offline on `texts`: the `split` regex first (Llama 3's,
+    Qwen2's), then bytes, as the released tokenizers pre-tokenize; `specials` first in the vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(specials),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(texts, trainer=trainer)
+    return bpe
+
+
 def make_qwen2_5_vl(
     out: str | Path,
     *,
@@ -445,7 +468,7 @@ def make_qwen2_5_vl(
     under the training env's CPU torch (PITFALLS.md). AutoProcessor therefore does not load the folder; the
     image processor and tokenizer load on their own (AutoImageProcessor, AutoTokenizer)."""
     import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import normalizers
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -453,22 +476,8 @@ def make_qwen2_5_vl(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # Qwen2's own pre-tokenizer (its regex split, then byte-level): the trained merges are ones Qwen2Tokenizer applies.
-    bpe = Tokenizer(models.BPE())
+    bpe = train_byte_level_bpe(QWEN_VL_TEXT, split=PRETOKENIZE_REGEX, specials=QWEN_VL_SPECIALS, vocab_size=vocab_size)
     bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(QWEN_VL_SPECIALS),
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(QWEN_VL_TEXT, trainer)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     tokenizer = Qwen2Tokenizer(
