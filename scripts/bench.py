@@ -15,6 +15,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout
 from scripts.benchmarks import (
     ac,
     checkpoint,
+    cp,
     data_wait,
     dit,
     export,
@@ -40,6 +41,7 @@ SECTIONS = {
     "scaling": scaling.run,
     "packing": packing.run,
     "pipeline": pipeline.run,
+    "cp": cp.run,
     "serving": serving.run,
     "loading": loading.run,
     "dit": dit.run,

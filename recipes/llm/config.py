@@ -15,7 +15,7 @@ from common.errors import ConfigError
 from common.parallel_dims import check_ep_divides_dp
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-CP_METHODS = ("allgather",)  # parallel.cp_method: recipes/llm/context_parallel.py
+CP_METHODS = ("allgather", "alltoall")  # parallel.cp_method: recipes/llm/context_parallel.py
 # finetune=lora (common/lora.py): the linears an adapter may target, all of them by default (recipes/llm/model.py's
 # names; the export names them as Hugging Face does: q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj, up_proj).
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -281,6 +281,13 @@ def check_context_parallel(cfg: TrainConfig) -> None:
             "into 2*cp equal chunks, cp rank r holding chunks r and 2*cp-1-r (the causal load balance)"
         )
     m, attention = cfg.model, cfg.toggles.attention
+    kv_heads = m.n_kv_heads // p.tp
+    if p.cp_method == "alltoall" and kv_heads % cp:
+        raise ConfigError(
+            f"parallel.cp={cp} with parallel.cp_method=alltoall needs cp to divide the key/value heads per tp rank "
+            f"(model.n_kv_heads={m.n_kv_heads} / parallel.tp={p.tp} = {kv_heads}): each cp rank attends with whole "
+            "heads; cp_method=allgather has no such limit"
+        )
     refused = (  # (key, its value, refused?, why)
         ("parallel.pp", p.pp, p.pp > 1, "a pipeline stage would have to pass the cp chunks and masks between stages"),
         (

@@ -10,7 +10,16 @@ built from the packing metadata (``PackedBatch.attention_mask_4d``) at the token
 else changes: RoPE takes each token's position within its document (``position_ids``), the loss each token's
 next-token target, shifted on the whole row before the split, so no target crosses a chunk edge.
 
-Under tensor parallelism (cp x tp) each rank gathers its own heads' keys/values over its cp group: the
+``cp_method=alltoall`` (Ulysses, DeepSpeed's sequence parallelism): an all-to-all turns each rank's ``[L/cp tokens,
+H heads]`` queries, keys and values into ``[L tokens, H/cp heads]``, the whole row in the gathered order (rank 0's
+chunks, then rank 1's, ...); each rank attends with its heads over the whole row, with the row's document + causal
+mask in that order on both axes, and a second all-to-all brings ``[L/cp tokens, H heads]`` back. Each rank then
+needs whole key/value heads: cp must divide the key/value heads (per tp rank), refused at composition otherwise.
+Per layer a rank sends ``(cp-1)/cp`` of its own q, k, v and attention output (a volume that stays flat as cp grows
+with L/cp fixed), where the all-gather sends its keys and values to each of the ``cp - 1`` others; but every rank
+holds the whole row's ``[L x L]`` mask (SDPA's dense mask, the CPU path).
+
+Under tensor parallelism (cp x tp) each rank exchanges its own heads over its cp group: the
 sequence-parallel regions work on the rank's chunks unchanged. Masked SDPA (torch's kernels), the CPU path; the
 varlen kernel (``toggles.attention=flash``) is not wired under cp yet: refused at composition
 (recipes/llm/config.py).
@@ -47,12 +56,15 @@ def next_token_targets(labels: Tensor) -> Tensor:
 
 
 class ContextParallelMask:
-    """What a layer's attention gets under ``cp_method=allgather`` in place of a mask: the rank's query rows of the
-    document + causal mask, ``[R, 1, L/cp, L]`` bool, columns in the gathered keys' order, and the cp group the
-    keys and values are gathered over."""
+    """What a layer's attention gets under context parallelism in place of a mask: the document + causal mask rows it
+    needs (``allgather``: the rank's query rows, ``[R, 1, L/cp, L]``; ``alltoall``: every row, ``[R, 1, L, L]``; bool,
+    rows and columns in the gathered order), the cp group, and the method."""
 
-    def __init__(self, mask: Tensor, group):
-        self.mask, self.group = mask, group
+    def __init__(self, mask: Tensor, group, method: str = "allgather"):
+        self.mask, self.group, self.method = mask, group, method
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return (attend_alltoall if self.method == "alltoall" else attend_gathered)(q, k, v, self)
 
     def gather(self, x: Tensor) -> Tensor:
         """``[B, S/cp, H, hd]`` of every cp rank -> ``[B, S, H, hd]``, rank after rank (their local orders)."""
@@ -62,17 +74,50 @@ class ContextParallelMask:
         out = wait_tensor(all_gather_single_autograd(x.contiguous(), 0, self.group))  # [cp*B, S/cp, H, hd]
         return out.view(-1, b, s, *x.shape[2:]).transpose(0, 1).flatten(1, 2)
 
+    def heads_to_sequence(self, x: Tensor) -> Tensor:
+        """``[B, S/cp, H, hd]`` on every cp rank -> ``[B, S, H/cp, hd]``: cp rank j keeps heads ``j*H/cp ..`` of every
+        rank's tokens, rank after rank (their local orders, as ``gather``). Contiguous head groups keep GQA's pairing:
+        query head h and its key/value head ``h // n_rep`` land on the same rank."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-def attend_gathered(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallelMask) -> Tensor:
-    """Attention of this rank's ``[B, S/cp, Hq, hd]`` queries over every rank's keys/values -> ``[B, S/cp, Hq, hd]``:
-    SDPA with the rank's rows of the document + causal mask (key/value heads repeated per query head, as the
-    unsplit path does)."""
-    k, v = cp.gather(k), cp.gather(v)
+        b, s, h, hd = x.shape
+        cp = self.group.size()
+        send = x.view(b, s, cp, h // cp, hd).permute(2, 0, 1, 3, 4).contiguous()  # [cp (to), B, S/cp, H/cp, hd]
+        got = wait_tensor(all_to_all_single_autograd(send, None, None, self.group))  # [cp (from), ...]
+        return got.transpose(0, 1).reshape(b, cp * s, h // cp, hd)
+
+    def sequence_to_heads(self, x: Tensor) -> Tensor:
+        """The inverse of ``heads_to_sequence``: ``[B, S, H/cp, hd]`` -> this rank's ``[B, S/cp, H, hd]``."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+        b, n, hc, hd = x.shape
+        cp = self.group.size()
+        send = x.view(b, cp, n // cp, hc, hd).transpose(0, 1).contiguous()  # [cp (to: its tokens), B, S/cp, H/cp, hd]
+        got = wait_tensor(all_to_all_single_autograd(send, None, None, self.group))  # [cp (heads from), ...]
+        return got.permute(1, 2, 0, 3, 4).reshape(b, n // cp, cp * hc, hd)
+
+
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """SDPA of ``[B, Sq, Hq, hd]`` queries over ``[B, Sk, Hkv, hd]`` keys/values with a bool mask -> ``[B, Sq, Hq, hd]``
+    (key/value heads repeated per query head, as the unsplit path does)."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=cp.mask).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def attend_gathered(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallelMask) -> Tensor:
+    """Attention of this rank's ``[B, S/cp, Hq, hd]`` queries over every rank's keys/values -> ``[B, S/cp, Hq, hd]``:
+    SDPA with the rank's rows of the document + causal mask."""
+    return masked_sdpa(q, cp.gather(k), cp.gather(v), cp.mask)
+
+
+def attend_alltoall(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallelMask) -> Tensor:
+    """Ulysses: this rank's ``[B, S/cp, H, hd]`` q, k, v -> its ``H/cp`` heads over the whole row, attended with the
+    whole row's document + causal mask (gathered order on both axes) -> ``[B, S/cp, Hq, hd]`` back."""
+    q, k, v = (cp.heads_to_sequence(t) for t in (q, k, v))
+    return cp.sequence_to_heads(masked_sdpa(q, k, v, cp.mask))
 
 
 @dataclasses.dataclass
@@ -83,15 +128,17 @@ class ContextShard:
     input_ids: Tensor  # [R, L/cp]
     position_ids: Tensor  # [R, L/cp] position within the document
     targets: Tensor  # [R, L/cp] the next token's label (-100: none)
-    mask: Tensor  # [R, 1, L/cp, L] bool, True = attend
+    mask: Tensor  # [R, 1, L/cp (alltoall: L), L] bool, True = attend
     num_labels: int  # labelled targets on this rank (the loss's count)
     num_real_tokens: int
+    method: str = "allgather"
 
     @classmethod
-    def of(cls, packed: PackedBatch, cp: int, cp_rank: int) -> "ContextShard":
+    def of(cls, packed: PackedBatch, cp: int, cp_rank: int, method: str = "allgather") -> "ContextShard":
         idx = chunk_positions(packed.row_len, cp, cp_rank)
         keys = gathered_positions(packed.row_len, cp)
-        mask = packed.attention_mask_4d()[:, :, idx][..., keys]
+        # allgather: this rank's queries attend; alltoall: every token of the row does (this rank's heads).
+        mask = packed.attention_mask_4d()[:, :, keys if method == "alltoall" else idx][..., keys]
         targets = next_token_targets(packed.labels)[:, idx]
         lengths = torch.tensor([sum(lens) for lens in packed.seq_lens])
         real = idx[None, :] < lengths[:, None]
@@ -102,10 +149,11 @@ class ContextShard:
             mask=mask,
             num_labels=int((targets != IGNORE_INDEX).sum()),
             num_real_tokens=int(real.sum()),
+            method=method,
         )
 
     def model_inputs(self, group, device: torch.device) -> dict:
         return {
             "position_ids": self.position_ids.to(device),
-            "attn_mask": ContextParallelMask(self.mask.to(device), group),
+            "attn_mask": ContextParallelMask(self.mask.to(device), group, self.method),
         }

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from common.varlen import varlen_causal_attention
-from recipes.llm.context_parallel import ContextParallelMask, attend_gathered
+from recipes.llm.context_parallel import ContextParallelMask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +229,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Segments | ContextParallelMask | None) -> Tensor:
     """Causal attention of ``[B, S, Hq, hd]`` queries over ``[B, S, Hkv, hd]`` keys/values -> ``[B, S, Hq, hd]``.
 
-    ``ContextParallelMask`` (``parallel.cp``): ``S`` is this rank's share of the row; the keys/values of every cp
-    rank are gathered first (recipes/llm/context_parallel.py).
+    ``ContextParallelMask`` (``parallel.cp``): ``S`` is this rank's share of the row; the cp ranks exchange keys/values
+    (``allgather``) or heads (``alltoall``) first (recipes/llm/context_parallel.py).
 
     ``Segments`` (packed rows on CUDA, ``toggles.attention=flash``): the varlen kernel over the flattened
     tokens, no mask at all. Otherwise SDPA with the dense mask (or plain causal). There key/value head h
@@ -239,7 +239,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Segments | ContextPar
     """
     bsz, seqlen = q.shape[:2]
     if isinstance(mask, ContextParallelMask):
-        return attend_gathered(q, k, v, mask)
+        return mask.attend(q, k, v)
     if isinstance(mask, Segments):
         out = varlen_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), mask.cu_seqlens, mask.max_seqlen)
         return out.view(bsz, seqlen, *out.shape[1:])

@@ -24,8 +24,14 @@ def saved_bytes(trainer, batch) -> int:
     """Everything one forward + loss keeps alive for backward except the weights and the batch (the
     LLM's packed inputs, its RoPE gather and the log-probabilities are counted: they are the same in
     both modes)."""
-    exclude = [*model_tensors(trainer.model), *(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))]
-    n, out = kept_for_backward(lambda: forward_loss(trainer, batch), exclude)
+
+    def weights_and_batch():
+        # Read after the forward: FSDP2 leaves the root module's weights unsharded for the backward (the module
+        # then holds those tensors): weights, not activations.
+        yield from model_tensors(trainer.model)
+        yield from (t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+
+    n, out = kept_for_backward(lambda: forward_loss(trainer, batch), weights_and_batch())
     del out
     return n
 

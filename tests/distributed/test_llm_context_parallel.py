@@ -1,5 +1,6 @@
-"""Context parallelism (parallel.cp=2, cp_method=allgather) on packed documents, against one process: the attention
-of random documents (outputs and gradients, fp32) equals SDPA with the whole row's document + causal mask, and
+"""Context parallelism (parallel.cp=2) on packed documents, against one process: the attention of random documents
+under cp_method=allgather and alltoall (outputs and gradients, fp32) equals SDPA with the whole row's document + causal
+mask, and
 llm_tiny's per-step losses equal the single-process run's."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from tests.fixtures.runs import LLM_10_STEPS
 
 pytestmark = pytest.mark.distributed
 CP = 2
+METHODS = ("allgather", "alltoall")
 ROW_LEN = 48  # divisible by 2 * CP
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 
@@ -32,9 +34,9 @@ def _random_batch():
     return packed, qkv, torch.randn(packed.num_rows, ROW_LEN, HEADS, HEAD_DIM, generator=g)
 
 
-def _cp_attention() -> dict:
-    """On each cp rank: its queries' attention over the gathered keys/values, and the gradients of its slices of q,
-    k, v (from the same upstream gradient as the reference), scattered back to their row positions."""
+def _cp_attention(method: str) -> dict:
+    """On each cp rank: its queries' attention under `method` (keys/values gathered, or heads exchanged), and the
+    gradients of its slices of q, k, v (from the same upstream gradient as the reference)."""
     import torch.distributed as tdist
 
     from recipes.llm.context_parallel import ContextShard, chunk_positions
@@ -43,7 +45,7 @@ def _cp_attention() -> dict:
     packed, qkv, upstream = _random_batch()
     rank = tdist.get_rank()
     idx = chunk_positions(ROW_LEN, CP, rank)
-    shard = ContextShard.of(packed, CP, rank)
+    shard = ContextShard.of(packed, CP, rank, method)
     mine = {name: t[:, idx].clone().requires_grad_() for name, t in qkv.items()}
     out = attend(
         mine["q"], mine["k"], mine["v"], shard.model_inputs(tdist.group.WORLD, torch.device("cpu"))["attn_mask"]
@@ -53,7 +55,8 @@ def _cp_attention() -> dict:
     return result | {f"grad_{name}": t.grad.tolist() for name, t in mine.items()}
 
 
-def test_allgather_attention_matches_unsplit_masked_attention(tmp_path):
+@pytest.mark.parametrize("method", METHODS)
+def test_cp_attention_matches_unsplit_masked_attention(tmp_path, method):
     from recipes.llm.model import attend
 
     packed, qkv, upstream = _random_batch()
@@ -65,14 +68,14 @@ def test_allgather_attention_matches_unsplit_masked_attention(tmp_path):
         key: torch.zeros_like(qkv["q"] if key in ("out", "grad_q") else qkv["k"])
         for key in ("out", "grad_q", "grad_k", "grad_v")
     }
-    for rank in spawn_ranks(_cp_attention, (), CP, tmp_path):
+    for rank in spawn_ranks(_cp_attention, (method,), CP, tmp_path):
         idx = torch.tensor(rank["idx"])
         for key in got:  # back into row order
             got[key][:, idx] = torch.tensor(rank[key])
     reference = {"out": expected.detach(), "grad_q": ref["q"].grad, "grad_k": ref["k"].grad, "grad_v": ref["v"].grad}
     for key, want in reference.items():
         err = (got[key] - want).abs().max().item()
-        print(f"cp={CP} allgather {key}: max |cp - unsplit| = {err:.1e} (max |unsplit| {want.abs().max().item():.1e})")
+        print(f"cp={CP} {method} {key}: max |cp - unsplit| = {err:.1e} (max |unsplit| {want.abs().max().item():.1e})")
         assert want.abs().max() > 0 and err <= 1e-5, key
 
 
@@ -91,6 +94,8 @@ def test_a_document_never_sees_another_or_a_later_token():
         shard = ContextShard.of(packed, CP, rank)
         assert torch.equal(shard.mask, full[:, :, idx][..., keys])
         assert shard.mask.shape == (packed.num_rows, 1, ROW_LEN // CP, ROW_LEN)
+        # alltoall: every token of the row attends (with this rank's heads), in the gathered order on both axes.
+        assert torch.equal(ContextShard.of(packed, CP, rank, "alltoall").mask, full[:, :, keys][..., keys])
     assert sum(ContextShard.of(packed, CP, r).num_labels for r in range(CP)) == packed.num_labels
 
 

@@ -1,6 +1,6 @@
-"""model.init_from under tp=2, pp=2 and dp=2 (FSDP2) on 2 gloo ranks: step-0 logits equal transformers'
-on the same checkpoint, the export right after loading is the source bit for bit, tied embeddings stay
-tied while training under PP; and the whole CLI round trip (train with lr 0, end-of-run export,
+"""model.init_from under tp=2, pp=2, dp=2 (FSDP2) and cp=2 on 2 gloo ranks: step-0 logits equal transformers'
+on the same checkpoint, the export right after loading (under cp=2: after a step at lr 0) is the source bit for bit,
+tied embeddings stay tied while training under PP; and the whole CLI round trip (train with lr 0, end-of-run export,
 scripts/export.py, generate) on a tied, llama3-scaled checkpoint split over 2 pipeline stages."""
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from tests.fixtures.llm import write_llama_folder, write_token_dataset
 
 pytestmark = pytest.mark.distributed
 VARIANTS = ("tied", "gqa")
-LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "dp2": []}
+LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "dp2": [], "cp2": ["parallel.cp=2", "optim.lr=0"]}
+# Layouts that train one step at lr 0 before exporting: under cp the step runs the split attention (the keys and
+# values gathered over cp, their gradients reduce-scattered back) and FSDP over dp x cp, and must change no bit.
+STEP_AT_LR0 = {"cp2"}
 BATCH, SEQ = 2, 48
 GLOBAL_DOCS = 4
 
@@ -77,12 +80,13 @@ def _rank_logits(trainer, tokens: torch.Tensor) -> torch.Tensor | None:
 
 def _load_forward_export(folders: dict, run_root: str) -> dict:
     """Per variant and layout: max |logits - transformers'| on this rank, and (rank 0) whether the export
-    written right after loading equals the source tensor for tensor."""
+    written right after loading (STEP_AT_LR0: after one training step at lr 0) equals the source tensor for tensor."""
     import torch.distributed as tdist
     from transformers import LlamaForCausalLM
 
     from common.distributed import init_distributed
     from common.launch import compose
+    from common.profiling import StepTimer
     from recipes.llm.train import LLMTrainer
 
     dist, out = init_distributed(), {}
@@ -97,6 +101,9 @@ def _load_forward_export(folders: dict, run_root: str) -> dict:
             trainer = LLMTrainer(compose(overrides(folder, Path(folders["data"]), run_dir, *extra)), dist, run_dir)
             logits = _rank_logits(trainer, tokens)
             result = {"error": None if logits is None else (logits - expected).abs().max().item()}
+            if layout in STEP_AT_LR0:
+                stats = trainer.train_step(iter(trainer.state.loader), StepTimer()).values
+                result["step"] = {"tokens": int(stats["tokens"]), "grad_norm": stats["grad_norm"]}
             export = trainer.export()
             if dist.is_main:
                 result |= compare_export(folder, export)
@@ -113,6 +120,9 @@ def test_parity_and_lossless_export_in_every_layout(folders, tmp_path):
         print(f"{key}: max |logits - transformers| = {max(errors):.2e} on {len(errors)} rank(s)")
         assert errors and max(errors) <= 1e-5, key
         assert ranks[0][key]["same_keys"] and ranks[0][key]["bitwise"], key
+        if key.split("/")[1] in STEP_AT_LR0:
+            step = ranks[0][key]["step"]  # a real step: tokens trained, gradients not zero, and no bit moved
+            assert step["tokens"] > 0 and step["grad_norm"] > 0, key
 
 
 def _tied_training(folders: dict, run_root: str) -> dict:

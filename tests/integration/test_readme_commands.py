@@ -101,6 +101,8 @@ NOT_RUN = {
     "tests/unit/test_trt_build.py runs it with stand-in trtexecs",
     "make gpu-check": "needs a CUDA GPU (without one: one line, exit 2, tests/unit/test_gpu_check.py)",
     "outputs/dit_2b/": "needs a trained dit_2b (a GPU run): the same export on dit_tiny runs above",
+    "scripts/train.py recipe=llm_8b_128k": "needs 8 GPUs: its dry run is tests/unit/test_memory_planner.py's (against "
+    "the plan), its path (cp x FSDP) on llm_tiny tests/distributed/test_llm_context_parallel.py",
 }
 
 

@@ -243,11 +243,20 @@ def test_the_deepspeed_recipes_refuse_context_parallelism_yet(recipe):
         ("toggles.precision=fp8 parallel.tp=2", "the LLM recipe converts to fp8 without tensor parallelism"),
         # Context parallelism: what it does not compose with, and a row that 2*cp chunks do not cut evenly.
         ("parallel.cp=0", "parallel.cp=0 must be >= 1"),
-        ("parallel.cp_method=ring", "parallel.cp_method='ring' is not in the LLM recipe; choose one of: allgather"),
+        (
+            "parallel.cp_method=ring",
+            "parallel.cp_method='ring' is not in the LLM recipe; choose one of: allgather, alltoall",
+        ),
         ("parallel.cp=3", "data.max_seq_len=256 must be divisible by 2"),
         ("parallel.cp=2 parallel.pp=2", "parallel.cp=2 with parallel.pp=2 is not supported yet"),
         ("parallel.cp=2 toggles.attention=flash toggles.precision=bf16", "with toggles.attention=flash is not"),
         ("recipe=moe_tiny parallel.cp=2", "parallel.cp=2 with model.moe.num_experts=8 is not supported yet"),
+        # Ulysses splits the heads: cp must divide the key/value heads each tp rank holds (llm_tiny: 2).
+        (
+            "parallel.cp=4 parallel.cp_method=alltoall",
+            "parallel.cp=4 with parallel.cp_method=alltoall needs cp to divide",
+        ),
+        ("parallel.cp=2 parallel.tp=2 parallel.cp_method=alltoall", "model.n_kv_heads=2 / parallel.tp=2 = 1"),
     ],
 )
 def test_llm_layout_mistakes(override, needle):

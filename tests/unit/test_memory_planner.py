@@ -3,6 +3,7 @@ autograd really keeps, and scripts/plan.py end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -22,6 +23,7 @@ from common.memory import (
     Block,
     Layout,
     StateBytes,
+    configured_layout,
     estimate,
     head_saved,
     layer_activation_bytes,
@@ -430,6 +432,7 @@ DRY_RUN_STATES = re.compile(
         ("sd35_medium", ["parallel.zero_stage=3"], dict(dp=8, tp=1, pp=1, zero_stage=3)),  # without its folder
         ("flux_dev", ["finetune=lora"], dict(dp=8, tp=1, pp=1, zero_stage=3)),  # two layer types, adapter-only states
         ("llm_tiny", ["parallel.cp=2"], dict(dp=4, tp=1, pp=1, cp=2, zero_stage=3)),  # FSDP over dp x cp = 8
+        ("llm_8b_128k", [], dict(dp=2, tp=1, pp=1, cp=4, zero_stage=3)),  # the long-context preset's own layout
     ],
 )
 def test_dry_run_and_plan_report_the_same_model_states(recipe, overrides, layout):
@@ -520,3 +523,24 @@ def test_planner_varies_cp_only_where_the_llm_runs_it():
     rows = plan(spec, 8, GPUS["h100_80gb"])
     fitting = [r["layout"] for r in rows if r["fits"]]
     assert fitting and all(lay.cp > 1 for lay in fitting)
+
+
+def test_llm_8b_128k_runs_the_layout_the_planner_picks_for_its_shapes(capsys):
+    """configs/recipe/llm_8b_128k.yaml is llm_8b at 128k tokens per row in the layout `scripts/plan.py recipe=llm_8b
+    model.max_seq_len=131072 data.max_seq_len=131072 cluster.gpus=8` ranks first among those that fit (dp=2 x cp=4,
+    FSDP, full AC on 80 GB H100s); plan.py then stars the preset's own layout as that first row."""
+    long = ["model.max_seq_len=131072", "data.max_seq_len=131072"]
+    assert plan_script.main(["recipe=llm_8b", *long, "cluster.gpus=8", "--json"]) == 0
+    best = next(r for r in json.loads(capsys.readouterr().out)["layouts"] if r["fits"])
+    preset = compose(["recipe=llm_8b_128k"])
+    p, spec = preset.parallel, llm_spec(preset)
+    ac = preset.toggles.activation_checkpointing
+    dp = 8 // (p.tp * p.pp * p.cp)
+    configured = configured_layout(spec, dp=dp, tp=p.tp, pp=p.pp, zero_stage=0, ac=ac, ep=p.ep, cp=p.cp)
+    assert {k: best[k] for k in ("dp", "tp", "pp", "ep", "cp", "zero_stage", "ac")} == dataclasses.asdict(configured)
+    assert (configured.dp, configured.cp, configured.ac) == (2, 4, "full")
+    # llm_8b's shapes otherwise (the planner's view of the model), at 128k tokens.
+    same_model = dataclasses.replace(llm_spec(compose(["recipe=llm_8b", *long])), name=spec.name)
+    assert spec == same_model and spec.seq == 131072
+    assert plan_script.main(["recipe=llm_8b_128k", "cluster.gpus=8"]) == 0
+    assert re.search(r"\n  1\*\s+2\s+1\s+1\s+1\s+4\s+fsdp\s+full ", capsys.readouterr().out)
