@@ -90,13 +90,16 @@ def local_state_bytes(engine) -> int:
     return sum(storages.values())
 
 
-def initialize(model: torch.nn.Module, cfg: TrainConfig, dp: int):
-    """A DeepSpeed engine over `model`'s trainable parameters, with Kiln's LR schedule."""
+def initialize(model: torch.nn.Module, cfg: TrainConfig, dp: int, mpu=None):
+    """A DeepSpeed engine over `model`'s trainable parameters, with Kiln's LR schedule. `mpu`: the sequence-parallel
+    groups under parallel.cp > 1 (common/ulysses.py: UlyssesGroups); DeepSpeed then counts `dp` = world / cp
+    data-parallel ranks in its batch size."""
     import deepspeed
 
     schedule = functools.partial(lr_factor, cfg=cfg.optim, max_steps=cfg.trainer.max_steps)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
+        mpu=mpu,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=build_deepspeed_config(cfg, dp),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),

@@ -161,9 +161,34 @@ def validate(cfg: TrainConfig) -> None:
             else f"data.image_size={cfg.data.image_size}"
         )
         raise ConfigError(f"{what} must be a multiple of model.patch_size={m.patch_size}")
+    check_context_parallel(cfg, (size // m.patch_size) ** 2)
     base_size = json.loads((Path(m.init_from) / "config.json").read_text())["sample_size"] if m.init_from else size
     if base_size != size:
         raise ConfigError(
             f"model.init_from={m.init_from} is a DiT on {base_size}x{base_size} inputs; this run's are "
             f"{size}x{size} (data.image_size={cfg.data.image_size}{' through diffusion.vae' if geometry else ''})"
+        )
+
+
+def check_context_parallel(cfg: TrainConfig, tokens: int) -> None:
+    """parallel.cp > 1 (Ulysses, common/ulysses.py): each cp rank holds tokens/cp patch tokens and attends over
+    heads/cp heads, with a (B, S, H, D) attention kernel (sdpa or flash; diffusers' eager processor has none).
+    cp dividing the ranks is checked when the job's world size is known (common/parallel_dims.py)."""
+    cp, m = cfg.parallel.cp, cfg.model
+    if cp == 1:
+        return
+    if m.num_attention_heads % cp:
+        raise ConfigError(
+            f"parallel.cp={cp} must divide model.num_attention_heads={m.num_attention_heads}: Ulysses attention "
+            "gives each cp rank heads/cp whole heads"
+        )
+    if tokens % cp:
+        raise ConfigError(
+            f"parallel.cp={cp} must divide the {tokens} patch tokens of a sample (data.image_size="
+            f"{cfg.data.image_size}, model.patch_size={m.patch_size}): each cp rank holds tokens/cp of them"
+        )
+    if cfg.toggles.attention == "eager":
+        raise ConfigError(
+            f"toggles.attention=eager with parallel.cp={cp}: Ulysses attention wraps the sdpa or flash kernel; "
+            "use toggles.attention=sdpa"
         )

@@ -34,6 +34,7 @@ from common.memory import Block, ModelSpec, count_params, largest_module_params
 from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
+from common.ulysses import UlyssesGroups
 from recipes.dit import lora as dit_lora
 from recipes.dit import pretrained
 from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
@@ -83,7 +84,12 @@ class DiTTrainer(Trainer):
                 f"model.in_channels={channels_of(meta)} (or train on latents with diffusion.vae)"
             )
         train = load_latent_meta(cfg, vae_lib.vae_identity(cfg.diffusion.vae), meta) if cfg.data.latents else meta
-        loader = build_train_loader(cfg, dist, train["train_urls"], train)
+        # ZeRO data parallelism: dp = world / cp. Under parallel.cp > 1 the cp ranks of each data-parallel group
+        # read the same samples (and so draw the same noise and timesteps) and split their tokens (common/ulysses.py).
+        self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)
+        self.cp = UlyssesGroups(self.dims.dp, self.dims.cp, self.device.type) if self.dims.cp > 1 else None
+        dp_rank = self.cp.dp_rank if self.cp is not None else dist.rank
+        loader = build_train_loader(cfg, train["train_urls"], train, rank=dp_rank, dp=self.dims.dp)
 
         self.objective = Objective(cfg.diffusion)
         self.sampler_config = scheduler_config(sampling_scheduler(cfg.diffusion))
@@ -94,8 +100,7 @@ class DiTTrainer(Trainer):
             if dist.is_main:
                 print(f"kiln: model.init_from: loaded {n:,} weights from {cfg.model.init_from}", flush=True)
         self.null_class = null_class(model)
-        self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
-        self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
+        self.engine = DeepSpeedEngine(parallelize(model, cfg, self.cp), cfg, self.dims.dp, cp=self.cp)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
         self.ema = EMA(self.model, cfg.diffusion.ema_decay)
@@ -149,7 +154,8 @@ class DiTTrainer(Trainer):
     def after_first_step(self) -> None:
         # Adam state exists after the first step: measure what each rank holds.
         path = self.run_dir / "memory.json"
-        ds.record_state_bytes(self.engine.ds, self.cfg, self.dist, self.dims.dp, path)
+        # ZeRO partitions over every rank: dp x cp.
+        ds.record_state_bytes(self.engine.ds, self.cfg, self.dist, self.dims.dp * self.dims.cp, path)
         if self.vae is not None:
             # The VAE beside the engine: whole on every rank (no ZeRO attributes), frozen, not in the optimizer.
             params = list(self.vae.parameters())

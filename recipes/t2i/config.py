@@ -9,7 +9,14 @@ from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
+from common.config import (
+    ZERO_LAYOUTS,
+    DataConfig,
+    TrainConfig,
+    ZeroParallelConfig,
+    check_family_sections,
+    refuse_context_parallel,
+)
 from common.diffusion.config import DiffusionConfig
 from common.errors import ConfigError
 
@@ -114,6 +121,7 @@ def validate(cfg: TrainConfig) -> None:
         data=T2IDataConfig,
         datasets="captions (captioned image shards)",
     )
+    refuse_context_parallel(cfg, "text-to-image")
     if d.objective != "flow":
         raise ConfigError(
             f"diffusion.objective={d.objective}: SD3 and Flux transformers are trained with rectified flow; set "

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections
+from common.config import (
+    ZERO_LAYOUTS,
+    TrainConfig,
+    ZeroParallelConfig,
+    check_family_sections,
+    refuse_context_parallel,
+)
 from common.errors import ConfigError
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig
 from recipes.vlm.sources import llava_folder, weight_source
@@ -128,5 +134,6 @@ def validate(cfg: TrainConfig) -> None:
         data=VLMDataConfig,
         datasets="vlm_digits or llava (image-conversation shards)",
     )
+    refuse_context_parallel(cfg, "vlm")
     if cfg.data.max_seq_len <= 0:
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")

@@ -1,0 +1,128 @@
+"""Ulysses context parallelism for the DeepSpeed recipes (``parallel.cp``): each sample's token sequence split over the
+cp ranks of a data-parallel group, attention by DeepSpeed's all-to-all (``deepspeed.sequence.layer``), and the
+process groups DeepSpeed reduces gradients and shards ZeRO over.
+
+The split (DeepSpeed-Ulysses, Jacobs et al. 2023): the cp ranks of a group read the same samples, timesteps and
+noise; each holds a contiguous 1/cp of the tokens between the embedding and the output projection. Attention
+exchanges heads for tokens (all-to-all), so each rank attends with the whole sequence over heads/cp heads, then the
+inverse all-to-all gives its tokens back. Everything else in a block works token by token. The output projection's
+tokens are gathered again, so the loss is computed whole and identically on every cp rank.
+
+Gradients: a rank's weights receive the contributions of its own tokens only, so the full gradient is their sum over
+the cp group; DeepSpeed does exactly that when given these groups as its sequence-parallel ``mpu``: it reduces over
+dp x cp ranks and divides by dp (``dp_world_size / sequence_parallel_size`` in its engine and ZeRO optimizers), and
+ZeRO partitions over all dp x cp ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as tdist
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (B, S, H, D) q, k, v -> (B, S, H, D)
+
+
+class UlyssesGroups:
+    """The ("dp", "cp") mesh of a DeepSpeed run with cp > 1 (cp innermost: a cp group is consecutive ranks), in the
+    form DeepSpeed takes a sequence-parallel layout: the ``mpu`` protocol of its own
+    ``deepspeed.runtime.sequence_parallel.parallel_state_sp`` (what its Ulysses trainers pass to
+    ``deepspeed.initialize``). That module keeps its groups in process-wide globals, created once per process; this
+    builds them from Kiln's mesh, so the mesh stays the one source of the layout.
+
+    ``dp_group``: the ranks with the same cp rank, one per data-parallel group: a step's loss and sample counts,
+    identical on the cp ranks of a group, are summed over it (the Trainer's ``engine.all_reduce``)."""
+
+    def __init__(self, dp: int, cp: int, device_type: str):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from common.parallel_dims import batch_mesh
+
+        self.dp, self.cp = dp, cp
+        self.mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
+        self.cp_group = self.mesh["cp"].get_group()
+        self.dp_group = self.mesh["dp"].get_group()
+        self.seq_dp_group = batch_mesh(self.mesh).get_group()  # dp x cp: ZeRO's partitions, gradient reduction
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh.get_local_rank("cp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp")
+
+    # DeepSpeed tells a sequence-parallel mpu from a Megatron one by this attribute (deepspeed/utils/groups.py:
+    # `hasattr(mpu, "initialize_sequence_parallel")`); the groups exist already.
+    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
+        if sequence_parallel_size != self.cp:
+            raise ValueError(f"these groups split sequences over {self.cp} ranks, not {sequence_parallel_size}")
+
+    def get_sequence_parallel_group(self):
+        return self.cp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.cp
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.cp_rank
+
+    def get_sequence_data_parallel_group(self):
+        return self.seq_dp_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.dp * self.cp
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return tdist.get_rank(self.seq_dp_group)
+
+    # As in parallel_state_sp: the model-parallel queries (gradient-norm reductions) read as the cp group.
+    get_model_parallel_group = get_sequence_parallel_group
+    get_model_parallel_world_size = get_sequence_parallel_world_size
+    get_model_parallel_rank = get_sequence_parallel_rank
+
+
+def ulysses_kernel(kernel: Kernel, group) -> Kernel:
+    """`kernel` on this rank's (B, S/cp, H, D) tokens through DeepSpeed's DistributedAttention: q, k, v all-to-all'd
+    to (B, S, H/cp, D) (scatter the heads, dim 2; gather the sequence, dim 1), `kernel` on them, the output back to
+    (B, S/cp, H, D). Exact for attention without a mask (each head sees every token)."""
+    from deepspeed.sequence.layer import DistributedAttention
+
+    attention = DistributedAttention(kernel, group, scatter_idx=2, gather_idx=1)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, batch_dim_idx=0)
+
+    return attend
+
+
+def shard_tokens(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """This cp rank's contiguous 1/cp of `x`'s tokens (dim 1). A plain slice: its backward puts the rank's gradient
+    back in its rows (the embedding before it then gets the rank's share, which DeepSpeed sums over cp)."""
+    n = x.shape[1] // cp
+    return x[:, rank * n : (rank + 1) * n]
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather of the tokens (dim 1) over the cp group whose backward keeps this rank's rows of the gradient: what
+    follows (the unpatchify and the loss) is computed identically on every cp rank, so each rank's copy of the loss
+    already has the whole gradient, and summing the ranks' copies (an all-gather's usual backward) would count it cp
+    times."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        cp = tdist.get_world_size(group)
+        ctx.cp, ctx.rank = cp, tdist.get_rank(group)
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        tdist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)  # (B, cp * S/cp, ...): rank 0's tokens first
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return shard_tokens(grad, ctx.cp, ctx.rank).contiguous(), None
+
+
+def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """Every cp rank's (B, S/cp, ...) tokens -> (B, S, ...) in sequence order (see _GatherTokens for its backward)."""
+    return _GatherTokens.apply(x, group)
