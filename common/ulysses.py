@@ -77,10 +77,17 @@ class UlyssesGroups:
     def get_sequence_data_parallel_rank(self) -> int:
         return tdist.get_rank(self.seq_dp_group)
 
-    # As in parallel_state_sp: the model-parallel queries (gradient-norm reductions) read as the cp group.
+    # As in parallel_state_sp: the model-parallel queries read as the cp group. DeepSpeed's gradient norms then count
+    # a whole (replicated) gradient on cp rank 0 only and sum over the group.
     get_model_parallel_group = get_sequence_parallel_group
     get_model_parallel_world_size = get_sequence_parallel_world_size
     get_model_parallel_rank = get_sequence_parallel_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        """No tensor parallelism. DeepSpeed records this as a checkpoint's tp degree (deepspeed/utils/bwc.py asks for
+        it before the model-parallel size): read as cp, ds_to_universal would look for cp model-state files and
+        refuse to convert a checkpoint written under cp > 1."""
+        return 1
 
 
 def ulysses_kernel(kernel: Kernel, group) -> Kernel:
