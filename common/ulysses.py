@@ -94,8 +94,12 @@ def ulysses_kernel(kernel: Kernel, group) -> Kernel:
     """`kernel` on this rank's (B, S/cp, H, D) tokens through DeepSpeed's DistributedAttention: q, k, v all-to-all'd
     to (B, S, H/cp, D) (scatter the heads, dim 2; gather the sequence, dim 1), `kernel` on them, the output back to
     (B, S/cp, H, D). Exact for attention without a mask (each head sees every token)."""
+    import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
+    # Its all-to-all goes through deepspeed.comm, which wraps the process group torch.distributed already has
+    # (deepspeed.initialize does the same; this kernel may run before it, or without an engine).
+    deepspeed.init_distributed(dist_backend=tdist.get_backend(), verbose=False)
     attention = DistributedAttention(kernel, group, scatter_idx=2, gather_idx=1)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
