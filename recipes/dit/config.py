@@ -63,12 +63,18 @@ def register() -> None:
     cs.store(group="diffusion", name="dit_schema", node=DiffusionConfig)
 
 
+# parallel.cp_method of the DiT: DeepSpeed-Ulysses (common/ulysses.py), the one it has.
+CP_METHOD = "ulysses"
+
+
 def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     """With model.init_from: the model.* keys from its config.json, in place (config.yaml, run.dry_run and the
     planner see the real model); a key given on the command line that disagrees stops the run. Otherwise the
     DiT's shape is its model.* keys (and diffusion.vae's latents)."""
     from recipes.dit.pretrained import CHECKPOINT_KEYS, base_config, transformer_folder
 
+    if "parallel.cp_method" not in command_line:  # the shared schema's default is the LLM's method
+        cfg.parallel.cp_method = CP_METHOD
     m = cfg.model
     if not isinstance(m, DiTModelConfig) or not m.init_from:
         return
@@ -175,6 +181,10 @@ def check_context_parallel(cfg: TrainConfig, tokens: int) -> None:
     heads/cp heads, with a (B, S, H, D) attention kernel (sdpa or flash; diffusers' eager processor has none).
     cp dividing the ranks is checked when the job's world size is known (common/parallel_dims.py)."""
     cp, m = cfg.parallel.cp, cfg.model
+    if cfg.parallel.cp_method != CP_METHOD:
+        raise ConfigError(
+            f"parallel.cp_method={cfg.parallel.cp_method!r} is not in the DiT recipe; choose one of: {CP_METHOD}"
+        )
     if cp == 1:
         return
     if m.num_attention_heads % cp:

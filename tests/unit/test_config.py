@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -223,11 +224,27 @@ def test_bad_values_raise_config_error(override, needle):
         compose(["recipe=dit_tiny", override])
 
 
-@pytest.mark.parametrize("recipe", ["dit_tiny", "vlm_tiny", "t2i_tiny"])
-def test_the_deepspeed_recipes_refuse_context_parallelism_yet(recipe):
-    with pytest.raises(ConfigError, match="parallel.cp=2: context parallelism is not yet in the DeepSpeed recipes"):
+@pytest.mark.parametrize("recipe, name", [("vlm_tiny", "vlm"), ("t2i_tiny", "text-to-image")])
+def test_the_vlm_and_text_to_image_refuse_context_parallelism_yet(recipe, name):
+    with pytest.raises(ConfigError, match=f"parallel.cp=2: context parallelism is not yet in the {name} recipe"):
         compose([f"recipe={recipe}", "parallel.cp=2"])
     assert compose([f"recipe={recipe}", "parallel.cp=1"]).parallel.cp == 1
+
+
+def test_the_dit_takes_context_parallelism():
+    """Ulysses (common/ulysses.py): cp=2 composes, with its method recorded; what it cannot split is one line."""
+    cfg = compose(["recipe=dit_tiny", "parallel.cp=2", "parallel.zero_stage=3"])
+    assert (cfg.parallel.cp, cfg.parallel.cp_method) == (2, "ulysses")
+    assert compose(["recipe=dit_tiny"]).parallel.cp_method == "ulysses"
+    refusals = {
+        "parallel.cp=3": "parallel.cp=3 must divide model.num_attention_heads=4",  # dit_tiny: 4 heads
+        "parallel.cp=4 data.image_size=10": "parallel.cp=4 must divide the 25 patch tokens",  # (10 / 2)^2
+        "parallel.cp=2 toggles.attention=eager": "toggles.attention=eager with parallel.cp=2",
+        "parallel.cp_method=allgather": "parallel.cp_method='allgather' is not in the DiT recipe; choose one of",
+    }
+    for overrides, needle in refusals.items():
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            compose(["recipe=dit_tiny", *overrides.split()])
 
 
 @pytest.mark.parametrize(
