@@ -64,8 +64,8 @@ class ParallelConfig:
     dp: int = -1  # data-parallel degree; -1 = world_size / (tp * pp * cp)
     timeout_s: int = 600  # collective timeout: a hang becomes an error
     # Context parallelism: every family's sequences split over cp ranks (one key, one meaning); the LLM has it
-    # (recipes/llm/context_parallel.py) and the DiT (Ulysses: common/ulysses.py); the VLM and text-to-image refuse
-    # cp > 1 (refuse_context_parallel, below).
+    # (recipes/llm/context_parallel.py), the DiT and text-to-image (Ulysses: common/ulysses.py); the VLM refuses
+    # cp > 1 (recipes/vlm/config.py).
     cp: int = 1
     cp_method: str = "allgather"  # how the cp ranks exchange what attention needs (the LLM: allgather)
     tp: ClassVar[int] = 1
@@ -288,15 +288,6 @@ def validate(cfg: TrainConfig) -> None:
 
 
 ZERO_LAYOUTS = "parallel=single|zero1|zero2|zero3: parallel.dp, parallel.zero_stage"
-
-
-def refuse_context_parallel(cfg: TrainConfig, recipe: str) -> None:
-    """One line where a family that does not split sequences yet gets parallel.cp > 1."""
-    if cfg.parallel.cp > 1:
-        raise ConfigError(
-            f"parallel.cp={cfg.parallel.cp}: context parallelism is not yet in the {recipe} recipe; the dit and llm "
-            "recipes have it"
-        )
 
 
 def rename_saved(cfg: Any, renamed: dict[str, str]) -> None:

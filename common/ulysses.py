@@ -21,7 +21,49 @@ from typing import Callable
 import torch
 import torch.distributed as tdist
 
+METHOD = "ulysses"  # parallel.cp_method of the recipes that split sequences this way (the DiT, text-to-image)
+
+
+def default_method(cfg, command_line: set[str]) -> None:
+    """parallel.cp_method = ulysses unless the command line gave one (the shared schema's default is the LLM's)."""
+    if "parallel.cp_method" not in command_line:
+        cfg.parallel.cp_method = METHOD
+
+
+def check_method(cfg, recipe: str) -> None:
+    from common.errors import ConfigError
+
+    if cfg.parallel.cp_method != METHOD:
+        raise ConfigError(
+            f"parallel.cp_method={cfg.parallel.cp_method!r} is not in the {recipe} recipe; choose one of: {METHOD}"
+        )
+
+
+def check_layout(cfg, *, heads: int, tokens: int, recipe: str, heads_from: str, tokens_from: str) -> None:
+    """One line where parallel.cp / cp_method cannot split this model: another method, cp not dividing the heads
+    (each rank attends with heads/cp whole heads) or a sample's `tokens` (`heads_from`, `tokens_from`: where the
+    numbers come from, for the message). cp dividing the ranks is checked when the job's world size is known
+    (common/parallel_dims.py)."""
+    from common.errors import ConfigError
+
+    check_method(cfg, recipe)
+    cp = cfg.parallel.cp
+    if cp > 1 and heads % cp:
+        raise ConfigError(
+            f"parallel.cp={cp} must divide the {heads} attention heads ({heads_from}): Ulysses attention gives each "
+            "cp rank heads/cp whole heads"
+        )
+    if cp > 1 and tokens % cp:
+        raise ConfigError(f"parallel.cp={cp} must divide the {tokens} patch tokens of a sample ({tokens_from})")
+
+
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (B, S, H, D) q, k, v -> (B, S, H, D)
+
+
+def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) attention without a mask through torch SDPA."""
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
 
 
 class UlyssesGroups:
@@ -104,6 +146,42 @@ def ulysses_kernel(kernel: Kernel, group) -> Kernel:
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return attention(q, k, v, batch_dim_idx=0)
+
+    return attend
+
+
+def ulysses_joint_kernel(kernel: Kernel, group):
+    """Joint attention (SD3's: the image tokens and the prompt's text tokens in one softmax) under the split: this
+    rank's (B, S/cp, H, D) image q, k, v and the whole (B, T, H, D) text q, k, v (the text stream is short and is
+    computed whole on every cp rank) -> (this rank's image output (B, S/cp, H, D), the whole text output (B, T, H, D)).
+
+    The image tokens go through DistributedAttention's all-to-all; inside it, with heads/cp heads of every image
+    token, the rank appends the same heads of the text tokens (the all-to-all hands rank r the r-th block of heads)
+    and runs `kernel` on the joint sequence (key order does not matter without a mask). The text output's heads are
+    all-gathered; its backward sums the ranks' gradients (each rank's text stream carries the gradient of its own
+    heads and image tokens only, like its weights), which DeepSpeed's sum over cp then completes."""
+    import deepspeed
+    from deepspeed.sequence.layer import DistributedAttention
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
+
+    deepspeed.init_distributed(dist_backend=tdist.get_backend(), verbose=False)
+    cp, rank = tdist.get_world_size(group), tdist.get_rank(group)
+
+    def attend(q, k, v, q_text, k_text, v_text):
+        h = q_text.shape[2] // cp
+        mine = [t[:, :, rank * h : (rank + 1) * h] for t in (q_text, k_text, v_text)]
+        text_out = []
+
+        def joint(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor) -> torch.Tensor:
+            n = qi.shape[1]
+            out = kernel(*(torch.cat([a, b], dim=1) for a, b in zip((qi, ki, vi), mine, strict=True)))
+            text_out.append(out[:, n:])
+            return out[:, :n]
+
+        image = DistributedAttention(joint, group, scatter_idx=2, gather_idx=1)(q, k, v, batch_dim_idx=0)
+        heads_first = text_out[0].permute(2, 0, 1, 3).contiguous()  # (H/cp, B, T, D): gathered rank after rank
+        text = wait_tensor(all_gather_tensor_autograd(heads_first, 0, group)).permute(1, 2, 0, 3)
+        return image, text
 
     return attend
 

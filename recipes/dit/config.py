@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
+from common import ulysses
 from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.diffusion.config import DiffusionConfig
 from common.errors import ConfigError
@@ -63,18 +64,13 @@ def register() -> None:
     cs.store(group="diffusion", name="dit_schema", node=DiffusionConfig)
 
 
-# parallel.cp_method of the DiT: DeepSpeed-Ulysses (common/ulysses.py), the one it has.
-CP_METHOD = "ulysses"
-
-
 def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     """With model.init_from: the model.* keys from its config.json, in place (config.yaml, run.dry_run and the
     planner see the real model); a key given on the command line that disagrees stops the run. Otherwise the
     DiT's shape is its model.* keys (and diffusion.vae's latents)."""
     from recipes.dit.pretrained import CHECKPOINT_KEYS, base_config, transformer_folder
 
-    if "parallel.cp_method" not in command_line:  # the shared schema's default is the LLM's method
-        cfg.parallel.cp_method = CP_METHOD
+    ulysses.default_method(cfg, command_line)
     m = cfg.model
     if not isinstance(m, DiTModelConfig) or not m.init_from:
         return
@@ -177,28 +173,19 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def check_context_parallel(cfg: TrainConfig, tokens: int) -> None:
-    """parallel.cp > 1 (Ulysses, common/ulysses.py): each cp rank holds tokens/cp patch tokens and attends over
-    heads/cp heads, with a (B, S, H, D) attention kernel (sdpa or flash; diffusers' eager processor has none).
-    cp dividing the ranks is checked when the job's world size is known (common/parallel_dims.py)."""
-    cp, m = cfg.parallel.cp, cfg.model
-    if cfg.parallel.cp_method != CP_METHOD:
+    """parallel.cp (Ulysses, common/ulysses.py): what it cannot split, and diffusers' eager processor, which has no
+    (B, S, H, D) kernel to wrap (sdpa and flash have)."""
+    m = cfg.model
+    ulysses.check_layout(
+        cfg,
+        heads=m.num_attention_heads,
+        tokens=tokens,
+        recipe="DiT",
+        heads_from="model.num_attention_heads",
+        tokens_from=f"data.image_size={cfg.data.image_size}, model.patch_size={m.patch_size}",
+    )
+    if cfg.parallel.cp > 1 and cfg.toggles.attention == "eager":
         raise ConfigError(
-            f"parallel.cp_method={cfg.parallel.cp_method!r} is not in the DiT recipe; choose one of: {CP_METHOD}"
-        )
-    if cp == 1:
-        return
-    if m.num_attention_heads % cp:
-        raise ConfigError(
-            f"parallel.cp={cp} must divide model.num_attention_heads={m.num_attention_heads}: Ulysses attention "
-            "gives each cp rank heads/cp whole heads"
-        )
-    if tokens % cp:
-        raise ConfigError(
-            f"parallel.cp={cp} must divide the {tokens} patch tokens of a sample (data.image_size="
-            f"{cfg.data.image_size}, model.patch_size={m.patch_size}): each cp rank holds tokens/cp of them"
-        )
-    if cfg.toggles.attention == "eager":
-        raise ConfigError(
-            f"toggles.attention=eager with parallel.cp={cp}: Ulysses attention wraps the sdpa or flash kernel; "
-            "use toggles.attention=sdpa"
+            f"toggles.attention=eager with parallel.cp={cfg.parallel.cp}: Ulysses attention wraps the sdpa or flash "
+            "kernel; use toggles.attention=sdpa"
         )

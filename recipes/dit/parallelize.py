@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from diffusers import DiTTransformer2DModel
 from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
@@ -15,20 +14,15 @@ from diffusers.models.attention_processor import Attention, AttnProcessor, AttnP
 from common.config import TrainConfig
 from common.lora import apply_lora
 from common.toggles import apply_toggles
-from common.ulysses import UlyssesGroups, gather_tokens, shard_tokens, ulysses_kernel
+from common.ulysses import UlyssesGroups, gather_tokens, sdpa_kernel, shard_tokens, ulysses_kernel
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(B, S, H, D) self-attention through torch SDPA; the CPU reference of `flash_kernel`."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return out.transpose(1, 2)
-
-
 def flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA restricted to torch's own FlashAttention kernel (no flash-attn package): an error, not a
-    silent fallback to another kernel, where flash cannot run (fp32, CPU, an unsupported head size)."""
+    """SDPA (`sdpa_kernel`, the CPU reference) restricted to torch's own FlashAttention kernel (no flash-attn
+    package): an error, not a silent fallback to another kernel, where flash cannot run (fp32, CPU, an unsupported
+    head size)."""
     from torch.nn.attention import SDPBackend
     from torch.nn.attention import sdpa_kernel as sdpa_backends
 

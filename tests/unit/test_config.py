@@ -237,7 +237,7 @@ def test_the_dit_takes_context_parallelism():
     assert (cfg.parallel.cp, cfg.parallel.cp_method) == (2, "ulysses")
     assert compose(["recipe=dit_tiny"]).parallel.cp_method == "ulysses"
     refusals = {
-        "parallel.cp=3": "parallel.cp=3 must divide model.num_attention_heads=4",  # dit_tiny: 4 heads
+        "parallel.cp=3": "parallel.cp=3 must divide the 4 attention heads (model.num_attention_heads)",
         "parallel.cp=4 data.image_size=10": "parallel.cp=4 must divide the 25 patch tokens",  # (10 / 2)^2
         "parallel.cp=2 toggles.attention=eager": "toggles.attention=eager with parallel.cp=2",
         "parallel.cp_method=allgather": "parallel.cp_method='allgather' is not in the DiT recipe; choose one of",
