@@ -162,7 +162,7 @@ def ulysses_joint_kernel(kernel: Kernel, group):
     heads and image tokens only, like its weights), which DeepSpeed's sum over cp then completes."""
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
-    from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
+    from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
 
     deepspeed.init_distributed(dist_backend=tdist.get_backend(), verbose=False)
     cp, rank = tdist.get_world_size(group), tdist.get_rank(group)
@@ -180,7 +180,7 @@ def ulysses_joint_kernel(kernel: Kernel, group):
 
         image = DistributedAttention(joint, group, scatter_idx=2, gather_idx=1)(q, k, v, batch_dim_idx=0)
         heads_first = text_out[0].permute(2, 0, 1, 3).contiguous()  # (H/cp, B, T, D): gathered rank after rank
-        text = wait_tensor(all_gather_tensor_autograd(heads_first, 0, group)).permute(1, 2, 0, 3)
+        text = wait_tensor(all_gather_single_autograd(heads_first, 0, group)).permute(1, 2, 0, 3)
         return image, text
 
     return attend
