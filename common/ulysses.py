@@ -10,8 +10,11 @@ tokens are gathered again, so the loss is computed whole and identically on ever
 
 Gradients: a rank's weights receive the contributions of its own tokens only, so the full gradient is their sum over
 the cp group; DeepSpeed does exactly that when given these groups as its sequence-parallel ``mpu``: it reduces over
-dp x cp ranks and divides by dp (``dp_world_size / sequence_parallel_size`` in its engine and ZeRO optimizers), and
-ZeRO partitions over all dp x cp ranks.
+dp x cp ranks and divides by dp (``dp_world_size / sequence_parallel_size`` in its engine and ZeRO optimizers; ZeRO-3's
+reduce-scatter path does not, and common/deepspeed.py keeps ZeRO-3 off it under cp), and ZeRO partitions over all
+dp x cp ranks. The Trainer's loss and sample counts are summed over dp only (DeepSpeedEngine.all_reduce).
+
+Text-to-image (SD3's joint attention) keeps the prompt's text tokens whole on every cp rank: see ulysses_joint_kernel.
 """
 
 from __future__ import annotations
@@ -95,8 +98,9 @@ class UlyssesGroups:
     def dp_rank(self) -> int:
         return self.mesh.get_local_rank("dp")
 
-    # DeepSpeed tells a sequence-parallel mpu from a Megatron one by this attribute (deepspeed/utils/groups.py:
-    # `hasattr(mpu, "initialize_sequence_parallel")`); the groups exist already.
+    # No get_data_parallel_world_size: DeepSpeed's config then counts world / cp data-parallel ranks in its batch size
+    # (deepspeed/runtime/config.py). DeepSpeed tells a sequence-parallel mpu from a Megatron one by this attribute
+    # (deepspeed/utils/groups.py: `hasattr(mpu, "initialize_sequence_parallel")`); the groups exist already.
     def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
         if sequence_parallel_size != self.cp:
             raise ValueError(f"these groups split sequences over {self.cp} ranks, not {sequence_parallel_size}")
