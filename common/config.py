@@ -67,7 +67,7 @@ class ParallelConfig:
     # (recipes/llm/context_parallel.py), the DiT and text-to-image (Ulysses: common/ulysses.py); the VLM refuses
     # cp > 1 (recipes/vlm/config.py).
     cp: int = 1
-    cp_method: str = "allgather"  # how the cp ranks exchange what attention needs (the LLM: allgather)
+    cp_method: str = "allgather"  # how the cp ranks exchange what attention needs (LLM: allgather; DiT, t2i: ulysses)
     tp: ClassVar[int] = 1
     pp: ClassVar[int] = 1
     ep: ClassVar[int] = 1

@@ -106,7 +106,9 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, dp: int, mpu=None):
     config = build_deepspeed_config(cfg, dp)
     if mpu is not None and cfg.parallel.zero_stage == 3:
         bucket = config["zero_optimization"].get("reduce_bucket_size", 500_000_000)  # DeepSpeed's default
-        name, p = max(model.named_parameters(), key=lambda item: item[1].numel())
+        name, p = max(
+            ((n, q) for n, q in model.named_parameters() if q.requires_grad), key=lambda item: item[1].numel()
+        )
         if p.numel() > bucket:
             raise ConfigError(
                 f"parallel.cp={cfg.parallel.cp} with parallel.zero_stage=3: parameter {name} has {p.numel():,} "

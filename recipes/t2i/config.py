@@ -10,13 +10,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 
 from common import ulysses
-from common.config import (
-    ZERO_LAYOUTS,
-    DataConfig,
-    TrainConfig,
-    ZeroParallelConfig,
-    check_family_sections,
-)
+from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.diffusion.config import DiffusionConfig
 from common.errors import ConfigError
 

@@ -5,12 +5,7 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import (
-    ZERO_LAYOUTS,
-    TrainConfig,
-    ZeroParallelConfig,
-    check_family_sections,
-)
+from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.errors import ConfigError
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig
 from recipes.vlm.sources import llava_folder, weight_source
