@@ -136,6 +136,19 @@ class UlyssesGroups:
         return 1
 
 
+def data_parallel_layout(parallel, dist):
+    """(ParallelDims, UlyssesGroups or None, this rank's data-parallel rank) of a DeepSpeed recipe: ZeRO data
+    parallelism with dp = world / cp. Under parallel.cp > 1 the cp ranks of each data-parallel group read the same
+    samples (so draw the same noise and timesteps: common/seed.py keys them by sample) and split their tokens."""
+    from common.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_config(parallel, dist.world_size)
+    if dims.cp == 1:
+        return dims, None, dist.rank
+    groups = UlyssesGroups(dims.dp, dims.cp, dist.device.type)
+    return dims, groups, groups.dp_rank
+
+
 def ulysses_kernel(kernel: Kernel, group) -> Kernel:
     """`kernel` on this rank's (B, S/cp, H, D) tokens through DeepSpeed's DistributedAttention: q, k, v all-to-all'd
     to (B, S, H/cp, D) (scatter the heads, dim 2; gather the sequence, dim 1), `kernel` on them, the output back to

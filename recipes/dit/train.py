@@ -31,10 +31,9 @@ from common.ema import EMA
 from common.engine import DeepSpeedEngine
 from common.errors import ConfigError, DataError
 from common.memory import Block, ModelSpec, count_params, largest_module_params
-from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
-from common.ulysses import UlyssesGroups
+from common.ulysses import data_parallel_layout
 from recipes.dit import lora as dit_lora
 from recipes.dit import pretrained
 from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
@@ -84,11 +83,7 @@ class DiTTrainer(Trainer):
                 f"model.in_channels={channels_of(meta)} (or train on latents with diffusion.vae)"
             )
         train = load_latent_meta(cfg, vae_lib.vae_identity(cfg.diffusion.vae), meta) if cfg.data.latents else meta
-        # ZeRO data parallelism: dp = world / cp. Under parallel.cp > 1 the cp ranks of each data-parallel group
-        # read the same samples (and so draw the same noise and timesteps) and split their tokens (common/ulysses.py).
-        self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)
-        self.cp = UlyssesGroups(self.dims.dp, self.dims.cp, self.device.type) if self.dims.cp > 1 else None
-        dp_rank = self.cp.dp_rank if self.cp is not None else dist.rank
+        self.dims, self.cp, dp_rank = data_parallel_layout(cfg.parallel, dist)  # dp = world / parallel.cp
         loader = build_train_loader(cfg, train["train_urls"], train, rank=dp_rank, dp=self.dims.dp)
 
         self.objective = Objective(cfg.diffusion)

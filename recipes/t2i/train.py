@@ -31,10 +31,9 @@ from common.distributed import DistInfo, barrier
 from common.ema import EMA
 from common.engine import DeepSpeedEngine
 from common.errors import ConfigError
-from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
-from common.ulysses import UlyssesGroups
+from common.ulysses import data_parallel_layout
 from recipes.t2i import lora as t2i_lora
 from recipes.t2i.data import CachedPrompts, build_train_loader, load_cache_meta, prepare_data, val_captions
 from recipes.t2i.evaluate import (
@@ -77,10 +76,7 @@ class T2ITrainer(Trainer):
         self.meta = meta = prepare_data(cfg, dist)
         # data.latents: the frozen encoders' outputs read from their cache (data/cache_latents.py), checked first.
         cache = load_cache_meta(cfg, encoders_identity(self.base)) if cfg.data.latents else None
-        # ZeRO data parallelism: dp = world / cp; the cp ranks of a group read the same samples (common/ulysses.py).
-        self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)
-        self.cp = UlyssesGroups(self.dims.dp, self.dims.cp, self.device.type) if self.dims.cp > 1 else None
-        dp_rank = self.cp.dp_rank if self.cp is not None else dist.rank
+        self.dims, self.cp, dp_rank = data_parallel_layout(cfg.parallel, dist)  # dp = world / parallel.cp
         loader = build_train_loader(cfg, cache or meta, rank=dp_rank, dp=self.dims.dp)
         self.prompts = val_captions(meta, SAMPLE_PROMPTS)
         # Frozen, eval, fp32 and outside the module DeepSpeed wraps: never trained, never partitioned.
