@@ -64,9 +64,10 @@ class ParallelConfig:
     dp: int = -1  # data-parallel degree; -1 = world_size / (tp * pp * cp)
     timeout_s: int = 600  # collective timeout: a hang becomes an error
     # Context parallelism: every family's sequences split over cp ranks (one key, one meaning); the LLM has it
-    # (recipes/llm/context_parallel.py), the DeepSpeed recipes refuse cp > 1 (validate, below).
+    # (recipes/llm/context_parallel.py), the DiT and text-to-image (Ulysses: common/ulysses.py); the VLM refuses
+    # cp > 1 (recipes/vlm/config.py).
     cp: int = 1
-    cp_method: str = "allgather"  # how the cp ranks exchange what attention needs (the LLM: allgather)
+    cp_method: str = "allgather"  # how the cp ranks exchange what attention needs (allgather | alltoall = Ulysses)
     tp: ClassVar[int] = 1
     pp: ClassVar[int] = 1
     ep: ClassVar[int] = 1
@@ -257,11 +258,6 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage!r} is not allowed; choose one of: 0, 1, 2, 3")
     if cfg.parallel.cp < 1:
         raise ConfigError(f"parallel.cp={cfg.parallel.cp} must be >= 1 (1 = no context parallelism)")
-    if cfg.parallel.cp > 1 and isinstance(cfg.parallel, ZeroParallelConfig):
-        raise ConfigError(
-            f"parallel.cp={cfg.parallel.cp}: context parallelism is not yet in the DeepSpeed recipes (dit, vlm, "
-            "t2i); the LLM recipes have it"
-        )
     if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be -1 (derive from world size) or >= 1")
     if not 0.0 <= cfg.lora.dropout < 1.0:

@@ -56,6 +56,13 @@ def build_deepspeed_config(cfg: TrainConfig, dp: int) -> dict[str, Any]:
         ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
         # Every parameter partitioned (none kept whole): common/ema.py tracks partitions.
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        if cfg.parallel.cp > 1:
+            # Under sequence parallelism every path DeepSpeed reduces gradients by divides by dp (sums over cp) except
+            # ZeRO-3's reduce-scatter one (stage3.py __avg_scatter_grads: reduce_scatter_coalesced averages over
+            # dp x cp), which left the gradients 1/cp of the whole (the grad norm halved at cp=2, dit_tiny). Its
+            # all-reduce path (__avg_scatter_contiguous_grads) divides by dp; it takes every bucket that fits
+            # reduce_bucket_size, and a parameter larger than that is refused (initialize, below).
+            ds["zero_optimization"]["reduce_scatter"] = False
     if cfg.toggles.precision in ("bf16", "fp8"):
         ds["bf16"] = {"enabled": True}
     elif cfg.toggles.precision == "fp16":
@@ -90,15 +97,30 @@ def local_state_bytes(engine) -> int:
     return sum(storages.values())
 
 
-def initialize(model: torch.nn.Module, cfg: TrainConfig, dp: int):
-    """A DeepSpeed engine over `model`'s trainable parameters, with Kiln's LR schedule."""
+def initialize(model: torch.nn.Module, cfg: TrainConfig, dp: int, mpu=None):
+    """A DeepSpeed engine over `model`'s trainable parameters, with Kiln's LR schedule. `mpu`: the sequence-parallel
+    groups under parallel.cp > 1 (common/ulysses.py: UlyssesGroups); DeepSpeed then counts `dp` = world / cp
+    data-parallel ranks in its batch size."""
     import deepspeed
 
+    config = build_deepspeed_config(cfg, dp)
+    if mpu is not None and cfg.parallel.zero_stage == 3:
+        bucket = config["zero_optimization"].get("reduce_bucket_size", 500_000_000)  # DeepSpeed's default
+        name, p = max(
+            ((n, q) for n, q in model.named_parameters() if q.requires_grad), key=lambda item: item[1].numel()
+        )
+        if p.numel() > bucket:
+            raise ConfigError(
+                f"parallel.cp={cfg.parallel.cp} with parallel.zero_stage=3: parameter {name} has {p.numel():,} "
+                f"elements, more than ZeRO-3's reduce bucket ({bucket:,}); DeepSpeed would average its gradient over "
+                "dp x cp ranks instead of summing it over cp (common/deepspeed.py): use parallel.zero_stage=2"
+            )
     schedule = functools.partial(lr_factor, cfg=cfg.optim, max_steps=cfg.trainer.max_steps)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
+        mpu=mpu,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=build_deepspeed_config(cfg, dp),
+        config=config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
     )
     if not hasattr(engine.optimizer, "overflow"):

@@ -100,11 +100,15 @@ class DeepSpeedEngine(Engine):
     """DeepSpeed over the model's trainable parameters (`common/deepspeed.py` derives its config).
 
     Kiln owns the accumulation boundary (`set_gradient_accumulation_boundary`): one backward per
-    micro-batch, gradients reduced after the last one, and `engine.step()` called once per optimizer step."""
+    micro-batch, gradients reduced after the last one, and `engine.step()` called once per optimizer step.
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, dp: int):
-        self.ds = ds.initialize(model, cfg, dp)
+    `cp` (parallel.cp > 1, common/ulysses.py): the cp ranks of each of the `dp` groups split every sample's tokens;
+    DeepSpeed gets them as its sequence-parallel groups (gradients summed over cp, averaged over dp; ZeRO over both)."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, dp: int, cp=None):
+        self.ds = ds.initialize(model, cfg, dp, mpu=cp)
         self.model, self.module, self.dp = self.ds, self.ds.module, dp
+        self.cp = cp
         self.zero_stage = cfg.parallel.zero_stage
         # finetune=lora: checkpoints hold what trains (the adapter, a VLM's projector) and its optimizer state; the
         # frozen base comes from its source on every start (common/lora.py checks a resume's base).
@@ -134,7 +138,9 @@ class DeepSpeedEngine(Engine):
         return self.ds.get_lr()[0]
 
     def all_reduce(self, t, *, loss=False):
-        if tdist.is_initialized() and tdist.get_world_size() > 1:
+        if self.cp is not None:  # the cp ranks of a group hold the same samples and the same (whole) loss
+            tdist.all_reduce(t, group=self.cp.dp_group)
+        elif tdist.is_initialized() and tdist.get_world_size() > 1:
             tdist.all_reduce(t)
         return t
 
@@ -150,7 +156,8 @@ class DeepSpeedEngine(Engine):
         )
 
     def layout(self):
-        return {"zero_stage": self.zero_stage, "trained_shapes": ds.trained_shapes(self.ds)}
+        cp = {} if self.cp is None else {"cp": self.cp.cp}
+        return {"zero_stage": self.zero_stage, **cp, "trained_shapes": ds.trained_shapes(self.ds)}
 
     def gathered(self):
         """Full weights on every rank for the duration (ZeRO-3 partitions them)."""

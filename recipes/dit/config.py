@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
+from common import ulysses
 from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.diffusion.config import DiffusionConfig
 from common.errors import ConfigError
@@ -69,6 +70,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     DiT's shape is its model.* keys (and diffusion.vae's latents)."""
     from recipes.dit.pretrained import CHECKPOINT_KEYS, base_config, transformer_folder
 
+    ulysses.default_method(cfg, command_line)
     m = cfg.model
     if not isinstance(m, DiTModelConfig) or not m.init_from:
         return
@@ -161,9 +163,29 @@ def validate(cfg: TrainConfig) -> None:
             else f"data.image_size={cfg.data.image_size}"
         )
         raise ConfigError(f"{what} must be a multiple of model.patch_size={m.patch_size}")
+    check_context_parallel(cfg, (size // m.patch_size) ** 2)
     base_size = json.loads((Path(m.init_from) / "config.json").read_text())["sample_size"] if m.init_from else size
     if base_size != size:
         raise ConfigError(
             f"model.init_from={m.init_from} is a DiT on {base_size}x{base_size} inputs; this run's are "
             f"{size}x{size} (data.image_size={cfg.data.image_size}{' through diffusion.vae' if geometry else ''})"
+        )
+
+
+def check_context_parallel(cfg: TrainConfig, tokens: int) -> None:
+    """parallel.cp (Ulysses, common/ulysses.py): what it cannot split, and diffusers' eager processor, which has no
+    (B, S, H, D) kernel to wrap (sdpa and flash have)."""
+    m = cfg.model
+    ulysses.check_layout(
+        cfg,
+        heads=m.num_attention_heads,
+        tokens=tokens,
+        recipe="DiT",
+        heads_from="model.num_attention_heads",
+        tokens_from=f"data.image_size={cfg.data.image_size}, model.patch_size={m.patch_size}",
+    )
+    if cfg.parallel.cp > 1 and cfg.toggles.attention == "eager":
+        raise ConfigError(
+            f"toggles.attention=eager with parallel.cp={cfg.parallel.cp}: Ulysses attention wraps the sdpa or flash "
+            "kernel; use toggles.attention=sdpa"
         )

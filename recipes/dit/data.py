@@ -126,12 +126,12 @@ def load_latent_meta(cfg: TrainConfig, vae: dict, images: dict) -> dict:
     return meta
 
 
-def build_train_loader(cfg: TrainConfig, dist: DistInfo, urls: list[str], meta: dict):
+def build_train_loader(cfg: TrainConfig, urls: list[str], meta: dict, *, rank: int, dp: int):
     """The resumable loader over image shards, or over a latent cache's shards (meta from load_latent_meta): one
-    global sample stream, this rank's share of each step (common/data/webdataset.py: GlobalBatches; ZeRO's dp is
-    the world size)."""
+    global sample stream, data-parallel rank `rank`'s share of each step of `dp` (common/data/webdataset.py:
+    GlobalBatches; ZeRO's dp is the world size / parallel.cp: the cp ranks of a group read the same samples)."""
     if meta.get("source") == LATENT_SOURCE:
         decode = decode_latent_sample
     else:
         decode = functools.partial(decode_sample, image_size=cfg.data.image_size, channels=channels_of(meta))
-    return global_train_loader(cfg, urls, decode=decode, rank=dist.rank, dp=dist.world_size)
+    return global_train_loader(cfg, urls, decode=decode, rank=rank, dp=dp)

@@ -1,12 +1,12 @@
-"""Apply LoRA, the attention kernel and the toggles to a DiT, in the fixed order: LoRA → kernels → fp8 → AC →
-compile (ZeRO comes last, when common/engine.py:DeepSpeedEngine wraps the model)."""
+"""Apply LoRA, the attention kernel, context parallelism and the toggles to a DiT, in the fixed order: LoRA → kernels
+(Ulysses under parallel.cp) → fp8 → AC → compile (ZeRO comes last, when common/engine.py:DeepSpeedEngine wraps the
+model)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from diffusers import DiTTransformer2DModel
 from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
@@ -14,19 +14,15 @@ from diffusers.models.attention_processor import Attention, AttnProcessor, AttnP
 from common.config import TrainConfig
 from common.lora import apply_lora
 from common.toggles import apply_toggles
+from common.ulysses import UlyssesGroups, gather_tokens, sdpa_kernel, shard_tokens, ulysses_kernel
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(B, S, H, D) self-attention through torch SDPA; the CPU reference of `flash_kernel`."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return out.transpose(1, 2)
-
-
 def flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA restricted to torch's own FlashAttention kernel (no flash-attn package): an error, not a
-    silent fallback to another kernel, where flash cannot run (fp32, CPU, an unsupported head size)."""
+    """SDPA (`sdpa_kernel`, the CPU reference) restricted to torch's own FlashAttention kernel (no flash-attn
+    package): an error, not a silent fallback to another kernel, where flash cannot run (fp32, CPU, an unsupported
+    head size)."""
     from torch.nn.attention import SDPBackend
     from torch.nn.attention import sdpa_kernel as sdpa_backends
 
@@ -66,21 +62,44 @@ class KernelAttnProcessor:
         return out / attn.rescale_output_factor
 
 
-def set_attention(model: DiTTransformer2DModel, backend: str) -> None:
-    make = {"sdpa": AttnProcessor2_0, "eager": AttnProcessor, "flash": lambda: KernelAttnProcessor(flash_kernel)}[
-        backend
-    ]
+KERNELS: dict[str, Kernel] = {"sdpa": sdpa_kernel, "flash": flash_kernel}  # the backends with a (B, S, H, D) kernel
+
+
+def set_attention(model: DiTTransformer2DModel, backend: str, cp: UlyssesGroups | None = None) -> None:
+    """Every Attention module's processor for `backend`; under context parallelism (`cp`) the backend's kernel
+    inside DeepSpeed's Ulysses all-to-all (recipes/dit/config.py refuses eager, which has no such kernel)."""
+    if cp is not None:
+        kernel = ulysses_kernel(KERNELS[backend], cp.cp_group)
+        make = lambda: KernelAttnProcessor(kernel)  # noqa: E731
+    else:
+        make = {"sdpa": AttnProcessor2_0, "eager": AttnProcessor, "flash": lambda: KernelAttnProcessor(flash_kernel)}[
+            backend
+        ]
     for module in model.modules():
         if isinstance(module, Attention):
             module.set_processor(make())
 
 
-def parallelize(model: DiTTransformer2DModel, cfg: TrainConfig) -> DiTTransformer2DModel:
+def split_sequence(model: DiTTransformer2DModel, cp: UlyssesGroups) -> None:
+    """The patch tokens split over the cp ranks from the patch embedding to the output projection: the embedding's
+    output is cut to this rank's contiguous share, the output projection's gathered whole again before diffusers
+    unpatchifies it (it reads the image size off the token count). The blocks in between (adaLN, the MLP) work token
+    by token; their attention exchanges heads (set_attention)."""
+    model.pos_embed.register_forward_hook(lambda _m, _args, out: shard_tokens(out, cp.cp, cp.cp_rank))
+    model.proj_out_2.register_forward_hook(lambda _m, _args, out: gather_tokens(out, cp.cp_group))
+
+
+def parallelize(
+    model: DiTTransformer2DModel, cfg: TrainConfig, cp: UlyssesGroups | None = None
+) -> DiTTransformer2DModel:
     """`model` with its adapters (finetune=lora: the blocks' attention and feed-forward linears, the rest frozen),
-    attention kernel and toggles applied, ready for the engine (DeepSpeed ZeRO over what trains)."""
+    attention kernel, sequence split over `cp` (parallel.cp > 1) and toggles applied, ready for the engine (DeepSpeed
+    ZeRO over what trains, over dp x cp ranks)."""
     if cfg.finetune == "lora":
         apply_lora(model, cfg.lora)
-    set_attention(model, cfg.toggles.attention)
+    set_attention(model, cfg.toggles.attention, cp)
+    if cp is not None:
+        split_sequence(model, cp)
     # Selective AC recomputes the MLP's up projection too: the default policy keeps 11 of the 20
     # hidden-sized tensors a DiT block saves (adaLN-Zero keeps more than a Llama block), this one 7.
     apply_toggles(model, cfg.toggles, block_types=(BasicTransformerBlock,), recompute_widening=True)

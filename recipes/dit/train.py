@@ -31,9 +31,9 @@ from common.ema import EMA
 from common.engine import DeepSpeedEngine
 from common.errors import ConfigError, DataError
 from common.memory import Block, ModelSpec, count_params, largest_module_params
-from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
+from common.ulysses import data_parallel_layout
 from recipes.dit import lora as dit_lora
 from recipes.dit import pretrained
 from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
@@ -83,7 +83,8 @@ class DiTTrainer(Trainer):
                 f"model.in_channels={channels_of(meta)} (or train on latents with diffusion.vae)"
             )
         train = load_latent_meta(cfg, vae_lib.vae_identity(cfg.diffusion.vae), meta) if cfg.data.latents else meta
-        loader = build_train_loader(cfg, dist, train["train_urls"], train)
+        self.dims, self.cp, dp_rank = data_parallel_layout(cfg.parallel, dist)  # dp = world / parallel.cp
+        loader = build_train_loader(cfg, train["train_urls"], train, rank=dp_rank, dp=self.dims.dp)
 
         self.objective = Objective(cfg.diffusion)
         self.sampler_config = scheduler_config(sampling_scheduler(cfg.diffusion))
@@ -94,8 +95,7 @@ class DiTTrainer(Trainer):
             if dist.is_main:
                 print(f"kiln: model.init_from: loaded {n:,} weights from {cfg.model.init_from}", flush=True)
         self.null_class = null_class(model)
-        self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
-        self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
+        self.engine = DeepSpeedEngine(parallelize(model, cfg, self.cp), cfg, self.dims.dp, cp=self.cp)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
         self.ema = EMA(self.model, cfg.diffusion.ema_decay)
@@ -149,7 +149,8 @@ class DiTTrainer(Trainer):
     def after_first_step(self) -> None:
         # Adam state exists after the first step: measure what each rank holds.
         path = self.run_dir / "memory.json"
-        ds.record_state_bytes(self.engine.ds, self.cfg, self.dist, self.dims.dp, path)
+        # ZeRO partitions over every rank: dp x cp.
+        ds.record_state_bytes(self.engine.ds, self.cfg, self.dist, self.dims.dp * self.dims.cp, path)
         if self.vae is not None:
             # The VAE beside the engine: whole on every rank (no ZeRO attributes), frozen, not in the optimizer.
             params = list(self.vae.parameters())

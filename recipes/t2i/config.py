@@ -9,6 +9,7 @@ from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
+from common import ulysses
 from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.diffusion.config import DiffusionConfig
 from common.errors import ConfigError
@@ -82,6 +83,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     for key, why in NOT_READ.items():
         if key in command_line:
             raise ConfigError(f"{key} is not read by the text-to-image recipe: {why}")
+    ulysses.default_method(cfg, command_line)
     m = cfg.model
     if not isinstance(m, T2IModelConfig) or not m.init_from:
         return
@@ -146,3 +148,38 @@ def validate(cfg: TrainConfig) -> None:
         from recipes.t2i.sizing import check_image_size
 
         check_image_size(m.init_from, cfg.data.image_size)
+    check_context_parallel(cfg)
+
+
+def check_context_parallel(cfg: TrainConfig) -> None:
+    """parallel.cp (Ulysses over SD3's image tokens, common/ulysses.py; the text tokens stay whole on every cp rank):
+    what it cannot split, read from model.init_from's transformer (its folder, or a release Kiln knows the shape of).
+    Not yet: Flux (its RoPE runs over the joint token ids) and bucketed shards (a token count per bucket)."""
+    from recipes.t2i.pipeline import FLUX_TRANSFORMER
+    from recipes.t2i.sizing import architecture
+
+    cp, m = cfg.parallel.cp, cfg.model
+    if cp == 1 or not m.init_from:
+        ulysses.check_method(cfg, "text-to-image")
+        return
+    arch = architecture(m.init_from)
+    t = arch.transformer
+    if t.get("_class_name") == FLUX_TRANSFORMER:
+        raise ConfigError(
+            f"parallel.cp={cp}: model.init_from={m.init_from} is a FluxPipeline; context parallelism in the "
+            "text-to-image recipe splits StableDiffusion3Pipeline transformers only (yet)"
+        )
+    if cfg.data.buckets:
+        raise ConfigError(
+            f"parallel.cp={cp} with data.buckets=true: each bucket has its own token count; train square images "
+            "(data.buckets=false) under context parallelism"
+        )
+    side = cfg.data.image_size // (arch.vae_factor * t["patch_size"])
+    ulysses.check_layout(
+        cfg,
+        heads=t["num_attention_heads"],
+        tokens=side * side,
+        recipe="text-to-image",
+        heads_from="model.init_from's transformer",
+        tokens_from=f"data.image_size={cfg.data.image_size} / the VAE's {arch.vae_factor} / patch {t['patch_size']}",
+    )

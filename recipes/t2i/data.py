@@ -136,15 +136,16 @@ def decode_cached(sample: dict) -> dict:
     }
 
 
-def build_train_loader(cfg: TrainConfig, dist: DistInfo, meta: dict):
+def build_train_loader(cfg: TrainConfig, meta: dict, *, rank: int, dp: int):
     """The resumable loader over the caption shards, or over their cache (meta from load_cache_meta): one global
-    sample stream, this rank's share of each step."""
+    sample stream, data-parallel rank `rank`'s share of each step of `dp` (world / parallel.cp: the cp ranks of a
+    group read the same samples)."""
     if meta.get("source") == LATENT_SOURCE:
         decode = decode_cached
     else:  # data.buckets: the images as stored, each global batch one bucket's (bucket_of)
         decode = functools.partial(decode_captioned, image_size=None if cfg.data.buckets else cfg.data.image_size)
     group = bucket_of if cfg.data.buckets else None
-    return global_train_loader(cfg, meta["train_urls"], decode=decode, rank=dist.rank, dp=dist.world_size, group=group)
+    return global_train_loader(cfg, meta["train_urls"], decode=decode, rank=rank, dp=dp, group=group)
 
 
 def cache_settings(cfg: TrainConfig, identity: dict) -> dict:

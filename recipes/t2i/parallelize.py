@@ -1,20 +1,80 @@
-"""Apply LoRA and the toggles to an SD3 or Flux transformer, in the fixed order: LoRA → fp8 → AC → compile (ZeRO comes
-last, when common/engine.py:DeepSpeedEngine wraps the model). Attention is diffusers' own joint attention (SDPA)."""
+"""Apply LoRA, context parallelism and the toggles to an SD3 or Flux transformer, in the fixed order: LoRA → the
+sequence split (parallel.cp, SD3 only) → fp8 → AC → compile (ZeRO comes last, when common/engine.py:DeepSpeedEngine
+wraps the model). Attention is diffusers' own joint attention (SDPA), or under parallel.cp the same projections
+around DeepSpeed's Ulysses all-to-all (common/ulysses.py)."""
 
 from __future__ import annotations
+
+import torch
+from diffusers.models.attention_processor import Attention
 
 from common.config import TrainConfig
 from common.lora import apply_lora
 from common.toggles import apply_toggles
+from common.ulysses import UlyssesGroups, gather_tokens, sdpa_kernel, shard_tokens, ulysses_joint_kernel, ulysses_kernel
 
 
-def parallelize(model, cfg: TrainConfig):
-    """`model` with its adapters (finetune=lora: the joint attention's linears, the rest frozen), activation
-    checkpointing (per transformer block: SD3's JointTransformerBlock; Flux's double- and single-stream blocks) and
-    the toggles applied, ready for the engine (DeepSpeed ZeRO over what
-    trains: every weight in a full fine-tune)."""
+class UlyssesJointAttnProcessor:
+    """diffusers' JointAttnProcessor2_0 (SD3's joint attention over image + text tokens, and SD3.5's image-only
+    `attn2`) with this rank's share of the image tokens: the same projections and q/k norms, the attention through
+    DeepSpeed's all-to-all (common/ulysses.py: ulysses_joint_kernel, ulysses_kernel). The text tokens stay whole on
+    every cp rank. Tests check it against JointAttnProcessor2_0 on the unsplit model."""
+
+    def __init__(self, cp: UlyssesGroups):
+        self.joint = ulysses_joint_kernel(sdpa_kernel, cp.cp_group)
+        self.image = ulysses_kernel(sdpa_kernel, cp.cp_group)
+
+    def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, *_, **__):
+        if attention_mask is not None:
+            raise ValueError("UlyssesJointAttnProcessor handles attention without a mask only")
+        b = hidden_states.shape[0]
+
+        def heads(x: torch.Tensor) -> torch.Tensor:  # (B, S, H * D) -> (B, S, H, D)
+            return x.view(b, x.shape[1], attn.heads, -1)
+
+        q, k, v = (heads(proj(hidden_states)) for proj in (attn.to_q, attn.to_k, attn.to_v))
+        if attn.norm_q is not None:  # per head, over D: the same in this layout as in diffusers' (B, H, S, D)
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        text = None
+        if encoder_hidden_states is None:
+            out = self.image(q, k, v)
+        else:
+            projections = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            q_text, k_text, v_text = (heads(proj(encoder_hidden_states)) for proj in projections)
+            if attn.norm_added_q is not None:
+                q_text = attn.norm_added_q(q_text)
+            if attn.norm_added_k is not None:
+                k_text = attn.norm_added_k(k_text)
+            out, text = self.joint(q, k, v, q_text, k_text, v_text)
+            text = text.reshape(b, text.shape[1], -1).to(q.dtype)
+            if not attn.context_pre_only:
+                text = attn.to_add_out(text)
+        out = out.reshape(b, out.shape[1], -1).to(q.dtype)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return out if text is None else (out, text)
+
+
+def split_sequence(model, cp: UlyssesGroups) -> None:
+    """SD3's image tokens split over the cp ranks from the patch embedding to the output projection, gathered whole
+    again before diffusers unpatchifies them; every Attention module's processor exchanges heads for tokens."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.set_processor(UlyssesJointAttnProcessor(cp))
+    model.pos_embed.register_forward_hook(lambda _m, _args, out: shard_tokens(out, cp.cp, cp.cp_rank))
+    model.proj_out.register_forward_hook(lambda _m, _args, out: gather_tokens(out, cp.cp_group))
+
+
+def parallelize(model, cfg: TrainConfig, cp: UlyssesGroups | None = None):
+    """`model` with its adapters (finetune=lora: the joint attention's linears, the rest frozen), its image tokens split
+    over `cp` (parallel.cp > 1: SD3; recipes/t2i/config.py refuses Flux), activation checkpointing (per transformer
+    block: SD3's JointTransformerBlock; Flux's double- and single-stream blocks) and the toggles applied, ready for the
+    engine (DeepSpeed ZeRO over what trains: every weight in a full fine-tune, over dp x cp ranks)."""
     if cfg.finetune == "lora":
         apply_lora(model, cfg.lora)
+    if cp is not None:
+        split_sequence(model, cp)
     blocks = [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", ())]
     apply_toggles(model, cfg.toggles, block_types=tuple({type(b) for b in blocks}), recompute_widening=True)
     return model

@@ -31,9 +31,9 @@ from common.distributed import DistInfo, barrier
 from common.ema import EMA
 from common.engine import DeepSpeedEngine
 from common.errors import ConfigError
-from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
+from common.ulysses import data_parallel_layout
 from recipes.t2i import lora as t2i_lora
 from recipes.t2i.data import CachedPrompts, build_train_loader, load_cache_meta, prepare_data, val_captions
 from recipes.t2i.evaluate import (
@@ -76,7 +76,8 @@ class T2ITrainer(Trainer):
         self.meta = meta = prepare_data(cfg, dist)
         # data.latents: the frozen encoders' outputs read from their cache (data/cache_latents.py), checked first.
         cache = load_cache_meta(cfg, encoders_identity(self.base)) if cfg.data.latents else None
-        loader = build_train_loader(cfg, dist, cache or meta)
+        self.dims, self.cp, dp_rank = data_parallel_layout(cfg.parallel, dist)  # dp = world / parallel.cp
+        loader = build_train_loader(cfg, cache or meta, rank=dp_rank, dp=self.dims.dp)
         self.prompts = val_captions(meta, SAMPLE_PROMPTS)
         # Frozen, eval, fp32 and outside the module DeepSpeed wraps: never trained, never partitioned.
         self.geometry = vae_lib.vae_geometry(self.base / "vae", cfg.data.image_size)
@@ -87,8 +88,7 @@ class T2ITrainer(Trainer):
         self.objective = Objective(cfg.diffusion)  # flow; its schedule's keys came from the base's scheduler
         seed_everything(cfg.trainer.seed)
         model = load_transformer(self.base)
-        self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
-        self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
+        self.engine = DeepSpeedEngine(parallelize(model, cfg, self.cp), cfg, self.dims.dp, cp=self.cp)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
         # The text encoders: frozen, in the compute dtype, beside the engine like the VAE; or their cached outputs.

@@ -4,7 +4,9 @@ steps 5-8 after the resume equal those of an uninterrupted run on the new layout
 
 End to end, each family from a ZeRO-3 source (its universal form differs: bare flat tensors, no step.pt) and from
 others; in process, every source stage 0-3 (fp32, and bf16 from ZeRO-3 and ZeRO-0) into every other stage on another
-number of ranks, with the state compared bit for bit (`test_universal_reader_takes_every_stage_both_forms`)."""
+number of ranks, with the state compared bit for bit (`test_universal_reader_takes_every_stage_both_forms`). The DiT
+under context parallelism (parallel.cp=2) too: its losses and gradient norms equal one process's, and its checkpoint
+resumes at cp=1."""
 
 from __future__ import annotations
 
@@ -106,6 +108,38 @@ def test_dit_resumes_under_another_layout(runs, tmp_path, source, target):
     for step in range(1, SAVED + 1):
         assert saved[step] == pytest.approx(reference[step], rel=1e-5, abs=0), f"step {step} before the checkpoint"
     assert_continues(resume(DIT, ckpt, *target, tmp_path / "resumed"), reference)
+
+
+def cp2(stage: int) -> tuple[int, list[str]]:
+    """parallel.cp=2 on 2 ranks (dp=1): both ranks read the whole global batch and split each image's patch tokens."""
+    return 2, [f"parallel.zero_stage={stage}", f"trainer.micro_batch_size={GLOBAL_BATCH}", "parallel.cp=2"]
+
+
+def metric(run_dir, key: str) -> dict[int, float]:
+    from common.metrics import read_metrics
+
+    return {r["step"]: r[key] for r in read_metrics(run_dir / "metrics.jsonl")}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_dit_context_parallel_equals_one_process(runs, stage):
+    """DeepSpeed-Ulysses (common/ulysses.py) at cp=2 against one process (ZeRO-0, the global batch in 2 micro-batches):
+    the losses and, since AdamW hides a gradient's scale from the losses, the gradient norms (DeepSpeed sums the cp
+    ranks' gradients and averages over dp: a wrong reduction shows as a norm off by a factor of cp)."""
+    reference, got = runs.full(DIT, *layout(1, 0, accum=2)), runs.full(DIT, *cp2(stage))
+    for key in ("loss", "grad_norm"):
+        ref, mine = metric(reference, key), metric(got, key)
+        assert sorted(mine) == sorted(ref) == list(range(1, STEPS + 1))
+        worst = max(abs(mine[s] - ref[s]) / abs(ref[s]) for s in ref)
+        print(f"dit_tiny cp=2 ZeRO-{stage} vs one process: max relative {key} difference, {STEPS} steps: {worst:.1e}")
+        assert worst <= 1e-5, key
+
+
+def test_dit_context_parallel_checkpoint_resumes_in_one_process(runs, tmp_path):
+    """A cp=2 checkpoint (ZeRO-2 partitions over dp x cp ranks) converts and resumes in one process at cp=1."""
+    target = layout(1, 0, accum=2)
+    reference = losses(runs.full(DIT, *target))
+    assert_continues(resume(DIT, runs.source(DIT, *cp2(2)), *target, tmp_path / "resumed"), reference)
 
 
 @pytest.mark.parametrize(

@@ -135,6 +135,10 @@ TRAINED_ELSEWHERE = {
     "run.dir=outputs/prof": "tests/integration/test_profile_report.py",
     "torchrun --nproc_per_node 2 scripts/train.py recipe=llm_tiny "
     "parallel.cp=2": "tests/distributed/test_llm_context_parallel.py (cp=2 against one process)",
+    "torchrun --nproc_per_node 2 scripts/train.py recipe=dit_tiny "
+    "parallel.cp=2": "tests/distributed/test_ds_any_layout.py (cp=2 against one process, ZeRO-2 and ZeRO-3)",
+    "torchrun --nproc_per_node 2 scripts/train.py recipe=t2i_tiny model.init_from=outputs/tiny-sd3 "
+    "parallel.cp=2": "tests/distributed/test_t2i_zero2.py (cp=2 against one rank)",
 }
 
 

@@ -9,8 +9,11 @@ import json
 import math
 
 import numpy as np
+import pytest
 import torch
 
+from common.errors import ConfigError
+from common.launch import compose
 from tests.conftest import load_script, losses
 from tests.distributed.test_llm_init_from_layouts import compare_export
 from tests.fixtures.t2i import IMAGE_SIZE, t2i_run_args
@@ -80,3 +83,9 @@ def test_t2i_on_flux_trains_and_its_export_samples_like_kiln_in_flux_pipeline(
     out = tmp_path / "from_checkpoint"
     assert load_script("export").main([str(run), "--out", str(out)]) == 0, capsys.readouterr().err
     assert compare_export(export, out) == {"same_keys": True, "bitwise": True}
+
+
+def test_context_parallelism_on_flux_is_refused_with_one_line(t2i_flux_world):
+    """Ulysses in the text-to-image recipe splits SD3's image tokens; Flux's RoPE runs over the joint token ids."""
+    with pytest.raises(ConfigError, match="is a FluxPipeline; context parallelism in the text-to-image recipe"):
+        compose(["recipe=t2i_tiny", f"model.init_from={t2i_flux_world['pipeline']}", "parallel.cp=2"])
