@@ -1,0 +1,264 @@
+"""Text-to-image (t2i_tiny on a tiny random StableDiffusion3Pipeline, built offline): training on the cache of the
+frozen encoders' outputs vs running the text encoders and the VAE on the fly, and aspect-ratio buckets vs
+square center crops on images of mixed aspect ratios.
+
+Each variant is scripts/train.py in a subprocess (harness.train_run, the launch path of every run) and its numbers
+are its own metrics.jsonl (trainer.log_every=1): step_time_s and samples_per_s of the steps after WARMUP. The
+variants' runs alternate (A B, then B A, ...), so load from other jobs on a shared machine falls on both alike.
+
+cache: the same captioned digits, the same steps and seed, (a) data.root = the caption shards (the two CLIPs, the
+T5 and the VAE encoder run every step, frozen) and (b) data.latents = python -m data.cache_latents' cache of them
+(the VAE posterior's moments and the prompt embeddings, read). Both draw the same latents and noise, so their
+losses agree (printed as a check).
+
+buckets: one folder of images of 1:2, 1:1 and 2:1 (width:height), converted twice by python -m data.prepare_captions
+at the same --image-size: square (resized and center-cropped to image_size^2) and --buckets (each image to cover
+its nearest-ratio bucket of about image_size^2 pixels, data.buckets=true: every batch one bucket's). Throughput is
+training images/s; the share of each source image's pixels that the crop keeps is computed from the image sizes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from scripts.benchmarks.harness import fresh_dir, quiet, train_run
+from scripts.benchmarks.report import Section, md_table, median, ms, say
+
+IMAGE_SIZE = 16  # t2i_tiny's data.image_size
+WARMUP = 5  # steps left out of the medians: the first step's allocations, the loader worker's start
+# The buckets' source images, (width, height): portrait 1:2, square, landscape 2:1, larger than the buckets.
+SOURCE_SIZES = ((32, 64), (48, 48), (64, 32))
+
+
+def pick_run(opts) -> dict:
+    return {"steps": opts.pick(30, 12), "rounds": opts.pick(3, 1)}
+
+
+def alternate(opts, common: list[str], variants: dict[str, list[str]], run_dir: Path, rounds: int) -> dict[str, list]:
+    """Each variant's runs (common + its overrides), alternating which goes first each round: name -> one
+    metrics.jsonl's records per round."""
+    names, out = list(variants), {name: [] for name in variants}
+    for r in range(rounds):
+        for name in names[r % 2 :] + names[: r % 2]:
+            slug = name.split(" ")[0]
+            out[name].append(train_run(opts, "t2i_tiny", [*common, *variants[name]], run_dir / f"{slug}_{r}"))
+    return out
+
+
+def steady(run: list[dict], key: str) -> list[float]:
+    """`key` of a run's logged steps after WARMUP."""
+    return [r[key] for r in run if r["step"] > WARMUP and key in r]
+
+
+def compare(records: dict[str, list], key: str) -> dict:
+    """Per variant the median of `key` over all its runs' steady steps; and the first variant's over the second's as
+    the median of per-round ratios (the two runs of a round ran next to each other in time), with every round's."""
+    runs_a, runs_b = records.values()
+    medians = {name: median(v for run in runs for v in steady(run, key)) for name, runs in records.items()}
+    rounds = [median(steady(x, key)) / median(steady(y, key)) for x, y in zip(runs_a, runs_b, strict=True)]
+    return {"median": medians, "ratio": median(rounds), "rounds": rounds}
+
+
+def data_wait(runs: list[list[dict]]) -> float:
+    """The share of step time spent waiting for the loader, over a variant's steady steps."""
+    steps = [r for run in runs for r in run if r["step"] > WARMUP]
+    return sum(r["data_wait_s"] for r in steps) / sum(r["step_time_s"] for r in steps)
+
+
+def prepare(argv: list[str], module) -> None:
+    """A data CLI's main(argv) in this process (as the DiT section runs them); its output goes to the bench log."""
+    if module.main(argv):
+        raise RuntimeError(f"python -m {module.__name__} {' '.join(argv)} failed (its output is in the bench log)")
+
+
+def caption_shards(opts, folder: Path, out: Path, extra: list[str] = ()) -> Path:
+    from data import prepare_captions
+
+    argv = ["--input", str(folder), "--out", str(out), "--image-size", str(IMAGE_SIZE), "--train-shards", "2"]
+    argv += ["--val-shards", "1", "--val-fraction", "0.1", "--force", *extra]
+    with quiet(opts.log):
+        prepare(argv, prepare_captions)
+    return out
+
+
+def write_shaped_folder(root: Path, per_size: int) -> Path:
+    """`per_size` captioned images of each SOURCE_SIZES shape: smooth random colour fields (PNGs of plain noise
+    would make decoding, not training, what the loader spends its time on)."""
+    import numpy as np
+    from PIL import Image
+
+    fresh_dir(root)
+    rng = np.random.default_rng(0)
+    for i in range(per_size):
+        for w, h in SOURCE_SIZES:
+            corners = rng.integers(0, 256, (2, 2, 3), dtype=np.uint8)
+            image = Image.fromarray(corners).resize((w, h), Image.BILINEAR)
+            name = f"{w}x{h}_{i:04d}"
+            image.save(root / f"{name}.png")
+            (root / f"{name}.txt").write_text(f"a colour field {i}, {w} by {h}")
+    return root
+
+
+# ---- cached vs on-the-fly text embeddings and latents ----------------------------------------------------------
+
+
+def cache(opts, s: Section, pipeline: Path) -> None:
+    from common.launch import compose
+    from common.tools.fixtures import make_caption_folder
+    from data import cache_latents
+
+    work, run = opts.work / "t2i_cache", pick_run(opts)
+    say(f"t2i: cache, captioned digits at {IMAGE_SIZE}px, building shards and the encoders' cache")
+    folder = make_caption_folder(fresh_dir(work) / "captioned", per_digit=opts.pick(16, 8), size=8, bad=False)
+    shards, latents = caption_shards(opts, folder, work / "shards"), work / "latents"
+    data = [f"model.init_from={pipeline}", f"data.root={shards}", "data.build=[]"]
+    with quiet(opts.log):
+        prepare(["recipe=t2i_tiny", *data, "--out", str(latents), "--batch-size", "16", "--force"], cache_latents)
+    common = [*data, f"trainer.max_steps={run['steps']}", "trainer.log_every=1", "profile.count_flops=false"]
+    fly = "on-the-fly encoders + VAE"
+    variants = {fly: [], "cached embeddings + latents": [f"data.latents={latents}"]}
+    say(f"t2i: cache, {run['rounds']} x {run['steps']} steps each, runs alternating")
+    records = alternate(opts, common, variants, work, run["rounds"])
+    step, rate = compare(records, "step_time_s"), compare(records, "samples_per_s")
+    # Same seed, same samples: the first round's losses step by step (the cache stores what the encoders gave).
+    losses = [[r["loss"] for r in records[name][0]] for name in variants]
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(*losses, strict=True))
+    length = compose(["recipe=t2i_tiny"]).model.max_sequence_length
+    rows = [
+        [
+            name,
+            ms(step["median"][name]),
+            f"{rate['median'][name]:.0f}",
+            f"{data_wait(records[name]):.1%}",
+            f"{step['ratio']:.2f}x" if name == fly else "1.00x",
+        ]
+        for name in variants
+    ]
+    s.tables.append(
+        md_table(
+            ["t2i_tiny inputs", "step_time_s median (ms)", "images/s median", "data wait", "step time vs cached"], rows
+        )
+    )
+    s.notes += [
+        f"cache: on-the-fly / cached step time {step['ratio']:.2f}x (median of the rounds' ratios: "
+        f"{', '.join(f'{x:.2f}x' for x in step['rounds'])}); {run['rounds']} round(s) of one run each, steps "
+        f"{WARMUP + 1}-{run['steps']}. The on-the-fly run encodes each batch's captions with both CLIPs and the T5 "
+        f"(model.max_sequence_length={length}) and its images with the VAE; the cached one reads their outputs. "
+        f"Per-step losses of the two agree to {loss_diff:.1e} (relative).",
+    ]
+    s.data["cache"] = {
+        "step_time_ratio": step["ratio"],
+        "round_ratios": step["rounds"],
+        "median_step_s": step["median"],
+        "median_images_per_s": rate["median"],
+        "max_loss_rel_diff": loss_diff,
+    }
+
+
+# ---- aspect-ratio buckets vs square center crops --------------------------------------------------------------
+
+
+def kept_share(width: int, height: int, shape: tuple[int, int]) -> float:
+    """The share of a width x height image's pixels that survive resizing it to cover `shape` and center-cropping:
+    the crop keeps the narrower of the two aspect ratios' extents, so min(r, R) / max(r, R) of the image."""
+    r, target = width / height, shape[0] / shape[1]
+    return min(r, target) / max(r, target)
+
+
+def buckets(opts, s: Section, pipeline: Path) -> None:
+    from common.launch import compose
+    from data.prepare_captions import nearest_bucket
+    from recipes.t2i.pipeline import transformer_config, vae_factor
+
+    work, run = opts.work / "t2i_buckets", pick_run(opts)
+    multiple = vae_factor(pipeline) * transformer_config(pipeline)["patch_size"]  # the bucket sides the model takes
+    per_size = opts.pick(48, 24)
+    say(f"t2i: buckets, {per_size} images each of {', '.join(f'{w}x{h}' for w, h in SOURCE_SIZES)}: building shards")
+    folder = write_shaped_folder(work / "images", per_size)
+    square = caption_shards(opts, folder, work / "square")
+    bucketed = caption_shards(opts, folder, work / "bucketed", ["--buckets", "--bucket-multiple", str(multiple)])
+    meta = json.loads((bucketed / "meta.json").read_text())["buckets"]
+    shapes = [tuple(x) for x in meta["shapes"]]
+    common = [f"model.init_from={pipeline}", "data.build=[]", f"trainer.max_steps={run['steps']}"]
+    common += ["trainer.log_every=1", "profile.count_flops=false"]
+    square_name, bucketed_name = "square (center crop)", "bucketed"
+    # bucketed first: compare() divides the first variant's numbers by the second's
+    variants = {bucketed_name: [f"data.root={bucketed}", "data.buckets=true"], square_name: [f"data.root={square}"]}
+    say(f"t2i: buckets, {run['rounds']} x {run['steps']} steps each, runs alternating")
+    records = alternate(opts, common, variants, work, run["rounds"])
+    rate, step = compare(records, "samples_per_s"), compare(records, "step_time_s")
+    # Pixels a training image carries: image_size^2 square; under buckets its bucket's, averaged over the training
+    # images (meta.json's samples per bucket; a step's batch is one bucket's, which metrics.jsonl does not name).
+    counts = {tuple(int(x) for x in k.split("x")): n for k, n in meta["samples"]["train"].items() if n}
+    pixels = {
+        square_name: IMAGE_SIZE**2,
+        bucketed_name: sum(w * h * n for (w, h), n in counts.items()) / sum(counts.values()),
+    }
+    # Of each source image, the share the crop keeps: all SOURCE_SIZES come in equal numbers.
+    kept = {
+        square_name: [kept_share(w, h, (1, 1)) for w, h in SOURCE_SIZES],
+        bucketed_name: [kept_share(w, h, nearest_bucket(w, h, shapes)) for w, h in SOURCE_SIZES],
+    }
+    rows = [
+        [
+            name,
+            f"{rate['median'][name]:.0f}",
+            f"{rate['ratio']:.2f}x" if name == bucketed_name else "1.00x",
+            ms(step["median"][name]),
+            f"{data_wait(records[name]):.1%}",
+            f"{pixels[name]:.0f}",
+            f"{rate['median'][name] * pixels[name] / 1e3:.1f}",
+            f"{sum(kept[name]) / len(kept[name]):.1%}",
+            " / ".join(f"{k:.0%}" for k in kept[name]),
+        ]
+        for name in variants
+    ]
+    sizes = " / ".join(f"{w}x{h}" for w, h in SOURCE_SIZES)
+    s.tables.append(
+        md_table(
+            [
+                "shards",
+                "images/s median",
+                "vs square",
+                "step_time_s median (ms)",
+                "data wait",
+                "pixels per training image",
+                "kpixels/s",
+                "source pixels kept",
+                f"kept of {sizes}",
+            ],
+            rows,
+        )
+    )
+    s.notes += [
+        f"buckets: bucketed / square training images/s {rate['ratio']:.2f}x (metrics.jsonl samples_per_s; median of "
+        f"the rounds' ratios: {', '.join(f'{x:.2f}x' for x in rate['rounds'])}); {run['rounds']} round(s) of one run "
+        f"each, steps {WARMUP + 1}-{run['steps']}. kpixels/s = images/s x the mean pixels per training image. Buckets "
+        f"at --image-size {IMAGE_SIZE}, --bucket-multiple {multiple} (the pipeline's VAE factor x patch), training "
+        f"images per bucket {', '.join(f'{w}x{h} {n}' for (w, h), n in counts.items())}; micro batch "
+        f"{compose(['recipe=t2i_tiny']).trainer.micro_batch_size}, one process, {opts.threads} torch thread(s).",
+        "source pixels kept: the share of each source image inside the crop (a w x h image resized to cover a bucket "
+        "of aspect R and center-cropped keeps min(w/h, R) / max(w/h, R) of itself; the square crop is R = 1), mean "
+        "over the source images. Buckets keep the whole image; the square crop cuts the 1:2 and 2:1 images in half.",
+    ]
+    s.data["buckets"] = {
+        "images_per_s_ratio": rate["ratio"],
+        "round_ratios": rate["rounds"],
+        "median_images_per_s": rate["median"],
+        "median_step_s": step["median"],
+        "pixels_per_image": pixels,
+        "kept_share": kept,
+        "train_per_bucket": meta["samples"]["train"],
+    }
+
+
+def run(opts) -> Section:
+    from common.tools.fixtures import make_sd3_pipeline
+
+    s = Section("t2i", "Text-to-image: cached vs on-the-fly embeddings and latents; bucketed vs square-cropped")
+    with quiet(opts.log):
+        pipeline = make_sd3_pipeline(fresh_dir(opts.work / "t2i_sd3"))
+    cache(opts, s, pipeline)
+    buckets(opts, s, pipeline)
+    return s
