@@ -32,7 +32,7 @@ SOURCE_SIZES = ((32, 64), (48, 48), (64, 32))
 
 
 def pick_run(opts) -> dict:
-    return {"steps": opts.pick(30, 12), "rounds": opts.pick(3, 1)}
+    return {"steps": opts.pick(80, 20), "rounds": opts.pick(3, 1)}
 
 
 def alternate(opts, common: list[str], variants: dict[str, list[str]], run_dir: Path, rounds: int) -> dict[str, list]:
@@ -101,6 +101,7 @@ def write_shaped_folder(root: Path, per_size: int) -> Path:
 
 
 # ---- cached vs on-the-fly text embeddings and latents ----------------------------------------------------------
+FLY, CACHED = "on-the-fly encoders + VAE", "cached embeddings + latents"
 
 
 def cache(opts, s: Section, pipeline: Path) -> None:
@@ -116,24 +117,29 @@ def cache(opts, s: Section, pipeline: Path) -> None:
     with quiet(opts.log):
         prepare(["recipe=t2i_tiny", *data, "--out", str(latents), "--batch-size", "16", "--force"], cache_latents)
     common = [*data, f"trainer.max_steps={run['steps']}", "trainer.log_every=1", "profile.count_flops=false"]
-    fly = "on-the-fly encoders + VAE"
-    variants = {fly: [], "cached embeddings + latents": [f"data.latents={latents}"]}
     say(f"t2i: cache, {run['rounds']} x {run['steps']} steps each, runs alternating")
-    records = alternate(opts, common, variants, work, run["rounds"])
+    records = alternate(opts, common, {FLY: [], CACHED: [f"data.latents={latents}"]}, work, run["rounds"])
+    cfg = compose(["recipe=t2i_tiny"])
+    where = f"{cfg.trainer.micro_batch_size} images a step, one process, {opts.threads} torch thread(s)"
+    cache_report(s, records, max_sequence_length=cfg.model.max_sequence_length, where=where)
+
+
+def cache_report(s: Section, records: dict[str, list[list[dict]]], *, max_sequence_length: int, where: str) -> None:
+    """The cache table and notes from each variant's metrics.jsonl records per round ({FLY: [...], CACHED: [...]})."""
     step, rate = compare(records, "step_time_s"), compare(records, "samples_per_s")
     # Same seed, same samples: the first round's losses step by step (the cache stores what the encoders gave).
-    losses = [[r["loss"] for r in records[name][0]] for name in variants]
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(*losses, strict=True))
-    length = compose(["recipe=t2i_tiny"]).model.max_sequence_length
+    loss_diff = max(
+        abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(records[FLY][0], records[CACHED][0], strict=True)
+    )
     rows = [
         [
             name,
             ms(step["median"][name]),
             f"{rate['median'][name]:.0f}",
             f"{data_wait(records[name]):.1%}",
-            f"{step['ratio']:.2f}x" if name == fly else "1.00x",
+            f"{step['ratio']:.2f}x" if name == FLY else "1.00x",
         ]
-        for name in variants
+        for name in records
     ]
     s.tables.append(
         md_table(
@@ -142,10 +148,10 @@ def cache(opts, s: Section, pipeline: Path) -> None:
     )
     s.notes += [
         f"cache: on-the-fly / cached step time {step['ratio']:.2f}x (median of the rounds' ratios: "
-        f"{', '.join(f'{x:.2f}x' for x in step['rounds'])}); {run['rounds']} round(s) of one run each, steps "
-        f"{WARMUP + 1}-{run['steps']}. The on-the-fly run encodes each batch's captions with both CLIPs and the T5 "
-        f"(model.max_sequence_length={length}) and its images with the VAE; the cached one reads their outputs. "
-        f"Per-step losses of the two agree to {loss_diff:.1e} (relative).",
+        f"{', '.join(f'{x:.2f}x' for x in step['rounds'])}); {len(step['rounds'])} round(s) of one run each, steps "
+        f"after {WARMUP}; {where}. The on-the-fly run encodes each batch's captions with both CLIPs and the T5 "
+        f"(model.max_sequence_length={max_sequence_length}) and its images with the VAE; the cached one reads their "
+        f"outputs. Per-step losses of the two agree to {loss_diff:.1e} (relative).",
     ]
     s.data["cache"] = {
         "step_time_ratio": step["ratio"],
@@ -157,6 +163,7 @@ def cache(opts, s: Section, pipeline: Path) -> None:
 
 
 # ---- aspect-ratio buckets vs square center crops --------------------------------------------------------------
+BUCKETED, SQUARE = "bucketed", "square (center crop)"
 
 
 def kept_share(width: int, height: int, shape: tuple[int, int]) -> float:
@@ -168,7 +175,6 @@ def kept_share(width: int, height: int, shape: tuple[int, int]) -> float:
 
 def buckets(opts, s: Section, pipeline: Path) -> None:
     from common.launch import compose
-    from data.prepare_captions import nearest_bucket
     from recipes.t2i.pipeline import transformer_config, vae_factor
 
     work, run = opts.work / "t2i_buckets", pick_run(opts)
@@ -178,43 +184,55 @@ def buckets(opts, s: Section, pipeline: Path) -> None:
     folder = write_shaped_folder(work / "images", per_size)
     square = caption_shards(opts, folder, work / "square")
     bucketed = caption_shards(opts, folder, work / "bucketed", ["--buckets", "--bucket-multiple", str(multiple)])
-    meta = json.loads((bucketed / "meta.json").read_text())["buckets"]
-    shapes = [tuple(x) for x in meta["shapes"]]
     common = [f"model.init_from={pipeline}", "data.build=[]", f"trainer.max_steps={run['steps']}"]
     common += ["trainer.log_every=1", "profile.count_flops=false"]
-    square_name, bucketed_name = "square (center crop)", "bucketed"
     # bucketed first: compare() divides the first variant's numbers by the second's
-    variants = {bucketed_name: [f"data.root={bucketed}", "data.buckets=true"], square_name: [f"data.root={square}"]}
+    variants = {BUCKETED: [f"data.root={bucketed}", "data.buckets=true"], SQUARE: [f"data.root={square}"]}
     say(f"t2i: buckets, {run['rounds']} x {run['steps']} steps each, runs alternating")
     records = alternate(opts, common, variants, work, run["rounds"])
+    meta = json.loads((bucketed / "meta.json").read_text())["buckets"]
+    where = (
+        f"--image-size {IMAGE_SIZE}, --bucket-multiple {multiple} (the pipeline's VAE factor x patch); "
+        f"{compose(['recipe=t2i_tiny']).trainer.micro_batch_size} images a step, one process, {opts.threads} torch "
+        "thread(s)"
+    )
+    buckets_report(s, records, meta, where=where)
+
+
+def buckets_report(s: Section, records: dict[str, list[list[dict]]], meta: dict, *, where: str) -> None:
+    """The buckets table and notes from each variant's metrics.jsonl records per round ({BUCKETED: [...], SQUARE:
+    [...]}) and the bucketed shards' meta.json "buckets" (their shapes and training images per bucket)."""
+    from data.prepare_captions import nearest_bucket
+
     rate, step = compare(records, "samples_per_s"), compare(records, "step_time_s")
+    shapes = [tuple(x) for x in meta["shapes"]]
     # Pixels a training image carries: image_size^2 square; under buckets its bucket's, averaged over the training
     # images (meta.json's samples per bucket; a step's batch is one bucket's, which metrics.jsonl does not name).
     counts = {tuple(int(x) for x in k.split("x")): n for k, n in meta["samples"]["train"].items() if n}
     pixels = {
-        square_name: IMAGE_SIZE**2,
-        bucketed_name: sum(w * h * n for (w, h), n in counts.items()) / sum(counts.values()),
+        BUCKETED: sum(w * h * n for (w, h), n in counts.items()) / sum(counts.values()),
+        SQUARE: IMAGE_SIZE**2,
     }
     # Of each source image, the share the crop keeps: all SOURCE_SIZES come in equal numbers.
     kept = {
-        square_name: [kept_share(w, h, (1, 1)) for w, h in SOURCE_SIZES],
-        bucketed_name: [kept_share(w, h, nearest_bucket(w, h, shapes)) for w, h in SOURCE_SIZES],
+        BUCKETED: [kept_share(w, h, nearest_bucket(w, h, shapes)) for w, h in SOURCE_SIZES],
+        SQUARE: [kept_share(w, h, (1, 1)) for w, h in SOURCE_SIZES],
     }
+    mean_kept = {name: sum(k) / len(k) for name, k in kept.items()}
     rows = [
         [
             name,
             f"{rate['median'][name]:.0f}",
-            f"{rate['ratio']:.2f}x" if name == bucketed_name else "1.00x",
+            f"{rate['ratio']:.2f}x" if name == BUCKETED else "1.00x",
             ms(step["median"][name]),
             f"{data_wait(records[name]):.1%}",
             f"{pixels[name]:.0f}",
             f"{rate['median'][name] * pixels[name] / 1e3:.1f}",
-            f"{sum(kept[name]) / len(kept[name]):.1%}",
+            f"{mean_kept[name]:.1%}",
             " / ".join(f"{k:.0%}" for k in kept[name]),
         ]
-        for name in variants
+        for name in records
     ]
-    sizes = " / ".join(f"{w}x{h}" for w, h in SOURCE_SIZES)
     s.tables.append(
         md_table(
             [
@@ -226,21 +244,19 @@ def buckets(opts, s: Section, pipeline: Path) -> None:
                 "pixels per training image",
                 "kpixels/s",
                 "source pixels kept",
-                f"kept of {sizes}",
+                f"kept of {' / '.join(f'{w}x{h}' for w, h in SOURCE_SIZES)}",
             ],
             rows,
         )
     )
     s.notes += [
         f"buckets: bucketed / square training images/s {rate['ratio']:.2f}x (metrics.jsonl samples_per_s; median of "
-        f"the rounds' ratios: {', '.join(f'{x:.2f}x' for x in rate['rounds'])}); {run['rounds']} round(s) of one run "
-        f"each, steps {WARMUP + 1}-{run['steps']}. kpixels/s = images/s x the mean pixels per training image. Buckets "
-        f"at --image-size {IMAGE_SIZE}, --bucket-multiple {multiple} (the pipeline's VAE factor x patch), training "
-        f"images per bucket {', '.join(f'{w}x{h} {n}' for (w, h), n in counts.items())}; micro batch "
-        f"{compose(['recipe=t2i_tiny']).trainer.micro_batch_size}, one process, {opts.threads} torch thread(s).",
+        f"the rounds' ratios: {', '.join(f'{x:.2f}x' for x in rate['rounds'])}); {len(rate['rounds'])} round(s) of one "
+        f"run each, steps after {WARMUP}; {where}. kpixels/s = images/s x the mean pixels per training image "
+        f"(training images per bucket: {', '.join(f'{w}x{h} {n}' for (w, h), n in counts.items())}).",
         "source pixels kept: the share of each source image inside the crop (a w x h image resized to cover a bucket "
         "of aspect R and center-cropped keeps min(w/h, R) / max(w/h, R) of itself; the square crop is R = 1), mean "
-        "over the source images. Buckets keep the whole image; the square crop cuts the 1:2 and 2:1 images in half.",
+        "over the source images.",
     ]
     s.data["buckets"] = {
         "images_per_s_ratio": rate["ratio"],
@@ -249,6 +265,7 @@ def buckets(opts, s: Section, pipeline: Path) -> None:
         "median_step_s": step["median"],
         "pixels_per_image": pixels,
         "kept_share": kept,
+        "mean_kept_share": mean_kept,
         "train_per_bucket": meta["samples"]["train"],
     }
 
