@@ -146,6 +146,7 @@ def test_t2i_cache_ratio_is_the_median_of_each_rounds_steady_medians():
     data = s.data["cache"]
     assert data["round_ratios"] == pytest.approx([2.0, 3.0, 5.0]) and data["step_time_ratio"] == pytest.approx(3.0)
     assert data["median_step_s"][t2i.FLY] == pytest.approx(0.3) and data["max_loss_rel_diff"] == 0
+    assert data["p10_step_time_ratio"] == pytest.approx(2.0)  # the least slowed steps: 0.2 s against 0.1 s
 
 
 def test_t2i_buckets_pixels_kept_and_throughput():
@@ -166,5 +167,6 @@ def test_t2i_buckets_pixels_kept_and_throughput():
     check(s, "t2i")
     data = s.data["buckets"]
     assert data["round_ratios"] == pytest.approx([1 / 1.1, 1.0])
+    assert data["p90_images_per_s_ratio"] == pytest.approx(1.0)  # the fastest steps: 16 images in 0.1 s in both
     assert data["mean_kept_share"] == pytest.approx({t2i.BUCKETED: 1.0, t2i.SQUARE: (0.5 + 1 + 0.5) / 3})
     assert data["pixels_per_image"][t2i.BUCKETED] == pytest.approx((12 * 24 * 82 + 16 * 16 * 44) / 126)
