@@ -54,7 +54,8 @@ demo: data
 	$(PY) scripts/train.py recipe=dit_tiny $(ARGS)
 
 # Benchmarks side by side in one run, one section module each in scripts/benchmarks/ (overhead, AC, ZeRO, data
-# wait, scaling, packing, pipeline, serving, checkpoint loading, DiT, MoE; one alone: make bench ARGS="--only pipeline"):
+# wait, scaling, packing, pipeline, serving, checkpoint loading, DiT, MoE, text-to-image (t2i: cached vs on-the-fly
+# embeddings, bucketed vs square-cropped); one alone: make bench ARGS="--only pipeline"):
 # outputs/bench/bench.md and bench.json (--quick writes outputs/bench/quick/).
 bench: data
 	$(PY) scripts/bench.py $(ARGS)

@@ -28,6 +28,7 @@ from scripts.benchmarks import (
     report,
     scaling,
     serving,
+    t2i,
     zero,
 )
 from scripts.benchmarks.harness import Options  # noqa: E402
@@ -49,6 +50,7 @@ SECTIONS = {
     "checkpoint": checkpoint.run,
     "export": export.run,
     "lora": lora.run,
+    "t2i": t2i.run,
 }
 # A quick run is a smoke test: it keeps its own folder so that it never replaces a full run's report.
 FULL_OUT, QUICK_OUT = REPO / "outputs" / "bench", REPO / "outputs" / "bench" / "quick"

@@ -31,6 +31,7 @@ RECIPE_ARGS = {
     "vlm_tiny": [],
     "llm_tiny": [],
     "moe_tiny": [],
+    "t2i_tiny": ["diffusion.sample_every=0", "diffusion.sample_steps=2"],
 }
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+
 from scripts.bench import SECTIONS
 from scripts.benchmarks import checkpoint, loading, lora, packing, pipeline
 from scripts.benchmarks.harness import Options
@@ -121,3 +123,50 @@ def test_bare_step_is_token_mean_cross_entropy_per_document():
     got = float(step(inputs))
     assert abs(got - want) / want < 2e-2  # bf16 matmuls in both, summed in a different order
     assert not torch.equal(model.output.weight, before)
+
+
+def t2i_run(step_s: float, images: int = 16, steps: int = 9) -> list[dict]:
+    """A t2i run's metrics.jsonl records: the warm-up steps 10x slower (they must not count), then `step_s`."""
+    from scripts.benchmarks.t2i import WARMUP
+
+    times = [step_s * (10 if i <= WARMUP else 1) for i in range(1, steps + 1)]
+    return [
+        {"step": i, "loss": 1.0 + i, "step_time_s": t, "samples_per_s": images / t, "data_wait_s": t / 100}
+        for i, t in enumerate(times, 1)
+    ]
+
+
+def test_t2i_cache_ratio_is_the_median_of_each_rounds_steady_medians():
+    from scripts.benchmarks import t2i
+
+    s = Section("t2i", "t2i")
+    records = {t2i.FLY: [t2i_run(0.2), t2i_run(0.3), t2i_run(0.5)], t2i.CACHED: [t2i_run(0.1)] * 3}
+    t2i.cache_report(s, records, max_sequence_length=32, where="test")
+    check(s, "t2i")
+    data = s.data["cache"]
+    assert data["round_ratios"] == pytest.approx([2.0, 3.0, 5.0]) and data["step_time_ratio"] == pytest.approx(3.0)
+    assert data["median_step_s"][t2i.FLY] == pytest.approx(0.3) and data["max_loss_rel_diff"] == 0
+    assert data["p10_step_time_ratio"] == pytest.approx(2.0)  # the least slowed steps: 0.2 s against 0.1 s
+
+
+def test_t2i_buckets_pixels_kept_and_throughput():
+    """Source pixels kept against the crop's geometry (cover-resize by max(bw/w, bh/h), the bucket's rectangle mapped
+    back onto the source image), pixels per training image from the bucket counts, images/s ratio per round."""
+    from scripts.benchmarks import t2i
+
+    for (w, h), (bw, bh) in [((32, 64), (12, 24)), ((64, 32), (16, 16)), ((36, 30), (16, 16)), ((50, 24), (24, 12))]:
+        scale = max(bw / w, bh / h)
+        assert t2i.kept_share(w, h, (bw, bh)) == pytest.approx((bw / scale) * (bh / scale) / (w * h))
+    meta = {
+        "shapes": [[12, 24], [12, 20], [16, 16], [20, 12], [24, 12]],
+        "samples": {"train": {"12x24": 40, "12x20": 0, "16x16": 44, "20x12": 0, "24x12": 42}},
+    }
+    s = Section("t2i", "t2i")
+    records = {t2i.BUCKETED: [t2i_run(0.11), t2i_run(0.1)], t2i.SQUARE: [t2i_run(0.1), t2i_run(0.1)]}
+    t2i.buckets_report(s, records, meta, where="test")
+    check(s, "t2i")
+    data = s.data["buckets"]
+    assert data["round_ratios"] == pytest.approx([1 / 1.1, 1.0])
+    assert data["p90_images_per_s_ratio"] == pytest.approx(1.0)  # the fastest steps: 16 images in 0.1 s in both
+    assert data["mean_kept_share"] == pytest.approx({t2i.BUCKETED: 1.0, t2i.SQUARE: (0.5 + 1 + 0.5) / 3})
+    assert data["pixels_per_image"][t2i.BUCKETED] == pytest.approx((12 * 24 * 82 + 16 * 16 * 44) / 126)
