@@ -230,36 +230,35 @@ def test_the_vlm_refuses_context_parallelism_yet():
     assert compose(["recipe=vlm_tiny", "parallel.cp=1"]).parallel.cp == 1
 
 
-def test_text_to_image_takes_context_parallelism():
-    """Ulysses over SD3's image tokens, checked against model.init_from's transformer (sd35_medium: the release's
-    shape, no folder needed: 24 heads, 1024 px / 8 / 2 = 4096 tokens). A FluxPipeline's refusal: test_t2i_flux."""
-    cfg = compose(["recipe=sd35_medium", "parallel.cp=8"])
-    assert (cfg.parallel.cp, cfg.parallel.cp_method) == (8, "alltoall")
-    refusals = {
+# Ulysses (common/ulysses.py) in the DeepSpeed recipes: cp composes with its method recorded (alltoall, the name the
+# LLM gives the same exchange); what it cannot split is one line. sd35_medium is checked against model.init_from's
+# transformer with no folder needed (the release's shape: 24 heads, 1024 px / 8 / 2 = 4096 tokens); a FluxPipeline's
+# refusal: test_t2i_flux.
+CP_REFUSALS = {
+    "recipe=sd35_medium parallel.cp=8": {
         "parallel.cp=5": "parallel.cp=5 must divide the 24 attention heads (model.init_from's transformer)",
         "parallel.cp=2 data.image_size=1008": "parallel.cp=2 must divide the 3969 patch tokens",  # (1008 / 16)^2
         "parallel.cp=2 data.buckets=true": "parallel.cp=2 with data.buckets=true",
         "parallel.cp_method=allgather": "parallel.cp_method='allgather' is not in the text-to-image recipe",
-    }
-    for overrides, needle in refusals.items():
-        with pytest.raises(ConfigError, match=re.escape(needle)):
-            compose(["recipe=sd35_medium", *overrides.split()])
-
-
-def test_the_dit_takes_context_parallelism():
-    """Ulysses (common/ulysses.py): cp=2 composes, with its method recorded; what it cannot split is one line."""
-    cfg = compose(["recipe=dit_tiny", "parallel.cp=2", "parallel.zero_stage=3"])
-    assert (cfg.parallel.cp, cfg.parallel.cp_method) == (2, "alltoall")
-    assert compose(["recipe=dit_tiny"]).parallel.cp_method == "alltoall"
-    refusals = {
+    },
+    "recipe=dit_tiny parallel.cp=2 parallel.zero_stage=3": {
         "parallel.cp=3": "parallel.cp=3 must divide the 4 attention heads (model.num_attention_heads)",
         "parallel.cp=4 data.image_size=10": "parallel.cp=4 must divide the 25 patch tokens",  # (10 / 2)^2
         "parallel.cp=2 toggles.attention=eager": "toggles.attention=eager with parallel.cp=2",
         "parallel.cp_method=allgather": "parallel.cp_method='allgather' is not in the DiT recipe; choose one of",
-    }
-    for overrides, needle in refusals.items():
+    },
+}
+
+
+@pytest.mark.parametrize("accepted", list(CP_REFUSALS), ids=["sd35_medium", "dit_tiny"])
+def test_the_deepspeed_recipes_take_context_parallelism(accepted):
+    recipe, cp = accepted.split()[0], int(accepted.split()[1].split("=")[1])
+    cfg = compose(accepted.split())
+    assert (cfg.parallel.cp, cfg.parallel.cp_method) == (cp, "alltoall")
+    assert compose([recipe]).parallel.cp_method == "alltoall"
+    for overrides, needle in CP_REFUSALS[accepted].items():
         with pytest.raises(ConfigError, match=re.escape(needle)):
-            compose(["recipe=dit_tiny", *overrides.split()])
+            compose([recipe, *overrides.split()])
 
 
 @pytest.mark.parametrize(
