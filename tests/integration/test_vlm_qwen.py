@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from common.tools.fixtures import make_qwen2_5_vl
 from data import prepare_llava
-from tests.conftest import losses
+from tests.conftest import load_script, losses
 from tests.fixtures import vlm as fx
 
 pytestmark = pytest.mark.integration
@@ -112,3 +112,17 @@ def test_export_is_the_trained_qwen_and_the_tower_stays_the_release(run):
     layers = [k for k in before if k.startswith("model.layers.") and k.endswith("proj.weight")]
     assert tower and all(torch.equal(after[k], before[k]) for k in tower)
     assert merger and layers and all(not torch.equal(after[k], before[k]) for k in merger + layers)
+
+
+def test_export_from_the_checkpoint_is_the_run_export(run, tmp_path):
+    """scripts/export.py on the run's final checkpoint writes the end-of-run export tensor for tensor, with the same
+    tokenizer and pixel budget."""
+    run_dir, _ = run
+    assert load_script("export").main([str(run_dir), "--out", str(tmp_path / "export")]) == 0
+    got, want = (
+        load_file(tmp_path / "export" / "model.safetensors"),
+        load_file(run_dir / "export" / "model.safetensors"),
+    )
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    for name in ("preprocessor_config.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "export" / name).read_text() == (run_dir / "export" / name).read_text(), name
