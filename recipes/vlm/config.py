@@ -120,11 +120,6 @@ def validate(cfg: TrainConfig) -> None:
             "finetune=lora trains an adapter on a LLaVA checkpoint: set model.init_from=<a llava-hf folder or "
             "an align run> (vlm.stage=align from vlm.vision_from + vlm.language_from makes one)"
         )
-    if cfg.finetune == "lora" and qwen:
-        raise ConfigError(
-            "finetune=lora on a Qwen2.5-VL (model.init_from) is not built yet: its adapter export is LLaVA's; "
-            "train it in full (vlm.stage=finetune) or the merger alone (vlm.stage=align)"
-        )
     if cfg.finetune == "lora" and v.train_vision:
         raise ConfigError(
             "vlm.train_vision=true with finetune=lora: LoRA adapts the language model (the projector trains "

@@ -37,7 +37,7 @@ from recipes.vlm.inputs import inputs_for
 from recipes.vlm.model import build_model
 from recipes.vlm.parallelize import parallelize, trainable_parts
 from recipes.vlm.pretrained import llava_hf_state_dict
-from recipes.vlm.sources import llava_folder, weight_source
+from recipes.vlm.sources import init_folder, weight_source
 
 
 def load_model(cfg: TrainConfig, meta: dict):
@@ -49,8 +49,9 @@ def load_model(cfg: TrainConfig, meta: dict):
 class VLMTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         super().__init__(cfg, dist, run_dir)
-        # finetune=lora: adapters on the LLaVA of model.init_from, the base of every start (common/lora.py).
-        self.lora_base = str(llava_folder(cfg.model.init_from)) if cfg.finetune == "lora" else ""
+        # finetune=lora: adapters on the LLaVA (Qwen2.5-VL) of model.init_from, the base of every start
+        # (common/lora.py).
+        self.lora_base = str(init_folder(cfg.model.init_from)[0]) if cfg.finetune == "lora" else ""
         if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
             lora.check_resume(read_meta(self.resume_from), cfg, self.lora_base, self.resume_from)
         self.meta = prepare_data(cfg, dist)
