@@ -8,7 +8,7 @@ from hydra.core.config_store import ConfigStore
 from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.errors import ConfigError
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig
-from recipes.vlm.sources import llava_folder, weight_source
+from recipes.vlm.sources import QWEN, init_folder, weight_source
 
 # finetune=lora (common/lora.py): the language model's linears an adapter may target, all of them by default
 # (transformers' Llama names); the projector still trains in full, the vision tower stays frozen.
@@ -51,11 +51,14 @@ CHECKPOINT_KEYS = {
     "vocab_size": ("text_config", "vocab_size"),
     "rope_theta": ("text_config", "rope_theta"),
 }
-TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}  # vision_config.model_type -> model.vision
+# vision_config.model_type -> model.vision (a Qwen2.5-VL's tower is its own: qwen2_5_vl)
+TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", "qwen2_5_vl_vision": QWEN}
 
 
 def checkpoint_values(folder) -> dict[str, tuple[str, object]]:
-    """model key -> (where the LLaVA's config holds it, its value), for the keys the config sets."""
+    """model key -> (where the LLaVA's or Qwen2.5-VL's config holds it, its value), for the keys the config sets
+    (a Qwen2.5-VL's tower has no image_size nor feature choice: native resolution, its merger reads the last block;
+    transformers' attribute_map reads depth / num_heads as num_hidden_layers / num_attention_heads)."""
     from transformers import AutoConfig  # imported only for init_from runs
 
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
@@ -79,7 +82,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     m = cfg.model
     if not isinstance(m, VLMModelConfig) or not m.init_from:
         return
-    folder = llava_folder(m.init_from)
+    folder, _ = init_folder(m.init_from)
     for key, (name, value) in checkpoint_values(folder).items():
         if f"model.{key}" in command_line and getattr(m, key) != value:
             raise ConfigError(
@@ -93,13 +96,16 @@ def validate(cfg: TrainConfig) -> None:
     m, v = cfg.model, cfg.vlm
     if not isinstance(m, VLMModelConfig) or not isinstance(v, VLMConfig):
         raise ConfigError("recipe.family=vlm needs model=vlm_* and vlm=default config groups")
-    if m.vision not in ("siglip", "clip"):
+    qwen = m.vision == QWEN
+    if qwen and not (m.init_from and init_folder(m.init_from)[1] == QWEN):
+        raise ConfigError(f"model.vision={QWEN} is read from model.init_from=<a Qwen2.5-VL folder>, not chosen")
+    if m.vision not in ("siglip", "clip", QWEN):
         raise ConfigError(f"model.vision={m.vision!r} is not allowed; choose siglip or clip")
     if m.vision_feature_select_strategy not in ("auto", "full", "default"):
         raise ConfigError(
             f"model.vision_feature_select_strategy={m.vision_feature_select_strategy!r}: choose auto, full or default"
         )
-    if m.image_size % m.vision_patch_size:
+    if not qwen and m.image_size % m.vision_patch_size:  # Qwen2.5-VL: native resolution, no image size
         raise ConfigError(
             f"model.image_size={m.image_size} must be a multiple of model.vision_patch_size={m.vision_patch_size}"
         )

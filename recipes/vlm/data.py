@@ -208,10 +208,11 @@ def encode_conversation(
     }
 
 
-def check_chat_template(processor: LlavaProcessor) -> bool:
+def check_chat_template(processor: LlavaProcessor, encode=encode_conversation) -> bool:
     """One line at start-up for a chat template training cannot use (rather than every sample failing).
     Returns whether its assistant turns end in eos (llava-hf's template, for one, drops it: a model
-    trained on it does not learn to stop)."""
+    trained on it does not learn to stop). ``encode(messages, images, processor)``: the architecture's
+    conversation encoder (LLaVA's `encode_conversation`, Qwen2.5-VL's encode_qwen)."""
     probe = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello."},
@@ -219,7 +220,7 @@ def check_chat_template(processor: LlavaProcessor) -> bool:
         {"role": "assistant", "content": "Bye."},
     ]
     try:
-        enc = encode_conversation(probe, [], processor)
+        enc = encode(probe, [], processor)
     except Exception as exc:
         raise ConfigError(f"the processor's chat template cannot train conversations: {exc}") from None
     if not bool((enc["labels"] != IGNORE_INDEX).any()):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from common.data.packing import IGNORE_INDEX, pad_samples
+from common.data.packing import IGNORE_INDEX
 from common.data.webdataset import iter_samples
-from recipes.vlm.data import chat_prompt, decode_png, encode_llava
+from recipes.vlm.data import chat_prompt, decode_png
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 # A digit or a number word as a whole word: "7" and "seven" count, "17" and "someone" do not.
@@ -116,7 +116,7 @@ def save_answer_grid(samples: list[dict], answers: list[str], path: Path, n: int
 @torch.no_grad()
 def conversation_eval(
     model,
-    processor,
+    inputs,
     urls: list[str],
     *,
     limit: int,
@@ -127,37 +127,31 @@ def conversation_eval(
     examples: int = 4,
 ) -> dict:
     """Token-mean loss over the first `limit` held-out conversations (every rank the same batches: ZeRO-3
-    gathers collectively), and the first `examples` answers generated for each one's first prompt."""
-    samples = [encode_llava(s, processor, max_seq_len) for s, _ in zip(iter_samples(urls), range(limit))]
+    gathers collectively), and the first `examples` answers generated for each one's first prompt. ``inputs``:
+    the architecture's adapter (recipes/vlm/inputs.py: its encoding, padded batches and generate() arguments)."""
+    encoded = [inputs.encode_eval(s, max_seq_len) for s, _ in zip(iter_samples(urls), range(limit))]
+    samples = [s for s in encoded if "skipped" not in s]  # image tokens alone over max_seq_len (Qwen2.5-VL)
     dtype = next(model.parameters()).dtype
     total, tokens = 0.0, 0
     for i in range(0, len(samples), batch_size):
-        chunk = samples[i : i + batch_size]
-        batch = pad_samples(chunk, processor.tokenizer.pad_token_id)
-        images = [im for j in batch.order for im in chunk[j]["pixel_values"]]
-        inputs = batch.model_inputs("sdpa", device=device)
-        loss = model(**inputs, pixel_values=torch.stack(images).to(device, dtype) if images else None).loss
-        n = int((batch.labels[:, 1:] != IGNORE_INDEX).sum())  # the loss is a mean over these (labels shift by one)
-        total, tokens = total + float(loss) * n, tokens + n
+        loss, n = inputs.eval_loss(model, samples[i : i + batch_size], device, dtype)
+        total, tokens = total + loss, tokens + n
     shown = []
-    image_id, tok = processor.image_token_id, processor.tokenizer
+    tok = inputs.processor.tokenizer
     for s in samples[:examples]:
         labeled = (s["labels"] != IGNORE_INDEX).nonzero().flatten()
         if not len(labeled):
             continue
         first = int(labeled[0])
         end = first + int(((s["labels"][first:] == IGNORE_INDEX).cumsum(0) == 0).sum())  # the first answer's tokens
-        prompt, images = s["input_ids"][:first], s["pixel_values"]
-        per_image = int((s["input_ids"] == image_id).sum()) // len(images) if images.dim() == 4 and len(images) else 0
-        n_images = int((prompt == image_id).sum()) // per_image if per_image else 0
-        kwargs = {"pixel_values": images[:n_images].to(device, dtype)} if n_images else {}
+        prompt = s["input_ids"][:first]
         out = model.generate(
             input_ids=prompt[None].to(device),
             attention_mask=torch.ones_like(prompt)[None].to(device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tok.pad_token_id,
-            **kwargs,
+            **inputs.prompt_images(s, prompt, device, dtype),
         )
         shown.append(
             {
@@ -167,4 +161,10 @@ def conversation_eval(
                 "answer": tok.decode(out[0, len(prompt) :], skip_special_tokens=True).strip(),
             }
         )
-    return {"val_loss": total / max(tokens, 1), "val_tokens": tokens, "num_samples": len(samples), "examples": shown}
+    return {
+        "val_loss": total / max(tokens, 1),
+        "val_tokens": tokens,
+        "num_samples": len(samples),
+        "skipped_samples": len(encoded) - len(samples),
+        "examples": shown,
+    }

@@ -24,7 +24,7 @@ from recipes.vlm import lora as vlm_lora
 from recipes.vlm.data import PROCESSOR_DIR
 from recipes.vlm.model import build_model
 from recipes.vlm.parallelize import trainable_parts
-from recipes.vlm.sources import llava_folder, weight_source
+from recipes.vlm.sources import init_folder, weight_source
 from recipes.vlm.train import llava_hf_state_dict, load_model
 
 
@@ -94,9 +94,9 @@ def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, max_shard_si
 
 
 def lora_base(cfg: TrainConfig) -> str:
-    """The folder a finetune=lora export loads its base from, as the trainer does: the LLaVA folder model.init_from
-    names (an align run's export/, or the folder itself)."""
-    return str(llava_folder(cfg.model.init_from))
+    """The folder a finetune=lora export loads its base from, as the trainer does: the LLaVA (or Qwen2.5-VL) folder
+    model.init_from names (an align run's export/, or the folder itself)."""
+    return str(init_folder(cfg.model.init_from)[0])
 
 
 def export_lora_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:

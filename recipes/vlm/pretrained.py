@@ -71,7 +71,7 @@ LLAVA_CHAT_TEMPLATE = r"""{%- if messages and messages[0]['role'] == 'system' -%
 
 
 @contextlib.contextmanager
-def _quiet_loading():
+def quiet_loading():
     """transformers prints a table of every checkpoint key a model does not use; loading a vision model
     from a dual encoder (CLIPModel) lists the whole text tower. Kiln says what it loaded instead."""
     from transformers.utils import logging
@@ -110,7 +110,7 @@ def parts_processor(vision_from: str, language_from: str, m: VLMModelConfig):
         tokenizer.add_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)], special_tokens=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token  # LLaVA-1.5: unk
-    with _quiet_loading():
+    with quiet_loading():
         image_processor = AutoImageProcessor.from_pretrained(Path(vision_from).expanduser(), local_files_only=True)
     tower = vision_config(vision_from)
     kind = tower_kind(tower)
@@ -204,7 +204,7 @@ def load_parts(config, vision_from: str, language_from: str, attention: str):
 
     impl = attn_implementation(attention)
     tower_cls = CLIPVisionModel if tower_kind(config.vision_config) == "clip" else SiglipVisionModel
-    with _quiet_loading():
+    with quiet_loading():
         tower = tower_cls.from_pretrained(
             Path(vision_from).expanduser(),
             config=config.vision_config,
@@ -241,7 +241,7 @@ def load_llava(folder: Path, attention: str):
 
     if attention == "flash":
         register_varlen_attention()
-    with _quiet_loading():
+    with quiet_loading():
         return LlavaForConditionalGeneration.from_pretrained(
             folder, dtype=torch.float32, local_files_only=True, attn_implementation=attn_implementation(attention)
         )

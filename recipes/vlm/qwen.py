@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
 from common.errors import ConfigError
 from recipes.vlm.data import IMAGE_TOKEN, batch_counts, read_llava_sample, render_turns, whole_images_cut
+from recipes.vlm.sources import check_pixel_budget
 
 IMAGE_PAD = "<|image_pad|>"  # the one token the chat template writes per image; expanded to the image's tokens
 IMAGE_SLOT = "<|vision_start|>" + IMAGE_PAD + "<|vision_end|>"  # an image in Qwen's chat format
@@ -46,18 +48,27 @@ def rope_index_for(config) -> RopeIndex:
         return Qwen2_5_VLModel(config).get_rope_index
 
 
-def load_processing(folder, image_token_id: int, *, min_pixels: int = 0, max_pixels: int = 0):
+class QwenProcessing(NamedTuple):
+    """A Qwen2.5-VL folder's tokenizer (its chat template) and image processor: what the trainer holds in place of a
+    LlavaProcessor, and saves into the export as transformers' processor would (tokenizer files, chat template,
+    preprocessor_config.json with the run's pixel budget)."""
+
+    tokenizer: object
+    image_processor: object
+
+    def save_pretrained(self, folder) -> None:
+        self.tokenizer.save_pretrained(folder)
+        self.image_processor.save_pretrained(folder)
+
+
+def load_processing(folder, image_token_id: int, *, min_pixels: int = 0, max_pixels: int = 0) -> QwenProcessing:
     """(tokenizer, image processor) of a Qwen2.5-VL folder, offline, with the pixel budget ``min_pixels`` /
     ``max_pixels`` (data.min_pixels / data.max_pixels; 0 keeps the folder's) in place of the folder's. One line
     when the budget is inverted (transformers would resize silently outside it) or smaller than one merged patch,
     and when the tokenizer's <|image_pad|> is not the model's ``image_token_id``."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
-        if value and value < 28 * 28:
-            raise ConfigError(f"{key}={value} is below one merged 28x28 patch (784 pixels)")
-    if min_pixels and max_pixels and min_pixels > max_pixels:
-        raise ConfigError(f"data.min_pixels={min_pixels} is above data.max_pixels={max_pixels}")
+    check_pixel_budget(min_pixels, max_pixels)
     budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     image_processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True, **budget)
@@ -69,7 +80,24 @@ def load_processing(folder, image_token_id: int, *, min_pixels: int = 0, max_pix
         raise ConfigError(
             f"{folder}: the tokenizer's {IMAGE_PAD} is id {pad}, the model's image_token_id is {image_token_id}"
         )
-    return tokenizer, image_processor
+    return QwenProcessing(tokenizer, image_processor)
+
+
+def load_qwen(folder, attention: str):
+    """A Qwen2_5_VLForConditionalGeneration folder, in fp32 (its own config: the recipe's `model.*` are read from
+    it). The language model takes `toggles.attention`'s kernel; the tower runs SDPA (eager under eager) over its
+    per-image cu_seqlens."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from recipes.vlm.attention import attn_implementation, register_varlen_attention
+    from recipes.vlm.pretrained import quiet_loading
+
+    if attention == "flash":
+        register_varlen_attention()
+    with quiet_loading():
+        return Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            folder, dtype=torch.float32, local_files_only=True, attn_implementation=attn_implementation(attention)
+        )
 
 
 def image_tokens(image_grid_thw: torch.Tensor, merge_size: int) -> list[int]:

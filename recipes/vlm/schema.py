@@ -14,7 +14,7 @@ from common.config import DataConfig
 class VLMModelConfig:
     """A LLaVA: vision tower (SigLIP or CLIP) -> MLP projector -> Llama language model."""
 
-    vision: str = "siglip"  # siglip | clip
+    vision: str = "siglip"  # siglip | clip (qwen2_5_vl: set from a Qwen2.5-VL model.init_from, its own tower)
     image_size: int = 16
     vision_patch_size: int = 4  # the tower's patch side in pixels (vision_config.patch_size)
     vision_hidden_size: int = 64
@@ -60,3 +60,7 @@ class VLMDataConfig(DataConfig):
 
     packing: bool = True  # pack conversations into rows of max_seq_len (no attention across them)
     max_seq_len: int = 256
+    # Native resolution (a Qwen2.5-VL model.init_from): each image keeps its aspect ratio, resized by the image
+    # processor to a multiple of 28 px with min_pixels <= h*w <= max_pixels; 0 keeps the folder's budget.
+    min_pixels: int = 0
+    max_pixels: int = 0

@@ -1,15 +1,17 @@
-"""Where a VLM's weights come from: one of three sources, picked once from the config by `weight_source`.
+"""Where a VLM's weights come from: one of four sources, picked once from the config by `weight_source`.
 
 - FreshWeights: fresh weights shaped by `model.*`, with the dataset's own processor (the digits demo);
 - PartWeights: a vision-tower folder + a language-model folder (`vlm.vision_from` + `vlm.language_from`),
   joined by a fresh projector (where LLaVA's stage 1 starts);
-- LlavaWeights: a LLaVA folder (`model.init_from`: an align run or a llava-hf release).
+- LlavaWeights: a LLaVA folder (`model.init_from`: an align run or a llava-hf release);
+- QwenWeights: a Qwen2.5-VL folder (`model.init_from`: a release or a Qwen run), native resolution within
+  `data.min_pixels` / `data.max_pixels`.
 
-Each gives its LlavaConfig (json and the tokenizer only, no weights), its processor, the model in fp32 on
-the CPU for an attention backend, and what the log says about it. `weight_source` reads json only: config
-validation calls it, before anything is written. So this module imports nothing heavy at its top; the
-methods that read tokenizers and weights import recipes/vlm's torch/transformers modules (pretrained,
-model, data) where they run, and composing a config stays free of both.
+Each gives its config (LlavaConfig or Qwen2_5_VLConfig: json and the tokenizer only, no weights), its
+processor, the model in fp32 on the CPU for an attention backend, and what the log says about it. `weight_source`
+reads json only: config validation calls it, before anything is written. So this module imports nothing heavy at
+its top; the methods that read tokenizers and weights import recipes/vlm's torch/transformers modules (pretrained,
+model, data, qwen) where they run, and composing a config stays free of both.
 """
 
 from __future__ import annotations
@@ -43,20 +45,49 @@ def _folder_config(path: str, key: str) -> tuple[Path, dict]:
     return folder.resolve(), config
 
 
-def llava_folder(init_from: str) -> Path:
-    """The LLaVA folder `model.init_from` names: an align run (its export/) or a LlavaForConditionalGeneration
-    folder."""
+# model_type of the folders model.init_from may name -> what they are, in words
+INIT_TYPES = {"llava": "LLaVA", "qwen2_5_vl": "Qwen2.5-VL"}
+QWEN = "qwen2_5_vl"  # model.vision of a Qwen2.5-VL (its own tower, set from the folder by recipes/vlm/config.py)
+MERGED_PATCH = 28 * 28  # Qwen2.5-VL's smallest image: one 2x2 merge of 14-px patches, in pixels
+
+
+def init_folder(init_from: str) -> tuple[Path, str]:
+    """(the folder `model.init_from` names, its model_type): a run (its export/) or a model folder whose
+    model_type is one of INIT_TYPES, with safetensors weights."""
     path = Path(init_from).expanduser()
     candidate = path / "export" if (path / "export" / "config.json").exists() else path
     folder, config = _folder_config(str(candidate), "model.init_from")
-    if config.get("model_type") != "llava":
+    model_type = config.get("model_type")
+    if model_type not in INIT_TYPES:
         raise ConfigError(
-            f"model.init_from={init_from}: model_type {config.get('model_type')!r} is not a LLaVA "
-            "(a LlavaForConditionalGeneration folder or an align run is expected)"
+            f"model.init_from={init_from}: model_type {model_type!r} is not a LLaVA "
+            "(a LlavaForConditionalGeneration folder or an align run is expected) nor a Qwen2.5-VL"
         )
     if not any(folder.glob("*.safetensors")):
         raise ConfigError(f"model.init_from={init_from}: no *.safetensors weights in {folder}")
+    return folder, model_type
+
+
+def llava_folder(init_from: str) -> Path:
+    """The LLaVA folder `model.init_from` names: an align run (its export/) or a LlavaForConditionalGeneration
+    folder."""
+    folder, model_type = init_folder(init_from)
+    if model_type != "llava":
+        raise ConfigError(
+            f"model.init_from={init_from}: model_type {model_type!r} is not a LLaVA "
+            "(a LlavaForConditionalGeneration folder or an align run is expected)"
+        )
     return folder
+
+
+def check_pixel_budget(min_pixels: int, max_pixels: int) -> None:
+    """One line for a pixel budget (data.min_pixels / data.max_pixels, 0 = the folder's) that is inverted or
+    smaller than one merged patch (transformers would resize outside it without a word)."""
+    for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
+        if value < 0 or (value and value < MERGED_PATCH):
+            raise ConfigError(f"{key}={value} is below one merged 28x28 patch ({MERGED_PATCH} pixels)")
+    if min_pixels and max_pixels and min_pixels > max_pixels:
+        raise ConfigError(f"data.min_pixels={min_pixels} is above data.max_pixels={max_pixels}")
 
 
 def check_vision_folder(vision_from: str) -> None:
@@ -230,7 +261,58 @@ class LlavaWeights:
         return f"kiln: {self.label}: loaded all {_params(model):,} weights (vision tower, projector, language model)"
 
 
-WeightSource = FreshWeights | PartWeights | LlavaWeights
+class QwenWeights:
+    """A Qwen2.5-VL folder, whole: its config, tokenizer (chat template) and image processor, the processor's pixel
+    budget replaced by data.min_pixels / data.max_pixels where they are set (native resolution: recipes/vlm/qwen.py).
+    """
+
+    def __init__(self, init_from: str, min_pixels: int = 0, max_pixels: int = 0):
+        self.init_from, self.min_pixels, self.max_pixels = init_from, min_pixels, max_pixels
+        self.label = f"model.init_from={init_from}"
+        self.folder = None
+        self._processing = None
+
+    def check(self) -> None:
+        self.folder, _ = init_folder(self.init_from)
+        check_pixel_budget(self.min_pixels, self.max_pixels)
+
+    def processor(self):
+        """The folder's (tokenizer, image processor) as a QwenProcessing (recipes/vlm/qwen.py)."""
+        if self._processing is None:
+            from recipes.vlm.qwen import load_processing
+
+            self._processing = load_processing(
+                self.folder,
+                self.config().image_token_id,
+                min_pixels=self.min_pixels,
+                max_pixels=self.max_pixels,
+            )
+        return self._processing
+
+    def config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.folder, local_files_only=True)
+
+    def load(self, attention: str):
+        from recipes.vlm.qwen import load_qwen
+
+        return load_qwen(self.folder, attention)
+
+    def describe(self, model) -> str:
+        from recipes.vlm.parallelize import vlm_parts
+
+        tower, merger, language = vlm_parts(model)
+        budget = self.processor().image_processor.size
+        return (
+            f"kiln: {self.label}: loaded all {_params(model):,} weights: vision tower "
+            f"({_params(tower) - _params(merger):,}), merger ({_params(merger):,}), language model "
+            f"({_params(language) + _params(model.lm_head):,}); images at native resolution within "
+            f"{budget['shortest_edge']:,}..{budget['longest_edge']:,} pixels"
+        )
+
+
+WeightSource = FreshWeights | PartWeights | LlavaWeights | QwenWeights
 
 
 def weight_source(cfg: TrainConfig, meta: dict | None = None) -> WeightSource:
@@ -245,12 +327,22 @@ def weight_source(cfg: TrainConfig, meta: dict | None = None) -> WeightSource:
             "model.init_from and vlm.vision_from/language_from exclude each other: continue from a LLaVA, "
             "or build one from pretrained parts"
         )
-    if m.init_from and v.stage == "align":
+    model_type = init_folder(m.init_from)[1] if m.init_from else ""
+    if model_type == "llava" and v.stage == "align":
         raise ConfigError(
             "model.init_from is for vlm.stage=finetune (align starts from vlm.vision_from + "
             "vlm.language_from, or from fresh weights)"
         )
-    if m.init_from:
+    d = cfg.data
+    budget = getattr(d, "min_pixels", 0), getattr(d, "max_pixels", 0)
+    if model_type != QWEN and any(budget):
+        raise ConfigError(
+            "data.min_pixels / data.max_pixels are the pixel budget of a native-resolution model "
+            "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA resizes every image to its tower's image size"
+        )
+    if model_type == QWEN:
+        source = QwenWeights(m.init_from, *budget)
+    elif m.init_from:
         source = LlavaWeights(m.init_from)
     elif v.vision_from:
         source = PartWeights(v.vision_from, v.language_from, m)

@@ -3,8 +3,9 @@ two stages (align → finetune), held-out eval, and a Hugging Face export that v
 
 Where the weights come from (`source`, recipes/vlm/sources.py): a vision-tower folder + a language-model
 folder (`vlm.vision_from` + `vlm.language_from`, LLaVA's stage 1), a LLaVA folder (`model.init_from`: an
-align run or a llava-hf release), or fresh weights shaped by `model.*` (the digits demo). The processor
-comes with them (the dataset's own for the digits demo).
+align run or a llava-hf release), a Qwen2.5-VL folder (`model.init_from`, native resolution), or fresh weights
+shaped by `model.*` (the digits demo). The processor comes with them (the dataset's own for the digits demo);
+what differs between LLaVA's inputs and Qwen2.5-VL's is one adapter (recipes/vlm/inputs.py).
 
 Read top to bottom: setup (data, processor, model, engine, resume) → the loss → evaluate → export. The
 step, checkpoints and resume are common/trainer.py's.
@@ -29,14 +30,14 @@ from common.parallel_dims import ParallelDims
 from common.seed import seed_everything
 from common.trainer import Trainer
 from recipes.vlm import lora as vlm_lora
-from recipes.vlm import pretrained
 from recipes.vlm.attention import eval_attention
-from recipes.vlm.data import blank_sample, build_train_loader, check_chat_template, is_conversations, prepare_data
+from recipes.vlm.data import prepare_data
 from recipes.vlm.evaluate import conversation_eval, generate_answers, load_eval_samples, save_answer_grid, score
-from recipes.vlm.model import build_model, tower_image_tokens
+from recipes.vlm.inputs import inputs_for
+from recipes.vlm.model import build_model
 from recipes.vlm.parallelize import parallelize, trainable_parts
 from recipes.vlm.pretrained import llava_hf_state_dict
-from recipes.vlm.sources import llava_folder, weight_source
+from recipes.vlm.sources import init_folder, weight_source
 
 
 def load_model(cfg: TrainConfig, meta: dict):
@@ -48,18 +49,19 @@ def load_model(cfg: TrainConfig, meta: dict):
 class VLMTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         super().__init__(cfg, dist, run_dir)
-        # finetune=lora: adapters on the LLaVA of model.init_from, the base of every start (common/lora.py).
-        self.lora_base = str(llava_folder(cfg.model.init_from)) if cfg.finetune == "lora" else ""
+        # finetune=lora: adapters on the LLaVA (Qwen2.5-VL) of model.init_from, the base of every start
+        # (common/lora.py).
+        self.lora_base = str(init_folder(cfg.model.init_from)[0]) if cfg.finetune == "lora" else ""
         if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
             lora.check_resume(read_meta(self.resume_from), cfg, self.lora_base, self.resume_from)
         self.meta = prepare_data(cfg, dist)
-        self.conversations = is_conversations(self.meta)
         seed_everything(cfg.trainer.seed)  # identical initial weights (a fresh projector) on every rank
         model, self.processor, source = load_model(cfg, self.meta)
-        # Processor and tower agree on image tokens, and the chat template trains (one line if not).
-        pixels = pretrained.check_image_tokens(self.processor, model.config, source.label)
-        blank = blank_sample(self.processor.image_token_id, tower_image_tokens(model.config), pixels)
-        stops = check_chat_template(self.processor)
+        # The architecture's inputs: processor and tower agree on image tokens, and the chat template trains
+        # (one line if not).
+        self.inputs = inputs_for(source, self.processor, model, self.meta)
+        self.conversations = self.inputs.conversations
+        stops = self.inputs.check_chat_template()
         loaded = source.describe(model)
         if dist.is_main and loaded:
             print(loaded, flush=True)
@@ -69,7 +71,7 @@ class VLMTrainer(Trainer):
                 "stop (llava-hf's template drops LLaVA's </s>)",
                 flush=True,
             )
-        loader = build_train_loader(cfg, dist, self.meta, self.processor, blank)
+        loader = self.inputs.train_loader(cfg, dist, self.meta)
         self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
         self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
         self.model = self.engine.module
@@ -82,21 +84,17 @@ class VLMTrainer(Trainer):
     def loss(self, batch: dict) -> torch.Tensor:
         """Cross-entropy summed over the micro-batch's labelled tokens (the assistant's answers), by
         transformers' own loss: with `num_items_in_batch` it sums and divides by it."""
-        inputs = batch["packed"].model_inputs(self.cfg.toggles.attention, device=self.device)
-        inputs["pixel_values"] = batch["pixel_values"].to(self.device, self.dtype)
+        inputs = self.inputs.model_inputs(batch, self.cfg.toggles.attention, self.device, self.dtype)
         if "attention_mask" in inputs and inputs["attention_mask"].dtype != torch.bool:
             inputs["attention_mask"] = inputs["attention_mask"].to(self.dtype)
         # No KV cache in training (and none recomputed).
         return self.engine.model(**inputs, use_cache=False, num_items_in_batch=1).loss
 
     def count(self, batch: dict) -> int:
-        return batch["packed"].num_labels
+        return self.inputs.count(batch)
 
     def tally(self, batch: dict) -> dict[str, int]:
-        counts = {"samples": batch["samples"], "tokens": batch["real_tokens"], "slots": batch["slots"]}
-        if self.conversations:  # the conversations that are text-only / were cut
-            counts |= {"text_only_samples": batch["text_only"], "truncated_samples": batch["truncated"]}
-        return counts
+        return self.inputs.tally(batch)
 
     def checkpoint_meta(self) -> dict:
         return {"stage": self.cfg.vlm.stage, **lora.checkpoint_meta(self.cfg, self.lora_base)}
@@ -140,7 +138,7 @@ class VLMTrainer(Trainer):
             print(f"kiln: eval: loss on up to {self.cfg.vlm.eval_samples} held-out conversations", flush=True)
         result = conversation_eval(
             self.model,
-            self.processor,
+            self.inputs,
             self.meta["val_urls"],
             limit=self.cfg.vlm.eval_samples,
             max_seq_len=self.cfg.data.max_seq_len,
@@ -164,8 +162,10 @@ class VLMTrainer(Trainer):
         """Hugging Face folder: config (image_token_index, vision_feature_layer, ...), safetensors, tokenizer,
         processor + chat template; the image processor also in its own preprocessor_config.json, where
         releases before transformers 5 (and the vLLM builds pinned to them) read it. The tensors carry llava-hf's
-        names (`llava_hf_state_dict`). Under finetune=lora: a PEFT adapter folder on model.init_from's LLaVA, and
-        with export.merge_lora the merged model in export/merged (recipes/vlm/lora.py)."""
+        names (`llava_hf_state_dict`). A Qwen2.5-VL's export is its release's layout: transformers' own names, its
+        tokenizer and chat template, and its image processor with the run's pixel budget. Under finetune=lora: a
+        PEFT adapter folder on model.init_from's LLaVA, and with export.merge_lora the merged model in
+        export/merged (recipes/vlm/lora.py)."""
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
         with self.engine.gathered():
             if self.dist.is_main:

@@ -74,6 +74,7 @@ FIXTURES = {
     "~/models/clip-vit-large-patch14-336": vlm.write_clip,
     "~/models/vicuna-7b-v1.5": vlm.write_llama,
     "~/models/llava-1.5-7b-hf": vlm.write_llava_hf,
+    "~/models/Qwen2.5-VL-7B-Instruct": fixtures.make_qwen2_5_vl,
     "~/data/llava": vlm.write_llava_data,
     "~/models/sd-vae-ft-mse": fixtures.make_vae,
     "~/data/my_images": fixtures.make_image_folder,
@@ -131,6 +132,9 @@ TRAINED_ELSEWHERE = {
     "torchrun --nproc_per_node 8 scripts/train.py recipe=vlm_7b model.init_from=~/models/llava-1.5-7b-hf "
     "data.root=data/my_llava_instruct run.dir=outputs/llava_more": "tests/integration/test_vlm_llava.py "
     "(llava-hf continued, on vlm_tiny)",
+    "torchrun --nproc_per_node 8 scripts/train.py recipe=vlm_7b model.init_from=~/models/Qwen2.5-VL-7B-Instruct "
+    "data.root=data/my_llava_instruct data.min_pixels=200704 data.max_pixels=1003520 "
+    "run.dir=outputs/qwen_finetune": "tests/integration/test_vlm_qwen_train.py (on vlm_tiny)",
     "python scripts/train.py recipe=dit_tiny profile.enabled=true "
     "run.dir=outputs/prof": "tests/integration/test_profile_report.py",
     "torchrun --nproc_per_node 2 scripts/train.py recipe=llm_tiny "

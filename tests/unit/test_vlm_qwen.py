@@ -306,3 +306,95 @@ def test_pixel_budget_overrides_the_folder_and_bad_ones_are_one_line(qwen):
         ConfigError, match=r"the tokenizer's <\|image_pad\|> is id \d+, the model's image_token_id is 3$"
     ):
         load_processing(qwen.folder, 3)
+
+
+def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(qwen):
+    """model.init_from=<a Qwen2.5-VL folder>: the model.* keys are its config's (its own tower: model.vision
+    qwen2_5_vl), vlm.stage=align (the merger alone) composes, and the pixel budget keys compose; an inverted budget,
+    a budget for a LLaVA and a chosen model.vision=qwen2_5_vl stop at composition, one line."""
+    from common.launch import compose
+
+    folder, c = str(qwen.folder), qwen.model.config
+    cfg = compose(
+        ["recipe=vlm_tiny", "data=llava", f"model.init_from={folder}", "vlm.stage=align", "data.max_pixels=12544"]
+    )
+    m, v, t = cfg.model, c.vision_config, c.text_config
+    assert (m.vision, m.vision_hidden_size, m.vision_layers, m.vision_heads, m.vision_patch_size) == (
+        "qwen2_5_vl",
+        v.hidden_size,
+        v.depth,
+        v.num_heads,
+        v.patch_size,
+    )
+    assert (m.text_hidden_size, m.text_layers, m.text_kv_heads, m.vocab_size, m.max_seq_len) == (
+        t.hidden_size,
+        t.num_hidden_layers,
+        t.num_key_value_heads,
+        t.vocab_size,
+        t.max_position_embeddings,
+    )
+    assert (cfg.data.min_pixels, cfg.data.max_pixels) == (0, 12544)
+    bad = {
+        (f"model.init_from={folder}", "data.min_pixels=12544", "data.max_pixels=3136"): (
+            "data.min_pixels=12544 is above data.max_pixels=3136"
+        ),
+        ("data.max_pixels=12544",): (
+            "data.min_pixels / data.max_pixels are the pixel budget of a native-resolution model "
+            "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA resizes every image to its tower's image size"
+        ),
+        ("model.vision=qwen2_5_vl",): (
+            "model.vision=qwen2_5_vl is read from model.init_from=<a Qwen2.5-VL folder>, not chosen"
+        ),
+    }
+    for overrides, message in bad.items():
+        with pytest.raises(ConfigError) as err:
+            compose(["recipe=vlm_tiny", "data=llava", *overrides])
+        assert str(err.value) == message, overrides
+
+
+def test_lora_export_is_a_peft_adapter_over_the_release(qwen, tmp_path):
+    """finetune=lora on a Qwen2.5-VL: adapters on the language model's linears, the merger in full, nothing else
+    trains; the export is a PEFT folder that peft itself loads over the release with the adapted model's logits, and
+    export.merge_lora's merged folder loads as Qwen2_5_VLForConditionalGeneration with them too (fp32)."""
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from common.launch import compose
+    from recipes.vlm.lora import write_export
+    from recipes.vlm.parallelize import trainable_parts
+    from recipes.vlm.qwen import load_qwen
+
+    cfg = compose(
+        ["recipe=vlm_tiny", "data=llava", f"model.init_from={qwen.folder}", "finetune=lora", "export.merge_lora=true"]
+    )
+    model = load_qwen(qwen.folder, "sdpa")
+    trainable_parts(model, cfg)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    merger = [n for n in trained if n.startswith("model.visual.merger.")]
+    adapters = [n for n in trained if n.startswith("model.language_model.layers.") and ".lora_" in n]
+    assert merger and len(adapters) == 2 * 7 * 2 and sorted(trained) == sorted(merger + adapters)
+    torch.manual_seed(1)
+    with torch.no_grad():  # as training leaves them: B off zero, the merger moved
+        for n in trained:
+            p = model.get_parameter(n)
+            p.add_(torch.randn_like(p) * 0.05)
+    processing = load_processing(qwen.folder, model.config.image_token_id)
+    write_export(model, cfg, tmp_path, base=str(qwen.folder), processor=processing)
+    s = encode_qwen(conversation(1), [image(300, 200, 0)], qwen.tokenizer, qwen.image_processor)
+    ids = s["input_ids"][None]
+    inputs = dict(
+        input_ids=ids,
+        pixel_values=s["pixel_values"],
+        image_grid_thw=s["image_grid_thw"],
+        mm_token_type_ids=modality_types(ids, qwen.image_pad, qwen.video_pad),
+    )
+    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.folder, dtype=torch.float32)
+    with torch.no_grad():
+        want = model.eval()(**inputs).logits
+        peft = PeftModel.from_pretrained(base, tmp_path).eval()(**inputs).logits
+        merged = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+        merged = merged.eval()(**inputs).logits
+        plain = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.folder, dtype=torch.float32)(**inputs).logits
+    diffs = [(x - want).abs().max().item() for x in (peft, merged)]
+    print(f"max |peft - trained|, |merged - trained| logits: {diffs}")
+    assert max(diffs) < 1e-5 and (plain - want).abs().max().item() > 1e-3  # the adapter changes the logits

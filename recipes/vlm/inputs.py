@@ -1,0 +1,185 @@
+"""What the VLM trainer needs to know about an architecture's inputs, one small adapter each: LLaVA's (one image
+size, `<image>` expanded by its LlavaProcessor: recipes/vlm/data.py) and Qwen2.5-VL's (native resolution, mRoPE,
+all images of a batch as one tower sequence: recipes/vlm/qwen.py). The trainer, its loop, engine, checkpoints and
+export are one code path; it asks the adapter for the start-up checks, the loader, the forward's keyword arguments,
+the step's counts and the held-out evaluation's batches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from common.config import TrainConfig
+from common.data.packing import IGNORE_INDEX, pad_samples
+from common.data.webdataset import global_train_loader
+from common.distributed import DistInfo
+from common.errors import ConfigError
+from recipes.vlm import pretrained, qwen
+from recipes.vlm.data import (
+    blank_sample,
+    build_train_loader,
+    check_chat_template,
+    encode_llava,
+    is_conversations,
+)
+from recipes.vlm.model import tower_image_tokens
+from recipes.vlm.sources import QwenWeights, WeightSource
+
+
+class LlavaInputs:
+    """A LLaVA's inputs: every image at the tower's size, `<image>` expanded to its features (LlavaProcessor)."""
+
+    def __init__(self, processor, model, source: WeightSource, meta: dict):
+        self.processor, self.conversations = processor, is_conversations(meta)
+        # Processor and tower agree on image tokens (one line if not).
+        pixels = pretrained.check_image_tokens(processor, model.config, source.label)
+        self.blank = blank_sample(processor.image_token_id, tower_image_tokens(model.config), pixels)
+
+    def check_chat_template(self) -> bool:
+        """One line if the chat template cannot train; whether its assistant turns end in eos."""
+        return check_chat_template(self.processor)
+
+    def train_loader(self, cfg: TrainConfig, dist: DistInfo, meta: dict):
+        return build_train_loader(cfg, dist, meta, self.processor, self.blank)
+
+    def model_inputs(self, batch: dict, attention: str, device, dtype) -> dict:
+        inputs = batch["packed"].model_inputs(attention, device=device)
+        inputs["pixel_values"] = None if batch["pixel_values"] is None else batch["pixel_values"].to(device, dtype)
+        return inputs
+
+    def count(self, batch: dict) -> int:
+        return batch["packed"].num_labels
+
+    def tally(self, batch: dict) -> dict[str, int]:
+        counts = {"samples": batch["samples"], "tokens": batch["real_tokens"], "slots": batch["slots"]}
+        if self.conversations:  # the conversations that are text-only / were cut
+            counts |= {"text_only_samples": batch["text_only"], "truncated_samples": batch["truncated"]}
+        return counts
+
+    # ---- held-out conversations (recipes/vlm/evaluate.py: conversation_eval) ----
+    def encode_eval(self, sample: dict, max_seq_len: int) -> dict:
+        return encode_llava(sample, self.processor, max_seq_len)
+
+    def eval_loss(self, model, chunk: list[dict], device, dtype) -> tuple[float, int]:
+        """(the chunk's summed loss over its labelled tokens, how many), on padded rows."""
+        batch = pad_samples(chunk, self.processor.tokenizer.pad_token_id)
+        images = [im for j in batch.order for im in chunk[j]["pixel_values"]]
+        inputs = batch.model_inputs("sdpa", device=device)
+        loss = model(**inputs, pixel_values=torch.stack(images).to(device, dtype) if images else None).loss
+        n = int((batch.labels[:, 1:] != IGNORE_INDEX).sum())  # the loss is a mean over these (labels shift by one)
+        return float(loss) * n, n
+
+    def prompt_images(self, sample: dict, prompt: torch.Tensor, device, dtype) -> dict:
+        """generate()'s image arguments for the prompt `prompt` (a prefix of `sample`): the images it holds."""
+        image_id, images = self.processor.image_token_id, sample["pixel_values"]
+        per_image = (
+            int((sample["input_ids"] == image_id).sum()) // len(images) if images.dim() == 4 and len(images) else 0
+        )
+        n_images = int((prompt == image_id).sum()) // per_image if per_image else 0
+        return {"pixel_values": images[:n_images].to(device, dtype)} if n_images else {}
+
+
+class QwenInputs:
+    """A Qwen2.5-VL's inputs at native resolution (recipes/vlm/qwen.py): LLaVA-format conversations only."""
+
+    def __init__(self, processor: qwen.QwenProcessing, model, source: WeightSource, meta: dict):
+        if not is_conversations(meta):
+            raise ConfigError(
+                f"{source.label} trains on LLaVA-format conversations (data=llava), not on the digits demo's questions"
+            )
+        self.processor, self.conversations = processor, True
+        tokenizer = processor.tokenizer
+        self.image_pad, self.video_pad = tokenizer.convert_tokens_to_ids([qwen.IMAGE_PAD, qwen.VIDEO_PAD])
+        self.blank = qwen.blank_qwen_sample(processor.image_processor, self.image_pad)
+        self.rope_index = qwen.rope_index_for(model.config)  # meta-device: pickled into the loader workers
+
+    def encode(self, messages: list[dict], images: list, *, max_seq_len: int | None = None) -> dict:
+        p = self.processor
+        return qwen.encode_qwen(messages, images, p.tokenizer, p.image_processor, max_seq_len=max_seq_len)
+
+    def check_chat_template(self) -> bool:
+        return check_chat_template(self.processor, encode=lambda messages, images, _: self.encode(messages, images))
+
+    def collate(self, *, packing: bool, max_seq_len: int, blank: bool):
+        return functools.partial(
+            qwen.collate_qwen,
+            rope_index=self.rope_index,
+            packing=packing,
+            max_seq_len=max_seq_len,
+            pad_id=self.processor.tokenizer.pad_token_id,
+            image_pad_id=self.image_pad,
+            video_pad_id=self.video_pad,
+            blank=self.blank if blank else None,
+        )
+
+    def train_loader(self, cfg: TrainConfig, dist: DistInfo, meta: dict):
+        p = self.processor
+        decode = functools.partial(
+            qwen.encode_llava_qwen,
+            tokenizer=p.tokenizer,
+            image_processor=p.image_processor,
+            max_seq_len=cfg.data.max_seq_len,
+        )
+        collate = self.collate(packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len, blank=True)
+        # One global sample stream, this rank's share of each step (as LLaVA's: recipes/vlm/data.py).
+        return global_train_loader(
+            cfg, meta["train_urls"], decode=decode, collate=collate, rank=dist.rank, dp=dist.world_size
+        )
+
+    def model_inputs(self, batch: dict, attention: str, device, dtype) -> dict:
+        inputs = batch["batch"].model_inputs(attention, device=device)
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        return inputs
+
+    def count(self, batch: dict) -> int:
+        return batch["batch"].packed.num_labels
+
+    def tally(self, batch: dict) -> dict[str, int]:
+        return {
+            "samples": batch["samples"],
+            "tokens": batch["real_tokens"],
+            "slots": batch["slots"],
+            "text_only_samples": batch["text_only"],
+            "truncated_samples": batch["truncated"],
+            "skipped_samples": batch["skipped"],  # image tokens alone over data.max_seq_len
+        }
+
+    # ---- held-out conversations ----
+    def encode_eval(self, sample: dict, max_seq_len: int) -> dict:
+        p = self.processor
+        return qwen.encode_llava_qwen(sample, p.tokenizer, p.image_processor, max_seq_len)
+
+    def eval_loss(self, model, chunk: list[dict], device, dtype) -> tuple[float, int]:
+        batch = self.collate(packing=False, max_seq_len=0, blank=False)(chunk)
+        if not batch["samples"]:
+            return 0.0, 0
+        inputs = self.model_inputs(batch, "sdpa", device, dtype)
+        loss = model(**inputs, num_items_in_batch=1).loss  # summed over the labelled tokens
+        return float(loss), batch["batch"].packed.num_labels
+
+    def prompt_images(self, sample: dict, prompt: torch.Tensor, device, dtype) -> dict:
+        """generate()'s image arguments for `prompt`: its whole images' patches and grids, and the token types from
+        which generate() computes the mRoPE positions (transformers' get_rope_index)."""
+        grid = sample["image_grid_thw"]
+        counts = qwen.image_tokens(grid, self.processor.image_processor.merge_size)
+        pads, n = int((prompt == self.image_pad).sum()), 0
+        while n < len(counts) and sum(counts[: n + 1]) <= pads:
+            n += 1
+        if not n:
+            return {}
+        return {
+            "pixel_values": sample["pixel_values"][: int(grid[:n].prod(-1).sum())].to(device, dtype),
+            "image_grid_thw": grid[:n].to(device),
+            "mm_token_type_ids": qwen.modality_types(prompt[None], self.image_pad, self.video_pad).to(device),
+        }
+
+
+Inputs = LlavaInputs | QwenInputs
+
+
+def inputs_for(source: WeightSource, processor, model, meta: dict) -> Inputs:
+    """The adapter of the architecture `source` loads."""
+    return (QwenInputs if isinstance(source, QwenWeights) else LlavaInputs)(processor, model, source, meta)

@@ -1,0 +1,128 @@
+"""Qwen2.5-VL trained by the VLM recipe, end to end on CPU: a tiny random release folder (make_qwen2_5_vl) fine-tuned
+on LLaVA-format data at native resolution (data.min_pixels / data.max_pixels), packed, in one process. The loss
+falls; the export is a folder transformers loads as Qwen2_5_VLForConditionalGeneration whose logits are the trained
+model's (the run's last DeepSpeed checkpoint, loaded into the release's model by transformers, not by Kiln); the
+frozen vision tower is the release's bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.tools.fixtures import make_qwen2_5_vl
+from data import prepare_llava
+from tests.conftest import load_script, losses
+from tests.fixtures import vlm as fx
+
+pytestmark = pytest.mark.integration
+
+MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 16  # images of 4..16 merged tokens
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, trained):
+    root = tmp_path_factory.mktemp("qwen_world")
+    raw = fx.write_llava_data(root / "raw", n_pretrain=8, n_instruct=48)
+    qwen = make_qwen2_5_vl(root / "qwen")
+    prepare_llava.build_llava(
+        root / "instruct",
+        json_path=raw / "llava_instruct.json",
+        images=raw / "images",
+        train_shards=2,
+        val_shards=1,
+        val_fraction=0.05,
+    )
+    run_dir = trained(
+        [
+            "recipe=vlm_tiny",
+            "data=llava",
+            f"data.root={root / 'instruct'}",
+            f"model.init_from={qwen}",
+            f"data.min_pixels={MIN_PIXELS}",
+            f"data.max_pixels={MAX_PIXELS}",
+            "data.num_workers=0",
+            "data.max_seq_len=256",
+            "trainer.micro_batch_size=8",
+            "trainer.max_steps=3",
+            "trainer.log_every=1",
+            "trainer.progress_bar=false",
+            "optim.lr=2e-3",
+            "optim.warmup_steps=1",
+            "vlm.eval_samples=2",
+            "vlm.max_new_tokens=4",
+        ]
+    )
+    return run_dir, qwen
+
+
+def test_qwen_trains_at_native_resolution_and_the_loss_falls(run):
+    run_dir, _ = run
+    loss = losses(run_dir)
+    assert sorted(loss) == [1, 2, 3] and loss[3] < loss[1]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["skipped_samples"] == 0 for r in records)  # the images fit data.max_seq_len
+    assert sum(r["text_only_samples"] for r in records) > 0  # text-only conversations trained beside the images
+    assert json.loads((run_dir / "eval.json").read_text())["val_tokens"] > 0
+
+
+def test_export_is_the_trained_qwen_and_the_tower_stays_the_release(run):
+    """The export loads as Qwen2_5_VLForConditionalGeneration (with its tokenizer and the run's pixel budget); its
+    logits on a conversation with an image equal those of the run's final checkpoint loaded into the release's model
+    (fp32); the frozen tower is the release's bit for bit, the merger and the language model moved."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    run_dir, release = run
+    export = run_dir / "export"
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(export, dtype=torch.float32).eval()
+    trained = Qwen2_5_VLForConditionalGeneration.from_pretrained(release, dtype=torch.float32).eval()
+    (step,) = (run_dir / "checkpoints").glob("step_*")
+    module = torch.load(step / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    trained.load_state_dict(module, strict=True)
+    tokenizer, image_processor = AutoTokenizer.from_pretrained(export), AutoImageProcessor.from_pretrained(export)
+    assert image_processor.size == {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (90, 60, 3), dtype=np.uint8))
+    vision = image_processor(images=[image], return_tensors="pt")
+    tokens = int(vision["image_grid_thw"].prod()) // image_processor.merge_size**2
+    # Qwen2_5_VLProcessor's expansion of the image's one pad (its processor needs torchvision, PITFALLS.md).
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What digit is this?"}]}],
+        add_generation_prompt=True,
+        tokenize=False,
+    ).replace("<|image_pad|>", "<|image_pad|>" * tokens)
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    inputs = dict(input_ids=ids, mm_token_type_ids=(ids == pad).int(), **vision)
+    with torch.no_grad():
+        got, want = model(**inputs).logits, trained(**inputs).logits
+    print(f"max |export - trained| logits: {(got - want).abs().max().item():.3g}")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+    before, after = load_file(release / "model.safetensors"), load_file(export / "model.safetensors")
+    assert set(after) == set(before)
+    # Names as transformers saves a Qwen2.5-VL (the release's layout: visual.*, model.layers.*, lm_head.*).
+    tower = [k for k in before if k.startswith("visual.") and ".merger." not in k]
+    merger = [k for k in before if k.startswith("visual.merger.") and k.endswith("weight")]
+    layers = [k for k in before if k.startswith("model.layers.") and k.endswith("proj.weight")]
+    assert tower and all(torch.equal(after[k], before[k]) for k in tower)
+    assert merger and layers and all(not torch.equal(after[k], before[k]) for k in merger + layers)
+
+
+def test_export_from_the_checkpoint_is_the_run_export(run, tmp_path):
+    """scripts/export.py on the run's final checkpoint writes the end-of-run export tensor for tensor, with the same
+    tokenizer and pixel budget."""
+    run_dir, _ = run
+    assert load_script("export").main([str(run_dir), "--out", str(tmp_path / "export")]) == 0
+    got, want = (
+        load_file(tmp_path / "export" / "model.safetensors"),
+        load_file(run_dir / "export" / "model.safetensors"),
+    )
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    for name in ("preprocessor_config.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "export" / name).read_text() == (run_dir / "export" / name).read_text(), name
