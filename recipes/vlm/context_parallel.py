@@ -27,20 +27,20 @@ from recipes.vlm.config import check_heads
 ULYSSES_PREFIX = "kiln_ulysses_"  # + the language model's own implementation (transformers' name for it)
 
 
-def ulysses_attention(group):
-    """A transformers attention function that wraps the one named by the module's config (`_kiln_inner`) in
+def ulysses_attention(group, inner: str):
+    """A transformers attention function that wraps the registered one named `inner` (the language model's own) in
     Ulysses' all-to-all (common/ulysses.py ulysses_kernel): q, k, v arrive as this rank's (B, H, S/cp, D) tokens
     (transformers' layout) and the wrapped function sees (B, H/cp, S, D) with the whole row's mask. In eval mode it
     is the wrapped function itself (nothing is split)."""
     exchange = ulysses_kernel(lambda q, k, v, kernel: kernel(q, k, v), group)
 
     def attend(module, query, key, value, attention_mask, **kwargs):
-        inner = ALL_ATTENTION_FUNCTIONS[module.config._kiln_inner]
+        wrapped = ALL_ATTENTION_FUNCTIONS[inner]
         if not module.training:
-            return inner(module, query, key, value, attention_mask, **kwargs)
+            return wrapped(module, query, key, value, attention_mask, **kwargs)
 
         def kernel(q, k, v):  # (B, S, H/cp, D) -> (B, S, H/cp, D), the layout ulysses_kernel exchanges
-            out, _ = inner(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask, **kwargs)
+            out, _ = wrapped(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask, **kwargs)
             return out
 
         out = exchange(*(t.transpose(1, 2) for t in (query, key, value)), kernel)
@@ -61,13 +61,14 @@ def split_language_model(model: torch.nn.Module, cp: UlyssesGroups) -> None:
     check_heads(cp.cp, text.num_attention_heads, text.num_key_value_heads, "the language model's config")
     inner = text._attn_implementation
     if inner not in ALL_ATTENTION_FUNCTIONS:  # eager is each model's own function, not a registered one
-        raise ConfigError(f"parallel.cp={cp.cp} wraps a registered attention kernel (sdpa or flash), not {inner!r}")
+        raise ConfigError(
+            f"parallel.cp={cp.cp} wraps a registered attention kernel (toggles.attention=sdpa), not {inner!r}"
+        )
     name = ULYSSES_PREFIX + inner
-    AttentionInterface.register(name, ulysses_attention(cp.cp_group))
+    AttentionInterface.register(name, ulysses_attention(cp.cp_group, inner))
     if inner in ALL_MASK_ATTENTION_FUNCTIONS:  # the masks the wrapped kernel takes (none for the varlen one)
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
     model.set_attn_implementation({"text_config": name})
-    model.model.language_model.config._kiln_inner = inner  # the wrapped kernel: its attention modules' config
 
     def split(module, args, kwargs):
         if not module.training:
