@@ -5,8 +5,8 @@ every one of them (a row's images are few, and their features must land in which
 `<image>` placeholders); the merged embedding sequence (text + image features) is then split, each rank keeping a
 contiguous 1/cp of every row's tokens (and their position_ids) through the decoder layers. Attention exchanges heads
 for tokens (DeepSpeed's all-to-all): each rank attends over the whole row with heads/cp heads under the row's own
-mask, the 4D document + causal mask (sdpa) or the varlen kernel's segment boundaries (flash), so no token attends
-across documents. The LM head runs on the rank's tokens and its logits are gathered (common/ulysses.py
+4D document + causal mask (the SDPA kernel; the varlen one is refused at composition until checked on a GPU), so no
+token attends across documents. The LM head runs on the rank's tokens and its logits are gathered (common/ulysses.py
 gather_tokens, whose backward keeps the rank's rows): the loss is then transformers' own, computed whole and
 identically on every cp rank, and each rank's weights receive its own tokens' share, which DeepSpeed sums over cp.
 
