@@ -154,7 +154,8 @@ def data_parallel_layout(parallel, dist):
 def ulysses_kernel(kernel: Kernel, group) -> Kernel:
     """`kernel` on this rank's (B, S/cp, H, D) tokens through DeepSpeed's DistributedAttention: q, k, v all-to-all'd
     to (B, S, H/cp, D) (scatter the heads, dim 2; gather the sequence, dim 1), `kernel` on them, the output back to
-    (B, S/cp, H, D). Exact for attention without a mask (each head sees every token)."""
+    (B, S/cp, H, D). Exact for attention without a mask (each head sees every token). Arguments after q, k, v go to
+    `kernel` as they are (the VLM passes each call's own kernel: recipes/vlm/context_parallel.py)."""
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
@@ -163,8 +164,8 @@ def ulysses_kernel(kernel: Kernel, group) -> Kernel:
     deepspeed.init_distributed(dist_backend=tdist.get_backend(), verbose=False)
     attention = DistributedAttention(kernel, group, scatter_idx=2, gather_idx=1)
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention(q, k, v, batch_dim_idx=0)
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args) -> torch.Tensor:
+        return attention(q, k, v, 0, None, *args)  # batch_dim_idx 0, no rotary_pos_emb, then `kernel`'s own
 
     return attend
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
+from common import ulysses
 from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.errors import ConfigError
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig
@@ -79,6 +80,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     """With model.init_from: the model.* keys from the LLaVA's config, in place (config.yaml and the logs show the
     model that trains); a key given on the command line that disagrees stops the run, as in the DiT and the LLM.
     Otherwise the LLaVA's config is read from its folders when the model is built."""
+    ulysses.default_method(cfg, command_line)
     m = cfg.model
     if not isinstance(m, VLMModelConfig) or not m.init_from:
         return
@@ -134,10 +136,44 @@ def validate(cfg: TrainConfig) -> None:
         data=VLMDataConfig,
         datasets="vlm_digits or llava (image-conversation shards)",
     )
-    if cfg.parallel.cp > 1:
-        raise ConfigError(
-            f"parallel.cp={cfg.parallel.cp}: context parallelism is not yet in the vlm recipe; the dit, t2i and llm "
-            "recipes have it"
-        )
+    check_context_parallel(cfg)
     if cfg.data.max_seq_len <= 0:
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")
+
+
+def check_context_parallel(cfg: TrainConfig) -> None:
+    """parallel.cp (Ulysses over the language model, recipes/vlm/context_parallel.py): one line for what it cannot
+    split. The heads of a language model from vlm.language_from are checked when it is built; cp dividing the ranks
+    when the world size is known (common/parallel_dims.py)."""
+    from common.data.packing import ROW_ALIGN
+
+    ulysses.check_method(cfg, "VLM")
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    check_heads(cp, cfg.model.text_heads, cfg.model.text_kv_heads, "model.text_heads, model.text_kv_heads")
+    if cfg.data.max_seq_len % cp or ROW_ALIGN % cp:
+        raise ConfigError(
+            f"parallel.cp={cp} must divide data.max_seq_len={cfg.data.max_seq_len} and {ROW_ALIGN}: every packed row "
+            f"(data.max_seq_len tokens or fewer, a multiple of {ROW_ALIGN}) is split over the cp ranks"
+        )
+    if not cfg.data.packing:
+        raise ConfigError(
+            f"parallel.cp={cp} with data.packing=false: rows padded to their longest sample have lengths cp may not "
+            "divide; use data.packing=true"
+        )
+    if cfg.toggles.attention != "sdpa":
+        raise ConfigError(
+            f"toggles.attention={cfg.toggles.attention} with parallel.cp={cp}: the VLM's Ulysses attention wraps "
+            "the sdpa kernel (with the packed rows' 4D mask); use toggles.attention=sdpa"
+        )
+
+
+def check_heads(cp: int, heads: int, kv_heads: int, where: str) -> None:
+    """One line where cp cannot split the language model's heads: each rank attends with heads/cp whole query heads
+    and kv_heads/cp whole key/value heads (a GQA group stays on one rank)."""
+    if heads % cp or kv_heads % cp:
+        raise ConfigError(
+            f"parallel.cp={cp} must divide the language model's {heads} attention heads and {kv_heads} key/value "
+            f"heads ({where}): Ulysses attention gives each cp rank heads/cp whole heads"
+        )

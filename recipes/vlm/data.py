@@ -326,7 +326,9 @@ def batch_counts(real: list[dict], packed: PackedBatch, num_images) -> dict:
     }
 
 
-def build_train_loader(cfg: TrainConfig, dist: DistInfo, meta: dict, processor, blank: dict):
+def build_train_loader(cfg: TrainConfig, meta: dict, processor, blank: dict, *, rank: int, dp: int):
+    """This data-parallel rank's loader (`rank` of `dp`: the world size, or world / parallel.cp whose cp ranks read
+    the same samples)."""
     decode = (
         functools.partial(encode_llava, processor=processor, max_seq_len=cfg.data.max_seq_len)
         if is_conversations(meta)
@@ -339,8 +341,6 @@ def build_train_loader(cfg: TrainConfig, dist: DistInfo, meta: dict, processor, 
         pad_id=processor.tokenizer.pad_token_id,
         blank=blank,
     )
-    # One global sample stream, this rank's share of each step (ZeRO's dp is the world size): the same samples
-    # whatever the layout, so a checkpoint resumes under another one (common/data/webdataset.py: GlobalBatches).
-    return global_train_loader(
-        cfg, meta["train_urls"], decode=decode, collate=batches, rank=dist.rank, dp=dist.world_size
-    )
+    # One global sample stream, this rank's share of each step: the same samples whatever the layout, so a
+    # checkpoint resumes under another one (common/data/webdataset.py: GlobalBatches).
+    return global_train_loader(cfg, meta["train_urls"], decode=decode, collate=batches, rank=rank, dp=dp)

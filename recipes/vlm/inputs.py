@@ -14,7 +14,6 @@ import torch
 from common.config import TrainConfig
 from common.data.packing import IGNORE_INDEX, pad_samples
 from common.data.webdataset import global_train_loader
-from common.distributed import DistInfo
 from common.errors import ConfigError
 from recipes.vlm import pretrained, qwen
 from recipes.vlm.data import (
@@ -41,8 +40,9 @@ class LlavaInputs:
         """One line if the chat template cannot train; whether its assistant turns end in eos."""
         return check_chat_template(self.processor)
 
-    def train_loader(self, cfg: TrainConfig, dist: DistInfo, meta: dict):
-        return build_train_loader(cfg, dist, meta, self.processor, self.blank)
+    def train_loader(self, cfg: TrainConfig, meta: dict, *, rank: int, dp: int):
+        """Data-parallel rank `rank` of `dp`'s loader (the cp ranks of a group read the same samples)."""
+        return build_train_loader(cfg, meta, self.processor, self.blank, rank=rank, dp=dp)
 
     def model_inputs(self, batch: dict, attention: str, device, dtype) -> dict:
         inputs = batch["packed"].model_inputs(attention, device=device)
@@ -114,7 +114,7 @@ class QwenInputs:
             blank=self.blank if blank else None,
         )
 
-    def train_loader(self, cfg: TrainConfig, dist: DistInfo, meta: dict):
+    def train_loader(self, cfg: TrainConfig, meta: dict, *, rank: int, dp: int):
         p = self.processor
         decode = functools.partial(
             qwen.encode_llava_qwen,
@@ -124,9 +124,7 @@ class QwenInputs:
         )
         collate = self.collate(packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len, blank=True)
         # One global sample stream, this rank's share of each step (as LLaVA's: recipes/vlm/data.py).
-        return global_train_loader(
-            cfg, meta["train_urls"], decode=decode, collate=collate, rank=dist.rank, dp=dist.world_size
-        )
+        return global_train_loader(cfg, meta["train_urls"], decode=decode, collate=collate, rank=rank, dp=dp)
 
     def model_inputs(self, batch: dict, attention: str, device, dtype) -> dict:
         inputs = batch["batch"].model_inputs(attention, device=device)

@@ -11,6 +11,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from common.config import TrainConfig
 from common.lora import apply_lora
 from common.toggles import apply_toggles
+from common.ulysses import UlyssesGroups
+from recipes.vlm.context_parallel import split_language_model
 
 
 def vlm_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
@@ -64,11 +66,15 @@ def trainable_parts(model: LlavaForConditionalGeneration, cfg: TrainConfig) -> N
     apply_lora(vlm_parts(model)[2], cfg.lora)
 
 
-def parallelize(model: LlavaForConditionalGeneration, cfg: TrainConfig) -> LlavaForConditionalGeneration:
-    """`model` frozen for its stage (`trainable_parts`), with its toggles applied, ready for the engine (DeepSpeed
-    ZeRO over the trainable parameters; the attention kernel was chosen when the model was built: `toggles.attention`
-    → attn_implementation)."""
+def parallelize(
+    model: LlavaForConditionalGeneration, cfg: TrainConfig, cp: UlyssesGroups | None = None
+) -> LlavaForConditionalGeneration:
+    """`model` frozen for its stage (`trainable_parts`), its language model split over `cp` (parallel.cp > 1), with
+    its toggles applied, ready for the engine (DeepSpeed ZeRO over the trainable parameters; the attention kernel
+    was chosen when the model was built: `toggles.attention` → attn_implementation)."""
     trainable_parts(model, cfg)
+    if cp is not None:
+        split_language_model(model, cp)
     # Blocks: every decoder and vision encoder layer (the layers transformers itself checkpoints);
     # fp8 only in the language model (the tower's widths are often not multiples of 16).
     apply_toggles(model, cfg.toggles, block_types=(GradientCheckpointingLayer,), fp8_module=model.model.language_model)

@@ -26,9 +26,9 @@ from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
 from common.engine import DeepSpeedEngine
 from common.memory import Block, ModelSpec, count_params, largest_module_params
-from common.parallel_dims import ParallelDims
 from common.seed import seed_everything
 from common.trainer import Trainer
+from common.ulysses import data_parallel_layout
 from recipes.vlm import lora as vlm_lora
 from recipes.vlm.attention import eval_attention
 from recipes.vlm.data import prepare_data
@@ -71,9 +71,9 @@ class VLMTrainer(Trainer):
                 "stop (llava-hf's template drops LLaVA's </s>)",
                 flush=True,
             )
-        loader = self.inputs.train_loader(cfg, dist, self.meta)
-        self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)  # ZeRO data parallelism: dp = world
-        self.engine = DeepSpeedEngine(parallelize(model, cfg), cfg, self.dims.dp)
+        self.dims, self.cp, dp_rank = data_parallel_layout(cfg.parallel, dist)  # dp = world / parallel.cp
+        loader = self.inputs.train_loader(cfg, self.meta, rank=dp_rank, dp=self.dims.dp)
+        self.engine = DeepSpeedEngine(parallelize(model, cfg, self.cp), cfg, self.dims.dp, cp=self.cp)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
         # Nothing random per rank in a step but LoRA's dropout: the rest of the state is the same on every rank.
@@ -101,7 +101,8 @@ class VLMTrainer(Trainer):
 
     # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
     def after_first_step(self) -> None:
-        ds.record_state_bytes(self.engine.ds, self.cfg, self.dist, self.dims.dp, self.run_dir / "memory.json")
+        path = self.run_dir / "memory.json"  # ZeRO partitions over every rank: dp x cp
+        ds.record_state_bytes(self.engine.ds, self.cfg, self.dist, self.dims.dp * self.dims.cp, path)
 
     # ---- evaluation and export ------------------------------------------------------------
     def evaluate(self) -> dict | None:

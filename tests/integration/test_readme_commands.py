@@ -143,6 +143,8 @@ TRAINED_ELSEWHERE = {
     "parallel.cp=2": "tests/distributed/test_ds_any_layout.py (cp=2 against one process, ZeRO-2 and ZeRO-3)",
     "torchrun --nproc_per_node 2 scripts/train.py recipe=t2i_tiny model.init_from=outputs/tiny-sd3 "
     "parallel.cp=2": "tests/distributed/test_t2i_zero2.py (cp=2 against one rank)",
+    "torchrun --nproc_per_node 2 scripts/train.py recipe=vlm_tiny "
+    "parallel.cp=2": "tests/distributed/test_vlm_zero2.py (cp=2 against dp=2)",
 }
 
 

@@ -70,7 +70,7 @@ def test_each_family_has_only_its_own_parallel_and_data_keys():
     assert fields["llm_tiny"][0] == every | {"tp", "pp", "ep", "pp_schedule", "pp_microbatches"}
     common = {"name", "root", "build", "build_hint", "num_workers", "shuffle_buffer", "max_corrupt_shards"}
     assert fields["dit_tiny"][1] == common | {"image_size", "latents"}
-    assert fields["vlm_tiny"][1] == common | {"packing", "max_seq_len"}
+    assert fields["vlm_tiny"][1] == common | {"packing", "max_seq_len", "min_pixels", "max_pixels"}  # Qwen-VL's budget
     assert fields["llm_tiny"][1] == common | {"max_seq_len", "eval_docs"}
 
 
@@ -224,16 +224,10 @@ def test_bad_values_raise_config_error(override, needle):
         compose(["recipe=dit_tiny", override])
 
 
-def test_the_vlm_refuses_context_parallelism_yet():
-    with pytest.raises(ConfigError, match="parallel.cp=2: context parallelism is not yet in the vlm recipe"):
-        compose(["recipe=vlm_tiny", "parallel.cp=2"])
-    assert compose(["recipe=vlm_tiny", "parallel.cp=1"]).parallel.cp == 1
-
-
 # Ulysses (common/ulysses.py) in the DeepSpeed recipes: cp composes with its method recorded (alltoall, the name the
 # LLM gives the same exchange); what it cannot split is one line. sd35_medium is checked against model.init_from's
 # transformer with no folder needed (the release's shape: 24 heads, 1024 px / 8 / 2 = 4096 tokens); a FluxPipeline's
-# refusal: test_t2i_flux.
+# refusal: test_t2i_flux. The VLM splits its language model (vlm_tiny: 4 heads, 2 key/value heads).
 CP_REFUSALS = {
     "recipe=sd35_medium parallel.cp=8": {
         "parallel.cp=5": "parallel.cp=5 must divide the 24 attention heads (model.init_from's transformer)",
@@ -247,10 +241,18 @@ CP_REFUSALS = {
         "parallel.cp=2 toggles.attention=eager": "toggles.attention=eager with parallel.cp=2",
         "parallel.cp_method=allgather": "parallel.cp_method='allgather' is not in the DiT recipe; choose one of",
     },
+    "recipe=vlm_tiny parallel.cp=2 parallel.zero_stage=2": {
+        "parallel.cp=4": "parallel.cp=4 must divide the language model's 4 attention heads and 2 key/value heads",
+        "parallel.cp=2 data.max_seq_len=255": "parallel.cp=2 must divide data.max_seq_len=255 and 8",
+        "parallel.cp=2 data.packing=false": "parallel.cp=2 with data.packing=false",
+        "parallel.cp=2 toggles.attention=eager": "toggles.attention=eager with parallel.cp=2",
+        "parallel.cp=2 toggles.attention=flash toggles.precision=bf16": "toggles.attention=flash with parallel.cp=2",
+        "parallel.cp_method=allgather": "parallel.cp_method='allgather' is not in the VLM recipe; choose one of",
+    },
 }
 
 
-@pytest.mark.parametrize("accepted", list(CP_REFUSALS), ids=["sd35_medium", "dit_tiny"])
+@pytest.mark.parametrize("accepted", list(CP_REFUSALS), ids=["sd35_medium", "dit_tiny", "vlm_tiny"])
 def test_the_deepspeed_recipes_take_context_parallelism(accepted):
     recipe, cp = accepted.split()[0], int(accepted.split()[1].split("=")[1])
     cfg = compose(accepted.split())

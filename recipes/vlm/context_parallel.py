@@ -1,0 +1,83 @@
+"""parallel.cp for the VLM: Ulysses (common/ulysses.py) over the language model of a LLaVA.
+
+The cp ranks of a data-parallel group read the same packed rows. The vision tower and the projector run whole on
+every one of them (a row's images are few, and their features must land in whichever rank's tokens hold the
+`<image>` placeholders); the merged embedding sequence (text + image features) is then split, each rank keeping a
+contiguous 1/cp of every row's tokens (and their position_ids) through the decoder layers. Attention exchanges heads
+for tokens (DeepSpeed's all-to-all): each rank attends over the whole row with heads/cp heads under the row's own
+4D document + causal mask (the SDPA kernel; the varlen one is refused at composition until checked on a GPU), so no
+token attends across documents. The LM head runs on the rank's tokens and its logits are gathered (common/ulysses.py
+gather_tokens, whose backward keeps the rank's rows): the loss is then transformers' own, computed whole and
+identically on every cp rank, and each rank's weights receive its own tokens' share, which DeepSpeed sums over cp.
+
+Training only: in eval mode (generation, padded evaluation) nothing is split and attention is the plain kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from common.errors import ConfigError
+from common.ulysses import UlyssesGroups, gather_tokens, shard_tokens, ulysses_kernel
+from recipes.vlm.config import check_heads
+
+ULYSSES_PREFIX = "kiln_ulysses_"  # + the language model's own implementation (transformers' name for it)
+
+
+def ulysses_attention(group, inner: str):
+    """A transformers attention function that wraps the registered one named `inner` (the language model's own) in
+    Ulysses' all-to-all (common/ulysses.py ulysses_kernel): q, k, v arrive as this rank's (B, H, S/cp, D) tokens
+    (transformers' layout) and the wrapped function sees (B, H/cp, S, D) with the whole row's mask. In eval mode it
+    is the wrapped function itself (nothing is split)."""
+    exchange = ulysses_kernel(lambda q, k, v, kernel: kernel(q, k, v), group)
+
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        wrapped = ALL_ATTENTION_FUNCTIONS[inner]
+        if not module.training:
+            return wrapped(module, query, key, value, attention_mask, **kwargs)
+
+        def kernel(q, k, v):  # (B, S, H/cp, D) -> (B, S, H/cp, D), the layout ulysses_kernel exchanges
+            out, _ = wrapped(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask, **kwargs)
+            return out
+
+        out = exchange(*(t.transpose(1, 2) for t in (query, key, value)), kernel)
+        return out, None  # (B, S/cp, H, D), as transformers' attention functions return it
+
+    return attend
+
+
+def split_language_model(model: torch.nn.Module, cp: UlyssesGroups) -> None:
+    """`model`'s (a LlavaForConditionalGeneration) language model split over the cp ranks (module docstring)."""
+    from transformers import LlavaForConditionalGeneration
+
+    if not isinstance(model, LlavaForConditionalGeneration):
+        raise ConfigError(
+            f"parallel.cp={cp.cp}: context parallelism splits a LLaVA's language model, not a {type(model).__name__}"
+        )
+    text = model.config.text_config
+    check_heads(cp.cp, text.num_attention_heads, text.num_key_value_heads, "the language model's config")
+    inner = text._attn_implementation
+    if inner not in ALL_ATTENTION_FUNCTIONS:  # eager is each model's own function, not a registered one
+        raise ConfigError(
+            f"parallel.cp={cp.cp} wraps a registered attention kernel (toggles.attention=sdpa), not {inner!r}"
+        )
+    name = ULYSSES_PREFIX + inner
+    AttentionInterface.register(name, ulysses_attention(cp.cp_group, inner))
+    if inner in ALL_MASK_ATTENTION_FUNCTIONS:  # the masks the wrapped kernel takes (none for the varlen one)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    model.set_attn_implementation({"text_config": name})
+
+    def split(module, args, kwargs):
+        if not module.training:
+            return None
+        if kwargs.get("position_ids") is None or kwargs.get("inputs_embeds") is None:
+            raise ValueError("the cp-split language model takes packed rows: inputs_embeds and position_ids")
+        for key in ("inputs_embeds", "position_ids"):
+            kwargs[key] = shard_tokens(kwargs[key], cp.cp, cp.cp_rank)
+        return args, kwargs
+
+    model.model.language_model.register_forward_pre_hook(split, with_kwargs=True)
+    model.lm_head.register_forward_hook(lambda m, _args, out: gather_tokens(out, cp.cp_group) if m.training else out)

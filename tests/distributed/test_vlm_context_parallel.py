@@ -1,0 +1,110 @@
+"""parallel.cp for the VLM (recipes/vlm/context_parallel.py) on 2 gloo ranks, against the unsplit model: a tiny
+transformers LLaVA with its language model split over the cp ranks gives the unsplit forward's logits and loss on a
+packed batch with images (documents of different lengths in one row, images in two of them), and its weight
+gradients, summed over the cp ranks as DeepSpeed sums them, the unsplit ones. The training run is
+test_vlm_zero2.py's cp=2 run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from common.tools.launcher import spawn_ranks
+
+pytestmark = pytest.mark.distributed
+CP = 2
+VOCAB = 64
+
+
+def _tiny_llava():
+    from recipes.vlm.model import build_model, llava_config, tower_image_tokens
+    from recipes.vlm.schema import VLMModelConfig
+
+    m = VLMModelConfig(
+        vision="siglip",
+        image_size=16,
+        vision_patch_size=4,
+        vision_hidden_size=32,
+        vision_layers=1,
+        vision_heads=2,
+        vision_intermediate_size=64,
+        text_hidden_size=64,
+        text_layers=2,
+        text_heads=4,
+        text_kv_heads=2,  # GQA: two query heads per key/value head, one group per cp rank
+        text_intermediate_size=128,
+        max_seq_len=128,
+    )
+    config = llava_config(m, vocab_size=VOCAB, image_token_id=VOCAB - 1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return build_model(config, "sdpa").float(), tower_image_tokens(config)
+
+
+def _packed_batch(image_tokens: int) -> dict:
+    """Two packed rows of 48 tokens: four documents (two with an image each) and padding tails."""
+    from common.data.packing import pack_samples
+
+    g = torch.Generator().manual_seed(3)
+    samples, images = [], []
+    for n, has_image in ((30, True), (14, False), (25, True), (9, False)):
+        text = torch.randint(3, VOCAB - 1, (n,), generator=g)
+        prompt = torch.tensor([1] + [VOCAB - 1] * image_tokens) if has_image else torch.tensor([1])
+        ids = torch.cat([prompt, text])
+        labels = torch.cat([torch.full_like(prompt, -100), text])
+        samples.append({"input_ids": ids, "labels": labels})
+        images.append([torch.randn(3, 16, 16, generator=g)] if has_image else [])
+    packed = pack_samples(samples, 48, pad_id=0)
+    inputs = packed.model_inputs("sdpa")
+    inputs["pixel_values"] = torch.stack([image for i in packed.order for image in images[i]])
+    return inputs
+
+
+def _on_each_rank() -> dict:
+    import torch.distributed as tdist
+
+    from common.ulysses import UlyssesGroups
+    from recipes.vlm.context_parallel import split_language_model
+
+    groups = UlyssesGroups(1, CP, "cpu")
+    reference, image_tokens = _tiny_llava()
+    split = copy.deepcopy(reference)
+    split_language_model(split, groups)
+    inputs = _packed_batch(image_tokens)
+    seen = []  # the tokens a decoder layer of the split model holds: 1/cp of each row
+    split.model.language_model.layers[0].register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[1]))
+    out = {}
+    for name, model in (("reference", reference), ("split", split)):
+        model.train()
+        out[name] = model(**inputs, use_cache=False)
+        out[name].loss.backward()
+    scale = max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None)
+    worst = 0.0
+    for p, mine in zip(reference.parameters(), split.parameters(), strict=True):
+        if p.grad is None:  # the tower's parts LLaVA's features never reach
+            assert mine.grad is None
+            continue
+        grad = mine.grad.clone()
+        tdist.all_reduce(grad, group=groups.cp_group)  # DeepSpeed's sum over cp
+        worst = max(worst, (grad - p.grad).abs().max().item() / scale)
+    logits = out["reference"].logits
+    return {
+        "rows": list(inputs["input_ids"].shape),
+        "layer_tokens": seen,
+        "logits_err": (out["split"].logits - logits).abs().max().item(),
+        "logits_max": logits.abs().max().item(),
+        "loss_err": abs(out["split"].loss.item() - out["reference"].loss.item()),
+        "grad_rel_err": worst,
+    }
+
+
+def test_split_llava_equals_the_unsplit_forward_and_gradients(tmp_path):
+    for r in spawn_ranks(_on_each_rank, (), CP, tmp_path):
+        print(
+            f"LLaVA cp={CP} vs unsplit on packed rows {r['rows']}: logits max |diff| {r['logits_err']:.1e} (of "
+            f"{r['logits_max']:.1e}), loss |diff| {r['loss_err']:.1e}, weight gradients max |diff| / max |grad| "
+            f"{r['grad_rel_err']:.1e}"
+        )
+        assert r["layer_tokens"] == [r["rows"][1] // CP]
+        assert r["logits_err"] <= 1e-5 and r["loss_err"] <= 1e-6 and r["grad_rel_err"] <= 1e-5, r
