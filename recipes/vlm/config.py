@@ -8,7 +8,7 @@ from hydra.core.config_store import ConfigStore
 from common import ulysses
 from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.errors import ConfigError
-from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig
+from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig, check_heads
 from recipes.vlm.sources import QWEN, init_folder, weight_source
 
 # finetune=lora (common/lora.py): the language model's linears an adapter may target, all of them by default
@@ -166,14 +166,4 @@ def check_context_parallel(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"toggles.attention={cfg.toggles.attention} with parallel.cp={cp}: the VLM's Ulysses attention wraps "
             "the sdpa kernel (with the packed rows' 4D mask); use toggles.attention=sdpa"
-        )
-
-
-def check_heads(cp: int, heads: int, kv_heads: int, where: str) -> None:
-    """One line where cp cannot split the language model's heads: each rank attends with heads/cp whole query heads
-    and kv_heads/cp whole key/value heads (a GQA group stays on one rank)."""
-    if heads % cp or kv_heads % cp:
-        raise ConfigError(
-            f"parallel.cp={cp} must divide the language model's {heads} attention heads and {kv_heads} key/value "
-            f"heads ({where}): Ulysses attention gives each cp rank heads/cp whole heads"
         )

@@ -22,7 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from common.errors import ConfigError
 from common.ulysses import UlyssesGroups, gather_tokens, shard_tokens, ulysses_kernel
-from recipes.vlm.config import check_heads
+from recipes.vlm.schema import check_heads
 
 ULYSSES_PREFIX = "kiln_ulysses_"  # + the language model's own implementation (transformers' name for it)
 

@@ -26,7 +26,7 @@ import torch
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
 from common.errors import ConfigError
 from recipes.vlm.data import IMAGE_TOKEN, batch_counts, read_llava_sample, render_turns, whole_images_cut
-from recipes.vlm.sources import check_pixel_budget
+from recipes.vlm.schema import check_pixel_budget
 
 IMAGE_PAD = "<|image_pad|>"  # the one token the chat template writes per image; expanded to the image's tokens
 IMAGE_SLOT = "<|vision_start|>" + IMAGE_PAD + "<|vision_end|>"  # an image in Qwen's chat format

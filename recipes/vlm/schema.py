@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from common.config import DataConfig
+from common.errors import ConfigError
 
 
 @dataclass
@@ -64,3 +65,27 @@ class VLMDataConfig(DataConfig):
     # processor to a multiple of 28 px with min_pixels <= h*w <= max_pixels; 0 keeps the folder's budget.
     min_pixels: int = 0
     max_pixels: int = 0
+
+
+# ---- value checks that need no model (config validation, and the code that loads one) ----
+MERGED_PATCH = 28 * 28  # Qwen2.5-VL's smallest image: one 2x2 merge of 14-px patches, in pixels
+
+
+def check_pixel_budget(min_pixels: int, max_pixels: int) -> None:
+    """One line for a pixel budget (data.min_pixels / data.max_pixels, 0 = the folder's) that is inverted or
+    smaller than one merged patch (transformers would resize outside it without a word)."""
+    for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
+        if value < 0 or (value and value < MERGED_PATCH):
+            raise ConfigError(f"{key}={value} is below one merged 28x28 patch ({MERGED_PATCH} pixels)")
+    if min_pixels and max_pixels and min_pixels > max_pixels:
+        raise ConfigError(f"data.min_pixels={min_pixels} is above data.max_pixels={max_pixels}")
+
+
+def check_heads(cp: int, heads: int, kv_heads: int, where: str) -> None:
+    """One line where cp cannot split the language model's heads: each rank attends with heads/cp whole query heads
+    and kv_heads/cp whole key/value heads (a GQA group stays on one rank)."""
+    if heads % cp or kv_heads % cp:
+        raise ConfigError(
+            f"parallel.cp={cp} must divide the language model's {heads} attention heads and {kv_heads} key/value "
+            f"heads ({where}): Ulysses attention gives each cp rank heads/cp whole heads"
+        )

@@ -22,7 +22,7 @@ from pathlib import Path
 from common.config import TrainConfig
 from common.errors import ConfigError, DataError
 from common.weights import check_folder
-from recipes.vlm.schema import VLMModelConfig
+from recipes.vlm.schema import VLMModelConfig, check_pixel_budget
 
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 
@@ -48,7 +48,6 @@ def _folder_config(path: str, key: str) -> tuple[Path, dict]:
 # model_type of the folders model.init_from may name -> what they are, in words
 INIT_TYPES = {"llava": "LLaVA", "qwen2_5_vl": "Qwen2.5-VL"}
 QWEN = "qwen2_5_vl"  # model.vision of a Qwen2.5-VL (its own tower, set from the folder by recipes/vlm/config.py)
-MERGED_PATCH = 28 * 28  # Qwen2.5-VL's smallest image: one 2x2 merge of 14-px patches, in pixels
 
 
 def init_folder(init_from: str) -> tuple[Path, str]:
@@ -78,16 +77,6 @@ def llava_folder(init_from: str) -> Path:
             "(a LlavaForConditionalGeneration folder or an align run is expected)"
         )
     return folder
-
-
-def check_pixel_budget(min_pixels: int, max_pixels: int) -> None:
-    """One line for a pixel budget (data.min_pixels / data.max_pixels, 0 = the folder's) that is inverted or
-    smaller than one merged patch (transformers would resize outside it without a word)."""
-    for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
-        if value < 0 or (value and value < MERGED_PATCH):
-            raise ConfigError(f"{key}={value} is below one merged 28x28 patch ({MERGED_PATCH} pixels)")
-    if min_pixels and max_pixels and min_pixels > max_pixels:
-        raise ConfigError(f"data.min_pixels={min_pixels} is above data.max_pixels={max_pixels}")
 
 
 def check_vision_folder(vision_from: str) -> None:
