@@ -190,38 +190,40 @@ def test_flash_composes_with_cp(method):
     assert (cfg.parallel.cp, cfg.toggles.attention) == (2, "flash")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("method", METHODS)
-def test_cp_varlen_on_cuda(method, cp):
-    """The real kernel (torch.nn.attention.varlen, bf16) through the same segments: against its own unsplit run over
-    the row's cu_seqlens (the path without cp) and against SDPA with the dense mask in fp32 on the same bf16 inputs.
-    bf16 rounding moves outputs by ~1e-2 at most here; a token leaking across a document or a top-left causal diagonal
-    moves them by O(1)."""
-    device = torch.device("cuda")
+def against_the_unsplit_row(method: str, cp: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """cp's varlen attention through whatever kernel common/varlen.py has, against that kernel's unsplit run over the
+    row's cu_seqlens (the path without cp) and against SDPA with the dense mask in fp32 on the same inputs:
+    {(reference, output or gradient): (max |diff|, relative norm of the difference)}, each printed."""
     packed = random_batch(3)
-    q, k, v, upstream = random_qkv(packed, 3, device, torch.bfloat16)
+    q, k, v, upstream = random_qkv(packed, 3, device, dtype)
     mask = document_causal_mask(packed.seq_lens, ROW).to(device)
     cu = packed.cu_seqlens.to(device)
 
     def unsplit(q, k, v):
-        out = varlen.varlen_causal_attention(
-            *(t.flatten(0, 1) for t in (q, k, v)), cu, cu, packed.max_seqlen, packed.max_seqlen
-        )
-        return out.view_as(q)
+        flat = (t.flatten(0, 1) for t in (q, k, v))
+        return varlen.varlen_causal_attention(*flat, cu, cu, packed.max_seqlen, packed.max_seqlen).view_as(q)
+
+    def dense_fp32(q, k, v):
+        return dense_attention(q.float(), k.float(), v.float(), mask)
 
     got = outputs_and_grads(lambda *t: cp_attention(packed, *t, cp, method), q, k, v, upstream)
-    refs = {
-        "unsplit varlen (bf16)": outputs_and_grads(unsplit, q, k, v, upstream),
-        "dense SDPA (fp32)": outputs_and_grads(
-            lambda *t: dense_attention(*(x.float() for x in t), mask), q, k, v, upstream
-        ),
-    }
-    for name, want in refs.items():
-        for key, ref in want.items():
-            err = (got[key] - ref).abs().max().item()
-            rel = ((got[key] - ref).norm() / ref.norm()).item()
-            print(f"cuda cp={cp} {method} vs {name} {key}: max |diff| {err:.1e}, relative norm {rel:.1e}")
-            if key == "out":
-                torch.testing.assert_close(got[key], ref, atol=2e-2, rtol=2e-2)
-            assert rel < 2e-2, f"{key} vs {name}: relative error {rel:.3g}"
+    errors = {}
+    for name, fn in (("unsplit varlen", unsplit), ("dense SDPA fp32", dense_fp32)):
+        for key, ref in outputs_and_grads(fn, q, k, v, upstream).items():
+            err, rel = (got[key] - ref).abs().max().item(), ((got[key] - ref).norm() / ref.norm()).item()
+            print(f"{device.type} {dtype} cp={cp} {method} vs {name} {key}: max |diff| {err:.1e}, relative {rel:.1e}")
+            errors[name, key] = err, rel
+    return errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("method", METHODS)
+def test_cp_varlen_on_cuda(method, cp):
+    """The real kernel (torch.nn.attention.varlen, bf16) through the same segments and lines as the CPU test. bf16
+    rounding moves outputs by about one bf16 step (<= 3e-2 at |out| < 8) and gradients by ~1e-2 relative; a token
+    attending across a document or a top-left causal diagonal (a piece's queries missing their document's earlier
+    keys) moves them by O(1)."""
+    errors = against_the_unsplit_row(method, cp, torch.device("cuda"), torch.bfloat16)
+    for (name, key), (err, rel) in errors.items():
+        assert rel < 3e-2 and (key != "out" or err < 6e-2), f"{key} vs {name}: max |diff| {err:.3g}, relative {rel:.3g}"
