@@ -111,11 +111,13 @@ class VarlenSegments(NamedTuple):
         """``allgather``: rank ``cp_rank``'s queries (its early and late chunk of every row, in its local order) over
         the gathered keys/values. Each segment ``[s, e)`` of a row cuts a chunk into a piece ``[a, b)`` of queries,
         whose keys are the row's ``[s, b)``: at the gathered positions of those tokens, so the keys need no reordering
-        first. The kernel aligns the causal diagonal at the bottom right of a segment pair with fewer queries than keys
-        (FlashAttention's convention, flash-attn >= 2.1 and torch's vendored copy: query i attends key j iff
-        ``j <= i + Lk - Lq``; torch's ``varlen_attn`` documents only ``window_size=(-1, 0)`` as "causal", and its
-        ``flash_api.cpp`` drops causality for one query per segment, which only bottom-right alignment allows). Here
-        ``Lk - Lq = a - s``: query ``a + i`` attends keys ``s .. a + i``, exactly the document + causal mask's row."""
+        first. The kernel aligns the causal diagonal at the bottom right of a segment pair with fewer queries than keys:
+        query i attends key j iff ``j <= i + Lk - Lq`` (FlashAttention's convention since flash-attn 2.1, whose kernel
+        torch vendors). torch's ``varlen_attn`` docstring says only that ``window_size=(-1, 0)`` is causal; its
+        ``mha_varlen_fwd`` (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp) turns causality off when
+        every segment has one query, which is the same attention only if that query sees all its keys: bottom right.
+        The gpu-marked test in tests/unit/test_llm_cp_varlen.py checks it on the kernel. Here ``Lk - Lq = a - s``:
+        query ``a + i`` attends keys ``s .. a + i``, exactly the document + causal mask's row."""
         length, n = packed.row_len, packed.row_len // (2 * cp)
         row_order = torch.argsort(gathered_positions(length, cp))  # row position -> gathered index
         chunks = ((cp_rank * n, (cp_rank + 1) * n), ((2 * cp - 1 - cp_rank) * n, (2 * cp - cp_rank) * n))
