@@ -57,10 +57,9 @@ def _without_gqa(q, k, v, *args, **kwargs):
     return bottom_right_varlen_attn(q, k, v, *args, **kwargs)
 
 
-@pytest.fixture(params=["enable_gqa", "repeat_kv"])
-def cpu_kernel(request, monkeypatch):
-    """The CPU stand-in as common/varlen.py's kernel, in both of its forms (torch 2.13's and 2.11's)."""
-    kernel = (bottom_right_varlen_attn, True) if request.param == "enable_gqa" else (_without_gqa, False)
+def use_cpu_kernel(monkeypatch, form: str) -> None:
+    """The CPU stand-in as common/varlen.py's kernel, in either of its forms (torch 2.13's, or 2.11's: repeat_kv)."""
+    kernel = (bottom_right_varlen_attn, True) if form == "enable_gqa" else (_without_gqa, False)
     monkeypatch.setattr(varlen, "_kernel", lambda: kernel)
 
 
@@ -130,19 +129,23 @@ def outputs_and_grads(fn, q, k, v, upstream):
     return {"out": out.detach().float()} | {f"grad_{n}": t.grad.float() for n, t in zip("qkv", leaves)}
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("method", METHODS)
-def test_cp_varlen_equals_the_unsplit_masked_attention(cpu_kernel, method, cp):
-    for seed in range(2):
-        packed = random_batch(seed)
-        q, k, v, upstream = random_qkv(packed, seed)
-        mask = document_causal_mask(packed.seq_lens, ROW)
-        got = outputs_and_grads(lambda *t: cp_attention(packed, *t, cp, method), q, k, v, upstream)
-        want = outputs_and_grads(lambda *t: dense_attention(*t, mask), q, k, v, upstream)
-        for key, ref in want.items():
-            err = (got[key] - ref).abs().max().item()
-            print(f"cp={cp} {method} seed {seed} {key}: max |cp varlen - unsplit| = {err:.1e}")
-            assert ref.abs().max() > 0.1 and err <= 1e-5, key
+# Every method and cp with torch 2.13's kernel form; cp=4 also with 2.11's (key/value heads repeated). One random
+# document layout per case, a different one each.
+CASES = [(m, cp, "enable_gqa") for m in METHODS for cp in (2, 4)] + [(m, 4, "repeat_kv") for m in METHODS]
+
+
+@pytest.mark.parametrize("seed,method,cp,kernel", [(i, *case) for i, case in enumerate(CASES)])
+def test_cp_varlen_equals_the_unsplit_masked_attention(monkeypatch, seed, method, cp, kernel):
+    use_cpu_kernel(monkeypatch, kernel)
+    packed = random_batch(seed)
+    q, k, v, upstream = random_qkv(packed, seed)
+    mask = document_causal_mask(packed.seq_lens, ROW)
+    got = outputs_and_grads(lambda *t: cp_attention(packed, *t, cp, method), q, k, v, upstream)
+    want = outputs_and_grads(lambda *t: dense_attention(*t, mask), q, k, v, upstream)
+    for key, ref in want.items():
+        err = (got[key] - ref).abs().max().item()
+        print(f"cp={cp} {method} ({kernel}) {key}: max |cp varlen - unsplit| = {err:.1e}")
+        assert ref.abs().max() > 0.1 and err <= 1e-5, key
 
 
 @pytest.mark.parametrize("cp", [2, 4])
