@@ -280,7 +280,7 @@ def check_context_parallel(cfg: TrainConfig) -> None:
             f"data.max_seq_len={cfg.data.max_seq_len} must be divisible by 2*parallel.cp={2 * cp}: each row is cut "
             "into 2*cp equal chunks, cp rank r holding chunks r and 2*cp-1-r (the causal load balance)"
         )
-    m, attention = cfg.model, cfg.toggles.attention
+    m = cfg.model
     kv_heads = m.n_kv_heads // p.tp
     if p.cp_method == "alltoall" and kv_heads % cp:
         raise ConfigError(
@@ -295,12 +295,6 @@ def check_context_parallel(cfg: TrainConfig) -> None:
             m.moe.num_experts,
             m.moe.num_experts > 0,
             "the MoE's auxiliary losses and expert parallelism count tokens per dp rank, not per cp chunk",
-        ),
-        (
-            "toggles.attention",
-            attention,
-            attention == "flash",
-            "the varlen kernel is not wired to cp chunks (toggles.attention=sdpa runs masked SDPA)",
         ),
     )
     for key, value, on, why in refused:

@@ -251,7 +251,7 @@ class LLMTrainer(Trainer):
         packed = pack(dp_rank=self.dp_rank)
         rows = max(pack(dp_rank=r).num_rows for r in range(self.dims.dp)) if self.dims.pp > 1 else packed.num_rows
         cp = (
-            ContextShard.of(packed, self.dims.cp, self.cp_rank, self.cfg.parallel.cp_method)
+            ContextShard.of(packed, self.dims.cp, self.cp_rank, self.cfg.parallel.cp_method, self.cfg.toggles.attention)
             if self.dims.cp > 1
             else None
         )

@@ -1,7 +1,7 @@
 """Context parallelism (parallel.cp=2) on packed documents, against one process: the attention of random documents
-under cp_method=allgather and alltoall (outputs and gradients, fp32) equals SDPA with the whole row's document + causal
-mask, and
-llm_tiny's per-step losses equal the single-process run's."""
+under cp_method=allgather and alltoall (outputs and gradients, fp32), with masked SDPA and with the varlen kernel's
+segments (toggles.attention=flash, a CPU stand-in for the CUDA-only kernel: tests/unit/test_llm_cp_varlen.py), equals
+SDPA with the whole row's document + causal mask, and llm_tiny's per-step losses equal the single-process run's."""
 
 from __future__ import annotations
 
@@ -35,24 +35,33 @@ def _random_batch():
 
 
 def _cp_attention(method: str) -> dict:
-    """On each cp rank: its queries' attention under `method` (keys/values gathered, or heads exchanged), and the
-    gradients of its slices of q, k, v (from the same upstream gradient as the reference)."""
+    """On each cp rank, per attention kernel (sdpa; flash with the CPU stand-in): its queries' attention under `method`
+    (keys/values gathered, or heads exchanged), and the gradients of its slices of q, k, v (from the same upstream
+    gradient as the reference)."""
     import torch.distributed as tdist
 
+    from common import varlen
     from recipes.llm.context_parallel import ContextShard, chunk_positions
     from recipes.llm.model import attend
+    from tests.unit.test_llm_cp_varlen import bottom_right_varlen_attn
 
+    varlen._kernel = lambda: (bottom_right_varlen_attn, True)  # this rank's process only
     packed, qkv, upstream = _random_batch()
     rank = tdist.get_rank()
     idx = chunk_positions(ROW_LEN, CP, rank)
-    shard = ContextShard.of(packed, CP, rank, method)
-    mine = {name: t[:, idx].clone().requires_grad_() for name, t in qkv.items()}
-    out = attend(
-        mine["q"], mine["k"], mine["v"], shard.model_inputs(tdist.group.WORLD, torch.device("cpu"))["attn_mask"]
-    )
-    (out * upstream[:, idx]).sum().backward()
-    result = {"idx": idx.tolist(), "out": out.detach().tolist()}
-    return result | {f"grad_{name}": t.grad.tolist() for name, t in mine.items()}
+    result = {"idx": idx.tolist()}
+    for attention in ATTENTION:
+        shard = ContextShard.of(packed, CP, rank, method, attention)
+        mine = {name: t[:, idx].clone().requires_grad_() for name, t in qkv.items()}
+        out = attend(
+            mine["q"], mine["k"], mine["v"], shard.model_inputs(tdist.group.WORLD, torch.device("cpu"))["attn_mask"]
+        )
+        (out * upstream[:, idx]).sum().backward()
+        result[attention] = {"out": out.detach().tolist()} | {f"grad_{n}": t.grad.tolist() for n, t in mine.items()}
+    return result
+
+
+ATTENTION = ("sdpa", "flash")
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -63,20 +72,22 @@ def test_cp_attention_matches_unsplit_masked_attention(tmp_path, method):
     ref = {name: t.clone().requires_grad_() for name, t in qkv.items()}
     expected = attend(ref["q"], ref["k"], ref["v"], packed.attention_mask_4d())
     (expected * upstream).sum().backward()
-
-    got = {
-        key: torch.zeros_like(qkv["q"] if key in ("out", "grad_q") else qkv["k"])
-        for key in ("out", "grad_q", "grad_k", "grad_v")
-    }
-    for rank in spawn_ranks(_cp_attention, (method,), CP, tmp_path):
-        idx = torch.tensor(rank["idx"])
-        for key in got:  # back into row order
-            got[key][:, idx] = torch.tensor(rank[key])
     reference = {"out": expected.detach(), "grad_q": ref["q"].grad, "grad_k": ref["k"].grad, "grad_v": ref["v"].grad}
-    for key, want in reference.items():
-        err = (got[key] - want).abs().max().item()
-        print(f"cp={CP} {method} {key}: max |cp - unsplit| = {err:.1e} (max |unsplit| {want.abs().max().item():.1e})")
-        assert want.abs().max() > 0 and err <= 1e-5, key
+
+    ranks = spawn_ranks(_cp_attention, (method,), CP, tmp_path)
+    for attention in ATTENTION:
+        got = {key: torch.zeros_like(want) for key, want in reference.items()}
+        for rank in ranks:
+            idx = torch.tensor(rank["idx"])
+            for key in got:  # back into row order
+                got[key][:, idx] = torch.tensor(rank[attention][key])
+        for key, want in reference.items():
+            err = (got[key] - want).abs().max().item()
+            print(
+                f"cp={CP} {method} {attention} {key}: max |cp - unsplit| = {err:.1e} "
+                f"(max |unsplit| {want.abs().max().item():.1e})"
+            )
+            assert want.abs().max() > 0 and err <= 1e-5, (attention, key)
 
 
 def test_a_document_never_sees_another_or_a_later_token():
