@@ -405,11 +405,32 @@ def recipes(check: Check) -> dict:
     return results
 
 
+def llava_digits(folder: Path, n: int) -> Path:
+    """A LLaVA-format instruct JSON over scikit-learn's digits saved as PNGs of several sizes and aspect ratios
+    (28x28 to 112x56): native resolution gives them different numbers of image tokens."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    words = "zero one two three four five six seven eight nine".split()
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    records = []
+    for i in range(n):
+        name, label = f"digit_{i:04d}.png", int(digits.target[i])
+        size = ((28, 28), (56, 28), (28, 56), (112, 56), (56, 112))[i % 5]
+        pixels = (digits.images[i] * 255 / 16).astype(np.uint8)
+        Image.fromarray(pixels).convert("RGB").resize(size).save(folder / "images" / name)
+        turns = [("human", "<image>\nWhat digit is this?"), ("gpt", f"{words[label].capitalize()}.")]
+        records.append({"id": f"d{i}", "image": name, "conversations": [{"from": f, "value": v} for f, v in turns]})
+    (folder / "llava.json").write_text(json.dumps(records))
+    return folder
+
+
 def newest(check: Check, steps: int) -> dict:
     """t2i_tiny (SD3) and the VLM on Qwen2.5-VL, trained on CUDA in bf16 from tiny random folders built here."""
     from common.tools.fixtures import make_qwen2_5_vl, make_sd3_pipeline
     from data import prepare_llava
-    from tests.fixtures import vlm as vlm_fixtures
 
     world = check.out / "newest"
     common = ["toggles.precision=bf16", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.eval=false"]
@@ -419,12 +440,12 @@ def newest(check: Check, steps: int) -> dict:
         return ["recipe=t2i_tiny", f"model.init_from={make_sd3_pipeline(world / 'tiny-sd3')}", *common]
 
     def qwen() -> list[str]:
-        raw = vlm_fixtures.write_llava_data(world / "raw", n_pretrain=8, n_instruct=256)
         shards = world / "instruct"
         if not shards.exists():
+            raw = llava_digits(world / "raw", n=256)
             prepare_llava.build_llava(
                 shards,
-                json_path=raw / "llava_instruct.json",
+                json_path=raw / "llava.json",
                 images=raw / "images",
                 train_shards=2,
                 val_shards=1,
