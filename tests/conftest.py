@@ -121,6 +121,7 @@ def load_script(name: str):
     """scripts/NAME.py as a module, to call its main(argv) in process."""
     spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (scripts/plan.py's Cluster) look their module up while it executes
     spec.loader.exec_module(module)
     return module
 
