@@ -126,6 +126,12 @@ class Block:
     # [attention output ; MLP activation] (Flux's single-stream block; Dehghani et al. 2023's parallel layers): one
     # norm, no output projection of the attention's own, the projection's input h + ffn wide.
     parallel: bool = False
+    # One qkv projection whose output q, k and v are views of (Qwen2.5-VL's vision blocks): v keeps the whole output
+    # alive, beside the new q and k that RoPE writes.
+    fused_qkv: bool = False
+    # Attention run image by image (window by window) and concatenated (transformers' SDPA / eager path of the
+    # Qwen2.5-VL tower; its varlen kernel writes one output): the projection keeps the concatenation, a second copy.
+    chunked_attention: bool = False
 
     @property
     def kv_fraction(self) -> float:
@@ -200,18 +206,24 @@ def _attention_saved(block: Block, s: int, b: int, e: int, kv_seq: int = 0) -> l
     rank's s = L/cp queries attend over the row's L gathered keys and values, which the kernel keeps)."""
     sbh, a, kv = s * b * block.hidden, block.heads, block.kv_fraction
     kv_seq = kv_seq or s
+    fused_qkv = [Saved("q, k projected (v keeps the fused output)", e * sbh * (1 + kv), True)]
+    fused_qkv = fused_qkv if block.fused_qkv else []
     if block.attention == "fused":
         # Flash/SDPA kernels keep q, k, v, their output and the fp32 logsumexp, never the scores; they
         # write the output as [b, s, a, d], so the reshape before the projection is a view of it.
         out = [
             Saved("q, k, v", e * sbh * (1 + 2 * kv * kv_seq / s), True),
+            *fused_qkv,
             Saved("attention output", e * sbh, True),
             Saved("logsumexp", 4 * a * s * b, True),
         ]
+        if block.chunked_attention:
+            out.append(Saved("attention outputs concatenated", e * sbh, True))
         if block.dense_mask:  # broadcast over heads: every TP rank converts and keeps the whole mask
             out.append(Saved("attention mask as bias", e * b * s * kv_seq, False, quadratic=True))
         return out
-    out = [Saved("q, k", e * sbh * (1 + kv), True), Saved("softmax output", e * a * s * s * b, True, quadratic=True)]
+    out = [Saved("q, k", e * sbh * (1 + kv), True), *fused_qkv]
+    out.append(Saved("softmax output", e * a * s * s * b, True, quadratic=True))
     if block.dropout:
         out += [
             Saved("softmax dropout mask", a * s * s * b, True, quadratic=True),
@@ -363,11 +375,17 @@ def microbatches_in_flight(schedule: str, pp: int, microbatches: int, rank: int)
 
 @dataclass(frozen=True)
 class LayerType:
-    """One kind of layer in a model's stack: its Block, how many, and the trainable parameters of one."""
+    """One kind of layer in a model's stack: its Block, how many, and the trainable parameters of one.
+
+    `seq` x `batch`: its own tokens per micro-batch where they are not the spec's rows (a VLM's vision tower over all
+    the micro-batch's patches: `seq` the span one attention covers, an image or a window, and `batch` how many such
+    spans; every term but eager attention's s^2 is linear in seq x batch). Such a layer is not split by cp."""
 
     block: Block
     layers: int
     params: int
+    seq: int = 0  # 0: the spec's seq and micro-batch rows
+    batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -403,6 +421,9 @@ class ModelSpec:
     # Bytes held whole on every GPU whatever the ZeRO stage, in "weights": frozen models beside the engine (a
     # text-to-image run's text encoders and VAE) and the trained model's buffers (ZeRO partitions parameters only).
     unsharded_bytes: float = 0
+    # Bytes kept for backward per micro-batch outside the layers and their AC (a VLM's projector over the image
+    # features), on the first pipeline stage.
+    outside_layers_bytes: float = 0
     note: str = ""  # what the estimate holds and leaves out, printed under it (run.dry_run, scripts/plan.py)
     # Further layer types after `block` x `layers` (Flux's single-stream blocks after its dual-stream ones), each with
     # its own activations and parameters. Not split over pipeline stages (the planner offers pp = 1 with them).
@@ -475,13 +496,16 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     microbatches = spec.pp_microbatches or p
     rows = math.ceil(spec.micro_batch / microbatches) if p > 1 else spec.micro_batch
     shape = dict(seq=spec.seq, batch=rows, act_bytes=e)
-    per_microbatch = sum(
-        n * layer_activation_bytes(t.block, tp=tp, recompute=layout.ac, cp=cp, **shape) for t, n in types
-    )
+
+    def own(t: LayerType) -> dict:  # a layer type's tokens and cp split: its own, or the rows split over cp
+        return dict(seq=t.seq, batch=t.batch, act_bytes=e, cp=1) if t.seq else dict(shape, cp=cp)
+
+    per_microbatch = sum(n * layer_activation_bytes(t.block, tp=tp, recompute=layout.ac, **own(t)) for t, n in types)
+    per_microbatch += first * spec.outside_layers_bytes
     # Under AC, the largest layer recomputed in backward; under cp, the largest layer's all-gather.
-    recomputed = [layer_activation_bytes(t.block, tp=tp, cp=cp, **shape) for t, _ in types]
+    recomputed = [layer_activation_bytes(t.block, tp=tp, **own(t)) for t, _ in types]
     transient = max(recomputed) if layout.ac != "none" else 0.0
-    transient += max(cp_gather_transient_bytes(t.block, tp=tp, cp=cp, **shape) for t, _ in types)
+    transient += max(cp_gather_transient_bytes(t.block, tp=tp, **own(t)) for t, _ in types)
     shape["seq"] = spec.seq // cp  # the head and the loss see this rank's tokens only
     if spec.experts:  # each token's top_k rows, permuted by expert: sent, received and combined back (one layer)
         transient = max(transient, 3 * spec.top_k * spec.seq * rows * spec.block.hidden * e)

@@ -13,50 +13,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.tools.fixtures import make_qwen2_5_vl
-from data import prepare_llava
 from tests.conftest import load_script, losses
 from tests.fixtures import vlm as fx
 
 pytestmark = pytest.mark.integration
 
-MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 16  # images of 4..16 merged tokens
+MIN_PIXELS, MAX_PIXELS = fx.QWEN_MIN_PIXELS, fx.QWEN_MAX_PIXELS  # images of 4..16 merged tokens
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, trained):
-    root = tmp_path_factory.mktemp("qwen_world")
-    raw = fx.write_llava_data(root / "raw", n_pretrain=8, n_instruct=48)
-    qwen = make_qwen2_5_vl(root / "qwen")
-    prepare_llava.build_llava(
-        root / "instruct",
-        json_path=raw / "llava_instruct.json",
-        images=raw / "images",
-        train_shards=2,
-        val_shards=1,
-        val_fraction=0.05,
-    )
-    run_dir = trained(
-        [
-            "recipe=vlm_tiny",
-            "data=llava",
-            f"data.root={root / 'instruct'}",
-            f"model.init_from={qwen}",
-            f"data.min_pixels={MIN_PIXELS}",
-            f"data.max_pixels={MAX_PIXELS}",
-            "data.num_workers=0",
-            "data.max_seq_len=256",
-            "trainer.micro_batch_size=8",
-            "trainer.max_steps=3",
-            "trainer.log_every=1",
-            "trainer.progress_bar=false",
-            "optim.lr=2e-3",
-            "optim.warmup_steps=1",
-            "vlm.eval_samples=2",
-            "vlm.max_new_tokens=4",
-        ]
-    )
-    return run_dir, qwen
+def run(qwen_world, trained):
+    # The cached run test_vlm_qwen_zero3 takes as its 1-rank ZeRO-0 reference.
+    return trained(fx.qwen_run_args(qwen_world)), qwen_world["qwen"]
 
 
 def test_qwen_trains_at_native_resolution_and_the_loss_falls(run):
