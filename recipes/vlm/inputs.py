@@ -155,7 +155,7 @@ class QwenInputs:
         return batch["batch"].packed.num_labels
 
     def tally(self, batch: dict) -> dict[str, int]:
-        return {
+        counts = {
             "samples": batch["samples"],
             "tokens": batch["real_tokens"],
             "slots": batch["slots"],
@@ -163,6 +163,9 @@ class QwenInputs:
             "truncated_samples": batch["truncated"],
             "skipped_samples": batch["skipped"],  # image and video tokens alone over data.max_seq_len
         }
+        if self.blank_video is not None:  # the data has videos: the samples that carried one
+            counts["video_samples"] = batch["videos"]
+        return counts
 
     # ---- held-out conversations ----
     def encode_eval(self, sample: dict, max_seq_len: int) -> dict:

@@ -463,5 +463,6 @@ def collate_qwen(
     return {
         "batch": batch,
         **batch_counts(real, batch.packed, _num_visuals),
+        "videos": sum(bool(_num_videos(s)) for s in real),
         "skipped": len(samples) - len(real),
     }

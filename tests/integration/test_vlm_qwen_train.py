@@ -1,8 +1,9 @@
 """Qwen2.5-VL trained by the VLM recipe, end to end on CPU: a tiny random release folder (make_qwen2_5_vl) fine-tuned
-on LLaVA-format data at native resolution (data.min_pixels / data.max_pixels), packed, in one process. The loss
-falls; the export is a folder transformers loads as Qwen2_5_VLForConditionalGeneration whose logits are the trained
-model's (the run's last DeepSpeed checkpoint, loaded into the release's model by transformers, not by Kiln); the
-frozen vision tower is the release's bit for bit."""
+on LLaVA-format data at native resolution (data.min_pixels / data.max_pixels), with videos (MP4 files and frame
+files, sampled at data.video_fps), packed, in one process. The loss falls; the export is a folder transformers
+loads as Qwen2_5_VLForConditionalGeneration whose logits are the trained model's (the run's last DeepSpeed
+checkpoint, loaded into the release's model by transformers, not by Kiln); the frozen vision tower is the release's
+bit for bit."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 16  # images of 4..16 merged tok
 def run(tmp_path_factory, trained):
     root = tmp_path_factory.mktemp("qwen_world")
     raw = fx.write_llava_data(root / "raw", n_pretrain=8, n_instruct=48)
+    fx.add_video_records(raw, "llava_instruct.json", 8)
     qwen = make_qwen2_5_vl(root / "qwen")
     prepare_llava.build_llava(
         root / "instruct",
@@ -44,6 +46,7 @@ def run(tmp_path_factory, trained):
             f"model.init_from={qwen}",
             f"data.min_pixels={MIN_PIXELS}",
             f"data.max_pixels={MAX_PIXELS}",
+            "data.video_fps=4",  # the 6-frame clips at 4 fps: all 6 frames, 3 temporal patches
             "data.num_workers=0",
             "data.max_seq_len=256",
             "trainer.micro_batch_size=8",
@@ -66,6 +69,8 @@ def test_qwen_trains_at_native_resolution_and_the_loss_falls(run):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["skipped_samples"] == 0 for r in records)  # the images fit data.max_seq_len
     assert sum(r["text_only_samples"] for r in records) > 0  # text-only conversations trained beside the images
+    assert sum(r["video_samples"] for r in records) > 0  # and videos (their frames decoded in the loader)
+    assert not any(r.get("corrupt_shards") for r in records)
     assert json.loads((run_dir / "eval.json").read_text())["val_tokens"] > 0
 
 
