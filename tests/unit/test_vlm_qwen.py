@@ -398,6 +398,60 @@ def test_raw_video_samples_decode_and_every_batch_gets_a_video(qwen):
     assert out["batch"].video_grid_thw.tolist() == [[2, 4, 6]] and out["text_only"] == 1  # no blank video added
 
 
+def test_held_out_video_conversations_evaluate_and_generate(qwen, tmp_path):
+    """The held-out evaluation on a shard with a video conversation and an image one: the loss covers both answers,
+    and the answer generated for the video's prompt is transformers' greedy generate with the prompt's video
+    (its patches, grid and second_per_grid_ts) as the processor would hand it over."""
+    import webdataset as wds
+
+    from common.tools.fixtures import encode_video
+    from recipes.vlm.evaluate import conversation_eval
+    from recipes.vlm.inputs import QwenInputs
+    from recipes.vlm.qwen import QwenProcessing
+
+    tok, ip = qwen.tokenizer, qwen.image_processor
+    clip = frames(25, 56, 84, 7)
+    raw = [
+        {
+            "__key__": "v",
+            "json": json.dumps(
+                {"id": "v", "messages": video_conversation(), "num_images": 0, "video": {"container": "mp4"}}
+            ),
+            "video": encode_video(clip, 10),
+        },
+        {**llava_sample("i", conversation(1), [image(56, 84, 1)]), "__key__": "i"},
+    ]
+    with wds.TarWriter(str(tmp_path / "val.tar")) as sink:
+        for sample in raw:
+            sink.write(sample)
+    meta = {"format": "llava-conversations", "videos": 1}
+    inputs = QwenInputs(QwenProcessing(tok, ip), qwen.model, types.SimpleNamespace(label="qwen"), meta)
+    out = conversation_eval(
+        qwen.model, inputs, [str(tmp_path / "val.tar")], limit=2, max_seq_len=512, max_new_tokens=4, device="cpu"
+    )
+    encoded = [encode_llava_qwen(s, tok, ip) for s in raw]
+    assert out["num_samples"] == 2 and out["val_tokens"] == sum(
+        int((e["labels"][1:] != IGNORE_INDEX).sum()) for e in encoded
+    )
+    video = encoded[0]
+    first = int((video["labels"] != IGNORE_INDEX).nonzero()[0])
+    prompt = video["input_ids"][:first][None]
+    with torch.no_grad():
+        want = qwen.model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            pixel_values_videos=video["pixel_values_videos"],
+            video_grid_thw=video["video_grid_thw"],
+            second_per_grid_ts=video["second_per_grid_ts"],
+            mm_token_type_ids=modality_types(prompt, qwen.image_pad, qwen.video_pad),
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+    assert out["examples"][0]["key"] == "v"
+    assert out["examples"][0]["answer"] == tok.decode(want[0, prompt.shape[1] :], skip_special_tokens=True).strip()
+
+
 @pytest.mark.parametrize("stage", ["align", "finetune"])
 def test_stages_freeze_qwen_parts(qwen, stage):
     """LLaVA's stages on Qwen2.5-VL's parts: align trains the merger alone, finetune the merger and the language
