@@ -513,6 +513,7 @@ def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(q
     qwen2_5_vl), vlm.stage=align (the merger alone) composes, and the pixel budget keys compose; an inverted budget,
     a budget for a LLaVA and a chosen model.vision=qwen2_5_vl stop at composition, one line."""
     from common.launch import compose
+    from recipes.vlm.inputs import LlavaInputs
 
     folder, c = str(qwen.folder), qwen.model.config
     cfg = compose(
@@ -545,11 +546,27 @@ def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(q
         ("model.vision=qwen2_5_vl",): (
             "model.vision=qwen2_5_vl is read from model.init_from=<a Qwen2.5-VL folder>, not chosen"
         ),
+        ("data.video_fps=1",): (
+            "data.video_fps / data.max_frames sample the videos of a native-resolution model "
+            "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA takes images only"
+        ),
+        (f"model.init_from={folder}", "data.video_fps=0"): (
+            "data.video_fps=0.0 must be above 0 (frames sampled per second of video)"
+        ),
+        (f"model.init_from={folder}", "data.max_frames=1"): (
+            "data.max_frames=1 is below one temporal patch (2 frames) of the tower"
+        ),
     }
     for overrides, message in bad.items():
         with pytest.raises(ConfigError) as err:
             compose(["recipe=vlm_tiny", "data=llava", *overrides])
         assert str(err.value) == message, overrides
+    video = compose(
+        ["recipe=vlm_tiny", "data=llava", f"model.init_from={folder}", "data.video_fps=1", "data.max_frames=64"]
+    )
+    assert (video.data.video_fps, video.data.max_frames) == (1.0, 64)
+    with pytest.raises(ConfigError, match=r"^the dataset has 3 sample\(s\) with a video; a LLaVA takes images only"):
+        LlavaInputs(None, None, None, {"format": "llava-conversations", "videos": 3})
 
 
 def test_lora_export_is_a_peft_adapter_over_the_release(qwen, tmp_path):
