@@ -22,7 +22,7 @@ from pathlib import Path
 from common.config import TrainConfig
 from common.errors import ConfigError, DataError
 from common.weights import check_folder
-from recipes.vlm.schema import VLMModelConfig, check_pixel_budget
+from recipes.vlm.schema import MAX_FRAMES, VIDEO_FPS, VLMModelConfig, check_pixel_budget, check_video_sampling
 
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 
@@ -334,14 +334,23 @@ class QwenWeights:
     budget replaced by data.min_pixels / data.max_pixels where they are set (native resolution: recipes/vlm/qwen.py).
     """
 
-    def __init__(self, init_from: str, min_pixels: int = 0, max_pixels: int = 0):
+    def __init__(
+        self,
+        init_from: str,
+        min_pixels: int = 0,
+        max_pixels: int = 0,
+        video_fps: float = VIDEO_FPS,
+        max_frames: int = MAX_FRAMES,
+    ):
         self.init_from, self.min_pixels, self.max_pixels = init_from, min_pixels, max_pixels
+        self.video_fps, self.max_frames = video_fps, max_frames
         self.label = f"model.init_from={init_from}"
         self.folder = None
         self._processing = None
 
     def check(self) -> None:
         check_pixel_budget(self.min_pixels, self.max_pixels)
+        check_video_sampling(self.video_fps, self.max_frames)
         if released(self.init_from) is None:  # a RELEASED name is sized without its folder, refused when loading
             self.folder, _ = init_folder(self.init_from)
 
@@ -379,6 +388,8 @@ class QwenWeights:
                 self.config().image_token_id,
                 min_pixels=self.min_pixels,
                 max_pixels=self.max_pixels,
+                video_fps=self.video_fps,
+                max_frames=self.max_frames,
             )
         return self._processing
 
@@ -435,8 +446,14 @@ def weight_source(cfg: TrainConfig, meta: dict | None = None) -> WeightSource:
             "data.min_pixels / data.max_pixels are the pixel budget of a native-resolution model "
             "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA resizes every image to its tower's image size"
         )
+    video = getattr(d, "video_fps", VIDEO_FPS), getattr(d, "max_frames", MAX_FRAMES)
+    if model_type != QWEN and video != (VIDEO_FPS, MAX_FRAMES):
+        raise ConfigError(
+            "data.video_fps / data.max_frames sample the videos of a native-resolution model "
+            "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA takes images only"
+        )
     if model_type == QWEN:
-        source = QwenWeights(m.init_from, *budget)
+        source = QwenWeights(m.init_from, *budget, *video)
     elif m.init_from:
         source = LlavaWeights(m.init_from)
     elif v.vision_from:

@@ -1,8 +1,9 @@
 """Qwen2.5-VL trained by the VLM recipe, end to end on CPU: a tiny random release folder (make_qwen2_5_vl) fine-tuned
-on LLaVA-format data at native resolution (data.min_pixels / data.max_pixels), packed, in one process. The loss
-falls; the export is a folder transformers loads as Qwen2_5_VLForConditionalGeneration whose logits are the trained
-model's (the run's last DeepSpeed checkpoint, loaded into the release's model by transformers, not by Kiln); the
-frozen vision tower is the release's bit for bit."""
+on LLaVA-format data at native resolution (data.min_pixels / data.max_pixels), with videos (MP4 files and frame
+files, sampled at data.video_fps), packed, in one process. The loss falls; the export is a folder transformers
+loads as Qwen2_5_VLForConditionalGeneration whose logits are the trained model's (the run's last DeepSpeed
+checkpoint, loaded into the release's model by transformers, not by Kiln); the frozen vision tower is the release's
+bit for bit."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def test_qwen_trains_at_native_resolution_and_the_loss_falls(run):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["skipped_samples"] == 0 for r in records)  # the images fit data.max_seq_len
     assert sum(r["text_only_samples"] for r in records) > 0  # text-only conversations trained beside the images
+    assert sum(r["video_samples"] for r in records) > 0  # and videos (their frames decoded in the loader)
+    assert not any(r.get("corrupt_shards") for r in records)
     assert json.loads((run_dir / "eval.json").read_text())["val_tokens"] > 0
 
 
