@@ -223,6 +223,9 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         gather_unit_params=largest_module_params(model),
         vocab=t.vocab_size,
         precision=cfg.toggles.precision,
+        # parallel.cp: Ulysses over the language model, the logits gathered (recipes/vlm/context_parallel.py).
+        cp_method=cfg.parallel.cp_method,
+        cp_whole_loss=True,
     )
 
 

@@ -53,7 +53,22 @@ def _cp_attention(method: str) -> dict:
     )
     (out * upstream[:, idx]).sum().backward()
     result = {"idx": idx.tolist(), "out": out.detach().tolist()}
-    return result | {f"grad_{name}": t.grad.tolist() for name, t in mine.items()}
+    result |= {f"grad_{name}": t.grad.tolist() for name, t in mine.items()}
+    return result | {"memory": _exchange_memory(mine, shard)}
+
+
+def _exchange_memory(qkv: dict, shard) -> dict:
+    """Bytes of the storages one forward of the attention creates (common/tools/activations.py): the most alive at
+    once and those alive at its end (what the graph keeps for backward, and the output)."""
+    import torch.distributed as tdist
+
+    from common.tools.activations import peak_and_kept
+    from recipes.llm.model import attend
+
+    inputs = {name: t.detach().requires_grad_() for name, t in qkv.items()}
+    mask = shard.model_inputs(tdist.group.WORLD, torch.device("cpu"))["attn_mask"]
+    peak, kept, _ = peak_and_kept(lambda: attend(*inputs.values(), mask), [*inputs.values(), mask.mask])
+    return {"peak": peak, "kept": kept}
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -69,7 +84,8 @@ def test_cp_attention_matches_unsplit_masked_attention(tmp_path, method):
         key: torch.zeros_like(qkv["q"] if key in ("out", "grad_q") else qkv["k"])
         for key in ("out", "grad_q", "grad_k", "grad_v")
     }
-    for rank in spawn_ranks(_cp_attention, (method,), CP, tmp_path):
+    ranks = spawn_ranks(_cp_attention, (method,), CP, tmp_path)
+    for rank in ranks:
         idx = torch.tensor(rank["idx"])
         for key in got:  # back into row order
             got[key][:, idx] = torch.tensor(rank[key])
@@ -78,6 +94,24 @@ def test_cp_attention_matches_unsplit_masked_attention(tmp_path, method):
         err = (got[key] - want).abs().max().item()
         print(f"cp={CP} {method} {key}: max |cp - unsplit| = {err:.1e} (max |unsplit| {want.abs().max().item():.1e})")
         assert want.abs().max() > 0 and err <= 1e-5, key
+    if (
+        method == "alltoall"
+    ):  # the planner's Ulysses terms (common/memory.py) for this layer: what the forward allocates
+        from common.memory import Block, _attention_saved, cp_transient_bytes
+
+        # SDPA with K/V repeated per query head (Block's repeat_kv), the bool mask kept as a bias (dense_mask).
+        block = Block(HEADS * HEAD_DIM, HEADS, 0, KV_HEADS, dropout=False, attention="fused", dense_mask=True)
+        s, b = ROW_LEN // CP, packed.num_rows
+        transient = cp_transient_bytes(block, seq=ROW_LEN, batch=b, act_bytes=4, cp=CP, cp_method="alltoall")
+        mask_bool = b * ROW_LEN * ROW_LEN  # created before the attention (the shard's), not inside it
+        kept = sum(t.nbytes for t in _attention_saved(block, s, b, 4, mask_side=ROW_LEN)) + 4 * s * b * block.hidden
+        for rank in ranks:
+            print(
+                f"cp={CP} alltoall, one forward: measured {rank['memory']}; planner transient {transient:,.0f} B "
+                f"(less the {mask_bool} B bool mask, the shard's), kept {kept:,.0f} B"
+            )
+            assert rank["memory"]["peak"] - rank["memory"]["kept"] == transient - mask_bool
+            assert rank["memory"]["kept"] == kept
 
 
 def test_a_document_never_sees_another_or_a_later_token():
