@@ -232,6 +232,9 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         outside_layers_bytes=outside,
         note=note,
         more_layers=tuple(tower),
+        # parallel.cp: Ulysses over the language model, the logits gathered (recipes/vlm/context_parallel.py).
+        cp_method=cfg.parallel.cp_method,
+        cp_whole_loss=True,
     )
 
 
