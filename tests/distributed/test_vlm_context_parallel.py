@@ -1,8 +1,10 @@
 """parallel.cp for the VLM (recipes/vlm/context_parallel.py) on 2 gloo ranks, against the unsplit model: a tiny
 transformers LLaVA with its language model split over the cp ranks gives the unsplit forward's logits and loss on a
 packed batch with images (documents of different lengths in one row, images in two of them), and its weight
-gradients, summed over the cp ranks as DeepSpeed sums them, the unsplit ones. The training run is
-test_vlm_zero2.py's cp=2 run."""
+gradients, summed over the cp ranks as DeepSpeed sums them, the unsplit ones; under toggles.attention=sdpa (the rows'
+4D mask) and flash (the flattened row's cu_seqlens, through tests/fixtures/varlen.py's CPU stand-in for torch's
+CUDA-only kernel), each against the unsplit SDPA forward. The training runs are test_vlm_zero2.py's cp=2 (LLaVA) and
+test_vlm_qwen_cp.py's (Qwen2.5-VL)."""
 
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ def _tiny_llava():
     return build_model(config, "sdpa").float(), tower_image_tokens(config)
 
 
-def _packed_batch(image_tokens: int) -> dict:
-    """Two packed rows of 48 tokens: four documents (two with an image each) and padding tails."""
+def _packed_batch(image_tokens: int):
+    """Two packed rows of 48 tokens: four documents (two with an image each) and padding tails; their images."""
     from common.data.packing import pack_samples
 
     g = torch.Generator().manual_seed(3)
@@ -56,55 +58,66 @@ def _packed_batch(image_tokens: int) -> dict:
         samples.append({"input_ids": ids, "labels": labels})
         images.append([torch.randn(3, 16, 16, generator=g)] if has_image else [])
     packed = pack_samples(samples, 48, pad_id=0)
-    inputs = packed.model_inputs("sdpa")
-    inputs["pixel_values"] = torch.stack([image for i in packed.order for image in images[i]])
-    return inputs
+    return packed, torch.stack([image for i in packed.order for image in images[i]])
 
 
 def _on_each_rank() -> dict:
     import torch.distributed as tdist
 
+    from common import varlen
     from common.ulysses import UlyssesGroups
+    from recipes.vlm.attention import VARLEN_ATTENTION, register_varlen_attention
     from recipes.vlm.context_parallel import split_language_model
+    from tests.fixtures.varlen import cpu_kernel
 
+    varlen._kernel = cpu_kernel  # torch's varlen kernel is CUDA only: its CPU stand-in, in this rank's process
+    register_varlen_attention()
     groups = UlyssesGroups(1, CP, "cpu")
     reference, image_tokens = _tiny_llava()
-    split = copy.deepcopy(reference)
-    split_language_model(split, groups)
-    inputs = _packed_batch(image_tokens)
-    seen = []  # the tokens a decoder layer of the split model holds: 1/cp of each row
-    split.model.language_model.layers[0].register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[1]))
-    out = {}
-    for name, model in (("reference", reference), ("split", split)):
-        model.train()
-        out[name] = model(**inputs, use_cache=False)
-        out[name].loss.backward()
+    packed, pixel_values = _packed_batch(image_tokens)
+    reference.train()
+    want = reference(**packed.model_inputs("sdpa"), pixel_values=pixel_values, use_cache=False)
+    want.loss.backward()
     scale = max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None)
-    worst = 0.0
-    for p, mine in zip(reference.parameters(), split.parameters(), strict=True):
-        if p.grad is None:  # the tower's parts LLaVA's features never reach
-            assert mine.grad is None
-            continue
-        grad = mine.grad.clone()
-        tdist.all_reduce(grad, group=groups.cp_group)  # DeepSpeed's sum over cp
-        worst = max(worst, (grad - p.grad).abs().max().item() / scale)
-    logits = out["reference"].logits
-    return {
-        "rows": list(inputs["input_ids"].shape),
-        "layer_tokens": seen,
-        "logits_err": (out["split"].logits - logits).abs().max().item(),
-        "logits_max": logits.abs().max().item(),
-        "loss_err": abs(out["split"].loss.item() - out["reference"].loss.item()),
-        "grad_rel_err": worst,
-    }
+    result = {"rows": list(packed.input_ids.shape), "logits_max": want.logits.abs().max().item()}
+    for attention in ("sdpa", "flash"):
+        split = copy.deepcopy(reference)
+        split.zero_grad()
+        if attention == "flash":  # the whole batch as one flattened row, with its cu_seqlens
+            split.set_attn_implementation({"text_config": VARLEN_ATTENTION})
+        split_language_model(split, groups)
+        seen = []  # the tokens a decoder layer of the split model holds: 1/cp of each row
+        split.model.language_model.layers[0].register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape))
+        got = split(**packed.model_inputs(attention), pixel_values=pixel_values, use_cache=False)
+        got.loss.backward()
+        worst = 0.0
+        for p, mine in zip(reference.parameters(), split.parameters(), strict=True):
+            if p.grad is None:  # the tower's parts LLaVA's features never reach
+                assert mine.grad is None
+                continue
+            grad = mine.grad.clone()
+            tdist.all_reduce(grad, group=groups.cp_group)  # DeepSpeed's sum over cp
+            worst = max(worst, (grad - p.grad).abs().max().item() / scale)
+        result[attention] = {
+            "layer_tokens": [list(shape[:2]) for shape in seen],
+            "logits_err": (got.logits.view_as(want.logits) - want.logits).abs().max().item(),
+            "loss_err": abs(got.loss.item() - want.loss.item()),
+            "grad_rel_err": worst,
+        }
+    return result
 
 
 def test_split_llava_equals_the_unsplit_forward_and_gradients(tmp_path):
     for r in spawn_ranks(_on_each_rank, (), CP, tmp_path):
-        print(
-            f"LLaVA cp={CP} vs unsplit on packed rows {r['rows']}: logits max |diff| {r['logits_err']:.1e} (of "
-            f"{r['logits_max']:.1e}), loss |diff| {r['loss_err']:.1e}, weight gradients max |diff| / max |grad| "
-            f"{r['grad_rel_err']:.1e}"
-        )
-        assert r["layer_tokens"] == [r["rows"][1] // CP]
-        assert r["logits_err"] <= 1e-5 and r["loss_err"] <= 1e-6 and r["grad_rel_err"] <= 1e-5, r
+        rows, length = r["rows"]
+        # sdpa: each of the rows split; flash: the one flattened row (rows x length tokens) split
+        tokens = {"sdpa": [rows, length // CP], "flash": [1, rows * length // CP]}
+        for attention, layer_tokens in tokens.items():
+            e = r[attention]
+            print(
+                f"LLaVA cp={CP} {attention} vs unsplit sdpa on packed rows {r['rows']}: logits max |diff| "
+                f"{e['logits_err']:.1e} (of {r['logits_max']:.1e}), loss |diff| {e['loss_err']:.1e}, weight "
+                f"gradients max |diff| / max |grad| {e['grad_rel_err']:.1e}"
+            )
+            assert e["layer_tokens"] == [layer_tokens]
+            assert e["logits_err"] <= 1e-5 and e["loss_err"] <= 1e-6 and e["grad_rel_err"] <= 1e-5, e
