@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from common.tools.launcher import spawn_ranks
+from recipes.vlm.context_parallel import ULYSSES_PREFIX
 
 pytestmark = pytest.mark.distributed
 CP = 2
@@ -66,7 +67,7 @@ def _on_each_rank() -> dict:
 
     from common import varlen
     from common.ulysses import UlyssesGroups
-    from recipes.vlm.attention import VARLEN_ATTENTION, register_varlen_attention
+    from recipes.vlm.attention import VARLEN_ATTENTION, eval_attention, register_varlen_attention
     from recipes.vlm.context_parallel import split_language_model
     from tests.fixtures.varlen import cpu_kernel
 
@@ -98,7 +99,10 @@ def _on_each_rank() -> dict:
             grad = mine.grad.clone()
             tdist.all_reduce(grad, group=groups.cp_group)  # DeepSpeed's sum over cp
             worst = max(worst, (grad - p.grad).abs().max().item() / scale)
+        with eval_attention(split, attention):  # generation's kernel, then training's: the wrapped one again
+            pass
         result[attention] = {
+            "after_eval": split.config.text_config._attn_implementation,
             "layer_tokens": [list(shape[:2]) for shape in seen],
             "logits_err": (got.logits.view_as(want.logits) - want.logits).abs().max().item(),
             "loss_err": abs(got.loss.item() - want.loss.item()),
@@ -119,5 +123,5 @@ def test_split_llava_equals_the_unsplit_forward_and_gradients(tmp_path):
                 f"{e['logits_err']:.1e} (of {r['logits_max']:.1e}), loss |diff| {e['loss_err']:.1e}, weight "
                 f"gradients max |diff| / max |grad| {e['grad_rel_err']:.1e}"
             )
-            assert e["layer_tokens"] == [layer_tokens]
+            assert e["layer_tokens"] == [layer_tokens] and e["after_eval"].startswith(ULYSSES_PREFIX)
             assert e["logits_err"] <= 1e-5 and e["loss_err"] <= 1e-6 and e["grad_rel_err"] <= 1e-5, e
