@@ -1,10 +1,11 @@
 """parallel.cp for the VLM (recipes/vlm/context_parallel.py) on 2 gloo ranks, against the unsplit model: a tiny
-transformers LLaVA with its language model split over the cp ranks gives the unsplit forward's logits and loss on a
-packed batch with images (documents of different lengths in one row, images in two of them), and its weight
-gradients, summed over the cp ranks as DeepSpeed sums them, the unsplit ones; under toggles.attention=sdpa (the rows'
-4D mask) and flash (the flattened row's cu_seqlens, through tests/fixtures/varlen.py's CPU stand-in for torch's
-CUDA-only kernel), each against the unsplit SDPA forward. The training runs are test_vlm_zero2.py's cp=2 (LLaVA) and
-test_vlm_qwen_cp.py's (Qwen2.5-VL)."""
+transformers LLaVA and a tiny Qwen2.5-VL (mRoPE positions [3, R, L], split with the tokens) with their language
+model split over the cp ranks give the unsplit forward's logits and loss on a packed batch with images (documents of
+different lengths in one row, images in two of them), and their weight gradients, summed over the cp ranks as
+DeepSpeed sums them, the unsplit ones; under toggles.attention=sdpa (the rows' 4D mask) and flash (the flattened
+row's cu_seqlens, through tests/fixtures/varlen.py's CPU stand-in for torch's CUDA-only kernel), each against the
+unsplit SDPA forward. The training runs are test_vlm_zero2.py's cp=2 (LLaVA) and test_vlm_qwen_cp.py's (Qwen2.5-VL).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from recipes.vlm.context_parallel import ULYSSES_PREFIX
 pytestmark = pytest.mark.distributed
 CP = 2
 VOCAB = 64
+QWEN_IMAGE = VOCAB - 1  # its image pad; the video pad, vision start and end below it
 
 
 def _tiny_llava():
@@ -45,42 +47,93 @@ def _tiny_llava():
     return build_model(config, "sdpa").float(), tower_image_tokens(config)
 
 
-def _packed_batch(image_tokens: int):
-    """Two packed rows of 48 tokens: four documents (two with an image each) and padding tails; their images."""
-    from common.data.packing import pack_samples
+def _tiny_qwen():
+    """A tiny transformers Qwen2.5-VL (a 1-block tower with its 2x2 merger; a 2-layer Qwen2 language model with
+    mRoPE over 4 heads and 2 key/value heads), fp32."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},  # 16 / 2
+            pad_token_id=0,
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0]
+        ),
+        image_token_id=QWEN_IMAGE,
+        video_token_id=QWEN_IMAGE - 1,
+        vision_start_token_id=QWEN_IMAGE - 2,
+        vision_end_token_id=QWEN_IMAGE - 3,
+    )
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(config).float()
+
+
+def _documents(image: torch.Tensor, make_image):
+    """Four documents (two with an image: prompt `image` before their text, -100 labels) and their images."""
     g = torch.Generator().manual_seed(3)
     samples, images = [], []
     for n, has_image in ((30, True), (14, False), (25, True), (9, False)):
-        text = torch.randint(3, VOCAB - 1, (n,), generator=g)
-        prompt = torch.tensor([1] + [VOCAB - 1] * image_tokens) if has_image else torch.tensor([1])
+        text = torch.randint(3, VOCAB - 4, (n,), generator=g)
+        prompt = torch.cat([torch.tensor([1]), image]) if has_image else torch.tensor([1])
         ids = torch.cat([prompt, text])
-        labels = torch.cat([torch.full_like(prompt, -100), text])
-        samples.append({"input_ids": ids, "labels": labels})
-        images.append([torch.randn(3, 16, 16, generator=g)] if has_image else [])
+        samples.append({"input_ids": ids, "labels": torch.cat([torch.full_like(prompt, -100), text])})
+        images.append(make_image(g) if has_image else None)
+    return samples, images
+
+
+def _llava_batch(image_tokens: int):
+    """The documents packed into rows of 48 tokens (padding tails), and the model's inputs per attention kernel."""
+    from common.data.packing import pack_samples
+
+    samples, images = _documents(torch.full((image_tokens,), VOCAB - 1), lambda g: torch.randn(3, 16, 16, generator=g))
     packed = pack_samples(samples, 48, pad_id=0)
-    return packed, torch.stack([image for i in packed.order for image in images[i]])
+    pixel_values = torch.stack([images[i] for i in packed.order if images[i] is not None])
+    return packed.input_ids.shape, lambda attention: packed.model_inputs(attention) | {"pixel_values": pixel_values}
 
 
-def _on_each_rank() -> dict:
+def _qwen_batch(model):
+    """The same documents for the Qwen2.5-VL (an image of 4x4 patches: 4 tokens, between its vision start and end),
+    packed by recipes/vlm/qwen.py with each document's mRoPE positions from transformers' get_rope_index."""
+    from recipes.vlm.qwen import pack_qwen, rope_index_for
+
+    c = model.config
+    image = torch.tensor([c.vision_start_token_id, *[c.image_token_id] * 4, c.vision_end_token_id])
+    samples, images = _documents(image, lambda g: torch.randn(16, 3 * 2 * 14 * 14, generator=g))
+    for sample, pixels in zip(samples, images, strict=True):
+        if pixels is not None:
+            sample |= {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    batch = pack_qwen(
+        samples,
+        rope_index_for(c),
+        max_seq_len=48,
+        pad_id=0,
+        image_pad_id=c.image_token_id,
+        video_pad_id=c.video_token_id,
+    )
+    return batch.packed.input_ids.shape, batch.model_inputs
+
+
+def _against_the_unsplit(reference, shape, inputs, groups) -> dict:
+    """`reference` (unsplit, SDPA with the rows' 4D mask) against copies of it with the language model split over the
+    cp ranks, under sdpa and flash: logits, loss, weight gradients (summed over cp as DeepSpeed sums them)."""
     import torch.distributed as tdist
 
-    from common import varlen
-    from common.ulysses import UlyssesGroups
-    from recipes.vlm.attention import VARLEN_ATTENTION, eval_attention, register_varlen_attention
+    from recipes.vlm.attention import VARLEN_ATTENTION, eval_attention
     from recipes.vlm.context_parallel import split_language_model
-    from tests.fixtures.varlen import cpu_kernel
 
-    varlen._kernel = cpu_kernel  # torch's varlen kernel is CUDA only: its CPU stand-in, in this rank's process
-    register_varlen_attention()
-    groups = UlyssesGroups(1, CP, "cpu")
-    reference, image_tokens = _tiny_llava()
-    packed, pixel_values = _packed_batch(image_tokens)
     reference.train()
-    want = reference(**packed.model_inputs("sdpa"), pixel_values=pixel_values, use_cache=False)
+    want = reference(**inputs("sdpa"), use_cache=False)
     want.loss.backward()
     scale = max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None)
-    result = {"rows": list(packed.input_ids.shape), "logits_max": want.logits.abs().max().item()}
+    result = {"rows": list(shape), "logits_max": want.logits.abs().max().item()}
     for attention in ("sdpa", "flash"):
         split = copy.deepcopy(reference)
         split.zero_grad()
@@ -89,7 +142,7 @@ def _on_each_rank() -> dict:
         split_language_model(split, groups)
         seen = []  # the tokens a decoder layer of the split model holds: 1/cp of each row
         split.model.language_model.layers[0].register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape))
-        got = split(**packed.model_inputs(attention), pixel_values=pixel_values, use_cache=False)
+        got = split(**inputs(attention), use_cache=False)
         got.loss.backward()
         worst = 0.0
         for p, mine in zip(reference.parameters(), split.parameters(), strict=True):
@@ -111,17 +164,35 @@ def _on_each_rank() -> dict:
     return result
 
 
-def test_split_llava_equals_the_unsplit_forward_and_gradients(tmp_path):
-    for r in spawn_ranks(_on_each_rank, (), CP, tmp_path):
-        rows, length = r["rows"]
-        # sdpa: each of the rows split; flash: the one flattened row (rows x length tokens) split
-        tokens = {"sdpa": [rows, length // CP], "flash": [1, rows * length // CP]}
-        for attention, layer_tokens in tokens.items():
-            e = r[attention]
-            print(
-                f"LLaVA cp={CP} {attention} vs unsplit sdpa on packed rows {r['rows']}: logits max |diff| "
-                f"{e['logits_err']:.1e} (of {r['logits_max']:.1e}), loss |diff| {e['loss_err']:.1e}, weight "
-                f"gradients max |diff| / max |grad| {e['grad_rel_err']:.1e}"
-            )
-            assert e["layer_tokens"] == [layer_tokens] and e["after_eval"].startswith(ULYSSES_PREFIX)
-            assert e["logits_err"] <= 1e-5 and e["loss_err"] <= 1e-6 and e["grad_rel_err"] <= 1e-5, e
+def _on_each_rank() -> dict:
+    from common import varlen
+    from common.ulysses import UlyssesGroups
+    from recipes.vlm.attention import register_varlen_attention
+    from tests.fixtures.varlen import cpu_kernel
+
+    varlen._kernel = cpu_kernel  # torch's varlen kernel is CUDA only: its CPU stand-in, in this rank's process
+    register_varlen_attention()
+    groups = UlyssesGroups(1, CP, "cpu")
+    llava, image_tokens = _tiny_llava()
+    qwen = _tiny_qwen()
+    return {
+        "LLaVA": _against_the_unsplit(llava, *_llava_batch(image_tokens), groups),
+        "Qwen2.5-VL": _against_the_unsplit(qwen, *_qwen_batch(qwen), groups),
+    }
+
+
+def test_split_language_models_equal_the_unsplit_forward_and_gradients(tmp_path):
+    for ranks in spawn_ranks(_on_each_rank, (), CP, tmp_path):
+        for model, r in ranks.items():
+            rows, length = r["rows"]
+            # sdpa: each of the rows split; flash: the one flattened row (rows x length tokens) split
+            tokens = {"sdpa": [rows, length // CP], "flash": [1, rows * length // CP]}
+            for attention, layer_tokens in tokens.items():
+                e = r[attention]
+                print(
+                    f"{model} cp={CP} {attention} vs unsplit sdpa on packed rows {r['rows']}: logits max |diff| "
+                    f"{e['logits_err']:.1e} (of {r['logits_max']:.1e}), loss |diff| {e['loss_err']:.1e}, weight "
+                    f"gradients max |diff| / max |grad| {e['grad_rel_err']:.1e}"
+                )
+                assert e["layer_tokens"] == [layer_tokens] and e["after_eval"].startswith(ULYSSES_PREFIX)
+                assert e["logits_err"] <= 1e-5 and e["loss_err"] <= 1e-6 and e["grad_rel_err"] <= 1e-5, e
