@@ -164,8 +164,8 @@ def check_context_parallel(cfg: TrainConfig) -> None:
             f"parallel.cp={cp} with data.packing=false: rows padded to their longest sample have lengths cp may not "
             "divide; use data.packing=true"
         )
-    if cfg.toggles.attention != "sdpa":
+    if cfg.toggles.attention == "eager":
         raise ConfigError(
-            f"toggles.attention={cfg.toggles.attention} with parallel.cp={cp}: the VLM's Ulysses attention wraps "
-            "the sdpa kernel (with the packed rows' 4D mask); use toggles.attention=sdpa"
+            f"toggles.attention=eager with parallel.cp={cp}: the VLM's Ulysses attention wraps a registered kernel "
+            "(sdpa with the packed rows' 4D mask, or flash with their cu_seqlens); use toggles.attention=sdpa or flash"
         )

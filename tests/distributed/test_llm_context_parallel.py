@@ -1,6 +1,6 @@
 """Context parallelism (parallel.cp=2) on packed documents, against one process: the attention of random documents
 under cp_method=allgather and alltoall (outputs and gradients, fp32), with masked SDPA and with the varlen kernel's
-segments (toggles.attention=flash, a CPU stand-in for the CUDA-only kernel: tests/unit/test_llm_cp_varlen.py), equals
+segments (toggles.attention=flash, a CPU stand-in for the CUDA-only kernel: tests/fixtures/varlen.py), equals
 SDPA with the whole row's document + causal mask, and llm_tiny's per-step losses equal the single-process run's. The
 compositions on 4 ranks: the logits of a packed batch under cp=2 x tp=2 (both methods, one launch) equal one
 process's, and the losses under cp=2 x dp=2 equal its."""
@@ -45,9 +45,9 @@ def _cp_attention(method: str) -> dict:
     from common import varlen
     from recipes.llm.context_parallel import ContextShard, chunk_positions
     from recipes.llm.model import attend
-    from tests.unit.test_llm_cp_varlen import bottom_right_varlen_attn
+    from tests.fixtures.varlen import cpu_kernel
 
-    varlen._kernel = lambda: (bottom_right_varlen_attn, True)  # this rank's process only
+    varlen._kernel = cpu_kernel  # this rank's process only
     packed, qkv, upstream = _random_batch()
     rank = tdist.get_rank()
     idx = chunk_positions(ROW_LEN, CP, rank)
