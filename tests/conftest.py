@@ -107,6 +107,16 @@ def vlm_lora_world(tmp_path_factory):
     return once(shared_root(tmp_path_factory), "vlm_lora", make_vlm_world)
 
 
+@pytest.fixture(scope="session")
+def qwen_world(tmp_path_factory):
+    """The Qwen2.5-VL tests' release folder and LLaVA-format shards (tests/fixtures/vlm.py make_qwen_world), built
+    once."""
+    from tests.fixtures.shared import once, shared_root
+    from tests.fixtures.vlm import make_qwen_world
+
+    return once(shared_root(tmp_path_factory), "qwen", make_qwen_world)
+
+
 def load_script(name: str):
     """scripts/NAME.py as a module, to call its main(argv) in process."""
     spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")

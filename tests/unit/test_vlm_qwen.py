@@ -252,18 +252,19 @@ def test_llava_samples_collate_with_counted_skips_and_a_blank(qwen):
     assert alone["batch"].packed.num_labels == int((text["labels"][1:] != IGNORE_INDEX).sum())
 
 
-@pytest.mark.parametrize("stage", ["align", "finetune"])
-def test_stages_freeze_qwen_parts(qwen, stage):
+@pytest.mark.parametrize("stage,train_projector", [("align", True), ("finetune", True), ("finetune", False)])
+def test_stages_freeze_qwen_parts(qwen, stage, train_projector):
     """LLaVA's stages on Qwen2.5-VL's parts: align trains the merger alone, finetune the merger and the language
-    model; the tower stays frozen (no vlm.train_vision). One packed backward: gradients reach exactly those."""
+    model, or the language model alone with vlm.train_projector=false; the tower stays frozen (no vlm.train_vision).
+    One packed backward: gradients reach exactly those."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.folder, dtype=torch.float32)
-    freeze_for_stage(model, stage)
+    freeze_for_stage(model, stage, train_projector=train_projector)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     merger = {n for n, _ in model.named_parameters() if n.startswith("model.visual.merger.")}
     language = {n for n, _ in model.named_parameters() if n.startswith(("model.language_model.", "lm_head."))}
-    assert trainable == (merger if stage == "align" else merger | language)
+    assert trainable == (merger if stage == "align" else language | (merger if train_projector else set()))
     samples = [
         encode_qwen(conversation(n), ims, qwen.tokenizer, qwen.image_processor)
         for n, ims in ((0, []), (2, [image(56, 84, 1), image(140, 224, 2)]))

@@ -1,0 +1,192 @@
+"""vLLM itself (its CPU build in .venv-serve, `make serve-env`) serving a Qwen2.5-VL export through scripts/serve.py,
+with a finetune=lora adapter over it, asked with the official openai client and compared with an independent
+reference: transformers' `generate` on the same folder (peft's PeftModel for the adapter), greedy, in float32.
+
+One engine (eager, ~40-70 s to start on CI's 2 cores) serves both: the export of test_vlm_qwen_train's run (the
+suite's cached run, tests/fixtures/runs.py qwen_finetune) and, as `serve.lora`, the adapter of a 2-step finetune=lora
+run over that export with the merger frozen (vlm.train_projector=false: vLLM takes no fully trained module in an
+adapter). The request holds two images of different sizes, so each takes its own number of image tokens.
+
+The reference's inputs come from transformers' own Qwen2_5_VLProcessor, loaded from the export by AutoProcessor in
+.venv-serve (it needs torchvision, which the training env lacks: PITFALLS.md), as vLLM loads it: the export is a
+complete processor folder. Its generate runs in the training env's transformers.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from common.tools.serving import running_server, serve_env, serve_venv
+from tests.fixtures.runs import qwen_finetune, qwen_lora
+
+openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
+peft = pytest.importorskip("peft")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(serve_env() is None, reason="needs vLLM's environment: make serve-env (.venv-serve)"),
+]
+
+VLLM = [
+    "serve.engine=vllm",
+    "serve.dtype=float32",
+    "serve.max_model_len=128",
+    "serve.cpu_kvcache_gib=1",
+    "serve.enforce_eager=true",
+]
+QUESTION = "Compare the two pictures."
+SIZES = [(56, 84), (112, 56)]  # (width, height): 2x3 and 4x2 merged patches at the run's pixel budget
+# Answers of 8 tokens: both engines keep <|im_end|> from ending one sooner (vLLM's min_tokens, transformers'
+# min_new_tokens), so the trained model's short answers still compare over 8 tokens.
+NEW_TOKENS = 8
+ADAPTER = "qwen_lora"
+
+# In .venv-serve: the export's processor (AutoProcessor), its chat template on the two images and the question, and
+# the model inputs it makes of them.
+PROCESS = (
+    """
+import json, sys
+import numpy as np
+from PIL import Image
+from transformers import AutoProcessor
+
+folder, images, out = sys.argv[1], sys.argv[2:-1], sys.argv[-1]
+processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+content = [{"type": "image"} for _ in images] + [{"type": "text", "text": %r}]
+text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+np.savez(out, **processor(text=[text], images=[Image.open(p) for p in images], return_tensors="np"))
+print(json.dumps([type(processor).__name__, type(processor.video_processor).__name__]))
+"""
+    % QUESTION
+)
+
+
+@pytest.fixture(scope="module")
+def runs(qwen_world, trained):
+    """(the full fine-tune's export, the LoRA run's adapter folder over it)."""
+    export = trained(qwen_finetune(qwen_world)) / "export"
+    return export, trained(qwen_lora(qwen_world, export)) / "export"
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    paths = []
+    from PIL import Image
+
+    for i, (w, h) in enumerate(SIZES):
+        paths.append(folder / f"image{i}.png")
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def inputs(runs, images, tmp_path_factory):
+    """The export's processor's inputs for the request ({name: tensor}), made in .venv-serve."""
+    import torch
+
+    export, _ = runs
+    folder = tmp_path_factory.mktemp("processed")
+    (folder / "process.py").write_text(PROCESS)
+    proc = subprocess.run(
+        [
+            str(serve_venv() / "bin" / "python"),
+            str(folder / "process.py"),
+            str(export),
+            *map(str, images),
+            str(folder / "inputs.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == ["Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"]
+    return {k: torch.from_numpy(v) for k, v in np.load(folder / "inputs.npz").items()}
+
+
+@pytest.fixture(scope="module")
+def server(runs, tmp_path_factory):
+    export, adapter = runs
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with running_server(export, *VLLM, f"serve.lora={{{ADAPTER}:{adapter}}}", log_path=log, startup_s=420) as base:
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def reference(export, inputs, adapter=None) -> tuple[list[int], list[int], list[float]]:
+    """transformers' greedy answer (prompt ids, generated ids, their log-probabilities) on the processor's inputs
+    (`generate`'s raw logits, as vLLM's logprobs are), with peft's PeftModel over the export where an adapter is
+    given."""
+    import torch
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(export, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        g = model.eval().generate(
+            **inputs,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ids = g.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    logprobs = [torch.log_softmax(step[0].double(), -1)[t].item() for step, t in zip(g.logits, ids)]
+    return inputs["input_ids"][0].tolist(), ids, logprobs
+
+
+def ask(client, model: str, images) -> tuple[list[int], list[int], list[float]]:
+    """vLLM's greedy answer to the two images and the question: (prompt ids, generated ids, their log-probabilities)."""
+    parts = [
+        {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(p.read_bytes()).decode()},
+        }
+        for p in images
+    ]
+    r = client.chat.completions.create(
+        model=model,
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        logprobs=True,
+        extra_body={"return_token_ids": True, "min_tokens": NEW_TOKENS},
+        messages=[{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}],
+    )
+    choice = r.choices[0]
+    prompt = (r.model_extra or {}).get("prompt_token_ids") or choice.model_extra["prompt_token_ids"]
+    return list(prompt), list(choice.model_extra["token_ids"]), [t.logprob for t in choice.logprobs.content]
+
+
+def test_two_images_answer_like_transformers_generate(server, runs, images, inputs):
+    export, _ = runs
+    prompt, ids, logprobs = ask(server, "vlm_tiny", images)
+    ref_prompt, ref_ids, ref_logprobs = reference(export, inputs)
+    pad = json.loads((export / "config.json").read_text())["image_token_id"]
+    grids = inputs["image_grid_thw"].tolist()
+    assert grids == [[1, 6, 4], [1, 4, 8]] and prompt.count(pad) == (24 + 32) // 4  # each image its own tokens
+    print(f"vLLM {ids} {logprobs}\ntransformers {ref_ids} {ref_logprobs}")
+    assert (prompt, ids) == (ref_prompt, ref_ids)
+    assert logprobs == pytest.approx(ref_logprobs, abs=1e-4, rel=0)
+    # The images reach the answer: with their pixels mirrored it moves by far more than the tolerance above.
+    _, _, mirrored = reference(export, {**inputs, "pixel_values": inputs["pixel_values"].flip(0)})
+    assert max(abs(a - b) for a, b in zip(mirrored, ref_logprobs)) > 1e-3
+
+
+def test_the_lora_adapter_answers_like_peft_over_the_export(server, runs, images, inputs):
+    export, adapter = runs
+    prompt, ids, logprobs = ask(server, ADAPTER, images)
+    ref_prompt, ref_ids, ref_logprobs = reference(export, inputs, adapter)
+    _, base_ids, base_logprobs = reference(export, inputs)
+    print(f"vLLM+LoRA {ids}\npeft {ref_ids}\nbase {base_ids}")
+    # Not vacuous: the adapter moves the answer's log-probabilities by far more than the tolerance.
+    assert max(abs(a - b) for a, b in zip(ref_logprobs, base_logprobs)) > 1e-2
+    assert (prompt, ids) == (ref_prompt, ref_ids)
+    assert logprobs == pytest.approx(ref_logprobs, abs=1e-4, rel=0)
