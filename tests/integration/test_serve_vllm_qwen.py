@@ -223,8 +223,9 @@ def test_the_lora_adapter_answers_like_peft_over_the_export(server, runs, media)
 def test_a_short_video_answers_like_transformers_generate(server, runs, media):
     """A 4-frame video at 2 fps (vLLM's CPU build decodes it with OpenCV, all frames): the same prompt (12 video
     tokens) and answer as transformers on the processor's inputs for the same frames. Its log-probabilities agree to
-    ~4e-4, not ~1e-6 as the images' do (measured; the frames, the grid and second_per_grid_ts are the same on both
-    sides, so the gap is in how the two run the tower or the positions of a video with two temporal patches)."""
+    ~4e-4, not ~1e-6 as the images' do (measured: vLLM decodes the very frames, and transformers' processor called
+    with vLLM's video metadata gives the same pixel values, grid and second_per_grid_ts, so the gap is in how the two
+    run a video of two temporal patches, tower or positions)."""
     export, _ = runs
     inputs = media["video_inputs"]
     parts = [{"type": "video_url", "video_url": {"url": data_url(media["video"], "video/x-msvideo")}}]
