@@ -464,7 +464,7 @@ def make_qwen2_5_vl(
     Qwen2VLImageProcessor (PIL backend: smart_resize within `min_pixels`..`max_pixels`) and a Qwen2Tokenizer with
     byte-level BPE trained offline (the `tokenizers` library) carrying Qwen's special tokens and chat template.
 
-    No video processor config is saved, as the release has none: transformers' Qwen2VLVideoProcessor then reads
+    No video processor config is saved: transformers' Qwen2VLVideoProcessor then reads
     preprocessor_config.json. It needs torchvision, which does not import under the training env's CPU torch
     (PITFALLS.md), so AutoProcessor loads the folder only in .venv-serve; in the training env the image processor
     and tokenizer load on their own (AutoImageProcessor, AutoTokenizer)."""
