@@ -224,8 +224,8 @@ def test_a_short_video_answers_like_transformers_generate(server, runs, media):
     """A 4-frame video at 2 fps (vLLM's CPU build decodes it with OpenCV, all frames): the same prompt (12 video
     tokens) and answer as transformers on the processor's inputs for the same frames. Its log-probabilities agree to
     ~4e-4, not ~1e-6 as the images' do (measured: vLLM decodes the very frames, and transformers' processor called
-    with vLLM's video metadata gives the same pixel values, grid and second_per_grid_ts, so the gap is in how the two
-    run a video of two temporal patches, tower or positions)."""
+    with vLLM's video metadata gives the same pixel values, grid and second_per_grid_ts; a 2-frame video, one temporal
+    patch, agrees to ~1e-6 and a 6-frame one to ~5e-4: the gap is in how the two run several temporal patches)."""
     export, _ = runs
     inputs = media["video_inputs"]
     parts = [{"type": "video_url", "video_url": {"url": data_url(media["video"], "video/x-msvideo")}}]
