@@ -99,10 +99,9 @@ def runs(qwen_world, trained):
 
 
 @pytest.fixture(scope="module")
-def media(runs, tmp_path_factory):
-    """{"images": the two PNG files, "video": the video file, "image_inputs" / "video_inputs": the export's
-    processor's model inputs for each request ({name: tensor}, made in .venv-serve)}."""
-    import torch
+def media_job(runs, tmp_path_factory):
+    """The .venv-serve process that writes the video and the processor's inputs, started before the engine (whose
+    start is mostly waiting) and collected by `media`: (process, folder, image files)."""
     from PIL import Image
 
     export, _ = runs
@@ -112,16 +111,34 @@ def media(runs, tmp_path_factory):
     for path, (w, h) in zip(images, SIZES):
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
     (folder / "process.py").write_text(PROCESS)
-    proc = subprocess.run(
-        [str(serve_venv() / "bin" / "python"), str(folder / "process.py"), str(export), str(folder), *map(str, images)],
-        input=json.dumps([QUESTION, VIDEO_QUESTION, VIDEO, VIDEO_FPS]),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    (folder / "job.json").write_text(json.dumps([QUESTION, VIDEO_QUESTION, VIDEO, VIDEO_FPS]))
+    # Its output to files: a pipe nobody reads while the engine starts could fill and stall it.
+    with open(folder / "job.json") as job, open(folder / "out.txt", "w") as out, open(folder / "err.txt", "w") as err:
+        proc = subprocess.Popen(
+            [str(serve_venv() / "bin" / "python"), str(folder / "process.py"), str(export), str(folder)]
+            + [str(p) for p in images],
+            stdin=job,
+            stdout=out,
+            stderr=err,
+        )
+    yield proc, folder, images
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def media(media_job):
+    """{"images": the two PNG files, "video": the video file, "image_inputs" / "video_inputs": the export's
+    processor's model inputs for each request ({name: tensor}, made in .venv-serve)}."""
+    import torch
+
+    proc, folder, images = media_job
+    proc.wait(timeout=300)
+    stdout, stderr = (folder / "out.txt").read_text(), (folder / "err.txt").read_text()
+    assert proc.returncode == 0, stderr[-2000:]
     # The export is a complete processor folder: AutoProcessor builds Qwen's processor, video processor included.
-    assert json.loads(proc.stdout.splitlines()[-1]) == ["Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"]
+    assert json.loads(stdout.splitlines()[-1]) == ["Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"]
     tensors = {
         k: {n: torch.from_numpy(v) for n, v in np.load(folder / f"{k}.npz").items()} for k in ("images", "video")
     }
@@ -134,7 +151,7 @@ def media(runs, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(runs, tmp_path_factory):
+def server(runs, media_job, tmp_path_factory):
     export, adapter = runs
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with running_server(export, *VLLM, f"serve.lora={{{ADAPTER}:{adapter}}}", log_path=log, startup_s=420) as base:
