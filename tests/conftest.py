@@ -210,6 +210,7 @@ LONGEST_FIRST = (
     "integration/test_slurm.py",  # ~120 s
     "integration/test_serve_vllm.py",  # ~115 s (stop 35); its two engines now also serve the LoRA and MoE cases
     "integration/test_host_syncs.py",  # ~110 s
+    "integration/test_serve_vllm_qwen.py",  # ~90 s (its engine ~50 s, the Qwen fine-tune it shares ~25 s)
 )
 TIERS = ("integration", "distributed", "unit")
 

@@ -464,9 +464,10 @@ def make_qwen2_5_vl(
     Qwen2VLImageProcessor (PIL backend: smart_resize within `min_pixels`..`max_pixels`) and a Qwen2Tokenizer with
     byte-level BPE trained offline (the `tokenizers` library) carrying Qwen's special tokens and chat template.
 
-    No video processor is saved: transformers' Qwen2VLVideoProcessor needs torchvision, which does not import
-    under the training env's CPU torch (PITFALLS.md). AutoProcessor therefore does not load the folder; the
-    image processor and tokenizer load on their own (AutoImageProcessor, AutoTokenizer)."""
+    No video processor config is saved: transformers' Qwen2VLVideoProcessor then reads
+    preprocessor_config.json. It needs torchvision, which does not import under the training env's CPU torch
+    (PITFALLS.md), so AutoProcessor loads the folder only in .venv-serve; in the training env the image processor
+    and tokenizer load on their own (AutoImageProcessor, AutoTokenizer)."""
     import torch
     from tokenizers import normalizers
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer

@@ -119,6 +119,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"vlm.stage={v.stage!r} is not allowed; choose align or finetune")
     if v.train_vision and v.stage == "align":
         raise ConfigError("vlm.train_vision=true is for vlm.stage=finetune (align trains the projector only)")
+    if not v.train_projector and v.stage == "align":
+        raise ConfigError(
+            "vlm.train_projector=false with vlm.stage=align leaves nothing to train (align trains the projector only)"
+        )
     if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
         raise ConfigError(
             "finetune=lora trains an adapter on a LLaVA checkpoint: set model.init_from=<a llava-hf folder or "
@@ -127,7 +131,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.finetune == "lora" and v.train_vision:
         raise ConfigError(
             "vlm.train_vision=true with finetune=lora: LoRA adapts the language model (the projector trains "
-            "in full); the vision tower stays frozen"
+            "in full unless vlm.train_projector=false); the vision tower stays frozen"
         )
     weight_source(cfg)  # json only: one line for sources that contradict each other or a folder that does not fit
     check_family_sections(

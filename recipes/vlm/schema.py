@@ -54,6 +54,10 @@ class VLMConfig:
     vision_from: str = ""  # a CLIP / SigLIP folder (vision model or the whole dual encoder) + its image processor
     language_from: str = ""  # a *ForCausalLM folder (Llama family) + its tokenizer
     train_vision: bool = False  # finetune: train the vision tower too (LLaVA keeps it frozen)
+    # finetune (full or LoRA): train the projector (Qwen2.5-VL's merger) too. false keeps the folder's: a full finetune
+    # then trains the language model alone, and a finetune=lora adapter holds the language model's LoRA only, which
+    # vLLM serves over the base (it takes no fully trained module in an adapter).
+    train_projector: bool = True
     eval_samples: int = 200  # held-out images answered at the end
     max_new_tokens: int = 12
 

@@ -452,21 +452,25 @@ def test_held_out_video_conversations_evaluate_and_generate(qwen, tmp_path):
     assert out["examples"][0]["answer"] == tok.decode(want[0, prompt.shape[1] :], skip_special_tokens=True).strip()
 
 
-@pytest.mark.parametrize("stage, train_vision", [("align", False), ("finetune", False), ("finetune", True)])
-def test_stages_freeze_qwen_parts(qwen, stage, train_vision):
+@pytest.mark.parametrize(
+    "stage, train_vision, train_projector",
+    [("align", False, True), ("finetune", False, True), ("finetune", True, True), ("finetune", False, False)],
+)
+def test_stages_freeze_qwen_parts(qwen, stage, train_vision, train_projector):
     """LLaVA's stages on Qwen2.5-VL's parts: align trains the merger alone, finetune the merger and the language
-    model, and vlm.train_vision the tower's blocks and patch embedding too (every one of them feeds the merger).
-    One packed backward: gradients reach exactly those (the optimizer takes the parameters that require grad:
-    test_vlm_qwen_zero3 counts its state)."""
+    model (the language model alone with vlm.train_projector=false), and vlm.train_vision the tower's blocks and
+    patch embedding too (every one of them feeds the merger). One packed backward: gradients reach exactly those
+    (the optimizer takes the parameters that require grad: test_vlm_qwen_zero3 counts its state)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.folder, dtype=torch.float32)
-    freeze_for_stage(model, stage, train_vision)
+    freeze_for_stage(model, stage, train_vision, train_projector=train_projector)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     merger = {n for n, _ in model.named_parameters() if n.startswith("model.visual.merger.")}
     language = {n for n, _ in model.named_parameters() if n.startswith(("model.language_model.", "lm_head."))}
     tower = {n for n, _ in model.named_parameters() if n.startswith("model.visual.")} - merger
-    assert trainable == (merger if stage == "align" else merger | language | (tower if train_vision else set()))
+    want = merger if stage == "align" else language | (merger if train_projector else set())
+    assert trainable == want | (tower if train_vision else set())
     samples = [
         encode_qwen(conversation(n), ims, qwen.tokenizer, qwen.image_processor)
         for n, ims in ((0, []), (2, [image(56, 84, 1), image(140, 224, 2)]))
