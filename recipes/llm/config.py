@@ -289,7 +289,6 @@ def check_context_parallel(cfg: TrainConfig) -> None:
             "heads; cp_method=allgather has no such limit"
         )
     refused = (  # (key, its value, refused?, why)
-        ("parallel.pp", p.pp, p.pp > 1, "a pipeline stage would have to pass the cp chunks and masks between stages"),
         (
             "model.moe.num_experts",
             m.moe.num_experts,

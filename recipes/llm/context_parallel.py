@@ -120,6 +120,25 @@ def attend_alltoall(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallelMask) ->
     return cp.sequence_to_heads(masked_sdpa(q, k, v, cp.mask))
 
 
+def shard_rows(rows: dict[str, Tensor], cp: int, cp_rank: int, method: str = "allgather") -> dict[str, Tensor]:
+    """Whole packed rows' model inputs -> cp rank ``cp_rank``'s share, under the same names: every ``[R, L]`` tensor
+    at the rank's positions (``chunk_positions``), ``labels`` (unshifted) turned into each position's next-token
+    target first, and ``attn_mask`` (``[R, 1, L, L]``) cut to the rows the rank attends with (allgather: its queries';
+    alltoall: every token's) and the keys in the gathered order. The one split of a batch: the training step's
+    (:meth:`ContextShard.of`) and each pipeline round's, padding rows included (recipes/llm/pipeline.py)."""
+    seq_len = rows["input_ids"].shape[1]
+    idx, keys = chunk_positions(seq_len, cp, cp_rank), gathered_positions(seq_len, cp)
+    out = {}
+    for name, t in rows.items():
+        if name == "attn_mask":
+            out[name] = t[:, :, keys if method == "alltoall" else idx][..., keys]
+        elif name == "labels":
+            out[name] = next_token_targets(t)[:, idx]
+        else:
+            out[name] = t[:, idx]
+    return out
+
+
 @dataclasses.dataclass
 class ContextShard:
     """cp rank's share of a packed batch: its positions of every row (``chunk_positions``), each token's
@@ -135,19 +154,21 @@ class ContextShard:
 
     @classmethod
     def of(cls, packed: PackedBatch, cp: int, cp_rank: int, method: str = "allgather") -> "ContextShard":
-        idx = chunk_positions(packed.row_len, cp, cp_rank)
-        keys = gathered_positions(packed.row_len, cp)
-        # allgather: this rank's queries attend; alltoall: every token of the row does (this rank's heads).
-        mask = packed.attention_mask_4d()[:, :, keys if method == "alltoall" else idx][..., keys]
-        targets = next_token_targets(packed.labels)[:, idx]
+        rows = {
+            "input_ids": packed.input_ids,
+            "labels": packed.labels,
+            "position_ids": packed.position_ids,
+            "attn_mask": packed.attention_mask_4d(),
+        }
+        mine = shard_rows(rows, cp, cp_rank, method)
         lengths = torch.tensor([sum(lens) for lens in packed.seq_lens])
-        real = idx[None, :] < lengths[:, None]
+        real = chunk_positions(packed.row_len, cp, cp_rank)[None, :] < lengths[:, None]
         return cls(
-            input_ids=packed.input_ids[:, idx],
-            position_ids=packed.position_ids[:, idx],
-            targets=targets,
-            mask=mask,
-            num_labels=int((targets != IGNORE_INDEX).sum()),
+            input_ids=mine["input_ids"],
+            position_ids=mine["position_ids"],
+            targets=mine["labels"],
+            mask=mine["attn_mask"],
+            num_labels=int((mine["labels"] != IGNORE_INDEX).sum()),
             num_real_tokens=int(real.sum()),
             method=method,
         )

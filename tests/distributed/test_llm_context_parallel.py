@@ -1,7 +1,7 @@
 """Context parallelism (parallel.cp=2) on packed documents, against one process: the attention of random documents
 under cp_method=allgather and alltoall (outputs and gradients, fp32) equals SDPA with the whole row's document + causal
 mask, and
-llm_tiny's per-step losses equal the single-process run's."""
+llm_tiny's per-step losses equal the single-process run's, at cp=2 and at cp=2 x pp=2 (4 ranks)."""
 
 from __future__ import annotations
 
@@ -117,6 +117,23 @@ def test_cp2_losses_match_single_process(runs):
     assert ref[10] < ref[1]
     # The held-out loss too: the same documents, the same token count, under the split.
     ref_eval, got_eval = (json.loads((r / "eval.json").read_text()) for r in runs)
+    assert got_eval["val_tokens"] == ref_eval["val_tokens"]
+    assert got_eval["val_loss"] == pytest.approx(ref_eval["val_loss"], rel=1e-5)
+
+
+def test_cp2_pp2_losses_match_single_process(runs, trained):
+    """cp x pp on 4 ranks: each stage holds its cp rank's chunks of every pipeline microbatch (the padding rows of a
+    round too) and the rank's rows of their masks, and exchanges keys/values with the other cp rank of its stage.
+    A stage that saw another chunk's mask, positions or targets would move the losses by far more than 1e-5."""
+    ref_run = runs[0]
+    run_dir = trained([*LLM_10_STEPS, "trainer.micro_batch_size=8", f"parallel.cp={CP}", "parallel.pp=2"], nproc=4)
+    ref, got = losses(ref_run), losses(run_dir)
+    assert sorted(got) == sorted(ref) == list(range(1, 11))
+    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref)
+    print(f"llm_tiny cp={CP} x pp=2 vs one process: max relative loss difference over {len(ref)} steps = {worst:.1e}")
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    ref_eval, got_eval = (json.loads((r / "eval.json").read_text()) for r in (ref_run, run_dir))
     assert got_eval["val_tokens"] == ref_eval["val_tokens"]
     assert got_eval["val_loss"] == pytest.approx(ref_eval["val_loss"], rel=1e-5)
 
