@@ -290,10 +290,11 @@ def check_context_parallel(cfg: TrainConfig) -> None:
         )
     refused = (  # (key, its value, refused?, why)
         (
-            "model.moe.num_experts",
-            m.moe.num_experts,
-            m.moe.num_experts > 0,
-            "the MoE's auxiliary losses and expert parallelism count tokens per dp rank, not per cp chunk",
+            "parallel.ep",
+            p.ep,
+            p.ep > 1,
+            "the experts' FSDP shards and gradients live on the (edp, ep) split of dp, which leaves out the cp ranks "
+            "that route the same rows' other chunks",
         ),
         (
             "toggles.attention",

@@ -148,8 +148,8 @@ class ContextShard:
     position_ids: Tensor  # [R, L/cp] position within the document
     targets: Tensor  # [R, L/cp] the next token's label (-100: none)
     mask: Tensor  # [R, 1, L/cp (alltoall: L), L] bool, True = attend
+    real_tokens: Tensor  # [R, L/cp] bool: the documents' tokens, not the padding (the MoE's routing statistics)
     num_labels: int  # labelled targets on this rank (the loss's count)
-    num_real_tokens: int
     method: str = "allgather"
 
     @classmethod
@@ -168,10 +168,14 @@ class ContextShard:
             position_ids=mine["position_ids"],
             targets=mine["labels"],
             mask=mine["attn_mask"],
+            real_tokens=real,
             num_labels=int((mine["labels"] != IGNORE_INDEX).sum()),
-            num_real_tokens=int(real.sum()),
             method=method,
         )
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.real_tokens.sum())
 
     def model_inputs(self, group, device: torch.device) -> dict:
         return {
