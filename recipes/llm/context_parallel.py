@@ -123,9 +123,10 @@ def attend_alltoall(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallelMask) ->
 def shard_rows(rows: dict[str, Tensor], cp: int, cp_rank: int, method: str = "allgather") -> dict[str, Tensor]:
     """Whole packed rows' model inputs -> cp rank ``cp_rank``'s share, under the same names: every ``[R, L]`` tensor
     at the rank's positions (``chunk_positions``), ``labels`` (unshifted) turned into each position's next-token
-    target first, and ``attn_mask`` (``[R, 1, L, L]``) cut to the rows the rank attends with (allgather: its queries';
-    alltoall: every token's) and the keys in the gathered order. The one split of a batch: the training step's
-    (:meth:`ContextShard.of`) and each pipeline round's, padding rows included (recipes/llm/pipeline.py)."""
+    target first (an MoE pipeline's per-row ``labelled`` counts the rank's targets), and ``attn_mask``
+    (``[R, 1, L, L]``) cut to the rows the rank attends with (allgather: its queries'; alltoall: every token's) and
+    the keys in the gathered order. The one split of a batch: the training step's (:meth:`ContextShard.of`) and each
+    pipeline round's, padding rows included (recipes/llm/pipeline.py)."""
     seq_len = rows["input_ids"].shape[1]
     idx, keys = chunk_positions(seq_len, cp, cp_rank), gathered_positions(seq_len, cp)
     out = {}
@@ -134,6 +135,8 @@ def shard_rows(rows: dict[str, Tensor], cp: int, cp_rank: int, method: str = "al
             out[name] = t[:, :, keys if method == "alltoall" else idx][..., keys]
         elif name == "labels":
             out[name] = next_token_targets(t)[:, idx]
+        elif name == "labelled":  # [R]: each row's labelled count becomes the rank's (its targets')
+            out[name] = (next_token_targets(rows["labels"])[:, idx] != IGNORE_INDEX).sum(1)
         else:
             out[name] = t[:, idx]
     return out
