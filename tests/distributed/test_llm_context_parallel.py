@@ -98,6 +98,7 @@ def test_a_document_never_sees_another_or_a_later_token():
         # alltoall: every token of the row attends (with this rank's heads), in the gathered order on both axes.
         assert torch.equal(ContextShard.of(packed, CP, rank, "alltoall").mask, full[:, :, keys][..., keys])
     assert sum(ContextShard.of(packed, CP, r).num_labels for r in range(CP)) == packed.num_labels
+    assert sum(ContextShard.of(packed, CP, r).num_real_tokens for r in range(CP)) == packed.num_real_tokens
 
 
 @pytest.fixture(scope="module")
