@@ -20,9 +20,12 @@ with L/cp fixed), where the all-gather sends its keys and values to each of the 
 holds the whole row's ``[L x L]`` mask (SDPA's dense mask, the CPU path).
 
 Under tensor parallelism (cp x tp) each rank exchanges its own heads over its cp group: the
-sequence-parallel regions work on the rank's chunks unchanged. Masked SDPA (torch's kernels), the CPU path; the
-varlen kernel (``toggles.attention=flash``) is not wired under cp yet: refused at composition
-(recipes/llm/config.py).
+sequence-parallel regions work on the rank's chunks unchanged. Under pipeline parallelism (cp x pp) each round's rows
+are split as here (``shard_rows``) and every stage attends over its own cp group (recipes/llm/pipeline.py). An MoE
+routes each rank's tokens and sums its routing statistics over dp x cp before forming the auxiliary losses
+(recipes/llm/moe_losses.py); expert parallelism is refused with cp (recipes/llm/config.py). Masked SDPA (torch's
+kernels), the CPU path; the varlen kernel (``toggles.attention=flash``) is not wired under cp yet: refused at
+composition (recipes/llm/config.py).
 """
 
 from __future__ import annotations
