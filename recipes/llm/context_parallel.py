@@ -20,7 +20,11 @@ with L/cp fixed), where the all-gather sends its keys and values to each of the 
 holds the whole row's ``[L x L]`` mask (SDPA's dense mask, the CPU path).
 
 Under tensor parallelism (cp x tp) each rank exchanges its own heads over its cp group: the
-sequence-parallel regions work on the rank's chunks unchanged.
+sequence-parallel regions work on the rank's chunks unchanged. Under pipeline parallelism (cp x pp) each round's rows
+are split as here (``shard_rows``) and every stage attends over its own cp group (recipes/llm/pipeline.py; masked
+SDPA: the varlen kernel under cp x pp is refused at composition). An MoE routes each rank's tokens and sums its
+routing statistics over dp x cp before forming the auxiliary losses (recipes/llm/moe_losses.py); expert parallelism
+is refused with cp (recipes/llm/config.py).
 
 Two kernels after the exchange, the same attention: masked SDPA with the dense mask rows above (``sdpa``, the CPU
 path), or torch's varlen FlashAttention kernel (``toggles.attention=flash``, CUDA; common/varlen.py) on segments built
@@ -230,6 +234,28 @@ def attend_alltoall(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallelMask) ->
     return cp.sequence_to_heads(exchanged_attention(*(cp.heads_to_sequence(t) for t in (q, k, v)), cp.mask))
 
 
+def shard_rows(rows: dict[str, Tensor], cp: int, cp_rank: int, method: str = "allgather") -> dict[str, Tensor]:
+    """Whole packed rows' model inputs -> cp rank ``cp_rank``'s share, under the same names: every ``[R, L]`` tensor
+    at the rank's positions (``chunk_positions``), ``labels`` (unshifted) turned into each position's next-token
+    target first (an MoE pipeline's per-row ``labelled`` counts the rank's targets), and ``attn_mask``
+    (``[R, 1, L, L]``) cut to the rows the rank attends with (allgather: its queries'; alltoall: every token's) and
+    the keys in the gathered order. The one split of a batch: the training step's (:meth:`ContextShard.of`) and each
+    pipeline round's, padding rows included (recipes/llm/pipeline.py)."""
+    seq_len = rows["input_ids"].shape[1]
+    idx, keys = chunk_positions(seq_len, cp, cp_rank), gathered_positions(seq_len, cp)
+    out = {}
+    for name, t in rows.items():
+        if name == "attn_mask":
+            out[name] = t[:, :, keys if method == "alltoall" else idx][..., keys]
+        elif name == "labels":
+            out[name] = next_token_targets(t)[:, idx]
+        elif name == "labelled":  # [R]: each row's labelled count becomes the rank's (its targets')
+            out[name] = (next_token_targets(rows["labels"])[:, idx] != IGNORE_INDEX).sum(1)
+        else:
+            out[name] = t[:, idx]
+    return out
+
+
 @dataclasses.dataclass
 class ContextShard:
     """cp rank's share of a packed batch: its positions of every row (``chunk_positions``), each token's
@@ -240,35 +266,40 @@ class ContextShard:
     position_ids: Tensor  # [R, L/cp] position within the document
     targets: Tensor  # [R, L/cp] the next token's label (-100: none)
     mask: Tensor | VarlenSegments  # [R, 1, L/cp (alltoall: L), L] bool, True = attend; flash: VarlenSegments
+    real_tokens: Tensor  # [R, L/cp] bool: the documents' tokens, not the padding (the MoE's routing statistics)
     num_labels: int  # labelled targets on this rank (the loss's count)
-    num_real_tokens: int
     method: str = "allgather"
 
     @classmethod
     def of(
         cls, packed: PackedBatch, cp: int, cp_rank: int, method: str = "allgather", attention: str = "sdpa"
     ) -> "ContextShard":
-        idx = chunk_positions(packed.row_len, cp, cp_rank)
-        keys = gathered_positions(packed.row_len, cp)
+        rows = {"input_ids": packed.input_ids, "labels": packed.labels, "position_ids": packed.position_ids}
         if attention == "flash":  # segments, no quadratic mask
             alltoall = method == "alltoall"
             mask = (
                 VarlenSegments.whole_rows(packed, cp) if alltoall else VarlenSegments.rank_queries(packed, cp, cp_rank)
             )
         else:  # allgather: this rank's queries attend; alltoall: every token of the row does (this rank's heads).
-            mask = packed.attention_mask_4d()[:, :, keys if method == "alltoall" else idx][..., keys]
-        targets = next_token_targets(packed.labels)[:, idx]
+            rows["attn_mask"] = packed.attention_mask_4d()
+        mine = shard_rows(rows, cp, cp_rank, method)
+        if attention != "flash":
+            mask = mine["attn_mask"]
         lengths = torch.tensor([sum(lens) for lens in packed.seq_lens])
-        real = idx[None, :] < lengths[:, None]
+        real = chunk_positions(packed.row_len, cp, cp_rank)[None, :] < lengths[:, None]
         return cls(
-            input_ids=packed.input_ids[:, idx],
-            position_ids=packed.position_ids[:, idx],
-            targets=targets,
+            input_ids=mine["input_ids"],
+            position_ids=mine["position_ids"],
+            targets=mine["labels"],
             mask=mask,
-            num_labels=int((targets != IGNORE_INDEX).sum()),
-            num_real_tokens=int(real.sum()),
+            real_tokens=real,
+            num_labels=int((mine["labels"] != IGNORE_INDEX).sum()),
             method=method,
         )
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.real_tokens.sum())
 
     def model_inputs(self, group, device: torch.device) -> dict:
         return {

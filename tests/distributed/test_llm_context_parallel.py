@@ -3,7 +3,8 @@ under cp_method=allgather and alltoall (outputs and gradients, fp32), with maske
 segments (toggles.attention=flash, a CPU stand-in for the CUDA-only kernel: tests/fixtures/varlen.py), equals
 SDPA with the whole row's document + causal mask, and llm_tiny's per-step losses equal the single-process run's. The
 compositions on 4 ranks: the logits of a packed batch under cp=2 x tp=2 (both methods, one launch) equal one
-process's, and the losses under cp=2 x dp=2 equal its."""
+process's, and the losses under cp=2 x dp=2 and cp=2 x pp=2 equal its; moe_tiny's at cp=2, its auxiliary losses and
+expert load counted over the whole rows."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from common.tools.launcher import spawn_ranks
 from tests.conftest import losses, run_train
-from tests.fixtures.runs import LLM_10_STEPS
+from tests.fixtures.runs import LLM_10_STEPS, MOE_16_STEPS
 
 pytestmark = pytest.mark.distributed
 CP = 2
@@ -144,6 +145,7 @@ def test_a_document_never_sees_another_or_a_later_token():
         # alltoall: every token of the row attends (with this rank's heads), in the gathered order on both axes.
         assert torch.equal(ContextShard.of(packed, CP, rank, "alltoall").mask, full[:, :, keys][..., keys])
     assert sum(ContextShard.of(packed, CP, r).num_labels for r in range(CP)) == packed.num_labels
+    assert sum(ContextShard.of(packed, CP, r).num_real_tokens for r in range(CP)) == packed.num_real_tokens
 
 
 # cp=2 x tp=2: llm_tiny with 8 query and 4 key/value heads, so that a tp rank's 2 key/value heads split over cp=2
@@ -248,6 +250,44 @@ def test_cp2_dp2_losses_match_single_process(runs, trained):
     print(f"llm_tiny cp={CP} x dp=2 vs one process: max relative loss difference over {len(ref)} steps = {worst:.1e}")
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+def test_cp2_pp2_losses_match_single_process(runs, trained):
+    """cp x pp on 4 ranks: each stage holds its cp rank's chunks of every pipeline microbatch (the padding rows of a
+    round too) and the rank's rows of their masks, and exchanges keys/values with the other cp rank of its stage.
+    A stage that saw another chunk's mask, positions or targets would move the losses by far more than 1e-5."""
+    ref_run = runs[0]
+    run_dir = trained([*LLM_10_STEPS, "trainer.micro_batch_size=8", f"parallel.cp={CP}", "parallel.pp=2"], nproc=4)
+    ref, got = losses(ref_run), losses(run_dir)
+    assert sorted(got) == sorted(ref) == list(range(1, 11))
+    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref)
+    print(f"llm_tiny cp={CP} x pp=2 vs one process: max relative loss difference over {len(ref)} steps = {worst:.1e}")
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    ref_eval, got_eval = (json.loads((r / "eval.json").read_text()) for r in (ref_run, run_dir))
+    assert got_eval["val_tokens"] == ref_eval["val_tokens"]
+    assert got_eval["val_loss"] == pytest.approx(ref_eval["val_loss"], rel=1e-5)
+
+
+def test_moe_cp2_matches_single_process(trained):
+    """moe_tiny at cp=2 on 2 ranks against test_moe_tiny's one-process run: each cp rank routes its chunks of the rows,
+    and the routing statistics (tokens per expert, token count) are summed over dp x cp before the load-balancing and
+    z losses are formed, so the losses, the aux terms and each layer's expert load are the whole rows' (counted per cp
+    chunk instead, the aux term moved by up to 2e-3 relative, the z term by 1e-2 and the layer-1 load by 2% here)."""
+    from common.metrics import read_metrics
+
+    # The cp run skips the held-out eval (compared by the llm_tiny tests above): ~4 s less.
+    ref_run = trained(MOE_16_STEPS)
+    cp_run = trained([*MOE_16_STEPS, f"parallel.cp={CP}", "trainer.eval=false"], nproc=CP)
+    ref, got = ({r["step"]: r for r in read_metrics(run / "metrics.jsonl")} for run in (ref_run, cp_run))
+    assert sorted(got) == sorted(ref) == [4, 8, 12, 16]
+    keys = ["loss", "aux_loss", "z_loss", *(k for k in ref[4] if k.startswith("moe.layer") and k.endswith("max_load"))]
+    assert len(keys) == 6  # 3 MoE layers
+    worst = {k: max(abs(got[s][k] - ref[s][k]) / abs(ref[s][k]) for s in ref) for k in keys}
+    print(f"moe_tiny cp={CP} vs one process, max relative difference over steps 4-16: {worst}")
+    for step in ref:
+        for key in keys:
+            assert got[step][key] == pytest.approx(ref[step][key], rel=1e-5), (step, key)
 
 
 @pytest.mark.parametrize("direction", ["cp2_to_cp1", "cp1_to_cp2"])

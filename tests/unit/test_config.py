@@ -294,8 +294,11 @@ def test_the_deepspeed_recipes_take_context_parallelism(accepted):
             "parallel.cp_method='ring' is not in the LLM recipe; choose one of: allgather, alltoall",
         ),
         ("parallel.cp=3", "data.max_seq_len=256 must be divisible by 2"),
-        ("parallel.cp=2 parallel.pp=2", "parallel.cp=2 with parallel.pp=2 is not supported yet"),
-        ("recipe=moe_tiny parallel.cp=2", "parallel.cp=2 with model.moe.num_experts=8 is not supported yet"),
+        (
+            "parallel.cp=2 parallel.pp=2 toggles.attention=flash toggles.precision=bf16",
+            "parallel.cp=2 with toggles.attention=flash is not supported yet: under parallel.pp>1",
+        ),
+        ("recipe=moe_tiny parallel.cp=2 parallel.ep=2", "parallel.cp=2 with parallel.ep=2 is not supported yet"),
         # Ulysses splits the heads: cp must divide the key/value heads each tp rank holds (llm_tiny: 2).
         (
             "parallel.cp=4 parallel.cp_method=alltoall",
