@@ -1,8 +1,10 @@
-"""Qwen2.5-VL inputs at native resolution, packed on both sides of the merger.
+"""Qwen2.5-VL and Qwen3-VL inputs at native resolution, packed on both sides of the merger (what differs between the
+two is a row of recipes/vlm/sources.py's QWEN_ARCHS: classes, patch size, DeepStack).
 
 Each image keeps its aspect ratio: the image processor's own smart_resize fits it within its
-min_pixels..max_pixels to a multiple of patch x merge (28 px), then cuts it into 14x14 patches (two frames each:
-temporal_patch_size 2), returned as one [patches, 3*2*14*14] sequence and a (t, h, w) grid per image. An image is
+min_pixels..max_pixels to a multiple of patch x merge (28 px; Qwen3-VL's 16-px patches: 32), then cuts it into
+patches (two frames each: temporal_patch_size 2), returned as one [patches, 3*2*p*p] sequence and a (t, h, w) grid
+per image. An image is
 (t*h*w) / merge^2 tokens: the number varies per image, and one `<|image_pad|>` in the chat template's rendering
 stands for all of them (`image_pad_repeats`: transformers' Qwen2_5_VLProcessor rule, applied here because the
 processor itself needs a torchvision video processor the training env lacks, PITFALLS.md).
@@ -12,7 +14,9 @@ PackedBatch: one cu_seqlens structure for the CPU's block-diagonal 4D mask and t
 Qwen's 3D mRoPE positions computed per sample by transformers' own `get_rope_index` and laid out by the same
 segments. Vision side: the images of all rows, in the order of their pads in the row-major flattened batch,
 go to the tower as one patch sequence with their grids; the tower's own per-image cu_seqlens keep its attention
-(full and windowed) within each image, so no image is padded to another's size.
+(full and windowed) within each image, so no image is padded to another's size. Qwen3-VL's DeepStack features follow
+the merged features: transformers adds them at the image tokens of the flattened rows (visual_pos_masks), in the
+same row-major order, so a packed sample gets its own images' features in the first language layers too.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_sam
 from common.errors import ConfigError
 from recipes.vlm.data import IMAGE_TOKEN, batch_counts, read_llava_sample, render_turns, whole_images_cut
 from recipes.vlm.schema import check_pixel_budget
+from recipes.vlm.sources import QWEN_ARCHS, qwen_arch
 
 IMAGE_PAD = "<|image_pad|>"  # the one token the chat template writes per image; expanded to the image's tokens
 IMAGE_SLOT = "<|vision_start|>" + IMAGE_PAD + "<|vision_end|>"  # an image in Qwen's chat format
@@ -34,18 +39,19 @@ VIDEO_PAD = "<|video_pad|>"
 # mm_token_type_ids, as transformers' Qwen2.5-VL processor and get_rope_index number the modalities
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
-# transformers' Qwen2_5_VLModel.get_rope_index, bound to a model of the run's config (`rope_index_for`)
+# transformers' Qwen2_5_VLModel / Qwen3VLModel.get_rope_index, bound to a model of the run's config (`rope_index_for`)
 RopeIndex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def rope_index_for(config) -> RopeIndex:
-    """transformers' own get_rope_index for a Qwen2_5_VLConfig, without weights: bound to a meta-device
-    Qwen2_5_VLModel (built in a fraction of a second even at 7B shapes), so the loader workers lay out the mRoPE
-    positions while they pack, as the model itself would for each sample."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+    """transformers' own get_rope_index for a Qwen2.5-VL or Qwen3-VL config, without weights: bound to a meta-device
+    Qwen2_5_VLModel / Qwen3VLModel (QWEN_ARCHS' `base`; built in a fraction of a second even at 7B shapes), so the
+    loader workers lay out the mRoPE positions while they pack, as the model itself would for each sample. Both take
+    (input_ids, mm_token_type_ids, image_grid_thw) and give [3, B, T] positions."""
+    import transformers
 
     with torch.device("meta"):
-        return Qwen2_5_VLModel(config).get_rope_index
+        return getattr(transformers, QWEN_ARCHS[config.model_type].base)(config).get_rope_index
 
 
 class QwenProcessing(NamedTuple):
@@ -62,13 +68,13 @@ class QwenProcessing(NamedTuple):
 
 
 def load_processing(folder, image_token_id: int, *, min_pixels: int = 0, max_pixels: int = 0) -> QwenProcessing:
-    """(tokenizer, image processor) of a Qwen2.5-VL folder, offline, with the pixel budget ``min_pixels`` /
+    """(tokenizer, image processor) of a Qwen-VL folder, offline, with the pixel budget ``min_pixels`` /
     ``max_pixels`` (data.min_pixels / data.max_pixels; 0 keeps the folder's) in place of the folder's. One line
     when the budget is inverted (transformers would resize silently outside it) or smaller than one merged patch,
     and when the tokenizer's <|image_pad|> is not the model's ``image_token_id``."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    check_pixel_budget(min_pixels, max_pixels)
+    check_pixel_budget(min_pixels, max_pixels, qwen_arch(folder).unit)
     budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     image_processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True, **budget)
@@ -84,10 +90,10 @@ def load_processing(folder, image_token_id: int, *, min_pixels: int = 0, max_pix
 
 
 def load_qwen(folder, attention: str):
-    """A Qwen2_5_VLForConditionalGeneration folder, in fp32 (its own config: the recipe's `model.*` are read from
-    it). The language model takes `toggles.attention`'s kernel; the tower runs SDPA (eager under eager) over its
-    per-image cu_seqlens."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """A Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration folder (QWEN_ARCHS' `model`), in fp32
+    (its own config: the recipe's `model.*` are read from it). The language model takes `toggles.attention`'s kernel;
+    the tower runs SDPA (eager under eager) over its per-image cu_seqlens."""
+    import transformers
 
     from recipes.vlm.attention import attn_implementation, register_varlen_attention
     from recipes.vlm.pretrained import quiet_loading
@@ -95,7 +101,7 @@ def load_qwen(folder, attention: str):
     if attention == "flash":
         register_varlen_attention()
     with quiet_loading():
-        return Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        return getattr(transformers, qwen_arch(folder).model).from_pretrained(
             folder, dtype=torch.float32, local_files_only=True, attn_implementation=attn_implementation(attention)
         )
 
@@ -156,15 +162,15 @@ class QwenPackedBatch:
 
     packed: PackedBatch
     position_ids: torch.Tensor  # [3, R, L] long: each sample's get_rope_index positions in its slots; 0 on padding
-    pixel_values: torch.Tensor | None  # [patches, 3*2*14*14] float32: all images' patches, concatenated
+    pixel_values: torch.Tensor | None  # [patches, 3*2*p*p] float32 (p: 14 or 16 px): all images' patches, concatenated
     image_grid_thw: torch.Tensor | None  # [images, 3] long
 
     def model_inputs(self, attention: str, device: torch.device | str | None = None) -> dict:
-        """Keyword arguments for Qwen2_5_VLForConditionalGeneration's forward under ``toggles.attention``.
+        """Keyword arguments for the Qwen-VL model's forward under ``toggles.attention``.
 
         ``sdpa``/``eager``: the rows with the block-diagonal 4D mask and [3, R, L] positions. ``flash``: one
         flattened row with cu_seq_lens, and positions as transformers' packed layout [4, 1, R*L] (per-sample text
-        positions first, then the three mRoPE rows), which its Qwen2.5-VL text model splits off itself."""
+        positions first, then the three mRoPE rows), which the Qwen2.5-VL and Qwen3-VL text models split off."""
         inputs = self.packed.model_inputs(attention)
         if attention == "flash":
             text = self.packed.position_ids.reshape(1, 1, -1)
@@ -238,7 +244,7 @@ def encode_qwen(
 
     Over ``max_seq_len`` tokens the sequence is cut there, never inside an image (the image is dropped with the
     ones after it: ``truncated``); a sample whose image tokens alone exceed it raises ImageTokensExceed.
-    Returns ``input_ids``, ``labels`` [T] long, ``pixel_values`` [patches, 3*2*14*14] float32 and
+    Returns ``input_ids``, ``labels`` [T] long, ``pixel_values`` [patches, 3*2*p*p] float32 and
     ``image_grid_thw`` [images, 3] long (both empty without images), ``truncated``.
     """
     image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)

@@ -4,10 +4,10 @@
 - PartWeights: a vision-tower folder + a language-model folder (`vlm.vision_from` + `vlm.language_from`),
   joined by a fresh projector (where LLaVA's stage 1 starts);
 - LlavaWeights: a LLaVA folder (`model.init_from`: an align run or a llava-hf release);
-- QwenWeights: a Qwen2.5-VL folder (`model.init_from`: a release or a Qwen run), native resolution within
-  `data.min_pixels` / `data.max_pixels`.
+- QwenWeights: a Qwen2.5-VL or Qwen3-VL folder (`model.init_from`: a release or a Qwen run), native resolution
+  within `data.min_pixels` / `data.max_pixels`; what differs between the two is one row of QWEN_ARCHS.
 
-Each gives its config (LlavaConfig or Qwen2_5_VLConfig: json and the tokenizer only, no weights), its
+Each gives its config (LlavaConfig, Qwen2_5_VLConfig or Qwen3VLConfig: json and the tokenizer only, no weights), its
 processor, the model in fp32 on the CPU for an attention backend, and what the log says about it. `weight_source`
 reads json only: config validation calls it, before anything is written. So this module imports nothing heavy at
 its top; the methods that read tokenizers and weights import recipes/vlm's torch/transformers modules (pretrained,
@@ -17,6 +17,7 @@ model, data, qwen) where they run, and composing a config stays free of both.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import TrainConfig
@@ -45,9 +46,44 @@ def _folder_config(path: str, key: str) -> tuple[Path, dict]:
     return folder.resolve(), config
 
 
+@dataclass(frozen=True)
+class QwenArch:
+    """What differs between the Qwen-VL generations that train through one code path (recipes/vlm/qwen.py): the
+    rest (native-resolution image processor, <|image_pad|> expansion, the tower over one patch sequence with per-image
+    cu_seqlens, 3-row mRoPE positions from get_rope_index, the packed language rows) is the same."""
+
+    name: str  # in words
+    model: str  # transformers' class of the folder (weights, forward, generate; the export loads as it)
+    base: str  # its inner model, whose get_rope_index lays out a sample's mRoPE positions
+    tower: str  # vision_config.model_type
+    patch: int  # px side of a patch; an image token merges 2x2 of them (`unit`)
+    # The tower also merges intermediate blocks' features and adds them to the first language layers' hidden states
+    # at the image tokens (DeepStack): those mergers are projectors too (recipes/vlm/parallelize.py's vlm_parts).
+    deepstack: bool
+
+    @property
+    def unit(self) -> int:
+        """px side of one image token: the image processor resizes to multiples of it (2x2 merge, both releases)."""
+        return 2 * self.patch
+
+
+# model_type of a Qwen-VL folder -> its architecture; the model_type is also its model.vision (its own tower, set
+# from the folder by recipes/vlm/config.py). Qwen3-VL's language model is Qwen3 (q/k norms) with interleaved mRoPE
+# sections: transformers' classes carry that, and the positions' layout ([3, R, L], or [4, 1, R*L] packed) is shared.
+QWEN_ARCHS = {
+    "qwen2_5_vl": QwenArch(
+        "Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel", "qwen2_5_vl_vision", 14, False
+    ),
+    "qwen3_vl": QwenArch("Qwen3-VL", "Qwen3VLForConditionalGeneration", "Qwen3VLModel", "qwen3_vl_vision", 16, True),
+}
+QWEN_NAMES = " or ".join(a.name for a in QWEN_ARCHS.values())
 # model_type of the folders model.init_from may name -> what they are, in words
-INIT_TYPES = {"llava": "LLaVA", "qwen2_5_vl": "Qwen2.5-VL"}
-QWEN = "qwen2_5_vl"  # model.vision of a Qwen2.5-VL (its own tower, set from the folder by recipes/vlm/config.py)
+INIT_TYPES = {"llava": "LLaVA", **{t: a.name for t, a in QWEN_ARCHS.items()}}
+
+
+def qwen_arch(folder) -> QwenArch:
+    """The QwenArch of a Qwen-VL folder, from its config.json's model_type."""
+    return QWEN_ARCHS[json.loads((Path(folder) / "config.json").read_text())["model_type"]]
 
 
 def init_folder(init_from: str) -> tuple[Path, str]:
@@ -60,7 +96,7 @@ def init_folder(init_from: str) -> tuple[Path, str]:
     if model_type not in INIT_TYPES:
         raise ConfigError(
             f"model.init_from={init_from}: model_type {model_type!r} is not a LLaVA "
-            "(a LlavaForConditionalGeneration folder or an align run is expected) nor a Qwen2.5-VL"
+            f"(a LlavaForConditionalGeneration folder or an align run is expected) nor a {QWEN_NAMES}"
         )
     if not any(folder.glob("*.safetensors")):
         raise ConfigError(f"model.init_from={init_from}: no *.safetensors weights in {folder}")
@@ -251,19 +287,20 @@ class LlavaWeights:
 
 
 class QwenWeights:
-    """A Qwen2.5-VL folder, whole: its config, tokenizer (chat template) and image processor, the processor's pixel
-    budget replaced by data.min_pixels / data.max_pixels where they are set (native resolution: recipes/vlm/qwen.py).
-    """
+    """A Qwen2.5-VL or Qwen3-VL folder, whole: its config, tokenizer (chat template) and image processor, the
+    processor's pixel budget replaced by data.min_pixels / data.max_pixels where they are set (native resolution:
+    recipes/vlm/qwen.py)."""
 
     def __init__(self, init_from: str, min_pixels: int = 0, max_pixels: int = 0):
         self.init_from, self.min_pixels, self.max_pixels = init_from, min_pixels, max_pixels
         self.label = f"model.init_from={init_from}"
-        self.folder = None
+        self.folder = self.arch = None
         self._processing = None
 
     def check(self) -> None:
-        self.folder, _ = init_folder(self.init_from)
-        check_pixel_budget(self.min_pixels, self.max_pixels)
+        self.folder, model_type = init_folder(self.init_from)
+        self.arch = QWEN_ARCHS[model_type]
+        check_pixel_budget(self.min_pixels, self.max_pixels, self.arch.unit)
 
     def processor(self):
         """The folder's (tokenizer, image processor) as a QwenProcessing (recipes/vlm/qwen.py)."""
@@ -293,9 +330,10 @@ class QwenWeights:
 
         tower, merger, language = vlm_parts(model)
         budget = self.processor().image_processor.size
+        mergers = "mergers (DeepStack's included)" if self.arch.deepstack else "merger"
         return (
-            f"kiln: {self.label}: loaded all {_params(model):,} weights: vision tower "
-            f"({_params(tower) - _params(merger):,}), merger ({_params(merger):,}), language model "
+            f"kiln: {self.label}: loaded all {_params(model):,} weights ({self.arch.name}): vision tower "
+            f"({_params(tower) - _params(merger):,}), {mergers} ({_params(merger):,}), language model "
             f"({_params(language) + _params(model.lm_head):,}); images at native resolution within "
             f"{budget['shortest_edge']:,}..{budget['longest_edge']:,} pixels"
         )
@@ -324,12 +362,12 @@ def weight_source(cfg: TrainConfig, meta: dict | None = None) -> WeightSource:
         )
     d = cfg.data
     budget = getattr(d, "min_pixels", 0), getattr(d, "max_pixels", 0)
-    if model_type != QWEN and any(budget):
+    if model_type not in QWEN_ARCHS and any(budget):
         raise ConfigError(
             "data.min_pixels / data.max_pixels are the pixel budget of a native-resolution model "
-            "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA resizes every image to its tower's image size"
+            f"(model.init_from=<a {QWEN_NAMES} folder>); a LLaVA resizes every image to its tower's image size"
         )
-    if model_type == QWEN:
+    if model_type in QWEN_ARCHS:
         source = QwenWeights(m.init_from, *budget)
     elif m.init_from:
         source = LlavaWeights(m.init_from)
