@@ -568,7 +568,7 @@ def make_qwen3_vl(
     out: str | Path,
     *,
     hidden_size: int = 64,
-    num_layers: int = 2,
+    num_layers: int = 3,
     vision_hidden: int = 32,
     vision_depth: int = 3,
     min_pixels: int = 32 * 32 * 4,
@@ -578,8 +578,8 @@ def make_qwen3_vl(
 ) -> Path:
     """A random Qwen3-VL release folder (~/models/Qwen3-VL-8B-Instruct's layout, `save_pretrained`): a tiny
     Qwen3VLForConditionalGeneration (a `vision_depth`-block tower, patch 16, 2x2 spatial merge, learned position
-    embeddings resampled to each image's grid, DeepStack: the features of blocks 0 .. depth-2 merged and added to the
-    first language layers' hidden states at the image tokens; a `num_layers` Qwen3 language model with interleaved
+    embeddings resampled to each image's grid, DeepStack: the features of blocks 0 .. depth-2 merged and added after
+    the first language layers at the image tokens; a `num_layers` Qwen3 language model with interleaved
     mRoPE), its Qwen2VLImageProcessor (the release's class: PIL backend, 32 px units within
     `min_pixels`..`max_pixels`, mean/std 0.5) and `qwen_vl_tokenizer` with Qwen3-VL's chat template (no default
     system turn). No video processor, as make_qwen2_5_vl."""
@@ -631,7 +631,9 @@ def make_qwen3_vl(
             temporal_patch_size=2,
             out_hidden_size=hidden_size,
             num_position_embeddings=64,  # an 8x8 learned grid (the release's: 48x48)
-            deepstack_visual_indexes=list(range(vision_depth - 1)),
+            # Fewer than the language layers, as released (3 of 36): a feature added after the last layer would
+            # reach no label (causal attention), and ZeRO expects a gradient for every trainable parameter.
+            deepstack_visual_indexes=list(range(min(vision_depth, num_layers) - 1)),
         ),
         **_qwen_vl_ids(ids),
     )

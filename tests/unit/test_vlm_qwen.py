@@ -1,6 +1,6 @@
-"""Qwen2.5-VL at native resolution, packed: a tiny random release folder (common/tools/fixtures.py's
-make_qwen2_5_vl, transformers' own classes), images of several sizes and aspect ratios, and a packed row of
-samples with 0, 1 and 2 images against transformers' own forward on each sample alone."""
+"""Qwen2.5-VL (and Qwen3-VL) at native resolution, packed: tiny random release folders (common/tools/fixtures.py's
+make_qwen2_5_vl / make_qwen3_vl, transformers' own classes), images of several sizes and aspect ratios, and a packed
+row of samples with 0, 1 and 2 images against transformers' own forward on each sample alone."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from common.data.packing import IGNORE_INDEX
 from common.errors import ConfigError
-from common.tools.fixtures import make_qwen2_5_vl
+from common.tools.fixtures import make_qwen2_5_vl, make_qwen3_vl
 from recipes.vlm.parallelize import freeze_for_stage
 from recipes.vlm.qwen import (
     IMAGE_PAD,
@@ -35,12 +35,11 @@ from recipes.vlm.qwen import (
 SIZES = [(300, 200), (56, 84), (140, 224), (112, 56)]
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+def load_release(folder):
+    """A release folder as transformers loads it: its model (fp32, eval), tokenizer and image processor."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    folder = make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return types.SimpleNamespace(
         folder=folder,
@@ -50,6 +49,21 @@ def qwen(tmp_path_factory):
         image_pad=tokenizer.convert_tokens_to_ids(IMAGE_PAD),
         video_pad=tokenizer.convert_tokens_to_ids(VIDEO_PAD),
     )
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return load_release(make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """Qwen3-VL: 16-px patches (32-px image tokens), DeepStack (the tower's blocks 0 and 1 feed the first two of
+    three language layers at the image tokens), interleaved mRoPE on a Qwen3 language model."""
+    return load_release(make_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl")))
+
+
+ARCHS = {"qwen2_5_vl": "qwen", "qwen3_vl": "qwen3"}  # model_type -> its fixture
 
 
 def image(height: int, width: int, seed: int):
@@ -123,8 +137,7 @@ def test_placeholder_mismatch_and_image_budget_are_one_line(qwen):
     assert torch.equal(enc["pixel_values"], full["pixel_values"][:24])
 
 
-@pytest.fixture(scope="module")
-def alone(qwen):
+def alone_outputs(qwen):
     """Three samples (0, 1 and 2 images of different sizes) and transformers' own forward on each alone: its
     logits and its loss summed over its labels (num_items_in_batch=1, as the trainer asks)."""
     samples = [
@@ -149,13 +162,30 @@ def alone(qwen):
     return samples, outputs
 
 
+@pytest.fixture(scope="module")
+def alone():
+    """alone_outputs per architecture, computed once for its rows' cases."""
+    cache = {}
+
+    def outputs(arch: str, qwen):
+        if arch not in cache:
+            cache[arch] = alone_outputs(qwen)
+        return cache[arch]
+
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("rows", [1, 2])
-def test_packed_rows_match_each_sample_alone(qwen, alone, rows):
+def test_packed_rows_match_each_sample_alone(request, alone, arch, rows):
     """The three samples packed into one row (or two, images in both): the tower takes all the images as one patch
-    sequence, the language model the rows with the block-diagonal mask and each sample's own mRoPE positions.
-    Every sample's logits equal transformers' own forward on it alone (fp32, SDPA: max |diff| is printed; 1.9e-7
-    when measured), and the packed loss (summed) the sum of the samples' own losses."""
-    samples, outputs = alone
+    sequence, the language model the rows with the block-diagonal mask and each sample's own mRoPE positions
+    (Qwen3-VL: interleaved; its DeepStack features added at the rows' image tokens in the same order). Every sample's
+    logits equal transformers' own forward on it alone (fp32, SDPA: max |diff| is printed; 2.1e-7 for both
+    architectures when measured), and the packed loss (summed) the sum of the samples' own losses."""
+    qwen = request.getfixturevalue(ARCHS[arch])
+    assert qwen.model.config.model_type == arch
+    samples, outputs = alone(arch, qwen)
     lengths = sorted(len(s["input_ids"]) for s in samples)
     batch = pack_qwen(
         samples,
@@ -179,7 +209,7 @@ def test_packed_rows_match_each_sample_alone(qwen, alone, rows):
         (out.logits[r, start : start + n] - outputs[i].logits[0]).abs().max().item()
         for i, (r, start, n) in zip(batch.packed.order, placed, strict=True)
     ]
-    print(f"{rows} row(s): max |packed - alone| per sample {diffs}")
+    print(f"{arch}, {rows} row(s): max |packed - alone| per sample {diffs}")
     assert max(diffs) < 1e-5
     assert batch.packed.num_labels == sum(int((s["labels"][1:] != IGNORE_INDEX).sum()) for s in samples)
     torch.testing.assert_close(out.loss, sum(o.loss for o in outputs), rtol=1e-6, atol=1e-5)
@@ -252,16 +282,24 @@ def test_llava_samples_collate_with_counted_skips_and_a_blank(qwen):
     assert alone["batch"].packed.num_labels == int((text["labels"][1:] != IGNORE_INDEX).sum())
 
 
-@pytest.mark.parametrize("stage", ["align", "finetune"])
-def test_stages_freeze_qwen_parts(qwen, stage):
-    """LLaVA's stages on Qwen2.5-VL's parts: align trains the merger alone, finetune the merger and the language
-    model; the tower stays frozen (no vlm.train_vision). One packed backward: gradients reach exactly those."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+MERGERS = ("model.visual.merger.", "model.visual.deepstack_merger_list.")  # Qwen3-VL's DeepStack mergers: projectors
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.folder, dtype=torch.float32)
+
+@pytest.mark.parametrize(
+    ("arch", "stage"), [("qwen2_5_vl", "align"), ("qwen2_5_vl", "finetune"), ("qwen3_vl", "align")]
+)
+def test_stages_freeze_qwen_parts(request, arch, stage):
+    """LLaVA's stages on a Qwen-VL's parts: align trains the merger alone (Qwen3-VL: with its DeepStack mergers),
+    finetune the merger and the language model; the tower stays frozen (no vlm.train_vision). One packed backward:
+    gradients reach exactly those."""
+    from transformers import AutoModelForImageTextToText
+
+    qwen = request.getfixturevalue(ARCHS[arch])
+    model = AutoModelForImageTextToText.from_pretrained(qwen.folder, dtype=torch.float32)
     freeze_for_stage(model, stage)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    merger = {n for n, _ in model.named_parameters() if n.startswith("model.visual.merger.")}
+    merger = {n for n, _ in model.named_parameters() if n.startswith(MERGERS)}
+    assert any(n.startswith(MERGERS[1]) for n in merger) == (arch == "qwen3_vl")
     language = {n for n, _ in model.named_parameters() if n.startswith(("model.language_model.", "lm_head."))}
     assert trainable == (merger if stage == "align" else merger | language)
     samples = [
@@ -308,19 +346,22 @@ def test_pixel_budget_overrides_the_folder_and_bad_ones_are_one_line(qwen):
         load_processing(qwen.folder, 3)
 
 
-def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(qwen):
-    """model.init_from=<a Qwen2.5-VL folder>: the model.* keys are its config's (its own tower: model.vision
-    qwen2_5_vl), vlm.stage=align (the merger alone) composes, and the pixel budget keys compose; an inverted budget,
-    a budget for a LLaVA and a chosen model.vision=qwen2_5_vl stop at composition, one line."""
+@pytest.mark.parametrize(("arch", "name", "unit"), [("qwen2_5_vl", "Qwen2.5-VL", 28), ("qwen3_vl", "Qwen3-VL", 32)])
+def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(request, arch, name, unit):
+    """model.init_from=<a Qwen2.5-VL or Qwen3-VL folder>: the model.* keys are its config's (its own tower: model.vision
+    qwen2_5_vl / qwen3_vl), vlm.stage=align (the merger alone) composes, and the pixel budget keys compose; an inverted
+    budget, one below the architecture's merged patch (28 or 32 px square), a budget for a LLaVA and a chosen
+    model.vision stop at composition, one line."""
     from common.launch import compose
 
+    qwen = request.getfixturevalue(ARCHS[arch])
     folder, c = str(qwen.folder), qwen.model.config
     cfg = compose(
         ["recipe=vlm_tiny", "data=llava", f"model.init_from={folder}", "vlm.stage=align", "data.max_pixels=12544"]
     )
     m, v, t = cfg.model, c.vision_config, c.text_config
     assert (m.vision, m.vision_hidden_size, m.vision_layers, m.vision_heads, m.vision_patch_size) == (
-        "qwen2_5_vl",
+        arch,
         v.hidden_size,
         v.depth,
         v.num_heads,
@@ -338,13 +379,15 @@ def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(q
         (f"model.init_from={folder}", "data.min_pixels=12544", "data.max_pixels=3136"): (
             "data.min_pixels=12544 is above data.max_pixels=3136"
         ),
+        (f"model.init_from={folder}", f"data.max_pixels={unit * unit - 1}"): (
+            f"data.max_pixels={unit * unit - 1} is below one merged {unit}x{unit} patch ({unit * unit} pixels)"
+        ),
         ("data.max_pixels=12544",): (
             "data.min_pixels / data.max_pixels are the pixel budget of a native-resolution model "
-            "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA resizes every image to its tower's image size"
+            "(model.init_from=<a Qwen2.5-VL or Qwen3-VL folder>); a LLaVA resizes every image to its tower's image "
+            "size"
         ),
-        ("model.vision=qwen2_5_vl",): (
-            "model.vision=qwen2_5_vl is read from model.init_from=<a Qwen2.5-VL folder>, not chosen"
-        ),
+        (f"model.vision={arch}",): f"model.vision={arch} is read from model.init_from=<a {name} folder>, not chosen",
     }
     for overrides, message in bad.items():
         with pytest.raises(ConfigError) as err:
@@ -352,27 +395,31 @@ def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(q
         assert str(err.value) == message, overrides
 
 
-def test_lora_export_is_a_peft_adapter_over_the_release(qwen, tmp_path):
-    """finetune=lora on a Qwen2.5-VL: adapters on the language model's linears, the merger in full, nothing else
-    trains; the export is a PEFT folder that peft itself loads over the release with the adapted model's logits, and
-    export.merge_lora's merged folder loads as Qwen2_5_VLForConditionalGeneration with them too (fp32)."""
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_export_is_a_peft_adapter_over_the_release(request, arch, tmp_path):
+    """finetune=lora on a Qwen2.5-VL / Qwen3-VL: adapters on the language model's linears, the merger(s) in full,
+    nothing else trains; the export is a PEFT folder that peft itself loads over the release with the adapted model's
+    logits, and export.merge_lora's merged folder loads as the release's class with them too (fp32)."""
     from peft import PeftModel
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from common.launch import compose
     from recipes.vlm.lora import write_export
     from recipes.vlm.parallelize import trainable_parts
     from recipes.vlm.qwen import load_qwen
 
+    qwen = request.getfixturevalue(ARCHS[arch])
     cfg = compose(
         ["recipe=vlm_tiny", "data=llava", f"model.init_from={qwen.folder}", "finetune=lora", "export.merge_lora=true"]
     )
     model = load_qwen(qwen.folder, "sdpa")
+    assert type(model) is type(qwen.model)
     trainable_parts(model, cfg)
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
-    merger = [n for n in trained if n.startswith("model.visual.merger.")]
+    merger = [n for n in trained if n.startswith(MERGERS)]
     adapters = [n for n in trained if n.startswith("model.language_model.layers.") and ".lora_" in n]
-    assert merger and len(adapters) == 2 * 7 * 2 and sorted(trained) == sorted(merger + adapters)
+    layers = model.config.text_config.num_hidden_layers
+    assert merger and len(adapters) == layers * 7 * 2 and sorted(trained) == sorted(merger + adapters)
     torch.manual_seed(1)
     with torch.no_grad():  # as training leaves them: B off zero, the merger moved
         for n in trained:
@@ -388,13 +435,14 @@ def test_lora_export_is_a_peft_adapter_over_the_release(qwen, tmp_path):
         image_grid_thw=s["image_grid_thw"],
         mm_token_type_ids=modality_types(ids, qwen.image_pad, qwen.video_pad),
     )
-    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.folder, dtype=torch.float32)
+    base = AutoModelForImageTextToText.from_pretrained(qwen.folder, dtype=torch.float32)
     with torch.no_grad():
         want = model.eval()(**inputs).logits
         peft = PeftModel.from_pretrained(base, tmp_path).eval()(**inputs).logits
-        merged = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+        merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+        assert type(merged) is type(qwen.model)
         merged = merged.eval()(**inputs).logits
-        plain = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.folder, dtype=torch.float32)(**inputs).logits
+        plain = qwen.model(**inputs).logits
     diffs = [(x - want).abs().max().item() for x in (peft, merged)]
-    print(f"max |peft - trained|, |merged - trained| logits: {diffs}")
+    print(f"{arch}: max |peft - trained|, |merged - trained| logits: {diffs}")
     assert max(diffs) < 1e-5 and (plain - want).abs().max().item() > 1e-3  # the adapter changes the logits
