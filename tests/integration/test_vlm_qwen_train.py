@@ -1,8 +1,9 @@
-"""Qwen2.5-VL trained by the VLM recipe, end to end on CPU: a tiny random release folder (make_qwen2_5_vl) fine-tuned
-on LLaVA-format data at native resolution (data.min_pixels / data.max_pixels), packed, in one process. The loss
-falls; the export is a folder transformers loads as Qwen2_5_VLForConditionalGeneration whose logits are the trained
-model's (the run's last DeepSpeed checkpoint, loaded into the release's model by transformers, not by Kiln); the
-frozen vision tower is the release's bit for bit."""
+"""Qwen2.5-VL and Qwen3-VL trained by the VLM recipe, end to end on CPU: a tiny random release folder
+(make_qwen2_5_vl / make_qwen3_vl) fine-tuned on LLaVA-format data at native resolution (data.min_pixels /
+data.max_pixels), packed, in one process. The loss falls; the export is a folder transformers loads as the release's
+class (Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration) whose logits are the trained model's (the
+run's last DeepSpeed checkpoint, loaded into the release's model by transformers, not by Kiln); the frozen vision
+tower is the release's bit for bit."""
 
 from __future__ import annotations
 
@@ -13,21 +14,27 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.tools.fixtures import make_qwen2_5_vl
+from common.tools.fixtures import make_qwen2_5_vl, make_qwen3_vl
 from data import prepare_llava
+from recipes.vlm.sources import QWEN_ARCHS
 from tests.conftest import load_script, losses
 from tests.fixtures import vlm as fx
 
 pytestmark = pytest.mark.integration
 
-MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 16  # images of 4..16 merged tokens
+# model_type -> (its fixture, the px side of one image token: 2x2 patches of 14 / 16 px)
+ARCHS = {"qwen2_5_vl": (make_qwen2_5_vl, 28), "qwen3_vl": (make_qwen3_vl, 32)}
+
+
+def budget(unit: int) -> tuple[int, int]:
+    return unit * unit * 4, unit * unit * 16  # images of 4..16 merged tokens
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, trained):
+def instruct(tmp_path_factory):
+    """The LLaVA-format shards both architectures train on (the images' resizing is each processor's)."""
     root = tmp_path_factory.mktemp("qwen_world")
     raw = fx.write_llava_data(root / "raw", n_pretrain=8, n_instruct=48)
-    qwen = make_qwen2_5_vl(root / "qwen")
     prepare_llava.build_llava(
         root / "instruct",
         json_path=raw / "llava_instruct.json",
@@ -36,14 +43,22 @@ def run(tmp_path_factory, trained):
         val_shards=1,
         val_fraction=0.05,
     )
+    return root / "instruct"
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def run(request, tmp_path_factory, trained, instruct):
+    make, unit = ARCHS[request.param]
+    min_pixels, max_pixels = budget(unit)
+    qwen = make(tmp_path_factory.mktemp(request.param))
     run_dir = trained(
         [
             "recipe=vlm_tiny",
             "data=llava",
-            f"data.root={root / 'instruct'}",
+            f"data.root={instruct}",
             f"model.init_from={qwen}",
-            f"data.min_pixels={MIN_PIXELS}",
-            f"data.max_pixels={MAX_PIXELS}",
+            f"data.min_pixels={min_pixels}",
+            f"data.max_pixels={max_pixels}",
             "data.num_workers=0",
             "data.max_seq_len=256",
             "trainer.micro_batch_size=8",
@@ -56,11 +71,11 @@ def run(tmp_path_factory, trained):
             "vlm.max_new_tokens=4",
         ]
     )
-    return run_dir, qwen
+    return run_dir, qwen, request.param, unit
 
 
 def test_qwen_trains_at_native_resolution_and_the_loss_falls(run):
-    run_dir, _ = run
+    run_dir = run[0]
     loss = losses(run_dir)
     assert sorted(loss) == [1, 2, 3] and loss[3] < loss[1]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -70,21 +85,25 @@ def test_qwen_trains_at_native_resolution_and_the_loss_falls(run):
 
 
 def test_export_is_the_trained_qwen_and_the_tower_stays_the_release(run):
-    """The export loads as Qwen2_5_VLForConditionalGeneration (with its tokenizer and the run's pixel budget); its
-    logits on a conversation with an image equal those of the run's final checkpoint loaded into the release's model
-    (fp32); the frozen tower is the release's bit for bit, the merger and the language model moved."""
+    """The export loads as the release's class (with its tokenizer and the run's pixel budget); its logits on a
+    conversation with an image equal those of the run's final checkpoint loaded into the release's model (fp32); the
+    frozen tower is the release's bit for bit, the merger(s) (Qwen3-VL's DeepStack ones too) and the language model
+    moved."""
     from PIL import Image
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    run_dir, release = run
+    run_dir, release, arch, unit = run
     export = run_dir / "export"
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(export, dtype=torch.float32).eval()
-    trained = Qwen2_5_VLForConditionalGeneration.from_pretrained(release, dtype=torch.float32).eval()
+    assert AutoConfig.from_pretrained(export).model_type == arch
+    model = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32).eval()
+    trained = AutoModelForImageTextToText.from_pretrained(release, dtype=torch.float32).eval()
+    assert type(model) is type(trained) and type(model).__name__ == QWEN_ARCHS[arch].model
     (step,) = (run_dir / "checkpoints").glob("step_*")
     module = torch.load(step / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
     trained.load_state_dict(module, strict=True)
     tokenizer, image_processor = AutoTokenizer.from_pretrained(export), AutoImageProcessor.from_pretrained(export)
-    assert image_processor.size == {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    min_pixels, max_pixels = budget(unit)
+    assert image_processor.size == {"shortest_edge": min_pixels, "longest_edge": max_pixels}
 
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (90, 60, 3), dtype=np.uint8))
@@ -106,10 +125,12 @@ def test_export_is_the_trained_qwen_and_the_tower_stays_the_release(run):
 
     before, after = load_file(release / "model.safetensors"), load_file(export / "model.safetensors")
     assert set(after) == set(before)
-    # Names as transformers saves a Qwen2.5-VL (the release's layout: visual.*, model.layers.*, lm_head.*).
-    tower = [k for k in before if k.startswith("visual.") and ".merger." not in k]
-    merger = [k for k in before if k.startswith("visual.merger.") and k.endswith("weight")]
-    layers = [k for k in before if k.startswith("model.layers.") and k.endswith("proj.weight")]
+    # Names as transformers saves each (the releases' layouts: Qwen2.5-VL's visual.*, model.layers.*; Qwen3-VL's
+    # model.visual.*, model.language_model.layers.*).
+    tower = [k for k in before if "visual." in k and "merger" not in k]
+    merger = [k for k in before if "merger" in k and k.endswith("weight")]
+    layers = [k for k in before if ".layers." in k and k.endswith("proj.weight")]
+    assert any("deepstack_merger_list" in k for k in merger) == QWEN_ARCHS[arch].deepstack
     assert tower and all(torch.equal(after[k], before[k]) for k in tower)
     assert merger and layers and all(not torch.equal(after[k], before[k]) for k in merger + layers)
 
@@ -117,7 +138,7 @@ def test_export_is_the_trained_qwen_and_the_tower_stays_the_release(run):
 def test_export_from_the_checkpoint_is_the_run_export(run, tmp_path):
     """scripts/export.py on the run's final checkpoint writes the end-of-run export tensor for tensor, with the same
     tokenizer and pixel budget."""
-    run_dir, _ = run
+    run_dir = run[0]
     assert load_script("export").main([str(run_dir), "--out", str(tmp_path / "export")]) == 0
     got, want = (
         load_file(tmp_path / "export" / "model.safetensors"),
