@@ -23,7 +23,7 @@ from recipes.vlm.model import build_model
 from recipes.vlm.parallelize import vlm_parts
 from recipes.vlm.pretrained import llava_hf_state_dict
 
-LANGUAGE_MODEL = "model.language_model"  # LLaVA's and Qwen2.5-VL's
+LANGUAGE_MODEL = "model.language_model"  # LLaVA's, Qwen2.5-VL's and Qwen3-VL's
 
 
 def projector_names(model) -> list[str]:
