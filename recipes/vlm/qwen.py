@@ -5,8 +5,8 @@ Each image keeps its aspect ratio: the image processor's own smart_resize fits i
 min_pixels..max_pixels to a multiple of patch x merge (28 px; Qwen3-VL's 16-px patches: 32), then cuts it into
 patches (two frames each: temporal_patch_size 2), returned as one [patches, 3*2*p*p] sequence and a (t, h, w) grid
 per image. An image is (t*h*w) / merge^2 tokens: the number varies per image, and one `<|image_pad|>` in the chat
-template's rendering stands for all of them (`image_pad_repeats`: transformers' Qwen2_5_VLProcessor rule, applied here because the
-processor itself needs a torchvision video processor the training env lacks, PITFALLS.md).
+template's rendering stands for all of them (`image_pad_repeats`: transformers' Qwen2_5_VLProcessor rule, applied
+here because the processor itself needs a torchvision video processor the training env lacks, PITFALLS.md).
 
 Packing, language side: the samples' tokens go into rows exactly as LLaVA's do (common/data/packing.py's
 PackedBatch: one cu_seqlens structure for the CPU's block-diagonal 4D mask and the GPU's varlen kernel), with
