@@ -225,8 +225,9 @@ def attend_gathered(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallelMask) ->
 def attend_alltoall(q: Tensor, k: Tensor, v: Tensor, cp: ContextParallelMask) -> Tensor:
     """Ulysses: this rank's ``[B, S/cp, H, hd]`` q, k, v -> its ``H/cp`` heads over the whole row, attended with the
     whole row's document + causal mask (gathered order on both axes) -> ``[B, S/cp, Hq, hd]`` back."""
-    q, k, v = (cp.heads_to_sequence(t) for t in (q, k, v))
-    return cp.sequence_to_heads(exchanged_attention(q, k, v, cp.mask))
+    # No local names for the exchanged q, k, v: those the kernel does not keep (k and v before their repetition per
+    # query head) are freed before the inverse exchange allocates its buffers (common/memory.py: cp_transient_bytes).
+    return cp.sequence_to_heads(exchanged_attention(*(cp.heads_to_sequence(t) for t in (q, k, v)), cp.mask))
 
 
 @dataclasses.dataclass

@@ -532,6 +532,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         pp_microbatches=p.pp_microbatches,
         vocab_parallel=cfg.model.loss_parallel,
         context_parallel=True,
+        cp_method=p.cp_method,
         expert_params=experts,
         experts=moe.num_experts if moe else 0,
         top_k=moe.top_k if moe else 0,

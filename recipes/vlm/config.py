@@ -8,8 +8,9 @@ from hydra.core.config_store import ConfigStore
 from common import ulysses
 from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.errors import ConfigError
+from recipes.vlm.archs import QWEN_ARCHS
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig, check_heads
-from recipes.vlm.sources import QWEN_ARCHS, init_folder, weight_source
+from recipes.vlm.sources import init_folder, init_model_type, released, released_config, weight_source
 
 # finetune=lora (common/lora.py): the language model's linears an adapter may target, all of them by default
 # (transformers' Llama names); the projector still trains in full, the vision tower stays frozen.
@@ -56,14 +57,11 @@ CHECKPOINT_KEYS = {
 TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", **{a.tower: t for t, a in QWEN_ARCHS.items()}}
 
 
-def checkpoint_values(folder) -> dict[str, tuple[str, object]]:
+def checkpoint_values(config) -> dict[str, tuple[str, object]]:
     """model key -> (where the LLaVA's or Qwen-VL's config holds it, its value), for the keys the config sets
     (a Qwen-VL's tower has no image_size nor feature choice: native resolution, its merger reads the last block and
     Qwen3-VL's DeepStack mergers the blocks its config names;
     transformers' attribute_map reads depth / num_heads as num_hidden_layers / num_attention_heads)."""
-    from transformers import AutoConfig  # imported only for init_from runs
-
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
     values = {}
     if (tower := TOWERS.get(config.vision_config.model_type)) is not None:
         values["vision"] = ("vision_config.model_type", tower)
@@ -85,8 +83,13 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     m = cfg.model
     if not isinstance(m, VLMModelConfig) or not m.init_from:
         return
-    folder, _ = init_folder(m.init_from)
-    for key, (name, value) in checkpoint_values(folder).items():
+    if released(m.init_from):  # a release known by name, sized before its download
+        config = released_config(m.init_from)
+    else:
+        from transformers import AutoConfig  # imported only for init_from runs
+
+        config = AutoConfig.from_pretrained(init_folder(m.init_from)[0], local_files_only=True)
+    for key, (name, value) in checkpoint_values(config).items():
         if f"model.{key}" in command_line and getattr(m, key) != value:
             raise ConfigError(
                 f"model.{key}={getattr(m, key)} disagrees with model.init_from={m.init_from}, whose "
@@ -100,7 +103,7 @@ def validate(cfg: TrainConfig) -> None:
     if not isinstance(m, VLMModelConfig) or not isinstance(v, VLMConfig):
         raise ConfigError("recipe.family=vlm needs model=vlm_* and vlm=default config groups")
     qwen = m.vision in QWEN_ARCHS
-    if qwen and not (m.init_from and init_folder(m.init_from)[1] == m.vision):
+    if qwen and not (m.init_from and init_model_type(m.init_from) == m.vision):
         raise ConfigError(
             f"model.vision={m.vision} is read from model.init_from=<a {QWEN_ARCHS[m.vision].name} folder>, not chosen"
         )
@@ -120,6 +123,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"vlm.stage={v.stage!r} is not allowed; choose align or finetune")
     if v.train_vision and v.stage == "align":
         raise ConfigError("vlm.train_vision=true is for vlm.stage=finetune (align trains the projector only)")
+    if not v.train_projector and v.stage == "align":
+        raise ConfigError(
+            "vlm.train_projector=false with vlm.stage=align leaves nothing to train (align trains the projector only)"
+        )
     if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
         raise ConfigError(
             "finetune=lora trains an adapter on a LLaVA checkpoint: set model.init_from=<a llava-hf folder or "
@@ -128,7 +135,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.finetune == "lora" and v.train_vision:
         raise ConfigError(
             "vlm.train_vision=true with finetune=lora: LoRA adapts the language model (the projector trains "
-            "in full); the vision tower stays frozen"
+            "in full unless vlm.train_projector=false); the vision tower stays frozen"
         )
     weight_source(cfg)  # json only: one line for sources that contradict each other or a folder that does not fit
     check_family_sections(
@@ -154,6 +161,13 @@ def check_context_parallel(cfg: TrainConfig) -> None:
     cp = cfg.parallel.cp
     if cp == 1:
         return
+    arch = QWEN_ARCHS.get(cfg.model.vision)
+    if arch is not None and arch.deepstack:  # model.vision: the init_from folder's (complete)
+        raise ConfigError(
+            f"parallel.cp={cp}: context parallelism splits the language model of a LLaVA or a Qwen2.5-VL, not of a "
+            f"{arch.name} (its DeepStack adds the tower's features to whole rows of the first language layers); "
+            "use parallel.cp=1"
+        )
     check_heads(cp, cfg.model.text_heads, cfg.model.text_kv_heads, "model.text_heads, model.text_kv_heads")
     if cfg.data.max_seq_len % cp or ROW_ALIGN % cp:
         raise ConfigError(
@@ -165,8 +179,8 @@ def check_context_parallel(cfg: TrainConfig) -> None:
             f"parallel.cp={cp} with data.packing=false: rows padded to their longest sample have lengths cp may not "
             "divide; use data.packing=true"
         )
-    if cfg.toggles.attention != "sdpa":
+    if cfg.toggles.attention == "eager":
         raise ConfigError(
-            f"toggles.attention={cfg.toggles.attention} with parallel.cp={cp}: the VLM's Ulysses attention wraps "
-            "the sdpa kernel (with the packed rows' 4D mask); use toggles.attention=sdpa"
+            f"toggles.attention=eager with parallel.cp={cp}: the VLM's Ulysses attention wraps a registered kernel "
+            "(sdpa with the packed rows' 4D mask, or flash with their cu_seqlens); use toggles.attention=sdpa or flash"
         )

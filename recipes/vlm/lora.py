@@ -42,9 +42,11 @@ def saved_module(name: str) -> str:
 
 
 def adapter_config(cfg: TrainConfig, base: str, projector: tuple[str, ...] = ("model.multi_modal_projector",)):
-    """peft's LoraConfig of the export: the language model's targets as a regex, the projector saved whole."""
+    """peft's LoraConfig of the export: the language model's targets as a regex, the projector saved whole when it
+    trained (vlm.train_projector)."""
     targets = rf"{re.escape(LANGUAGE_MODEL)}\..*\.({'|'.join(sorted(cfg.lora.targets))})"
-    config = peft_config(cfg.lora, targets, base=base, modules_to_save=[saved_module(n) for n in projector])
+    saved = [saved_module(n) for n in projector] if cfg.vlm.train_projector else None
+    config = peft_config(cfg.lora, targets, base=base, modules_to_save=saved)
     config.inference_mode = True  # as PeftModel.save_pretrained writes it
     return config
 
@@ -52,8 +54,8 @@ def adapter_config(cfg: TrainConfig, base: str, projector: tuple[str, ...] = ("m
 def adapter_state_dict(
     state: dict[str, torch.Tensor], projector: tuple[str, ...] = ("model.multi_modal_projector",)
 ) -> dict[str, torch.Tensor]:
-    """The adapter and the projector of a LoRA-wrapped VLM's state dict under peft's saved names
-    (`base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight`,
+    """The adapter and the projector's modules (none: a frozen one, not saved) of a LoRA-wrapped VLM's state dict
+    under peft's saved names (`base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight`,
     `base_model.model.model.multi_modal_projector.linear_1.weight`, ...)."""
     return peft_state_dict(state) | {
         f"base_model.model.{k}": v for k, v in state.items() if k.startswith(tuple(n + "." for n in projector))
@@ -66,7 +68,8 @@ def write_export(model, cfg: TrainConfig, out: Path, *, base: str, processor) ->
     export.merge_lora, ``out/merged`` holds the merged LlavaForConditionalGeneration."""
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     projector = tuple(projector_names(model))
-    write_adapter_folder(out, adapter_state_dict(state, projector), adapter_config(cfg, base, projector))
+    saved = projector if cfg.vlm.train_projector else ()
+    write_adapter_folder(out, adapter_state_dict(state, saved), adapter_config(cfg, base, projector))
     processor.save_pretrained(out)
     if cfg.export.merge_lora:
         with torch.device("meta"):

@@ -1,7 +1,9 @@
 """Context parallelism (parallel.cp=2) on packed documents, against one process: the attention of random documents
 under cp_method=allgather and alltoall (outputs and gradients, fp32), with masked SDPA and with the varlen kernel's
-segments (toggles.attention=flash, a CPU stand-in for the CUDA-only kernel: tests/unit/test_llm_cp_varlen.py), equals
-SDPA with the whole row's document + causal mask, and llm_tiny's per-step losses equal the single-process run's."""
+segments (toggles.attention=flash, a CPU stand-in for the CUDA-only kernel: tests/fixtures/varlen.py), equals
+SDPA with the whole row's document + causal mask, and llm_tiny's per-step losses equal the single-process run's. The
+compositions on 4 ranks: the logits of a packed batch under cp=2 x tp=2 (both methods, one launch) equal one
+process's, and the losses under cp=2 x dp=2 equal its."""
 
 from __future__ import annotations
 
@@ -43,9 +45,9 @@ def _cp_attention(method: str) -> dict:
     from common import varlen
     from recipes.llm.context_parallel import ContextShard, chunk_positions
     from recipes.llm.model import attend
-    from tests.unit.test_llm_cp_varlen import bottom_right_varlen_attn
+    from tests.fixtures.varlen import cpu_kernel
 
-    varlen._kernel = lambda: (bottom_right_varlen_attn, True)  # this rank's process only
+    varlen._kernel = cpu_kernel  # this rank's process only
     packed, qkv, upstream = _random_batch()
     rank = tdist.get_rank()
     idx = chunk_positions(ROW_LEN, CP, rank)
@@ -58,10 +60,26 @@ def _cp_attention(method: str) -> dict:
         )
         (out * upstream[:, idx]).sum().backward()
         result[attention] = {"out": out.detach().tolist()} | {f"grad_{n}": t.grad.tolist() for n, t in mine.items()}
+        if attention == "sdpa":
+            result["memory"] = _exchange_memory(mine, shard)
     return result
 
 
 ATTENTION = ("sdpa", "flash")
+
+
+def _exchange_memory(qkv: dict, shard) -> dict:
+    """Bytes of the storages one forward of the attention creates (common/tools/activations.py): the most alive at
+    once and those alive at its end (what the graph keeps for backward, and the output)."""
+    import torch.distributed as tdist
+
+    from common.tools.activations import peak_and_kept
+    from recipes.llm.model import attend
+
+    inputs = {name: t.detach().requires_grad_() for name, t in qkv.items()}
+    mask = shard.model_inputs(tdist.group.WORLD, torch.device("cpu"))["attn_mask"]
+    peak, kept, _ = peak_and_kept(lambda: attend(*inputs.values(), mask), [*inputs.values(), mask.mask])
+    return {"peak": peak, "kept": kept}
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -88,6 +106,24 @@ def test_cp_attention_matches_unsplit_masked_attention(tmp_path, method):
                 f"(max |unsplit| {want.abs().max().item():.1e})"
             )
             assert want.abs().max() > 0 and err <= 1e-5, (attention, key)
+    if (
+        method == "alltoall"
+    ):  # the planner's Ulysses terms (common/memory.py) for this layer: what the forward allocates
+        from common.memory import Block, _attention_saved, cp_transient_bytes
+
+        # SDPA with K/V repeated per query head (Block's repeat_kv), the bool mask kept as a bias (dense_mask).
+        block = Block(HEADS * HEAD_DIM, HEADS, 0, KV_HEADS, dropout=False, attention="fused", dense_mask=True)
+        s, b = ROW_LEN // CP, packed.num_rows
+        transient = cp_transient_bytes(block, seq=ROW_LEN, batch=b, act_bytes=4, cp=CP, cp_method="alltoall")
+        mask_bool = b * ROW_LEN * ROW_LEN  # created before the attention (the shard's), not inside it
+        kept = sum(t.nbytes for t in _attention_saved(block, s, b, 4, mask_side=ROW_LEN)) + 4 * s * b * block.hidden
+        for rank in ranks:
+            print(
+                f"cp={CP} alltoall, one forward: measured {rank['memory']}; planner transient {transient:,.0f} B "
+                f"(less the {mask_bool} B bool mask, the shard's), kept {kept:,.0f} B"
+            )
+            assert rank["memory"]["peak"] - rank["memory"]["kept"] == transient - mask_bool
+            assert rank["memory"]["kept"] == kept
 
 
 def test_a_document_never_sees_another_or_a_later_token():
@@ -110,6 +146,75 @@ def test_a_document_never_sees_another_or_a_later_token():
     assert sum(ContextShard.of(packed, CP, r).num_labels for r in range(CP)) == packed.num_labels
 
 
+# cp=2 x tp=2: llm_tiny with 8 query and 4 key/value heads, so that a tp rank's 2 key/value heads split over cp=2
+# (cp_method=alltoall needs cp to divide them; llm_tiny's own 2 would leave 1 per tp rank: allgather only).
+COMPOSED = ["recipe=llm_tiny", f"parallel.cp={CP}", "parallel.tp=2", "model.n_heads=8", "model.n_kv_heads=4"]
+VOCAB = 96
+
+
+def _tiny_llama():
+    """The model of COMPOSED with random weights (the same on every rank: seeded), fp32."""
+    from common.launch import compose
+    from recipes.llm.model import Transformer
+    from recipes.llm.train import llama_args
+
+    cfg = compose(COMPOSED)
+    model = Transformer(llama_args(cfg, VOCAB))
+    model.init_weights(seed=0)
+    return cfg, model
+
+
+def _packed_tokens():
+    """The rows of _random_batch with token ids below VOCAB."""
+    packed, _, _ = _random_batch()
+    packed.input_ids %= VOCAB
+    return packed
+
+
+def _cp_tp_logits() -> dict:
+    """On each of 4 ranks (cp=2 x tp=2, FSDP2 over cp as the recipe shards it): the logits at the rank's cp chunks of
+    the packed rows, under each cp_method, from one parallelized model (the method is the mask's, not the model's)."""
+    import torch.distributed as tdist
+
+    from common.parallel_dims import ParallelDims
+    from recipes.llm.context_parallel import ContextShard, chunk_positions
+    from recipes.llm.parallelize import parallelize
+
+    cfg, model = _tiny_llama()
+    mesh = ParallelDims.from_config(cfg.parallel, tdist.get_world_size()).build_mesh("cpu")
+    model = parallelize(model, mesh, cfg)
+    packed, cp_rank = _packed_tokens(), mesh["cp"].get_local_rank()
+    result = {"idx": chunk_positions(ROW_LEN, CP, cp_rank).tolist()}
+    with torch.no_grad():
+        for method in METHODS:
+            shard = ContextShard.of(packed, CP, cp_rank, method)
+            inputs = shard.model_inputs(mesh["cp"].get_group(), torch.device("cpu"))
+            result[method] = model(shard.input_ids, **inputs).tolist()
+    return result
+
+
+def test_cp2_tp2_logits_match_single_process(tmp_path):
+    """One 4-rank launch: under cp=2 x tp=2 (sequence-parallel norms, FSDP2 over cp) every rank's logits at its chunks
+    equal the unsplit model's on the whole packed rows (document + causal mask, per-document positions), for both
+    exchanges."""
+    _, model = _tiny_llama()
+    packed = _packed_tokens()
+    with torch.no_grad():
+        expected = model(packed.input_ids, position_ids=packed.position_ids, attn_mask=packed.attention_mask_4d())
+    ranks = spawn_ranks(_cp_tp_logits, (), 2 * CP, tmp_path)
+    for method in METHODS:
+        worst = 0.0
+        for rank in ranks:  # the tp ranks of a cp rank each hold the whole vocabulary (no loss parallel)
+            got = torch.tensor(rank[method])
+            assert got.shape == (packed.num_rows, ROW_LEN // CP, VOCAB)
+            worst = max(worst, (got - expected[:, rank["idx"]]).abs().max().item())
+        print(
+            f"cp={CP} x tp=2 {method}: max |logits - one process's| = {worst:.1e} "
+            f"(max |logit| {expected.abs().max().item():.1e})"
+        )
+        assert worst <= 1e-5, method
+
+
 @pytest.fixture(scope="module")
 def runs(trained):
     """The single-process reference is test_llm_layouts' (the same arguments: one cached run); the cp=2 run the same
@@ -130,6 +235,19 @@ def test_cp2_losses_match_single_process(runs):
     ref_eval, got_eval = (json.loads((r / "eval.json").read_text()) for r in runs)
     assert got_eval["val_tokens"] == ref_eval["val_tokens"]
     assert got_eval["val_loss"] == pytest.approx(ref_eval["val_loss"], rel=1e-5)
+
+
+def test_cp2_dp2_losses_match_single_process(runs, trained):
+    """4 ranks, cp=2 x dp=2 (FSDP2 over the 4): each dp rank's 4 documents split over its cp pair; the same 8
+    documents a step as the single-process run, whose per-step losses these equal."""
+    args = [a for a in LLM_10_STEPS if not a.startswith("checkpoint.every=")]
+    cp_dp = [*args, "trainer.micro_batch_size=4", f"parallel.cp={CP}", "trainer.eval=false", "checkpoint.final=false"]
+    ref, got = losses(runs[0]), losses(trained(cp_dp, nproc=2 * CP))
+    assert sorted(got) == sorted(ref)
+    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref)
+    print(f"llm_tiny cp={CP} x dp=2 vs one process: max relative loss difference over {len(ref)} steps = {worst:.1e}")
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
 
 
 @pytest.mark.parametrize("direction", ["cp2_to_cp1", "cp1_to_cp2"])

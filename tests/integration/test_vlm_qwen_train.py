@@ -1,9 +1,10 @@
 """Qwen2.5-VL and Qwen3-VL trained by the VLM recipe, end to end on CPU: a tiny random release folder
 (make_qwen2_5_vl / make_qwen3_vl) fine-tuned on LLaVA-format data at native resolution (data.min_pixels /
-data.max_pixels), packed, in one process. The loss falls; the export is a folder transformers loads as the release's
-class (Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration) whose logits are the trained model's (the
-run's last DeepSpeed checkpoint, loaded into the release's model by transformers, not by Kiln); the frozen vision
-tower is the release's bit for bit."""
+data.max_pixels), packed, in one process; Qwen2.5-VL's data has videos too (MP4 files and frame files, sampled at
+data.video_fps), Qwen3-VL's none (its runs refuse them). The loss falls; the export is a folder transformers loads as
+the release's class (Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration) whose logits are the
+trained model's (the run's last DeepSpeed checkpoint, loaded into the release's model by transformers, not by Kiln);
+the frozen vision tower is the release's bit for bit."""
 
 from __future__ import annotations
 
@@ -14,64 +15,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.tools.fixtures import make_qwen2_5_vl, make_qwen3_vl
-from data import prepare_llava
-from recipes.vlm.sources import QWEN_ARCHS
+from recipes.vlm.archs import QWEN_ARCHS
 from tests.conftest import load_script, losses
 from tests.fixtures import vlm as fx
 
 pytestmark = pytest.mark.integration
 
-# model_type -> (its fixture, the px side of one image token: 2x2 patches of 14 / 16 px)
-ARCHS = {"qwen2_5_vl": (make_qwen2_5_vl, 28), "qwen3_vl": (make_qwen3_vl, 32)}
-
-
-def budget(unit: int) -> tuple[int, int]:
-    return unit * unit * 4, unit * unit * 16  # images of 4..16 merged tokens
-
 
 @pytest.fixture(scope="module")
-def instruct(tmp_path_factory):
-    """The LLaVA-format shards both architectures train on (the images' resizing is each processor's)."""
-    root = tmp_path_factory.mktemp("qwen_world")
-    raw = fx.write_llava_data(root / "raw", n_pretrain=8, n_instruct=48)
-    prepare_llava.build_llava(
-        root / "instruct",
-        json_path=raw / "llava_instruct.json",
-        images=raw / "images",
-        train_shards=2,
-        val_shards=1,
-        val_fraction=0.05,
-    )
-    return root / "instruct"
+def qwen3_world(tmp_path_factory):
+    return fx.make_qwen3_world(tmp_path_factory.mktemp("qwen3_world"))
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def run(request, tmp_path_factory, trained, instruct):
-    make, unit = ARCHS[request.param]
-    min_pixels, max_pixels = budget(unit)
-    qwen = make(tmp_path_factory.mktemp(request.param))
-    run_dir = trained(
-        [
-            "recipe=vlm_tiny",
-            "data=llava",
-            f"data.root={instruct}",
-            f"model.init_from={qwen}",
-            f"data.min_pixels={min_pixels}",
-            f"data.max_pixels={max_pixels}",
-            "data.num_workers=0",
-            "data.max_seq_len=256",
-            "trainer.micro_batch_size=8",
-            "trainer.max_steps=3",
-            "trainer.log_every=1",
-            "trainer.progress_bar=false",
-            "optim.lr=2e-3",
-            "optim.warmup_steps=1",
-            "vlm.eval_samples=2",
-            "vlm.max_new_tokens=4",
-        ]
-    )
-    return run_dir, qwen, request.param, unit
+@pytest.fixture(scope="module", params=QWEN_ARCHS)
+def run(request, trained):
+    """(run folder, release folder, model_type). Qwen2.5-VL: the cached run test_vlm_qwen_zero3 takes as its 1-rank
+    ZeRO-0 reference (conftest's qwen_world, with videos); Qwen3-VL: its own release over image-only shards."""
+    world = request.getfixturevalue("qwen_world" if request.param == "qwen2_5_vl" else "qwen3_world")
+    return trained(fx.qwen_run_args(world)), world["qwen"], request.param
 
 
 def test_qwen_trains_at_native_resolution_and_the_loss_falls(run):
@@ -81,6 +42,9 @@ def test_qwen_trains_at_native_resolution_and_the_loss_falls(run):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["skipped_samples"] == 0 for r in records)  # the images fit data.max_seq_len
     assert sum(r["text_only_samples"] for r in records) > 0  # text-only conversations trained beside the images
+    if QWEN_ARCHS[run[2]].video:  # and videos (their frames decoded in the loader)
+        assert sum(r["video_samples"] for r in records) > 0
+    assert not any(r.get("corrupt_shards") for r in records)
     assert json.loads((run_dir / "eval.json").read_text())["val_tokens"] > 0
 
 
@@ -92,7 +56,7 @@ def test_export_is_the_trained_qwen_and_the_tower_stays_the_release(run):
     from PIL import Image
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    run_dir, release, arch, unit = run
+    run_dir, release, arch = run
     export = run_dir / "export"
     assert AutoConfig.from_pretrained(export).model_type == arch
     model = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32).eval()
@@ -102,8 +66,8 @@ def test_export_is_the_trained_qwen_and_the_tower_stays_the_release(run):
     module = torch.load(step / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
     trained.load_state_dict(module, strict=True)
     tokenizer, image_processor = AutoTokenizer.from_pretrained(export), AutoImageProcessor.from_pretrained(export)
-    min_pixels, max_pixels = budget(unit)
-    assert image_processor.size == {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    unit = QWEN_ARCHS[arch].unit  # images of 4..16 merged tokens (tests/fixtures/vlm.py qwen_run_args)
+    assert image_processor.size == {"shortest_edge": unit**2 * 4, "longest_edge": unit**2 * 16}
 
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (90, 60, 3), dtype=np.uint8))

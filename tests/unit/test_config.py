@@ -70,7 +70,15 @@ def test_each_family_has_only_its_own_parallel_and_data_keys():
     assert fields["llm_tiny"][0] == every | {"tp", "pp", "ep", "pp_schedule", "pp_microbatches"}
     common = {"name", "root", "build", "build_hint", "num_workers", "shuffle_buffer", "max_corrupt_shards"}
     assert fields["dit_tiny"][1] == common | {"image_size", "latents"}
-    assert fields["vlm_tiny"][1] == common | {"packing", "max_seq_len", "min_pixels", "max_pixels"}  # Qwen-VL's budget
+    # Qwen-VL's pixel budget and video sampling
+    assert fields["vlm_tiny"][1] == common | {
+        "packing",
+        "max_seq_len",
+        "min_pixels",
+        "max_pixels",
+        "video_fps",
+        "max_frames",
+    }
     assert fields["llm_tiny"][1] == common | {"max_seq_len", "eval_docs"}
 
 
@@ -246,10 +254,15 @@ CP_REFUSALS = {
         "parallel.cp=2 data.max_seq_len=255": "parallel.cp=2 must divide data.max_seq_len=255 and 8",
         "parallel.cp=2 data.packing=false": "parallel.cp=2 with data.packing=false",
         "parallel.cp=2 toggles.attention=eager": "toggles.attention=eager with parallel.cp=2",
-        "parallel.cp=2 toggles.attention=flash toggles.precision=bf16": "toggles.attention=flash with parallel.cp=2",
         "parallel.cp_method=allgather": "parallel.cp_method='allgather' is not in the VLM recipe; choose one of",
     },
 }
+
+
+def test_the_vlm_takes_context_parallelism_with_flash():
+    """Ulysses wraps the varlen kernel as it wraps SDPA (tests/distributed/test_vlm_context_parallel.py)."""
+    cfg = compose("recipe=vlm_tiny parallel.cp=2 toggles.attention=flash toggles.precision=bf16".split())
+    assert (cfg.parallel.cp, cfg.toggles.attention) == (2, "flash")
 
 
 @pytest.mark.parametrize("accepted", list(CP_REFUSALS), ids=["sd35_medium", "dit_tiny", "vlm_tiny"])

@@ -5,8 +5,8 @@ built here from the document lengths (outputs and gradients), on random packed d
 The cp ranks are emulated in one process: each gets what its collective returns (``allgather``: every rank's keys
 and values in the gathered order; ``alltoall``: its heads of every token in that order) and runs the code that follows
 the exchange on a rank (``exchanged_attention``), the same lines on CPU and on CUDA. On CPU the kernel is
-``bottom_right_varlen_attn`` below, the reference semantics of torch's CUDA-only kernel; the gpu-marked test runs the
-real one. The real collectives: tests/distributed/test_llm_context_parallel.py."""
+tests/fixtures/varlen.py's stand-in, the reference semantics of torch's CUDA-only kernel; the gpu-marked test runs
+the real one. The real collectives: tests/distributed/test_llm_context_parallel.py."""
 
 from __future__ import annotations
 
@@ -23,44 +23,16 @@ from recipes.llm.context_parallel import (
     exchanged_attention,
     gathered_positions,
 )
+from tests.fixtures.varlen import cpu_kernel
 
 ROW = 48  # divisible by 2 * cp for cp = 2 and 4
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 16  # GQA (2 query heads per key/value head); alltoall at cp=4: 2 and 1 per rank
 METHODS = ("allgather", "alltoall")
 
 
-def bottom_right_varlen_attn(
-    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
-):
-    """torch.nn.attention.varlen.varlen_attn's semantics on CPU (the kernel is CUDA only), causal as FlashAttention
-    aligns it: segment i's queries ``cu_seq_q[i]..`` over its keys ``cu_seq_k[i]..``, query t attending key j iff
-    ``j <= t + Lk - Lq`` (the bottom-right diagonal: a segment's last query sees all its keys)."""
-    assert window_size == (-1, 0), "cp's varlen attention is causal"
-    assert cu_seq_q.dtype == cu_seq_k.dtype == torch.int32 and len(cu_seq_q) == len(cu_seq_k)
-    assert int(cu_seq_q[-1]) == q.shape[0] and int(cu_seq_k[-1]) == k.shape[0]
-    q_lens, k_lens = cu_seq_q.diff().tolist(), cu_seq_k.diff().tolist()
-    assert isinstance(max_q, int) and isinstance(max_k, int) and (max_q, max_k) == (max(q_lens), max(k_lens))
-    out = torch.empty_like(q)
-    for a, c, lq, lk in zip(cu_seq_q.tolist(), cu_seq_k.tolist(), q_lens, k_lens):
-        assert 0 < lq <= lk, "every query has a key"
-        allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
-        seg = [t.transpose(0, 1) for t in (q[a : a + lq], k[c : c + lk], v[c : c + lk])]  # [heads, n, head_dim]
-        out[a : a + lq] = F.scaled_dot_product_attention(
-            *seg, attn_mask=allowed, scale=scale, enable_gqa=enable_gqa
-        ).transpose(0, 1)
-    return out
-
-
-def _without_gqa(q, k, v, *args, **kwargs):
-    """torch 2.11's kernel (the lent GPU image's): no enable_gqa, equal head counts (common/varlen.py repeats K/V)."""
-    assert "enable_gqa" not in kwargs and q.shape[1] == k.shape[1]
-    return bottom_right_varlen_attn(q, k, v, *args, **kwargs)
-
-
 def use_cpu_kernel(monkeypatch, form: str) -> None:
     """The CPU stand-in as common/varlen.py's kernel, in either of its forms (torch 2.13's, or 2.11's: repeat_kv)."""
-    kernel = (bottom_right_varlen_attn, True) if form == "enable_gqa" else (_without_gqa, False)
-    monkeypatch.setattr(varlen, "_kernel", lambda: kernel)
+    monkeypatch.setattr(varlen, "_kernel", lambda: cpu_kernel(form))
 
 
 def random_batch(seed: int):
