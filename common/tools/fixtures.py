@@ -386,10 +386,15 @@ def make_caption_folder(
 
 # Qwen2-VL / Qwen2.5-VL's released chat template (string content as is; OpenAI-style parts: an image or a video
 # becomes <|vision_start|><|image_pad|><|vision_end|>, which the processor expands to one pad per merged patch).
-QWEN_VL_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+# Qwen3-VL's release renders turns and images the same way but adds no default system turn (its tool-calling and
+# thinking branches are left out here: the recipe's conversations use neither).
+QWEN_VL_DEFAULT_SYSTEM = (
     "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% endif %}"
+)
+QWEN3_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
     "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
     "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
     "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
@@ -397,6 +402,9 @@ QWEN_VL_TEMPLATE = (
     "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
     "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
     "<|im_start|>assistant\n{% endif %}"
+)
+QWEN_VL_TEMPLATE = QWEN3_VL_TEMPLATE.replace(
+    "{% for message in messages %}", "{% for message in messages %}" + QWEN_VL_DEFAULT_SYSTEM, 1
 )
 # Qwen2.5-VL's special tokens, in its order (<|endoftext|> is pad, <|im_end|> ends a turn).
 QWEN_VL_SPECIALS = (
@@ -446,6 +454,49 @@ def train_byte_level_bpe(texts, *, split: str, specials, vocab_size: int):
     return bpe
 
 
+def qwen_vl_tokenizer(vocab_size: int, chat_template: str):
+    """A Qwen2Tokenizer (the Qwen-VL releases' class) with byte-level BPE trained offline on QWEN_VL_TEXT (the
+    `tokenizers` library, Qwen2's own pre-tokenizer: its regex split, then bytes, so the trained merges are ones
+    Qwen2Tokenizer applies), Qwen's special tokens and `chat_template`; and {special token: id}."""
+    from tokenizers import normalizers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    bpe = train_byte_level_bpe(QWEN_VL_TEXT, split=PRETOKENIZE_REGEX, specials=QWEN_VL_SPECIALS, vocab_size=vocab_size)
+    bpe.normalizer = normalizers.NFC()
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tokenizer = Qwen2Tokenizer(
+        vocab=model["vocab"],
+        merges=merges,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(QWEN_VL_SPECIALS[1:]),
+        chat_template=chat_template,
+    )
+    return tokenizer, {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIALS}
+
+
+def _qwen_vl_ids(ids: dict[str, int]) -> dict[str, int]:
+    """The special-token ids a Qwen-VL config names."""
+    return dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+
+
+def _save_qwen_vl(out: Path, model_class, config, tokenizer, image_processor, seed: int) -> Path:
+    import torch
+
+    torch.manual_seed(seed)
+    model_class(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    image_processor.save_pretrained(out)
+    return out
+
+
 def make_qwen2_5_vl(
     out: str | Path,
     *,
@@ -462,34 +513,18 @@ def make_qwen2_5_vl(
     Qwen2_5_VLForConditionalGeneration (a `vision_depth`-block tower, patch 14, 2x2 spatial merge, window attention
     in all but its last block as the release has it; a `num_layers` Qwen2 language model with mRoPE), its
     Qwen2VLImageProcessor (PIL backend: smart_resize within `min_pixels`..`max_pixels`) and a Qwen2Tokenizer with
-    byte-level BPE trained offline (the `tokenizers` library) carrying Qwen's special tokens and chat template.
+    byte-level BPE trained offline (`qwen_vl_tokenizer`) carrying Qwen's special tokens and chat template.
 
     No video processor config is saved: transformers' Qwen2VLVideoProcessor then reads
     preprocessor_config.json. It needs torchvision, which does not import under the training env's CPU torch
     (PITFALLS.md), so AutoProcessor loads the folder only in .venv-serve; in the training env the image processor
     and tokenizer load on their own (AutoImageProcessor, AutoTokenizer)."""
-    import torch
-    from tokenizers import normalizers
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    # Qwen2's own pre-tokenizer (its regex split, then byte-level): the trained merges are ones Qwen2Tokenizer applies.
-    bpe = train_byte_level_bpe(QWEN_VL_TEXT, split=PRETOKENIZE_REGEX, specials=QWEN_VL_SPECIALS, vocab_size=vocab_size)
-    bpe.normalizer = normalizers.NFC()
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    tokenizer = Qwen2Tokenizer(
-        vocab=model["vocab"],
-        merges=merges,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=list(QWEN_VL_SPECIALS[1:]),
-        chat_template=QWEN_VL_TEMPLATE,
-    )
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIALS}
+    tokenizer, ids = qwen_vl_tokenizer(vocab_size, QWEN_VL_TEMPLATE)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
     heads = 4
     head_dim = hidden_size // heads
@@ -525,16 +560,85 @@ def make_qwen2_5_vl(
             out_hidden_size=hidden_size,
             fullatt_block_indexes=[vision_depth - 1],
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **_qwen_vl_ids(ids),
     )
-    torch.manual_seed(seed)
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    image_processor.save_pretrained(out)
-    return out
+    return _save_qwen_vl(out, Qwen2_5_VLForConditionalGeneration, config, tokenizer, image_processor, seed)
+
+
+def make_qwen3_vl(
+    out: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 3,
+    vision_hidden: int = 32,
+    vision_depth: int = 3,
+    min_pixels: int = 32 * 32 * 4,
+    max_pixels: int = 32 * 32 * 64,
+    vocab_size: int = 400,
+    seed: int = 0,
+) -> Path:
+    """A random Qwen3-VL release folder (~/models/Qwen3-VL-8B-Instruct's layout, `save_pretrained`): a tiny
+    Qwen3VLForConditionalGeneration (a `vision_depth`-block tower, patch 16, 2x2 spatial merge, learned position
+    embeddings resampled to each image's grid, DeepStack: the features of blocks 0 .. depth-2 merged and added after
+    the first language layers at the image tokens; a `num_layers` Qwen3 language model with interleaved
+    mRoPE), its Qwen2VLImageProcessor (the release's class: PIL backend, 32 px units within
+    `min_pixels`..`max_pixels`, mean/std 0.5) and `qwen_vl_tokenizer` with Qwen3-VL's chat template (no default
+    system turn). No video processor, as make_qwen2_5_vl."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer, ids = qwen_vl_tokenizer(vocab_size, QWEN3_VL_TEMPLATE)
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    heads = 4
+    half = hidden_size // heads // 2  # rotary frequencies per head, interleaved over (t, h, w) ...
+    hw = half // 4  # ... as the release's 24:20:20 of 64
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=2,
+            head_dim=hidden_size // heads,
+            max_position_embeddings=4096,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": [half - 2 * hw, hw, hw],
+                "mrope_interleaved": True,
+            },
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            depth=vision_depth,
+            hidden_size=vision_hidden,
+            intermediate_size=2 * vision_hidden,
+            num_heads=2,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=hidden_size,
+            num_position_embeddings=64,  # an 8x8 learned grid (the release's: 48x48)
+            # Fewer than the language layers, as released (3 of 36): a feature added after the last layer would
+            # reach no label (causal attention), and ZeRO expects a gradient for every trainable parameter.
+            deepstack_visual_indexes=list(range(min(vision_depth, num_layers) - 1)),
+        ),
+        **_qwen_vl_ids(ids),
+    )
+    return _save_qwen_vl(out, Qwen3VLForConditionalGeneration, config, tokenizer, image_processor, seed)
 
 
 def encode_video(frames, fps: int, container: str = "mp4") -> bytes:

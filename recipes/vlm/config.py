@@ -8,8 +8,9 @@ from hydra.core.config_store import ConfigStore
 from common import ulysses
 from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.errors import ConfigError
+from recipes.vlm.archs import QWEN_ARCHS
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig, check_heads
-from recipes.vlm.sources import QWEN, init_folder, init_model_type, released, released_config, weight_source
+from recipes.vlm.sources import init_folder, init_model_type, released, released_config, weight_source
 
 # finetune=lora (common/lora.py): the language model's linears an adapter may target, all of them by default
 # (transformers' Llama names); the projector still trains in full, the vision tower stays frozen.
@@ -52,13 +53,14 @@ CHECKPOINT_KEYS = {
     "vocab_size": ("text_config", "vocab_size"),
     "rope_theta": ("text_config", "rope_theta"),
 }
-# vision_config.model_type -> model.vision (a Qwen2.5-VL's tower is its own: qwen2_5_vl)
-TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", "qwen2_5_vl_vision": QWEN}
+# vision_config.model_type -> model.vision (a Qwen-VL's tower is its own: its model_type, qwen2_5_vl / qwen3_vl)
+TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", **{a.tower: t for t, a in QWEN_ARCHS.items()}}
 
 
 def checkpoint_values(config) -> dict[str, tuple[str, object]]:
-    """model key -> (where the LLaVA's or Qwen2.5-VL's config holds it, its value), for the keys the config sets
-    (a Qwen2.5-VL's tower has no image_size nor feature choice: native resolution, its merger reads the last block;
+    """model key -> (where the LLaVA's or Qwen-VL's config holds it, its value), for the keys the config sets
+    (a Qwen-VL's tower has no image_size nor feature choice: native resolution, its merger reads the last block and
+    Qwen3-VL's DeepStack mergers the blocks its config names;
     transformers' attribute_map reads depth / num_heads as num_hidden_layers / num_attention_heads)."""
     values = {}
     if (tower := TOWERS.get(config.vision_config.model_type)) is not None:
@@ -100,16 +102,18 @@ def validate(cfg: TrainConfig) -> None:
     m, v = cfg.model, cfg.vlm
     if not isinstance(m, VLMModelConfig) or not isinstance(v, VLMConfig):
         raise ConfigError("recipe.family=vlm needs model=vlm_* and vlm=default config groups")
-    qwen = m.vision == QWEN
-    if qwen and not (m.init_from and init_model_type(m.init_from) == QWEN):
-        raise ConfigError(f"model.vision={QWEN} is read from model.init_from=<a Qwen2.5-VL folder>, not chosen")
-    if m.vision not in ("siglip", "clip", QWEN):
+    qwen = m.vision in QWEN_ARCHS
+    if qwen and not (m.init_from and init_model_type(m.init_from) == m.vision):
+        raise ConfigError(
+            f"model.vision={m.vision} is read from model.init_from=<a {QWEN_ARCHS[m.vision].name} folder>, not chosen"
+        )
+    if m.vision not in ("siglip", "clip", *QWEN_ARCHS):
         raise ConfigError(f"model.vision={m.vision!r} is not allowed; choose siglip or clip")
     if m.vision_feature_select_strategy not in ("auto", "full", "default"):
         raise ConfigError(
             f"model.vision_feature_select_strategy={m.vision_feature_select_strategy!r}: choose auto, full or default"
         )
-    if not qwen and m.image_size % m.vision_patch_size:  # Qwen2.5-VL: native resolution, no image size
+    if not qwen and m.image_size % m.vision_patch_size:  # Qwen-VL: native resolution, no image size
         raise ConfigError(
             f"model.image_size={m.image_size} must be a multiple of model.vision_patch_size={m.vision_patch_size}"
         )
@@ -157,6 +161,13 @@ def check_context_parallel(cfg: TrainConfig) -> None:
     cp = cfg.parallel.cp
     if cp == 1:
         return
+    arch = QWEN_ARCHS.get(cfg.model.vision)
+    if arch is not None and arch.deepstack:  # model.vision: the init_from folder's (complete)
+        raise ConfigError(
+            f"parallel.cp={cp}: context parallelism splits the language model of a LLaVA or a Qwen2.5-VL, not of a "
+            f"{arch.name} (its DeepStack adds the tower's features to whole rows of the first language layers); "
+            "use parallel.cp=1"
+        )
     check_heads(cp, cfg.model.text_heads, cfg.model.text_kv_heads, "model.text_heads, model.text_kv_heads")
     if cfg.data.max_seq_len % cp or ROW_ALIGN % cp:
         raise ConfigError(

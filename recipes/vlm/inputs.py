@@ -16,6 +16,7 @@ from common.data.packing import IGNORE_INDEX, pad_samples
 from common.data.webdataset import global_train_loader
 from common.errors import ConfigError
 from recipes.vlm import pretrained, qwen
+from recipes.vlm.archs import QWEN_ARCHS, VIDEO_NAMES
 from recipes.vlm.data import (
     blank_sample,
     build_train_loader,
@@ -87,12 +88,19 @@ class LlavaInputs:
 
 
 class QwenInputs:
-    """A Qwen2.5-VL's inputs at native resolution (recipes/vlm/qwen.py): LLaVA-format conversations only."""
+    """A Qwen2.5-VL's or Qwen3-VL's inputs at native resolution (recipes/vlm/qwen.py): LLaVA-format conversations
+    only (videos: Qwen2.5-VL's)."""
 
     def __init__(self, processor: qwen.QwenProcessing, model, source: WeightSource, meta: dict):
         if not is_conversations(meta):
             raise ConfigError(
                 f"{source.label} trains on LLaVA-format conversations (data=llava), not on the digits demo's questions"
+            )
+        arch = QWEN_ARCHS[model.config.model_type]
+        if meta.get("videos") and not arch.video:
+            raise ConfigError(
+                f"the dataset has {meta['videos']} sample(s) with a video; a {arch.name} trains on images only (its "
+                f"videos carry a timestamp per frame, which Kiln does not write; videos train with a {VIDEO_NAMES})"
             )
         self.processor, self.conversations = processor, True
         tokenizer = processor.tokenizer

@@ -16,19 +16,24 @@ from recipes.vlm.context_parallel import split_language_model
 
 
 def vlm_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
-    """(vision tower, projector, language model) of a LlavaForConditionalGeneration or a
-    Qwen2_5_VLForConditionalGeneration. Qwen's projector is its merger (2x2 patches -> one token, then an MLP), a
-    module of the tower: what its own fine-tuning calls the `mm_mlp`, as LLaVA's projector is."""
+    """(vision tower, projector, language model) of a LlavaForConditionalGeneration, a
+    Qwen2_5_VLForConditionalGeneration or a Qwen3VLForConditionalGeneration. Qwen's projector is its merger (2x2
+    patches -> one token, then an MLP), a module of the tower: what its own fine-tuning calls the `mm_mlp`, as
+    LLaVA's projector is. Qwen3-VL's DeepStack mergers (intermediate blocks' features -> the first language layers)
+    project too, and train with it (as ms-swift's aligner and Qwen's fine-tuning scripts have them): its projector
+    is a ModuleList view of [merger, *deepstack_merger_list] (the modules stay where the model holds them)."""
     inner = model.model
-    if hasattr(inner, "visual"):  # Qwen2.5-VL
-        return inner.visual, inner.visual.merger, inner.language_model
+    if hasattr(inner, "visual"):  # Qwen2.5-VL, Qwen3-VL
+        deepstack = getattr(inner.visual, "deepstack_merger_list", None)
+        merger = torch.nn.ModuleList([inner.visual.merger, *deepstack]) if deepstack else inner.visual.merger
+        return inner.visual, merger, inner.language_model
     return inner.vision_tower, inner.multi_modal_projector, inner.language_model
 
 
 def unused_tower_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Tower modules LLaVA's features never reach: the encoder layers after `vision_feature_layer` and
     the post-encoder norm/head (features are hidden states). Frozen even under `vlm.train_vision`: they
-    would get no gradient, which ZeRO's gradient buckets do not expect. Qwen2.5-VL's merger reads the tower's
+    would get no gradient, which ZeRO's gradient buckets do not expect. A Qwen-VL's merger reads the tower's
     last block: none."""
     if not hasattr(model.config, "vision_feature_layer"):
         return []
@@ -43,9 +48,9 @@ def unused_tower_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def freeze_for_stage(
     model: torch.nn.Module, stage: str, train_vision: bool = False, train_projector: bool = True
 ) -> None:
-    """align: only the projector learns (LLaVA stage 1; Qwen2.5-VL's merger). finetune: projector + language
-    model (LLaVA stage 2), plus the vision tower with `vlm.train_vision`, less the projector with
-    `vlm.train_projector=false`. Frozen = requires_grad False, so it never reaches the optimizer
+    """align: only the projector learns (LLaVA stage 1; a Qwen-VL's merger(s)). finetune: projector + language
+    model (LLaVA stage 2), plus the vision tower with `vlm.train_vision`, less the projector (all of Qwen3-VL's
+    mergers) with `vlm.train_projector=false`. Frozen = requires_grad False, so it never reaches the optimizer
     (common/deepspeed.py passes only trainable parameters)."""
     tower, projector, language_model = vlm_parts(model)
     model.requires_grad_(False)

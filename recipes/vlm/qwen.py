@@ -1,23 +1,27 @@
-"""Qwen2.5-VL inputs at native resolution, packed on both sides of the merger.
+"""Qwen2.5-VL and Qwen3-VL inputs at native resolution, packed on both sides of the merger (what differs between the
+two is a row of recipes/vlm/archs.py's QWEN_ARCHS: classes, patch size, DeepStack).
 
 Each image keeps its aspect ratio: the image processor's own smart_resize fits it within its
-min_pixels..max_pixels to a multiple of patch x merge (28 px), then cuts it into 14x14 patches (two frames each:
-temporal_patch_size 2), returned as one [patches, 3*2*14*14] sequence and a (t, h, w) grid per image. An image is
-(t*h*w) / merge^2 tokens: the number varies per image, and one `<|image_pad|>` in the chat template's rendering
-stands for all of them (`image_pad_repeats`: transformers' Qwen2_5_VLProcessor rule, applied here because the
-processor itself needs a torchvision video processor the training env lacks, PITFALLS.md). A video is frames sampled
-at data.video_fps within data.max_frames, resized the same way and paired into temporal patches (recipes/vlm/video.py:
-Qwen2VLVideoProcessor's output, made without it); one `<|video_pad|>` stands for its (t*h*w) / merge^2 tokens.
+min_pixels..max_pixels to a multiple of patch x merge (28 px; Qwen3-VL's 16-px patches: 32), then cuts it into
+patches (two frames each: temporal_patch_size 2), returned as one [patches, 3*2*p*p] sequence and a (t, h, w) grid
+per image. An image is (t*h*w) / merge^2 tokens: the number varies per image, and one `<|image_pad|>` in the chat
+template's rendering stands for all of them (`image_pad_repeats`: transformers' Qwen2_5_VLProcessor rule, applied
+here because the processor itself needs a torchvision video processor the training env lacks, PITFALLS.md). A video
+(Qwen2.5-VL only: QWEN_ARCHS' `video`) is frames sampled at data.video_fps within data.max_frames, resized the same
+way and paired into temporal patches (recipes/vlm/video.py: Qwen2VLVideoProcessor's output, made without it); one
+`<|video_pad|>` stands for its (t*h*w) / merge^2 tokens.
 
 Packing, language side: the samples' tokens go into rows exactly as LLaVA's do (common/data/packing.py's
 PackedBatch: one cu_seqlens structure for the CPU's block-diagonal 4D mask and the GPU's varlen kernel), with
 Qwen's 3D mRoPE positions computed per sample by transformers' own `get_rope_index` and laid out by the same
 segments. Vision side: the images of all rows, in the order of their pads in the row-major flattened batch,
 go to the tower as one patch sequence with their grids; the tower's own per-image cu_seqlens keep its attention
-(full and windowed) within each image, so no image is padded to another's size. The videos go the same way, as the
-model's forward takes them (pixel_values_videos, video_grid_thw: a second tower call, each temporal patch its own
-attention block), and each video's mRoPE time positions follow its second_per_grid_ts (temporal patch / sampled fps,
-as Qwen2_5_VLProcessor computes it).
+(full and windowed) within each image, so no image is padded to another's size. Qwen3-VL's DeepStack features follow
+the merged features: transformers adds them at the image tokens of the flattened rows (visual_pos_masks), in the
+same row-major order, so a packed sample gets its own images' features in the first language layers too. The videos
+go the same way, as the model's forward takes them (pixel_values_videos, video_grid_thw: a second tower call, each
+temporal patch its own attention block), and each video's mRoPE time positions follow its second_per_grid_ts
+(temporal patch / sampled fps, as Qwen2_5_VLProcessor computes it).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
 from common.errors import ConfigError
+from recipes.vlm.archs import QWEN_ARCHS, qwen_arch
 from recipes.vlm.data import IMAGE_TOKEN, batch_counts, read_llava_sample, render_turns, whole_images_cut
 from recipes.vlm.schema import MAX_FRAMES, VIDEO_FPS, check_pixel_budget
 from recipes.vlm.video import Video, read_llava_video, video_patches
@@ -43,18 +48,19 @@ VIDEO_TOKEN = "<video>"  # where a LLaVA-format conversation's video goes (as `<
 # mm_token_type_ids, as transformers' Qwen2.5-VL processor and get_rope_index number the modalities
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
-# transformers' Qwen2_5_VLModel.get_rope_index, bound to a model of the run's config (`rope_index_for`)
+# transformers' Qwen2_5_VLModel / Qwen3VLModel.get_rope_index, bound to a model of the run's config (`rope_index_for`)
 RopeIndex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def rope_index_for(config) -> RopeIndex:
-    """transformers' own get_rope_index for a Qwen2_5_VLConfig, without weights: bound to a meta-device
-    Qwen2_5_VLModel (built in a fraction of a second even at 7B shapes), so the loader workers lay out the mRoPE
-    positions while they pack, as the model itself would for each sample."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+    """transformers' own get_rope_index for a Qwen2.5-VL or Qwen3-VL config, without weights: bound to a meta-device
+    Qwen2_5_VLModel / Qwen3VLModel (QWEN_ARCHS' `base`; built in a fraction of a second even at 7B shapes), so the
+    loader workers lay out the mRoPE positions while they pack, as the model itself would for each sample. Both take
+    (input_ids, mm_token_type_ids, image_grid_thw) and give [3, B, T] positions."""
+    import transformers
 
     with torch.device("meta"):
-        return Qwen2_5_VLModel(config).get_rope_index
+        return getattr(transformers, QWEN_ARCHS[config.model_type].base)(config).get_rope_index
 
 
 class QwenProcessing(NamedTuple):
@@ -82,13 +88,13 @@ def load_processing(
     video_fps: float = VIDEO_FPS,
     max_frames: int = MAX_FRAMES,
 ) -> QwenProcessing:
-    """(tokenizer, image processor) of a Qwen2.5-VL folder, offline, with the pixel budget ``min_pixels`` /
+    """(tokenizer, image processor) of a Qwen-VL folder, offline, with the pixel budget ``min_pixels`` /
     ``max_pixels`` (data.min_pixels / data.max_pixels; 0 keeps the folder's) in place of the folder's. One line
     when the budget is inverted (transformers would resize silently outside it) or smaller than one merged patch,
     and when the tokenizer's <|image_pad|> is not the model's ``image_token_id``."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    check_pixel_budget(min_pixels, max_pixels)
+    check_pixel_budget(min_pixels, max_pixels, qwen_arch(folder).unit)
     budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     image_processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True, **budget)
@@ -104,10 +110,10 @@ def load_processing(
 
 
 def load_qwen(folder, attention: str):
-    """A Qwen2_5_VLForConditionalGeneration folder, in fp32 (its own config: the recipe's `model.*` are read from
-    it). The language model takes `toggles.attention`'s kernel; the tower runs SDPA (eager under eager) over its
-    per-image cu_seqlens."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """A Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration folder (QWEN_ARCHS' `model`), in fp32
+    (its own config: the recipe's `model.*` are read from it). The language model takes `toggles.attention`'s kernel;
+    the tower runs SDPA (eager under eager) over its per-image cu_seqlens."""
+    import transformers
 
     from recipes.vlm.attention import attn_implementation, register_varlen_attention
     from recipes.vlm.pretrained import quiet_loading
@@ -115,7 +121,7 @@ def load_qwen(folder, attention: str):
     if attention == "flash":
         register_varlen_attention()
     with quiet_loading():
-        return Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        return getattr(transformers, qwen_arch(folder).model).from_pretrained(
             folder, dtype=torch.float32, local_files_only=True, attn_implementation=attn_implementation(attention)
         )
 
@@ -190,17 +196,17 @@ class QwenPackedBatch:
 
     packed: PackedBatch
     position_ids: torch.Tensor  # [3, R, L] long: each sample's get_rope_index positions in its slots; 0 on padding
-    pixel_values: torch.Tensor | None  # [patches, 3*2*14*14] float32: all images' patches, concatenated
+    pixel_values: torch.Tensor | None  # [patches, 3*2*p*p] float32 (p: 14 or 16 px): all images' patches, concatenated
     image_grid_thw: torch.Tensor | None  # [images, 3] long
     pixel_values_videos: torch.Tensor | None = None  # [patches, 3*2*14*14] float32: all videos' patches
     video_grid_thw: torch.Tensor | None = None  # [videos, 3] long
 
     def model_inputs(self, attention: str, device: torch.device | str | None = None) -> dict:
-        """Keyword arguments for Qwen2_5_VLForConditionalGeneration's forward under ``toggles.attention``.
+        """Keyword arguments for the Qwen-VL model's forward under ``toggles.attention``.
 
         ``sdpa``/``eager``: the rows with the block-diagonal 4D mask and [3, R, L] positions. ``flash``: one
         flattened row with cu_seq_lens, and positions as transformers' packed layout [4, 1, R*L] (per-sample text
-        positions first, then the three mRoPE rows), which its Qwen2.5-VL text model splits off itself."""
+        positions first, then the three mRoPE rows), which the Qwen2.5-VL and Qwen3-VL text models split off."""
         inputs = self.packed.model_inputs(attention)
         if attention == "flash":
             text = self.packed.position_ids.reshape(1, 1, -1)
@@ -304,7 +310,7 @@ def encode_qwen(
 
     Over ``max_seq_len`` tokens the sequence is cut there, never inside an image or a video (it is dropped with
     the ones after it: ``truncated``); a sample whose image and video tokens alone exceed it raises
-    ImageTokensExceed. Returns ``input_ids``, ``labels`` [T] long, ``pixel_values`` [patches, 3*2*14*14] float32
+    ImageTokensExceed. Returns ``input_ids``, ``labels`` [T] long, ``pixel_values`` [patches, 3*2*p*p] float32
     and ``image_grid_thw`` [images, 3] long (both empty without images), ``pixel_values_videos``,
     ``video_grid_thw`` and ``second_per_grid_ts`` [videos] float32 (Qwen2_5_VLProcessor's temporal patch / fps;
     all empty without videos), ``truncated``.

@@ -18,7 +18,7 @@ VIDEO_FPS, MAX_FRAMES = 2.0, 768
 class VLMModelConfig:
     """A LLaVA: vision tower (SigLIP or CLIP) -> MLP projector -> Llama language model."""
 
-    vision: str = "siglip"  # siglip | clip (qwen2_5_vl: set from a Qwen2.5-VL model.init_from, its own tower)
+    vision: str = "siglip"  # siglip | clip (qwen2_5_vl / qwen3_vl: set from a Qwen-VL model.init_from, its own tower)
     image_size: int = 16
     vision_patch_size: int = 4  # the tower's patch side in pixels (vision_config.patch_size)
     vision_hidden_size: int = 64
@@ -68,27 +68,28 @@ class VLMDataConfig(DataConfig):
 
     packing: bool = True  # pack conversations into rows of max_seq_len (no attention across them)
     max_seq_len: int = 256
-    # Native resolution (a Qwen2.5-VL model.init_from): each image keeps its aspect ratio, resized by the image
-    # processor to a multiple of 28 px with min_pixels <= h*w <= max_pixels; 0 keeps the folder's budget.
+    # Native resolution (a Qwen2.5-VL / Qwen3-VL model.init_from): each image keeps its aspect ratio, resized by the
+    # image processor to a multiple of 28 px (Qwen3-VL: 32) with min_pixels <= h*w <= max_pixels; 0 keeps the
+    # folder's budget.
     min_pixels: int = 0
     max_pixels: int = 0
-    # Videos (a Qwen2.5-VL model.init_from): frames sampled at video_fps per second of video, at most max_frames,
-    # as Qwen2VLVideoProcessor's fps / max_frames.
+    # Videos (a Qwen2.5-VL model.init_from; a Qwen3-VL's refuses them): frames sampled at video_fps per second of
+    # video, at most max_frames, as Qwen2VLVideoProcessor's fps / max_frames.
     video_fps: float = VIDEO_FPS
     max_frames: int = MAX_FRAMES
 
 
 # ---- value checks that need no model (config validation, and the code that loads one) ----
-MERGED_PATCH = 28 * 28  # Qwen2.5-VL's smallest image: one 2x2 merge of 14-px patches, in pixels
 VIDEO_TEMPORAL_PATCH = 2  # Qwen2.5-VL's tower takes frames in pairs (vision_config.temporal_patch_size)
 
 
-def check_pixel_budget(min_pixels: int, max_pixels: int) -> None:
+def check_pixel_budget(min_pixels: int, max_pixels: int, unit: int) -> None:
     """One line for a pixel budget (data.min_pixels / data.max_pixels, 0 = the folder's) that is inverted or
-    smaller than one merged patch (transformers would resize outside it without a word)."""
+    smaller than one merged patch, `unit` px square (a Qwen-VL's smallest image: 28 px for Qwen2.5-VL's 2x2 merge
+    of 14-px patches, 32 for Qwen3-VL's 16-px ones; transformers would resize outside the budget without a word)."""
     for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
-        if value < 0 or (value and value < MERGED_PATCH):
-            raise ConfigError(f"{key}={value} is below one merged 28x28 patch ({MERGED_PATCH} pixels)")
+        if value < 0 or (value and value < unit * unit):
+            raise ConfigError(f"{key}={value} is below one merged {unit}x{unit} patch ({unit * unit} pixels)")
     if min_pixels and max_pixels and min_pixels > max_pixels:
         raise ConfigError(f"data.min_pixels={min_pixels} is above data.max_pixels={max_pixels}")
 

@@ -52,8 +52,13 @@ def qwen_vision(model, cfg, max_pixels: int, act_bytes: int) -> tuple[list[Layer
     kept for backward; the note's sentence on the images) for the worst micro-batch of `cfg` (module docstring)."""
     visual = model.model.visual
     v, e = model.config.vision_config, act_bytes
+    if getattr(v, "deepstack_visual_indexes", None):  # the blocks below are Qwen2.5-VL's (windows, RMSNorm, SwiGLU)
+        raise ConfigError(
+            "run.dry_run / scripts/plan.py size Qwen2.5-VL's vision side; a Qwen3-VL's (learned position embeddings, "
+            "full attention in every block, DeepStack mergers) is not modelled yet"
+        )
     tokens, images = image_budget(v, max_pixels, cfg.data.max_seq_len)
-    merge = v.spatial_merge_size**2
+    merge, unit = v.spatial_merge_size**2, v.patch_size * v.spatial_merge_size
     per_image = tokens * merge  # patches
     n_images = cfg.trainer.micro_batch_size * images
     patches = n_images * per_image
@@ -77,7 +82,7 @@ def qwen_vision(model, cfg, max_pixels: int, act_bytes: int) -> tuple[list[Layer
     rope = 2 * 4 * patches * (v.hidden_size // v.num_heads)
     merger = 4 * e * ph + ((4 * ph + 4 * patches + rope) if trains else 0)
     note = (
-        f"images: at most {tokens} tokens each (data.max_pixels={max_pixels:,} / 28^2), {images} whole such images "
+        f"images: at most {tokens} tokens each (data.max_pixels={max_pixels:,} / {unit}^2), {images} whole such images "
         f"a sample (data.max_seq_len={cfg.data.max_seq_len}), {patches:,} patches a micro-batch through the tower "
         f"({v.depth} blocks: {v.depth - len(set(v.fullatt_block_indexes))} in {window}-patch windows, "
         f"{len(set(v.fullatt_block_indexes))} over whole images), "

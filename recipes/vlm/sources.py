@@ -4,10 +4,11 @@
 - PartWeights: a vision-tower folder + a language-model folder (`vlm.vision_from` + `vlm.language_from`),
   joined by a fresh projector (where LLaVA's stage 1 starts);
 - LlavaWeights: a LLaVA folder (`model.init_from`: an align run or a llava-hf release);
-- QwenWeights: a Qwen2.5-VL folder (`model.init_from`: a release or a Qwen run), native resolution within
-  `data.min_pixels` / `data.max_pixels`.
+- QwenWeights: a Qwen2.5-VL or Qwen3-VL folder (`model.init_from`: a release or a Qwen run), native resolution
+  within `data.min_pixels` / `data.max_pixels`; what differs between the two is one row of QWEN_ARCHS
+  (recipes/vlm/archs.py).
 
-Each gives its config (LlavaConfig or Qwen2_5_VLConfig: json and the tokenizer only, no weights), its
+Each gives its config (LlavaConfig, Qwen2_5_VLConfig or Qwen3VLConfig: json and the tokenizer only, no weights), its
 processor, the model in fp32 on the CPU for an attention backend, and what the log says about it. `weight_source`
 reads json only: config validation calls it, before anything is written. So this module imports nothing heavy at
 its top; the methods that read tokenizers and weights import recipes/vlm's torch/transformers modules (pretrained,
@@ -22,6 +23,7 @@ from pathlib import Path
 from common.config import TrainConfig
 from common.errors import ConfigError, DataError
 from common.weights import check_folder
+from recipes.vlm.archs import QWEN_ARCHS, QWEN_NAMES, VIDEO_NAMES
 from recipes.vlm.schema import MAX_FRAMES, VIDEO_FPS, VLMModelConfig, check_pixel_budget, check_video_sampling
 
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
@@ -46,12 +48,10 @@ def _folder_config(path: str, key: str) -> tuple[Path, dict]:
 
 
 # model_type of the folders model.init_from may name -> what they are, in words
-QWEN_TYPE = "qwen2_5_vl"
-INIT_TYPES = {"llava": "LLaVA", QWEN_TYPE: "Qwen2.5-VL"}
-QWEN = QWEN_TYPE  # model.vision of a Qwen2.5-VL (its own tower, set from the folder by recipes/vlm/config.py)
+INIT_TYPES = {"llava": "LLaVA", **{t: a.name for t, a in QWEN_ARCHS.items()}}
 
 
-# Released Qwen2.5-VL folders, for sizing without them (run.dry_run, scripts/plan.py before the download; a download
+# Released Qwen-VL folders, for sizing without them (run.dry_run, scripts/plan.py before the download; a download
 # keeps the repository's name, as recipes/t2i/sizing.py's RELEASED): their config.json's architecture keys and their
 # preprocessor_config.json's pixel budget (what data.max_pixels = 0 keeps). Training still reads the folder.
 # - Qwen/Qwen2.5-VL-7B-Instruct: a 32-block tower of 1280 (16 heads, SwiGLU 3420, 112-px windows but in blocks 7, 15,
@@ -60,7 +60,7 @@ QWEN = QWEN_TYPE  # model.vision of a Qwen2.5-VL (its own tower, set from the fo
 RELEASED = {
     "Qwen2.5-VL-7B-Instruct": {
         "config": {
-            "model_type": QWEN_TYPE,
+            "model_type": "qwen2_5_vl",
             "architectures": ["Qwen2_5_VLForConditionalGeneration"],
             "bos_token_id": 151643,
             "eos_token_id": 151645,
@@ -117,10 +117,11 @@ def released(init_from: str) -> dict | None:
 
 
 def released_config(init_from: str):
-    """transformers' Qwen2_5_VLConfig of a RELEASED model.init_from (no folder read)."""
-    from transformers import Qwen2_5_VLConfig
+    """transformers' config (Qwen2_5_VLConfig, ...: its model_type's) of a RELEASED model.init_from (no folder read)."""
+    from transformers import CONFIG_MAPPING
 
-    return Qwen2_5_VLConfig.from_dict(released(init_from)["config"])
+    config = released(init_from)["config"]
+    return CONFIG_MAPPING[config["model_type"]].from_dict(config)
 
 
 def init_model_type(init_from: str) -> str:
@@ -139,7 +140,7 @@ def init_folder(init_from: str) -> tuple[Path, str]:
     if model_type not in INIT_TYPES:
         raise ConfigError(
             f"model.init_from={init_from}: model_type {model_type!r} is not a LLaVA "
-            "(a LlavaForConditionalGeneration folder or an align run is expected) nor a Qwen2.5-VL"
+            f"(a LlavaForConditionalGeneration folder or an align run is expected) nor a {QWEN_NAMES}"
         )
     if not any(folder.glob("*.safetensors")):
         raise ConfigError(f"model.init_from={init_from}: no *.safetensors weights in {folder}")
@@ -330,9 +331,9 @@ class LlavaWeights:
 
 
 class QwenWeights:
-    """A Qwen2.5-VL folder, whole: its config, tokenizer (chat template) and image processor, the processor's pixel
-    budget replaced by data.min_pixels / data.max_pixels where they are set (native resolution: recipes/vlm/qwen.py).
-    """
+    """A Qwen2.5-VL or Qwen3-VL folder, whole: its config, tokenizer (chat template) and image processor, the
+    processor's pixel budget replaced by data.min_pixels / data.max_pixels where they are set (native resolution:
+    recipes/vlm/qwen.py)."""
 
     def __init__(
         self,
@@ -345,14 +346,18 @@ class QwenWeights:
         self.init_from, self.min_pixels, self.max_pixels = init_from, min_pixels, max_pixels
         self.video_fps, self.max_frames = video_fps, max_frames
         self.label = f"model.init_from={init_from}"
-        self.folder = None
+        self.folder = self.arch = None
         self._processing = None
 
     def check(self) -> None:
-        check_pixel_budget(self.min_pixels, self.max_pixels)
+        entry = released(self.init_from)
+        if entry is None:  # a RELEASED name is sized without its folder, refused when loading
+            self.folder, model_type = init_folder(self.init_from)
+        else:
+            model_type = entry["config"]["model_type"]
+        self.arch = QWEN_ARCHS[model_type]
+        check_pixel_budget(self.min_pixels, self.max_pixels, self.arch.unit)
         check_video_sampling(self.video_fps, self.max_frames)
-        if released(self.init_from) is None:  # a RELEASED name is sized without its folder, refused when loading
-            self.folder, _ = init_folder(self.init_from)
 
     def _folder(self) -> Path:
         """The folder, for what reads weights, tokenizer or image processor: one line where only its name is known."""
@@ -410,9 +415,10 @@ class QwenWeights:
 
         tower, merger, language = vlm_parts(model)
         budget = self.processor().image_processor.size
+        mergers = "mergers (DeepStack's included)" if self.arch.deepstack else "merger"
         return (
-            f"kiln: {self.label}: loaded all {_params(model):,} weights: vision tower "
-            f"({_params(tower) - _params(merger):,}), merger ({_params(merger):,}), language model "
+            f"kiln: {self.label}: loaded all {_params(model):,} weights ({self.arch.name}): vision tower "
+            f"({_params(tower) - _params(merger):,}), {mergers} ({_params(merger):,}), language model "
             f"({_params(language) + _params(model.lm_head):,}); images at native resolution within "
             f"{budget['shortest_edge']:,}..{budget['longest_edge']:,} pixels"
         )
@@ -441,18 +447,19 @@ def weight_source(cfg: TrainConfig, meta: dict | None = None) -> WeightSource:
         )
     d = cfg.data
     budget = getattr(d, "min_pixels", 0), getattr(d, "max_pixels", 0)
-    if model_type != QWEN and any(budget):
+    if model_type not in QWEN_ARCHS and any(budget):
         raise ConfigError(
             "data.min_pixels / data.max_pixels are the pixel budget of a native-resolution model "
-            "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA resizes every image to its tower's image size"
+            f"(model.init_from=<a {QWEN_NAMES} folder>); a LLaVA resizes every image to its tower's image size"
         )
     video = getattr(d, "video_fps", VIDEO_FPS), getattr(d, "max_frames", MAX_FRAMES)
-    if model_type != QWEN and video != (VIDEO_FPS, MAX_FRAMES):
+    arch = QWEN_ARCHS.get(model_type)
+    if not (arch and arch.video) and video != (VIDEO_FPS, MAX_FRAMES):
         raise ConfigError(
             "data.video_fps / data.max_frames sample the videos of a native-resolution model "
-            "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA takes images only"
+            f"(model.init_from=<a {VIDEO_NAMES} folder>); {arch.name if arch else 'a LLaVA'} takes images only"
         )
-    if model_type == QWEN:
+    if model_type in QWEN_ARCHS:
         source = QwenWeights(m.init_from, *budget, *video)
     elif m.init_from:
         source = LlavaWeights(m.init_from)

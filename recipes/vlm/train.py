@@ -3,9 +3,9 @@ two stages (align → finetune), held-out eval, and a Hugging Face export that v
 
 Where the weights come from (`source`, recipes/vlm/sources.py): a vision-tower folder + a language-model
 folder (`vlm.vision_from` + `vlm.language_from`, LLaVA's stage 1), a LLaVA folder (`model.init_from`: an
-align run or a llava-hf release), a Qwen2.5-VL folder (`model.init_from`, native resolution), or fresh weights
-shaped by `model.*` (the digits demo). The processor comes with them (the dataset's own for the digits demo);
-what differs between LLaVA's inputs and Qwen2.5-VL's is one adapter (recipes/vlm/inputs.py).
+align run or a llava-hf release), a Qwen2.5-VL or Qwen3-VL folder (`model.init_from`, native resolution), or
+fresh weights shaped by `model.*` (the digits demo). The processor comes with them (the dataset's own for the
+digits demo); what differs between LLaVA's inputs and a Qwen-VL's is one adapter (recipes/vlm/inputs.py).
 
 Read top to bottom: setup (data, processor, model, engine, resume) → the loss → evaluate → export. The
 step, checkpoints and resume are common/trainer.py's.
@@ -215,7 +215,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     tower, outside, note = [], 0.0, ""
     if isinstance(source, QwenWeights):
         tower, outside, note = qwen_vision(model, cfg, source.pixel_budget()[1], e)
-        note = f"Qwen2.5-VL from {source.label}; {note}"
+        note = f"{source.arch.name} from {source.label}; {note}"
     first = trainable - t.num_hidden_layers * layer - sum(ty.layers * ty.params for ty in tower)
     return ModelSpec(
         cfg.recipe.name,

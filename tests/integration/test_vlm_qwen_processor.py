@@ -1,6 +1,7 @@
-"""Kiln's Qwen2.5-VL sample encoding against transformers' own Qwen2_5_VLProcessor. The processor needs a video
-processor that needs torchvision, which the training env's CPU torch lacks (PITFALLS.md), so it runs in vLLM's
-environment (.venv-serve: the CUDA build of torch, with torchvision, on CPU). On the same rendered conversation and
+"""Kiln's Qwen2.5-VL and Qwen3-VL sample encoding against transformers' own Qwen2_5_VLProcessor and Qwen3VLProcessor.
+The processors need a video processor that needs torchvision, which the training env's CPU torch lacks (PITFALLS.md),
+so they run in vLLM's environment (.venv-serve: the CUDA build of torch, with torchvision, on CPU; one process for
+both architectures, whose start-up is most of the time). On the same rendered conversation and
 three images of different sizes, it must give the token ids `encode_qwen` gives (each <|image_pad|> expanded to
 its image's tokens) and the same patch grids. Pixel values are compared loosely: .venv-serve's image processor is
 the torchvision backend, Kiln's the PIL one (their bicubic resizes differ by ~0.015 in normalized units).
@@ -20,8 +21,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from common.tools.fixtures import make_qwen2_5_vl
+from common.tools.fixtures import make_qwen2_5_vl, make_qwen3_vl
 from common.tools.serving import serve_env, serve_venv
+from recipes.vlm.archs import QWEN_ARCHS
 from recipes.vlm.data import IMAGE_TOKEN, render_turns
 from recipes.vlm.qwen import IMAGE_SLOT, VIDEO_SLOT, VIDEO_TOKEN, encode_qwen
 from recipes.vlm.video import frames_video
@@ -36,40 +38,60 @@ REFERENCE = """
 import json, sys
 import numpy as np
 from PIL import Image
-from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLVideoProcessor
+import transformers
+from transformers import AutoImageProcessor, AutoTokenizer
 
-folder, job, out = sys.argv[1], json.loads(open(sys.argv[2]).read()), sys.argv[3]
-tokenizer, image_processor = AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
-processor = Qwen2_5_VLProcessor(
-    image_processor=image_processor,
-    tokenizer=tokenizer,
-    # the image processor's pixel budget, as a release's one preprocessor_config.json gives both
-    video_processor=Qwen2VLVideoProcessor(size=dict(image_processor.size)),
-    chat_template=tokenizer.chat_template,
-)
-results = []
-for i, call in enumerate(job):
-    video = {}
-    if "video" in call:
-        video = dict(
-            videos=[np.load(call["video"])],
-            video_metadata=[call["metadata"]],
-            do_sample_frames=call["sample"],
-            fps=2.0,
-            cap_pixels_per_frame=False,
-        )
-    images = [Image.open(p).convert("RGB") for p in call["images"]] or None
-    enc = processor(text=[call["text"]], images=images, return_tensors="np", **video)
-    result = {"input_ids": enc["input_ids"][0].tolist()}
-    for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
-        if pixels in enc:
-            np.save(f"{out}/{pixels}{i}.npy", enc[pixels])
-            result[grid] = enc[grid].tolist()
-    if "second_per_grid_ts" in enc:
-        result["second_per_grid_ts"] = np.asarray(enc["second_per_grid_ts"]).tolist()
-    results.append(result)
-print(json.dumps(results))
+out = sys.argv[2]
+answers = {}
+for job in json.loads(open(sys.argv[1]).read()):
+    tokenizer = AutoTokenizer.from_pretrained(job["folder"])
+    image_processor = AutoImageProcessor.from_pretrained(job["folder"])
+    processor = getattr(transformers, job["processor"])(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        # the image processor's pixel budget, as a release's one preprocessor_config.json gives both
+        video_processor=getattr(transformers, job["video_processor"])(size=dict(image_processor.size)),
+        chat_template=tokenizer.chat_template,
+    )
+    results = answers[job["name"]] = []
+    for i, call in enumerate(job["calls"]):
+        video = {}
+        if "video" in call:
+            video = dict(
+                videos=[np.load(call["video"])],
+                video_metadata=[call["metadata"]],
+                do_sample_frames=call["sample"],
+                fps=2.0,
+                cap_pixels_per_frame=False,
+            )
+        images = [Image.open(p).convert("RGB") for p in call["images"]] or None
+        enc = processor(text=[call["text"]], images=images, return_tensors="np", **video)
+        result = {"input_ids": enc["input_ids"][0].tolist()}
+        for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+            if pixels in enc:
+                np.save(f"{out}/{job['name']}_{pixels}{i}.npy", enc[pixels])
+                result[grid] = enc[grid].tolist()
+        if "second_per_grid_ts" in enc:
+            result["second_per_grid_ts"] = np.asarray(enc["second_per_grid_ts"]).tolist()
+        results.append(result)
+print(json.dumps(answers))
 """
+
+# model_type -> (its fixture, transformers' processor and video processor, the grids of the three images below: 28-px
+# units for Qwen2.5-VL's 14-px patches, 32-px for Qwen3-VL's 16-px ones)
+ARCHS = {
+    "qwen2_5_vl": (
+        make_qwen2_5_vl,
+        "Qwen2_5_VLProcessor",
+        "Qwen2VLVideoProcessor",
+        [[1, 18, 12], [1, 4, 6], [1, 10, 16]],
+    ),
+    "qwen3_vl": (make_qwen3_vl, "Qwen3VLProcessor", "Qwen3VLVideoProcessor", [[1, 18, 12], [1, 4, 6], [1, 8, 14]]),
+}
+MESSAGES = [
+    {"role": "user", "content": "Compare <image> and <image>.\n<image>"},
+    {"role": "assistant", "content": "Five."},
+]
 
 
 def qwen_text(messages: list[dict], tokenizer) -> str:
@@ -83,14 +105,13 @@ def qwen_text(messages: list[dict], tokenizer) -> str:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """Kiln's encodings of three calls and the reference processor's answers to the same calls, in one process:
-    three images of different sizes; an image and a 25-frame video at 10 fps (the processor samples it at 2 fps and
-    resizes it: 100x150 is no multiple of 28); 5 frames taken as sampled at 2 fps, at a size the budget keeps."""
+    """model_type -> Kiln's encodings of its calls, model_type -> the reference processor's answers to the same
+    calls, all in one process: for both architectures three images of different sizes; for Qwen2.5-VL (QWEN_ARCHS'
+    `video`) also an image and a 25-frame video at 10 fps (the processor samples it at 2 fps and resizes it: 100x150
+    is no multiple of 28), and 5 frames taken as sampled at 2 fps, at a size the budget keeps."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     tmp = tmp_path_factory.mktemp("qwen_processor")
-    folder = make_qwen2_5_vl(tmp / "qwen")
-    tokenizer, image_processor = AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
     images = [image(300, 200, 0), image(56, 84, 1), image(140, 224, 2)]
     paths = []
     for i, im in enumerate(images):
@@ -99,33 +120,48 @@ def world(tmp_path_factory):
     clips = [frames(25, 100, 150, 3), frames(5, 84, 56, 4)]
     for i, clip in enumerate(clips):
         np.save(tmp / f"clip{i}.npy", clip)
-    compare = [
-        {"role": "user", "content": "Compare <image> and <image>.\n<image>"},
-        {"role": "assistant", "content": "Five."},
-    ]
-    calls = [
-        (compare, images, [], {"images": paths}),
-        (
-            video_conversation(1),
-            images[1:2],
-            [frames_video(list(clips[0]), 2.0, 768, source_fps=10.0)],
-            {"images": paths[1:2], "video": str(tmp / "clip0.npy"), "metadata": {"total_num_frames": 25, "fps": 10.0}},
-        ),
-        (
-            video_conversation(),
-            [],
-            [frames_video(list(clips[1]), 2.0, 768)],
-            {"images": [], "video": str(tmp / "clip1.npy"), "metadata": {"total_num_frames": 5, "fps": 2.0}},
-        ),
-    ]
-    kiln = [encode_qwen(m, ims, tokenizer, image_processor, videos=videos) for m, ims, videos, _ in calls]
-    job = [
-        {"text": qwen_text(m, tokenizer), "sample": i == 1, **call} for i, (m, _, _, call) in enumerate(calls)
-    ]  # the 25-frame video: the processor samples it; the 5 frames: as given
-    (tmp / "job.json").write_text(json.dumps(job))
+    jobs, kiln = [], {}
+    for arch, (make, processor, video_processor, _) in ARCHS.items():
+        folder = make(tmp / arch)
+        tokenizer, image_processor = AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
+        calls = [(MESSAGES, images, [], {"images": paths})]
+        if QWEN_ARCHS[arch].video:
+            calls += [
+                (
+                    video_conversation(1),
+                    images[1:2],
+                    [frames_video(list(clips[0]), 2.0, 768, source_fps=10.0)],
+                    {
+                        "images": paths[1:2],
+                        "video": str(tmp / "clip0.npy"),
+                        "metadata": {"total_num_frames": 25, "fps": 10.0},
+                    },
+                ),
+                (
+                    video_conversation(),
+                    [],
+                    [frames_video(list(clips[1]), 2.0, 768)],
+                    {"images": [], "video": str(tmp / "clip1.npy"), "metadata": {"total_num_frames": 5, "fps": 2.0}},
+                ),
+            ]
+        kiln[arch] = [encode_qwen(m, ims, tokenizer, image_processor, videos=videos) for m, ims, videos, _ in calls]
+        jobs.append(
+            {
+                "name": arch,
+                "folder": str(folder),
+                "processor": processor,
+                "video_processor": video_processor,
+                # the 25-frame video: the processor samples it; the 5 frames: as given
+                "calls": [
+                    {"text": qwen_text(m, tokenizer), "sample": i == 1, **call}
+                    for i, (m, _, _, call) in enumerate(calls)
+                ],
+            }
+        )
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
     (tmp / "reference.py").write_text(REFERENCE)
     proc = subprocess.run(
-        [str(serve_venv() / "bin" / "python"), str(tmp / "reference.py"), str(folder), str(tmp / "job.json"), str(tmp)],
+        [str(serve_venv() / "bin" / "python"), str(tmp / "reference.py"), str(tmp / "jobs.json"), str(tmp)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -134,24 +170,26 @@ def world(tmp_path_factory):
     return kiln, json.loads(proc.stdout.strip().splitlines()[-1]), tmp
 
 
-def test_encoding_matches_the_qwen_processor(world):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_encoding_matches_the_qwen_processor(world, arch):
     kiln, refs, tmp = world
-    enc, ref = kiln[0], refs[0]
+    enc, ref = kiln[arch][0], refs[arch][0]
     assert enc["input_ids"].tolist() == ref["input_ids"]
-    assert enc["image_grid_thw"].tolist() == ref["image_grid_thw"] == [[1, 18, 12], [1, 4, 6], [1, 10, 16]]
-    pixels = np.load(tmp / "pixel_values0.npy")
+    assert enc["image_grid_thw"].tolist() == ref["image_grid_thw"] == ARCHS[arch][3]
+    pixels = np.load(tmp / f"{arch}_pixel_values0.npy")
     assert pixels.shape == tuple(enc["pixel_values"].shape)
     assert np.abs(pixels - enc["pixel_values"].numpy()).max() < 0.05
 
 
 def test_video_encoding_matches_the_qwen_video_processor(world):
     kiln, refs, tmp = world
+    kiln, refs = kiln["qwen2_5_vl"], refs["qwen2_5_vl"]
     diffs = []
     for i, (enc, ref) in enumerate(zip(kiln[1:], refs[1:], strict=True), start=1):
         assert enc["input_ids"].tolist() == ref["input_ids"]
         assert enc["video_grid_thw"].tolist() == ref["video_grid_thw"]
         assert enc["second_per_grid_ts"].tolist() == ref["second_per_grid_ts"]
-        pixels = np.load(tmp / f"pixel_values_videos{i}.npy")
+        pixels = np.load(tmp / f"qwen2_5_vl_pixel_values_videos{i}.npy")
         assert pixels.shape == tuple(enc["pixel_values_videos"].shape)
         diffs.append(float(np.abs(pixels - enc["pixel_values_videos"].numpy()).max()))
     assert kiln[1]["image_grid_thw"].tolist() == refs[1]["image_grid_thw"] == [[1, 4, 6]]

@@ -1,9 +1,10 @@
-"""Qwen2.5-VL trained by the VLM recipe, end to end on CPU: a tiny random release folder (make_qwen2_5_vl) fine-tuned
-on LLaVA-format data at native resolution (data.min_pixels / data.max_pixels), with videos (MP4 files and frame
-files, sampled at data.video_fps), packed, in one process. The loss falls; the export is a folder transformers
-loads as Qwen2_5_VLForConditionalGeneration whose logits are the trained model's (the run's last DeepSpeed
-checkpoint, loaded into the release's model by transformers, not by Kiln); the frozen vision tower is the release's
-bit for bit."""
+"""Qwen2.5-VL and Qwen3-VL trained by the VLM recipe, end to end on CPU: a tiny random release folder
+(make_qwen2_5_vl / make_qwen3_vl) fine-tuned on LLaVA-format data at native resolution (data.min_pixels /
+data.max_pixels), packed, in one process; Qwen2.5-VL's data has videos too (MP4 files and frame files, sampled at
+data.video_fps), Qwen3-VL's none (its runs refuse them). The loss falls; the export is a folder transformers loads as
+the release's class (Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration) whose logits are the
+trained model's (the run's last DeepSpeed checkpoint, loaded into the release's model by transformers, not by Kiln);
+the frozen vision tower is the release's bit for bit."""
 
 from __future__ import annotations
 
@@ -14,48 +15,59 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from recipes.vlm.archs import QWEN_ARCHS
 from tests.conftest import load_script, losses
 from tests.fixtures import vlm as fx
 
 pytestmark = pytest.mark.integration
 
-MIN_PIXELS, MAX_PIXELS = fx.QWEN_MIN_PIXELS, fx.QWEN_MAX_PIXELS  # images of 4..16 merged tokens
-
 
 @pytest.fixture(scope="module")
-def run(qwen_world, trained):
-    # The cached run test_vlm_qwen_zero3 takes as its 1-rank ZeRO-0 reference.
-    return trained(fx.qwen_run_args(qwen_world)), qwen_world["qwen"]
+def qwen3_world(tmp_path_factory):
+    return fx.make_qwen3_world(tmp_path_factory.mktemp("qwen3_world"))
+
+
+@pytest.fixture(scope="module", params=QWEN_ARCHS)
+def run(request, trained):
+    """(run folder, release folder, model_type). Qwen2.5-VL: the cached run test_vlm_qwen_zero3 takes as its 1-rank
+    ZeRO-0 reference (conftest's qwen_world, with videos); Qwen3-VL: its own release over image-only shards."""
+    world = request.getfixturevalue("qwen_world" if request.param == "qwen2_5_vl" else "qwen3_world")
+    return trained(fx.qwen_run_args(world)), world["qwen"], request.param
 
 
 def test_qwen_trains_at_native_resolution_and_the_loss_falls(run):
-    run_dir, _ = run
+    run_dir = run[0]
     loss = losses(run_dir)
     assert sorted(loss) == [1, 2, 3] and loss[3] < loss[1]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["skipped_samples"] == 0 for r in records)  # the images fit data.max_seq_len
     assert sum(r["text_only_samples"] for r in records) > 0  # text-only conversations trained beside the images
-    assert sum(r["video_samples"] for r in records) > 0  # and videos (their frames decoded in the loader)
+    if QWEN_ARCHS[run[2]].video:  # and videos (their frames decoded in the loader)
+        assert sum(r["video_samples"] for r in records) > 0
     assert not any(r.get("corrupt_shards") for r in records)
     assert json.loads((run_dir / "eval.json").read_text())["val_tokens"] > 0
 
 
 def test_export_is_the_trained_qwen_and_the_tower_stays_the_release(run):
-    """The export loads as Qwen2_5_VLForConditionalGeneration (with its tokenizer and the run's pixel budget); its
-    logits on a conversation with an image equal those of the run's final checkpoint loaded into the release's model
-    (fp32); the frozen tower is the release's bit for bit, the merger and the language model moved."""
+    """The export loads as the release's class (with its tokenizer and the run's pixel budget); its logits on a
+    conversation with an image equal those of the run's final checkpoint loaded into the release's model (fp32); the
+    frozen tower is the release's bit for bit, the merger(s) (Qwen3-VL's DeepStack ones too) and the language model
+    moved."""
     from PIL import Image
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    run_dir, release = run
+    run_dir, release, arch = run
     export = run_dir / "export"
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(export, dtype=torch.float32).eval()
-    trained = Qwen2_5_VLForConditionalGeneration.from_pretrained(release, dtype=torch.float32).eval()
+    assert AutoConfig.from_pretrained(export).model_type == arch
+    model = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32).eval()
+    trained = AutoModelForImageTextToText.from_pretrained(release, dtype=torch.float32).eval()
+    assert type(model) is type(trained) and type(model).__name__ == QWEN_ARCHS[arch].model
     (step,) = (run_dir / "checkpoints").glob("step_*")
     module = torch.load(step / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
     trained.load_state_dict(module, strict=True)
     tokenizer, image_processor = AutoTokenizer.from_pretrained(export), AutoImageProcessor.from_pretrained(export)
-    assert image_processor.size == {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    unit = QWEN_ARCHS[arch].unit  # images of 4..16 merged tokens (tests/fixtures/vlm.py qwen_run_args)
+    assert image_processor.size == {"shortest_edge": unit**2 * 4, "longest_edge": unit**2 * 16}
 
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (90, 60, 3), dtype=np.uint8))
@@ -77,10 +89,12 @@ def test_export_is_the_trained_qwen_and_the_tower_stays_the_release(run):
 
     before, after = load_file(release / "model.safetensors"), load_file(export / "model.safetensors")
     assert set(after) == set(before)
-    # Names as transformers saves a Qwen2.5-VL (the release's layout: visual.*, model.layers.*, lm_head.*).
-    tower = [k for k in before if k.startswith("visual.") and ".merger." not in k]
-    merger = [k for k in before if k.startswith("visual.merger.") and k.endswith("weight")]
-    layers = [k for k in before if k.startswith("model.layers.") and k.endswith("proj.weight")]
+    # Names as transformers saves each (the releases' layouts: Qwen2.5-VL's visual.*, model.layers.*; Qwen3-VL's
+    # model.visual.*, model.language_model.layers.*).
+    tower = [k for k in before if "visual." in k and "merger" not in k]
+    merger = [k for k in before if "merger" in k and k.endswith("weight")]
+    layers = [k for k in before if ".layers." in k and k.endswith("proj.weight")]
+    assert any("deepstack_merger_list" in k for k in merger) == QWEN_ARCHS[arch].deepstack
     assert tower and all(torch.equal(after[k], before[k]) for k in tower)
     assert merger and layers and all(not torch.equal(after[k], before[k]) for k in merger + layers)
 
@@ -88,7 +102,7 @@ def test_export_is_the_trained_qwen_and_the_tower_stays_the_release(run):
 def test_export_from_the_checkpoint_is_the_run_export(run, tmp_path):
     """scripts/export.py on the run's final checkpoint writes the end-of-run export tensor for tensor, with the same
     tokenizer and pixel budget."""
-    run_dir, _ = run
+    run_dir = run[0]
     assert load_script("export").main([str(run_dir), "--out", str(tmp_path / "export")]) == 0
     got, want = (
         load_file(tmp_path / "export" / "model.safetensors"),

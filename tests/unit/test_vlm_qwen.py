@@ -1,7 +1,7 @@
-"""Qwen2.5-VL at native resolution, packed: a tiny random release folder (common/tools/fixtures.py's
-make_qwen2_5_vl, transformers' own classes), images of several sizes and aspect ratios, videos, and a packed row of
-samples with 0, 1 and 2 images, a video, an image and a video, against transformers' own forward on each sample
-alone."""
+"""Qwen2.5-VL and Qwen3-VL at native resolution, packed: tiny random release folders (common/tools/fixtures.py's
+make_qwen2_5_vl / make_qwen3_vl, transformers' own classes), images of several sizes and aspect ratios, videos
+(Qwen2.5-VL's; a Qwen3-VL run refuses them), and a packed row of samples with 0, 1 and 2 images, a video, an image
+and a video, against transformers' own forward on each sample alone."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 
 from common.data.packing import IGNORE_INDEX
 from common.errors import ConfigError
-from common.tools.fixtures import make_qwen2_5_vl
+from common.tools.fixtures import make_qwen2_5_vl, make_qwen3_vl
+from recipes.vlm.archs import QWEN_ARCHS
 from recipes.vlm.parallelize import freeze_for_stage
 from recipes.vlm.qwen import (
     IMAGE_PAD,
@@ -37,12 +38,11 @@ from recipes.vlm.video import frames_video, sample_frame_indices
 SIZES = [(300, 200), (56, 84), (140, 224), (112, 56)]
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+def load_release(folder):
+    """A release folder as transformers loads it: its model (fp32, eval), tokenizer and image processor."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    folder = make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return types.SimpleNamespace(
         folder=folder,
@@ -52,6 +52,21 @@ def qwen(tmp_path_factory):
         image_pad=tokenizer.convert_tokens_to_ids(IMAGE_PAD),
         video_pad=tokenizer.convert_tokens_to_ids(VIDEO_PAD),
     )
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return load_release(make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """Qwen3-VL: 16-px patches (32-px image tokens), DeepStack (the tower's blocks 0 and 1 feed the first two of
+    three language layers at the image tokens), interleaved mRoPE on a Qwen3 language model."""
+    return load_release(make_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl")))
+
+
+ARCHS = {"qwen2_5_vl": "qwen", "qwen3_vl": "qwen3"}  # model_type -> its fixture
 
 
 def image(height: int, width: int, seed: int):
@@ -134,25 +149,27 @@ def test_placeholder_mismatch_and_image_budget_are_one_line(qwen):
     assert torch.equal(enc["pixel_values"], full["pixel_values"][:24])
 
 
-@pytest.fixture(scope="module")
-def alone(qwen):
-    """Five samples (0, 1 and 2 images of different sizes; a video of 25 frames at 10 fps, sampled to 4 at 2 fps;
-    an image and a video of 5 frames, an odd count the patching pads) and transformers' own forward on each alone
-    (its own mRoPE positions from the grids and second_per_grid_ts): its logits and its loss summed over its
-    labels (num_items_in_batch=1, as the trainer asks)."""
+def alone_outputs(qwen):
+    """Samples and transformers' own forward on each alone (its own mRoPE positions from the grids and
+    second_per_grid_ts): its logits and its loss summed over its labels (num_items_in_batch=1, as the trainer asks).
+    Three with 0, 1 and 2 images of different sizes; for an architecture with videos (QWEN_ARCHS' `video`:
+    Qwen2.5-VL) two more: a video of 25 frames at 10 fps, sampled to 4 at 2 fps, and an image and a video of 5
+    frames, an odd count the patching pads."""
     tok, ip = qwen.tokenizer, qwen.image_processor
-    sampled = frames_video(list(frames(25, 56, 84, 3)), 2.0, 768, source_fps=10.0)
-    as_given = frames_video(list(frames(5, 84, 56, 4)), 2.0, 768)
     samples = [
-        *(
-            encode_qwen(conversation(n), ims, tok, ip)
-            for n, ims in ((0, []), (1, [image(300, 200, 0)]), (2, [image(56, 84, 1), image(140, 224, 2)]))
-        ),
-        encode_qwen(video_conversation(), [], tok, ip, videos=[sampled]),
-        encode_qwen(video_conversation(1), [image(112, 56, 5)], tok, ip, videos=[as_given]),
+        encode_qwen(conversation(n), ims, tok, ip)
+        for n, ims in ((0, []), (1, [image(300, 200, 0)]), (2, [image(56, 84, 1), image(140, 224, 2)]))
     ]
-    assert [s["video_grid_thw"].tolist() for s in samples[3:]] == [[[2, 4, 6]], [[3, 6, 4]]]
-    assert [s["second_per_grid_ts"].tolist() for s in samples[3:]] == [[1.25], [1.0]]  # 2 / (4 of 25 x 10 fps), 2 / 2
+    if QWEN_ARCHS[qwen.model.config.model_type].video:
+        sampled = frames_video(list(frames(25, 56, 84, 3)), 2.0, 768, source_fps=10.0)
+        as_given = frames_video(list(frames(5, 84, 56, 4)), 2.0, 768)
+        samples += [
+            encode_qwen(video_conversation(), [], tok, ip, videos=[sampled]),
+            encode_qwen(video_conversation(1), [image(112, 56, 5)], tok, ip, videos=[as_given]),
+        ]
+        assert [s["video_grid_thw"].tolist() for s in samples[3:]] == [[[2, 4, 6]], [[3, 6, 4]]]
+        # 2 / (4 of 25 x 10 fps), 2 / 2
+        assert [s["second_per_grid_ts"].tolist() for s in samples[3:]] == [[1.25], [1.0]]
     outputs = []
     with torch.no_grad():
         for s in samples:
@@ -174,25 +191,48 @@ def alone(qwen):
     return samples, outputs
 
 
+@pytest.fixture(scope="module")
+def alone():
+    """alone_outputs per architecture, computed once for its rows' cases."""
+    cache = {}
+
+    def outputs(arch: str, qwen):
+        if arch not in cache:
+            cache[arch] = alone_outputs(qwen)
+        return cache[arch]
+
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("rows", [1, 2])
-def test_packed_rows_match_each_sample_alone(qwen, alone, rows):
-    """The five samples packed into one row (or two, images and videos in both): the tower takes all the images as
-    one patch sequence and all the videos as another (the model's pixel_values_videos), the language model the rows
-    with the block-diagonal mask and each sample's own mRoPE positions (a video's spaced by its
-    second_per_grid_ts). Every sample's logits equal transformers' own forward on it alone (fp32, SDPA: max |diff|
-    is printed; 1.5e-7 when measured), and the packed loss (summed) the sum of the samples' own losses."""
-    samples, outputs = alone
-    assert sorted(len(s["input_ids"]) for s in samples) == [32, 56, 82, 105, 109]
+def test_packed_rows_match_each_sample_alone(request, alone, arch, rows):
+    """The samples packed into one row (or two, images and videos in both): the tower takes all the images as one
+    patch sequence and all the videos as another (the model's pixel_values_videos), the language model the rows with
+    the block-diagonal mask and each sample's own mRoPE positions (a video's spaced by its second_per_grid_ts;
+    Qwen3-VL: interleaved, its DeepStack features added at the rows' image tokens in the same order). Every sample's
+    logits equal transformers' own forward on it alone (fp32, SDPA: max |diff| is printed; <= 2.4e-7 for both
+    architectures when measured), and the packed loss (summed) the sum of the samples' own losses."""
+    qwen = request.getfixturevalue(ARCHS[arch])
+    assert qwen.model.config.model_type == arch
+    samples, outputs = alone(arch, qwen)
+    videos = QWEN_ARCHS[arch].video
+    lengths = sorted(len(s["input_ids"]) for s in samples)
+    if videos:
+        assert lengths == [32, 56, 82, 105, 109]
     batch = pack_qwen(
         samples,
         rope_index_for(qwen.model.config),  # as the loader workers run it: transformers' get_rope_index, no weights
-        max_seq_len=512 if rows == 1 else 200,  # two rows, [109, 82] and [105, 56, 32] tokens: images, videos in both
+        # two rows: [109, 82] and [105, 56, 32] tokens, images and videos in both; without videos the longest and
+        # the shortest sample in one, the other in the second
+        max_seq_len=512 if rows == 1 else 200 if videos else lengths[-1] + lengths[0],
         pad_id=qwen.tokenizer.pad_token_id,
         image_pad_id=qwen.image_pad,
         video_pad_id=qwen.video_pad,
     )
     assert batch.packed.num_rows == rows
-    assert batch.image_grid_thw.shape == (4, 3) and batch.video_grid_thw.shape == (2, 3)
+    assert batch.image_grid_thw.shape == ((4 if videos else 3), 3)
+    assert (batch.video_grid_thw.shape == (2, 3)) if videos else batch.video_grid_thw is None
     with torch.no_grad():
         out = qwen.model(**batch.model_inputs("sdpa"), use_cache=False, num_items_in_batch=1)
         # The flash inputs (one flattened row, positions as [4, 1, R*L] with the text positions first) without
@@ -206,7 +246,7 @@ def test_packed_rows_match_each_sample_alone(qwen, alone, rows):
         (out.logits[r, start : start + n] - outputs[i].logits[0]).abs().max().item()
         for i, (r, start, n) in zip(batch.packed.order, placed, strict=True)
     ]
-    print(f"{rows} row(s): max |packed - alone| per sample {diffs}")
+    print(f"{arch}, {rows} row(s): max |packed - alone| per sample {diffs}")
     assert max(diffs) < 1e-5
     assert batch.packed.num_labels == sum(int((s["labels"][1:] != IGNORE_INDEX).sum()) for s in samples)
     torch.testing.assert_close(out.loss, sum(o.loss for o in outputs), rtol=1e-6, atol=1e-5)
@@ -452,21 +492,34 @@ def test_held_out_video_conversations_evaluate_and_generate(qwen, tmp_path):
     assert out["examples"][0]["answer"] == tok.decode(want[0, prompt.shape[1] :], skip_special_tokens=True).strip()
 
 
-@pytest.mark.parametrize(
-    "stage, train_vision, train_projector",
-    [("align", False, True), ("finetune", False, True), ("finetune", True, True), ("finetune", False, False)],
-)
-def test_stages_freeze_qwen_parts(qwen, stage, train_vision, train_projector):
-    """LLaVA's stages on Qwen2.5-VL's parts: align trains the merger alone, finetune the merger and the language
-    model (the language model alone with vlm.train_projector=false), and vlm.train_vision the tower's blocks and
-    patch embedding too (every one of them feeds the merger). One packed backward: gradients reach exactly those
-    (the optimizer takes the parameters that require grad: test_vlm_qwen_zero3 counts its state)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+MERGERS = ("model.visual.merger.", "model.visual.deepstack_merger_list.")  # Qwen3-VL's DeepStack mergers: projectors
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.folder, dtype=torch.float32)
+
+@pytest.mark.parametrize(
+    "arch, stage, train_vision, train_projector",
+    [
+        ("qwen2_5_vl", "align", False, True),
+        ("qwen2_5_vl", "finetune", False, True),
+        ("qwen2_5_vl", "finetune", True, True),
+        ("qwen2_5_vl", "finetune", False, False),
+        ("qwen3_vl", "align", False, True),
+        ("qwen3_vl", "finetune", False, False),
+    ],
+)
+def test_stages_freeze_qwen_parts(request, arch, stage, train_vision, train_projector):
+    """LLaVA's stages on a Qwen-VL's parts: align trains the merger alone (Qwen3-VL: with its DeepStack mergers),
+    finetune the merger(s) and the language model (the language model alone with vlm.train_projector=false: all of
+    Qwen3-VL's mergers frozen), and vlm.train_vision the tower's blocks and patch embedding too (every one of them
+    feeds the merger). One packed backward: gradients reach exactly those (the optimizer takes the parameters that
+    require grad: test_vlm_qwen_zero3 counts its state)."""
+    from transformers import AutoModelForImageTextToText
+
+    qwen = request.getfixturevalue(ARCHS[arch])
+    model = AutoModelForImageTextToText.from_pretrained(qwen.folder, dtype=torch.float32)
     freeze_for_stage(model, stage, train_vision, train_projector=train_projector)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    merger = {n for n, _ in model.named_parameters() if n.startswith("model.visual.merger.")}
+    merger = {n for n, _ in model.named_parameters() if n.startswith(MERGERS)}
+    assert any(n.startswith(MERGERS[1]) for n in merger) == (arch == "qwen3_vl")
     language = {n for n, _ in model.named_parameters() if n.startswith(("model.language_model.", "lm_head."))}
     tower = {n for n, _ in model.named_parameters() if n.startswith("model.visual.")} - merger
     want = merger if stage == "align" else language | (merger if train_projector else set())
@@ -515,20 +568,25 @@ def test_pixel_budget_overrides_the_folder_and_bad_ones_are_one_line(qwen):
         load_processing(qwen.folder, 3)
 
 
-def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(qwen):
-    """model.init_from=<a Qwen2.5-VL folder>: the model.* keys are its config's (its own tower: model.vision
-    qwen2_5_vl), vlm.stage=align (the merger alone) composes, and the pixel budget keys compose; an inverted budget,
-    a budget for a LLaVA and a chosen model.vision=qwen2_5_vl stop at composition, one line."""
+@pytest.mark.parametrize(("arch", "name", "unit"), [("qwen2_5_vl", "Qwen2.5-VL", 28), ("qwen3_vl", "Qwen3-VL", 32)])
+def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(request, arch, name, unit):
+    """model.init_from=<a Qwen2.5-VL or Qwen3-VL folder>: the model.* keys are its config's (its own tower: model.vision
+    qwen2_5_vl / qwen3_vl), vlm.stage=align (the merger alone) composes, and the pixel budget keys compose; an inverted
+    budget, one below the architecture's merged patch (28 or 32 px square), a budget for a LLaVA and a chosen
+    model.vision stop at composition, one line."""
     from common.launch import compose
-    from recipes.vlm.inputs import LlavaInputs
+    from recipes.vlm.inputs import LlavaInputs, QwenInputs
+    from recipes.vlm.qwen import QwenProcessing
+    from recipes.vlm.sizing import qwen_vision
 
+    qwen = request.getfixturevalue(ARCHS[arch])
     folder, c = str(qwen.folder), qwen.model.config
     cfg = compose(
         ["recipe=vlm_tiny", "data=llava", f"model.init_from={folder}", "vlm.stage=align", "data.max_pixels=12544"]
     )
     m, v, t = cfg.model, c.vision_config, c.text_config
     assert (m.vision, m.vision_hidden_size, m.vision_layers, m.vision_heads, m.vision_patch_size) == (
-        "qwen2_5_vl",
+        arch,
         v.hidden_size,
         v.depth,
         v.num_heads,
@@ -546,57 +604,89 @@ def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(q
         (f"model.init_from={folder}", "data.min_pixels=12544", "data.max_pixels=3136"): (
             "data.min_pixels=12544 is above data.max_pixels=3136"
         ),
+        (f"model.init_from={folder}", f"data.max_pixels={unit * unit - 1}"): (
+            f"data.max_pixels={unit * unit - 1} is below one merged {unit}x{unit} patch ({unit * unit} pixels)"
+        ),
         ("data.max_pixels=12544",): (
             "data.min_pixels / data.max_pixels are the pixel budget of a native-resolution model "
-            "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA resizes every image to its tower's image size"
+            "(model.init_from=<a Qwen2.5-VL or Qwen3-VL folder>); a LLaVA resizes every image to its tower's image "
+            "size"
         ),
-        ("model.vision=qwen2_5_vl",): (
-            "model.vision=qwen2_5_vl is read from model.init_from=<a Qwen2.5-VL folder>, not chosen"
-        ),
+        (f"model.vision={arch}",): f"model.vision={arch} is read from model.init_from=<a {name} folder>, not chosen",
         ("data.video_fps=1",): (
             "data.video_fps / data.max_frames sample the videos of a native-resolution model "
             "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA takes images only"
         ),
-        (f"model.init_from={folder}", "data.video_fps=0"): (
-            "data.video_fps=0.0 must be above 0 (frames sampled per second of video)"
-        ),
-        (f"model.init_from={folder}", "data.max_frames=1"): (
-            "data.max_frames=1 is below one temporal patch (2 frames) of the tower"
-        ),
     }
+    if QWEN_ARCHS[arch].video:  # Qwen3-VL's refusal of the keys is below
+        bad[(f"model.init_from={folder}", "data.video_fps=0")] = (
+            "data.video_fps=0.0 must be above 0 (frames sampled per second of video)"
+        )
+        bad[(f"model.init_from={folder}", "data.max_frames=1")] = (
+            "data.max_frames=1 is below one temporal patch (2 frames) of the tower"
+        )
     for overrides, message in bad.items():
         with pytest.raises(ConfigError) as err:
             compose(["recipe=vlm_tiny", "data=llava", *overrides])
         assert str(err.value) == message, overrides
-    video = compose(
-        ["recipe=vlm_tiny", "data=llava", f"model.init_from={folder}", "data.video_fps=1", "data.max_frames=64"]
-    )
-    assert (video.data.video_fps, video.data.max_frames) == (1.0, 64)
     with pytest.raises(ConfigError, match=r"^the dataset has 3 sample\(s\) with a video; a LLaVA takes images only"):
         LlavaInputs(None, None, None, {"format": "llava-conversations", "videos": 3})
+    sampling = [f"model.init_from={folder}", "data.video_fps=1", "data.max_frames=64"]
+    if QWEN_ARCHS[arch].video:
+        video = compose(["recipe=vlm_tiny", "data=llava", *sampling])
+        assert (video.data.video_fps, video.data.max_frames) == (1.0, 64)
+        return
+    # Qwen3-VL: no videos (its processor writes a timestamp per frame, which Kiln does not): its video keys stop at
+    # composition, data with videos at data setup, and parallel.cp (DeepStack adds to whole rows) at composition;
+    # the planner does not model its tower.
+    with pytest.raises(ConfigError) as err:
+        compose(["recipe=vlm_tiny", "data=llava", *sampling])
+    assert str(err.value) == (
+        "data.video_fps / data.max_frames sample the videos of a native-resolution model "
+        "(model.init_from=<a Qwen2.5-VL folder>); Qwen3-VL takes images only"
+    )
+    with pytest.raises(ConfigError) as err:
+        videos = {"format": "llava-conversations", "videos": 2}
+        QwenInputs(QwenProcessing(qwen.tokenizer, qwen.image_processor), qwen.model, qwen, videos)
+    assert str(err.value) == (
+        "the dataset has 2 sample(s) with a video; a Qwen3-VL trains on images only (its videos carry a timestamp "
+        "per frame, which Kiln does not write; videos train with a Qwen2.5-VL)"
+    )
+    with pytest.raises(ConfigError) as err:
+        compose(["recipe=vlm_tiny", "data=llava", f"model.init_from={folder}", "parallel.cp=2"])
+    assert str(err.value) == (
+        "parallel.cp=2: context parallelism splits the language model of a LLaVA or a Qwen2.5-VL, not of a Qwen3-VL "
+        "(its DeepStack adds the tower's features to whole rows of the first language layers); use parallel.cp=1"
+    )
+    with pytest.raises(ConfigError, match=r"^run.dry_run / scripts/plan.py size Qwen2.5-VL's vision side; a Qwen3-VL"):
+        qwen_vision(qwen.model, cfg, 12544, 4)  # the planner's model of the tower (recipes/vlm/sizing.py)
 
 
-def test_lora_export_is_a_peft_adapter_over_the_release(qwen, tmp_path):
-    """finetune=lora on a Qwen2.5-VL: adapters on the language model's linears, the merger in full, nothing else
-    trains; the export is a PEFT folder that peft itself loads over the release with the adapted model's logits, and
-    export.merge_lora's merged folder loads as Qwen2_5_VLForConditionalGeneration with them too (fp32)."""
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_export_is_a_peft_adapter_over_the_release(request, arch, tmp_path):
+    """finetune=lora on a Qwen2.5-VL / Qwen3-VL: adapters on the language model's linears, the merger(s) in full,
+    nothing else trains; the export is a PEFT folder that peft itself loads over the release with the adapted model's
+    logits, and export.merge_lora's merged folder loads as the release's class with them too (fp32)."""
     from peft import PeftModel
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from common.launch import compose
     from recipes.vlm.lora import write_export
     from recipes.vlm.parallelize import trainable_parts
     from recipes.vlm.qwen import load_qwen
 
+    qwen = request.getfixturevalue(ARCHS[arch])
     cfg = compose(
         ["recipe=vlm_tiny", "data=llava", f"model.init_from={qwen.folder}", "finetune=lora", "export.merge_lora=true"]
     )
     model = load_qwen(qwen.folder, "sdpa")
+    assert type(model) is type(qwen.model)
     trainable_parts(model, cfg)
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
-    merger = [n for n in trained if n.startswith("model.visual.merger.")]
+    merger = [n for n in trained if n.startswith(MERGERS)]
     adapters = [n for n in trained if n.startswith("model.language_model.layers.") and ".lora_" in n]
-    assert merger and len(adapters) == 2 * 7 * 2 and sorted(trained) == sorted(merger + adapters)
+    layers = model.config.text_config.num_hidden_layers
+    assert merger and len(adapters) == layers * 7 * 2 and sorted(trained) == sorted(merger + adapters)
     torch.manual_seed(1)
     with torch.no_grad():  # as training leaves them: B off zero, the merger moved
         for n in trained:
@@ -612,13 +702,14 @@ def test_lora_export_is_a_peft_adapter_over_the_release(qwen, tmp_path):
         image_grid_thw=s["image_grid_thw"],
         mm_token_type_ids=modality_types(ids, qwen.image_pad, qwen.video_pad),
     )
-    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.folder, dtype=torch.float32)
+    base = AutoModelForImageTextToText.from_pretrained(qwen.folder, dtype=torch.float32)
     with torch.no_grad():
         want = model.eval()(**inputs).logits
         peft = PeftModel.from_pretrained(base, tmp_path).eval()(**inputs).logits
-        merged = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+        merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+        assert type(merged) is type(qwen.model)
         merged = merged.eval()(**inputs).logits
-        plain = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.folder, dtype=torch.float32)(**inputs).logits
+        plain = qwen.model(**inputs).logits
     diffs = [(x - want).abs().max().item() for x in (peft, merged)]
-    print(f"max |peft - trained|, |merged - trained| logits: {diffs}")
+    print(f"{arch}: max |peft - trained|, |merged - trained| logits: {diffs}")
     assert max(diffs) < 1e-5 and (plain - want).abs().max().item() > 1e-3  # the adapter changes the logits

@@ -1,0 +1,54 @@
+"""The Qwen-VL generations the VLM recipe trains through one code path (recipes/vlm/qwen.py), one QwenArch each,
+keyed by the model_type of their folders. json only, no torch: config validation (recipes/vlm/sources.py) and the
+packing code (recipes/vlm/qwen.py) both read it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class QwenArch:
+    """What differs between the Qwen-VL generations that train through one code path (recipes/vlm/qwen.py): the
+    rest (native-resolution image processor, <|image_pad|> expansion, the tower over one patch sequence with per-image
+    cu_seqlens, 3-row mRoPE positions from get_rope_index, the packed language rows) is the same."""
+
+    name: str  # in words
+    model: str  # transformers' class of the folder (weights, forward, generate; the export loads as it)
+    base: str  # its inner model, whose get_rope_index lays out a sample's mRoPE positions
+    tower: str  # vision_config.model_type
+    patch: int  # px side of a patch; an image token merges 2x2 of them (`unit`)
+    # The tower also merges intermediate blocks' features and adds them to the first language layers' hidden states
+    # at the image tokens (DeepStack): those mergers are projectors too (recipes/vlm/parallelize.py's vlm_parts).
+    deepstack: bool
+    # Videos train (recipes/vlm/video.py, qwen.py): Qwen2.5-VL's mRoPE time positions follow second_per_grid_ts.
+    # Qwen3-VL instead writes a text timestamp before each temporal patch (its processor's `<t seconds>`), which the
+    # video path does not render: its runs refuse data with videos (recipes/vlm/inputs.py) and the video keys.
+    video: bool
+
+    @property
+    def unit(self) -> int:
+        """px side of one image token: the image processor resizes to multiples of it (2x2 merge, both releases)."""
+        return 2 * self.patch
+
+
+# model_type of a Qwen-VL folder -> its architecture; the model_type is also its model.vision (its own tower, set
+# from the folder by recipes/vlm/config.py). Qwen3-VL's language model is Qwen3 (q/k norms) with interleaved mRoPE
+# sections: transformers' classes carry that, and the positions' layout ([3, R, L], or [4, 1, R*L] packed) is shared.
+QWEN_ARCHS = {
+    "qwen2_5_vl": QwenArch(
+        "Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel", "qwen2_5_vl_vision", 14, False, True
+    ),
+    "qwen3_vl": QwenArch(
+        "Qwen3-VL", "Qwen3VLForConditionalGeneration", "Qwen3VLModel", "qwen3_vl_vision", 16, True, False
+    ),
+}
+QWEN_NAMES = " or ".join(a.name for a in QWEN_ARCHS.values())
+VIDEO_NAMES = " or ".join(a.name for a in QWEN_ARCHS.values() if a.video)
+
+
+def qwen_arch(folder) -> QwenArch:
+    """The QwenArch of a Qwen-VL folder, from its config.json's model_type."""
+    return QWEN_ARCHS[json.loads((Path(folder) / "config.json").read_text())["model_type"]]
