@@ -250,16 +250,20 @@ def pack_samples(samples: list[dict], max_seq_len: int, pad_id: int, *, fit_rows
     if not samples:
         raise ValueError("cannot pack an empty list of samples")
     tensors = _as_tensors(samples)
-    lengths = [ids.numel() for ids, _ in tensors]
-    rows = pack_ffd(lengths, max_seq_len)
-    row_len = max_seq_len
-    if fit_rows:
-        even = even_rows(lengths, len(rows))
-        if max(sum(lengths[i] for i in row) for row in even) <= max_seq_len:
-            rows = even
-        fill = max(sum(lengths[i] for i in row) for row in rows)
-        row_len = min(max_seq_len, -(-fill // ROW_ALIGN) * ROW_ALIGN)
+    rows, row_len = row_layout([ids.numel() for ids, _ in tensors], max_seq_len, fit_rows=fit_rows)
     return _build(tensors, rows, row_len, pad_id)
+
+
+def row_layout(lengths: Sequence[int], max_seq_len: int, *, fit_rows: bool) -> tuple[list[list[int]], int]:
+    """`pack_samples`' rows (indices per row) and row length for samples of ``lengths``, without the tensors."""
+    rows = pack_ffd(lengths, max_seq_len)
+    if not fit_rows:
+        return rows, max_seq_len
+    even = even_rows(lengths, len(rows))
+    if max(sum(lengths[i] for i in row) for row in even) <= max_seq_len:
+        rows = even
+    fill = max(sum(lengths[i] for i in row) for row in rows)
+    return rows, min(max_seq_len, -(-fill // ROW_ALIGN) * ROW_ALIGN)
 
 
 def even_rows(lengths: Sequence[int], num_rows: int) -> list[list[int]]:
@@ -289,3 +293,97 @@ def pad_samples(samples: list[dict], pad_id: int, max_seq_len: int | None = None
         if n > row_len:
             raise ValueError(f"sample of length {n} exceeds data.max_seq_len {row_len}")
     return _build(tensors, [[i] for i in range(len(tensors))], row_len, pad_id)
+
+
+def plan_window(
+    sizes: Sequence[tuple[int, int]], *, steps: int, slots: int, max_seq_len: int, packing: bool = True
+) -> list[list[list[int]]]:
+    """Which samples of a window of ``steps`` global batches go into which step, and into which of the step's
+    ``slots`` micro-batches (data-parallel ranks x accumulation steps), so that both sides of every micro-batch are
+    well filled: ``plan[step][slot]`` lists window indices, ascending.
+
+    ``sizes``: per sample ``(tokens, patches)``: its language-model tokens (text + image tokens, as the processor
+    makes them) and its vision-tower patches. Every step gets exactly ``len(sizes) / steps`` samples (the global
+    batch stays a number of samples), every sample exactly one place; deterministic (ties by index). One step
+    (``steps=1``) keeps the step's samples and only chooses who takes which: the step's gradient is the same sum.
+
+    Steps: the window sorted by tokens and dealt out in a snake, so each step holds the same mix of long and short,
+    image-heavy and text-only samples: the fillers a micro-batch's rows and tower sequence need. Slots: a step's
+    samples go, largest first, to the slot whose larger relative load (tokens against the step's mean per slot,
+    patches likewise) grows least (vector LPT scheduling); then single moves and swaps between slots are taken
+    while they lower the step's waste, which is what the collate makes of each slot -- the padding in its rows
+    (`row_layout`: packed with fit_rows, or padded one sample per row) -- plus the tower's idle share: every
+    micro-batch's tower sequence as long as the step's longest (memory is sized for it, and the other ranks wait
+    for it at the gradient reduction).
+    """
+    n = len(sizes)
+    if steps <= 0 or slots <= 0 or n % steps:
+        raise ValueError(f"a window of {n} samples cannot be cut into {steps} steps")
+    tokens = [min(max(int(t), 1), max_seq_len) for t, _ in sizes]
+    patches = [int(p) for _, p in sizes]
+    order = sorted(range(n), key=lambda i: (-tokens[i], -patches[i], i))
+    members: list[list[int]] = [[] for _ in range(steps)]
+    for r, i in enumerate(order):
+        lap, pos = divmod(r, steps)
+        members[pos if lap % 2 == 0 else steps - 1 - pos].append(i)
+    return [_StepPlan(m, tokens, patches, slots, max_seq_len, packing).solve() for m in members]
+
+
+class _StepPlan:
+    """One step's samples into its slots (`plan_window`)."""
+
+    def __init__(self, members: list[int], tokens: list[int], patches: list[int], slots: int, cap: int, packing: bool):
+        self.tokens, self.patches, self.cap, self.packing = tokens, patches, cap, packing
+        self.total_tokens = max(1, sum(tokens[i] for i in members))
+        self.total_patches = sum(patches[i] for i in members)
+        mean_t, mean_p = self.total_tokens / slots, max(1, self.total_patches) / slots
+        self.out: list[list[int]] = [[] for _ in range(slots)]
+        load = [[0, 0] for _ in range(slots)]
+        for i in sorted(members, key=lambda i: (-max(tokens[i] / mean_t, patches[i] / mean_p), i)):
+            s = min(
+                range(slots),
+                key=lambda s: (max((load[s][0] + tokens[i]) / mean_t, (load[s][1] + patches[i]) / mean_p), s),
+            )
+            self.out[s].append(i)
+            load[s][0] += tokens[i]
+            load[s][1] += patches[i]
+
+    def padding(self, slot: list[int]) -> int:
+        """Empty token slots in the rows the collate lays out for these samples."""
+        if not slot:
+            return 0
+        lengths = [self.tokens[i] for i in slot]
+        if not self.packing:
+            return len(lengths) * max(lengths) - sum(lengths)
+        rows, row_len = row_layout(lengths, self.cap, fit_rows=True)
+        return len(rows) * row_len - sum(lengths)
+
+    def waste(self, padding: list[int], loads: list[int]) -> float:
+        idle = len(loads) * max(loads) - self.total_patches
+        return sum(padding) / self.total_tokens + (idle / self.total_patches if self.total_patches else 0.0)
+
+    def solve(self) -> list[list[int]]:
+        out, num = self.out, len(self.out)
+        padding = [self.padding(s) for s in out]
+        loads = [sum(self.patches[i] for i in s) for s in out]
+        best = self.waste(padding, loads)
+        for _ in range(4 * sum(map(len, out))):  # bounded; each change taken lowers the waste
+            # From the slots the waste is about (most padding, most patches) to any other: a move or a swap.
+            worst = {max(range(num), key=lambda s: (padding[s], -s)), max(range(num), key=lambda s: (loads[s], -s))}
+            found = None
+            for a in sorted(worst):
+                for b in (b for b in range(num) if b != a):
+                    for x, y in [(x, None) for x in out[a]] + [(x, y) for x in [*out[a], None] for y in out[b]]:
+                        moved = (self.patches[x] if x is not None else 0) - (self.patches[y] if y is not None else 0)
+                        sa = [i for i in out[a] if i != x] + ([y] if y is not None else [])
+                        sb = [i for i in out[b] if i != y] + ([x] if x is not None else [])
+                        trial_pad, trial_load = list(padding), list(loads)
+                        trial_pad[a], trial_pad[b] = self.padding(sa), self.padding(sb)
+                        trial_load[a], trial_load[b] = loads[a] - moved, loads[b] + moved
+                        w = self.waste(trial_pad, trial_load)
+                        if w < best - 1e-12 and (found is None or w < found[0]):
+                            found = (w, a, b, sa, sb, trial_pad, trial_load)
+            if found is None:
+                break
+            best, a, b, out[a], out[b], padding, loads = found
+        return [sorted(s) for s in out]
