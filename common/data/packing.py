@@ -47,6 +47,8 @@ def pack_ffd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
         if n > capacity:
             raise ValueError(f"sample of length {n} exceeds the packing capacity {capacity} (data.max_seq_len)")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if len(lengths) <= _SMALL:
+        return _ffd_small(lengths, order, capacity)
     # Remaining room per bin; bins [0, num_bins) are open, the rest are empty. Bin `num_bins` is
     # always empty, so argmax (first True) over the open bins plus that one always finds a fit.
     room = np.full(len(lengths) + 1, capacity, dtype=np.int64)
@@ -54,6 +56,23 @@ def pack_ffd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     for i in order:
         b = int(np.argmax(room[: len(bins) + 1] >= lengths[i]))
         if b == len(bins):
+            bins.append([])
+        bins[b].append(i)
+        room[b] -= lengths[i]
+    return bins
+
+
+_SMALL = 48  # up to this many items a Python scan beats numpy's per-call overhead (plan_window packs many small sets)
+
+
+def _ffd_small(lengths: Sequence[int], order: list[int], capacity: int) -> list[list[int]]:
+    """`pack_ffd`'s bins (the same rule: longest first, each into the lowest-numbered bin with room), by a scan."""
+    room: list[int] = []
+    bins: list[list[int]] = []
+    for i in order:
+        b = next((b for b, r in enumerate(room) if r >= lengths[i]), len(room))
+        if b == len(room):
+            room.append(capacity)
             bins.append([])
         bins[b].append(i)
         room[b] -= lengths[i]
@@ -334,6 +353,7 @@ class _StepPlan:
 
     def __init__(self, members: list[int], tokens: list[int], patches: list[int], slots: int, cap: int, packing: bool):
         self.tokens, self.patches, self.cap, self.packing = tokens, patches, cap, packing
+        self.seen: dict[tuple[int, ...], int] = {}  # padding per multiset of lengths
         self.total_tokens = max(1, sum(tokens[i] for i in members))
         self.total_patches = sum(patches[i] for i in members)
         mean_t, mean_p = self.total_tokens / slots, max(1, self.total_patches) / slots
@@ -349,14 +369,17 @@ class _StepPlan:
             load[s][1] += patches[i]
 
     def padding(self, slot: list[int]) -> int:
-        """Empty token slots in the rows the collate lays out for these samples."""
+        """Empty token slots in the rows the collate lays out for these samples (a function of their lengths)."""
         if not slot:
             return 0
-        lengths = [self.tokens[i] for i in slot]
-        if not self.packing:
-            return len(lengths) * max(lengths) - sum(lengths)
-        rows, row_len = row_layout(lengths, self.cap, fit_rows=True)
-        return len(rows) * row_len - sum(lengths)
+        lengths = tuple(sorted(self.tokens[i] for i in slot))
+        if lengths not in self.seen:
+            if not self.packing:
+                self.seen[lengths] = len(lengths) * lengths[-1] - sum(lengths)
+            else:
+                rows, row_len = row_layout(lengths, self.cap, fit_rows=True)
+                self.seen[lengths] = len(rows) * row_len - sum(lengths)
+        return self.seen[lengths]
 
     def waste(self, padding: list[int], loads: list[int]) -> float:
         idle = len(loads) * max(loads) - self.total_patches
