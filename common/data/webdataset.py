@@ -395,11 +395,14 @@ class _EpochStream(IterableDataset):
         ``(position in the step, raw sample)``: `plan_window` on every sample's measured size."""
         from common.data.packing import plan_window
 
+        slots = self.share.accum * self.share.dp
+        if steps == 1 and slots == 1:  # nothing to choose: the step is one micro-batch (no sample measured)
+            return [[list(enumerate(window))]]
         sizes = [self.plan.measure(sample) for sample in window]
         layout = plan_window(
             sizes,
             steps=steps,
-            slots=self.share.accum * self.share.dp,
+            slots=slots,
             max_seq_len=self.plan.max_seq_len,
             packing=self.plan.packing,
         )

@@ -65,6 +65,10 @@ class VLMDataConfig(DataConfig):
     # processor to a multiple of 28 px with min_pixels <= h*w <= max_pixels; 0 keeps the folder's budget.
     min_pixels: int = 0
     max_pixels: int = 0
+    # How many steps' samples the loader lays out together by their sizes (language tokens, tower patches: Qwen2.5-VL
+    # conversations): each step's micro-batches (ranks x grad_accum) get samples that fill their rows and balance
+    # their tower sequences; more than 1 also chooses which samples share a step. 0: by stream position.
+    pack_buffer: int = 1
 
 
 # ---- value checks that need no model (config validation, and the code that loads one) ----

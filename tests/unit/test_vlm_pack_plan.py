@@ -1,0 +1,45 @@
+"""The VLM loader's plan inputs (data.pack_buffer): a raw sample's size measured without decoding its pixels equals
+what the encoder then makes of it -- Qwen2.5-VL's tokens and tower patches from the real processor (a tiny random
+release folder, common/tools/fixtures.py), at several sizes and aspect ratios."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from common.tools.fixtures import make_qwen2_5_vl
+from recipes.vlm.inputs import measure_llava_qwen
+from recipes.vlm.qwen import encode_llava_qwen
+
+
+def raw_sample(messages: list[dict], sizes: list[tuple[int, int]]) -> dict:
+    """A prepare_llava shard sample: its record and one JPEG per image."""
+    from PIL import Image
+
+    sample = {"json": json.dumps({"id": "s", "messages": messages, "num_images": len(sizes)}).encode()}
+    for i, (h, w) in enumerate(sizes):
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "JPEG")
+        sample[f"image{i}"] = buf.getvalue()
+    return sample
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[], [(300, 200)], [(56, 84), (140, 224), (1344, 224)], [(700, 1000)] * 4],
+    ids=["text", "one", "three", "four"],
+)
+def test_qwen_measure_is_what_the_encoder_makes(tmp_path_factory, sizes):
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    folder = make_qwen2_5_vl(tmp_path_factory.getbasetemp() / "qwen", max_pixels=28 * 28 * 16)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processor = AutoImageProcessor.from_pretrained(folder)
+    prompt = "".join("<image>" for _ in sizes) + "Tell me about these, at some length please."
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": "They are pictures. " * 7}]
+    sample = raw_sample(messages, sizes)
+    enc = encode_llava_qwen(sample, tokenizer, processor)
+    assert measure_llava_qwen(sample, tokenizer, processor) == (len(enc["input_ids"]), len(enc["pixel_values"]))
