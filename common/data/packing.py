@@ -345,7 +345,7 @@ def plan_window(
     for r, i in enumerate(order):
         lap, pos = divmod(r, steps)
         members[pos if lap % 2 == 0 else steps - 1 - pos].append(i)
-    return [_StepPlan(m, tokens, patches, slots, max_seq_len, packing).solve() for m in members]
+    return [_StepPlan(m, tokens, patches, slots, max_seq_len, packing).best() for m in members]
 
 
 class _StepPlan:
@@ -356,17 +356,39 @@ class _StepPlan:
         self.seen: dict[tuple[int, ...], int] = {}  # padding per multiset of lengths
         self.total_tokens = max(1, sum(tokens[i] for i in members))
         self.total_patches = sum(patches[i] for i in members)
-        mean_t, mean_p = self.total_tokens / slots, max(1, self.total_patches) / slots
-        self.out: list[list[int]] = [[] for _ in range(slots)]
-        load = [[0, 0] for _ in range(slots)]
-        for i in sorted(members, key=lambda i: (-max(tokens[i] / mean_t, patches[i] / mean_p), i)):
+        self.members, self.slots = members, slots
+
+    def balanced(self) -> list[list[int]]:
+        """Samples, largest first, each to the slot whose larger relative load grows least (vector LPT)."""
+        mean_t, mean_p = self.total_tokens / self.slots, max(1, self.total_patches) / self.slots
+        out: list[list[int]] = [[] for _ in range(self.slots)]
+        load = [[0, 0] for _ in range(self.slots)]
+        t, p = self.tokens, self.patches
+        for i in sorted(self.members, key=lambda i: (-max(t[i] / mean_t, p[i] / mean_p), i)):
             s = min(
-                range(slots),
-                key=lambda s: (max((load[s][0] + tokens[i]) / mean_t, (load[s][1] + patches[i]) / mean_p), s),
+                range(self.slots), key=lambda s: (max((load[s][0] + t[i]) / mean_t, (load[s][1] + p[i]) / mean_p), s)
             )
-            self.out[s].append(i)
-            load[s][0] += tokens[i]
-            load[s][1] += patches[i]
+            out[s].append(i)
+            load[s][0] += t[i]
+            load[s][1] += p[i]
+        return out
+
+    def by_rows(self) -> list[list[int]]:
+        """The step's FFD rows (as full as rows get), each to the slot with fewest rows, then fewest patches."""
+        rows = [[self.members[j] for j in r] for r in pack_ffd([self.tokens[i] for i in self.members], self.cap)]
+        out: list[list[int]] = [[] for _ in range(self.slots)]
+        fill = [[0, 0] for _ in range(self.slots)]
+        for row in sorted(rows, key=lambda r: (-sum(self.patches[i] for i in r), r[0])):
+            s = min(range(self.slots), key=lambda s: (fill[s], s))
+            out[s] += row
+            fill[s][0] += 1
+            fill[s][1] += sum(self.patches[i] for i in row)
+        return out
+
+    def best(self) -> list[list[int]]:
+        """The better of two starts, each improved by `solve`: balanced loads, or full rows."""
+        plans = [self.solve(start) for start in (self.balanced(), self.by_rows())]
+        return min(plans, key=lambda p: (p[0], plans.index(p)))[1]
 
     def padding(self, slot: list[int]) -> int:
         """Empty token slots in the rows the collate lays out for these samples (a function of their lengths)."""
@@ -385,8 +407,9 @@ class _StepPlan:
         idle = len(loads) * max(loads) - self.total_patches
         return sum(padding) / self.total_tokens + (idle / self.total_patches if self.total_patches else 0.0)
 
-    def solve(self) -> list[list[int]]:
-        out, num = self.out, len(self.out)
+    def solve(self, out: list[list[int]]) -> tuple[float, list[list[int]]]:
+        """Moves and swaps from the slots with most padding and most patches while the waste falls: (waste, plan)."""
+        num = len(out)
         padding = [self.padding(s) for s in out]
         loads = [sum(self.patches[i] for i in s) for s in out]
         best = self.waste(padding, loads)
@@ -409,4 +432,4 @@ class _StepPlan:
             if found is None:
                 break
             best, a, b, out[a], out[b], padding, loads = found
-        return [sorted(s) for s in out]
+        return best, [sorted(s) for s in out]
