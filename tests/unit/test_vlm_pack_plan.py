@@ -27,17 +27,21 @@ def raw_sample(messages: list[dict], sizes: list[tuple[int, int]]) -> dict:
     return sample
 
 
+@pytest.fixture(scope="module")
+def processing(tmp_path_factory):
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    folder = make_qwen2_5_vl(tmp_path_factory.mktemp("qwen"), max_pixels=28 * 28 * 16)
+    return AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
+
+
 @pytest.mark.parametrize(
     "sizes",
     [[], [(300, 200)], [(56, 84), (140, 224), (1344, 224)], [(700, 1000)] * 4],
     ids=["text", "one", "three", "four"],
 )
-def test_qwen_measure_is_what_the_encoder_makes(tmp_path_factory, sizes):
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    folder = make_qwen2_5_vl(tmp_path_factory.getbasetemp() / "qwen", max_pixels=28 * 28 * 16)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    processor = AutoImageProcessor.from_pretrained(folder)
+def test_qwen_measure_is_what_the_encoder_makes(processing, sizes):
+    tokenizer, processor = processing
     prompt = "".join("<image>" for _ in sizes) + "Tell me about these, at some length please."
     messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": "They are pictures. " * 7}]
     sample = raw_sample(messages, sizes)
