@@ -62,6 +62,9 @@ def pack_ffd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+# plan_window's local search: moves and swaps tried per step and start. It bounds a step's planning (a large global
+# batch spread over many slots starts well balanced anyway) and, unlike a time limit, plans the same on every rank.
+SEARCH_BUDGET = 3000
 _SMALL = 48  # up to this many items a Python scan beats numpy's per-call overhead (plan_window packs many small sets)
 
 
@@ -412,23 +415,29 @@ class _StepPlan:
         num = len(out)
         padding = [self.padding(s) for s in out]
         loads = [sum(self.patches[i] for i in s) for s in out]
-        best = self.waste(padding, loads)
-        for _ in range(4 * sum(map(len, out))):  # bounded; each change taken lowers the waste
+        best, tried = self.waste(padding, loads), 0
+        while tried < SEARCH_BUDGET:  # each change taken lowers the waste
             # From the slots the waste is about (most padding, most patches) to any other: a move or a swap.
             worst = {max(range(num), key=lambda s: (padding[s], -s)), max(range(num), key=lambda s: (loads[s], -s))}
+            changes = [
+                (a, b, x, y)
+                for a in sorted(worst)
+                for b in range(num)
+                if b != a
+                for x, y in [(x, None) for x in out[a]] + [(x, y) for x in [*out[a], None] for y in out[b]]
+            ][: SEARCH_BUDGET - tried]
+            tried += len(changes)
             found = None
-            for a in sorted(worst):
-                for b in (b for b in range(num) if b != a):
-                    for x, y in [(x, None) for x in out[a]] + [(x, y) for x in [*out[a], None] for y in out[b]]:
-                        moved = (self.patches[x] if x is not None else 0) - (self.patches[y] if y is not None else 0)
-                        sa = [i for i in out[a] if i != x] + ([y] if y is not None else [])
-                        sb = [i for i in out[b] if i != y] + ([x] if x is not None else [])
-                        trial_pad, trial_load = list(padding), list(loads)
-                        trial_pad[a], trial_pad[b] = self.padding(sa), self.padding(sb)
-                        trial_load[a], trial_load[b] = loads[a] - moved, loads[b] + moved
-                        w = self.waste(trial_pad, trial_load)
-                        if w < best - 1e-12 and (found is None or w < found[0]):
-                            found = (w, a, b, sa, sb, trial_pad, trial_load)
+            for a, b, x, y in changes:
+                moved = (self.patches[x] if x is not None else 0) - (self.patches[y] if y is not None else 0)
+                sa = [i for i in out[a] if i != x] + ([y] if y is not None else [])
+                sb = [i for i in out[b] if i != y] + ([x] if x is not None else [])
+                trial_pad, trial_load = list(padding), list(loads)
+                trial_pad[a], trial_pad[b] = self.padding(sa), self.padding(sb)
+                trial_load[a], trial_load[b] = loads[a] - moved, loads[b] + moved
+                w = self.waste(trial_pad, trial_load)
+                if w < best - 1e-12 and (found is None or w < found[0]):
+                    found = (w, a, b, sa, sb, trial_pad, trial_load)
             if found is None:
                 break
             best, a, b, out[a], out[b], padding, loads = found
