@@ -917,4 +917,5 @@ def global_train_loader(
         group=group,
         plan=plan,
     )
+    inner.resume_hints["pack_buffer"] = "the run laid its steps out with data.pack_buffer={saved}: set it so"
     return GlobalBatches(inner, rank=rank, dp=dp, micro=t.micro_batch_size, accum=t.grad_accum)

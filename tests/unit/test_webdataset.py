@@ -613,3 +613,6 @@ def test_planned_steps_resume_exactly_mid_window_and_keep_the_global_batch(shard
         resumed.load_state_dict(state)
         got = steps(resumed, per_epoch + 3 - done, accum=2)
         assert [sorted(i for ids, _ in step for i in ids) for step in got] == ids[done:], f"resume after {done}"
+    other = global_loader(urls, rank=0, dp=1, micro=4, accum=2, collate=collate_ids, plan=PackPlan(measure_id, 2, 64))
+    with pytest.raises(DataError, match=f"pack_buffer was {window} when saved, now 2 .*data.pack_buffer={window}"):
+        other.load_state_dict(state)
