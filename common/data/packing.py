@@ -330,13 +330,15 @@ def plan_window(
     (``steps=1``) keeps the step's samples and only chooses who takes which: the step's gradient is the same sum.
 
     Steps: the window sorted by tokens and dealt out in a snake, so each step holds the same mix of long and short,
-    image-heavy and text-only samples: the fillers a micro-batch's rows and tower sequence need. Slots: a step's
-    samples go, largest first, to the slot whose larger relative load (tokens against the step's mean per slot,
-    patches likewise) grows least (vector LPT scheduling); then single moves and swaps between slots are taken
-    while they lower the step's waste, which is what the collate makes of each slot -- the padding in its rows
-    (`row_layout`: packed with fit_rows, or padded one sample per row) -- plus the tower's idle share: every
-    micro-batch's tower sequence as long as the step's longest (memory is sized for it, and the other ranks wait
-    for it at the gradient reduction).
+    image-heavy and text-only samples: the fillers a micro-batch's rows and tower sequence need. Slots, from two
+    starts: the samples, largest first, each to the slot whose larger relative load (tokens against the step's mean
+    per slot, patches likewise) grows least (vector LPT scheduling); or the step's FFD rows, as full as rows get,
+    dealt to the slots by rows then patches. From each, single moves and swaps between slots are taken (best first,
+    at most SEARCH_BUDGET tried) while they lower the step's waste, and the start that ends lower wins. The waste is
+    what the collate makes of each slot -- the padding in its rows (`row_layout`: packed with fit_rows, or padded
+    one sample per row), over the step's tokens -- plus the tower's idle share: every micro-batch's tower sequence
+    as long as the step's longest (memory is sized for it, and the other ranks wait for it at the gradient
+    reduction), over the step's patches.
     """
     n = len(sizes)
     if steps <= 0 or slots <= 0 or n % steps:
