@@ -126,6 +126,12 @@ class Block:
     # [attention output ; MLP activation] (Flux's single-stream block; Dehghani et al. 2023's parallel layers): one
     # norm, no output projection of the attention's own, the projection's input h + ffn wide.
     parallel: bool = False
+    # One qkv projection whose output q, k and v are views of (Qwen2.5-VL's vision blocks): v keeps the whole output
+    # alive, beside the new q and k that RoPE writes.
+    fused_qkv: bool = False
+    # Attention run image by image (window by window) and concatenated (transformers' SDPA / eager path of the
+    # Qwen2.5-VL tower; its varlen kernel writes one output): the projection keeps the concatenation, a second copy.
+    chunked_attention: bool = False
 
     @property
     def kv_fraction(self) -> float:
@@ -195,23 +201,33 @@ AFTER_ATTENTION = ("output projection", "gate, up projections", "fc1 output", "d
 SAVED_BY_ATTENTION_MATMULS = ("q, k, v projections", "attention output", "logsumexp", "output projection")
 
 
-def _attention_saved(block: Block, s: int, b: int, e: int, kv_seq: int = 0) -> list[Saved]:
+def _attention_saved(block: Block, s: int, b: int, e: int, kv_seq: int = 0, mask_side: int = 0) -> list[Saved]:
     """`kv_seq`: the keys' sequence length where it is not the queries' `s` (context parallelism's all-gather: the
-    rank's s = L/cp queries attend over the row's L gathered keys and values, which the kernel keeps)."""
+    rank's s = L/cp queries attend over the row's L gathered keys and values, which the kernel keeps; the mask is
+    [s x kv_seq]). `mask_side`: a square [mask_side x mask_side] mask instead (the all-to-all: every rank attends
+    over the whole row with heads/cp heads, so its kernel keeps the whole [L x L] mask, while its q, k, v and output
+    are the bytes of s = L/cp tokens with every head)."""
     sbh, a, kv = s * b * block.hidden, block.heads, block.kv_fraction
     kv_seq = kv_seq or s
+    fused_qkv = [Saved("q, k projected (v keeps the fused output)", e * sbh * (1 + kv), True)]
+    fused_qkv = fused_qkv if block.fused_qkv else []
+    mask_bytes = e * b * (mask_side * mask_side if mask_side else s * kv_seq)
     if block.attention == "fused":
         # Flash/SDPA kernels keep q, k, v, their output and the fp32 logsumexp, never the scores; they
         # write the output as [b, s, a, d], so the reshape before the projection is a view of it.
         out = [
             Saved("q, k, v", e * sbh * (1 + 2 * kv * kv_seq / s), True),
+            *fused_qkv,
             Saved("attention output", e * sbh, True),
             Saved("logsumexp", 4 * a * s * b, True),
         ]
+        if block.chunked_attention:
+            out.append(Saved("attention outputs concatenated", e * sbh, True))
         if block.dense_mask:  # broadcast over heads: every TP rank converts and keeps the whole mask
-            out.append(Saved("attention mask as bias", e * b * s * kv_seq, False, quadratic=True))
+            out.append(Saved("attention mask as bias", mask_bytes, False, quadratic=True))
         return out
-    out = [Saved("q, k", e * sbh * (1 + kv), True), Saved("softmax output", e * a * s * s * b, True, quadratic=True)]
+    out = [Saved("q, k", e * sbh * (1 + kv), True), *fused_qkv]
+    out.append(Saved("softmax output", e * a * s * s * b, True, quadratic=True))
     if block.dropout:
         out += [
             Saved("softmax dropout mask", a * s * s * b, True, quadratic=True),
@@ -252,15 +268,25 @@ def _save_matmuls_saved(block: Block, s: int, b: int, e: int, widening: bool = T
 
 
 def layer_saved(
-    block: Block, *, seq: int, batch: int, act_bytes: int, recompute: str = "none", cp: int = 1
+    block: Block,
+    *,
+    seq: int,
+    batch: int,
+    act_bytes: int,
+    recompute: str = "none",
+    cp: int = 1,
+    cp_method: str = "allgather",
 ) -> list[Saved]:
     """Every tensor one layer keeps for backward (generalized Korthikanti et al. 2022, §4.1 and §5).
 
     With GPT-3's ops in 16-bit (layernorm, 4h gelu MLP, dropout, eager attention) the sum is exactly
     s·b·h·34 + 5·a·s²·b; `full` keeps only the layer input (2·s·b·h), `selective` drops the s² terms.
     Masks of dropout are 1 byte; softmax statistics of layernorm are not counted (as in the paper).
-    Context parallelism (cp > 1, all-gather): each rank holds seq/cp tokens of every row; its attention kernel
-    keeps the row's gathered keys and values (seq) and its [seq/cp x seq] rows of the mask.
+    Context parallelism (cp > 1): each rank holds seq/cp tokens of every row. `cp_method=allgather`: its attention
+    kernel keeps the row's gathered keys and values (seq) and its [seq/cp x seq] rows of the mask. `alltoall`
+    (Ulysses: DeepSpeed's DistributedAttention, the LLM's own exchange): the kernel keeps q, k, v and its output for
+    the whole row with heads/cp heads, the bytes of seq/cp tokens with every head, and the whole [seq x seq] mask;
+    the inverse all-to-all's result is a new tensor, the output projection's input, kept beside the kernel's output.
     """
     s, b, e = seq // cp, batch, act_bytes
     sbh, sb = s * b * block.hidden, s * b
@@ -274,11 +300,14 @@ def layer_saved(
         kept = [t._replace(nbytes=t.nbytes * (1 - block.pre_only)) if t.name in AFTER_ATTENTION else t for t in kept]
         return kept + _attention2_saved(block, s, b, e, recompute)
     out = _norm_saved(block, "attention", sbh, sb, e) + [Saved("qkv input", e * sbh, block.megatron_sp)]
-    out += (
-        _attention_saved(block, s, b, e, kv_seq=seq)
-        + _qk_norm_saved(block, s, b, e)
-        + _attention2_saved(block, s, b, e, "")
+    ulysses = cp > 1 and cp_method == "alltoall"
+    attention = (
+        _attention_saved(block, s, b, e, mask_side=seq)
+        + [Saved("attention output after the all-to-all (projection input)", e * sbh, True)]
+        if ulysses
+        else _attention_saved(block, s, b, e, kv_seq=seq)
     )
+    out += attention + _qk_norm_saved(block, s, b, e) + _attention2_saved(block, s, b, e, "")
     if block.dropout:
         out.append(Saved("attention dropout mask", sbh, True))
     if block.parallel:  # the MLP reads the attention's (modulated) input; the projection's input is a new tensor
@@ -302,35 +331,67 @@ def per_gpu_bytes(saved: list[Saved], tp: int = 1) -> float:
 
 
 def layer_activation_bytes(
-    block: Block, *, seq: int, batch: int, act_bytes: int, tp: int = 1, recompute: str = "none", cp: int = 1
+    block: Block,
+    *,
+    seq: int,
+    batch: int,
+    act_bytes: int,
+    tp: int = 1,
+    recompute: str = "none",
+    cp: int = 1,
+    cp_method: str = "allgather",
 ) -> float:
     """Bytes one layer keeps for backward on one GPU of a tp-way tensor (+ sequence) parallel group (and a cp-way
     context parallel group: `seq` is the whole row's)."""
-    saved = layer_saved(block, seq=seq, batch=batch, act_bytes=act_bytes, recompute=recompute, cp=cp)
+    saved = layer_saved(
+        block, seq=seq, batch=batch, act_bytes=act_bytes, recompute=recompute, cp=cp, cp_method=cp_method
+    )
     return per_gpu_bytes(saved, tp)
 
 
-def cp_gather_transient_bytes(block: Block, *, seq: int, batch: int, act_bytes: int, tp: int = 1, cp: int = 1) -> float:
-    """Context parallelism's all-gather (cp_method=allgather), live around one layer's attention: the gathered keys
-    and values of the row (2 x seq x kv_heads x head_dim, this rank's heads), and the rank's [seq/cp x seq] bool
-    rows of the document + causal mask (recipes/llm/context_parallel.py)."""
+def cp_transient_bytes(
+    block: Block, *, seq: int, batch: int, act_bytes: int, tp: int = 1, cp: int = 1, cp_method: str = "allgather"
+) -> float:
+    """What context parallelism's exchange holds live around one layer's attention, beyond what the layer keeps.
+
+    `allgather` (recipes/llm/context_parallel.py): the gathered keys and values of the row (2 x seq x kv_heads x
+    head_dim, this rank's heads), and the rank's [seq/cp x seq] bool rows of the document + causal mask.
+    `alltoall` (Ulysses): DeepSpeed's DistributedAttention (deepspeed/sequence/layer.py single_all_to_all) sends
+    each of q, k, v, then the kernel's output, one after the other, from a permuted contiguous copy into an
+    `empty_like` receive buffer, then permutes that into the result the kernel (or the output projection) keeps:
+    two buffers of the exchanged tensor live beside its result, the largest being q's or the output's (seq/cp x
+    every head of this tp rank); the LLM's own exchange allocates the same three. Plus, with a dense mask, the
+    whole row's [seq x seq] bool mask on every rank (recipes/llm/context_parallel.py; the VLM's transformers mask).
+    Backward exchanges the gradients the same way, one at a time: the same two buffers."""
     if cp == 1:
         return 0.0
+    if cp_method == "alltoall":
+        mask = batch * seq * seq if block.dense_mask else 0
+        return 2 * (seq // cp) * batch * block.hidden * act_bytes / tp + mask
     kv_width = (block.kv_heads or block.heads) * (block.hidden // block.heads)
     return 2 * seq * batch * kv_width * act_bytes / tp + batch * (seq // cp) * seq
 
 
 def head_saved(
-    block: Block, *, seq: int, batch: int, vocab: int, act_bytes: int, loss: bool = True, vocab_parallel: bool = False
+    block: Block,
+    *,
+    seq: int,
+    batch: int,
+    vocab: int,
+    act_bytes: int,
+    loss: bool = True,
+    vocab_parallel: bool = False,
+    loss_seq: int = 0,
 ) -> list[Saved]:
     """What a language model keeps after its last layer: the final norm, the output projection's
     input (gathered over TP), and with the loss the fp32 log-probabilities that cross_entropy's
     log_softmax keeps (the recipes upcast the logits first). At 8k tokens x 128k vocabulary the
-    last term alone is 4 GiB per sequence: the logits matter."""
+    last term alone is 4 GiB per sequence: the logits matter. `loss_seq`: the loss's tokens where
+    they are not the head's (context parallelism gathering the logits of the whole row)."""
     sbh, sb = seq * batch * block.hidden, seq * batch
     out = _norm_saved(block, "final", sbh, sb, act_bytes) + [Saved("head input", act_bytes * sbh, block.megatron_sp)]
     if loss:
-        out.append(Saved("log-probabilities (fp32)", 4 * sb * vocab, vocab_parallel))
+        out.append(Saved("log-probabilities (fp32)", 4 * (loss_seq or seq) * batch * vocab, vocab_parallel))
     return out
 
 
@@ -363,11 +424,17 @@ def microbatches_in_flight(schedule: str, pp: int, microbatches: int, rank: int)
 
 @dataclass(frozen=True)
 class LayerType:
-    """One kind of layer in a model's stack: its Block, how many, and the trainable parameters of one."""
+    """One kind of layer in a model's stack: its Block, how many, and the trainable parameters of one.
+
+    `seq` x `batch`: its own tokens per micro-batch where they are not the spec's rows (a VLM's vision tower over all
+    the micro-batch's patches: `seq` the span one attention covers, an image or a window, and `batch` how many such
+    spans; every term but eager attention's s^2 is linear in seq x batch). Such a layer is not split by cp."""
 
     block: Block
     layers: int
     params: int
+    seq: int = 0  # 0: the spec's seq and micro-batch rows
+    batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -394,6 +461,10 @@ class ModelSpec:
     pp_microbatches: int = 0  # 0: pp
     vocab_parallel: bool = False  # TP keeps the logits sharded over the vocabulary (loss parallel)
     context_parallel: bool = False  # the recipe splits rows over parallel.cp ranks (the planner varies cp)
+    cp_method: str = "allgather"  # parallel.cp_method: what cp ranks exchange (allgather: keys/values; alltoall: heads)
+    # Under cp the output projection's tokens are gathered and the loss taken on the whole rows on every cp rank (the
+    # DeepSpeed recipes: common/ulysses.py gather_tokens), so the logits are not divided by cp.
+    cp_whole_loss: bool = False
     # Mixture of Experts: the routed experts of the largest MoE layer (in layer_params and gather_unit_params),
     # their count, and the (token, expert) pairs per token whose rows travel by all-to-all under expert parallelism.
     expert_params: int = 0
@@ -403,6 +474,9 @@ class ModelSpec:
     # Bytes held whole on every GPU whatever the ZeRO stage, in "weights": frozen models beside the engine (a
     # text-to-image run's text encoders and VAE) and the trained model's buffers (ZeRO partitions parameters only).
     unsharded_bytes: float = 0
+    # Bytes kept for backward per micro-batch outside the layers and their AC (a VLM's projector over the image
+    # features), on the first pipeline stage.
+    outside_layers_bytes: float = 0
     note: str = ""  # what the estimate holds and leaves out, printed under it (run.dry_run, scripts/plan.py)
     # Further layer types after `block` x `layers` (Flux's single-stream blocks after its dual-stream ones), each with
     # its own activations and parameters. Not split over pipeline stages (the planner offers pp = 1 with them).
@@ -475,20 +549,26 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     microbatches = spec.pp_microbatches or p
     rows = math.ceil(spec.micro_batch / microbatches) if p > 1 else spec.micro_batch
     shape = dict(seq=spec.seq, batch=rows, act_bytes=e)
-    per_microbatch = sum(
-        n * layer_activation_bytes(t.block, tp=tp, recompute=layout.ac, cp=cp, **shape) for t, n in types
-    )
-    # Under AC, the largest layer recomputed in backward; under cp, the largest layer's all-gather.
-    recomputed = [layer_activation_bytes(t.block, tp=tp, cp=cp, **shape) for t, _ in types]
+
+    def own(t: LayerType) -> dict:  # a layer type's tokens and cp split: its own, or the rows split over cp
+        return dict(seq=t.seq, batch=t.batch, act_bytes=e, cp=1) if t.seq else dict(shape, cp=cp)
+
+    split = dict(tp=tp, cp_method=spec.cp_method)
+    per_microbatch = sum(n * layer_activation_bytes(t.block, recompute=layout.ac, **split, **own(t)) for t, n in types)
+    per_microbatch += first * spec.outside_layers_bytes
+    # Under AC, the largest layer recomputed in backward; under cp, the largest layer's exchange buffers.
+    recomputed = [layer_activation_bytes(t.block, **split, **own(t)) for t, _ in types]
     transient = max(recomputed) if layout.ac != "none" else 0.0
-    transient += max(cp_gather_transient_bytes(t.block, tp=tp, cp=cp, **shape) for t, _ in types)
-    shape["seq"] = spec.seq // cp  # the head and the loss see this rank's tokens only
+    transient += max(cp_transient_bytes(t.block, **split, **own(t)) for t, _ in types)
+    loss_seq = spec.seq if spec.cp_whole_loss else spec.seq // cp
+    shape["seq"] = spec.seq // cp  # the head sees this rank's tokens only (the loss: loss_seq)
     if spec.experts:  # each token's top_k rows, permuted by expert: sent, received and combined back (one layer)
         transient = max(transient, 3 * spec.top_k * spec.seq * rows * spec.block.hidden * e)
     if last and spec.vocab:
         per_microbatch += per_gpu_bytes(
-            head_saved(spec.block, vocab=spec.vocab, vocab_parallel=spec.vocab_parallel, **shape), tp
+            head_saved(spec.block, vocab=spec.vocab, vocab_parallel=spec.vocab_parallel, loss_seq=loss_seq, **shape), tp
         )
+        shape["seq"] = loss_seq
         transient = max(
             transient, logits_transient_bytes(vocab=spec.vocab, tp=tp, vocab_parallel=spec.vocab_parallel, **shape)
         )
@@ -512,11 +592,11 @@ def configured_layout(
 
 
 def describe_sharding(spec: ModelSpec, layout: Layout) -> str:
+    over = f"dp={layout.dp}" + (f" x cp={layout.cp}" if layout.cp > 1 else "")  # the ranks that split the tokens
     if spec.sharding == "fsdp":
         experts = f", experts split over ep={layout.ep}" if layout.ep > 1 else ""
-        over = f"dp={layout.dp}" + (f" x cp={layout.cp}" if layout.cp > 1 else "")
         return (f"FSDP over {over}" if layout.zero_stage == 3 else "no sharding (dp=1)") + experts
-    return f"ZeRO stage {layout.zero_stage} over dp={layout.dp}"
+    return f"ZeRO stage {layout.zero_stage} over {over}"
 
 
 def dry_run_report(spec: ModelSpec, layout: Layout) -> str:

@@ -206,11 +206,12 @@ def ulysses_joint_kernel(kernel: Kernel, group):
     return attend
 
 
-def shard_tokens(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
-    """This cp rank's contiguous 1/cp of `x`'s tokens (dim 1). A plain slice: its backward puts the rank's gradient
-    back in its rows (the embedding before it then gets the rank's share, which DeepSpeed sums over cp)."""
-    n = x.shape[1] // cp
-    return x[:, rank * n : (rank + 1) * n]
+def shard_tokens(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This cp rank's contiguous 1/cp of `x`'s tokens (dim `dim`: 1, or the last for positions laid out
+    [3, B, S] as Qwen's mRoPE). A plain slice: its backward puts the rank's gradient back in its rows (the embedding
+    before it then gets the rank's share, which DeepSpeed sums over cp)."""
+    n = x.shape[dim] // cp
+    return x.narrow(dim, rank * n, n)
 
 
 class _GatherTokens(torch.autograd.Function):

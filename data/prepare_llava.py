@@ -3,19 +3,24 @@
     python -m data.prepare_llava --json FILE --images DIR --out DIR [--train-shards 64] [--val-shards 2]
                                  [--val-fraction 0.005] [--seed 0] [--workers N] [--force]
 
-Input: a JSON list of ``{"id", "image": "path/under/DIR" (or a list of paths; no key = text only),
-"conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": ...}, ...]}``
+Input: a JSON list of ``{"id", "image": "path/under/DIR" (or a list of paths, or ``"images": [...]``; no key =
+text only), "conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": ...}, ...]}``
 (``human``/``user``, ``gpt``/``assistant``, an optional leading ``system``), the layout of
-LLaVA-Pretrain-558K and llava_v1_5_mix665k. A sample is skipped, counted and named in the summary when
-its image is missing or does not decode (every image is fully decoded here, in ``--workers``
-processes), when its ``<image>`` placeholders do not match its images one to one, or when it is
-malformed (not user/assistant turns in alternation starting with the user, no answer). All bad: one
-``kiln: error:`` line, exit 2.
+LLaVA-Pretrain-558K and llava_v1_5_mix665k. A sample may carry one video, ``"video": "clip.mp4"`` (a file PyAV
+decodes: MP4, WebM, MKV, ...) or ``"video": ["f0.jpg", "f1.jpg", ...]`` (its frames, in order, all one size),
+with ``<video>`` where it goes in a user turn (LLaVA-Video's and Qwen2.5-VL's fine-tuning layout); frame files
+are a video sampled at training's data.video_fps unless ``"video_fps"`` says the rate they were taken at.
+A sample is skipped, counted and named in the summary when its image or video is missing or does not decode
+(every image and video is fully decoded here, in ``--workers`` processes), when its ``<image>`` (``<video>``)
+placeholders do not match its images (video) one to one, or when it is malformed (not user/assistant turns in
+alternation starting with the user, no answer). All bad: one ``kiln: error:`` line, exit 2.
 
 Output: ``{split}-NNNNNN.tar`` shards, each sample ``{__key__: "train_000000123", json: {"id",
-"messages": [{"role", "content"}], "num_images"}, image0, image1, ...: the image files' bytes as they
-are}``, split train/val at random (seeded), and ``meta.json`` (format ``llava-conversations``, counts,
-what was skipped and why) written last; the directory appears at once (``data.shards``). The text is
+"messages": [{"role", "content"}], "num_images"[, "video"]}, image0, image1, ...: the image files' bytes as they
+are}``, a video as ``video`` (the file's bytes; json ``"video": {"container": "mp4"}``) or ``frame0``,
+``frame1``, ... (json ``"video": {"frames": N, "fps": rate or null}``), split train/val at random (seeded), and
+``meta.json`` (format ``llava-conversations``, counts, what was skipped and why) written last; the directory
+appears at once (``data.shards``). The text is
 NOT tokenized here: training tokenizes it (recipes/vlm/data.py) with the processor of the model being
 trained, so one set of shards serves any language model and vision tower, and the labels follow that
 model's own chat template.
@@ -40,8 +45,17 @@ from data import shards
 
 FORMAT = "llava-conversations"  # meta.json "format"; recipes/vlm/data.py reads it
 IMAGE_TOKEN = "<image>"
+VIDEO_TOKEN = "<video>"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-REASONS = ("missing image", "undecodable image", "<image> count mismatch", "malformed")
+REASONS = (
+    "missing image",
+    "undecodable image",
+    "<image> count mismatch",
+    "missing video",
+    "undecodable video",
+    "<video> count mismatch",
+    "malformed",
+)
 
 
 class Rejected(ValueError):
@@ -52,14 +66,19 @@ class Rejected(ValueError):
         self.reason = reason
 
 
-def to_messages(record: Any) -> tuple[list[dict], list[str]]:
-    """(messages, image paths) of one LLaVA record, or Rejected("malformed" / "<image> count mismatch")."""
+def to_messages(record: Any) -> tuple[list[dict], list[str], dict | None]:
+    """(messages, image paths, video) of one LLaVA record, or Rejected("malformed" / "<image> count mismatch" /
+    "<video> count mismatch"). The video: None, ``{"container": path}`` or ``{"frames": [paths], "fps": rate}``."""
     if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
         raise Rejected("malformed", "no conversations list")
-    image = record.get("image")
+    if "image" in record and "images" in record:
+        raise Rejected("malformed", "both image and images; give the paths under one of them")
+    key = "images" if "images" in record else "image"
+    image = record.get(key)
     images = [image] if isinstance(image, str) else image if image is not None else []
     if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
-        raise Rejected("malformed", f"image is {image!r}, not a path or a list of paths")
+        raise Rejected("malformed", f"{key} is {image!r}, not a path or a list of paths")
+    video = _video(record)
     messages = []
     for turn in record["conversations"]:
         role = ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
@@ -71,14 +90,33 @@ def to_messages(record: Any) -> tuple[list[dict], list[str]]:
         raise Rejected("malformed", "turns do not alternate user, assistant, ... starting with the user")
     if len(body) < 2 or not any(m["content"].strip() for m in body[1::2]):
         raise Rejected("malformed", "no assistant answer")
-    count = sum(m["content"].count(IMAGE_TOKEN) for m in messages)
-    if count != len(images) or any(IMAGE_TOKEN in m["content"] for m in messages if m["role"] != "user"):
-        raise Rejected(
-            "<image> count mismatch",
-            f"{count} {IMAGE_TOKEN} in the text, {len(images)} image(s); "
-            "placeholders belong in user turns, one per image",
-        )
-    return messages, images
+    for token, n, kind in ((IMAGE_TOKEN, len(images), "image"), (VIDEO_TOKEN, int(video is not None), "video")):
+        count = sum(m["content"].count(token) for m in messages)
+        if count != n or any(token in m["content"] for m in messages if m["role"] != "user"):
+            raise Rejected(
+                f"{token} count mismatch",
+                f"{count} {token} in the text, {n} {kind}(s); placeholders belong in user turns, one per {kind}",
+            )
+    return messages, images, video
+
+
+def _video(record: dict) -> dict | None:
+    """A record's ``video`` (and ``video_fps``), checked for shape: Rejected("malformed") if it is neither a path
+    nor a list of frame paths, or the rate is not a positive number."""
+    video, fps = record.get("video"), record.get("video_fps")
+    if video is None:
+        if fps is not None:
+            raise Rejected("malformed", "video_fps without a video")
+        return None
+    if isinstance(video, str) and video:
+        if fps is not None:
+            raise Rejected("malformed", "video_fps is for a video given as frame files; a video file has its rate")
+        return {"container": video}
+    if not isinstance(video, list) or not video or not all(isinstance(p, str) and p for p in video):
+        raise Rejected("malformed", f"video is {video!r}, not a path or a list of frame paths")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
+        raise Rejected("malformed", f"video_fps is {fps!r}, not a positive number of frames per second")
+    return {"frames": video, "fps": fps}
 
 
 def check_image(path: Path) -> str | None:
@@ -97,6 +135,42 @@ def check_image(path: Path) -> str | None:
 
 def _check_images(paths: list[Path]) -> list[str | None]:
     return [check_image(p) for p in paths]
+
+
+def check_video(video: dict) -> tuple[str, str] | None:
+    """None if `video` ({"container": Path} or {"frames": [Path], ...}) decodes completely (every frame; the frame
+    files one size), else (the reason it is skipped, the file or what is wrong)."""
+    if "frames" in video:
+        sizes = set()
+        for path in video["frames"]:
+            if not path.is_file():
+                return "missing video", f"frame {path}"
+            try:
+                from PIL import Image
+
+                with Image.open(path) as im:
+                    im.load()
+                    sizes.add(im.size)
+            except Exception:  # PIL raises many types for truncated / foreign files
+                return "undecodable video", f"frame {path}"
+        if len(sizes) > 1:
+            return "undecodable video", f"frames of different sizes {sorted(sizes)}, from {video['frames'][0]}"
+        return None
+    path = video["container"]
+    if not path.is_file():
+        return "missing video", str(path)
+    try:
+        import av
+
+        with av.open(str(path)) as container:
+            frames = sum(1 for _ in container.decode(video=0)) if container.streams.video else 0
+    except Exception:  # av.error.* (InvalidDataError, ...), and whatever a foreign file makes FFmpeg raise
+        return "undecodable video", str(path)
+    return None if frames else ("undecodable video", f"{path} (no video frames)")
+
+
+def _check_videos(videos: list[dict]) -> list[tuple[str, str] | None]:
+    return [check_video(v) for v in videos]
 
 
 def load_records(json_path: Path, images_dir: Path, workers: int) -> tuple[list[dict], dict]:
@@ -119,25 +193,29 @@ def load_records(json_path: Path, images_dir: Path, workers: int) -> tuple[list[
     for index, record in enumerate(records):
         rid = str(record.get("id", f"#{index}")) if isinstance(record, dict) else f"#{index}"
         try:
-            messages, images = to_messages(record)
+            messages, images, video = to_messages(record)
         except Rejected as exc:
             reject(rid, exc.reason, str(exc))
             continue
-        parsed.append({"id": rid, "messages": messages, "images": [images_dir / p for p in images]})
+        if video is not None:
+            if "frames" in video:
+                video = {**video, "frames": [images_dir / p for p in video["frames"]]}
+            else:
+                video = {"container": images_dir / video["container"]}
+        parsed.append({"id": rid, "messages": messages, "images": [images_dir / p for p in images], "video": video})
     # Full decodes dominate (LLaVA-Pretrain: 558K images): spread them over processes.
     paths = [p for r in parsed for p in r["images"]]
-    chunks = [paths[i : i + 256] for i in range(0, len(paths), 256)]
-    if workers > 1 and len(chunks) > 1:
-        with ProcessPoolExecutor(workers) as pool:
-            verdicts = [v for chunk in pool.map(_check_images, chunks) for v in chunk]
-    else:
-        verdicts = [v for chunk in chunks for v in _check_images(chunk)]
-    verdict = dict(zip(paths, verdicts))
+    verdict = dict(zip(paths, _in_chunks(_check_images, paths, 256, workers)))
+    videos = [r["video"] for r in parsed if r["video"] is not None]
+    video_verdicts = iter(_in_chunks(_check_videos, videos, 8, workers))
     usable = []
     for r in parsed:
         bad = next(((p, verdict[p]) for p in r["images"] if verdict[p]), None)
+        bad_video = next(video_verdicts) if r["video"] is not None else None
         if bad:
             reject(r["id"], bad[1], str(bad[0]))
+        elif bad_video:
+            reject(r["id"], *bad_video)
         else:
             usable.append(r)
     return usable, {
@@ -145,6 +223,15 @@ def load_records(json_path: Path, images_dir: Path, workers: int) -> tuple[list[
         "skipped": {k: skipped[k] for k in REASONS if skipped[k]},
         "examples": examples,
     }
+
+
+def _in_chunks(check, items: list, size: int, workers: int) -> list:
+    """``check`` over ``items`` in chunks of ``size``, on ``workers`` processes when there is more than one chunk."""
+    chunks = [items[i : i + size] for i in range(0, len(items), size)]
+    if workers > 1 and len(chunks) > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            return [v for chunk in pool.map(check, chunks) for v in chunk]
+    return [v for chunk in chunks for v in check(chunk)]
 
 
 def split_rows(n: int, *, val_fraction: float, val_shards: int, seed: int) -> dict[str, np.ndarray]:
@@ -166,12 +253,16 @@ def _write_shards(
         with wds.TarWriter(str(out / name), mtime=0) as sink:  # mtime fixed: same input, same bytes
             for row in chunk:
                 r = records[row]
-                sample = {
-                    "__key__": f"{split}_{row:09d}",
-                    "json": json.dumps({"id": r["id"], "messages": r["messages"], "num_images": len(r["images"])}),
-                }
-                sample.update({f"image{i}": path.read_bytes() for i, path in enumerate(r["images"])})
-                sink.write(sample)
+                record = {"id": r["id"], "messages": r["messages"], "num_images": len(r["images"])}
+                sample = {f"image{i}": path.read_bytes() for i, path in enumerate(r["images"])}
+                video = r.get("video")
+                if video is not None and "frames" in video:
+                    record["video"] = {"frames": len(video["frames"]), "fps": video["fps"]}
+                    sample.update({f"frame{i}": path.read_bytes() for i, path in enumerate(video["frames"])})
+                elif video is not None:
+                    record["video"] = {"container": video["container"].suffix.lstrip(".").lower()}
+                    sample["video"] = video["container"].read_bytes()
+                sink.write({"__key__": f"{split}_{row:09d}", "json": json.dumps(record), **sample})
         written.append({"name": name, "samples": len(chunk), "bytes": (out / name).stat().st_size})
     return written
 
@@ -239,7 +330,8 @@ def build_llava(
             "val_fraction": val_fraction,
             "total": found["total"],
             "usable": len(records),
-            "text_only": sum(not r["images"] for r in records),
+            "text_only": sum(not r["images"] and r["video"] is None for r in records),
+            "videos": sum(r["video"] is not None for r in records),
             "multi_turn": sum(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in records),
             "skipped": found["skipped"],
             "skipped_examples": found["examples"],
@@ -263,7 +355,8 @@ def summary(out: Path, meta: dict) -> str:
     skipped = meta["skipped"]
     lines = [
         f"{shards.summary(out, meta)}; {meta['usable']:,} of {meta['total']:,} samples usable "
-        f"({meta['text_only']:,} text-only, {meta['multi_turn']:,} multi-turn)"
+        f"({meta['text_only']:,} text-only, {meta['multi_turn']:,} multi-turn"
+        + (f", {meta['videos']:,} with a video)" if meta.get("videos") else ")")
     ]
     if skipped:
         lines.append(f"skipped {sum(skipped.values()):,}: " + ", ".join(f"{k} {v:,}" for k, v in skipped.items()))
@@ -277,13 +370,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--json", required=True, type=Path, help="LLaVA-format JSON: a list of {id, image, conversations}"
         )
         parser.add_argument(
-            "--images", required=True, type=Path, help="folder the samples' image paths are relative to"
+            "--images", required=True, type=Path, help="folder the samples' image and video paths are relative to"
         )
         parser.add_argument(
             "--workers",
             type=positive_int,
             default=min(8, os.cpu_count() or 1),
-            help="processes decoding the images to check them",
+            help="processes decoding the images and videos to check them",
         )
 
     parser = shards.arg_parser(

@@ -14,6 +14,9 @@ Without a CUDA GPU it stops with one line (exit 2). With one:
               tokens/s, MFU, peak memory beside scripts/plan.py's prediction
   fp8         the ~1B LLM in fp8 (toggles.precision=fp8: torchao float8 training linears) beside bf16, same seed
               and batches: loss parity and tokens/s (skipped, with Kiln's one-line reason, on a GPU without fp8)
+  newest      the newest recipes on CUDA in bf16, from tiny random release folders built offline: t2i_tiny on an SD3
+              pipeline, and the VLM on a Qwen2.5-VL folder at native resolution (toggles.attention=flash: the varlen
+              kernel on the packed language rows): the loss falls, step time, peak memory
   dit_mfu     dit_xl2 (the DiT paper's XL/2) and dit_2b on 256x256 images: steps/s, images/s, TFLOP/s, MFU, memory
 Targets are printed, not asserted. Each section reports its own failure; the others go on.
 Writes OUT/report.md and OUT/report.json (subprocess logs under OUT/logs).
@@ -39,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.benchmarks.report import md_table  # noqa: E402
 
-SECTIONS = ("versions", "tests", "recipes", "throughput", "fp8", "dit_mfu")
+SECTIONS = ("versions", "tests", "recipes", "newest", "throughput", "fp8", "dit_mfu")
 PACKAGES = ("transformers", "diffusers", "deepspeed", "torchao", "accelerate", "onnxruntime", "vllm", "tensorrt")
 # Eval bars of the tiny recipes' default runs (chance is 0.1 for both): vlm_tiny reached 0.82 held-out
 # accuracy on CPU in fp32; bf16 on a GPU should not lose more than a little of it. The DiT's generated
@@ -249,6 +252,7 @@ class Check:
             }
             self.md += [f"## {name}", "", f"**failed**: `{type(exc).__name__}: {exc}`", ""]
         print(f"gpu-check: {name} {self.data['sections'][name]['status']} ({time.time() - start:.0f} s)", flush=True)
+        self.write()  # after each section: a check stopped by a time limit still leaves what it measured
 
     def run(
         self, name: str, cmd: list[str], env: dict | None = None, timeout: float = 3600
@@ -396,6 +400,105 @@ def recipes(check: Check) -> dict:
         "## Tiny recipes on CUDA, bf16",
         "",
         md_table(["recipe", "loss (first 10 -> last 10)", "verdict"], rows),
+        "",
+    ]
+    return results
+
+
+def llava_digits(folder: Path, n: int) -> Path:
+    """A LLaVA-format instruct JSON over scikit-learn's digits saved as PNGs of several sizes and aspect ratios
+    (28x28 to 112x56): native resolution gives them different numbers of image tokens."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    words = "zero one two three four five six seven eight nine".split()
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    records = []
+    for i in range(n):
+        name, label = f"digit_{i:04d}.png", int(digits.target[i])
+        size = ((28, 28), (56, 28), (28, 56), (112, 56), (56, 112))[i % 5]
+        pixels = (digits.images[i] * 255 / 16).astype(np.uint8)
+        Image.fromarray(pixels).convert("RGB").resize(size).save(folder / "images" / name)
+        turns = [("human", "<image>\nWhat digit is this?"), ("gpt", f"{words[label].capitalize()}.")]
+        records.append({"id": f"d{i}", "image": name, "conversations": [{"from": f, "value": v} for f, v in turns]})
+    (folder / "llava.json").write_text(json.dumps(records))
+    return folder
+
+
+def newest(check: Check, steps: int) -> dict:
+    """t2i_tiny (SD3) and the VLM on Qwen2.5-VL, trained on CUDA in bf16 from tiny random folders built here."""
+    from common.tools.fixtures import make_qwen2_5_vl, make_sd3_pipeline
+    from data import prepare_llava
+
+    world = check.out / "newest"
+    common = ["toggles.precision=bf16", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.eval=false"]
+    common += ["checkpoint.every=0", f"trainer.max_steps={steps}"]
+
+    def t2i() -> list[str]:
+        return ["recipe=t2i_tiny", f"model.init_from={make_sd3_pipeline(world / 'tiny-sd3')}", *common]
+
+    def qwen() -> list[str]:
+        shards = world / "instruct"
+        if not shards.exists():
+            raw = llava_digits(world / "raw", n=256)
+            prepare_llava.build_llava(
+                shards,
+                json_path=raw / "llava.json",
+                images=raw / "images",
+                train_shards=2,
+                val_shards=1,
+                val_fraction=0.05,
+            )
+        folder = make_qwen2_5_vl(world / "qwen")
+        return [
+            "recipe=vlm_tiny",
+            "data=llava",
+            f"data.root={shards}",
+            f"model.init_from={folder}",
+            f"data.min_pixels={28 * 28 * 4}",
+            f"data.max_pixels={28 * 28 * 64}",
+            "data.max_seq_len=512",
+            "data.num_workers=2",
+            "trainer.micro_batch_size=8",
+            "toggles.attention=flash",
+            "optim.lr=2e-3",
+            "optim.warmup_steps=2",
+            "vlm.eval_samples=0",
+            *common,
+        ]
+
+    rows, results = [], {}
+    for name, overrides in (("t2i_tiny (SD3)", t2i), ("vlm Qwen2.5-VL, flash", qwen)):
+        try:
+            records, peak = check.train(name.split()[0] + ("_qwen" if "Qwen" in name else ""), overrides())
+            losses = [r["loss"] for r in records if isinstance(r.get("loss"), float)]
+            first, last, fell = loss_fell(losses, window=5)
+            step = median_after_warmup(records, "step_time_s")
+            results[name] = {
+                "loss_first": first,
+                "loss_last": last,
+                "loss_fell": fell,
+                "step_time_s": step,
+                "peak_bytes": (peak or {}).get("max_allocated"),
+            }
+            rows.append(
+                [
+                    name,
+                    f"{first:.3f} -> {last:.3f}",
+                    "falls" if fell else "**does not fall**",
+                    "-" if step is None else f"{step * 1e3:.1f} ms",
+                    gib((peak or {}).get("max_allocated")),
+                ]
+            )
+        except Exception as exc:
+            results[name] = {"error": str(exc)}
+            rows.append([name, "-", f"**failed**: {exc}", "-", "-"])
+    check.md += [
+        "## Newest recipes on CUDA, bf16",
+        "",
+        md_table(["run", "loss (first 5 -> last 5)", "verdict", "median step", "peak allocated"], rows),
         "",
     ]
     return results
@@ -727,6 +830,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions,
         "tests": gpu_tests,
         "recipes": recipes,
+        "newest": lambda c: newest(c, args.steps),
         "throughput": lambda c: throughput(c, args.steps),
         "fp8": lambda c: fp8(c, args.steps),
         "dit_mfu": lambda c: dit_mfu(c, args.steps),

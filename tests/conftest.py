@@ -107,10 +107,21 @@ def vlm_lora_world(tmp_path_factory):
     return once(shared_root(tmp_path_factory), "vlm_lora", make_vlm_world)
 
 
+@pytest.fixture(scope="session")
+def qwen_world(tmp_path_factory):
+    """The Qwen2.5-VL tests' tiny release folder and instruct shards (tests/fixtures/vlm.py make_qwen_world), built
+    once: their runs share the run cache (`qwen_run_args`)."""
+    from tests.fixtures.shared import once, shared_root
+    from tests.fixtures.vlm import make_qwen_world
+
+    return once(shared_root(tmp_path_factory), "qwen", make_qwen_world)
+
+
 def load_script(name: str):
     """scripts/NAME.py as a module, to call its main(argv) in process."""
     spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (scripts/plan.py's Cluster) look their module up while it executes
     spec.loader.exec_module(module)
     return module
 
@@ -199,6 +210,7 @@ LONGEST_FIRST = (
     "integration/test_slurm.py",  # ~120 s
     "integration/test_serve_vllm.py",  # ~115 s (stop 35); its two engines now also serve the LoRA and MoE cases
     "integration/test_host_syncs.py",  # ~110 s
+    "integration/test_serve_vllm_qwen.py",  # ~90 s (its engine ~50 s, the Qwen fine-tune it shares ~25 s)
 )
 TIERS = ("integration", "distributed", "unit")
 

@@ -464,9 +464,10 @@ def make_qwen2_5_vl(
     Qwen2VLImageProcessor (PIL backend: smart_resize within `min_pixels`..`max_pixels`) and a Qwen2Tokenizer with
     byte-level BPE trained offline (the `tokenizers` library) carrying Qwen's special tokens and chat template.
 
-    No video processor is saved: transformers' Qwen2VLVideoProcessor needs torchvision, which does not import
-    under the training env's CPU torch (PITFALLS.md). AutoProcessor therefore does not load the folder; the
-    image processor and tokenizer load on their own (AutoImageProcessor, AutoTokenizer)."""
+    No video processor config is saved: transformers' Qwen2VLVideoProcessor then reads
+    preprocessor_config.json. It needs torchvision, which does not import under the training env's CPU torch
+    (PITFALLS.md), so AutoProcessor loads the folder only in .venv-serve; in the training env the image processor
+    and tokenizer load on their own (AutoImageProcessor, AutoTokenizer)."""
     import torch
     from tokenizers import normalizers
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
@@ -534,3 +535,24 @@ def make_qwen2_5_vl(
     tokenizer.save_pretrained(out)
     image_processor.save_pretrained(out)
     return out
+
+
+def encode_video(frames, fps: int, container: str = "mp4") -> bytes:
+    """[N, H, W, 3] uint8 RGB frames as a video file's bytes, losslessly (PyAV): an MP4 of H.264 in RGB (libx264rgb
+    at qp 0; the container records its frame count) or a Matroska of FFV1 (``container="mkv"``: no frame count, as
+    WebM and MKV files often have none). Decoding gives the frames back bit for bit."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4" if container == "mp4" else "matroska") as out:
+        codec, pix_fmt = ("libx264rgb", "rgb24") if container == "mp4" else ("ffv1", "bgr0")
+        stream = out.add_stream(codec, rate=fps)
+        stream.height, stream.width, stream.pix_fmt = frames.shape[1], frames.shape[2], pix_fmt
+        if codec == "libx264rgb":
+            stream.options = {"qp": "0"}
+        for frame in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()

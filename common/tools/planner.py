@@ -33,8 +33,8 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(spec: ModelSpec, gpus: int, gpus_per_node: int = 8) -> list[Layout]:
     """dp·tp·pp·cp = gpus with tp inside a node and dividing the heads, pp dividing the layers, cp (where the recipe
-    has context parallelism) splitting each row into 2·cp equal chunks and not combined with pp or ep (the LLM
-    refuses those); every ZeRO stage (FSDP: full shard whenever dp·cp > 1, as the LLM recipe does) and AC mode."""
+    has context parallelism) splitting each row into 2·cp equal chunks and not combined with ep (the LLM refuses
+    it); every ZeRO stage (FSDP: full shard whenever dp·cp > 1, as the LLM recipe does) and AC mode."""
     out = []
     for tp in _divisors(gpus):
         if tp > gpus_per_node or spec.block.heads % tp:
@@ -43,7 +43,7 @@ def candidate_layouts(spec: ModelSpec, gpus: int, gpus_per_node: int = 8) -> lis
             if spec.layers % pp or (pp > 1 and spec.more_layers):  # several layer types: not split over stages
                 continue
             cps = [c for c in _divisors(gpus // (tp * pp)) if spec.seq % (2 * c) == 0] if spec.context_parallel else [1]
-            for cp in cps if pp == 1 else [1]:
+            for cp in cps:
                 dp = gpus // (tp * pp * cp)
                 eps = [e for e in _divisors(dp) if spec.experts % e == 0] if spec.experts and cp == 1 else [1]
                 out += [

@@ -473,6 +473,7 @@ def write_chat_template(export: Path, folder: Path) -> Path | None:
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
+VLLM_FULL_MODULES = ("classifier", "score")  # the modules_to_save vLLM takes in an adapter (vllm/lora/peft_helper.py)
 
 
 def check_adapters(s: ServeSection, export: Path) -> dict[str, tuple[Path, int]]:
@@ -491,6 +492,15 @@ def check_adapters(s: ServeSection, export: Path) -> dict[str, tuple[Path, int]]
         if config.get("peft_type") != "LORA":
             raise UserError(
                 f"serve.lora.{name}={path} is a {config.get('peft_type')} adapter; vLLM serves LoRA adapters"
+            )
+        # vLLM loads an adapter's LoRA only: a module trained in full (a VLM's projector) it refuses once the engine
+        # has started (a classifier head aside), so say so before.
+        full = [m for m in config.get("modules_to_save") or [] if m not in VLLM_FULL_MODULES]
+        if full:
+            raise UserError(
+                f"serve.lora.{name}={path} carries {', '.join(full)} trained in full (modules_to_save), which vLLM "
+                "does not serve in an adapter: serve its merged model (export.merge_lora=true), or train the "
+                "adapter with the projector frozen (vlm.train_projector=false)"
             )
         base = config.get("base_model_name_or_path") or ""
         if not base or Path(base).expanduser().resolve() != export:

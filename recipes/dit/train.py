@@ -438,6 +438,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         precision=cfg.toggles.precision,
         ac_modes=("none", "selective", "full"),
         ema=True,
+        cp_method=cfg.parallel.cp_method,  # alltoall (Ulysses: common/ulysses.py), the DiT's only method
     )
 
 

@@ -289,18 +289,19 @@ def check_context_parallel(cfg: TrainConfig) -> None:
             "heads; cp_method=allgather has no such limit"
         )
     refused = (  # (key, its value, refused?, why)
-        ("parallel.pp", p.pp, p.pp > 1, "a pipeline stage would have to pass the cp chunks and masks between stages"),
-        (
-            "model.moe.num_experts",
-            m.moe.num_experts,
-            m.moe.num_experts > 0,
-            "the MoE's auxiliary losses and expert parallelism count tokens per dp rank, not per cp chunk",
-        ),
         (
             "toggles.attention",
             attention,
-            attention == "flash",
-            "the varlen kernel is not wired to cp chunks (toggles.attention=sdpa runs masked SDPA)",
+            attention == "flash" and p.pp > 1,
+            "under parallel.pp>1 the pipeline's stages take the cp ranks' dense mask rows; the varlen segments are "
+            "built outside the stages (toggles.attention=sdpa runs cp x pp)",
+        ),
+        (
+            "parallel.ep",
+            p.ep,
+            p.ep > 1,
+            "the experts' FSDP shards and gradients live on the (edp, ep) split of dp, which leaves out the cp ranks "
+            "that route the same rows' other chunks",
         ),
     )
     for key, value, on, why in refused:

@@ -230,7 +230,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Segments | ContextPar
     """Causal attention of ``[B, S, Hq, hd]`` queries over ``[B, S, Hkv, hd]`` keys/values -> ``[B, S, Hq, hd]``.
 
     ``ContextParallelMask`` (``parallel.cp``): ``S`` is this rank's share of the row; the cp ranks exchange keys/values
-    (``allgather``) or heads (``alltoall``) first (recipes/llm/context_parallel.py).
+    (``allgather``) or heads (``alltoall``) first, then attend with masked SDPA or the varlen kernel
+    (recipes/llm/context_parallel.py).
 
     ``Segments`` (packed rows on CUDA, ``toggles.attention=flash``): the varlen kernel over the flattened
     tokens, no mask at all. Otherwise SDPA with the dense mask (or plain causal). There key/value head h

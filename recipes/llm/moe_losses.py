@@ -117,12 +117,13 @@ class MoEAux:
     (recipes/llm/pipeline.py) use it alike.
 
     Global: the token counts (per expert, in all), the weight and the per-layer load are all-reduced over ``group`` (the
-    dp ranks, ep included) and each rank keeps its own router-probability and z sums (:func:`global_counts`), so the
-    ranks' terms add up to the loss, and the gradient, of one rank holding the whole micro-batch: every layout computes
-    the same aux. Per micro-batch, not per step: the loss is a ratio of sums whose gradient needs every token's counts,
-    which a step's later micro-batches do not have yet, so like transformers (one forward) and Megatron the aux belongs
-    to a forward; grad_accum=2 x 4 documents is a different objective from 1 x 8 documents (and under pipeline
-    parallelism, the unit is the pipeline's microbatch).
+    dp ranks, ep included; under context parallelism dp x cp, whose cp ranks route chunks of the same rows) and each
+    rank keeps its own router-probability and z sums (:func:`global_counts`), so the ranks' terms add up to the loss,
+    and the gradient, of one rank holding the whole micro-batch: every layout computes the same aux. Per micro-batch,
+    not per step: the loss is a ratio of sums whose gradient needs every token's counts, which a step's later
+    micro-batches do not have yet, so like transformers (one forward) and Megatron the aux belongs to a forward;
+    grad_accum=2 x 4 documents is a different objective from 1 x 8 documents (and under pipeline parallelism, the unit
+    is the pipeline's microbatch).
 
     Why weighted: the step divides the loss sum by the global labelled-token count (common/trainer.py), while these
     losses are already means over tokens. Times the micro-batch's global count, the step's objective is the

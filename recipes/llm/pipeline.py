@@ -30,6 +30,14 @@ Masking across stages
     ``max_seqlen`` -- segments never cross rows, so a group of rows is a packed batch of its own --
     and hands them to the varlen kernel. They are computed on the host, so no step waits on the GPU.
 
+    Under context parallelism (``parallel.cp``) each round's padded rows are cut into the cp rank's share
+    before the schedule sees them (``shard_rows``: the rank's chunks of the ids and positions, each position's
+    next-token target, the rank's rows of the mask), the same split as without pp. Every rank of a pipeline
+    holds the same cp rank's chunks, so the stages pass ``[rows, L/cp, dim]`` hidden states as they pass
+    ``[rows, L, dim]`` without cp; each stage module (``_ContextParallelStage``) wraps its microbatch's mask rows
+    into the ``ContextParallelMask`` whose attention exchanges keys/values (or heads) with the other cp ranks
+    of the same stage, which run the same schedule, so their collectives pair up.
+
 Mixture of Experts
     The load-balancing loss pools the routing of every MoE layer, and the layers sit on different stages:
     each stage adds its layers' routing counts to those it received and sends them on beside the hidden
@@ -62,6 +70,7 @@ from torch import nn
 
 from common.config import TrainConfig
 from common.data.packing import IGNORE_INDEX, PackedBatch, cu_seqlens_of_rows
+from recipes.llm.context_parallel import ContextParallelMask, shard_rows
 from recipes.llm.data import real_token_mask
 from recipes.llm.loss import NextTokenLoss
 from recipes.llm.model import MoE, Segments, Transformer
@@ -170,6 +179,21 @@ class _VarlenStage(nn.Module):
         cu_seqlens, max_seqlen = cu_seqlens_of_rows(row_segments)
         segments = Segments(cu_seqlens.to(x.device, non_blocking=True), max_seqlen)
         return self.view(x, position_ids=position_ids, attn_mask=segments)
+
+
+class _ContextParallelStage(nn.Module):
+    """A stage view under context parallelism: fed the rank's rows of its microbatch's document + causal mask (a plain
+    tensor, which the schedule splits by rows like the inputs), it runs the view with them as a
+    ``ContextParallelMask`` over the cp group, whose attention exchanges keys/values (or heads) with the other cp
+    ranks of the same stage."""
+
+    def __init__(self, view: Transformer, group, method: str):
+        super().__init__()
+        self.view, self.group, self.method = view, group, method
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        mask = ContextParallelMask(attn_mask, self.group, self.method)
+        return self.view(x, position_ids=position_ids, attn_mask=mask)
 
 
 class _CarriedCounts(torch.autograd.Function):
@@ -291,11 +315,20 @@ class Pipeline:
         self.is_last = n_stages - 1 in self.stage_ids
         self.attention = cfg.toggles.attention
         self.moe = moe_aux is not None
-        varlen = _VarlenStage if self.attention == "flash" else (lambda view: view)
+        # Context parallelism: each round's rows are cut into this cp rank's share (shard_rows) before the schedule
+        # splits them into microbatches; the stages of a pipeline hold the same cp rank's chunks.
+        self.cp = mesh["cp"].size() if "cp" in (mesh.mesh_dim_names or ()) else 1
+        self.cp_rank, self.cp_method = (mesh["cp"].get_local_rank(), p.cp_method) if self.cp > 1 else (0, "")
+        if self.attention == "flash":  # what turns a stage's microbatch mask input into what attention takes
+            masked = _VarlenStage
+        elif self.cp > 1:
+            masked = functools.partial(_ContextParallelStage, group=mesh["cp"].get_group(), method=p.cp_method)
+        else:
+            masked = lambda view: view  # noqa: E731  (the dense mask as it is)
 
         def wrap(s: int) -> nn.Module:
             first, last = s == 0, s == n_stages - 1
-            inner = varlen(_stage_view(rank_model, layer_ids[s], first, last))
+            inner = masked(_stage_view(rank_model, layer_ids[s], first, last))
             if not self.moe:
                 return inner
             ids = [i for i in layer_ids[s] if any(isinstance(m, MoE) for m in rank_model.layers[str(i)].modules())]
@@ -349,10 +382,10 @@ class Pipeline:
         loss_sum = torch.zeros((), device=self.device)
         rounds = math.ceil(max_rows / self.round_rows)
         # row_segments stay on the host: each stage derives its microbatch's cu_seqlens from them.
-        inputs = {
-            k: v if k == "row_segments" else v.to(self.device)
-            for k, v in pad_rows(packed, rounds * self.round_rows, pad_id, self.attention, self.moe).items()
-        }
+        inputs = pad_rows(packed, rounds * self.round_rows, pad_id, self.attention, self.moe)
+        if self.cp > 1:  # this cp rank's chunks of every row (padding rows too); labels become next-token targets
+            inputs = shard_rows(inputs, self.cp, self.cp_rank, self.cp_method)
+        inputs = {k: v if k == "row_segments" else v.to(self.device) for k, v in inputs.items()}
         mask = "row_segments" if self.attention == "flash" else "attn_mask"
         extra = ("real_tokens", "labelled") if self.moe else ()
         for r in range(rounds):

@@ -27,7 +27,7 @@ from common.distributed import DistInfo, barrier
 from common.engine import NativeEngine
 from common.errors import DataError
 from common.memory import Block, ModelSpec, count_params, nf4_bytes
-from common.parallel_dims import ParallelDims
+from common.parallel_dims import ParallelDims, batch_mesh
 from common.trainer import Trainer
 from recipes.llm import hf
 from recipes.llm import lora as llm_lora
@@ -206,15 +206,13 @@ class LLMTrainer(Trainer):
         }
         self.moe_layer_ids = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
         moe = self.cfg.model.moe
+        # The routing statistics are counted over every rank that splits the step's tokens: dp, and under context
+        # parallelism dp x cp (each cp rank routes its chunks of the rows), so that the aux losses are the whole rows'.
+        batch = batch_mesh(self.mesh)
         self.moe_aux = (
             None
             if not self.args.moe
-            else MoEAux(
-                moe_layers,
-                moe.aux_loss_coef,
-                moe.z_loss_coef,
-                self.mesh["dp"].get_group() if self.dims.dp > 1 else None,
-            )
+            else MoEAux(moe_layers, moe.aux_loss_coef, moe.z_loss_coef, batch.get_group() if batch.size() > 1 else None)
         )
         self.moe_worst = torch.zeros(2, device=self.device)  # the run's worst (max/mean load, MoE layer index)
         # Expert parallelism's token exchanges (recipes/llm/expert_parallel.py): their host counters.
@@ -251,7 +249,7 @@ class LLMTrainer(Trainer):
         packed = pack(dp_rank=self.dp_rank)
         rows = max(pack(dp_rank=r).num_rows for r in range(self.dims.dp)) if self.dims.pp > 1 else packed.num_rows
         cp = (
-            ContextShard.of(packed, self.dims.cp, self.cp_rank, self.cfg.parallel.cp_method)
+            ContextShard.of(packed, self.dims.cp, self.cp_rank, self.cfg.parallel.cp_method, self.cfg.toggles.attention)
             if self.dims.cp > 1
             else None
         )
@@ -284,7 +282,7 @@ class LLMTrainer(Trainer):
             logits = self.model(input_ids.to(device), **inputs)
             loss = self.objective(logits, labels.to(device))
             if aux and self.moe_aux is not None:
-                real = real_token_mask(packed).flatten().to(device)
+                real = (batch.cp.real_tokens if batch.cp is not None else real_token_mask(packed)).flatten().to(device)
                 weight = torch.tensor(float(self.count(batch)), device=device)
                 loss = loss + self.moe_aux.loss(*self.moe_aux.routed(real, weight))
         return loss
@@ -532,6 +530,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         pp_microbatches=p.pp_microbatches,
         vocab_parallel=cfg.model.loss_parallel,
         context_parallel=True,
+        cp_method=p.cp_method,
         expert_params=experts,
         experts=moe.num_experts if moe else 0,
         top_k=moe.top_k if moe else 0,

@@ -322,6 +322,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         ac_modes=("none", "selective", "full"),
         ema=True,
         unsharded_bytes=frozen_beside + buffers * e,
+        cp_method=cfg.parallel.cp_method,  # alltoall (Ulysses: common/ulysses.py), its only method
         note=note,
         more_layers=tuple(types[1:]),
     )

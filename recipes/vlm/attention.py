@@ -65,12 +65,15 @@ def register_varlen_attention() -> None:
 
 @contextlib.contextmanager
 def eval_attention(model: LlavaForConditionalGeneration, attention: str):
-    """Generation and padded evaluation batches under SDPA: the varlen kernel takes packed rows only."""
+    """Generation and padded evaluation batches under SDPA: the varlen kernel takes packed rows only. Training
+    resumes with the implementation the model had, which under parallel.cp is the varlen kernel wrapped in Ulysses'
+    all-to-all (recipes/vlm/context_parallel.py), not the bare one."""
     if attention != "flash":
         yield
         return
+    training = model.config.text_config._attn_implementation
     model.set_attn_implementation({"text_config": "sdpa"})
     try:
         yield
     finally:
-        model.set_attn_implementation({"text_config": attn_implementation(attention)["text_config"]})
+        model.set_attn_implementation({"text_config": training})

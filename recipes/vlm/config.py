@@ -9,7 +9,7 @@ from common import ulysses
 from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.errors import ConfigError
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig, check_heads
-from recipes.vlm.sources import QWEN, init_folder, weight_source
+from recipes.vlm.sources import QWEN, init_folder, init_model_type, released, released_config, weight_source
 
 # finetune=lora (common/lora.py): the language model's linears an adapter may target, all of them by default
 # (transformers' Llama names); the projector still trains in full, the vision tower stays frozen.
@@ -56,13 +56,10 @@ CHECKPOINT_KEYS = {
 TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", "qwen2_5_vl_vision": QWEN}
 
 
-def checkpoint_values(folder) -> dict[str, tuple[str, object]]:
+def checkpoint_values(config) -> dict[str, tuple[str, object]]:
     """model key -> (where the LLaVA's or Qwen2.5-VL's config holds it, its value), for the keys the config sets
     (a Qwen2.5-VL's tower has no image_size nor feature choice: native resolution, its merger reads the last block;
     transformers' attribute_map reads depth / num_heads as num_hidden_layers / num_attention_heads)."""
-    from transformers import AutoConfig  # imported only for init_from runs
-
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
     values = {}
     if (tower := TOWERS.get(config.vision_config.model_type)) is not None:
         values["vision"] = ("vision_config.model_type", tower)
@@ -84,8 +81,13 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     m = cfg.model
     if not isinstance(m, VLMModelConfig) or not m.init_from:
         return
-    folder, _ = init_folder(m.init_from)
-    for key, (name, value) in checkpoint_values(folder).items():
+    if released(m.init_from):  # a release known by name, sized before its download
+        config = released_config(m.init_from)
+    else:
+        from transformers import AutoConfig  # imported only for init_from runs
+
+        config = AutoConfig.from_pretrained(init_folder(m.init_from)[0], local_files_only=True)
+    for key, (name, value) in checkpoint_values(config).items():
         if f"model.{key}" in command_line and getattr(m, key) != value:
             raise ConfigError(
                 f"model.{key}={getattr(m, key)} disagrees with model.init_from={m.init_from}, whose "
@@ -99,7 +101,7 @@ def validate(cfg: TrainConfig) -> None:
     if not isinstance(m, VLMModelConfig) or not isinstance(v, VLMConfig):
         raise ConfigError("recipe.family=vlm needs model=vlm_* and vlm=default config groups")
     qwen = m.vision == QWEN
-    if qwen and not (m.init_from and init_folder(m.init_from)[1] == QWEN):
+    if qwen and not (m.init_from and init_model_type(m.init_from) == QWEN):
         raise ConfigError(f"model.vision={QWEN} is read from model.init_from=<a Qwen2.5-VL folder>, not chosen")
     if m.vision not in ("siglip", "clip", QWEN):
         raise ConfigError(f"model.vision={m.vision!r} is not allowed; choose siglip or clip")
@@ -117,6 +119,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"vlm.stage={v.stage!r} is not allowed; choose align or finetune")
     if v.train_vision and v.stage == "align":
         raise ConfigError("vlm.train_vision=true is for vlm.stage=finetune (align trains the projector only)")
+    if not v.train_projector and v.stage == "align":
+        raise ConfigError(
+            "vlm.train_projector=false with vlm.stage=align leaves nothing to train (align trains the projector only)"
+        )
     if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
         raise ConfigError(
             "finetune=lora trains an adapter on a LLaVA checkpoint: set model.init_from=<a llava-hf folder or "
@@ -125,7 +131,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.finetune == "lora" and v.train_vision:
         raise ConfigError(
             "vlm.train_vision=true with finetune=lora: LoRA adapts the language model (the projector trains "
-            "in full); the vision tower stays frozen"
+            "in full unless vlm.train_projector=false); the vision tower stays frozen"
         )
     weight_source(cfg)  # json only: one line for sources that contradict each other or a folder that does not fit
     check_family_sections(
@@ -164,8 +170,8 @@ def check_context_parallel(cfg: TrainConfig) -> None:
             f"parallel.cp={cp} with data.packing=false: rows padded to their longest sample have lengths cp may not "
             "divide; use data.packing=true"
         )
-    if cfg.toggles.attention != "sdpa":
+    if cfg.toggles.attention == "eager":
         raise ConfigError(
-            f"toggles.attention={cfg.toggles.attention} with parallel.cp={cp}: the VLM's Ulysses attention wraps "
-            "the sdpa kernel (with the packed rows' 4D mask); use toggles.attention=sdpa"
+            f"toggles.attention=eager with parallel.cp={cp}: the VLM's Ulysses attention wraps a registered kernel "
+            "(sdpa with the packed rows' 4D mask, or flash with their cu_seqlens); use toggles.attention=sdpa or flash"
         )

@@ -1,14 +1,17 @@
-"""parallel.cp for the VLM: Ulysses (common/ulysses.py) over the language model of a LLaVA.
+"""parallel.cp for the VLM: Ulysses (common/ulysses.py) over the language model of a LLaVA or a Qwen2.5-VL.
 
-The cp ranks of a data-parallel group read the same packed rows. The vision tower and the projector run whole on
-every one of them (a row's images are few, and their features must land in whichever rank's tokens hold the
-`<image>` placeholders); the merged embedding sequence (text + image features) is then split, each rank keeping a
-contiguous 1/cp of every row's tokens (and their position_ids) through the decoder layers. Attention exchanges heads
-for tokens (DeepSpeed's all-to-all): each rank attends over the whole row with heads/cp heads under the row's own
-4D document + causal mask (the SDPA kernel; the varlen one is refused at composition until checked on a GPU), so no
-token attends across documents. The LM head runs on the rank's tokens and its logits are gathered (common/ulysses.py
-gather_tokens, whose backward keeps the rank's rows): the loss is then transformers' own, computed whole and
-identically on every cp rank, and each rank's weights receive its own tokens' share, which DeepSpeed sums over cp.
+The cp ranks of a data-parallel group read the same packed rows. The vision tower and the projector (Qwen's merger)
+run whole on every one of them (a row's images are few, and their features must land in whichever rank's tokens
+hold the image placeholders); the merged embedding sequence (text + image features) is then split, each rank keeping
+a contiguous 1/cp of every row's tokens and their position_ids (split on their last axis: a LLaVA's [R, L], Qwen's
+mRoPE [3, R, L], or [1, R*L] / [4, 1, R*L] for the flattened row of toggles.attention=flash) through the decoder
+layers. Attention exchanges heads for tokens (DeepSpeed's all-to-all): each rank then holds the whole row with
+heads/cp heads, and runs the language model's own registered kernel on it: SDPA with the row's 4D document + causal
+mask, or the varlen kernel (recipes/vlm/attention.py) with the batch's cu_seqlens. Both are whole-row metadata that
+reach the kernel as they are (only the embeddings and positions are split), so no token attends across documents.
+The LM head runs on the rank's tokens and its logits are gathered (common/ulysses.py gather_tokens, whose backward
+keeps the rank's rows): the loss is then transformers' own, computed whole and identically on every cp rank, and
+each rank's weights receive its own tokens' share, which DeepSpeed sums over cp.
 
 Training only: in eval mode (generation, padded evaluation) nothing is split and attention is the plain kernel.
 """
@@ -30,8 +33,8 @@ ULYSSES_PREFIX = "kiln_ulysses_"  # + the language model's own implementation (t
 def ulysses_attention(group, inner: str):
     """A transformers attention function that wraps the registered one named `inner` (the language model's own) in
     Ulysses' all-to-all (common/ulysses.py ulysses_kernel): q, k, v arrive as this rank's (B, H, S/cp, D) tokens
-    (transformers' layout) and the wrapped function sees (B, H/cp, S, D) with the whole row's mask. In eval mode it
-    is the wrapped function itself (nothing is split)."""
+    (transformers' layout) and the wrapped function sees (B, H/cp, S, D) with the whole row's mask or cu_seqlens. In
+    eval mode it is the wrapped function itself (nothing is split)."""
     exchange = ulysses_kernel(lambda q, k, v, kernel: kernel(q, k, v), group)
 
     def attend(module, query, key, value, attention_mask, **kwargs):
@@ -49,20 +52,30 @@ def ulysses_attention(group, inner: str):
     return attend
 
 
-def split_language_model(model: torch.nn.Module, cp: UlyssesGroups) -> None:
-    """`model`'s (a LlavaForConditionalGeneration) language model split over the cp ranks (module docstring)."""
-    from transformers import LlavaForConditionalGeneration
+def splittable_types() -> tuple[type, ...]:
+    """The models whose language model this module splits: transformers' LLaVA and Qwen2.5-VL, whose language model
+    sits at `model.model.language_model` under `model.lm_head` and takes the merged embeddings with their
+    position_ids. A Qwen3-VL is not one of them: its deepstack adds the tower's intermediate features to the first
+    decoder layers' hidden states at the image positions, a whole-row input that this split does not cut."""
+    from transformers import LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
 
-    if not isinstance(model, LlavaForConditionalGeneration):
+    return LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
+
+
+def split_language_model(model: torch.nn.Module, cp: UlyssesGroups) -> None:
+    """`model`'s (a LLaVA or a Qwen2.5-VL: splittable_types) language model split over the cp ranks (module
+    docstring)."""
+    if not isinstance(model, splittable_types()):
         raise ConfigError(
-            f"parallel.cp={cp.cp}: context parallelism splits a LLaVA's language model, not a {type(model).__name__}"
+            f"parallel.cp={cp.cp}: context parallelism splits the language model of a LLaVA or a Qwen2.5-VL, not of a "
+            f"{type(model).__name__}"
         )
     text = model.config.text_config
     check_heads(cp.cp, text.num_attention_heads, text.num_key_value_heads, "the language model's config")
     inner = text._attn_implementation
     if inner not in ALL_ATTENTION_FUNCTIONS:  # eager is each model's own function, not a registered one
         raise ConfigError(
-            f"parallel.cp={cp.cp} wraps a registered attention kernel (toggles.attention=sdpa), not {inner!r}"
+            f"parallel.cp={cp.cp} wraps a registered attention kernel (toggles.attention=sdpa or flash), not {inner!r}"
         )
     name = ULYSSES_PREFIX + inner
     AttentionInterface.register(name, ulysses_attention(cp.cp_group, inner))
@@ -75,8 +88,8 @@ def split_language_model(model: torch.nn.Module, cp: UlyssesGroups) -> None:
             return None
         if kwargs.get("position_ids") is None or kwargs.get("inputs_embeds") is None:
             raise ValueError("the cp-split language model takes packed rows: inputs_embeds and position_ids")
-        for key in ("inputs_embeds", "position_ids"):
-            kwargs[key] = shard_tokens(kwargs[key], cp.cp, cp.cp_rank)
+        kwargs["inputs_embeds"] = shard_tokens(kwargs["inputs_embeds"], cp.cp, cp.cp_rank)
+        kwargs["position_ids"] = shard_tokens(kwargs["position_ids"], cp.cp, cp.cp_rank, dim=-1)  # tokens: last
         return args, kwargs
 
     model.model.language_model.register_forward_pre_hook(split, with_kwargs=True)

@@ -35,6 +35,11 @@ class LlavaInputs:
     """A LLaVA's inputs: every image at the tower's size, `<image>` expanded to its features (LlavaProcessor)."""
 
     def __init__(self, processor, model, source: WeightSource, meta: dict):
+        if meta.get("videos"):
+            raise ConfigError(
+                f"the dataset has {meta['videos']} sample(s) with a video; a LLaVA takes images only "
+                "(videos train with model.init_from=<a Qwen2.5-VL folder>)"
+            )
         self.processor, self.conversations = processor, is_conversations(meta)
         # Processor and tower agree on image tokens (one line if not).
         pixels = pretrained.check_image_tokens(processor, model.config, source.label)
@@ -97,11 +102,29 @@ class QwenInputs:
         tokenizer = processor.tokenizer
         self.image_pad, self.video_pad = tokenizer.convert_tokens_to_ids([qwen.IMAGE_PAD, qwen.VIDEO_PAD])
         self.blank = qwen.blank_qwen_sample(processor.image_processor, self.image_pad)
+        # Data with videos: every micro-batch holds one (the tower's video call on every rank, every step).
+        self.blank_video = (
+            qwen.blank_qwen_sample(processor.image_processor, self.image_pad, self.video_pad)
+            if meta.get("videos")
+            else None
+        )
         self.rope_index = qwen.rope_index_for(model.config)  # meta-device: pickled into the loader workers
 
     def encode(self, messages: list[dict], images: list, *, max_seq_len: int | None = None) -> dict:
         p = self.processor
         return qwen.encode_qwen(messages, images, p.tokenizer, p.image_processor, max_seq_len=max_seq_len)
+
+    def _decode(self, max_seq_len: int | None):
+        """The loader workers' and the held-out evaluation's decode of a raw sample (videos sampled as configured)."""
+        p = self.processor
+        return functools.partial(
+            qwen.encode_llava_qwen,
+            tokenizer=p.tokenizer,
+            image_processor=p.image_processor,
+            max_seq_len=max_seq_len,
+            video_fps=p.video_fps,
+            max_frames=p.max_frames,
+        )
 
     def check_chat_template(self) -> bool:
         return check_chat_template(self.processor, encode=lambda messages, images, _: self.encode(messages, images))
@@ -116,17 +139,13 @@ class QwenInputs:
             image_pad_id=self.image_pad,
             video_pad_id=self.video_pad,
             blank=self.blank if blank else None,
+            blank_video=self.blank_video if blank else None,
         )
 
     def train_loader(self, cfg: TrainConfig, meta: dict, *, rank: int, dp: int):
-        p = self.processor
-        decode = functools.partial(
-            qwen.encode_llava_qwen,
-            tokenizer=p.tokenizer,
-            image_processor=p.image_processor,
-            max_seq_len=cfg.data.max_seq_len,
-        )
+        decode = self._decode(cfg.data.max_seq_len)
         collate = self.collate(packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len, blank=True)
+        p = self.processor
         measure = functools.partial(measure_llava_qwen, tokenizer=p.tokenizer, image_processor=p.image_processor)
         # One global sample stream, this rank's share of each step (as LLaVA's: recipes/vlm/data.py), its micro-batches
         # laid out by the samples' tokens and patches (data.pack_buffer).
@@ -136,27 +155,30 @@ class QwenInputs:
 
     def model_inputs(self, batch: dict, attention: str, device, dtype) -> dict:
         inputs = batch["batch"].model_inputs(attention, device=device)
-        if "pixel_values" in inputs:
-            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        for key in ("pixel_values", "pixel_values_videos"):
+            if key in inputs:
+                inputs[key] = inputs[key].to(dtype)
         return inputs
 
     def count(self, batch: dict) -> int:
         return batch["batch"].packed.num_labels
 
     def tally(self, batch: dict) -> dict[str, int]:
-        return {
+        counts = {
             "samples": batch["samples"],
             "tokens": batch["real_tokens"],
             "slots": batch["slots"],
             "text_only_samples": batch["text_only"],
             "truncated_samples": batch["truncated"],
-            "skipped_samples": batch["skipped"],  # image tokens alone over data.max_seq_len
+            "skipped_samples": batch["skipped"],  # image and video tokens alone over data.max_seq_len
         }
+        if self.blank_video is not None:  # the data has videos: the samples that carried one
+            counts["video_samples"] = batch["videos"]
+        return counts
 
     # ---- held-out conversations ----
     def encode_eval(self, sample: dict, max_seq_len: int) -> dict:
-        p = self.processor
-        return qwen.encode_llava_qwen(sample, p.tokenizer, p.image_processor, max_seq_len)
+        return self._decode(max_seq_len)(sample)
 
     def eval_loss(self, model, chunk: list[dict], device, dtype) -> tuple[float, int]:
         batch = self.collate(packing=False, max_seq_len=0, blank=False)(chunk)
@@ -167,20 +189,28 @@ class QwenInputs:
         return float(loss), batch["batch"].packed.num_labels
 
     def prompt_images(self, sample: dict, prompt: torch.Tensor, device, dtype) -> dict:
-        """generate()'s image arguments for `prompt`: its whole images' patches and grids, and the token types from
-        which generate() computes the mRoPE positions (transformers' get_rope_index)."""
-        grid = sample["image_grid_thw"]
-        counts = qwen.image_tokens(grid, self.processor.image_processor.merge_size)
-        pads, n = int((prompt == self.image_pad).sum()), 0
-        while n < len(counts) and sum(counts[: n + 1]) <= pads:
-            n += 1
-        if not n:
-            return {}
-        return {
-            "pixel_values": sample["pixel_values"][: int(grid[:n].prod(-1).sum())].to(device, dtype),
-            "image_grid_thw": grid[:n].to(device),
-            "mm_token_type_ids": qwen.modality_types(prompt[None], self.image_pad, self.video_pad).to(device),
-        }
+        """generate()'s image and video arguments for `prompt`: its whole images' (videos') patches and grids (and
+        the videos' second_per_grid_ts), and the token types from which generate() computes the mRoPE positions
+        (transformers' get_rope_index)."""
+        merge = self.processor.image_processor.merge_size
+        args = {}
+        for pad, values, grid_key in (
+            (self.image_pad, "pixel_values", "image_grid_thw"),
+            (self.video_pad, "pixel_values_videos", "video_grid_thw"),
+        ):
+            grid = sample.get(grid_key)
+            counts = qwen.image_tokens(grid, merge) if grid is not None else []
+            pads, n = int((prompt == pad).sum()), 0
+            while n < len(counts) and sum(counts[: n + 1]) <= pads:
+                n += 1
+            if n:
+                args[values] = sample[values][: int(grid[:n].prod(-1).sum())].to(device, dtype)
+                args[grid_key] = grid[:n].to(device)
+                if pad == self.video_pad:
+                    args["second_per_grid_ts"] = sample["second_per_grid_ts"][:n].to(device)
+        if args:
+            args["mm_token_type_ids"] = qwen.modality_types(prompt[None], self.image_pad, self.video_pad).to(device)
+        return args
 
 
 def measure_llava_qwen(sample: dict, tokenizer, image_processor) -> tuple[int, int]:

@@ -32,21 +32,23 @@ def projector_name(model) -> str:
 
 
 def adapter_config(cfg: TrainConfig, base: str, projector: str = "model.multi_modal_projector"):
-    """peft's LoraConfig of the export: the language model's targets as a regex, the projector saved whole."""
+    """peft's LoraConfig of the export: the language model's targets as a regex, the projector saved whole when it
+    trained (vlm.train_projector)."""
     targets = rf"{re.escape(LANGUAGE_MODEL)}\..*\.({'|'.join(sorted(cfg.lora.targets))})"
-    config = peft_config(cfg.lora, targets, base=base, modules_to_save=[projector.rpartition(".")[2]])
+    saved = [projector.rpartition(".")[2]] if cfg.vlm.train_projector else None
+    config = peft_config(cfg.lora, targets, base=base, modules_to_save=saved)
     config.inference_mode = True  # as PeftModel.save_pretrained writes it
     return config
 
 
 def adapter_state_dict(
-    state: dict[str, torch.Tensor], projector: str = "model.multi_modal_projector"
+    state: dict[str, torch.Tensor], projector: str | None = "model.multi_modal_projector"
 ) -> dict[str, torch.Tensor]:
-    """The adapter and the projector of a LoRA-wrapped VLM's state dict under peft's saved names
-    (`base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight`,
+    """The adapter and the projector (None: a frozen one, not saved) of a LoRA-wrapped VLM's state dict under peft's
+    saved names (`base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight`,
     `base_model.model.model.multi_modal_projector.linear_1.weight`, ...)."""
     return peft_state_dict(state) | {
-        f"base_model.model.{k}": v for k, v in state.items() if k.startswith(projector + ".")
+        f"base_model.model.{k}": v for k, v in state.items() if projector and k.startswith(projector + ".")
     }
 
 
@@ -56,7 +58,8 @@ def write_export(model, cfg: TrainConfig, out: Path, *, base: str, processor) ->
     export.merge_lora, ``out/merged`` holds the merged LlavaForConditionalGeneration."""
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     projector = projector_name(model)
-    write_adapter_folder(out, adapter_state_dict(state, projector), adapter_config(cfg, base, projector))
+    saved = projector if cfg.vlm.train_projector else None
+    write_adapter_folder(out, adapter_state_dict(state, saved), adapter_config(cfg, base, projector))
     processor.save_pretrained(out)
     if cfg.export.merge_lora:
         with torch.device("meta"):

@@ -40,13 +40,16 @@ def unused_tower_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers[used:]) + [m for m in tail if m is not None]
 
 
-def freeze_for_stage(model: torch.nn.Module, stage: str, train_vision: bool = False) -> None:
+def freeze_for_stage(
+    model: torch.nn.Module, stage: str, train_vision: bool = False, train_projector: bool = True
+) -> None:
     """align: only the projector learns (LLaVA stage 1; Qwen2.5-VL's merger). finetune: projector + language
-    model (LLaVA stage 2), plus the vision tower with `vlm.train_vision`. Frozen = requires_grad False, so it
-    never reaches the optimizer (common/deepspeed.py passes only trainable parameters)."""
+    model (LLaVA stage 2), plus the vision tower with `vlm.train_vision`, less the projector with
+    `vlm.train_projector=false`. Frozen = requires_grad False, so it never reaches the optimizer
+    (common/deepspeed.py passes only trainable parameters)."""
     tower, projector, language_model = vlm_parts(model)
     model.requires_grad_(False)
-    projector.requires_grad_(True)
+    projector.requires_grad_(train_projector)
     if stage == "finetune":
         language_model.requires_grad_(True)
         model.lm_head.requires_grad_(True)
@@ -58,11 +61,12 @@ def freeze_for_stage(model: torch.nn.Module, stage: str, train_vision: bool = Fa
 
 def trainable_parts(model: LlavaForConditionalGeneration, cfg: TrainConfig) -> None:
     """What trains: `freeze_for_stage`'s parts, or under finetune=lora (vlm.stage=finetune) the projector in full
-    and LoRA adapters on the language model's linears (common/lora.py), everything else frozen."""
+    (unless vlm.train_projector=false) and LoRA adapters on the language model's linears (common/lora.py),
+    everything else frozen."""
     if cfg.finetune != "lora":
-        freeze_for_stage(model, cfg.vlm.stage, cfg.vlm.train_vision)
+        freeze_for_stage(model, cfg.vlm.stage, cfg.vlm.train_vision, cfg.vlm.train_projector)
         return
-    freeze_for_stage(model, "align")  # the projector only
+    freeze_for_stage(model, "align", train_projector=cfg.vlm.train_projector)  # the projector only, or nothing
     apply_lora(vlm_parts(model)[2], cfg.lora)
 
 

@@ -5,14 +5,19 @@ min_pixels..max_pixels to a multiple of patch x merge (28 px), then cuts it into
 temporal_patch_size 2), returned as one [patches, 3*2*14*14] sequence and a (t, h, w) grid per image. An image is
 (t*h*w) / merge^2 tokens: the number varies per image, and one `<|image_pad|>` in the chat template's rendering
 stands for all of them (`image_pad_repeats`: transformers' Qwen2_5_VLProcessor rule, applied here because the
-processor itself needs a torchvision video processor the training env lacks, PITFALLS.md).
+processor itself needs a torchvision video processor the training env lacks, PITFALLS.md). A video is frames sampled
+at data.video_fps within data.max_frames, resized the same way and paired into temporal patches (recipes/vlm/video.py:
+Qwen2VLVideoProcessor's output, made without it); one `<|video_pad|>` stands for its (t*h*w) / merge^2 tokens.
 
 Packing, language side: the samples' tokens go into rows exactly as LLaVA's do (common/data/packing.py's
 PackedBatch: one cu_seqlens structure for the CPU's block-diagonal 4D mask and the GPU's varlen kernel), with
 Qwen's 3D mRoPE positions computed per sample by transformers' own `get_rope_index` and laid out by the same
 segments. Vision side: the images of all rows, in the order of their pads in the row-major flattened batch,
 go to the tower as one patch sequence with their grids; the tower's own per-image cu_seqlens keep its attention
-(full and windowed) within each image, so no image is padded to another's size.
+(full and windowed) within each image, so no image is padded to another's size. The videos go the same way, as the
+model's forward takes them (pixel_values_videos, video_grid_thw: a second tower call, each temporal patch its own
+attention block), and each video's mRoPE time positions follow its second_per_grid_ts (temporal patch / sampled fps,
+as Qwen2_5_VLProcessor computes it).
 """
 
 from __future__ import annotations
@@ -21,16 +26,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
 from common.errors import ConfigError
 from recipes.vlm.data import IMAGE_TOKEN, batch_counts, read_llava_sample, render_turns, whole_images_cut
-from recipes.vlm.schema import check_pixel_budget
+from recipes.vlm.schema import MAX_FRAMES, VIDEO_FPS, check_pixel_budget
+from recipes.vlm.video import Video, read_llava_video, video_patches
 
 IMAGE_PAD = "<|image_pad|>"  # the one token the chat template writes per image; expanded to the image's tokens
 IMAGE_SLOT = "<|vision_start|>" + IMAGE_PAD + "<|vision_end|>"  # an image in Qwen's chat format
-VIDEO_PAD = "<|video_pad|>"
+VIDEO_PAD = "<|video_pad|>"  # the same for a video
+VIDEO_SLOT = "<|vision_start|>" + VIDEO_PAD + "<|vision_end|>"
+VIDEO_TOKEN = "<video>"  # where a LLaVA-format conversation's video goes (as `<image>` for an image)
 # mm_token_type_ids, as transformers' Qwen2.5-VL processor and get_rope_index number the modalities
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
@@ -51,17 +60,28 @@ def rope_index_for(config) -> RopeIndex:
 class QwenProcessing(NamedTuple):
     """A Qwen2.5-VL folder's tokenizer (its chat template) and image processor: what the trainer holds in place of a
     LlavaProcessor, and saves into the export as transformers' processor would (tokenizer files, chat template,
-    preprocessor_config.json with the run's pixel budget)."""
+    preprocessor_config.json with the run's pixel budget); and how videos are sampled (data.video_fps,
+    data.max_frames: Qwen2VLVideoProcessor's fps and max_frames)."""
 
     tokenizer: object
     image_processor: object
+    video_fps: float = VIDEO_FPS
+    max_frames: int = MAX_FRAMES
 
     def save_pretrained(self, folder) -> None:
         self.tokenizer.save_pretrained(folder)
         self.image_processor.save_pretrained(folder)
 
 
-def load_processing(folder, image_token_id: int, *, min_pixels: int = 0, max_pixels: int = 0) -> QwenProcessing:
+def load_processing(
+    folder,
+    image_token_id: int,
+    *,
+    min_pixels: int = 0,
+    max_pixels: int = 0,
+    video_fps: float = VIDEO_FPS,
+    max_frames: int = MAX_FRAMES,
+) -> QwenProcessing:
     """(tokenizer, image processor) of a Qwen2.5-VL folder, offline, with the pixel budget ``min_pixels`` /
     ``max_pixels`` (data.min_pixels / data.max_pixels; 0 keeps the folder's) in place of the folder's. One line
     when the budget is inverted (transformers would resize silently outside it) or smaller than one merged patch,
@@ -80,7 +100,7 @@ def load_processing(folder, image_token_id: int, *, min_pixels: int = 0, max_pix
         raise ConfigError(
             f"{folder}: the tokenizer's {IMAGE_PAD} is id {pad}, the model's image_token_id is {image_token_id}"
         )
-    return QwenProcessing(tokenizer, image_processor)
+    return QwenProcessing(tokenizer, image_processor, video_fps, max_frames)
 
 
 def load_qwen(folder, attention: str):
@@ -105,17 +125,21 @@ def image_tokens(image_grid_thw: torch.Tensor, merge_size: int) -> list[int]:
     return (image_grid_thw.prod(-1) // merge_size**2).tolist()
 
 
-def image_pad_repeats(input_ids: torch.Tensor, image_pad_id: int, counts: Sequence[int]) -> torch.Tensor:
+def image_pad_repeats(
+    input_ids: torch.Tensor, image_pad_id: int, counts: Sequence[int], kind: str = "image"
+) -> torch.Tensor:
     """[T] repeat counts that expand one `<|image_pad|>` per image into image i's counts[i] tokens
     (``input_ids.repeat_interleave(repeats)``; the same for aligned labels). This is what Qwen2_5_VLProcessor does
     to the text before tokenizing; the pad is a special token, so expanding ids instead gives the same tokens.
-    ValueError (one line) when the pads and the images disagree in number."""
+    ``kind="video"``: the same for `<|video_pad|>` and videos. ValueError (one line) when the pads and the images
+    (videos) disagree in number."""
     ids = input_ids.reshape(-1)
     at = torch.nonzero(ids == image_pad_id).flatten()
     if at.numel() != len(counts):
+        placeholder = VIDEO_TOKEN if kind == "video" else IMAGE_TOKEN
         raise ValueError(
-            f"the conversation has {at.numel()} image placeholder(s) but {len(counts)} image(s); "
-            f"each image needs exactly one {IMAGE_TOKEN} where it goes"
+            f"the conversation has {at.numel()} {kind} placeholder(s) but {len(counts)} {kind}(s); "
+            f"each {kind} needs exactly one {placeholder} where it goes"
         )
     repeats = torch.ones_like(ids)
     repeats[at] = torch.as_tensor(list(counts), dtype=ids.dtype)
@@ -136,16 +160,26 @@ def sample_positions(
     image_grid_thw: torch.Tensor | None,
     image_pad_id: int,
     video_pad_id: int,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[3, T] mRoPE positions (temporal, height, width) of one sample, from transformers' get_rope_index on it
-    alone: text advances all three by one, an image's tokens share a start and spread over its merged grid."""
+    alone: text advances all three by one, an image's tokens share a start and spread over its merged grid, a
+    video's also over time (its temporal patches tokens_per_second x second_per_grid_ts apart)."""
     ids = input_ids.reshape(1, -1)
+    videos = _present(video_grid_thw)
     positions, _ = rope_index(
         ids,
         mm_token_type_ids=modality_types(ids, image_pad_id, video_pad_id),
-        image_grid_thw=image_grid_thw if image_grid_thw is not None and image_grid_thw.numel() else None,
+        image_grid_thw=_present(image_grid_thw),
+        video_grid_thw=videos,
+        second_per_grid_ts=second_per_grid_ts if videos is not None else None,
     )
     return positions[:, 0]
+
+
+def _present(grid: torch.Tensor | None) -> torch.Tensor | None:
+    return grid if grid is not None and grid.numel() else None
 
 
 @dataclass
@@ -158,6 +192,8 @@ class QwenPackedBatch:
     position_ids: torch.Tensor  # [3, R, L] long: each sample's get_rope_index positions in its slots; 0 on padding
     pixel_values: torch.Tensor | None  # [patches, 3*2*14*14] float32: all images' patches, concatenated
     image_grid_thw: torch.Tensor | None  # [images, 3] long
+    pixel_values_videos: torch.Tensor | None = None  # [patches, 3*2*14*14] float32: all videos' patches
+    video_grid_thw: torch.Tensor | None = None  # [videos, 3] long
 
     def model_inputs(self, attention: str, device: torch.device | str | None = None) -> dict:
         """Keyword arguments for Qwen2_5_VLForConditionalGeneration's forward under ``toggles.attention``.
@@ -174,6 +210,9 @@ class QwenPackedBatch:
         if self.pixel_values is not None:
             inputs["pixel_values"] = self.pixel_values
             inputs["image_grid_thw"] = self.image_grid_thw
+        if self.pixel_values_videos is not None:
+            inputs["pixel_values_videos"] = self.pixel_values_videos
+            inputs["video_grid_thw"] = self.video_grid_thw
         if device is not None:
             inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         return inputs
@@ -191,7 +230,8 @@ def pack_qwen(
     fit_rows: bool = True,
 ) -> QwenPackedBatch:
     """Samples (``input_ids``, ``labels`` [T] with the pads expanded; ``pixel_values`` [patches, D] and
-    ``image_grid_thw`` [images, 3], both absent or empty for a text-only sample) -> one micro-batch.
+    ``image_grid_thw`` [images, 3], both absent or empty for a text-only sample; the same for videos:
+    ``pixel_values_videos``, ``video_grid_thw`` and ``second_per_grid_ts`` [videos]) -> one micro-batch.
 
     The rows and segments are `pack_samples`' (packing) or `pad_samples`' (one sample per row); each sample's
     positions are get_rope_index's on that sample alone, so a packed sample sees the positions, the mask and the
@@ -204,15 +244,24 @@ def pack_qwen(
         for n in lens:
             s = samples[next(order)]
             position_ids[:, r, start : start + n] = sample_positions(
-                rope_index, torch.as_tensor(s["input_ids"]), s.get("image_grid_thw"), image_pad_id, video_pad_id
+                rope_index,
+                torch.as_tensor(s["input_ids"]),
+                s.get("image_grid_thw"),
+                image_pad_id,
+                video_pad_id,
+                s.get("video_grid_thw"),
+                s.get("second_per_grid_ts"),
             )
             start += n
     with_images = [samples[i] for i in packed.order if _num_images(samples[i])]
+    with_videos = [samples[i] for i in packed.order if _num_videos(samples[i])]
     return QwenPackedBatch(
         packed=packed,
         position_ids=position_ids,
         pixel_values=torch.cat([s["pixel_values"] for s in with_images]).float() if with_images else None,
         image_grid_thw=torch.cat([s["image_grid_thw"] for s in with_images]) if with_images else None,
+        pixel_values_videos=torch.cat([s["pixel_values_videos"] for s in with_videos]).float() if with_videos else None,
+        video_grid_thw=torch.cat([s["video_grid_thw"] for s in with_videos]) if with_videos else None,
     )
 
 
@@ -221,28 +270,50 @@ def _num_images(sample: dict) -> int:
     return 0 if grid is None else int(grid.shape[0])
 
 
+def _num_videos(sample: dict) -> int:
+    grid = sample.get("video_grid_thw")
+    return 0 if grid is None else int(grid.shape[0])
+
+
+def _num_visuals(sample: dict) -> int:
+    return _num_images(sample) + _num_videos(sample)
+
+
 class ImageTokensExceed(ValueError):
     """A sample whose image tokens alone do not fit in data.max_seq_len: skipped and counted, never cut mid-image."""
 
 
 def encode_qwen(
-    messages: list[dict], images: list, tokenizer, image_processor, *, max_seq_len: int | None = None
+    messages: list[dict],
+    images: list,
+    tokenizer,
+    image_processor,
+    *,
+    videos: Sequence[Video] = (),
+    max_seq_len: int | None = None,
 ) -> dict:
     """A LLaVA-format conversation -> one Qwen2.5-VL training sequence at native resolution.
 
-    ``messages``: [{"role", "content": str}] with `<image>` where each image goes, ``images`` in that order (PIL).
+    ``messages``: [{"role", "content": str}] with `<image>` where each image goes and `<video>` where each video
+    goes, ``images`` in that order (PIL), ``videos`` too (recipes/vlm/video.py: sampled frames and their rate).
     Each `<image>` becomes Qwen's <|vision_start|><|image_pad|><|vision_end|> (as Qwen's own fine-tuning code
-    writes it), the chat template renders the conversation (`render_turns`: labels on the assistant turns, their
-    end of turn included; prompts, system text and image tokens -100), the image processor resizes each image
-    within its min_pixels..max_pixels and patches it, and each pad becomes its image's tokens.
+    writes it), each `<video>` the same with <|video_pad|>, the chat template renders the conversation
+    (`render_turns`: labels on the assistant turns, their end of turn included; prompts, system text and image and
+    video tokens -100), the image processor resizes each image (and each video's frames) within its
+    min_pixels..max_pixels and patches it, and each pad becomes its image's (video's) tokens.
 
-    Over ``max_seq_len`` tokens the sequence is cut there, never inside an image (the image is dropped with the
-    ones after it: ``truncated``); a sample whose image tokens alone exceed it raises ImageTokensExceed.
-    Returns ``input_ids``, ``labels`` [T] long, ``pixel_values`` [patches, 3*2*14*14] float32 and
-    ``image_grid_thw`` [images, 3] long (both empty without images), ``truncated``.
+    Over ``max_seq_len`` tokens the sequence is cut there, never inside an image or a video (it is dropped with
+    the ones after it: ``truncated``); a sample whose image and video tokens alone exceed it raises
+    ImageTokensExceed. Returns ``input_ids``, ``labels`` [T] long, ``pixel_values`` [patches, 3*2*14*14] float32
+    and ``image_grid_thw`` [images, 3] long (both empty without images), ``pixel_values_videos``,
+    ``video_grid_thw`` and ``second_per_grid_ts`` [videos] float32 (Qwen2_5_VLProcessor's temporal patch / fps;
+    all empty without videos), ``truncated``.
     """
-    image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-    qwen = [{**m, "content": m["content"].replace(IMAGE_TOKEN, IMAGE_SLOT)} for m in messages]
+    image_pad_id, video_pad_id = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VIDEO_PAD])
+    qwen = [
+        {**m, "content": m["content"].replace(IMAGE_TOKEN, IMAGE_SLOT).replace(VIDEO_TOKEN, VIDEO_SLOT)}
+        for m in messages
+    ]
     text, spans = render_turns(qwen, tokenizer)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(enc["input_ids"], dtype=torch.long)
@@ -250,56 +321,106 @@ def encode_qwen(
     is_label = torch.zeros(len(ids), dtype=torch.bool)
     for a, b in spans:
         is_label |= (offsets[:, 0] < b) & (offsets[:, 1] > a)
-    labels = torch.where(is_label & (ids != image_pad_id), ids, IGNORE_INDEX)
+    labels = torch.where(is_label & (ids != image_pad_id) & (ids != video_pad_id), ids, IGNORE_INDEX)
     if images:
         vision = image_processor(images=images, return_tensors="pt")
         pixel_values, grid = vision["pixel_values"].float(), vision["image_grid_thw"].long()
     else:
         pixel_values, grid = torch.zeros(0), torch.zeros((0, 3), dtype=torch.long)
+    per_video = [video_patches(v.frames, image_processor) for v in videos]
+    video_values = torch.cat([p for p, _ in per_video]) if videos else torch.zeros(0)
+    video_grid = torch.cat([g for _, g in per_video]) if videos else torch.zeros((0, 3), dtype=torch.long)
+    seconds = torch.tensor([image_processor.temporal_patch_size / v.fps for v in videos], dtype=torch.float32)
     counts = image_tokens(grid, image_processor.merge_size)
-    repeats = image_pad_repeats(ids, image_pad_id, counts)
+    video_counts = image_tokens(video_grid, image_processor.merge_size)
+    repeats = image_pad_repeats(ids, image_pad_id, counts) * image_pad_repeats(
+        ids, video_pad_id, video_counts, kind="video"
+    )
+    # Images and videos in the order of their pads: what a cut keeps whole is a prefix of this.
+    kinds = [int(ids[i] == video_pad_id) for i in torch.nonzero((ids == image_pad_id) | (ids == video_pad_id))]
     ids, labels = ids.repeat_interleave(repeats), labels.repeat_interleave(repeats)
     truncated = max_seq_len is not None and len(ids) > max_seq_len
     if truncated:
-        if sum(counts) > max_seq_len:
+        if sum(counts) + sum(video_counts) > max_seq_len:
+            what = f"{len(counts)} image(s)" + (f" and {len(video_counts)} video(s)" if videos else "")
             raise ImageTokensExceed(
-                f"its {len(counts)} image(s) take {sum(counts)} tokens, more than data.max_seq_len {max_seq_len}"
+                f"its {what} take {sum(counts) + sum(video_counts)} tokens, more than data.max_seq_len {max_seq_len}"
             )
         cut, whole = max_seq_len, 0
-        if counts:
-            cut, whole = whole_images_cut(ids.numpy(), image_pad_id, counts, max_seq_len)
+        if kinds:
+            sizes = iter(counts), iter(video_counts)
+            in_order = [next(sizes[k]) for k in kinds]
+            vision = ((ids == image_pad_id) | (ids == video_pad_id)).numpy()
+            cut, whole = whole_images_cut(vision, True, in_order, max_seq_len)
+        n_images, n_videos = kinds[:whole].count(0), kinds[:whole].count(1)
         ids, labels = ids[:cut], labels[:cut]
-        pixel_values = pixel_values[: int(grid[:whole].prod(-1).sum())] if whole else torch.zeros(0)
-        grid = grid[:whole]
+        pixel_values = pixel_values[: int(grid[:n_images].prod(-1).sum())] if n_images else torch.zeros(0)
+        grid = grid[:n_images]
+        video_values = video_values[: int(video_grid[:n_videos].prod(-1).sum())] if n_videos else torch.zeros(0)
+        video_grid, seconds = video_grid[:n_videos], seconds[:n_videos]
     return {
         "input_ids": ids,
         "labels": labels,
         "pixel_values": pixel_values,
         "image_grid_thw": grid,
+        "pixel_values_videos": video_values,
+        "video_grid_thw": video_grid,
+        "second_per_grid_ts": seconds,
         "truncated": truncated,
     }
 
 
-def encode_llava_qwen(sample: dict, tokenizer, image_processor, max_seq_len: int | None = None) -> dict:
-    """Raw prepare_llava sample (any number of images) -> one Qwen2.5-VL training sequence (`encode_qwen`) with its
-    ``key``; a sample whose image tokens alone exceed ``max_seq_len`` -> ``{"skipped": reason, "key"}``, which
+def encode_llava_qwen(
+    sample: dict,
+    tokenizer,
+    image_processor,
+    max_seq_len: int | None = None,
+    *,
+    video_fps: float = VIDEO_FPS,
+    max_frames: int = MAX_FRAMES,
+) -> dict:
+    """Raw prepare_llava sample (any number of images, a video or none) -> one Qwen2.5-VL training sequence
+    (`encode_qwen`; the video's frames sampled at ``video_fps`` within ``max_frames``) with its ``key``; a sample
+    whose image and video tokens alone exceed ``max_seq_len`` -> ``{"skipped": reason, "key"}``, which
     `collate_qwen` drops and counts (the loader's decode failures are corrupt data; this one is a budget)."""
     record, images = read_llava_sample(sample)
+    video = read_llava_video(sample, video_fps, max_frames, image_processor.temporal_patch_size)
     try:
-        enc = encode_qwen(record["messages"], images, tokenizer, image_processor, max_seq_len=max_seq_len)
+        enc = encode_qwen(
+            record["messages"],
+            images,
+            tokenizer,
+            image_processor,
+            videos=[video] if video is not None else [],
+            max_seq_len=max_seq_len,
+        )
     except ImageTokensExceed as exc:
         return {"skipped": str(exc), "key": record["id"]}
     return {**enc, "key": record["id"]}
 
 
-def blank_qwen_sample(image_processor, image_pad_id: int) -> dict:
+def blank_qwen_sample(image_processor, image_pad_id: int, video_pad_id: int | None = None) -> dict:
     """The smallest image the processor makes (a black min_pixels image) as its pads alone, no label: the stand-in
     `collate_qwen` adds to a micro-batch without images, so the tower and merger run in every step on every rank
-    (ZeRO-3 gathers their weights collectively; see recipes/vlm/data.py's `collate`)."""
+    (ZeRO-3 gathers their weights collectively; see recipes/vlm/data.py's `collate`). With ``video_pad_id``: the
+    smallest video instead (one temporal patch of two black min_pixels frames), the stand-in for a micro-batch
+    without videos when the data has videos (the model's forward runs the tower once for images, once for videos:
+    every rank must make both calls in every step)."""
     from PIL import Image
 
     side = int(image_processor.size["shortest_edge"] ** 0.5)
-    vision = image_processor(images=[Image.new("RGB", (side, side))], return_tensors="pt")
+    black = Image.new("RGB", (side, side))
+    if video_pad_id is not None:
+        pixel_values, grid = video_patches(np.stack([np.asarray(black)] * 2), image_processor)
+        ids = torch.full((image_tokens(grid, image_processor.merge_size)[0],), video_pad_id, dtype=torch.long)
+        return {
+            "input_ids": ids,
+            "labels": torch.full_like(ids, IGNORE_INDEX),
+            "pixel_values_videos": pixel_values,
+            "video_grid_thw": grid,
+            "second_per_grid_ts": torch.ones(1),
+        }
+    vision = image_processor(images=[black], return_tensors="pt")
     grid = vision["image_grid_thw"].long()
     ids = torch.full((image_tokens(grid, image_processor.merge_size)[0],), image_pad_id, dtype=torch.long)
     return {
@@ -320,12 +441,16 @@ def collate_qwen(
     image_pad_id: int,
     video_pad_id: int,
     blank: dict | None = None,
+    blank_video: dict | None = None,
 ) -> dict:
     """This rank's Qwen2.5-VL micro-batch (`pack_qwen`, run in the loader workers) and its accounting: LLaVA's
-    (`batch_counts`) plus ``skipped``, the samples whose image tokens did not fit in ``max_seq_len``. A micro-batch
-    without images gets ``blank`` (unlabelled: the loss and the other samples' logits are unchanged)."""
+    (`batch_counts`: text-only means no image and no video) plus ``skipped``, the samples whose image and video
+    tokens did not fit in ``max_seq_len``. A micro-batch without images gets ``blank``, one without videos
+    ``blank_video`` (both unlabelled: the loss and the other samples' logits are unchanged)."""
     real = [s for s in samples if "skipped" not in s]
     packable = real if blank is None or any(_num_images(s) for s in real) else [*real, blank]
+    if blank_video is not None and not any(_num_videos(s) for s in real):
+        packable = [*packable, blank_video]
     batch = pack_qwen(
         packable,
         rope_index,
@@ -337,6 +462,7 @@ def collate_qwen(
     )
     return {
         "batch": batch,
-        **batch_counts(real, batch.packed, _num_images),
+        **batch_counts(real, batch.packed, _num_visuals),
+        "videos": sum(bool(_num_videos(s)) for s in real),
         "skipped": len(samples) - len(real),
     }

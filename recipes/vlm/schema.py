@@ -10,6 +10,9 @@ from typing import Optional
 from common.config import DataConfig
 from common.errors import ConfigError
 
+# Qwen2VLVideoProcessor's sampling defaults (and qwen-vl-utils'): 2 frames per second of video, at most 768 frames.
+VIDEO_FPS, MAX_FRAMES = 2.0, 768
+
 
 @dataclass
 class VLMModelConfig:
@@ -51,6 +54,10 @@ class VLMConfig:
     vision_from: str = ""  # a CLIP / SigLIP folder (vision model or the whole dual encoder) + its image processor
     language_from: str = ""  # a *ForCausalLM folder (Llama family) + its tokenizer
     train_vision: bool = False  # finetune: train the vision tower too (LLaVA keeps it frozen)
+    # finetune (full or LoRA): train the projector (Qwen2.5-VL's merger) too. false keeps the folder's: a full finetune
+    # then trains the language model alone, and a finetune=lora adapter holds the language model's LoRA only, which
+    # vLLM serves over the base (it takes no fully trained module in an adapter).
+    train_projector: bool = True
     eval_samples: int = 200  # held-out images answered at the end
     max_new_tokens: int = 12
 
@@ -65,6 +72,10 @@ class VLMDataConfig(DataConfig):
     # processor to a multiple of 28 px with min_pixels <= h*w <= max_pixels; 0 keeps the folder's budget.
     min_pixels: int = 0
     max_pixels: int = 0
+    # Videos (a Qwen2.5-VL model.init_from): frames sampled at video_fps per second of video, at most max_frames,
+    # as Qwen2VLVideoProcessor's fps / max_frames.
+    video_fps: float = VIDEO_FPS
+    max_frames: int = MAX_FRAMES
     # How many steps' samples the loader lays out together by their sizes (language tokens, tower patches: Qwen2.5-VL
     # conversations): each step's micro-batches (ranks x grad_accum) get samples that fill their rows and balance
     # their tower sequences; more than 1 also chooses which samples share a step. 0: by stream position.
@@ -73,6 +84,7 @@ class VLMDataConfig(DataConfig):
 
 # ---- value checks that need no model (config validation, and the code that loads one) ----
 MERGED_PATCH = 28 * 28  # Qwen2.5-VL's smallest image: one 2x2 merge of 14-px patches, in pixels
+VIDEO_TEMPORAL_PATCH = 2  # Qwen2.5-VL's tower takes frames in pairs (vision_config.temporal_patch_size)
 
 
 def check_pixel_budget(min_pixels: int, max_pixels: int) -> None:
@@ -83,6 +95,16 @@ def check_pixel_budget(min_pixels: int, max_pixels: int) -> None:
             raise ConfigError(f"{key}={value} is below one merged 28x28 patch ({MERGED_PATCH} pixels)")
     if min_pixels and max_pixels and min_pixels > max_pixels:
         raise ConfigError(f"data.min_pixels={min_pixels} is above data.max_pixels={max_pixels}")
+
+
+def check_video_sampling(video_fps: float, max_frames: int) -> None:
+    """One line for a video sampling rate that is not positive or a frame budget below one temporal patch."""
+    if not video_fps > 0:
+        raise ConfigError(f"data.video_fps={video_fps} must be above 0 (frames sampled per second of video)")
+    if max_frames < VIDEO_TEMPORAL_PATCH:
+        raise ConfigError(
+            f"data.max_frames={max_frames} is below one temporal patch ({VIDEO_TEMPORAL_PATCH} frames) of the tower"
+        )
 
 
 def check_heads(cp: int, heads: int, kv_heads: int, where: str) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from common.config import TrainConfig
 from common.errors import ConfigError, DataError
 from common.weights import check_folder
-from recipes.vlm.schema import VLMModelConfig, check_pixel_budget
+from recipes.vlm.schema import MAX_FRAMES, VIDEO_FPS, VLMModelConfig, check_pixel_budget, check_video_sampling
 
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 
@@ -46,8 +46,87 @@ def _folder_config(path: str, key: str) -> tuple[Path, dict]:
 
 
 # model_type of the folders model.init_from may name -> what they are, in words
-INIT_TYPES = {"llava": "LLaVA", "qwen2_5_vl": "Qwen2.5-VL"}
-QWEN = "qwen2_5_vl"  # model.vision of a Qwen2.5-VL (its own tower, set from the folder by recipes/vlm/config.py)
+QWEN_TYPE = "qwen2_5_vl"
+INIT_TYPES = {"llava": "LLaVA", QWEN_TYPE: "Qwen2.5-VL"}
+QWEN = QWEN_TYPE  # model.vision of a Qwen2.5-VL (its own tower, set from the folder by recipes/vlm/config.py)
+
+
+# Released Qwen2.5-VL folders, for sizing without them (run.dry_run, scripts/plan.py before the download; a download
+# keeps the repository's name, as recipes/t2i/sizing.py's RELEASED): their config.json's architecture keys and their
+# preprocessor_config.json's pixel budget (what data.max_pixels = 0 keeps). Training still reads the folder.
+# - Qwen/Qwen2.5-VL-7B-Instruct: a 32-block tower of 1280 (16 heads, SwiGLU 3420, 112-px windows but in blocks 7, 15,
+#   23 and 31), a 2x2 merger into Qwen2.5-7B (28 layers of 3584, 28 heads, 4 key/value heads, SwiGLU 18944,
+#   152,064-token vocabulary, untied head): 8,292,166,656 parameters (transformers' class on the meta device).
+RELEASED = {
+    "Qwen2.5-VL-7B-Instruct": {
+        "config": {
+            "model_type": QWEN_TYPE,
+            "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "vision_start_token_id": 151652,
+            "vision_end_token_id": 151653,
+            "vision_token_id": 151654,
+            "image_token_id": 151655,
+            "video_token_id": 151656,
+            "tie_word_embeddings": False,
+            "text_config": {
+                "hidden_act": "silu",
+                "hidden_size": 3584,
+                "intermediate_size": 18944,
+                "max_position_embeddings": 128000,
+                "max_window_layers": 28,
+                "num_attention_heads": 28,
+                "num_hidden_layers": 28,
+                "num_key_value_heads": 4,
+                "rms_norm_eps": 1e-06,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+                "sliding_window": 32768,
+                "use_sliding_window": False,
+                "vocab_size": 152064,
+                "bos_token_id": 151643,
+                "eos_token_id": 151645,
+            },
+            "vision_config": {
+                "depth": 32,
+                "hidden_act": "silu",
+                "hidden_size": 1280,
+                "intermediate_size": 3420,
+                "num_heads": 16,
+                "in_channels": 3,
+                "out_hidden_size": 3584,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "window_size": 112,
+                "fullatt_block_indexes": [7, 15, 23, 31],
+                "tokens_per_second": 2,
+            },
+        },
+        "min_pixels": 3136,
+        "max_pixels": 12845056,
+    }
+}
+
+
+def released(init_from: str) -> dict | None:
+    """RELEASED's entry for a model.init_from that is not on this machine but names a release Kiln knows the shape
+    of; None otherwise (a folder that exists is read, a missing one of no known name is refused)."""
+    path = Path(init_from).expanduser()
+    return None if path.exists() else RELEASED.get(path.name)
+
+
+def released_config(init_from: str):
+    """transformers' Qwen2_5_VLConfig of a RELEASED model.init_from (no folder read)."""
+    from transformers import Qwen2_5_VLConfig
+
+    return Qwen2_5_VLConfig.from_dict(released(init_from)["config"])
+
+
+def init_model_type(init_from: str) -> str:
+    """model.init_from's model_type: a RELEASED name's without its folder (sizing), else its folder's (checked)."""
+    entry = released(init_from)
+    return entry["config"]["model_type"] if entry else init_folder(init_from)[1]
 
 
 def init_folder(init_from: str) -> tuple[Path, str]:
@@ -255,15 +334,49 @@ class QwenWeights:
     budget replaced by data.min_pixels / data.max_pixels where they are set (native resolution: recipes/vlm/qwen.py).
     """
 
-    def __init__(self, init_from: str, min_pixels: int = 0, max_pixels: int = 0):
+    def __init__(
+        self,
+        init_from: str,
+        min_pixels: int = 0,
+        max_pixels: int = 0,
+        video_fps: float = VIDEO_FPS,
+        max_frames: int = MAX_FRAMES,
+    ):
         self.init_from, self.min_pixels, self.max_pixels = init_from, min_pixels, max_pixels
+        self.video_fps, self.max_frames = video_fps, max_frames
         self.label = f"model.init_from={init_from}"
         self.folder = None
         self._processing = None
 
     def check(self) -> None:
-        self.folder, _ = init_folder(self.init_from)
         check_pixel_budget(self.min_pixels, self.max_pixels)
+        check_video_sampling(self.video_fps, self.max_frames)
+        if released(self.init_from) is None:  # a RELEASED name is sized without its folder, refused when loading
+            self.folder, _ = init_folder(self.init_from)
+
+    def _folder(self) -> Path:
+        """The folder, for what reads weights, tokenizer or image processor: one line where only its name is known."""
+        if self.folder is None:
+            raise ConfigError(
+                f"{self.label}: no such folder (its shape is known by name, so run.dry_run and scripts/plan.py size "
+                "it; training reads the downloaded folder)"
+            )
+        return self.folder
+
+    def pixel_budget(self) -> tuple[int, int]:
+        """(min_pixels, max_pixels) the images are resized within: data.min_pixels / data.max_pixels where set, else
+        the folder's image processor's (a RELEASED name's published ones)."""
+        entry = released(self.init_from)
+        if entry is not None:
+            folder = (entry["min_pixels"], entry["max_pixels"])
+        else:
+            preprocessor = json.loads((self.folder / "preprocessor_config.json").read_text())
+            size = preprocessor.get("size") or {}
+            folder = (
+                size.get("shortest_edge", preprocessor.get("min_pixels", 0)),
+                size.get("longest_edge", preprocessor.get("max_pixels", 0)),
+            )
+        return self.min_pixels or folder[0], self.max_pixels or folder[1]
 
     def processor(self):
         """The folder's (tokenizer, image processor) as a QwenProcessing (recipes/vlm/qwen.py)."""
@@ -271,22 +384,26 @@ class QwenWeights:
             from recipes.vlm.qwen import load_processing
 
             self._processing = load_processing(
-                self.folder,
+                self._folder(),
                 self.config().image_token_id,
                 min_pixels=self.min_pixels,
                 max_pixels=self.max_pixels,
+                video_fps=self.video_fps,
+                max_frames=self.max_frames,
             )
         return self._processing
 
     def config(self):
         from transformers import AutoConfig
 
+        if self.folder is None:
+            return released_config(self.init_from)
         return AutoConfig.from_pretrained(self.folder, local_files_only=True)
 
     def load(self, attention: str):
         from recipes.vlm.qwen import load_qwen
 
-        return load_qwen(self.folder, attention)
+        return load_qwen(self._folder(), attention)
 
     def describe(self, model) -> str:
         from recipes.vlm.parallelize import vlm_parts
@@ -316,7 +433,7 @@ def weight_source(cfg: TrainConfig, meta: dict | None = None) -> WeightSource:
             "model.init_from and vlm.vision_from/language_from exclude each other: continue from a LLaVA, "
             "or build one from pretrained parts"
         )
-    model_type = init_folder(m.init_from)[1] if m.init_from else ""
+    model_type = init_model_type(m.init_from) if m.init_from else ""
     if model_type == "llava" and v.stage == "align":
         raise ConfigError(
             "model.init_from is for vlm.stage=finetune (align starts from vlm.vision_from + "
@@ -329,8 +446,14 @@ def weight_source(cfg: TrainConfig, meta: dict | None = None) -> WeightSource:
             "data.min_pixels / data.max_pixels are the pixel budget of a native-resolution model "
             "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA resizes every image to its tower's image size"
         )
+    video = getattr(d, "video_fps", VIDEO_FPS), getattr(d, "max_frames", MAX_FRAMES)
+    if model_type != QWEN and video != (VIDEO_FPS, MAX_FRAMES):
+        raise ConfigError(
+            "data.video_fps / data.max_frames sample the videos of a native-resolution model "
+            "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA takes images only"
+        )
     if model_type == QWEN:
-        source = QwenWeights(m.init_from, *budget)
+        source = QwenWeights(m.init_from, *budget, *video)
     elif m.init_from:
         source = LlavaWeights(m.init_from)
     elif v.vision_from:

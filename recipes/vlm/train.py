@@ -37,7 +37,7 @@ from recipes.vlm.inputs import inputs_for
 from recipes.vlm.model import build_model
 from recipes.vlm.parallelize import parallelize, trainable_parts
 from recipes.vlm.pretrained import llava_hf_state_dict
-from recipes.vlm.sources import init_folder, weight_source
+from recipes.vlm.sources import QwenWeights, init_folder, weight_source
 
 
 def load_model(cfg: TrainConfig, meta: dict):
@@ -183,23 +183,23 @@ class VLMTrainer(Trainer):
         return out
 
 
-def source_config(cfg: TrainConfig):
-    """The LlavaConfig training will build, from json and the tokenizer only (no weights): the folders'
-    configs, or `model.*` with an assumed vocabulary when model.vocab_size is 0 (the tokenizer is not read)."""
-    return weight_source(cfg).config()
-
-
 def memory_spec(cfg: TrainConfig) -> ModelSpec:
-    """The LLaVA for the memory model (common/memory.py): built on the meta device, frozen per stage, counted."""
-    config = source_config(cfg)
+    """The VLM for the memory model (common/memory.py): built on the meta device from its config (the folders', a
+    RELEASED Qwen2.5-VL's by name, or `model.*` with an assumed vocabulary when model.vocab_size is 0: no weights nor
+    tokenizer read), frozen per stage, counted. A Qwen2.5-VL adds its tower and merger over the pixel budget's
+    images (recipes/vlm/sizing.py)."""
+    from recipes.vlm.sizing import qwen_vision
+
+    source = weight_source(cfg)
+    config = source.config()
     t = config.text_config
     with torch.device("meta"):
         model = build_model(config, "sdpa")
     trainable_parts(model, cfg)
     layer = count_params(model.model.language_model.layers[0], trainable_only=True)
     trainable = count_params(model, trainable_only=True)
-    # The frozen vision tower runs without autograd: it keeps nothing. The text rows are taken at
-    # their longest, micro_batch x max_seq_len tokens (image tokens included).
+    # A LLaVA's frozen vision tower runs without autograd: it keeps nothing. The text rows are taken at their
+    # longest, micro_batch x max_seq_len tokens (image tokens included).
     block = Block(
         hidden=t.hidden_size,
         heads=t.num_attention_heads,
@@ -211,6 +211,12 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         attention="eager" if cfg.toggles.attention == "eager" else "fused",
         dense_mask=cfg.toggles.attention == "sdpa",
     )
+    e = 4 if cfg.toggles.precision == "fp32" else 2
+    tower, outside, note = [], 0.0, ""
+    if isinstance(source, QwenWeights):
+        tower, outside, note = qwen_vision(model, cfg, source.pixel_budget()[1], e)
+        note = f"Qwen2.5-VL from {source.label}; {note}"
+    first = trainable - t.num_hidden_layers * layer - sum(ty.layers * ty.params for ty in tower)
     return ModelSpec(
         cfg.recipe.name,
         block,
@@ -218,11 +224,17 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         seq=cfg.data.max_seq_len,
         micro_batch=cfg.trainer.micro_batch_size,
         layer_params=layer,
-        first_params=trainable - t.num_hidden_layers * layer,
+        first_params=first,
         frozen_params=count_params(model) - trainable,
         gather_unit_params=largest_module_params(model),
         vocab=t.vocab_size,
         precision=cfg.toggles.precision,
+        outside_layers_bytes=outside,
+        note=note,
+        more_layers=tuple(tower),
+        # parallel.cp: Ulysses over the language model, the logits gathered (recipes/vlm/context_parallel.py).
+        cp_method=cfg.parallel.cp_method,
+        cp_whole_loss=True,
     )
 
 

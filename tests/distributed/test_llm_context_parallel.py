@@ -1,7 +1,10 @@
 """Context parallelism (parallel.cp=2) on packed documents, against one process: the attention of random documents
-under cp_method=allgather and alltoall (outputs and gradients, fp32) equals SDPA with the whole row's document + causal
-mask, and
-llm_tiny's per-step losses equal the single-process run's."""
+under cp_method=allgather and alltoall (outputs and gradients, fp32), with masked SDPA and with the varlen kernel's
+segments (toggles.attention=flash, a CPU stand-in for the CUDA-only kernel: tests/fixtures/varlen.py), equals
+SDPA with the whole row's document + causal mask, and llm_tiny's per-step losses equal the single-process run's. The
+compositions on 4 ranks: the logits of a packed batch under cp=2 x tp=2 (both methods, one launch) equal one
+process's, and the losses under cp=2 x dp=2 and cp=2 x pp=2 equal its; moe_tiny's at cp=2, its auxiliary losses and
+expert load counted over the whole rows."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import torch
 
 from common.tools.launcher import spawn_ranks
 from tests.conftest import losses, run_train
-from tests.fixtures.runs import LLM_10_STEPS
+from tests.fixtures.runs import LLM_10_STEPS, MOE_16_STEPS
 
 pytestmark = pytest.mark.distributed
 CP = 2
@@ -35,24 +38,49 @@ def _random_batch():
 
 
 def _cp_attention(method: str) -> dict:
-    """On each cp rank: its queries' attention under `method` (keys/values gathered, or heads exchanged), and the
-    gradients of its slices of q, k, v (from the same upstream gradient as the reference)."""
+    """On each cp rank, per attention kernel (sdpa; flash with the CPU stand-in): its queries' attention under `method`
+    (keys/values gathered, or heads exchanged), and the gradients of its slices of q, k, v (from the same upstream
+    gradient as the reference)."""
     import torch.distributed as tdist
 
+    from common import varlen
     from recipes.llm.context_parallel import ContextShard, chunk_positions
     from recipes.llm.model import attend
+    from tests.fixtures.varlen import cpu_kernel
 
+    varlen._kernel = cpu_kernel  # this rank's process only
     packed, qkv, upstream = _random_batch()
     rank = tdist.get_rank()
     idx = chunk_positions(ROW_LEN, CP, rank)
-    shard = ContextShard.of(packed, CP, rank, method)
-    mine = {name: t[:, idx].clone().requires_grad_() for name, t in qkv.items()}
-    out = attend(
-        mine["q"], mine["k"], mine["v"], shard.model_inputs(tdist.group.WORLD, torch.device("cpu"))["attn_mask"]
-    )
-    (out * upstream[:, idx]).sum().backward()
-    result = {"idx": idx.tolist(), "out": out.detach().tolist()}
-    return result | {f"grad_{name}": t.grad.tolist() for name, t in mine.items()}
+    result = {"idx": idx.tolist()}
+    for attention in ATTENTION:
+        shard = ContextShard.of(packed, CP, rank, method, attention)
+        mine = {name: t[:, idx].clone().requires_grad_() for name, t in qkv.items()}
+        out = attend(
+            mine["q"], mine["k"], mine["v"], shard.model_inputs(tdist.group.WORLD, torch.device("cpu"))["attn_mask"]
+        )
+        (out * upstream[:, idx]).sum().backward()
+        result[attention] = {"out": out.detach().tolist()} | {f"grad_{n}": t.grad.tolist() for n, t in mine.items()}
+        if attention == "sdpa":
+            result["memory"] = _exchange_memory(mine, shard)
+    return result
+
+
+ATTENTION = ("sdpa", "flash")
+
+
+def _exchange_memory(qkv: dict, shard) -> dict:
+    """Bytes of the storages one forward of the attention creates (common/tools/activations.py): the most alive at
+    once and those alive at its end (what the graph keeps for backward, and the output)."""
+    import torch.distributed as tdist
+
+    from common.tools.activations import peak_and_kept
+    from recipes.llm.model import attend
+
+    inputs = {name: t.detach().requires_grad_() for name, t in qkv.items()}
+    mask = shard.model_inputs(tdist.group.WORLD, torch.device("cpu"))["attn_mask"]
+    peak, kept, _ = peak_and_kept(lambda: attend(*inputs.values(), mask), [*inputs.values(), mask.mask])
+    return {"peak": peak, "kept": kept}
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -63,20 +91,40 @@ def test_cp_attention_matches_unsplit_masked_attention(tmp_path, method):
     ref = {name: t.clone().requires_grad_() for name, t in qkv.items()}
     expected = attend(ref["q"], ref["k"], ref["v"], packed.attention_mask_4d())
     (expected * upstream).sum().backward()
-
-    got = {
-        key: torch.zeros_like(qkv["q"] if key in ("out", "grad_q") else qkv["k"])
-        for key in ("out", "grad_q", "grad_k", "grad_v")
-    }
-    for rank in spawn_ranks(_cp_attention, (method,), CP, tmp_path):
-        idx = torch.tensor(rank["idx"])
-        for key in got:  # back into row order
-            got[key][:, idx] = torch.tensor(rank[key])
     reference = {"out": expected.detach(), "grad_q": ref["q"].grad, "grad_k": ref["k"].grad, "grad_v": ref["v"].grad}
-    for key, want in reference.items():
-        err = (got[key] - want).abs().max().item()
-        print(f"cp={CP} {method} {key}: max |cp - unsplit| = {err:.1e} (max |unsplit| {want.abs().max().item():.1e})")
-        assert want.abs().max() > 0 and err <= 1e-5, key
+
+    ranks = spawn_ranks(_cp_attention, (method,), CP, tmp_path)
+    for attention in ATTENTION:
+        got = {key: torch.zeros_like(want) for key, want in reference.items()}
+        for rank in ranks:
+            idx = torch.tensor(rank["idx"])
+            for key in got:  # back into row order
+                got[key][:, idx] = torch.tensor(rank[attention][key])
+        for key, want in reference.items():
+            err = (got[key] - want).abs().max().item()
+            print(
+                f"cp={CP} {method} {attention} {key}: max |cp - unsplit| = {err:.1e} "
+                f"(max |unsplit| {want.abs().max().item():.1e})"
+            )
+            assert want.abs().max() > 0 and err <= 1e-5, (attention, key)
+    if (
+        method == "alltoall"
+    ):  # the planner's Ulysses terms (common/memory.py) for this layer: what the forward allocates
+        from common.memory import Block, _attention_saved, cp_transient_bytes
+
+        # SDPA with K/V repeated per query head (Block's repeat_kv), the bool mask kept as a bias (dense_mask).
+        block = Block(HEADS * HEAD_DIM, HEADS, 0, KV_HEADS, dropout=False, attention="fused", dense_mask=True)
+        s, b = ROW_LEN // CP, packed.num_rows
+        transient = cp_transient_bytes(block, seq=ROW_LEN, batch=b, act_bytes=4, cp=CP, cp_method="alltoall")
+        mask_bool = b * ROW_LEN * ROW_LEN  # created before the attention (the shard's), not inside it
+        kept = sum(t.nbytes for t in _attention_saved(block, s, b, 4, mask_side=ROW_LEN)) + 4 * s * b * block.hidden
+        for rank in ranks:
+            print(
+                f"cp={CP} alltoall, one forward: measured {rank['memory']}; planner transient {transient:,.0f} B "
+                f"(less the {mask_bool} B bool mask, the shard's), kept {kept:,.0f} B"
+            )
+            assert rank["memory"]["peak"] - rank["memory"]["kept"] == transient - mask_bool
+            assert rank["memory"]["kept"] == kept
 
 
 def test_a_document_never_sees_another_or_a_later_token():
@@ -97,6 +145,76 @@ def test_a_document_never_sees_another_or_a_later_token():
         # alltoall: every token of the row attends (with this rank's heads), in the gathered order on both axes.
         assert torch.equal(ContextShard.of(packed, CP, rank, "alltoall").mask, full[:, :, keys][..., keys])
     assert sum(ContextShard.of(packed, CP, r).num_labels for r in range(CP)) == packed.num_labels
+    assert sum(ContextShard.of(packed, CP, r).num_real_tokens for r in range(CP)) == packed.num_real_tokens
+
+
+# cp=2 x tp=2: llm_tiny with 8 query and 4 key/value heads, so that a tp rank's 2 key/value heads split over cp=2
+# (cp_method=alltoall needs cp to divide them; llm_tiny's own 2 would leave 1 per tp rank: allgather only).
+COMPOSED = ["recipe=llm_tiny", f"parallel.cp={CP}", "parallel.tp=2", "model.n_heads=8", "model.n_kv_heads=4"]
+VOCAB = 96
+
+
+def _tiny_llama():
+    """The model of COMPOSED with random weights (the same on every rank: seeded), fp32."""
+    from common.launch import compose
+    from recipes.llm.model import Transformer
+    from recipes.llm.train import llama_args
+
+    cfg = compose(COMPOSED)
+    model = Transformer(llama_args(cfg, VOCAB))
+    model.init_weights(seed=0)
+    return cfg, model
+
+
+def _packed_tokens():
+    """The rows of _random_batch with token ids below VOCAB."""
+    packed, _, _ = _random_batch()
+    packed.input_ids %= VOCAB
+    return packed
+
+
+def _cp_tp_logits() -> dict:
+    """On each of 4 ranks (cp=2 x tp=2, FSDP2 over cp as the recipe shards it): the logits at the rank's cp chunks of
+    the packed rows, under each cp_method, from one parallelized model (the method is the mask's, not the model's)."""
+    import torch.distributed as tdist
+
+    from common.parallel_dims import ParallelDims
+    from recipes.llm.context_parallel import ContextShard, chunk_positions
+    from recipes.llm.parallelize import parallelize
+
+    cfg, model = _tiny_llama()
+    mesh = ParallelDims.from_config(cfg.parallel, tdist.get_world_size()).build_mesh("cpu")
+    model = parallelize(model, mesh, cfg)
+    packed, cp_rank = _packed_tokens(), mesh["cp"].get_local_rank()
+    result = {"idx": chunk_positions(ROW_LEN, CP, cp_rank).tolist()}
+    with torch.no_grad():
+        for method in METHODS:
+            shard = ContextShard.of(packed, CP, cp_rank, method)
+            inputs = shard.model_inputs(mesh["cp"].get_group(), torch.device("cpu"))
+            result[method] = model(shard.input_ids, **inputs).tolist()
+    return result
+
+
+def test_cp2_tp2_logits_match_single_process(tmp_path):
+    """One 4-rank launch: under cp=2 x tp=2 (sequence-parallel norms, FSDP2 over cp) every rank's logits at its chunks
+    equal the unsplit model's on the whole packed rows (document + causal mask, per-document positions), for both
+    exchanges."""
+    _, model = _tiny_llama()
+    packed = _packed_tokens()
+    with torch.no_grad():
+        expected = model(packed.input_ids, position_ids=packed.position_ids, attn_mask=packed.attention_mask_4d())
+    ranks = spawn_ranks(_cp_tp_logits, (), 2 * CP, tmp_path)
+    for method in METHODS:
+        worst = 0.0
+        for rank in ranks:  # the tp ranks of a cp rank each hold the whole vocabulary (no loss parallel)
+            got = torch.tensor(rank[method])
+            assert got.shape == (packed.num_rows, ROW_LEN // CP, VOCAB)
+            worst = max(worst, (got - expected[:, rank["idx"]]).abs().max().item())
+        print(
+            f"cp={CP} x tp=2 {method}: max |logits - one process's| = {worst:.1e} "
+            f"(max |logit| {expected.abs().max().item():.1e})"
+        )
+        assert worst <= 1e-5, method
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +237,57 @@ def test_cp2_losses_match_single_process(runs):
     ref_eval, got_eval = (json.loads((r / "eval.json").read_text()) for r in runs)
     assert got_eval["val_tokens"] == ref_eval["val_tokens"]
     assert got_eval["val_loss"] == pytest.approx(ref_eval["val_loss"], rel=1e-5)
+
+
+def test_cp2_dp2_losses_match_single_process(runs, trained):
+    """4 ranks, cp=2 x dp=2 (FSDP2 over the 4): each dp rank's 4 documents split over its cp pair; the same 8
+    documents a step as the single-process run, whose per-step losses these equal."""
+    args = [a for a in LLM_10_STEPS if not a.startswith("checkpoint.every=")]
+    cp_dp = [*args, "trainer.micro_batch_size=4", f"parallel.cp={CP}", "trainer.eval=false", "checkpoint.final=false"]
+    ref, got = losses(runs[0]), losses(trained(cp_dp, nproc=2 * CP))
+    assert sorted(got) == sorted(ref)
+    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref)
+    print(f"llm_tiny cp={CP} x dp=2 vs one process: max relative loss difference over {len(ref)} steps = {worst:.1e}")
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+def test_cp2_pp2_losses_match_single_process(runs, trained):
+    """cp x pp on 4 ranks: each stage holds its cp rank's chunks of every pipeline microbatch (the padding rows of a
+    round too) and the rank's rows of their masks, and exchanges keys/values with the other cp rank of its stage.
+    A stage that saw another chunk's mask, positions or targets would move the losses by far more than 1e-5."""
+    ref_run = runs[0]
+    run_dir = trained([*LLM_10_STEPS, "trainer.micro_batch_size=8", f"parallel.cp={CP}", "parallel.pp=2"], nproc=4)
+    ref, got = losses(ref_run), losses(run_dir)
+    assert sorted(got) == sorted(ref) == list(range(1, 11))
+    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref)
+    print(f"llm_tiny cp={CP} x pp=2 vs one process: max relative loss difference over {len(ref)} steps = {worst:.1e}")
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    ref_eval, got_eval = (json.loads((r / "eval.json").read_text()) for r in (ref_run, run_dir))
+    assert got_eval["val_tokens"] == ref_eval["val_tokens"]
+    assert got_eval["val_loss"] == pytest.approx(ref_eval["val_loss"], rel=1e-5)
+
+
+def test_moe_cp2_matches_single_process(trained):
+    """moe_tiny at cp=2 on 2 ranks against test_moe_tiny's one-process run: each cp rank routes its chunks of the rows,
+    and the routing statistics (tokens per expert, token count) are summed over dp x cp before the load-balancing and
+    z losses are formed, so the losses, the aux terms and each layer's expert load are the whole rows' (counted per cp
+    chunk instead, the aux term moved by up to 2e-3 relative, the z term by 1e-2 and the layer-1 load by 2% here)."""
+    from common.metrics import read_metrics
+
+    # The cp run skips the held-out eval (compared by the llm_tiny tests above): ~4 s less.
+    ref_run = trained(MOE_16_STEPS)
+    cp_run = trained([*MOE_16_STEPS, f"parallel.cp={CP}", "trainer.eval=false"], nproc=CP)
+    ref, got = ({r["step"]: r for r in read_metrics(run / "metrics.jsonl")} for run in (ref_run, cp_run))
+    assert sorted(got) == sorted(ref) == [4, 8, 12, 16]
+    keys = ["loss", "aux_loss", "z_loss", *(k for k in ref[4] if k.startswith("moe.layer") and k.endswith("max_load"))]
+    assert len(keys) == 6  # 3 MoE layers
+    worst = {k: max(abs(got[s][k] - ref[s][k]) / abs(ref[s][k]) for s in ref) for k in keys}
+    print(f"moe_tiny cp={CP} vs one process, max relative difference over steps 4-16: {worst}")
+    for step in ref:
+        for key in keys:
+            assert got[step][key] == pytest.approx(ref[step][key], rel=1e-5), (step, key)
 
 
 @pytest.mark.parametrize("direction", ["cp2_to_cp1", "cp1_to_cp2"])

@@ -2,8 +2,9 @@
 DistributedAttention around SDPA equals torch's SDPA on the whole sequence (outputs and q/k/v gradients), and diffusers'
 DiTTransformer2DModel and SD3Transformer2DModel (joint attention with a text stream of an odd length, SD3.5's dual
 attention and q/k RMSNorm) with their image tokens split (recipes/dit/parallelize.py, recipes/t2i/parallelize.py) give
-diffusers' own outputs and, summed over the cp ranks as DeepSpeed sums them, their weight gradients. The training runs
-are in test_ds_any_layout.py (DiT) and test_t2i_zero2.py (text-to-image)."""
+diffusers' own outputs and, summed over the cp ranks as DeepSpeed sums them, their weight gradients; and the bytes
+DistributedAttention allocates in a forward (its exchange buffers, what it leaves for backward) are the planner's
+(common/memory.py). The training runs are in test_ds_any_layout.py (DiT) and test_t2i_zero2.py (text-to-image)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,23 @@ def _compare(reference, split, forward, weight, cp_group) -> dict:
     return {"out_err": out_err, "out_max": outputs["reference"].abs().max().item(), "grad_rel_err": worst}
 
 
+# The memory measurement's shapes: large enough that every exchanged tensor is 64 KiB (fp32).
+MEM_B, MEM_S, MEM_H, MEM_D = 2, 64, 8, 16
+
+
+def _exchange_memory(groups) -> dict:
+    """Bytes of the storages a DistributedAttention forward around SDPA creates (common/tools/activations.py): the most
+    alive at once and those alive at its end (what the graph keeps for backward, and the output)."""
+    from common.tools.activations import peak_and_kept
+    from common.ulysses import sdpa_kernel, ulysses_kernel
+
+    g = torch.Generator().manual_seed(3)
+    mine = [torch.randn(MEM_B, MEM_S // CP, MEM_H, MEM_D, generator=g).requires_grad_() for _ in range(3)]
+    attend = ulysses_kernel(sdpa_kernel, groups.cp_group)
+    peak, kept, out = peak_and_kept(lambda: attend(*mine), mine)
+    return {"peak": peak, "kept": kept}
+
+
 def _on_each_rank() -> dict:
     """This rank's share of the split attention (its tokens' outputs and q/k/v gradients, in its rows) and the max
     differences of the split DiT and SD3 transformer from the unsplit ones, computed here (same seeds)."""
@@ -101,6 +119,7 @@ def _on_each_rank() -> dict:
     out = ulysses_kernel(sdpa_kernel, groups.cp_group)(*mine)
     (out * shard_tokens(upstream, CP, groups.cp_rank)).sum().backward()
     result = {"attention_out": out.detach().tolist(), "attention_grads": [t.grad.tolist() for t in mine]}
+    result["memory"] = _exchange_memory(groups)
 
     reference, split = _tiny_dit(), _tiny_dit()  # diffusers' own processor (AttnProcessor2_0) / Ulysses
     set_attention(split, "sdpa", groups)
@@ -120,13 +139,17 @@ def _on_each_rank() -> dict:
     return result
 
 
-def test_ulysses_attention_and_split_transformers_equal_the_unsplit_ones(tmp_path):
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return spawn_ranks(_on_each_rank, (), CP, tmp_path_factory.mktemp("ulysses"))
+
+
+def test_ulysses_attention_and_split_transformers_equal_the_unsplit_ones(ranks):
     q, k, v, upstream = _attention_inputs()
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in whole)).transpose(1, 2)
     (expected * upstream).sum().backward()
 
-    ranks = spawn_ranks(_on_each_rank, (), CP, tmp_path)
     got = torch.cat([torch.tensor(r["attention_out"]) for r in ranks], dim=1)  # rank 0's tokens first
     grads = [torch.cat([torch.tensor(r["attention_grads"][i]) for r in ranks], dim=1) for i in range(3)]
     errors = {"out": (got - expected.detach()).abs().max().item()}
@@ -141,3 +164,29 @@ def test_ulysses_attention_and_split_transformers_equal_the_unsplit_ones(tmp_pat
                 f"weight gradients max |diff| / max |gradient| {e['grad_rel_err']:.1e}"
             )
             assert e["out_err"] <= 1e-5 * e["out_max"] and e["grad_rel_err"] <= 1e-5, model
+
+
+def test_planner_prices_the_exchange_deepspeed_allocates(ranks):
+    """What a rank's DistributedAttention forward allocates, measured, against the planner's Ulysses terms for one
+    layer (fp32, no mask): live only during the forward, two buffers of the exchanged q-sized tensor (the send copy and
+    the receive buffer beside the result: cp_transient_bytes); left for backward, the kernel's q, k, v and output with
+    heads/cp heads over the whole sequence (the bytes of S/cp tokens with every head), its logsumexp, and the inverse
+    exchange's result (the attention part of layer_saved). The all-gather's pricing would have counted the whole
+    sequence's keys and values instead."""
+    from common.memory import Block, _attention_saved, cp_transient_bytes
+
+    block = Block(hidden=MEM_H * MEM_D, heads=MEM_H, ffn=0, attention="fused", dropout=False)
+    shape = dict(seq=MEM_S, batch=MEM_B, act_bytes=4, cp=CP)
+    transient = cp_transient_bytes(block, cp_method="alltoall", **shape)
+    s = MEM_S // CP
+    kept = sum(t.nbytes for t in _attention_saved(block, s, MEM_B, 4, mask_side=MEM_S)) + 4 * s * MEM_B * block.hidden
+    allgather = cp_transient_bytes(block, cp_method="allgather", **shape)
+    for rank, r in enumerate(ranks):
+        got = r["memory"]
+        print(
+            f"rank {rank}: DistributedAttention forward, measured: peak {got['peak']:,} B, kept {got['kept']:,} B; "
+            f"planner: transient {transient:,.0f} B (the all-gather's pricing: {allgather:,.0f} B), "
+            f"kept {kept:,.0f} B"
+        )
+        assert got["peak"] - got["kept"] == transient
+        assert got["kept"] == kept

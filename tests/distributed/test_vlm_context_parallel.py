@@ -1,8 +1,11 @@
 """parallel.cp for the VLM (recipes/vlm/context_parallel.py) on 2 gloo ranks, against the unsplit model: a tiny
-transformers LLaVA with its language model split over the cp ranks gives the unsplit forward's logits and loss on a
-packed batch with images (documents of different lengths in one row, images in two of them), and its weight
-gradients, summed over the cp ranks as DeepSpeed sums them, the unsplit ones. The training run is
-test_vlm_zero2.py's cp=2 run."""
+transformers LLaVA and a tiny Qwen2.5-VL (mRoPE positions [3, R, L], split with the tokens) with their language
+model split over the cp ranks give the unsplit forward's logits and loss on a packed batch with images (documents of
+different lengths in one row, images in two of them), and their weight gradients, summed over the cp ranks as
+DeepSpeed sums them, the unsplit ones; under toggles.attention=sdpa (the rows' 4D mask) and flash (the flattened
+row's cu_seqlens, through tests/fixtures/varlen.py's CPU stand-in for torch's CUDA-only kernel), each against the
+unsplit SDPA forward. The training runs are test_vlm_zero2.py's cp=2 (LLaVA) and test_vlm_qwen_cp.py's (Qwen2.5-VL).
+"""
 
 from __future__ import annotations
 
@@ -12,10 +15,12 @@ import pytest
 import torch
 
 from common.tools.launcher import spawn_ranks
+from recipes.vlm.context_parallel import ULYSSES_PREFIX
 
 pytestmark = pytest.mark.distributed
 CP = 2
 VOCAB = 64
+QWEN_IMAGE = VOCAB - 1  # its image pad; the video pad, vision start and end below it
 
 
 def _tiny_llava():
@@ -42,69 +47,152 @@ def _tiny_llava():
     return build_model(config, "sdpa").float(), tower_image_tokens(config)
 
 
-def _packed_batch(image_tokens: int) -> dict:
-    """Two packed rows of 48 tokens: four documents (two with an image each) and padding tails."""
-    from common.data.packing import pack_samples
+def _tiny_qwen():
+    """A tiny transformers Qwen2.5-VL (a 1-block tower with its 2x2 merger; a 2-layer Qwen2 language model with
+    mRoPE over 4 heads and 2 key/value heads), fp32."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},  # 16 / 2
+            pad_token_id=0,
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0]
+        ),
+        image_token_id=QWEN_IMAGE,
+        video_token_id=QWEN_IMAGE - 1,
+        vision_start_token_id=QWEN_IMAGE - 2,
+        vision_end_token_id=QWEN_IMAGE - 3,
+    )
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(config).float()
+
+
+def _documents(image: torch.Tensor, make_image):
+    """Four documents (two with an image: prompt `image` before their text, -100 labels) and their images."""
     g = torch.Generator().manual_seed(3)
     samples, images = [], []
     for n, has_image in ((30, True), (14, False), (25, True), (9, False)):
-        text = torch.randint(3, VOCAB - 1, (n,), generator=g)
-        prompt = torch.tensor([1] + [VOCAB - 1] * image_tokens) if has_image else torch.tensor([1])
+        text = torch.randint(3, VOCAB - 4, (n,), generator=g)
+        prompt = torch.cat([torch.tensor([1]), image]) if has_image else torch.tensor([1])
         ids = torch.cat([prompt, text])
-        labels = torch.cat([torch.full_like(prompt, -100), text])
-        samples.append({"input_ids": ids, "labels": labels})
-        images.append([torch.randn(3, 16, 16, generator=g)] if has_image else [])
+        samples.append({"input_ids": ids, "labels": torch.cat([torch.full_like(prompt, -100), text])})
+        images.append(make_image(g) if has_image else None)
+    return samples, images
+
+
+def _llava_batch(image_tokens: int):
+    """The documents packed into rows of 48 tokens (padding tails), and the model's inputs per attention kernel."""
+    from common.data.packing import pack_samples
+
+    samples, images = _documents(torch.full((image_tokens,), VOCAB - 1), lambda g: torch.randn(3, 16, 16, generator=g))
     packed = pack_samples(samples, 48, pad_id=0)
-    inputs = packed.model_inputs("sdpa")
-    inputs["pixel_values"] = torch.stack([image for i in packed.order for image in images[i]])
-    return inputs
+    pixel_values = torch.stack([images[i] for i in packed.order if images[i] is not None])
+    return packed.input_ids.shape, lambda attention: packed.model_inputs(attention) | {"pixel_values": pixel_values}
+
+
+def _qwen_batch(model):
+    """The same documents for the Qwen2.5-VL (an image of 4x4 patches: 4 tokens, between its vision start and end),
+    packed by recipes/vlm/qwen.py with each document's mRoPE positions from transformers' get_rope_index."""
+    from recipes.vlm.qwen import pack_qwen, rope_index_for
+
+    c = model.config
+    image = torch.tensor([c.vision_start_token_id, *[c.image_token_id] * 4, c.vision_end_token_id])
+    samples, images = _documents(image, lambda g: torch.randn(16, 3 * 2 * 14 * 14, generator=g))
+    for sample, pixels in zip(samples, images, strict=True):
+        if pixels is not None:
+            sample |= {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    batch = pack_qwen(
+        samples,
+        rope_index_for(c),
+        max_seq_len=48,
+        pad_id=0,
+        image_pad_id=c.image_token_id,
+        video_pad_id=c.video_token_id,
+    )
+    return batch.packed.input_ids.shape, batch.model_inputs
+
+
+def _against_the_unsplit(reference, shape, inputs, groups) -> dict:
+    """`reference` (unsplit, SDPA with the rows' 4D mask) against copies of it with the language model split over the
+    cp ranks, under sdpa and flash: logits, loss, weight gradients (summed over cp as DeepSpeed sums them)."""
+    import torch.distributed as tdist
+
+    from recipes.vlm.attention import VARLEN_ATTENTION, eval_attention
+    from recipes.vlm.context_parallel import split_language_model
+
+    reference.train()
+    want = reference(**inputs("sdpa"), use_cache=False)
+    want.loss.backward()
+    scale = max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None)
+    result = {"rows": list(shape), "logits_max": want.logits.abs().max().item()}
+    for attention in ("sdpa", "flash"):
+        split = copy.deepcopy(reference)
+        split.zero_grad()
+        if attention == "flash":  # the whole batch as one flattened row, with its cu_seqlens
+            split.set_attn_implementation({"text_config": VARLEN_ATTENTION})
+        split_language_model(split, groups)
+        seen = []  # the tokens a decoder layer of the split model holds: 1/cp of each row
+        split.model.language_model.layers[0].register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape))
+        got = split(**inputs(attention), use_cache=False)
+        got.loss.backward()
+        worst = 0.0
+        for p, mine in zip(reference.parameters(), split.parameters(), strict=True):
+            if p.grad is None:  # the tower's parts LLaVA's features never reach
+                assert mine.grad is None
+                continue
+            grad = mine.grad.clone()
+            tdist.all_reduce(grad, group=groups.cp_group)  # DeepSpeed's sum over cp
+            worst = max(worst, (grad - p.grad).abs().max().item() / scale)
+        with eval_attention(split, attention):  # generation's kernel, then training's: the wrapped one again
+            pass
+        result[attention] = {
+            "after_eval": split.config.text_config._attn_implementation,
+            "layer_tokens": [list(shape[:2]) for shape in seen],
+            "logits_err": (got.logits.view_as(want.logits) - want.logits).abs().max().item(),
+            "loss_err": abs(got.loss.item() - want.loss.item()),
+            "grad_rel_err": worst,
+        }
+    return result
 
 
 def _on_each_rank() -> dict:
-    import torch.distributed as tdist
-
+    from common import varlen
     from common.ulysses import UlyssesGroups
-    from recipes.vlm.context_parallel import split_language_model
+    from recipes.vlm.attention import register_varlen_attention
+    from tests.fixtures.varlen import cpu_kernel
 
+    varlen._kernel = cpu_kernel  # torch's varlen kernel is CUDA only: its CPU stand-in, in this rank's process
+    register_varlen_attention()
     groups = UlyssesGroups(1, CP, "cpu")
-    reference, image_tokens = _tiny_llava()
-    split = copy.deepcopy(reference)
-    split_language_model(split, groups)
-    inputs = _packed_batch(image_tokens)
-    seen = []  # the tokens a decoder layer of the split model holds: 1/cp of each row
-    split.model.language_model.layers[0].register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[1]))
-    out = {}
-    for name, model in (("reference", reference), ("split", split)):
-        model.train()
-        out[name] = model(**inputs, use_cache=False)
-        out[name].loss.backward()
-    scale = max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None)
-    worst = 0.0
-    for p, mine in zip(reference.parameters(), split.parameters(), strict=True):
-        if p.grad is None:  # the tower's parts LLaVA's features never reach
-            assert mine.grad is None
-            continue
-        grad = mine.grad.clone()
-        tdist.all_reduce(grad, group=groups.cp_group)  # DeepSpeed's sum over cp
-        worst = max(worst, (grad - p.grad).abs().max().item() / scale)
-    logits = out["reference"].logits
+    llava, image_tokens = _tiny_llava()
+    qwen = _tiny_qwen()
     return {
-        "rows": list(inputs["input_ids"].shape),
-        "layer_tokens": seen,
-        "logits_err": (out["split"].logits - logits).abs().max().item(),
-        "logits_max": logits.abs().max().item(),
-        "loss_err": abs(out["split"].loss.item() - out["reference"].loss.item()),
-        "grad_rel_err": worst,
+        "LLaVA": _against_the_unsplit(llava, *_llava_batch(image_tokens), groups),
+        "Qwen2.5-VL": _against_the_unsplit(qwen, *_qwen_batch(qwen), groups),
     }
 
 
-def test_split_llava_equals_the_unsplit_forward_and_gradients(tmp_path):
-    for r in spawn_ranks(_on_each_rank, (), CP, tmp_path):
-        print(
-            f"LLaVA cp={CP} vs unsplit on packed rows {r['rows']}: logits max |diff| {r['logits_err']:.1e} (of "
-            f"{r['logits_max']:.1e}), loss |diff| {r['loss_err']:.1e}, weight gradients max |diff| / max |grad| "
-            f"{r['grad_rel_err']:.1e}"
-        )
-        assert r["layer_tokens"] == [r["rows"][1] // CP]
-        assert r["logits_err"] <= 1e-5 and r["loss_err"] <= 1e-6 and r["grad_rel_err"] <= 1e-5, r
+def test_split_language_models_equal_the_unsplit_forward_and_gradients(tmp_path):
+    for ranks in spawn_ranks(_on_each_rank, (), CP, tmp_path):
+        for model, r in ranks.items():
+            rows, length = r["rows"]
+            # sdpa: each of the rows split; flash: the one flattened row (rows x length tokens) split
+            tokens = {"sdpa": [rows, length // CP], "flash": [1, rows * length // CP]}
+            for attention, layer_tokens in tokens.items():
+                e = r[attention]
+                print(
+                    f"{model} cp={CP} {attention} vs unsplit sdpa on packed rows {r['rows']}: logits max |diff| "
+                    f"{e['logits_err']:.1e} (of {r['logits_max']:.1e}), loss |diff| {e['loss_err']:.1e}, weight "
+                    f"gradients max |diff| / max |grad| {e['grad_rel_err']:.1e}"
+                )
+                assert e["layer_tokens"] == [layer_tokens] and e["after_eval"].startswith(ULYSSES_PREFIX)
+                assert e["logits_err"] <= 1e-5 and e["loss_err"] <= 1e-6 and e["grad_rel_err"] <= 1e-5, e

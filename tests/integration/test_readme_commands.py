@@ -102,6 +102,9 @@ NOT_RUN = {
     "tests/unit/test_trt_build.py runs it with stand-in trtexecs",
     "make gpu-check": "needs a CUDA GPU (without one: one line, exit 2, tests/unit/test_gpu_check.py)",
     "outputs/dit_2b/": "needs a trained dit_2b (a GPU run): the same export on dit_tiny runs above",
+    "outputs/qwen_finetune/export": "needs the Qwen2.5-VL fine-tune above, which runs here as a dry run "
+    "(TRAINED_ELSEWHERE): tests/integration/test_serve_vllm_qwen.py trains the same finetune=lora run "
+    "(vlm.train_projector=false) over such an export and serves both through scripts/serve.py on vLLM",
     "scripts/train.py recipe=llm_8b_128k": "needs 8 GPUs: its dry run is tests/unit/test_memory_planner.py's (against "
     "the plan), its path (cp x FSDP) on llm_tiny tests/distributed/test_llm_context_parallel.py",
 }

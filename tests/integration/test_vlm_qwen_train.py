@@ -1,8 +1,9 @@
 """Qwen2.5-VL trained by the VLM recipe, end to end on CPU: a tiny random release folder (make_qwen2_5_vl) fine-tuned
-on LLaVA-format data at native resolution (data.min_pixels / data.max_pixels), packed, in one process. The loss
-falls; the export is a folder transformers loads as Qwen2_5_VLForConditionalGeneration whose logits are the trained
-model's (the run's last DeepSpeed checkpoint, loaded into the release's model by transformers, not by Kiln); the
-frozen vision tower is the release's bit for bit."""
+on LLaVA-format data at native resolution (data.min_pixels / data.max_pixels), with videos (MP4 files and frame
+files, sampled at data.video_fps), packed, in one process. The loss falls; the export is a folder transformers
+loads as Qwen2_5_VLForConditionalGeneration whose logits are the trained model's (the run's last DeepSpeed
+checkpoint, loaded into the release's model by transformers, not by Kiln); the frozen vision tower is the release's
+bit for bit."""
 
 from __future__ import annotations
 
@@ -13,50 +14,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.tools.fixtures import make_qwen2_5_vl
-from data import prepare_llava
 from tests.conftest import load_script, losses
 from tests.fixtures import vlm as fx
 
 pytestmark = pytest.mark.integration
 
-MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 16  # images of 4..16 merged tokens
+MIN_PIXELS, MAX_PIXELS = fx.QWEN_MIN_PIXELS, fx.QWEN_MAX_PIXELS  # images of 4..16 merged tokens
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, trained):
-    root = tmp_path_factory.mktemp("qwen_world")
-    raw = fx.write_llava_data(root / "raw", n_pretrain=8, n_instruct=48)
-    qwen = make_qwen2_5_vl(root / "qwen")
-    prepare_llava.build_llava(
-        root / "instruct",
-        json_path=raw / "llava_instruct.json",
-        images=raw / "images",
-        train_shards=2,
-        val_shards=1,
-        val_fraction=0.05,
-    )
-    run_dir = trained(
-        [
-            "recipe=vlm_tiny",
-            "data=llava",
-            f"data.root={root / 'instruct'}",
-            f"model.init_from={qwen}",
-            f"data.min_pixels={MIN_PIXELS}",
-            f"data.max_pixels={MAX_PIXELS}",
-            "data.num_workers=0",
-            "data.max_seq_len=256",
-            "trainer.micro_batch_size=8",
-            "trainer.max_steps=3",
-            "trainer.log_every=1",
-            "trainer.progress_bar=false",
-            "optim.lr=2e-3",
-            "optim.warmup_steps=1",
-            "vlm.eval_samples=2",
-            "vlm.max_new_tokens=4",
-        ]
-    )
-    return run_dir, qwen
+def run(qwen_world, trained):
+    # The cached run test_vlm_qwen_zero3 takes as its 1-rank ZeRO-0 reference.
+    return trained(fx.qwen_run_args(qwen_world)), qwen_world["qwen"]
 
 
 def test_qwen_trains_at_native_resolution_and_the_loss_falls(run):
@@ -66,6 +35,8 @@ def test_qwen_trains_at_native_resolution_and_the_loss_falls(run):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["skipped_samples"] == 0 for r in records)  # the images fit data.max_seq_len
     assert sum(r["text_only_samples"] for r in records) > 0  # text-only conversations trained beside the images
+    assert sum(r["video_samples"] for r in records) > 0  # and videos (their frames decoded in the loader)
+    assert not any(r.get("corrupt_shards") for r in records)
     assert json.loads((run_dir / "eval.json").read_text())["val_tokens"] > 0
 
 

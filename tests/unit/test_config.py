@@ -70,8 +70,16 @@ def test_each_family_has_only_its_own_parallel_and_data_keys():
     assert fields["llm_tiny"][0] == every | {"tp", "pp", "ep", "pp_schedule", "pp_microbatches"}
     common = {"name", "root", "build", "build_hint", "num_workers", "shuffle_buffer", "max_corrupt_shards"}
     assert fields["dit_tiny"][1] == common | {"image_size", "latents"}
-    # Qwen-VL's pixel budget; the loader's plan of micro-batches by the samples' sizes
-    assert fields["vlm_tiny"][1] == common | {"packing", "max_seq_len", "min_pixels", "max_pixels", "pack_buffer"}
+    # Qwen-VL's pixel budget and video sampling; the loader's plan of micro-batches by the samples' sizes
+    assert fields["vlm_tiny"][1] == common | {
+        "packing",
+        "max_seq_len",
+        "min_pixels",
+        "max_pixels",
+        "video_fps",
+        "max_frames",
+        "pack_buffer",
+    }
     assert fields["llm_tiny"][1] == common | {"max_seq_len", "eval_docs"}
 
 
@@ -247,10 +255,15 @@ CP_REFUSALS = {
         "parallel.cp=2 data.max_seq_len=255": "parallel.cp=2 must divide data.max_seq_len=255 and 8",
         "parallel.cp=2 data.packing=false": "parallel.cp=2 with data.packing=false",
         "parallel.cp=2 toggles.attention=eager": "toggles.attention=eager with parallel.cp=2",
-        "parallel.cp=2 toggles.attention=flash toggles.precision=bf16": "toggles.attention=flash with parallel.cp=2",
         "parallel.cp_method=allgather": "parallel.cp_method='allgather' is not in the VLM recipe; choose one of",
     },
 }
+
+
+def test_the_vlm_takes_context_parallelism_with_flash():
+    """Ulysses wraps the varlen kernel as it wraps SDPA (tests/distributed/test_vlm_context_parallel.py)."""
+    cfg = compose("recipe=vlm_tiny parallel.cp=2 toggles.attention=flash toggles.precision=bf16".split())
+    assert (cfg.parallel.cp, cfg.toggles.attention) == (2, "flash")
 
 
 @pytest.mark.parametrize("accepted", list(CP_REFUSALS), ids=["sd35_medium", "dit_tiny", "vlm_tiny"])
@@ -282,9 +295,11 @@ def test_the_deepspeed_recipes_take_context_parallelism(accepted):
             "parallel.cp_method='ring' is not in the LLM recipe; choose one of: allgather, alltoall",
         ),
         ("parallel.cp=3", "data.max_seq_len=256 must be divisible by 2"),
-        ("parallel.cp=2 parallel.pp=2", "parallel.cp=2 with parallel.pp=2 is not supported yet"),
-        ("parallel.cp=2 toggles.attention=flash toggles.precision=bf16", "with toggles.attention=flash is not"),
-        ("recipe=moe_tiny parallel.cp=2", "parallel.cp=2 with model.moe.num_experts=8 is not supported yet"),
+        (
+            "parallel.cp=2 parallel.pp=2 toggles.attention=flash toggles.precision=bf16",
+            "parallel.cp=2 with toggles.attention=flash is not supported yet: under parallel.pp>1",
+        ),
+        ("recipe=moe_tiny parallel.cp=2 parallel.ep=2", "parallel.cp=2 with parallel.ep=2 is not supported yet"),
         # Ulysses splits the heads: cp must divide the key/value heads each tp rank holds (llm_tiny: 2).
         (
             "parallel.cp=4 parallel.cp_method=alltoall",

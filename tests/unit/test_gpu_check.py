@@ -37,7 +37,7 @@ def test_bad_section_is_one_line():
     )
     assert proc.returncode == 2 and proc.stderr == (
         "kiln: error: --only: unknown section(s) speed; choose from "
-        "versions, tests, recipes, throughput, fp8, dit_mfu\n"
+        "versions, tests, recipes, newest, throughput, fp8, dit_mfu\n"
     )
 
 

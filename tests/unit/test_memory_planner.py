@@ -399,7 +399,7 @@ def run_plan(*args: str) -> subprocess.CompletedProcess:
 def test_plan_cli_table_and_json(capsys):
     assert plan_script.main(["recipe=llm_8b", "cluster.gpus=8", "cluster.gpu=h100_80gb"]) == 0
     table = capsys.readouterr().out
-    assert "of 48 layouts the recipe allows fit" in table and "does not fit" not in table
+    assert "of 60 layouts the recipe allows fit" in table and "does not fit" not in table
     assert plan_script.main(["recipe=llm_8b", "cluster.gpus=8", "cluster.gpu=h100_80gb", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["params"] == 8_030_261_248 and plan["gpu_memory_bytes"] == GPUS["h100_80gb"].memory
@@ -512,12 +512,43 @@ def test_cp2_halves_a_ranks_activations_but_the_gathered_keys_and_values(tp):
     assert two["optimizer"] == pytest.approx(one["optimizer"] / 2) and one["optimizer"] > 0
 
 
+def test_cp2_alltoall_keeps_the_whole_row_mask_and_prices_its_exchange():
+    """Under cp_method=alltoall (Ulysses) a rank's attention covers the whole row with heads/cp heads: its q, k, v and
+    output are half of cp=1's bytes, but the dense mask it keeps as a bias is the whole row's, and the inverse
+    all-to-all's result (the output projection's input) is kept beside the kernel's output. Live around one layer:
+    two buffers of a q-sized tensor and the whole row's bool mask (the bytes measured from the real exchanges:
+    tests/distributed/test_ulysses.py, test_llm_context_parallel.py)."""
+    spec = llm_spec(compose(["recipe=llm_tiny", "parallel.cp=2", "parallel.cp_method=alltoall"]))
+    assert spec.cp_method == "alltoall"
+    L, b, e, h = spec.seq, spec.micro_batch, spec.act_bytes, spec.block.hidden
+    one, two = (estimate(spec, Layout(dp=1, tp=1, pp=1, zero_stage=3, ac="none", cp=cp)) for cp in (1, 2))
+    mask = e * b * L * L  # per layer, the same at cp=1 and cp=2
+    per_layer = mask / 2 + e * (L // 2) * b * h
+    assert two["activations"] == pytest.approx(one["activations"] / 2 + spec.layers * per_layer, rel=1e-12)
+    exchange = 2 * (L // 2) * b * h * e + b * L * L
+    logits = (L // 2) * b * spec.vocab * (e + 4)
+    assert two["transient"] == pytest.approx(max(exchange, logits), rel=1e-12)
+
+
+def test_vlm_cp_prices_the_gathered_logits_of_whole_rows():
+    """The VLM gathers the LM head's logits over cp and takes transformers' loss on whole rows on every cp rank
+    (recipes/vlm/context_parallel.py): its log-probabilities and logits are cp=1's, not halved."""
+    from recipes.vlm.train import memory_spec as vlm_spec
+
+    spec = vlm_spec(compose(["recipe=vlm_tiny", "parallel.cp=2"]))
+    assert (spec.cp_method, spec.cp_whole_loss) == ("alltoall", True)
+    one, two = (estimate(spec, Layout(dp=1, tp=1, pp=1, zero_stage=0, ac="none", cp=cp)) for cp in (1, 2))
+    L, b, e = spec.seq, spec.micro_batch, spec.act_bytes
+    assert two["transient"] == one["transient"] == L * b * spec.vocab * (e + 4)  # larger than the exchange here
+
+
 def test_planner_varies_cp_only_where_the_llm_runs_it():
     spec = llm_spec(compose(["recipe=llm_8b", "model.max_seq_len=131072", "data.max_seq_len=131072"]))
     layouts = candidate_layouts(spec, 8)
     assert {lay.cp for lay in layouts} == {1, 2, 4, 8}
     assert all(lay.dp * lay.tp * lay.pp * lay.cp == 8 for lay in layouts)
-    assert not any(lay.cp > 1 and (lay.pp > 1 or lay.ep > 1) for lay in layouts)
+    assert not any(lay.cp > 1 and lay.ep > 1 for lay in layouts)  # the LLM refuses cp x ep
+    assert any(lay.cp > 1 and lay.pp > 1 for lay in layouts)  # and runs cp x pp
     assert {lay.cp for lay in candidate_layouts(dit_spec(compose(["recipe=dit_2b"])), 8)} == {1}
     # 128k tokens in one row: only context parallelism fits it on 80 GB GPUs.
     rows = plan(spec, 8, GPUS["h100_80gb"])

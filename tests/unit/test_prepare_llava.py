@@ -104,7 +104,7 @@ def test_all_bad_is_one_line_with_the_counts(tmp_path, llava, capsys):
 
 def test_record_rules():
     turn = lambda f, v: {"from": f, "value": v}  # noqa: E731
-    messages, images = pl.to_messages(
+    messages, images, video = pl.to_messages(
         {
             "image": ["a.png", "b.png"],
             "conversations": [
@@ -115,6 +115,13 @@ def test_record_rules():
         }
     )
     assert images == ["a.png", "b.png"] and [m["role"] for m in messages] == ["system", "user", "assistant"]
+    assert video is None
+    ask = [turn("human", "<image> then <video>"), turn("gpt", "Two.")]
+    _, images, video = pl.to_messages(
+        {"images": ["a.png"], "video": ["f0.png", "f1.png"], "video_fps": 4, "conversations": ask}
+    )
+    assert images == ["a.png"] and video == {"frames": ["f0.png", "f1.png"], "fps": 4}
+    no_video = [turn("human", "<video>"), turn("gpt", "Hi")]
     for record, reason in [
         ({"conversations": [turn("gpt", "Hi"), turn("human", "Hi")]}, "malformed"),
         ({"conversations": [turn("human", "Hi"), turn("human", "Hi"), turn("gpt", "Hi")]}, "malformed"),
@@ -122,7 +129,41 @@ def test_record_rules():
         ({"conversations": [turn("robot", "Hi")]}, "malformed"),
         ({"image": "a.png", "conversations": [turn("human", "Hi"), turn("gpt", "<image>")]}, "<image> count mismatch"),
         ({"conversations": [turn("human", "<image>"), turn("gpt", "Hi")]}, "<image> count mismatch"),
+        ({"conversations": no_video}, "<video> count mismatch"),
+        (
+            {"video": "a.mp4", "conversations": [turn("human", "<video><video>"), turn("gpt", "Hi")]},
+            "<video> count mismatch",
+        ),
+        ({"video": "a.mp4", "conversations": [turn("human", "Hi"), turn("gpt", "<video>")]}, "<video> count mismatch"),
+        ({"video": "a.mp4", "video_fps": 2, "conversations": no_video}, "malformed"),  # a file has its own rate
+        ({"video": ["f.png"], "video_fps": 0, "conversations": no_video}, "malformed"),
+        ({"video": [], "conversations": no_video}, "malformed"),
+        ({"image": "a.png", "images": ["a.png"], "conversations": ask}, "malformed"),
     ]:
         with pytest.raises(pl.Rejected) as exc:
             pl.to_messages(record)
         assert exc.value.reason == reason, record
+
+
+def test_videos_are_shards_and_bad_ones_counted_skips(tmp_path):
+    """`video:` as a file (MP4) or as frame files with their rate, beside `images: [...]`: the shards hold the bytes
+    as they are and the record says which; a missing or undecodable video (a corrupt file, frames of different
+    sizes) and a `<video>` that is not there are counted skips, the first of each named in the summary."""
+    raw = fx.write_llava_data(tmp_path / "raw", n_pretrain=2, n_instruct=4)
+    good = fx.add_video_records(raw, "llava_instruct.json", 4)
+    meta, built = pl.build_llava(
+        tmp_path / "out", json_path=raw / "llava_instruct.json", images=raw / "images", train_shards=1, val_shards=1
+    )
+    assert built and meta["videos"] == 4 and meta["usable"] == 8
+    assert meta["skipped"] == fx.BROKEN | fx.BROKEN_VIDEOS
+    assert meta["skipped_examples"]["undecodable video"].startswith("video-corrupt: ")
+    meta = load_dataset_meta(tmp_path / "out")
+    samples = {json.loads(s["json"])["id"]: s for s in iter_samples(meta["train_urls"] + meta["val_urls"])}
+    clip, shots = samples["video-0"], samples["video-1"]
+    assert json.loads(clip["json"])["video"] == {"container": "mp4"}
+    assert clip["video"] == (raw / "images" / good[0]["video"]).read_bytes()
+    record = json.loads(shots["json"])
+    assert record["video"] == {"frames": 6, "fps": 4} and record["num_images"] == 1  # and `images: [...]`
+    assert [shots[f"frame{i}"] for i in range(6)] == [(raw / "images" / p).read_bytes() for p in good[1]["video"]]
+    assert shots["image0"] == (raw / "images" / good[1]["images"][0]).read_bytes()
+    assert "4 with a video" in pl.summary(tmp_path / "out", meta)

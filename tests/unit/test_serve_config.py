@@ -503,6 +503,14 @@ def test_lora_refusals_are_one_line(export, tmp_path, monkeypatch):
         plan(compose([f"serve.model={export}", f"serve.lora={{x:{ok}}}"]))
     with pytest.raises(ConfigError, match="adapter name 'llm_tiny' must be a model name"):
         compose([f"serve.model={export}", "serve.served_model_name=llm_tiny", f"serve.lora={{llm_tiny:{ok}}}"])
+    # A VLM adapter with its projector trained in full (peft's modules_to_save): vLLM would refuse it after starting.
+    merger = write_adapter_config(tmp_path / "merger", export)
+    config = json.loads((merger / "adapter_config.json").read_text())
+    (merger / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["merger"]}))
+    with pytest.raises(UserError, match=r"carries merger trained in full .*vlm.train_projector=false"):
+        plan(
+            compose([f"serve.model={export}", "serve.engine=vllm", "serve.dry_run=true", f"serve.lora={{x:{merger}}}"])
+        )
 
 
 def set_model_config(export, **config):

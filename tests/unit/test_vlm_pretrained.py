@@ -164,6 +164,7 @@ def test_unusable_folders_are_one_line(parts, tmp_path):
         (["model.init_from={llava_hf}", "vlm.stage=align"], "model.init_from is for vlm.stage=finetune"),
         (["vlm.init_from={llava_hf}"], "Key 'init_from' not in 'VLMConfig'"),  # the old key's release has passed
         (["vlm.train_vision=true", "vlm.stage=align"], "vlm.train_vision=true is for vlm.stage=finetune"),
+        (["vlm.train_projector=false", "vlm.stage=align"], "vlm.train_projector=false with vlm.stage=align leaves"),
         # A quoted ~ (and a bare one: common/launch.py parse_overrides): expanded, as the README's commands rely on; the
         # line names the folder that was looked for.
         (

@@ -1,6 +1,7 @@
 """Qwen2.5-VL at native resolution, packed: a tiny random release folder (common/tools/fixtures.py's
-make_qwen2_5_vl, transformers' own classes), images of several sizes and aspect ratios, and a packed row of
-samples with 0, 1 and 2 images against transformers' own forward on each sample alone."""
+make_qwen2_5_vl, transformers' own classes), images of several sizes and aspect ratios, videos, and a packed row of
+samples with 0, 1 and 2 images, a video, an image and a video, against transformers' own forward on each sample
+alone."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from recipes.vlm.qwen import (
     pack_qwen,
     rope_index_for,
 )
+from recipes.vlm.video import frames_video, sample_frame_indices
 
 # (height, width): one above max_pixels (shrunk), one near min_pixels, a wide one spanning several
 # 112-px attention windows of the tower (its windowed blocks), a tall one.
@@ -57,6 +59,15 @@ def image(height: int, width: int, seed: int):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def frames(n: int, height: int, width: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, height, width, 3), dtype=np.uint8)
+
+
+def video_conversation(n_images: int = 0) -> list[dict]:
+    ask = "<video>\nWhat happens?" if n_images == 0 else "<image>\nThis, then this: <video>\nWhat happens?"
+    return [{"role": "user", "content": ask}, {"role": "assistant", "content": "A digit is written."}]
 
 
 def conversation(n_images: int) -> list[dict]:
@@ -125,25 +136,39 @@ def test_placeholder_mismatch_and_image_budget_are_one_line(qwen):
 
 @pytest.fixture(scope="module")
 def alone(qwen):
-    """Three samples (0, 1 and 2 images of different sizes) and transformers' own forward on each alone: its
-    logits and its loss summed over its labels (num_items_in_batch=1, as the trainer asks)."""
+    """Five samples (0, 1 and 2 images of different sizes; a video of 25 frames at 10 fps, sampled to 4 at 2 fps;
+    an image and a video of 5 frames, an odd count the patching pads) and transformers' own forward on each alone
+    (its own mRoPE positions from the grids and second_per_grid_ts): its logits and its loss summed over its
+    labels (num_items_in_batch=1, as the trainer asks)."""
+    tok, ip = qwen.tokenizer, qwen.image_processor
+    sampled = frames_video(list(frames(25, 56, 84, 3)), 2.0, 768, source_fps=10.0)
+    as_given = frames_video(list(frames(5, 84, 56, 4)), 2.0, 768)
     samples = [
-        encode_qwen(conversation(n), ims, qwen.tokenizer, qwen.image_processor)
-        for n, ims in ((0, []), (1, [image(300, 200, 0)]), (2, [image(56, 84, 1), image(140, 224, 2)]))
+        *(
+            encode_qwen(conversation(n), ims, tok, ip)
+            for n, ims in ((0, []), (1, [image(300, 200, 0)]), (2, [image(56, 84, 1), image(140, 224, 2)]))
+        ),
+        encode_qwen(video_conversation(), [], tok, ip, videos=[sampled]),
+        encode_qwen(video_conversation(1), [image(112, 56, 5)], tok, ip, videos=[as_given]),
     ]
+    assert [s["video_grid_thw"].tolist() for s in samples[3:]] == [[[2, 4, 6]], [[3, 6, 4]]]
+    assert [s["second_per_grid_ts"].tolist() for s in samples[3:]] == [[1.25], [1.0]]  # 2 / (4 of 25 x 10 fps), 2 / 2
     outputs = []
     with torch.no_grad():
         for s in samples:
             ids = s["input_ids"][None]
-            has_images = len(s["image_grid_thw"]) > 0
+            vision = {}
+            if len(s["image_grid_thw"]):
+                vision |= {"pixel_values": s["pixel_values"], "image_grid_thw": s["image_grid_thw"]}
+            if len(s["video_grid_thw"]):
+                vision |= {k: s[k] for k in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")}
             outputs.append(
                 qwen.model(
                     input_ids=ids,
-                    pixel_values=s["pixel_values"] if has_images else None,
-                    image_grid_thw=s["image_grid_thw"] if has_images else None,
                     mm_token_type_ids=modality_types(ids, qwen.image_pad, qwen.video_pad),
                     labels=s["labels"][None],
                     num_items_in_batch=1,
+                    **vision,
                 )
             )
     return samples, outputs
@@ -151,21 +176,23 @@ def alone(qwen):
 
 @pytest.mark.parametrize("rows", [1, 2])
 def test_packed_rows_match_each_sample_alone(qwen, alone, rows):
-    """The three samples packed into one row (or two, images in both): the tower takes all the images as one patch
-    sequence, the language model the rows with the block-diagonal mask and each sample's own mRoPE positions.
-    Every sample's logits equal transformers' own forward on it alone (fp32, SDPA: max |diff| is printed; 1.9e-7
-    when measured), and the packed loss (summed) the sum of the samples' own losses."""
+    """The five samples packed into one row (or two, images and videos in both): the tower takes all the images as
+    one patch sequence and all the videos as another (the model's pixel_values_videos), the language model the rows
+    with the block-diagonal mask and each sample's own mRoPE positions (a video's spaced by its
+    second_per_grid_ts). Every sample's logits equal transformers' own forward on it alone (fp32, SDPA: max |diff|
+    is printed; 1.5e-7 when measured), and the packed loss (summed) the sum of the samples' own losses."""
     samples, outputs = alone
-    lengths = sorted(len(s["input_ids"]) for s in samples)
+    assert sorted(len(s["input_ids"]) for s in samples) == [32, 56, 82, 105, 109]
     batch = pack_qwen(
         samples,
         rope_index_for(qwen.model.config),  # as the loader workers run it: transformers' get_rope_index, no weights
-        max_seq_len=512 if rows == 1 else lengths[-1] + lengths[0],  # the longest + the shortest: two rows
+        max_seq_len=512 if rows == 1 else 200,  # two rows, [109, 82] and [105, 56, 32] tokens: images, videos in both
         pad_id=qwen.tokenizer.pad_token_id,
         image_pad_id=qwen.image_pad,
         video_pad_id=qwen.video_pad,
     )
-    assert batch.packed.num_rows == rows and batch.image_grid_thw.shape == (3, 3)
+    assert batch.packed.num_rows == rows
+    assert batch.image_grid_thw.shape == (4, 3) and batch.video_grid_thw.shape == (2, 3)
     with torch.no_grad():
         out = qwen.model(**batch.model_inputs("sdpa"), use_cache=False, num_items_in_batch=1)
         # The flash inputs (one flattened row, positions as [4, 1, R*L] with the text positions first) without
@@ -188,6 +215,72 @@ def test_packed_rows_match_each_sample_alone(qwen, alone, rows):
     assert not torch.equal(batch.position_ids[1], batch.position_ids[2])
 
 
+def test_video_tokens_placeholders_and_cuts(qwen):
+    """A video's one `<video>` becomes its (t*h*w) / merge^2 pads between <|vision_start|> and <|vision_end|>, after
+    the image's in the order of the text; its patches are [t*h*w, 3*2*14*14]; a placeholder without its video (or a
+    video without one) is one line; a cut never splits a video, and image and video tokens alone over the length
+    are a counted skip."""
+    tok, ip = qwen.tokenizer, qwen.image_processor
+    clip = frames_video(list(frames(6, 84, 56, 0)), 2.0, 768)
+    enc = encode_qwen(video_conversation(1), [image(56, 84, 1)], tok, ip, videos=[clip])
+    ids = enc["input_ids"]
+    assert enc["video_grid_thw"].tolist() == [[3, 6, 4]] and enc["pixel_values_videos"].shape == (72, 3 * 2 * 14 * 14)
+    video_at = torch.nonzero(ids == qwen.video_pad).flatten()
+    assert len(video_at) == 3 * 6 * 4 // 4 and (torch.diff(video_at) == 1).all()  # one run of 18 pads
+    vision_start, vision_end = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+    assert ids[video_at[0] - 1] == vision_start and ids[video_at[-1] + 1] == vision_end
+    assert torch.nonzero(ids == qwen.image_pad).flatten().max() < video_at[0]  # the image first, as in the text
+    assert (
+        enc["labels"][enc["labels"] != IGNORE_INDEX].tolist()
+        == tok("A digit is written.<|im_end|>", add_special_tokens=False)["input_ids"]
+    )
+    with pytest.raises(
+        ValueError, match=r"^the conversation has 1 video placeholder\(s\) but 0 video\(s\); each video"
+    ):
+        encode_qwen(video_conversation(), [], tok, ip)
+    with pytest.raises(ValueError, match=r"^the conversation has 0 video placeholder\(s\) but 1 video\(s\)"):
+        encode_qwen(conversation(0), [], tok, ip, videos=[clip])
+    # A cut inside the video: the sequence ends before it, the image stays whole, the video is dropped.
+    cut = encode_qwen(video_conversation(1), [image(56, 84, 1)], tok, ip, videos=[clip], max_seq_len=int(video_at[5]))
+    assert cut["truncated"] and torch.equal(cut["input_ids"], ids[: int(video_at[0])])
+    assert cut["image_grid_thw"].tolist() == [[1, 4, 6]] and cut["video_grid_thw"].shape == (0, 3)
+    assert cut["pixel_values_videos"].numel() == 0 and cut["second_per_grid_ts"].numel() == 0
+    with pytest.raises(ImageTokensExceed, match=r"^its 1 image\(s\) and 1 video\(s\) take 24 tokens, more than"):
+        encode_qwen(video_conversation(1), [image(56, 84, 1)], tok, ip, videos=[clip], max_seq_len=20)
+
+
+@pytest.mark.parametrize("container", ["mp4", "mkv"])
+def test_container_videos_decode_to_the_sampled_frames(container):
+    """A video file decodes (PyAV) to the frames Qwen2VLVideoProcessor's sampling keeps at data.video_fps: 25 frames
+    at 10 fps (2.5 s) are 5 frames at 2 fps, floored to the temporal patch: 4, frames 0, 6, 12, 18 (6.25 apart),
+    sampled at 1.6 fps. An MP4 records its frame count; a Matroska does not (the packets are counted). Lossless
+    files: the frames come back bit for bit. A budget of 2 frames keeps 2; bytes that are no video: one line."""
+    from common.tools.fixtures import encode_video
+    from recipes.vlm.video import decode_video
+
+    source = frames(25, 56, 84, 7)
+    data = encode_video(source, 10, container)
+    video = decode_video(data, 2.0, 768)
+    assert sample_frame_indices(25, 10.0, 2.0, 768).tolist() == [0, 6, 12, 18]
+    assert np.array_equal(video.frames, source[[0, 6, 12, 18]]) and video.fps == pytest.approx(1.6)
+    assert decode_video(data, 2.0, 2).frames.shape[0] == 2
+    with pytest.raises(ValueError):  # av's InvalidDataError: the loader counts the sample as corrupt
+        decode_video(b"not a video at all", 2.0, 768)
+
+
+def test_frame_files_are_a_video_at_the_sampling_rate():
+    """Frame files without a rate are a video already sampled at data.video_fps: all kept (an odd count is padded
+    when patched), fewer when over data.max_frames; with the rate they were taken at, sampled like a container's;
+    frames of different sizes are one line."""
+    six = list(frames(6, 56, 56, 0))
+    assert frames_video(six[:5], 2.0, 768).frames.shape[0] == 5 and frames_video(six[:5], 2.0, 768).fps == 2.0
+    assert frames_video(six, 2.0, 4).frames.shape[0] == 4
+    taken = frames_video(six, 2.0, 768, source_fps=4.0)  # 1.5 s at 2 fps: 3 frames, at least 4 -> 4 of 6
+    assert np.array_equal(taken.frames, np.stack(six)[[0, 1, 3, 4]]) and taken.fps == pytest.approx(4 * 4 / 6)
+    with pytest.raises(ValueError, match=r"^its frames differ in size: \[\(56, 56\), \(84, 56\)\]$"):
+        frames_video([*six[:2], frames(1, 84, 56, 1)[0]], 2.0, 768)
+
+
 def _starts(lens: list[int]) -> list[tuple[int, int]]:
     """(start, length) of each sample in a row."""
     return [(sum(lens[:k]), n) for k, n in enumerate(lens)]
@@ -197,6 +290,12 @@ def test_pad_repeats_expand_each_placeholder():
     ids = torch.tensor([5, 9, 6, 9, 7])
     assert image_pad_repeats(ids, 9, [3, 2]).tolist() == [1, 3, 1, 2, 1]
     assert ids.repeat_interleave(image_pad_repeats(ids, 9, [3, 2])).tolist() == [5, 9, 9, 9, 6, 9, 9, 7]
+
+
+def image_of(array: np.ndarray):
+    from PIL import Image
+
+    return Image.fromarray(array)
 
 
 def png(im) -> bytes:
@@ -252,18 +351,126 @@ def test_llava_samples_collate_with_counted_skips_and_a_blank(qwen):
     assert alone["batch"].packed.num_labels == int((text["labels"][1:] != IGNORE_INDEX).sum())
 
 
-@pytest.mark.parametrize("stage", ["align", "finetune"])
-def test_stages_freeze_qwen_parts(qwen, stage):
+def test_raw_video_samples_decode_and_every_batch_gets_a_video(qwen):
+    """prepare_llava samples with a video file and with frame files decode with their videos sampled at the
+    configured rate; with data that has videos a micro-batch without one gets the smallest video (one temporal
+    patch of black min_pixels frames, unlabelled), beside the blank image when it has no image either."""
+    from common.tools.fixtures import encode_video
+
+    tok, ip = qwen.tokenizer, qwen.image_processor
+    container = {
+        "json": json.dumps(
+            {"id": "clip", "messages": video_conversation(), "num_images": 0, "video": {"container": "mp4"}}
+        ),
+        "video": encode_video(frames(25, 56, 84, 7), 10),
+    }
+    shots = frames(3, 56, 56, 8)
+    listed = {
+        "json": json.dumps(
+            {"id": "shots", "messages": video_conversation(), "num_images": 0, "video": {"frames": 3, "fps": None}}
+        ),
+        **{f"frame{i}": png(image_of(f)) for i, f in enumerate(shots)},
+    }
+    clip = encode_llava_qwen(container, tok, ip, video_fps=2.0, max_frames=768)
+    assert clip["video_grid_thw"].tolist() == [[2, 4, 6]] and clip["second_per_grid_ts"].tolist() == [1.25]
+    short = encode_llava_qwen(container, tok, ip, video_fps=2.0, max_frames=2)  # 2 frames over 2.5 s: 0.8 fps
+    assert short["video_grid_thw"].tolist() == [[1, 4, 6]] and short["second_per_grid_ts"].tolist() == [2.5]
+    few = encode_llava_qwen(listed, tok, ip, video_fps=2.0, max_frames=768)
+    assert few["video_grid_thw"].tolist() == [[2, 4, 4]] and few["second_per_grid_ts"].tolist() == [1.0]  # 3 -> 4
+    blank = blank_qwen_sample(ip, qwen.image_pad)
+    blank_video = blank_qwen_sample(ip, qwen.image_pad, qwen.video_pad)
+    assert blank_video["video_grid_thw"].tolist() == [[1, 4, 4]] and (blank_video["labels"] == IGNORE_INDEX).all()
+    text = encode_qwen(conversation(0), [], tok, ip)
+    collate = dict(
+        rope_index=rope_index_for(qwen.model.config),
+        packing=True,
+        max_seq_len=256,
+        pad_id=tok.pad_token_id,
+        image_pad_id=qwen.image_pad,
+        video_pad_id=qwen.video_pad,
+        blank=blank,
+        blank_video=blank_video,
+    )
+    alone = collate_qwen([text], **collate)["batch"]
+    assert alone.image_grid_thw.tolist() == [[1, 4, 4]] and alone.video_grid_thw.tolist() == [[1, 4, 4]]
+    assert alone.packed.num_labels == int((text["labels"][1:] != IGNORE_INDEX).sum())
+    out = collate_qwen([clip, text], **collate)
+    assert out["batch"].video_grid_thw.tolist() == [[2, 4, 6]] and out["text_only"] == 1  # no blank video added
+
+
+def test_held_out_video_conversations_evaluate_and_generate(qwen, tmp_path):
+    """The held-out evaluation on a shard with a video conversation and an image one: the loss covers both answers,
+    and the answer generated for the video's prompt is transformers' greedy generate with the prompt's video
+    (its patches, grid and second_per_grid_ts) as the processor would hand it over."""
+    import webdataset as wds
+
+    from common.tools.fixtures import encode_video
+    from recipes.vlm.evaluate import conversation_eval
+    from recipes.vlm.inputs import QwenInputs
+    from recipes.vlm.qwen import QwenProcessing
+
+    tok, ip = qwen.tokenizer, qwen.image_processor
+    clip = frames(25, 56, 84, 7)
+    raw = [
+        {
+            "__key__": "v",
+            "json": json.dumps(
+                {"id": "v", "messages": video_conversation(), "num_images": 0, "video": {"container": "mp4"}}
+            ),
+            "video": encode_video(clip, 10),
+        },
+        {**llava_sample("i", conversation(1), [image(56, 84, 1)]), "__key__": "i"},
+    ]
+    with wds.TarWriter(str(tmp_path / "val.tar")) as sink:
+        for sample in raw:
+            sink.write(sample)
+    meta = {"format": "llava-conversations", "videos": 1}
+    inputs = QwenInputs(QwenProcessing(tok, ip), qwen.model, types.SimpleNamespace(label="qwen"), meta)
+    out = conversation_eval(
+        qwen.model, inputs, [str(tmp_path / "val.tar")], limit=2, max_seq_len=512, max_new_tokens=4, device="cpu"
+    )
+    encoded = [encode_llava_qwen(s, tok, ip) for s in raw]
+    assert out["num_samples"] == 2 and out["val_tokens"] == sum(
+        int((e["labels"][1:] != IGNORE_INDEX).sum()) for e in encoded
+    )
+    video = encoded[0]
+    first = int((video["labels"] != IGNORE_INDEX).nonzero()[0])
+    prompt = video["input_ids"][:first][None]
+    with torch.no_grad():
+        want = qwen.model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            pixel_values_videos=video["pixel_values_videos"],
+            video_grid_thw=video["video_grid_thw"],
+            second_per_grid_ts=video["second_per_grid_ts"],
+            mm_token_type_ids=modality_types(prompt, qwen.image_pad, qwen.video_pad),
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+    assert out["examples"][0]["key"] == "v"
+    assert out["examples"][0]["answer"] == tok.decode(want[0, prompt.shape[1] :], skip_special_tokens=True).strip()
+
+
+@pytest.mark.parametrize(
+    "stage, train_vision, train_projector",
+    [("align", False, True), ("finetune", False, True), ("finetune", True, True), ("finetune", False, False)],
+)
+def test_stages_freeze_qwen_parts(qwen, stage, train_vision, train_projector):
     """LLaVA's stages on Qwen2.5-VL's parts: align trains the merger alone, finetune the merger and the language
-    model; the tower stays frozen (no vlm.train_vision). One packed backward: gradients reach exactly those."""
+    model (the language model alone with vlm.train_projector=false), and vlm.train_vision the tower's blocks and
+    patch embedding too (every one of them feeds the merger). One packed backward: gradients reach exactly those
+    (the optimizer takes the parameters that require grad: test_vlm_qwen_zero3 counts its state)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.folder, dtype=torch.float32)
-    freeze_for_stage(model, stage)
+    freeze_for_stage(model, stage, train_vision, train_projector=train_projector)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     merger = {n for n, _ in model.named_parameters() if n.startswith("model.visual.merger.")}
     language = {n for n, _ in model.named_parameters() if n.startswith(("model.language_model.", "lm_head."))}
-    assert trainable == (merger if stage == "align" else merger | language)
+    tower = {n for n, _ in model.named_parameters() if n.startswith("model.visual.")} - merger
+    want = merger if stage == "align" else language | (merger if train_projector else set())
+    assert trainable == want | (tower if train_vision else set())
     samples = [
         encode_qwen(conversation(n), ims, qwen.tokenizer, qwen.image_processor)
         for n, ims in ((0, []), (2, [image(56, 84, 1), image(140, 224, 2)]))
@@ -289,7 +496,7 @@ def test_pixel_budget_overrides_the_folder_and_bad_ones_are_one_line(qwen):
 
     image_token_id = qwen.model.config.image_token_id
     low, high = 28 * 28 * 8, 28 * 28 * 16
-    _, ip = load_processing(qwen.folder, image_token_id, min_pixels=low, max_pixels=high)
+    ip = load_processing(qwen.folder, image_token_id, min_pixels=low, max_pixels=high).image_processor
     h, w = smart_resize(300, 200, 28, low, high)
     grid = ip(images=[image(300, 200, 0)], return_tensors="pt")["image_grid_thw"]
     assert grid.tolist() == [[1, h // 14, w // 14]] and h * w <= high
@@ -313,6 +520,7 @@ def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(q
     qwen2_5_vl), vlm.stage=align (the merger alone) composes, and the pixel budget keys compose; an inverted budget,
     a budget for a LLaVA and a chosen model.vision=qwen2_5_vl stop at composition, one line."""
     from common.launch import compose
+    from recipes.vlm.inputs import LlavaInputs
 
     folder, c = str(qwen.folder), qwen.model.config
     cfg = compose(
@@ -345,11 +553,27 @@ def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(q
         ("model.vision=qwen2_5_vl",): (
             "model.vision=qwen2_5_vl is read from model.init_from=<a Qwen2.5-VL folder>, not chosen"
         ),
+        ("data.video_fps=1",): (
+            "data.video_fps / data.max_frames sample the videos of a native-resolution model "
+            "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA takes images only"
+        ),
+        (f"model.init_from={folder}", "data.video_fps=0"): (
+            "data.video_fps=0.0 must be above 0 (frames sampled per second of video)"
+        ),
+        (f"model.init_from={folder}", "data.max_frames=1"): (
+            "data.max_frames=1 is below one temporal patch (2 frames) of the tower"
+        ),
     }
     for overrides, message in bad.items():
         with pytest.raises(ConfigError) as err:
             compose(["recipe=vlm_tiny", "data=llava", *overrides])
         assert str(err.value) == message, overrides
+    video = compose(
+        ["recipe=vlm_tiny", "data=llava", f"model.init_from={folder}", "data.video_fps=1", "data.max_frames=64"]
+    )
+    assert (video.data.video_fps, video.data.max_frames) == (1.0, 64)
+    with pytest.raises(ConfigError, match=r"^the dataset has 3 sample\(s\) with a video; a LLaVA takes images only"):
+        LlavaInputs(None, None, None, {"format": "llava-conversations", "videos": 3})
 
 
 def test_lora_export_is_a_peft_adapter_over_the_release(qwen, tmp_path):
