@@ -25,6 +25,7 @@ from scripts.benchmarks import (
     overhead,
     packing,
     pipeline,
+    qwen,
     report,
     scaling,
     serving,
@@ -51,6 +52,7 @@ SECTIONS = {
     "export": export.run,
     "lora": lora.run,
     "t2i": t2i.run,
+    "qwen": qwen.run,
 }
 # A quick run is a smoke test: it keeps its own folder so that it never replaces a full run's report.
 FULL_OUT, QUICK_OUT = REPO / "outputs" / "bench", REPO / "outputs" / "bench" / "quick"

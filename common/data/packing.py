@@ -47,6 +47,8 @@ def pack_ffd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
         if n > capacity:
             raise ValueError(f"sample of length {n} exceeds the packing capacity {capacity} (data.max_seq_len)")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if len(lengths) <= _SMALL:
+        return _ffd_small(lengths, order, capacity)
     # Remaining room per bin; bins [0, num_bins) are open, the rest are empty. Bin `num_bins` is
     # always empty, so argmax (first True) over the open bins plus that one always finds a fit.
     room = np.full(len(lengths) + 1, capacity, dtype=np.int64)
@@ -54,6 +56,26 @@ def pack_ffd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     for i in order:
         b = int(np.argmax(room[: len(bins) + 1] >= lengths[i]))
         if b == len(bins):
+            bins.append([])
+        bins[b].append(i)
+        room[b] -= lengths[i]
+    return bins
+
+
+# plan_window's local search: moves and swaps tried per step and start. It bounds a step's planning (a large global
+# batch spread over many slots starts well balanced anyway) and, unlike a time limit, plans the same on every rank.
+SEARCH_BUDGET = 3000
+_SMALL = 48  # up to this many items a Python scan beats numpy's per-call overhead (plan_window packs many small sets)
+
+
+def _ffd_small(lengths: Sequence[int], order: list[int], capacity: int) -> list[list[int]]:
+    """`pack_ffd`'s bins (the same rule: longest first, each into the lowest-numbered bin with room), by a scan."""
+    room: list[int] = []
+    bins: list[list[int]] = []
+    for i in order:
+        b = next((b for b, r in enumerate(room) if r >= lengths[i]), len(room))
+        if b == len(room):
+            room.append(capacity)
             bins.append([])
         bins[b].append(i)
         room[b] -= lengths[i]
@@ -250,16 +272,20 @@ def pack_samples(samples: list[dict], max_seq_len: int, pad_id: int, *, fit_rows
     if not samples:
         raise ValueError("cannot pack an empty list of samples")
     tensors = _as_tensors(samples)
-    lengths = [ids.numel() for ids, _ in tensors]
-    rows = pack_ffd(lengths, max_seq_len)
-    row_len = max_seq_len
-    if fit_rows:
-        even = even_rows(lengths, len(rows))
-        if max(sum(lengths[i] for i in row) for row in even) <= max_seq_len:
-            rows = even
-        fill = max(sum(lengths[i] for i in row) for row in rows)
-        row_len = min(max_seq_len, -(-fill // ROW_ALIGN) * ROW_ALIGN)
+    rows, row_len = row_layout([ids.numel() for ids, _ in tensors], max_seq_len, fit_rows=fit_rows)
     return _build(tensors, rows, row_len, pad_id)
+
+
+def row_layout(lengths: Sequence[int], max_seq_len: int, *, fit_rows: bool) -> tuple[list[list[int]], int]:
+    """`pack_samples`' rows (indices per row) and row length for samples of ``lengths``, without the tensors."""
+    rows = pack_ffd(lengths, max_seq_len)
+    if not fit_rows:
+        return rows, max_seq_len
+    even = even_rows(lengths, len(rows))
+    if max(sum(lengths[i] for i in row) for row in even) <= max_seq_len:
+        rows = even
+    fill = max(sum(lengths[i] for i in row) for row in rows)
+    return rows, min(max_seq_len, -(-fill // ROW_ALIGN) * ROW_ALIGN)
 
 
 def even_rows(lengths: Sequence[int], num_rows: int) -> list[list[int]]:
@@ -289,3 +315,132 @@ def pad_samples(samples: list[dict], pad_id: int, max_seq_len: int | None = None
         if n > row_len:
             raise ValueError(f"sample of length {n} exceeds data.max_seq_len {row_len}")
     return _build(tensors, [[i] for i in range(len(tensors))], row_len, pad_id)
+
+
+def plan_window(
+    sizes: Sequence[tuple[int, int]], *, steps: int, slots: int, max_seq_len: int, packing: bool = True
+) -> list[list[list[int]]]:
+    """Which samples of a window of ``steps`` global batches go into which step, and into which of the step's
+    ``slots`` micro-batches (data-parallel ranks x accumulation steps), so that both sides of every micro-batch are
+    well filled: ``plan[step][slot]`` lists window indices, ascending.
+
+    ``sizes``: per sample ``(tokens, patches)``: its language-model tokens (text + image tokens, as the processor
+    makes them) and its vision-tower patches. Every step gets exactly ``len(sizes) / steps`` samples (the global
+    batch stays a number of samples), every sample exactly one place; deterministic (ties by index). One step
+    (``steps=1``) keeps the step's samples and only chooses who takes which: the step's gradient is the same sum.
+
+    Steps: the window sorted by tokens and dealt out in a snake, so each step holds the same mix of long and short,
+    image-heavy and text-only samples: the fillers a micro-batch's rows and tower sequence need. Slots, from two
+    starts: the samples, largest first, each to the slot whose larger relative load (tokens against the step's mean
+    per slot, patches likewise) grows least (vector LPT scheduling); or the step's FFD rows, as full as rows get,
+    dealt to the slots by rows then patches. From each, single moves and swaps between slots are taken (best first,
+    at most SEARCH_BUDGET tried) while they lower the step's waste, and the start that ends lower wins. The waste is
+    what the collate makes of each slot -- the padding in its rows (`row_layout`: packed with fit_rows, or padded
+    one sample per row), over the step's tokens -- plus the tower's idle share: every micro-batch's tower sequence
+    as long as the step's longest (memory is sized for it, and the other ranks wait for it at the gradient
+    reduction), over the step's patches.
+    """
+    n = len(sizes)
+    if steps <= 0 or slots <= 0 or n % steps:
+        raise ValueError(f"a window of {n} samples cannot be cut into {steps} steps")
+    tokens = [min(max(int(t), 1), max_seq_len) for t, _ in sizes]
+    patches = [int(p) for _, p in sizes]
+    order = sorted(range(n), key=lambda i: (-tokens[i], -patches[i], i))
+    members: list[list[int]] = [[] for _ in range(steps)]
+    for r, i in enumerate(order):
+        lap, pos = divmod(r, steps)
+        members[pos if lap % 2 == 0 else steps - 1 - pos].append(i)
+    return [_StepPlan(m, tokens, patches, slots, max_seq_len, packing).best() for m in members]
+
+
+class _StepPlan:
+    """One step's samples into its slots (`plan_window`)."""
+
+    def __init__(self, members: list[int], tokens: list[int], patches: list[int], slots: int, cap: int, packing: bool):
+        self.tokens, self.patches, self.cap, self.packing = tokens, patches, cap, packing
+        self.seen: dict[tuple[int, ...], int] = {}  # padding per multiset of lengths
+        self.total_tokens = max(1, sum(tokens[i] for i in members))
+        self.total_patches = sum(patches[i] for i in members)
+        self.members, self.slots = members, slots
+
+    def balanced(self) -> list[list[int]]:
+        """Samples, largest first, each to the slot whose larger relative load grows least (vector LPT)."""
+        mean_t, mean_p = self.total_tokens / self.slots, max(1, self.total_patches) / self.slots
+        out: list[list[int]] = [[] for _ in range(self.slots)]
+        load = [[0, 0] for _ in range(self.slots)]
+        t, p = self.tokens, self.patches
+        for i in sorted(self.members, key=lambda i: (-max(t[i] / mean_t, p[i] / mean_p), i)):
+            s = min(
+                range(self.slots), key=lambda s: (max((load[s][0] + t[i]) / mean_t, (load[s][1] + p[i]) / mean_p), s)
+            )
+            out[s].append(i)
+            load[s][0] += t[i]
+            load[s][1] += p[i]
+        return out
+
+    def by_rows(self) -> list[list[int]]:
+        """The step's FFD rows (as full as rows get), each to the slot with fewest rows, then fewest patches."""
+        rows = [[self.members[j] for j in r] for r in pack_ffd([self.tokens[i] for i in self.members], self.cap)]
+        out: list[list[int]] = [[] for _ in range(self.slots)]
+        fill = [[0, 0] for _ in range(self.slots)]
+        for row in sorted(rows, key=lambda r: (-sum(self.patches[i] for i in r), r[0])):
+            s = min(range(self.slots), key=lambda s: (fill[s], s))
+            out[s] += row
+            fill[s][0] += 1
+            fill[s][1] += sum(self.patches[i] for i in row)
+        return out
+
+    def best(self) -> list[list[int]]:
+        """The better of two starts, each improved by `solve`: balanced loads, or full rows."""
+        plans = [self.solve(start) for start in (self.balanced(), self.by_rows())]
+        return min(plans, key=lambda p: (p[0], plans.index(p)))[1]
+
+    def padding(self, slot: list[int]) -> int:
+        """Empty token slots in the rows the collate lays out for these samples (a function of their lengths)."""
+        if not slot:
+            return 0
+        lengths = tuple(sorted(self.tokens[i] for i in slot))
+        if lengths not in self.seen:
+            if not self.packing:
+                self.seen[lengths] = len(lengths) * lengths[-1] - sum(lengths)
+            else:
+                rows, row_len = row_layout(lengths, self.cap, fit_rows=True)
+                self.seen[lengths] = len(rows) * row_len - sum(lengths)
+        return self.seen[lengths]
+
+    def waste(self, padding: list[int], loads: list[int]) -> float:
+        idle = len(loads) * max(loads) - self.total_patches
+        return sum(padding) / self.total_tokens + (idle / self.total_patches if self.total_patches else 0.0)
+
+    def solve(self, out: list[list[int]]) -> tuple[float, list[list[int]]]:
+        """Moves and swaps from the slots with most padding and most patches while the waste falls: (waste, plan)."""
+        num = len(out)
+        padding = [self.padding(s) for s in out]
+        loads = [sum(self.patches[i] for i in s) for s in out]
+        best, tried = self.waste(padding, loads), 0
+        while tried < SEARCH_BUDGET:  # each change taken lowers the waste
+            # From the slots the waste is about (most padding, most patches) to any other: a move or a swap.
+            worst = {max(range(num), key=lambda s: (padding[s], -s)), max(range(num), key=lambda s: (loads[s], -s))}
+            changes = [
+                (a, b, x, y)
+                for a in sorted(worst)
+                for b in range(num)
+                if b != a
+                for x, y in [(x, None) for x in out[a]] + [(x, y) for x in [*out[a], None] for y in out[b]]
+            ][: SEARCH_BUDGET - tried]
+            tried += len(changes)
+            found = None
+            for a, b, x, y in changes:
+                moved = (self.patches[x] if x is not None else 0) - (self.patches[y] if y is not None else 0)
+                sa = [i for i in out[a] if i != x] + ([y] if y is not None else [])
+                sb = [i for i in out[b] if i != y] + ([x] if x is not None else [])
+                trial_pad, trial_load = list(padding), list(loads)
+                trial_pad[a], trial_pad[b] = self.padding(sa), self.padding(sb)
+                trial_load[a], trial_load[b] = loads[a] - moved, loads[b] + moved
+                w = self.waste(trial_pad, trial_load)
+                if w < best - 1e-12 and (found is None or w < found[0]):
+                    found = (w, a, b, sa, sb, trial_pad, trial_load)
+            if found is None:
+                break
+            best, a, b, out[a], out[b], padding, loads = found
+        return best, [sorted(s) for s in out]

@@ -56,6 +56,20 @@ a function of the position too: a resumed worker replays its stream from the epo
 queues without decoding anything, up to the saved ``drawn`` -- the state stays the same small position. A
 shard found unreadable is re-found at the same stream position during the replay. At an epoch's end the
 samples still queued (fewer than a global batch per group) are dropped, as the final partial batch is.
+
+Planned global batches (``plan``, a :class:`PackPlan`: the VLM's ``data.pack_buffer``). Which rank and micro-batch
+takes which sample of a step can follow the samples' sizes instead of their positions: every rank measures every
+sample of a window of ``plan.steps`` global batches (``plan.measure`` of the raw sample: its language-model tokens
+and vision-tower patches, cheap -- no pixel is decoded) and `common.data.packing.plan_window` lays the window out
+as steps of exactly one global batch, each cut into ``accum x dp`` micro-batches whose rows and tower sequences
+are well filled; each rank then decodes its own micro-batches only. The plan is a function of the window's raw
+samples, the same on every rank. ``j`` is then a sample's place in its step's stream order. A window of one step
+keeps each step's samples (a step's gradient is the same sum); a longer one also chooses which samples share a
+step. The position stays small: a step handed out from the middle of a window records the raw position where
+the window started (``drawn``) and how many of its steps were handed out (``planned``); a resumed worker skips to
+that position without decoding, measures the window again, plans it again and skips those steps. At an epoch's
+end the window holds fewer samples: it is planned as the whole global batches it holds (the rest is dropped, as
+the final partial batch is).
 """
 
 from __future__ import annotations
@@ -143,6 +157,16 @@ class RankShare:
         return position // (self.micro * self.dp)
 
 
+@dataclasses.dataclass(frozen=True)
+class PackPlan:
+    """Global batches laid out by the samples' sizes (the module docstring; `common.data.packing.plan_window`)."""
+
+    measure: Callable[[dict], tuple[int, int]]  # raw sample -> (language-model tokens, tower patches); picklable
+    steps: int  # global batches planned together (data.pack_buffer)
+    max_seq_len: int  # the language rows' length
+    packing: bool = True  # the collate packs rows (data.packing) rather than padding one sample per row
+
+
 class _EpochStream(IterableDataset):
     """The epochs of one rank, one pass per epoch. Runs inside each DataLoader worker (or in-process
     if num_workers=0).
@@ -179,9 +203,11 @@ class _EpochStream(IterableDataset):
         resume: list[dict] | None,
         known_bad: frozenset[str] = frozenset(),
         group: Callable[[dict], Any] | None = None,
+        plan: PackPlan | None = None,
     ):
         super().__init__()
         self.urls, self.decode, self.collate, self.share, self.group = urls, decode, collate, share, group
+        self.plan = plan
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.num_slots = max(1, num_workers)
         self.seed, self.shuffle_buffer, self.shuffle_shards = seed, shuffle_buffer, shuffle_shards
@@ -216,6 +242,7 @@ class _EpochStream(IterableDataset):
         if self.shuffle_shards:
             rng.shuffle(shards)
         start = resume[worker] if resume else {"drawn": 0, "batches": 0, "bad": {}}
+        planned_done = start.get("planned", 0)  # steps of the resumed window already handed out
         # url -> reason. Seeded from the saved position: those shards were found corrupt
         # (perhaps by decoding a sample we now skip without decoding) before the stop point.
         # Grouped: re-found while the replay reads to the saved position (the module docstring).
@@ -268,6 +295,34 @@ class _EpochStream(IterableDataset):
 
         drawn, batches, batch, usable = 0, start["batches"], [], 0
         queues: dict[Any, list[tuple[int, dict | None]]] = {}  # grouped: group -> its queued (position, sample)
+        window: list[dict] = []  # planned: the raw samples of the window being filled
+        window_start = start["drawn"]  # planned: the raw position the window starts after
+        # planned: the corrupt shards known when the window started -- the position of a step handed out mid-window
+        # (a resume replays the window from its start: a shard found corrupt inside it is found again there)
+        window_bad = dict(bad)
+
+        def planned() -> Iterator[dict]:
+            """The window's steps as batch items, each this rank's share; those handed out before a resume skipped."""
+            nonlocal batches, planned_done
+            steps = len(window) // self.batch_size
+            layout = self._plan_window(window[: steps * self.batch_size], steps)
+            for k, slots in enumerate(layout):
+                if k < planned_done:
+                    continue  # handed out before the resume; not decoded
+                batches += 1
+                last = k == steps - 1
+                yield {
+                    "worker": worker,
+                    "epoch": epoch,
+                    "drawn": drawn if last else window_start,
+                    "planned": 0 if last else k + 1,
+                    "batches": batches,
+                    "bad": dict(bad if last else window_bad),
+                    "failed": dict(failed),
+                    "batch": self._rank_share(slots, decode),
+                }
+            planned_done = 0
+
         for sample in stream:
             drawn += 1
             if self.group is not None:
@@ -282,11 +337,17 @@ class _EpochStream(IterableDataset):
                 del queues[key]
                 if drawn <= start["drawn"]:
                     continue  # replayed: handed out before the resume; not decoded
-                out = self._rank_share([(j, s) for j, s in queue if s is not None], decode)
+                out = self._rank_share(self._slots([(j, s) for j, s in queue if s is not None]), decode)
             elif drawn <= start["drawn"]:
                 continue  # fast-forward: already consumed by the caller before the resume; not decoded
             elif sample.get("__url__") in bad:
                 continue  # "skip the rest of a corrupt shard", also for samples still in the shuffle buffer
+            elif self.plan is not None:
+                window.append(sample)
+                if len(window) == self.plan.steps * self.batch_size:
+                    yield from planned()
+                    window, window_start, window_bad = [], drawn, dict(bad)
+                continue
             elif self.share is not None:
                 # Grouped by stream position, undecoded: another rank's sample is counted and dropped.
                 if self.share.owns(usable):
@@ -294,7 +355,7 @@ class _EpochStream(IterableDataset):
                 usable += 1
                 if usable < self.batch_size:
                     continue
-                out, batch, usable = self._rank_share(batch, decode), [], 0
+                out, batch, usable = self._rank_share(self._slots(batch), decode), [], 0
             else:
                 decoded = decode(sample)
                 if decoded is None:
@@ -313,21 +374,57 @@ class _EpochStream(IterableDataset):
                 "failed": dict(failed),
                 "batch": out,
             }
+        if window and len(window) >= self.batch_size:  # planned: the epoch's last window, shorter
+            yield from planned()
         # A worker always reads the same shards, so what it found corrupt is known in its later epochs.
         self.known_bad = self.known_bad | frozenset(bad) | frozenset(failed)
         # The final partial batch is dropped: every batch has exactly batch_size samples.
         yield {"worker": worker, "epoch": epoch, "end": True, "bad": dict(bad), "failed": dict(failed)}
 
-    def _rank_share(self, owned: list[tuple[int, dict]], decode: Callable[[dict], Any | None]) -> list[dict]:
-        """This rank's micro-batches of one global batch from its ``(position, raw sample)`` pairs: decoded
-        and collated, each with the stream positions of the samples it holds (a failed one is left out)."""
-        parts = [{"positions": [], "samples": []} for _ in range(self.share.accum)]
+    def _slots(self, owned: list[tuple[int, dict]]) -> list[list[tuple[int, dict]]]:
+        """A step's slots (`_rank_share`) by stream position: ``j`` is rank ``j % dp``'s, in micro-batch
+        ``j // (micro x dp)`` (the slots of other ranks' samples stay empty: they were never kept)."""
+        slots: list[list[tuple[int, dict]]] = [[] for _ in range(self.share.accum * self.share.dp)]
         for position, sample in owned:
-            decoded = decode(sample)
-            if decoded is not None:
-                part = parts[self.share.micro_batch(position)]
-                part["positions"].append(position)
-                part["samples"].append(decoded)
+            slot = self.share.micro_batch(position) * self.share.dp + position % self.share.dp
+            slots[slot].append((position, sample))
+        return slots
+
+    def _plan_window(self, window: list[dict], steps: int) -> list[list[list[tuple[int, dict]]]]:
+        """The window's steps, each as its ``accum x dp`` slots (micro-batch i of rank r: slot ``i * dp + r``) of
+        ``(position in the step, raw sample)``: `plan_window` on every sample's measured size."""
+        from common.data.packing import plan_window
+
+        slots = self.share.accum * self.share.dp
+        if steps == 1 and slots == 1:  # nothing to choose: the step is one micro-batch (no sample measured)
+            return [[list(enumerate(window))]]
+        sizes = [self.plan.measure(sample) for sample in window]
+        layout = plan_window(
+            sizes,
+            steps=steps,
+            slots=slots,
+            max_seq_len=self.plan.max_seq_len,
+            packing=self.plan.packing,
+        )
+        out = []
+        for slots in layout:
+            order = sorted(i for slot in slots for i in slot)  # the step's samples in stream order: positions j
+            place = {i: j for j, i in enumerate(order)}
+            out.append([[(place[i], window[i]) for i in slot] for slot in slots])
+        return out
+
+    def _rank_share(self, slots: list[list[tuple[int, dict]]], decode: Callable[[dict], Any | None]) -> list[dict]:
+        """This rank's micro-batches of one global batch, from the step's ``accum x dp`` slots of ``(position, raw
+        sample)`` (micro-batch i of rank r: slot ``i * dp + r``): decoded and collated, each with the stream positions
+        of the samples it holds (a failed one is left out)."""
+        dp, rank = self.share.dp, self.share.rank
+        parts = [{"positions": [], "samples": []} for _ in range(self.share.accum)]
+        for i, part in enumerate(parts):
+            for position, sample in slots[i * dp + rank]:
+                decoded = decode(sample)
+                if decoded is not None:
+                    part["positions"].append(position)
+                    part["samples"].append(decoded)
         out = []
         for part in parts:
             try:
@@ -366,6 +463,7 @@ class ResumableLoader:
         pin_memory: bool,
         share: RankShare | None = None,
         group: Callable[[dict], Any] | None = None,
+        plan: PackPlan | None = None,
     ):
         self._cfg = dict(
             urls=list(urls),
@@ -380,6 +478,7 @@ class ResumableLoader:
             shuffle_shards=shuffle_shards,
             share=share,
             group=group,
+            plan=plan,
         )
         # Whose data this is, for messages: with a share the stream is rank 0 of 1 on every data-parallel rank.
         self._rank = rank if share is None else share.rank
@@ -410,7 +509,12 @@ class ResumableLoader:
         return {
             k: c[k]
             for k in ("rank", "world_size", "num_workers", "batch_size", "seed", "shuffle_buffer", "shuffle_shards")
-        } | {"num_urls": len(c["urls"]), "url_names_sha1": names, "grouped": c["group"] is not None}
+        } | {
+            "num_urls": len(c["urls"]),
+            "url_names_sha1": names,
+            "grouped": c["group"] is not None,
+            "pack_buffer": c["plan"].steps if c["plan"] is not None else 0,
+        }
 
     def state_dict(self) -> dict:
         """Position after the last batch handed out. Small and JSON-able; one per rank."""
@@ -512,6 +616,8 @@ class ResumableLoader:
                 self._finished[w] = True
                 continue
             self._positions[w] = {"drawn": item["drawn"], "batches": item["batches"], "bad": item["bad"]}
+            if item.get("planned"):  # mid-window (planned batches): the steps of the window handed out
+                self._positions[w]["planned"] = item["planned"]
             return item["batch"]
         return None
 
@@ -559,6 +665,7 @@ def build_webdataset_loader(
     pin_memory: bool = False,
     share: RankShare | None = None,
     group: Callable[[dict], Any] | None = None,
+    plan: PackPlan | None = None,
 ) -> ResumableLoader:
     """Resumable loader over WebDataset tar shards for one rank; see the module docstring.
 
@@ -571,7 +678,8 @@ def build_webdataset_loader(
 
     With ``share`` (rank 0 of 1, ``batch_size`` its global batch) the loader yields that data-parallel
     rank's part of each global batch, decoded and collated in the workers: see the module docstring. With a
-    ``share``, ``group`` (picklable, of the raw sample) makes each global batch one group's samples (idem).
+    ``share``, ``group`` (picklable, of the raw sample) makes each global batch one group's samples (idem), and
+    ``plan`` lays each window of global batches out by the samples' sizes (idem).
     """
     urls = [str(u) for u in urls]
     if not urls:
@@ -594,6 +702,8 @@ def build_webdataset_loader(
         )
     if group is not None and share is None:
         raise ValueError("grouped batches are made of the global stream: a group needs a share")
+    if plan is not None and (share is None or group is not None or plan.steps < 1):
+        raise ValueError("a plan lays out the global batches of an ungrouped stream: a share, no group, steps >= 1")
     missing = [u for u in urls if _is_local(u) and not os.path.isfile(u)]
     if missing:
         raise FileNotFoundError(f"{len(missing)} shard file(s) missing, first: {missing[0]}")
@@ -619,6 +729,7 @@ def build_webdataset_loader(
         pin_memory=pin_memory,
         share=share,
         group=group,
+        plan=plan,
     )
 
 
@@ -633,6 +744,7 @@ def train_loader(
     collate: Callable | None = None,
     share: RankShare | None = None,
     group: Callable[[dict], Any] | None = None,
+    plan: PackPlan | None = None,
 ) -> ResumableLoader:
     """A recipe's training loader: `build_webdataset_loader` with what the config says of every recipe's
     (``data.num_workers``, ``data.shuffle_buffer``, ``data.max_corrupt_shards``, ``trainer.seed``;
@@ -650,6 +762,7 @@ def train_loader(
         max_corrupt_shards=cfg.data.max_corrupt_shards,
         share=share,
         group=group,
+        plan=plan,
     )
 
 
@@ -784,10 +897,12 @@ def global_train_loader(
     dp: int,
     collate: Callable[[list], Any] = default_collate,
     group: Callable[[dict], Any] | None = None,
+    plan: PackPlan | None = None,
 ) -> GlobalBatches:
     """A recipe's training loader over one global stream (:class:`GlobalBatches`): ``decode`` and ``collate`` run in
     the loader's workers, on this rank's samples only (both picklable: module-level functions or partials); with
-    ``group`` (of the raw sample, picklable) each global batch holds one group (the module docstring)."""
+    ``group`` (of the raw sample, picklable) each global batch holds one group, with ``plan`` each window of global
+    batches is laid out by the samples' sizes (the module docstring)."""
     t = cfg.trainer
     share = RankShare(rank=rank, dp=dp, micro=t.micro_batch_size, accum=t.grad_accum)
     inner = train_loader(
@@ -800,5 +915,7 @@ def global_train_loader(
         batch_size=share.global_batch,
         share=share,
         group=group,
+        plan=plan,
     )
+    inner.resume_hints["pack_buffer"] = "the run laid its steps out with data.pack_buffer={saved}: set it so"
     return GlobalBatches(inner, rank=rank, dp=dp, micro=t.micro_batch_size, accum=t.grad_accum)

@@ -149,6 +149,8 @@ def validate(cfg: TrainConfig) -> None:
     check_context_parallel(cfg)
     if cfg.data.max_seq_len <= 0:
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")
+    if cfg.data.pack_buffer < 0:
+        raise ConfigError(f"data.pack_buffer={cfg.data.pack_buffer} must be >= 0 (0: micro-batches by stream position)")
 
 
 def check_context_parallel(cfg: TrainConfig) -> None:

@@ -22,7 +22,7 @@ from common.config import TrainConfig
 from common.data import prepare_dataset
 from common.data.dataset import load_asset, load_dataset_meta
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
-from common.data.webdataset import global_train_loader
+from common.data.webdataset import PackPlan, global_train_loader
 from common.distributed import DistInfo
 from common.errors import ConfigError, DataError
 
@@ -326,6 +326,13 @@ def batch_counts(real: list[dict], packed: PackedBatch, num_images) -> dict:
     }
 
 
+def pack_plan(cfg: TrainConfig, measure) -> PackPlan | None:
+    """data.pack_buffer's layout of the global stream: windows of that many steps whose micro-batches are planned by
+    the samples' sizes (``measure`` of a raw sample: its language-model tokens and tower patches); None when 0."""
+    d = cfg.data
+    return PackPlan(measure, d.pack_buffer, d.max_seq_len, d.packing) if d.pack_buffer else None
+
+
 def build_train_loader(cfg: TrainConfig, meta: dict, processor, blank: dict, *, rank: int, dp: int):
     """This data-parallel rank's loader (`rank` of `dp`: the world size, or world / parallel.cp whose cp ranks read
     the same samples)."""
@@ -341,6 +348,27 @@ def build_train_loader(cfg: TrainConfig, meta: dict, processor, blank: dict, *, 
         pad_id=processor.tokenizer.pad_token_id,
         blank=blank,
     )
+    measure = functools.partial(
+        measure_llava, processor=processor, image_tokens=len(blank["input_ids"]), conversations=is_conversations(meta)
+    )
     # One global sample stream, this rank's share of each step: the same samples whatever the layout, so a
-    # checkpoint resumes under another one (common/data/webdataset.py: GlobalBatches).
-    return global_train_loader(cfg, meta["train_urls"], decode=decode, collate=batches, rank=rank, dp=dp)
+    # checkpoint resumes under another one (common/data/webdataset.py: GlobalBatches); its micro-batches laid out by
+    # the samples' sizes (data.pack_buffer).
+    return global_train_loader(
+        cfg, meta["train_urls"], decode=decode, collate=batches, rank=rank, dp=dp, plan=pack_plan(cfg, measure)
+    )
+
+
+def measure_llava(sample: dict, processor, image_tokens: int, conversations: bool) -> tuple[int, int]:
+    """A raw sample's (language-model tokens, tower patches) for the loader's plan, without decoding its images: the
+    chat template's text tokenized, each `<image>` one token there and ``image_tokens`` in the sequence (every image
+    is the tower's size, so its patches are those tokens)."""
+    if conversations:
+        record = json.loads(sample["json"])
+        messages, images = record["messages"], record["num_images"]
+    else:
+        text = json.loads(sample["json"])
+        messages, images = digit_messages(text["question"], text["answer"]), 1
+    rendered = processor.apply_chat_template(_template_messages(messages, processor), tokenize=False)
+    tokens = len(processor.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return tokens + images * (image_tokens - 1), images * image_tokens

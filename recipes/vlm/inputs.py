@@ -8,6 +8,8 @@ the step's counts and the held-out evaluation's batches.
 from __future__ import annotations
 
 import functools
+import io
+import json
 
 import torch
 
@@ -18,11 +20,13 @@ from common.errors import ConfigError
 from recipes.vlm import pretrained, qwen
 from recipes.vlm.archs import QWEN_ARCHS, VIDEO_NAMES
 from recipes.vlm.data import (
+    IMAGE_TOKEN,
     blank_sample,
     build_train_loader,
     check_chat_template,
     encode_llava,
     is_conversations,
+    pack_plan,
 )
 from recipes.vlm.model import tower_image_tokens
 from recipes.vlm.sources import QwenWeights, WeightSource
@@ -149,8 +153,13 @@ class QwenInputs:
     def train_loader(self, cfg: TrainConfig, meta: dict, *, rank: int, dp: int):
         decode = self._decode(cfg.data.max_seq_len)
         collate = self.collate(packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len, blank=True)
-        # One global sample stream, this rank's share of each step (as LLaVA's: recipes/vlm/data.py).
-        return global_train_loader(cfg, meta["train_urls"], decode=decode, collate=collate, rank=rank, dp=dp)
+        p = self.processor
+        measure = functools.partial(measure_llava_qwen, tokenizer=p.tokenizer, image_processor=p.image_processor)
+        # One global sample stream, this rank's share of each step (as LLaVA's: recipes/vlm/data.py), its micro-batches
+        # laid out by the samples' tokens and patches (data.pack_buffer).
+        return global_train_loader(
+            cfg, meta["train_urls"], decode=decode, collate=collate, rank=rank, dp=dp, plan=pack_plan(cfg, measure)
+        )
 
     def model_inputs(self, batch: dict, attention: str, device, dtype) -> dict:
         inputs = batch["batch"].model_inputs(attention, device=device)
@@ -210,6 +219,33 @@ class QwenInputs:
         if args:
             args["mm_token_type_ids"] = qwen.modality_types(prompt[None], self.image_pad, self.video_pad).to(device)
         return args
+
+
+def measure_llava_qwen(sample: dict, tokenizer, image_processor) -> tuple[int, int]:
+    """A raw prepare_llava sample's (language-model tokens, tower patches) as `qwen.encode_qwen` will make them,
+    cheaply, for the loader's plan (common/data/webdataset.py: PackPlan): the chat template's text tokenized, and
+    each image's size read from its header (no pixel decoded) and resized by the processor's own smart_resize, whose
+    (h/14) x (w/14) patches merge 2x2 into its tokens. The conversation is not cut at data.max_seq_len here: the
+    plan caps a sample's tokens there itself."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    record = json.loads(sample["json"])
+    messages = [{**m, "content": m["content"].replace(IMAGE_TOKEN, qwen.IMAGE_SLOT)} for m in record["messages"]]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    patch, merge = image_processor.patch_size, image_processor.merge_size
+    size = image_processor.size
+    patches = 0
+    for i in range(record["num_images"]):
+        with Image.open(io.BytesIO(sample[f"image{i}"])) as im:
+            width, height = im.size
+        h, w = smart_resize(
+            height, width, factor=patch * merge, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"]
+        )
+        patches += (h // patch) * (w // patch)
+        tokens += (h // patch) * (w // patch) // merge**2 - 1  # the pad becomes the image's tokens
+    return tokens, patches
 
 
 Inputs = LlavaInputs | QwenInputs

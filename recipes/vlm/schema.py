@@ -77,6 +77,10 @@ class VLMDataConfig(DataConfig):
     # video, at most max_frames, as Qwen2VLVideoProcessor's fps / max_frames.
     video_fps: float = VIDEO_FPS
     max_frames: int = MAX_FRAMES
+    # How many steps' samples the loader lays out together by their sizes (language tokens, tower patches: Qwen2.5-VL
+    # conversations): each step's micro-batches (ranks x grad_accum) get samples that fill their rows and balance
+    # their tower sequences; more than 1 also chooses which samples share a step. 0: by stream position.
+    pack_buffer: int = 1
 
 
 # ---- value checks that need no model (config validation, and the code that loads one) ----

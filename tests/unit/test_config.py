@@ -70,7 +70,7 @@ def test_each_family_has_only_its_own_parallel_and_data_keys():
     assert fields["llm_tiny"][0] == every | {"tp", "pp", "ep", "pp_schedule", "pp_microbatches"}
     common = {"name", "root", "build", "build_hint", "num_workers", "shuffle_buffer", "max_corrupt_shards"}
     assert fields["dit_tiny"][1] == common | {"image_size", "latents"}
-    # Qwen-VL's pixel budget and video sampling
+    # Qwen-VL's pixel budget and video sampling; the loader's plan of micro-batches by the samples' sizes
     assert fields["vlm_tiny"][1] == common | {
         "packing",
         "max_seq_len",
@@ -78,6 +78,7 @@ def test_each_family_has_only_its_own_parallel_and_data_keys():
         "max_pixels",
         "video_fps",
         "max_frames",
+        "pack_buffer",
     }
     assert fields["llm_tiny"][1] == common | {"max_seq_len", "eval_docs"}
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from common.data.webdataset import build_webdataset_loader, global_train_loader, iter_samples
+from common.data.webdataset import PackPlan, build_webdataset_loader, global_train_loader, iter_samples
 from common.errors import DataError
 
 # Uneven shard sizes so that workers (and ranks) produce different numbers of batches and
@@ -574,3 +574,45 @@ def test_loader_workers_send_small_tensors_by_value_and_equal():
         nbytes = want.numel() * want.element_size()
         inline = item["pickled"][name] >= nbytes
         assert inline == (nbytes <= INLINE_BYTES) or nbytes == 0, (name, item["pickled"][name], nbytes)
+
+
+# ---- planned global batches: micro-batches laid out by the samples' sizes (data.pack_buffer) -----------------------
+
+
+def measure_id(sample: dict) -> tuple[int, int]:
+    """A sample's (tokens, patches), a function of its id (module-level: the workers run it)."""
+    i = int(sample["cls"])
+    return 1 + (i * 37) % 60, (i * 13) % 9 * 4
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_planned_steps_resume_exactly_mid_window_and_keep_the_global_batch(shards, window):
+    """Steps of exactly one global batch, each sample once per epoch; one-step windows keep each step's samples
+    (only their micro-batches change); a resume after any step -- mid-window, across the epoch's end -- continues
+    the same steps, in any layout with that global batch."""
+    urls, _ = shards
+    plan = PackPlan(measure_id, window, max_seq_len=64)
+    per_epoch = sum(SIZES) // 8 // window * window + (sum(SIZES) - sum(SIZES) // 8 // window * window * 8) // 8
+    kw = dict(collate=collate_ids, plan=plan)
+    reference = steps(global_loader(urls, rank=0, dp=1, micro=4, accum=2, **kw), per_epoch + 3, accum=2)
+    ids = [sorted(i for ids, _ in step for i in ids) for step in reference]
+    assert all(len(step) == GLOBAL for step in ids)
+    assert len({i for step in ids[:per_epoch] for i in step}) == per_epoch * GLOBAL  # none twice in an epoch
+    unplanned = steps(global_loader(urls, rank=0, dp=1, micro=4, accum=2, collate=collate_ids), per_epoch, accum=2)
+    same = [sorted(i for ids, _ in step for i in ids) for step in unplanned] == ids[:per_epoch]
+    assert same == (window == 1)  # a window of one step keeps the step; three also choose who shares a step
+    rank1 = steps(global_loader(urls, rank=1, dp=2, micro=2, accum=2, **kw), per_epoch + 3, accum=2)
+    for done in (1, 2, per_epoch - 1, per_epoch + 1):
+        first = global_loader(urls, rank=1, dp=2, micro=2, accum=2, **kw)
+        steps(first, done, accum=2)
+        state = json.loads(json.dumps(first.state_dict()))
+        again = global_loader(urls, rank=1, dp=2, micro=2, accum=2, **kw)
+        again.load_state_dict(state)
+        assert steps(again, per_epoch + 3 - done, accum=2) == rank1[done:], f"resume after {done}"
+        resumed = global_loader(urls, rank=0, dp=1, micro=4, accum=2, **kw)  # another layout, the same steps
+        resumed.load_state_dict(state)
+        got = steps(resumed, per_epoch + 3 - done, accum=2)
+        assert [sorted(i for ids, _ in step for i in ids) for step in got] == ids[done:], f"resume after {done}"
+    other = global_loader(urls, rank=0, dp=1, micro=4, accum=2, collate=collate_ids, plan=PackPlan(measure_id, 2, 64))
+    with pytest.raises(DataError, match=f"pack_buffer was {window} when saved, now 2 .*data.pack_buffer={window}"):
+        other.load_state_dict(state)
