@@ -76,6 +76,10 @@ FIXTURES = {
     "~/models/llava-1.5-7b-hf": vlm.write_llava_hf,
     "~/models/Qwen2.5-VL-7B-Instruct": fixtures.make_qwen2_5_vl,
     "~/data/llava": vlm.write_llava_data,
+    # Conversations with digits as images and drawn as videos (MP4 files and frame files), a few broken ones among them.
+    "~/data/my_vlm": lambda d: vlm.add_video_records(
+        vlm.write_llava_data(d, n_pretrain=8, n_instruct=48), "llava_instruct.json", 8
+    ),
     "~/models/sd-vae-ft-mse": fixtures.make_vae,
     "~/data/my_images": fixtures.make_image_folder,
     "~/data/corpus": llm.write_corpus,
@@ -136,7 +140,7 @@ TRAINED_ELSEWHERE = {
     "data.root=data/my_llava_instruct run.dir=outputs/llava_more": "tests/integration/test_vlm_llava.py "
     "(llava-hf continued, on vlm_tiny)",
     "torchrun --nproc_per_node 8 scripts/train.py recipe=vlm_7b model.init_from=~/models/Qwen2.5-VL-7B-Instruct "
-    "data.root=data/my_llava_instruct data.min_pixels=200704 data.max_pixels=1003520 "
+    "data.root=data/my_qwen_instruct data.min_pixels=200704 data.max_pixels=1003520 "
     "run.dir=outputs/qwen_finetune": "tests/integration/test_vlm_qwen_train.py (on vlm_tiny)",
     "python scripts/train.py recipe=dit_tiny profile.enabled=true "
     "run.dir=outputs/prof": "tests/integration/test_profile_report.py",
