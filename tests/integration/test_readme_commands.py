@@ -77,9 +77,8 @@ FIXTURES = {
     "~/models/Qwen2.5-VL-7B-Instruct": fixtures.make_qwen2_5_vl,
     "~/data/llava": vlm.write_llava_data,
     # Conversations with digits as images and drawn as videos (MP4 files and frame files), a few broken ones among them.
-    "~/data/my_vlm": lambda d: vlm.add_video_records(
-        vlm.write_llava_data(d, n_pretrain=8, n_instruct=48), "llava_instruct.json", 8
-    ),
+    # (prepare_llava's default 64 train shards: the default 640 conversations.)
+    "~/data/my_vlm": lambda d: vlm.add_video_records(vlm.write_llava_data(d, n_pretrain=8), "llava_instruct.json", 8),
     "~/models/sd-vae-ft-mse": fixtures.make_vae,
     "~/data/my_images": fixtures.make_image_folder,
     "~/data/corpus": llm.write_corpus,
