@@ -123,10 +123,11 @@ def test_cp_attention_matches_unsplit_masked_attention(tmp_path, method):
                 f"cp={CP} alltoall, one forward: measured {rank['memory']}; planner transient {transient:,.0f} B "
                 f"(less the {mask_bool} B bool mask, the shard's), kept {kept:,.0f} B"
             )
-            # Equal on a quiet machine (12,288 B); under heavy load one run measured no transient at all (peak ==
-            # kept: the sampled peak missed the exchange's buffers), so the planner's figure is held as the bound.
-            assert rank["memory"]["peak"] - rank["memory"]["kept"] <= transient - mask_bool
-            assert rank["memory"]["kept"] == kept
+            # The peak is the planner's kept + transient to the byte. Whether the exchange's buffers are already
+            # freed when the forward returns depends on when gloo's work objects let go of them (they were in most
+            # runs, not in two loaded ones: kept == peak), so what is kept lies between the planner's and the peak.
+            assert rank["memory"]["peak"] == kept + transient - mask_bool
+            assert kept <= rank["memory"]["kept"] <= kept + transient - mask_bool
 
 
 def test_a_document_never_sees_another_or_a_later_token():
