@@ -215,29 +215,31 @@ def test_packed_rows_match_each_sample_alone(request, alone, arch, rows):
     """The samples packed into one row (or two, images and videos in both): the tower takes all the images as one
     patch sequence and all the videos as another (the model's pixel_values_videos), the language model the rows with
     the block-diagonal mask and each sample's own mRoPE positions (a video's spaced by its second_per_grid_ts;
-    Qwen3-VL: interleaved, its DeepStack features added at the rows' image tokens in the same order). Every sample's
+    Qwen3-VL: interleaved, each temporal patch after its timestamp text, its DeepStack features added at the rows'
+    image and video tokens in the same order). Every sample's
     logits equal transformers' own forward on it alone (fp32, SDPA: max |diff| is printed; <= 2.4e-7 for both
     architectures when measured), and the packed loss (summed) the sum of the samples' own losses."""
     qwen = request.getfixturevalue(ARCHS[arch])
     assert qwen.model.config.model_type == arch
     samples, outputs = alone(arch, qwen)
-    videos = QWEN_ARCHS[arch].video
-    lengths = sorted(len(s["input_ids"]) for s in samples)
-    if videos:
-        assert lengths == [32, 56, 82, 105, 109]
+    # the samples' lengths, and the row length that packs them into two rows with images and videos in both:
+    # Qwen2.5-VL [109, 82] and [105, 56, 32] tokens; Qwen3-VL (its video texts, 32-px units) [98, 98], [82, 78, 21]
+    lengths, two_rows = {"qwen2_5_vl": ([32, 56, 82, 105, 109], 200), "qwen3_vl": ([21, 78, 82, 98, 98], 196)}[arch]
+    assert sorted(len(s["input_ids"]) for s in samples) == lengths
     batch = pack_qwen(
         samples,
         rope_index_for(qwen.model.config),  # as the loader workers run it: transformers' get_rope_index, no weights
-        # two rows: [109, 82] and [105, 56, 32] tokens, images and videos in both; without videos the longest and
-        # the shortest sample in one, the other in the second
-        max_seq_len=512 if rows == 1 else 200 if videos else lengths[-1] + lengths[0],
+        max_seq_len=512 if rows == 1 else two_rows,
         pad_id=qwen.tokenizer.pad_token_id,
         image_pad_id=qwen.image_pad,
         video_pad_id=qwen.video_pad,
     )
     assert batch.packed.num_rows == rows
-    assert batch.image_grid_thw.shape == ((4 if videos else 3), 3)
-    assert (batch.video_grid_thw.shape == (2, 3)) if videos else batch.video_grid_thw is None
+    assert batch.image_grid_thw.shape == (4, 3) and batch.video_grid_thw.shape == (2, 3)
+    if rows == 2:  # images and videos in both rows
+        for r, lens in enumerate(batch.packed.seq_lens):
+            row = batch.packed.input_ids[r]
+            assert (row == qwen.image_pad).any() and (row == qwen.video_pad).any(), lens
     with torch.no_grad():
         out = qwen.model(**batch.model_inputs("sdpa"), use_cache=False, num_items_in_batch=1)
         # The flash inputs (one flattened row, positions as [4, 1, R*L] with the text positions first) without
