@@ -468,10 +468,12 @@ def test_raw_video_samples_decode_and_every_batch_gets_a_video(qwen):
     assert out["batch"].video_grid_thw.tolist() == [[2, 4, 6]] and out["text_only"] == 1  # no blank video added
 
 
-def test_held_out_video_conversations_evaluate_and_generate(qwen, tmp_path):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_held_out_video_conversations_evaluate_and_generate(request, arch, tmp_path):
     """The held-out evaluation on a shard with a video conversation and an image one: the loss covers both answers,
     and the answer generated for the video's prompt is transformers' greedy generate with the prompt's video
-    (its patches, grid and second_per_grid_ts) as the processor would hand it over."""
+    (its patches, grid and Qwen2.5-VL's second_per_grid_ts; Qwen3-VL's timestamps are in the prompt's text) as the
+    processor would hand it over."""
     import webdataset as wds
 
     from common.tools.fixtures import encode_video
@@ -479,7 +481,8 @@ def test_held_out_video_conversations_evaluate_and_generate(qwen, tmp_path):
     from recipes.vlm.inputs import QwenInputs
     from recipes.vlm.qwen import QwenProcessing
 
-    tok, ip = qwen.tokenizer, qwen.image_processor
+    qwen = request.getfixturevalue(ARCHS[arch])
+    tok, ip, rule = qwen.tokenizer, qwen.image_processor, QWEN_ARCHS[arch].video
     clip = frames(25, 56, 84, 7)
     raw = [
         {
@@ -499,20 +502,21 @@ def test_held_out_video_conversations_evaluate_and_generate(qwen, tmp_path):
     out = conversation_eval(
         qwen.model, inputs, [str(tmp_path / "val.tar")], limit=2, max_seq_len=512, max_new_tokens=4, device="cpu"
     )
-    encoded = [encode_llava_qwen(s, tok, ip) for s in raw]
+    encoded = [encode_llava_qwen(s, tok, ip, video_rule=rule) for s in raw]
     assert out["num_samples"] == 2 and out["val_tokens"] == sum(
         int((e["labels"][1:] != IGNORE_INDEX).sum()) for e in encoded
     )
     video = encoded[0]
     first = int((video["labels"] != IGNORE_INDEX).nonzero()[0])
     prompt = video["input_ids"][:first][None]
+    times = {} if rule.timestamps else {"second_per_grid_ts": video["second_per_grid_ts"]}
     with torch.no_grad():
         want = qwen.model.generate(
             input_ids=prompt,
             attention_mask=torch.ones_like(prompt),
             pixel_values_videos=video["pixel_values_videos"],
             video_grid_thw=video["video_grid_thw"],
-            second_per_grid_ts=video["second_per_grid_ts"],
+            **times,
             mm_token_type_ids=modality_types(prompt, qwen.image_pad, qwen.video_pad),
             max_new_tokens=4,
             do_sample=False,
