@@ -10,6 +10,28 @@ from pathlib import Path
 
 
 @dataclass(frozen=True)
+class VideoRule:
+    """How a Qwen-VL generation's processor turns a video into tokens (recipes/vlm/video.py, qwen.py): Qwen2.5-VL's
+    Qwen2VLVideoProcessor or Qwen3-VL's Qwen3VLVideoProcessor + Qwen3VLProcessor, rule for rule."""
+
+    # Frame sampling: Qwen3VLVideoProcessor's int(duration x fps) frames (at least 4, at most max_frames and the
+    # video's) at np.linspace(0, total - 1, n).round(); else Qwen2VLVideoProcessor's, floored to whole temporal
+    # patches at torch.arange(0, total, total / n).
+    linspace: bool
+    # The pixel budget (data.min_pixels..max_pixels) bounds the sampled clip's frames together (Qwen3VLVideoProcessor's
+    # smart_resize over t x h x w) rather than each frame (Qwen2.5-VL: the image processor's per-frame resize).
+    clip_budget: bool
+    # A `<t seconds>` text (the temporal patch's mean frame time) and its own <|vision_start|>..<|vision_end|> before
+    # each temporal patch's pads (Qwen3VLProcessor.replace_video_token; get_rope_index lays each group out as a
+    # one-frame grid after its text), where Qwen2.5-VL spaces the time positions by second_per_grid_ts instead.
+    timestamps: bool
+
+
+QWEN2_VIDEO = VideoRule(linspace=False, clip_budget=False, timestamps=False)
+QWEN3_VIDEO = VideoRule(linspace=True, clip_budget=True, timestamps=True)
+
+
+@dataclass(frozen=True)
 class QwenArch:
     """What differs between the Qwen-VL generations that train through one code path (recipes/vlm/qwen.py): the
     rest (native-resolution image processor, <|image_pad|> expansion, the tower over one patch sequence with per-image
@@ -23,10 +45,9 @@ class QwenArch:
     # The tower also merges intermediate blocks' features and adds them to the first language layers' hidden states
     # at the image tokens (DeepStack): those mergers are projectors too (recipes/vlm/parallelize.py's vlm_parts).
     deepstack: bool
-    # Videos train (recipes/vlm/video.py, qwen.py): Qwen2.5-VL's mRoPE time positions follow second_per_grid_ts.
-    # Qwen3-VL instead writes a text timestamp before each temporal patch (its processor's `<t seconds>`), which the
-    # video path does not render: its runs refuse data with videos (recipes/vlm/inputs.py) and the video keys.
-    video: bool
+    # How its videos become tokens (recipes/vlm/video.py, qwen.py: one code path, these rules the difference); None:
+    # a generation whose videos Kiln does not encode (its runs would refuse data with videos and the video keys).
+    video: VideoRule | None
 
     @property
     def unit(self) -> int:
@@ -39,10 +60,16 @@ class QwenArch:
 # sections: transformers' classes carry that, and the positions' layout ([3, R, L], or [4, 1, R*L] packed) is shared.
 QWEN_ARCHS = {
     "qwen2_5_vl": QwenArch(
-        "Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel", "qwen2_5_vl_vision", 14, False, True
+        "Qwen2.5-VL",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen2_5_VLModel",
+        "qwen2_5_vl_vision",
+        14,
+        False,
+        QWEN2_VIDEO,
     ),
     "qwen3_vl": QwenArch(
-        "Qwen3-VL", "Qwen3VLForConditionalGeneration", "Qwen3VLModel", "qwen3_vl_vision", 16, True, False
+        "Qwen3-VL", "Qwen3VLForConditionalGeneration", "Qwen3VLModel", "qwen3_vl_vision", 16, True, QWEN3_VIDEO
     ),
 }
 QWEN_NAMES = " or ".join(a.name for a in QWEN_ARCHS.values())

@@ -1,5 +1,5 @@
 """What the VLM trainer needs to know about an architecture's inputs, one small adapter each: LLaVA's (one image
-size, `<image>` expanded by its LlavaProcessor: recipes/vlm/data.py) and Qwen2.5-VL's (native resolution, mRoPE,
+size, `<image>` expanded by its LlavaProcessor: recipes/vlm/data.py) and Qwen-VL's (native resolution, mRoPE,
 all images of a batch as one tower sequence: recipes/vlm/qwen.py). The trainer, its loop, engine, checkpoints and
 export are one code path; it asks the adapter for the start-up checks, the loader, the forward's keyword arguments,
 the step's counts and the held-out evaluation's batches.
@@ -18,9 +18,8 @@ from common.data.packing import IGNORE_INDEX, pad_samples
 from common.data.webdataset import global_train_loader
 from common.errors import ConfigError
 from recipes.vlm import pretrained, qwen
-from recipes.vlm.archs import QWEN_ARCHS, VIDEO_NAMES
+from recipes.vlm.archs import QWEN2_VIDEO, QWEN_ARCHS, VIDEO_NAMES, VideoRule
 from recipes.vlm.data import (
-    IMAGE_TOKEN,
     blank_sample,
     build_train_loader,
     check_chat_template,
@@ -29,7 +28,9 @@ from recipes.vlm.data import (
     pack_plan,
 )
 from recipes.vlm.model import tower_image_tokens
+from recipes.vlm.schema import MAX_FRAMES, VIDEO_FPS
 from recipes.vlm.sources import QwenWeights, WeightSource
+from recipes.vlm.video import measure_llava_video
 
 
 class LlavaInputs:
@@ -39,7 +40,7 @@ class LlavaInputs:
         if meta.get("videos"):
             raise ConfigError(
                 f"the dataset has {meta['videos']} sample(s) with a video; a LLaVA takes images only "
-                "(videos train with model.init_from=<a Qwen2.5-VL folder>)"
+                f"(videos train with model.init_from=<a {VIDEO_NAMES} folder>)"
             )
         self.processor, self.conversations = processor, is_conversations(meta)
         # Processor and tower agree on image tokens (one line if not).
@@ -93,19 +94,14 @@ class LlavaInputs:
 
 class QwenInputs:
     """A Qwen2.5-VL's or Qwen3-VL's inputs at native resolution (recipes/vlm/qwen.py): LLaVA-format conversations
-    only (videos: Qwen2.5-VL's)."""
+    only, with images and videos (each generation's video rule: QWEN_ARCHS)."""
 
     def __init__(self, processor: qwen.QwenProcessing, model, source: WeightSource, meta: dict):
         if not is_conversations(meta):
             raise ConfigError(
                 f"{source.label} trains on LLaVA-format conversations (data=llava), not on the digits demo's questions"
             )
-        arch = QWEN_ARCHS[model.config.model_type]
-        if meta.get("videos") and not arch.video:
-            raise ConfigError(
-                f"the dataset has {meta['videos']} sample(s) with a video; a {arch.name} trains on images only (its "
-                f"videos carry a timestamp per frame, which Kiln does not write; videos train with a {VIDEO_NAMES})"
-            )
+        self.video_rule = QWEN_ARCHS[model.config.model_type].video
         self.processor, self.conversations = processor, True
         tokenizer = processor.tokenizer
         self.image_pad, self.video_pad = tokenizer.convert_tokens_to_ids([qwen.IMAGE_PAD, qwen.VIDEO_PAD])
@@ -120,7 +116,9 @@ class QwenInputs:
 
     def encode(self, messages: list[dict], images: list, *, max_seq_len: int | None = None) -> dict:
         p = self.processor
-        return qwen.encode_qwen(messages, images, p.tokenizer, p.image_processor, max_seq_len=max_seq_len)
+        return qwen.encode_qwen(
+            messages, images, p.tokenizer, p.image_processor, max_seq_len=max_seq_len, video_rule=self.video_rule
+        )
 
     def _decode(self, max_seq_len: int | None):
         """The loader workers' and the held-out evaluation's decode of a raw sample (videos sampled as configured)."""
@@ -132,6 +130,7 @@ class QwenInputs:
             max_seq_len=max_seq_len,
             video_fps=p.video_fps,
             max_frames=p.max_frames,
+            video_rule=self.video_rule,
         )
 
     def check_chat_template(self) -> bool:
@@ -154,7 +153,14 @@ class QwenInputs:
         decode = self._decode(cfg.data.max_seq_len)
         collate = self.collate(packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len, blank=True)
         p = self.processor
-        measure = functools.partial(measure_llava_qwen, tokenizer=p.tokenizer, image_processor=p.image_processor)
+        measure = functools.partial(
+            measure_llava_qwen,
+            tokenizer=p.tokenizer,
+            image_processor=p.image_processor,
+            video_fps=p.video_fps,
+            max_frames=p.max_frames,
+            video_rule=self.video_rule,
+        )
         # One global sample stream, this rank's share of each step (as LLaVA's: recipes/vlm/data.py), its micro-batches
         # laid out by the samples' tokens and patches (data.pack_buffer).
         return global_train_loader(
@@ -214,29 +220,45 @@ class QwenInputs:
             if n:
                 args[values] = sample[values][: int(grid[:n].prod(-1).sum())].to(device, dtype)
                 args[grid_key] = grid[:n].to(device)
-                if pad == self.video_pad:
+                if pad == self.video_pad and not self.video_rule.timestamps:  # Qwen3-VL's positions: its texts
                     args["second_per_grid_ts"] = sample["second_per_grid_ts"][:n].to(device)
         if args:
             args["mm_token_type_ids"] = qwen.modality_types(prompt[None], self.image_pad, self.video_pad).to(device)
         return args
 
 
-def measure_llava_qwen(sample: dict, tokenizer, image_processor) -> tuple[int, int]:
-    """A raw prepare_llava sample's (language-model tokens, tower patches) as `qwen.encode_qwen` will make them,
-    cheaply, for the loader's plan (common/data/webdataset.py: PackPlan): the chat template's text tokenized, and
+def measure_llava_qwen(
+    sample: dict,
+    tokenizer,
+    image_processor,
+    *,
+    video_fps: float = VIDEO_FPS,
+    max_frames: int = MAX_FRAMES,
+    video_rule: VideoRule = QWEN2_VIDEO,
+) -> tuple[int, int]:
+    """A raw prepare_llava sample's (language-model tokens, tower patches) as `qwen.encode_llava_qwen` will make
+    them, cheaply, for the loader's plan (common/data/webdataset.py: PackPlan): the chat template's text tokenized,
     each image's size read from its header (no pixel decoded) and resized by the processor's own smart_resize, whose
-    (h/14) x (w/14) patches merge 2x2 into its tokens. The conversation is not cut at data.max_seq_len here: the
-    plan caps a sample's tokens there itself."""
+    (h/p) x (w/p) patches merge 2x2 into its tokens, and its video's frame count, rate and size from the container's
+    stream metadata or the record and the first frame file's header (recipes/vlm/video.py: measure_llava_video; no
+    frame decoded), sampled and sized by the same rules, its slot text (Qwen3-VL's timestamps) written as the
+    encoder writes it. The conversation is not cut at data.max_seq_len here: the plan caps a sample's tokens there
+    itself."""
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     record = json.loads(sample["json"])
-    messages = [{**m, "content": m["content"].replace(IMAGE_TOKEN, qwen.IMAGE_SLOT)} for m in record["messages"]]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
     patch, merge = image_processor.patch_size, image_processor.merge_size
+    video = measure_llava_video(sample, video_fps, max_frames, image_processor, video_rule)
+    slots = [qwen.video_slot(video[1], image_processor.temporal_patch_size, video_rule)] if video else []
+    text = tokenizer.apply_chat_template(qwen.qwen_messages(record["messages"], slots), tokenize=False)
+    tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if video:
+        t, h, w = video[0]
+        pads = t if video_rule.timestamps else 1  # each pad becomes its share of the video's tokens
+        tokens += t * h * w // merge**2 - pads
+    patches = t * h * w if video else 0
     size = image_processor.size
-    patches = 0
     for i in range(record["num_images"]):
         with Image.open(io.BytesIO(sample[f"image{i}"])) as im:
             width, height = im.size

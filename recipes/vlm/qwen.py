@@ -7,9 +7,11 @@ patches (two frames each: temporal_patch_size 2), returned as one [patches, 3*2*
 per image. An image is (t*h*w) / merge^2 tokens: the number varies per image, and one `<|image_pad|>` in the chat
 template's rendering stands for all of them (`image_pad_repeats`: transformers' Qwen2_5_VLProcessor rule, applied
 here because the processor itself needs a torchvision video processor the training env lacks, PITFALLS.md). A video
-(Qwen2.5-VL only: QWEN_ARCHS' `video`) is frames sampled at data.video_fps within data.max_frames, resized the same
-way and paired into temporal patches (recipes/vlm/video.py: Qwen2VLVideoProcessor's output, made without it); one
-`<|video_pad|>` stands for its (t*h*w) / merge^2 tokens.
+is frames sampled at data.video_fps within data.max_frames, resized to one size and paired into temporal patches
+(recipes/vlm/video.py: Qwen2VLVideoProcessor's / Qwen3VLVideoProcessor's output, made without them); for Qwen2.5-VL
+one `<|video_pad|>` stands for its (t*h*w) / merge^2 tokens, for Qwen3-VL each temporal patch is its own
+`<t seconds><|vision_start|><|video_pad|><|vision_end|>` (Qwen3VLProcessor's timestamps) whose pad stands for its
+(h*w) / merge^2 tokens: QWEN_ARCHS' VideoRule says which.
 
 Packing, language side: the samples' tokens go into rows exactly as LLaVA's do (common/data/packing.py's
 PackedBatch: one cu_seqlens structure for the CPU's block-diagonal 4D mask and the GPU's varlen kernel), with
@@ -21,7 +23,8 @@ the merged features: transformers adds them at the image tokens of the flattened
 same row-major order, so a packed sample gets its own images' features in the first language layers too. The videos
 go the same way, as the model's forward takes them (pixel_values_videos, video_grid_thw: a second tower call, each
 temporal patch its own attention block), and each video's mRoPE time positions follow its second_per_grid_ts
-(temporal patch / sampled fps, as Qwen2_5_VLProcessor computes it).
+(temporal patch / sampled fps, as Qwen2_5_VLProcessor computes it; Qwen3-VL's get_rope_index ignores it and lays
+each temporal patch out as a one-frame grid after its timestamp text).
 """
 
 from __future__ import annotations
@@ -35,15 +38,16 @@ import torch
 
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
 from common.errors import ConfigError
-from recipes.vlm.archs import QWEN_ARCHS, qwen_arch
+from recipes.vlm.archs import QWEN2_VIDEO, QWEN_ARCHS, VideoRule, qwen_arch
 from recipes.vlm.data import IMAGE_TOKEN, batch_counts, read_llava_sample, render_turns, whole_images_cut
 from recipes.vlm.schema import MAX_FRAMES, VIDEO_FPS, check_pixel_budget
 from recipes.vlm.video import Video, read_llava_video, video_patches
 
 IMAGE_PAD = "<|image_pad|>"  # the one token the chat template writes per image; expanded to the image's tokens
-IMAGE_SLOT = "<|vision_start|>" + IMAGE_PAD + "<|vision_end|>"  # an image in Qwen's chat format
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+IMAGE_SLOT = VISION_START + IMAGE_PAD + VISION_END  # an image in Qwen's chat format
 VIDEO_PAD = "<|video_pad|>"  # the same for a video
-VIDEO_SLOT = "<|vision_start|>" + VIDEO_PAD + "<|vision_end|>"
+VIDEO_SLOT = VISION_START + VIDEO_PAD + VISION_END
 VIDEO_TOKEN = "<video>"  # where a LLaVA-format conversation's video goes (as `<image>` for an image)
 # mm_token_type_ids, as transformers' Qwen2.5-VL processor and get_rope_index number the modalities
 TEXT, IMAGE, VIDEO = 0, 1, 2
@@ -297,13 +301,16 @@ def encode_qwen(
     *,
     videos: Sequence[Video] = (),
     max_seq_len: int | None = None,
+    video_rule: VideoRule = QWEN2_VIDEO,
 ) -> dict:
-    """A LLaVA-format conversation -> one Qwen2.5-VL training sequence at native resolution.
+    """A LLaVA-format conversation -> one Qwen2.5-VL / Qwen3-VL training sequence at native resolution.
 
     ``messages``: [{"role", "content": str}] with `<image>` where each image goes and `<video>` where each video
     goes, ``images`` in that order (PIL), ``videos`` too (recipes/vlm/video.py: sampled frames and their rate).
     Each `<image>` becomes Qwen's <|vision_start|><|image_pad|><|vision_end|> (as Qwen's own fine-tuning code
-    writes it), each `<video>` the same with <|video_pad|>, the chat template renders the conversation
+    writes it), each `<video>` the same with <|video_pad|> (``video_rule.timestamps``, Qwen3-VL: inside it, per
+    temporal patch, its `<t seconds>` and its own <|vision_start|><|video_pad|><|vision_end|>: `video_slot`), the
+    chat template renders the conversation
     (`render_turns`: labels on the assistant turns, their end of turn included; prompts, system text and image and
     video tokens -100), the image processor resizes each image (and each video's frames) within its
     min_pixels..max_pixels and patches it, and each pad becomes its image's (video's) tokens.
@@ -316,11 +323,12 @@ def encode_qwen(
     all empty without videos), ``truncated``.
     """
     image_pad_id, video_pad_id = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VIDEO_PAD])
-    qwen = [
-        {**m, "content": m["content"].replace(IMAGE_TOKEN, IMAGE_SLOT).replace(VIDEO_TOKEN, VIDEO_SLOT)}
-        for m in messages
-    ]
-    text, spans = render_turns(qwen, tokenizer)
+    per_video = [video_patches(v.frames, image_processor, video_rule) for v in videos]
+    video_values = torch.cat([p for p, _ in per_video]) if videos else torch.zeros(0)
+    video_grid = torch.cat([g for _, g in per_video]) if videos else torch.zeros((0, 3), dtype=torch.long)
+    T = image_processor.temporal_patch_size
+    slots = [video_slot(v.times, T, video_rule) for v in videos]
+    text, spans = render_turns(qwen_messages(messages, slots), tokenizer)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(enc["input_ids"], dtype=torch.long)
     offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
@@ -333,17 +341,22 @@ def encode_qwen(
         pixel_values, grid = vision["pixel_values"].float(), vision["image_grid_thw"].long()
     else:
         pixel_values, grid = torch.zeros(0), torch.zeros((0, 3), dtype=torch.long)
-    per_video = [video_patches(v.frames, image_processor) for v in videos]
-    video_values = torch.cat([p for p, _ in per_video]) if videos else torch.zeros(0)
-    video_grid = torch.cat([g for _, g in per_video]) if videos else torch.zeros((0, 3), dtype=torch.long)
-    seconds = torch.tensor([image_processor.temporal_patch_size / v.fps for v in videos], dtype=torch.float32)
+    seconds = torch.tensor([T / v.fps for v in videos], dtype=torch.float32)
     counts = image_tokens(grid, image_processor.merge_size)
     video_counts = image_tokens(video_grid, image_processor.merge_size)
+    # A video's pads: one, or one per temporal patch (timestamps), each its share of the video's tokens.
+    groups = [int(g[0]) if video_rule.timestamps else 1 for g in video_grid]
+    pad_counts = [c // n for c, n in zip(video_counts, groups, strict=True) for _ in range(n)]
     repeats = image_pad_repeats(ids, image_pad_id, counts) * image_pad_repeats(
-        ids, video_pad_id, video_counts, kind="video"
+        ids, video_pad_id, pad_counts, kind="video"
     )
-    # Images and videos in the order of their pads: what a cut keeps whole is a prefix of this.
-    kinds = [int(ids[i] == video_pad_id) for i in torch.nonzero((ids == image_pad_id) | (ids == video_pad_id))]
+    # Images and videos in the order of their pads (a video's pads counted once): what a cut keeps whole is a prefix.
+    kinds, pads, frames_left = [], (ids == image_pad_id) | (ids == video_pad_id), iter(groups)
+    at = torch.nonzero(pads).flatten().tolist()
+    while at:
+        k = int(ids[at[0]] == video_pad_id)
+        kinds.append(k)
+        at = at[next(frames_left) if k else 1 :]
     ids, labels = ids.repeat_interleave(repeats), labels.repeat_interleave(repeats)
     truncated = max_seq_len is not None and len(ids) > max_seq_len
     if truncated:
@@ -376,6 +389,34 @@ def encode_qwen(
     }
 
 
+def qwen_messages(messages: list[dict], video_slots: Sequence[str] = ()) -> list[dict]:
+    """LLaVA-format messages in Qwen's chat format: each `<image>` its IMAGE_SLOT, the i-th `<video>` (in the order
+    of the text) ``video_slots[i]``. ValueError (one line) when the `<video>`s and the slots disagree in number."""
+    n = sum(m["content"].count(VIDEO_TOKEN) for m in messages)
+    if n != len(video_slots):
+        raise ValueError(
+            f"the conversation has {n} video placeholder(s) but {len(video_slots)} video(s); "
+            f"each video needs exactly one {VIDEO_TOKEN} where it goes"
+        )
+    slots, out = iter(video_slots), []
+    for m in messages:
+        parts = m["content"].replace(IMAGE_TOKEN, IMAGE_SLOT).split(VIDEO_TOKEN)
+        out.append({**m, "content": parts[0] + "".join(next(slots) + p for p in parts[1:])})
+    return out
+
+
+def video_slot(times: Sequence[float], temporal_patch: int, rule: VideoRule = QWEN2_VIDEO) -> str:
+    """A video's text in Qwen's chat format, its frames kept at ``times`` (seconds): VIDEO_SLOT; with
+    ``rule.timestamps`` (Qwen3-VL) its temporal patches inside it, each `<t seconds>` (the mean of its first and last
+    frame's time, an odd count's last frame repeated, one decimal) then <|vision_start|><|video_pad|><|vision_end|>:
+    Qwen3VLProcessor.replace_video_token's text, one pad per temporal patch (expanded to its h*w/merge^2 tokens)."""
+    if not rule.timestamps:
+        return VIDEO_SLOT
+    times = [*times, *[times[-1]] * (-len(times) % temporal_patch)]
+    stamps = [(times[i] + times[i + temporal_patch - 1]) / 2 for i in range(0, len(times), temporal_patch)]
+    return VISION_START + "".join(f"<{t:.1f} seconds>" + VIDEO_SLOT for t in stamps) + VISION_END
+
+
 def encode_llava_qwen(
     sample: dict,
     tokenizer,
@@ -384,13 +425,14 @@ def encode_llava_qwen(
     *,
     video_fps: float = VIDEO_FPS,
     max_frames: int = MAX_FRAMES,
+    video_rule: VideoRule = QWEN2_VIDEO,
 ) -> dict:
     """Raw prepare_llava sample (any number of images, a video or none) -> one Qwen2.5-VL training sequence
     (`encode_qwen`; the video's frames sampled at ``video_fps`` within ``max_frames``) with its ``key``; a sample
     whose image and video tokens alone exceed ``max_seq_len`` -> ``{"skipped": reason, "key"}``, which
     `collate_qwen` drops and counts (the loader's decode failures are corrupt data; this one is a budget)."""
     record, images = read_llava_sample(sample)
-    video = read_llava_video(sample, video_fps, max_frames, image_processor.temporal_patch_size)
+    video = read_llava_video(sample, video_fps, max_frames, image_processor.temporal_patch_size, video_rule)
     try:
         enc = encode_qwen(
             record["messages"],
@@ -399,6 +441,7 @@ def encode_llava_qwen(
             image_processor,
             videos=[video] if video is not None else [],
             max_seq_len=max_seq_len,
+            video_rule=video_rule,
         )
     except ImageTokensExceed as exc:
         return {"skipped": str(exc), "key": record["id"]}

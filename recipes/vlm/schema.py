@@ -73,8 +73,8 @@ class VLMDataConfig(DataConfig):
     # folder's budget.
     min_pixels: int = 0
     max_pixels: int = 0
-    # Videos (a Qwen2.5-VL model.init_from; a Qwen3-VL's refuses them): frames sampled at video_fps per second of
-    # video, at most max_frames, as Qwen2VLVideoProcessor's fps / max_frames.
+    # Videos (a Qwen2.5-VL or Qwen3-VL model.init_from): frames sampled at video_fps per second of video, at most
+    # max_frames, as Qwen2VLVideoProcessor's / Qwen3VLVideoProcessor's fps / max_frames.
     video_fps: float = VIDEO_FPS
     max_frames: int = MAX_FRAMES
     # How many steps' samples the loader lays out together by their sizes (language tokens, tower patches: Qwen2.5-VL

@@ -1,7 +1,8 @@
 """Qwen2.5-VL and Qwen3-VL trained by the VLM recipe, end to end on CPU: a tiny random release folder
 (make_qwen2_5_vl / make_qwen3_vl) fine-tuned on LLaVA-format data at native resolution (data.min_pixels /
-data.max_pixels), packed, in one process; Qwen2.5-VL's data has videos too (MP4 files and frame files, sampled at
-data.video_fps), Qwen3-VL's none (its runs refuse them). The loss falls; the export is a folder transformers loads as
+data.max_pixels), packed, in one process; the data has videos too (MP4 files and frame files, sampled at
+data.video_fps; Qwen3-VL's with a timestamp text per temporal patch). The loss falls; the export is a folder
+transformers loads as
 the release's class (Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration) whose logits are the
 trained model's (the run's last DeepSpeed checkpoint, loaded into the release's model by transformers, not by Kiln);
 the frozen vision tower is the release's bit for bit."""
@@ -30,7 +31,7 @@ def qwen3_world(tmp_path_factory):
 @pytest.fixture(scope="module", params=QWEN_ARCHS)
 def run(request, trained):
     """(run folder, release folder, model_type). Qwen2.5-VL: the cached run test_vlm_qwen_zero3 takes as its 1-rank
-    ZeRO-0 reference (conftest's qwen_world, with videos); Qwen3-VL: its own release over image-only shards."""
+    ZeRO-0 reference (conftest's qwen_world, with videos); Qwen3-VL: its own release over the same conversations."""
     world = request.getfixturevalue("qwen_world" if request.param == "qwen2_5_vl" else "qwen3_world")
     return trained(fx.qwen_run_args(world)), world["qwen"], request.param
 

@@ -1,6 +1,7 @@
 """The VLM loader's plan inputs (data.pack_buffer): a raw sample's size measured without decoding its pixels equals
 what the encoder then makes of it: Qwen2.5-VL's tokens and tower patches from the real processor (a tiny random
-release folder, common/tools/fixtures.py) at several sizes and aspect ratios, and LLaVA's (conversations, digits)."""
+release folder, common/tools/fixtures.py) at several sizes and aspect ratios, Qwen2.5-VL's and Qwen3-VL's with a
+video (a container, frame files), and LLaVA's (conversations, digits)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import json
 import numpy as np
 import pytest
 
-from common.tools.fixtures import make_qwen2_5_vl
+from common.tools.fixtures import encode_video, make_qwen2_5_vl, make_qwen3_vl
+from recipes.vlm.archs import QWEN_ARCHS
 from recipes.vlm.inputs import measure_llava_qwen
 from recipes.vlm.qwen import encode_llava_qwen
 
@@ -47,6 +49,55 @@ def test_qwen_measure_is_what_the_encoder_makes(processing, sizes):
     sample = raw_sample(messages, sizes)
     enc = encode_llava_qwen(sample, tokenizer, processor)
     assert measure_llava_qwen(sample, tokenizer, processor) == (len(enc["input_ids"]), len(enc["pixel_values"]))
+
+
+@pytest.fixture(scope="module")
+def processing3(tmp_path_factory):
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    folder = make_qwen3_vl(tmp_path_factory.mktemp("qwen3"))
+    return AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize(
+    "video",
+    # 25 frames at 10 fps in a container, sampled at 2 fps (an MP4 that records its frame count, a Matroska that
+    # does not); 7 frame files taken at 5 fps, sampled the same way; 5 frame files taken as sampled
+    [("mp4", 25, 10), ("mkv", 25, 10), ("frames", 7, 5.0), ("frames", 5, None)],
+    ids=["mp4", "mkv", "frames-at-a-rate", "frames-as-sampled"],
+)
+def test_qwen_measure_counts_the_video(processing, processing3, arch, video):
+    """A sample with an image and a video: the measure (frame count, rate and size from the container's stream or
+    the record and the first frame file's header, no frame decoded) equals the encoder's tokens (Qwen3-VL's
+    timestamp texts included) and its image's and video's tower patches, with the frames at a size each budget
+    resizes (over one frame for Qwen2.5-VL, over the clip for Qwen3-VL)."""
+    tokenizer, processor = processing if arch == "qwen2_5_vl" else processing3
+    kind, n, rate = video
+    messages = [
+        {"role": "user", "content": "<image>\nFirst this, then this: <video>\nWhat happens?"},
+        {"role": "assistant", "content": "Something moves. " * 3},
+    ]
+    sample = raw_sample(messages, [(90, 130)])
+    record = json.loads(sample["json"])
+    clip = np.random.default_rng(7).integers(0, 256, (n, 150, 100, 3), dtype=np.uint8)
+    if kind == "frames":
+        from PIL import Image
+
+        record["video"] = {"frames": n, "fps": rate}
+        for i, frame in enumerate(clip):
+            buf = io.BytesIO()
+            Image.fromarray(frame).save(buf, "PNG")
+            sample[f"frame{i}"] = buf.getvalue()
+    else:
+        record["video"] = {"container": kind}
+        sample["video"] = encode_video(clip, rate, kind)
+    sample["json"] = json.dumps(record).encode()
+    rule = QWEN_ARCHS[arch].video
+    enc = encode_llava_qwen(sample, tokenizer, processor, video_fps=2.0, max_frames=768, video_rule=rule)
+    patches = len(enc["pixel_values"]) + len(enc["pixel_values_videos"])
+    measure = measure_llava_qwen(sample, tokenizer, processor, video_fps=2.0, max_frames=768, video_rule=rule)
+    assert len(enc["video_grid_thw"]) == 1 and measure == (len(enc["input_ids"]), patches)
 
 
 def test_llava_measure_is_what_the_encoder_makes():

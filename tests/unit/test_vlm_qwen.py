@@ -1,7 +1,7 @@
 """Qwen2.5-VL and Qwen3-VL at native resolution, packed: tiny random release folders (common/tools/fixtures.py's
 make_qwen2_5_vl / make_qwen3_vl, transformers' own classes), images of several sizes and aspect ratios, videos
-(Qwen2.5-VL's; a Qwen3-VL run refuses them), and a packed row of samples with 0, 1 and 2 images, a video, an image
-and a video, against transformers' own forward on each sample alone."""
+(Qwen3-VL's with a timestamp text per temporal patch), and a packed row of samples with 0, 1 and 2 images, a video,
+an image and a video, against transformers' own forward on each sample alone."""
 
 from __future__ import annotations
 
@@ -152,21 +152,24 @@ def test_placeholder_mismatch_and_image_budget_are_one_line(qwen):
 def alone_outputs(qwen):
     """Samples and transformers' own forward on each alone (its own mRoPE positions from the grids and
     second_per_grid_ts): its logits and its loss summed over its labels (num_items_in_batch=1, as the trainer asks).
-    Three with 0, 1 and 2 images of different sizes; for an architecture with videos (QWEN_ARCHS' `video`:
-    Qwen2.5-VL) two more: a video of 25 frames at 10 fps, sampled to 4 at 2 fps, and an image and a video of 5
-    frames, an odd count the patching pads."""
+    Three with 0, 1 and 2 images of different sizes, and two with videos: a video of 25 frames at 10 fps, sampled
+    at 2 fps (Qwen2.5-VL: to 4 frames; Qwen3-VL: to 5, each temporal patch after its timestamp text), and an image
+    and a video of 5 frames, an odd count the patching pads."""
     tok, ip = qwen.tokenizer, qwen.image_processor
+    rule = QWEN_ARCHS[qwen.model.config.model_type].video
     samples = [
         encode_qwen(conversation(n), ims, tok, ip)
         for n, ims in ((0, []), (1, [image(300, 200, 0)]), (2, [image(56, 84, 1), image(140, 224, 2)]))
     ]
-    if QWEN_ARCHS[qwen.model.config.model_type].video:
-        sampled = frames_video(list(frames(25, 56, 84, 3)), 2.0, 768, source_fps=10.0)
-        as_given = frames_video(list(frames(5, 84, 56, 4)), 2.0, 768)
-        samples += [
-            encode_qwen(video_conversation(), [], tok, ip, videos=[sampled]),
-            encode_qwen(video_conversation(1), [image(112, 56, 5)], tok, ip, videos=[as_given]),
-        ]
+    sampled = frames_video(list(frames(25, 56, 84, 3)), 2.0, 768, source_fps=10.0, rule=rule)
+    as_given = frames_video(list(frames(5, 84, 56, 4)), 2.0, 768, rule=rule)
+    samples += [
+        encode_qwen(video_conversation(), [], tok, ip, videos=[sampled], video_rule=rule),
+        encode_qwen(video_conversation(1), [image(112, 56, 5)], tok, ip, videos=[as_given], video_rule=rule),
+    ]
+    if rule.timestamps:  # 5 frames -> 3 temporal patches (the last padded) at 64 x 96 px; 84 x 56 -> 96 x 64
+        assert [s["video_grid_thw"].tolist() for s in samples[3:]] == [[[3, 4, 6]], [[3, 6, 4]]]
+    else:
         assert [s["video_grid_thw"].tolist() for s in samples[3:]] == [[[2, 4, 6]], [[3, 6, 4]]]
         # 2 / (4 of 25 x 10 fps), 2 / 2
         assert [s["second_per_grid_ts"].tolist() for s in samples[3:]] == [[1.25], [1.0]]
@@ -178,7 +181,9 @@ def alone_outputs(qwen):
             if len(s["image_grid_thw"]):
                 vision |= {"pixel_values": s["pixel_values"], "image_grid_thw": s["image_grid_thw"]}
             if len(s["video_grid_thw"]):
-                vision |= {k: s[k] for k in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")}
+                vision |= {k: s[k] for k in ("pixel_values_videos", "video_grid_thw")}
+                if not rule.timestamps:  # Qwen2.5-VL's time positions (Qwen3-VL's model takes no such input)
+                    vision["second_per_grid_ts"] = s["second_per_grid_ts"]
             outputs.append(
                 qwen.model(
                     input_ids=ids,
@@ -210,29 +215,31 @@ def test_packed_rows_match_each_sample_alone(request, alone, arch, rows):
     """The samples packed into one row (or two, images and videos in both): the tower takes all the images as one
     patch sequence and all the videos as another (the model's pixel_values_videos), the language model the rows with
     the block-diagonal mask and each sample's own mRoPE positions (a video's spaced by its second_per_grid_ts;
-    Qwen3-VL: interleaved, its DeepStack features added at the rows' image tokens in the same order). Every sample's
+    Qwen3-VL: interleaved, each temporal patch after its timestamp text, its DeepStack features added at the rows'
+    image and video tokens in the same order). Every sample's
     logits equal transformers' own forward on it alone (fp32, SDPA: max |diff| is printed; <= 2.4e-7 for both
     architectures when measured), and the packed loss (summed) the sum of the samples' own losses."""
     qwen = request.getfixturevalue(ARCHS[arch])
     assert qwen.model.config.model_type == arch
     samples, outputs = alone(arch, qwen)
-    videos = QWEN_ARCHS[arch].video
-    lengths = sorted(len(s["input_ids"]) for s in samples)
-    if videos:
-        assert lengths == [32, 56, 82, 105, 109]
+    # the samples' lengths, and the row length that packs them into two rows with images and videos in both:
+    # Qwen2.5-VL [109, 82] and [105, 56, 32] tokens; Qwen3-VL (its video texts, 32-px units) [98, 98], [82, 78, 21]
+    lengths, two_rows = {"qwen2_5_vl": ([32, 56, 82, 105, 109], 200), "qwen3_vl": ([21, 78, 82, 98, 98], 196)}[arch]
+    assert sorted(len(s["input_ids"]) for s in samples) == lengths
     batch = pack_qwen(
         samples,
         rope_index_for(qwen.model.config),  # as the loader workers run it: transformers' get_rope_index, no weights
-        # two rows: [109, 82] and [105, 56, 32] tokens, images and videos in both; without videos the longest and
-        # the shortest sample in one, the other in the second
-        max_seq_len=512 if rows == 1 else 200 if videos else lengths[-1] + lengths[0],
+        max_seq_len=512 if rows == 1 else two_rows,
         pad_id=qwen.tokenizer.pad_token_id,
         image_pad_id=qwen.image_pad,
         video_pad_id=qwen.video_pad,
     )
     assert batch.packed.num_rows == rows
-    assert batch.image_grid_thw.shape == ((4 if videos else 3), 3)
-    assert (batch.video_grid_thw.shape == (2, 3)) if videos else batch.video_grid_thw is None
+    assert batch.image_grid_thw.shape == (4, 3) and batch.video_grid_thw.shape == (2, 3)
+    if rows == 2:  # images and videos in both rows
+        for r, lens in enumerate(batch.packed.seq_lens):
+            row = batch.packed.input_ids[r]
+            assert (row == qwen.image_pad).any() and (row == qwen.video_pad).any(), lens
     with torch.no_grad():
         out = qwen.model(**batch.model_inputs("sdpa"), use_cache=False, num_items_in_batch=1)
         # The flash inputs (one flattened row, positions as [4, 1, R*L] with the text positions first) without
@@ -287,6 +294,29 @@ def test_video_tokens_placeholders_and_cuts(qwen):
     assert cut["pixel_values_videos"].numel() == 0 and cut["second_per_grid_ts"].numel() == 0
     with pytest.raises(ImageTokensExceed, match=r"^its 1 image\(s\) and 1 video\(s\) take 24 tokens, more than"):
         encode_qwen(video_conversation(1), [image(56, 84, 1)], tok, ip, videos=[clip], max_seq_len=20)
+
+
+def test_qwen3_video_timestamps_and_cuts(qwen3):
+    """Qwen3-VL: a video's <|vision_start|>..<|vision_end|> holds, per temporal patch, `<t seconds>` (the mean time of
+    its two frames, one decimal) and that patch's own <|vision_start|>, (h*w) / merge^2 pads, <|vision_end|>
+    (Qwen3VLProcessor.replace_video_token's text, written out here by hand; tests/integration compares the
+    processor's ids); the text is unlabelled; a cut inside the video drops all of it, its other patches too."""
+    tok, ip, rule = qwen3.tokenizer, qwen3.image_processor, QWEN_ARCHS["qwen3_vl"].video
+    clip = frames_video(list(frames(6, 64, 96, 0)), 2.0, 768, rule=rule)  # at 0, 0.5 .. 2.5 s; kept at 64 x 96
+    enc = encode_qwen(video_conversation(1), [image(64, 96, 1)], tok, ip, videos=[clip], video_rule=rule)
+    ids = enc["input_ids"]
+    assert enc["video_grid_thw"].tolist() == [[3, 4, 6]] and enc["pixel_values_videos"].shape == (72, 3 * 2 * 16 * 16)
+    patch = "<|vision_start|>" + "<|video_pad|>" * 6 + "<|vision_end|>"  # 4 x 6 patches, 2x2 merged
+    video = "<|vision_start|>" + "".join(f"<{t} seconds>{patch}" for t in ("0.2", "1.2", "2.2")) + "<|vision_end|>"
+    assert video in tok.decode(ids)
+    video_at = torch.nonzero(ids == qwen3.video_pad).flatten()
+    assert (enc["labels"][: int(video_at[-1]) + 2] == IGNORE_INDEX).all()  # the user's turn, timestamps included
+    cut = encode_qwen(
+        video_conversation(1), [image(64, 96, 1)], tok, ip, videos=[clip], max_seq_len=int(video_at[8]), video_rule=rule
+    )
+    assert cut["truncated"] and torch.equal(cut["input_ids"], ids[: int(video_at[0])])
+    assert cut["image_grid_thw"].tolist() == [[1, 4, 6]] and cut["video_grid_thw"].shape == (0, 3)
+    assert cut["pixel_values_videos"].numel() == 0
 
 
 @pytest.mark.parametrize("container", ["mp4", "mkv"])
@@ -438,10 +468,12 @@ def test_raw_video_samples_decode_and_every_batch_gets_a_video(qwen):
     assert out["batch"].video_grid_thw.tolist() == [[2, 4, 6]] and out["text_only"] == 1  # no blank video added
 
 
-def test_held_out_video_conversations_evaluate_and_generate(qwen, tmp_path):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_held_out_video_conversations_evaluate_and_generate(request, arch, tmp_path):
     """The held-out evaluation on a shard with a video conversation and an image one: the loss covers both answers,
     and the answer generated for the video's prompt is transformers' greedy generate with the prompt's video
-    (its patches, grid and second_per_grid_ts) as the processor would hand it over."""
+    (its patches, grid and Qwen2.5-VL's second_per_grid_ts; Qwen3-VL's timestamps are in the prompt's text) as the
+    processor would hand it over."""
     import webdataset as wds
 
     from common.tools.fixtures import encode_video
@@ -449,7 +481,8 @@ def test_held_out_video_conversations_evaluate_and_generate(qwen, tmp_path):
     from recipes.vlm.inputs import QwenInputs
     from recipes.vlm.qwen import QwenProcessing
 
-    tok, ip = qwen.tokenizer, qwen.image_processor
+    qwen = request.getfixturevalue(ARCHS[arch])
+    tok, ip, rule = qwen.tokenizer, qwen.image_processor, QWEN_ARCHS[arch].video
     clip = frames(25, 56, 84, 7)
     raw = [
         {
@@ -469,20 +502,21 @@ def test_held_out_video_conversations_evaluate_and_generate(qwen, tmp_path):
     out = conversation_eval(
         qwen.model, inputs, [str(tmp_path / "val.tar")], limit=2, max_seq_len=512, max_new_tokens=4, device="cpu"
     )
-    encoded = [encode_llava_qwen(s, tok, ip) for s in raw]
+    encoded = [encode_llava_qwen(s, tok, ip, video_rule=rule) for s in raw]
     assert out["num_samples"] == 2 and out["val_tokens"] == sum(
         int((e["labels"][1:] != IGNORE_INDEX).sum()) for e in encoded
     )
     video = encoded[0]
     first = int((video["labels"] != IGNORE_INDEX).nonzero()[0])
     prompt = video["input_ids"][:first][None]
+    times = {} if rule.timestamps else {"second_per_grid_ts": video["second_per_grid_ts"]}
     with torch.no_grad():
         want = qwen.model.generate(
             input_ids=prompt,
             attention_mask=torch.ones_like(prompt),
             pixel_values_videos=video["pixel_values_videos"],
             video_grid_thw=video["video_grid_thw"],
-            second_per_grid_ts=video["second_per_grid_ts"],
+            **times,
             mm_token_type_ids=modality_types(prompt, qwen.image_pad, qwen.video_pad),
             max_new_tokens=4,
             do_sample=False,
@@ -615,43 +649,30 @@ def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(r
         (f"model.vision={arch}",): f"model.vision={arch} is read from model.init_from=<a {name} folder>, not chosen",
         ("data.video_fps=1",): (
             "data.video_fps / data.max_frames sample the videos of a native-resolution model "
-            "(model.init_from=<a Qwen2.5-VL folder>); a LLaVA takes images only"
+            "(model.init_from=<a Qwen2.5-VL or Qwen3-VL folder>); a LLaVA takes images only"
+        ),
+        (f"model.init_from={folder}", "data.video_fps=0"): (
+            "data.video_fps=0.0 must be above 0 (frames sampled per second of video)"
+        ),
+        (f"model.init_from={folder}", "data.max_frames=1"): (
+            "data.max_frames=1 is below one temporal patch (2 frames) of the tower"
         ),
     }
-    if QWEN_ARCHS[arch].video:  # Qwen3-VL's refusal of the keys is below
-        bad[(f"model.init_from={folder}", "data.video_fps=0")] = (
-            "data.video_fps=0.0 must be above 0 (frames sampled per second of video)"
-        )
-        bad[(f"model.init_from={folder}", "data.max_frames=1")] = (
-            "data.max_frames=1 is below one temporal patch (2 frames) of the tower"
-        )
     for overrides, message in bad.items():
         with pytest.raises(ConfigError) as err:
             compose(["recipe=vlm_tiny", "data=llava", *overrides])
         assert str(err.value) == message, overrides
     with pytest.raises(ConfigError, match=r"^the dataset has 3 sample\(s\) with a video; a LLaVA takes images only"):
         LlavaInputs(None, None, None, {"format": "llava-conversations", "videos": 3})
-    sampling = [f"model.init_from={folder}", "data.video_fps=1", "data.max_frames=64"]
-    if QWEN_ARCHS[arch].video:
-        video = compose(["recipe=vlm_tiny", "data=llava", *sampling])
-        assert (video.data.video_fps, video.data.max_frames) == (1.0, 64)
+    video = compose(
+        ["recipe=vlm_tiny", "data=llava", f"model.init_from={folder}", "data.video_fps=1", "data.max_frames=64"]
+    )
+    assert (video.data.video_fps, video.data.max_frames) == (1.0, 64)
+    videos = {"format": "llava-conversations", "videos": 2}  # data with videos sets up (and its blank video)
+    assert QwenInputs(QwenProcessing(qwen.tokenizer, qwen.image_processor), qwen.model, qwen, videos).blank_video
+    if arch == "qwen2_5_vl":
         return
-    # Qwen3-VL: no videos (its processor writes a timestamp per frame, which Kiln does not): its video keys stop at
-    # composition, data with videos at data setup, and parallel.cp (DeepStack adds to whole rows) at composition;
-    # the planner does not model its tower.
-    with pytest.raises(ConfigError) as err:
-        compose(["recipe=vlm_tiny", "data=llava", *sampling])
-    assert str(err.value) == (
-        "data.video_fps / data.max_frames sample the videos of a native-resolution model "
-        "(model.init_from=<a Qwen2.5-VL folder>); Qwen3-VL takes images only"
-    )
-    with pytest.raises(ConfigError) as err:
-        videos = {"format": "llava-conversations", "videos": 2}
-        QwenInputs(QwenProcessing(qwen.tokenizer, qwen.image_processor), qwen.model, qwen, videos)
-    assert str(err.value) == (
-        "the dataset has 2 sample(s) with a video; a Qwen3-VL trains on images only (its videos carry a timestamp "
-        "per frame, which Kiln does not write; videos train with a Qwen2.5-VL)"
-    )
+    # Qwen3-VL: parallel.cp (DeepStack adds to whole rows) stops at composition; the planner does not model its tower.
     with pytest.raises(ConfigError) as err:
         compose(["recipe=vlm_tiny", "data=llava", f"model.init_from={folder}", "parallel.cp=2"])
     assert str(err.value) == (
