@@ -52,12 +52,12 @@ def test_cp_splits_the_world_besides_dp():
         ParallelDims.from_config(MeshParallelConfig(dp=2, cp=2), world_size=2)
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_expert_mesh_draws_ep_from_dp_x_cp(ep):
-    """The ranks' groups on 8 ranks laid out (pp=2, dp=2, cp=2), rank = (p * dp + d) * cp + c, one process per rank
+@pytest.mark.parametrize("cp,ep", [(2, 2), (2, 4), (1, 2)])
+def test_expert_mesh_draws_ep_from_dp_x_cp(cp, ep):
+    """The ranks' groups on 8 ranks laid out (pp=2, dp=4/cp, cp), rank = (p * dp + d) * cp + c, one process per rank
     simulated (torch's fake process group: layouts only, no collective): an ep group is ep consecutive dp x cp ranks
-    of one pipeline stage (ep=2: a dp rank's two cp ranks, which route chunks of the same rows; ep=4: all four), and
-    an edp group the ranks of that stage holding the same experts."""
+    of one pipeline stage (cp=2 x ep=2: a dp rank's two cp ranks, which route chunks of the same rows; ep=4: all four;
+    cp=1: consecutive dp ranks), and an edp group the ranks of that stage holding the same experts."""
     import torch.distributed as tdist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -66,7 +66,7 @@ def test_expert_mesh_draws_ep_from_dp_x_cp(ep):
     for rank in range(8):
         tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
         try:
-            dims = ParallelDims.from_config(MeshParallelConfig(dp=-1, pp=2, cp=2, ep=ep), world_size=8)
+            dims = ParallelDims.from_config(MeshParallelConfig(dp=-1, pp=2, cp=cp, ep=ep), world_size=8)
             experts = expert_mesh(dims.build_mesh("cpu"), ep)
             groups = experts["ep"].mesh.tolist(), experts["edp"].mesh.tolist()
         finally:
