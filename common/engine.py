@@ -240,7 +240,7 @@ class NativeEngine(Engine):
         return clip_grad_norm_(
             params,
             self.grad_clip,
-            dp_group=self.mesh["dp"].get_group() if self.ep > 1 else None,  # DTensors on two meshes
+            dp_group=self.batch.get_group() if self.ep > 1 else None,  # DTensors on two meshes
             pp_group=self.mesh["pp"].get_group() if self.pp > 1 else None,  # every stage's gradients
             skip=self.tied.norm_skip if self.tied is not None else None,
         )
@@ -331,9 +331,10 @@ def clip_grad_norm_(
     """Clip by the global norm of gradients that one DTensor norm cannot take.
 
     ``dp_group`` (expert parallelism): the gradients are DTensors on different meshes whose shards each cover their
-    tensor once over the dp ranks: the experts on ("edp", "ep"), the rest FSDP-sharded on "dp". DTensor ops take one
-    mesh at a time (and a 2-D partial norm costs two all-reduces), so the local shards' squared norm is summed over dp
-    by one all-reduce. Without it, the gradients share one mesh and DTensor reduces their norm.
+    tensor once over the ranks that split the step's tokens (dp, under context parallelism dp x cp): the experts on
+    ("edp", "ep"), the rest FSDP-sharded on the same ranks. DTensor ops take one mesh at a time (and a 2-D partial norm
+    costs two all-reduces), so the local shards' squared norm is summed over those ranks by one all-reduce. Without
+    it, the gradients share one mesh and DTensor reduces their norm.
     ``pp_group`` (pipeline parallelism): each rank holds only its stages' parameters; the squared norms are summed over
     the stages. ``skip``: a parameter whose gradient another stage already counts (a tied embedding's copy).
     Then each mesh's gradients are clipped on their own."""

@@ -503,7 +503,7 @@ class Layout:
     pp: int
     zero_stage: int  # FSDP full shard counts as 3
     ac: str
-    ep: int = 1  # MoE: the experts split over ep of the dp ranks
+    ep: int = 1  # MoE: the experts split over ep of the dp (x cp) ranks
     cp: int = 1  # context parallelism: each row's sequence split over cp ranks; FSDP shards over dp x cp
 
     def sharding(self, spec: ModelSpec) -> str:
@@ -527,8 +527,8 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
     first, last = rank == 0, rank == p - 1
     types = [(t, t.layers // p) for t in spec.layer_types]  # (type, this rank's layers of it)
     params = (sum(n * t.params for t, n in types) + first * spec.first_params + last * spec.last_params) / tp
-    # Expert parallelism: each rank's experts are FSDP-sharded over the dp/ep others, so the states stay
-    # params / dp, but a gathered MoE layer holds only its 1/ep of the experts.
+    # Expert parallelism: each rank's experts are FSDP-sharded over the dp*cp/ep others, so the states stay
+    # params / (dp*cp), but a gathered MoE layer holds only its 1/ep of the experts.
     gathered = (spec.gather_unit_params - spec.expert_params * (1 - 1 / layout.ep)) / tp
     shard = layout.dp * cp  # FSDP shards over dp x cp (the ranks that split a step's tokens)
     states = model_state_bytes(

@@ -1,4 +1,4 @@
-"""The parallel layout: validates dp * cp * tp * pp == world size (ep inside dp) and builds the one DeviceMesh."""
+"""The parallel layout: validates dp * cp * tp * pp == world size (ep inside dp x cp) and builds the one DeviceMesh."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ class ParallelDims:
     """``dp`` counts every data-parallel rank (each reads its own share of the global batch). Expert
     parallelism borrows from them, as torchtitan's does: ``ep`` of the dp ranks split the experts (and
     exchange tokens by all-to-all) while still reading different data, so ep never changes the world size
-    or the global batch; ``edp = dp / ep`` is what is left to shard the experts over (FSDP2)."""
+    or the global batch; ``edp = dp / ep`` is what is left to shard the experts over (FSDP2). Under context
+    parallelism the ranks that split a step's tokens are dp x cp, and ep is drawn from all of them (each cp rank
+    routes its own chunks of the rows): ``edp = dp * cp / ep``."""
 
     dp: int
     tp: int
@@ -25,7 +27,7 @@ class ParallelDims:
 
     @property
     def edp(self) -> int:
-        return self.dp // self.ep
+        return self.dp * self.cp // self.ep
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
@@ -45,21 +47,21 @@ class ParallelDims:
                 f"parallel.dp*{names}={dp}*{values}={dp * product} but the job has {world_size} ranks "
                 "(set parallel.dp=-1 to derive dp, or start that many ranks)"
             )
-        check_ep_divides_dp(p.ep, dp)
+        check_ep_divides_dp(p.ep, dp, p.cp)
         return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=world_size, ep=p.ep, cp=p.cp)
 
     @classmethod
     def for_sizing(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
         """The layout a dry run sizes: `parallel.dp` when set (a laptop sizes a cluster's layout), else
-        what this launch's ranks leave after tp and pp (at least ep)."""
-        dp = p.dp if p.dp > 0 else max(p.ep, world_size // (p.tp * p.pp * p.cp))
-        check_ep_divides_dp(p.ep, dp)
+        what this launch's ranks leave after tp, pp and cp (at least enough for ep: dp * cp >= ep)."""
+        dp = p.dp if p.dp > 0 else max(math.ceil(p.ep / p.cp), world_size // (p.tp * p.pp * p.cp))
+        check_ep_divides_dp(p.ep, dp, p.cp)
         return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=dp * p.tp * p.pp * p.cp, ep=p.ep, cp=p.cp)
 
     def build_mesh(self, device_type: str):
         """A 3-D mesh ("pp", "dp", "tp"): tp innermost, so tensor-parallel peers are neighbours
         (same node on a GPU cluster), pp outermost (crosses nodes least often per step). Expert
-        parallelism splits "dp" further: :func:`expert_mesh`. Context parallelism (cp > 1) adds "cp" between dp
+        parallelism splits "dp" (x "cp") further: :func:`expert_mesh`. Context parallelism (cp > 1) adds "cp" between dp
         and tp, and the flattened "dp_cp" that FSDP2 shards over and the loss is summed over (:func:`batch_mesh`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -82,16 +84,21 @@ def batch_mesh(mesh):
 
 
 def expert_mesh(mesh, ep: int):
-    """The mesh's "dp" dimension unflattened into ("edp", "ep"), ep innermost: dp rank ``i * ep + j`` holds the
-    ``j``-th ep shard of the experts, and the ranks ``j, ep + j, ...`` (an "edp" group) hold the same experts and
-    shard them with FSDP2. ep peers are consecutive dp ranks, the closest ranks after tp. Collective."""
-    dp = mesh["dp"].size()
-    return mesh._unflatten("dp", (dp // ep, ep), ("edp", "ep"))
+    """The ranks that split a step's tokens (:func:`batch_mesh`: "dp", or "dp" x "cp" flattened) unflattened into
+    ("edp", "ep"), ep innermost: batch rank ``i * ep + j`` holds the ``j``-th ep shard of the experts, and the ranks
+    ``j, ep + j, ...`` (an "edp" group) hold the same experts and shard them with FSDP2. Every rank that routes tokens
+    is in one ep group (its tokens reach the experts it lacks) and one edp group (the gradients of the experts it holds
+    are reduced with every other holder's), so the experts see all dp x cp ranks' tokens. ep peers are consecutive
+    batch ranks, the closest ranks after tp (under cp, a dp rank's cp ranks first). Collective."""
+    batch = batch_mesh(mesh)
+    return batch._unflatten(0, (batch.size() // ep, ep), ("edp", "ep"))
 
 
-def check_ep_divides_dp(ep: int, dp: int) -> None:
-    if ep < 1 or dp % ep:
+def check_ep_divides_dp(ep: int, dp: int, cp: int = 1) -> None:
+    if ep < 1 or (dp * cp) % ep:
+        ranks = "parallel.dp" if cp == 1 else f"parallel.dp x parallel.cp = {dp} x {cp}"
         raise ConfigError(
-            f"parallel.ep={ep} must divide the {dp} data-parallel ranks (parallel.dp): expert "
-            "parallelism splits the experts over ep of the dp ranks, which still read different data"
+            f"parallel.ep={ep} must divide the {dp * cp} data-parallel ranks ({ranks}): expert "
+            "parallelism splits the experts over ep of the ranks that split a step's tokens, which still read "
+            "different tokens"
         )

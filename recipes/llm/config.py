@@ -1,5 +1,5 @@
 """Schemas of the LLM recipe's own config sections: `model` (a Llama, optionally MoE; see
-recipes/llm/model.py:LlamaArgs), `parallel` (the ("pp", "dp", "tp") mesh, ep inside dp) and `data` (packed token
+recipes/llm/model.py:LlamaArgs), `parallel` (the ("pp", "dp", "tp") mesh, ep inside dp x cp) and `data` (packed token
 rows)."""
 
 from __future__ import annotations
@@ -73,11 +73,11 @@ class LLMModelConfig:
 @dataclass
 class MeshParallelConfig(ParallelConfig):
     """The LLM's layout (configs/parallel/mesh.yaml): FSDP2 over dp, tensor parallelism, pipeline stages, and
-    expert parallelism inside dp (ep of the dp ranks split the experts; common/parallel_dims.py)."""
+    expert parallelism inside dp x cp (ep of those ranks split the experts; common/parallel_dims.py)."""
 
     tp: int = 1
     pp: int = 1
-    ep: int = 1  # MoE: the experts split over this many of the dp ranks (which still read different data)
+    ep: int = 1  # MoE: the experts split over this many of the dp x cp ranks (which still read different tokens)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     pp_microbatches: int = 0  # 0 = pp
 
@@ -198,7 +198,7 @@ def validate(cfg: TrainConfig) -> None:
             f"parallel.ep={p.ep} needs an MoE model (model.moe.num_experts > 0): a dense model has no experts to split"
         )
     if p.dp > 0:
-        check_ep_divides_dp(p.ep, p.dp)
+        check_ep_divides_dp(p.ep, p.dp, p.cp)
     if m.moe.num_experts:
         validate_moe(cfg)
     elif m.qkv_bias:
@@ -288,25 +288,12 @@ def check_context_parallel(cfg: TrainConfig) -> None:
             f"(model.n_kv_heads={m.n_kv_heads} / parallel.tp={p.tp} = {kv_heads}): each cp rank attends with whole "
             "heads; cp_method=allgather has no such limit"
         )
-    refused = (  # (key, its value, refused?, why)
-        (
-            "toggles.attention",
-            attention,
-            attention == "flash" and p.pp > 1,
-            "under parallel.pp>1 the pipeline's stages take the cp ranks' dense mask rows; the varlen segments are "
-            "built outside the stages (toggles.attention=sdpa runs cp x pp)",
-        ),
-        (
-            "parallel.ep",
-            p.ep,
-            p.ep > 1,
-            "the experts' FSDP shards and gradients live on the (edp, ep) split of dp, which leaves out the cp ranks "
-            "that route the same rows' other chunks",
-        ),
-    )
-    for key, value, on, why in refused:
-        if on:
-            raise ConfigError(f"parallel.cp={cp} with {key}={value} is not supported yet: {why}")
+    if attention == "flash" and p.pp > 1:
+        raise ConfigError(
+            f"parallel.cp={cp} with toggles.attention={attention} is not supported yet: under parallel.pp>1 the "
+            "pipeline's stages take the cp ranks' dense mask rows; the varlen segments are built outside the stages "
+            "(toggles.attention=sdpa runs cp x pp)"
+        )
 
 
 def check_qlora_layout(cfg: TrainConfig, dp: int, tp: int, pp: int) -> None:

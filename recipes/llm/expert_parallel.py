@@ -1,12 +1,13 @@
 """Expert parallelism for the LLM's MoE layers (torchtitan's layout): experts split over the "ep" mesh dim, tokens
 exchanged by all-to-all.
 
-ep of the dp ranks split each MoE layer's experts (``GroupedExperts.w1/w2/w3`` become DTensors ``Shard(0)`` on the
-"ep" mesh dim, ``num_experts/ep`` experts per rank) while everything else stays data parallel: every dp rank reads its
-own documents and routes its own tokens. Between ``permute_tokens`` and the grouped GEMM an all-to-all sends each
-expert's rows to the rank holding it and a second one brings the outputs back (:class:`ExpertParallel`, hooks on the
-experts module: the model's ``MoE.forward`` is unchanged). recipes/llm/parallelize.py applies it after tensor
-parallelism and shards the experts with FSDP2 over the remaining "edp" = dp / ep ranks.
+ep of the dp ranks (of dp x cp under context parallelism) split each MoE layer's experts (``GroupedExperts.w1/w2/w3``
+become DTensors ``Shard(0)`` on the "ep" mesh dim, ``num_experts/ep`` experts per rank) while everything else stays data
+parallel: every dp rank reads its own documents (a cp rank its chunks of its dp rank's rows) and routes its own tokens.
+Between ``permute_tokens`` and the grouped GEMM an all-to-all sends each expert's rows to the rank holding it and a
+second one brings the outputs back (:class:`ExpertParallel`, hooks on the experts module: the model's ``MoE.forward`` is
+unchanged). recipes/llm/parallelize.py applies it after tensor parallelism and shards the experts with FSDP2 over the
+remaining "edp" = dp * cp / ep ranks.
 """
 
 from __future__ import annotations

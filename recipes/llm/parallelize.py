@@ -8,9 +8,9 @@ Context parallelism (``parallel.cp``) changes no module (the attention gathers k
 it a ``ContextParallelMask``: recipes/llm/context_parallel.py); FSDP2 then shards over dp x cp flattened
 (torchtitan's dp_shard_cp), since the cp ranks hold the same weights and their gradients sum their tokens'.
 
-Expert parallelism (``parallel.ep``): each MoE layer's experts split over ep of the dp ranks, with the token
+Expert parallelism (``parallel.ep``): each MoE layer's experts split over ep of the dp (x cp) ranks, with the token
 exchange around them (recipes/llm/expert_parallel.py). FSDP2 shards the experts over the remaining
-"edp" = dp / ep ranks, the rest of the model over all dp ranks.
+"edp" = dp * cp / ep ranks, the rest of the model over all dp * cp ranks.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def apply_fsdp(
             for moe in (m for m in block.modules() if isinstance(m, MoE)):
                 fully_shard(moe.experts, mesh=edp_mesh, mp_policy=mp)
                 # An expert's gradient already sums the tokens of all its ep ranks (the all-to-all's backward):
-                # reduced over edp it covers every dp rank's tokens, so divide by dp like every other gradient.
+                # reduced over edp it covers every dp (x cp) rank's tokens, so divide by dp (x cp) like every other
+                # gradient.
                 moe.experts.set_gradient_divide_factor(dp_mesh.size())
                 # A plain sum, then a division: gloo has no pre-multiplied sum. Not on one rank, where FSDP
                 # (torch 2.13) skips the collective and divides itself, and would then divide again.

@@ -299,7 +299,11 @@ def test_the_deepspeed_recipes_take_context_parallelism(accepted):
             "parallel.cp=2 parallel.pp=2 toggles.attention=flash toggles.precision=bf16",
             "parallel.cp=2 with toggles.attention=flash is not supported yet: under parallel.pp>1",
         ),
-        ("recipe=moe_tiny parallel.cp=2 parallel.ep=2", "parallel.cp=2 with parallel.ep=2 is not supported yet"),
+        # Expert parallelism draws its ranks from dp x cp (common/parallel_dims.py): 4 does not divide 1 x 2.
+        (
+            "recipe=moe_tiny parallel.dp=1 parallel.cp=2 parallel.ep=4",
+            "parallel.ep=4 must divide the 2 data-parallel ranks (parallel.dp x parallel.cp = 1 x 2",
+        ),
         # Ulysses splits the heads: cp must divide the key/value heads each tp rank holds (llm_tiny: 2).
         (
             "parallel.cp=4 parallel.cp_method=alltoall",

@@ -32,6 +32,17 @@ def test_ep_splits_the_dp_ranks():
         ParallelDims.from_config(MeshParallelConfig(dp=-1, ep=4), world_size=2)
 
 
+def test_ep_splits_the_dp_x_cp_ranks():
+    """Under context parallelism ep is drawn from dp x cp (each cp rank routes its own chunks): edp = dp * cp / ep."""
+    for world, ep, (dp, edp) in ((2, 2, (1, 1)), (4, 2, (2, 2)), (4, 4, (2, 1))):
+        dims = ParallelDims.from_config(MeshParallelConfig(dp=-1, cp=2, ep=ep), world_size=world)
+        assert (dims.dp, dims.cp, dims.ep, dims.edp) == (dp, 2, ep, edp)
+    # A dry run on one process sizes the smallest layout that holds ep: dp=1 when cp covers it.
+    assert ParallelDims.for_sizing(MeshParallelConfig(cp=2, ep=2), world_size=1).world_size == 2
+    with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide the 2 data-parallel ranks \(parallel.dp x "):
+        ParallelDims.from_config(MeshParallelConfig(dp=-1, cp=2, ep=4), world_size=2)
+
+
 def test_cp_splits_the_world_besides_dp():
     dims = ParallelDims.from_config(MeshParallelConfig(dp=-1, cp=2), world_size=4)
     assert (dims.dp, dims.cp, dims.world_size) == (2, 2, 4)
@@ -39,3 +50,30 @@ def test_cp_splits_the_world_besides_dp():
         ParallelDims.from_config(MeshParallelConfig(dp=-1, cp=2), world_size=3)
     with pytest.raises(ConfigError, match=r"parallel.dp\*tp\*pp\*cp=2\*1\*1\*2=4 but the job has 2 ranks"):
         ParallelDims.from_config(MeshParallelConfig(dp=2, cp=2), world_size=2)
+
+
+@pytest.mark.parametrize("cp,ep", [(2, 2), (2, 4), (1, 2)])
+def test_expert_mesh_draws_ep_from_dp_x_cp(cp, ep):
+    """The ranks' groups on 8 ranks laid out (pp=2, dp=4/cp, cp), rank = (p * dp + d) * cp + c, one process per rank
+    simulated (torch's fake process group: layouts only, no collective): an ep group is ep consecutive dp x cp ranks
+    of one pipeline stage (cp=2 x ep=2: a dp rank's two cp ranks, which route chunks of the same rows; ep=4: all four;
+    cp=1: consecutive dp ranks), and an edp group the ranks of that stage holding the same experts."""
+    import torch.distributed as tdist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from common.parallel_dims import expert_mesh
+
+    for rank in range(8):
+        tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+        try:
+            dims = ParallelDims.from_config(MeshParallelConfig(dp=-1, pp=2, cp=cp, ep=ep), world_size=8)
+            experts = expert_mesh(dims.build_mesh("cpu"), ep)
+            groups = experts["ep"].mesh.tolist(), experts["edp"].mesh.tolist()
+        finally:
+            tdist.destroy_process_group()
+        stage, batch = divmod(rank, 4)  # the dp x cp index, d * cp + c
+        mine = batch // ep * ep  # this rank's ep group starts here
+        assert groups == (
+            [stage * 4 + b for b in range(mine, mine + ep)],
+            [stage * 4 + b for b in range(batch % ep, 4, ep)],
+        )
