@@ -52,25 +52,42 @@ def test_cp_splits_the_world_besides_dp():
         ParallelDims.from_config(MeshParallelConfig(dp=2, cp=2), world_size=2)
 
 
+# Each of 8 ranks' (ep groups, edp groups) under torch's fake process group (layouts only, no collective), as JSON.
+EXPERT_GROUPS = """
+import json, sys
+import torch.distributed as tdist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from common.parallel_dims import ParallelDims, expert_mesh
+from recipes.llm.config import MeshParallelConfig
+cp, ep = int(sys.argv[1]), int(sys.argv[2])
+out = []
+for rank in range(8):
+    tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+    dims = ParallelDims.from_config(MeshParallelConfig(dp=-1, pp=2, cp=cp, ep=ep), world_size=8)
+    experts = expert_mesh(dims.build_mesh("cpu"), ep)
+    out.append([experts["ep"].mesh.tolist(), experts["edp"].mesh.tolist()])
+    tdist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
 @pytest.mark.parametrize("cp,ep", [(2, 2), (2, 4), (1, 2)])
 def test_expert_mesh_draws_ep_from_dp_x_cp(cp, ep):
     """The ranks' groups on 8 ranks laid out (pp=2, dp=4/cp, cp), rank = (p * dp + d) * cp + c, one process per rank
     simulated (torch's fake process group: layouts only, no collective): an ep group is ep consecutive dp x cp ranks
     of one pipeline stage (cp=2 x ep=2: a dp rank's two cp ranks, which route chunks of the same rows; ep=4: all four;
     cp=1: consecutive dp ranks), and an edp group the ranks of that stage holding the same experts."""
-    import torch.distributed as tdist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import json
+    import sys
 
-    from common.parallel_dims import expert_mesh
+    from common.tools.launcher import run_python
 
-    for rank in range(8):
-        tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
-        try:
-            dims = ParallelDims.from_config(MeshParallelConfig(dp=-1, pp=2, cp=cp, ep=ep), world_size=8)
-            experts = expert_mesh(dims.build_mesh("cpu"), ep)
-            groups = experts["ep"].mesh.tolist(), experts["edp"].mesh.tolist()
-        finally:
-            tdist.destroy_process_group()
+    # Its own process: torch allows one default process group a process, and another test of this pytest worker may
+    # hold one.
+    proc = run_python([sys.executable, "-c", EXPERT_GROUPS, str(cp), str(ep)], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for rank, groups in enumerate(json.loads(proc.stdout.strip().splitlines()[-1])):
+        groups = tuple(groups)
         stage, batch = divmod(rank, 4)  # the dp x cp index, d * cp + c
         mine = batch // ep * ep  # this rank's ep group starts here
         assert groups == (
