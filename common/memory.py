@@ -114,7 +114,10 @@ class Block:
     # selective AC keeps: all but the s^2 attention core (Korthikanti §5) | save_matmuls (common/toggles.py's
     # policy) | save_narrow_matmuls (the same with recompute_widening: up projections recomputed too)
     selective: str = "attention_core"
-    qk_norm: bool = False  # diffusers' RMSNorm per head on q and k before the kernel (SD3.5, Flux)
+    qk_norm: bool = False  # an RMSNorm per head on q and k before the kernel (SD3.5, Flux; Qwen3's language model)
+    # diffusers' q/k RMSNorm multiplies its input itself by the fp32 1/rms, so it keeps the input beside the fp32 copy
+    # its statistics took; transformers' (Qwen3RMSNorm and its copies) multiplies the fp32 copy: False.
+    qk_norm_keeps_input: bool = True
     # A second adaLN-gated self-attention sub-block (SD3.5's dual attention, `attn2`, over the image tokens only), as
     # the share of layers x tokens it covers: (layers with it / layers) x (its tokens / seq). Its tensors are counted
     # at that share of the layer's (exact in the sum over layers for fused attention, whose tensors are linear in s).
@@ -167,16 +170,19 @@ def _norm_saved(block: Block, where: str, sbh: float, sb: float, e: int) -> list
 
 def _qk_norm_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
     """diffusers' RMSNorm on q and k: `x.to(float32).pow(2)` keeps an fp32 copy (the input itself in fp32), the
-    `x * rsqrt(...)` multiply keeps x and the fp32 1/rms per head, the weight multiply the normalized x."""
+    `x * rsqrt(...)` multiply keeps x and the fp32 1/rms per head, the weight multiply the normalized x. transformers'
+    (Block.qk_norm_keeps_input False) multiplies the fp32 copy instead: x itself is not kept where it is not fp32."""
     if not block.qk_norm:
         return []
     sbh, sba = s * b * block.hidden, s * b * block.heads
+    keeps = block.qk_norm_keeps_input
+    kv = (block.kv_heads or block.heads) / block.heads  # k's heads: the norm runs before GQA repeats them
     return [
         Saved(f"{name} norm {what}", nbytes, True)
-        for name, frac in (("q", 1.0), ("k", block.kv_fraction))
+        for name, frac in (("q", 1.0), ("k", kv))
         for what, nbytes in (
-            ("input", e * sbh * frac),
-            ("input (fp32)", 4 * sbh * frac if e != 4 else 0.0),
+            ("input", e * sbh * frac if keeps else 0.0),
+            ("input (fp32)", 4 * sbh * frac if e != 4 or not keeps else 0.0),
             ("1/rms (fp32)", 4 * sba * frac),
             ("normalized", e * sbh * frac),
         )

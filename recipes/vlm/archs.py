@@ -48,6 +48,12 @@ class QwenArch:
     # How its videos become tokens (recipes/vlm/video.py, qwen.py: one code path, these rules the difference); None:
     # a generation whose videos Kiln does not encode (its runs would refuse data with videos and the video keys).
     video: VideoRule | None
+    # The tower's norms (its blocks' and its mergers') and its blocks' MLP, in the memory model's words
+    # (common/memory.py Block: rmsnorm | layernorm, swiglu | gelu), for recipes/vlm/sizing.py. The rest of the tower
+    # its config says: windows (window_size, fullatt_block_indexes), DeepStack (deepstack_visual_indexes), learned
+    # position embeddings (num_position_embeddings).
+    tower_norm: str
+    tower_mlp: str
 
     @property
     def unit(self) -> int:
@@ -67,9 +73,19 @@ QWEN_ARCHS = {
         14,
         False,
         QWEN2_VIDEO,
+        tower_norm="rmsnorm",
+        tower_mlp="swiglu",
     ),
     "qwen3_vl": QwenArch(
-        "Qwen3-VL", "Qwen3VLForConditionalGeneration", "Qwen3VLModel", "qwen3_vl_vision", 16, True, QWEN3_VIDEO
+        "Qwen3-VL",
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLModel",
+        "qwen3_vl_vision",
+        16,
+        True,
+        QWEN3_VIDEO,
+        tower_norm="layernorm",
+        tower_mlp="gelu",
     ),
 }
 QWEN_NAMES = " or ".join(a.name for a in QWEN_ARCHS.values())

@@ -57,6 +57,11 @@ INIT_TYPES = {"llava": "LLaVA", **{t: a.name for t, a in QWEN_ARCHS.items()}}
 # - Qwen/Qwen2.5-VL-7B-Instruct: a 32-block tower of 1280 (16 heads, SwiGLU 3420, 112-px windows but in blocks 7, 15,
 #   23 and 31), a 2x2 merger into Qwen2.5-7B (28 layers of 3584, 28 heads, 4 key/value heads, SwiGLU 18944,
 #   152,064-token vocabulary, untied head): 8,292,166,656 parameters (transformers' class on the meta device).
+# - Qwen/Qwen3-VL-8B-Instruct: a 27-block tower of 1152 (16 heads, GELU MLP 4304, full attention in every block, a
+#   48x48 table of learned position embeddings), 16-px patches, a 2x2 merger and 3 DeepStack mergers (after blocks 8,
+#   16, 24) into Qwen3-8B (36 layers of 4096, 32 heads of 128, 8 key/value heads, q/k norms, SwiGLU 12288,
+#   151,936-token vocabulary, untied head): 8,767,123,696 parameters (transformers' class on the meta device). Its
+#   text_config's rope_scaling + rope_theta written as transformers 5's rope_parameters, as above.
 RELEASED = {
     "Qwen2.5-VL-7B-Instruct": {
         "config": {
@@ -105,7 +110,56 @@ RELEASED = {
         },
         "min_pixels": 3136,
         "max_pixels": 12845056,
-    }
+    },
+    "Qwen3-VL-8B-Instruct": {
+        "config": {
+            "model_type": "qwen3_vl",
+            "architectures": ["Qwen3VLForConditionalGeneration"],
+            "image_token_id": 151655,
+            "video_token_id": 151656,
+            "vision_start_token_id": 151652,
+            "vision_end_token_id": 151653,
+            "tie_word_embeddings": False,
+            "text_config": {
+                "attention_bias": False,
+                "bos_token_id": 151643,
+                "eos_token_id": 151645,
+                "head_dim": 128,
+                "hidden_act": "silu",
+                "hidden_size": 4096,
+                "intermediate_size": 12288,
+                "max_position_embeddings": 262144,
+                "num_attention_heads": 32,
+                "num_hidden_layers": 36,
+                "num_key_value_heads": 8,
+                "rms_norm_eps": 1e-06,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 5000000,
+                    "mrope_section": [24, 20, 20],
+                    "mrope_interleaved": True,
+                },
+                "vocab_size": 151936,
+            },
+            "vision_config": {
+                "deepstack_visual_indexes": [8, 16, 24],
+                "depth": 27,
+                "hidden_act": "gelu_pytorch_tanh",
+                "hidden_size": 1152,
+                "in_channels": 3,
+                "intermediate_size": 4304,
+                "num_heads": 16,
+                "num_position_embeddings": 2304,
+                "out_hidden_size": 4096,
+                "patch_size": 16,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+            },
+        },
+        # preprocessor_config.json's size: shortest_edge 65536 (64 tokens of 32 x 32 px), longest_edge 16777216
+        "min_pixels": 65536,
+        "max_pixels": 16777216,
+    },
 }
 
 

@@ -185,9 +185,9 @@ class VLMTrainer(Trainer):
 
 def memory_spec(cfg: TrainConfig) -> ModelSpec:
     """The VLM for the memory model (common/memory.py): built on the meta device from its config (the folders', a
-    RELEASED Qwen2.5-VL's by name, or `model.*` with an assumed vocabulary when model.vocab_size is 0: no weights nor
-    tokenizer read), frozen per stage, counted. A Qwen2.5-VL adds its tower and merger over the pixel budget's
-    images (recipes/vlm/sizing.py)."""
+    RELEASED Qwen-VL's by name, or `model.*` with an assumed vocabulary when model.vocab_size is 0: no weights nor
+    tokenizer read), frozen per stage, counted. A Qwen2.5-VL or Qwen3-VL adds its tower and merger(s) over the pixel
+    budget's images (recipes/vlm/sizing.py)."""
     from recipes.vlm.sizing import qwen_vision
 
     source = weight_source(cfg)
@@ -196,7 +196,8 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     with torch.device("meta"):
         model = build_model(config, "sdpa")
     trainable_parts(model, cfg)
-    layer = count_params(model.model.language_model.layers[0], trainable_only=True)
+    first_layer = model.model.language_model.layers[0]
+    layer = count_params(first_layer, trainable_only=True)
     trainable = count_params(model, trainable_only=True)
     # A LLaVA's frozen vision tower runs without autograd: it keeps nothing. The text rows are taken at their
     # longest, micro_batch x max_seq_len tokens (image tokens included).
@@ -210,6 +211,9 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         dropout=False,
         attention="eager" if cfg.toggles.attention == "eager" else "fused",
         dense_mask=cfg.toggles.attention == "sdpa",
+        # Qwen3's (Qwen3-VL's) RMSNorm per head on q and k, transformers' RMSNorm: it keeps the fp32 copy only.
+        qk_norm=hasattr(first_layer.self_attn, "q_norm"),
+        qk_norm_keeps_input=False,
     )
     e = 4 if cfg.toggles.precision == "fp32" else 2
     tower, outside, note = [], 0.0, ""

@@ -1,7 +1,8 @@
-"""Qwen2.5-VL in the memory model (recipes/vlm/sizing.py, recipes/vlm/train.py memory_spec): the activations it
-predicts against the bytes transformers' own Qwen2_5_VLForConditionalGeneration keeps for backward on a packed batch
-of the pixel budget's largest images (tower frozen or trained, with and without full AC), and the qwen2_5_vl_7b
-preset sized without its folder against the class built on the meta device from the release's published config."""
+"""Qwen2.5-VL and Qwen3-VL in the memory model (recipes/vlm/sizing.py, recipes/vlm/train.py memory_spec): the
+activations it predicts against the bytes transformers' own Qwen2_5_VLForConditionalGeneration /
+Qwen3VLForConditionalGeneration keeps for backward on a packed batch of the pixel budget's largest images (tower frozen
+or trained, with and without full AC), and the qwen2_5_vl_7b / qwen3_vl_8b presets sized without their folders against
+the classes built on the meta device from the releases' published configs."""
 
 from __future__ import annotations
 
@@ -14,18 +15,32 @@ from common.errors import ConfigError
 from common.launch import compose
 from common.memory import head_saved, layer_activation_bytes, per_gpu_bytes
 from common.tools.activations import kept_for_backward
-from common.tools.fixtures import make_qwen2_5_vl
+from common.tools.fixtures import make_qwen2_5_vl, make_qwen3_vl
 from recipes.vlm.train import memory_spec
 from tests.conftest import load_script
 
-# The tiny tower's window is 112 px = 8 x 8 patches: 224 x 224 images (max_pixels) are 4 windows, 256 patches, 64
-# tokens each; 140 tokens hold 2 of them and 12 text tokens.
-MAX_PIXELS, SEQ, MICRO = 224 * 224, 140, 2
+# Images of 16 x 16 patches: 224 x 224 px for Qwen2.5-VL's 14-px patches (4 of the tiny tower's 112-px windows of 8 x 8
+# patches), 256 x 256 px for Qwen3-VL's 16-px ones; 256 patches, 64 tokens each; 140 tokens hold 2 of them and 12
+# text tokens.
+SEQ, MICRO = 140, 2
+FIXTURES = {"qwen2_5_vl": "qwen", "qwen3_vl": "qwen3"}  # model_type -> its module fixture
+
+
+def max_pixels(folder) -> int:
+    from recipes.vlm.archs import qwen_arch
+
+    return (16 * qwen_arch(folder).patch) ** 2
 
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     return make_qwen2_5_vl(tmp_path_factory.mktemp("qwen") / "qwen")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """Qwen3-VL: 3 blocks of full attention, learned position embeddings, DeepStack mergers after blocks 0 and 1."""
+    return make_qwen3_vl(tmp_path_factory.mktemp("qwen3") / "qwen3")
 
 
 def tiny_cfg(folder, *extra):
@@ -34,7 +49,7 @@ def tiny_cfg(folder, *extra):
             "recipe=vlm_tiny",
             "data=llava",
             f"model.init_from={folder}",
-            f"data.max_pixels={MAX_PIXELS}",
+            f"data.max_pixels={max_pixels(folder)}",
             f"data.max_seq_len={SEQ}",
             f"trainer.micro_batch_size={MICRO}",
             "run.dry_run=true",
@@ -43,30 +58,37 @@ def tiny_cfg(folder, *extra):
     )
 
 
+@pytest.mark.parametrize("arch", FIXTURES)
 @pytest.mark.parametrize("train_vision", [False, True])
 @pytest.mark.parametrize("ac", ["none", "full"])
-def test_qwen_activations_match_saved_tensors(qwen, train_vision, ac):
+def test_qwen_activations_match_saved_tensors(request, arch, train_vision, ac):
     """One fp32 forward + loss of the recipe's model (parallelize: its freezing and AC) on the worst micro-batch the
-    planner assumes: 2 samples of 140 tokens, each with 2 images at max_pixels (4 x 64 tokens through the merger, 4 x
-    256 patches through the tower's windowed and full-attention blocks). Not modelled: the language model's mRoPE
-    cos/sin and the image features' scatter into the embeddings (~3% here)."""
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    planner assumes: 2 samples of 140 tokens, each with 2 images at max_pixels (4 x 64 tokens through the merger(s), 4
+    x 256 patches through the tower's blocks: Qwen2.5-VL's windowed and full-attention ones, Qwen3-VL's full-attention
+    ones and its DeepStack mergers, whose features the first language layers add). Not modelled: the language model's
+    mRoPE cos/sin and the image features' scatter into the embeddings (~3% here)."""
+    import transformers
 
+    from recipes.vlm.archs import QWEN_ARCHS
     from recipes.vlm.parallelize import parallelize
     from recipes.vlm.qwen import IMAGE_PAD, pack_qwen, rope_index_for
 
-    cfg = tiny_cfg(qwen, f"toggles.activation_checkpointing={ac}", f"vlm.train_vision={str(train_vision).lower()}")
+    folder = request.getfixturevalue(FIXTURES[arch])
+    cfg = tiny_cfg(folder, f"toggles.activation_checkpointing={ac}", f"vlm.train_vision={str(train_vision).lower()}")
     spec = memory_spec(cfg)
-    assert len(spec.more_layers) == (2 if train_vision else 0)  # a frozen tower keeps nothing
-    model = parallelize(Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen, dtype=torch.float32), cfg)
-    pad = AutoTokenizer.from_pretrained(qwen).convert_tokens_to_ids(IMAGE_PAD)
+    kinds = 2 if arch == "qwen2_5_vl" else 1  # Qwen2.5-VL: windowed and full-attention blocks; Qwen3-VL: full only
+    assert len(spec.more_layers) == (kinds if train_vision else 0)  # a frozen tower keeps nothing
+    model_class = getattr(transformers, QWEN_ARCHS[arch].model)
+    model = parallelize(model_class.from_pretrained(folder, dtype=torch.float32), cfg)
+    v = model.config.vision_config
+    pad = transformers.AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids(IMAGE_PAD)
     g = torch.Generator().manual_seed(0)
     samples = []
     for _ in range(MICRO):
         ids = torch.randint(10, 300, (SEQ,), generator=g)
         ids[3:67] = ids[70:134] = pad
         grid = torch.tensor([[1, 16, 16]] * 2)
-        pixels = torch.randn(512, 1176, generator=g)
+        pixels = torch.randn(512, v.in_channels * v.temporal_patch_size * v.patch_size**2, generator=g)
         samples.append({"input_ids": ids, "labels": ids, "pixel_values": pixels, "image_grid_thw": grid})
     rope = rope_index_for(model.config)
     batch = pack_qwen(samples, rope, max_seq_len=SEQ, pad_id=0, image_pad_id=pad, video_pad_id=-1, packing=False)
@@ -83,8 +105,8 @@ def test_qwen_activations_match_saved_tensors(qwen, train_vision, ac):
         for t in spec.more_layers
     )
     print(
-        f"Qwen2.5-VL train_vision={train_vision} AC={ac}: predicted {predicted:,.0f} B, measured {measured:,} B, "
-        f"ratio {predicted / measured:.3f}"
+        f"{QWEN_ARCHS[arch].name} train_vision={train_vision} AC={ac}: predicted {predicted:,.0f} B, measured "
+        f"{measured:,} B, ratio {predicted / measured:.3f}"
     )
     assert predicted == pytest.approx(measured, rel=0.05)
     del out
@@ -118,37 +140,86 @@ RELEASE_7B = dict(
 )
 
 
-def test_qwen2_5_vl_7b_preset_is_the_release_sized_without_its_folder():
-    """recipe=qwen2_5_vl_7b without its folder: transformers' Qwen2_5_VLForConditionalGeneration built on the meta
-    device from the release's config (8,292,166,656 parameters: Qwen's "8.29B"), the tower frozen, the merger and the
-    language model trained; at max_pixels 1280 x 28 x 28 an image is at most 1280 tokens, 8192 tokens hold 6 of
-    them: 30,720 patches through the tower a micro-batch. With vlm.train_vision its blocks are two layer types: 28
-    over 64-patch windows, 4 (fullatt_block_indexes) over whole images."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+# Qwen/Qwen3-VL-8B-Instruct's config.json, written out (its architecture keys).
+RELEASE_8B = dict(
+    text_config=dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=262144,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5000000,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+    ),
+    vision_config=dict(
+        depth=27,
+        hidden_size=1152,
+        hidden_act="gelu_pytorch_tanh",
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=4096,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[8, 16, 24],
+    ),
+    tie_word_embeddings=False,
+)
+# recipe -> (transformers' class prefix, the release's config, its parameters, the trained tower's (blocks, patches
+# one attention spans)). At max_pixels 1280 merged tokens (x 28^2 or 32^2) 8192 tokens hold 6 images: 30,720 patches.
+PRESETS = {
+    "qwen2_5_vl_7b": ("Qwen2_5_VL", RELEASE_7B, 8_292_166_656, [(28, 64), (4, 5120)]),
+    "qwen3_vl_8b": ("Qwen3VL", RELEASE_8B, 8_767_123_696, [(27, 5120)]),
+}
 
-    cfg = compose(["recipe=qwen2_5_vl_7b", "run.dry_run=true"])
-    assert cfg.model.vision == "qwen2_5_vl" and cfg.model.text_layers == 28  # model.* read from the release's config
+
+@pytest.mark.parametrize("recipe", PRESETS)
+def test_qwen_presets_are_the_releases_sized_without_their_folders(recipe):
+    """recipe=qwen2_5_vl_7b / qwen3_vl_8b without their folders: transformers' class built on the meta device from the
+    release's config (8,292,166,656 parameters: Qwen's "8.29B"; 8,767,123,696: "8.77B"), the tower frozen, the
+    merger(s) and the language model trained; at max_pixels 1280 merged tokens an image is at most 1280 tokens, 8192
+    tokens hold 6 of them: 30,720 patches through the tower a micro-batch. With vlm.train_vision Qwen2.5-VL's blocks
+    are two layer types, 28 over 64-patch windows and 4 (fullatt_block_indexes) over whole images; Qwen3-VL's one, 27
+    over whole images."""
+    import transformers
+
+    prefix, release, params, tower_types = PRESETS[recipe]
+    cfg = compose([f"recipe={recipe}", "run.dry_run=true"])
+    layers = release["text_config"]["num_hidden_layers"]
+    assert cfg.model.text_layers == layers  # model.* read from the release's config
     spec = memory_spec(cfg)
     with torch.device("meta"):
-        reference = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**RELEASE_7B))
+        config = getattr(transformers, f"{prefix}Config")(**release)
+        reference = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
+    assert cfg.model.vision == reference.config.model_type
     n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     visual = reference.model.visual
-    assert spec.total_params == n(reference) == 8_292_166_656
-    assert spec.frozen_params == n(visual) - n(visual.merger)
-    assert spec.layer_params == n(reference.model.language_model.layers[0]) and spec.vocab == 152064
+    mergers = n(visual.merger) + n(getattr(visual, "deepstack_merger_list", torch.nn.ModuleList()))
+    assert spec.total_params == n(reference) == params
+    assert spec.frozen_params == n(visual) - mergers
+    assert spec.layer_params == n(reference.model.language_model.layers[0])
+    assert (spec.layers, spec.vocab) == (layers, release["text_config"]["vocab_size"])
     assert (spec.seq, spec.micro_batch, spec.more_layers) == (8192, 1, ())
     assert "at most 1280 tokens each" in spec.note and "6 whole such images" in spec.note
     assert "30,720 patches" in spec.note
-    tower = compose(["recipe=qwen2_5_vl_7b", "run.dry_run=true", "vlm.train_vision=true"])
-    windowed, full = memory_spec(tower).more_layers
-    assert (windowed.layers, windowed.seq, windowed.batch) == (28, 64, 30720 // 64)
-    assert (full.layers, full.seq, full.batch) == (4, 5120, 6) and full.params == n(visual.blocks[0])
+    tower = memory_spec(compose([f"recipe={recipe}", "run.dry_run=true", "vlm.train_vision=true"])).more_layers
+    assert [(t.layers, t.seq, t.batch) for t in tower] == [(k, s, 30720 // s) for k, s in tower_types]
+    assert all(t.params == n(visual.blocks[0]) for t in tower)
 
 
-def test_plan_answers_what_fits_on_8_h100s(capsys):
-    """`scripts/plan.py recipe=qwen2_5_vl_7b cluster.gpus=8`: with full AC the preset fits 8 x 80 GB at ZeRO-1, 2
-    and 3 (its own layout: ZeRO-3); without AC the activations of 8192 tokens do not fit at any stage."""
-    assert load_script("plan").main(["recipe=qwen2_5_vl_7b", "cluster.gpus=8", "--all"]) == 0
+@pytest.mark.parametrize("recipe", PRESETS)
+def test_plan_answers_what_fits_on_8_h100s(capsys, recipe):
+    """`scripts/plan.py recipe=qwen2_5_vl_7b cluster.gpus=8` (and qwen3_vl_8b): with full AC the preset fits 8 x 80 GB
+    at ZeRO-1, 2 and 3 (its own layout: ZeRO-3); without AC the activations of 8192 tokens do not fit at any stage."""
+    assert load_script("plan").main([f"recipe={recipe}", "cluster.gpus=8", "--all"]) == 0
     out = capsys.readouterr().out
     assert "3 of 8 layouts the recipe allows fit" in out
     row = re.compile(r"\s*\d+(\*?)\s+8\s+1\s+1\s+1\s+1\s+(zero\d)\s+(\w+)\s.*%(.*)$")
