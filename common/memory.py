@@ -129,11 +129,11 @@ class Block:
     # [attention output ; MLP activation] (Flux's single-stream block; Dehghani et al. 2023's parallel layers): one
     # norm, no output projection of the attention's own, the projection's input h + ffn wide.
     parallel: bool = False
-    # One qkv projection whose output q, k and v are views of (Qwen2.5-VL's vision blocks): v keeps the whole output
+    # One qkv projection whose output q, k and v are views of (Qwen-VL's vision blocks): v keeps the whole output
     # alive, beside the new q and k that RoPE writes.
     fused_qkv: bool = False
     # Attention run image by image (window by window) and concatenated (transformers' SDPA / eager path of the
-    # Qwen2.5-VL tower; its varlen kernel writes one output): the projection keeps the concatenation, a second copy.
+    # Qwen-VL towers; their varlen kernel writes one output): the projection keeps the concatenation, a second copy.
     chunked_attention: bool = False
 
     @property
