@@ -24,7 +24,7 @@ from common.config import TrainConfig
 from common.errors import ConfigError, DataError
 from common.weights import check_folder
 from recipes.vlm.archs import QWEN_ARCHS, QWEN_NAMES, VIDEO_NAMES
-from recipes.vlm.schema import MAX_FRAMES, VIDEO_FPS, VLMModelConfig, check_pixel_budget, check_video_sampling
+from recipes.vlm.schema import VLMModelConfig, check_pixel_budget, check_video_sampling
 
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 
@@ -340,8 +340,8 @@ class QwenWeights:
         init_from: str,
         min_pixels: int = 0,
         max_pixels: int = 0,
-        video_fps: float = VIDEO_FPS,
-        max_frames: int = MAX_FRAMES,
+        video_fps: float | None = None,
+        max_frames: int | None = None,
     ):
         self.init_from, self.min_pixels, self.max_pixels = init_from, min_pixels, max_pixels
         self.video_fps, self.max_frames = video_fps, max_frames
@@ -452,9 +452,9 @@ def weight_source(cfg: TrainConfig, meta: dict | None = None) -> WeightSource:
             "data.min_pixels / data.max_pixels are the pixel budget of a native-resolution model "
             f"(model.init_from=<a {QWEN_NAMES} folder>); a LLaVA resizes every image to its tower's image size"
         )
-    video = getattr(d, "video_fps", VIDEO_FPS), getattr(d, "max_frames", MAX_FRAMES)
+    video = getattr(d, "video_fps", None), getattr(d, "max_frames", None)
     arch = QWEN_ARCHS.get(model_type)
-    if not (arch and arch.video) and video != (VIDEO_FPS, MAX_FRAMES):
+    if not (arch and arch.video) and video != (None, None):
         raise ConfigError(
             "data.video_fps / data.max_frames sample the videos of a native-resolution model "
             f"(model.init_from=<a {VIDEO_NAMES} folder>); {arch.name if arch else 'a LLaVA'} takes images only"
