@@ -76,12 +76,13 @@ class QwenProcessing(NamedTuple):
 
     tokenizer: object
     image_processor: object
-    video: VideoConfig
+    video: VideoConfig | None  # None: a generation whose videos Kiln does not encode (QWEN_ARCHS' video)
 
     def save_pretrained(self, folder) -> None:
         self.tokenizer.save_pretrained(folder)
         self.image_processor.save_pretrained(folder)
-        self.video.save(folder)
+        if self.video is not None:
+            self.video.save(folder)
 
 
 def load_processing(
@@ -115,6 +116,8 @@ def load_processing(
         raise ConfigError(
             f"{folder}: the tokenizer's {IMAGE_PAD} is id {pad}, the model's image_token_id is {image_token_id}"
         )
+    if arch.video is None:  # a generation whose videos Kiln does not encode (its runs refuse video data)
+        return QwenProcessing(tokenizer, image_processor, None)
     video = read_video_config(folder, arch.video, fps=video_fps, max_frames=max_frames)
     for key in ("patch_size", "temporal_patch_size", "merge_size", "do_rescale", "rescale_factor", "do_normalize"):
         if video.settings[key] != getattr(image_processor, key):

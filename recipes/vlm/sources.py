@@ -331,9 +331,10 @@ class LlavaWeights:
 
 
 class QwenWeights:
-    """A Qwen2.5-VL or Qwen3-VL folder, whole: its config, tokenizer (chat template) and image processor, the
-    processor's pixel budget replaced by data.min_pixels / data.max_pixels where they are set (native resolution:
-    recipes/vlm/qwen.py)."""
+    """A Qwen2.5-VL or Qwen3-VL folder, whole: its config, tokenizer (chat template), image processor and video
+    processor's values, the image processor's pixel budget replaced by data.min_pixels / data.max_pixels and the
+    video rate and frame cap by data.video_fps / data.max_frames where they are set (native resolution:
+    recipes/vlm/qwen.py, recipes/vlm/video.py)."""
 
     def __init__(
         self,
@@ -414,13 +415,22 @@ class QwenWeights:
         from recipes.vlm.parallelize import vlm_parts
 
         tower, merger, language = vlm_parts(model)
-        budget = self.processor().image_processor.size
+        processing = self.processor()
+        budget, video = processing.image_processor.size, processing.video
         mergers = "mergers (DeepStack's included)" if self.arch.deepstack else "merger"
+        # the video values too: the folder's video processor's, not the images' (recipes/vlm/video.py)
+        videos = (
+            f"; videos within {video.min_pixels:,}..{video.max_pixels:,} pixels "
+            f"{'a clip' if video.rule.clip_budget else 'a frame'}, {video.fps:g} frames per second, "
+            f"{video.min_frames}..{video.max_frames} frames"
+            if video
+            else ""
+        )
         return (
             f"kiln: {self.label}: loaded all {_params(model):,} weights ({self.arch.name}): vision tower "
             f"({_params(tower) - _params(merger):,}), {mergers} ({_params(merger):,}), language model "
             f"({_params(language) + _params(model.lm_head):,}); images at native resolution within "
-            f"{budget['shortest_edge']:,}..{budget['longest_edge']:,} pixels"
+            f"{budget['shortest_edge']:,}..{budget['longest_edge']:,} pixels{videos}"
         )
 
 
