@@ -18,8 +18,8 @@ class VideoRule:
     # video's) at np.linspace(0, total - 1, n).round(); else Qwen2VLVideoProcessor's, floored to whole temporal
     # patches at torch.arange(0, total, total / n).
     linspace: bool
-    # The pixel budget (data.min_pixels..max_pixels) bounds the sampled clip's frames together (Qwen3VLVideoProcessor's
-    # smart_resize over t x h x w) rather than each frame (Qwen2.5-VL: the image processor's per-frame resize).
+    # The video pixel budget (the video processor's size) bounds the sampled clip's frames together
+    # (Qwen3VLVideoProcessor's smart_resize over t x h x w) rather than each frame (Qwen2VLVideoProcessor's resize).
     clip_budget: bool
     # A `<t seconds>` text (the temporal patch's mean frame time) and its own <|vision_start|>..<|vision_end|> before
     # each temporal patch's pads (Qwen3VLProcessor.replace_video_token; get_rope_index lays each group out as a

@@ -45,8 +45,8 @@ QWEN2_FPS = 2.0
 
 class VideoConfig(NamedTuple):
     """The video processor a run encodes its videos with: the folder's (`read_video_config`), data.video_fps /
-    data.max_frames in place of its rate and frame cap where set. ``settings``: the same as the dict transformers
-    builds the class from (what the export writes back)."""
+    data.max_frames in place of its rate and frame cap where set. ``settings``: the same values as a video processor
+    config dict (what the export writes back, every key explicit)."""
 
     rule: VideoRule
     min_pixels: int  # size["shortest_edge"]: per frame (Qwen2.5-VL) or over the clip (Qwen3-VL)
@@ -72,7 +72,9 @@ class VideoConfig(NamedTuple):
 def folder_video_settings(folder) -> dict:
     """The dict transformers builds a folder's video processor from (video_processing_utils'
     get_video_processor_dict): processor_config.json's nested "video_processor", else video_preprocessor_config.json,
-    else preprocessor_config.json (the image processor's: Qwen2.5-VL releases ship no video config)."""
+    else preprocessor_config.json (the image processor's: Qwen2.5-VL releases ship no video config). A Qwen3-VL
+    folder without a video config is a corner where transformers builds Qwen2VLVideoProcessor (named after the image
+    processor's class): Kiln keeps Qwen3-VL's rules with those values, and its export names Qwen3VLVideoProcessor."""
     folder = Path(folder)
     nested = folder / "processor_config.json"
     if nested.is_file() and "video_processor" in (processor := json.loads(nested.read_text())):
