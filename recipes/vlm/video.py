@@ -90,20 +90,22 @@ def video_config(
 ) -> VideoConfig:
     """A VideoConfig from a video processor config dict (missing keys: the class's defaults, `rule.defaults`) and
     the run's data.video_fps / data.max_frames (None: the dict's). One line for a config that samples a fixed
-    number of frames (num_frames; transformers then refuses its own fps) or does not resize."""
+    number of frames (num_frames; transformers then refuses its own fps), has no pixel budget or does not resize."""
     s = {**rule.defaults, **settings}
     size = dict(s["size"] or {})
     if rule.pixel_keys:  # Qwen2VLVideoProcessor.__init__: min_pixels / max_pixels replace size's edges
         for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
             if s.get(key) is not None:
                 size[edge] = s[key]
+    if not {"shortest_edge", "longest_edge"} <= size.keys():  # transformers' resize refuses it too
+        raise ConfigError(f"its video processor's size {size} names no shortest_edge..longest_edge budget")
     if s.get("num_frames") is not None:
         raise ConfigError(
-            f"the folder's video processor samples a fixed num_frames={s['num_frames']}; Kiln samples videos by "
+            f"its video processor samples a fixed num_frames={s['num_frames']}; Kiln samples videos by "
             "rate (data.video_fps)"
         )
     if not s["do_resize"]:
-        raise ConfigError("the folder's video processor does not resize (do_resize false); Kiln's videos are resized")
+        raise ConfigError("its video processor does not resize (do_resize false); Kiln's videos are resized")
     fps = fps if fps is not None else s["fps"] if s["fps"] is not None else QWEN2_FPS
     max_frames = max_frames if max_frames is not None else s["max_frames"]
     written = {k: s[k] for k in rule.defaults} | {
@@ -140,8 +142,11 @@ def read_video_config(
     folder, rule: VideoRule, *, fps: float | None = None, max_frames: int | None = None
 ) -> VideoConfig:
     """The VideoConfig of a Qwen-VL folder's video processor (`folder_video_settings`), with the run's
-    data.video_fps / data.max_frames where set."""
-    return video_config(folder_video_settings(folder), rule, fps=fps, max_frames=max_frames)
+    data.video_fps / data.max_frames where set. One line, naming the folder, for a config Kiln cannot follow."""
+    try:
+        return video_config(folder_video_settings(folder), rule, fps=fps, max_frames=max_frames)
+    except ConfigError as exc:
+        raise ConfigError(f"{folder}: {exc}") from None
 
 
 class Video(NamedTuple):

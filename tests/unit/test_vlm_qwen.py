@@ -422,7 +422,7 @@ def test_video_values_are_the_folders_video_processor(qwen, qwen3, tmp_path):
     with pytest.raises(ConfigError) as err:
         read_video_config(folder, QWEN3_VIDEO)
     assert str(err.value) == (
-        "the folder's video processor samples a fixed num_frames=8; Kiln samples videos by rate (data.video_fps)"
+        f"{folder}: its video processor samples a fixed num_frames=8; Kiln samples videos by rate (data.video_fps)"
     )
 
 
