@@ -9,7 +9,8 @@ text only), "conversations": [{"from": "human", "value": "<image>\\n..."}, {"fro
 LLaVA-Pretrain-558K and llava_v1_5_mix665k. A sample may carry one video, ``"video": "clip.mp4"`` (a file PyAV
 decodes: MP4, WebM, MKV, ...) or ``"video": ["f0.jpg", "f1.jpg", ...]`` (its frames, in order, all one size),
 with ``<video>`` where it goes in a user turn (LLaVA-Video's and Qwen2.5-VL's fine-tuning layout); frame files
-are a video sampled at training's data.video_fps unless ``"video_fps"`` says the rate they were taken at.
+are a video sampled at training's rate (data.video_fps, else the model's video processor's) unless
+``"video_fps"`` says the rate they were taken at.
 A sample is skipped, counted and named in the summary when its image or video is missing or does not decode
 (every image and video is fully decoded here, in ``--workers`` processes), when its ``<image>`` (``<video>``)
 placeholders do not match its images (video) one to one, or when it is malformed (not user/assistant turns in

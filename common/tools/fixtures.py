@@ -477,23 +477,58 @@ def qwen_vl_tokenizer(vocab_size: int, chat_template: str):
     return tokenizer, {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIALS}
 
 
-def _qwen_vl_ids(ids: dict[str, int]) -> dict[str, int]:
-    """The special-token ids a Qwen-VL config names."""
-    return dict(
+def _make_qwen_vl(
+    out: str | Path,
+    *,
+    model: str,
+    template: str,
+    image_processor: dict,
+    video_processor: dict | None,
+    text_config: dict,
+    vision_config: dict,
+    hidden_size: int,
+    num_layers: int,
+    vocab_size: int,
+    seed: int,
+) -> Path:
+    """A random Qwen-VL release folder of transformers' ``model`` class (Qwen2_5_VL / Qwen3VL ForConditionalGeneration
+    and its Config): a `qwen_vl_tokenizer` with ``template``, a Qwen2VLImageProcessor (PIL backend) of
+    ``image_processor``'s keys, a video_preprocessor_config.json of ``video_processor``'s (None: none, as
+    Qwen2.5-VL releases ship none) and a language model of 4 heads (2 key/value heads) whose ``text_config`` adds
+    the rest, over ``vision_config``."""
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer, ids = qwen_vl_tokenizer(vocab_size, template)
+    config = getattr(transformers, model.replace("ForConditionalGeneration", "Config"))(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            **text_config,
+        ),
+        vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
-
-
-def _save_qwen_vl(out: Path, model_class, config, tokenizer, image_processor, seed: int) -> Path:
-    import torch
-
     torch.manual_seed(seed)
-    model_class(config).save_pretrained(out)
+    getattr(transformers, model)(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    image_processor.save_pretrained(out)
+    Qwen2VLImageProcessorPil(**image_processor).save_pretrained(out)
+    if video_processor is not None:
+        (out / "video_preprocessor_config.json").write_text(json.dumps(video_processor, indent=2) + "\n")
     return out
 
 
@@ -515,38 +550,24 @@ def make_qwen2_5_vl(
     Qwen2VLImageProcessor (PIL backend: smart_resize within `min_pixels`..`max_pixels`) and a Qwen2Tokenizer with
     byte-level BPE trained offline (`qwen_vl_tokenizer`) carrying Qwen's special tokens and chat template.
 
-    No video processor config is saved: transformers' Qwen2VLVideoProcessor then reads
-    preprocessor_config.json. It needs torchvision, which does not import under the training env's CPU torch
-    (PITFALLS.md), so AutoProcessor loads the folder only in .venv-serve; in the training env the image processor
-    and tokenizer load on their own (AutoImageProcessor, AutoTokenizer)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer, ids = qwen_vl_tokenizer(vocab_size, QWEN_VL_TEMPLATE)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
-    heads = 4
-    head_dim = hidden_size // heads
-    half = head_dim // 2  # rotary frequencies per head, split by mRoPE over (temporal, height, width) ...
+    No video processor config is saved, as the release ships none: transformers' Qwen2VLVideoProcessor then reads
+    preprocessor_config.json (the image budget). It needs torchvision, which does not import under the training
+    env's CPU torch (PITFALLS.md), so AutoProcessor loads the folder only in .venv-serve; in the training env the
+    image processor and tokenizer load on their own (AutoImageProcessor, AutoTokenizer)."""
+    half = hidden_size // 4 // 2  # rotary frequencies per head, split by mRoPE over (temporal, height, width) ...
     quarter = half // 4  # ... as the release's 16:24:24 of 64
-    config = Qwen2_5_VLConfig(
+    return _make_qwen_vl(
+        out,
+        model="Qwen2_5_VLForConditionalGeneration",
+        template=QWEN_VL_TEMPLATE,
+        image_processor=dict(min_pixels=min_pixels, max_pixels=max_pixels),
+        video_processor=None,
         text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 1000000.0,
                 "mrope_section": [quarter, (half - quarter) // 2, half - quarter - (half - quarter) // 2],
             },
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
         ),
         vision_config=dict(
             depth=vision_depth,
@@ -560,9 +581,11 @@ def make_qwen2_5_vl(
             out_hidden_size=hidden_size,
             fullatt_block_indexes=[vision_depth - 1],
         ),
-        **_qwen_vl_ids(ids),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        vocab_size=vocab_size,
+        seed=seed,
     )
-    return _save_qwen_vl(out, Qwen2_5_VLForConditionalGeneration, config, tokenizer, image_processor, seed)
 
 
 def make_qwen3_vl(
@@ -574,6 +597,8 @@ def make_qwen3_vl(
     vision_depth: int = 3,
     min_pixels: int = 32 * 32 * 4,
     max_pixels: int = 32 * 32 * 64,
+    video_min_pixels: int = 32 * 32 * 4,
+    video_max_pixels: int = 32 * 32 * 128,
     vocab_size: int = 400,
     seed: int = 0,
 ) -> Path:
@@ -582,45 +607,38 @@ def make_qwen3_vl(
     embeddings resampled to each image's grid, DeepStack: the features of blocks 0 .. depth-2 merged and added after
     the first language layers at the image tokens; a `num_layers` Qwen3 language model with interleaved
     mRoPE), its Qwen2VLImageProcessor (the release's class: PIL backend, 32 px units within
-    `min_pixels`..`max_pixels`, mean/std 0.5) and `qwen_vl_tokenizer` with Qwen3-VL's chat template (no default
-    system turn). No video processor, as make_qwen2_5_vl."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer, ids = qwen_vl_tokenizer(vocab_size, QWEN3_VL_TEMPLATE)
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-        patch_size=16,
-        merge_size=2,
-        temporal_patch_size=2,
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-    )
-    heads = 4
-    half = hidden_size // heads // 2  # rotary frequencies per head, interleaved over (t, h, w) ...
+    `min_pixels`..`max_pixels`, mean/std 0.5), `qwen_vl_tokenizer` with Qwen3-VL's chat template (no default
+    system turn), and the release's video_preprocessor_config.json (Qwen3VLVideoProcessor, 2 fps, 4..768 frames)
+    with its own budget over the clip, `video_min_pixels`..`video_max_pixels`: not the images' (the release's
+    4096..25165824 against 65536..16777216)."""
+    half = hidden_size // 4 // 2  # rotary frequencies per head, interleaved over (t, h, w) ...
     hw = half // 4  # ... as the release's 24:20:20 of 64
-    config = Qwen3VLConfig(
+    pixels = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return _make_qwen_vl(
+        out,
+        model="Qwen3VLForConditionalGeneration",
+        template=QWEN3_VL_TEMPLATE,
+        image_processor=dict(min_pixels=min_pixels, max_pixels=max_pixels, **pixels),
+        video_processor=dict(
+            video_processor_type="Qwen3VLVideoProcessor",
+            processor_class="Qwen3VLProcessor",
+            size={"shortest_edge": video_min_pixels, "longest_edge": video_max_pixels},
+            fps=2,
+            min_frames=4,
+            max_frames=768,
+            do_sample_frames=True,
+            resample=3,
+            rescale_factor=1 / 255,
+            **pixels,
+        ),
         text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=2,
-            head_dim=hidden_size // heads,
-            max_position_embeddings=4096,
+            head_dim=hidden_size // 4,
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 5000000.0,
                 "mrope_section": [half - 2 * hw, hw, hw],
                 "mrope_interleaved": True,
             },
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
         ),
         vision_config=dict(
             depth=vision_depth,
@@ -636,9 +654,11 @@ def make_qwen3_vl(
             # reach no label (causal attention), and ZeRO expects a gradient for every trainable parameter.
             deepstack_visual_indexes=list(range(min(vision_depth, num_layers) - 1)),
         ),
-        **_qwen_vl_ids(ids),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        vocab_size=vocab_size,
+        seed=seed,
     )
-    return _save_qwen_vl(out, Qwen3VLForConditionalGeneration, config, tokenizer, image_processor, seed)
 
 
 def encode_video(frames, fps: int, container: str = "mp4") -> bytes:

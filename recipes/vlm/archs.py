@@ -5,7 +5,7 @@ packing code (recipes/vlm/qwen.py) both read it."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -18,17 +18,70 @@ class VideoRule:
     # video's) at np.linspace(0, total - 1, n).round(); else Qwen2VLVideoProcessor's, floored to whole temporal
     # patches at torch.arange(0, total, total / n).
     linspace: bool
-    # The pixel budget (data.min_pixels..max_pixels) bounds the sampled clip's frames together (Qwen3VLVideoProcessor's
-    # smart_resize over t x h x w) rather than each frame (Qwen2.5-VL: the image processor's per-frame resize).
+    # The video pixel budget (the video processor's size) bounds the sampled clip's frames together
+    # (Qwen3VLVideoProcessor's smart_resize over t x h x w) rather than each frame (Qwen2VLVideoProcessor's resize).
     clip_budget: bool
     # A `<t seconds>` text (the temporal patch's mean frame time) and its own <|vision_start|>..<|vision_end|> before
     # each temporal patch's pads (Qwen3VLProcessor.replace_video_token; get_rope_index lays each group out as a
     # one-frame grid after its text), where Qwen2.5-VL spaces the time positions by second_per_grid_ts instead.
     timestamps: bool
+    # transformers' video processor class of the generation: what the export's video_preprocessor_config.json names.
+    processor: str
+    # min_pixels / max_pixels keys of its config replace size's edges (Qwen2VLVideoProcessor.__init__'s backward
+    # compatibility; Qwen3VLVideoProcessor reads `size` alone).
+    pixel_keys: bool
+    # The class's own values, where a folder's video processor config says nothing (transformers' class attributes
+    # as installed; tests/unit/test_vlm_qwen.py checks Qwen3-VL's against them, the integration test both).
+    defaults: dict = field(compare=False)
 
 
-QWEN2_VIDEO = VideoRule(linspace=False, clip_budget=False, timestamps=False)
-QWEN3_VIDEO = VideoRule(linspace=True, clip_budget=True, timestamps=True)
+_VIDEO_DEFAULTS = dict(
+    min_frames=4,
+    max_frames=768,
+    temporal_patch_size=2,
+    merge_size=2,
+    resample=3,  # bicubic
+    do_resize=True,
+    do_rescale=True,
+    rescale_factor=1 / 255,
+    do_normalize=True,
+    cap_pixels_per_frame=None,  # unset: transformers keeps the uncapped resize (with a warning)
+)
+_CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+QWEN2_VIDEO = VideoRule(
+    linspace=False,
+    clip_budget=False,
+    timestamps=False,
+    processor="Qwen2VLVideoProcessor",
+    pixel_keys=True,
+    defaults={
+        **_VIDEO_DEFAULTS,
+        "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
+        "fps": None,  # it samples no frames unless asked and given a rate (qwen-vl-utils samples before it)
+        "do_sample_frames": False,
+        "max_video_tokens": 128000,  # the context length its cap_pixels_per_frame budgets 90% of
+        "patch_size": 14,
+        "image_mean": _CLIP_MEAN,
+        "image_std": _CLIP_STD,
+    },
+)
+QWEN3_VIDEO = VideoRule(
+    linspace=True,
+    clip_budget=True,
+    timestamps=True,
+    processor="Qwen3VLVideoProcessor",
+    pixel_keys=False,
+    defaults={
+        **_VIDEO_DEFAULTS,
+        "size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768},
+        "fps": 2,
+        "do_sample_frames": True,
+        "max_video_tokens": 768,  # tokens per frame under cap_pixels_per_frame
+        "patch_size": 16,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    },
+)
 
 
 @dataclass(frozen=True)

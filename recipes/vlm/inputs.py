@@ -18,7 +18,7 @@ from common.data.packing import IGNORE_INDEX, pad_samples
 from common.data.webdataset import global_train_loader
 from common.errors import ConfigError
 from recipes.vlm import pretrained, qwen
-from recipes.vlm.archs import QWEN2_VIDEO, QWEN_ARCHS, VIDEO_NAMES, VideoRule
+from recipes.vlm.archs import VIDEO_NAMES
 from recipes.vlm.data import (
     blank_sample,
     build_train_loader,
@@ -28,9 +28,8 @@ from recipes.vlm.data import (
     pack_plan,
 )
 from recipes.vlm.model import tower_image_tokens
-from recipes.vlm.schema import MAX_FRAMES, VIDEO_FPS
 from recipes.vlm.sources import QwenWeights, WeightSource
-from recipes.vlm.video import measure_llava_video
+from recipes.vlm.video import VideoConfig, measure_llava_video
 
 
 class LlavaInputs:
@@ -94,21 +93,21 @@ class LlavaInputs:
 
 class QwenInputs:
     """A Qwen2.5-VL's or Qwen3-VL's inputs at native resolution (recipes/vlm/qwen.py): LLaVA-format conversations
-    only, with images and videos (each generation's video rule: QWEN_ARCHS)."""
+    only, with images and videos (each generation's video rule: QWEN_ARCHS; the folder's video processor's values)."""
 
     def __init__(self, processor: qwen.QwenProcessing, model, source: WeightSource, meta: dict):
         if not is_conversations(meta):
             raise ConfigError(
                 f"{source.label} trains on LLaVA-format conversations (data=llava), not on the digits demo's questions"
             )
-        self.video_rule = QWEN_ARCHS[model.config.model_type].video
+        self.video = processor.video  # the folder's video processor's values, the run's rate and frame cap
         self.processor, self.conversations = processor, True
         tokenizer = processor.tokenizer
         self.image_pad, self.video_pad = tokenizer.convert_tokens_to_ids([qwen.IMAGE_PAD, qwen.VIDEO_PAD])
         self.blank = qwen.blank_qwen_sample(processor.image_processor, self.image_pad)
         # Data with videos: every micro-batch holds one (the tower's video call on every rank, every step).
         self.blank_video = (
-            qwen.blank_qwen_sample(processor.image_processor, self.image_pad, self.video_pad)
+            qwen.blank_qwen_sample(processor.image_processor, self.image_pad, self.video_pad, self.video)
             if meta.get("videos")
             else None
         )
@@ -117,7 +116,7 @@ class QwenInputs:
     def encode(self, messages: list[dict], images: list, *, max_seq_len: int | None = None) -> dict:
         p = self.processor
         return qwen.encode_qwen(
-            messages, images, p.tokenizer, p.image_processor, max_seq_len=max_seq_len, video_rule=self.video_rule
+            messages, images, p.tokenizer, p.image_processor, max_seq_len=max_seq_len, video_config=self.video
         )
 
     def _decode(self, max_seq_len: int | None):
@@ -128,9 +127,7 @@ class QwenInputs:
             tokenizer=p.tokenizer,
             image_processor=p.image_processor,
             max_seq_len=max_seq_len,
-            video_fps=p.video_fps,
-            max_frames=p.max_frames,
-            video_rule=self.video_rule,
+            video_config=self.video,
         )
 
     def check_chat_template(self) -> bool:
@@ -157,9 +154,7 @@ class QwenInputs:
             measure_llava_qwen,
             tokenizer=p.tokenizer,
             image_processor=p.image_processor,
-            video_fps=p.video_fps,
-            max_frames=p.max_frames,
-            video_rule=self.video_rule,
+            video_config=self.video,
         )
         # One global sample stream, this rank's share of each step (as LLaVA's: recipes/vlm/data.py), its micro-batches
         # laid out by the samples' tokens and patches (data.pack_buffer).
@@ -220,7 +215,7 @@ class QwenInputs:
             if n:
                 args[values] = sample[values][: int(grid[:n].prod(-1).sum())].to(device, dtype)
                 args[grid_key] = grid[:n].to(device)
-                if pad == self.video_pad and not self.video_rule.timestamps:  # Qwen3-VL's positions: its texts
+                if pad == self.video_pad and not self.video.rule.timestamps:  # Qwen3-VL's positions: its texts
                     args["second_per_grid_ts"] = sample["second_per_grid_ts"][:n].to(device)
         if args:
             args["mm_token_type_ids"] = qwen.modality_types(prompt[None], self.image_pad, self.video_pad).to(device)
@@ -232,9 +227,7 @@ def measure_llava_qwen(
     tokenizer,
     image_processor,
     *,
-    video_fps: float = VIDEO_FPS,
-    max_frames: int = MAX_FRAMES,
-    video_rule: VideoRule = QWEN2_VIDEO,
+    video_config: VideoConfig,
 ) -> tuple[int, int]:
     """A raw prepare_llava sample's (language-model tokens, tower patches) as `qwen.encode_llava_qwen` will make
     them, cheaply, for the loader's plan (common/data/webdataset.py: PackPlan): the chat template's text tokenized,
@@ -249,13 +242,13 @@ def measure_llava_qwen(
 
     record = json.loads(sample["json"])
     patch, merge = image_processor.patch_size, image_processor.merge_size
-    video = measure_llava_video(sample, video_fps, max_frames, image_processor, video_rule)
-    slots = [qwen.video_slot(video[1], image_processor.temporal_patch_size, video_rule)] if video else []
+    video = measure_llava_video(sample, video_config)
+    slots = [qwen.video_slot(video[1], video_config)] if video else []
     text = tokenizer.apply_chat_template(qwen.qwen_messages(record["messages"], slots), tokenize=False)
     tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
     if video:
         t, h, w = video[0]
-        pads = t if video_rule.timestamps else 1  # each pad becomes its share of the video's tokens
+        pads = t if video_config.rule.timestamps else 1  # each pad becomes its share of the video's tokens
         tokens += t * h * w // merge**2 - pads
     patches = t * h * w if video else 0
     size = image_processor.size

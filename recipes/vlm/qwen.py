@@ -7,8 +7,9 @@ patches (two frames each: temporal_patch_size 2), returned as one [patches, 3*2*
 per image. An image is (t*h*w) / merge^2 tokens: the number varies per image, and one `<|image_pad|>` in the chat
 template's rendering stands for all of them (`image_pad_repeats`: transformers' Qwen2_5_VLProcessor rule, applied
 here because the processor itself needs a torchvision video processor the training env lacks, PITFALLS.md). A video
-is frames sampled at data.video_fps within data.max_frames, resized to one size and paired into temporal patches
-(recipes/vlm/video.py: Qwen2VLVideoProcessor's / Qwen3VLVideoProcessor's output, made without them); for Qwen2.5-VL
+is frames sampled and resized as the folder's video processor does (its own budget, rate and frame bounds;
+data.video_fps / data.max_frames where set) and paired into temporal patches (recipes/vlm/video.py:
+Qwen2VLVideoProcessor's / Qwen3VLVideoProcessor's output, made without them); for Qwen2.5-VL
 one `<|video_pad|>` stands for its (t*h*w) / merge^2 tokens, for Qwen3-VL each temporal patch is its own
 `<t seconds><|vision_start|><|video_pad|><|vision_end|>` (Qwen3VLProcessor's timestamps) whose pad stands for its
 (h*w) / merge^2 tokens: QWEN_ARCHS' VideoRule says which.
@@ -38,10 +39,10 @@ import torch
 
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples, pad_samples
 from common.errors import ConfigError
-from recipes.vlm.archs import QWEN2_VIDEO, QWEN_ARCHS, VideoRule, qwen_arch
+from recipes.vlm.archs import QWEN_ARCHS, qwen_arch
 from recipes.vlm.data import IMAGE_TOKEN, batch_counts, read_llava_sample, render_turns, whole_images_cut
-from recipes.vlm.schema import MAX_FRAMES, VIDEO_FPS, check_pixel_budget
-from recipes.vlm.video import Video, read_llava_video, video_patches
+from recipes.vlm.schema import check_pixel_budget
+from recipes.vlm.video import Video, VideoConfig, read_llava_video, read_video_config, video_patches
 
 IMAGE_PAD = "<|image_pad|>"  # the one token the chat template writes per image; expanded to the image's tokens
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -68,19 +69,20 @@ def rope_index_for(config) -> RopeIndex:
 
 
 class QwenProcessing(NamedTuple):
-    """A Qwen2.5-VL folder's tokenizer (its chat template) and image processor: what the trainer holds in place of a
-    LlavaProcessor, and saves into the export as transformers' processor would (tokenizer files, chat template,
-    preprocessor_config.json with the run's pixel budget); and how videos are sampled (data.video_fps,
-    data.max_frames: Qwen2VLVideoProcessor's fps and max_frames)."""
+    """A Qwen-VL folder's tokenizer (its chat template), image processor and video processor's values: what the
+    trainer holds in place of a LlavaProcessor, and saves into the export as transformers' processor would
+    (tokenizer files, chat template, preprocessor_config.json with the run's pixel budget,
+    video_preprocessor_config.json with the run's video budget, rate and frame bounds)."""
 
     tokenizer: object
     image_processor: object
-    video_fps: float = VIDEO_FPS
-    max_frames: int = MAX_FRAMES
+    video: VideoConfig | None  # None: a generation whose videos Kiln does not encode (QWEN_ARCHS' video)
 
     def save_pretrained(self, folder) -> None:
         self.tokenizer.save_pretrained(folder)
         self.image_processor.save_pretrained(folder)
+        if self.video is not None:
+            self.video.save(folder)
 
 
 def load_processing(
@@ -89,16 +91,20 @@ def load_processing(
     *,
     min_pixels: int = 0,
     max_pixels: int = 0,
-    video_fps: float = VIDEO_FPS,
-    max_frames: int = MAX_FRAMES,
+    video_fps: float | None = None,
+    max_frames: int | None = None,
 ) -> QwenProcessing:
-    """(tokenizer, image processor) of a Qwen-VL folder, offline, with the pixel budget ``min_pixels`` /
-    ``max_pixels`` (data.min_pixels / data.max_pixels; 0 keeps the folder's) in place of the folder's. One line
-    when the budget is inverted (transformers would resize silently outside it) or smaller than one merged patch,
-    and when the tokenizer's <|image_pad|> is not the model's ``image_token_id``."""
+    """(tokenizer, image processor, video processor's values) of a Qwen-VL folder, offline, with the image pixel
+    budget ``min_pixels`` / ``max_pixels`` (data.min_pixels / data.max_pixels; 0 keeps the folder's) in place of the
+    folder's, and the video rate and frame cap ``video_fps`` / ``max_frames`` (data.video_fps / data.max_frames;
+    None keeps the folder's). One line when the budget is inverted (transformers would resize silently outside it) or
+    smaller than one merged patch, when the tokenizer's <|image_pad|> is not the model's ``image_token_id``, and
+    when the video processor patches or scales pixels otherwise than the image processor (Kiln patches video frames
+    with it)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    check_pixel_budget(min_pixels, max_pixels, qwen_arch(folder).unit)
+    arch = qwen_arch(folder)
+    check_pixel_budget(min_pixels, max_pixels, arch.unit)
     budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     image_processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True, **budget)
@@ -110,7 +116,16 @@ def load_processing(
         raise ConfigError(
             f"{folder}: the tokenizer's {IMAGE_PAD} is id {pad}, the model's image_token_id is {image_token_id}"
         )
-    return QwenProcessing(tokenizer, image_processor, video_fps, max_frames)
+    if arch.video is None:  # a generation whose videos Kiln does not encode (its runs refuse video data)
+        return QwenProcessing(tokenizer, image_processor, None)
+    video = read_video_config(folder, arch.video, fps=video_fps, max_frames=max_frames)
+    for key in ("patch_size", "temporal_patch_size", "merge_size", "do_rescale", "rescale_factor", "do_normalize"):
+        if video.settings[key] != getattr(image_processor, key):
+            raise ConfigError(
+                f"{folder}: its video processor's {key} is {video.settings[key]}, its image processor's "
+                f"{getattr(image_processor, key)}: Kiln patches video frames with the image processor"
+            )
+    return QwenProcessing(tokenizer, image_processor, video)
 
 
 def load_qwen(folder, attention: str):
@@ -301,19 +316,20 @@ def encode_qwen(
     *,
     videos: Sequence[Video] = (),
     max_seq_len: int | None = None,
-    video_rule: VideoRule = QWEN2_VIDEO,
+    video_config: VideoConfig | None = None,
 ) -> dict:
     """A LLaVA-format conversation -> one Qwen2.5-VL / Qwen3-VL training sequence at native resolution.
 
     ``messages``: [{"role", "content": str}] with `<image>` where each image goes and `<video>` where each video
-    goes, ``images`` in that order (PIL), ``videos`` too (recipes/vlm/video.py: sampled frames and their rate).
-    Each `<image>` becomes Qwen's <|vision_start|><|image_pad|><|vision_end|> (as Qwen's own fine-tuning code
-    writes it), each `<video>` the same with <|video_pad|> (``video_rule.timestamps``, Qwen3-VL: inside it, per
-    temporal patch, its `<t seconds>` and its own <|vision_start|><|video_pad|><|vision_end|>: `video_slot`), the
-    chat template renders the conversation
-    (`render_turns`: labels on the assistant turns, their end of turn included; prompts, system text and image and
-    video tokens -100), the image processor resizes each image (and each video's frames) within its
-    min_pixels..max_pixels and patches it, and each pad becomes its image's (video's) tokens.
+    goes, ``images`` in that order (PIL), ``videos`` too (recipes/vlm/video.py: sampled frames and their rate,
+    patched as ``video_config`` says: the folder's video processor's values, needed with videos). Each `<image>`
+    becomes Qwen's <|vision_start|><|image_pad|><|vision_end|> (as Qwen's own fine-tuning code writes it), each
+    `<video>` the same with <|video_pad|> (``video_config.rule.timestamps``, Qwen3-VL: inside it, per temporal
+    patch, its `<t seconds>` and its own <|vision_start|><|video_pad|><|vision_end|>: `video_slot`), the chat
+    template renders the conversation (`render_turns`: labels on the assistant turns, their end of turn included;
+    prompts, system text and image and video tokens -100), the image processor resizes each image within its
+    min_pixels..max_pixels (each video's frames: within the video budget, recipes/vlm/video.py) and patches it, and
+    each pad becomes its image's (video's) tokens.
 
     Over ``max_seq_len`` tokens the sequence is cut there, never inside an image or a video (it is dropped with
     the ones after it: ``truncated``); a sample whose image and video tokens alone exceed it raises
@@ -323,11 +339,11 @@ def encode_qwen(
     all empty without videos), ``truncated``.
     """
     image_pad_id, video_pad_id = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VIDEO_PAD])
-    per_video = [video_patches(v.frames, image_processor, video_rule) for v in videos]
+    per_video = [video_patches(v.frames, image_processor, video_config) for v in videos]
     video_values = torch.cat([p for p, _ in per_video]) if videos else torch.zeros(0)
     video_grid = torch.cat([g for _, g in per_video]) if videos else torch.zeros((0, 3), dtype=torch.long)
     T = image_processor.temporal_patch_size
-    slots = [video_slot(v.times, T, video_rule) for v in videos]
+    slots = [video_slot(v.times, video_config) for v in videos]
     text, spans = render_turns(qwen_messages(messages, slots), tokenizer)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(enc["input_ids"], dtype=torch.long)
@@ -345,7 +361,7 @@ def encode_qwen(
     counts = image_tokens(grid, image_processor.merge_size)
     video_counts = image_tokens(video_grid, image_processor.merge_size)
     # A video's pads: one, or one per temporal patch (timestamps), each its share of the video's tokens.
-    groups = [int(g[0]) if video_rule.timestamps else 1 for g in video_grid]
+    groups = [int(g[0]) if video_config.rule.timestamps else 1 for g in video_grid]
     pad_counts = [c // n for c, n in zip(video_counts, groups, strict=True) for _ in range(n)]
     repeats = image_pad_repeats(ids, image_pad_id, counts) * image_pad_repeats(
         ids, video_pad_id, pad_counts, kind="video"
@@ -405,13 +421,15 @@ def qwen_messages(messages: list[dict], video_slots: Sequence[str] = ()) -> list
     return out
 
 
-def video_slot(times: Sequence[float], temporal_patch: int, rule: VideoRule = QWEN2_VIDEO) -> str:
+def video_slot(times: Sequence[float], video: VideoConfig) -> str:
     """A video's text in Qwen's chat format, its frames kept at ``times`` (seconds): VIDEO_SLOT; with
-    ``rule.timestamps`` (Qwen3-VL) its temporal patches inside it, each `<t seconds>` (the mean of its first and last
-    frame's time, an odd count's last frame repeated, one decimal) then <|vision_start|><|video_pad|><|vision_end|>:
-    Qwen3VLProcessor.replace_video_token's text, one pad per temporal patch (expanded to its h*w/merge^2 tokens)."""
-    if not rule.timestamps:
+    ``video.rule.timestamps`` (Qwen3-VL) its temporal patches inside it, each `<t seconds>` (the mean of its first
+    and last frame's time, an odd count's last frame repeated, one decimal) then
+    <|vision_start|><|video_pad|><|vision_end|>: Qwen3VLProcessor.replace_video_token's text, one pad per temporal
+    patch (expanded to its h*w/merge^2 tokens)."""
+    if not video.rule.timestamps:
         return VIDEO_SLOT
+    temporal_patch = video.temporal_patch
     times = [*times, *[times[-1]] * (-len(times) % temporal_patch)]
     stamps = [(times[i] + times[i + temporal_patch - 1]) / 2 for i in range(0, len(times), temporal_patch)]
     return VISION_START + "".join(f"<{t:.1f} seconds>" + VIDEO_SLOT for t in stamps) + VISION_END
@@ -423,16 +441,14 @@ def encode_llava_qwen(
     image_processor,
     max_seq_len: int | None = None,
     *,
-    video_fps: float = VIDEO_FPS,
-    max_frames: int = MAX_FRAMES,
-    video_rule: VideoRule = QWEN2_VIDEO,
+    video_config: VideoConfig,
 ) -> dict:
-    """Raw prepare_llava sample (any number of images, a video or none) -> one Qwen2.5-VL training sequence
-    (`encode_qwen`; the video's frames sampled at ``video_fps`` within ``max_frames``) with its ``key``; a sample
+    """Raw prepare_llava sample (any number of images, a video or none) -> one Qwen-VL training sequence
+    (`encode_qwen`; the video's frames sampled as ``video_config`` says) with its ``key``; a sample
     whose image and video tokens alone exceed ``max_seq_len`` -> ``{"skipped": reason, "key"}``, which
     `collate_qwen` drops and counts (the loader's decode failures are corrupt data; this one is a budget)."""
     record, images = read_llava_sample(sample)
-    video = read_llava_video(sample, video_fps, max_frames, image_processor.temporal_patch_size, video_rule)
+    video = read_llava_video(sample, video_config)
     try:
         enc = encode_qwen(
             record["messages"],
@@ -441,26 +457,28 @@ def encode_llava_qwen(
             image_processor,
             videos=[video] if video is not None else [],
             max_seq_len=max_seq_len,
-            video_rule=video_rule,
+            video_config=video_config,
         )
     except ImageTokensExceed as exc:
         return {"skipped": str(exc), "key": record["id"]}
     return {**enc, "key": record["id"]}
 
 
-def blank_qwen_sample(image_processor, image_pad_id: int, video_pad_id: int | None = None) -> dict:
+def blank_qwen_sample(
+    image_processor, image_pad_id: int, video_pad_id: int | None = None, video: VideoConfig | None = None
+) -> dict:
     """The smallest image the processor makes (a black min_pixels image) as its pads alone, no label: the stand-in
     `collate_qwen` adds to a micro-batch without images, so the tower and merger run in every step on every rank
     (ZeRO-3 gathers their weights collectively; see recipes/vlm/data.py's `collate`). With ``video_pad_id``: the
-    smallest video instead (one temporal patch of two black min_pixels frames), the stand-in for a micro-batch
-    without videos when the data has videos (the model's forward runs the tower once for images, once for videos:
-    every rank must make both calls in every step)."""
+    smallest video instead (one temporal patch of two black min_pixels frames, patched as ``video`` says), the
+    stand-in for a micro-batch without videos when the data has videos (the model's forward runs the tower once for
+    images, once for videos: every rank must make both calls in every step)."""
     from PIL import Image
 
     side = int(image_processor.size["shortest_edge"] ** 0.5)
     black = Image.new("RGB", (side, side))
     if video_pad_id is not None:
-        pixel_values, grid = video_patches(np.stack([np.asarray(black)] * 2), image_processor)
+        pixel_values, grid = video_patches(np.stack([np.asarray(black)] * 2), image_processor, video)
         ids = torch.full((image_tokens(grid, image_processor.merge_size)[0],), video_pad_id, dtype=torch.long)
         return {
             "input_ids": ids,

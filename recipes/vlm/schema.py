@@ -10,9 +10,6 @@ from typing import Optional
 from common.config import DataConfig
 from common.errors import ConfigError
 
-# Qwen2VLVideoProcessor's sampling defaults (and qwen-vl-utils'): 2 frames per second of video, at most 768 frames.
-VIDEO_FPS, MAX_FRAMES = 2.0, 768
-
 
 @dataclass
 class VLMModelConfig:
@@ -70,13 +67,15 @@ class VLMDataConfig(DataConfig):
     max_seq_len: int = 256
     # Native resolution (a Qwen2.5-VL / Qwen3-VL model.init_from): each image keeps its aspect ratio, resized by the
     # image processor to a multiple of 28 px (Qwen3-VL: 32) with min_pixels <= h*w <= max_pixels; 0 keeps the
-    # folder's budget.
+    # folder's budget. Images only: videos keep the budget of the folder's video processor (recipes/vlm/video.py).
     min_pixels: int = 0
     max_pixels: int = 0
     # Videos (a Qwen2.5-VL or Qwen3-VL model.init_from): frames sampled at video_fps per second of video, at most
-    # max_frames, as Qwen2VLVideoProcessor's / Qwen3VLVideoProcessor's fps / max_frames.
-    video_fps: float = VIDEO_FPS
-    max_frames: int = MAX_FRAMES
+    # max_frames: the fps / max_frames of the folder's video processor (video_preprocessor_config.json, as
+    # transformers loads it) when null, these values in their place when set; the export's video processor config
+    # records what ran. (Qwen2.5-VL's video processor names no rate of its own: 2, qwen-vl-utils'.)
+    video_fps: Optional[float] = None
+    max_frames: Optional[int] = None
     # How many steps' samples the loader lays out together by their sizes (language tokens, tower patches: Qwen2.5-VL
     # conversations): each step's micro-batches (ranks x grad_accum) get samples that fill their rows and balance
     # their tower sequences; more than 1 also chooses which samples share a step. 0: by stream position.
@@ -98,11 +97,12 @@ def check_pixel_budget(min_pixels: int, max_pixels: int, unit: int) -> None:
         raise ConfigError(f"data.min_pixels={min_pixels} is above data.max_pixels={max_pixels}")
 
 
-def check_video_sampling(video_fps: float, max_frames: int) -> None:
-    """One line for a video sampling rate that is not positive or a frame budget below one temporal patch."""
-    if not video_fps > 0:
+def check_video_sampling(video_fps: float | None, max_frames: int | None) -> None:
+    """One line for a video sampling rate that is not positive or a frame budget below one temporal patch (None:
+    the folder's, checked by nothing here)."""
+    if video_fps is not None and not video_fps > 0:
         raise ConfigError(f"data.video_fps={video_fps} must be above 0 (frames sampled per second of video)")
-    if max_frames < VIDEO_TEMPORAL_PATCH:
+    if max_frames is not None and max_frames < VIDEO_TEMPORAL_PATCH:
         raise ConfigError(
             f"data.max_frames={max_frames} is below one temporal patch ({VIDEO_TEMPORAL_PATCH} frames) of the tower"
         )

@@ -24,7 +24,7 @@ from common.config import TrainConfig
 from common.errors import ConfigError, DataError
 from common.weights import check_folder
 from recipes.vlm.archs import QWEN_ARCHS, QWEN_NAMES, VIDEO_NAMES
-from recipes.vlm.schema import MAX_FRAMES, VIDEO_FPS, VLMModelConfig, check_pixel_budget, check_video_sampling
+from recipes.vlm.schema import VLMModelConfig, check_pixel_budget, check_video_sampling
 
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 
@@ -385,17 +385,18 @@ class LlavaWeights:
 
 
 class QwenWeights:
-    """A Qwen2.5-VL or Qwen3-VL folder, whole: its config, tokenizer (chat template) and image processor, the
-    processor's pixel budget replaced by data.min_pixels / data.max_pixels where they are set (native resolution:
-    recipes/vlm/qwen.py)."""
+    """A Qwen2.5-VL or Qwen3-VL folder, whole: its config, tokenizer (chat template), image processor and video
+    processor's values, the image processor's pixel budget replaced by data.min_pixels / data.max_pixels and the
+    video rate and frame cap by data.video_fps / data.max_frames where they are set (native resolution:
+    recipes/vlm/qwen.py, recipes/vlm/video.py)."""
 
     def __init__(
         self,
         init_from: str,
         min_pixels: int = 0,
         max_pixels: int = 0,
-        video_fps: float = VIDEO_FPS,
-        max_frames: int = MAX_FRAMES,
+        video_fps: float | None = None,
+        max_frames: int | None = None,
     ):
         self.init_from, self.min_pixels, self.max_pixels = init_from, min_pixels, max_pixels
         self.video_fps, self.max_frames = video_fps, max_frames
@@ -468,13 +469,22 @@ class QwenWeights:
         from recipes.vlm.parallelize import vlm_parts
 
         tower, merger, language = vlm_parts(model)
-        budget = self.processor().image_processor.size
+        processing = self.processor()
+        budget, video = processing.image_processor.size, processing.video
         mergers = "mergers (DeepStack's included)" if self.arch.deepstack else "merger"
+        # the video values too: the folder's video processor's, not the images' (recipes/vlm/video.py)
+        videos = (
+            f"; videos within {video.min_pixels:,}..{video.max_pixels:,} pixels "
+            f"{'a clip' if video.rule.clip_budget else 'a frame'}, {video.fps:g} frames per second, "
+            f"{video.min_frames}..{video.max_frames} frames"
+            if video
+            else ""
+        )
         return (
             f"kiln: {self.label}: loaded all {_params(model):,} weights ({self.arch.name}): vision tower "
             f"({_params(tower) - _params(merger):,}), {mergers} ({_params(merger):,}), language model "
             f"({_params(language) + _params(model.lm_head):,}); images at native resolution within "
-            f"{budget['shortest_edge']:,}..{budget['longest_edge']:,} pixels"
+            f"{budget['shortest_edge']:,}..{budget['longest_edge']:,} pixels{videos}"
         )
 
 
@@ -506,9 +516,9 @@ def weight_source(cfg: TrainConfig, meta: dict | None = None) -> WeightSource:
             "data.min_pixels / data.max_pixels are the pixel budget of a native-resolution model "
             f"(model.init_from=<a {QWEN_NAMES} folder>); a LLaVA resizes every image to its tower's image size"
         )
-    video = getattr(d, "video_fps", VIDEO_FPS), getattr(d, "max_frames", MAX_FRAMES)
+    video = getattr(d, "video_fps", None), getattr(d, "max_frames", None)
     arch = QWEN_ARCHS.get(model_type)
-    if not (arch and arch.video) and video != (VIDEO_FPS, MAX_FRAMES):
+    if not (arch and arch.video) and video != (None, None):
         raise ConfigError(
             "data.video_fps / data.max_frames sample the videos of a native-resolution model "
             f"(model.init_from=<a {VIDEO_NAMES} folder>); {arch.name if arch else 'a LLaVA'} takes images only"

@@ -69,6 +69,15 @@ def test_export_is_the_trained_qwen_and_the_tower_stays_the_release(run):
     tokenizer, image_processor = AutoTokenizer.from_pretrained(export), AutoImageProcessor.from_pretrained(export)
     unit = QWEN_ARCHS[arch].unit  # images of 4..16 merged tokens (tests/fixtures/vlm.py qwen_run_args)
     assert image_processor.size == {"shortest_edge": unit**2 * 4, "longest_edge": unit**2 * 16}
+    # its video processor config: the run's rate (data.video_fps=4), the release's video budget (Qwen2.5-VL's: its
+    # image processor's, which transformers reads in the absence of a video config) and frame cap; transformers
+    # loading it: tests/integration/test_vlm_qwen_processor.py
+    video = json.loads((export / "video_preprocessor_config.json").read_text())
+    source = next(
+        p for p in (release / "video_preprocessor_config.json", release / "preprocessor_config.json") if p.exists()
+    )
+    assert video["fps"] == 4.0 and video["video_processor_type"] == QWEN_ARCHS[arch].video.processor
+    assert (video["size"], video["max_frames"]) == (json.loads(source.read_text())["size"], 768)
 
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (90, 60, 3), dtype=np.uint8))
@@ -110,5 +119,10 @@ def test_export_from_the_checkpoint_is_the_run_export(run, tmp_path):
         load_file(run_dir / "export" / "model.safetensors"),
     )
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
-    for name in ("preprocessor_config.json", "tokenizer_config.json", "chat_template.jinja"):
+    for name in (
+        "preprocessor_config.json",
+        "video_preprocessor_config.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
         assert (tmp_path / "export" / name).read_text() == (run_dir / "export" / name).read_text(), name

@@ -15,6 +15,7 @@ from common.tools.fixtures import encode_video, make_qwen2_5_vl, make_qwen3_vl
 from recipes.vlm.archs import QWEN_ARCHS
 from recipes.vlm.inputs import measure_llava_qwen
 from recipes.vlm.qwen import encode_llava_qwen
+from recipes.vlm.video import read_video_config
 
 
 def raw_sample(messages: list[dict], sizes: list[tuple[int, int]]) -> dict:
@@ -34,7 +35,8 @@ def processing(tmp_path_factory):
     from transformers import AutoImageProcessor, AutoTokenizer
 
     folder = make_qwen2_5_vl(tmp_path_factory.mktemp("qwen"), max_pixels=28 * 28 * 16)
-    return AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
+    video = read_video_config(folder, QWEN_ARCHS["qwen2_5_vl"].video)
+    return AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder), video
 
 
 @pytest.mark.parametrize(
@@ -43,20 +45,23 @@ def processing(tmp_path_factory):
     ids=["text", "one", "three", "four"],
 )
 def test_qwen_measure_is_what_the_encoder_makes(processing, sizes):
-    tokenizer, processor = processing
+    tokenizer, processor, video = processing
     prompt = "".join("<image>" for _ in sizes) + "Tell me about these, at some length please."
     messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": "They are pictures. " * 7}]
     sample = raw_sample(messages, sizes)
-    enc = encode_llava_qwen(sample, tokenizer, processor)
-    assert measure_llava_qwen(sample, tokenizer, processor) == (len(enc["input_ids"]), len(enc["pixel_values"]))
+    enc = encode_llava_qwen(sample, tokenizer, processor, video_config=video)
+    measure = measure_llava_qwen(sample, tokenizer, processor, video_config=video)
+    assert measure == (len(enc["input_ids"]), len(enc["pixel_values"]))
 
 
 @pytest.fixture(scope="module")
 def processing3(tmp_path_factory):
     from transformers import AutoImageProcessor, AutoTokenizer
 
+    # its video processor's budget (over the clip) is not its image processor's: the measure takes the video's
     folder = make_qwen3_vl(tmp_path_factory.mktemp("qwen3"))
-    return AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
+    video = read_video_config(folder, QWEN_ARCHS["qwen3_vl"].video)
+    return AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder), video
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
@@ -72,7 +77,7 @@ def test_qwen_measure_counts_the_video(processing, processing3, arch, video):
     the record and the first frame file's header, no frame decoded) equals the encoder's tokens (Qwen3-VL's
     timestamp texts included) and its image's and video's tower patches, with the frames at a size each budget
     resizes (over one frame for Qwen2.5-VL, over the clip for Qwen3-VL)."""
-    tokenizer, processor = processing if arch == "qwen2_5_vl" else processing3
+    tokenizer, processor, video_config = processing if arch == "qwen2_5_vl" else processing3
     kind, n, rate = video
     messages = [
         {"role": "user", "content": "<image>\nFirst this, then this: <video>\nWhat happens?"},
@@ -93,10 +98,9 @@ def test_qwen_measure_counts_the_video(processing, processing3, arch, video):
         record["video"] = {"container": kind}
         sample["video"] = encode_video(clip, rate, kind)
     sample["json"] = json.dumps(record).encode()
-    rule = QWEN_ARCHS[arch].video
-    enc = encode_llava_qwen(sample, tokenizer, processor, video_fps=2.0, max_frames=768, video_rule=rule)
+    enc = encode_llava_qwen(sample, tokenizer, processor, video_config=video_config)
     patches = len(enc["pixel_values"]) + len(enc["pixel_values_videos"])
-    measure = measure_llava_qwen(sample, tokenizer, processor, video_fps=2.0, max_frames=768, video_rule=rule)
+    measure = measure_llava_qwen(sample, tokenizer, processor, video_config=video_config)
     assert len(enc["video_grid_thw"]) == 1 and measure == (len(enc["input_ids"]), patches)
 
 

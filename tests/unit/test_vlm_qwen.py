@@ -15,7 +15,7 @@ import torch
 from common.data.packing import IGNORE_INDEX
 from common.errors import ConfigError
 from common.tools.fixtures import make_qwen2_5_vl, make_qwen3_vl
-from recipes.vlm.archs import QWEN_ARCHS
+from recipes.vlm.archs import QWEN2_VIDEO, QWEN3_VIDEO, QWEN_ARCHS
 from recipes.vlm.parallelize import freeze_for_stage
 from recipes.vlm.qwen import (
     IMAGE_PAD,
@@ -31,7 +31,10 @@ from recipes.vlm.qwen import (
     pack_qwen,
     rope_index_for,
 )
-from recipes.vlm.video import frames_video, sample_frame_indices
+from recipes.vlm.video import frame_size, frames_video, read_video_config, sample_frame_indices, video_config
+
+# Qwen2VLVideoProcessor's own values (a folder whose config says nothing; its rate: qwen-vl-utils' 2 fps)
+QWEN2 = video_config({}, QWEN2_VIDEO)
 
 # (height, width): one above max_pixels (shrunk), one near min_pixels, a wide one spanning several
 # 112-px attention windows of the tower (its windowed blocks), a tall one.
@@ -39,7 +42,8 @@ SIZES = [(300, 200), (56, 84), (140, 224), (112, 56)]
 
 
 def load_release(folder):
-    """A release folder as transformers loads it: its model (fp32, eval), tokenizer and image processor."""
+    """A release folder as transformers loads it: its model (fp32, eval), tokenizer and image processor; and its
+    video processor's values (`video`: recipes/vlm/video.py, as the training run reads them)."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
@@ -49,6 +53,7 @@ def load_release(folder):
         model=model,
         tokenizer=tokenizer,
         image_processor=AutoImageProcessor.from_pretrained(folder),
+        video=read_video_config(folder, QWEN_ARCHS[model.config.model_type].video),
         image_pad=tokenizer.convert_tokens_to_ids(IMAGE_PAD),
         video_pad=tokenizer.convert_tokens_to_ids(VIDEO_PAD),
     )
@@ -156,16 +161,16 @@ def alone_outputs(qwen):
     at 2 fps (Qwen2.5-VL: to 4 frames; Qwen3-VL: to 5, each temporal patch after its timestamp text), and an image
     and a video of 5 frames, an odd count the patching pads."""
     tok, ip = qwen.tokenizer, qwen.image_processor
-    rule = QWEN_ARCHS[qwen.model.config.model_type].video
+    rule, video = qwen.video.rule, qwen.video
     samples = [
         encode_qwen(conversation(n), ims, tok, ip)
         for n, ims in ((0, []), (1, [image(300, 200, 0)]), (2, [image(56, 84, 1), image(140, 224, 2)]))
     ]
-    sampled = frames_video(list(frames(25, 56, 84, 3)), 2.0, 768, source_fps=10.0, rule=rule)
-    as_given = frames_video(list(frames(5, 84, 56, 4)), 2.0, 768, rule=rule)
+    sampled = frames_video(list(frames(25, 56, 84, 3)), video, source_fps=10.0)
+    as_given = frames_video(list(frames(5, 84, 56, 4)), video)
     samples += [
-        encode_qwen(video_conversation(), [], tok, ip, videos=[sampled], video_rule=rule),
-        encode_qwen(video_conversation(1), [image(112, 56, 5)], tok, ip, videos=[as_given], video_rule=rule),
+        encode_qwen(video_conversation(), [], tok, ip, videos=[sampled], video_config=video),
+        encode_qwen(video_conversation(1), [image(112, 56, 5)], tok, ip, videos=[as_given], video_config=video),
     ]
     if rule.timestamps:  # 5 frames -> 3 temporal patches (the last padded) at 64 x 96 px; 84 x 56 -> 96 x 64
         assert [s["video_grid_thw"].tolist() for s in samples[3:]] == [[[3, 4, 6]], [[3, 6, 4]]]
@@ -268,8 +273,8 @@ def test_video_tokens_placeholders_and_cuts(qwen):
     video without one) is one line; a cut never splits a video, and image and video tokens alone over the length
     are a counted skip."""
     tok, ip = qwen.tokenizer, qwen.image_processor
-    clip = frames_video(list(frames(6, 84, 56, 0)), 2.0, 768)
-    enc = encode_qwen(video_conversation(1), [image(56, 84, 1)], tok, ip, videos=[clip])
+    clip = frames_video(list(frames(6, 84, 56, 0)), qwen.video)
+    enc = encode_qwen(video_conversation(1), [image(56, 84, 1)], tok, ip, videos=[clip], video_config=qwen.video)
     ids = enc["input_ids"]
     assert enc["video_grid_thw"].tolist() == [[3, 6, 4]] and enc["pixel_values_videos"].shape == (72, 3 * 2 * 14 * 14)
     video_at = torch.nonzero(ids == qwen.video_pad).flatten()
@@ -286,14 +291,24 @@ def test_video_tokens_placeholders_and_cuts(qwen):
     ):
         encode_qwen(video_conversation(), [], tok, ip)
     with pytest.raises(ValueError, match=r"^the conversation has 0 video placeholder\(s\) but 1 video\(s\)"):
-        encode_qwen(conversation(0), [], tok, ip, videos=[clip])
+        encode_qwen(conversation(0), [], tok, ip, videos=[clip], video_config=qwen.video)
     # A cut inside the video: the sequence ends before it, the image stays whole, the video is dropped.
-    cut = encode_qwen(video_conversation(1), [image(56, 84, 1)], tok, ip, videos=[clip], max_seq_len=int(video_at[5]))
+    cut = encode_qwen(
+        video_conversation(1),
+        [image(56, 84, 1)],
+        tok,
+        ip,
+        videos=[clip],
+        max_seq_len=int(video_at[5]),
+        video_config=qwen.video,
+    )
     assert cut["truncated"] and torch.equal(cut["input_ids"], ids[: int(video_at[0])])
     assert cut["image_grid_thw"].tolist() == [[1, 4, 6]] and cut["video_grid_thw"].shape == (0, 3)
     assert cut["pixel_values_videos"].numel() == 0 and cut["second_per_grid_ts"].numel() == 0
     with pytest.raises(ImageTokensExceed, match=r"^its 1 image\(s\) and 1 video\(s\) take 24 tokens, more than"):
-        encode_qwen(video_conversation(1), [image(56, 84, 1)], tok, ip, videos=[clip], max_seq_len=20)
+        encode_qwen(
+            video_conversation(1), [image(56, 84, 1)], tok, ip, videos=[clip], max_seq_len=20, video_config=qwen.video
+        )
 
 
 def test_qwen3_video_timestamps_and_cuts(qwen3):
@@ -301,9 +316,9 @@ def test_qwen3_video_timestamps_and_cuts(qwen3):
     its two frames, one decimal) and that patch's own <|vision_start|>, (h*w) / merge^2 pads, <|vision_end|>
     (Qwen3VLProcessor.replace_video_token's text, written out here by hand; tests/integration compares the
     processor's ids); the text is unlabelled; a cut inside the video drops all of it, its other patches too."""
-    tok, ip, rule = qwen3.tokenizer, qwen3.image_processor, QWEN_ARCHS["qwen3_vl"].video
-    clip = frames_video(list(frames(6, 64, 96, 0)), 2.0, 768, rule=rule)  # at 0, 0.5 .. 2.5 s; kept at 64 x 96
-    enc = encode_qwen(video_conversation(1), [image(64, 96, 1)], tok, ip, videos=[clip], video_rule=rule)
+    tok, ip, vc = qwen3.tokenizer, qwen3.image_processor, qwen3.video
+    clip = frames_video(list(frames(6, 64, 96, 0)), vc)  # at 0, 0.5 .. 2.5 s; kept at 64 x 96
+    enc = encode_qwen(video_conversation(1), [image(64, 96, 1)], tok, ip, videos=[clip], video_config=vc)
     ids = enc["input_ids"]
     assert enc["video_grid_thw"].tolist() == [[3, 4, 6]] and enc["pixel_values_videos"].shape == (72, 3 * 2 * 16 * 16)
     patch = "<|vision_start|>" + "<|video_pad|>" * 6 + "<|vision_end|>"  # 4 x 6 patches, 2x2 merged
@@ -312,7 +327,13 @@ def test_qwen3_video_timestamps_and_cuts(qwen3):
     video_at = torch.nonzero(ids == qwen3.video_pad).flatten()
     assert (enc["labels"][: int(video_at[-1]) + 2] == IGNORE_INDEX).all()  # the user's turn, timestamps included
     cut = encode_qwen(
-        video_conversation(1), [image(64, 96, 1)], tok, ip, videos=[clip], max_seq_len=int(video_at[8]), video_rule=rule
+        video_conversation(1),
+        [image(64, 96, 1)],
+        tok,
+        ip,
+        videos=[clip],
+        max_seq_len=int(video_at[8]),
+        video_config=vc,
     )
     assert cut["truncated"] and torch.equal(cut["input_ids"], ids[: int(video_at[0])])
     assert cut["image_grid_thw"].tolist() == [[1, 4, 6]] and cut["video_grid_thw"].shape == (0, 3)
@@ -330,12 +351,12 @@ def test_container_videos_decode_to_the_sampled_frames(container):
 
     source = frames(25, 56, 84, 7)
     data = encode_video(source, 10, container)
-    video = decode_video(data, 2.0, 768)
-    assert sample_frame_indices(25, 10.0, 2.0, 768).tolist() == [0, 6, 12, 18]
+    video = decode_video(data, QWEN2)
+    assert sample_frame_indices(25, 10.0, QWEN2).tolist() == [0, 6, 12, 18]
     assert np.array_equal(video.frames, source[[0, 6, 12, 18]]) and video.fps == pytest.approx(1.6)
-    assert decode_video(data, 2.0, 2).frames.shape[0] == 2
+    assert decode_video(data, QWEN2._replace(max_frames=2)).frames.shape[0] == 2
     with pytest.raises(ValueError):  # av's InvalidDataError: the loader counts the sample as corrupt
-        decode_video(b"not a video at all", 2.0, 768)
+        decode_video(b"not a video at all", QWEN2)
 
 
 def test_frame_files_are_a_video_at_the_sampling_rate():
@@ -343,12 +364,66 @@ def test_frame_files_are_a_video_at_the_sampling_rate():
     when patched), fewer when over data.max_frames; with the rate they were taken at, sampled like a container's;
     frames of different sizes are one line."""
     six = list(frames(6, 56, 56, 0))
-    assert frames_video(six[:5], 2.0, 768).frames.shape[0] == 5 and frames_video(six[:5], 2.0, 768).fps == 2.0
-    assert frames_video(six, 2.0, 4).frames.shape[0] == 4
-    taken = frames_video(six, 2.0, 768, source_fps=4.0)  # 1.5 s at 2 fps: 3 frames, at least 4 -> 4 of 6
+    assert frames_video(six[:5], QWEN2).frames.shape[0] == 5 and frames_video(six[:5], QWEN2).fps == 2.0
+    assert frames_video(six, QWEN2._replace(max_frames=4)).frames.shape[0] == 4
+    taken = frames_video(six, QWEN2, source_fps=4.0)  # 1.5 s at 2 fps: 3 frames, at least 4 -> 4 of 6
     assert np.array_equal(taken.frames, np.stack(six)[[0, 1, 3, 4]]) and taken.fps == pytest.approx(4 * 4 / 6)
     with pytest.raises(ValueError, match=r"^its frames differ in size: \[\(56, 56\), \(84, 56\)\]$"):
-        frames_video([*six[:2], frames(1, 84, 56, 1)[0]], 2.0, 768)
+        frames_video([*six[:2], frames(1, 84, 56, 1)[0]], QWEN2)
+
+
+def test_video_values_are_the_folders_video_processor(qwen, qwen3, tmp_path):
+    """Videos take the values of the video processor transformers loads from the folder, not the image processor's:
+    Qwen3-VL's video_preprocessor_config.json (its own budget over the clip, as released), Qwen2.5-VL's
+    preprocessor_config.json where it ships no video config; processor_config.json's nested one before both, and
+    Qwen2VLVideoProcessor's min_pixels / max_pixels keys over its size. data.video_fps / data.max_frames replace the
+    rate and frame cap (None: the folder's) and the export writes what ran. Reference: Qwen3VLVideoProcessor itself
+    (it imports without torchvision; Qwen2VLVideoProcessor does not: tests/integration/test_vlm_qwen_processor.py),
+    its class attributes, frame sampling and patch count (with the per-frame cap too)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    assert {k: getattr(Qwen3VLVideoProcessor, k) for k in QWEN3_VIDEO.defaults} == QWEN3_VIDEO.defaults
+    reference = Qwen3VLVideoProcessor.from_pretrained(qwen3.folder)
+    video, image = qwen3.video, qwen3.image_processor.size
+    assert (video.min_pixels, video.max_pixels) == (reference.size.shortest_edge, reference.size.longest_edge)
+    assert (video.min_pixels, video.max_pixels) != (image["shortest_edge"], image["longest_edge"])
+    assert (video.fps, video.min_frames, video.max_frames) == (reference.fps, reference.min_frames, 768)
+    assert (qwen.video.min_pixels, qwen.video.max_pixels, qwen.video.fps) == (28 * 28 * 4, 28 * 28 * 64, 2.0)
+    # the run's rate and frame cap, written into the export and read back from it by transformers
+    run = load_processing(qwen3.folder, qwen3.model.config.image_token_id, video_fps=1.0, max_frames=4)
+    run.save_pretrained(tmp_path / "export")
+    exported = Qwen3VLVideoProcessor.from_pretrained(tmp_path / "export")
+    assert (exported.fps, exported.max_frames, exported.cap_pixels_per_frame) == (1.0, 4, False)
+    assert read_video_config(tmp_path / "export", QWEN3_VIDEO) == run.video
+    for total, rate in ((25, 10.0), (300, 30.0), (7, 5.0)):
+        meta = VideoMetadata(total_num_frames=total, fps=rate)
+        want = exported.sample_frames(meta).tolist()
+        assert sample_frame_indices(total, rate, run.video).tolist() == want, (total, rate)
+    # the per-frame cap, where a folder turns it on
+    capped = {"cap_pixels_per_frame": True, "max_video_tokens": 4}
+    reference = Qwen3VLVideoProcessor.from_pretrained(qwen3.folder, **capped)
+    for n, h, w in ((10, 100, 150), (4, 300, 200), (2, 64, 64)):
+        gh, gw = (side // 16 for side in frame_size(n, h, w, video._replace(**capped)))
+        assert -(-n // 2) * gh * gw == reference.get_num_of_video_patches(n, h, w), (n, h, w)
+    # transformers' order of files, and the keys each class reads
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps({"size": {"shortest_edge": 4096, "longest_edge": 8192}, "min_pixels": 3136, "max_pixels": 6272})
+    )
+    assert read_video_config(folder, QWEN2_VIDEO)[1:3] == (3136, 6272)
+    assert read_video_config(folder, QWEN3_VIDEO)[1:3] == (4096, 8192)
+    (folder / "video_preprocessor_config.json").write_text(json.dumps({"fps": 4}))
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    assert read_video_config(folder, QWEN3_VIDEO).fps == Qwen3VLVideoProcessor.from_pretrained(folder).fps == 4
+    (folder / "processor_config.json").write_text(json.dumps({"video_processor": {"fps": 3, "num_frames": 8}}))
+    assert Qwen3VLVideoProcessor.from_pretrained(folder).fps == 3
+    with pytest.raises(ConfigError) as err:
+        read_video_config(folder, QWEN3_VIDEO)
+    assert str(err.value) == (
+        f"{folder}: its video processor samples a fixed num_frames=8; Kiln samples videos by rate (data.video_fps)"
+    )
 
 
 def _starts(lens: list[int]) -> list[tuple[int, int]]:
@@ -386,7 +461,7 @@ def test_llava_samples_collate_with_counted_skips_and_a_blank(qwen):
     """prepare_llava samples with 0 and 2 images and one whose images alone exceed max_seq_len: the over-long one
     is dropped and counted, the rest pack; a micro-batch without images gets the blank image, unlabelled."""
     cfg = qwen.model.config
-    kw = dict(max_seq_len=100)
+    kw = dict(max_seq_len=100, video_config=qwen.video)
     two = encode_llava_qwen(
         llava_sample("two", conversation(2), [image(56, 84, 1), image(112, 56, 2)]),
         qwen.tokenizer,
@@ -441,14 +516,16 @@ def test_raw_video_samples_decode_and_every_batch_gets_a_video(qwen):
         ),
         **{f"frame{i}": png(image_of(f)) for i, f in enumerate(shots)},
     }
-    clip = encode_llava_qwen(container, tok, ip, video_fps=2.0, max_frames=768)
+    clip = encode_llava_qwen(container, tok, ip, video_config=qwen.video)
     assert clip["video_grid_thw"].tolist() == [[2, 4, 6]] and clip["second_per_grid_ts"].tolist() == [1.25]
-    short = encode_llava_qwen(container, tok, ip, video_fps=2.0, max_frames=2)  # 2 frames over 2.5 s: 0.8 fps
+    short = encode_llava_qwen(
+        container, tok, ip, video_config=qwen.video._replace(max_frames=2)
+    )  # 2 frames over 2.5 s: 0.8 fps
     assert short["video_grid_thw"].tolist() == [[1, 4, 6]] and short["second_per_grid_ts"].tolist() == [2.5]
-    few = encode_llava_qwen(listed, tok, ip, video_fps=2.0, max_frames=768)
+    few = encode_llava_qwen(listed, tok, ip, video_config=qwen.video)
     assert few["video_grid_thw"].tolist() == [[2, 4, 4]] and few["second_per_grid_ts"].tolist() == [1.0]  # 3 -> 4
     blank = blank_qwen_sample(ip, qwen.image_pad)
-    blank_video = blank_qwen_sample(ip, qwen.image_pad, qwen.video_pad)
+    blank_video = blank_qwen_sample(ip, qwen.image_pad, qwen.video_pad, qwen.video)
     assert blank_video["video_grid_thw"].tolist() == [[1, 4, 4]] and (blank_video["labels"] == IGNORE_INDEX).all()
     text = encode_qwen(conversation(0), [], tok, ip)
     collate = dict(
@@ -482,7 +559,7 @@ def test_held_out_video_conversations_evaluate_and_generate(request, arch, tmp_p
     from recipes.vlm.qwen import QwenProcessing
 
     qwen = request.getfixturevalue(ARCHS[arch])
-    tok, ip, rule = qwen.tokenizer, qwen.image_processor, QWEN_ARCHS[arch].video
+    tok, ip, rule = qwen.tokenizer, qwen.image_processor, qwen.video.rule
     clip = frames(25, 56, 84, 7)
     raw = [
         {
@@ -498,11 +575,11 @@ def test_held_out_video_conversations_evaluate_and_generate(request, arch, tmp_p
         for sample in raw:
             sink.write(sample)
     meta = {"format": "llava-conversations", "videos": 1}
-    inputs = QwenInputs(QwenProcessing(tok, ip), qwen.model, types.SimpleNamespace(label="qwen"), meta)
+    inputs = QwenInputs(QwenProcessing(tok, ip, qwen.video), qwen.model, types.SimpleNamespace(label="qwen"), meta)
     out = conversation_eval(
         qwen.model, inputs, [str(tmp_path / "val.tar")], limit=2, max_seq_len=512, max_new_tokens=4, device="cpu"
     )
-    encoded = [encode_llava_qwen(s, tok, ip, video_rule=rule) for s in raw]
+    encoded = [encode_llava_qwen(s, tok, ip, video_config=qwen.video) for s in raw]
     assert out["num_samples"] == 2 and out["val_tokens"] == sum(
         int((e["labels"][1:] != IGNORE_INDEX).sum()) for e in encoded
     )
@@ -668,7 +745,9 @@ def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(r
     )
     assert (video.data.video_fps, video.data.max_frames) == (1.0, 64)
     videos = {"format": "llava-conversations", "videos": 2}  # data with videos sets up (and its blank video)
-    assert QwenInputs(QwenProcessing(qwen.tokenizer, qwen.image_processor), qwen.model, qwen, videos).blank_video
+    assert QwenInputs(
+        QwenProcessing(qwen.tokenizer, qwen.image_processor, qwen.video), qwen.model, qwen, videos
+    ).blank_video
     if arch == "qwen2_5_vl":
         return
     # Qwen3-VL: parallel.cp (DeepStack adds to whole rows) stops at composition.
