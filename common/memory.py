@@ -187,17 +187,17 @@ def _qk_norm_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
     (Block.qk_norm_keeps_input False) multiplies the fp32 copy instead: x itself is not kept where it is not fp32."""
     if not block.qk_norm:
         return []
-    sbh, sba = s * b * block.attention_width, s * b * block.heads  # over q's heads x head_dim
+    sbq, sba = s * b * block.attention_width, s * b * block.heads  # over q's heads x head_dim
     keeps = block.qk_norm_keeps_input
     kv = (block.kv_heads or block.heads) / block.heads  # k's heads: the norm runs before GQA repeats them
     return [
         Saved(f"{name} norm {what}", nbytes, True)
         for name, frac in (("q", 1.0), ("k", kv))
         for what, nbytes in (
-            ("input", e * sbh * frac if keeps else 0.0),
-            ("input (fp32)", 4 * sbh * frac if e != 4 or not keeps else 0.0),
+            ("input", e * sbq * frac if keeps else 0.0),
+            ("input (fp32)", 4 * sbq * frac if e != 4 or not keeps else 0.0),
             ("1/rms (fp32)", 4 * sba * frac),
-            ("normalized", e * sbh * frac),
+            ("normalized", e * sbq * frac),
         )
     ]
 
@@ -227,33 +227,33 @@ def _attention_saved(block: Block, s: int, b: int, e: int, kv_seq: int = 0, mask
     over the whole row with heads/cp heads, so its kernel keeps the whole [L x L] mask, while its q, k, v and output
     are the bytes of s = L/cp tokens with every head)."""
     # q, k, v, the kernel's output and the projection's input are heads x head_dim wide (Block.attention_width).
-    sbh, a, kv = s * b * block.attention_width, block.heads, block.kv_fraction
+    sbq, a, kv = s * b * block.attention_width, block.heads, block.kv_fraction
     kv_seq = kv_seq or s
-    fused_qkv = [Saved("q, k projected (v keeps the fused output)", e * sbh * (1 + kv), True)]
+    fused_qkv = [Saved("q, k projected (v keeps the fused output)", e * sbq * (1 + kv), True)]
     fused_qkv = fused_qkv if block.fused_qkv else []
     mask_bytes = e * b * (mask_side * mask_side if mask_side else s * kv_seq)
     if block.attention == "fused":
         # Flash/SDPA kernels keep q, k, v, their output and the fp32 logsumexp, never the scores; they
         # write the output as [b, s, a, d], so the reshape before the projection is a view of it.
         out = [
-            Saved("q, k, v", e * sbh * (1 + 2 * kv * kv_seq / s), True),
+            Saved("q, k, v", e * sbq * (1 + 2 * kv * kv_seq / s), True),
             *fused_qkv,
-            Saved("attention output", e * sbh, True),
+            Saved("attention output", e * sbq, True),
             Saved("logsumexp", 4 * a * s * b, True),
         ]
         if block.chunked_attention:
-            out.append(Saved("attention outputs concatenated", e * sbh, True))
+            out.append(Saved("attention outputs concatenated", e * sbq, True))
         if block.dense_mask:  # broadcast over heads: every TP rank converts and keeps the whole mask
             out.append(Saved("attention mask as bias", mask_bytes, False, quadratic=True))
         return out
-    out = [Saved("q, k", e * sbh * (1 + kv), True), *fused_qkv]
+    out = [Saved("q, k", e * sbq * (1 + kv), True), *fused_qkv]
     out.append(Saved("softmax output", e * a * s * s * b, True, quadratic=True))
     if block.dropout:
         out += [
             Saved("softmax dropout mask", a * s * s * b, True, quadratic=True),
             Saved("softmax dropout output", e * a * s * s * b, True, quadratic=True),
         ]
-    return out + [Saved("v", e * sbh * kv, True), Saved("projection input", e * sbh, True)]
+    return out + [Saved("v", e * sbq * kv, True), Saved("projection input", e * sbq, True)]
 
 
 def _mlp_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
