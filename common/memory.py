@@ -96,10 +96,13 @@ class Block:
     which of those ops a given architecture has, so the same count covers Llama and DiT too.
     """
 
-    hidden: int
+    hidden: int  # the residual stream's width: norms, the layer input, the output projection's and MLP's outputs
     heads: int
     ffn: int  # MLP inner size (4h in GPT-3)
     kv_heads: int = 0  # 0: as many as heads (multi-head attention)
+    # 0: hidden // heads. A config's head_dim can make heads x head_dim differ from hidden (Qwen3-4B and Qwen3-VL-4B:
+    # 32 x 128 = 4096 over 2560; Qwen3-30B-A3B: 4096 over 2048; Gemma): q, k, v and the attention output are that wide.
+    head_dim: int = 0
     norm: str = "layernorm"  # layernorm | rmsnorm (fp32 statistics) | adaln_zero (DiT)
     mlp: str = "gelu"  # gelu: fc1 -> gelu -> fc2 | swiglu: down(silu(gate) * up)
     dropout: bool = True  # on attention probabilities, attention output and MLP output
@@ -140,6 +143,16 @@ class Block:
     def kv_fraction(self) -> float:
         return 1.0 if self.repeat_kv or not self.kv_heads else self.kv_heads / self.heads
 
+    @property
+    def attention_width(self) -> int:
+        """heads x head_dim: the width of q, of the attention's output and of the output projection's input."""
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def kv_width(self) -> int:
+        """kv_heads x head_dim: the width of k and v as projected (before GQA repeats them)."""
+        return (self.kv_heads or self.heads) * (self.head_dim or self.hidden // self.heads)
+
 
 class Saved(NamedTuple):
     name: str
@@ -174,17 +187,17 @@ def _qk_norm_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
     (Block.qk_norm_keeps_input False) multiplies the fp32 copy instead: x itself is not kept where it is not fp32."""
     if not block.qk_norm:
         return []
-    sbh, sba = s * b * block.hidden, s * b * block.heads
+    sbq, sba = s * b * block.attention_width, s * b * block.heads  # over q's heads x head_dim
     keeps = block.qk_norm_keeps_input
     kv = (block.kv_heads or block.heads) / block.heads  # k's heads: the norm runs before GQA repeats them
     return [
         Saved(f"{name} norm {what}", nbytes, True)
         for name, frac in (("q", 1.0), ("k", kv))
         for what, nbytes in (
-            ("input", e * sbh * frac if keeps else 0.0),
-            ("input (fp32)", 4 * sbh * frac if e != 4 or not keeps else 0.0),
+            ("input", e * sbq * frac if keeps else 0.0),
+            ("input (fp32)", 4 * sbq * frac if e != 4 or not keeps else 0.0),
             ("1/rms (fp32)", 4 * sba * frac),
-            ("normalized", e * sbh * frac),
+            ("normalized", e * sbq * frac),
         )
     ]
 
@@ -213,33 +226,34 @@ def _attention_saved(block: Block, s: int, b: int, e: int, kv_seq: int = 0, mask
     [s x kv_seq]). `mask_side`: a square [mask_side x mask_side] mask instead (the all-to-all: every rank attends
     over the whole row with heads/cp heads, so its kernel keeps the whole [L x L] mask, while its q, k, v and output
     are the bytes of s = L/cp tokens with every head)."""
-    sbh, a, kv = s * b * block.hidden, block.heads, block.kv_fraction
+    # q, k, v, the kernel's output and the projection's input are heads x head_dim wide (Block.attention_width).
+    sbq, a, kv = s * b * block.attention_width, block.heads, block.kv_fraction
     kv_seq = kv_seq or s
-    fused_qkv = [Saved("q, k projected (v keeps the fused output)", e * sbh * (1 + kv), True)]
+    fused_qkv = [Saved("q, k projected (v keeps the fused output)", e * sbq * (1 + kv), True)]
     fused_qkv = fused_qkv if block.fused_qkv else []
     mask_bytes = e * b * (mask_side * mask_side if mask_side else s * kv_seq)
     if block.attention == "fused":
         # Flash/SDPA kernels keep q, k, v, their output and the fp32 logsumexp, never the scores; they
         # write the output as [b, s, a, d], so the reshape before the projection is a view of it.
         out = [
-            Saved("q, k, v", e * sbh * (1 + 2 * kv * kv_seq / s), True),
+            Saved("q, k, v", e * sbq * (1 + 2 * kv * kv_seq / s), True),
             *fused_qkv,
-            Saved("attention output", e * sbh, True),
+            Saved("attention output", e * sbq, True),
             Saved("logsumexp", 4 * a * s * b, True),
         ]
         if block.chunked_attention:
-            out.append(Saved("attention outputs concatenated", e * sbh, True))
+            out.append(Saved("attention outputs concatenated", e * sbq, True))
         if block.dense_mask:  # broadcast over heads: every TP rank converts and keeps the whole mask
             out.append(Saved("attention mask as bias", mask_bytes, False, quadratic=True))
         return out
-    out = [Saved("q, k", e * sbh * (1 + kv), True), *fused_qkv]
+    out = [Saved("q, k", e * sbq * (1 + kv), True), *fused_qkv]
     out.append(Saved("softmax output", e * a * s * s * b, True, quadratic=True))
     if block.dropout:
         out += [
             Saved("softmax dropout mask", a * s * s * b, True, quadratic=True),
             Saved("softmax dropout output", e * a * s * s * b, True, quadratic=True),
         ]
-    return out + [Saved("v", e * sbh * kv, True), Saved("projection input", e * sbh, True)]
+    return out + [Saved("v", e * sbq * kv, True), Saved("projection input", e * sbq, True)]
 
 
 def _mlp_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
@@ -255,7 +269,7 @@ def _save_matmuls_saved(block: Block, s: int, b: int, e: int, widening: bool = T
     `widening`, the up projections are recomputed too. Row-parallel outputs are kept as
     full-sequence partial sums, before reduce-scatter. (A DiT's adaLN modulation matmul is per
     sample, b x 6h: not counted.)"""
-    sbh, sbf = s * b * block.hidden, s * b * block.ffn
+    sbh, sbf, sbq = s * b * block.hidden, s * b * block.ffn, s * b * block.attention_width
     kv = (block.kv_heads or block.heads) / block.heads
     up = (
         Saved("gate, up projections", 2 * e * sbf, True)
@@ -264,8 +278,8 @@ def _save_matmuls_saved(block: Block, s: int, b: int, e: int, widening: bool = T
     )
     return [
         Saved("layer input", e * sbh, True),
-        Saved("q, k, v projections", e * sbh * (1 + 2 * kv), True),
-        Saved("attention output", e * sbh, True),
+        Saved("q, k, v projections", e * sbq * (1 + 2 * kv), True),
+        Saved("attention output", e * sbq, True),
         Saved("logsumexp", 4 * block.heads * s * b, True),
         Saved("output projection", e * sbh, False),
         *([up] if widening else []),
@@ -309,7 +323,7 @@ def layer_saved(
     ulysses = cp > 1 and cp_method == "alltoall"
     attention = (
         _attention_saved(block, s, b, e, mask_side=seq)
-        + [Saved("attention output after the all-to-all (projection input)", e * sbh, True)]
+        + [Saved("attention output after the all-to-all (projection input)", e * s * b * block.attention_width, True)]
         if ulysses
         else _attention_saved(block, s, b, e, kv_seq=seq)
     )
@@ -319,7 +333,11 @@ def layer_saved(
     if block.parallel:  # the MLP reads the attention's (modulated) input; the projection's input is a new tensor
         out += [
             Saved("gelu input", e * s * b * block.ffn, True),
-            Saved("projection input [attention output ; MLP activation]", e * s * b * (block.hidden + block.ffn), True),
+            Saved(
+                "projection input [attention output ; MLP activation]",
+                e * s * b * (block.attention_width + block.ffn),
+                True,
+            ),
         ]
         return [t for t in out if not t.quadratic] if recompute == "selective" else out
     mlp = _norm_saved(block, "mlp", sbh, sb, e) + [Saved("mlp input", e * sbh, block.megatron_sp)]
@@ -373,9 +391,8 @@ def cp_transient_bytes(
         return 0.0
     if cp_method == "alltoall":
         mask = batch * seq * seq if block.dense_mask else 0
-        return 2 * (seq // cp) * batch * block.hidden * act_bytes / tp + mask
-    kv_width = (block.kv_heads or block.heads) * (block.hidden // block.heads)
-    return 2 * seq * batch * kv_width * act_bytes / tp + batch * (seq // cp) * seq
+        return 2 * (seq // cp) * batch * block.attention_width * act_bytes / tp + mask
+    return 2 * seq * batch * block.kv_width * act_bytes / tp + batch * (seq // cp) * seq
 
 
 def head_saved(

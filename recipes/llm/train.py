@@ -500,6 +500,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         heads=args.n_heads,
         ffn=ffn,
         kv_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
         norm="rmsnorm",
         mlp="swiglu",
         dropout=False,
@@ -508,6 +509,9 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         dense_mask=not varlen,
         megatron_sp=False,
         selective="save_matmuls",
+        # Qwen3's RMSNorm per head on q and k (model.qk_norm); Kiln's RMSNorm, like transformers', keeps the fp32 copy.
+        qk_norm=args.qk_norm,
+        qk_norm_keeps_input=False,
     )
     p = cfg.parallel
     return ModelSpec(

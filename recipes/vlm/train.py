@@ -206,6 +206,8 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         heads=t.num_attention_heads,
         ffn=t.intermediate_size,
         kv_heads=t.num_key_value_heads,
+        # transformers' attention takes config.head_dim where the config has one (Qwen3-VL-4B: 32 x 128 over 2560).
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
         norm="rmsnorm",
         mlp="swiglu",
         dropout=False,

@@ -104,7 +104,7 @@ def formula_bytes(method: str, rows: int, row_len: int, cp: int) -> int:
     from common.launch import compose
 
     m = compose(["recipe=llm_tiny"]).model
-    per_head = rows * row_len // cp * (m.dim // m.n_heads) * 4
+    per_head = rows * row_len // cp * (m.head_dim or m.dim // m.n_heads) * 4
     if method == "allgather":
         return m.n_layers * 2 * m.n_kv_heads * per_head * (cp - 1)
     return m.n_layers * (2 * m.n_heads + 2 * m.n_kv_heads) * per_head * (cp - 1) // cp

@@ -146,31 +146,57 @@ def saved_bytes(run, exclude: list[torch.Tensor]) -> tuple[int, object]:
     return sum(kept.values()), out
 
 
+# Qwen3's shape (Qwen3-4B: 32 heads x 128 = 4096 over a 2560-wide residual): heads x head_dim = 4 x 32 = 128, twice
+# model.dim, with its per-head q/k norm; a narrow MLP so that attention weighs, 2 rows to keep it quick.
+WIDE_HEADS = (
+    "model.dim=64",
+    "model.head_dim=32",
+    "model.qk_norm=true",
+    "model.ffn_dim=128",
+    "trainer.micro_batch_size=2",
+)
+LLM_MODELS = {"llm_tiny": (), "head_dim_32": WIDE_HEADS}
+
+
 @pytest.fixture(scope="module")
-def tiny_llm():
+def llm_worlds():
+    """(spec, model builder, batch) of llm_tiny with each of LLM_MODELS' overrides, built on first use."""
     from recipes.llm.model import Transformer
     from recipes.llm.train import llama_args
 
-    cfg = compose(["recipe=llm_tiny"])
-    assert cfg.toggles.precision == "fp32"
-    spec = llm_spec(cfg)
-    args = llama_args(cfg, vocab_size=spec.vocab)
-    b, s = cfg.trainer.micro_batch_size, cfg.data.max_seq_len
-    gen = torch.Generator().manual_seed(0)
-    batch = {
-        "tokens": torch.randint(0, args.vocab_size, (b, s), generator=gen),
-        "positions": torch.arange(s).repeat(b, 1),
-        "mask": torch.ones(b, 1, s, s, dtype=torch.bool).tril(),  # the recipe's 4D mask, one document per row
-        "labels": torch.randint(0, args.vocab_size, (b * (s - 1),), generator=gen),
-    }
-    return spec, lambda: Transformer(args), batch
+    worlds = {}
+
+    def world(name: str):
+        if name not in worlds:
+            cfg = compose(["recipe=llm_tiny", *LLM_MODELS[name]])
+            assert cfg.toggles.precision == "fp32"
+            spec = llm_spec(cfg)
+            args = llama_args(cfg, vocab_size=spec.vocab)
+            b, s = cfg.trainer.micro_batch_size, cfg.data.max_seq_len
+            gen = torch.Generator().manual_seed(0)
+            batch = {
+                "tokens": torch.randint(0, args.vocab_size, (b, s), generator=gen),
+                "positions": torch.arange(s).repeat(b, 1),
+                "mask": torch.ones(b, 1, s, s, dtype=torch.bool).tril(),  # the recipe's 4D mask, one document per row
+                "labels": torch.randint(0, args.vocab_size, (b * (s - 1),), generator=gen),
+            }
+            worlds[name] = spec, lambda: Transformer(args), batch
+        return worlds[name]
+
+    return world
 
 
-def measure_llm(tiny_llm, ac: str, loss: bool) -> tuple[float, float]:
+def predicted_llm(spec, block: Block, ac: str, loss: bool) -> float:
+    shape = dict(seq=spec.seq, batch=spec.micro_batch, act_bytes=4)
+    predicted = spec.layers * layer_activation_bytes(block, recompute=ac, **shape)
+    return predicted + per_gpu_bytes(head_saved(block, vocab=spec.vocab, loss=loss, **shape))
+
+
+def measure_llm(world, ac: str, loss: bool) -> tuple[float, float]:
     from common.toggles import apply_ac
     from recipes.llm.model import TransformerBlock
 
-    spec, build, batch = tiny_llm
+    spec, build, batch = world
     torch.manual_seed(0)
     model = build()
     model.init_weights(seed=0)
@@ -185,23 +211,30 @@ def measure_llm(tiny_llm, ac: str, loss: bool) -> tuple[float, float]:
 
     exclude = [*model.parameters(), *model.buffers(), *batch.values()]
     measured, _ = saved_bytes(forward, exclude)
-    shape = dict(seq=spec.seq, batch=spec.micro_batch, act_bytes=4)
-    predicted = spec.layers * layer_activation_bytes(spec.block, recompute=ac, **shape)
-    predicted += per_gpu_bytes(head_saved(spec.block, vocab=spec.vocab, loss=loss, **shape))
-    return measured, predicted
+    return measured, predicted_llm(spec, spec.block, ac, loss)
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
-@pytest.mark.parametrize("loss", [False, True])
-def test_llm_tiny_activations_match_saved_tensors(tiny_llm, ac, loss):
-    """One fp32 forward of the real llm_tiny at the recipe's 8 x 256 tokens. Not modelled: the RoPE
-    cos/sin gathered by position_ids ([2, b, s, head_dim] fp32, shared by every layer)."""
-    measured, predicted = measure_llm(tiny_llm, ac, loss)
+@pytest.mark.parametrize(
+    "model, ac, loss",
+    [("llm_tiny", ac, loss) for loss in (False, True) for ac in ("none", "full")] + [("head_dim_32", "none", False)],
+)
+def test_llm_tiny_activations_match_saved_tensors(llm_worlds, model, ac, loss):
+    """One fp32 forward of the real llm_tiny at the recipe's 8 x 256 tokens, and of a Qwen3-shaped one whose attention
+    is wider than its residual (WIDE_HEADS). Not modelled: the RoPE cos/sin gathered by position_ids
+    ([2, b, s, head_dim] fp32, shared by every layer)."""
+    world = llm_worlds(model)
+    measured, predicted = measure_llm(world, ac, loss)
     print(
-        f"llm_tiny AC={ac} loss={loss}: predicted {predicted:,.0f} B, measured {measured:,.0f} B, "
+        f"{model} AC={ac} loss={loss}: predicted {predicted:,.0f} B, measured {measured:,.0f} B, "
         f"ratio {predicted / measured:.3f}"
     )
     assert predicted == pytest.approx(measured, rel=0.15)
+    spec = world[0]
+    if spec.block.head_dim * spec.block.heads != spec.block.hidden:  # the case tells each of these apart
+        for what, change in (("hidden // heads wide", dict(head_dim=0)), ("without the q/k norm", dict(qk_norm=False))):
+            other = predicted_llm(spec, dataclasses.replace(spec.block, **change), ac, loss)
+            print(f"{model} sized {what}: ratio {other / measured:.3f}")
+            assert other != pytest.approx(measured, rel=0.15)
 
 
 def test_dit_tiny_activations_match_saved_tensors():
@@ -492,19 +525,21 @@ def test_dit_plan_holds_the_ema_the_trainer_allocates(zero_stage):
 # ---- f) context parallelism ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("model", LLM_MODELS)
 @pytest.mark.parametrize("tp", [1, 2])
-def test_cp2_halves_a_ranks_activations_but_the_gathered_keys_and_values(tp):
+def test_cp2_halves_a_ranks_activations_but_the_gathered_keys_and_values(tp, model):
     """At cp=2 a rank holds half of every row: its stored activations are half of cp=1's, except the keys and values
-    its attention kernel keeps, which are the whole row's (all-gathered, repeated per query head: 2 x L x hidden per
-    layer, this rank's heads). Live around one layer: the gathered K/V (2 x L x kv_heads x head_dim) and the rank's
-    [L/2 x L] bool mask rows, or the logits of its L/2 tokens at the loss, whichever is larger."""
-    spec = llm_spec(compose(["recipe=llm_tiny"]))
-    L, b, e, blk = spec.seq, spec.micro_batch, spec.act_bytes, spec.block
+    its attention kernel keeps, which are the whole row's (all-gathered, repeated per query head: 2 x L x heads x
+    head_dim per layer, this rank's heads). Live around one layer: the gathered K/V (2 x L x kv_heads x head_dim) and
+    the rank's [L/2 x L] bool mask rows, or the logits of its L/2 tokens at the loss, whichever is larger."""
+    cfg = compose(["recipe=llm_tiny", *LLM_MODELS[model]])
+    spec, m = llm_spec(cfg), cfg.model
+    head_dim = m.head_dim or m.dim // m.n_heads
+    L, b, e = spec.seq, spec.micro_batch, spec.act_bytes
     one, two = (estimate(spec, Layout(dp=1, tp=tp, pp=1, zero_stage=3, ac="none", cp=cp)) for cp in (1, 2))
-    kv_excess = spec.layers * 2 * (L - L // 2) * b * blk.hidden * e / tp
+    kv_excess = spec.layers * 2 * (L - L // 2) * b * m.n_heads * head_dim * e / tp
     assert two["activations"] == pytest.approx(one["activations"] / 2 + kv_excess, rel=1e-12)
-    head_dim = blk.hidden // blk.heads
-    gather = 2 * L * b * blk.kv_heads * head_dim * e / tp + b * (L // 2) * L
+    gather = 2 * L * b * m.n_kv_heads * head_dim * e / tp + b * (L // 2) * L
     logits = (L // 2) * b * spec.vocab * (e + 4)
     assert two["transient"] == pytest.approx(max(gather, logits), rel=1e-12)
     assert one["transient"] == pytest.approx(2 * logits, rel=1e-12)
@@ -512,15 +547,17 @@ def test_cp2_halves_a_ranks_activations_but_the_gathered_keys_and_values(tp):
     assert two["optimizer"] == pytest.approx(one["optimizer"] / 2) and one["optimizer"] > 0
 
 
-def test_cp2_alltoall_keeps_the_whole_row_mask_and_prices_its_exchange():
+@pytest.mark.parametrize("model", LLM_MODELS)
+def test_cp2_alltoall_keeps_the_whole_row_mask_and_prices_its_exchange(model):
     """Under cp_method=alltoall (Ulysses) a rank's attention covers the whole row with heads/cp heads: its q, k, v and
     output are half of cp=1's bytes, but the dense mask it keeps as a bias is the whole row's, and the inverse
     all-to-all's result (the output projection's input) is kept beside the kernel's output. Live around one layer:
-    two buffers of a q-sized tensor and the whole row's bool mask (the bytes measured from the real exchanges:
-    tests/distributed/test_ulysses.py, test_llm_context_parallel.py)."""
-    spec = llm_spec(compose(["recipe=llm_tiny", "parallel.cp=2", "parallel.cp_method=alltoall"]))
+    two buffers of a q-sized tensor (heads x head_dim wide) and the whole row's bool mask (the bytes measured from the
+    real exchanges: tests/distributed/test_ulysses.py, test_llm_context_parallel.py)."""
+    cfg = compose(["recipe=llm_tiny", "parallel.cp=2", "parallel.cp_method=alltoall", *LLM_MODELS[model]])
+    spec, m = llm_spec(cfg), cfg.model
     assert spec.cp_method == "alltoall"
-    L, b, e, h = spec.seq, spec.micro_batch, spec.act_bytes, spec.block.hidden
+    L, b, e, h = spec.seq, spec.micro_batch, spec.act_bytes, m.n_heads * (m.head_dim or m.dim // m.n_heads)
     one, two = (estimate(spec, Layout(dp=1, tp=1, pp=1, zero_stage=3, ac="none", cp=cp)) for cp in (1, 2))
     mask = e * b * L * L  # per layer, the same at cp=1 and cp=2
     per_layer = mask / 2 + e * (L // 2) * b * h

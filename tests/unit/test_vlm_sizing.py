@@ -24,6 +24,11 @@ from tests.conftest import load_script
 # text tokens.
 SEQ, MICRO = 140, 2
 FIXTURES = {"qwen2_5_vl": "qwen", "qwen3_vl": "qwen3"}  # model_type -> its module fixture
+# (model_type, its module fixture, vlm.train_vision, AC): every combination, and Qwen3-VL-4B's attention shape.
+CASES = [
+    (arch, fixture, tv, ac) for arch, fixture in FIXTURES.items() for tv in (False, True) for ac in ("none", "full")
+]
+CASES.append(("qwen3_vl", "qwen3_wide_heads", False, "none"))
 
 
 def max_pixels(folder) -> int:
@@ -43,6 +48,23 @@ def qwen3(tmp_path_factory):
     return make_qwen3_vl(tmp_path_factory.mktemp("qwen3") / "qwen3")
 
 
+@pytest.fixture(scope="module")
+def qwen3_wide_heads(tmp_path_factory):
+    """The tiny Qwen3-VL with Qwen3-VL-4B's attention shape (32 heads x 128 = 4096 over a 2560-wide residual): its
+    language model's 4 heads x head_dim 32 = 128, twice hidden_size; the folder's tokenizer and processor, new random
+    weights."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    folder = make_qwen3_vl(tmp_path_factory.mktemp("qwen3_wide") / "qwen3")
+    config = Qwen3VLConfig.from_pretrained(folder)
+    text = config.text_config
+    text.head_dim = 2 * text.hidden_size // text.num_attention_heads
+    text.rope_parameters["mrope_section"] = [8, 4, 4]  # head_dim / 2 frequencies over (t, h, w), as the fixture's
+    torch.manual_seed(0)
+    Qwen3VLForConditionalGeneration(config).save_pretrained(folder)
+    return folder
+
+
 def tiny_cfg(folder, *extra):
     return compose(
         [
@@ -58,10 +80,8 @@ def tiny_cfg(folder, *extra):
     )
 
 
-@pytest.mark.parametrize("arch", FIXTURES)
-@pytest.mark.parametrize("train_vision", [False, True])
-@pytest.mark.parametrize("ac", ["none", "full"])
-def test_qwen_activations_match_saved_tensors(request, arch, train_vision, ac):
+@pytest.mark.parametrize("arch, fixture, train_vision, ac", CASES)
+def test_qwen_activations_match_saved_tensors(request, arch, fixture, train_vision, ac):
     """One fp32 forward + loss of the recipe's model (parallelize: its freezing and AC) on the worst micro-batch the
     planner assumes: 2 samples of 140 tokens, each with 2 images at max_pixels (4 x 64 tokens through the merger(s), 4
     x 256 patches through the tower's blocks: Qwen2.5-VL's windowed and full-attention ones, Qwen3-VL's full-attention
@@ -73,7 +93,7 @@ def test_qwen_activations_match_saved_tensors(request, arch, train_vision, ac):
     from recipes.vlm.parallelize import parallelize
     from recipes.vlm.qwen import IMAGE_PAD, pack_qwen, rope_index_for
 
-    folder = request.getfixturevalue(FIXTURES[arch])
+    folder = request.getfixturevalue(fixture)
     cfg = tiny_cfg(folder, f"toggles.activation_checkpointing={ac}", f"vlm.train_vision={str(train_vision).lower()}")
     spec = memory_spec(cfg)
     kinds = 2 if arch == "qwen2_5_vl" else 1  # Qwen2.5-VL: windowed and full-attention blocks; Qwen3-VL: full only
@@ -105,8 +125,8 @@ def test_qwen_activations_match_saved_tensors(request, arch, train_vision, ac):
         for t in spec.more_layers
     )
     print(
-        f"{QWEN_ARCHS[arch].name} train_vision={train_vision} AC={ac}: predicted {predicted:,.0f} B, measured "
-        f"{measured:,} B, ratio {predicted / measured:.3f}"
+        f"{QWEN_ARCHS[arch].name} ({fixture}) train_vision={train_vision} AC={ac}: predicted {predicted:,.0f} B, "
+        f"measured {measured:,} B, ratio {predicted / measured:.3f}"
     )
     assert predicted == pytest.approx(measured, rel=0.05)
     del out
