@@ -117,6 +117,16 @@ def qwen_world(tmp_path_factory):
     return once(shared_root(tmp_path_factory), "qwen", make_qwen_world)
 
 
+@pytest.fixture(scope="session")
+def qwen3_world(tmp_path_factory):
+    """qwen_world for Qwen3-VL (tests/fixtures/vlm.py make_qwen3_world), built once: test_vlm_qwen_train trains it
+    and test_serve_vllm_qwen serves that same cached run."""
+    from tests.fixtures.shared import once, shared_root
+    from tests.fixtures.vlm import make_qwen3_world
+
+    return once(shared_root(tmp_path_factory), "qwen3", make_qwen3_world)
+
+
 def load_script(name: str):
     """scripts/NAME.py as a module, to call its main(argv) in process."""
     spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")
