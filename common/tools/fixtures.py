@@ -569,6 +569,7 @@ def make_qwen3_vl(
     out: str | Path,
     *,
     hidden_size: int = 64,
+    num_heads: int = 4,
     num_layers: int = 3,
     vision_hidden: int = 32,
     vision_depth: int = 3,
@@ -580,10 +581,10 @@ def make_qwen3_vl(
     """A random Qwen3-VL release folder (~/models/Qwen3-VL-8B-Instruct's layout, `save_pretrained`): a tiny
     Qwen3VLForConditionalGeneration (a `vision_depth`-block tower, patch 16, 2x2 spatial merge, learned position
     embeddings resampled to each image's grid, DeepStack: the features of blocks 0 .. depth-2 merged and added after
-    the first language layers at the image tokens; a `num_layers` Qwen3 language model with interleaved
-    mRoPE), its Qwen2VLImageProcessor (the release's class: PIL backend, 32 px units within
-    `min_pixels`..`max_pixels`, mean/std 0.5) and `qwen_vl_tokenizer` with Qwen3-VL's chat template (no default
-    system turn). No video processor, as make_qwen2_5_vl."""
+    the first language layers at the image tokens; a `num_layers` Qwen3 language model of `num_heads` heads (2 of
+    them key/value heads) with interleaved mRoPE), its Qwen2VLImageProcessor (the release's class: PIL backend, 32 px
+    units within `min_pixels`..`max_pixels`, mean/std 0.5) and `qwen_vl_tokenizer` with Qwen3-VL's chat template (no
+    default system turn). No video processor, as make_qwen2_5_vl."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -599,7 +600,7 @@ def make_qwen3_vl(
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
     )
-    heads = 4
+    heads = num_heads
     half = hidden_size // heads // 2  # rotary frequencies per head, interleaved over (t, h, w) ...
     hw = half // 4  # ... as the release's 24:20:20 of 64
     config = Qwen3VLConfig(
