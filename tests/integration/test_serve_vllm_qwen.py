@@ -26,7 +26,7 @@ import pytest
 from common.tools.serving import running_server, serve_venv
 from recipes.vlm.archs import QWEN_ARCHS
 from tests.fixtures.runs import qwen_lora
-from tests.fixtures.vllm import NEEDS_VLLM, VLLM_EAGER, client, data_url, greedy
+from tests.fixtures.vllm import NEEDS_VLLM, VLLM_EAGER, data_url, greedy, openai_client
 from tests.fixtures.vlm import qwen_run_args
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
@@ -164,7 +164,7 @@ def server(runs, media_job, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     lora = f"serve.lora={{{ADAPTER}:{adapter}}}"
     with running_server(export, *VLLM_EAGER, lora, log_path=log, startup_s=420) as base:
-        yield client(base)
+        yield openai_client(base)
 
 
 def reference(export, inputs, adapter=None) -> tuple[list[int], list[int], list[float]]:

@@ -17,7 +17,7 @@ import pytest
 
 from common.tools.serving import http, running_server
 from tests.conftest import run_train
-from tests.fixtures.vllm import NEEDS_VLLM, VLLM_EAGER, ask, client, data_url, greedy
+from tests.fixtures.vllm import NEEDS_VLLM, VLLM_EAGER, ask, data_url, greedy, openai_client
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
 pytestmark = NEEDS_VLLM
@@ -70,7 +70,7 @@ def export(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(export):
     with running_server(export, *VLLM_EAGER, log_path=export.parent / "serve.log", startup_s=420) as base:
-        yield base, client(base), export
+        yield base, openai_client(base), export
 
 
 def digit(i: int):
