@@ -216,8 +216,8 @@ def _process_group_variables_stay_in_the_test():
 LONGEST_FIRST = (
     "integration/test_readme_commands.py",  # ~460 s, its commands one after another
     "integration/test_fault_tolerance.py",  # ~230 s
-    # ~170 s on a shared machine: an engine per Qwen-VL generation (~40-60 s each), the Qwen fine-tunes it shares with
-    # test_vlm_qwen_train (~25 s each) and their LoRA runs (~17 s each)
+    # ~145 s (a shared 2-core machine): an engine per Qwen-VL generation (~30-40 s each), the Qwen fine-tunes it
+    # shares with test_vlm_qwen_train (~20 s each) and their LoRA runs (~17 s each)
     "integration/test_serve_vllm_qwen.py",
     "distributed/test_ds_any_layout.py",  # ~135 s
     "integration/test_slurm.py",  # ~120 s
