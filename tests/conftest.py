@@ -117,6 +117,16 @@ def qwen_world(tmp_path_factory):
     return once(shared_root(tmp_path_factory), "qwen", make_qwen_world)
 
 
+@pytest.fixture(scope="session")
+def qwen3_world(tmp_path_factory):
+    """qwen_world for Qwen3-VL (tests/fixtures/vlm.py make_qwen3_world), built once: test_vlm_qwen_train trains it
+    and test_serve_vllm_qwen serves that same cached run."""
+    from tests.fixtures.shared import once, shared_root
+    from tests.fixtures.vlm import make_qwen3_world
+
+    return once(shared_root(tmp_path_factory), "qwen3", make_qwen3_world)
+
+
 def load_script(name: str):
     """scripts/NAME.py as a module, to call its main(argv) in process."""
     spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")
@@ -206,11 +216,13 @@ def _process_group_variables_stay_in_the_test():
 LONGEST_FIRST = (
     "integration/test_readme_commands.py",  # ~460 s, its commands one after another
     "integration/test_fault_tolerance.py",  # ~230 s
+    # ~145 s (a shared 2-core machine): an engine per Qwen-VL generation (~30-40 s each), the Qwen fine-tunes it
+    # shares with test_vlm_qwen_train (~20 s each) and their LoRA runs (~17 s each)
+    "integration/test_serve_vllm_qwen.py",
     "distributed/test_ds_any_layout.py",  # ~135 s
     "integration/test_slurm.py",  # ~120 s
     "integration/test_serve_vllm.py",  # ~115 s (stop 35); its two engines now also serve the LoRA and MoE cases
     "integration/test_host_syncs.py",  # ~110 s
-    "integration/test_serve_vllm_qwen.py",  # ~90 s (its engine ~50 s, the Qwen fine-tune it shares ~25 s)
 )
 TIERS = ("integration", "distributed", "unit")
 

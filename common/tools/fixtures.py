@@ -494,8 +494,8 @@ def _make_qwen_vl(
     """A random Qwen-VL release folder of transformers' ``model`` class (Qwen2_5_VL / Qwen3VL ForConditionalGeneration
     and its Config): a `qwen_vl_tokenizer` with ``template``, a Qwen2VLImageProcessor (PIL backend) of
     ``image_processor``'s keys, a video_preprocessor_config.json of ``video_processor``'s (None: none, as
-    Qwen2.5-VL releases ship none) and a language model of 4 heads (2 key/value heads) whose ``text_config`` adds
-    the rest, over ``vision_config``."""
+    Qwen2.5-VL releases ship none) and a language model of 4 heads (2 key/value heads) unless ``text_config`` says
+    otherwise: its keys add to (or replace) those, over ``vision_config``."""
     import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -515,8 +515,8 @@ def _make_qwen_vl(
             bos_token_id=ids["<|endoftext|>"],
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
-            **text_config,
-        ),
+        )
+        | text_config,
         vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -592,6 +592,7 @@ def make_qwen3_vl(
     out: str | Path,
     *,
     hidden_size: int = 64,
+    num_heads: int = 4,
     num_layers: int = 3,
     vision_hidden: int = 32,
     vision_depth: int = 3,
@@ -605,13 +606,13 @@ def make_qwen3_vl(
     """A random Qwen3-VL release folder (~/models/Qwen3-VL-8B-Instruct's layout, `save_pretrained`): a tiny
     Qwen3VLForConditionalGeneration (a `vision_depth`-block tower, patch 16, 2x2 spatial merge, learned position
     embeddings resampled to each image's grid, DeepStack: the features of blocks 0 .. depth-2 merged and added after
-    the first language layers at the image tokens; a `num_layers` Qwen3 language model with interleaved
-    mRoPE), its Qwen2VLImageProcessor (the release's class: PIL backend, 32 px units within
-    `min_pixels`..`max_pixels`, mean/std 0.5), `qwen_vl_tokenizer` with Qwen3-VL's chat template (no default
-    system turn), and the release's video_preprocessor_config.json (Qwen3VLVideoProcessor, 2 fps, 4..768 frames)
+    the first language layers at the image tokens; a `num_layers` Qwen3 language model of `num_heads` heads (2 of
+    them key/value heads) with interleaved mRoPE), its Qwen2VLImageProcessor (the release's class: PIL backend, 32 px
+    units within `min_pixels`..`max_pixels`, mean/std 0.5), `qwen_vl_tokenizer` with Qwen3-VL's chat template (no
+    default system turn), and the release's video_preprocessor_config.json (Qwen3VLVideoProcessor, 2 fps, 4..768 frames)
     with its own budget over the clip, `video_min_pixels`..`video_max_pixels`: not the images' (the release's
     4096..25165824 against 65536..16777216)."""
-    half = hidden_size // 4 // 2  # rotary frequencies per head, interleaved over (t, h, w) ...
+    half = hidden_size // num_heads // 2  # rotary frequencies per head, interleaved over (t, h, w) ...
     hw = half // 4  # ... as the release's 24:20:20 of 64
     pixels = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     return _make_qwen_vl(
@@ -632,7 +633,8 @@ def make_qwen3_vl(
             **pixels,
         ),
         text_config=dict(
-            head_dim=hidden_size // 4,
+            num_attention_heads=num_heads,
+            head_dim=hidden_size // num_heads,
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 5000000.0,

@@ -365,6 +365,28 @@ def is_multimodal(export: Path) -> bool:
     return "vision_config" in json.loads((export / "config.json").read_text())
 
 
+# Generations whose videos need their own video processor: transformers (and vLLM, which builds transformers'
+# processor) reads a folder's video_preprocessor_config.json (or processor_config.json's nested "video_processor"),
+# else the image processor's preprocessor_config.json, which gives a Qwen-VL folder Qwen2VLVideoProcessor. Qwen3-VL's
+# processing then has no frame rate to sample by: vLLM answers every video request with a 400.
+OWN_VIDEO_PROCESSOR = {"qwen3_vl": "Qwen3VLVideoProcessor", "qwen3_vl_moe": "Qwen3VLVideoProcessor"}
+
+
+def video_processor_note(export: Path) -> str | None:
+    """Why the export's videos will not be read as its generation's (it names no video processor), or None."""
+    model_type = json.loads((export / "config.json").read_text()).get("model_type")
+    if model_type not in OWN_VIDEO_PROCESSOR or (export / "video_preprocessor_config.json").exists():
+        return None
+    nested = export / "processor_config.json"
+    if nested.exists() and "video_processor" in json.loads(nested.read_text()):
+        return None
+    return (
+        f"the {model_type} export has no video_preprocessor_config.json, so its videos would get the image "
+        f"processor's Qwen2VLVideoProcessor, not {OWN_VIDEO_PROCESSOR[model_type]} (vLLM refuses video requests; "
+        "images are served): copy the release's video_preprocessor_config.json into it"
+    )
+
+
 def has_chat_template(export: Path) -> bool:
     if (export / "chat_template.jinja").exists() or (export / "chat_template.json").exists():
         return True
@@ -779,6 +801,8 @@ def plan(s: ServeSection) -> Launch:
         return plan_images(s, export, name)
     engine, why = choose_engine(s.engine, multimodal=is_multimodal(export), cpu_refusal=vllm_cpu_refuses(export))
     notes = [f"{', '.join(keys)} not used by engine={engine}"] if (keys := ignored_keys(s, engine)) else []
+    if video_note := video_processor_note(export):
+        notes.append(video_note)
     scratch = state_dir(export, s)
     chat_template = write_chat_template(export, scratch)
     if chat_template is not None:

@@ -21,17 +21,15 @@ from typing import NamedTuple
 
 import pytest
 
-from common.tools.serving import BASE_LM_CHAT_TEMPLATE, http, running_server, serve_env
+from common.tools.serving import BASE_LM_CHAT_TEMPLATE, http, running_server
 from tests.conftest import run_train
 from tests.fixtures.llm import write_llama_folder, write_token_dataset
 from tests.fixtures.runs import MOE_16_STEPS
+from tests.fixtures.vllm import NEEDS_VLLM, openai_client
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
 peft = pytest.importorskip("peft")
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(serve_env() is None, reason="needs vLLM's environment: make serve-env (.venv-serve)"),
-]
+pytestmark = NEEDS_VLLM
 
 FAST = ["trainer.progress_bar=false", "trainer.eval=false", "checkpoint.final=false", "trainer.max_steps=3"]
 VLLM = ["serve.engine=vllm", "serve.dtype=float32", "serve.max_model_len=128", "serve.cpu_kvcache_gib=1"]
@@ -52,7 +50,7 @@ class Served(NamedTuple):
 def vllm_server(export, log, api_key=None, *extra):
     env = {"KILN_API_KEY": api_key} if api_key else {}
     with running_server(export, *VLLM, *extra, log_path=log, startup_s=420, env=env) as base:
-        yield base, openai.OpenAI(base_url=f"{base}/v1", api_key=api_key or "unused", max_retries=0, timeout=300)
+        yield base, openai_client(base, api_key or "unused")
 
 
 @pytest.fixture(scope="module")

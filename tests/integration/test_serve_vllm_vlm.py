@@ -10,29 +10,18 @@ compared too: they match to ~1e-6, far below how much they move between two imag
 
 from __future__ import annotations
 
-import base64
 import io
 
 import numpy as np
 import pytest
 
-from common.tools.serving import http, running_server, serve_env
+from common.tools.serving import http, running_server
 from tests.conftest import run_train
+from tests.fixtures.vllm import NEEDS_VLLM, VLLM_EAGER, ask, data_url, greedy, openai_client
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(serve_env() is None, reason="needs vLLM's environment: make serve-env (.venv-serve)"),
-]
+pytestmark = NEEDS_VLLM
 
-# Eager: test_serve_vllm's hf server covers vLLM's torch.compile start.
-VLLM = [
-    "serve.engine=vllm",
-    "serve.dtype=float32",
-    "serve.max_model_len=128",
-    "serve.cpu_kvcache_gib=1",
-    "serve.enforce_eager=true",
-]
 QUESTION = "What digit is this?"
 NEW_TOKENS = 8
 
@@ -80,8 +69,8 @@ def export(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(export):
-    with running_server(export, *VLLM, log_path=export.parent / "serve.log", startup_s=420) as base:
-        yield base, openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300), export
+    with running_server(export, *VLLM_EAGER, log_path=export.parent / "serve.log", startup_s=420) as base:
+        yield base, openai_client(base), export
 
 
 def digit(i: int):
@@ -93,29 +82,15 @@ def digit(i: int):
     return Image.fromarray(np.kron(pixels, np.ones((4, 4), np.uint8))).convert("RGB")
 
 
-def data_url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode()
-
-
 def png(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
 
 
-def ask(client, url: str, question: str = QUESTION, **kw):
-    return client.chat.completions.create(
-        model="vlm_tiny",
-        max_tokens=NEW_TOKENS,
-        temperature=0,
-        **kw,
-        messages=[
-            {
-                "role": "user",
-                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}],
-            }
-        ],
-    )
+def image(png: bytes) -> list[dict]:
+    """A chat's content part for the image file `png`."""
+    return [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}]
 
 
 def reference(export, images) -> list[tuple[list[int], list[int], list[float]]]:
@@ -151,14 +126,7 @@ def reference(export, images) -> list[tuple[list[int], list[int], list[float]]]:
 def test_image_answers_equal_transformers_generate(server):
     _, client, export = server
     images = [digit(0), digit(7)]
-    answers = []
-    for image in images:
-        r = ask(client, data_url(png(image)), logprobs=True, extra_body={"return_token_ids": True})
-        choice = r.choices[0]
-        prompt = (r.model_extra or {}).get("prompt_token_ids") or choice.model_extra["prompt_token_ids"]
-        answers.append(
-            (list(prompt), list(choice.model_extra["token_ids"]), [t.logprob for t in choice.logprobs.content])
-        )
+    answers = [greedy(client, "vlm_tiny", image(png(i)), QUESTION, NEW_TOKENS) for i in images]
     expected = reference(export, images)
     for (prompt, ids, logprobs), (ref_prompt, ref_ids, ref_logprobs) in zip(answers, expected):
         assert (prompt, ids) == (ref_prompt, ref_ids)  # the image's 16 tokens included
@@ -170,6 +138,6 @@ def test_image_answers_equal_transformers_generate(server):
 def test_an_image_that_does_not_decode_gets_a_4xx_and_the_server_stays_up(server):
     base, client, _ = server
     with pytest.raises(openai.BadRequestError, match="(?i)image"):
-        ask(client, data_url(b"\x89PNG\r\n\x1a\n this is not an image"))
+        ask(client, "vlm_tiny", image(b"\x89PNG\r\n\x1a\n this is not an image"), QUESTION, NEW_TOKENS)
     assert http(f"{base}/health")[0] == 200
-    assert ask(client, data_url(png(digit(1)))).choices[0].message.content is not None
+    assert ask(client, "vlm_tiny", image(png(digit(1))), QUESTION, NEW_TOKENS).choices[0].message.content is not None

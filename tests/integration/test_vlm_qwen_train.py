@@ -23,15 +23,11 @@ from tests.fixtures import vlm as fx
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def qwen3_world(tmp_path_factory):
-    return fx.make_qwen3_world(tmp_path_factory.mktemp("qwen3_world"))
-
-
 @pytest.fixture(scope="module", params=QWEN_ARCHS)
 def run(request, trained):
     """(run folder, release folder, model_type). Qwen2.5-VL: the cached run test_vlm_qwen_zero3 takes as its 1-rank
-    ZeRO-0 reference (conftest's qwen_world, with videos); Qwen3-VL: its own release over the same conversations."""
+    ZeRO-0 reference (conftest's qwen_world, with videos); Qwen3-VL: its own release over the same conversations
+    (conftest's qwen3_world: the cached run test_serve_vllm_qwen serves)."""
     world = request.getfixturevalue("qwen_world" if request.param == "qwen2_5_vl" else "qwen3_world")
     return trained(fx.qwen_run_args(world)), world["qwen"], request.param
 

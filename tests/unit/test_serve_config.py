@@ -628,3 +628,25 @@ def test_an_adapter_folder_is_named_and_what_to_serve_instead(export, tmp_path):
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith(f"sample_dit: error: {dit} is a LoRA adapter (adapter_config.json), not a whole DiT")
+
+
+def test_a_qwen3_vl_export_without_its_video_processor_is_noted(export, tmp_path, monkeypatch):
+    """Without video_preprocessor_config.json transformers gives a Qwen3-VL folder Qwen2VLVideoProcessor, whose
+    videos vLLM's Qwen3-VL refuses (measured: a 400 for every video request; test_serve_vllm_qwen): one note at start.
+    A Qwen2.5-VL export (that is its class) and a Qwen3-VL export naming its own get none."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def video_notes():
+        return [n for n in plan(ServeSection(model=str(export), engine="vllm", dry_run=True)).notes if "video" in n]
+
+    set_model_config(export, model_type="qwen3_vl", vision_config={})
+    (note,) = video_notes()
+    assert note.startswith("the qwen3_vl export has no video_preprocessor_config.json") and "\n" not in note
+    (export / "processor_config.json").write_text(json.dumps({"video_processor": {}}))
+    assert not video_notes()
+    (export / "processor_config.json").unlink()
+    (export / "video_preprocessor_config.json").write_text("{}")
+    assert not video_notes()
+    set_model_config(export, model_type="qwen2_5_vl", vision_config={})
+    (export / "video_preprocessor_config.json").unlink()
+    assert not video_notes()
