@@ -163,13 +163,6 @@ def check_context_parallel(cfg: TrainConfig) -> None:
     cp = cfg.parallel.cp
     if cp == 1:
         return
-    arch = QWEN_ARCHS.get(cfg.model.vision)
-    if arch is not None and arch.deepstack:  # model.vision: the init_from folder's (complete)
-        raise ConfigError(
-            f"parallel.cp={cp}: context parallelism splits the language model of a LLaVA or a Qwen2.5-VL, not of a "
-            f"{arch.name} (its DeepStack adds the tower's features to whole rows of the first language layers); "
-            "use parallel.cp=1"
-        )
     check_heads(cp, cfg.model.text_heads, cfg.model.text_kv_heads, "model.text_heads, model.text_kv_heads")
     if cfg.data.max_seq_len % cp or ROW_ALIGN % cp:
         raise ConfigError(

@@ -1,17 +1,21 @@
-"""parallel.cp for the VLM: Ulysses (common/ulysses.py) over the language model of a LLaVA or a Qwen2.5-VL.
+"""parallel.cp for the VLM: Ulysses (common/ulysses.py) over the language model of a LLaVA or a Qwen-VL (2.5, 3).
 
 The cp ranks of a data-parallel group read the same packed rows. The vision tower and the projector (Qwen's merger)
-run whole on every one of them (a row's images are few, and their features must land in whichever rank's tokens
-hold the image placeholders); the merged embedding sequence (text + image features) is then split, each rank keeping
-a contiguous 1/cp of every row's tokens and their position_ids (split on their last axis: a LLaVA's [R, L], Qwen's
-mRoPE [3, R, L], or [1, R*L] / [4, 1, R*L] for the flattened row of toggles.attention=flash) through the decoder
-layers. Attention exchanges heads for tokens (DeepSpeed's all-to-all): each rank then holds the whole row with
-heads/cp heads, and runs the language model's own registered kernel on it: SDPA with the row's 4D document + causal
-mask, or the varlen kernel (recipes/vlm/attention.py) with the batch's cu_seqlens. Both are whole-row metadata that
-reach the kernel as they are (only the embeddings and positions are split), so no token attends across documents.
-The LM head runs on the rank's tokens and its logits are gathered (common/ulysses.py gather_tokens, whose backward
-keeps the rank's rows): the loss is then transformers' own, computed whole and identically on every cp rank, and
-each rank's weights receive its own tokens' share, which DeepSpeed sums over cp.
+run whole on every one of them (a row's images are few, and their features must land in whichever rank's tokens hold
+the image placeholders); the merged embedding sequence (text + image features) is then split, each rank keeping a
+contiguous 1/cp of every row's tokens and their position_ids (split on their last axis: a LLaVA's [R, L], Qwen's mRoPE
+[3, R, L], or [1, R*L] / [4, 1, R*L] for the flattened row of toggles.attention=flash) through the decoder layers.
+Qwen3-VL's DeepStack adds more of the tower's features (intermediate blocks', merged) to the first decoder layers'
+hidden states at the image and video tokens: transformers hands the language model a mask of those tokens over the
+whole rows (visual_pos_masks) and one feature row per masked token in row-major order; each rank keeps the mask's
+columns and the feature rows of its own tokens. Attention exchanges heads for tokens (DeepSpeed's all-to-all): each
+rank then holds the whole row with heads/cp heads, and runs the language model's own registered kernel on it: SDPA
+with the row's 4D document + causal mask, or the varlen kernel (recipes/vlm/attention.py) with the batch's cu_seqlens.
+Both are whole-row metadata that reach the kernel as they are (only the embeddings, positions and DeepStack inputs are
+split), so no token attends across documents. The LM head runs on the rank's tokens and its logits are gathered
+(common/ulysses.py gather_tokens, whose backward keeps the rank's rows): the loss is then transformers' own, computed
+whole and identically on every cp rank, and each rank's weights receive its own tokens' share, which DeepSpeed sums
+over cp.
 
 Training only: in eval mode (generation, padded evaluation) nothing is split and attention is the plain kernel.
 """
@@ -53,22 +57,39 @@ def ulysses_attention(group, inner: str):
 
 
 def splittable_types() -> tuple[type, ...]:
-    """The models whose language model this module splits: transformers' LLaVA and Qwen2.5-VL, whose language model
-    sits at `model.model.language_model` under `model.lm_head` and takes the merged embeddings with their
-    position_ids. A Qwen3-VL is not one of them: its deepstack adds the tower's intermediate features to the first
-    decoder layers' hidden states at the image positions, a whole-row input that this split does not cut."""
-    from transformers import LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
+    """The models whose language model this module splits: transformers' LLaVA, Qwen2.5-VL and Qwen3-VL, whose
+    language model sits at `model.model.language_model` under `model.lm_head` and takes the merged embeddings with
+    their position_ids (and Qwen3-VL's DeepStack features with their mask: `shard_deepstack`)."""
+    from transformers import (
+        LlavaForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+    )
 
-    return LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
+    return LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+
+
+def shard_deepstack(mask: torch.Tensor, features: list[torch.Tensor], cp: int, rank: int):
+    """Qwen3-VL's DeepStack inputs for this cp rank's tokens: `mask` [R, L] (or [1, R*L], flash's flattened row) marks
+    the image and video tokens of the whole rows, and each of `features` (one per DeepStack layer) holds one row per
+    marked token, in the mask's row-major order (transformers' Qwen3VLModel.forward). The rank's tokens are those
+    shard_tokens gives it, so the mask is cut the same way and the feature rows kept are the marked tokens among them
+    (their order is kept: the rank's part of the mask, read row-major). The features' backward then puts the rank's
+    gradient in its rows and zeros elsewhere; the tower and mergers before them (whole on every rank) get the rank's
+    share, which DeepSpeed sums over cp as it does the merged embeddings'."""
+    mine = torch.zeros_like(mask)
+    shard_tokens(mine, cp, rank).fill_(True)  # a view: marks the rank's columns of `mine`
+    keep = mine[mask]  # per marked token (row-major), whether it is one of the rank's
+    return shard_tokens(mask, cp, rank), [f[keep] for f in features]
 
 
 def split_language_model(model: torch.nn.Module, cp: UlyssesGroups) -> None:
-    """`model`'s (a LLaVA or a Qwen2.5-VL: splittable_types) language model split over the cp ranks (module
-    docstring)."""
+    """`model`'s (a LLaVA, a Qwen2.5-VL or a Qwen3-VL: splittable_types) language model split over the cp ranks
+    (module docstring)."""
     if not isinstance(model, splittable_types()):
         raise ConfigError(
-            f"parallel.cp={cp.cp}: context parallelism splits the language model of a LLaVA or a Qwen2.5-VL, not of a "
-            f"{type(model).__name__}"
+            f"parallel.cp={cp.cp}: context parallelism splits the language model of a LLaVA, a Qwen2.5-VL or a "
+            f"Qwen3-VL, not of a {type(model).__name__}"
         )
     text = model.config.text_config
     check_heads(cp.cp, text.num_attention_heads, text.num_key_value_heads, "the language model's config")
@@ -90,6 +111,10 @@ def split_language_model(model: torch.nn.Module, cp: UlyssesGroups) -> None:
             raise ValueError("the cp-split language model takes packed rows: inputs_embeds and position_ids")
         kwargs["inputs_embeds"] = shard_tokens(kwargs["inputs_embeds"], cp.cp, cp.cp_rank)
         kwargs["position_ids"] = shard_tokens(kwargs["position_ids"], cp.cp, cp.cp_rank, dim=-1)  # tokens: last
+        if kwargs.get("visual_pos_masks") is not None:  # Qwen3-VL's DeepStack, on a batch with images or videos
+            kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"] = shard_deepstack(
+                kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"], cp.cp, cp.cp_rank
+            )
         return args, kwargs
 
     model.model.language_model.register_forward_pre_hook(split, with_kwargs=True)

@@ -76,6 +76,49 @@ def _tiny_qwen():
     return Qwen2_5_VLForConditionalGeneration(config).float()
 
 
+def _tiny_qwen3():
+    """A tiny transformers Qwen3-VL (a 2-block tower, patch 16, its 2x2 merger and DeepStack: blocks 0 and 1 merged
+    and added after language layers 0 and 1 at the image and video tokens; a 3-layer Qwen3 language model with
+    interleaved mRoPE over 4 heads and 2 key/value heads), fp32."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": True,
+            },
+            pad_token_id=0,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=16,
+            out_hidden_size=64,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+        ),
+        image_token_id=QWEN_IMAGE,
+        video_token_id=QWEN_IMAGE - 1,
+        vision_start_token_id=QWEN_IMAGE - 2,
+        vision_end_token_id=QWEN_IMAGE - 3,
+    )
+    torch.manual_seed(0)
+    return Qwen3VLForConditionalGeneration(config).float()
+
+
 def _documents(image: torch.Tensor, make_image):
     """Four documents (two with an image: prompt `image` before their text, -100 labels) and their images."""
     g = torch.Generator().manual_seed(3)
@@ -99,17 +142,12 @@ def _llava_batch(image_tokens: int):
     return packed.input_ids.shape, lambda attention: packed.model_inputs(attention) | {"pixel_values": pixel_values}
 
 
-def _qwen_batch(model):
-    """The same documents for the Qwen2.5-VL (an image of 4x4 patches: 4 tokens, between its vision start and end),
-    packed by recipes/vlm/qwen.py with each document's mRoPE positions from transformers' get_rope_index."""
+def _pack_qwen(model, samples: list[dict]):
+    """`samples` packed by recipes/vlm/qwen.py into rows of at most 48 tokens, each sample's mRoPE positions from
+    transformers' get_rope_index on it alone: (the rows' shape, the model's inputs per attention kernel)."""
     from recipes.vlm.qwen import pack_qwen, rope_index_for
 
     c = model.config
-    image = torch.tensor([c.vision_start_token_id, *[c.image_token_id] * 4, c.vision_end_token_id])
-    samples, images = _documents(image, lambda g: torch.randn(16, 3 * 2 * 14 * 14, generator=g))
-    for sample, pixels in zip(samples, images, strict=True):
-        if pixels is not None:
-            sample |= {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 4, 4]])}
     batch = pack_qwen(
         samples,
         rope_index_for(c),
@@ -119,6 +157,65 @@ def _qwen_batch(model):
         video_pad_id=c.video_token_id,
     )
     return batch.packed.input_ids.shape, batch.model_inputs
+
+
+def _qwen_batch(model):
+    """The same documents for the Qwen2.5-VL (an image of 4x4 patches: 4 tokens, between its vision start and end)."""
+    c = model.config
+    image = torch.tensor([c.vision_start_token_id, *[c.image_token_id] * 4, c.vision_end_token_id])
+    samples, images = _documents(image, lambda g: torch.randn(16, 3 * 2 * 14 * 14, generator=g))
+    for sample, pixels in zip(samples, images, strict=True):
+        if pixels is not None:
+            sample |= {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    return _pack_qwen(model, samples)
+
+
+# Qwen3-VL's documents: text runs, images (t, h, w patches) and videos (Qwen3VLProcessor's layout: each temporal
+# patch a 2-token timestamp text, then its own vision start, pads and end). Packed (even_rows, longest first) into
+# 3 rows of 48: row 0 opens with the first, whose image pads sit at 19..26; row 1 with the second, whose video's
+# second frame pads sit at 22..25; row 2 with the third (an image and a video that the cut leaves whole). sdpa cuts
+# each row at 24 and flash the flattened 3 x 48 at 72 (row 1's 24): an image and a video straddle the cuts.
+QWEN3_DOCUMENTS = (
+    (17, ("image", (1, 4, 8)), 12),  # 40 tokens
+    (10, ("video", (2, 4, 4)), 11),  # 38
+    (3, ("image", (1, 4, 4)), 3, ("video", (1, 4, 4)), 14),  # 36
+    (10,),  # 11
+    (("image", (1, 4, 4)), 2),  # 9
+    (6,),  # 7
+)
+
+
+def _qwen3_batch(model):
+    """QWEN3_DOCUMENTS as samples (a BOS first; labels on the text, -100 on the vision and timestamp tokens) with
+    their pixels, packed."""
+    c = model.config
+    g = torch.Generator().manual_seed(3)
+    patch = 3 * 2 * 16 * 16
+    samples = []
+    for document in QWEN3_DOCUMENTS:
+        ids, labels, sample = [torch.tensor([1])], [torch.tensor([-100])], {}
+        for part in document:
+            if isinstance(part, int):
+                text = torch.randint(3, VOCAB - 4, (part,), generator=g)
+                ids.append(text)
+                labels.append(text)
+                continue
+            kind, (t, h, w) = part
+            pads = [c.image_token_id if kind == "image" else c.video_token_id] * (h * w // 4)
+            frame = [c.vision_start_token_id, *pads, c.vision_end_token_id]
+            if kind == "video":  # each temporal patch after its timestamp text
+                frames = [[*torch.randint(3, VOCAB - 4, (2,), generator=g).tolist(), *frame] for _ in range(t)]
+                tokens = torch.tensor([i for f in frames for i in f])
+            else:
+                tokens = torch.tensor(frame)
+            ids.append(tokens)
+            labels.append(torch.full_like(tokens, -100))
+            key = "" if kind == "image" else "_videos"
+            grid = f"{kind}_grid_thw"
+            sample[f"pixel_values{key}"] = torch.randn(t * h * w, patch, generator=g)
+            sample[grid] = torch.tensor([[t, h, w]])
+        samples.append(sample | {"input_ids": torch.cat(ids), "labels": torch.cat(labels)})
+    return _pack_qwen(model, samples)
 
 
 def _against_the_unsplit(reference, shape, inputs, groups) -> dict:
@@ -134,6 +231,8 @@ def _against_the_unsplit(reference, shape, inputs, groups) -> dict:
     want.loss.backward()
     scale = max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None)
     result = {"rows": list(shape), "logits_max": want.logits.abs().max().item()}
+    if getattr(reference.config.vision_config, "deepstack_visual_indexes", None):
+        result["deepstack_share"] = _deepstack_share(reference, inputs("sdpa"), want.logits)
     for attention in ("sdpa", "flash"):
         split = copy.deepcopy(reference)
         split.zero_grad()
@@ -142,6 +241,9 @@ def _against_the_unsplit(reference, shape, inputs, groups) -> dict:
         split_language_model(split, groups)
         seen = []  # the tokens a decoder layer of the split model holds: 1/cp of each row
         split.model.language_model.layers[0].register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape))
+        ids = inputs(attention)["input_ids"]
+        visual = ids >= QWEN_IMAGE - 1  # image and video pads (LLaVA's image token is Qwen's image pad)
+        cut = ids.shape[1] // CP
         got = split(**inputs(attention), use_cache=False)
         got.loss.backward()
         worst = 0.0
@@ -157,11 +259,27 @@ def _against_the_unsplit(reference, shape, inputs, groups) -> dict:
         result[attention] = {
             "after_eval": split.config.text_config._attn_implementation,
             "layer_tokens": [list(shape[:2]) for shape in seen],
+            "rows_cut_in_a_visual": int((visual[:, cut - 1] & visual[:, cut]).sum()),
             "logits_err": (got.logits.view_as(want.logits) - want.logits).abs().max().item(),
             "loss_err": abs(got.loss.item() - want.loss.item()),
             "grad_rel_err": worst,
         }
     return result
+
+
+def _deepstack_share(model, inputs: dict, logits: torch.Tensor) -> float:
+    """Max |logits difference| that Qwen3-VL's DeepStack features make on the unsplit model: what a split that lost
+    them (zeroed) would be off by, to set against the test's tolerance."""
+
+    def zeroed(_module, args, kwargs):
+        kwargs["deepstack_visual_embeds"] = [torch.zeros_like(f) for f in kwargs["deepstack_visual_embeds"]]
+        return args, kwargs
+
+    hook = model.model.language_model.register_forward_pre_hook(zeroed, with_kwargs=True)
+    with torch.no_grad():
+        without = model(**inputs, use_cache=False).logits
+    hook.remove()
+    return (without - logits).abs().max().item()
 
 
 def _on_each_rank() -> dict:
@@ -174,10 +292,11 @@ def _on_each_rank() -> dict:
     register_varlen_attention()
     groups = UlyssesGroups(1, CP, "cpu")
     llava, image_tokens = _tiny_llava()
-    qwen = _tiny_qwen()
+    qwen, qwen3 = _tiny_qwen(), _tiny_qwen3()
     return {
         "LLaVA": _against_the_unsplit(llava, *_llava_batch(image_tokens), groups),
         "Qwen2.5-VL": _against_the_unsplit(qwen, *_qwen_batch(qwen), groups),
+        "Qwen3-VL": _against_the_unsplit(qwen3, *_qwen3_batch(qwen3), groups),
     }
 
 
@@ -196,3 +315,7 @@ def test_split_language_models_equal_the_unsplit_forward_and_gradients(tmp_path)
                 )
                 assert e["layer_tokens"] == [layer_tokens] and e["after_eval"].startswith(ULYSSES_PREFIX)
                 assert e["logits_err"] <= 1e-5 and e["loss_err"] <= 1e-6 and e["grad_rel_err"] <= 1e-5, e
+            if model == "Qwen3-VL":  # DeepStack's features cut with the tokens, where an image and a video straddle it
+                print(f"Qwen3-VL: its DeepStack features zeroed move the unsplit logits by {r['deepstack_share']:.1e}")
+                assert r["deepstack_share"] >= 1e-2
+                assert (r["sdpa"]["rows_cut_in_a_visual"], r["flash"]["rows_cut_in_a_visual"]) == (2, 1)

@@ -748,15 +748,8 @@ def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(r
     assert QwenInputs(
         QwenProcessing(qwen.tokenizer, qwen.image_processor, qwen.video), qwen.model, qwen, videos
     ).blank_video
-    if arch == "qwen2_5_vl":
-        return
-    # Qwen3-VL: parallel.cp (DeepStack adds to whole rows) stops at composition.
-    with pytest.raises(ConfigError) as err:
-        compose(["recipe=vlm_tiny", "data=llava", f"model.init_from={folder}", "parallel.cp=2"])
-    assert str(err.value) == (
-        "parallel.cp=2: context parallelism splits the language model of a LLaVA or a Qwen2.5-VL, not of a Qwen3-VL "
-        "(its DeepStack adds the tower's features to whole rows of the first language layers); use parallel.cp=1"
-    )
+    # parallel.cp composes for both (Qwen3-VL's DeepStack inputs are cut with the tokens: test_vlm_context_parallel).
+    assert compose(["recipe=vlm_tiny", "data=llava", f"model.init_from={folder}", "parallel.cp=2"]).parallel.cp == 2
 
 
 @pytest.mark.parametrize("arch", ARCHS)
