@@ -73,14 +73,13 @@ def shard_deepstack(mask: torch.Tensor, features: list[torch.Tensor], cp: int, r
     """Qwen3-VL's DeepStack inputs for this cp rank's tokens: `mask` [R, L] (or [1, R*L], flash's flattened row) marks
     the image and video tokens of the whole rows, and each of `features` (one per DeepStack layer) holds one row per
     marked token, in the mask's row-major order (transformers' Qwen3VLModel.forward). The rank's tokens are those
-    shard_tokens gives it, so the mask is cut the same way and the feature rows kept are the marked tokens among them
-    (their order is kept: the rank's part of the mask, read row-major). The features' backward then puts the rank's
-    gradient in its rows and zeros elsewhere; the tower and mergers before them (whole on every rank) get the rank's
-    share, which DeepSpeed sums over cp as it does the merged embeddings'."""
-    mine = torch.zeros_like(mask)
-    shard_tokens(mine, cp, rank).fill_(True)  # a view: marks the rank's columns of `mine`
-    keep = mine[mask]  # per marked token (row-major), whether it is one of the rank's
-    return shard_tokens(mask, cp, rank), [f[keep] for f in features]
+    shard_tokens gives it: its part of the mask, and the feature rows of the marked tokens in it, in the same order.
+    The features' backward then puts the rank's gradient in its rows and zeros elsewhere; the tower and mergers before
+    them (whole on every rank) get the rank's share, which DeepSpeed sums over cp as it does the merged embeddings'."""
+    row = (mask.flatten().cumsum(0) - 1).view_as(mask)  # at each marked token: its feature row
+    mine = shard_tokens(mask, cp, rank)
+    rows = shard_tokens(row, cp, rank)[mine]  # one host sync (a boolean index), then plain gathers
+    return mine, [f[rows] for f in features]
 
 
 def split_language_model(model: torch.nn.Module, cp: UlyssesGroups) -> None:

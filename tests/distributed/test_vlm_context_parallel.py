@@ -1,10 +1,12 @@
 """parallel.cp for the VLM (recipes/vlm/context_parallel.py) on 2 gloo ranks, against the unsplit model: a tiny
-transformers LLaVA and a tiny Qwen2.5-VL (mRoPE positions [3, R, L], split with the tokens) with their language
-model split over the cp ranks give the unsplit forward's logits and loss on a packed batch with images (documents of
-different lengths in one row, images in two of them), and their weight gradients, summed over the cp ranks as
-DeepSpeed sums them, the unsplit ones; under toggles.attention=sdpa (the rows' 4D mask) and flash (the flattened
-row's cu_seqlens, through tests/fixtures/varlen.py's CPU stand-in for torch's CUDA-only kernel), each against the
-unsplit SDPA forward. The training runs are test_vlm_zero2.py's cp=2 (LLaVA) and test_vlm_qwen_cp.py's (Qwen2.5-VL).
+transformers LLaVA, a tiny Qwen2.5-VL (mRoPE positions [3, R, L], split with the tokens) and a tiny Qwen3-VL (its
+DeepStack features and their mask cut with the tokens too) with their language model split over the cp ranks give the
+unsplit forward's logits and loss on a packed batch with images (documents of different lengths in one row, images
+in some of them; Qwen3-VL's also videos, an image and a video straddling the cuts), and their weight gradients,
+summed over the cp ranks as DeepSpeed sums them, the unsplit ones; under toggles.attention=sdpa (the rows' 4D mask)
+and flash (the flattened row's cu_seqlens, through tests/fixtures/varlen.py's CPU stand-in for torch's CUDA-only
+kernel), each against the unsplit SDPA forward. The training runs are test_vlm_zero2.py's cp=2 (LLaVA) and
+test_vlm_qwen_cp.py's (Qwen2.5-VL, Qwen3-VL).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""parallel.cp=2 for a Qwen2.5-VL (recipes/vlm/context_parallel.py: Ulysses over its language model; the tower and
-the merger whole on both cp ranks, the merged embeddings and the mRoPE positions [3, R, L] split with the tokens) on
-2 gloo ranks takes the steps of one process: test_vlm_qwen_train's cached run (the same 8 conversations a step, with
-images and videos, packed at native resolution). Losses and gradient norms within 1e-5 relative (fp32: only the
-reduction order differs; AdamW hides a gradient's scale from the losses, a cp-fold error shows in the norm)."""
+"""parallel.cp=2 for a Qwen2.5-VL and a Qwen3-VL (recipes/vlm/context_parallel.py: Ulysses over the language model;
+the tower and the merger(s) whole on both cp ranks, the merged embeddings and the mRoPE positions [3, R, L] split with
+the tokens, and Qwen3-VL's DeepStack features with their image and video tokens) on 2 gloo ranks takes the steps of
+one process: test_vlm_qwen_train's cached runs (the same 8 conversations a step, with images and videos, packed at
+native resolution). Losses and gradient norms within 1e-5 relative (fp32: only the reduction order differs; AdamW
+hides a gradient's scale from the losses, a cp-fold error shows in the norm)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from tests.fixtures import vlm as fx
 pytestmark = pytest.mark.distributed
 
 
-def test_qwen_at_cp2_takes_one_process_steps(qwen_world, trained):
+@pytest.mark.parametrize(("world", "name"), [("qwen_world", "Qwen2.5-VL"), ("qwen3_world", "Qwen3-VL")])
+def test_qwen_at_cp2_takes_one_process_steps(request, world, name, trained):
     def steps(run_dir):
         return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run_dir / "metrics.jsonl")}
 
-    one = steps(trained(fx.qwen_run_args(qwen_world)))
-    cp = steps(trained([*fx.qwen_run_args(qwen_world), "parallel.cp=2", "trainer.eval=false"], 2))
+    args = fx.qwen_run_args(request.getfixturevalue(world))
+    one = steps(trained(args))
+    cp = steps(trained([*args, "parallel.cp=2", "trainer.eval=false"], 2))
     assert sorted(cp) == sorted(one) == [1, 2, 3]
     worst = [max(abs(cp[s][i] - one[s][i]) / one[s][i] for s in one) for i in (0, 1)]
-    print(f"Qwen2.5-VL cp=2 vs 1 rank, 3 steps: max relative difference loss {worst[0]:.1e}, grad norm {worst[1]:.1e}")
+    print(f"{name} cp=2 vs 1 rank, 3 steps: max relative difference loss {worst[0]:.1e}, grad norm {worst[1]:.1e}")
     assert max(worst) <= 1e-5, (cp, one)
