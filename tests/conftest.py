@@ -119,8 +119,8 @@ def qwen_world(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen3_world(tmp_path_factory):
-    """qwen_world for Qwen3-VL (tests/fixtures/vlm.py make_qwen3_world), built once: test_vlm_qwen_train trains it
-    and test_serve_vllm_qwen serves that same cached run."""
+    """qwen_world for Qwen3-VL (tests/fixtures/vlm.py make_qwen3_world), built once: test_vlm_qwen_train trains it,
+    test_vlm_qwen_cp takes that cached run as its cp=2 reference and test_serve_vllm_qwen serves it."""
     from tests.fixtures.shared import once, shared_root
     from tests.fixtures.vlm import make_qwen3_world
 
