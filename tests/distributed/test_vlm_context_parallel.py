@@ -212,10 +212,9 @@ def _qwen3_batch(model):
                 tokens = torch.tensor(frame)
             ids.append(tokens)
             labels.append(torch.full_like(tokens, -100))
-            key = "" if kind == "image" else "_videos"
-            grid = f"{kind}_grid_thw"
-            sample[f"pixel_values{key}"] = torch.randn(t * h * w, patch, generator=g)
-            sample[grid] = torch.tensor([[t, h, w]])
+            pixels = "pixel_values" if kind == "image" else "pixel_values_videos"
+            sample[pixels] = torch.randn(t * h * w, patch, generator=g)
+            sample[f"{kind}_grid_thw"] = torch.tensor([[t, h, w]])
         samples.append(sample | {"input_ids": torch.cat(ids), "labels": torch.cat(labels)})
     return _pack_qwen(model, samples)
 
