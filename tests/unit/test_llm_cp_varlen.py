@@ -205,7 +205,6 @@ def test_cp_varlen_on_cuda(method, cp):
         assert rel < 3e-2 and (key != "out" or err < 6e-2), f"{key} vs {name}: max |diff| {err:.3g}, relative {rel:.3g}"
 
 
-
 def test_the_planner_bounds_the_kernels_copies(monkeypatch):
     """What each cp rank's varlen kernel gets, and keeps for backward (torch's kernel saves its q, k, v), are copies the
     segments make (index_select): under allgather each query piece's keys/values out of the gathered ones, under
