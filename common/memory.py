@@ -416,7 +416,7 @@ def cp_varlen_keys(seq: int, cp: int) -> int:
     queries plus a - s for the one piece whose document starts before lo, at most lo: at most hi keys. The early
     chunk ends at (r + 1) n, the late one at (2 cp - r) n: (2 cp + 1) n = seq + seq/(2 cp) keys on every rank, reached
     when a document starts the row and reaches into the rank's late chunk (a document spanning the row: every rank)."""
-    return seq + seq // (2 * cp)
+    return seq + seq // (2 * cp) if cp > 1 else seq  # cp=1: the row, as the varlen path without cp attends it
 
 
 def head_saved(
