@@ -138,6 +138,11 @@ class Block:
     # Attention run image by image (window by window) and concatenated (transformers' SDPA / eager path of the
     # Qwen-VL towers; their varlen kernel writes one output): the projection keeps the concatenation, a second copy.
     chunked_attention: bool = False
+    # Under context parallelism, the LLM's varlen kernel on host-built segments (toggles.attention=flash;
+    # recipes/llm/context_parallel.py VarlenSegments) in place of SDPA's mask rows: allgather copies each query
+    # piece's keys/values out of the gathered ones (cp_varlen_keys), alltoall puts q, k, v in row order and the output
+    # back (index_select copies). No mask either way (dense_mask False).
+    cp_varlen: bool = False
 
     @property
     def kv_fraction(self) -> float:
@@ -303,7 +308,9 @@ def layer_saved(
     s·b·h·34 + 5·a·s²·b; `full` keeps only the layer input (2·s·b·h), `selective` drops the s² terms.
     Masks of dropout are 1 byte; softmax statistics of layernorm are not counted (as in the paper).
     Context parallelism (cp > 1): each rank holds seq/cp tokens of every row. `cp_method=allgather`: its attention
-    kernel keeps the row's gathered keys and values (seq) and its [seq/cp x seq] rows of the mask. `alltoall`
+    kernel keeps the row's gathered keys and values (seq) and its [seq/cp x seq] rows of the mask; under the varlen
+    kernel (Block.cp_varlen) no mask, and the keys/values it keeps are its copies, at most cp_varlen_keys per row (the
+    gathered ones are freed once copied: cp_transient_bytes). `alltoall`
     (Ulysses: DeepSpeed's DistributedAttention, the LLM's own exchange): the kernel keeps q, k, v and its output for
     the whole row with heads/cp heads, the bytes of seq/cp tokens with every head, and the whole [seq x seq] mask;
     the inverse all-to-all's result is a new tensor, the output projection's input, kept beside the kernel's output.
@@ -325,7 +332,7 @@ def layer_saved(
         _attention_saved(block, s, b, e, mask_side=seq)
         + [Saved("attention output after the all-to-all (projection input)", e * s * b * block.attention_width, True)]
         if ulysses
-        else _attention_saved(block, s, b, e, kv_seq=seq)
+        else _attention_saved(block, s, b, e, kv_seq=cp_varlen_keys(seq, cp) if block.cp_varlen else seq)
     )
     out += attention + _qk_norm_saved(block, s, b, e) + _attention2_saved(block, s, b, e, "")
     if block.dropout:
@@ -379,7 +386,8 @@ def cp_transient_bytes(
     """What context parallelism's exchange holds live around one layer's attention, beyond what the layer keeps.
 
     `allgather` (recipes/llm/context_parallel.py): the gathered keys and values of the row (2 x seq x kv_heads x
-    head_dim, this rank's heads), and the rank's [seq/cp x seq] bool rows of the document + causal mask.
+    head_dim, this rank's heads), and under SDPA the rank's [seq/cp x seq] bool rows of the document + causal mask
+    (the varlen kernel, Block.cp_varlen, takes host-built segments instead: no mask).
     `alltoall` (Ulysses): DeepSpeed's DistributedAttention (deepspeed/sequence/layer.py single_all_to_all) sends
     each of q, k, v, then the kernel's output, one after the other, from a permuted contiguous copy into an
     `empty_like` receive buffer, then permutes that into the result the kernel (or the output projection) keeps:
@@ -391,8 +399,24 @@ def cp_transient_bytes(
         return 0.0
     if cp_method == "alltoall":
         mask = batch * seq * seq if block.dense_mask else 0
-        return 2 * (seq // cp) * batch * block.attention_width * act_bytes / tp + mask
-    return 2 * seq * batch * block.kv_width * act_bytes / tp + batch * (seq // cp) * seq
+        # cp_varlen: the output the kernel keeps is put back in the gathered order by a copy (index_select), which
+        # the inverse exchange's send copy and receive buffer then join: three q-sized buffers. (Before the kernel,
+        # the exchanged q, k, v beside their row-order copies are one q and two k-sized ones: no more.)
+        buffers = 3 if block.cp_varlen else 2
+        return buffers * (seq // cp) * batch * block.attention_width * act_bytes / tp + mask
+    # Under cp_varlen the gathered keys/values live until the kernel's copies of them (cp_varlen_keys) are taken.
+    mask = batch * (seq // cp) * seq if block.dense_mask else 0
+    return 2 * seq * batch * block.kv_width * act_bytes / tp + mask
+
+
+def cp_varlen_keys(seq: int, cp: int) -> int:
+    """The most keys a cp rank's varlen kernel gets per row under `allgather` (recipes/llm/context_parallel.py:
+    VarlenSegments.rank_queries): the rank's chunks [lo, hi) hold n = seq/(2 cp) queries each, and a document [s, e)
+    cuts a chunk into a piece [a, b) that gets the copied keys [s, b). Over a chunk the pieces' keys are its n
+    queries plus a - s for the one piece whose document starts before lo, at most lo: at most hi keys. The early
+    chunk ends at (r + 1) n, the late one at (2 cp - r) n: (2 cp + 1) n = seq + seq/(2 cp) keys on every rank, reached
+    when a document starts the row and reaches into the rank's late chunk (a document spanning the row: every rank)."""
+    return seq + seq // (2 * cp) if cp > 1 else seq  # cp=1: the row, as the varlen path without cp attends it
 
 
 def head_saved(

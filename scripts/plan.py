@@ -156,8 +156,8 @@ def table(spec: ModelSpec, rows: list[dict], cluster: Cluster, configured: Layou
         "* the recipe's configured layout. Ranked: less recomputation, smaller tp*pp*cp, less pp, less tp, lower "
         "ZeRO stage, less memory (common/memory.py:rank_key).",
         "gathered: ZeRO-3/FSDP unit (or autocast bf16 copies); transient: logits at the loss or one layer "
-        "recomputed in backward (plus, under cp, one layer's exchange: the all-gathered keys/values and mask rows, "
-        "or the all-to-all's send and receive buffers and the whole row's mask).",
+        "recomputed in backward (plus, under cp, one layer's exchange: the all-gathered keys/values and, under "
+        "SDPA, mask rows, or the all-to-all's send and receive buffers and, under SDPA, the whole row's mask).",
         *([spec.note] if spec.note else []),
     ]
     return "\n".join(lines)

@@ -507,6 +507,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         attention="fused",
         repeat_kv=not varlen,
         dense_mask=not varlen,
+        cp_varlen=varlen,  # under parallel.cp: VarlenSegments (recipes/llm/context_parallel.py), no mask rows
         megatron_sp=False,
         selective="save_matmuls",
         # Qwen3's RMSNorm per head on q and k (model.qk_norm); Kiln's RMSNorm, like transformers', keeps the fp32 copy.

@@ -1,7 +1,9 @@
 """Context parallelism (parallel.cp=2) on packed documents, against one process: the attention of random documents
 under cp_method=allgather and alltoall (outputs and gradients, fp32), with masked SDPA and with the varlen kernel's
 segments (toggles.attention=flash, a CPU stand-in for the CUDA-only kernel: tests/fixtures/varlen.py), equals
-SDPA with the whole row's document + causal mask, and llm_tiny's per-step losses equal the single-process run's. The
+SDPA with the whole row's document + causal mask; one forward's bytes (the most alive at once, those kept) are the
+memory planner's (masked SDPA under alltoall; the varlen kernel under both methods, torch's own op with the stand-in as
+its CPU forward); and llm_tiny's per-step losses equal the single-process run's. The
 compositions on 4 ranks: the logits of a packed batch under cp=2 x tp=2 (both methods, one launch) equal one
 process's, and the losses under cp=2 x dp=2 and cp=2 x pp=2 equal its; moe_tiny's at cp=2, its auxiliary losses and
 expert load counted over the whole rows, and at cp=2 x dp=2 with the experts split over ep=2 of the dp x cp ranks."""
@@ -63,6 +65,14 @@ def _cp_attention(method: str) -> dict:
         result[attention] = {"out": out.detach().tolist()} | {f"grad_{n}": t.grad.tolist() for n, t in mine.items()}
         if attention == "sdpa":
             result["memory"] = _exchange_memory(mine, shard)
+    # torch's own varlen op, its CPU forward the stand-in: the forward allocates and keeps what it does on CUDA.
+    from torch.nn.attention.varlen import varlen_attn
+
+    from tests.fixtures.varlen import register_cpu_forward
+
+    register_cpu_forward()
+    varlen._kernel = lambda: (varlen_attn, True)
+    result["flash memory"] = _exchange_memory(mine, shard) | {"keys": int(shard.mask.cu_k[-1])}
     return result
 
 
@@ -128,6 +138,31 @@ def test_cp_attention_matches_unsplit_masked_attention(tmp_path, method):
             # runs, not in two loaded ones: kept == peak), so what is kept lies between the planner's and the peak.
             assert rank["memory"]["peak"] == kept + transient - mask_bool
             assert kept <= rank["memory"]["kept"] <= kept + transient - mask_bool
+    # The same under toggles.attention=flash (Block.cp_varlen: no mask; K/V shared by the query heads). The kernel keeps
+    # the key/value copies of its segments (allgather; alltoall: the row-order copies), which the segments count.
+    from common.memory import Block, _attention_saved, cp_transient_bytes, cp_varlen_keys
+
+    block = Block(
+        HEADS * HEAD_DIM, HEADS, 0, KV_HEADS, dropout=False, attention="fused", repeat_kv=False, cp_varlen=True
+    )
+    s, b, rng = ROW_LEN // CP, packed.num_rows, 16  # the kernel also keeps a 16-byte rng state
+    transient = cp_transient_bytes(block, seq=ROW_LEN, batch=b, act_bytes=4, cp=CP, cp_method=method)
+    for rank in ranks:
+        measured = rank["flash memory"]
+        if method == "alltoall":  # as with SDPA: the kernel's tensors and the inverse exchange's result
+            kept = sum(t.nbytes for t in _attention_saved(block, s, b, 4, mask_side=ROW_LEN)) + 4 * s * b * block.hidden
+            bound = kept
+        else:  # the copies of this layout's keys, its output and logsumexp (q is the input, kept but not created)
+            kept = 2 * measured["keys"] * block.kv_width * 4 + 4 * s * b * block.attention_width + 4 * HEADS * s * b
+            bound = sum(t.nbytes for t in _attention_saved(block, s, b, 4, kv_seq=cp_varlen_keys(ROW_LEN, CP)))
+            bound -= 4 * s * b * block.attention_width  # the planner's q
+        print(
+            f"cp={CP} {method} flash, one forward: measured {measured}; planner transient {transient:,.0f} B, "
+            f"kept {kept:,.0f} B (+ {rng} B rng state; the planner's bound {bound:,.0f} B)"
+        )
+        assert kept <= bound and (method == "allgather" or kept == bound)
+        assert measured["peak"] == kept + rng + transient
+        assert kept + rng <= measured["kept"] <= kept + rng + transient
 
 
 def test_a_document_never_sees_another_or_a_later_token():

@@ -203,3 +203,37 @@ def test_cp_varlen_on_cuda(method, cp):
     errors = against_the_unsplit_row(method, cp, torch.device("cuda"), torch.bfloat16)
     for (name, key), (err, rel) in errors.items():
         assert rel < 3e-2 and (key != "out" or err < 6e-2), f"{key} vs {name}: max |diff| {err:.3g}, relative {rel:.3g}"
+
+
+def test_the_planner_bounds_the_kernels_copies(monkeypatch):
+    """What each cp rank's varlen kernel gets, and keeps for backward (torch's kernel saves its q, k, v), are copies the
+    segments make (index_select): under allgather each query piece's keys/values out of the gathered ones, under
+    alltoall q, k, v put in row order. Their bytes, measured as the storages the kernel receives, against the
+    planner's "q, k, v" for the LLM under toggles.attention=flash (common/memory.py: Block.cp_varlen,
+    cp_varlen_keys): allgather's is an upper bound over document layouts, reached on every rank when each row is one
+    document (the most keys a piece can copy); alltoall's is exact. cp=2 and 4, fp32 (act_bytes 4)."""
+    from common.launch import compose  # here: the GPU test's machine may lack Hydra
+    from common.memory import layer_saved
+    from recipes.llm.train import memory_spec
+
+    block = memory_spec(compose(["recipe=llm_tiny", "toggles.attention=flash", "toggles.precision=bf16"])).block
+    # llm_tiny's q and k/v widths are this file's (4 heads x 32 and 2 x 32; here 8 x 16 and 4 x 16): the same bytes.
+    assert block.cp_varlen and (block.attention_width, block.kv_width) == (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
+    got = []
+
+    def recording_kernel(q, k, v, *args, **kwargs):
+        got.append(sum(t.untyped_storage().nbytes() for t in (q, k, v)))
+        return cpu_kernel()[0](q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(varlen, "_kernel", lambda: (recording_kernel, True))
+    whole = pack_samples([{"input_ids": t, "labels": t} for t in [torch.ones(ROW, dtype=torch.long)] * 2], ROW, 0)
+    for method, cp in [(m, cp) for m in METHODS for cp in (2, 4)]:
+        for name, packed in (("a document per row", whole), ("random documents", random_batch(cp))):
+            got.clear()
+            cp_attention(packed, *random_qkv(packed, 0)[:3], cp, method)
+            saved = layer_saved(block, seq=ROW, batch=packed.num_rows, act_bytes=4, cp=cp, cp_method=method)
+            planned = next(t.nbytes for t in saved if t.name == "q, k, v")
+            print(f"cp={cp} {method}, {name}: the kernel's q, k, v per rank {got} B; planned {planned:,.0f} B")
+            assert len(got) == cp and all(n <= planned for n in got)
+            if method == "alltoall" or packed is whole:
+                assert all(n == planned for n in got), (method, cp, name)

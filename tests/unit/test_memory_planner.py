@@ -567,6 +567,34 @@ def test_cp2_alltoall_keeps_the_whole_row_mask_and_prices_its_exchange(model):
     assert two["transient"] == pytest.approx(max(exchange, logits), rel=1e-12)
 
 
+@pytest.mark.parametrize("method", ["allgather", "alltoall"])
+def test_cp_flash_prices_the_segments_copies_and_no_mask(method):
+    """Under toggles.attention=flash the LLM hands the varlen kernel segments built on the host (recipes/llm/
+    context_parallel.py VarlenSegments), no mask. allgather: the kernel keeps its copies of each query piece's keys and
+    values, at most L + L/(2 cp) per row (the whole row's L at cp=1, GQA's kv heads: the kernel shares them), and
+    around a layer the gathered K/V live until copied. alltoall: q, k, v and the output are the bytes of L/cp tokens
+    with every head, as under SDPA, and three q-sized buffers live around a layer (the output put back in the gathered
+    order, then the send copy and the receive buffer). The copies' bytes measured: tests/unit/test_llm_cp_varlen.py;
+    the forward's peak on 2 gloo ranks: tests/distributed/test_llm_context_parallel.py."""
+    from common.memory import cp_transient_bytes
+
+    cfg = compose(
+        ["recipe=llm_tiny", "toggles.attention=flash", "toggles.precision=bf16", f"parallel.cp_method={method}"]
+    )
+    spec, m = llm_spec(cfg), cfg.model
+    head_dim = m.head_dim or m.dim // m.n_heads
+    L, b, e, kv, q = spec.seq, spec.micro_batch, spec.act_bytes, m.n_kv_heads * head_dim, m.n_heads * head_dim
+    one, two = (estimate(spec, Layout(dp=1, tp=1, pp=1, zero_stage=3, ac="none", cp=cp)) for cp in (1, 2))
+    shape = dict(seq=L, batch=b, act_bytes=e, cp=2, cp_method=method)
+    if method == "allgather":
+        per_layer = 2 * (L + L // 4 - L // 2) * b * kv * e  # cp=1 keeps the row's L keys/values: half of them here
+        assert cp_transient_bytes(spec.block, **shape) == 2 * L * b * kv * e  # no [L/2 x L] mask rows
+    else:
+        per_layer = e * (L // 2) * b * q  # the inverse exchange's result, the projection's input
+        assert cp_transient_bytes(spec.block, **shape) == 3 * (L // 2) * b * q * e  # no [L x L] mask
+    assert two["activations"] == pytest.approx(one["activations"] / 2 + spec.layers * per_layer, rel=1e-12)
+
+
 def test_vlm_cp_prices_the_gathered_logits_of_whole_rows():
     """The VLM gathers the LM head's logits over cp and takes transformers' loss on whole rows on every cp rank
     (recipes/vlm/context_parallel.py): its log-probabilities and logits are cp=1's, not halved."""
