@@ -70,6 +70,22 @@ def build_deepspeed_config(cfg: TrainConfig, dp: int) -> dict[str, Any]:
     return ds
 
 
+REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (Kiln's config leaves it)
+
+
+def check_cp_zero3(cfg: TrainConfig, largest: int, name: str = "the largest trainable parameter") -> None:
+    """One line where parallel.cp > 1 under ZeRO-3 meets a trainable parameter of more than `REDUCE_BUCKET` elements
+    (`largest`): DeepSpeed's reduce path for it would average its gradient over dp x cp ranks instead of summing it
+    over cp (build_deepspeed_config). `initialize` names the parameter; the planner (scripts/plan.py) skips such
+    layouts with the same rule."""
+    if cfg.parallel.cp > 1 and cfg.parallel.zero_stage == 3 and largest > REDUCE_BUCKET:
+        raise ConfigError(
+            f"parallel.cp={cfg.parallel.cp} with parallel.zero_stage=3: {name} has {largest:,} elements, more than "
+            f"ZeRO-3's reduce bucket ({REDUCE_BUCKET:,}); DeepSpeed would average its gradient over dp x cp ranks "
+            "instead of summing it over cp (common/deepspeed.py): use parallel.zero_stage=2"
+        )
+
+
 def local_state_bytes(engine) -> int:
     """Measured bytes of weights + optimizer state (incl. fp32 master copies) held by this rank.
 
@@ -104,17 +120,11 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, dp: int, mpu=None):
     import deepspeed
 
     config = build_deepspeed_config(cfg, dp)
-    if mpu is not None and cfg.parallel.zero_stage == 3:
-        bucket = config["zero_optimization"].get("reduce_bucket_size", 500_000_000)  # DeepSpeed's default
+    if mpu is not None:
         name, p = max(
             ((n, q) for n, q in model.named_parameters() if q.requires_grad), key=lambda item: item[1].numel()
         )
-        if p.numel() > bucket:
-            raise ConfigError(
-                f"parallel.cp={cfg.parallel.cp} with parallel.zero_stage=3: parameter {name} has {p.numel():,} "
-                f"elements, more than ZeRO-3's reduce bucket ({bucket:,}); DeepSpeed would average its gradient over "
-                "dp x cp ranks instead of summing it over cp (common/deepspeed.py): use parallel.zero_stage=2"
-            )
+        check_cp_zero3(cfg, p.numel(), f"parameter {name}")
     schedule = functools.partial(lr_factor, cfg=cfg.optim, max_steps=cfg.trainer.max_steps)
     engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -508,6 +508,7 @@ class ModelSpec:
     pp_microbatches: int = 0  # 0: pp
     vocab_parallel: bool = False  # TP keeps the logits sharded over the vocabulary (loss parallel)
     context_parallel: bool = False  # the recipe splits rows over parallel.cp ranks (the planner varies cp)
+    largest_trainable: int = 0  # elements of the largest trainable parameter (DeepSpeed: cp x ZeRO-3's bucket rule)
     cp_method: str = "allgather"  # parallel.cp_method: what cp ranks exchange (allgather: keys/values; alltoall: heads)
     # Under cp the output projection's tokens are gathered and the loss taken on the whole rows on every cp rank (the
     # DeepSpeed recipes: common/ulysses.py gather_tokens), so the logits are not divided by cp.
@@ -679,6 +680,11 @@ def count_params(module, trainable_only: bool = False) -> int:
     if module is None:
         return 0
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+def largest_trainable(model) -> int:
+    """Elements of the model's largest trainable parameter (common/deepspeed.py check_cp_zero3)."""
+    return max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
 
 
 def largest_module_params(model) -> int:

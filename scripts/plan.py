@@ -27,6 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from common.config import TrainConfig  # noqa: E402
+from common.deepspeed import check_cp_zero3  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from common.memory import GIB, MEMORY_COLUMNS, Layout, ModelSpec, configured_layout  # noqa: E402
 from common.tools.planner import GPUS, plan  # noqa: E402
@@ -104,8 +105,9 @@ def with_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig | None:
     return dataclasses.replace(cfg, parallel=parallel, toggles=toggles)
 
 
-def recipe_allows(cfg: TrainConfig):
-    """The recipe's schema and its own validation decide which layouts it can run (e.g. DiT/VLM: tp = pp = 1)."""
+def recipe_allows(cfg: TrainConfig, spec: ModelSpec):
+    """The recipe's schema and its own validation decide which layouts it can run (e.g. DiT/VLM: tp = pp = 1), and
+    DeepSpeed's engine start which it refuses (cp x ZeRO-3 with a parameter over the reduce bucket)."""
     validate = recipe_spec(cfg.recipe.family).config.validate
 
     def allows(layout: Layout) -> bool:
@@ -114,6 +116,8 @@ def recipe_allows(cfg: TrainConfig):
             return False
         try:
             validate(laid_out)
+            if spec.sharding == "deepspeed":
+                check_cp_zero3(laid_out, spec.largest_trainable)
         except ConfigError:
             return False
         return True
@@ -202,7 +206,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 2
-    rows = plan(spec, cluster.gpus, GPUS[cluster.gpu], cluster.headroom, allowed=recipe_allows(cfg))
+    rows = plan(spec, cluster.gpus, GPUS[cluster.gpu], cluster.headroom, allowed=recipe_allows(cfg, spec))
     if "--json" in flags:
         print(as_json(spec, rows, cluster))
         return 0

@@ -33,8 +33,9 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(spec: ModelSpec, gpus: int, gpus_per_node: int = 8) -> list[Layout]:
     """dp·tp·pp·cp = gpus with tp inside a node and dividing the heads, pp dividing the layers, cp (where the recipe
-    has context parallelism) splitting each row into 2·cp equal chunks and not combined with ep (the LLM refuses
-    it); every ZeRO stage (FSDP: full shard whenever dp·cp > 1, as the LLM recipe does) and AC mode."""
+    has context parallelism: the LLM, DiT and VLM; not text-to-image, whose `seq` counts the text tokens cp leaves
+    whole) splitting each row as its method does (`_splits`) and not combined with ep (not enumerated); every ZeRO
+    stage (FSDP: full shard whenever dp·cp > 1, as the LLM recipe does) and AC mode."""
     out = []
     for tp in _divisors(gpus):
         if tp > gpus_per_node or spec.block.heads % tp:
@@ -42,7 +43,7 @@ def candidate_layouts(spec: ModelSpec, gpus: int, gpus_per_node: int = 8) -> lis
         for pp in _divisors(gpus // tp):
             if spec.layers % pp or (pp > 1 and spec.more_layers):  # several layer types: not split over stages
                 continue
-            cps = [c for c in _divisors(gpus // (tp * pp)) if spec.seq % (2 * c) == 0] if spec.context_parallel else [1]
+            cps = [c for c in _divisors(gpus // (tp * pp)) if _splits(spec, tp, c)] if spec.context_parallel else [1]
             for cp in cps:
                 dp = gpus // (tp * pp * cp)
                 eps = [e for e in _divisors(dp) if spec.experts % e == 0] if spec.experts and cp == 1 else [1]
@@ -53,6 +54,15 @@ def candidate_layouts(spec: ModelSpec, gpus: int, gpus_per_node: int = 8) -> lis
                     for ep in eps
                 ]
     return out
+
+
+def _splits(spec: ModelSpec, tp: int, cp: int) -> bool:
+    """Whether `cp` ranks can split a row of `spec`: the LLM's allgather cuts it into 2·cp equal chunks (one early and
+    one late per rank); an all-to-all (the LLM's alltoall, Ulysses in the DeepSpeed recipes) cuts it into cp pieces
+    and hands each rank heads/(tp·cp) of the heads. The recipe's own validation refuses the rest (recipe_allows)."""
+    if spec.cp_method == "allgather":
+        return spec.seq % (2 * cp) == 0
+    return spec.seq % cp == 0 and spec.block.heads % (tp * cp) == 0
 
 
 def _zero_stages(spec: ModelSpec, dp: int) -> tuple[int, ...]:

@@ -30,7 +30,7 @@ from common.distributed import DistInfo, barrier
 from common.ema import EMA
 from common.engine import DeepSpeedEngine
 from common.errors import ConfigError, DataError
-from common.memory import Block, ModelSpec, count_params, largest_module_params
+from common.memory import Block, ModelSpec, count_params, largest_module_params, largest_trainable
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
 from common.ulysses import data_parallel_layout
@@ -435,9 +435,11 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         first_params=trained(model) - m.num_layers * layer,
         frozen_params=count_params(model) - trained(model),
         gather_unit_params=largest_module_params(model),
+        largest_trainable=largest_trainable(model),
         precision=cfg.toggles.precision,
         ac_modes=("none", "selective", "full"),
         ema=True,
+        context_parallel=True,  # the planner varies parallel.cp
         cp_method=cfg.parallel.cp_method,  # alltoall (Ulysses: common/ulysses.py), the DiT's only method
     )
 

@@ -25,7 +25,7 @@ from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
 from common.engine import DeepSpeedEngine
-from common.memory import Block, ModelSpec, count_params, largest_module_params
+from common.memory import Block, ModelSpec, count_params, largest_module_params, largest_trainable
 from common.seed import seed_everything
 from common.trainer import Trainer
 from common.ulysses import data_parallel_layout
@@ -233,12 +233,14 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         first_params=first,
         frozen_params=count_params(model) - trainable,
         gather_unit_params=largest_module_params(model),
+        largest_trainable=largest_trainable(model),
         vocab=t.vocab_size,
         precision=cfg.toggles.precision,
         outside_layers_bytes=outside,
         note=note,
         more_layers=tuple(tower),
         # parallel.cp: Ulysses over the language model, the logits gathered (recipes/vlm/context_parallel.py).
+        context_parallel=True,  # the planner varies parallel.cp
         cp_method=cfg.parallel.cp_method,
         cp_whole_loss=True,
     )

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.errors import ConfigError
 from common.launch import compose
 from common.memory import (
     DEEPSPEED_MIXED,
@@ -284,7 +285,7 @@ def test_llm_8b_needs_sharding_on_8_h100(llm_8b):
 def test_plan_lists_fitting_layouts_best_first(llm_8b):
     cfg, spec = llm_8b
     gpu = GPUS["h100_80gb"]
-    rows = plan(spec, 8, gpu, 0.9, allowed=plan_script.recipe_allows(cfg))
+    rows = plan(spec, 8, gpu, 0.9, allowed=plan_script.recipe_allows(cfg, spec))
     fits = [r for r in rows if r["fits"]]
     assert fits and len(fits) < len(rows)
     assert all(r["total"] <= 0.9 * gpu.memory for r in fits)
@@ -296,16 +297,38 @@ def test_plan_lists_fitting_layouts_best_first(llm_8b):
 
 
 def test_plan_respects_recipe_layout_rules():
-    """DiT/VLM recipes shard with ZeRO only: every layout has tp = pp = 1, all stages; the DiT offers every AC mode."""
+    """DiT/VLM recipes shard with ZeRO only: every layout has tp = pp = 1, all stages; the DiT offers every AC mode,
+    and cp (Ulysses) wherever it divides the 256 tokens and the heads, at every stage (no parameter of dit_2b is over
+    ZeRO-3's reduce bucket, which cp x ZeRO-3 would need)."""
     cfg = compose(["recipe=dit_2b"])
-    rows = plan(dit_spec(cfg), 8, GPUS["h100_80gb"], allowed=plan_script.recipe_allows(cfg))
+    spec = dit_spec(cfg)
+    rows = plan(spec, 8, GPUS["h100_80gb"], allowed=plan_script.recipe_allows(cfg, spec))
     layouts = {r["layout"] for r in rows}
     assert {(lay.tp, lay.pp) for lay in layouts} == {(1, 1)}
+    assert {lay.cp for lay in layouts} == {c for c in (1, 2, 4, 8) if spec.block.heads % c == 0 and spec.seq % c == 0}
+    assert {lay.zero_stage for lay in layouts if lay.cp > 1} == {0, 1, 2, 3}
     assert {lay.zero_stage for lay in layouts} == {0, 1, 2, 3} and {lay.ac for lay in layouts} == {
         "none",
         "selective",
         "full",
     }
+
+
+def test_cp_x_zero3_bucket_rule_is_one_line_and_the_planners():
+    """DeepSpeed's ZeRO-3 under cp averages over dp x cp the gradient of a parameter larger than its reduce bucket
+    (common/deepspeed.py): the engine start refuses that in one line, and the planner skips the same layouts."""
+    from common.deepspeed import REDUCE_BUCKET, check_cp_zero3
+
+    cfg = compose(["recipe=dit_tiny", "parallel.cp=2", "parallel.zero_stage=3"])
+    check_cp_zero3(cfg, REDUCE_BUCKET)  # fits the bucket
+    check_cp_zero3(compose(["recipe=dit_tiny", "parallel.zero_stage=3"]), REDUCE_BUCKET + 1)  # no cp
+    check_cp_zero3(compose(["recipe=dit_tiny", "parallel.cp=2", "parallel.zero_stage=2"]), REDUCE_BUCKET + 1)
+    with pytest.raises(ConfigError, match=r"^parallel.cp=2 with parallel.zero_stage=3: parameter w has 500,000,001 "):
+        check_cp_zero3(cfg, REDUCE_BUCKET + 1, "parameter w")
+    spec = dataclasses.replace(dit_spec(cfg), largest_trainable=REDUCE_BUCKET + 1)
+    rows = plan(spec, 8, GPUS["h100_80gb"], allowed=plan_script.recipe_allows(cfg, spec))
+    stages = {(r["layout"].cp > 1, r["layout"].zero_stage) for r in rows}
+    assert (True, 3) not in stages and {(True, 2), (False, 3)} <= stages
 
 
 def test_moe_planner_prices_experts_per_ep_rank():
@@ -320,7 +343,7 @@ def test_moe_planner_prices_experts_per_ep_rank():
     for key in ("weights", "grads", "optimizer", "activations"):
         assert one[key] == eight[key]
     assert one["gathered"] - eight["gathered"] == pytest.approx(2 * 2 * spec.expert_params * 7 / 8)
-    rows = plan(spec, 8, GPUS["h100_80gb"], 0.9, allowed=plan_script.recipe_allows(cfg))
+    rows = plan(spec, 8, GPUS["h100_80gb"], 0.9, allowed=plan_script.recipe_allows(cfg, spec))
     layouts = {r["layout"] for r in rows}
     # EP composes with pipeline parallelism, not with tensor parallelism (refused at composition).
     assert {lay.tp for lay in layouts} == {1} and {lay.ep for lay in layouts} == {1, 2, 4, 8}
@@ -607,14 +630,14 @@ def test_vlm_cp_prices_the_gathered_logits_of_whole_rows():
     assert two["transient"] == one["transient"] == L * b * spec.vocab * (e + 4)  # larger than the exchange here
 
 
-def test_planner_varies_cp_only_where_the_llm_runs_it():
+def test_planner_varies_cp_where_the_recipe_runs_it():
     spec = llm_spec(compose(["recipe=llm_8b", "model.max_seq_len=131072", "data.max_seq_len=131072"]))
     layouts = candidate_layouts(spec, 8)
     assert {lay.cp for lay in layouts} == {1, 2, 4, 8}
     assert all(lay.dp * lay.tp * lay.pp * lay.cp == 8 for lay in layouts)
-    assert not any(lay.cp > 1 and lay.ep > 1 for lay in layouts)  # the LLM refuses cp x ep
+    assert not any(lay.cp > 1 and lay.ep > 1 for lay in layouts)  # cp x ep: not enumerated
     assert any(lay.cp > 1 and lay.pp > 1 for lay in layouts)  # and runs cp x pp
-    assert {lay.cp for lay in candidate_layouts(dit_spec(compose(["recipe=dit_2b"])), 8)} == {1}
+    assert {lay.cp for lay in candidate_layouts(dit_spec(compose(["recipe=dit_2b"])), 8)} == {1, 2, 4, 8}  # Ulysses
     # 128k tokens in one row: only context parallelism fits it on 80 GB GPUs.
     rows = plan(spec, 8, GPUS["h100_80gb"])
     fitting = [r["layout"] for r in rows if r["fits"]]

@@ -237,19 +237,31 @@ def test_qwen_presets_are_the_releases_sized_without_their_folders(recipe):
 
 @pytest.mark.parametrize("recipe", PRESETS)
 def test_plan_answers_what_fits_on_8_h100s(capsys, recipe):
-    """`scripts/plan.py recipe=qwen2_5_vl_7b cluster.gpus=8` (and qwen3_vl_8b): with full AC the preset fits 8 x 80 GB
-    at ZeRO-1, 2 and 3 (its own layout: ZeRO-3); without AC the activations of 8192 tokens do not fit at any stage."""
+    """`scripts/plan.py recipe=qwen2_5_vl_7b cluster.gpus=8` (and qwen3_vl_8b): without cp, full AC fits 8 x 80 GB at
+    ZeRO-1, 2 and 3 (its own layout: ZeRO-3) and the activations of 8192 tokens without AC fit at no stage. The plan
+    varies parallel.cp too (Ulysses: cp divides the 28 / 32 query heads): without AC a cp=4 layout fits at ZeRO-2,
+    and no cp layout is offered at ZeRO-3, which DeepSpeed's engine would refuse (the embedding, 545M / 622M
+    elements, is over ZeRO-3's reduce bucket: common/deepspeed.py check_cp_zero3)."""
+    heads = {"qwen2_5_vl_7b": 28, "qwen3_vl_8b": 32}[recipe]
     assert load_script("plan").main([f"recipe={recipe}", "cluster.gpus=8", "--all"]) == 0
     out = capsys.readouterr().out
-    assert "3 of 8 layouts the recipe allows fit" in out
-    row = re.compile(r"\s*\d+(\*?)\s+8\s+1\s+1\s+1\s+1\s+(zero\d)\s+(\w+)\s.*%(.*)$")
-    rows = [r.groups() for r in map(row.match, out.splitlines()) if r]
-    assert sorted((stage, ac) for _, stage, ac, note in rows if not note) == [
+    row = re.compile(r"\s*\d+(\*?)\s+(\d+)\s+1\s+1\s+1\s+(\d+)\s+(zero\d)\s+(\w+)\s.*%(.*)$")
+    rows = [
+        (star, int(dp), int(cp), stage, ac, note)
+        for star, dp, cp, stage, ac, note in (r.groups() for r in map(row.match, out.splitlines()) if r)
+    ]
+    fitting = sum(not note for *_, note in rows)
+    assert f"{fitting} of {len(rows)} layouts the recipe allows fit" in out
+    assert {cp for _, dp, cp, *_ in rows} == {c for c in (1, 2, 4, 8) if heads % c == 0}
+    assert all(dp * cp == 8 for _, dp, cp, *_ in rows)
+    assert sorted((stage, ac) for _, _, cp, stage, ac, note in rows if cp == 1 and not note) == [
         ("zero1", "full"),
         ("zero2", "full"),
         ("zero3", "full"),
     ], out
-    assert ("*", "zero3", "full", "") in rows
+    assert ("*", 8, 1, "zero3", "full", "") in rows
+    assert not [r for r in rows if r[2] > 1 and r[3] == "zero3"]
+    assert (2, 4, "zero2", "none", "") in [r[1:] for r in rows]
 
 
 def test_budgets_sizing_cannot_use_and_a_missing_folder_are_one_line(qwen):
