@@ -48,7 +48,9 @@ PACKAGES = ("transformers", "diffusers", "deepspeed", "torchao", "accelerate", "
 # accuracy on CPU in fp32; bf16 on a GPU should not lose more than a little of it. The DiT's generated
 # digits, judged by a classifier fitted on real ones: the recipe's own bar (its CPU demo reaches 1.0).
 EVAL_BARS = {"dit_tiny": ("mean_accuracy", 0.95), "vlm_tiny": ("accuracy", 0.7)}
-# A Llama of ~1.0B parameters (1,015,089,152 with llm_tiny's 2,048-token vocabulary) on packed 4,096-token rows.
+# A Llama of ~1.0B parameters (1,015,089,152 with llm_tiny's 2,048-token vocabulary) on packed 4,096-token rows,
+# LLM_ROWS of them a step (a micro-batch is rows: the documents fill them whole).
+LLM_ROWS = 2
 LLM_1B = [
     "recipe=llm_tiny",
     "model.dim=2048",
@@ -58,7 +60,7 @@ LLM_1B = [
     "model.ffn_dim=8192",
     "model.max_seq_len=4096",
     "data.max_seq_len=4096",
-    "trainer.micro_batch_size=16",
+    f"trainer.micro_batch_size={LLM_ROWS}",
     "toggles.precision=bf16",
     "toggles.tf32=true",
     "toggles.activation_checkpointing=none",
@@ -520,12 +522,7 @@ def throughput(check: Check, steps: int) -> dict:
                 rows.append(kiln_llm_row(name, records, peak, None))
             except Exception as exc:  # e.g. a config error: the path does not exist (yet)
                 rows.append({"run": name, "error": str(exc)})
-    reference = next((r for r in rows if "sdpa" in r["run"] and "compile=off" in r["run"] and "error" not in r), None)
-    rows_per_step = round(reference["slots_per_s"] * reference["step_time_s"] / 4096) if reference else 4
-    # The LLM's micro-batch is documents packed into rows, and the planner prices each of them as a full row (the
-    # worst case: 16 rows here, where the corpus's short documents fill about 2). Its figure for the rows the runs
-    # packed is the one to set beside their peaks.
-    llm_plan = planned_bytes(check.plan("llm_1b", [*LLM_1B, f"trainer.micro_batch_size={rows_per_step}"]), "none")
+    llm_plan = planned_bytes(check.plan("llm_1b", LLM_1B), "none")
     for row in rows:
         row["planned_bytes"] = llm_plan if "error" not in row else None
     # dit_2b before the bare steps: those run in this process, whose CUDA memory the next subprocess would lack.
@@ -547,7 +544,7 @@ def throughput(check: Check, steps: int) -> dict:
 
     for compiled in (False, True):
         try:
-            rows.append(bare_llm_row(rows_per_step, compiled, steps, llm_plan))
+            rows.append(bare_llm_row(LLM_ROWS, compiled, steps, llm_plan))
         except Exception as exc:
             rows.append({"run": f"bare PyTorch step, compile={'on' if compiled else 'off'}", "error": str(exc)})
     # The bare steps' model, optimizer state and compiled graphs die here: hand their CUDA memory back, so that the

@@ -23,7 +23,8 @@ batch's. Packing changes speed, not math: with the first label of every sample m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -249,6 +250,52 @@ def _build(
         num_real_tokens=sum(map(sum, seq_lens)),
         num_labels=int((labels != IGNORE_INDEX).sum()),  # host tensors: no device read
     )
+
+
+def lay_rows(
+    pending: deque, refill: Callable[[], list[dict]], rows: int, row_len: int, *, cut: bool
+) -> list[list[dict]]:
+    """The next ``rows`` rows of ``row_len`` tokens, laid from a stream of samples in stream order.
+
+    ``pending`` holds the samples read but not yet laid (their order is the stream's); ``refill()`` returns the
+    next ones, or nothing when the stream has ended (the rows then stay as filled: short, or empty). Both the
+    rows' count and length are fixed, so a micro-batch's size never depends on its documents.
+
+    ``cut=True`` (plain text): rows fill one after the other, and a document longer than the room left is cut:
+    its head fills the row, its rest waits in ``pending`` for the next row (of this call or the next one).
+    Nothing is padded but the stream's end, nothing is dropped, and each piece is a sample of its own (packing
+    masks its first label: one lost target per cut). ``cut=False`` (conversations, never cut): each sample goes
+    into the first row with room for it; when none has, the rows are complete and the sample opens the next call.
+    """
+    laid: list[list[dict]] = [[] for _ in range(rows)]
+    room = [row_len] * rows
+    while True:
+        if not pending:
+            pending.extend(refill())
+            if not pending:
+                return laid
+        sample = pending[0]
+        n = len(sample["input_ids"])
+        if not cut and n > row_len:
+            raise ValueError(f"a sample of {n} tokens cannot be laid whole into rows of {row_len}")
+        r = next((i for i in range(rows) if room[i] >= (1 if cut else n)), None)
+        if r is None:
+            return laid
+        take = min(n, room[r])
+        if take == n:
+            laid[r].append(pending.popleft())
+        else:  # cut: the head fills the row, the rest stays first in line
+            laid[r].append({k: v[:take] for k, v in sample.items()})
+            pending[0] = {k: v[take:] for k, v in sample.items()}
+        room[r] -= take
+
+
+def pack_rows(rows: list[list[dict]], row_len: int, pad_id: int) -> PackedBatch:
+    """Samples already laid out in rows (:func:`lay_rows`) as a :class:`PackedBatch` of ``len(rows)`` rows of
+    ``row_len`` tokens: each row's samples in order, then padding. A row may be empty (all padding)."""
+    tensors = _as_tensors([s for row in rows for s in row])
+    ordinals = iter(range(len(tensors)))
+    return _build(tensors, [[next(ordinals) for _ in row] for row in rows], row_len, pad_id)
 
 
 ROW_ALIGN = 8  # fit_rows: a row's length is a multiple of this (kernels like aligned shapes)

@@ -1,18 +1,23 @@
-"""LLM inputs: tokenized documents → chunks of at most max_seq_len → packed rows with document masking.
+"""LLM inputs: tokenized documents -> rows of data.max_seq_len tokens, packed with document masking.
 
-Every rank reads the same global document stream and data-parallel rank r takes documents
-r, r+dp, ... of each global micro-batch, so the global batch — and the loss — does not
-depend on the parallel layout (tp/dp), and neither does the loader's saved position.
+A micro-batch is ``trainer.micro_batch_size`` rows of ``data.max_seq_len`` tokens per data-parallel rank, whatever
+its documents' lengths (torchtitan, Megatron and nanoGPT bound it the same way; the memory planner prices it so).
+Every rank reads the same global document stream and lays it into global micro-batches of ``micro_batch_size x
+dp`` rows (:class:`RowStream`): documents follow each other in a row, never attending across each other; one that
+does not fit is cut, and its rest opens the next row or micro-batch. Data-parallel rank r takes rows r, r+dp, ...,
+so the global batch -- and the loss -- does not depend on the parallel layout, and neither does the saved position.
 
 A text sample trains on every token; a chat sample (``mask.npy`` beside ``ids.npy``, written by
 the prepare_chat builder) only on the tokens its mask marks, the assistant's: the others get label
 -100, so the loss and its normalization (a sum over labelled tokens / their global count) see
-only them. Packed rows keep conversations apart as they keep documents apart.
+only them. Conversations are never cut: one that does not fit the rows left opens the next micro-batch.
 """
 
 from __future__ import annotations
 
+import collections
 import io
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +27,7 @@ import torch
 from common.config import TrainConfig
 from common.data import prepare_dataset
 from common.data.dataset import load_asset
-from common.data.packing import IGNORE_INDEX, PackedBatch, pack_samples
+from common.data.packing import IGNORE_INDEX, PackedBatch, lay_rows, pack_rows
 from common.data.webdataset import train_loader
 from common.distributed import DistInfo
 from common.errors import DataError
@@ -84,49 +89,70 @@ def decode_document(sample: dict) -> dict:
     return {"input_ids": input_ids, "labels": input_ids.masked_fill(torch.from_numpy(mask == 0), IGNORE_INDEX)}
 
 
-def chunk_document(ids: torch.Tensor, max_len: int) -> list[torch.Tensor]:
-    """Consecutive pieces of a 1-D ``ids`` of at most ``max_len`` tokens each (all full but the last).
+class RowStream:
+    """The global document stream laid into global micro-batches of ``rows`` rows of ``row_len`` tokens
+    (`common.data.packing.lay_rows`): a micro-batch is ``trainer.micro_batch_size x dp`` rows of
+    ``data.max_seq_len`` tokens whatever its documents' lengths, and dp rank r trains on rows r, r+dp, ...
 
-    ``torch.cat(pieces)`` equals ``ids``: nothing overlaps or is dropped. Each piece is packed as
-    its own sample, so the first token of a piece gets no next-token target across the cut
-    (one lost target per cut). Pieces are views into ``ids``.
+    A document that does not fit the rows left continues in the next micro-batch, so nothing is dropped, the
+    stream of rows depends on the global micro-batch only (not on the layout), and the saved position (the
+    loader's, plus the pieces read but not yet laid) resumes exactly, mid-document. Conversations (``cut=False``)
+    are never cut. The loader reads ``rows`` documents at a time (its own batches, in its workers).
     """
-    if max_len < 1:
-        raise ValueError(f"max_len must be >= 1, got {max_len}")
-    if ids.dim() != 1:
-        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-    return list(ids.split(max_len)) if ids.numel() else []
+
+    def __init__(self, loader, *, rows: int, row_len: int, cut: bool):
+        self.loader, self.rows, self.row_len, self.cut = loader, rows, row_len, cut
+        self.pending: collections.deque[dict] = collections.deque()  # read, not yet laid, in stream order
+
+    def __iter__(self) -> Iterator[list[list[dict]]]:
+        documents = iter(self.loader)
+        while True:
+            yield lay_rows(self.pending, lambda: next(documents), self.rows, self.row_len, cut=self.cut)
+
+    def state_dict(self) -> dict:
+        # clone: a piece is a view, and saving it would save its whole document
+        pending = [{k: v.clone() for k, v in piece.items()} for piece in self.pending]
+        return {"loader": self.loader.state_dict(), "pending": pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self.pending = collections.deque(state["pending"])
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    @property
+    def corrupt_shards(self) -> int:
+        return self.loader.corrupt_shards
+
+    def close(self) -> None:
+        self.loader.close()
 
 
-def build_train_loader(cfg: TrainConfig, urls: list[str], dp: int):
-    micro = cfg.trainer.micro_batch_size
-    loader = train_loader(
-        cfg,
-        urls,
-        decode=decode_document,
-        collate=list,
-        batch_size=micro * dp,  # the global micro-batch, in documents
-        rank=0,
-        world_size=1,
-    )  # one stream, sliced per dp rank in `local_batch`
+def build_train_loader(cfg: TrainConfig, urls: list[str], dp: int, *, chat: bool) -> RowStream:
+    rows = cfg.trainer.micro_batch_size * dp  # the global micro-batch
+    loader = train_loader(cfg, urls, decode=decode_document, collate=list, batch_size=rows, rank=0, world_size=1)
     loader.resume_hints["batch_size"] = (
-        f"documents per micro-batch: trainer.micro_batch_size={micro} x dp={dp} "
+        f"rows per global micro-batch: trainer.micro_batch_size={cfg.trainer.micro_batch_size} x dp={dp} "
         "data-parallel ranks; set them so that their product is {saved}"
     )
-    return loader
+    return RowStream(loader, rows=rows, row_len=cfg.data.max_seq_len, cut=not chat)
 
 
-def local_batch(documents: list[dict], *, dp_rank: int, dp: int, max_seq_len: int, pad_id: int) -> PackedBatch:
-    """This dp rank's documents, cut to max_seq_len, packed into rows (labels unshifted: the shift
+def local_batch(rows: list[list[dict]], *, dp_rank: int, dp: int, max_seq_len: int, pad_id: int) -> PackedBatch:
+    """This dp rank's rows of a global micro-batch (rows r, r+dp, ...) packed (labels unshifted: the shift
     happens in the loss, and each piece's first label is masked by the packer)."""
-    samples = [
-        {"input_ids": ids, "labels": labels}
-        for doc in documents[dp_rank::dp]
-        for ids, labels in zip(
-            chunk_document(doc["input_ids"], max_seq_len), chunk_document(doc["labels"], max_seq_len)
-        )
-    ]
-    return pack_samples(samples, max_seq_len, pad_id)
+    return pack_rows(rows[dp_rank::dp], max_seq_len, pad_id)
+
+
+def eval_batches(documents: list[dict], rows: int, row_len: int, *, chat: bool) -> list[list[list[dict]]]:
+    """Held-out documents laid into global micro-batches as training lays them; the last one's missing rows empty."""
+    pending = collections.deque(documents)
+    batches = []
+    while pending:
+        batches.append(lay_rows(pending, list, rows, row_len, cut=not chat))
+    return batches
 
 
 def model_inputs(packed: PackedBatch, attention: str, device: torch.device) -> dict:

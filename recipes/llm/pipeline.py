@@ -361,8 +361,8 @@ class Pipeline:
     def step(self, batch, scale: torch.Tensor) -> torch.Tensor:
         """Forward + backward of the whole packed batch (recipes/llm/train.py:LocalBatch), gradients scaled
         by ``scale``; returns this rank's CE token sum (0 off the last stage), plus its stages' MoE aux losses.
-        ``batch.max_rows``: the most rows any dp rank packed (every rank runs the same number of rounds: matched
-        P2P and FSDP collectives). The schedule's backward runs inside the loss's forward context too (it
+        Every dp rank has the same rows (trainer.micro_batch_size), so every rank runs the same number of rounds
+        (matched P2P and FSDP collectives). The schedule's backward runs inside the loss's forward context too (it
         interleaves with the forwards)."""
         self._scale = scale
         with self.loss.forward():
@@ -378,9 +378,9 @@ class Pipeline:
 
     def _rounds(self, batch, run) -> torch.Tensor:
         """``run`` (the schedule's step or eval) over the batch's rounds; the sum of the last stage's scaled losses."""
-        packed, max_rows, pad_id = batch.packed, batch.max_rows, self.pad_id
+        packed, pad_id = batch.packed, self.pad_id
         loss_sum = torch.zeros((), device=self.device)
-        rounds = math.ceil(max_rows / self.round_rows)
+        rounds = math.ceil(packed.num_rows / self.round_rows)
         # row_segments stay on the host: each stage derives its microbatch's cu_seqlens from them.
         inputs = pad_rows(packed, rounds * self.round_rows, pad_id, self.attention, self.moe)
         if self.cp > 1:  # this cp rank's chunks of every row (padding rows too); labels become next-token targets

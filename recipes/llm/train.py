@@ -36,6 +36,7 @@ from recipes.llm.context_parallel import ContextShard
 from recipes.llm.data import (
     build_train_loader,
     decode_document,
+    eval_batches,
     load_tokenizer,
     local_batch,
     model_inputs,
@@ -116,11 +117,9 @@ def build_model(args: LlamaArgs, cfg: TrainConfig, mesh, device: torch.device) -
 
 @dataclasses.dataclass
 class LocalBatch:
-    """This dp rank's share of a global micro-batch of documents, packed into rows; `max_rows`: the most
-    rows any dp rank packs (under pipeline parallelism every rank runs that many rows' rounds)."""
+    """This dp rank's rows of a global micro-batch (trainer.micro_batch_size of them), packed."""
 
     packed: PackedBatch
-    max_rows: int
     cp: ContextShard | None = None  # under context parallelism (parallel.cp > 1): this cp rank's share of the rows
 
 
@@ -139,7 +138,8 @@ class LLMTrainer(Trainer):
         self.dp_rank = self.mesh["dp"].get_local_rank()
         # Context parallelism: the cp ranks of a dp rank read the same documents and split each row.
         self.cp_rank = self.mesh["cp"].get_local_rank() if self.dims.cp > 1 else 0
-        loader = build_train_loader(cfg, self.meta["train_urls"], self.dims.dp)
+        self.chat = self.meta.get("format") == "chat"  # conversations are never cut across rows
+        loader = build_train_loader(cfg, self.meta["train_urls"], self.dims.dp, chat=self.chat)
         self.args = llama_args(cfg, len(self.tokenizer))
         if len(self.tokenizer) > self.args.vocab_size:
             raise DataError(
@@ -238,22 +238,18 @@ class LLMTrainer(Trainer):
         return tokenizer
 
     # ---- the loss (common/trainer.py runs the step) ------------------------------------------
-    def prepare(self, documents: list[dict]) -> LocalBatch:
-        """This dp rank's packed share of the global micro-batch (documents r, r+dp, ...). Under pipeline
-        parallelism every rank also needs the most rows any dp rank packs: every rank holds the whole
-        global micro-batch (one stream, sliced by dp rank), so packing the other shares here is a little
-        host work instead of a collective read back to the host."""
-        pack = functools.partial(
-            local_batch, documents, dp=self.dims.dp, max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id
+    def prepare(self, rows: list[list[dict]]) -> LocalBatch:
+        """This dp rank's rows of the global micro-batch (rows r, r+dp, ...), packed; under context parallelism,
+        this cp rank's share of them."""
+        packed = local_batch(
+            rows, dp_rank=self.dp_rank, dp=self.dims.dp, max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id
         )
-        packed = pack(dp_rank=self.dp_rank)
-        rows = max(pack(dp_rank=r).num_rows for r in range(self.dims.dp)) if self.dims.pp > 1 else packed.num_rows
         cp = (
             ContextShard.of(packed, self.dims.cp, self.cp_rank, self.cfg.parallel.cp_method, self.cfg.toggles.attention)
             if self.dims.cp > 1
             else None
         )
-        return LocalBatch(packed, rows, cp)
+        return LocalBatch(packed, cp)
 
     def count(self, batch: LocalBatch) -> int:
         # Only labelled tokens count (chat: the assistant's); under cp this rank's (summed over dp x cp).
@@ -343,27 +339,23 @@ class LLMTrainer(Trainer):
     @torch.no_grad()
     def evaluate(self) -> dict | None:
         """The held-out loss (token-mean next-token cross-entropy, no MoE aux losses) and its perplexity over the val
-        split's first data.eval_docs documents, in whole global micro-batches packed as training packs them: each dp
-        rank its share, every rank the same batches (FSDP, expert and pipeline parallelism are collective). Rank 0
-        writes RUN_DIR/eval.json and returns it."""
+        split's first data.eval_docs documents, laid into global micro-batches of rows as training lays them (the
+        last one's missing rows are padding): each dp rank its rows, every rank the same batches (FSDP, expert and
+        pipeline parallelism are collective). Rank 0 writes RUN_DIR/eval.json and returns it."""
         from common.data.webdataset import iter_samples
 
-        per_batch = self.cfg.trainer.micro_batch_size * self.dims.dp
         held_out = iter_samples(self.meta.get("val_urls", []))
         docs = [decode_document(s) for s, _ in zip(held_out, range(self.cfg.data.eval_docs))]
-        batches = [docs[i : i + per_batch] for i in range(0, len(docs) - per_batch + 1, per_batch)]
-        if not batches:
+        if not docs:
             if self.dist.is_main:
-                print(
-                    f"kiln: eval: skipped: the val split has {len(docs)} documents, fewer than one global micro-batch "
-                    f"({per_batch})",
-                    flush=True,
-                )
+                print("kiln: eval: skipped: the val split has no documents", flush=True)
             return None
+        rows = self.cfg.trainer.micro_batch_size * self.dims.dp
+        batches = eval_batches(docs, rows, self.cfg.data.max_seq_len, chat=self.chat)
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # CE sum, labelled tokens
-        for documents in batches:
-            batch = self.prepare(documents)
+        for global_rows in batches:
+            batch = self.prepare(global_rows)
             loss_sum = (
                 self.pipeline.eval_loss(batch) if self.pipeline is not None else self.forward_sum(batch, aux=False)
             )
@@ -380,7 +372,7 @@ class LLMTrainer(Trainer):
             "val_loss": val_loss,
             "val_perplexity": math.exp(val_loss),
             "val_tokens": int(tokens),
-            "num_samples": sum(map(len, batches)),
+            "num_samples": len(docs),
             "step": self.state.step,
         }
         (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))

@@ -25,7 +25,7 @@ TARGET_ACTIVATIONS = 0.6  # cp=2 keeps at most this fraction of cp=1's activatio
 class Config:
     steps: int = 10  # timed steps per layout
     warmup: int = 1  # steps before them; their exchange is the one counted
-    micro_batch_size: int = 8  # documents per step (llm_tiny's own)
+    micro_batch_size: int = 8  # rows per step (llm_tiny's own)
 
 
 QUICK = Config(steps=2, micro_batch_size=4)

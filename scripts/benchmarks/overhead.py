@@ -143,7 +143,7 @@ def section(trainer, bare, kiln_step, kiln_loop, loss_diff) -> Section:
     )
     s.notes.append(
         f"{len(bare)} steps each after warm-up, one process, {torch.get_num_threads()} torch threads for "
-        f"both; micro batch {cfg.trainer.micro_batch_size} documents x {cfg.data.max_seq_len} tokens, "
+        f"both; micro batch {cfg.trainer.micro_batch_size} rows x {cfg.data.max_seq_len} tokens, "
         f"trainer.log_every=1 (every step logged: the worst case); steps interleaved K0 B0 B1 K1 K2 B2 ... "
         f"(each loop first half the time), 'vs bare' is the median of per-step ratios (same documents "
         f"at each step)."

@@ -373,3 +373,77 @@ def test_plan_fills_rows_and_tower_within_5_percent_of_their_bounds():
     assert lm >= 0.95 and tower >= 0.95, (lm, tower)
     before = utilizations(by_position)
     assert before[0] < 0.95 and before[1] < 0.95, before  # the stream is one that needs the plan
+
+
+# --- lay_rows: a stream into micro-batches of a fixed number of fixed-length rows --------------------------------
+
+
+def _stream(lengths: list[int]) -> list[dict]:
+    """Documents whose tokens number them through the stream (document d's tokens start at offset(d)), so any
+    piece names where it came from; labels distinct from ids so a mixed-up pairing shows."""
+    out, start = [], 0
+    for n in lengths:
+        ids = torch.arange(start, start + n)
+        out.append({"input_ids": ids, "labels": ids + 10**6})
+        start += n
+    return out
+
+
+def _lay_all(docs: list[dict], rows: int, row_len: int, cut: bool, fetch: int) -> list[list[list[dict]]]:
+    """Every micro-batch of the stream, the documents handed over `fetch` at a time as a loader does."""
+    from collections import deque
+
+    from common.data.packing import lay_rows
+
+    source = iter(range(0, len(docs), fetch))
+    pending: deque = deque()
+    batches = []
+    while True:
+        batch = lay_rows(pending, lambda: docs[next(source, len(docs)) :][:fetch], rows, row_len, cut=cut)
+        if not any(batch):
+            return batches
+        batches.append(batch)
+
+
+@FAST
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    st.integers(1, 4),
+    st.integers(1, 64),
+    st.integers(1, 5),
+)
+def test_lay_rows_cuts_text_into_full_rows_and_loses_nothing(lengths, rows, row_len, fetch):
+    """Text: every micro-batch but the stream's last is `rows` full rows of `row_len` tokens, whatever the documents'
+    lengths; the tokens laid, in row-major order over the micro-batches, are the stream's tokens exactly, each once;
+    a piece never spans two documents."""
+    docs = _stream(lengths)
+    batches = _lay_all(docs, rows, row_len, cut=True, fetch=fetch)
+    assert all(len(batch) == rows for batch in batches)
+    fills = [sum(len(p["input_ids"]) for p in row) for batch in batches for row in batch]
+    assert all(f == row_len for f in fills[: sum(lengths) // row_len])  # full rows until the stream runs out
+    pieces = [p for batch in batches for row in batch for p in row]
+    assert torch.equal(torch.cat([p["input_ids"] for p in pieces]), torch.arange(sum(lengths)))
+    assert all(torch.equal(p["labels"], p["input_ids"] + 10**6) for p in pieces)
+    starts = torch.tensor([0, *lengths]).cumsum(0)
+    for p in pieces:  # within one document: its first and last token have the same document index
+        first, last = int(p["input_ids"][0]), int(p["input_ids"][-1])
+        assert torch.searchsorted(starts, first, right=True) == torch.searchsorted(starts, last, right=True)
+
+
+@FAST
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=40), st.integers(1, 4), st.integers(1, 5))
+def test_lay_rows_keeps_conversations_whole(lengths, rows, fetch):
+    """Conversations: never cut, rows never over `row_len`, and each micro-batch takes the next run of the stream
+    (every sample exactly once, none ahead of an earlier one's micro-batch)."""
+    docs = _stream(lengths)
+    batches = _lay_all(docs, rows, 64, cut=False, fetch=fetch)
+    seen = []
+    for batch in batches:
+        assert len(batch) == rows and all(sum(len(p["input_ids"]) for p in row) <= 64 for row in batch)
+        starts = sorted(int(p["input_ids"][0]) for row in batch for p in row)
+        seen += starts
+    assert seen == [int(d["input_ids"][0]) for d in docs]  # whole samples, in stream order batch by batch
+    # A micro-batch closes only when the next conversation fits no row.
+    for batch, following in zip(batches, batches[1:]):
+        first_next = min((p for row in following for p in row), key=lambda p: int(p["input_ids"][0]))
+        assert all(64 - sum(len(p["input_ids"]) for p in row) < len(first_next["input_ids"]) for row in batch)

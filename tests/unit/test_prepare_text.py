@@ -18,7 +18,7 @@ import webdataset as wds
 
 from common.data.webdataset import build_webdataset_loader
 from data import prepare_text as pt
-from recipes.llm.data import chunk_document, decode_document, load_tokenizer
+from recipes.llm.data import decode_document, load_tokenizer
 
 SEED = 3
 VOCAB = 2048
@@ -296,23 +296,39 @@ def test_decode_document_rejects_bad_arrays():
         decode_document({"__key__": "k", "ids.npy": pt.encode_ids(np.zeros(3, dtype=np.float32))})
 
 
-@pytest.mark.parametrize("length,max_len", [(1, 1), (7, 1), (10, 10), (11, 10), (25, 8), (3, 64)])
-def test_chunk_document_covers_exactly(length, max_len):
-    ids = torch.arange(length)
-    pieces = chunk_document(ids, max_len)
-    assert torch.equal(torch.cat(pieces), ids)
-    assert all(1 <= len(p) <= max_len for p in pieces)
-    assert all(len(p) == max_len for p in pieces[:-1])
-    assert len(pieces) == -(-length // max_len)
+def test_llm_stream_is_rows_of_max_seq_len_and_resumes_mid_document(meta, samples):
+    """The LLM's loader (recipes/llm/data.py RowStream) on real shards: every micro-batch is micro_batch_size x dp rows
+    of data.max_seq_len tokens, documents longer than a row included; the rows' tokens are the documents' in stream
+    order (the loader's own document order), and a stream saved mid-document (through torch.save, as a checkpoint
+    keeps it) resumes with the same next micro-batches."""
+    from common.launch import compose
+    from recipes.llm.data import build_train_loader
 
+    cfg = compose(["recipe=llm_tiny", "trainer.micro_batch_size=2", "data.max_seq_len=64", "data.num_workers=0"])
+    stream = build_train_loader(cfg, meta["train_urls"], dp=2, chat=False)
+    it = iter(stream)
+    batches = [next(it) for _ in range(6)]
+    assert all(len(b) == 4 and [sum(len(p["input_ids"]) for p in row) for row in b] == [64] * 4 for b in batches)
+    state = io.BytesIO()
+    torch.save(stream.state_dict(), state)
+    after = [next(it) for _ in range(3)]
+    stream.close()
 
-def test_chunk_document_on_real_documents_and_errors(samples):
-    for x in samples["val"]:
-        ids = decode_document(x)["input_ids"]
-        pieces = chunk_document(ids, 128)
-        assert torch.equal(torch.cat(pieces), ids) and all(len(p) <= 128 for p in pieces)
-    assert chunk_document(torch.empty(0, dtype=torch.long), 4) == []
-    with pytest.raises(ValueError, match="max_len"):
-        chunk_document(torch.arange(4), 0)
-    with pytest.raises(ValueError, match="1-D"):
-        chunk_document(torch.zeros(2, 2, dtype=torch.long), 4)
+    loader = build_train_loader(cfg, meta["train_urls"], dp=2, chat=False).loader  # the documents, as read
+    documents = [d["input_ids"] for batch, _ in zip(loader, range(40)) for d in batch]
+    loader.close()
+    laid = torch.cat([p["input_ids"] for b in batches + after for row in b for p in row])
+    assert torch.equal(laid, torch.cat(documents)[: laid.numel()])
+    ends = torch.tensor([len(d) for d in documents]).cumsum(0).tolist()
+    assert 6 * 4 * 64 not in ends and any(len(d) > 64 for d in documents)  # saved mid-document; some span rows
+
+    resumed = build_train_loader(cfg, meta["train_urls"], dp=2, chat=False)
+    state.seek(0)
+    resumed.load_state_dict(torch.load(state, weights_only=False))
+    it = iter(resumed)
+    again = [next(it) for _ in range(3)]
+    resumed.close()
+    flat = [[(p["input_ids"], p["labels"]) for b in run for row in b for p in row] for run in (after, again)]
+    assert len(flat[0]) == len(flat[1]) and all(
+        torch.equal(a, b) and torch.equal(la, lb) for (a, la), (b, lb) in zip(*flat)
+    )

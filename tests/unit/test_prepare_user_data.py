@@ -228,9 +228,9 @@ def test_chat_labels_reach_the_packed_batch(tok):
     )
     ids, mask = expected_llama3(tok, CONVERSATION)
     assert decoded["labels"].tolist() == [i if m else -100 for i, m in zip(ids, mask)]
-    # Packed with a text document: the conversation keeps its labels, the document all of its own.
+    # Packed with a text document in one row: the conversation keeps its labels, the document all of its own.
     doc = torch.arange(3, 40)
-    packed = local_batch([decoded, {"input_ids": doc, "labels": doc}], dp_rank=0, dp=1, max_seq_len=256, pad_id=1)
+    packed = local_batch([[decoded, {"input_ids": doc, "labels": doc}]], dp_rank=0, dp=1, max_seq_len=256, pad_id=1)
     assert int((packed.labels != -100).sum()) == sum(mask) + len(doc) - 1  # the packer masks a document's first label
 
 

@@ -176,22 +176,22 @@ def test_resume_rejects_other_layout(shards):
 
 
 def test_the_llm_loader_names_the_keys_behind_its_batch(shards):
-    """The LLM reads one stream of micro_batch_size x dp documents per micro-batch: a resume that changes that
+    """The LLM lays one stream into micro_batch_size x dp rows per micro-batch: a resume that changes that
     product names both keys (as the DiT's and VLM's global batch does), not the loader's batch_size alone."""
     from common.launch import compose
     from recipes.llm.data import build_train_loader
 
     urls, _ = shards
     cfg = compose(["recipe=llm_tiny", "trainer.micro_batch_size=8"])
-    saved = build_train_loader(cfg, urls, dp=2).state_dict()
+    saved = build_train_loader(cfg, urls, dp=2, chat=False).state_dict()
     with pytest.raises(
         DataError,
         match=re.escape(
-            "batch_size was 16 when saved, now 8 (documents per micro-batch: trainer.micro_batch_size=8 x dp=1 "
+            "batch_size was 16 when saved, now 8 (rows per global micro-batch: trainer.micro_batch_size=8 x dp=1 "
             "data-parallel ranks; set them so that their product is 16)"
         ),
     ):
-        build_train_loader(cfg, urls, dp=1).load_state_dict(saved)
+        build_train_loader(cfg, urls, dp=1, chat=False).load_state_dict(saved)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
