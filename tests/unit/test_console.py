@@ -1,6 +1,6 @@
-"""What the console shows: Kiln's lines and what a user must act on. The library messages known to be harmless,
-filtered where they are emitted (common/known_warnings.py) and no others, and `make serve-env`'s expected pip
-conflict kept off the console."""
+"""What the console shows: Kiln's lines and what a user must act on. The launcher's one-line failure report
+(common/launch.py), the library messages known to be harmless, filtered where they are emitted
+(common/known_warnings.py) and no others, and `make serve-env`'s expected pip conflict kept off the console."""
 
 from __future__ import annotations
 
@@ -11,8 +11,73 @@ import warnings
 
 import pytest
 
+from common.errors import ConfigError
 from common.known_warnings import silence_known_warnings
+from common.launch import failure_line, main, record_error, split_launch_options
 from tests.conftest import REPO
+
+
+@pytest.mark.parametrize(
+    "argv, options",
+    [
+        (["recipe=llm_tiny", "--cfg"], []),
+        (["--cfg", "recipe=llm_tiny"], []),
+        (["--nproc_per_node", "2", "recipe=llm_tiny"], ["--nproc_per_node", "2"]),
+        (
+            ["--nproc_per_node=2", "--max-restarts", "1", "--standalone", "a=b"],
+            ["--nproc_per_node=2", "--max-restarts", "1", "--standalone"],
+        ),
+    ],
+)
+def test_torchruns_options_lead_the_command_line(argv, options):
+    assert split_launch_options(argv) == (options, argv[len(options) :])
+
+
+@pytest.mark.parametrize("flag", ["--nproc", "--no-python", "-m"])
+def test_other_options_are_refused(flag):
+    with pytest.raises(ConfigError, match=f"{flag} is not a launch option here"):
+        split_launch_options([flag, "x", "recipe=llm_tiny"])
+
+
+def test_a_rank_refuses_to_start_ranks(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--nproc_per_node", "2", "recipe=llm_tiny"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "kiln: error: --nproc_per_node starts ranks, and this is one already (torchrun): pass only key=value "
+        "arguments here"
+    ]
+
+
+def _failures(tmp_path, monkeypatch, ranks: dict[int, tuple[int, str | None]]):
+    """torch's ChildFailedError for ranks {rank: (exit code, the line the rank recorded, or None)}."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {}
+    for rank, (code, line) in ranks.items():
+        path = tmp_path / f"error{rank}.json"
+        if line is not None:
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+            record_error(line)
+        failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file=str(path))
+    return ChildFailedError("scripts/train.py", failures)
+
+
+def test_the_launcher_reports_the_mistake_a_rank_recorded(tmp_path, monkeypatch):
+    """Rank 0 was stopped (SIGTERM) before it could say anything; rank 1 recorded the mistake: that line, once."""
+    line = "kiln: error: parallel.cp=3 does not divide the 2 ranks this job started"
+    exc = _failures(tmp_path, monkeypatch, {0: (-15, None), 1: (2, line)})
+    assert failure_line(exc) == (line, 2)
+    assert line in str(exc)  # torchrun's own report shows it as the root cause's traceback
+
+
+def test_the_launcher_names_a_rank_that_failed_without_a_word(tmp_path, monkeypatch):
+    exc = _failures(tmp_path, monkeypatch, {1: (1, None)})
+    assert failure_line(exc) == (
+        "kiln: error: rank 1 failed (exit code 1; its output is above) and the other ranks were stopped",
+        1,
+    )
 
 
 def test_known_harmless_messages_are_filtered_and_only_they():
