@@ -333,3 +333,30 @@ def test_every_readme_command_is_run_or_accounted_for():
         if not_run_reason(argv) is None:
             session.command(argv)  # raises for a command this test cannot run
     assert os.path.exists(REPO / "Makefile")
+
+
+SETUP = ["make demo", "make test"]  # the README's set-up: its first ```bash block
+ACTIVATE = "source .venv/bin/activate"
+
+
+def test_readme_activates_the_environment_its_commands_run_in():
+    """After `make demo` / `make test` (two commands, and no more), the README says once, right after them, how a
+    shell gets their environment; in a fresh shell that activation gives `python` the environment `make` installed
+    (torch imports), the one whose interpreter runs the README's `python ...` commands above (sys.executable)."""
+    text = (REPO / "README.md").read_text()
+    setup = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert [" ".join(c) for c in readme_commands(setup[0])] == SETUP
+    following = text[setup.end() :].strip().split("\n\n")[0]  # the paragraph right after the set-up commands
+    assert f"`{ACTIVATE}`" in following, following
+    assert text.count(ACTIVATE) == 1, "the README says how to activate the environment once"
+    if not (REPO / ".venv" / "bin" / "activate").exists():
+        pytest.skip("no .venv here (make install creates it)")
+    shell = "source .venv/bin/activate && python -c 'import sys, torch; print(sys.prefix)'"
+    env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/local/bin:/usr/bin:/bin"}  # a fresh login's
+    proc = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-c", shell], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    prefix = proc.stdout.strip().splitlines()[-1]
+    assert os.path.realpath(prefix) == os.path.realpath(sys.prefix), (prefix, sys.prefix)
+    assert os.path.realpath(prefix) == os.path.realpath(REPO / ".venv"), prefix
