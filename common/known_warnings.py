@@ -50,3 +50,39 @@ def silence_known_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
         lambda record: "This is suboptimal" not in record.getMessage()
     )
+    # FSDP2 (torch 2.13) warns once per rank when a wrapped module returns a view: an in-place op on it would
+    # skip the pre-backward all-gather. The LLM's root module (FSDPTransformer, tp x dp) returns its logits as a
+    # view (the tensor-parallel output projection's local tensor: DTensor.to_local() is a view); the loss reads them
+    # out of place (recipes/llm/loss.py: ce_sum), so the hook runs. Only that module's warning: any other wrapped
+    # module's still prints.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"FSDP2-wrapped module \(FSDPTransformer\) returned a view tensor",
+        category=UserWarning,
+        module=r"torch\.distributed\.fsdp\._fully_shard\._fsdp_state",
+    )
+    # torch.distributed.checkpoint read without a process group (scripts/export.py consolidates a checkpoint of any
+    # layout in one process, on purpose): "torch.distributed is disabled, unavailable or uninitialized, assuming
+    # the intent is to load in a single process". That is the intent.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a "
+        r"single process",
+        category=UserWarning,
+        module=r"torch\.distributed\.checkpoint\.utils",
+    )
+    # transformers' tokenizers log "Token indices sequence length is longer than the specified maximum sequence
+    # length ..." whenever they encode a text longer than model_max_length without truncation. Kiln encodes whole
+    # texts on purpose and cuts them itself: the LLM packs documents into rows of data.max_seq_len, and the
+    # text-to-image encoders truncate prompts with Kiln's own one-line warning (recipes/t2i/pipeline.py).
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(
+        lambda record: not record.getMessage().startswith("Token indices sequence length is longer than the specified")
+    )
+    # transformers 5 made torchvision the default backend of its image processors and falls back to the PIL one,
+    # logging "`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil`",
+    # when torchvision is absent. The training environment has none by design (PyPI's torchvision links the CUDA
+    # build of torch: PITFALLS.md), and the PIL backend is the processors' own implementation, the one Kiln's
+    # image paths and their tests run on. (vLLM's environment, .venv-serve, has torchvision.)
+    logging.getLogger("transformers.utils.import_utils").addFilter(
+        lambda record: "requires torchvision (not installed); falling back to" not in record.getMessage()
+    )

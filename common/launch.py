@@ -3,10 +3,16 @@ group, fix run.dir on every rank, and run the family's trainer (its spec: recipe
 
 User mistakes (bad key, bad value, impossible layout, missing file) end the run with one
 line on stderr and exit code 2, before anything is written.
+
+Several ranks: `python scripts/train.py --nproc_per_node N [torchrun's options] key=value ...` starts them itself,
+through torchrun's own launch (torch's elastic agent, in this process), and reports a failed rank in one line
+(`launch_ranks`), where `torchrun ... scripts/train.py` follows Kiln's line with its 40-line ChildFailedError report.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import sys
@@ -20,19 +26,110 @@ from common.errors import ConfigError, UserError
 from common.parallel_dims import ParallelDims
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+TRAIN_SCRIPT = CONFIG_DIR.parent / "scripts" / "train.py"
 USAGE = """usage: python scripts/train.py recipe=<name> [key=value ...] [--cfg]
-       torchrun --nproc_per_node N scripts/train.py recipe=<name> [key=value ...]
+       python scripts/train.py --nproc_per_node N [torchrun's options] recipe=<name> [key=value ...]
 
   recipes: {recipes}
   --cfg    print the composed config and exit
+  --nproc_per_node N, --nnodes, --rdzv_backend, --rdzv_endpoint, --max-restarts, ... (torchrun's options, first):
+           start the ranks (torch's elastic agent, as torchrun does); a failed rank is reported in one line
 Config keys: configs/train.yaml and its groups; see README.md."""
+# Set in the ranks that launch_ranks starts: they leave the report of a user mistake to it (one line, not one a rank).
+LAUNCHED = "KILN_LAUNCHED_RANKS"
 
 
 def user_error_exit(message: str) -> "SystemExit":
-    """`kiln: error: <message>` on stderr (rank 0 only) and the SystemExit(2) to raise: a user mistake."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"kiln: error: {message}", file=sys.stderr, flush=True)
+    """`kiln: error: <message>` and the SystemExit(2) to raise: a user mistake. On stderr from rank 0; under torch's
+    elastic agent (torchrun, launch_ranks) every rank also records it in its error file, where the agent reads the
+    root cause of a failed job: a rank that fails first names the mistake even if rank 0 is stopped before it can,
+    and under launch_ranks that record is the one line the user sees."""
+    line = f"kiln: error: {message}"
+    record_error(line)
+    if os.environ.get("RANK", "0") == "0" and os.environ.get(LAUNCHED) != "1":
+        print(line, file=sys.stderr, flush=True)
     return SystemExit(2)
+
+
+def record_error(line: str) -> None:
+    """`line` in this rank's TORCHELASTIC_ERROR_FILE (set by torch's elastic agent), in the format of torch's
+    ErrorHandler.record_exception, which torchrun's failure report shows as the rank's traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        Path(path).write_text(json.dumps(data))
+    except OSError:
+        pass  # the report then shows the exit code alone; the line itself was printed (or is below)
+
+
+def split_launch_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(torchrun's options, the rest) of train.py's command line: the options that lead it, each with its value
+    (`--nproc_per_node 2` or `--nproc_per_node=2`); `--cfg` and `-h` are train.py's own (raises ConfigError)."""
+    if not argv or not argv[0].startswith("-") or argv[0] in ("--cfg", "-h", "--help"):
+        return [], argv
+    from torch.distributed.run import get_args_parser
+
+    actions = get_args_parser()._option_string_actions
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("--cfg", "-h", "--help"):
+        flag, eq, _ = argv[i].partition("=")
+        action = actions.get(flag)
+        if action is None or action.dest in ("module", "no_python", "run_path"):
+            raise ConfigError(
+                f"{flag} is not a launch option here: options before the key=value arguments are torchrun's "
+                "(--nproc_per_node N, --nnodes N, --rdzv_backend, --rdzv_endpoint, --max-restarts, ...), and the "
+                "ranks run scripts/train.py"
+            )
+        i += 1 if eq or action.nargs == 0 else 2
+    return argv[:i], argv[i:]
+
+
+# The agent's own log lines about a failed rank ("failed (exitcode: 2) local_rank: 0 ...", "Sending process ...
+# closing signal SIGTERM"): launch_ranks reports the failure itself, in one line.
+_AGENT_FAILURE_LOGS = ("failed (exitcode: ", "Sending process ")
+
+
+def launch_ranks(options: list[str], args: list[str]) -> int:
+    """scripts/train.py on the ranks that torchrun's `options` describe, started as torchrun starts them (its
+    `run`: rendezvous, restarts, signals forwarded); returns the exit status. A failed job is reported in one line:
+    the user mistake a rank recorded (`user_error_exit`, exit status 2), else which rank stopped and how (1)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # torchrun's default of one intra-op thread per rank, set here rather than announced in its 4-line banner.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[LAUNCHED] = "1"
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addFilter(lambda record: not str(record.msg).startswith(_AGENT_FAILURE_LOGS))
+    try:
+        run(parse_args([*options, str(TRAIN_SCRIPT), *args]))
+    except ChildFailedError as exc:
+        line, status = failure_line(exc)
+        print(line, file=sys.stderr, flush=True)
+        return status
+    except SignalException as exc:  # Ctrl-C, scancel: the agent passed the signal on to the ranks and stopped them
+        print(f"kiln: stopped by {exc.sigval.name}; the ranks were stopped with it", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
+    return 0
+
+
+def failure_line(exc) -> tuple[str, int]:
+    """(the one line, the exit status) for torch's ChildFailedError: the Kiln error a rank recorded (the earliest;
+    the ranks of one mistake record the same line), else the rank that failed first and its exit code or signal."""
+    recorded = {
+        rank: f
+        for rank, f in exc.failures.items()
+        if isinstance(f.message, dict) and str(f.message.get("message", "")).startswith("kiln: ")
+    }
+    if recorded:
+        rank = min(recorded, key=lambda r: (recorded[r].timestamp, r))
+        return recorded[rank].message["message"], 2
+    rank, failure = exc.get_first_failure()
+    how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    return f"kiln: error: rank {rank} failed ({how}; its output is above) and the other ranks were stopped", 1
 
 
 def _recipes() -> list[str]:
@@ -108,8 +205,10 @@ def _parse_error(override: str, exc: Exception) -> str:
     return reasons[0] if reasons else "not a key=value override"
 
 
-def compose(overrides: list[str]) -> TrainConfig:
-    """Composed, typed and validated config (raises ConfigError)."""
+def compose(overrides: list[str], world_size: int | None = None) -> TrainConfig:
+    """Composed, typed and validated config (raises ConfigError). With `world_size` (the ranks this job started;
+    not for a dry run, which sizes any layout) the layout is checked first: a job started with the wrong number of
+    ranks hears that before anything else."""
     from omegaconf.errors import OmegaConfBaseException
 
     from common import lora
@@ -125,12 +224,22 @@ def compose(overrides: list[str]) -> TrainConfig:
     except (OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(explain_compose_error(exc)) from None
     spec = recipe_spec(cfg.recipe.family)
+    if world_size is not None and not cfg.run.dry_run:
+        check_layout(cfg.parallel, world_size)
     validate(cfg)
     given = command_line_keys(overrides)
     lora.complete(cfg, spec, given)  # finetune=lora: the family's default targets, checked
     spec.config.complete(cfg, given)  # keys filled from files (the LLM: model.init_from)
     spec.config.validate(cfg)
     return cfg
+
+
+def check_layout(p, world_size: int) -> None:
+    """The degrees against the world size (dp * tp * pp * cp == ranks, ep within dp x cp: ParallelDims); a degree
+    that is no degree at all (0, negative) is left to validate(), which names its key."""
+    if min(p.tp, p.pp, p.cp, p.ep) < 1 or p.dp == 0 or p.dp < -1:
+        return
+    ParallelDims.from_config(p, world_size)
 
 
 def _hydra_compose(overrides: list[str], families) -> DictConfig:
@@ -255,10 +364,21 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.format(recipes=", ".join(_recipes())))
         return 0
+    try:
+        options, argv = split_launch_options(argv)
+        if options and "LOCAL_RANK" in os.environ:
+            raise ConfigError(
+                f"{options[0]} starts ranks, and this is one already (torchrun): pass only key=value arguments here"
+            )
+    except ConfigError as exc:
+        raise user_error_exit(str(exc)) from None
+    if options:
+        return launch_ranks(options, argv)
     print_cfg = "--cfg" in argv
     overrides = [a for a in argv if a != "--cfg"]
     try:
-        cfg = compose(overrides)
+        # The layout first (the world size is torchrun's WORLD_SIZE, 1 for one process); --cfg prints any layout.
+        cfg = compose(overrides, None if print_cfg else int(os.environ.get("WORLD_SIZE", "1")))
         if print_cfg:
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             return 0
@@ -287,7 +407,6 @@ def main(argv: list[str]) -> int:
             if dist.is_main:
                 dry_run(cfg, spec.train().memory_spec(cfg), dist.world_size)
             return 0
-        ParallelDims.from_config(cfg.parallel, dist.world_size)  # an impossible layout stops here
         run_dir = resolve_run_dir(cfg)
         if dist.is_main:
             created = None if run_dir.exists() else run_dir

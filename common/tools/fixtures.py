@@ -13,15 +13,36 @@ Each writes into the folder it is given and returns it. scripts/gpu_check.py bui
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
 from pathlib import Path
 
 from common.data.digit_captions import CAPTION_TEMPLATES, HELD_OUT_TEMPLATES, digit_caption
+from common.known_warnings import silence_known_warnings
+
+# A user runs these builders as `python -c "from common.tools.fixtures import ..."` (README): an entrypoint of its
+# own, silenced like the CLIs before any builder imports transformers/diffusers (and torchao, DeepSpeed with them).
+silence_known_warnings()
 
 POSTERIOR_STD = 0.01  # make_sd3_pipeline's VAE: its posterior's standard deviation, for every input
 CLASS_NAMES = tuple(f"digit_{c}" for c in range(10))  # sorted like the digits they hold
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """Without transformers' "Writing model shards" bar: a stand-in of a few kilobytes writes in no time, and the
+    bar would be all a builder prints."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def make_vae(
@@ -109,6 +130,7 @@ def make_clip_tokenizer(out: str | Path, *, max_length: int = 16, vocab_size: in
         special_tokens=specials,
         end_of_word_suffix="</w>",
         initial_alphabet=list("abcdefghijklmnopqrstuvwxyz0123456789,.!?'-"),
+        show_progress=False,  # its progress prints blank lines off a terminal
     )
     bpe.train_from_iterator(TOKENIZER_TEXT, trainer)
     model = json.loads(bpe.to_str())["model"]
@@ -127,7 +149,9 @@ def make_t5_tokenizer(out: str | Path, *, vocab_size: int = 120):
     specials = ["<pad>", "</s>", "<unk>"]
     unigram = Tokenizer(models.Unigram())
     unigram.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
-    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=specials, unk_token="<unk>")
+    trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size, special_tokens=specials, unk_token="<unk>", show_progress=False
+    )
     unigram.train_from_iterator(TOKENIZER_TEXT, trainer)
     vocab = [tuple(v) for v in json.loads(unigram.to_str())["model"]["vocab"]]
     tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
@@ -189,7 +213,8 @@ def make_sd3_pipeline(
         text_encoder_3=t5,
         tokenizer_3=t5_tokenizer,
     )
-    pipe.save_pretrained(out)
+    with _no_progress_bars():
+        pipe.save_pretrained(out)
     shutil.rmtree(out / ".tokenizer", ignore_errors=True)
     return out
 
@@ -257,7 +282,8 @@ def make_flux_pipeline(
         text_encoder_2=t5,
         tokenizer_2=t5_tokenizer,
     )
-    pipe.save_pretrained(out)
+    with _no_progress_bars():
+        pipe.save_pretrained(out)
     shutil.rmtree(out / ".tokenizer", ignore_errors=True)
     return out
 
@@ -524,7 +550,8 @@ def _make_qwen_vl(
         vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(seed)
-    getattr(transformers, model)(config).save_pretrained(out)
+    with _no_progress_bars():
+        getattr(transformers, model)(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     Qwen2VLImageProcessorPil(**image_processor).save_pretrained(out)
     if video_processor is not None:

@@ -158,8 +158,8 @@ def run_python(
     timeout=timeout)` runs it: a script (`python scripts/x.py ARGS`), a module (`python -m data.x ARGS`), code
     (`python -c CODE`) or
     torchrun's N ranks of a script (`python -m torch.distributed.run --nproc_per_node=N --master_port=P
-    script.py ARGS`). After preload() it is forked from the fork server; any other command line (another
-    program, torchrun's own options) is a real process."""
+    script.py ARGS`, or Kiln's `python scripts/train.py --nproc_per_node N ARGS`). After preload() it is forked from
+    the fork server; any other command line (another program, torchrun's own options) is a real process."""
     target = _python_target(cmd) if _PRELOADED and cmd[0] == sys.executable else None
     env = dict(os.environ if env is None else env)
     if target is None:
@@ -171,20 +171,34 @@ def run_python(
 def _python_target(cmd: list[str]) -> tuple[int, str, str, list[str]] | None:
     """(ranks, "path" or "module", script or module, its arguments) of a command line run_python can fork."""
     if cmd[1:3] == ["-m", "torch.distributed.run"]:
-        nproc, i = 1, 3
-        while i < len(cmd) and cmd[i].startswith("--"):
-            flag, _, value = cmd[i].partition("=")
-            if flag not in ("--nproc_per_node", "--nproc-per-node", "--master_port", "--master-port"):
-                return None  # restarts, rendezvous, ...: torchrun itself
-            if not value:
-                i, value = i + 1, cmd[i + 1]
-            if flag.startswith("--nproc"):
-                nproc = int(value)
-            i += 1
+        ranks = _rank_options(cmd, 3)
+        if ranks is None:
+            return None
+        nproc, i = ranks
         return (nproc, "path", cmd[i], cmd[i + 1 :]) if cmd[i].endswith(".py") else None
     if cmd[1] in ("-m", "-c"):
         return 1, {"-m": "module", "-c": "code"}[cmd[1]], cmd[2], cmd[3:]
+    if Path(cmd[1]).name == "train.py" and len(cmd) > 2 and cmd[2].startswith("--nproc"):
+        # scripts/train.py --nproc_per_node N ARGS: Kiln's launcher starting N ranks of itself (common/launch.py)
+        ranks = _rank_options(cmd, 2)
+        return None if ranks is None else (ranks[0], "path", cmd[1], cmd[ranks[1] :])
     return (1, "path", cmd[1], cmd[2:]) if cmd[1].endswith(".py") else None
+
+
+def _rank_options(cmd: list[str], i: int) -> tuple[int, int] | None:
+    """(ranks, index of what follows) for torchrun's options at cmd[i:] that a fork can stand for (the rank count
+    and a port); None for any other (restarts, rendezvous, ...: torchrun itself runs them)."""
+    nproc = 1
+    while i < len(cmd) and cmd[i].startswith("--"):
+        flag, _, value = cmd[i].partition("=")
+        if flag not in ("--nproc_per_node", "--nproc-per-node", "--master_port", "--master-port"):
+            return None
+        if not value:
+            i, value = i + 1, cmd[i + 1]
+        if flag.startswith("--nproc"):
+            nproc = int(value)
+        i += 1
+    return nproc, i
 
 
 def _run_preloaded(

@@ -387,6 +387,37 @@ def video_processor_note(export: Path) -> str | None:
     )
 
 
+def processor_problem(export: Path) -> str | None:
+    """What this environment lacks to load the export's processor, as transformers serve (same interpreter) would
+    load it, or None. Checked before that server starts, which otherwise dies a few seconds in with a 60-line
+    traceback: e.g. a Qwen-VL folder's processor needs Qwen2VLVideoProcessor, which needs torchvision, and the
+    training env has none (PyPI's torchvision links the CUDA build of torch: PITFALLS.md). Only a missing library
+    is reported here; anything else wrong with the folder is the engine's to say."""
+    from transformers import AutoProcessor
+
+    try:
+        AutoProcessor.from_pretrained(export)
+    except ImportError as exc:
+        # transformers' backend errors: "<Class> requires the <Library> library but it was not found in your
+        # environment. Check out the instructions on the ..." -- its first sentence.
+        text = " ".join(str(exc).split())
+        return text.split(" but it was not found")[0] if " but it was not found" in text else text.split(". ")[0]
+    except Exception:  # noqa: BLE001 -- not a missing library: transformers serve reports it as it is
+        return None
+    return None
+
+
+def transformers_advice(requested: str, why: str) -> str:
+    """What to do when transformers serve cannot load a model here: vLLM's environment, which has what it lacks."""
+    if serve_env() is None:
+        return "make serve-env builds vLLM's environment (.venv-serve), which has it, and serves it with vLLM"
+    if "rebuild it" in why:
+        return "rebuild vLLM's environment, which then has it: rm -r .venv-serve; make serve-env"
+    if requested == "transformers":
+        return "serve.engine=auto serves it with vLLM from .venv-serve"
+    return "vLLM's CPU build cannot serve it either: serve it with vLLM on a CUDA GPU"
+
+
 def has_chat_template(export: Path) -> bool:
     if (export / "chat_template.jinja").exists() or (export / "chat_template.json").exists():
         return True
@@ -845,6 +876,11 @@ def plan(s: ServeSection) -> Launch:
         raise ConfigError(f"serve.tensor_parallel_size={s.tensor_parallel_size} needs serve.engine=vllm")
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         raise UserError("serve.engine=transformers needs the serve extra: pip install -e '.[serve]'")
+    if is_multimodal(export) and (missing := processor_problem(export)):
+        raise UserError(
+            f"transformers serve cannot load {export} here: {missing}, which this environment lacks "
+            f"(engine=transformers: {why}); {transformers_advice(s.engine, why)}"
+        )
     if s.continuous_batching and is_multimodal(export):
         notes.append("transformers serve batches LLMs only: this VLM's requests run one at a time")
     cache = scratch / "hub"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -108,7 +109,7 @@ NOT_RUN = {
     "outputs/qwen_finetune/export": "needs the Qwen2.5-VL fine-tune above, which runs here as a dry run "
     "(TRAINED_ELSEWHERE): tests/integration/test_serve_vllm_qwen.py trains the same finetune=lora run "
     "(vlm.train_projector=false) over such an export and serves both through scripts/serve.py on vLLM",
-    "scripts/train.py recipe=llm_8b_128k": "needs 8 GPUs: its dry run is tests/unit/test_memory_planner.py's (against "
+    "recipe=llm_8b_128k": "needs 8 GPUs: its dry run is tests/unit/test_memory_planner.py's (against "
     "the plan), its path (cp x FSDP) on llm_tiny tests/distributed/test_llm_context_parallel.py",
 }
 
@@ -119,14 +120,14 @@ NOT_RUN = {
 # changes such a command makes it train here again until it is listed anew.
 TRAINED_ELSEWHERE = {
     "python scripts/train.py recipe=dit_tiny": "make demo, the README's first command, runs it",
-    "torchrun --nproc_per_node 2 scripts/train.py recipe=dit_tiny "
+    "python scripts/train.py --nproc_per_node 2 recipe=dit_tiny "
     "parallel.zero_stage=3": "tests/distributed/test_zero_stages.py",
     "python scripts/train.py recipe=dit_tiny diffusion.objective=flow": "tests/integration/test_dit_latent.py (flow)",
     "python scripts/train.py recipe=vlm_tiny model.init_from=outputs/align "
     "run.dir=outputs/ft": "tests/integration/test_vlm.py (align -> finetune)",
-    "torchrun --nproc_per_node 4 scripts/train.py recipe=llm_tiny parallel.tp=2 "
+    "python scripts/train.py --nproc_per_node 4 recipe=llm_tiny parallel.tp=2 "
     "trainer.micro_batch_size=4": "tests/distributed/test_llm_layouts.py (tp2 x dp2)",
-    "torchrun --nproc_per_node 4 scripts/train.py recipe=llm_tiny parallel.tp=2 parallel.pp=2 "
+    "python scripts/train.py --nproc_per_node 4 recipe=llm_tiny parallel.tp=2 parallel.pp=2 "
     "parallel.pp_schedule=1f1b": "tests/distributed/test_llm_pipeline.py (tp2 x pp2)",
     "python scripts/train.py recipe=llm_tiny data=text_shards "
     "data.root=data/my_text": "tests/integration/test_llm_user_data.py",
@@ -135,7 +136,7 @@ TRAINED_ELSEWHERE = {
     "python scripts/train.py recipe=vlm_tiny finetune=lora model.init_from=outputs/align export.merge_lora=true "
     "run.dir=outputs/vlm_lora": "tests/integration/test_vlm_lora.py",
     "python scripts/train.py recipe=moe_tiny run.dir=outputs/moe": "tests/integration/test_moe_tiny.py",
-    "torchrun --nproc_per_node 8 scripts/train.py recipe=vlm_7b model.init_from=~/models/llava-1.5-7b-hf "
+    "python scripts/train.py --nproc_per_node 8 recipe=vlm_7b model.init_from=~/models/llava-1.5-7b-hf "
     "data.root=data/my_llava_instruct run.dir=outputs/llava_more": "tests/integration/test_vlm_llava.py "
     "(llava-hf continued, on vlm_tiny)",
     "torchrun --nproc_per_node 8 scripts/train.py recipe=vlm_7b model.init_from=~/models/Qwen2.5-VL-7B-Instruct "
@@ -143,13 +144,13 @@ TRAINED_ELSEWHERE = {
     "run.dir=outputs/qwen_finetune": "tests/integration/test_vlm_qwen_train.py (on vlm_tiny)",
     "python scripts/train.py recipe=dit_tiny profile.enabled=true "
     "run.dir=outputs/prof": "tests/integration/test_profile_report.py",
-    "torchrun --nproc_per_node 2 scripts/train.py recipe=llm_tiny "
+    "python scripts/train.py --nproc_per_node 2 recipe=llm_tiny "
     "parallel.cp=2": "tests/distributed/test_llm_context_parallel.py (cp=2 against one process)",
-    "torchrun --nproc_per_node 2 scripts/train.py recipe=dit_tiny "
+    "python scripts/train.py --nproc_per_node 2 recipe=dit_tiny "
     "parallel.cp=2": "tests/distributed/test_ds_any_layout.py (cp=2 against one process, ZeRO-2 and ZeRO-3)",
-    "torchrun --nproc_per_node 2 scripts/train.py recipe=t2i_tiny model.init_from=outputs/tiny-sd3 "
+    "python scripts/train.py --nproc_per_node 2 recipe=t2i_tiny model.init_from=outputs/tiny-sd3 "
     "parallel.cp=2": "tests/distributed/test_t2i_zero2.py (cp=2 against one rank)",
-    "torchrun --nproc_per_node 2 scripts/train.py recipe=vlm_tiny "
+    "python scripts/train.py --nproc_per_node 2 recipe=vlm_tiny "
     "parallel.cp=2": "tests/distributed/test_vlm_zero2.py (cp=2 against dp=2)",
 }
 
@@ -170,6 +171,17 @@ def readme_commands(text: str) -> list[list[str]]:
                     commands.append(command)
                     command = []
     return commands
+
+
+def ranks_and_arguments(argv: list[str]) -> tuple[int, str, list[str]]:
+    """(ranks, script, its key=value arguments) of a training command: `python scripts/train.py --nproc_per_node N
+    ...` (Kiln's launcher), `torchrun --nproc_per_node N scripts/train.py ...`, or one process."""
+    script = next((i for i, a in enumerate(argv) if a.endswith(".py")), 1)
+    nproc = int(argv[argv.index("--nproc_per_node") + 1]) if "--nproc_per_node" in argv else 1
+    args = argv[script + 1 :]
+    if args[:1] == ["--nproc_per_node"]:
+        args = args[2:]
+    return nproc, argv[script], args
 
 
 def not_run_reason(argv: list[str]) -> str | None:
@@ -243,9 +255,8 @@ class Session:
 
     def command(self, argv: list[str]) -> list[str]:
         if " ".join(argv) in TRAINED_ELSEWHERE:  # a dry run of the same arguments, one process
-            script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
-            args = self.dataset_args([self.path(a) for a in argv[script + 1 :]])
-            return [sys.executable, argv[script], *args, "run.dry_run=true"]
+            _, script, args = ranks_and_arguments(argv)
+            return [sys.executable, script, *self.dataset_args([self.path(a) for a in args]), "run.dry_run=true"]
         argv = [self.path(a) for a in argv]
         if argv[0] == "make":
             # The Makefile passes ARGS to the command behind the target.
@@ -256,19 +267,14 @@ class Session:
             # -o install: this environment is already installed (make would otherwise check it, and
             # rebuild it when pyproject.toml is newer than its stamp).
             return ["make", "-o", "install", *argv[1:], f"PY={sys.executable}", f"ARGS={shlex.join(extra[argv[1]])}"]
-        if argv[0] == "torchrun":
-            nproc = int(argv[argv.index("--nproc_per_node") + 1])
+        nproc, script, args = ranks_and_arguments(argv)
+        if nproc > 1 or argv[0] == "torchrun":
             nproc = nproc if nproc <= 4 else GPU_NODE_NPROC
-            script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
-            return [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc_per_node={nproc}",
-                f"--master_port={free_port()}",
-                argv[script],
-                *self.train_args(argv[script + 1 :]),
-            ]
+            if argv[0] == "torchrun":
+                launch = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+                return [sys.executable, *launch, script, *self.train_args(args)]
+            # Kiln's launcher (scripts/train.py --nproc_per_node N): run_python forks its N ranks preloaded.
+            return [sys.executable, script, "--nproc_per_node", str(nproc), *self.train_args(args)]
         assert argv[0] in ("python", "python3"), f"a README command this test does not know how to run: {argv}"
         script = argv[1]
         if script == "scripts/train.py":
@@ -300,8 +306,16 @@ def test_readme_command_runs(argv, session):
     if reason:
         pytest.skip(f"not run here: {reason}")
     cmd = session.command(argv)
-    env = launch_env(2 if "torch.distributed.run" in cmd else 1, PYTHONPATH=str(REPO), HOME=str(session.home))
-    proc = run_python(cmd, env=env, timeout=900)  # forked from the preloaded server (common/tools/launcher.py)
+    ranks = "torch.distributed.run" in cmd or "--nproc_per_node" in cmd
+    env = launch_env(2 if ranks else 1, PYTHONPATH=str(REPO), HOME=str(session.home))
+    if argv[:2] == ["python", "-c"]:
+        # A one-liner in a fresh interpreter, as a user's shell starts it: what the libraries print when imported
+        # shows there (a preloaded fork imported them already), and it prints nothing but Kiln's lines.
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        noise = [line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("kiln:")]
+        assert proc.returncode != 0 or not noise, "\n".join(noise)
+    else:
+        proc = run_python(cmd, env=env, timeout=900)  # forked from the preloaded server (common/tools/launcher.py)
     assert proc.returncode == 0, (
         f"README command failed ({proc.returncode}): {' '.join(argv)}\nran: {shlex.join(cmd)}\n"
         f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -319,3 +333,30 @@ def test_every_readme_command_is_run_or_accounted_for():
         if not_run_reason(argv) is None:
             session.command(argv)  # raises for a command this test cannot run
     assert os.path.exists(REPO / "Makefile")
+
+
+SETUP = ["make demo", "make test"]  # the README's set-up: its first ```bash block
+ACTIVATE = "source .venv/bin/activate"
+
+
+def test_readme_activates_the_environment_its_commands_run_in():
+    """After `make demo` / `make test` (two commands, and no more), the README says once, right after them, how a
+    shell gets their environment; in a fresh shell that activation gives `python` the environment `make` installed
+    (torch imports), the one whose interpreter runs the README's `python ...` commands above (sys.executable)."""
+    text = (REPO / "README.md").read_text()
+    setup = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert [" ".join(c) for c in readme_commands(setup[0])] == SETUP
+    following = text[setup.end() :].strip().split("\n\n")[0]  # the paragraph right after the set-up commands
+    assert f"`{ACTIVATE}`" in following, following
+    assert text.count(ACTIVATE) == 1, "the README says how to activate the environment once"
+    if not (REPO / ".venv" / "bin" / "activate").exists():
+        pytest.skip("no .venv here (make install creates it)")
+    shell = "source .venv/bin/activate && python -c 'import sys, torch; print(sys.prefix)'"
+    env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/local/bin:/usr/bin:/bin"}  # a fresh login's
+    proc = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-c", shell], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    prefix = proc.stdout.strip().splitlines()[-1]
+    assert os.path.realpath(prefix) == os.path.realpath(sys.prefix), (prefix, sys.prefix)
+    assert os.path.realpath(prefix) == os.path.realpath(REPO / ".venv"), prefix

@@ -69,9 +69,11 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", BAD)
-def test_bad_lora_input_stops_with_one_line(base, case, tmp_path, capsys):
+def test_bad_lora_input_stops_with_one_line(base, case, tmp_path, capsys, monkeypatch):
     extra, needle = BAD[case]
     extra = [f"model.init_from={base}" if e == "BASE" else e for e in extra]
+    if any(e.startswith(("parallel.tp=", "parallel.dp=", "parallel.pp=")) for e in extra):
+        monkeypatch.setenv("WORLD_SIZE", "2")  # a job of 2 ranks: its layout fits them (the layout is checked first)
     finetune = [] if any(e.startswith("finetune=") for e in extra) else ["finetune=lora"]
     line = _kiln_error(["recipe=llm_tiny", *finetune, *extra, f"run.dir={tmp_path / 'run'}"], capsys)
     assert needle in line, line

@@ -650,3 +650,20 @@ def test_a_qwen3_vl_export_without_its_video_processor_is_noted(export, tmp_path
     set_model_config(export, model_type="qwen2_5_vl", vision_config={})
     (export / "video_preprocessor_config.json").unlink()
     assert not video_notes()
+
+
+def test_a_vlm_that_transformers_serve_cannot_load_here_is_one_line_before_it_starts(qwen_world, tmp_path):
+    """A Qwen2.5-VL folder and no vLLM environment: auto falls back to transformers serve, which died ~7 s in with
+    ~60 lines ending in `ImportError: Qwen2VLVideoProcessor requires the Torchvision library` (the processor needs a
+    video processor, which needs torchvision; the training env has none: PITFALLS.md). Now refused before it starts:
+    one line saying what is missing and what to do."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here: transformers serve loads the processor")
+    proc = _serve(f"serve.model={qwen_world['qwen']}", tmp=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert not proc.stdout and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    line = proc.stderr.strip()
+    assert line.startswith(f"kiln: error: transformers serve cannot load {qwen_world['qwen']} here: ")
+    assert "Qwen2VLVideoProcessor requires the Torchvision library" in line and "make serve-env" in line
