@@ -368,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         train = meta["buckets"]["samples"].get("train", {})
         shape = "buckets " + ", ".join(f"{k} ({n})" for k, n in train.items())
     print(f"{shards.summary(out, meta)}; {shape} RGB with captions; {skip_summary(meta)}")
+    if not meta["splits"]["val"]["samples"]:  # its held-out images did not decode (an empty train split stops)
+        print(
+            f"note: {out}'s val split is empty (no held-out image decoded): a text-to-image run samples its first "
+            "training captions instead and skips the held-out eval; fix the undecodable images or change --seed"
+        )
     return 0
 
 
