@@ -14,6 +14,7 @@ import torch
 
 from common.config import TrainConfig
 from common.data import prepare_dataset
+from common.data.captions import SOURCE, skip_summary
 from common.data.dataset import load_dataset_meta
 from common.data.webdataset import global_train_loader, iter_samples
 from common.diffusion.images import decode_png, to_model_space
@@ -21,7 +22,7 @@ from common.diffusion.vae import LATENT_SOURCE, read_moments
 from common.distributed import DistInfo
 from common.errors import DataError
 
-CAPTIONED = "captioned_images"  # meta.json "source" of data.prepare_captions' shards
+CAPTIONED = SOURCE  # meta.json "source" of data.prepare_captions' shards (common/data/captions.py)
 # A cache sample's prompt embedding (float32 arrays of the values the encoders gave in the compute dtype, so casting
 # back is exact), by the transformer's argument names; the empty prompt's, once per cache, in EMPTY_PROMPT.
 TEXT_FIELDS = {"encoder_hidden_states": "context.npy", "pooled_projections": "pooled.npy"}
@@ -50,8 +51,6 @@ def check_captions(cfg: TrainConfig, meta: dict, dp: int | None = None) -> dict:
         )
     limit, skipped = cfg.data.max_bad_samples, sum(map(len, meta.get("skipped", {}).values()))
     if limit is not None and skipped > limit:
-        from data.prepare_captions import skip_summary
-
         raise DataError(
             f"data.root={cfg.data.root}: {skip_summary(meta)} when it was built, more than data.max_bad_samples="
             f"{limit}: fix or remove those images and rebuild, or raise data.max_bad_samples"

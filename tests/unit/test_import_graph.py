@@ -150,3 +150,16 @@ def test_a_recipe_never_imports_another_recipe():
         if target.startswith("recipes.") and target != "recipes.registry" and target.split(".")[1] != name.split(".")[1]
     )
     assert not offenders, "; ".join(offenders)
+
+
+def test_training_code_never_imports_a_dataset_builder():
+    """recipes and common run a dataset's builder as a subprocess (data.build) and read what it wrote; the format both
+    sides need (a meta.json source, its skip summary, ...) lives below them, in common/data or the recipe."""
+    offenders = sorted(
+        f"{name} imports {target}"
+        for name, path in kiln_modules().items()
+        if name.split(".")[0] in ("recipes", "common")
+        for target in imported_names(name, path)
+        if target == "data" or target.startswith("data.")
+    )
+    assert not offenders, "; ".join(offenders)
