@@ -175,6 +175,9 @@ def compose(overrides: list[str]) -> ServeSection:
     return cfg.serve
 
 
+T2I_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # a text-to-image finetune=lora export: diffusers' LoRA file
+
+
 def is_dit_export(folder: Path) -> bool:
     """A diffusion export the images server serves: a DiT's, or a text-to-image pipeline's (is_t2i_export)."""
     return (folder / "kiln.json").exists() or (folder / "transformer").is_dir()
@@ -208,6 +211,16 @@ def check_export(path: str) -> Path:
             for f in ("kiln.json", "transformer/config.json", "scheduler/scheduler_config.json")
             if not (folder / f).exists()
         ]
+        if missing and (folder / T2I_LORA_WEIGHTS).exists():  # kiln.json beside diffusers' LoRA file
+            merged = (
+                f"serve.model={folder / 'merged'}"
+                if (folder / "merged").is_dir()
+                else "export/merged (export.merge_lora=true or scripts/export.py RUN --merge-lora writes it)"
+            )
+            raise UserError(
+                f"serve.model={path} is a text-to-image LoRA export (diffusers' {T2I_LORA_WEIGHTS} for its base "
+                f"pipeline's load_lora_weights), not a whole pipeline: serve its merged pipeline, {merged}"
+            )
         if missing:
             kind = image_export_kind(folder)
             raise UserError(f"serve.model={path} is not a complete {kind} export (missing {', '.join(missing)})")

@@ -464,6 +464,20 @@ def test_a_t2i_export_is_served_on_torch_by_its_own_server(t2i_export):
         check_export(str(t2i_export))
 
 
+def test_a_t2i_lora_export_is_named_and_its_merged_pipeline_served_instead(tmp_path):
+    export = tmp_path / "run" / "export"  # recipes/t2i/lora.py write_export: diffusers' LoRA file and kiln.json
+    export.mkdir(parents=True)
+    (export / "pytorch_lora_weights.safetensors").write_bytes(b"0")
+    (export / "kiln.json").write_text(json.dumps({"diffusers_pipeline": "StableDiffusion3Pipeline", "lora": {}}))
+    said = f"serve.model={export} is a text-to-image LoRA export (diffusers' pytorch_lora_weights.safetensors"
+    with pytest.raises(UserError, match=re.escape(said)) as err:
+        check_export(str(export))
+    assert "export.merge_lora=true or scripts/export.py RUN --merge-lora writes it" in str(err.value)
+    (export / "merged").mkdir()
+    with pytest.raises(UserError, match=re.escape(f"serve its merged pipeline, serve.model={export / 'merged'}")):
+        check_export(str(export))
+
+
 def write_adapter_config(folder, base, r=8):
     folder.mkdir(parents=True)
     (folder / "adapter_config.json").write_text(
