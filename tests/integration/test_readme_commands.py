@@ -83,8 +83,6 @@ FIXTURES = {
     "~/data/my_images": fixtures.make_image_folder,
     "~/data/corpus": llm.write_corpus,
     "~/data/chat.jsonl": llm.write_chat,
-    # 64 px images through its VAE (it halves them) are 16 patches a side: a position embedding that wide.
-    "~/models/stable-diffusion-3.5-medium": lambda d: fixtures.make_sd3_pipeline(d, sample_size=32),
     "~/data/captioned": fixtures.make_caption_folder,
 }
 
@@ -319,3 +317,16 @@ def test_every_readme_command_is_run_or_accounted_for():
         if not_run_reason(argv) is None:
             session.command(argv)  # raises for a command this test cannot run
     assert os.path.exists(REPO / "Makefile")
+
+
+def test_the_readme_t2i_sizes_fit_the_demo_pipeline(tmp_path):
+    """A README reader's text-to-image pipeline is the demo's tiny one (its first t2i command builds it): every size
+    the README builds caption shards at, or trains t2i_tiny at, fits it (a size it cannot take stops the run)."""
+    from recipes.t2i.pipeline import check_image_size
+
+    folder = fixtures.make_sd3_pipeline(tmp_path / "tiny-sd3")  # as the README's first t2i command builds it
+    sizes = [int(c[c.index("--image-size") + 1]) for c in COMMANDS if "data.prepare_captions" in c and "--input" in c]
+    sizes += [int(a.split("=")[1]) for c in COMMANDS if "recipe=t2i_tiny" in c for a in c if "data.image_size=" in a]
+    assert sizes
+    for size in sizes:
+        check_image_size(folder, size)
