@@ -139,6 +139,8 @@ TRAINED_ELSEWHERE = {
     "torchrun --nproc_per_node 8 scripts/train.py recipe=vlm_7b model.init_from=~/models/Qwen2.5-VL-7B-Instruct "
     "data.root=data/my_qwen_instruct data.min_pixels=200704 data.max_pixels=1003520 "
     "run.dir=outputs/qwen_finetune": "tests/integration/test_vlm_qwen_train.py (on vlm_tiny)",
+    "python scripts/train.py recipe=vlm_tiny model.init_from=outputs/tiny-qwen2.5-vl data=llava "
+    "data.root=data/my_qwen_instruct": "tests/integration/test_vlm_qwen_train.py (its base: conftest's qwen_world)",
     "python scripts/train.py recipe=dit_tiny profile.enabled=true "
     "run.dir=outputs/prof": "tests/integration/test_profile_report.py",
     "torchrun --nproc_per_node 2 scripts/train.py recipe=llm_tiny "
