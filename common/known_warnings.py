@@ -81,8 +81,8 @@ def silence_known_warnings() -> None:
     # transformers 5 made torchvision the default backend of its image processors and falls back to the PIL one,
     # logging "`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil`",
     # when torchvision is absent. The training environment has none by design (PyPI's torchvision links the CUDA
-    # build of torch: PITFALLS.md), and the PIL backend is the processors' own implementation, the one Kiln's
-    # image paths and their tests run on. (vLLM's environment, .venv-serve, has torchvision.)
+    # build of torch, which the +cpu install lacks), and the PIL backend is the processors' own implementation, the
+    # one Kiln's image paths and their tests run on. (vLLM's environment, .venv-serve, has torchvision.)
     logging.getLogger("transformers.utils.import_utils").addFilter(
         lambda record: "requires torchvision (not installed); falling back to" not in record.getMessage()
     )

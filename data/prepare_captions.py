@@ -42,12 +42,11 @@ from typing import Any
 import numpy as np
 
 from common.data import dataset as common_dataset
+from common.data.captions import SKIP_REASONS, SOURCE, skip_summary
 from data import shards
 from data.prepare_images import IMAGE_EXTENSIONS, encode_image
 
-SOURCE = "captioned_images"  # recipes.t2i.data.CAPTIONED: what the text-to-image recipe reads
 METADATA = "metadata.jsonl"
-SKIP_REASONS = ("undecodable", "no_caption", "empty_caption")
 ASPECT_RATIOS = ("1:2", "2:3", "3:4", "1:1", "4:3", "3:2", "2:1")  # --buckets' default: portrait 1:2 to landscape 2:1
 BUCKET_MULTIPLE = 16  # SD3's VAE downsamples by 8 and its transformer patches 2x2
 
@@ -281,17 +280,6 @@ def build_caption_shards(
     )
 
 
-def skip_summary(meta: dict) -> str:
-    """ "skipped 3 file(s): 1 undecodable (broken.png), 1 without a caption (...), ..." from meta.json."""
-    words = {"undecodable": "undecodable", "no_caption": "without a caption", "empty_caption": "with an empty caption"}
-    parts = [
-        f"{len(files)} {words[reason]} ({', '.join(files[:3])}{' ...' if len(files) > 3 else ''})"
-        for reason, files in meta["skipped"].items()
-        if files
-    ]
-    return f"skipped {sum(map(len, meta['skipped'].values()))} file(s)" + (f": {'; '.join(parts)}" if parts else "")
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     def extra(parser: argparse.ArgumentParser, positive_int) -> None:
         source = parser.add_mutually_exclusive_group(required=True)
@@ -368,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         train = meta["buckets"]["samples"].get("train", {})
         shape = "buckets " + ", ".join(f"{k} ({n})" for k, n in train.items())
     print(f"{shards.summary(out, meta)}; {shape} RGB with captions; {skip_summary(meta)}")
+    if not meta["splits"]["val"]["samples"]:  # its held-out images did not decode (an empty train split stops)
+        print(
+            f"note: {out}'s val split is empty (no held-out image decoded): a text-to-image run samples its first "
+            "training captions instead and skips the held-out eval; fix the undecodable images or change --seed"
+        )
     return 0
 
 

@@ -1,6 +1,6 @@
 """LLaVA-format conversations (LLaVA's pretrain and instruct JSON) -> WebDataset shards the VLM recipe streams.
 
-    python -m data.prepare_llava --json FILE --images DIR --out DIR [--train-shards 64] [--val-shards 2]
+    python -m data.prepare_llava --json FILE --images DIR --out DIR [--train-shards N] [--val-shards 2]
                                  [--val-fraction 0.005] [--seed 0] [--workers N] [--force]
 
 Input: a JSON list of ``{"id", "image": "path/under/DIR" (or a list of paths, or ``"images": [...]``; no key =
@@ -21,7 +21,8 @@ Output: ``{split}-NNNNNN.tar`` shards, each sample ``{__key__: "train_000000123"
 are}``, a video as ``video`` (the file's bytes; json ``"video": {"container": "mp4"}``) or ``frame0``,
 ``frame1``, ... (json ``"video": {"frames": N, "fps": rate or null}``), split train/val at random (seeded), and
 ``meta.json`` (format ``llava-conversations``, counts, what was skipped and why) written last; the directory
-appears at once (``data.shards``). The text is
+appears at once (``data.shards``). ``--train-shards`` defaults to 64, or one per training sample for a set of
+fewer (a given count more than the samples is refused). The text is
 NOT tokenized here: training tokenizes it (recipes/vlm/data.py) with the processor of the model being
 trained, so one set of shards serves any language model and vision tower, and the labels follow that
 model's own chat template.
@@ -45,6 +46,7 @@ from common.data import dataset as common_dataset
 from data import shards
 
 FORMAT = "llava-conversations"  # meta.json "format"; recipes/vlm/data.py reads it
+TRAIN_SHARDS = 64  # --train-shards' default for a set of 64 training samples or more (auto_train_shards)
 IMAGE_TOKEN = "<image>"
 VIDEO_TOKEN = "<video>"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -285,7 +287,7 @@ def build_llava(
     *,
     json_path: str | Path,
     images: str | Path,
-    train_shards: int = 64,
+    train_shards: int | None = None,
     val_shards: int = 2,
     val_fraction: float = 0.005,
     seed: int = 0,
@@ -293,7 +295,8 @@ def build_llava(
     force: bool = False,
 ) -> tuple[dict, bool]:
     """Build the dataset in ``out`` unless a complete one is there. Returns (meta, built_now); callers compare
-    settings of a dataset that was there (``_settings``). ValueError for unusable input."""
+    settings of a dataset that was there (``_settings``). ValueError for unusable input. ``train_shards`` None:
+    ``auto_train_shards``."""
     out, json_path, images = Path(out).absolute(), Path(json_path).absolute(), Path(images).absolute()
     if not json_path.is_file():
         raise ValueError(f"--json {json_path}: no such file")
@@ -310,10 +313,10 @@ def build_llava(
                 f"--json {json_path}: none of its {report['total']} samples is usable ({counts})"
                 + (f"; first: {first}" if first else "")
             )
-        needed = train_shards + max(val_shards, round(val_fraction * len(records)))
+        needed = (train_shards or 1) + max(val_shards, round(val_fraction * len(records)))
         if len(records) < needed:
             raise ValueError(
-                f"{len(records)} usable samples cannot fill {train_shards} train + {val_shards} val shards; "
+                f"{len(records)} usable samples cannot fill {train_shards or 1} train + {val_shards} val shards; "
                 "lower --train-shards / --val-shards"
             )
         found.update(report, records=records)
@@ -340,7 +343,7 @@ def build_llava(
 
     return shards.build_atomically(
         out,
-        train_shards=train_shards,
+        train_shards=train_shards or TRAIN_SHARDS,
         val_shards=val_shards,
         val_fraction=val_fraction,
         force=force,
@@ -349,7 +352,13 @@ def build_llava(
         load=load,
         start_meta=start_meta,
         write_shards=_write_shards,
+        fewer_shards_ok=train_shards is None,  # auto: a shard per training sample when there are fewer than 64
     )
+
+
+def auto_train_shards(train_samples: int) -> int:
+    """--train-shards' default: TRAIN_SHARDS, or one per training sample when there are fewer."""
+    return min(TRAIN_SHARDS, train_samples)
 
 
 def summary(out: Path, meta: dict) -> str:
@@ -387,7 +396,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         extra=inputs,
         seed_help="seed of the train/val split",
     )
-    parser.set_defaults(train_shards=64, val_fraction=0.005)
+    parser.set_defaults(train_shards=None, val_fraction=0.005)  # None: auto_train_shards
     return parser.parse_args(argv)
 
 
@@ -408,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 2
     if not built:
+        if args.train_shards is None:  # auto: what a build of that input makes
+            wanted["train_shards"] = auto_train_shards(meta["splits"]["train"]["samples"])
         have, want = (
             _settings(meta),
             {"json_sha256": _sha256(args.json.absolute()), "images": str(args.images.absolute()), **wanted},

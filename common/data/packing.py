@@ -6,7 +6,7 @@ stream -- drives both attention paths:
 
 * CPU (``sdpa`` / ``eager``): a 4D block-diagonal causal mask ``[R, 1, L, L]`` derived from the
   same segments, plus per-sample ``position_ids``. transformers does not isolate packed samples
-  from ``position_ids`` alone on CPU (PITFALLS.md: cross-sample attention leaks), so the mask is
+  from ``position_ids`` alone on CPU (sdpa and eager attend across samples: logits off by up to 0.5), so the mask is
   explicit.
 * CUDA (``flash``): rows flattened into one ``[1, R*L]`` row; ``cu_seq_lens_{q,k}`` and
   ``max_length_{q,k}`` go to the model as FlashAttentionKwargs and reach torch's varlen FlashAttention

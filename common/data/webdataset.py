@@ -490,6 +490,8 @@ class ResumableLoader:
         self._loader: DataLoader | None = None  # built lazily, kept across epochs
         # Layout key -> what sets it in the config, said when a resume finds it changed ({saved}: the saved value).
         self.resume_hints: dict[str, str] = {}
+        # What sets batch_size in the config (train_loader, global_train_loader), said when no batch can be made.
+        self.batch_hint = ""
         self._reset_epoch(0, next_worker=0, positions=None)
 
     # -- position -------------------------------------------------------------------------------
@@ -629,9 +631,14 @@ class ResumableLoader:
                 yield batch
                 continue
             if sum(p["batches"] for p in self._positions) == 0:
+                fix = "lower the batch or the workers"  # a recipe's loader names the keys (batch_hint)
+                if self.batch_hint:
+                    fix = f"lower those or data.num_workers={self._num_workers}, or add training samples to data.root"
                 raise DataError(
-                    f"rank {self._rank} produced no full batch of {self._cfg['batch_size']} in epoch "
-                    f"{self._epoch}: each worker's shards hold fewer samples than one batch"
+                    f"rank {self._rank} produced no full batch of {self._cfg['batch_size']} in epoch {self._epoch}"
+                    + (f" ({self.batch_hint})" if self.batch_hint else "")
+                    + f": each of its {self._num_slots} loader worker(s) reads its own shards, and each one's hold "
+                    f"fewer samples than one batch; {fix}"
                 )
             # Every worker sent its end marker: nothing of this epoch is in flight. The workers stay;
             # the next iter() of the DataLoader starts their pass over the next epoch.
@@ -749,11 +756,12 @@ def train_loader(
     """A recipe's training loader: `build_webdataset_loader` with what the config says of every recipe's
     (``data.num_workers``, ``data.shuffle_buffer``, ``data.max_corrupt_shards``, ``trainer.seed``;
     ``trainer.micro_batch_size`` unless the recipe batches otherwise)."""
-    return build_webdataset_loader(
+    micro = cfg.trainer.micro_batch_size
+    loader = build_webdataset_loader(
         urls,
         decode=decode,
         collate=collate,
-        batch_size=cfg.trainer.micro_batch_size if batch_size is None else batch_size,
+        batch_size=micro if batch_size is None else batch_size,
         rank=rank,
         world_size=world_size,
         num_workers=cfg.data.num_workers,
@@ -764,6 +772,9 @@ def train_loader(
         group=group,
         plan=plan,
     )
+    ranks = 1 if batch_size is None else batch_size // micro  # a recipe's global micro-batch: micro x dp ranks
+    loader.batch_hint = f"trainer.micro_batch_size={micro}" + (f" x {ranks} data-parallel ranks" if ranks > 1 else "")
+    return loader
 
 
 def _init_worker(worker_id: int, trainer: int | None = None) -> None:
@@ -918,4 +929,8 @@ def global_train_loader(
         plan=plan,
     )
     inner.resume_hints["pack_buffer"] = "the run laid its steps out with data.pack_buffer={saved}: set it so"
+    inner.batch_hint = (
+        f"the global batch: trainer.micro_batch_size={t.micro_batch_size} x trainer.grad_accum={t.grad_accum} x "
+        f"{dp} data-parallel rank(s)"
+    )
     return GlobalBatches(inner, rank=rank, dp=dp, micro=t.micro_batch_size, accum=t.grad_accum)

@@ -579,8 +579,8 @@ def make_qwen2_5_vl(
 
     No video processor config is saved, as the release ships none: transformers' Qwen2VLVideoProcessor then reads
     preprocessor_config.json (the image budget). It needs torchvision, which does not import under the training
-    env's CPU torch (PITFALLS.md), so AutoProcessor loads the folder only in .venv-serve; in the training env the
-    image processor and tokenizer load on their own (AutoImageProcessor, AutoTokenizer)."""
+    env's CPU torch (PyPI's is built on CUDA torch), so AutoProcessor loads the folder only in .venv-serve; in the
+    training env the image processor and tokenizer load on their own (AutoImageProcessor, AutoTokenizer)."""
     half = hidden_size // 4 // 2  # rotary frequencies per head, split by mRoPE over (temporal, height, width) ...
     quarter = half // 4  # ... as the release's 16:24:24 of 64
     return _make_qwen_vl(

@@ -175,6 +175,9 @@ def compose(overrides: list[str]) -> ServeSection:
     return cfg.serve
 
 
+T2I_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # a text-to-image finetune=lora export: diffusers' LoRA file
+
+
 def is_dit_export(folder: Path) -> bool:
     """A diffusion export the images server serves: a DiT's, or a text-to-image pipeline's (is_t2i_export)."""
     return (folder / "kiln.json").exists() or (folder / "transformer").is_dir()
@@ -208,6 +211,16 @@ def check_export(path: str) -> Path:
             for f in ("kiln.json", "transformer/config.json", "scheduler/scheduler_config.json")
             if not (folder / f).exists()
         ]
+        if missing and (folder / T2I_LORA_WEIGHTS).exists():  # kiln.json beside diffusers' LoRA file
+            merged = (
+                f"serve.model={folder / 'merged'}"
+                if (folder / "merged").is_dir()
+                else "export/merged (export.merge_lora=true or scripts/export.py RUN --merge-lora writes it)"
+            )
+            raise UserError(
+                f"serve.model={path} is a text-to-image LoRA export (diffusers' {T2I_LORA_WEIGHTS} for its base "
+                f"pipeline's load_lora_weights), not a whole pipeline: serve its merged pipeline, {merged}"
+            )
         if missing:
             kind = image_export_kind(folder)
             raise UserError(f"serve.model={path} is not a complete {kind} export (missing {', '.join(missing)})")
@@ -391,7 +404,7 @@ def processor_problem(export: Path) -> str | None:
     """What this environment lacks to load the export's processor, as transformers serve (same interpreter) would
     load it, or None. Checked before that server starts, which otherwise dies a few seconds in with a 60-line
     traceback: e.g. a Qwen-VL folder's processor needs Qwen2VLVideoProcessor, which needs torchvision, and the
-    training env has none (PyPI's torchvision links the CUDA build of torch: PITFALLS.md). Only a missing library
+    training env has none (PyPI's torchvision links the CUDA build of torch, not the +cpu one). Only a missing library
     is reported here; anything else wrong with the folder is the engine's to say."""
     from transformers import AutoProcessor
 

@@ -14,6 +14,7 @@ import torch
 
 from common.config import TrainConfig
 from common.data import prepare_dataset
+from common.data.captions import SOURCE, skip_summary
 from common.data.dataset import load_dataset_meta
 from common.data.webdataset import global_train_loader, iter_samples
 from common.diffusion.images import decode_png, to_model_space
@@ -21,7 +22,7 @@ from common.diffusion.vae import LATENT_SOURCE, read_moments
 from common.distributed import DistInfo
 from common.errors import DataError
 
-CAPTIONED = "captioned_images"  # meta.json "source" of data.prepare_captions' shards
+CAPTIONED = SOURCE  # meta.json "source" of data.prepare_captions' shards (common/data/captions.py)
 # A cache sample's prompt embedding (float32 arrays of the values the encoders gave in the compute dtype, so casting
 # back is exact), by the transformer's argument names; the empty prompt's, once per cache, in EMPTY_PROMPT.
 TEXT_FIELDS = {"encoder_hidden_states": "context.npy", "pooled_projections": "pooled.npy"}
@@ -50,8 +51,6 @@ def check_captions(cfg: TrainConfig, meta: dict, dp: int | None = None) -> dict:
         )
     limit, skipped = cfg.data.max_bad_samples, sum(map(len, meta.get("skipped", {}).values()))
     if limit is not None and skipped > limit:
-        from data.prepare_captions import skip_summary
-
         raise DataError(
             f"data.root={cfg.data.root}: {skip_summary(meta)} when it was built, more than data.max_bad_samples="
             f"{limit}: fix or remove those images and rebuild, or raise data.max_bad_samples"
@@ -191,16 +190,15 @@ def load_cache_meta(cfg: TrainConfig, identity: dict) -> dict:
 
 
 class CachedPrompts:
-    """The prompt encoder of a run on a cache: the embeddings of the empty prompt and of the first `n` validation
-    captions (the sample grids' prompts), read from the cache; the text encoders are not loaded for training. A
-    prompt it does not hold (the eval's held-out phrasings) loads them then, once: `load()` -> a PromptEncoder."""
+    """The prompt encoder of a run on a cache: the embeddings of the empty prompt and of the sample grids' prompts
+    (`sample_prompts` on the cache: its first `n` validation captions, or its first `n` training captions when its
+    val split is empty), read from the cache; the text encoders are not loaded for training. A prompt it does not hold
+    (the eval's held-out phrasings) loads them then, once: `load()` -> a PromptEncoder."""
 
     def __init__(self, root: str | Path, meta: dict, n: int, *, device, dtype: torch.dtype, load):
         with np.load(Path(root).expanduser() / EMPTY_PROMPT) as empty:
             self.table = {"": {key: torch.from_numpy(empty[key]) for key in TEXT_FIELDS}}
-        for i, sample in enumerate(iter_samples(meta["val_urls"])):
-            if i == n:
-                break
+        for sample in first_samples(meta, n)[0]:
             cached = decode_cached(sample)
             self.table[cached["caption"]] = {key: cached[key] for key in TEXT_FIELDS}
         self.device, self.dtype, self.load, self.encoder = device, dtype, load, None
@@ -215,12 +213,17 @@ class CachedPrompts:
         }
 
 
-def val_captions(meta: dict, n: int) -> list[str]:
-    """The first `n` held-out captions (in shard order, the same on every rank): the prompts of sample grids."""
-    out = []
-    for sample in iter_samples(meta["val_urls"]):
-        text = sample["txt"]
-        out.append(text.decode("utf-8") if isinstance(text, bytes) else text)
-        if len(out) == n:
-            break
-    return out
+def first_samples(meta: dict, n: int) -> tuple[list[dict], str]:
+    """The first `n` held-out samples (in shard order, the same on every rank) and "val"; when the val split holds
+    none (a small folder whose held-out images did not decode), the first `n` training samples and "train"."""
+    for split in ("val", "train"):
+        samples = [sample for _, sample in zip(range(n), iter_samples(meta[f"{split}_urls"]))]
+        if samples:
+            return samples, split
+    return [], "train"
+
+
+def sample_prompts(meta: dict, n: int) -> tuple[list[str], str]:
+    """The prompts of sample grids and the split they come from: `first_samples`' captions."""
+    samples, split = first_samples(meta, n)
+    return [s["txt"].decode("utf-8") if isinstance(s["txt"], bytes) else s["txt"] for s in samples], split

@@ -35,7 +35,7 @@ from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
 from common.ulysses import data_parallel_layout
 from recipes.t2i import lora as t2i_lora
-from recipes.t2i.data import CachedPrompts, build_train_loader, load_cache_meta, prepare_data, val_captions
+from recipes.t2i.data import CachedPrompts, build_train_loader, load_cache_meta, prepare_data, sample_prompts
 from recipes.t2i.evaluate import (
     NUM_DIGITS,
     eval_prompts,
@@ -55,7 +55,7 @@ from recipes.t2i.pipeline import (
 )
 from recipes.t2i.sampling import PromptSampler
 
-SAMPLE_PROMPTS = 8  # a sample grid: this many held-out captions, one row each
+SAMPLE_PROMPTS = 8  # a sample grid: this many held-out captions (training ones without a val split), one row each
 EVAL_GRID_COLUMNS = 8  # samples/eval.png: at most this many of each digit's eval samples
 
 
@@ -78,7 +78,13 @@ class T2ITrainer(Trainer):
         cache = load_cache_meta(cfg, encoders_identity(self.base)) if cfg.data.latents else None
         self.dims, self.cp, dp_rank = data_parallel_layout(cfg.parallel, dist)  # dp = world / parallel.cp
         loader = build_train_loader(cfg, cache or meta, rank=dp_rank, dp=self.dims.dp)
-        self.prompts = val_captions(meta, SAMPLE_PROMPTS)
+        self.prompts, split = sample_prompts(meta, SAMPLE_PROMPTS)
+        if split != "val" and dist.is_main:  # a small folder whose held-out images did not decode: still sample
+            print(
+                f"kiln: data.root={cfg.data.root} holds no held-out captions (its val split is empty): the sample "
+                f"grids draw its first {len(self.prompts)} training captions instead",
+                flush=True,
+            )
         # Frozen, eval, fp32 and outside the module DeepSpeed wraps: never trained, never partitioned.
         self.geometry = vae_lib.vae_geometry(self.base / "vae", cfg.data.image_size)
         self.vae = vae_lib.load_vae(self.geometry, self.device)
@@ -182,7 +188,8 @@ class T2ITrainer(Trainer):
         return images
 
     def save_samples(self, name: str) -> None:
-        """A grid of held-out captions' images, seeded by the step: the same grid for the same weights."""
+        """A grid of the sample prompts' images (held-out captions), seeded by the step: the same grid for the same
+        weights."""
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 12345 + self.state.step)
         images = self.generate(self.prompts, generator)
         if self.dist.is_main:
@@ -204,6 +211,14 @@ class T2ITrainer(Trainer):
                 print(
                     f"kiln: eval: skipped: the captions in data.root={self.cfg.data.root} are not the captioned "
                     "digits', the only ones the prompt-adherence eval has a classifier for",
+                    flush=True,
+                )
+            return None
+        if not val.captions:  # the classifier is checked on the held-out images
+            if main:
+                print(
+                    f"kiln: eval: skipped: data.root={self.cfg.data.root} holds no held-out images (its val split is "
+                    "empty) to check the prompt-adherence classifier on",
                     flush=True,
                 )
             return None

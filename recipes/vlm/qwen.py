@@ -6,7 +6,8 @@ min_pixels..max_pixels to a multiple of patch x merge (28 px; Qwen3-VL's 16-px p
 patches (two frames each: temporal_patch_size 2), returned as one [patches, 3*2*p*p] sequence and a (t, h, w) grid
 per image. An image is (t*h*w) / merge^2 tokens: the number varies per image, and one `<|image_pad|>` in the chat
 template's rendering stands for all of them (`image_pad_repeats`: transformers' Qwen2_5_VLProcessor rule, applied
-here because the processor itself needs a torchvision video processor the training env lacks, PITFALLS.md). A video
+here because the processor itself needs a torchvision video processor, and PyPI's torchvision, built against CUDA
+torch, does not import under the training env's CPU torch). A video
 is frames sampled and resized as the folder's video processor does (its own budget, rate and frame bounds;
 data.video_fps / data.max_frames where set) and paired into temporal patches (recipes/vlm/video.py:
 Qwen2VLVideoProcessor's / Qwen3VLVideoProcessor's output, made without them); for Qwen2.5-VL

@@ -1,6 +1,7 @@
 """Videos for a native-resolution VLM (Qwen2.5-VL, Qwen3-VL): frames sampled and patched as transformers'
 Qwen2VLVideoProcessor / Qwen3VLVideoProcessor, loaded from the model's folder, sample and patch them, without them
-(they need torchvision, which does not import under the training env's CPU torch: PITFALLS.md). What differs
+(they need torchvision, and PyPI's torchvision, built against CUDA torch, does not import under the training env's CPU
+torch). What differs
 between the two is recipes/vlm/archs.py's VideoRule; the code path is one.
 
 The values are the folder's video processor's (`VideoConfig`, read as transformers reads it: processor_config.json's

@@ -84,8 +84,6 @@ FIXTURES = {
     "~/data/my_images": fixtures.make_image_folder,
     "~/data/corpus": llm.write_corpus,
     "~/data/chat.jsonl": llm.write_chat,
-    # 64 px images through its VAE (it halves them) are 16 patches a side: a position embedding that wide.
-    "~/models/stable-diffusion-3.5-medium": lambda d: fixtures.make_sd3_pipeline(d, sample_size=32),
     "~/data/captioned": fixtures.make_caption_folder,
 }
 
@@ -139,9 +137,11 @@ TRAINED_ELSEWHERE = {
     "python scripts/train.py --nproc_per_node 8 recipe=vlm_7b model.init_from=~/models/llava-1.5-7b-hf "
     "data.root=data/my_llava_instruct run.dir=outputs/llava_more": "tests/integration/test_vlm_llava.py "
     "(llava-hf continued, on vlm_tiny)",
-    "torchrun --nproc_per_node 8 scripts/train.py recipe=vlm_7b model.init_from=~/models/Qwen2.5-VL-7B-Instruct "
+    "python scripts/train.py --nproc_per_node 8 recipe=vlm_7b model.init_from=~/models/Qwen2.5-VL-7B-Instruct "
     "data.root=data/my_qwen_instruct data.min_pixels=200704 data.max_pixels=1003520 "
     "run.dir=outputs/qwen_finetune": "tests/integration/test_vlm_qwen_train.py (on vlm_tiny)",
+    "python scripts/train.py recipe=vlm_tiny model.init_from=outputs/tiny-qwen2.5-vl data=llava "
+    "data.root=data/my_qwen_instruct": "tests/integration/test_vlm_qwen_train.py (its base: conftest's qwen_world)",
     "python scripts/train.py recipe=dit_tiny profile.enabled=true "
     "run.dir=outputs/prof": "tests/integration/test_profile_report.py",
     "python scripts/train.py --nproc_per_node 2 recipe=llm_tiny "
@@ -360,3 +360,16 @@ def test_readme_activates_the_environment_its_commands_run_in():
     prefix = proc.stdout.strip().splitlines()[-1]
     assert os.path.realpath(prefix) == os.path.realpath(sys.prefix), (prefix, sys.prefix)
     assert os.path.realpath(prefix) == os.path.realpath(REPO / ".venv"), prefix
+
+
+def test_the_readme_t2i_sizes_fit_the_demo_pipeline(tmp_path):
+    """A README reader's text-to-image pipeline is the demo's tiny one (its first t2i command builds it): every size
+    the README builds caption shards at, or trains t2i_tiny at, fits it (a size it cannot take stops the run)."""
+    from recipes.t2i.pipeline import check_image_size
+
+    folder = fixtures.make_sd3_pipeline(tmp_path / "tiny-sd3")  # as the README's first t2i command builds it
+    sizes = [int(c[c.index("--image-size") + 1]) for c in COMMANDS if "data.prepare_captions" in c and "--input" in c]
+    sizes += [int(a.split("=")[1]) for c in COMMANDS if "recipe=t2i_tiny" in c for a in c if "data.image_size=" in a]
+    assert sizes
+    for size in sizes:
+        check_image_size(folder, size)

@@ -10,7 +10,7 @@ frozen (vlm.train_projector=false: vLLM takes no fully trained module in an adap
 different sizes, so each takes its own number of image tokens; another a short video.
 
 The reference's inputs come from transformers' own processor (Qwen2_5_VLProcessor / Qwen3VLProcessor), loaded from
-the export by AutoProcessor in .venv-serve (it needs torchvision, which the training env lacks: PITFALLS.md), as vLLM
+the export by AutoProcessor in .venv-serve (it needs torchvision, which the training env's CPU torch lacks), as vLLM
 loads it: the export is a complete processor folder. Its generate runs in the training env's transformers.
 """
 
@@ -49,7 +49,7 @@ VIDEO = (4, 2, 3)  # frames, height and width in image tokens: 2 temporal patche
 VIDEO_FPS = 2.0  # 4 frames at 2 fps: Qwen3VLVideoProcessor's own sampling (2 fps, at least 4 frames) keeps all 4
 VIDEO_QUESTION = "Describe the image."
 
-# In .venv-serve (transformers' Qwen-VL processors need torchvision, PITFALLS.md): the export's processor
+# In .venv-serve (transformers' Qwen-VL processors need torchvision, which only that env has): the export's processor
 # (AutoProcessor), its chat template and the model inputs it makes of (1) the two images and QUESTION, (2) a short
 # video and VIDEO_QUESTION. The video is written there too (OpenCV): FFV1, lossless, so vLLM decodes exactly the
 # frames the reference is given.

@@ -80,3 +80,39 @@ def test_t2i_tiny_trains_and_its_export_samples_like_kiln_in_diffusers(trained, 
     out = tmp_path / "from_checkpoint"
     assert load_script("export").main([str(run), "--out", str(out)]) == 0, capsys.readouterr().err
     assert compare_export(export, out) == {"same_keys": True, "bitwise": True}
+
+
+def test_a_run_without_held_out_captions_still_samples_and_exports(t2i_world, tmp_path):
+    """A caption folder whose val split came out empty (its held-out image did not decode: prepare_captions writes an
+    empty val shard) trains, samples the first training captions (saying so in one line) and exports."""
+    import shutil
+
+    import webdataset as wds
+
+    from common.data.webdataset import iter_samples
+    from tests.conftest import run_train
+
+    shards = tmp_path / "shards"
+    shutil.copytree(t2i_world["shards"], shards)
+    meta = json.loads((shards / "meta.json").read_text())
+    for name in meta["splits"]["val"]["shards"]:
+        (shards / name).unlink()
+    with wds.TarWriter(str(shards / "val-000000.tar"), mtime=0):
+        pass
+    empty = (shards / "val-000000.tar").stat().st_size
+    meta["splits"]["val"] = {"shards": ["val-000000.tar"], "samples": 0, "shard_samples": [0], "shard_bytes": [empty]}
+    (shards / "meta.json").write_text(json.dumps(meta))
+
+    run = tmp_path / "run"
+    keep = [a for a in t2i_run_args(t2i_world) if a.split("=")[0] not in ("trainer.max_steps", "data.root")]
+    keep = [a for a in keep if not a.startswith("diffusion.sample_steps=")]
+    steps = ["trainer.max_steps=1", "diffusion.sample_steps=1"]  # the fewest: the end of a run is what is tested
+    proc = run_train([*keep, *steps, f"data.root={shards}", f"run.dir={run}"])
+    assert "Traceback" not in proc.stdout + proc.stderr
+    train = [str(shards / name) for name in meta["splits"]["train"]["shards"]]
+    first = [sample["txt"].decode() for _, sample in zip(range(8), iter_samples(train))]
+    assert json.loads((run / "samples" / "prompts.json").read_text()) == first
+    assert (run / "samples" / "final.png").exists() and (run / "export" / "kiln.json").exists()
+    said = [line for line in proc.stdout.splitlines() if "no held-out captions" in line]
+    assert len(said) == 1 and "training captions" in said[0], proc.stdout
+    assert "kiln: eval: skipped: " in proc.stdout and "holds no held-out images" in proc.stdout  # nor the eval's

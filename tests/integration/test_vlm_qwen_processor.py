@@ -1,5 +1,5 @@
 """Kiln's Qwen2.5-VL and Qwen3-VL sample encoding against transformers' own Qwen2_5_VLProcessor and Qwen3VLProcessor.
-The processors need a video processor that needs torchvision, which the training env's CPU torch lacks (PITFALLS.md),
+The processors need a video processor that needs torchvision, which the training env's CPU torch cannot import,
 so they run in vLLM's environment (.venv-serve: the CUDA build of torch, with torchvision, on CPU; one process for
 both architectures, whose start-up is most of the time). On the same rendered conversation and
 three images of different sizes, it must give the token ids `encode_qwen` gives (each <|image_pad|> expanded to

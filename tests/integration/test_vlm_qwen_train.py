@@ -79,7 +79,7 @@ def test_export_is_the_trained_qwen_and_the_tower_stays_the_release(run):
     image = Image.fromarray(rng.integers(0, 256, (90, 60, 3), dtype=np.uint8))
     vision = image_processor(images=[image], return_tensors="pt")
     tokens = int(vision["image_grid_thw"].prod()) // image_processor.merge_size**2
-    # Qwen2_5_VLProcessor's expansion of the image's one pad (its processor needs torchvision, PITFALLS.md).
+    # Qwen2_5_VLProcessor's expansion of the image's one pad (its processor needs torchvision, not in the training env).
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What digit is this?"}]}],
         add_generation_prompt=True,

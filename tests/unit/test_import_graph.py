@@ -140,8 +140,8 @@ def test_product_code_never_imports_the_tests():
 
 
 def test_a_recipe_never_imports_another_recipe():
-    """DESIGN.md: what two families share lives in common/ (the DiT and text-to-image share common/diffusion);
-    only the registry, which lists every family, imports them all."""
+    """A recipe is one family: what two families share lives in common/ (the DiT and text-to-image share
+    common/diffusion); only the registry, which lists every family, imports them all."""
     offenders = sorted(
         f"{name} imports {target}"
         for name, path in kiln_modules().items()
@@ -150,3 +150,32 @@ def test_a_recipe_never_imports_another_recipe():
         if target.startswith("recipes.") and target != "recipes.registry" and target.split(".")[1] != name.split(".")[1]
     )
     assert not offenders, "; ".join(offenders)
+
+
+def test_training_code_never_imports_a_dataset_builder():
+    """recipes and common run a dataset's builder as a subprocess (data.build) and read what it wrote; the format both
+    sides need (a meta.json source, its skip summary, ...) lives below them, in common/data or the recipe."""
+    offenders = sorted(
+        f"{name} imports {target}"
+        for name, path in kiln_modules().items()
+        if name.split(".")[0] in ("recipes", "common")
+        for target in imported_names(name, path)
+        if target == "data" or target.startswith("data.")
+    )
+    assert not offenders, "; ".join(offenders)
+
+
+def test_comments_cite_no_document_the_repository_lacks():
+    """A comment citing a document (an upper-case name, .md) that a checkout lacks: the code states the fact instead."""
+    import re
+
+    files = [*kiln_modules().values(), *sorted((REPO / "tests").rglob("*.py"))]
+    docs = [*REPO.glob("*.md"), *(p for d in (*PACKAGES, "tests") for p in (REPO / d).rglob("*.md"))]
+    present = {p.name for p in docs}
+    cited = sorted(
+        f"{path.relative_to(REPO)}: {name}"
+        for path in files
+        for name in set(re.findall(r"\b([A-Z][A-Z_]*\.md)\b", path.read_text()))
+        if name not in present
+    )
+    assert not cited, "; ".join(cited)

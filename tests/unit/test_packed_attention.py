@@ -137,7 +137,7 @@ def test_llama_gradients_packing_on_equal_off():
 
 
 def test_position_ids_alone_do_not_isolate_samples():
-    # Why the 4D mask exists (PITFALLS.md): without it, packed samples attend across boundaries.
+    # Why the 4D mask exists: without it, packed samples attend across boundaries.
     model, samples = tiny_llama("sdpa"), text_samples(12, seed=0)
     batch = pack_samples(samples, MAX_SEQ_LEN, PAD_ID)
     with torch.no_grad():

@@ -167,3 +167,19 @@ def test_videos_are_shards_and_bad_ones_counted_skips(tmp_path):
     assert [shots[f"frame{i}"] for i in range(6)] == [(raw / "images" / p).read_bytes() for p in good[1]["video"]]
     assert shots["image0"] == (raw / "images" / good[1]["images"][0]).read_bytes()
     assert "4 with a video" in pl.summary(tmp_path / "out", meta)
+
+
+def test_a_small_set_takes_fewer_train_shards_by_default(tmp_path, llava, capsys):
+    """40 usable samples: 2 held out, a shard per training sample (the default 64 would not fill); a rebuild is a
+    no-op, and an explicit --train-shards that cannot be filled is still refused in one line."""
+    source = ["--json", llava / "llava_instruct.json", "--images", llava / "images", "--workers", "2"]
+    rc, out, err = run(capsys, *source, "--out", tmp_path / "out")
+    assert rc == 0, err
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["splits"]["train"]["samples"] == 38 and len(meta["splits"]["train"]["shards"]) == 38
+    assert "train 38 samples in 38 shards" in out
+    rc, out, _ = run(capsys, *source, "--out", tmp_path / "out")
+    assert rc == 0 and "nothing to do" in out
+    rc, _, err = run(capsys, *source, "--out", tmp_path / "other", "--train-shards", "64")
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "40 usable samples cannot fill 64 train + 2 val shards; lower --train-shards" in err

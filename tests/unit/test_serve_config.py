@@ -464,6 +464,20 @@ def test_a_t2i_export_is_served_on_torch_by_its_own_server(t2i_export):
         check_export(str(t2i_export))
 
 
+def test_a_t2i_lora_export_is_named_and_its_merged_pipeline_served_instead(tmp_path):
+    export = tmp_path / "run" / "export"  # recipes/t2i/lora.py write_export: diffusers' LoRA file and kiln.json
+    export.mkdir(parents=True)
+    (export / "pytorch_lora_weights.safetensors").write_bytes(b"0")
+    (export / "kiln.json").write_text(json.dumps({"diffusers_pipeline": "StableDiffusion3Pipeline", "lora": {}}))
+    said = f"serve.model={export} is a text-to-image LoRA export (diffusers' pytorch_lora_weights.safetensors"
+    with pytest.raises(UserError, match=re.escape(said)) as err:
+        check_export(str(export))
+    assert "export.merge_lora=true or scripts/export.py RUN --merge-lora writes it" in str(err.value)
+    (export / "merged").mkdir()
+    with pytest.raises(UserError, match=re.escape(f"serve its merged pipeline, serve.model={export / 'merged'}")):
+        check_export(str(export))
+
+
 def write_adapter_config(folder, base, r=8):
     folder.mkdir(parents=True)
     (folder / "adapter_config.json").write_text(
@@ -655,7 +669,7 @@ def test_a_qwen3_vl_export_without_its_video_processor_is_noted(export, tmp_path
 def test_a_vlm_that_transformers_serve_cannot_load_here_is_one_line_before_it_starts(qwen_world, tmp_path):
     """A Qwen2.5-VL folder and no vLLM environment: auto falls back to transformers serve, which died ~7 s in with
     ~60 lines ending in `ImportError: Qwen2VLVideoProcessor requires the Torchvision library` (the processor needs a
-    video processor, which needs torchvision; the training env has none: PITFALLS.md). Now refused before it starts:
+    video processor, which needs torchvision; the training env has none). Now refused before it starts:
     one line saying what is missing and what to do."""
     import importlib.util
 

@@ -35,6 +35,22 @@ def test_captioned_folder_to_shards_counts_its_skips(tmp_path, metadata):
     assert "a handwritten zero" in captions and "the digit 1" in captions  # several phrasings
 
 
+def test_an_empty_val_split_is_said_in_one_line(tmp_path, capsys):
+    from common.tools.fixtures import make_caption_folder
+    from data.prepare_captions import main as prepare
+    from data.prepare_captions import split_rows
+
+    # Two digits and a broken file with a caption: 3 usable images, one held out; a seed that holds out the broken one.
+    folder = make_caption_folder(tmp_path / "in", per_digit=1, digits=2, size=8)
+    seed = next(s for s in range(100) if split_rows(3, val_fraction=0.05, seed=s)["val"].tolist() == [2])
+    argv = ["--input", str(folder), "--out", str(tmp_path / "out"), "--image-size", "16", "--seed", str(seed)]
+    assert prepare(argv) == 0
+    out = capsys.readouterr().out
+    assert "val 0 samples" in out
+    said = [line for line in out.splitlines() if "val split is empty" in line]
+    assert len(said) == 1 and "training captions" in said[0], out
+
+
 def test_a_caption_that_is_not_text_is_one_line(tmp_path):
     from common.tools.fixtures import make_caption_folder
     from data.prepare_captions import main as prepare

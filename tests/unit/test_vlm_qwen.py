@@ -803,3 +803,23 @@ def test_lora_export_is_a_peft_adapter_over_the_release(request, arch, tmp_path)
     diffs = [(x - want).abs().max().item() for x in (peft, merged)]
     print(f"{arch}: max |peft - trained|, |merged - trained| logits: {diffs}")
     assert max(diffs) < 1e-5 and (plain - want).abs().max().item() > 1e-3  # the adapter changes the logits
+
+
+@pytest.mark.parametrize("arch", ["qwen2.5-vl", "qwen3-vl"])
+def test_a_tiny_qwen_vl_base_is_one_command_and_vllm_cpu_serves_it(arch, tmp_path, capsys):
+    """python -m data.tiny_qwen_vl: a release folder transformers loads, whose heads vLLM's CPU attention runs; a
+    folder there is left alone."""
+    from transformers import AutoConfig
+
+    from common.tools.serving import head_size, vllm_cpu_refuses
+    from data.tiny_qwen_vl import main
+
+    out = tmp_path / "base"
+    assert main(["--out", str(out), "--arch", arch]) == 0
+    assert AutoConfig.from_pretrained(out).model_type == {"qwen2.5-vl": "qwen2_5_vl", "qwen3-vl": "qwen3_vl"}[arch]
+    assert head_size(out) == 32 and vllm_cpu_refuses(out) is None
+    assert main(["--out", str(out), "--arch", arch]) == 0 and "nothing to do" in capsys.readouterr().out
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    assert main(["--out", str(tmp_path / "mine")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and (tmp_path / "mine" / "notes.txt").exists()

@@ -232,6 +232,19 @@ def test_too_few_samples_for_a_batch_is_an_error(tmp_path):
         take(make(urls), 1)
 
 
+def test_too_few_samples_for_a_recipes_batch_names_the_keys_to_change(tmp_path):
+    """A small set under a big batch (recipe=vlm_7b's 16 a rank, 4 workers): the line says what makes the batch."""
+    urls, _ = write_shards(tmp_path, sizes=[3, 3, 3, 3])
+    with pytest.raises(DataError) as err:
+        next(iter(global_loader(urls, rank=0, dp=2, micro=4, accum=2)))
+    said = str(err.value)
+    assert (
+        "no full batch of 16 in epoch 0 (the global batch: trainer.micro_batch_size=4 x trainer.grad_accum=2 x 2 "
+        in said
+    )
+    assert "lower those or data.num_workers=0, or add training samples to data.root" in said and "\n" not in said
+
+
 def _corrupt_set(tmp_path):
     """8 shards: #2 truncated inside a sample, #5 garbage bytes, #6 has a sample that fails to decode."""
     urls, ids = write_shards(tmp_path)
