@@ -181,9 +181,9 @@ def trained_shapes(engine) -> dict[str, list[int]]:
 
 
 def _unwrapped(shapes: dict) -> dict:
-    from common.toggles import unwrapped_name
+    from common.toggles import unwrapped_names
 
-    return {unwrapped_name(name): shape for name, shape in shapes.items()}
+    return unwrapped_names(shapes)
 
 
 def load_checkpoint(engine, path: Path, *, scratch: Path, load_optimizer: bool = True, strict: bool = True) -> None:
@@ -302,6 +302,23 @@ def to_universal(src: Path, out: Path) -> None:
             ds_to_universal.main(args)
     finally:  # its pointer for DeepSpeed's own loader, beside `out`: Kiln loads `out` by name
         (out.parent / "latest_universal").unlink(missing_ok=True)
+    _unwrap_universal(out / "zero")
+
+
+def _unwrap_universal(zero: Path) -> None:
+    """Each parameter's folder of a universal checkpoint under its unwrapped name (`unwrapped_names`), one each.
+    ds_to_universal names the optimizer's parameters as the writing module did (activation checkpointing's and
+    compile's wrapper prefixes in them), and from ZeRO-1/2 sources also writes, under the module state dict's names, a
+    folder holding only fp32.pt for each tensor it found no optimizer state for under that name (DeepSpeed 0.19.8:
+    parameters that never had a gradient). Under AC that is a second copy of every wrapped parameter: the weight in
+    the compute dtype, without the fp32 master or Adam's moments. The optimizer's folder is the one kept."""
+    from common.toggles import unwrapped_name
+
+    for folder in [f for f in zero.iterdir() if f.is_dir()]:
+        name = unwrapped_name(folder.name)
+        if name != folder.name:
+            shutil.rmtree(zero / name, ignore_errors=True)  # DeepSpeed's copy from the module state dict
+            folder.rename(zero / name)
 
 
 def _zero0_to_universal(src: Path, out: Path) -> None:
@@ -315,8 +332,9 @@ def _zero0_to_universal(src: Path, out: Path) -> None:
     masters = [t for group in optim.get("fp32_groups", []) for t in group]
     optim = optim.get("optimizer_state_dict", optim)
     # torch's AdamW numbers its parameters in the order they were given: the trained ones in module order,
-    # which meta.json's trained_shapes keeps (DeepSpeed records no names at ZeRO-0).
-    names = list(read_meta(src)["trained_shapes"])
+    # which meta.json's trained_shapes keeps (DeepSpeed records no names at ZeRO-0), under the writing run's wrapper
+    # prefixes, which the module state dict does not have: unwrapped, as load_universal reads them.
+    names = list(_unwrapped(read_meta(src)["trained_shapes"]))
     ids = [i for group in optim["param_groups"] for i in group["params"]]
     weights = masters or [sd["module"][name].float() for name in names]
     for name, i, weight in zip(names, ids, weights, strict=True):
@@ -343,8 +361,9 @@ def load_universal(engine, folder: Path) -> None:
 
     from common.toggles import unwrapped_name
 
-    # The folder names each parameter as the writing run's module did (AC's and compile's wrapper prefixes in it).
-    saved_names = {unwrapped_name(f.name): f.name for f in (folder / "zero").iterdir() if f.is_dir()}
+    # to_universal names the folders by unwrapped name; DeepSpeed's own ds_to_universal names each parameter as the
+    # writing run's module did (AC's and compile's wrapper prefixes in it): read either.
+    saved_names = _unwrapped({f.name: f.name for f in (folder / "zero").iterdir() if f.is_dir()})
 
     def part(name: str, key: str, p: torch.nn.Parameter) -> torch.Tensor:
         return universal_state(folder, name, key, getattr(p, "ds_shape", p.shape)).to(p.device)

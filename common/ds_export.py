@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from common.errors import UserError
+from common.toggles import unwrapped_name, unwrapped_names
 
 DEFAULT_MAX_SHARD_SIZE = "1GB"
 Fetch = Callable[[list[str]], dict[str, torch.Tensor]]
@@ -64,10 +65,18 @@ class ZeroCheckpoint:
         if missing:
             raise UserError(f"{self.path} is an incomplete DeepSpeed checkpoint (no {missing[0]})")
         states = _load(self.model_file(0))
-        # ZeRO-0 records no param_shapes (None); stage 3 needs them to cut its flat groups.
-        self.param_shapes = {k: v for group in states.get("param_shapes") or [] for k, v in group.items()}
-        self.frozen_shapes = dict(states.get("frozen_param_shapes") or {})
-        self.shared = dict(states.get("shared_params") or {})  # alias -> the name DeepSpeed saved it under
+        # DeepSpeed records parameters by their names in the module it wraps, activation checkpointing's and
+        # compile's wrapper prefixes included; its module state dict (and the models the exports build) drops them.
+        # Every name read from these records is unwrapped (`unwrapped_names`), so an AC/compiled run's checkpoint
+        # reads as any other. ZeRO-0 records no param_shapes (None); stage 3 needs them to cut its flat groups.
+        groups = states.get("param_shapes") or []
+        self.param_shapes = unwrapped_names({k: v for group in groups for k, v in group.items()})
+        self.frozen_shapes = unwrapped_names(states.get("frozen_param_shapes") or {})
+        shared = unwrapped_names(states.get("shared_params") or {})  # alias -> the name DeepSpeed saved it under
+        self.shared = {alias: unwrapped_name(name) for alias, name in shared.items()}
+        # The module's persistent buffers: whole in the module state dict at every stage (at ZeRO-3 beside the
+        # parameters' placeholders).
+        self.buffers = set(unwrapped_names(dict.fromkeys(states.get("buffer_names") or [])))
         floats = [v for v in states["module"].values() if v.is_floating_point()]
         self.dtype = floats[0].dtype if floats else torch.float32
 
@@ -100,12 +109,18 @@ class ZeroCheckpoint:
             out |= self._trainable(trainable)
         frozen = [n for n in names if n in self.frozen_shapes]
         if frozen:
-            fragments = [_load(self.model_file(r))["frozen_param_fragments"] for r in range(self.world)]
+            fragments = [
+                unwrapped_names(_load(self.model_file(r))["frozen_param_fragments"]) for r in range(self.world)
+            ]
             out |= {n: unpartition((f[n] for f in fragments), self.frozen_shapes[n]) for n in frozen}
         rest = [n for n in names if n not in out]
         if rest:
+            # Buffers only: a parameter's entry in a ZeRO-3 module state dict is a placeholder of shape (0,).
+            unknown = [n for n in rest if n not in self.buffers]
+            if unknown:
+                raise KeyError(unknown[0])
             module = _load(self.model_file(0))["module"]
-            out |= {n: module[n] for n in rest}  # buffers: whole on every rank
+            out |= {n: module[n] for n in rest}  # whole on every rank
         return out
 
     def _trainable(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -146,9 +161,7 @@ def saved_ema(trainer_state: dict) -> dict[str, torch.Tensor]:
     """The EMA a DiT TrainState holds (common/ema.py EMA.state_dict): one whole fp32 tensor per trainable
     parameter, by its name in `model.named_parameters()` less activation checkpointing's and compile's wrapper
     prefixes (the exports build unwrapped models), whatever ZeRO stage wrote it."""
-    from common.toggles import unwrapped_name
-
-    return {unwrapped_name(name): t for name, t in trainer_state["ema"]["shadow"].items()}
+    return unwrapped_names(trainer_state["ema"]["shadow"])
 
 
 def copy_checked(params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], source: Path) -> None:

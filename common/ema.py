@@ -22,7 +22,7 @@ import contextlib
 import torch
 import torch.distributed as tdist
 
-from common.toggles import unwrapped_name
+from common.toggles import unwrapped_name, unwrapped_names
 
 
 def _local(p: torch.nn.Parameter) -> torch.Tensor:
@@ -88,6 +88,6 @@ class EMA:
 
     def load_state_dict(self, state: dict) -> None:
         self.updates = state["updates"]
-        saved = {unwrapped_name(name): t for name, t in state["shadow"].items()}  # older EMAs kept the prefixes
+        saved = unwrapped_names(state["shadow"])  # older EMAs kept the prefixes
         for name, p, s in zip(self.names, self.params, self.shadow):
             s.copy_(_part(p, saved[name]))

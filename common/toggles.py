@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import re
+from typing import TypeVar
 
 import torch
 import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn._varlen_attn)
@@ -99,6 +100,7 @@ def _save_matmuls(ctx, op, *args, recompute_widening: bool = False, **kwargs):
     return CheckpointPolicy.MUST_SAVE
 
 
+T = TypeVar("T")
 _WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod)\.")  # AC's and compile's module prefixes
 
 
@@ -107,6 +109,21 @@ def unwrapped_name(name: str) -> str:
     as built, and in state dicts. Checkpoints, EMAs and exports key by it, so a run resumes and exports whatever
     toggles.activation_checkpointing / toggles.compile wrote it."""
     return _WRAPPERS.sub("", name)
+
+
+def unwrapped_names(named: dict[str, T]) -> dict[str, T]:
+    """`named` (tensors, shapes, ... by parameter name, as a checkpoint recorded them) keyed by `unwrapped_name`, in
+    its order: the one rule for every name read back from a DeepSpeed checkpoint (its param_shapes,
+    frozen_param_shapes and frozen fragments, shared_params, buffer_names, meta.json's trained_shapes, the EMA, a
+    universal checkpoint's folders), whose names carry the writing run's wrapper prefixes, while its module state dict
+    (checkpoint_wrapper's state-dict hooks) and the models the exports and resumes build do not."""
+    out: dict[str, T] = {}
+    for name, value in named.items():
+        key = unwrapped_name(name)
+        if key in out:  # two records of one parameter: refused, not one of them taken at random
+            raise ValueError(f"{name} and another name both unwrap to {key}")
+        out[key] = value
+    return out
 
 
 # Attention modules keep their dropout probability as a float (transformers: `attention_dropout`,

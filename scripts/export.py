@@ -33,6 +33,7 @@ and moves the finished folder into place.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -136,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             f"--merge-lora is for finetune=lora runs ({args.run_dir} is a finetune={cfg.get('finetune', 'full')} "
             "run: its export is the whole model)"
         )
+    # The export is written beside `out` and moved into place when whole. Whatever stops it (a one-line refusal, an
+    # error, an interrupt) removes what it wrote: the temp folder, and the folders it made for it (exports/).
     tmp = out.with_name(f".{out.name}.tmp")
+    made = [d for d in out.parents if not d.exists()]  # deepest first
+    done = False
     try:
         spec = recipe_spec(cfg.recipe.family)
         rename_saved(cfg, spec.renamed)  # a run from before a key was renamed reads as a new one
@@ -159,13 +164,19 @@ def main(argv: list[str] | None = None) -> int:
                 return fail(problem)
             cfg.export.merge_lora = bool(cfg.export.merge_lora or args.merge_lora)
             write = exporter.export_lora_checkpoint
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed export's
         written = write(cfg, path, meta, tmp, max_shard_size=args.max_shard_size)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        done = True
     except UserError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         return fail(str(exc))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    finally:
+        if not done:
+            shutil.rmtree(tmp, ignore_errors=True)
+            for folder in made:
+                with contextlib.suppress(OSError):  # not empty: not only this export's
+                    folder.rmdir()
     merged = f"; merged model in {out / 'merged'}" if lora and cfg.export.merge_lora else ""
     print(f"export: {path} -> {out} ({written}{merged})")
     return 0

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from common.config import TrainConfig
 from common.ds_export import ZeroCheckpoint, export_ema_lora, export_zero, load_ema_adapter, write_ema_module
 from recipes.t2i import lora as t2i_lora
-from recipes.t2i.pipeline import pipeline_folder, transformer_class, transformer_config, write_pipeline
+from recipes.t2i.pipeline import meta_transformer, pipeline_folder, write_pipeline
 
 
 def export_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
@@ -31,8 +29,7 @@ def export_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, ma
 def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int, max_shard_size: int) -> int:
     """Write the export of checkpoint `ckpt` (of step `step`) to `out`; returns the weight bytes written."""
     base = pipeline_folder(cfg.model.init_from)
-    with torch.device("meta"):
-        model = transformer_class(base).from_config(transformer_config(base))
+    model = meta_transformer(base)
     write_pipeline(out, base, cfg, step=step)
     return write_ema_module(ckpt, model, out / "transformer", "diffusion_pytorch_model.safetensors", max_shard_size)
 

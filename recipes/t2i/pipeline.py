@@ -143,6 +143,16 @@ def load_transformer(folder: Path):
     return transformer_class(folder).from_pretrained(folder / "transformer", torch_dtype=torch.float32).train()
 
 
+def meta_transformer(folder: Path):
+    """The pipeline's transformer on the meta device, configured as `load_transformer`'s: the layout and config.json
+    of a streamed export (recipes/t2i/export.py). from_pretrained records where it loaded from (`_name_or_path`, in
+    the config.json save_pretrained writes at the end of a run); from_config does not: recorded here the same way."""
+    with torch.device("meta"):
+        model = transformer_class(folder).from_config(transformer_config(folder))
+    model.register_to_config(_name_or_path=str(folder / "transformer"))
+    return model
+
+
 # ---- out: the export's folder (T2ITrainer.export, recipes/t2i/export.py and lora.py) ----------------------
 def write_pipeline(folder: Path, base: Path, cfg: TrainConfig, *, step: int, transformer=None) -> None:
     """The export: the base pipeline's folder with its transformer replaced (`transformer` saved with

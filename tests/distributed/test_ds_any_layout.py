@@ -4,9 +4,9 @@ steps 5-8 after the resume equal those of an uninterrupted run on the new layout
 
 End to end, each family from a ZeRO-3 source (its universal form differs: bare flat tensors, no step.pt) and from
 others; in process, every source stage 0-3 (fp32, and bf16 from ZeRO-3 and ZeRO-0) into every other stage on another
-number of ranks, with the state compared bit for bit (`test_universal_reader_takes_every_stage_both_forms`). The DiT
-under context parallelism (parallel.cp=2) too: its losses and gradient norms equal one process's, and its checkpoint
-resumes at cp=1."""
+number of ranks, with the state compared bit for bit, from sources under activation checkpointing into targets
+without (`test_universal_reader_takes_every_stage_both_forms`). The DiT under context parallelism (parallel.cp=2)
+too: its losses and gradient norms equal one process's, and its checkpoint resumes at cp=1."""
 
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def test_refusals(runs, tmp_path):
 UNIVERSAL_SOURCES = [(stage, "fp32") for stage in range(4)] + [(3, "bf16"), (0, "bf16")]
 
 
-def _engine(stage: int, precision: str, ranks: int):
+def _engine(stage: int, precision: str, ranks: int, ac: str = "none"):
     from common.engine import DeepSpeedEngine
     from common.launch import compose
     from recipes.dit.model import build_model
@@ -237,6 +237,7 @@ def _engine(stage: int, precision: str, ranks: int):
             f"toggles.precision={precision}",
             f"trainer.micro_batch_size={GLOBAL_BATCH // ranks}",
             "optim.warmup_steps=1",
+            f"toggles.activation_checkpointing={ac}",
         ]
     )
     torch.manual_seed(0)  # the same initial weights on every rank and in every layout
@@ -250,6 +251,7 @@ def _full_state(engine) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from common.deepspeed import gathered_one
+    from common.toggles import unwrapped_name
 
     e = engine.ds
     inner = getattr(e.optimizer, "optimizer", e.optimizer)
@@ -259,7 +261,8 @@ def _full_state(engine) -> dict:
         lows = e.optimizer.fp16_groups if e.bfloat16_enabled() else masters
         whole = {lp: hp for lps, hps in zip(lows, masters) for lp, hp in zip(lps, hps)}
     params = {}
-    for name, p in e.module.named_parameters():
+    for wrapped, p in e.module.named_parameters():
+        name = unwrapped_name(wrapped)  # the sources' blocks run under activation checkpointing, the targets' do not
         if whole:
             hp = whole[p]
             params[name] = [hp.detach().clone(), *(inner.state[hp][k].clone() for k in ("exp_avg", "exp_avg_sq"))]
@@ -276,7 +279,9 @@ def _full_state(engine) -> dict:
 
 
 def _save_sources(root: str) -> dict:
-    """On 2 ranks: each source layout takes two AdamW steps on a fixed batch and saves a Kiln checkpoint."""
+    """On 2 ranks: each source layout takes two AdamW steps on a fixed batch and saves a Kiln checkpoint, under
+    activation checkpointing (its files name the blocks' parameters under checkpoint_wrapper's prefix; the targets'
+    models have none)."""
     import torch.distributed as tdist
 
     from common.checkpoint import CheckpointManager
@@ -284,7 +289,7 @@ def _save_sources(root: str) -> dict:
 
     rank, world = tdist.get_rank(), tdist.get_world_size()
     for stage, precision in UNIVERSAL_SOURCES:
-        engine, cfg = _engine(stage, precision, world)
+        engine, cfg = _engine(stage, precision, world, ac="full")
         dtype = next(engine.module.parameters()).dtype
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(

@@ -6,9 +6,9 @@ computes which sample.
   under ZeRO-3 with activation checkpointing: the losses and the gradient norms (AdamW hides a gradient's scale from
   the losses: a cp-fold error shows only there) of the 1-rank run; its step-6 checkpoint then resumes in one process
   (cp=1, ZeRO-0, no AC: converted to a universal checkpoint) and continues the same steps.
-- finetune=lora at ZeRO-2 over dp=2 (the adapter alone in ZeRO's partitions), whose checkpoint then exports, through
-  scripts/export.py, the end of the run's export bit for bit (the EMA's names under activation checkpointing's
-  wrapper)."""
+- finetune=lora at ZeRO-2 over dp=2 (the adapter alone in ZeRO's partitions).
+Each one's last checkpoint then exports, through scripts/export.py, the end of the run's export file for file, every
+tensor bit for bit (the EMA's names, and DeepSpeed's, under activation checkpointing's wrapper)."""
 
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ def test_two_ranks_match_one_rank(trained, t2i_world, finetune, tmp_path, capsys
         worst = max(abs(two[s][key] - one[s][key]) / abs(one[s][key]) for s in one)
         print(f"t2i_tiny {finetune} on 2 ranks vs one: max relative {key} difference over {len(one)} steps {worst:.1e}")
         assert worst <= 1e-5, key
+    assert load_script("export").main([str(run), "--out", str(tmp_path / "again")]) == 0, capsys.readouterr().err
+    assert_same_export(run / "export", tmp_path / "again")
     if finetune == "lora":
-        assert load_script("export").main([str(run), "--out", str(tmp_path / "again")]) == 0, capsys.readouterr().err
-        assert_same_export(run / "export", tmp_path / "again")
         return
     # Any-layout resume: the cp=2 ZeRO-3 checkpoint in one process at ZeRO-0, without activation checkpointing.
     ckpt = run / "checkpoints" / f"step_{SAVED:07d}"

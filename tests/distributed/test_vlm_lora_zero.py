@@ -1,7 +1,9 @@
-"""finetune=lora on the VLM under DeepSpeed ZeRO-2 and ZeRO-3 on 2 gloo ranks (tiny llava-hf base): the same
-per-step losses and adapters in both (ZeRO only changes where the trainable state lives), checkpoints that hold the
-adapter and the projector only (ZeRO-3 partitions the frozen base too, and leaves it out), a ZeRO-3 resume that
-continues bit for bit, and scripts/export.py on the ZeRO-3 run's last checkpoint writing its end-of-run export."""
+"""finetune=lora on the VLM under DeepSpeed ZeRO-2 and ZeRO-3 on 2 gloo ranks (tiny llava-hf base; the ZeRO-3 run
+under selective activation checkpointing): the same per-step losses and adapters in both (ZeRO and AC only change
+where the trainable state lives and what is recomputed), checkpoints that hold the adapter and the projector only
+(ZeRO-3 partitions the frozen base too, and leaves it out), a ZeRO-3 resume that continues bit for bit, and
+scripts/export.py on the ZeRO-3 run's last checkpoint (its adapter recorded under checkpoint_wrapper's prefix)
+writing its end-of-run export."""
 
 from __future__ import annotations
 
@@ -14,6 +16,10 @@ from tests.fixtures.lora import vlm_overrides as overrides
 
 pytestmark = pytest.mark.distributed
 STEPS = 4
+LAYOUT = {
+    2: ["parallel.zero_stage=2"],
+    3: ["parallel.zero_stage=3", "toggles.activation_checkpointing=selective"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +36,7 @@ def runs(world, tmp_path_factory):
             overrides(
                 world,
                 out[stage],
-                f"parallel.zero_stage={stage}",
+                *LAYOUT[stage],
                 "trainer.micro_batch_size=4",
                 f"trainer.max_steps={STEPS}",
                 "checkpoint.every=2",
@@ -61,7 +67,7 @@ def test_zero3_resumes_bitwise(world, runs, tmp_path):
         overrides(
             world,
             tmp_path,
-            "parallel.zero_stage=3",
+            *LAYOUT[3],
             "trainer.micro_batch_size=4",
             f"trainer.max_steps={STEPS}",
             f"run.resume={runs[3] / 'checkpoints' / 'step_0000002'}",

@@ -1,8 +1,9 @@
 """Qwen2.5-VL under DeepSpeed ZeRO-3 with full activation checkpointing on 2 gloo ranks takes the steps of one
 process at ZeRO-0 (test_vlm_qwen_train's cached run: the same 8 conversations a step, packed at native resolution;
 fp32, 1e-5 relative: only the reduction order differs), keeps its frozen tower out of training (the export holds it
-bit for bit, the optimizer holds the merger and the language model only), and its checkpoint resumes in one process
-at ZeRO-0 with the 2-rank run's losses (any-layout resume: DeepSpeed's universal checkpoint)."""
+bit for bit, the optimizer holds the merger and the language model only), its checkpoint resumes in one process
+at ZeRO-0 with the 2-rank run's losses (any-layout resume: DeepSpeed's universal checkpoint), and scripts/export.py
+on its last checkpoint writes the end-of-run export bit for bit."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import losses, run_train
+from tests.conftest import load_script, losses, run_train
 from tests.fixtures import vlm as fx
+from tests.fixtures.lora import assert_same_export
 
 pytestmark = pytest.mark.distributed
 SAVED = 1  # the resume starts after step 1: its step 3 depends on the AdamW moments restored from step 1
@@ -74,3 +76,12 @@ def test_zero3_checkpoint_resumes_in_one_process_at_zero0(runs, qwen_world, tmp_
     assert f"resumed from {ckpt} at step {SAVED}" in proc.stdout
     resumed = losses(tmp_path)
     assert_same_steps(resumed, losses(two), [2, 3], "resumed at ZeRO-0 on 1 rank vs the 2-rank ZeRO-3 run")
+
+
+def test_export_py_from_the_zero3_checkpoint_with_ac(runs, tmp_path, capsys):
+    """The 2 ranks' ZeRO-3 files of a run under activation checkpointing, where DeepSpeed records the blocks'
+    parameters (the tower's frozen fragments, the language model's flat groups) under checkpoint_wrapper's prefix:
+    the end-of-run export, file for file, every tensor bit for bit."""
+    _, two = runs
+    assert load_script("export").main([str(two), "--out", str(tmp_path / "again")]) == 0, capsys.readouterr().err
+    assert_same_export(two / "export", tmp_path / "again")

@@ -1,8 +1,9 @@
 """scripts/export.py on DiT and VLM runs (DeepSpeed on 2 gloo ranks): from the final checkpoint it writes the
 run's own end-of-run export tensor for tensor (EMA weights under ZeRO-3 in bf16 with a shared embedding, a latent
-DiT under ZeRO-2, a VLM under ZeRO-2, and under ZeRO-3 in bf16 with its frozen tower partitioned), sharded when
-asked, loadable by diffusers and transformers; from an earlier checkpoint that step's weights; and one line
-(exit 2) for what is not a checkpoint of the run, --merge-lora on a full run, or a LoRA run whose base is gone.
+DiT under ZeRO-2, a VLM under ZeRO-2, and under ZeRO-3 in bf16 with selective activation checkpointing and its frozen
+tower partitioned), sharded when asked, loadable by diffusers and transformers; from an earlier checkpoint that step's
+weights; one line (exit 2) for what is not a checkpoint of the run, --merge-lora on a full run, or a LoRA run whose
+base is gone; and nothing left behind by an export that fails.
 (LoRA runs' exports: tests/integration/test_dit_lora.py, test_vlm_lora.py.)"""
 
 from __future__ import annotations
@@ -65,8 +66,18 @@ def runs(tmp_path_factory, trained, latent_dit_data):
         "data.num_workers=1",
     ]
     out["vlm2"] = trained(VLM_ZERO2, 2)  # test_vlm_zero2's run
-    # ZeRO-3 partitions the frozen tower too (DeepSpeed's frozen_param_fragments, per rank).
-    run_train([*vlm, f"run.dir={out['vlm3']}", "parallel.zero_stage=3", "toggles.precision=bf16"], nproc=2)
+    # ZeRO-3 partitions the frozen tower too (DeepSpeed's frozen_param_fragments, per rank); under activation
+    # checkpointing DeepSpeed records the blocks' parameters (trained and frozen) under the wrapper's prefix.
+    run_train(
+        [
+            *vlm,
+            f"run.dir={out['vlm3']}",
+            "parallel.zero_stage=3",
+            "toggles.precision=bf16",
+            "toggles.activation_checkpointing=selective",
+        ],
+        nproc=2,
+    )
     return out
 
 
@@ -152,6 +163,29 @@ def test_vlm_equals_the_end_of_run_export(runs, name, tmp_path, capsys, monkeypa
     reference = LlavaForConditionalGeneration.from_pretrained(theirs)
     ids = torch.tensor([[1, 5, 7, 9]])
     assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_a_failed_export_leaves_nothing_behind(runs, tmp_path, capsys, monkeypatch):
+    """An export that fails midway (its second safetensors shard cannot be written) removes what it wrote: its temp
+    folder (exports/.step_3.tmp) and the exports/ folder it made. The run is as it was."""
+    import safetensors.torch
+
+    run = tmp_path / "dit3"
+    shutil.copytree(runs["dit3"], run)
+    before = set(run.rglob("*"))
+    real, calls = safetensors.torch.save_file, []
+
+    def save_file(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    with pytest.raises(OSError, match="No space left on device"):
+        export(capsys, run, "--max-shard-size", "100KB")
+    assert calls[0].parent == run / "exports" / ".step_3.tmp" / "transformer"  # one shard was written
+    assert sorted(set(run.rglob("*")) ^ before) == []
 
 
 def test_refusals_are_one_line(runs, tmp_path, capsys):

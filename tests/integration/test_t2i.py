@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tests.conftest import load_script, losses
-from tests.distributed.test_llm_init_from_layouts import compare_export
+from tests.fixtures.lora import assert_same_export
 from tests.fixtures.t2i import IMAGE_SIZE, t2i_run_args
 
 # Measured max pixel difference (0-255 scale) between diffusers' pipeline and Kiln's sampler on the export: 0.0
@@ -76,10 +76,10 @@ def test_t2i_tiny_trains_and_its_export_samples_like_kiln_in_diffusers(trained, 
     other = sampler([prompt], torch.Generator().manual_seed(8), steps=steps, guidance_scale=guidance)[0]
     assert not torch.equal(other, image)  # the seed matters: the comparison can fail
 
-    # scripts/export.py from the final checkpoint: the end of the run's export, tensor for tensor.
+    # scripts/export.py from the final checkpoint: the end of the run's export, file for file, tensors bit for bit.
     out = tmp_path / "from_checkpoint"
     assert load_script("export").main([str(run), "--out", str(out)]) == 0, capsys.readouterr().err
-    assert compare_export(export, out) == {"same_keys": True, "bitwise": True}
+    assert_same_export(export, out)
 
 
 def test_a_run_without_held_out_captions_still_samples_and_exports(t2i_world, tmp_path):

@@ -15,7 +15,7 @@ import torch
 from common.errors import ConfigError
 from common.launch import compose
 from tests.conftest import load_script, losses
-from tests.distributed.test_llm_init_from_layouts import compare_export
+from tests.fixtures.lora import assert_same_export
 from tests.fixtures.t2i import IMAGE_SIZE, t2i_run_args
 
 # Measured max pixel difference (0-255 scale) between FluxPipeline and Kiln's sampler on the export: 0.0 (4 and 7
@@ -79,10 +79,10 @@ def test_t2i_on_flux_trains_and_its_export_samples_like_kiln_in_flux_pipeline(
     other = sampler([prompt], torch.Generator().manual_seed(7), steps=STEPS, guidance_scale=1.0)[0]
     assert (other - image).abs().max() * 127.5 > 3 * MAX_PIXEL_DIFF
 
-    # scripts/export.py from the final checkpoint: the end of the run's export, tensor for tensor.
+    # scripts/export.py from the final checkpoint: the end of the run's export, file for file, tensors bit for bit.
     out = tmp_path / "from_checkpoint"
     assert load_script("export").main([str(run), "--out", str(out)]) == 0, capsys.readouterr().err
-    assert compare_export(export, out) == {"same_keys": True, "bitwise": True}
+    assert_same_export(export, out)
 
 
 def test_context_parallelism_on_flux_is_refused_with_one_line(t2i_flux_world):

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from common.launch import compose
-from common.toggles import apply_toggles
+from common.toggles import apply_toggles, unwrapped_names
 from recipes.llm.model import Transformer, TransformerBlock
 from recipes.llm.train import llama_args
 
@@ -37,6 +37,20 @@ def test_ac_wraps_every_block_and_keeps_the_math(mode):
         m(tokens).float().logsumexp(-1).mean().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_unwrapped_names_are_the_state_dicts():
+    """What a DeepSpeed checkpoint records by parameter name (named_parameters of the module it wraps: AC's and
+    compile's prefixes in them) read back under the state dict's names, in order; two records of one name refused."""
+    model, toggles = tiny_llama(activation_checkpointing="full")
+    apply_toggles(model, toggles, block_types=(TransformerBlock,))
+    named = {n.replace("layers.1.", "layers.1._orig_mod."): p for n, p in model.named_parameters()}
+    assert any("_checkpoint_wrapped_module." in n for n in named) and any("_orig_mod." in n for n in named)
+    assert list(unwrapped_names(named)) == list(model.state_dict())
+    with pytest.raises(ValueError, match="both unwrap to layers.0.attention.wq.weight"):
+        unwrapped_names(
+            {"layers.0.attention.wq.weight": 1, "layers.0._checkpoint_wrapped_module.attention.wq.weight": 2}
+        )
 
 
 def test_fp8_converts_the_blocks_linears_not_the_output_head():
