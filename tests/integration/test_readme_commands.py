@@ -397,8 +397,8 @@ def test_readme_activates_the_environment_its_commands_run_in():
 
 
 def test_the_readme_t2i_sizes_fit_the_demo_pipeline(tmp_path):
-    """A README reader's text-to-image pipeline is the demo's tiny one (its first t2i command builds it): every size
-    the README builds caption shards at, or trains t2i_tiny at, fits it (a size it cannot take stops the run)."""
+    """A reader's text-to-image pipeline is the demo's tiny one (the first t2i command builds it): every size the
+    README and docs/ build caption shards at, or train t2i_tiny at, fits it (a size it cannot take stops the run)."""
     from recipes.t2i.pipeline import check_image_size
 
     folder = fixtures.make_sd3_pipeline(tmp_path / "tiny-sd3")  # as the README's first t2i command builds it
