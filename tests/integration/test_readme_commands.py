@@ -1,13 +1,14 @@
-"""Every command in the README's ```bash blocks runs, in README order, on this CPU machine.
+"""Every command in the ```bash blocks of README.md and docs/*.md runs, in DOCS order, on this CPU machine.
 
 Each command is run as written, with only what makes it tiny appended (few steps, small eval) and
 its `outputs/...` and `data/my_*` paths moved into a temp dir; `outputs/<recipe>/<run>` stands for
 that recipe's latest run here. What a user brings (`~/models/<Name>`, `~/data/<name>`) is a tiny offline
 fixture from tests/fixtures/ at that place in a temp HOME, and the `~` paths run as printed: a word that
 starts with `~` is expanded as the shell does, a `key=~/...` reaches the CLI as it is (the shell leaves it).
-A command that cannot run on a CPU machine is listed in NOT_RUN with the test
-that covers the same path; a README command that is neither run nor listed fails the test, so a
-new README command cannot go untested unnoticed.
+A command that cannot run on a CPU machine is listed in NOT_RUN (the one list of what is not run) with the test
+that covers the same path; a command that is neither run nor listed fails the test, so a new command in the README
+or a docs page cannot go untested unnoticed. A command printed again on a later page (the README's quickstarts
+repeat their topic page's commands) runs once, where it is first printed.
 """
 
 from __future__ import annotations
@@ -87,8 +88,31 @@ FIXTURES = {
     "~/data/captioned": fixtures.make_caption_folder,
 }
 
-# Commands that cannot run here, each with the place that runs the same code path.
+# The pages whose ```bash blocks run, in this order: the README first, then docs/ in an order where a page's
+# commands come after the ones that build what they use (outputs/align, outputs/tiny-sd3, data/my_text, the DiT
+# export's ONNX graph, ...). Every docs/*.md is in it (test_every_docs_page_is_run).
+DOCS = [
+    "README.md",
+    "docs/training.md",
+    "docs/data.md",
+    "docs/dit.md",
+    "docs/text-to-image.md",
+    "docs/llm.md",
+    "docs/lora.md",
+    "docs/long-context.md",
+    "docs/vlm.md",
+    "docs/serving.md",
+    "docs/profiling.md",
+    "docs/planner.md",
+    "docs/cluster.md",
+    "docs/benchmarks.md",
+    "docs/architecture.md",
+]
+
+# Commands that cannot run here, each with the place that runs the same code path: the one list of them.
 NOT_RUN = {
+    "export KILN_API_KEY": "sets a shell variable for the commands after it",
+    "export PATH=": "sets a shell variable for the commands after it",
     "make test": "this test runs inside it",
     "make serve-env": "installs vLLM's environment: CI's .ci/run builds it, "
     "tests/integration/test_serve_vllm.py serves from it",
@@ -149,7 +173,7 @@ TRAINED_ELSEWHERE = {
     "python scripts/train.py --nproc_per_node 2 recipe=dit_tiny "
     "parallel.cp=2": "tests/distributed/test_ds_any_layout.py (cp=2 against one process, ZeRO-2 and ZeRO-3)",
     "python scripts/train.py --nproc_per_node 2 recipe=t2i_tiny model.init_from=outputs/tiny-sd3 "
-    "parallel.cp=2": "tests/distributed/test_t2i_zero2.py (cp=2 against one rank)",
+    "parallel.cp=2": "tests/distributed/test_t2i_zero.py (cp=2 against one rank)",
     "python scripts/train.py --nproc_per_node 2 recipe=vlm_tiny "
     "parallel.cp=2": "tests/distributed/test_vlm_zero2.py (cp=2 against dp=2)",
 }
@@ -185,8 +209,6 @@ def ranks_and_arguments(argv: list[str]) -> tuple[int, str, list[str]]:
 
 
 def not_run_reason(argv: list[str]) -> str | None:
-    if argv[0] == "export":
-        return "sets a shell variable for the commands after it"
     line = " ".join(argv)
     return next((why for key, why in NOT_RUN.items() if key in line), None)
 
@@ -292,7 +314,19 @@ class Session:
         return [sys.executable, *argv[1:], *SCRIPT_ARGS.get(script, [])]
 
 
-COMMANDS = readme_commands((REPO / "README.md").read_text())
+def docs_commands() -> list[tuple[str, list[str]]]:
+    """(page, argv) of every command of the DOCS pages in order, each command once: where it is first printed."""
+    seen, commands = set(), []
+    for page in DOCS:
+        for argv in readme_commands((REPO / page).read_text()):
+            if " ".join(argv) not in seen:
+                seen.add(" ".join(argv))
+                commands.append((page, argv))
+    return commands
+
+
+PAGE_COMMANDS = docs_commands()
+COMMANDS = [argv for _, argv in PAGE_COMMANDS]
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +334,7 @@ def session(tmp_path_factory) -> Session:
     return Session(tmp_path_factory.mktemp("readme"))
 
 
-@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c) for c in COMMANDS])
+@pytest.mark.parametrize("argv", COMMANDS, ids=[f"{page}: {' '.join(c)}" for page, c in PAGE_COMMANDS])
 def test_readme_command_runs(argv, session):
     reason = not_run_reason(argv)
     if reason:
@@ -317,14 +351,14 @@ def test_readme_command_runs(argv, session):
     else:
         proc = run_python(cmd, env=env, timeout=900)  # forked from the preloaded server (common/tools/launcher.py)
     assert proc.returncode == 0, (
-        f"README command failed ({proc.returncode}): {' '.join(argv)}\nran: {shlex.join(cmd)}\n"
+        f"docs command failed ({proc.returncode}): {' '.join(argv)}\nran: {shlex.join(cmd)}\n"
         f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     )
     assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
 
 
 def test_every_readme_command_is_run_or_accounted_for():
-    """The parser sees the README's commands, and each is either run above or listed in NOT_RUN."""
+    """The parser sees the pages' commands, and each is either run above or listed in NOT_RUN."""
     assert len(COMMANDS) > 20
     session = Session(Path("/nonexistent"))
     session.latest = {r: Path("/x") for r in ("dit_tiny", "vlm_tiny", "llm_tiny")}
@@ -363,8 +397,8 @@ def test_readme_activates_the_environment_its_commands_run_in():
 
 
 def test_the_readme_t2i_sizes_fit_the_demo_pipeline(tmp_path):
-    """A README reader's text-to-image pipeline is the demo's tiny one (its first t2i command builds it): every size
-    the README builds caption shards at, or trains t2i_tiny at, fits it (a size it cannot take stops the run)."""
+    """A reader's text-to-image pipeline is the demo's tiny one (the first t2i command builds it): every size the
+    README and docs/ build caption shards at, or train t2i_tiny at, fits it (a size it cannot take stops the run)."""
     from recipes.t2i.pipeline import check_image_size
 
     folder = fixtures.make_sd3_pipeline(tmp_path / "tiny-sd3")  # as the README's first t2i command builds it
@@ -373,3 +407,22 @@ def test_the_readme_t2i_sizes_fit_the_demo_pipeline(tmp_path):
     assert sizes
     for size in sizes:
         check_image_size(folder, size)
+
+
+def test_every_docs_page_is_run():
+    """Every docs/*.md page is in DOCS (a new page's commands run), and every page in DOCS exists."""
+    pages = {"README.md", *(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))}
+    assert sorted(DOCS) == sorted(pages), set(DOCS) ^ pages
+    assert len(DOCS) == len(set(DOCS))
+
+
+def test_the_lists_name_commands_and_tests_that_exist():
+    """NOT_RUN stays short and each of its entries matches a printed command, so does each TRAINED_ELSEWHERE entry,
+    and every test file the lists name as covering a command exists."""
+    lines = [" ".join(argv) for argv in COMMANDS]
+    assert len(NOT_RUN) <= 16, "NOT_RUN is the short list of what cannot run on CPU"
+    assert [key for key in NOT_RUN if not any(key in line for line in lines)] == []
+    assert [key for key in TRAINED_ELSEWHERE if key not in lines] == []
+    named = re.findall(r"tests/[\w/]+\.py", " ".join([*NOT_RUN.values(), *TRAINED_ELSEWHERE.values()]))
+    assert named
+    assert [path for path in named if not (REPO / path).is_file()] == []
