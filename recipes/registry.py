@@ -1,5 +1,5 @@
 """The recipe families as typed specs (torchtitan's TrainSpec): the one table that the launcher
-(common/launch.py), the export CLI (scripts/export.py), the planner (scripts/plan.py) and the benchmarks read.
+(scripts/kiln/launch.py), the export CLI (scripts/export.py), the planner (scripts/plan.py) and the benchmarks read.
 Nothing outside recipes/ branches on a family's name: what a CLI needs from a family is a field of its spec.
 
 A family is its folder plus one `RecipeSpec` below. It provides:
@@ -10,7 +10,7 @@ A family is its folder plus one `RecipeSpec` below. It provides:
                                  target (`lora_targets`, `qlora`)
     recipes/<family>/train.py    TRAINER: its common.trainer.Trainer, with evaluate() -> dict | None,
                                  eval_summary(result) -> str, export() -> Path and the after_fit()/after_export(out)
-                                 hooks that common/launch.py's run_recipe calls; memory_spec(cfg) for the planner
+                                 hooks that scripts/kiln/launch.py's run_recipe calls; memory_spec(cfg) for the planner
     recipes/<family>/export.py   export from a checkpoint (scripts/export.py): export_checkpoint(cfg, path, meta, out,
                                  max_shard_size=) and, with LoRA, export_lora_checkpoint(...) and lora_base(cfg), each
                                  returning the summary printed after `export: CKPT -> OUT`
@@ -52,7 +52,7 @@ class RecipeSpec:
     sections: dict[str, type] = field(default_factory=dict)
     # Keys this family renamed, old dotted key -> new (e.g. the VLM's model.patch_size -> model.vision_patch_size):
     # for one release the old spelling on a command line of this family's recipe composes as the new one, with one
-    # note (common/launch.py rename_overrides), and an older run's config.yaml reads as if it had the new one
+    # note (scripts/kiln/launch.py rename_overrides), and an older run's config.yaml reads as if it had the new one
     # (scripts/export.py). Given to another family's recipe, the old key is unknown there as any other.
     renamed: dict[str, str] = field(default_factory=dict)
     lora_targets: tuple[str, ...] = ()  # finetune=lora: the module names its adapters may target; () = no LoRA

@@ -53,7 +53,7 @@ class DiTDataConfig(DataConfig):
 # The top-level sections only this family has (its spec's `sections`, recipes/registry.py): diffusion.* keys.
 SECTIONS = {"diffusion": DiffusionConfig}
 # Keys this family renamed (its spec's `renamed`): old dotted key -> new. The old spelling still composes, with one
-# note, until the next release (common/launch.py rename_overrides; scripts/export.py reads old runs' config.yaml).
+# note, until the next release (scripts/kiln/launch.py rename_overrides; scripts/export.py reads old runs' config.yaml).
 RENAMED = {"trainer.sample_every": "diffusion.sample_every"}  # only the DiT draws sample grids
 
 

@@ -19,7 +19,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # The top-level sections only this family has (its spec's `sections`, recipes/registry.py): vlm.* keys.
 SECTIONS = {"vlm": VLMConfig}
 # Keys this family renamed (its spec's `renamed`): old dotted key -> new. The old spelling still composes, with one
-# note, until the next release (common/launch.py rename_overrides; scripts/export.py reads old runs' config.yaml).
+# note, until the next release (scripts/kiln/launch.py rename_overrides; scripts/export.py reads old runs' config.yaml).
 RENAMED = {
     "model.max_position_embeddings": "model.max_seq_len",  # the LLM's name for the same length
     "model.patch_size": "model.vision_patch_size",  # the DiT's model.patch_size is a latent patch

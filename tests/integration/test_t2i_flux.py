@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError
-from common.launch import compose
+from scripts.kiln.launch import compose
 from tests.conftest import load_script, losses
 from tests.distributed.test_llm_init_from_layouts import compare_export
 from tests.fixtures.t2i import IMAGE_SIZE, t2i_run_args

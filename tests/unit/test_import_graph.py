@@ -129,7 +129,7 @@ def test_no_import_cycles_among_kiln_modules():
 
 def test_product_code_never_imports_the_tests():
     """common, recipes, data and scripts run where tests/ is not installed (a wheel, a GPU node's checkout may lack
-    it): what they need from a fixture lives in common/tools/fixtures.py."""
+    it): what they need from a fixture lives in data/tiny_bases.py."""
     offenders = sorted(
         f"{name} imports {target}"
         for name, path in kiln_modules().items()

@@ -160,7 +160,7 @@ def compose(overrides: list[str]) -> ServeSection:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from common.launch import CONFIG_DIR, explain_compose_error, parse_overrides
+    from common.compose import CONFIG_DIR, explain_compose_error, parse_overrides
 
     register()
     GlobalHydra.instance().clear()
