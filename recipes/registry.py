@@ -28,7 +28,9 @@ of a launch reads: scripts/train.py under torchrun and scripts/export.py alike.
 from __future__ import annotations
 
 import importlib
+import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -58,6 +60,16 @@ class RecipeSpec:
     lora_targets: tuple[str, ...] = ()  # finetune=lora: the module names its adapters may target; () = no LoRA
     qlora: bool = False  # lora.quantize_base=nf4 is offered
     config_dir: Path | None = None  # a folder of config groups (recipe/, model/, ...) beside configs/
+    # Serving (scripts/serve.py): a family whose export Kiln's images server serves (common/diffusion/server.py), not
+    # vLLM or transformers serve. `is_export(folder)` tells its export apart from every other family's (file checks
+    # only: no torch); `server_module` is its server, whose load_export(export, engine, device) builds the model the
+    # images server serves; `serve_engines` the backends it runs; `export_kind` names its export in messages;
+    # `serve_dtype_note` says which precision it serves in (serve.dtype stays auto).
+    is_export: Callable[[Path], bool] | None = None
+    server_module: str | None = None
+    serve_engines: tuple[str, ...] = ()
+    export_kind: str = ""
+    serve_dtype_note: str = ""
 
     def train(self) -> ModuleType:
         """recipes/<family>/train.py: TRAINER, memory_spec(cfg)."""
@@ -73,6 +85,26 @@ class RecipeSpec:
         return importlib.import_module(self.export_module)
 
 
+def _diffusion_export(folder: Path) -> bool:
+    """A diffusion export (the DiT's or text-to-image's): a kiln.json or a transformer/ folder."""
+    return (folder / "kiln.json").exists() or (folder / "transformer").is_dir()
+
+
+def _names_text_encoder(folder: Path) -> bool:
+    """A diffusers pipeline folder whose model_index.json names a text encoder (recipes/t2i/train.py write_pipeline;
+    a DiT's DiTPipeline index names none)."""
+    index = folder / "model_index.json"
+    return index.exists() and "text_encoder" in json.loads(index.read_text())
+
+
+def _dit_export(folder: Path) -> bool:
+    return _diffusion_export(folder) and not _names_text_encoder(folder)
+
+
+def _t2i_export(folder: Path) -> bool:
+    return _diffusion_export(folder) and _names_text_encoder(folder)
+
+
 SPECS: dict[str, RecipeSpec] = {
     "dit": RecipeSpec(
         "dit",
@@ -82,6 +114,11 @@ SPECS: dict[str, RecipeSpec] = {
         sections=dit_config.SECTIONS,
         renamed=dit_config.RENAMED,
         lora_targets=dit_config.LORA_TARGETS,
+        is_export=_dit_export,
+        server_module="recipes.dit.server",
+        serve_engines=("tensorrt", "onnxruntime", "torch"),  # its ONNX graph (scripts/export_dit.py) or PyTorch
+        export_kind="DiT",
+        serve_dtype_note="a DiT export serves in its graph's precision (scripts/export_dit.py --precision)",
     ),
     "vlm": RecipeSpec(
         "vlm",
@@ -104,6 +141,11 @@ SPECS: dict[str, RecipeSpec] = {
         "recipes.t2i.export",
         sections=t2i_config.SECTIONS,
         lora_targets=t2i_config.LORA_TARGETS,
+        is_export=_t2i_export,
+        server_module="recipes.t2i.server",
+        serve_engines=("torch",),  # PyTorch only (no ONNX graph of the pipeline yet)
+        export_kind="text-to-image",
+        serve_dtype_note="a text-to-image export serves in float32 (recipes/t2i/sampling.py)",
     ),
 }
 
