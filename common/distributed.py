@@ -181,7 +181,7 @@ def _waiting_on_peers(main: threading.Thread, device: torch.device, probe_s: flo
 
 
 class Watchdog:
-    """A daemon thread per rank (common/launch.py starts it after init_distributed, stops it before
+    """A daemon thread per rank (scripts/kiln/launch.py starts it after init_distributed, stops it before
     teardown); it reads the step heartbeat() records."""
 
     def __init__(self, timeout_s: int, device: torch.device, poll_s: float = 1.0):

@@ -1,8 +1,8 @@
 """The memory model: per-GPU bytes of model states and activations for a recipe's model and a layout.
 
-One model for every place that predicts memory: `run.dry_run` (common/launch.py), the measured
+One model for every place that predicts memory: `run.dry_run` (scripts/kiln/launch.py), the measured
 run.dir/memory.json next to its prediction (common/deepspeed.py), and the layout planner
-(scripts/plan.py, common/tools/planner.py). Each recipe describes its model as a `ModelSpec`
+(scripts/plan.py, scripts/kiln/planner.py). Each recipe describes its model as a `ModelSpec`
 (`recipes/<family>/train.py:memory_spec`, counted from its own builder on the meta device);
 `estimate(spec, layout)` does the rest.
 """

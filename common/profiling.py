@@ -1,6 +1,7 @@
 """Profiling during a run: a per-phase step timer (also NVTX ranges on CUDA) and a torch.profiler
-wrapper that writes per-rank traces. Merging them into one timeline and the step breakdown live in
-common/tools/traces.py, which the wrapper calls once at the end of a profiled run.
+wrapper that writes per-rank traces. Merging them into one timeline and the step breakdown is a post-run step
+above this library (scripts/kiln/traces.py): the wrapper leaves the traces it wrote in `take_traces()`, which the
+launcher reads once the run is over.
 """
 
 from __future__ import annotations
@@ -15,6 +16,15 @@ import torch
 from common.config import ProfileConfig
 
 MERGE_LIMIT_BYTES = 2**30  # per-rank traces merged at the end of a run only below this total
+# (trace folder, run dir) of each profiled run in this process whose traces are left to merge (rank 0 only).
+_TRACES: list[tuple[Path, Path]] = []
+
+
+def take_traces() -> list[tuple[Path, Path]]:
+    """The (trace folder, run dir) pairs a profiled run left for the post-run merge, handed over once."""
+    taken = list(_TRACES)
+    _TRACES.clear()
+    return taken
 
 
 class StepTimer:
@@ -104,10 +114,4 @@ def maybe_profile(cfg: ProfileConfig, run_dir: str | Path, rank: int):
             flush=True,
         )
         return
-    from common.tools.traces import merge_traces, write_summary
-
-    try:
-        merge_traces(out)
-        write_summary(run_dir)
-    except Exception as exc:  # a report must never cost the run its final checkpoint
-        print(f"kiln: warning: could not merge profiler traces in {out}: {exc!r}", flush=True)
+    _TRACES.append((Path(out), Path(run_dir)))

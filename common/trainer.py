@@ -14,7 +14,7 @@ checkpoints of the model and optimizer. What a recipe supplies:
     tally(batch) -> dict                host counts logged per step (samples, tokens, packed slots, ...)
     prepare(batch)                      host work on a loader's batch (the LLM packs its share); optional
     after_first_step(), after_step()    hooks; no-ops unless the recipe overrides them
-    export() -> Path                    the servable artifact; after training, common/launch.py:run_recipe calls
+    export() -> Path                    the servable artifact; after training, scripts/kiln/launch.py:run_recipe calls
                                         after_fit(), evaluate() + eval_summary(result), export(), after_export(out)
 
 The logged loss, and the loss whose gradient the optimizer follows, is one definition for every
@@ -229,7 +229,7 @@ class Trainer(ABC):
     def after_step(self) -> None:
         """Runs after every step that was not skipped (e.g. an EMA update, sample grids)."""
 
-    # ---- what the run does after training (common/launch.py: run_recipe) ------------------------------
+    # ---- what the run does after training (scripts/kiln/launch.py: run_recipe) ------------------------------
     def after_fit(self) -> None:
         """Runs once training ends, before evaluation (e.g. the final sample grid, a summary line)."""
 

@@ -257,11 +257,12 @@ def build_cache(cfg, out: Path, *, batch_size: int, device: str, force: bool) ->
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parse_args(argv)
+    from common.compose import compose
     from common.errors import UserError
-    from common.launch import compose
+    from recipes import registry
 
     try:
-        cfg = compose(overrides)
+        cfg = compose(overrides, registry=registry)
         if cfg.recipe.family == "t2i":
             if not cfg.model.init_from:
                 raise ValueError(

@@ -17,7 +17,7 @@ are skipped and counted (meta.json ``skipped``: file names by reason, and the su
 is not UTF-8 text, a metadata.jsonl line that is not a {"file_name", "text"} object, or no captioned image at all
 stop with one line (exit 2), and so do more skipped images than ``--max-bad-samples`` (no limit by default;
 nothing is written then). ``--digits`` captions scikit-learn's digits in several phrasings ("a handwritten
-seven", "the digit 7", ...: common/tools/fixtures.py) and converts them the same way. Like the other builders,
+seven", "the digit 7", ...: data/tiny_bases.py) and converts them the same way. Like the other builders,
 DIR appears at once with meta.json written last.
 
 Aspect-ratio buckets (``--buckets``, as SDXL and SimpleTuner train; the run's data.buckets=true reads them): a bucket
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             if common_dataset.read_meta(out) is not None and not args.force:
                 print(f"{out}/{common_dataset.META_NAME} exists; nothing to do (pass --force to rebuild)")
                 return 0
-            from common.tools.fixtures import make_caption_folder
+            from data.tiny_bases import make_caption_folder
 
             root = make_caption_folder(Path(scratch) / "digits", per_digit=180, size=8, bad=False)
         else:

@@ -5,8 +5,8 @@
 A release folder as `save_pretrained` writes it and as model.init_from reads a downloaded Qwen2.5-VL-7B-Instruct
 (or Qwen3-VL-8B-Instruct): transformers' Qwen2_5_VLForConditionalGeneration (Qwen3VLForConditionalGeneration) with
 random weights, a few hundred kilobytes, its image processor and a Qwen2Tokenizer trained offline with Qwen's special
-tokens and chat template (common/tools/fixtures.py make_qwen2_5_vl / make_qwen3_vl). Its language model's attention
-heads are 32 wide, the narrowest vLLM's CPU attention runs (common/tools/serving.py VLLM_CPU_HEAD_SIZES), so a run's
+tokens and chat template (data/tiny_bases.py make_qwen2_5_vl / make_qwen3_vl). Its language model's attention
+heads are 32 wide, the narrowest vLLM's CPU attention runs (scripts/kiln/serving.py VLLM_CPU_HEAD_SIZES), so a run's
 export of it serves on vLLM's CPU build as well as on transformers. A folder already there is left alone (pass
 --force to rebuild); the folder appears whole (built beside it, then renamed).
 """
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-# --arch -> (the builder in common/tools/fixtures.py, its arguments: language heads of 32 dimensions).
+# --arch -> (the builder in data/tiny_bases.py, its arguments: language heads of 32 dimensions).
 ARCHS = {
     "qwen2.5-vl": ("make_qwen2_5_vl", {"hidden_size": 128}),  # 4 heads (2 key/value) of 32
     "qwen3-vl": ("make_qwen3_vl", {"num_heads": 2}),  # 2 heads of 32 at hidden 64
@@ -28,7 +28,7 @@ ARCHS = {
 
 def build(out: str | Path, arch: str = "qwen2.5-vl") -> Path:
     """The tiny `arch` base in ``out`` (replaced if there), built beside it and renamed into place."""
-    from common.tools import fixtures
+    from data import tiny_bases as fixtures
 
     out = Path(out).expanduser().absolute()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """The recipe families as typed specs (torchtitan's TrainSpec): the one table that the launcher
-(common/launch.py), the export CLI (scripts/export.py), the planner (scripts/plan.py) and the benchmarks read.
+(scripts/kiln/launch.py), the export CLI (scripts/export.py), the planner (scripts/plan.py) and the benchmarks read.
 Nothing outside recipes/ branches on a family's name: what a CLI needs from a family is a field of its spec.
 
 A family is its folder plus one `RecipeSpec` below. It provides:
@@ -10,7 +10,7 @@ A family is its folder plus one `RecipeSpec` below. It provides:
                                  target (`lora_targets`, `qlora`)
     recipes/<family>/train.py    TRAINER: its common.trainer.Trainer, with evaluate() -> dict | None,
                                  eval_summary(result) -> str, export() -> Path and the after_fit()/after_export(out)
-                                 hooks that common/launch.py's run_recipe calls; memory_spec(cfg) for the planner
+                                 hooks that scripts/kiln/launch.py's run_recipe calls; memory_spec(cfg) for the planner
     recipes/<family>/export.py   export from a checkpoint (scripts/export.py): export_checkpoint(cfg, path, meta, out,
                                  max_shard_size=) and, with LoRA, export_lora_checkpoint(...) and lora_base(cfg), each
                                  returning the summary printed after `export: CKPT -> OUT`
@@ -28,7 +28,9 @@ of a launch reads: scripts/train.py under torchrun and scripts/export.py alike.
 from __future__ import annotations
 
 import importlib
+import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -52,12 +54,22 @@ class RecipeSpec:
     sections: dict[str, type] = field(default_factory=dict)
     # Keys this family renamed, old dotted key -> new (e.g. the VLM's model.patch_size -> model.vision_patch_size):
     # for one release the old spelling on a command line of this family's recipe composes as the new one, with one
-    # note (common/launch.py rename_overrides), and an older run's config.yaml reads as if it had the new one
+    # note (scripts/kiln/launch.py rename_overrides), and an older run's config.yaml reads as if it had the new one
     # (scripts/export.py). Given to another family's recipe, the old key is unknown there as any other.
     renamed: dict[str, str] = field(default_factory=dict)
     lora_targets: tuple[str, ...] = ()  # finetune=lora: the module names its adapters may target; () = no LoRA
     qlora: bool = False  # lora.quantize_base=nf4 is offered
     config_dir: Path | None = None  # a folder of config groups (recipe/, model/, ...) beside configs/
+    # Serving (scripts/serve.py): a family whose export Kiln's images server serves (common/diffusion/server.py), not
+    # vLLM or transformers serve. `is_export(folder)` tells its export apart from every other family's (file checks
+    # only: no torch); `server_module` is its server, whose load_export(export, engine, device) builds the model the
+    # images server serves; `serve_engines` the backends it runs; `export_kind` names its export in messages;
+    # `serve_dtype_note` says which precision it serves in (serve.dtype stays auto).
+    is_export: Callable[[Path], bool] | None = None
+    server_module: str | None = None
+    serve_engines: tuple[str, ...] = ()
+    export_kind: str = ""
+    serve_dtype_note: str = ""
 
     def train(self) -> ModuleType:
         """recipes/<family>/train.py: TRAINER, memory_spec(cfg)."""
@@ -73,6 +85,26 @@ class RecipeSpec:
         return importlib.import_module(self.export_module)
 
 
+def _diffusion_export(folder: Path) -> bool:
+    """A diffusion export (the DiT's or text-to-image's): a kiln.json or a transformer/ folder."""
+    return (folder / "kiln.json").exists() or (folder / "transformer").is_dir()
+
+
+def _names_text_encoder(folder: Path) -> bool:
+    """A diffusers pipeline folder whose model_index.json names a text encoder (recipes/t2i/train.py write_pipeline;
+    a DiT's DiTPipeline index names none)."""
+    index = folder / "model_index.json"
+    return index.exists() and "text_encoder" in json.loads(index.read_text())
+
+
+def _dit_export(folder: Path) -> bool:
+    return _diffusion_export(folder) and not _names_text_encoder(folder)
+
+
+def _t2i_export(folder: Path) -> bool:
+    return _diffusion_export(folder) and _names_text_encoder(folder)
+
+
 SPECS: dict[str, RecipeSpec] = {
     "dit": RecipeSpec(
         "dit",
@@ -82,6 +114,11 @@ SPECS: dict[str, RecipeSpec] = {
         sections=dit_config.SECTIONS,
         renamed=dit_config.RENAMED,
         lora_targets=dit_config.LORA_TARGETS,
+        is_export=_dit_export,
+        server_module="recipes.dit.server",
+        serve_engines=("tensorrt", "onnxruntime", "torch"),  # its ONNX graph (scripts/export_dit.py) or PyTorch
+        export_kind="DiT",
+        serve_dtype_note="a DiT export serves in its graph's precision (scripts/export_dit.py --precision)",
     ),
     "vlm": RecipeSpec(
         "vlm",
@@ -104,6 +141,11 @@ SPECS: dict[str, RecipeSpec] = {
         "recipes.t2i.export",
         sections=t2i_config.SECTIONS,
         lora_targets=t2i_config.LORA_TARGETS,
+        is_export=_t2i_export,
+        server_module="recipes.t2i.server",
+        serve_engines=("torch",),  # PyTorch only (no ONNX graph of the pipeline yet)
+        export_kind="text-to-image",
+        serve_dtype_note="a text-to-image export serves in float32 (recipes/t2i/sampling.py)",
     ),
 }
 

@@ -431,8 +431,8 @@ def llava_digits(folder: Path, n: int) -> Path:
 
 def newest(check: Check, steps: int) -> dict:
     """t2i_tiny (SD3) and the VLM on Qwen2.5-VL, trained on CUDA in bf16 from tiny random folders built here."""
-    from common.tools.fixtures import make_qwen2_5_vl, make_sd3_pipeline
     from data import prepare_llava
+    from data.tiny_bases import make_qwen2_5_vl, make_sd3_pipeline
 
     world = check.out / "newest"
     common = ["toggles.precision=bf16", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.eval=false"]
@@ -600,7 +600,7 @@ def dit_inputs(check: Check) -> list[str]:
     """The 256 px DiT recipes' inputs (dit_2b, dit_xl2), made offline once per check: a random VAE shaped like
     sd-vae-ft-mse (its widths too, so its encode costs what the real one does) and sklearn digits upscaled to
     256x256 RGB, as image shards."""
-    from common.tools.fixtures import make_image_folder, make_vae
+    from data.tiny_bases import make_image_folder, make_vae
 
     if "dit" in check.inputs:
         return check.inputs["dit"]

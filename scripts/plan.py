@@ -30,8 +30,8 @@ from common.config import TrainConfig  # noqa: E402
 from common.deepspeed import check_cp_zero3  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from common.memory import GIB, MEMORY_COLUMNS, Layout, ModelSpec, configured_layout  # noqa: E402
-from common.tools.planner import GPUS, plan  # noqa: E402
 from recipes.registry import recipe_spec  # noqa: E402
+from scripts.kiln.planner import GPUS, plan  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -76,7 +76,7 @@ def compose_for_plan(overrides: list[str]) -> tuple[TrainConfig, str]:
     reads no weights (finetune=lora is sized without its base). The plan varies parallel.*: where the recipe's
     preset layout cannot run with these keys (llm_8b's tp=8 under finetune=lora) and the command line names no
     parallel.* key, it is composed on one GPU's layout (tp = pp = 1) instead."""
-    from common.launch import compose
+    from scripts.kiln.launch import compose
 
     sizing = [*overrides, *([] if any(o.startswith("run.dry_run=") for o in overrides) else ["run.dry_run=true"])]
     try:

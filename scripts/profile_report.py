@@ -14,7 +14,7 @@ read from the per-rank traces in run.dir/profile/:
 The breakdown is also written to run.dir/profile/summary.json.
 metrics.jsonl gives the same phases for every logged step of the run (rank 0's timer) as a
 cross-check of the profiled window. Verdict: input-bound, else communication-bound, else
-launch/CPU-bound, else compute-bound (thresholds in common/tools/traces.py).
+launch/CPU-bound, else compute-bound (thresholds in scripts/kiln/traces.py).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def cell(seconds: float, step: float) -> str:
 
 
 def report(run_dir: Path) -> str:
-    from common.tools.traces import ROWS, overhead_percent, write_summary  # after check(): errors come fast
+    from scripts.kiln.traces import ROWS, overhead_percent, write_summary  # after check(): errors come fast
 
     b = write_summary(run_dir)  # fresh from the traces (the run's own summary.json may predate a resume)
     columns = {f"rank {r}": v for r, v in b["ranks"].items()}

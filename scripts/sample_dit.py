@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"sample_dit: error: {exc}", file=sys.stderr)
         return 2
-    from common.tools.serving import adapter_advice, is_adapter
+    from scripts.kiln.serving import adapter_advice, is_adapter
 
     if is_adapter(export):  # a finetune=lora run's export
         print(f"sample_dit: error: {export} {adapter_advice(export, key='')}", file=sys.stderr)

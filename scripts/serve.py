@@ -10,8 +10,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from common.errors import UserError  # noqa: E402
-from common.launch import user_error_exit  # noqa: E402
-from common.tools.serving import compose, plan  # noqa: E402
+from scripts.kiln.launch import user_error_exit  # noqa: E402
+from scripts.kiln.serving import compose, plan  # noqa: E402
 
 USAGE = """usage: python scripts/serve.py serve.model=<run.dir>/export [serve.KEY=VALUE ...]
 
@@ -26,7 +26,7 @@ USAGE = """usage: python scripts/serve.py serve.model=<run.dir>/export [serve.KE
 transformers serve only with the latter
   vllm: serve.tensor_parallel_size, serve.max_model_len, serve.gpu_memory_utilization
   transformers: serve.device, serve.continuous_batching, serve.cb_num_blocks, serve.cb_max_batch_tokens
-All keys and defaults: common/tools/serving.py (ServeSection); README.md, section Serving."""
+All keys and defaults: scripts/kiln/serving.py (ServeSection); docs/serving.md."""
 
 
 def main(argv: list[str]) -> int:

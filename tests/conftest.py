@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.tools.launcher import DIST_VARS, REPO, TRAIN, preload, run_train  # noqa: F401  (the tests' launcher: common/tools)
+from tests.support.launcher import DIST_VARS, REPO, TRAIN, preload, run_train  # noqa: F401  (the tests' launcher: tests/support)
 
 # Nothing is downloaded in a test: every process the suite starts (and the fork server's preloaded
 # huggingface_hub, which reads this once) runs offline.
@@ -23,7 +23,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # run. One folder per Python environment (the sources it is built from): built once per environment.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 # run_train's and spawn_ranks' processes fork from a server that imported torch, transformers, diffusers and
-# DeepSpeed once (common/tools/launcher.py): the same entrypoint, without ~6 s of imports each.
+# DeepSpeed once (tests/support/launcher.py): the same entrypoint, without ~6 s of imports each.
 # KILN_TEST_PRELOAD=0 starts every one as a fresh interpreter instead.
 if os.environ.get("KILN_TEST_PRELOAD", "1") != "0":
     preload()
@@ -55,7 +55,7 @@ def trained(tmp_path_factory):
 def latent_dit_data(tmp_path_factory):
     """`latent_dit_data(image_size)` -> {"vae", "shards"}: one small random VAE (it halves images) and the image
     shards of tests/fixtures/dit.py's IMAGE_SETS, each built once per pytest run for the latent DiT tests."""
-    from common.tools.fixtures import make_vae
+    from data.tiny_bases import make_vae
     from tests.fixtures.dit import make_image_shards
     from tests.fixtures.shared import once, shared_root
 

@@ -12,7 +12,7 @@ guidance doubles the model's batch). Per-request guidance scales ride along in t
 with its size.
 
 Also `GET /v1/models` and `GET /health`. With an API key, /v1 answers 401 without `Authorization: Bearer <key>`.
-scripts/serve.py starts this for a DiT or text-to-image export (common/tools/serving.py picks the recipe's server
+scripts/serve.py starts this for a DiT or text-to-image export (scripts/kiln/serving.py picks the recipe's server
 and its backend).
 """
 

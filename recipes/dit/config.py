@@ -8,7 +8,6 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
-from common import ulysses
 from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.diffusion.config import DiffusionConfig
 from common.errors import ConfigError
@@ -53,7 +52,7 @@ class DiTDataConfig(DataConfig):
 # The top-level sections only this family has (its spec's `sections`, recipes/registry.py): diffusion.* keys.
 SECTIONS = {"diffusion": DiffusionConfig}
 # Keys this family renamed (its spec's `renamed`): old dotted key -> new. The old spelling still composes, with one
-# note, until the next release (common/launch.py rename_overrides; scripts/export.py reads old runs' config.yaml).
+# note, until the next release (scripts/kiln/launch.py rename_overrides; scripts/export.py reads old runs' config.yaml).
 RENAMED = {"trainer.sample_every": "diffusion.sample_every"}  # only the DiT draws sample grids
 
 
@@ -68,6 +67,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     """With model.init_from: the model.* keys from its config.json, in place (config.yaml, run.dry_run and the
     planner see the real model); a key given on the command line that disagrees stops the run. Otherwise the
     DiT's shape is its model.* keys (and diffusion.vae's latents)."""
+    from common import ulysses  # torch: here, so that the registry (which serving reads) imports light
     from recipes.dit.pretrained import CHECKPOINT_KEYS, base_config, transformer_folder
 
     ulysses.default_method(cfg, command_line)
@@ -175,6 +175,8 @@ def validate(cfg: TrainConfig) -> None:
 def check_context_parallel(cfg: TrainConfig, tokens: int) -> None:
     """parallel.cp (Ulysses, common/ulysses.py): what it cannot split, and diffusers' eager processor, which has no
     (B, S, H, D) kernel to wrap (sdpa and flash have)."""
+    from common import ulysses
+
     m = cfg.model
     ulysses.check_layout(
         cfg,

@@ -54,3 +54,8 @@ class ClassImages:
 def load(export, engine: str, device: str | None) -> ClassImages:
     """The DiT export on backend `engine` (tensorrt, onnxruntime or torch); `device` None: the backend's default."""
     return ClassImages(ExportSampler(export, engine, **({} if engine == "onnxruntime" else {"device": device})))
+
+
+def load_export(export, engine: str, device: str | None) -> ClassImages:
+    """What scripts/serve.py's images server serves (the registry's server_module): load()."""
+    return load(export, engine, device)

@@ -9,7 +9,6 @@ from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
-from common import ulysses
 from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.diffusion.config import DiffusionConfig
 from common.errors import ConfigError
@@ -78,6 +77,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     """With model.init_from: the folder checked (a pipeline Kiln trains, one line otherwise) and the flow schedule's
     keys (diffusion.num_train_timesteps, diffusion.flow_shift) read from its scheduler; a key given on the command
     line that disagrees stops the run."""
+    from common import ulysses  # torch: here, so that the registry (which serving reads) imports light
     from recipes.t2i.pipeline import SCHEDULER_KEYS, pipeline_folder, scheduler_config
 
     for key, why in NOT_READ.items():
@@ -155,6 +155,7 @@ def check_context_parallel(cfg: TrainConfig) -> None:
     """parallel.cp (Ulysses over SD3's image tokens, common/ulysses.py; the text tokens stay whole on every cp rank):
     what it cannot split, read from model.init_from's transformer (its folder, or a release Kiln knows the shape of).
     Not yet: Flux (its RoPE runs over the joint token ids) and bucketed shards (a token count per bucket)."""
+    from common import ulysses
     from recipes.t2i.pipeline import FLUX_TRANSFORMER
     from recipes.t2i.sizing import architecture
 

@@ -61,3 +61,8 @@ def load(export: str | Path, device: str | None) -> PromptImages:
         export, image_size=int(info["image_size"]), device=torch.device(device or "cpu")
     )
     return PromptImages(sampler, info)
+
+
+def load_export(export: str | Path, engine: str, device: str | None) -> PromptImages:
+    """What scripts/serve.py's images server serves (the registry's server_module): load() (engine: torch, the one)."""
+    return load(export, device)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from common import ulysses
 from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.errors import ConfigError
 from recipes.vlm.archs import QWEN_ARCHS
@@ -19,7 +18,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # The top-level sections only this family has (its spec's `sections`, recipes/registry.py): vlm.* keys.
 SECTIONS = {"vlm": VLMConfig}
 # Keys this family renamed (its spec's `renamed`): old dotted key -> new. The old spelling still composes, with one
-# note, until the next release (common/launch.py rename_overrides; scripts/export.py reads old runs' config.yaml).
+# note, until the next release (scripts/kiln/launch.py rename_overrides; scripts/export.py reads old runs' config.yaml).
 RENAMED = {
     "model.max_position_embeddings": "model.max_seq_len",  # the LLM's name for the same length
     "model.patch_size": "model.vision_patch_size",  # the DiT's model.patch_size is a latent patch
@@ -79,6 +78,8 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     """With model.init_from: the model.* keys from the LLaVA's config, in place (config.yaml and the logs show the
     model that trains); a key given on the command line that disagrees stops the run, as in the DiT and the LLM.
     Otherwise the LLaVA's config is read from its folders when the model is built."""
+    from common import ulysses  # torch: here, so that the registry (which serving reads) imports light
+
     ulysses.default_method(cfg, command_line)
     m = cfg.model
     if not isinstance(m, VLMModelConfig) or not m.init_from:
@@ -157,6 +158,7 @@ def check_context_parallel(cfg: TrainConfig) -> None:
     """parallel.cp (Ulysses over the language model, recipes/vlm/context_parallel.py): one line for what it cannot
     split. The heads of a language model from vlm.language_from are checked when it is built; cp dividing the ranks
     when the world size is known (common/parallel_dims.py)."""
+    from common import ulysses
     from common.data.packing import ROW_ALIGN
 
     ulysses.check_method(cfg, "VLM")

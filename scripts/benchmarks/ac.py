@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 
-from common.tools.activations import kept_for_backward
+from common.activations import kept_for_backward
 from scripts.benchmarks.harness import build_trainer, interleaved, model_tensors, take
 from scripts.benchmarks.report import Section, Target, md_table, median, mib, ms, ratio, say
 
@@ -86,7 +86,7 @@ def run(opts) -> Section:
     s.tables.append(md_table(["recipe", "AC", "saved for backward", "vs none", "step ms (median)", "vs none"], rows))
     s.notes.append(
         "saved bytes: storages created in one forward + loss of the recipe's trainer that are still alive "
-        "when it returns (common/tools/activations.py; weights, batch and output excluded; AC applied by "
+        "when it returns (common/activations.py; weights, batch and output excluded; AC applied by "
         "the recipe's parallelize()). "
         "Full AC keeps each block's input; what remains is mostly outside the blocks: the LLM's fp32 "
         "log-probabilities over the vocabulary, the DiT's patch embedding and output head."

@@ -101,7 +101,7 @@ def formula_bytes(method: str, rows: int, row_len: int, cp: int) -> int:
     volume), summed over llm_tiny's layers, fp32, for ``rows x row_len/cp`` tokens of ``head_dim`` per head:
     allgather: its keys and values (n_kv_heads each) to each of the ``cp - 1`` other ranks;
     alltoall: ``(cp-1)/cp`` of its q and attention output (n_heads each) and of its k and v (n_kv_heads each)."""
-    from common.launch import compose
+    from scripts.kiln.launch import compose
 
     m = compose(["recipe=llm_tiny"]).model
     per_head = rows * row_len // cp * (m.head_dim or m.dim // m.n_heads) * 4
@@ -111,8 +111,8 @@ def formula_bytes(method: str, rows: int, row_len: int, cp: int) -> int:
 
 
 def run(opts, cfg: Config | None = None) -> Section:
-    from common.tools.launcher import spawn_ranks
     from scripts.benchmarks.harness import fresh_dir
+    from scripts.kiln.processes import spawn_ranks
 
     cfg = cfg or opts.pick(Config(), QUICK)
     s = Section("cp", f"Context parallelism: llm_tiny at cp=1 and cp={CP} (allgather, alltoall) on the same rows")
@@ -197,7 +197,7 @@ def run(opts, cfg: Config | None = None) -> Section:
     )
     s.notes.append(
         "Activations: storages created by one forward + loss (packing included) and alive when it returns "
-        "(common/tools/activations.py, as the ac section); weights (FSDP2's unsharded root weights under cp), the "
+        "(common/activations.py, as the ac section); weights (FSDP2's unsharded root weights under cp), the "
         "batch and the output excluded. Under cp a rank keeps its L/cp tokens' activations, plus per layer what its "
         "attention saves: allgather the whole row's gathered keys/values and its [L/cp x L] mask rows, alltoall its "
         "H/cp heads of the whole row's q, k, v and the whole [L x L] mask."

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.launch import compose
 from scripts.benchmarks.harness import train_run
 from scripts.benchmarks.report import Section, Target, md_table, median, ms, say
+from scripts.kiln.launch import compose
 
 TARGET_DATA_WAIT = 0.02  # data wait / step time at steady state
 WARMUP = 5

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.tools.activations import kept_for_backward
+from common.activations import kept_for_backward
 from scripts.benchmarks.harness import build_trainer, interleaved, model_tensors, quiet, take
 from scripts.benchmarks.report import Section, Target, md_table, median, mib, ms, ratio, say
 
@@ -168,8 +168,8 @@ def full_size_flops(batch: int) -> tuple[float, float]:
     from diffusers import AutoencoderKL
     from torch.utils.flop_counter import FlopCounterMode
 
-    from common.launch import compose
     from recipes.dit.model import build_model
+    from scripts.kiln.launch import compose
 
     with torch.device("meta"):
         vae = AutoencoderKL(**SD_VAE)

@@ -3,7 +3,7 @@ zero_to_fp32 (convert_zero_checkpoint_to_fp32_state_dict, safetensors) on the sa
 
 A widened dit_tiny (~5M parameters, --quick ~1.4M) trains one step on 2 ranks under ZeRO-3 in fp32 and saves its
 checkpoint (fp32 masters + Adam moments + the EMA: tens of MB). Each exporter then runs in a fresh process
-(common/tools/launcher.py's spawn_ranks, one rank): it records its resident set after imports as the baseline,
+(scripts/kiln/processes.py's spawn_ranks, one rank): it records its resident set after imports as the baseline,
 resets the kernel's peak counter, exports, and reads the peak (VmHWM): every resident page counts, mapped
 checkpoint pages included. Both write the same number of fp32 weight bytes (Kiln the EMA, zero_to_fp32 the masters).
 
@@ -41,7 +41,7 @@ def _imports() -> None:
 def _kiln(run_dir: str, out: str) -> dict:
     import importlib.util
 
-    from common.tools.launcher import REPO
+    from scripts.kiln.processes import REPO
 
     _imports()
     spec = importlib.util.spec_from_file_location("kiln_export", REPO / "scripts" / "export.py")
@@ -75,7 +75,7 @@ def _measured(baseline: int, start: float, out: str) -> dict:
 
 def measure(run_dir: Path) -> tuple[dict[str, dict], int]:
     """Per exporter: {"peak": bytes above baseline, "seconds", "written"}; and the checkpoint's bytes."""
-    from common.tools.launcher import spawn_ranks
+    from scripts.kiln.processes import spawn_ranks
 
     step = (run_dir / "checkpoints" / "latest").read_text().strip()
     checkpoint_bytes = sum(f.stat().st_size for f in (run_dir / "checkpoints" / step).iterdir())

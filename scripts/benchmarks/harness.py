@@ -1,6 +1,6 @@
 """How sections run Kiln: a recipe's Trainer built in-process as scripts/train.py builds it, timed steps
-interleaved over the same batches, and scripts/train.py as a subprocess (through common/tools/launcher.py,
-as the tests start them). The bytes a forward keeps for backward: common/tools/activations.py."""
+interleaved over the same batches, and scripts/train.py as a subprocess (through scripts/kiln/processes.py,
+as the tests start them). The bytes a forward keeps for backward: common/activations.py."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from common.tools.launcher import run_train
 from recipes.registry import recipe_spec
+from scripts.kiln.processes import run_train
 
 # Only what a timing run needs: no evaluation, samples or checkpoints beyond the loop itself.
 RUN_ARGS = [
@@ -125,8 +125,8 @@ def distributed():
 def build_trainer(opts: Options, recipe: str, overrides: list[str], run_dir: Path, cls: type | None = None):
     """The recipe's own Trainer (or `cls`, a subclass of it), built as scripts/train.py builds it: config,
     toggles, parallelize."""
-    from common.launch import compose
     from common.toggles import apply_global_toggles
+    from scripts.kiln.launch import compose
 
     cfg = compose([f"recipe={recipe}", *RUN_ARGS, *overrides, f"run.dir={run_dir}"])
     apply_global_toggles(cfg.toggles)

@@ -4,7 +4,7 @@
 Builds a random LlamaForCausalLM checkpoint once (meta init, filled in place, save_pretrained in 4
 safetensors shards with an index, like Llama 3.1 8B's 4 files), 0.5B parameters (--quick: 50M), in
 fp32: the dtype of the training weights, so a rank holding half of the model holds half of the
-checkpoint's bytes. Each measurement runs in fresh processes (common/tools/launcher.py's spawn_ranks:
+checkpoint's bytes. Each measurement runs in fresh processes (scripts/kiln/processes.py's spawn_ranks:
 torch.multiprocessing spawn, 1 thread each, results back as JSON): a rank records its resident set
 (VmRSS) after imports and process-group start as its baseline, resets the kernel's peak counter
 (/proc/self/clear_refs), builds its part of the model as the trainer does (recipes/llm/train.py:
@@ -97,10 +97,10 @@ def _reset_peak() -> int:
 def _load_kiln(folder: str, extra: list[str]) -> dict:
     import torch
 
-    from common.launch import compose
     from common.parallel_dims import ParallelDims
     from recipes.llm import hf
     from recipes.llm.train import build_model, llama_args
+    from scripts.kiln.launch import compose
 
     cfg = compose(["recipe=llm_tiny", f"model.init_from={folder}", *extra])
     mesh = ParallelDims.from_config(cfg.parallel, torch.distributed.get_world_size()).build_mesh("cpu")
@@ -134,7 +134,7 @@ def _loaded(model, baseline: int, start: float) -> dict:
 
 def measure(folder: Path) -> dict[str, list[dict]]:
     """Per loader: each rank's {"peak": bytes above its baseline, "seconds"}, each loader in fresh processes."""
-    from common.tools.launcher import spawn_ranks
+    from scripts.kiln.processes import spawn_ranks
 
     rows = {}
     with tempfile.TemporaryDirectory() as out:

@@ -6,7 +6,7 @@ start from it (model.init_from), one with finetune=full, one with finetune=lora 
 Step time: both trainers in this process, alternating steps on the same batches. Checkpoint bytes: the files of
 one checkpoint each (DCP: weights + Adam state, of the adapter alone under LoRA). Model-state bytes: the tensors
 of weights, gradients and optimizer state after a step, each storage once. Peak memory: CPU has no allocator
-statistics, so each run trains in a fresh process (common/tools/launcher.py's spawn_ranks) and reports its peak
+statistics, so each run trains in a fresh process (scripts/kiln/processes.py's spawn_ranks) and reports its peak
 resident set (VmHWM) above its resident set after imports (peft's too) and process-group start (the same counter
 as the loading section); it counts everything the process touches (the base's safetensors, loader, tokenizer,
 allocator caches), so at this size it moves less than the state bytes do.
@@ -51,8 +51,8 @@ def _peak_rss(argv: list[str], run_dir: str) -> dict:
     import peft  # noqa: F401 (imported before the baseline in both runs: its modules are not training memory)
 
     from common.distributed import init_distributed
-    from common.launch import compose
     from recipes.llm.train import LLMTrainer
+    from scripts.kiln.launch import compose
 
     baseline = _reset_peak()
     trainer = LLMTrainer(compose([*argv, f"run.dir={run_dir}"]), init_distributed(), Path(run_dir))
@@ -67,7 +67,7 @@ def base_checkpoint(opts) -> Path:
 
 
 def run(opts) -> Section:
-    from common.tools.launcher import spawn_ranks
+    from scripts.kiln.processes import spawn_ranks
 
     warmup, steps = 1, opts.pick(10, 2)
     s = Section("lora", "LoRA vs full fine-tuning of the same model (llm_tiny from one base checkpoint)")

@@ -132,8 +132,8 @@ def all_to_all_table(opts, records: list[dict], ep: int, s: Section) -> None:
     (metrics moe.all_to_all_bytes), against the uniform-routing formula: tokens x top_k x dim x dtype bytes x 2
     (dispatch, combine) x (ep - 1) / ep per MoE layer, with rank 0's tokens (its token slots, padding included: every
     slot is routed) from its dispatched rows (moe.dispatched_rows = tokens x top_k x MoE layers)."""
-    from common.launch import compose
     from recipes.llm.train import llama_args
+    from scripts.kiln.launch import compose
 
     cfg = compose(["recipe=moe_tiny"])
     m, args = cfg.model, llama_args(cfg, vocab_size=1)

@@ -5,7 +5,7 @@ share of a step.
 The stream (`write_stream`): LLaVA-format conversations of 0-8 images each, every image of a random size in
 224..1344 px on each side (a pool of JPEGs), the question and answer 10 to ~2k tokens of text together (log-uniform,
 so most are short and some fill a row), built into shards by data.prepare_llava. A tiny random Qwen2.5-VL
-(common/tools/fixtures.py) with a small max_pixels, so that a CPU runs it: every image is 4..16 tokens (16..64
+(data/tiny_bases.py) with a small max_pixels, so that a CPU runs it: every image is 4..16 tokens (16..64
 patches of 14 px). The recipe is vlm_tiny with model.init_from that folder, data=llava, rows of 2048 tokens.
 
 Utilization, per step over its micro-batches (accum x dp of them: the bench takes one rank's loader with
@@ -80,8 +80,8 @@ def write_stream(folder: Path, samples: int, seed: int = 0) -> Path:
 
 def world(opts, samples: int) -> tuple[Path, Path]:
     """(the dataset, the Qwen2.5-VL folder) under the bench's work folder; built once per bench run."""
-    from common.tools.fixtures import make_qwen2_5_vl
     from data import prepare_llava
+    from data.tiny_bases import make_qwen2_5_vl
 
     root = opts.work / "qwen"
     if not (root / "data" / "meta.json").exists():

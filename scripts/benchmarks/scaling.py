@@ -7,9 +7,9 @@ import os
 import torch
 
 from common.flops import FlopCounter, mfu, peak_flops, precision_key
-from common.launch import compose
 from scripts.benchmarks.harness import build_trainer, interleaved, step_timer, take, timed_step, train_run
 from scripts.benchmarks.report import Section, md_table, median, mib, ms, say
+from scripts.kiln.launch import compose
 
 WIDTHS = {  # model.* overrides at a width factor of the recipe's own (1)
     "llm_tiny": lambda f: [f"model.dim={int(128 * f)}", f"model.ffn_dim={int(344 * f)}"],

@@ -4,7 +4,7 @@ transformers serve (continuous batching) at 1, 4 and 16 concurrent requests vs o
 and the DiT images server answering 16 requests one at a time vs all at once (dynamic batching).
 
 llm_tiny is trained briefly (scripts/train.py in a subprocess) for its export; the server is scripts/serve.py
-in a subprocess (common/tools/serving.py), answering over HTTP. The DiT is dit_tiny built from its recipe
+in a subprocess (scripts/kiln/serving.py), answering over HTTP. The DiT is dit_tiny built from its recipe
 config (speed does not depend on the weights). Short runs in every mode (`make bench` always ran this
 benchmark's quick settings): 32 new tokens per request, 10 DDIM steps, one run per cell.
 """
@@ -87,7 +87,7 @@ def bench_server(
     export: Path, texts: list[str], cfg: Config, engine: str, threads: int, log: Path
 ) -> tuple[dict[int, tuple], float]:
     """({concurrency: (generated tokens, seconds)}, start-up seconds) through scripts/serve.py on `engine`."""
-    from common.tools.serving import running_server
+    from scripts.kiln.serving import running_server
 
     name = "bench"
     overrides = [f"serve.engine={engine}", f"serve.served_model_name={name}", "serve.dtype=float32"]
@@ -109,7 +109,7 @@ def bench_server(
 
 
 def llm_table(opts, cfg: Config, work: Path, s: Section) -> None:
-    from common.tools.serving import serve_env
+    from scripts.kiln.serving import serve_env
 
     say(f"serving: training llm_tiny for {cfg.llm_steps} steps for its export")
     run_dir = work / "llm_tiny"
@@ -201,7 +201,7 @@ def images_per_s(base: str, requests: int, steps: int, concurrency: int) -> floa
 
 def dit_server_table(opts, cfg: Config, work: Path, model, recipe, s: Section) -> None:
     """The images server on onnxruntime: one request at a time vs all at once (dynamic batching)."""
-    from common.tools.serving import running_server
+    from scripts.kiln.serving import running_server
 
     export = work / "dit_export"
     write_dit_export(model, recipe, export)
@@ -242,9 +242,9 @@ def dit_table(opts, cfg: Config, work: Path, s: Section) -> None:
 
     from common.diffusion.objective import ddpm_scheduler
     from common.diffusion.sampling import sample_images
-    from common.launch import compose
     from recipes.dit.model import build_model, null_class
     from recipes.dit.onnx import OnnxDiT, check_parity, export_onnx
+    from scripts.kiln.launch import compose
 
     recipe = compose(["recipe=dit_tiny"])
     torch.manual_seed(0)

@@ -116,9 +116,9 @@ FLY, CACHED = "on-the-fly encoders + VAE", "cached embeddings + latents"
 
 
 def cache(opts, s: Section, pipeline: Path) -> None:
-    from common.launch import compose
-    from common.tools.fixtures import make_caption_folder
     from data import cache_latents
+    from data.tiny_bases import make_caption_folder
+    from scripts.kiln.launch import compose
 
     work, run = opts.work / "t2i_cache", pick_run(opts)
     say(f"t2i: cache, captioned digits at {IMAGE_SIZE}px, building shards and the encoders' cache")
@@ -186,8 +186,8 @@ def kept_share(width: int, height: int, shape: tuple[int, int]) -> float:
 
 
 def buckets(opts, s: Section, pipeline: Path) -> None:
-    from common.launch import compose
     from recipes.t2i.pipeline import transformer_config, vae_factor
+    from scripts.kiln.launch import compose
 
     work, run = opts.work / "t2i_buckets", pick_run(opts)
     multiple = vae_factor(pipeline) * transformer_config(pipeline)["patch_size"]  # the bucket sides the model takes
@@ -288,7 +288,7 @@ def buckets_report(s: Section, records: dict[str, list[list[dict]]], meta: dict,
 
 
 def run(opts) -> Section:
-    from common.tools.fixtures import make_sd3_pipeline
+    from data.tiny_bases import make_sd3_pipeline
 
     s = Section("t2i", "Text-to-image: cached vs on-the-fly embeddings and latents; bucketed vs square-cropped")
     with quiet(opts.log):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from common.launch import compose
 from common.memory import deepspeed_state_bytes, model_state_bytes
 from scripts.benchmarks.harness import train_run
 from scripts.benchmarks.report import Section, Target, md_table, mib, say
+from scripts.kiln.launch import compose
 
 TARGET_ZERO_MATCH = 0.10  # measured model-state bytes within this of the memory model
 WORLD = 2

@@ -226,9 +226,9 @@ UNIVERSAL_SOURCES = [(stage, "fp32") for stage in range(4)] + [(3, "bf16"), (0, 
 
 def _engine(stage: int, precision: str, ranks: int, ac: str = "none"):
     from common.engine import DeepSpeedEngine
-    from common.launch import compose
     from recipes.dit.model import build_model
     from recipes.dit.parallelize import parallelize
+    from scripts.kiln.launch import compose
 
     cfg = compose(
         [
@@ -333,7 +333,7 @@ def _load_everywhere(root: str) -> dict:
 
 
 def test_universal_reader_takes_every_stage_both_forms(tmp_path):
-    from common.tools.launcher import spawn_ranks
+    from tests.support.launcher import spawn_ranks
 
     spawn_ranks(_save_sources, (str(tmp_path),), world=2, out_dir=tmp_path)
     three = tmp_path / "zero3_fp32" / "checkpoints" / "step_0000002"

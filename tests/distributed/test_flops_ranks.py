@@ -80,8 +80,8 @@ def test_parallel_ranks_count_their_share(tmp_path):
 
 def _recipe_step_flops(overrides: list[str]) -> dict:
     from common.distributed import init_distributed
-    from common.launch import compose
     from common.profiling import StepTimer
+    from scripts.kiln.launch import compose
 
     cfg = compose(overrides)
     family = cfg.recipe.family

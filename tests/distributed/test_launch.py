@@ -1,4 +1,4 @@
-"""Kiln's launcher, `python scripts/train.py --nproc_per_node N ...` (common/launch.py: torchrun's launch through
+"""Kiln's launcher, `python scripts/train.py --nproc_per_node N ...` (scripts/kiln/launch.py: torchrun's launch through
 torch's elastic agent), started as a user starts it, in real processes: a mistake in a multi-rank command is one
 line on the console, the layout's first."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from common.tools.launcher import TRAIN, launch_env
+from tests.support.launcher import TRAIN, launch_env
 
 pytestmark = pytest.mark.distributed
 

@@ -15,9 +15,9 @@ import json
 import pytest
 import torch
 
-from common.tools.launcher import spawn_ranks
 from tests.conftest import losses, run_train
 from tests.fixtures.runs import LLM_10_STEPS, MOE_16_STEPS
+from tests.support.launcher import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 CP = 2
@@ -80,11 +80,11 @@ ATTENTION = ("sdpa", "flash")
 
 
 def _exchange_memory(qkv: dict, shard) -> dict:
-    """Bytes of the storages one forward of the attention creates (common/tools/activations.py): the most alive at
+    """Bytes of the storages one forward of the attention creates (common/activations.py): the most alive at
     once and those alive at its end (what the graph keeps for backward, and the output)."""
     import torch.distributed as tdist
 
-    from common.tools.activations import peak_and_kept
+    from common.activations import peak_and_kept
     from recipes.llm.model import attend
 
     inputs = {name: t.detach().requires_grad_() for name, t in qkv.items()}
@@ -194,9 +194,9 @@ VOCAB = 96
 
 def _tiny_llama():
     """The model of COMPOSED with random weights (the same on every rank: seeded), fp32."""
-    from common.launch import compose
     from recipes.llm.model import Transformer
     from recipes.llm.train import llama_args
+    from scripts.kiln.launch import compose
 
     cfg = compose(COMPOSED)
     model = Transformer(llama_args(cfg, VOCAB))

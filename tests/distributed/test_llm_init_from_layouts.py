@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.tools.launcher import spawn_ranks
 from tests.conftest import REPO, run_train
 from tests.fixtures.llm import write_llama_folder, write_token_dataset
+from tests.support.launcher import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 VARIANTS = ("tied", "gqa")
@@ -85,9 +85,9 @@ def _load_forward_export(folders: dict, run_root: str) -> dict:
     from transformers import LlamaForCausalLM
 
     from common.distributed import init_distributed
-    from common.launch import compose
     from common.profiling import StepTimer
     from recipes.llm.train import LLMTrainer
+    from scripts.kiln.launch import compose
 
     dist, out = init_distributed(), {}
     for variant in VARIANTS:
@@ -131,9 +131,9 @@ def _tied_training(folders: dict, run_root: str) -> dict:
     import torch.distributed as tdist
 
     from common.distributed import init_distributed
-    from common.launch import compose
     from common.profiling import StepTimer
     from recipes.llm.train import LLMTrainer
+    from scripts.kiln.launch import compose
 
     dist, out = init_distributed(), {}
     for layout, extra in {

@@ -94,8 +94,8 @@ def _untrained_eval(run_dir: str, extra: list[str]) -> dict:
     from pathlib import Path
 
     from common.distributed import init_distributed
-    from common.launch import compose
     from recipes.llm.train import LLMTrainer
+    from scripts.kiln.launch import compose
 
     dist = init_distributed()
     cfg = compose(
@@ -118,7 +118,7 @@ def test_bf16_eval_under_pp_runs_the_training_forward(tmp_path):
     """Evaluation under pp=2 runs in the precision training does (bf16 autocast, the one loss of recipes/llm/loss.py):
     the seeded model's held-out loss equals the single process's up to bf16 batching noise (measured 8e-7; on main
     the pipeline evaluated in fp32 while training ran in bf16: 3e-5 apart)."""
-    from common.tools.launcher import spawn_ranks
+    from tests.support.launcher import spawn_ranks
 
     one = spawn_ranks(_untrained_eval, (str(tmp_path / "one"), []), 1, tmp_path)[0]
     pp2 = spawn_ranks(_untrained_eval, (str(tmp_path / "pp2"), ["parallel.pp=2"]), 2, tmp_path)[0]

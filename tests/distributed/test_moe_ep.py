@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from common.metrics import read_metrics
-from common.tools.launcher import spawn_ranks
 from tests.conftest import run_train
 from tests.fixtures.llm import write_moe_folder, write_token_dataset
+from tests.support.launcher import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 STEPS = 10
@@ -80,9 +80,9 @@ def test_resume_under_ep2_is_bitwise_and_under_ep1_matches(runs, tmp_path):
 def _first_step_gradients(run_dir: str, extra: list[str]) -> dict:
     """One moe_tiny step: the whole gradients of layer 1's router and of its expert 5 (held by ep rank 1)."""
     from common.distributed import init_distributed
-    from common.launch import compose
     from common.profiling import StepTimer
     from recipes.llm.train import LLMTrainer
+    from scripts.kiln.launch import compose
 
     dist = init_distributed()
     trainer = LLMTrainer(compose([*BASE, *extra, f"run.dir={run_dir}"]), dist, Path(run_dir))
@@ -128,9 +128,9 @@ def _init_from_under_ep2(folders: dict, run_root: str, extra: list[str]) -> dict
     from transformers import AutoModelForCausalLM
 
     from common.distributed import init_distributed
-    from common.launch import compose
     from common.profiling import StepTimer
     from recipes.llm.train import LLMTrainer
+    from scripts.kiln.launch import compose
     from tests.distributed.test_llm_init_from_layouts import _rank_logits, compare_export
 
     dist, out = init_distributed(), {}

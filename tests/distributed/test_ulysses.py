@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.tools.launcher import spawn_ranks
+from tests.support.launcher import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 CP = 2
@@ -95,9 +95,9 @@ MEM_B, MEM_S, MEM_H, MEM_D = 2, 64, 8, 16
 
 
 def _exchange_memory(groups) -> dict:
-    """Bytes of the storages a DistributedAttention forward around SDPA creates (common/tools/activations.py): the most
+    """Bytes of the storages a DistributedAttention forward around SDPA creates (common/activations.py): the most
     alive at once and those alive at its end (what the graph keeps for backward, and the output)."""
-    from common.tools.activations import peak_and_kept
+    from common.activations import peak_and_kept
     from common.ulysses import sdpa_kernel, ulysses_kernel
 
     g = torch.Generator().manual_seed(3)

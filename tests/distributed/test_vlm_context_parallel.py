@@ -16,8 +16,8 @@ import copy
 import pytest
 import torch
 
-from common.tools.launcher import spawn_ranks
 from recipes.vlm.context_parallel import ULYSSES_PREFIX
+from tests.support.launcher import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 CP = 2

@@ -34,10 +34,10 @@ def _stages_worker(rank: int, world: int, port: int, folder: str) -> None:
 
     from common.distributed import init_distributed, teardown
     from common.engine import DeepSpeedEngine
-    from common.launch import compose
     from recipes.vlm.data import encode_conversation
     from recipes.vlm.parallelize import parallelize
     from recipes.vlm.sources import weight_source
+    from scripts.kiln.launch import compose
 
     init_distributed()
     result = {}

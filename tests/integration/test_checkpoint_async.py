@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from common.tools.launcher import REPO, TRAIN, launch_env, train_command
 from tests.conftest import losses, run_train
+from tests.support.launcher import REPO, TRAIN, launch_env, train_command
 
 pytestmark = pytest.mark.integration
 ARGS = [

@@ -11,8 +11,8 @@ from diffusers import DDIMScheduler, DiTTransformer2DModel
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from common.launch import compose
 from recipes.dit.model import build_model
+from scripts.kiln.launch import compose
 from tests.conftest import FAST_DIT, losses, run_train
 
 pytestmark = pytest.mark.integration

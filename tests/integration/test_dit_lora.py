@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from common.tools.launcher import spawn_ranks
 from tests.fixtures.lora import (
     DIT_ADAPTED,
     DIT_SAMPLER_STEPS,
@@ -27,6 +26,7 @@ from tests.fixtures.lora import (
 from tests.fixtures.lora import (
     dit_overrides as overrides,
 )
+from tests.support.launcher import spawn_ranks
 
 pytestmark = pytest.mark.integration
 STEPS = DIT_SAMPLER_STEPS

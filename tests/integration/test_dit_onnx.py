@@ -16,9 +16,9 @@ from diffusers import DDPMScheduler, DiTTransformer2DModel
 
 from common.diffusion.evaluate import class_labels
 from common.diffusion.sampling import sample_images, to_uint8
-from common.launch import compose
 from recipes.dit.model import build_model
 from recipes.dit.onnx import PARITY_TOL, OnnxDiT, ParityError, check_parity, export_onnx
+from scripts.kiln.launch import compose
 from tests.conftest import REPO, gpus_visible, load_script
 from tests.unit.test_trt_build import fake_trtexec
 

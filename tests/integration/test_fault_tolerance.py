@@ -22,9 +22,9 @@ import time
 import pytest
 import torch
 
-from common.tools.launcher import REPO, launch_env, train_command
 from tests.conftest import FAST_DIT, losses, run_train
 from tests.fixtures.runs import LLM_TP2_PP2
+from tests.support.launcher import REPO, launch_env, train_command
 
 pytestmark = pytest.mark.integration
 DIT = [*FAST_DIT, "trainer.eval=false", "diffusion.samples_per_class=1", "diffusion.sample_steps=2"]

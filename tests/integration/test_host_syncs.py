@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from common.tools.launcher import TRAIN, launch_env, run_python, train_command
+from tests.support.launcher import TRAIN, launch_env, run_python, train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 KILN = tuple(f"{ROOT / folder}/" for folder in ("common", "recipes", "scripts", "data"))  # not .venv/, not tests/
@@ -34,7 +34,7 @@ def count_reads(argv: list[str], out: Path) -> None:
     import torch
 
     import common.trainer
-    from common.launch import main
+    from scripts.kiln.launch import main
 
     counts: dict[int, list[str]] = {}
     current = [0]  # the step being computed (0: set-up)

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from common.tools.launcher import spawn_ranks
+from tests.support.launcher import spawn_ranks
 
 pytestmark = pytest.mark.integration
 
 
 def _eval_before_and_after(recipe: str, run_dir: str) -> dict:
     from common.distributed import init_distributed
-    from common.launch import compose
     from recipes.llm.train import LLMTrainer
+    from scripts.kiln.launch import compose
 
     dist = init_distributed()
     cfg = compose(

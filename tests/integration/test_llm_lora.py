@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.tools.launcher import run_python, spawn_ranks
 from tests.conftest import REPO, losses, run_train
 from tests.fixtures.llm import write_llama_folder, write_token_dataset
+from tests.support.launcher import run_python, spawn_ranks
 
 pytestmark = pytest.mark.integration
 HF_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -74,10 +74,10 @@ def _train_and_export(folders: dict, run_dir: str, out: str) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from common.distributed import init_distributed
-    from common.launch import compose
     from common.lora import base_key, is_adapter_key
     from recipes.llm.hf_adapter import to_hf_state_dict
     from recipes.llm.train import LLMTrainer
+    from scripts.kiln.launch import compose
 
     cfg = compose(overrides(folders, Path(run_dir), "trainer.max_steps=4", "export.merge_lora=true"))
     trainer = LLMTrainer(cfg, init_distributed(), Path(run_dir))

@@ -48,11 +48,11 @@ def test_the_loss_is_the_global_token_mean_however_the_batch_is_accumulated(tmp_
 def _rows_and_saved_bytes(run_dir: str) -> list[tuple]:
     from pathlib import Path
 
+    from common.activations import kept_for_backward
     from common.distributed import init_distributed
-    from common.launch import compose
     from common.memory import configured_layout, estimate
-    from common.tools.activations import kept_for_backward
     from recipes.llm.train import LLMTrainer, memory_spec
+    from scripts.kiln.launch import compose
 
     cfg = compose([*BASE, "data.max_seq_len=128", "trainer.micro_batch_size=4", "data.num_workers=0"])
     trainer = LLMTrainer(cfg, init_distributed(), Path(run_dir))
@@ -77,7 +77,7 @@ def test_a_micro_batch_is_micro_batch_size_rows_and_the_planner_prices_it(tmp_pa
     its forward + loss keeps for backward is what the memory planner (run.dry_run, scripts/plan.py) prices for
     "micro batch 4 x 128 tokens". When a micro-batch counted documents, the same config laid 10-16 rows per step
     and kept 2.5-4.0x the planned bytes."""
-    from common.tools.launcher import spawn_ranks
+    from tests.support.launcher import spawn_ranks
 
     steps = spawn_ranks(_rows_and_saved_bytes, (str(tmp_path / "run"),), 1, tmp_path)[0]
     print("shape, tokens, kept / planned, longest piece:", steps)

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from common.tools.launcher import run_python
 from tests.conftest import losses, run_train
 from tests.fixtures.llm import write_chat, write_corpus, write_llama_tokenizer
+from tests.support.launcher import run_python
 
 pytestmark = pytest.mark.integration
 FAST = ["recipe=llm_tiny", "trainer.log_every=1", "trainer.progress_bar=false", "checkpoint.final=false"]

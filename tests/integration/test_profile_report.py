@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from common.tools.traces import COMM_PATTERN, ROWS, RankTrace, merge_traces, rank_breakdown
+from scripts.kiln.traces import COMM_PATTERN, ROWS, RankTrace, merge_traces, rank_breakdown
 from tests.conftest import FAST_DIT, REPO, run_train
 
 pytestmark = pytest.mark.integration

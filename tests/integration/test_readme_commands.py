@@ -24,10 +24,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from common.distributed import free_port
-from common.tools import fixtures
-from common.tools.launcher import launch_env, run_python
+from data import tiny_bases as fixtures
 from tests.conftest import REPO
 from tests.fixtures import llm, vlm
+from tests.support.launcher import launch_env, run_python
 
 pytestmark = pytest.mark.integration
 
@@ -349,7 +349,7 @@ def test_readme_command_runs(argv, session):
         noise = [line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("kiln:")]
         assert proc.returncode != 0 or not noise, "\n".join(noise)
     else:
-        proc = run_python(cmd, env=env, timeout=900)  # forked from the preloaded server (common/tools/launcher.py)
+        proc = run_python(cmd, env=env, timeout=900)  # forked from the preloaded server (tests/support/launcher.py)
     assert proc.returncode == 0, (
         f"docs command failed ({proc.returncode}): {' '.join(argv)}\nran: {shlex.join(cmd)}\n"
         f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

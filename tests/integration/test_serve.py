@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from common.tools.serving import http as _http
-from common.tools.serving import running_server
+from scripts.kiln.serving import http as _http
+from scripts.kiln.serving import running_server
 from tests.conftest import run_train
 from tests.fixtures.runs import LLM_SERVED
 

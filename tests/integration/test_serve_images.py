@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common.tools.serving import http, running_server
+from scripts.kiln.serving import http, running_server
 from tests.conftest import FAST_DIT, load_script, run_train
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")

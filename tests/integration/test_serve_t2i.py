@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from common.tools.serving import http, running_server
+from scripts.kiln.serving import http, running_server
 from tests.fixtures.t2i import IMAGE_SIZE, t2i_run_args
 
 openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")

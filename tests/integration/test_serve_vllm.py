@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import pytest
 
-from common.tools.serving import BASE_LM_CHAT_TEMPLATE, http, running_server
+from scripts.kiln.serving import BASE_LM_CHAT_TEMPLATE, http, running_server
 from tests.conftest import run_train
 from tests.fixtures.llm import write_llama_folder, write_token_dataset
 from tests.fixtures.runs import MOE_16_STEPS

@@ -23,8 +23,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from common.tools.serving import running_server, serve_venv
 from recipes.vlm.archs import QWEN_ARCHS
+from scripts.kiln.serving import running_server, serve_venv
 from tests.fixtures.runs import qwen_lora
 from tests.fixtures.vllm import NEEDS_VLLM, VLLM_EAGER, data_url, greedy, openai_client
 from tests.fixtures.vlm import qwen_run_args

@@ -15,7 +15,7 @@ import io
 import numpy as np
 import pytest
 
-from common.tools.serving import http, running_server
+from scripts.kiln.serving import http, running_server
 from tests.conftest import run_train
 from tests.fixtures.vllm import NEEDS_VLLM, VLLM_EAGER, ask, data_url, greedy, openai_client
 

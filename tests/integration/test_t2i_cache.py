@@ -14,8 +14,8 @@ import torch
 
 from common.data.webdataset import iter_samples
 from common.errors import DataError
-from common.launch import compose
 from data import cache_latents
+from scripts.kiln.launch import compose
 from tests.conftest import losses, run_train
 from tests.fixtures.t2i import t2i_run_args
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError
-from common.launch import compose
+from scripts.kiln.launch import compose
 from tests.conftest import load_script, losses
 from tests.fixtures.lora import assert_same_export
 from tests.fixtures.t2i import IMAGE_SIZE, t2i_run_args

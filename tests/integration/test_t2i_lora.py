@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.tools.launcher import run_train
 from tests.conftest import load_script
 from tests.fixtures.lora import assert_same_export
 from tests.fixtures.t2i import IMAGE_SIZE, t2i_lora_run_args
+from tests.support.launcher import run_train
 
 pytestmark = pytest.mark.integration
 # Measured max pixel difference (0-255 scale) between diffusers' pipelines (base + load_lora_weights; merged) and

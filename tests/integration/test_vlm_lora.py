@@ -14,7 +14,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from common.tools.launcher import spawn_ranks
 from tests.conftest import load_script, run_train
 from tests.fixtures import vlm as fx
 from tests.fixtures.lora import (
@@ -27,6 +26,7 @@ from tests.fixtures.lora import (
 from tests.fixtures.lora import (
     vlm_overrides as overrides,
 )
+from tests.support.launcher import spawn_ranks
 
 pytestmark = pytest.mark.integration
 HF_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}

@@ -29,11 +29,11 @@ import subprocess
 import numpy as np
 import pytest
 
-from common.tools.fixtures import make_qwen2_5_vl, make_qwen3_vl
-from common.tools.serving import serve_env, serve_venv
+from data.tiny_bases import make_qwen2_5_vl, make_qwen3_vl
 from recipes.vlm.data import IMAGE_TOKEN, render_turns
 from recipes.vlm.qwen import IMAGE_SLOT, VIDEO_SLOT, VIDEO_TOKEN, encode_qwen, load_processing
 from recipes.vlm.video import QWEN2_FPS, VIDEO_CONFIG, frames_video
+from scripts.kiln.serving import serve_env, serve_venv
 from tests.unit.test_vlm_qwen import frames, image, video_conversation
 
 pytestmark = [

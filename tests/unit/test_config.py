@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from common.errors import ConfigError
-from common.launch import compose
-from common.tools.launcher import run_python
+from scripts.kiln.launch import compose
 from tests.conftest import REPO, TRAIN
+from tests.support.launcher import run_python
 
 RECIPES = sorted(p.stem for p in (REPO / "configs" / "recipe").glob("*.yaml"))
 # A group option whose schema is a family's (configs/<group>/<option>.yaml's first default) composes with
@@ -111,10 +111,10 @@ def test_dataset_builder_argv_follows_the_model():
 @pytest.fixture
 def notes(monkeypatch, capsys):
     """() -> the `kiln: note:` lines on stderr since the last call; every renamed key is noted afresh (a process
-    notes each once: common/launch.py)."""
-    import common.launch
+    notes each once: common/compose.py)."""
+    import common.compose
 
-    monkeypatch.setattr(common.launch, "_NOTED", set())
+    monkeypatch.setattr(common.compose, "_NOTED", set())
     capsys.readouterr()
     return lambda: [line for line in capsys.readouterr().err.splitlines() if line.startswith("kiln: note:")]
 
@@ -170,7 +170,7 @@ def test_an_old_key_composes_as_the_new_one_with_one_note(recipe, old, new, note
     ],
 )
 def test_an_old_key_of_another_family_is_unknown(recipe, old, capsys, notes):
-    from common.launch import main
+    from scripts.kiln.launch import main
 
     with pytest.raises(SystemExit) as exit_:
         main([f"recipe={recipe}", old])
@@ -349,8 +349,8 @@ def test_cli_mistakes_print_one_line_and_write_nothing(tmp_path: Path, override,
 def test_a_tilde_in_a_path_value_is_the_home_folder(tmp_path, monkeypatch, capsys):
     """The README's spelling, `key=~/...`: the shell leaves a `~` after `key=` alone and Hydra's grammar has no
     unquoted `~`; train.py and serve.py read it as $HOME, in lists, dicts and quotes too."""
-    from common.launch import main
-    from common.tools.serving import compose as compose_serve
+    from scripts.kiln.launch import main
+    from scripts.kiln.serving import compose as compose_serve
     from tests.fixtures.llm import write_llama_folder
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -383,7 +383,7 @@ def test_a_tilde_in_a_path_value_is_the_home_folder(tmp_path, monkeypatch, capsy
     ],
 )
 def test_an_unreadable_argument_is_one_line_naming_it(argv, argument, capsys):
-    from common.launch import main as train
+    from scripts.kiln.launch import main as train
     from scripts.serve import main as serve
 
     with pytest.raises(SystemExit) as exit_:

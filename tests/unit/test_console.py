@@ -1,5 +1,5 @@
 """What the console shows: Kiln's lines and what a user must act on. The launcher's one-line failure report
-(common/launch.py), the library messages known to be harmless, filtered where they are emitted
+(scripts/kiln/launch.py), the library messages known to be harmless, filtered where they are emitted
 (common/known_warnings.py) and no others, and `make serve-env`'s expected pip conflict kept off the console."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from common.errors import ConfigError
 from common.known_warnings import silence_known_warnings
-from common.launch import failure_line, main, record_error, split_launch_options
+from scripts.kiln.launch import failure_line, main, record_error, split_launch_options
 from tests.conftest import REPO
 
 

@@ -16,8 +16,8 @@ from common.config import DataConfig
 from common.data import prepare_dataset
 from common.distributed import DistInfo
 from common.errors import DataError
-from common.tools.launcher import run_python
 from tests.conftest import REPO
+from tests.support.launcher import run_python
 
 SOLO = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 SMALL = ["--train-shards", "2", "--val-shards", "1"]

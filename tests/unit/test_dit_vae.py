@@ -11,18 +11,18 @@ import torch
 from diffusers import DiTTransformer2DModel
 from diffusers.models.attention import BasicTransformerBlock
 
+from common.activations import kept_for_backward
 from common.diffusion.vae import vae_geometry
 from common.errors import ConfigError
-from common.launch import compose, dry_run
 from common.memory import layer_activation_bytes
 from common.toggles import apply_ac
-from common.tools.activations import kept_for_backward
-from common.tools.fixtures import make_vae
-from common.tools.launcher import run_python
+from data.tiny_bases import make_vae
 from recipes.dit.config import DiTModelConfig
 from recipes.dit.model import build_model, shared_conditioning, untied
 from recipes.dit.train import memory_spec
+from scripts.kiln.launch import compose, dry_run
 from tests.conftest import TRAIN
+from tests.support.launcher import run_python
 
 
 @pytest.fixture(scope="module")

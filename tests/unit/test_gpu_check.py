@@ -121,7 +121,7 @@ def test_gpu_rows_compose_the_recipes_they_run():
     the bf16 one but for toggles.precision, both the ~1B Llama with FLOPs counted; the DiT runs their recipes."""
     import dataclasses
 
-    from common.launch import compose
+    from scripts.kiln.launch import compose
 
     bf16, fp8 = compose(gpu_check.llm_1b(30)), compose(gpu_check.llm_1b(30, precision="fp8"))
     assert (bf16.toggles.precision, fp8.toggles.precision) == ("bf16", "fp8")

@@ -1,6 +1,14 @@
-"""No import cycles among Kiln's modules (common, recipes, data, scripts): the graph of every `import` and
-`from ... import` of a Kiln module, at module top and inside functions alike (a function-local import only
-postpones a circle), read with ast, nothing imported."""
+"""The layers of DESIGN.md, held: every `import` and `from ... import` of a Kiln module, at module top and inside
+functions alike (a function-local import only postpones a circle), read with ast, nothing imported.
+
+    tests      test support, fixtures, the tests                      may import every layer below
+    scripts    the CLIs and the entry layer (scripts/kiln/)           imports data, recipes, common
+    data       dataset and demo-base builders                         imports recipes (registry), common
+    recipes    one folder per family + the registry                   imports common
+    common     the library every recipe uses                          imports nothing above it
+
+No cycle among modules, nor among the layers; no family's module (`recipes.<family>`) named outside recipes/ but by
+the registry, except the family-specific tools listed in FAMILY_TOOLS (a list that only shrinks)."""
 
 from __future__ import annotations
 
@@ -10,6 +18,35 @@ from pathlib import Path
 from tests.conftest import REPO
 
 PACKAGES = ("common", "recipes", "data", "scripts")
+# Each layer and the layers it must not import (tests, the top, is not product code: nothing imports it).
+FORBIDDEN = {
+    "common": ("recipes", "data", "scripts", "tests"),
+    "recipes": ("data", "scripts", "tests"),
+    "data": ("scripts", "tests"),
+    "scripts": ("tests",),
+}
+FAMILIES = ("dit", "t2i", "vlm", "llm")
+# Family-specific tools outside recipes/ that import their family's modules by name today (a DiT's export/eval/sample
+# CLIs, a benchmark section per family, the latent cache's decoders). Known and left for now: each should reach its
+# family through the registry (a spec field) and leave this list. No file may join it.
+FAMILY_TOOLS = {
+    "data.cache_latents",
+    "scripts.benchmarks.checkpoint",
+    "scripts.benchmarks.dit",
+    "scripts.benchmarks.export",
+    "scripts.benchmarks.loading",
+    "scripts.benchmarks.lora",
+    "scripts.benchmarks.moe",
+    "scripts.benchmarks.overhead",
+    "scripts.benchmarks.pipeline",
+    "scripts.benchmarks.serving",
+    "scripts.benchmarks.t2i",
+    "scripts.eval_dit",
+    "scripts.eval_t2i",
+    "scripts.export_dit",
+    "scripts.gpu_check",
+    "scripts.sample_dit",
+}
 # Cycles known and left for now, each as the sorted modules of one strongly connected component.
 # None today; recipes/vlm's (config -> pretrained -> model <-> parallelize) is gone and must stay gone.
 ALLOWED: set[tuple[str, ...]] = set()
@@ -129,7 +166,7 @@ def test_no_import_cycles_among_kiln_modules():
 
 def test_product_code_never_imports_the_tests():
     """common, recipes, data and scripts run where tests/ is not installed (a wheel, a GPU node's checkout may lack
-    it): what they need from a fixture lives in common/tools/fixtures.py."""
+    it): a demo base they need lives in data/tiny_bases.py, the way they start a run in scripts/kiln/processes.py."""
     offenders = sorted(
         f"{name} imports {target}"
         for name, path in kiln_modules().items()
@@ -179,3 +216,71 @@ def test_comments_cite_no_document_the_repository_lacks():
         if name not in present
     )
     assert not cited, "; ".join(cited)
+
+
+def layer_imports(root: Path = REPO) -> set[tuple[str, str, str]]:
+    """(layer, module, imported layer) for every import of another top-level layer, tests included."""
+    layers = (*PACKAGES, "tests")
+    found = set()
+    for layer in layers:
+        for path in sorted((root / layer).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[:2] == ("data", "cache"):
+                continue
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            for target in imported_names(name, path):
+                top = target.split(".")[0]
+                if top in layers and top != layer:
+                    found.add((layer, name, top))
+    return found
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    """common is a library: it imports nothing above it (the registry is handed to it, profiler traces are merged by
+    the launcher after the run); recipes import no builder, CLI or test; data no CLI or test; nothing the tests."""
+    offenders = sorted(
+        f"{name} imports {top}" for layer, name, top in layer_imports() if top in FORBIDDEN.get(layer, ())
+    )
+    assert not offenders, "; ".join(offenders)
+
+
+def test_no_cycle_between_the_layers():
+    graph: dict[str, set[str]] = {layer: set() for layer in (*PACKAGES, "tests")}
+    for layer, _, top in layer_imports():
+        graph[layer].add(top)
+    assert cycles(graph) == [], f"layers importing each other: {cycles(graph)}"
+
+
+def family_imports() -> dict[str, set[str]]:
+    """Module outside recipes/ (or the registry) -> the family modules (`recipes.<family>...`) it imports."""
+    found: dict[str, set[str]] = {}
+    for name, path in kiln_modules().items():
+        if name.startswith("recipes.") and name != "recipes.registry":
+            continue
+        named = {t for t in imported_names(name, path) if t.split(".")[:2][-1] in FAMILIES and t.startswith("recipes.")}
+        if named and name != "recipes.registry":
+            found[name] = named
+    return found
+
+
+def test_only_recipes_and_the_registry_name_a_family():
+    """The launcher, serving, the planner and common/ ask the registry (recipes/registry.py) what a family provides;
+    they never import `recipes.<family>` themselves. FAMILY_TOOLS: the known per-family tools, a list that shrinks."""
+    found = family_imports()
+    new = sorted(f"{name} imports {', '.join(sorted(found[name]))}" for name in set(found) - FAMILY_TOOLS)
+    assert not new, "; ".join(new)
+    assert not FAMILY_TOOLS - set(found), (
+        f"FAMILY_TOOLS that no longer name a family (remove them): {FAMILY_TOOLS - set(found)}"
+    )
+    assert not [n for n in found if n.startswith(("common.", "scripts.kiln."))]
+
+
+def test_the_layer_checks_catch_an_upward_import(tmp_path):
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "x.py").write_text("def f():\n    from scripts.kiln.launch import main\n")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "y.py").write_text("import common.x\n")
+    found = layer_imports(tmp_path)
+    assert ("common", "common.x", "scripts") in found and ("scripts", "scripts.y", "common") in found
+    graph = {"common": {"scripts"}, "scripts": {"common"}}
+    assert cycles(graph) == [("common", "scripts")]

@@ -157,7 +157,7 @@ def test_segments_allow_exactly_the_masks_pairs(method, cp):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_flash_composes_with_cp(method):
-    from common.launch import compose  # here: the GPU test's machine may lack Hydra
+    from scripts.kiln.launch import compose  # here: the GPU test's machine may lack Hydra
 
     cfg = compose(
         ["recipe=llm_tiny", "parallel.cp=2", f"parallel.cp_method={method}", "toggles.attention=flash"]
@@ -212,9 +212,9 @@ def test_the_planner_bounds_the_kernels_copies(monkeypatch):
     planner's "q, k, v" for the LLM under toggles.attention=flash (common/memory.py: Block.cp_varlen,
     cp_varlen_keys): allgather's is an upper bound over document layouts, reached on every rank when each row is one
     document (the most keys a piece can copy); alltoall's is exact. cp=2 and 4, fp32 (act_bytes 4)."""
-    from common.launch import compose  # here: the GPU test's machine may lack Hydra
     from common.memory import layer_saved
     from recipes.llm.train import memory_spec
+    from scripts.kiln.launch import compose  # here: the GPU test's machine may lack Hydra
 
     block = memory_spec(compose(["recipe=llm_tiny", "toggles.attention=flash", "toggles.precision=bf16"])).block
     # llm_tiny's q and k/v widths are this file's (4 heads x 32 and 2 x 32; here 8 x 16 and 4 x 16): the same bytes.

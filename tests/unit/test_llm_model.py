@@ -10,10 +10,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from common.data.packing import pack_samples
-from common.launch import compose
 from recipes.llm.hf_adapter import from_hf_state_dict, to_hf_config, to_hf_state_dict
 from recipes.llm.model import LlamaArgs, Transformer
 from recipes.llm.train import llama_args
+from scripts.kiln.launch import compose
 
 # 3 layers (pipeline split leaves more than one layer in the second stage), GQA with n_rep=2,
 # max_seq_len above the longest test row.

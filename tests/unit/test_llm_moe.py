@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import ConfigError
-from common.launch import compose
 from recipes.llm import hf
 from recipes.llm.hf_adapter import to_hf_config, to_hf_state_dict
 from recipes.llm.model import GroupedExperts, LlamaArgs, MoE, MoEArgs, Transformer, permute_tokens
 from recipes.llm.moe_losses import load_balancing_loss, model_router_sums, z_loss
 from recipes.llm.train import llama_args
+from scripts.kiln.launch import compose
 from tests.fixtures.llm import write_moe_folder
 
 # qwen3_moe_norm: the same Qwen3-MoE with norm_topk_prob on (the fixture's is off); mixtral always renormalizes.

@@ -11,13 +11,13 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 
 from common.data.packing import cu_seqlens_of_rows, pack_samples
 from common.errors import ConfigError
-from common.launch import compose
 from common.toggles import _save_matmuls
 from recipes.llm import model as llm_model
 from recipes.llm.data import model_inputs
 from recipes.llm.model import LlamaArgs, Transformer
 from recipes.llm.pipeline import _stage_view, _VarlenStage, pad_rows
 from recipes.llm.train import memory_spec
+from scripts.kiln.launch import compose
 
 ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=128, max_seq_len=64)
 ROW = 48

@@ -9,9 +9,9 @@ import torch
 
 from common import lora
 from common.errors import ConfigError
-from common.launch import compose
 from common.toggles import apply_ac
 from recipes.llm.model import LlamaArgs, Transformer, TransformerBlock
+from scripts.kiln.launch import compose
 from tests.fixtures.llm import write_llama_folder
 from tests.unit.test_llm_init_from import _kiln_error
 

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import ConfigError
-from common.launch import compose
 from common.memory import (
     DEEPSPEED_MIXED,
     GB,
@@ -32,9 +31,10 @@ from common.memory import (
     model_state_bytes,
     per_gpu_bytes,
 )
-from common.tools.planner import GPUS, candidate_layouts, plan
 from recipes.dit.train import memory_spec as dit_spec
 from recipes.llm.train import memory_spec as llm_spec
+from scripts.kiln.launch import compose
+from scripts.kiln.planner import GPUS, candidate_layouts, plan
 
 REPO = Path(__file__).resolve().parents[2]
 

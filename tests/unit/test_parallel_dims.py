@@ -80,7 +80,7 @@ def test_expert_mesh_draws_ep_from_dp_x_cp(cp, ep):
     import json
     import sys
 
-    from common.tools.launcher import run_python
+    from tests.support.launcher import run_python
 
     # Its own process: torch allows one default process group a process, and another test of this pytest worker may
     # hold one.

@@ -14,10 +14,10 @@ from PIL import Image
 
 from common.data.dataset import load_dataset_meta
 from common.data.webdataset import iter_samples
-from common.tools.fixtures import make_image_folder
-from common.tools.launcher import run_python
 from data import prepare_images
+from data.tiny_bases import make_image_folder
 from recipes.dit.data import decode_sample
+from tests.support.launcher import run_python
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +164,8 @@ def test_bad_folders_stop_with_one_line(tmp_path, layout, needle):
 
 def test_training_refuses_shards_of_another_size(built):
     from common.errors import DataError
-    from common.launch import compose
     from recipes.dit.data import check_image_size
+    from scripts.kiln.launch import compose
 
     meta = load_dataset_meta(built)
     assert check_image_size(compose(["recipe=dit_tiny", "data=images", "data.image_size=32"]), meta) is meta

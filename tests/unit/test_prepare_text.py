@@ -301,8 +301,8 @@ def test_llm_stream_is_rows_of_max_seq_len_and_resumes_mid_document(meta, sample
     of data.max_seq_len tokens, documents longer than a row included; the rows' tokens are the documents' in stream
     order (the loader's own document order), and a stream saved mid-document (through torch.save, as a checkpoint
     keeps it) resumes with the same next micro-batches."""
-    from common.launch import compose
     from recipes.llm.data import build_train_loader
+    from scripts.kiln.launch import compose
 
     cfg = compose(["recipe=llm_tiny", "trainer.micro_batch_size=2", "data.max_seq_len=64", "data.num_workers=0"])
     stream = build_train_loader(cfg, meta["train_urls"], dp=2, chat=False)

@@ -284,8 +284,8 @@ def test_chat_build_counts_malformed_and_too_long_rows(tmp_path, tok_dir, chat_f
     labels = [decode_document(s)["labels"] for s in _samples(out)]
     assert sum(int((lab != -100).sum()) for lab in labels) == meta["labelled_tokens"]
     # Training refuses a data.max_seq_len shorter than the longest conversation (never cuts one).
-    from common.launch import compose
     from recipes.llm.data import prepare_data
+    from scripts.kiln.launch import compose
 
     cfg = compose(["recipe=llm_tiny", "data=chat_shards", f"data.root={out}", "data.max_seq_len=32"])
     with pytest.raises(DataError, match="data.max_seq_len=32"):
@@ -333,7 +333,7 @@ def test_a_file_without_one_usable_row_says_why(tmp_path, tok_dir, capsys):
 
 
 def test_a_missing_user_dataset_names_its_build_command(tmp_path):
-    from common.launch import compose
+    from scripts.kiln.launch import compose
 
     cfg = compose(["recipe=llm_tiny", "data=chat_shards", f"data.root={tmp_path / 'none'}"])
     with pytest.raises(

@@ -6,10 +6,10 @@ import pytest
 import torch
 from diffusers.models.attention_processor import Attention
 
-from common.launch import compose
 from recipes.dit.config import DiTModelConfig
 from recipes.dit.model import build_model, null_class
 from recipes.dit.parallelize import KernelAttnProcessor, flash_kernel, sdpa_kernel, set_attention
+from scripts.kiln.launch import compose
 from tests.conftest import run_train
 
 

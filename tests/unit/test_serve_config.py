@@ -13,8 +13,7 @@ import tempfile
 import pytest
 
 from common.errors import ConfigError, UserError
-from common.tools.launcher import run_python
-from common.tools.serving import (
+from scripts.kiln.serving import (
     ServeSection,
     build_hub_cache,
     check_export,
@@ -27,6 +26,7 @@ from common.tools.serving import (
     vllm_command,
 )
 from tests.conftest import REPO
+from tests.support.launcher import run_python
 
 SERVE = str(REPO / "scripts" / "serve.py")
 
@@ -59,7 +59,7 @@ def fake_serve_env(folder, build: str):
 
 
 def _serve(*args, tmp="/nonexistent", fresh=False, **env):
-    """scripts/serve.py, forked preloaded (common/tools/launcher.py), or in a `fresh` interpreter of its own (what
+    """scripts/serve.py, forked preloaded (tests/support/launcher.py), or in a `fresh` interpreter of its own (what
     it prints at import shows there); its per-server scratch state (a dry run writes some) goes under `tmp`."""
     base = {k: v for k, v in os.environ.items() if k not in ("KILN_API_KEY", "VLLM_API_KEY")}
     cmd, env = [sys.executable, SERVE, *args], {**base, "TMPDIR": str(tmp), **env}

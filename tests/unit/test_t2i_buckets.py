@@ -193,10 +193,10 @@ _SOURCE = _Sources()
 def test_bucket_and_bad_sample_refusals_are_one_line(bucketed, t2i_world, tmp_path, capsys):
     from common.data.dataset import load_dataset_meta
     from common.errors import DataError
-    from common.launch import compose, main
     from data.prepare_captions import build_caption_shards
     from data.prepare_captions import main as prepare
     from recipes.t2i.data import check_captions
+    from scripts.kiln.launch import compose, main
 
     base = ["recipe=t2i_tiny", f"model.init_from={t2i_world['pipeline']}", "data.build=[]"]
     meta = load_dataset_meta(bucketed)

@@ -8,15 +8,15 @@ import json
 import pytest
 
 from common.errors import ConfigError
-from common.launch import compose, main
+from scripts.kiln.launch import compose, main
 
 
 @pytest.mark.parametrize("metadata", [False, True], ids=["txt_beside", "metadata_jsonl"])
 def test_captioned_folder_to_shards_counts_its_skips(tmp_path, metadata):
     from common.data.dataset import load_dataset_meta
     from common.data.webdataset import iter_samples
-    from common.tools.fixtures import digit_caption, make_caption_folder
     from data.prepare_captions import build_caption_shards, skip_summary
+    from data.tiny_bases import digit_caption, make_caption_folder
 
     folder = make_caption_folder(tmp_path / "in", per_digit=3, digits=2, size=8, metadata=metadata)
     meta, built = build_caption_shards(tmp_path / "out", input=folder, image_size=16, train_shards=2, val_shards=1)
@@ -36,9 +36,9 @@ def test_captioned_folder_to_shards_counts_its_skips(tmp_path, metadata):
 
 
 def test_an_empty_val_split_is_said_in_one_line(tmp_path, capsys):
-    from common.tools.fixtures import make_caption_folder
     from data.prepare_captions import main as prepare
     from data.prepare_captions import split_rows
+    from data.tiny_bases import make_caption_folder
 
     # Two digits and a broken file with a caption: 3 usable images, one held out; a seed that holds out the broken one.
     folder = make_caption_folder(tmp_path / "in", per_digit=1, digits=2, size=8)
@@ -52,8 +52,8 @@ def test_an_empty_val_split_is_said_in_one_line(tmp_path, capsys):
 
 
 def test_a_caption_that_is_not_text_is_one_line(tmp_path):
-    from common.tools.fixtures import make_caption_folder
     from data.prepare_captions import main as prepare
+    from data.tiny_bases import make_caption_folder
 
     folder = make_caption_folder(tmp_path / "in", per_digit=2, digits=1, size=8, bad=False)
     (folder / "0_0000.txt").write_bytes(b"\xff\xfe\x00binary")

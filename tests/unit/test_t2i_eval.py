@@ -21,7 +21,7 @@ from common.data.digit_captions import (
 
 
 def test_held_out_phrasings_are_absent_from_the_training_captions(tmp_path):
-    from common.tools.fixtures import make_caption_folder
+    from data.tiny_bases import make_caption_folder
 
     # What data.prepare_captions --digits captions, read back from the folder it writes (its 180 images per digit
     # take the phrasings in turn: 8 show them all).
@@ -62,8 +62,8 @@ def test_the_scorer_reads_the_prompted_digit_on_real_images_and_not_another(tmp_
 
     from common.data.dataset import load_dataset_meta
     from common.diffusion import vae as vae_lib
-    from common.tools.fixtures import make_caption_folder, make_vae
     from data.prepare_captions import build_caption_shards
+    from data.tiny_bases import make_caption_folder, make_vae
     from recipes.t2i.evaluate import eval_prompts, read_captioned_digits, score_prompt_adherence, through_vae
 
     per_digit = 30

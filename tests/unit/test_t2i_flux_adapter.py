@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError
-from common.launch import compose
+from scripts.kiln.launch import compose
 
 
 def test_the_flux_prompt_encoder_is_flux_pipelines_encode_prompt(t2i_flux_world):
@@ -43,7 +43,7 @@ def test_a_schnell_shaped_flux_samples_like_flux_pipeline(tmp_path):
     import numpy as np
     from diffusers import FluxPipeline
 
-    from common.tools.fixtures import make_flux_pipeline
+    from data.tiny_bases import make_flux_pipeline
     from recipes.t2i.sampling import PromptSampler
 
     folder = make_flux_pipeline(tmp_path / "schnell", guidance_embeds=False)

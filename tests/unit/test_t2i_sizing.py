@@ -10,10 +10,10 @@ import shutil
 import pytest
 import torch
 
-from common.launch import compose
+from common.activations import kept_for_backward
 from common.memory import Layout, estimate, layer_activation_bytes
-from common.tools.activations import kept_for_backward
 from recipes.t2i.sizing import memory_spec
+from scripts.kiln.launch import compose
 from tests.fixtures.t2i import IMAGE_SIZE
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from common.tools.launcher import launch_env
+from tests.support.launcher import launch_env
 
 PROBE = "import os, torch; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')), torch.cuda.is_available())"
 

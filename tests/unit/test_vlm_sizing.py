@@ -11,12 +11,12 @@ import re
 import pytest
 import torch
 
+from common.activations import kept_for_backward
 from common.errors import ConfigError
-from common.launch import compose
 from common.memory import head_saved, layer_activation_bytes, per_gpu_bytes
-from common.tools.activations import kept_for_backward
-from common.tools.fixtures import make_qwen2_5_vl, make_qwen3_vl
+from data.tiny_bases import make_qwen2_5_vl, make_qwen3_vl
 from recipes.vlm.train import memory_spec
+from scripts.kiln.launch import compose
 from tests.conftest import load_script
 
 # Images of 16 x 16 patches: 224 x 224 px for Qwen2.5-VL's 14-px patches (4 of the tiny tower's 112-px windows of 8 x 8

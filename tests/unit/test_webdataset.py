@@ -178,8 +178,8 @@ def test_resume_rejects_other_layout(shards):
 def test_the_llm_loader_names_the_keys_behind_its_batch(shards):
     """The LLM lays one stream into micro_batch_size x dp rows per micro-batch: a resume that changes that
     product names both keys (as the DiT's and VLM's global batch does), not the loader's batch_size alone."""
-    from common.launch import compose
     from recipes.llm.data import build_train_loader
+    from scripts.kiln.launch import compose
 
     urls, _ = shards
     cfg = compose(["recipe=llm_tiny", "trainer.micro_batch_size=8"])

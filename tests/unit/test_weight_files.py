@@ -21,8 +21,8 @@ from tests.unit.test_llm_init_from import _kiln_error
 def folders(tmp_path_factory):
     """One base per family: a Llama (bf16, in 40 KB shards with an index), a dit_tiny transformer on 16x16 digits
     saved by diffusers, a llava-hf folder."""
-    from common.launch import compose
     from recipes.dit.model import build_model
+    from scripts.kiln.launch import compose
     from tests.fixtures import vlm as fx
 
     root = tmp_path_factory.mktemp("weights")

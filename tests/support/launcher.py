@@ -1,10 +1,10 @@
-"""scripts/train.py in a subprocess, started as a user starts it (python, or torchrun for N ranks): the one
-launcher that tests and benchmarks share."""
+"""The tests' process launcher: scripts/kiln/processes.py (scripts/train.py as a user starts it, a function on N
+ranks) with its processes forked from a server that imported torch, transformers, diffusers and DeepSpeed once
+(`preload()`, turned on by tests/conftest.py)."""
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import runpy
 import subprocess
@@ -15,91 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.distributed import free_port
-
-REPO = Path(__file__).resolve().parents[2]
-TRAIN = str(REPO / "scripts" / "train.py")
-# A launcher's own process-group variables must not leak into the job it starts.
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def launch_env(nproc: int = 1, threads: int | None = None, **extra: str) -> dict[str, str]:
-    """This environment without process-group variables. Intra-op threads: `threads`, else the
-    caller's OMP_NUM_THREADS, else 1 per rank for several ranks and 2 for one (float sums depend on
-    the thread count, so runs that are compared must agree on it)."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    env.setdefault("OMP_NUM_THREADS", "1" if nproc > 1 else "2")
-    return {**env, **extra}
-
-
-def train_command(args: list[str], nproc: int = 1, *torchrun_args: str) -> list[str]:
-    """`python scripts/train.py ARGS`, or under torchrun on a free port for nproc > 1."""
-    if nproc == 1:
-        return [sys.executable, TRAIN, *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
-        *torchrun_args,
-        TRAIN,
-        *args,
-    ]
-
-
-def run_train(
-    args: list[str],
-    nproc: int = 1,
-    *,
-    timeout: float = 600,
-    check: bool = True,
-    threads: int | None = None,
-    env: dict[str, str] | None = None,
-) -> subprocess.CompletedProcess:
-    """Run a training job to its end; `check`: raise with its output's tail if it exits non-zero."""
-    cmd = train_command(args, nproc)
-    proc = run_python(cmd, env=launch_env(nproc, threads, **(env or {})), timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
-
-
-def spawn_ranks(fn: Callable, args: tuple, world: int, out_dir: str | Path, threads: int = 1) -> list:
-    """``fn(*args)`` on ``world`` ranks of one process group (gloo on CPU), started with
-    torch.multiprocessing.spawn: for tests and benchmarks that drive the recipes' parts in-process.
-    ``fn`` must be importable (module level); its JSON-able results come back by rank."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(
-        _rank_main,
-        args=(world, free_port(), fn, args, str(out_dir), threads),
-        nprocs=world,
-        start_method="forkserver" if _PRELOADED else "spawn",
-    )
-    return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
-
-
-def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str, threads: int) -> None:
-    import torch
-
-    _platform_start_method()
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(threads)
-    from common.distributed import init_distributed, teardown
-
-    init_distributed()
-    try:
-        result = fn(*args)
-    finally:
-        teardown()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-
+from scripts.kiln import processes
+from scripts.kiln.processes import (  # noqa: F401  (the tests import them from here)
+    DIST_VARS,
+    REPO,
+    TRAIN,
+    _platform_start_method,
+    launch_env,
+    train_command,
+)
 
 # Preloaded processes, for the test suite. Most of a short CPU run's seconds go to importing torch,
 # transformers, diffusers and DeepSpeed (a 1-step llm_tiny run: ~6 of ~10 s). After `preload()`,
@@ -161,11 +85,20 @@ def run_python(
     script.py ARGS`, or Kiln's `python scripts/train.py --nproc_per_node N ARGS`). After preload() it is forked from
     the fork server; any other command line (another program, torchrun's own options) is a real process."""
     target = _python_target(cmd) if _PRELOADED and cmd[0] == sys.executable else None
-    env = dict(os.environ if env is None else env)
     if target is None:
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        return processes.run_python(cmd, env=env, cwd=cwd, timeout=timeout)
     nproc, kind, name, args = target
-    return _run_preloaded(cmd, (kind, name, args, str(cwd)), nproc, env, timeout)
+    return _run_preloaded(cmd, (kind, name, args, str(cwd)), nproc, dict(os.environ if env is None else env), timeout)
+
+
+def run_train(args: list[str], nproc: int = 1, **kw) -> subprocess.CompletedProcess:
+    """scripts/kiln/processes.py's run_train, its command line run by run_python (forked preloaded after preload())."""
+    return processes.run_train(args, nproc, runner=run_python, **kw)
+
+
+def spawn_ranks(fn: Callable, args: tuple, world: int, out_dir: str | Path, threads: int = 1) -> list:
+    """scripts/kiln/processes.py's spawn_ranks, its ranks forked from the fork server after preload()."""
+    return processes.spawn_ranks(fn, args, world, out_dir, threads, "forkserver" if _PRELOADED else "spawn")
 
 
 def _python_target(cmd: list[str]) -> tuple[int, str, str, list[str]] | None:
@@ -179,7 +112,7 @@ def _python_target(cmd: list[str]) -> tuple[int, str, str, list[str]] | None:
     if cmd[1] in ("-m", "-c"):
         return 1, {"-m": "module", "-c": "code"}[cmd[1]], cmd[2], cmd[3:]
     if Path(cmd[1]).name == "train.py" and len(cmd) > 2 and cmd[2].startswith("--nproc"):
-        # scripts/train.py --nproc_per_node N ARGS: Kiln's launcher starting N ranks of itself (common/launch.py)
+        # scripts/train.py --nproc_per_node N ARGS: Kiln's launcher starting N ranks of itself (scripts/kiln/launch.py)
         ranks = _rank_options(cmd, 2)
         return None if ranks is None else (ranks[0], "path", cmd[1], cmd[ranks[1] :])
     return (1, "path", cmd[1], cmd[2:]) if cmd[1].endswith(".py") else None
@@ -300,12 +233,3 @@ def _exit_status(code) -> int:
         return code or 0
     print(code, file=sys.stderr)
     return 1
-
-
-def _platform_start_method() -> None:
-    """A process started by the fork server has it as its default start method; a process of its own has the
-    platform's (fork on Linux), which its DataLoader workers then use."""
-    import multiprocessing as mp
-
-    if mp.get_start_method(allow_none=True) == "forkserver":
-        mp.set_start_method(None, force=True)

@@ -2,8 +2,8 @@
 
 LLM and VLM exports (Hugging Face folders) are served by an OpenAI-compatible engine, DiT and text-to-image exports by
 Kiln's images server (common/diffusion/server.py: OpenAI's /v1/images/generations on FastAPI + uvicorn, with
-dynamic batching; recipes/dit/server.py takes class names on TensorRT, onnxruntime or PyTorch, recipes/t2i/server.py
-text prompts on PyTorch).
+dynamic batching; each such family's spec in recipes/registry.py says what its export looks like, which backends its
+server runs and which module loads it: this module names no family).
 
 The engines are vLLM -- from its own environment, `.venv-serve` (`make serve-env`: vLLM's CPU build on a
 machine without CUDA, vLLM itself on a GPU machine), or a `vllm` on the PATH -- and `transformers serve` with
@@ -43,8 +43,7 @@ from common.errors import ConfigError, UserError
 from common.weights import check_folder
 
 TEXT_ENGINES = ("vllm", "transformers")  # Hugging Face LLM/VLM exports
-IMAGE_ENGINES = ("tensorrt", "onnxruntime", "torch")  # DiT exports: the backend under the images server
-T2I_ENGINES = ("torch",)  # text-to-image exports: PyTorch only (no ONNX graph of the pipeline yet)
+IMAGE_ENGINES = ("tensorrt", "onnxruntime", "torch")  # the backends under the images server (each family's subset)
 ENGINES = ("auto", *TEXT_ENGINES, *IMAGE_ENGINES)
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # spelled the same by both engines
@@ -160,7 +159,7 @@ def compose(overrides: list[str]) -> ServeSection:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from common.launch import CONFIG_DIR, explain_compose_error, parse_overrides
+    from common.compose import CONFIG_DIR, explain_compose_error, parse_overrides
 
     register()
     GlobalHydra.instance().clear()
@@ -178,20 +177,21 @@ def compose(overrides: list[str]) -> ServeSection:
 T2I_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # a text-to-image finetune=lora export: diffusers' LoRA file
 
 
-def is_dit_export(folder: Path) -> bool:
-    """A diffusion export the images server serves: a DiT's, or a text-to-image pipeline's (is_t2i_export)."""
-    return (folder / "kiln.json").exists() or (folder / "transformer").is_dir()
+def image_family(folder: Path):
+    """The registry's spec of the family whose export ``folder`` is, for a family Kiln's images server serves
+    (its spec's is_export); None for any other folder (a Hugging Face export, or none)."""
+    from recipes.registry import specs
+
+    return next((f for f in specs().values() if f.server_module and f.is_export and f.is_export(folder)), None)
 
 
-def is_t2i_export(folder: Path) -> bool:
-    """A text-to-image export: a diffusers pipeline folder whose model_index.json names a text encoder
-    (recipes/t2i/train.py write_pipeline; a DiT's DiTPipeline index names none)."""
-    index = folder / "model_index.json"
-    return index.exists() and "text_encoder" in json.loads(index.read_text())
+def is_image_export(folder: Path) -> bool:
+    """An export the images server serves."""
+    return image_family(folder) is not None
 
 
 def image_export_kind(folder: Path) -> str:
-    return "text-to-image" if is_t2i_export(folder) else "DiT"
+    return image_family(folder).export_kind
 
 
 def check_export(path: str) -> Path:
@@ -202,10 +202,10 @@ def check_export(path: str) -> Path:
     if is_adapter(folder):
         raise UserError(f"serve.model={path} {adapter_advice(folder)}")
     if not (folder / "config.json").exists() and (
-        is_dit_export(folder / "export") or (folder / "export" / "config.json").exists()
+        is_image_export(folder / "export") or (folder / "export" / "config.json").exists()
     ):
         raise UserError(f"serve.model={path} is a run folder; serve its export: serve.model={folder / 'export'}")
-    if is_dit_export(folder):
+    if is_image_export(folder):
         missing = [
             f
             for f in ("kiln.json", "transformer/config.json", "scheduler/scheduler_config.json")
@@ -225,8 +225,8 @@ def check_export(path: str) -> Path:
             kind = image_export_kind(folder)
             raise UserError(f"serve.model={path} is not a complete {kind} export (missing {', '.join(missing)})")
         parts = ["transformer", "vae"]
-        if is_t2i_export(folder):
-            parts += [k for k in json.loads((folder / "model_index.json").read_text()) if k.startswith("text_encoder")]
+        if (index := folder / "model_index.json").exists():  # a pipeline's text encoders (a DiT's index names none)
+            parts += [k for k in json.loads(index.read_text()) if k.startswith("text_encoder")]
         for part in parts:  # what the images server loads: one line for a file cut short
             check_folder(folder / part, f"serve.model={path}")
         return folder
@@ -459,17 +459,25 @@ def cuda_available() -> bool:
 
 
 def choose_image_engine(requested: str, export: Path, cuda: bool | None = None) -> tuple[str, str]:
-    """(engine, why) for a DiT export: auto takes TensorRT on a CUDA device with the engine built
-    (onnx/model.plan), else onnxruntime with an ONNX file (onnx/model.onnx), else PyTorch."""
-    t2i = is_t2i_export(export)
-    if requested in TEXT_ENGINES or (t2i and requested not in ("auto", *T2I_ENGINES)):
-        served = "LLM/VLM exports" if requested in TEXT_ENGINES else "DiT exports"
+    """(engine, why) for an images-server export, among its family's serve_engines: one engine is the choice; else
+    auto takes TensorRT on a CUDA device with the engine built (onnx/model.plan), else onnxruntime with an ONNX file
+    (onnx/model.onnx), else PyTorch."""
+    family = image_family(export)
+    engines = family.serve_engines
+    if requested in TEXT_ENGINES or requested not in ("auto", *engines):
+        if requested in TEXT_ENGINES:
+            served = "LLM/VLM exports"
+        else:
+            from recipes.registry import specs
+
+            served = " and ".join(f"{f.export_kind} exports" for f in specs().values() if requested in f.serve_engines)
         raise ConfigError(
-            f"serve.engine={requested} serves {served}; {export} is a {image_export_kind(export)} export: "
-            f"choose auto, {', '.join(T2I_ENGINES if t2i else IMAGE_ENGINES)}"
+            f"serve.engine={requested} serves {served}; {export} is a {family.export_kind} export: "
+            f"choose auto, {', '.join(engines)}"
         )
-    if t2i:
-        return "torch", "requested" if requested != "auto" else "auto: a text-to-image export runs on PyTorch"
+    if len(engines) == 1:
+        auto = f"auto: a {family.export_kind} export runs on PyTorch"
+        return engines[0], "requested" if requested != "auto" else auto
     if requested != "auto":
         return requested, "requested"
     if cuda is None:
@@ -768,8 +776,8 @@ def ignored_keys(s: ServeSection, engine: str) -> list[str]:
 
 
 def image_server(export: Path) -> str:
-    """The module of the recipe's images server for `export` (its load() builds what it serves)."""
-    return "recipes/t2i/server.py" if is_t2i_export(export) else "recipes/dit/server.py"
+    """The file of the family's images server for `export` (its load_export() builds what it serves)."""
+    return image_family(export).server_module.replace(".", "/") + ".py"
 
 
 def serve_images(s: ServeSection, export: Path, name: str, engine: str, key: str | None) -> None:
@@ -782,14 +790,7 @@ def serve_images(s: ServeSection, export: Path, name: str, engine: str, key: str
     device = None if s.device == "auto" else s.device
     if engine == "torch" and device is None and torch.cuda.is_available():
         device = "cuda"
-    if is_t2i_export(export):
-        from recipes.t2i.server import load
-
-        model = load(export, device)
-    else:
-        from recipes.dit.server import load
-
-        model = load(export, engine, device)
+    model = importlib.import_module(image_family(export).server_module).load_export(export, engine, device)
     serve(
         model,
         name,
@@ -811,15 +812,7 @@ def plan_images(s: ServeSection, export: Path, name: str) -> Launch:
             "(export.merge_lora=true)"
         )
     if s.dtype not in ("auto", "float32"):
-        raise ConfigError(
-            f"serve.dtype={s.dtype}: "
-            + (
-                "a text-to-image export serves in float32 (recipes/t2i/sampling.py)"
-                if is_t2i_export(export)
-                else "a DiT export serves in its graph's precision (scripts/export_dit.py --precision)"
-            )
-            + "; leave serve.dtype=auto"
-        )
+        raise ConfigError(f"serve.dtype={s.dtype}: {image_family(export).serve_dtype_note}; leave serve.dtype=auto")
     notes = [f"{', '.join(keys)} not used by engine={engine}"] if (keys := ignored_keys(s, engine)) else []
     key = api_key(s, engine)
     if key is None and not is_loopback(s.host):
@@ -841,7 +834,7 @@ def plan(s: ServeSection) -> Launch:
     """Everything needed to exec the server (raises UserError/ConfigError with one line)."""
     export = check_export(s.model)
     name = s.served_model_name or default_served_name(export)
-    if is_dit_export(export):
+    if is_image_export(export):
         return plan_images(s, export, name)
     engine, why = choose_engine(s.engine, multimodal=is_multimodal(export), cpu_refusal=vllm_cpu_refuses(export))
     notes = [f"{', '.join(keys)} not used by engine={engine}"] if (keys := ignored_keys(s, engine)) else []

@@ -22,7 +22,7 @@ from pathlib import Path
 from common.data.digit_captions import CAPTION_TEMPLATES, HELD_OUT_TEMPLATES, digit_caption
 from common.known_warnings import silence_known_warnings
 
-# A user runs these builders as `python -c "from common.tools.fixtures import ..."` (README): an entrypoint of its
+# A user runs these builders as `python -c "from data.tiny_bases import ..."` (README): an entrypoint of its
 # own, silenced like the CLIs before any builder imports transformers/diffusers (and torchao, DeepSpeed with them).
 silence_known_warnings()
 
@@ -688,24 +688,3 @@ def make_qwen3_vl(
         vocab_size=vocab_size,
         seed=seed,
     )
-
-
-def encode_video(frames, fps: int, container: str = "mp4") -> bytes:
-    """[N, H, W, 3] uint8 RGB frames as a video file's bytes, losslessly (PyAV): an MP4 of H.264 in RGB (libx264rgb
-    at qp 0; the container records its frame count) or a Matroska of FFV1 (``container="mkv"``: no frame count, as
-    WebM and MKV files often have none). Decoding gives the frames back bit for bit."""
-    import io
-
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4" if container == "mp4" else "matroska") as out:
-        codec, pix_fmt = ("libx264rgb", "rgb24") if container == "mp4" else ("ffv1", "bgr0")
-        stream = out.add_stream(codec, rate=fps)
-        stream.height, stream.width, stream.pix_fmt = frames.shape[1], frames.shape[2], pix_fmt
-        if codec == "libx264rgb":
-            stream.options = {"qp": "0"}
-        for frame in frames:
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        out.mux(stream.encode())
-    return buf.getvalue()

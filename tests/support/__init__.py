@@ -1,0 +1,1 @@
+"""Test support: the tests' process launcher and helpers only tests use (product code never imports them)."""
