@@ -136,10 +136,24 @@ def load_script(name: str):
     return module
 
 
-def losses(run_dir) -> dict[int, float]:
+def metrics(run_dir, *keys: str) -> dict:
+    """A run's metrics.jsonl by step: each record, or its value of one key, or a tuple of several keys' values.
+    Fails on a step logged twice or out of order (a resume that did not rewind): a dict alone would keep the last."""
     from common.metrics import read_metrics
 
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+    records = read_metrics(Path(run_dir) / "metrics.jsonl")
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), f"{run_dir}/metrics.jsonl: steps repeated or out of order: {steps}"
+    if not keys:
+        return {r["step"]: r for r in records}
+    if len(keys) == 1:
+        return {r["step"]: r[keys[0]] for r in records}
+    return {r["step"]: tuple(r[k] for k in keys) for r in records}
+
+
+def losses(run_dir) -> dict[int, float]:
+    """{step: loss} of a run's metrics.jsonl (no step repeated: `metrics`)."""
+    return metrics(run_dir, "loss")
 
 
 # ---- GPUs and CPU tests ------------------------------------------------------------------------

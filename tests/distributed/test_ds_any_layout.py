@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from common.checkpoint import MANIFEST, file_crc32, read_meta
-from tests.conftest import FAST_DIT, losses, run_train
+from tests.conftest import FAST_DIT, losses, metrics, run_train
 
 pytestmark = pytest.mark.distributed
 STEPS, SAVED = 8, 4
@@ -115,12 +115,6 @@ def cp2(stage: int) -> tuple[int, list[str]]:
     return 2, [f"parallel.zero_stage={stage}", f"trainer.micro_batch_size={GLOBAL_BATCH}", "parallel.cp=2"]
 
 
-def metric(run_dir, key: str) -> dict[int, float]:
-    from common.metrics import read_metrics
-
-    return {r["step"]: r[key] for r in read_metrics(run_dir / "metrics.jsonl")}
-
-
 @pytest.mark.parametrize("stage", [2, 3])
 def test_dit_context_parallel_equals_one_process(runs, stage):
     """DeepSpeed-Ulysses (common/ulysses.py) at cp=2 against one process (ZeRO-0, the global batch in 2 micro-batches):
@@ -128,7 +122,7 @@ def test_dit_context_parallel_equals_one_process(runs, stage):
     ranks' gradients and averages over dp: a wrong reduction shows as a norm off by a factor of cp)."""
     reference, got = runs.full(DIT, *layout(1, 0, accum=2)), runs.full(DIT, *cp2(stage))
     for key in ("loss", "grad_norm"):
-        ref, mine = metric(reference, key), metric(got, key)
+        ref, mine = metrics(reference, key), metrics(got, key)
         assert sorted(mine) == sorted(ref) == list(range(1, STEPS + 1))
         worst = max(abs(mine[s] - ref[s]) / abs(ref[s]) for s in ref)
         print(f"dit_tiny cp=2 ZeRO-{stage} vs one process: max relative {key} difference, {STEPS} steps: {worst:.1e}")

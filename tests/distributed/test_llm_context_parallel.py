@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common.tools.launcher import spawn_ranks
-from tests.conftest import losses, run_train
+from tests.conftest import losses, metrics, run_train
 from tests.fixtures.runs import LLM_10_STEPS, MOE_16_STEPS
 
 pytestmark = pytest.mark.distributed
@@ -328,11 +328,9 @@ def test_moe_cp2_dp2_ep2_matches_single_process(trained):
 
 
 def _assert_moe_matches_single_process(trained, extra: list[str], nproc: int, label: str, grad_norm=False) -> None:
-    from common.metrics import read_metrics
-
     ref_run = trained(MOE_16_STEPS)
     run = trained([*MOE_16_STEPS, *extra, "trainer.eval=false"], nproc=nproc)
-    ref, got = ({r["step"]: r for r in read_metrics(r / "metrics.jsonl")} for r in (ref_run, run))
+    ref, got = metrics(ref_run), metrics(run)
     assert sorted(got) == sorted(ref) == [4, 8, 12, 16]
     keys = ["loss", "aux_loss", "z_loss", *(k for k in ref[4] if k.startswith("moe.layer") and k.endswith("max_load"))]
     assert len(keys) == 6  # 3 MoE layers

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.metrics import read_metrics
-from tests.conftest import load_script, losses, run_train
+from tests.conftest import load_script, losses, metrics, run_train
 from tests.fixtures.lora import assert_same_export
 from tests.fixtures.t2i import t2i_lora_run_args, t2i_run_args
 
@@ -26,10 +25,6 @@ LAYOUTS = {
     "full": ["parallel.cp=2", "parallel.zero_stage=3", "trainer.micro_batch_size=8", f"checkpoint.every={SAVED}"],
     "lora": ["parallel.zero_stage=2", "trainer.micro_batch_size=4", "checkpoint.every=0"],
 }
-
-
-def metrics(run) -> dict[int, dict]:
-    return {r["step"]: r for r in read_metrics(run / "metrics.jsonl")}
 
 
 @pytest.mark.parametrize("finetune", ["full", "lora"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.metrics import read_metrics
+from tests.conftest import metrics
 from tests.fixtures import vlm as fx
 
 pytestmark = pytest.mark.distributed
@@ -17,12 +17,9 @@ pytestmark = pytest.mark.distributed
 
 @pytest.mark.parametrize(("world", "name"), [("qwen_world", "Qwen2.5-VL"), ("qwen3_world", "Qwen3-VL")])
 def test_qwen_at_cp2_takes_one_process_steps(request, world, name, trained):
-    def steps(run_dir):
-        return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run_dir / "metrics.jsonl")}
-
     args = fx.qwen_run_args(request.getfixturevalue(world))
-    one = steps(trained(args))
-    cp = steps(trained([*args, "parallel.cp=2", "trainer.eval=false"], 2))
+    one = metrics(trained(args), "loss", "grad_norm")
+    cp = metrics(trained([*args, "parallel.cp=2", "trainer.eval=false"], 2), "loss", "grad_norm")
     assert sorted(cp) == sorted(one) == [1, 2, 3]
     worst = [max(abs(cp[s][i] - one[s][i]) / one[s][i] for s in one) for i in (0, 1)]
     print(f"{name} cp=2 vs 1 rank, 3 steps: max relative difference loss {worst[0]:.1e}, grad norm {worst[1]:.1e}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-from tests.conftest import losses, run_train
+from tests.conftest import losses, metrics, run_train
 
 pytestmark = pytest.mark.integration
 FAST_VLM = [
@@ -34,7 +34,7 @@ def test_packing_changes_speed_not_math(tmp_path):
     # Short, similar-length digit conversations pad well anyway; the packing benchmark
     # (scripts/bench.py --only packing) measures utilization on a long-tailed distribution.
     for run in (on, off):
-        util = [json.loads(line)["token_utilization"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        util = metrics(run, "token_utilization").values()
         assert all(0.5 < u <= 1.0 for u in util)
 
 
