@@ -127,6 +127,17 @@ def qwen3_world(tmp_path_factory):
     return once(shared_root(tmp_path_factory), "qwen3", make_qwen3_world)
 
 
+@pytest.fixture(scope="session")
+def vllm_env():
+    """vLLM's environment (make serve-env, .venv-serve): skips without it, fails under CI=true (fixtures/ci.py)."""
+    from common.tools.serving import serve_env
+    from tests.fixtures.ci import missing
+
+    if serve_env() is None:
+        missing("serve-env", "needs vLLM's environment: make serve-env (.venv-serve)")
+    return serve_env()
+
+
 def load_script(name: str):
     """scripts/NAME.py as a module, to call its main(argv) in process."""
     spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")

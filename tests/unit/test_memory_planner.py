@@ -388,7 +388,6 @@ def test_lora_prices_the_adapter_with_adam_and_the_base_as_weights():
 def test_qlora_prices_the_adapted_linears_base_as_torchao_nf4():
     """lora.quantize_base=nf4: each adapted linear's frozen weight costs what torchao's NF4Tensor holds (measured on
     one 14336 x 4096 weight, llm_8b's MLP), the other frozen weights their fp32 bytes."""
-    pytest.importorskip("torchao")
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
     from common.memory import nf4_bytes

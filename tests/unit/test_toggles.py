@@ -40,7 +40,6 @@ def test_ac_wraps_every_block_and_keeps_the_math(mode):
 
 
 def test_fp8_converts_the_blocks_linears_not_the_output_head():
-    pytest.importorskip("torchao")
     from torchao.float8.float8_linear import Float8Linear
 
     model, toggles = tiny_llama(precision="fp8")
