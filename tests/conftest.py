@@ -52,6 +52,14 @@ def trained(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def layout_runs(trained):
+    """The DeepSpeed layout tests' DiT and VLM runs by layout (tests/fixtures/layouts.py Runs), in the run cache."""
+    from tests.fixtures.layouts import Runs
+
+    return Runs(trained)
+
+
+@pytest.fixture(scope="session")
 def latent_dit_data(tmp_path_factory):
     """`latent_dit_data(image_size)` -> {"vae", "shards"}: one small random VAE (it halves images) and the image
     shards of tests/fixtures/dit.py's IMAGE_SETS, each built once per pytest run for the latent DiT tests."""
@@ -136,6 +144,18 @@ def vllm_env():
     if serve_env() is None:
         missing("serve-env", "needs vLLM's environment: make serve-env (.venv-serve)")
     return serve_env()
+
+
+def kiln_error(argv: list[str], capsys) -> str:
+    """scripts/train.py's main(argv) in process stops with exit code 2 and one `kiln: error:` line: that line."""
+    from common.launch import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kiln: error: "), err
+    return err[0]
 
 
 def load_script(name: str):
@@ -244,7 +264,7 @@ LONGEST_FIRST = (
     # ~145 s (a shared 2-core machine): an engine per Qwen-VL generation (~30-40 s each), the Qwen fine-tunes it
     # shares with test_vlm_qwen_train (~20 s each) and their LoRA runs (~17 s each)
     "integration/test_serve_vllm_qwen.py",
-    "distributed/test_ds_any_layout.py",  # ~135 s
+    "distributed/test_deepspeed_resume_any_layout.py",  # ~135 s with test_dit_context_parallel's runs (shared)
     "integration/test_slurm.py",  # ~120 s
     "integration/test_serve_vllm.py",  # ~115 s (stop 35); its two engines now also serve the LoRA and MoE cases
     "integration/test_host_syncs.py",  # ~110 s
