@@ -130,7 +130,7 @@ def _init_from_under_ep2(folders: dict, run_root: str, extra: list[str]) -> dict
     from common.launch import compose
     from common.profiling import StepTimer
     from recipes.llm.train import LLMTrainer
-    from tests.distributed.test_llm_init_from_layouts import _rank_logits, compare_export
+    from tests.fixtures.llm import compare_export, rank_logits
 
     dist, out = init_distributed(), {}
     for variant in VARIANTS:
@@ -156,7 +156,7 @@ def _init_from_under_ep2(folders: dict, run_root: str, extra: list[str]) -> dict
             ]
         )
         trainer = LLMTrainer(cfg, dist, run_dir)
-        logits = _rank_logits(trainer, tokens)
+        logits = rank_logits(trainer, tokens)
         result = {"error": None if logits is None else (logits - expected).abs().max().item()}
         trainer.train_step(iter(trainer.state.loader), StepTimer())
         export = trainer.export()

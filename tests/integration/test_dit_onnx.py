@@ -22,7 +22,7 @@ from common.launch import compose
 from recipes.dit.model import build_model
 from recipes.dit.onnx import PARITY_TOL, OnnxDiT, ParityError, check_parity, export_onnx
 from tests.conftest import REPO, gpus_visible, load_script
-from tests.unit.test_trt_build import fake_trtexec
+from tests.fixtures.trt import fake_trtexec
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tests.conftest import load_script, losses
-from tests.distributed.test_llm_init_from_layouts import compare_export
+from tests.fixtures.llm import compare_export
 from tests.fixtures.t2i import IMAGE_SIZE, t2i_run_args
 
 # Measured max pixel difference (0-255 scale) between diffusers' pipeline and Kiln's sampler on the export: 0.0

@@ -35,7 +35,7 @@ from recipes.vlm.data import IMAGE_TOKEN, render_turns
 from recipes.vlm.qwen import IMAGE_SLOT, VIDEO_SLOT, VIDEO_TOKEN, encode_qwen, load_processing
 from recipes.vlm.video import QWEN2_FPS, VIDEO_CONFIG, frames_video
 from tests.fixtures.vllm import NEEDS_VLLM
-from tests.unit.test_vlm_qwen import frames, image, video_conversation
+from tests.fixtures.vlm import frames, image, video_conversation
 
 pytestmark = NEEDS_VLLM
 

@@ -4,12 +4,10 @@ autograd really keeps, and scripts/plan.py end to end."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,19 +33,9 @@ from common.memory import (
 from common.tools.planner import GPUS, candidate_layouts, plan
 from recipes.dit.train import memory_spec as dit_spec
 from recipes.llm.train import memory_spec as llm_spec
+from tests.conftest import REPO, load_script
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_plan_script():
-    spec = importlib.util.spec_from_file_location("kiln_script_plan", REPO / "scripts" / "plan.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
-plan_script = load_plan_script()
+plan_script = load_script("plan")
 
 
 # ---- a) Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 GPUs, K = 12 --------------------
