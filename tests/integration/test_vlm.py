@@ -72,6 +72,9 @@ def test_eval_and_export_load_offline_with_the_trained_logits(align_then_finetun
     _, run_dir = align_then_finetune
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = json.loads((run_dir / "eval.json").read_text())
+    # Measured 0.0 (chance is 0.1, 10 digits): 15 + 15 steps teach the tiny VLM the answer's form, not the digit, so no
+    # bar above chance holds without a longer run (CI time); the number is printed for the record.
+    print(f"vlm_tiny align + finetune, 15 + 15 steps: eval accuracy {result['accuracy']} on {result['num_samples']}")
     assert result["num_samples"] == 20 and 0.0 <= result["accuracy"] <= 1.0
     assert (run_dir / "samples" / "eval.png").exists()
 
