@@ -334,12 +334,17 @@ def _assert_moe_matches_single_process(trained, extra: list[str], nproc: int, la
     assert sorted(got) == sorted(ref) == [4, 8, 12, 16]
     keys = ["loss", "aux_loss", "z_loss", *(k for k in ref[4] if k.startswith("moe.layer") and k.endswith("max_load"))]
     assert len(keys) == 6  # 3 MoE layers
-    rel = dict.fromkeys(keys, 1e-5) | ({"grad_norm": 1e-4} if grad_norm else {})
+    # README: losses within 1.5e-7, aux and z terms 1.3e-7, the expert load equal; gradient norms (cp x dp x ep)
+    # measured 2.1e-5. The bounds: 1e-6 (7x), equality, 1e-4 (5x).
+    rel = dict.fromkeys(keys[:3], 1e-6) | dict.fromkeys(keys[3:], 0.0) | ({"grad_norm": 1e-4} if grad_norm else {})
     worst = {k: max(abs(got[s][k] - ref[s][k]) / abs(ref[s][k]) for s in ref) for k in rel}
     print(f"moe_tiny {label} vs one process, max relative difference over steps 4-16: {worst}")
     for step in ref:
         for key, tolerance in rel.items():
-            assert got[step][key] == pytest.approx(ref[step][key], rel=tolerance), (step, key)
+            if tolerance == 0:
+                assert got[step][key] == ref[step][key], (step, key)
+            else:
+                assert got[step][key] == pytest.approx(ref[step][key], rel=tolerance), (step, key)
 
 
 @pytest.mark.parametrize("direction", ["cp2_to_cp1", "cp1_to_cp2"])

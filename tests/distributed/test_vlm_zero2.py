@@ -29,4 +29,5 @@ def test_vlm_tiny_at_cp2_takes_the_data_parallel_steps(trained):
     assert sorted(cp) == sorted(dp) == list(range(1, 21))
     worst = [max(abs(cp[s][i] - dp[s][i]) / dp[s][i] for s in dp) for i in (0, 1)]
     print(f"vlm_tiny cp=2 vs dp=2, 20 steps: max relative difference loss {worst[0]:.1e}, grad norm {worst[1]:.1e}")
-    assert max(worst) <= 1e-5, worst
+    # README: within 1.2e-7 (losses) and 5.9e-7 (gradient norms) measured; the bounds are 8x and 5x those.
+    assert worst[0] <= 1e-6 and worst[1] <= 3e-6, worst
