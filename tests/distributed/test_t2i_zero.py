@@ -39,7 +39,8 @@ def test_two_ranks_match_one_rank(trained, t2i_world, finetune, tmp_path, capsys
     for key in ("loss", "grad_norm"):
         worst = max(abs(two[s][key] - one[s][key]) / abs(one[s][key]) for s in one)
         print(f"t2i_tiny {finetune} on 2 ranks vs one: max relative {key} difference over {len(one)} steps {worst:.1e}")
-        assert worst <= 1e-5, key
+        # Measured over two sessions: losses <= 2.4e-7, gradient norms <= 2.3e-7 (full, cp=2; lora <= 1.2e-7): 4x under.
+        assert worst <= 1e-6, key
     if finetune == "lora":
         assert load_script("export").main([str(run), "--out", str(tmp_path / "again")]) == 0, capsys.readouterr().err
         assert_same_export(run / "export", tmp_path / "again")
