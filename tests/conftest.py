@@ -52,6 +52,14 @@ def trained(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def layout_runs(trained):
+    """The DeepSpeed layout tests' DiT and VLM runs by layout (tests/fixtures/layouts.py Runs), in the run cache."""
+    from tests.fixtures.layouts import Runs
+
+    return Runs(trained)
+
+
+@pytest.fixture(scope="session")
 def latent_dit_data(tmp_path_factory):
     """`latent_dit_data(image_size)` -> {"vae", "shards"}: one small random VAE (it halves images) and the image
     shards of tests/fixtures/dit.py's IMAGE_SETS, each built once per pytest run for the latent DiT tests."""
@@ -127,6 +135,29 @@ def qwen3_world(tmp_path_factory):
     return once(shared_root(tmp_path_factory), "qwen3", make_qwen3_world)
 
 
+@pytest.fixture(scope="session")
+def vllm_env():
+    """vLLM's environment (make serve-env, .venv-serve): skips without it, fails under CI=true (fixtures/ci.py)."""
+    from scripts.kiln.serving import serve_env
+    from tests.fixtures.ci import missing
+
+    if serve_env() is None:
+        missing("serve-env", "needs vLLM's environment: make serve-env (.venv-serve)")
+    return serve_env()
+
+
+def kiln_error(argv: list[str], capsys) -> str:
+    """scripts/train.py's main(argv) in process stops with exit code 2 and one `kiln: error:` line: that line."""
+    from scripts.kiln.launch import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kiln: error: "), err
+    return err[0]
+
+
 def load_script(name: str):
     """scripts/NAME.py as a module, to call its main(argv) in process."""
     spec = importlib.util.spec_from_file_location(f"kiln_script_{name}", REPO / "scripts" / f"{name}.py")
@@ -136,10 +167,24 @@ def load_script(name: str):
     return module
 
 
-def losses(run_dir) -> dict[int, float]:
+def metrics(run_dir, *keys: str) -> dict:
+    """A run's metrics.jsonl by step: each record, or its value of one key, or a tuple of several keys' values.
+    Fails on a step logged twice or out of order (a resume that did not rewind): a dict alone would keep the last."""
     from common.metrics import read_metrics
 
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+    records = read_metrics(Path(run_dir) / "metrics.jsonl")
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), f"{run_dir}/metrics.jsonl: steps repeated or out of order: {steps}"
+    if not keys:
+        return {r["step"]: r for r in records}
+    if len(keys) == 1:
+        return {r["step"]: r[keys[0]] for r in records}
+    return {r["step"]: tuple(r[k] for k in keys) for r in records}
+
+
+def losses(run_dir) -> dict[int, float]:
+    """{step: loss} of a run's metrics.jsonl (no step repeated: `metrics`)."""
+    return metrics(run_dir, "loss")
 
 
 # ---- GPUs and CPU tests ------------------------------------------------------------------------
@@ -219,7 +264,7 @@ LONGEST_FIRST = (
     # ~145 s (a shared 2-core machine): an engine per Qwen-VL generation (~30-40 s each), the Qwen fine-tunes it
     # shares with test_vlm_qwen_train (~20 s each) and their LoRA runs (~17 s each)
     "integration/test_serve_vllm_qwen.py",
-    "distributed/test_ds_any_layout.py",  # ~135 s
+    "distributed/test_deepspeed_resume_any_layout.py",  # ~135 s with test_dit_context_parallel's runs (shared)
     "integration/test_slurm.py",  # ~120 s
     "integration/test_serve_vllm.py",  # ~115 s (stop 35); its two engines now also serve the LoRA and MoE cases
     "integration/test_host_syncs.py",  # ~110 s

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_train
-from tests.fixtures.llm import write_llama_folder, write_token_dataset
+from tests.fixtures.llm import compare_export, rank_logits, tensors, write_llama_folder, write_token_dataset
 from tests.support.launcher import spawn_ranks
 
 pytestmark = pytest.mark.distributed
@@ -48,36 +48,6 @@ def overrides(folder: Path, data: Path, run_dir: Path, *extra: str) -> list[str]
     ]
 
 
-def tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
-def compare_export(source: Path, export: Path) -> dict[str, bool]:
-    """Whether an export holds the source folder's tensor names, and every shared one bit for bit in its dtype."""
-    a, b = tensors(source), tensors(export)
-    return {
-        "same_keys": a.keys() == b.keys(),
-        "bitwise": all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a if k in b),
-    }
-
-
-def _rank_logits(trainer, tokens: torch.Tensor) -> torch.Tensor | None:
-    """The full model's logits on the ranks that compute them (under PP: stage 0 -> stage 1 by broadcast)."""
-    import torch.distributed as tdist
-
-    model = trainer.model
-    with torch.no_grad():
-        if trainer.dims.pp == 1:
-            return model(tokens)
-        hidden = torch.empty(*tokens.shape, trainer.args.dim)
-        if model.tok_embeddings is not None:
-            hidden = model(tokens)
-        tdist.broadcast(hidden, group_src=0, group=trainer.mesh["pp"].get_group())
-        return model(hidden) if model.output is not None else None
-
-
 def _load_forward_export(folders: dict, run_root: str) -> dict:
     """Per variant and layout: max |logits - transformers'| on this rank, and (rank 0) whether the export
     written right after loading (STEP_AT_LR0: after one training step at lr 0) equals the source tensor for tensor."""
@@ -99,7 +69,7 @@ def _load_forward_export(folders: dict, run_root: str) -> dict:
         for layout, extra in LAYOUTS.items():
             run_dir = Path(run_root) / f"{variant}_{layout}"
             trainer = LLMTrainer(compose(overrides(folder, Path(folders["data"]), run_dir, *extra)), dist, run_dir)
-            logits = _rank_logits(trainer, tokens)
+            logits = rank_logits(trainer, tokens)
             result = {"error": None if logits is None else (logits - expected).abs().max().item()}
             if layout in STEP_AT_LR0:
                 stats = trainer.train_step(iter(trainer.state.loader), StepTimer()).values

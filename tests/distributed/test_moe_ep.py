@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.metrics import read_metrics
-from tests.conftest import run_train
+from tests.conftest import metrics, run_train
 from tests.fixtures.llm import write_moe_folder, write_token_dataset
 from tests.support.launcher import spawn_ranks
 
@@ -38,8 +37,8 @@ LAYOUTS = {
 RUNS = {**LAYOUTS, "ep2_ac": (2, [*LAYOUTS["ep2"][1], "toggles.activation_checkpointing=full"])}
 
 
-def metrics(run_dir: Path) -> dict[int, tuple[float, float]]:
-    return {r["step"]: (r["loss"], r["aux_loss"]) for r in read_metrics(run_dir / "metrics.jsonl")}
+def steps(run_dir: Path) -> dict[int, tuple[float, float]]:
+    return metrics(run_dir, "loss", "aux_loss")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +52,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", ["ep2", "ep2_dp2", "ep2_ac"])
 def test_losses_and_aux_loss_match_single_process(runs, layout):
-    ref, got = metrics(runs["single"]), metrics(runs[layout])
+    ref, got = steps(runs["single"]), steps(runs[layout])
     assert sorted(got) == list(range(1, STEPS + 1))
     worst = max(abs(g - r) / abs(r) for s in ref for g, r in zip(got[s], ref[s]))
     print(f"{layout}: worst relative difference of loss or aux_loss over {STEPS} steps: {worst:.1e}")
@@ -68,7 +67,7 @@ def test_resume_under_ep2_is_bitwise_and_under_ep1_matches(runs, tmp_path):
         resumed = tmp_path / name
         nproc, extra = LAYOUTS[name]
         run_train([*BASE, *extra, f"run.dir={resumed}", f"run.resume={ckpt}"], nproc=nproc, timeout=900)
-        ref, got = metrics(runs["ep2"]), metrics(resumed)
+        ref, got = steps(runs["ep2"]), steps(resumed)
         assert sorted(got) == list(range(6, STEPS + 1))
         for step in got:
             if name == "ep2":
@@ -131,7 +130,7 @@ def _init_from_under_ep2(folders: dict, run_root: str, extra: list[str]) -> dict
     from common.profiling import StepTimer
     from recipes.llm.train import LLMTrainer
     from scripts.kiln.launch import compose
-    from tests.distributed.test_llm_init_from_layouts import _rank_logits, compare_export
+    from tests.fixtures.llm import compare_export, rank_logits
 
     dist, out = init_distributed(), {}
     for variant in VARIANTS:
@@ -157,7 +156,7 @@ def _init_from_under_ep2(folders: dict, run_root: str, extra: list[str]) -> dict
             ]
         )
         trainer = LLMTrainer(cfg, dist, run_dir)
-        logits = _rank_logits(trainer, tokens)
+        logits = rank_logits(trainer, tokens)
         result = {"error": None if logits is None else (logits - expected).abs().max().item()}
         trainer.train_step(iter(trainer.state.loader), StepTimer())
         export = trainer.export()

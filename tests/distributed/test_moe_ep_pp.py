@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from common.metrics import read_metrics
-from tests.conftest import run_train
+from tests.conftest import metrics, run_train
 from tests.fixtures.llm import write_moe_folder, write_token_dataset
 
 pytestmark = pytest.mark.distributed
@@ -53,8 +52,8 @@ LAYOUTS = {
 }
 
 
-def metrics(run_dir: Path) -> dict[int, tuple[float, float, float]]:
-    return {r["step"]: (r["loss"], r["aux_loss"], r["grad_norm"]) for r in read_metrics(run_dir / "metrics.jsonl")}
+def steps(run_dir: Path) -> dict[int, tuple[float, float, float]]:
+    return metrics(run_dir, "loss", "aux_loss", "grad_norm")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +69,7 @@ def runs(tmp_path_factory):
 
 
 def test_losses_aux_loss_and_grad_norm_match_single_process(runs):
-    ref, got = metrics(runs["single"]), metrics(runs["ep2_pp2"])
+    ref, got = steps(runs["single"]), steps(runs["ep2_pp2"])
     assert sorted(got) == list(range(1, STEPS + 1))
     worst = max(abs(g - r) / abs(r) for s in ref for g, r in zip(got[s], ref[s]))
     print(f"ep2 x pp2: worst relative difference of loss, aux_loss or grad_norm over {STEPS} steps: {worst:.1e}")
@@ -79,7 +78,7 @@ def test_losses_aux_loss_and_grad_norm_match_single_process(runs):
 
 
 def test_per_microbatch_aux_loss_is_the_same_under_1f1b_as_under_gpipe(runs):
-    ref, got = metrics(runs["gpipe_m2"]), metrics(runs["1f1b_m2"])
+    ref, got = steps(runs["gpipe_m2"]), steps(runs["1f1b_m2"])
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
@@ -89,7 +88,7 @@ def test_ep2_pp2_checkpoint_resumes_in_one_process(runs, tmp_path):
     resumed = tmp_path / "resumed"
     ckpt = runs["ep2_pp2"] / "checkpoints" / "step_0000002"
     run_train([*base(runs["data"]), *LAYOUTS["single"][1], f"run.dir={resumed}", f"run.resume={ckpt}"], timeout=900)
-    ref, got = metrics(runs["ep2_pp2"]), metrics(resumed)
+    ref, got = steps(runs["ep2_pp2"]), steps(resumed)
     assert sorted(got) == list(range(3, STEPS + 1))
     for step in got:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.metrics import read_metrics
-from tests.conftest import load_script, losses, run_train
+from tests.conftest import load_script, losses, metrics, run_train
 from tests.fixtures.lora import assert_same_export
 from tests.fixtures.t2i import t2i_lora_run_args, t2i_run_args
 
@@ -26,10 +25,6 @@ LAYOUTS = {
     "full": ["parallel.cp=2", "parallel.zero_stage=3", "trainer.micro_batch_size=8", f"checkpoint.every={SAVED}"],
     "lora": ["parallel.zero_stage=2", "trainer.micro_batch_size=4", "checkpoint.every=0"],
 }
-
-
-def metrics(run) -> dict[int, dict]:
-    return {r["step"]: r for r in read_metrics(run / "metrics.jsonl")}
 
 
 @pytest.mark.parametrize("finetune", ["full", "lora"])
@@ -44,7 +39,8 @@ def test_two_ranks_match_one_rank(trained, t2i_world, finetune, tmp_path, capsys
     for key in ("loss", "grad_norm"):
         worst = max(abs(two[s][key] - one[s][key]) / abs(one[s][key]) for s in one)
         print(f"t2i_tiny {finetune} on 2 ranks vs one: max relative {key} difference over {len(one)} steps {worst:.1e}")
-        assert worst <= 1e-5, key
+        # Measured over two sessions: losses <= 2.4e-7, gradient norms <= 2.3e-7 (full, cp=2; lora <= 1.2e-7): 4x under.
+        assert worst <= 1e-6, key
     assert load_script("export").main([str(run), "--out", str(tmp_path / "again")]) == 0, capsys.readouterr().err
     assert_same_export(run / "export", tmp_path / "again")
     if finetune == "lora":

@@ -4,7 +4,7 @@ DiTTransformer2DModel and SD3Transformer2DModel (joint attention with a text str
 attention and q/k RMSNorm) with their image tokens split (recipes/dit/parallelize.py, recipes/t2i/parallelize.py) give
 diffusers' own outputs and, summed over the cp ranks as DeepSpeed sums them, their weight gradients; and the bytes
 DistributedAttention allocates in a forward (its exchange buffers, what it leaves for backward) are the planner's
-(common/memory.py). The training runs are in test_ds_any_layout.py (DiT) and test_t2i_zero2.py (text-to-image)."""
+(common/memory.py). The training runs are in test_dit_context_parallel.py (DiT) and test_t2i_zero.py (text-to-image)."""
 
 from __future__ import annotations
 

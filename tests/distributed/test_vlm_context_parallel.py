@@ -315,7 +315,10 @@ def test_split_language_models_equal_the_unsplit_forward_and_gradients(tmp_path)
                     f"gradients max |diff| / max |grad| {e['grad_rel_err']:.1e}"
                 )
                 assert e["layer_tokens"] == [layer_tokens] and e["after_eval"].startswith(ULYSSES_PREFIX)
-                assert e["logits_err"] <= 1e-5 and e["loss_err"] <= 1e-6 and e["grad_rel_err"] <= 1e-5, e
+                # README: sdpa's logits bit for bit, the same loss under both; flash's logits measured within 2.1e-7,
+                # gradients within 4.4e-7 of the largest (both attentions): the bounds are 5x and 4.5x those.
+                assert e["loss_err"] == 0 and e["grad_rel_err"] <= 2e-6, e
+                assert e["logits_err"] == 0 if attention == "sdpa" else e["logits_err"] <= 1e-6, e
             if model == "Qwen3-VL":  # DeepStack's features cut with the tokens, where an image and a video straddle it
                 print(f"Qwen3-VL: its DeepStack features zeroed move the unsplit logits by {r['deepstack_share']:.1e}")
                 assert r["deepstack_share"] >= 1e-2

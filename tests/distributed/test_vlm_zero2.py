@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from common.metrics import read_metrics
-from tests.conftest import losses
+from tests.conftest import losses, metrics
 from tests.fixtures.runs import VLM_CP2, VLM_ZERO2
 
 pytestmark = pytest.mark.distributed
@@ -26,11 +25,9 @@ def test_vlm_tiny_zero2_on_two_ranks_trains(trained):
 
 
 def test_vlm_tiny_at_cp2_takes_the_data_parallel_steps(trained):
-    def steps(run_dir):
-        return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run_dir / "metrics.jsonl")}
-
-    dp, cp = steps(trained(VLM_ZERO2, 2)), steps(trained(VLM_CP2, 2))
+    dp, cp = (metrics(trained(args, 2), "loss", "grad_norm") for args in (VLM_ZERO2, VLM_CP2))
     assert sorted(cp) == sorted(dp) == list(range(1, 21))
     worst = [max(abs(cp[s][i] - dp[s][i]) / dp[s][i] for s in dp) for i in (0, 1)]
     print(f"vlm_tiny cp=2 vs dp=2, 20 steps: max relative difference loss {worst[0]:.1e}, grad norm {worst[1]:.1e}")
-    assert max(worst) <= 1e-5, worst
+    # README: within 1.2e-7 (losses) and 5.9e-7 (gradient norms) measured; the bounds are 8x and 5x those.
+    assert worst[0] <= 1e-6 and worst[1] <= 3e-6, worst

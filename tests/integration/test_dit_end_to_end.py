@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from recipes.dit.model import build_model
 from scripts.kiln.launch import compose
-from tests.conftest import FAST_DIT, losses, run_train
+from tests.conftest import FAST_DIT, losses, metrics, run_train
 
 pytestmark = pytest.mark.integration
 STEPS = 80
@@ -39,7 +39,7 @@ def run_dir(tmp_path_factory):
 
 
 def test_loss_falls_and_metrics_are_complete(run_dir):
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = list(metrics(run_dir).values())
     assert [r["step"] for r in records] == list(range(10, STEPS + 1, 10))
     for key in (
         "loss",

@@ -10,6 +10,8 @@ import shutil
 import subprocess
 
 import numpy as np
+import onnx
+import onnxruntime  # noqa: F401  (a declared dependency: imported, never skipped)
 import pytest
 import torch
 from diffusers import DDPMScheduler, DiTTransformer2DModel
@@ -20,11 +22,9 @@ from recipes.dit.model import build_model
 from recipes.dit.onnx import PARITY_TOL, OnnxDiT, ParityError, check_parity, export_onnx
 from scripts.kiln.launch import compose
 from tests.conftest import REPO, gpus_visible, load_script
-from tests.unit.test_trt_build import fake_trtexec
+from tests.fixtures.trt import fake_trtexec
 
 pytestmark = pytest.mark.integration
-pytest.importorskip("onnxruntime")
-pytest.importorskip("onnx")
 
 IMAGE_SIZE = 16
 SAMPLE_STEPS = 12
@@ -168,8 +168,6 @@ def test_trtexec_commands_for_both_versions_without_tensorrt(exported):
 
 def _tensor_types(path) -> tuple[set[int], dict[str, int]]:
     """(element types of the weights, element type of each graph input/output)."""
-    import onnx
-
     model = onnx.load(str(path))
     weights = {i.data_type for i in model.graph.initializer if len(i.dims) >= 2}  # matrices and conv kernels
     io = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)}

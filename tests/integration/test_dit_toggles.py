@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import math
+import sys
 
 import pytest
 
 from tests.conftest import FAST_DIT, losses, run_train
+from tests.support.launcher import launch_env, run_python
 
 pytestmark = pytest.mark.integration
 SHORT = [*FAST_DIT, "trainer.eval=false", "checkpoint.final=false", "trainer.micro_batch_size=32"]
@@ -22,10 +25,26 @@ def test_bf16_zero2_trains(tmp_path):
     assert (tmp_path / "export" / "transformer" / "config.json").exists()
 
 
+# scripts/train.py's main in process, then dynamo's counters of that process: what torch.compile captured.
+TRAIN_AND_COUNT = """
+import sys
+from torch._dynamo.utils import counters
+from scripts.kiln.launch import main
+code = main(sys.argv[1:])
+print("kiln-test dynamo", dict(counters["stats"]), flush=True)
+sys.exit(code)
+"""
+
+
 def test_compile_matches_eager(tmp_path):
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     run_train([*SHORT, f"run.dir={eager}", "trainer.max_steps=3"])
-    run_train([*SHORT, f"run.dir={compiled}", "trainer.max_steps=3", "toggles.compile=true"])
+    args = [*SHORT, f"run.dir={compiled}", "trainer.max_steps=3", "toggles.compile=true"]
+    proc = run_python([sys.executable, "-c", TRAIN_AND_COUNT, *args], env=launch_env(1))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = ast.literal_eval(proc.stdout.split("kiln-test dynamo ")[-1].splitlines()[0])
+    # The blocks were compiled: dynamo captured graphs (one per block shape, reused by every block) and ran them.
+    assert stats.get("unique_graphs", 0) >= 1 and stats.get("calls_captured", 0) >= 1, stats
     a, b = losses(eager), losses(compiled)
     for step in (1, 2, 3):
         assert b[step] == pytest.approx(a[step], rel=1e-4)

@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import FAST_DIT, REPO, load_script, run_train
-from tests.distributed.test_llm_init_from_layouts import compare_export, tensors
+from tests.fixtures.llm import compare_export, tensors
 from tests.fixtures.runs import VLM_ZERO2
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from common.metrics import read_metrics
+from tests.conftest import metrics
 from tests.fixtures.runs import MOE_16_STEPS
 
 pytestmark = pytest.mark.integration
@@ -18,7 +18,7 @@ def test_moe_tiny_trains_logs_its_aux_losses_and_exports(trained):
     from transformers import AutoModelForCausalLM
 
     run, proc = trained.run(MOE_16_STEPS)  # test_serve_vllm serves its export
-    records = {r["step"]: r for r in read_metrics(run / "metrics.jsonl")}
+    records = metrics(run)
     assert sorted(records) == [4, 8, 12, 16]
     assert records[16]["loss"] < records[4]["loss"] - 0.5, {s: r["loss"] for s, r in records.items()}
     for r in records.values():

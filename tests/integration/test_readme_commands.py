@@ -171,7 +171,7 @@ TRAINED_ELSEWHERE = {
     "python scripts/train.py --nproc_per_node 2 recipe=llm_tiny "
     "parallel.cp=2": "tests/distributed/test_llm_context_parallel.py (cp=2 against one process)",
     "python scripts/train.py --nproc_per_node 2 recipe=dit_tiny "
-    "parallel.cp=2": "tests/distributed/test_ds_any_layout.py (cp=2 against one process, ZeRO-2 and ZeRO-3)",
+    "parallel.cp=2": "tests/distributed/test_dit_context_parallel.py (cp=2 against one process, ZeRO-2 and ZeRO-3)",
     "python scripts/train.py --nproc_per_node 2 recipe=t2i_tiny model.init_from=outputs/tiny-sd3 "
     "parallel.cp=2": "tests/distributed/test_t2i_zero.py (cp=2 against one rank)",
     "python scripts/train.py --nproc_per_node 2 recipe=vlm_tiny "

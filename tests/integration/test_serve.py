@@ -9,6 +9,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import openai
 import pytest
 
 from scripts.kiln.serving import http as _http
@@ -16,7 +17,6 @@ from scripts.kiln.serving import running_server
 from tests.conftest import run_train
 from tests.fixtures.runs import LLM_SERVED
 
-openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
 pytestmark = pytest.mark.integration
 
 FAST = ["trainer.progress_bar=false", "trainer.eval=false", "checkpoint.final=false", "trainer.log_every=5"]

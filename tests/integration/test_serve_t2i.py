@@ -13,6 +13,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import openai
 import pytest
 import torch
 from PIL import Image
@@ -20,7 +21,6 @@ from PIL import Image
 from scripts.kiln.serving import http, running_server
 from tests.fixtures.t2i import IMAGE_SIZE, t2i_run_args
 
-openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
 pytestmark = pytest.mark.integration
 
 KEY = "kiln-t2i-key"

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+import openai
 import pytest
 
 from scripts.kiln.serving import BASE_LM_CHAT_TEMPLATE, http, running_server
@@ -27,8 +28,6 @@ from tests.fixtures.llm import write_llama_folder, write_token_dataset
 from tests.fixtures.runs import MOE_16_STEPS
 from tests.fixtures.vllm import NEEDS_VLLM, openai_client
 
-openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
-peft = pytest.importorskip("peft")
 pytestmark = NEEDS_VLLM
 
 FAST = ["trainer.progress_bar=false", "trainer.eval=false", "checkpoint.final=false", "trainer.max_steps=3"]

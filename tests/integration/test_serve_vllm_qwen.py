@@ -29,8 +29,6 @@ from tests.fixtures.runs import qwen_lora
 from tests.fixtures.vllm import NEEDS_VLLM, VLLM_EAGER, data_url, greedy, openai_client
 from tests.fixtures.vlm import qwen_run_args
 
-openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
-peft = pytest.importorskip("peft")
 pytestmark = NEEDS_VLLM
 
 QUESTION = "Compare the two pictures."

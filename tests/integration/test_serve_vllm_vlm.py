@@ -13,13 +13,13 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import openai
 import pytest
 
 from scripts.kiln.serving import http, running_server
 from tests.conftest import run_train
 from tests.fixtures.vllm import NEEDS_VLLM, VLLM_EAGER, ask, data_url, greedy, openai_client
 
-openai = pytest.importorskip("openai", reason="needs the serve extra: pip install -e '.[serve]'")
 pytestmark = NEEDS_VLLM
 
 QUESTION = "What digit is this?"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-from tests.conftest import losses, run_train
+from tests.conftest import losses, metrics, run_train
 
 pytestmark = pytest.mark.integration
 FAST_VLM = [
@@ -34,7 +34,7 @@ def test_packing_changes_speed_not_math(tmp_path):
     # Short, similar-length digit conversations pad well anyway; the packing benchmark
     # (scripts/bench.py --only packing) measures utilization on a long-tailed distribution.
     for run in (on, off):
-        util = [json.loads(line)["token_utilization"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        util = metrics(run, "token_utilization").values()
         assert all(0.5 < u <= 1.0 for u in util)
 
 
@@ -72,6 +72,9 @@ def test_eval_and_export_load_offline_with_the_trained_logits(align_then_finetun
     _, run_dir = align_then_finetune
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = json.loads((run_dir / "eval.json").read_text())
+    # Measured 0.0 (chance is 0.1, 10 digits): 15 + 15 steps teach the tiny VLM the answer's form, not the digit, so no
+    # bar above chance holds without a longer run (CI time); the number is printed for the record.
+    print(f"vlm_tiny align + finetune, 15 + 15 steps: eval accuracy {result['accuracy']} on {result['num_samples']}")
     assert result["num_samples"] == 20 and 0.0 <= result["accuracy"] <= 1.0
     assert (run_dir / "samples" / "eval.png").exists()
 

@@ -33,13 +33,11 @@ from data.tiny_bases import make_qwen2_5_vl, make_qwen3_vl
 from recipes.vlm.data import IMAGE_TOKEN, render_turns
 from recipes.vlm.qwen import IMAGE_SLOT, VIDEO_SLOT, VIDEO_TOKEN, encode_qwen, load_processing
 from recipes.vlm.video import QWEN2_FPS, VIDEO_CONFIG, frames_video
-from scripts.kiln.serving import serve_env, serve_venv
-from tests.unit.test_vlm_qwen import frames, image, video_conversation
+from scripts.kiln.serving import serve_venv
+from tests.fixtures.vllm import NEEDS_VLLM
+from tests.fixtures.vlm import frames, image, video_conversation
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(serve_env() is None, reason="needs vLLM's environment: make serve-env (.venv-serve)"),
-]
+pytestmark = NEEDS_VLLM
 
 REFERENCE = """
 import json, sys

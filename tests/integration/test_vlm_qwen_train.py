@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from recipes.vlm.archs import QWEN_ARCHS
-from tests.conftest import load_script, losses
+from tests.conftest import load_script, losses, metrics
 from tests.fixtures import vlm as fx
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,7 @@ def test_qwen_trains_at_native_resolution_and_the_loss_falls(run):
     run_dir = run[0]
     loss = losses(run_dir)
     assert sorted(loss) == [1, 2, 3] and loss[3] < loss[1]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = list(metrics(run_dir).values())
     assert all(r["skipped_samples"] == 0 for r in records)  # the images fit data.max_seq_len
     assert sum(r["text_only_samples"] for r in records) > 0  # text-only conversations trained beside the images
     if QWEN_ARCHS[run[2]].video:  # and videos (their frames decoded in the loader)

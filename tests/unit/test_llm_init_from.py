@@ -16,8 +16,8 @@ from recipes.llm import hf
 from recipes.llm.hf_adapter import to_hf_state_dict
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, Transformer, rope_inv_freq
 from recipes.llm.train import llama_args, memory_spec
-from scripts.kiln.launch import compose, main
-from tests.conftest import run_train
+from scripts.kiln.launch import compose
+from tests.conftest import kiln_error, run_train
 from tests.fixtures.llm import train_tokenizer, write_llama_folder, write_token_dataset
 
 VARIANTS = ("tied", "gqa")
@@ -202,38 +202,29 @@ BAD_CHECKPOINTS = {
 }
 
 
-def _kiln_error(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("kiln: error: "), err
-    return err[0]
-
-
 @pytest.mark.parametrize("case", BAD_CHECKPOINTS)
 def test_unsupported_checkpoints_stop_with_one_line(folders, case, tmp_path, capsys):
     folder = tmp_path / "model"
     shutil.copytree(folders["gqa"], folder)
     damage, needle = BAD_CHECKPOINTS[case]
     damage(folder)
-    line = _kiln_error(["recipe=llm_tiny", f"model.init_from={folder}", f"run.dir={tmp_path / 'run'}"], capsys)
+    line = kiln_error(["recipe=llm_tiny", f"model.init_from={folder}", f"run.dir={tmp_path / 'run'}"], capsys)
     assert f"model.init_from={folder}: " in line and needle in line, line
     assert not (tmp_path / "run").exists()
 
 
 def test_command_line_keys_that_disagree_stop_with_both_values(folders, tmp_path, capsys):
     run = tmp_path / "run"
-    line = _kiln_error(
+    line = kiln_error(
         ["recipe=llm_tiny", f"model.init_from={folders['gqa']}", "model.dim=128", f"run.dir={run}"], capsys
     )
     assert "model.dim=128 disagrees" in line and "hidden_size=64" in line
-    line = _kiln_error(
+    line = kiln_error(
         ["recipe=llm_tiny", f"model.init_from={folders['tied']}", "model.tie_embeddings=false", f"run.dir={run}"],
         capsys,
     )
     assert "model.tie_embeddings=False disagrees" in line and "tie_word_embeddings=True" in line
-    line = _kiln_error(
+    line = kiln_error(
         ["recipe=llm_tiny", f"model.init_from={folders['gqa']}", "data.max_seq_len=4096", f"run.dir={run}"], capsys
     )
     assert "data.max_seq_len=4096 exceeds model.max_seq_len=2048 (max_position_embeddings" in line

@@ -12,8 +12,8 @@ from common.errors import ConfigError
 from common.toggles import apply_ac
 from recipes.llm.model import LlamaArgs, Transformer, TransformerBlock
 from scripts.kiln.launch import compose
+from tests.conftest import kiln_error
 from tests.fixtures.llm import write_llama_folder
-from tests.unit.test_llm_init_from import _kiln_error
 
 PROJECTIONS = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
 
@@ -75,14 +75,14 @@ def test_bad_lora_input_stops_with_one_line(base, case, tmp_path, capsys, monkey
     if any(e.startswith(("parallel.tp=", "parallel.dp=", "parallel.pp=")) for e in extra):
         monkeypatch.setenv("WORLD_SIZE", "2")  # a job of 2 ranks: its layout fits them (the layout is checked first)
     finetune = [] if any(e.startswith("finetune=") for e in extra) else ["finetune=lora"]
-    line = _kiln_error(["recipe=llm_tiny", *finetune, *extra, f"run.dir={tmp_path / 'run'}"], capsys)
+    line = kiln_error(["recipe=llm_tiny", *finetune, *extra, f"run.dir={tmp_path / 'run'}"], capsys)
     assert needle in line, line
     assert not (tmp_path / "run").exists()
 
 
 def test_lora_keys_without_finetune_lora_stop_with_one_line(tmp_path, capsys):
     """The issue's command: `recipe=llm_tiny lora.rank=4` trained every weight and exited 0."""
-    line = _kiln_error(["recipe=llm_tiny", "lora.rank=4", f"run.dir={tmp_path / 'run'}"], capsys)
+    line = kiln_error(["recipe=llm_tiny", "lora.rank=4", f"run.dir={tmp_path / 'run'}"], capsys)
     assert "lora.rank: LoRA settings, but this run is finetune=full" in line, line
     assert not (tmp_path / "run").exists()
 
@@ -92,7 +92,7 @@ def test_moe_models_refuse_lora(tmp_path, capsys):
 
     folder = write_moe_folder(tmp_path / "mixtral", "mixtral")
     capsys.readouterr()  # the fixture's progress bars
-    line = _kiln_error(["recipe=llm_tiny", "finetune=lora", f"model.init_from={folder}"], capsys)
+    line = kiln_error(["recipe=llm_tiny", "finetune=lora", f"model.init_from={folder}"], capsys)
     assert "finetune=lora on an MoE model (model.moe.num_experts=" in line, line
 
 
@@ -170,14 +170,14 @@ ZERO_BAD = {  # (recipe, overrides: a capitalised name is one of `bases`), the l
 def test_bad_zero_recipe_lora_input_stops_with_one_line(bases, case, tmp_path, capsys):
     recipe, extra, needle = ZERO_BAD[case]
     extra = [key + "=" + str(bases.get(value, value)) for key, _, value in (e.partition("=") for e in extra)]
-    line = _kiln_error([f"recipe={recipe}", "finetune=lora", *extra, f"run.dir={tmp_path / 'run'}"], capsys)
+    line = kiln_error([f"recipe={recipe}", "finetune=lora", *extra, f"run.dir={tmp_path / 'run'}"], capsys)
     assert needle in line, line
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("recipe", ["dit_tiny", "vlm_tiny"])
 def test_families_without_qlora_refuse_it(recipe, capsys):
-    line = _kiln_error([f"recipe={recipe}", "finetune=lora", "lora.quantize_base=nf4"], capsys)
+    line = kiln_error([f"recipe={recipe}", "finetune=lora", "lora.quantize_base=nf4"], capsys)
     assert f"lora.quantize_base=nf4 is not offered by the {recipe[:3]} recipe yet" in line, line
 
 

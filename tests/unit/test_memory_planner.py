@@ -4,12 +4,10 @@ autograd really keeps, and scripts/plan.py end to end."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,19 +33,9 @@ from recipes.dit.train import memory_spec as dit_spec
 from recipes.llm.train import memory_spec as llm_spec
 from scripts.kiln.launch import compose
 from scripts.kiln.planner import GPUS, candidate_layouts, plan
+from tests.conftest import REPO, load_script
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_plan_script():
-    spec = importlib.util.spec_from_file_location("kiln_script_plan", REPO / "scripts" / "plan.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
-plan_script = load_plan_script()
+plan_script = load_script("plan")
 
 
 # ---- a) Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 GPUs, K = 12 --------------------
@@ -388,7 +376,6 @@ def test_lora_prices_the_adapter_with_adam_and_the_base_as_weights():
 def test_qlora_prices_the_adapted_linears_base_as_torchao_nf4():
     """lora.quantize_base=nf4: each adapted linear's frozen weight costs what torchao's NF4Tensor holds (measured on
     one 14336 x 4096 weight, llm_8b's MLP), the other frozen weights their fp32 bytes."""
-    pytest.importorskip("torchao")
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
     from common.memory import nf4_bytes

@@ -241,7 +241,9 @@ def test_a_cached_run_holds_what_the_trainer_loads_on_a_cache(t2i_world, evaluat
 
 def test_an_unknown_missing_pipeline_is_one_line_when_sizing(capsys):
     from common.errors import ConfigError
-    from tests.unit.test_memory_planner import plan_script as plan
+    from tests.conftest import load_script
+
+    plan = load_script("plan")
 
     cfg = compose(["recipe=sd35_medium", "run.dry_run=true", "model.init_from=/nonexistent/my-sd"])
     with pytest.raises(ConfigError, match="no pipeline folder there to size from.*stable-diffusion-3.5-medium"):

@@ -54,7 +54,6 @@ def test_unwrapped_names_are_the_state_dicts():
 
 
 def test_fp8_converts_the_blocks_linears_not_the_output_head():
-    pytest.importorskip("torchao")
     from torchao.float8.float8_linear import Float8Linear
 
     model, toggles = tiny_llama(precision="fp8")

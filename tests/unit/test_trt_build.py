@@ -11,49 +11,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.fixtures.trt import fake_trtexec
 
 BUILD = str(REPO / "scripts" / "build_trt_engine.sh")
 SHAPES = "sample:{b}x1x16x16,timestep:{b},class_labels:{b}"
 PRECISION_FLAGS = {"--fp16", "--bf16", "--int8", "--fp8", "--int4", "--best", "--noTF32"}
-
-# Banners as trtexec prints them: TensorRT 10 has no --version option (it prints the banner, then
-# fails on the missing model); 11 is assumed to behave the same way or to answer it, either works.
-BANNERS = {
-    10: (
-        "&&&& RUNNING TensorRT.trtexec [TensorRT v101303] [b9] # trtexec --version\n"
-        "[03/29/2026-18:58:09] [E] Model missing or format not recognized\n"
-        "&&&& FAILED TensorRT.trtexec [TensorRT v101303] [b9] # trtexec --version\n",
-        1,
-    ),
-    11: (
-        "&&&& RUNNING TensorRT.trtexec [TensorRT v110100] [b12] # trtexec --version\n"
-        "[09/25/2026-10:00:00] [I] TensorRT version: 11.1.0\n",
-        0,
-    ),
-    8: ("&&&& RUNNING TensorRT.trtexec [TensorRT v8601] [b8] # trtexec --version\n", 1),
-    0: ("trtexec: some other tool\n", 0),
-}
-
-
-def fake_trtexec(bin_dir: Path, major: int) -> Path:
-    """A `trtexec` that answers --version with `major`'s banner and, asked to build, writes argv (JSON)
-    to bin_dir/argv.json and a non-empty file at --saveEngine=."""
-    banner, rc = BANNERS[major]
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    script = bin_dir / "trtexec"
-    script.write_text(f"""#!/usr/bin/env python3
-import json, sys
-args = sys.argv[1:]
-if args == ["--version"]:
-    sys.stdout.write({banner!r})
-    sys.exit({rc})
-open({str(bin_dir / "argv.json")!r}, "w").write(json.dumps(args))
-for a in args:
-    if a.startswith("--saveEngine="):
-        open(a.split("=", 1)[1], "wb").write(b"engine")
-""")
-    script.chmod(0o755)
-    return script
 
 
 def run_build(args: list[str], bin_dir: Path | None) -> subprocess.CompletedProcess:

@@ -32,6 +32,7 @@ from recipes.vlm.qwen import (
     rope_index_for,
 )
 from recipes.vlm.video import frame_size, frames_video, read_video_config, sample_frame_indices, video_config
+from tests.fixtures.vlm import frames, image, video_conversation
 
 # Qwen2VLVideoProcessor's own values (a folder whose config says nothing; its rate: qwen-vl-utils' 2 fps)
 QWEN2 = video_config({}, QWEN2_VIDEO)
@@ -72,22 +73,6 @@ def qwen3(tmp_path_factory):
 
 
 ARCHS = {"qwen2_5_vl": "qwen", "qwen3_vl": "qwen3"}  # model_type -> its fixture
-
-
-def image(height: int, width: int, seed: int):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def frames(n: int, height: int, width: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, height, width, 3), dtype=np.uint8)
-
-
-def video_conversation(n_images: int = 0) -> list[dict]:
-    ask = "<video>\nWhat happens?" if n_images == 0 else "<image>\nThis, then this: <video>\nWhat happens?"
-    return [{"role": "user", "content": ask}, {"role": "assistant", "content": "A digit is written."}]
 
 
 def conversation(n_images: int) -> list[dict]:

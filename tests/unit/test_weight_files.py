@@ -12,9 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from common.errors import ConfigError
-from tests.conftest import load_script
+from tests.conftest import kiln_error, load_script
 from tests.fixtures.llm import write_llama_folder
-from tests.unit.test_llm_init_from import _kiln_error
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +80,7 @@ def test_a_base_file_cut_short_stops_the_launch_with_one_line(folders, case, tmp
     capsys.readouterr()
     run = tmp_path / "run"
     argv = [f"recipe={recipe}", f"finetune={finetune}", f"model.init_from={base}", f"run.dir={run}"]
-    line = _kiln_error(argv, capsys)
+    line = kiln_error(argv, capsys)
     assert f"{victim} is cut short: its header describes" in line, line
     assert not run.exists()
 

@@ -5,8 +5,8 @@ steps 5-8 after the resume equal those of an uninterrupted run on the new layout
 End to end, each family from a ZeRO-3 source (its universal form differs: bare flat tensors, no step.pt) and from
 others; in process, every source stage 0-3 (fp32, and bf16 from ZeRO-3 and ZeRO-0) into every other stage on another
 number of ranks, with the state compared bit for bit, from sources under activation checkpointing into targets
-without (`test_universal_reader_takes_every_stage_both_forms`). The DiT under context parallelism (parallel.cp=2)
-too: its losses and gradient norms equal one process's, and its checkpoint resumes at cp=1."""
+without (`test_universal_reader_takes_every_stage_both_forms`). The runs are tests/fixtures/layouts.py's, in the
+session's run cache (the DiT's context-parallel tests, test_dit_context_parallel.py, share them)."""
 
 from __future__ import annotations
 
@@ -19,68 +19,10 @@ import pytest
 import torch
 
 from common.checkpoint import MANIFEST, file_crc32, read_meta
-from tests.conftest import FAST_DIT, losses, run_train
+from tests.conftest import losses, run_train
+from tests.fixtures.layouts import DIT, GLOBAL_BATCH, SAVED, VLM, assert_continues, layout, resume
 
 pytestmark = pytest.mark.distributed
-STEPS, SAVED = 8, 4
-GLOBAL_BATCH = 8
-COMMON = [
-    "trainer.eval=false",
-    "checkpoint.final=false",
-    f"trainer.max_steps={STEPS}",
-    f"checkpoint.every={SAVED}",
-    "data.num_workers=0",
-    "trainer.log_every=1",
-    "trainer.progress_bar=false",
-]
-DIT = [*FAST_DIT, *COMMON, "diffusion.sample_steps=2", "diffusion.samples_per_class=1"]
-VLM = ["recipe=vlm_tiny", *COMMON]
-
-
-def layout(ranks: int, stage: int, accum: int = 1) -> tuple[int, list[str]]:
-    """(ranks, overrides) of a layout with the global batch of GLOBAL_BATCH samples per step."""
-    micro = GLOBAL_BATCH // (ranks * accum)
-    return ranks, [f"parallel.zero_stage={stage}", f"trainer.micro_batch_size={micro}", f"trainer.grad_accum={accum}"]
-
-
-class Runs:
-    """Uninterrupted runs made once per module and shared by the tests, one per layout: each is the reference of the
-    resumes into its layout and, through its step-SAVED checkpoint (a run that went on keeps it as one that stopped
-    there would have it), the source of the resumes out of it."""
-
-    def __init__(self, root):
-        self.root, self.done = root, {}
-
-    def full(self, recipe: list[str], ranks: int, args: list[str]):
-        key = (recipe[0], ranks, *args)
-        if key not in self.done:
-            run_dir = self.root / f"run{len(self.done)}"
-            run_train([*recipe, *args, f"run.dir={run_dir}"], nproc=ranks, timeout=900)
-            self.done[key] = run_dir
-        return self.done[key]
-
-    def source(self, recipe: list[str], ranks: int, args: list[str]):
-        ckpt = self.full(recipe, ranks, args) / "checkpoints" / f"step_{SAVED:07d}"
-        assert (ckpt / "meta.json").exists()
-        return ckpt
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return Runs(tmp_path_factory.mktemp("any_layout"))
-
-
-def resume(recipe, ckpt, ranks, args, run_dir):
-    proc = run_train([*recipe, *args, f"run.dir={run_dir}", f"run.resume={ckpt}"], nproc=ranks, timeout=900)
-    assert "converting it to a DeepSpeed universal checkpoint" in proc.stdout, proc.stdout[-2000:]
-    assert f"resumed from {ckpt} at step {SAVED}" in proc.stdout
-    return losses(run_dir)
-
-
-def assert_continues(resumed: dict, reference: dict) -> None:
-    assert sorted(resumed) == list(range(SAVED + 1, STEPS + 1))
-    for step in resumed:
-        assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=0), f"step {step}"
 
 
 @pytest.mark.parametrize(
@@ -100,46 +42,14 @@ def assert_continues(resumed: dict, reference: dict) -> None:
         "2r-zero3-to-1r-zero0",
     ],
 )
-def test_dit_resumes_under_another_layout(runs, tmp_path, source, target):
-    reference = losses(runs.full(DIT, *target))
-    ckpt = runs.source(DIT, *source)
+def test_dit_resumes_under_another_layout(layout_runs, tmp_path, source, target):
+    reference = losses(layout_runs.full(DIT, *target))
+    ckpt = layout_runs.source(DIT, *source)
     # The global stream and every random draw are the layout's: the first steps agree across layouts already.
     saved = losses(ckpt.parent.parent)
     for step in range(1, SAVED + 1):
         assert saved[step] == pytest.approx(reference[step], rel=1e-5, abs=0), f"step {step} before the checkpoint"
     assert_continues(resume(DIT, ckpt, *target, tmp_path / "resumed"), reference)
-
-
-def cp2(stage: int) -> tuple[int, list[str]]:
-    """parallel.cp=2 on 2 ranks (dp=1): both ranks read the whole global batch and split each image's patch tokens."""
-    return 2, [f"parallel.zero_stage={stage}", f"trainer.micro_batch_size={GLOBAL_BATCH}", "parallel.cp=2"]
-
-
-def metric(run_dir, key: str) -> dict[int, float]:
-    from common.metrics import read_metrics
-
-    return {r["step"]: r[key] for r in read_metrics(run_dir / "metrics.jsonl")}
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_dit_context_parallel_equals_one_process(runs, stage):
-    """DeepSpeed-Ulysses (common/ulysses.py) at cp=2 against one process (ZeRO-0, the global batch in 2 micro-batches):
-    the losses and, since AdamW hides a gradient's scale from the losses, the gradient norms (DeepSpeed sums the cp
-    ranks' gradients and averages over dp: a wrong reduction shows as a norm off by a factor of cp)."""
-    reference, got = runs.full(DIT, *layout(1, 0, accum=2)), runs.full(DIT, *cp2(stage))
-    for key in ("loss", "grad_norm"):
-        ref, mine = metric(reference, key), metric(got, key)
-        assert sorted(mine) == sorted(ref) == list(range(1, STEPS + 1))
-        worst = max(abs(mine[s] - ref[s]) / abs(ref[s]) for s in ref)
-        print(f"dit_tiny cp=2 ZeRO-{stage} vs one process: max relative {key} difference, {STEPS} steps: {worst:.1e}")
-        assert worst <= 1e-5, key
-
-
-def test_dit_context_parallel_checkpoint_resumes_in_one_process(runs, tmp_path):
-    """A cp=2 checkpoint (ZeRO-2 partitions over dp x cp ranks) converts and resumes in one process at cp=1."""
-    target = layout(1, 0, accum=2)
-    reference = losses(runs.full(DIT, *target))
-    assert_continues(resume(DIT, runs.source(DIT, *cp2(2)), *target, tmp_path / "resumed"), reference)
 
 
 @pytest.mark.parametrize(
@@ -150,9 +60,9 @@ def test_dit_context_parallel_checkpoint_resumes_in_one_process(runs, tmp_path):
     ],
     ids=["1r-zero0-to-2r-zero3", "2r-zero3-to-1r-zero1"],
 )
-def test_vlm_resumes_under_another_layout(runs, tmp_path, source, target):
-    reference = losses(runs.full(VLM, *target))
-    ckpt = runs.source(VLM, *source)
+def test_vlm_resumes_under_another_layout(layout_runs, tmp_path, source, target):
+    reference = losses(layout_runs.full(VLM, *target))
+    ckpt = layout_runs.source(VLM, *source)
     assert_continues(resume(VLM, ckpt, *target, tmp_path / "resumed"), reference)
 
 
@@ -174,8 +84,8 @@ def tree_digest(folder) -> dict[str, str]:
     }
 
 
-def test_refusals(runs, tmp_path):
-    ckpt = runs.source(DIT, *layout(2, 2))
+def test_refusals(layout_runs, tmp_path):
+    ckpt = layout_runs.source(DIT, *layout(2, 2))
     _, one_rank = layout(1, 0, accum=2)
     assert "is a checkpoint of recipe dit_tiny; this run is vlm_tiny" in refused(VLM, one_rank, ckpt, tmp_path / "a")
     line = refused(DIT, [*one_rank, "model.num_layers=2"], ckpt, tmp_path / "b")
@@ -201,7 +111,7 @@ def test_refusals(runs, tmp_path):
     # A ZeRO-3 checkpoint whose optimizer shards hold no AdamW step count (its manifest agrees): DeepSpeed converts it
     # (it reads only weights and moments), the load after the conversion finds no step count. One line, nothing left.
     stepless = tmp_path / "stepless" / ckpt.name
-    shutil.copytree(runs.source(DIT, *layout(2, 3)), stepless)
+    shutil.copytree(layout_runs.source(DIT, *layout(2, 3)), stepless)
     manifest = json.loads((stepless / MANIFEST).read_text())
     for shard in stepless.glob("*optim_states.pt"):
         saved = torch.load(shard, weights_only=False)
