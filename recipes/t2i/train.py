@@ -264,11 +264,4 @@ class T2ITrainer(Trainer):
         return out
 
 
-def memory_spec(cfg: TrainConfig):
-    """The memory model's view of the run (run.dry_run, scripts/plan.py): recipes/t2i/sizing.py."""
-    from recipes.t2i.sizing import memory_spec as spec
-
-    return spec(cfg)
-
-
 TRAINER = T2ITrainer  # recipes/registry.py
