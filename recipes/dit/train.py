@@ -37,6 +37,7 @@ from recipes.dit import lora as dit_lora
 from recipes.dit import pretrained
 from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
 from recipes.dit.evaluate import fit_classifier
+from recipes.dit.export import write_pipeline
 from recipes.dit.model import build_model, null_class, untied
 from recipes.dit.parallelize import parallelize
 from recipes.dit.sizing import model_geometry
@@ -275,120 +276,6 @@ class DiTTrainer(Trainer):
             null_class=self.null_class,
             sample_size=self.sample_size,
         )
-
-
-def write_pipeline(
-    folder: Path,
-    transformer,
-    cfg: TrainConfig,
-    geometry: vae_lib.VaeGeometry | None,
-    classes: list[str],
-    *,
-    vae,
-    step: int,
-    null_class: int,
-    sample_size: int,
-) -> None:
-    """A whole DiT export of ``transformer`` in ``folder``: transformer/ and what every DiT export holds besides
-    (write_export_files)."""
-    transformer.save_pretrained(folder / "transformer", safe_serialization=True)
-    write_export_files(
-        folder, cfg, geometry, classes, vae=vae, step=step, null_class=null_class, sample_size=sample_size
-    )
-
-
-def write_export_files(
-    folder: Path,
-    cfg: TrainConfig,
-    geometry: vae_lib.VaeGeometry | None,
-    classes: list[str],
-    *,
-    vae,
-    step: int,
-    null_class: int,
-    sample_size: int,
-) -> None:
-    """What a DiT export holds besides transformer/ (the end of a run and scripts/export.py write the same):
-    the sampling scheduler/, the VAE (vae/) and a DiTPipeline model_index.json for latent DDPM models, kiln.json."""
-    sampling_scheduler(cfg.diffusion).save_pretrained(folder / "scheduler")
-    if vae is not None:
-        vae.save_pretrained(folder / "vae", safe_serialization=True)
-    info = export_info(cfg, geometry, classes, step=step, null_class=null_class, sample_size=sample_size)
-    if info["diffusers_pipeline"]:
-        (folder / "model_index.json").write_text(json.dumps(dit_pipeline_index(classes), indent=2))
-    (folder / "kiln.json").write_text(json.dumps(info, indent=2))
-
-
-def dit_pipeline_index(classes: list[str]) -> dict:
-    """model_index.json of a diffusers DiTPipeline over the export's folders; `id2label` maps class
-    ids to names (DiTPipeline.get_label_ids reads it)."""
-    import diffusers
-
-    return {
-        "_class_name": "DiTPipeline",
-        "_diffusers_version": diffusers.__version__,
-        "transformer": ["diffusers", "DiTTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-        "scheduler": ["diffusers", "DDIMScheduler"],
-        "id2label": {str(i): name for i, name in enumerate(classes)},
-    }
-
-
-def export_info(
-    cfg: TrainConfig,
-    geometry: vae_lib.VaeGeometry | None,
-    classes: list[str],
-    *,
-    step: int,
-    null_class: int,
-    sample_size: int,
-) -> dict:
-    """kiln.json: what sampling an export needs besides the diffusers folders, and whether diffusers'
-    DiTPipeline runs it. It does for latent DDPM models: its denoising loop is DDIM's here, its decode
-    is vae.decode(latents / scaling_factor). It does not for pixel-space models (it always decodes
-    with a VAE), for flow models (FlowMatchEulerDiscreteScheduler has no scale_model_input, which its
-    loop calls) or for VAEs with a shift_factor (its decode leaves the shift out): scripts/sample_dit.py
-    samples every kind. DiTPipeline's guidance uses ImageNet's null class 1000, so guided sampling
-    (guidance_scale > 1) through it is right only for model.num_classes=1000."""
-    d = cfg.diffusion
-    why_not = (
-        "pixel space (DiTPipeline decodes with a VAE)"
-        if geometry is None
-        else "flow objective (DiTPipeline's loop is for DDPM schedulers)"
-        if d.objective == "flow"
-        else "the VAE has a shift_factor (DiTPipeline's decode ignores it)"
-        if geometry.shift_factor
-        else None
-    )
-    info = {
-        "recipe": cfg.recipe.name,
-        "step": step,
-        "objective": d.objective,
-        "prediction": "velocity (noise - x_0)" if d.objective == "flow" else d.prediction_type,
-        "image_size": cfg.data.image_size,
-        "sample_size": sample_size,
-        "num_classes": len(classes),
-        "classes": classes,
-        "null_class": null_class,
-        "sample_steps": d.sample_steps,
-        "guidance_scale": d.guidance_scale,
-        "scheduler": "FlowMatchEulerDiscreteScheduler (Euler on the velocity, t from 1 to 0)"
-        if d.objective == "flow"
-        else "DDIMScheduler (eta=0) on the DDPM schedule the model was trained with",
-        "latent": None
-        if geometry is None
-        else {
-            "vae": "vae/",
-            "scaling_factor": geometry.scaling_factor,
-            "shift_factor": geometry.shift_factor,
-            "decode": "vae.decode(latents / scaling_factor + shift_factor)",
-        },
-        "diffusers_pipeline": None if why_not else "DiTPipeline",
-        "sample_with": "python scripts/sample_dit.py EXPORT_DIR",
-    }
-    if why_not:
-        info["diffusers_pipeline_note"] = f"not loadable as a diffusers DiTPipeline: {why_not}"
-    return info
 
 
 TRAINER = DiTTrainer  # recipes/registry.py

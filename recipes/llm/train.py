@@ -28,7 +28,6 @@ from common.errors import DataError
 from common.parallel_dims import ParallelDims, batch_mesh
 from common.trainer import Trainer
 from recipes.llm import hf
-from recipes.llm import lora as llm_lora
 from recipes.llm.config import check_qlora_layout
 from recipes.llm.context_parallel import ContextShard
 from recipes.llm.data import (
@@ -42,6 +41,7 @@ from recipes.llm.data import (
     prepare_data,
     real_token_mask,
 )
+from recipes.llm.export import write_export
 from recipes.llm.loss import NextTokenLoss
 from recipes.llm.model import LlamaArgs, MoE, Transformer
 from recipes.llm.moe_losses import MoEAux, expert_load
@@ -378,17 +378,6 @@ class LLMTrainer(Trainer):
         (self.run_dir / "samples").mkdir(exist_ok=True)
         (self.run_dir / "samples" / "generation.txt").write_text(text + "\n")
         print(f"kiln: sample: {text!r}", flush=True)
-
-
-def write_export(state: dict, args: LlamaArgs, cfg: TrainConfig, folder: Path, *, tokenizer) -> None:
-    """The export folder of a whole model's weights (a full state dict on the host): a Hugging Face folder, with
-    model.init_from in the source's format (recipes/llm/hf.py:write_hf_folder); under LoRA a PEFT adapter folder on
-    model.init_from (recipes/llm/lora.py). The end of a run and scripts/export.py (recipes/llm/export.py) both write
-    through it."""
-    if cfg.finetune == "lora":
-        llm_lora.write_export(lora.dequantized(state), args, cfg, folder, tokenizer=tokenizer)
-    else:
-        hf.write_hf_folder(state, args, folder, tokenizer=tokenizer, source=cfg.model.init_from or None)
 
 
 def sample_generation(export: Path, prompt: str = "The with statement", max_new_tokens: int = 40) -> str:
