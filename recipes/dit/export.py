@@ -21,7 +21,7 @@ from common.config import TrainConfig
 from common.data.dataset import load_dataset_meta
 from common.diffusion import vae as vae_lib
 from common.diffusion.objective import sampling_scheduler
-from common.ds_export import ZeroCheckpoint, export_ema_lora, export_zero, load_ema_adapter, write_ema_module
+from common.ds_export import ZeroCheckpoint, export_ema, export_ema_lora, load_ema_adapter, write_ema_module
 from recipes.dit import lora as dit_lora
 from recipes.dit.data import class_names
 from recipes.dit.model import build_model, null_class
@@ -41,11 +41,7 @@ def export_parts(cfg: TrainConfig) -> tuple[list[str], vae_lib.VaeGeometry | Non
 
 def export_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
     """Write the export of checkpoint `path` to `out` (scripts/export.py); returns what was written, in words."""
-    return export_zero(
-        path,
-        max_shard_size,
-        lambda ckpt, shard_size: write_export(cfg, ckpt, out, step=int(meta["step"]), max_shard_size=shard_size),
-    )
+    return export_ema(cfg, path, meta, out, max_shard_size, write_export)
 
 
 def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int, max_shard_size: int) -> int:
