@@ -24,6 +24,7 @@ from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.diffusion import vae as vae_lib
 from common.diffusion.evaluate import class_labels, score_samples
+from common.diffusion.hooks import EMASamples, ema_eval
 from common.diffusion.objective import Objective, sampling_scheduler, scheduler_config
 from common.diffusion.sampling import GRID_MAX_CLASSES, sample_images, save_grid
 from common.distributed import DistInfo, barrier
@@ -43,7 +44,7 @@ from recipes.dit.parallelize import parallelize
 from recipes.dit.sizing import model_geometry
 
 
-class DiTTrainer(Trainer):
+class DiTTrainer(EMASamples, Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         super().__init__(cfg, dist, run_dir)
         # finetune=lora: adapters on model.init_from's transformer, the base of every start (common/lora.py).
@@ -164,12 +165,6 @@ class DiTTrainer(Trainer):
                 }
                 path.write_text(json.dumps(info, indent=2))
 
-    def after_step(self) -> None:  # the loop calls it after steps DeepSpeed did not skip
-        self.ema.update()
-        every = self.cfg.diffusion.sample_every
-        if every and self.state.step % every == 0:
-            self.save_samples(f"step_{self.state.step:07d}.png")
-
     # ---- samples, evaluation, export --------------------------------------------------------
     def generate(self, labels: torch.Tensor, generator: torch.Generator, progress: str | None = None) -> torch.Tensor:
         """EMA-weight samples; every rank runs it (ZeRO-3 gathers weights collectively). `progress`
@@ -184,9 +179,7 @@ class DiTTrainer(Trainer):
             )
         show_bar = progress if self.dist.is_main and self.cfg.trainer.progress_bar else None
         decode = None if self.vae is None else functools.partial(vae_lib.decode, self.vae, geometry=self.geometry)
-        was_training = self.model.training
-        self.model.eval()
-        with self.ema.swapped():
+        with ema_eval(self.model, self.ema):
             images = sample_images(
                 self.model,
                 self.sampler_config,
@@ -202,7 +195,6 @@ class DiTTrainer(Trainer):
                 progress=show_bar,
                 decode=decode,
             )
-        self.model.train(was_training)
         return images
 
     def save_samples(self, name: str, progress: str | None = None) -> None:
