@@ -317,6 +317,23 @@ def check_family_sections(
         raise ConfigError(f"data={cfg.data.name} is not a dataset of the {recipe} recipe; it reads data={datasets}")
 
 
+def fill_from_checkpoint(model: Any, values: dict[str, tuple[str, Any]], command_line: set[str], source: str) -> None:
+    """model.init_from's shape into `model` (the model.* section), in place: `values` maps a key under model.
+    ("dim", "moe.top_k") to (its name in the checkpoint's config.json, its value). A key the command line set
+    (`command_line` holds "model.<key>") to another value stops the run in one line; the recipe preset's values are
+    replaced. The DiT, the VLM and the LLM complete their configs with it."""
+    for key, (name, value) in values.items():
+        section, _, leaf = key.rpartition(".")
+        owner = _get(model, section) if section else model
+        given = getattr(owner, leaf)
+        if f"model.{key}" in command_line and given != value:
+            raise ConfigError(
+                f"model.{key}={given} disagrees with model.init_from={source}, whose config.json gives "
+                f"{name}={value}; leave model.{key} out of the command line"
+            )
+        setattr(owner, leaf, value)
+
+
 def register(sections: Iterable[str] = ()) -> None:
     """Put the shared schema, with the families' `sections` (their names), into Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()

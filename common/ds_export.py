@@ -253,6 +253,16 @@ def export_zero_lora(
     return f"{adapter} of {count:,} parameters on {source}, from a ZeRO-{ckpt.stage} checkpoint of {ckpt.world} rank(s)"
 
 
+def export_ema(cfg, path: Path, meta: dict, out: Path, max_shard_size: str | None, write: Callable[..., int]) -> str:
+    """export_zero for a diffusion run (DiT, text-to-image): `write(cfg, ckpt, out, step=..., max_shard_size=...)`
+    writes the EMA weights' export, as the end of the run does."""
+    return export_zero(
+        path,
+        max_shard_size,
+        lambda ckpt, shard_size: write(cfg, ckpt, out, step=int(meta["step"]), max_shard_size=shard_size),
+    )
+
+
 def export_ema_lora(
     cfg, path: Path, meta: dict, out: Path, max_shard_size: str | None, write: Callable[..., int]
 ) -> str:

@@ -3,7 +3,7 @@
 One model for every place that predicts memory: `run.dry_run` (scripts/kiln/launch.py), the measured
 run.dir/memory.json next to its prediction (common/deepspeed.py), and the layout planner
 (scripts/plan.py, scripts/kiln/planner.py). Each recipe describes its model as a `ModelSpec`
-(`recipes/<family>/train.py:memory_spec`, counted from its own builder on the meta device);
+(`recipes/<family>/sizing.py:memory_spec`, counted from its own builder on the meta device);
 `estimate(spec, layout)` does the rest.
 """
 

@@ -10,7 +10,9 @@ A family is its folder plus one `RecipeSpec` below. It provides:
                                  target (`lora_targets`, `qlora`)
     recipes/<family>/train.py    TRAINER: its common.trainer.Trainer, with evaluate() -> dict | None,
                                  eval_summary(result) -> str, export() -> Path and the after_fit()/after_export(out)
-                                 hooks that scripts/kiln/launch.py's run_recipe calls; memory_spec(cfg) for the planner
+                                 hooks that scripts/kiln/launch.py's run_recipe calls
+    recipes/<family>/sizing.py   memory_spec(cfg): the model for the memory model (scripts/plan.py, run.dry_run);
+                                 it imports the model, never the trainer
     recipes/<family>/export.py   export from a checkpoint (scripts/export.py): export_checkpoint(cfg, path, meta, out,
                                  max_shard_size=) and, with LoRA, export_lora_checkpoint(...) and lora_base(cfg), each
                                  returning the summary printed after `export: CKPT -> OUT`
@@ -47,8 +49,11 @@ from recipes.vlm import config as vlm_config
 class RecipeSpec:
     family: str
     config: ModuleType  # recipes/<family>/config.py: register(), complete(cfg, command_line_keys), validate(cfg)
-    train_module: str  # recipes/<family>/train.py, imported on demand: TRAINER, memory_spec(cfg)
+    train_module: str  # recipes/<family>/train.py, imported on demand: TRAINER
     export_module: str  # recipes/<family>/export.py, imported on demand: export from a checkpoint
+    # recipes/<family>/sizing.py, imported on demand: memory_spec(cfg) for scripts/plan.py and run.dry_run. "" (a
+    # family from outside recipes/ that has none): its train_module's memory_spec.
+    sizing_module: str = ""
     # Top-level config sections only this family has (name -> schema), e.g. the DiT's `diffusion`: the shared
     # schema (common/config.py) gets one field per name, None for runs of other families.
     sections: dict[str, type] = field(default_factory=dict)
@@ -72,8 +77,12 @@ class RecipeSpec:
     serve_dtype_note: str = ""
 
     def train(self) -> ModuleType:
-        """recipes/<family>/train.py: TRAINER, memory_spec(cfg)."""
+        """recipes/<family>/train.py: TRAINER."""
         return importlib.import_module(self.train_module)
+
+    def sizing(self) -> ModuleType:
+        """recipes/<family>/sizing.py: memory_spec(cfg), the family's model for common/memory.py."""
+        return importlib.import_module(self.sizing_module or self.train_module)
 
     @property
     def trainer(self) -> type:
@@ -111,6 +120,7 @@ SPECS: dict[str, RecipeSpec] = {
         dit_config,
         "recipes.dit.train",
         "recipes.dit.export",
+        sizing_module="recipes.dit.sizing",
         sections=dit_config.SECTIONS,
         renamed=dit_config.RENAMED,
         lora_targets=dit_config.LORA_TARGETS,
@@ -125,12 +135,19 @@ SPECS: dict[str, RecipeSpec] = {
         vlm_config,
         "recipes.vlm.train",
         "recipes.vlm.export",
+        sizing_module="recipes.vlm.sizing",
         sections=vlm_config.SECTIONS,
         renamed=vlm_config.RENAMED,
         lora_targets=vlm_config.LORA_TARGETS,
     ),
     "llm": RecipeSpec(
-        "llm", llm_config, "recipes.llm.train", "recipes.llm.export", lora_targets=llm_config.LORA_TARGETS, qlora=True
+        "llm",
+        llm_config,
+        "recipes.llm.train",
+        "recipes.llm.export",
+        sizing_module="recipes.llm.sizing",
+        lora_targets=llm_config.LORA_TARGETS,
+        qlora=True,
     ),  # QLoRA on one GPU (check_qlora_layout)
     # Text-to-image on a released SD3 pipeline. It shares the diffusion core with the DiT (common/diffusion: objective,
     # VAE path, sampler, the `diffusion` section), as every family shares common/: no recipe imports another.
@@ -139,6 +156,7 @@ SPECS: dict[str, RecipeSpec] = {
         t2i_config,
         "recipes.t2i.train",
         "recipes.t2i.export",
+        sizing_module="recipes.t2i.sizing",
         sections=t2i_config.SECTIONS,
         lora_targets=t2i_config.LORA_TARGETS,
         is_export=_t2i_export,

@@ -67,8 +67,8 @@ def parse_cluster(argv: list[str]) -> tuple[Cluster, list[str]]:
 
 
 def model_spec(cfg: TrainConfig) -> ModelSpec:
-    """The recipe's own description of its model (recipes/<family>/train.py:memory_spec), as run.dry_run uses."""
-    return recipe_spec(cfg.recipe.family).train().memory_spec(cfg)
+    """The recipe's own description of its model (recipes/<family>/sizing.py:memory_spec), as run.dry_run uses."""
+    return recipe_spec(cfg.recipe.family).sizing().memory_spec(cfg)
 
 
 def compose_for_plan(overrides: list[str]) -> tuple[TrainConfig, str]:

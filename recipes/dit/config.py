@@ -8,7 +8,14 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
+from common.config import (
+    ZERO_LAYOUTS,
+    DataConfig,
+    TrainConfig,
+    ZeroParallelConfig,
+    check_family_sections,
+    fill_from_checkpoint,
+)
 from common.diffusion.config import DiffusionConfig
 from common.errors import ConfigError
 
@@ -77,19 +84,12 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     folder = transformer_folder(m.init_from)
     config = base_config(folder)
     m.init_from = str(folder)
-    for key, name in CHECKPOINT_KEYS.items():
-        value = config[name]
-        if f"model.{key}" in command_line and getattr(m, key) != value:
-            raise ConfigError(
-                f"model.{key}={getattr(m, key)} disagrees with model.init_from={folder}, whose config.json "
-                f"gives {name}={value}; leave model.{key} out of the command line"
-            )
-        setattr(m, key, value)
+    fill_from_checkpoint(
+        m, {key: (name, config[name]) for key, name in CHECKPOINT_KEYS.items()}, command_line, m.init_from
+    )
 
 
 def validate(cfg: TrainConfig) -> None:
-    from common.diffusion.vae import vae_geometry
-
     m, d = cfg.model, cfg.diffusion
     if not isinstance(m, DiTModelConfig) or not isinstance(d, DiffusionConfig):
         raise ConfigError("recipe.family=dit needs model=dit_* and diffusion=ddpm config groups")
@@ -122,6 +122,13 @@ def validate(cfg: TrainConfig) -> None:
     )
     if cfg.data.image_size <= 0:
         raise ConfigError(f"data.image_size={cfg.data.image_size} must be > 0")
+    check_diffusion(cfg)
+    check_latent_size(cfg)
+
+
+def check_diffusion(cfg: TrainConfig) -> None:
+    """diffusion.*'s choices and ranges (and model.dropout's), and what data.latents needs of it."""
+    m, d = cfg.model, cfg.diffusion
     if d.objective not in OBJECTIVES:
         raise ConfigError(f"diffusion.objective={d.objective!r} is not allowed; choose one of: {', '.join(OBJECTIVES)}")
     if d.prediction_type not in PREDICTION_TYPES:
@@ -152,6 +159,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"data.latents={cfg.data.latents} needs diffusion.vae (the VAE that encoded them decodes the samples)"
         )
+
+
+def check_latent_size(cfg: TrainConfig) -> None:
+    """The DiT's input (the VAE's latents or the images) against model.patch_size, parallel.cp and model.init_from."""
+    from common.diffusion.vae import vae_geometry
+
+    m, d = cfg.model, cfg.diffusion
     # The VAE's config.json decides the latent shape (a missing folder is reported when training
     # starts: sizing a run with run.dry_run or scripts/plan.py does not need it).
     geometry = vae_geometry(d.vae, cfg.data.image_size, must_exist=False) if d.vae else None

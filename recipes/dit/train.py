@@ -24,13 +24,13 @@ from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.diffusion import vae as vae_lib
 from common.diffusion.evaluate import class_labels, score_samples
+from common.diffusion.hooks import EMASamples, ema_eval
 from common.diffusion.objective import Objective, sampling_scheduler, scheduler_config
 from common.diffusion.sampling import GRID_MAX_CLASSES, sample_images, save_grid
 from common.distributed import DistInfo, barrier
 from common.ema import EMA
 from common.engine import DeepSpeedEngine
 from common.errors import ConfigError, DataError
-from common.memory import Block, ModelSpec, count_params, largest_module_params, largest_trainable
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
 from common.ulysses import data_parallel_layout
@@ -38,21 +38,13 @@ from recipes.dit import lora as dit_lora
 from recipes.dit import pretrained
 from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
 from recipes.dit.evaluate import fit_classifier
-from recipes.dit.model import build_model, null_class, shared_conditioning, untied
+from recipes.dit.export import write_pipeline
+from recipes.dit.model import build_model, null_class, untied
 from recipes.dit.parallelize import parallelize
+from recipes.dit.sizing import model_geometry
 
 
-def model_geometry(cfg: TrainConfig) -> tuple[int, int, vae_lib.VaeGeometry | None]:
-    """(in_channels, sample_size, VAE geometry or None) of the DiT: the VAE's latent shape for
-    `data.image_size` images with `diffusion.vae`, else `model.in_channels` x `data.image_size`. A
-    VAE folder that is not here reads as its assumed shape (sizing only: training loads it)."""
-    if not cfg.diffusion.vae:
-        return cfg.model.in_channels, cfg.data.image_size, None
-    geometry = vae_lib.vae_geometry(cfg.diffusion.vae, cfg.data.image_size, must_exist=False)
-    return geometry.latent_channels, geometry.latent_size, geometry
-
-
-class DiTTrainer(Trainer):
+class DiTTrainer(EMASamples, Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         super().__init__(cfg, dist, run_dir)
         # finetune=lora: adapters on model.init_from's transformer, the base of every start (common/lora.py).
@@ -173,12 +165,6 @@ class DiTTrainer(Trainer):
                 }
                 path.write_text(json.dumps(info, indent=2))
 
-    def after_step(self) -> None:  # the loop calls it after steps DeepSpeed did not skip
-        self.ema.update()
-        every = self.cfg.diffusion.sample_every
-        if every and self.state.step % every == 0:
-            self.save_samples(f"step_{self.state.step:07d}.png")
-
     # ---- samples, evaluation, export --------------------------------------------------------
     def generate(self, labels: torch.Tensor, generator: torch.Generator, progress: str | None = None) -> torch.Tensor:
         """EMA-weight samples; every rank runs it (ZeRO-3 gathers weights collectively). `progress`
@@ -193,9 +179,7 @@ class DiTTrainer(Trainer):
             )
         show_bar = progress if self.dist.is_main and self.cfg.trainer.progress_bar else None
         decode = None if self.vae is None else functools.partial(vae_lib.decode, self.vae, geometry=self.geometry)
-        was_training = self.model.training
-        self.model.eval()
-        with self.ema.swapped():
+        with ema_eval(self.model, self.ema):
             images = sample_images(
                 self.model,
                 self.sampler_config,
@@ -211,7 +195,6 @@ class DiTTrainer(Trainer):
                 progress=show_bar,
                 decode=decode,
             )
-        self.model.train(was_training)
         return images
 
     def save_samples(self, name: str, progress: str | None = None) -> None:
@@ -285,163 +268,6 @@ class DiTTrainer(Trainer):
             null_class=self.null_class,
             sample_size=self.sample_size,
         )
-
-
-def write_pipeline(
-    folder: Path,
-    transformer,
-    cfg: TrainConfig,
-    geometry: vae_lib.VaeGeometry | None,
-    classes: list[str],
-    *,
-    vae,
-    step: int,
-    null_class: int,
-    sample_size: int,
-) -> None:
-    """A whole DiT export of ``transformer`` in ``folder``: transformer/ and what every DiT export holds besides
-    (write_export_files)."""
-    transformer.save_pretrained(folder / "transformer", safe_serialization=True)
-    write_export_files(
-        folder, cfg, geometry, classes, vae=vae, step=step, null_class=null_class, sample_size=sample_size
-    )
-
-
-def write_export_files(
-    folder: Path,
-    cfg: TrainConfig,
-    geometry: vae_lib.VaeGeometry | None,
-    classes: list[str],
-    *,
-    vae,
-    step: int,
-    null_class: int,
-    sample_size: int,
-) -> None:
-    """What a DiT export holds besides transformer/ (the end of a run and scripts/export.py write the same):
-    the sampling scheduler/, the VAE (vae/) and a DiTPipeline model_index.json for latent DDPM models, kiln.json."""
-    sampling_scheduler(cfg.diffusion).save_pretrained(folder / "scheduler")
-    if vae is not None:
-        vae.save_pretrained(folder / "vae", safe_serialization=True)
-    info = export_info(cfg, geometry, classes, step=step, null_class=null_class, sample_size=sample_size)
-    if info["diffusers_pipeline"]:
-        (folder / "model_index.json").write_text(json.dumps(dit_pipeline_index(classes), indent=2))
-    (folder / "kiln.json").write_text(json.dumps(info, indent=2))
-
-
-def dit_pipeline_index(classes: list[str]) -> dict:
-    """model_index.json of a diffusers DiTPipeline over the export's folders; `id2label` maps class
-    ids to names (DiTPipeline.get_label_ids reads it)."""
-    import diffusers
-
-    return {
-        "_class_name": "DiTPipeline",
-        "_diffusers_version": diffusers.__version__,
-        "transformer": ["diffusers", "DiTTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-        "scheduler": ["diffusers", "DDIMScheduler"],
-        "id2label": {str(i): name for i, name in enumerate(classes)},
-    }
-
-
-def export_info(
-    cfg: TrainConfig,
-    geometry: vae_lib.VaeGeometry | None,
-    classes: list[str],
-    *,
-    step: int,
-    null_class: int,
-    sample_size: int,
-) -> dict:
-    """kiln.json: what sampling an export needs besides the diffusers folders, and whether diffusers'
-    DiTPipeline runs it. It does for latent DDPM models: its denoising loop is DDIM's here, its decode
-    is vae.decode(latents / scaling_factor). It does not for pixel-space models (it always decodes
-    with a VAE), for flow models (FlowMatchEulerDiscreteScheduler has no scale_model_input, which its
-    loop calls) or for VAEs with a shift_factor (its decode leaves the shift out): scripts/sample_dit.py
-    samples every kind. DiTPipeline's guidance uses ImageNet's null class 1000, so guided sampling
-    (guidance_scale > 1) through it is right only for model.num_classes=1000."""
-    d = cfg.diffusion
-    why_not = (
-        "pixel space (DiTPipeline decodes with a VAE)"
-        if geometry is None
-        else "flow objective (DiTPipeline's loop is for DDPM schedulers)"
-        if d.objective == "flow"
-        else "the VAE has a shift_factor (DiTPipeline's decode ignores it)"
-        if geometry.shift_factor
-        else None
-    )
-    info = {
-        "recipe": cfg.recipe.name,
-        "step": step,
-        "objective": d.objective,
-        "prediction": "velocity (noise - x_0)" if d.objective == "flow" else d.prediction_type,
-        "image_size": cfg.data.image_size,
-        "sample_size": sample_size,
-        "num_classes": len(classes),
-        "classes": classes,
-        "null_class": null_class,
-        "sample_steps": d.sample_steps,
-        "guidance_scale": d.guidance_scale,
-        "scheduler": "FlowMatchEulerDiscreteScheduler (Euler on the velocity, t from 1 to 0)"
-        if d.objective == "flow"
-        else "DDIMScheduler (eta=0) on the DDPM schedule the model was trained with",
-        "latent": None
-        if geometry is None
-        else {
-            "vae": "vae/",
-            "scaling_factor": geometry.scaling_factor,
-            "shift_factor": geometry.shift_factor,
-            "decode": "vae.decode(latents / scaling_factor + shift_factor)",
-        },
-        "diffusers_pipeline": None if why_not else "DiTPipeline",
-        "sample_with": "python scripts/sample_dit.py EXPORT_DIR",
-    }
-    if why_not:
-        info["diffusers_pipeline_note"] = f"not loadable as a diffusers DiTPipeline: {why_not}"
-    return info
-
-
-def memory_spec(cfg: TrainConfig) -> ModelSpec:
-    """The DiT for the memory model (common/memory.py): built on the meta device, counted."""
-    m = cfg.model
-    in_channels, sample_size, _ = model_geometry(cfg)
-    with torch.device("meta"):
-        model = build_model(m, sample_size, in_channels)
-    if cfg.finetune == "lora":  # the adapters train; the base is frozen weights only (in the compute dtype)
-        lora.apply_lora(model, cfg.lora)
-    trained = functools.partial(count_params, trainable_only=True)
-    first_block = model.transformer_blocks[0]
-    # A shared conditioning embedding belongs to no layer: counted once, with the patch embedding.
-    layer = trained(first_block) - trained(shared_conditioning(model))
-    block = Block(
-        hidden=m.num_attention_heads * m.attention_head_dim,
-        heads=m.num_attention_heads,
-        ffn=first_block.ff.net[-1].in_features,
-        norm="adaln_zero",
-        mlp="gelu",
-        dropout=m.dropout > 0,
-        attention="eager" if cfg.toggles.attention == "eager" else "fused",
-        selective="save_narrow_matmuls",
-    )
-    # The DiT only: a VAE (sd-vae-ft-mse: 84M parameters, 335 MB in fp32 on every rank) sits outside
-    # the engine, and a latent cache removes its activations from the step.
-    return ModelSpec(
-        cfg.recipe.name,
-        block,
-        layers=m.num_layers,
-        seq=(sample_size // m.patch_size) ** 2,
-        micro_batch=cfg.trainer.micro_batch_size,
-        layer_params=layer,
-        first_params=trained(model) - m.num_layers * layer,
-        frozen_params=count_params(model) - trained(model),
-        gather_unit_params=largest_module_params(model),
-        largest_trainable=largest_trainable(model),
-        precision=cfg.toggles.precision,
-        ac_modes=("none", "selective", "full"),
-        ema=True,
-        context_parallel=True,  # the planner varies parallel.cp
-        cp_method=cfg.parallel.cp_method,  # alltoall (Ulysses: common/ulysses.py), the DiT's only method
-    )
 
 
 TRAINER = DiTTrainer  # recipes/registry.py

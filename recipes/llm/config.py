@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import DataConfig, ParallelConfig, TrainConfig, check_family_sections
+from common.config import DataConfig, ParallelConfig, TrainConfig, check_family_sections, fill_from_checkpoint
 from common.errors import ConfigError
 from common.parallel_dims import check_ep_divides_dp
 
@@ -144,17 +144,8 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     values["moe.num_experts"] = moe.num_experts if moe else 0
     if moe is not None:
         values.update({f"moe.{k}": v for k, v in dataclasses.asdict(moe).items()})
-    for key, value in values.items():
-        section, _, name = key.rpartition(".")
-        owner = {"": m, "rope_scaling": m.rope_scaling, "moe": m.moe}[section]
-        given = getattr(owner, name)
-        if f"model.{key}" in command_line and given != value:
-            hf_key = CHECKPOINT_KEYS.get(key, key)
-            raise ConfigError(
-                f"model.{key}={given} disagrees with model.init_from={m.init_from}, whose config.json "
-                f"gives {hf_key}={value}; leave model.{key} out of the command line"
-            )
-        setattr(owner, name, value)
+    named = {key: (CHECKPOINT_KEYS.get(key, key), value) for key, value in values.items()}
+    fill_from_checkpoint(m, named, command_line, m.init_from)
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -181,6 +172,20 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} must be > 0")
     if cfg.data.eval_docs <= 0:
         raise ConfigError(f"data.eval_docs={cfg.data.eval_docs} must be > 0 (trainer.eval=false turns the eval off)")
+    check_model(cfg)
+    check_pipeline(cfg)
+    check_context_parallel(cfg)
+    if cfg.data.max_seq_len > m.max_seq_len:
+        # With init_from, model.max_seq_len is the checkpoint's max_position_embeddings: rows longer
+        # than the positions it was trained on are refused rather than extrapolated.
+        source = f" (max_position_embeddings of model.init_from={m.init_from})" if m.init_from else ""
+        raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} exceeds model.max_seq_len={m.max_seq_len}{source}")
+    check_finetune_and_toggles(cfg)
+
+
+def check_model(cfg: TrainConfig) -> None:
+    """model.*'s shape against itself and the mesh (tensor and expert parallelism), and the MoE's keys."""
+    m, p = cfg.model, cfg.parallel
     if m.rope_scaling.rope_type not in ("default", "llama3"):
         raise ConfigError(
             f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not allowed; choose default or llama3"
@@ -205,27 +210,32 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             "model.qkv_bias=true without MoE (dense Qwen2) is not supported; it goes with model.moe.shared_ffn_dim"
         )
-    if p.pp > 1:
-        stages = p.pp * (2 if p.pp_schedule == "interleaved_1f1b" else 1)
-        if m.n_layers < stages:
-            raise ConfigError(
-                f"parallel.pp={p.pp} with pp_schedule={p.pp_schedule} needs {stages} pipeline stages "
-                f"but model.n_layers={m.n_layers}"
-            )
-        if m.loss_parallel:
-            raise ConfigError("model.loss_parallel is not supported with parallel.pp>1 yet")
-        if p.pp_microbatches < 0:
-            raise ConfigError("parallel.pp_microbatches must be >= 0 (0 = parallel.pp)")
-        if p.pp_schedule == "interleaved_1f1b" and (p.pp_microbatches or p.pp) % p.pp:
-            raise ConfigError(
-                "parallel.pp_schedule=interleaved_1f1b needs parallel.pp_microbatches divisible by parallel.pp"
-            )
-    check_context_parallel(cfg)
-    if cfg.data.max_seq_len > m.max_seq_len:
-        # With init_from, model.max_seq_len is the checkpoint's max_position_embeddings: rows longer
-        # than the positions it was trained on are refused rather than extrapolated.
-        source = f" (max_position_embeddings of model.init_from={m.init_from})" if m.init_from else ""
-        raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} exceeds model.max_seq_len={m.max_seq_len}{source}")
+
+
+def check_pipeline(cfg: TrainConfig) -> None:
+    """parallel.pp > 1: enough layers for the schedule's stages, and what the pipeline does not compose with yet."""
+    m, p = cfg.model, cfg.parallel
+    if p.pp <= 1:
+        return
+    stages = p.pp * (2 if p.pp_schedule == "interleaved_1f1b" else 1)
+    if m.n_layers < stages:
+        raise ConfigError(
+            f"parallel.pp={p.pp} with pp_schedule={p.pp_schedule} needs {stages} pipeline stages "
+            f"but model.n_layers={m.n_layers}"
+        )
+    if m.loss_parallel:
+        raise ConfigError("model.loss_parallel is not supported with parallel.pp>1 yet")
+    if p.pp_microbatches < 0:
+        raise ConfigError("parallel.pp_microbatches must be >= 0 (0 = parallel.pp)")
+    if p.pp_schedule == "interleaved_1f1b" and (p.pp_microbatches or p.pp) % p.pp:
+        raise ConfigError(
+            "parallel.pp_schedule=interleaved_1f1b needs parallel.pp_microbatches divisible by parallel.pp"
+        )
+
+
+def check_finetune_and_toggles(cfg: TrainConfig) -> None:
+    """finetune=lora (and QLoRA) and the toggles against the layout: what the LLM recipe does not offer (yet)."""
+    m, p = cfg.model, cfg.parallel
     if cfg.finetune == "lora" and not m.init_from and not cfg.run.dry_run:  # sizing reads no weights
         raise ConfigError(
             "finetune=lora trains an adapter on a base checkpoint: set model.init_from=<a Hugging Face Llama folder>"

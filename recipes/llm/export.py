@@ -1,5 +1,5 @@
 """An LLM run's export/ rebuilt from any of its DCP checkpoints (scripts/export.py), under any parallel layout: the
-folder the end of the run writes (LLMTrainer.export), through the same writer (train.py's write_export).
+folder the end of the run writes (LLMTrainer.export), through the same writer (write_export below).
 
 DCP loads every shard of the checkpoint into one whole model in this process (no process group). A run that started
 from model.init_from is exported in that checkpoint's format (its config.json, generation_config.json, tokenizer and
@@ -14,11 +14,15 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
+from common import lora
+from common.config import TrainConfig
 from common.errors import UserError
 from recipes.llm import hf
+from recipes.llm import lora as llm_lora
 from recipes.llm.config import LLMModelConfig
 from recipes.llm.data import load_tokenizer
-from recipes.llm.train import llama_args, write_export
+from recipes.llm.model import LlamaArgs
+from recipes.llm.sizing import llama_args
 
 
 def _model_args(cfg, path: Path, max_shard_size: str | None):
@@ -68,3 +72,14 @@ def export_lora_checkpoint(cfg, path: Path, meta: dict, out: Path, *, max_shard_
     dcp.load({"model": adapter}, checkpoint_id=str(path / "dcp"))  # in place: the model's own tensors
     write_export(model.state_dict(), args, cfg, out, tokenizer=tokenizer)  # dequantized there (QLoRA's base)
     return f"a LoRA adapter of {sum(v.numel() for v in adapter.values()):,} parameters on {cfg.model.init_from}"
+
+
+def write_export(state: dict, args: LlamaArgs, cfg: TrainConfig, folder: Path, *, tokenizer) -> None:
+    """The export folder of a whole model's weights (a full state dict on the host): a Hugging Face folder, with
+    model.init_from in the source's format (recipes/llm/hf.py:write_hf_folder); under LoRA a PEFT adapter folder on
+    model.init_from (recipes/llm/lora.py). The end of a run and scripts/export.py (recipes/llm/export.py) both write
+    through it."""
+    if cfg.finetune == "lora":
+        llm_lora.write_export(lora.dequantized(state), args, cfg, folder, tokenizer=tokenizer)
+    else:
+        hf.write_hf_folder(state, args, folder, tokenizer=tokenizer, source=cfg.model.init_from or None)

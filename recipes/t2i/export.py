@@ -12,18 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.config import TrainConfig
-from common.ds_export import ZeroCheckpoint, export_ema_lora, export_zero, load_ema_adapter, write_ema_module
+from common.ds_export import ZeroCheckpoint, export_ema, export_ema_lora, load_ema_adapter, write_ema_module
 from recipes.t2i import lora as t2i_lora
 from recipes.t2i.pipeline import meta_transformer, pipeline_folder, write_pipeline
 
 
 def export_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:
     """Write the export of checkpoint `path` to `out`; returns what was written, in words."""
-    return export_zero(
-        path,
-        max_shard_size,
-        lambda ckpt, shard_size: write_export(cfg, ckpt, out, step=int(meta["step"]), max_shard_size=shard_size),
-    )
+    return export_ema(cfg, path, meta, out, max_shard_size, write_export)
 
 
 def write_export(cfg: TrainConfig, ckpt: ZeroCheckpoint, out: Path, *, step: int, max_shard_size: int) -> int:

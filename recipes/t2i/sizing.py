@@ -232,22 +232,12 @@ def _trained(module) -> int:
     return count_params(module, trainable_only=True)
 
 
-def memory_spec(cfg: TrainConfig) -> ModelSpec:
-    """The pipeline's transformer for the memory model: built on the meta device from its config and counted (the
-    trained weights, their grads, Adam and the fp32 EMA under ZeRO), its layers by type (STACKS) over the image's
-    tokens and the prompt's, and beside the engine, on every GPU whatever the stage, what the trainer holds there: on
-    the fly, the text encoders in the compute dtype and the VAE in fp32; on a cache (data.latents), the VAE only
-    (without its encoder unless trainer.eval: recipes/t2i/train.py); and the transformer's buffers."""
+def _meta_transformer(cfg: TrainConfig, arch: Architecture):
+    """(model.init_from's transformer on the meta device, adapted under finetune=lora; its STACKS entry)."""
     import diffusers
 
     from common import lora
 
-    if not cfg.model.init_from:
-        raise ConfigError(
-            "run.dry_run sizes a released pipeline: set model.init_from=<a StableDiffusion3Pipeline or FluxPipeline "
-            "folder>"
-        )
-    arch = architecture(cfg.model.init_from)
     t = arch.transformer
     name = t.get("_class_name")
     if name not in STACKS:
@@ -255,28 +245,21 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
             f"run.dry_run and scripts/plan.py size {' and '.join(STACKS)} stacks; model.init_from="
             f"{cfg.model.init_from}'s transformer is a {name}"
         )
-    layer_types, clip_in_sequence = STACKS[name]
     with torch.device("meta"):
         model = getattr(diffusers, name).from_config(t)
     if cfg.finetune == "lora":  # the adapters train; the base is frozen weights in the engine (as the DiT's)
         lora.apply_lora(model, cfg.lora)
-    image_tokens = (cfg.data.image_size // patch_step(t, arch.vae_factor)) ** 2
-    clip_tokens = arch.clip_length if clip_in_sequence else 0
-    text_tokens = clip_tokens + cfg.model.max_sequence_length
-    seq = image_tokens + text_tokens
-    types = layer_types(model, t, image_tokens, text_tokens)
-    if not types:
-        raise ConfigError(f"model.init_from={cfg.model.init_from}: its transformer has no blocks to size")
+    return model, STACKS[name]
 
-    e = 4 if cfg.toggles.precision == "fp32" else 2
+
+def _held_beside(cfg: TrainConfig, arch: Architecture, e: int) -> tuple[float, str]:
+    """(bytes, what they are) the trainer holds beside the engine on every GPU: the frozen text encoders (on the fly)
+    and the VAE."""
     cached = bool(cfg.data.latents)
     encoders = sum(arch.text_encoders.values())
     vae = arch.vae_params - (arch.vae_encoder_params if cached and not cfg.trainer.eval else 0)
-    buffers = sum(b.numel() for b in model.buffers())
-    frozen_beside = (0 if cached else encoders * e) + vae * 4  # recipes/t2i/train.py: PromptEncoder, load_vae
     roles = TEXT_ENCODERS[arch.pipeline]
     parts = ", ".join(f"{roles[n]} {p / 1e9:.2f}B" for n, p in arch.text_encoders.items())
-    stack = " + ".join(f"{ty.layers} x {'single' if ty.block.parallel else 'dual'}-stream" for ty in types)
     if cached:
         # The eval after training (trainer.eval; the captioned digits only, others skip it) encodes held-out prompts:
         # CachedPrompts loads the encoders then, beside the model states, once training's activations are freed.
@@ -293,6 +276,37 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
             f"({vae / 1e6:.1f}M) in fp32, {vae * 4 / GB:.2f} GB: they encode every batch on the fly (data.latents=DIR, "
             f"a cache from python -m data.cache_latents, leaves the encoders out of training)"
         )
+    frozen_beside = (0 if cached else encoders * e) + vae * 4  # recipes/t2i/train.py: PromptEncoder, load_vae
+    return frozen_beside, beside
+
+
+def memory_spec(cfg: TrainConfig) -> ModelSpec:
+    """The pipeline's transformer for the memory model: built on the meta device from its config and counted (the
+    trained weights, their grads, Adam and the fp32 EMA under ZeRO), its layers by type (STACKS) over the image's
+    tokens and the prompt's, and beside the engine, on every GPU whatever the stage, what the trainer holds there: on
+    the fly, the text encoders in the compute dtype and the VAE in fp32; on a cache (data.latents), the VAE only
+    (without its encoder unless trainer.eval: recipes/t2i/train.py); and the transformer's buffers."""
+    if not cfg.model.init_from:
+        raise ConfigError(
+            "run.dry_run sizes a released pipeline: set model.init_from=<a StableDiffusion3Pipeline or FluxPipeline "
+            "folder>"
+        )
+    arch = architecture(cfg.model.init_from)
+    t = arch.transformer
+    name = t.get("_class_name")
+    model, (layer_types, clip_in_sequence) = _meta_transformer(cfg, arch)
+    image_tokens = (cfg.data.image_size // patch_step(t, arch.vae_factor)) ** 2
+    clip_tokens = arch.clip_length if clip_in_sequence else 0
+    text_tokens = clip_tokens + cfg.model.max_sequence_length
+    seq = image_tokens + text_tokens
+    types = layer_types(model, t, image_tokens, text_tokens)
+    if not types:
+        raise ConfigError(f"model.init_from={cfg.model.init_from}: its transformer has no blocks to size")
+    e = 4 if cfg.toggles.precision == "fp32" else 2
+    cached = bool(cfg.data.latents)
+    buffers = sum(b.numel() for b in model.buffers())
+    frozen_beside, beside = _held_beside(cfg, arch, e)
+    stack = " + ".join(f"{ty.layers} x {'single' if ty.block.parallel else 'dual'}-stream" for ty in types)
     tokens = f"{image_tokens} image" + (f" + {clip_tokens} CLIP" if clip_tokens else "")
     pooled = "" if clip_in_sequence else "; CLIP-L's pooled vector conditions the modulation"
     note = (

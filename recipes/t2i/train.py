@@ -25,6 +25,7 @@ from common import lora
 from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.diffusion import vae as vae_lib
+from common.diffusion.hooks import EMASamples, ema_eval
 from common.diffusion.objective import Objective
 from common.diffusion.sampling import save_grid
 from common.distributed import DistInfo, barrier
@@ -59,7 +60,7 @@ SAMPLE_PROMPTS = 8  # a sample grid: this many held-out captions (training ones 
 EVAL_GRID_COLUMNS = 8  # samples/eval.png: at most this many of each digit's eval samples
 
 
-class T2ITrainer(Trainer):
+class T2ITrainer(EMASamples, Trainer):
     def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
         super().__init__(cfg, dist, run_dir)
         if not cfg.model.init_from:
@@ -162,21 +163,13 @@ class T2ITrainer(Trainer):
     def checkpoint_meta(self) -> dict:
         return lora.checkpoint_meta(self.cfg, self.lora_base)
 
-    # ---- hooks of the loop (common/trainer.py) ---------------------------------------------
-    def after_step(self) -> None:  # the loop calls it after steps DeepSpeed did not skip
-        self.ema.update()
-        every = self.cfg.diffusion.sample_every  # the diffusion section the DiT shares
-        if every and self.state.step % every == 0:
-            self.save_samples(f"step_{self.state.step:07d}.png")
-
+    # ---- hooks of the loop (common/trainer.py): after_step is EMASamples' (common/diffusion/hooks.py) ---------
     # ---- samples and export -----------------------------------------------------------------
     def generate(self, prompts: list[str], generator: torch.Generator, guidance_scale: float | None = None):
         """EMA-weight images in [-1, 1] for `prompts`, with guidance against the empty prompt; every rank runs it
         (ZeRO-3 gathers weights collectively)."""
         d = self.cfg.diffusion
-        was_training = self.model.training
-        self.model.eval()
-        with self.ema.swapped():
+        with ema_eval(self.model, self.ema):
             images = self.sampler(
                 prompts,
                 generator,
@@ -184,7 +177,6 @@ class T2ITrainer(Trainer):
                 guidance_scale=d.guidance_scale if guidance_scale is None else guidance_scale,
                 dtype=self.dtype,
             )
-        self.model.train(was_training)
         return images
 
     def save_samples(self, name: str) -> None:
@@ -262,13 +254,6 @@ class T2ITrainer(Trainer):
                 tmp.rename(out)
         barrier()
         return out
-
-
-def memory_spec(cfg: TrainConfig):
-    """The memory model's view of the run (run.dry_run, scripts/plan.py): recipes/t2i/sizing.py."""
-    from recipes.t2i.sizing import memory_spec as spec
-
-    return spec(cfg)
 
 
 TRAINER = T2ITrainer  # recipes/registry.py

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections
+from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections, fill_from_checkpoint
 from common.errors import ConfigError
 from recipes.vlm.archs import QWEN_ARCHS
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig, check_heads
@@ -90,13 +90,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
         from transformers import AutoConfig  # imported only for init_from runs
 
         config = AutoConfig.from_pretrained(init_folder(m.init_from)[0], local_files_only=True)
-    for key, (name, value) in checkpoint_values(config).items():
-        if f"model.{key}" in command_line and getattr(m, key) != value:
-            raise ConfigError(
-                f"model.{key}={getattr(m, key)} disagrees with model.init_from={m.init_from}, whose "
-                f"config.json gives {name}={value}; leave model.{key} out of the command line"
-            )
-        setattr(m, key, value)
+    fill_from_checkpoint(m, checkpoint_values(config), command_line, m.init_from)
 
 
 def validate(cfg: TrainConfig) -> None:

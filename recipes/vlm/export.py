@@ -24,8 +24,8 @@ from recipes.vlm import lora as vlm_lora
 from recipes.vlm.data import PROCESSOR_DIR
 from recipes.vlm.model import build_model
 from recipes.vlm.parallelize import trainable_parts
-from recipes.vlm.sources import init_folder, weight_source
-from recipes.vlm.train import llava_hf_state_dict, load_model
+from recipes.vlm.pretrained import llava_hf_state_dict
+from recipes.vlm.sources import init_folder, load_model, weight_source
 
 
 def dataset_meta(cfg: TrainConfig) -> dict:

@@ -1,5 +1,5 @@
 """A Qwen-VL's vision side for the memory model (run.dry_run, scripts/plan.py; the language model is sized as
-LLaVA's: recipes/vlm/train.py memory_spec): image tokens from the pixel budget, the tower's blocks over every patch
+LLaVA's: memory_spec below): image tokens from the pixel budget, the tower's blocks over every patch
 of the micro-batch, and the merger(s). Qwen2.5-VL and Qwen3-VL take one path: what differs is the QwenArch row's
 tower_norm / tower_mlp (recipes/vlm/archs.py) and what the vision config says (windows, DeepStack, learned position
 embeddings).
@@ -16,9 +16,15 @@ s^2 for eager ones. Videos are not counted: the worst micro-batch is taken to be
 
 from __future__ import annotations
 
+import torch
+
+from common.config import TrainConfig
 from common.errors import ConfigError
-from common.memory import Block, LayerType, count_params
+from common.memory import Block, LayerType, ModelSpec, count_params, largest_module_params, largest_trainable
 from recipes.vlm.archs import QWEN_ARCHS, QwenArch
+from recipes.vlm.model import build_model
+from recipes.vlm.parallelize import trainable_parts
+from recipes.vlm.sources import QwenWeights, weight_source
 
 # Qwen3-VL's learned position embeddings are resampled to each image's grid bilinearly (Qwen3VLVisionModel's
 # interpolation_mode): each patch sums 4 table rows, weighted.
@@ -116,3 +122,64 @@ def qwen_vision(model, cfg, max_pixels: int, act_bytes: int) -> tuple[list[Layer
         f"({blocks}{mergers}), " + ("trained (vlm.train_vision)" if trains else "frozen: it keeps nothing for backward")
     )
     return types, outside, note
+
+
+def memory_spec(cfg: TrainConfig) -> ModelSpec:
+    """The VLM for the memory model (common/memory.py): built on the meta device from its config (the folders', a
+    RELEASED Qwen-VL's by name, or `model.*` with an assumed vocabulary when model.vocab_size is 0: no weights nor
+    tokenizer read), frozen per stage, counted. A Qwen2.5-VL or Qwen3-VL adds its tower and merger(s) over the pixel
+    budget's images (qwen_vision)."""
+    source = weight_source(cfg)
+    config = source.config()
+    t = config.text_config
+    with torch.device("meta"):
+        model = build_model(config, "sdpa")
+    trainable_parts(model, cfg)
+    first_layer = model.model.language_model.layers[0]
+    layer = count_params(first_layer, trainable_only=True)
+    trainable = count_params(model, trainable_only=True)
+    # A LLaVA's frozen vision tower runs without autograd: it keeps nothing. The text rows are taken at their
+    # longest, micro_batch x max_seq_len tokens (image tokens included).
+    block = Block(
+        hidden=t.hidden_size,
+        heads=t.num_attention_heads,
+        ffn=t.intermediate_size,
+        kv_heads=t.num_key_value_heads,
+        # transformers' attention takes config.head_dim where the config has one (Qwen3-VL-4B: 32 x 128 over 2560).
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+        norm="rmsnorm",
+        mlp="swiglu",
+        dropout=False,
+        attention="eager" if cfg.toggles.attention == "eager" else "fused",
+        dense_mask=cfg.toggles.attention == "sdpa",
+        # Qwen3's (Qwen3-VL's) RMSNorm per head on q and k, transformers' RMSNorm: it keeps the fp32 copy only.
+        qk_norm=hasattr(first_layer.self_attn, "q_norm"),
+        qk_norm_keeps_input=False,
+    )
+    e = 4 if cfg.toggles.precision == "fp32" else 2
+    tower, outside, note = [], 0.0, ""
+    if isinstance(source, QwenWeights):
+        tower, outside, note = qwen_vision(model, cfg, source.pixel_budget()[1], e)
+        note = f"{source.arch.name} from {source.label}; {note}"
+    first = trainable - t.num_hidden_layers * layer - sum(ty.layers * ty.params for ty in tower)
+    return ModelSpec(
+        cfg.recipe.name,
+        block,
+        layers=t.num_hidden_layers,
+        seq=cfg.data.max_seq_len,
+        micro_batch=cfg.trainer.micro_batch_size,
+        layer_params=layer,
+        first_params=first,
+        frozen_params=count_params(model) - trainable,
+        gather_unit_params=largest_module_params(model),
+        largest_trainable=largest_trainable(model),
+        vocab=t.vocab_size,
+        precision=cfg.toggles.precision,
+        outside_layers_bytes=outside,
+        note=note,
+        more_layers=tuple(tower),
+        # parallel.cp: Ulysses over the language model, the logits gathered (recipes/vlm/context_parallel.py).
+        context_parallel=True,  # the planner varies parallel.cp
+        cp_method=cfg.parallel.cp_method,
+        cp_whole_loss=True,
+    )

@@ -533,3 +533,9 @@ def weight_source(cfg: TrainConfig, meta: dict | None = None) -> WeightSource:
         source = FreshWeights(m, cfg.data.root, meta)
     source.check()
     return source
+
+
+def load_model(cfg: TrainConfig, meta: dict):
+    """(model, processor, source) from the weights' source (module docstring); the model in fp32 on the CPU."""
+    source = weight_source(cfg, meta)
+    return source.load(cfg.toggles.attention), source.processor(), source

@@ -25,7 +25,6 @@ from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
 from common.engine import DeepSpeedEngine
-from common.memory import Block, ModelSpec, count_params, largest_module_params, largest_trainable
 from common.seed import seed_everything
 from common.trainer import Trainer
 from common.ulysses import data_parallel_layout
@@ -34,16 +33,9 @@ from recipes.vlm.attention import eval_attention
 from recipes.vlm.data import prepare_data
 from recipes.vlm.evaluate import conversation_eval, generate_answers, load_eval_samples, save_answer_grid, score
 from recipes.vlm.inputs import inputs_for
-from recipes.vlm.model import build_model
-from recipes.vlm.parallelize import parallelize, trainable_parts
+from recipes.vlm.parallelize import parallelize
 from recipes.vlm.pretrained import llava_hf_state_dict
-from recipes.vlm.sources import QwenWeights, init_folder, weight_source
-
-
-def load_model(cfg: TrainConfig, meta: dict):
-    """(model, processor, source) from the weights' source (module docstring); the model in fp32 on the CPU."""
-    source = weight_source(cfg, meta)
-    return source.load(cfg.toggles.attention), source.processor(), source
+from recipes.vlm.sources import init_folder, load_model
 
 
 class VLMTrainer(Trainer):
@@ -181,69 +173,6 @@ class VLMTrainer(Trainer):
                 tmp.rename(out)
         barrier()
         return out
-
-
-def memory_spec(cfg: TrainConfig) -> ModelSpec:
-    """The VLM for the memory model (common/memory.py): built on the meta device from its config (the folders', a
-    RELEASED Qwen-VL's by name, or `model.*` with an assumed vocabulary when model.vocab_size is 0: no weights nor
-    tokenizer read), frozen per stage, counted. A Qwen2.5-VL or Qwen3-VL adds its tower and merger(s) over the pixel
-    budget's images (recipes/vlm/sizing.py)."""
-    from recipes.vlm.sizing import qwen_vision
-
-    source = weight_source(cfg)
-    config = source.config()
-    t = config.text_config
-    with torch.device("meta"):
-        model = build_model(config, "sdpa")
-    trainable_parts(model, cfg)
-    first_layer = model.model.language_model.layers[0]
-    layer = count_params(first_layer, trainable_only=True)
-    trainable = count_params(model, trainable_only=True)
-    # A LLaVA's frozen vision tower runs without autograd: it keeps nothing. The text rows are taken at their
-    # longest, micro_batch x max_seq_len tokens (image tokens included).
-    block = Block(
-        hidden=t.hidden_size,
-        heads=t.num_attention_heads,
-        ffn=t.intermediate_size,
-        kv_heads=t.num_key_value_heads,
-        # transformers' attention takes config.head_dim where the config has one (Qwen3-VL-4B: 32 x 128 over 2560).
-        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
-        norm="rmsnorm",
-        mlp="swiglu",
-        dropout=False,
-        attention="eager" if cfg.toggles.attention == "eager" else "fused",
-        dense_mask=cfg.toggles.attention == "sdpa",
-        # Qwen3's (Qwen3-VL's) RMSNorm per head on q and k, transformers' RMSNorm: it keeps the fp32 copy only.
-        qk_norm=hasattr(first_layer.self_attn, "q_norm"),
-        qk_norm_keeps_input=False,
-    )
-    e = 4 if cfg.toggles.precision == "fp32" else 2
-    tower, outside, note = [], 0.0, ""
-    if isinstance(source, QwenWeights):
-        tower, outside, note = qwen_vision(model, cfg, source.pixel_budget()[1], e)
-        note = f"{source.arch.name} from {source.label}; {note}"
-    first = trainable - t.num_hidden_layers * layer - sum(ty.layers * ty.params for ty in tower)
-    return ModelSpec(
-        cfg.recipe.name,
-        block,
-        layers=t.num_hidden_layers,
-        seq=cfg.data.max_seq_len,
-        micro_batch=cfg.trainer.micro_batch_size,
-        layer_params=layer,
-        first_params=first,
-        frozen_params=count_params(model) - trainable,
-        gather_unit_params=largest_module_params(model),
-        largest_trainable=largest_trainable(model),
-        vocab=t.vocab_size,
-        precision=cfg.toggles.precision,
-        outside_layers_bytes=outside,
-        note=note,
-        more_layers=tuple(tower),
-        # parallel.cp: Ulysses over the language model, the logits gathered (recipes/vlm/context_parallel.py).
-        context_parallel=True,  # the planner varies parallel.cp
-        cp_method=cfg.parallel.cp_method,
-        cp_whole_loss=True,
-    )
 
 
 TRAINER = VLMTrainer  # recipes/registry.py

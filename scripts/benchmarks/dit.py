@@ -56,7 +56,7 @@ def ac(opts, s: Section) -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     from common.memory import layer_activation_bytes
-    from recipes.dit.train import memory_spec
+    from recipes.dit.sizing import memory_spec
 
     warmup, steps = 1, opts.pick(12, 3)
     batch = opts.pick([], ["trainer.micro_batch_size=16"])

@@ -278,7 +278,7 @@ def main(argv: list[str], registry=None) -> int:
         spec = current_registry().recipe_spec(cfg.recipe.family)
         if cfg.run.dry_run:
             if dist.is_main:
-                dry_run(cfg, spec.train().memory_spec(cfg), dist.world_size)
+                dry_run(cfg, spec.sizing().memory_spec(cfg), dist.world_size)
             return 0
         run_dir = resolve_run_dir(cfg)
         if dist.is_main:

@@ -51,7 +51,8 @@ def _rows_and_saved_bytes(run_dir: str) -> list[tuple]:
     from common.activations import kept_for_backward
     from common.distributed import init_distributed
     from common.memory import configured_layout, estimate
-    from recipes.llm.train import LLMTrainer, memory_spec
+    from recipes.llm.sizing import memory_spec
+    from recipes.llm.train import LLMTrainer
     from scripts.kiln.launch import compose
 
     cfg = compose([*BASE, "data.max_seq_len=128", "trainer.micro_batch_size=4", "data.num_workers=0"])

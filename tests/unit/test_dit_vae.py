@@ -19,7 +19,7 @@ from common.toggles import apply_ac
 from data.tiny_bases import make_vae
 from recipes.dit.config import DiTModelConfig
 from recipes.dit.model import build_model, shared_conditioning, untied
-from recipes.dit.train import memory_spec
+from recipes.dit.sizing import memory_spec
 from scripts.kiln.launch import compose, dry_run
 from tests.conftest import TRAIN
 from tests.support.launcher import run_python

@@ -213,7 +213,7 @@ def test_the_planner_bounds_the_kernels_copies(monkeypatch):
     cp_varlen_keys): allgather's is an upper bound over document layouts, reached on every rank when each row is one
     document (the most keys a piece can copy); alltoall's is exact. cp=2 and 4, fp32 (act_bytes 4)."""
     from common.memory import layer_saved
-    from recipes.llm.train import memory_spec
+    from recipes.llm.sizing import memory_spec
     from scripts.kiln.launch import compose  # here: the GPU test's machine may lack Hydra
 
     block = memory_spec(compose(["recipe=llm_tiny", "toggles.attention=flash", "toggles.precision=bf16"])).block

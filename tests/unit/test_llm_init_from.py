@@ -15,7 +15,7 @@ import torch
 from recipes.llm import hf
 from recipes.llm.hf_adapter import to_hf_state_dict
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, Transformer, rope_inv_freq
-from recipes.llm.train import llama_args, memory_spec
+from recipes.llm.sizing import llama_args, memory_spec
 from scripts.kiln.launch import compose
 from tests.conftest import kiln_error, run_train
 from tests.fixtures.llm import train_tokenizer, write_llama_folder, write_token_dataset

@@ -16,7 +16,7 @@ from recipes.llm import model as llm_model
 from recipes.llm.data import model_inputs
 from recipes.llm.model import LlamaArgs, Transformer
 from recipes.llm.pipeline import _stage_view, _VarlenStage, pad_rows
-from recipes.llm.train import memory_spec
+from recipes.llm.sizing import memory_spec
 from scripts.kiln.launch import compose
 
 ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=128, max_seq_len=64)

@@ -29,8 +29,8 @@ from common.memory import (
     model_state_bytes,
     per_gpu_bytes,
 )
-from recipes.dit.train import memory_spec as dit_spec
-from recipes.llm.train import memory_spec as llm_spec
+from recipes.dit.sizing import memory_spec as dit_spec
+from recipes.llm.sizing import memory_spec as llm_spec
 from scripts.kiln.launch import compose
 from scripts.kiln.planner import GPUS, candidate_layouts, plan
 from tests.conftest import REPO, load_script
@@ -608,7 +608,7 @@ def test_cp_flash_prices_the_segments_copies_and_no_mask(method):
 def test_vlm_cp_prices_the_gathered_logits_of_whole_rows():
     """The VLM gathers the LM head's logits over cp and takes transformers' loss on whole rows on every cp rank
     (recipes/vlm/context_parallel.py): its log-probabilities and logits are cp=1's, not halved."""
-    from recipes.vlm.train import memory_spec as vlm_spec
+    from recipes.vlm.sizing import memory_spec as vlm_spec
 
     spec = vlm_spec(compose(["recipe=vlm_tiny", "parallel.cp=2"]))
     assert (spec.cp_method, spec.cp_whole_loss) == ("alltoall", True)

@@ -221,7 +221,7 @@ def test_init_from_sets_the_model_keys_and_refuses_one_that_disagrees(parts, cap
 
 
 def test_dry_run_sizes_the_parts_not_the_preset(parts):
-    from recipes.vlm.train import memory_spec
+    from recipes.vlm.sizing import memory_spec
     from scripts.kiln.launch import compose
 
     model, _ = assemble(parts, "clip", "vicuna")

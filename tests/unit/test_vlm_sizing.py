@@ -15,7 +15,7 @@ from common.activations import kept_for_backward
 from common.errors import ConfigError
 from common.memory import head_saved, layer_activation_bytes, per_gpu_bytes
 from data.tiny_bases import make_qwen2_5_vl, make_qwen3_vl
-from recipes.vlm.train import memory_spec
+from recipes.vlm.sizing import memory_spec
 from scripts.kiln.launch import compose
 from tests.conftest import load_script
 
