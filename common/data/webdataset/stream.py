@@ -85,151 +85,20 @@ class _EpochStream(IterableDataset):
         self.ahead = (epoch + 1, items, next(items))
 
     def _one_epoch(self, epoch: int, resume: list[dict] | None) -> Iterator[dict]:
-        info = get_worker_info()
-        worker = 0 if info is None else info.id
-        shards = self.urls[self.rank :: self.world_size][worker :: self.num_slots]
-        rng = _rng(self.seed, epoch, self.rank, worker)
-        if self.shuffle_shards:
-            rng.shuffle(shards)
-        start = resume[worker] if resume else {"drawn": 0, "batches": 0, "bad": {}}
-        planned_done = start.get("planned", 0)  # steps of the resumed window already handed out
-        # url -> reason. Seeded from the saved position: those shards were found corrupt
-        # (perhaps by decoding a sample we now skip without decoding) before the stop point.
-        # Grouped: re-found while the replay reads to the saved position (the module docstring).
-        bad: dict[str, str] = {} if self.group is not None else dict(start["bad"])
-
-        def raw_samples() -> Iterator[dict]:
-            # Reads every shard to its end (or first tar error) whatever `bad` holds, so the raw
-            # stream -- and hence the shuffle -- is a function of the data and the seed only.
-            for url in shards:
-                try:
-                    yield from _read_shard(url)
-                except Exception as exc:  # tarfile.ReadError, truncated member, gzip error, ...
-                    mark_bad(url, f"unreadable tar: {_brief(exc)}")
-
-        def mark_bad(url: str, reason: str) -> None:
-            if url not in bad:
-                bad[url] = reason
-                level = logging.DEBUG if url in self.known_bad else logging.WARNING
-                log.log(
-                    level, "skipping rest of corrupt shard %s (rank %d, worker %d): %s", url, self.rank, worker, reason
-                )
-
-        failed: dict[str, str] = {}  # with a share: url -> first reason, this rank's decode failures
-
-        def decode(sample: dict) -> Any | None:
-            """The decoded sample, or None for a failure: counted, logged once per shard, and (without a
-            share) the rest of its shard skipped."""
-            try:
-                return self.decode(sample)
-            except Exception as exc:
-                url, reason = sample.get("__url__"), f"sample {sample.get('__key__')!r} failed to decode: {_brief(exc)}"
-                if self.share is None:
-                    mark_bad(url, reason)
-                elif url not in failed:
-                    failed[url] = reason
-                    level = logging.DEBUG if url in self.known_bad else logging.WARNING
-                    log.log(
-                        level,
-                        "skipping samples of shard %s that fail to decode (rank %d of %d): %s",
-                        url,
-                        self.share.rank,
-                        self.share.dp,
-                        reason,
-                    )
-                return None
-
-        stream: Iterator[dict] = raw_samples()
-        if self.shuffle_buffer > 0:
-            stream = wds.shuffle(bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(stream)
-
-        drawn, batches, batch, usable = 0, start["batches"], [], 0
-        queues: dict[Any, list[tuple[int, dict | None]]] = {}  # grouped: group -> its queued (position, sample)
-        window: list[dict] = []  # planned: the raw samples of the window being filled
-        window_start = start["drawn"]  # planned: the raw position the window starts after
-        # planned: the corrupt shards known when the window started -- the position of a step handed out mid-window
-        # (a resume replays the window from its start: a shard found corrupt inside it is found again there)
-        window_bad = dict(bad)
-
-        def planned() -> Iterator[dict]:
-            """The window's steps as batch items, each this rank's share; those handed out before a resume skipped."""
-            nonlocal batches, planned_done
-            steps = len(window) // self.batch_size
-            layout = self._plan_window(window[: steps * self.batch_size], steps)
-            for k, slots in enumerate(layout):
-                if k < planned_done:
-                    continue  # handed out before the resume; not decoded
-                batches += 1
-                last = k == steps - 1
-                yield {
-                    "worker": worker,
-                    "epoch": epoch,
-                    "drawn": drawn if last else window_start,
-                    "planned": 0 if last else k + 1,
-                    "batches": batches,
-                    "bad": dict(bad if last else window_bad),
-                    "failed": dict(failed),
-                    "batch": self._rank_share(slots, decode),
-                }
-            planned_done = 0
-
-        for sample in stream:
-            drawn += 1
-            if self.group is not None:
-                if sample.get("__url__") in bad:
-                    continue
-                key = self.group(sample)
-                queue = queues.setdefault(key, [])
-                j = len(queue)  # another rank's sample is counted, not kept
-                queue.append((j, sample if self.share.owns(j) else None))
-                if len(queue) < self.batch_size:
-                    continue
-                del queues[key]
-                if drawn <= start["drawn"]:
-                    continue  # replayed: handed out before the resume; not decoded
-                out = self._rank_share(self._slots([(j, s) for j, s in queue if s is not None]), decode)
-            elif drawn <= start["drawn"]:
-                continue  # fast-forward: already consumed by the caller before the resume; not decoded
-            elif sample.get("__url__") in bad:
-                continue  # "skip the rest of a corrupt shard", also for samples still in the shuffle buffer
-            elif self.plan is not None:
-                window.append(sample)
-                if len(window) == self.plan.steps * self.batch_size:
-                    yield from planned()
-                    window, window_start, window_bad = [], drawn, dict(bad)
-                continue
-            elif self.share is not None:
-                # Grouped by stream position, undecoded: another rank's sample is counted and dropped.
-                if self.share.owns(usable):
-                    batch.append((usable, sample))
-                usable += 1
-                if usable < self.batch_size:
-                    continue
-                out, batch, usable = self._rank_share(self._slots(batch), decode), [], 0
-            else:
-                decoded = decode(sample)
-                if decoded is None:
-                    continue
-                batch.append(decoded)
-                if len(batch) < self.batch_size:
-                    continue
-                out, batch = self.collate(batch), []
-            batches += 1
-            yield {
-                "worker": worker,
-                "epoch": epoch,
-                "drawn": drawn,
-                "batches": batches,
-                "bad": dict(bad),
-                "failed": dict(failed),
-                "batch": out,
-            }
-        if window and len(window) >= self.batch_size:  # planned: the epoch's last window, shorter
-            yield from planned()
+        run = _EpochRun(self, epoch, resume)
+        if self.group is not None:
+            items = run.grouped()
+        elif self.plan is not None:
+            items = run.planned()
+        elif self.share is not None:
+            items = run.shared()
+        else:
+            items = run.per_rank()
+        yield from items
         # A worker always reads the same shards, so what it found corrupt is known in its later epochs.
-        self.known_bad = self.known_bad | frozenset(bad) | frozenset(failed)
+        self.known_bad = self.known_bad | frozenset(run.bad) | frozenset(run.failed)
         # The final partial batch is dropped: every batch has exactly batch_size samples.
-        yield {"worker": worker, "epoch": epoch, "end": True, "bad": dict(bad), "failed": dict(failed)}
+        yield {"worker": run.worker, "epoch": epoch, "end": True, "bad": dict(run.bad), "failed": dict(run.failed)}
 
     def _slots(self, owned: list[tuple[int, dict]]) -> list[list[tuple[int, dict]]]:
         """A step's slots (`_rank_share`) by stream position: ``j`` is rank ``j % dp``'s, in micro-batch
@@ -285,3 +154,188 @@ class _EpochStream(IterableDataset):
                 batch = None  # every sample failed and this collate takes no empty list: GlobalBatches says so
             out.append({"positions": part["positions"], "batch": batch})
         return out
+
+
+class _EpochRun:
+    """One worker's pass over its shards in one epoch (:meth:`_EpochStream._one_epoch`): its shuffled raw stream,
+    its position (``drawn``, ``batches``), the corrupt shards it found (``bad``, ``failed``), and its batch items in
+    each of the four ways (per rank, a share of the global stream, grouped, planned)."""
+
+    def __init__(self, ds: _EpochStream, epoch: int, resume: list[dict] | None):
+        info = get_worker_info()
+        self.ds, self.epoch = ds, epoch
+        self.worker = 0 if info is None else info.id
+        self.shards = ds.urls[ds.rank :: ds.world_size][self.worker :: ds.num_slots]
+        self.rng = _rng(ds.seed, epoch, ds.rank, self.worker)
+        if ds.shuffle_shards:
+            self.rng.shuffle(self.shards)
+        self.start = resume[self.worker] if resume else {"drawn": 0, "batches": 0, "bad": {}}
+        self.planned_done = self.start.get("planned", 0)  # steps of the resumed window already handed out
+        # url -> reason. Seeded from the saved position: those shards were found corrupt
+        # (perhaps by decoding a sample we now skip without decoding) before the stop point.
+        # Grouped: re-found while the replay reads to the saved position (the module docstring).
+        self.bad: dict[str, str] = {} if ds.group is not None else dict(self.start["bad"])
+        self.failed: dict[str, str] = {}  # with a share: url -> first reason, this rank's decode failures
+        self.drawn, self.batches = 0, self.start["batches"]
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def raw_samples(self) -> Iterator[dict]:
+        # Reads every shard to its end (or first tar error) whatever `bad` holds, so the raw
+        # stream -- and hence the shuffle -- is a function of the data and the seed only.
+        for url in self.shards:
+            try:
+                yield from _read_shard(url)
+            except Exception as exc:  # tarfile.ReadError, truncated member, gzip error, ...
+                self.mark_bad(url, f"unreadable tar: {_brief(exc)}")
+
+    def stream(self) -> Iterator[dict]:
+        """The worker's raw samples, shuffled (the buffer driven by the epoch's rng)."""
+        stream: Iterator[dict] = self.raw_samples()
+        if self.ds.shuffle_buffer > 0:
+            stream = wds.shuffle(bufsize=self.ds.shuffle_buffer, initial=self.ds.shuffle_buffer, rng=self.rng)(stream)
+        return stream
+
+    def fresh(self) -> Iterator[dict]:
+        """The stream's samples past the resumed position, those of shards found corrupt left out; counts ``drawn``."""
+        for sample in self.stream():
+            self.drawn += 1
+            if self.drawn <= self.start["drawn"]:
+                continue  # fast-forward: already consumed by the caller before the resume; not decoded
+            if sample.get("__url__") in self.bad:
+                continue  # "skip the rest of a corrupt shard", also for samples still in the shuffle buffer
+            yield sample
+
+    def mark_bad(self, url: str, reason: str) -> None:
+        if url not in self.bad:
+            self.bad[url] = reason
+            level = logging.DEBUG if url in self.ds.known_bad else logging.WARNING
+            log.log(
+                level,
+                "skipping rest of corrupt shard %s (rank %d, worker %d): %s",
+                url,
+                self.ds.rank,
+                self.worker,
+                reason,
+            )
+
+    def decode(self, sample: dict) -> Any | None:
+        """The decoded sample, or None for a failure: counted, logged once per shard, and (without a
+        share) the rest of its shard skipped."""
+        try:
+            return self.ds.decode(sample)
+        except Exception as exc:
+            url, reason = sample.get("__url__"), f"sample {sample.get('__key__')!r} failed to decode: {_brief(exc)}"
+            share = self.ds.share
+            if share is None:
+                self.mark_bad(url, reason)
+            elif url not in self.failed:
+                self.failed[url] = reason
+                level = logging.DEBUG if url in self.ds.known_bad else logging.WARNING
+                log.log(
+                    level,
+                    "skipping samples of shard %s that fail to decode (rank %d of %d): %s",
+                    url,
+                    share.rank,
+                    share.dp,
+                    reason,
+                )
+            return None
+
+    def item(self, out: Any) -> dict:
+        """The batch item of ``out``, the next batch, at the current position."""
+        self.batches += 1
+        return {
+            "worker": self.worker,
+            "epoch": self.epoch,
+            "drawn": self.drawn,
+            "batches": self.batches,
+            "bad": dict(self.bad),
+            "failed": dict(self.failed),
+            "batch": out,
+        }
+
+    # -- the four ways to batch -----------------------------------------------------------------
+
+    def per_rank(self) -> Iterator[dict]:
+        """This rank's own batches: decoded samples, collated ``batch_size`` at a time."""
+        batch: list = []
+        for sample in self.fresh():
+            decoded = self.decode(sample)
+            if decoded is None:
+                continue
+            batch.append(decoded)
+            if len(batch) < self.ds.batch_size:
+                continue
+            out, batch = self.ds.collate(batch), []
+            yield self.item(out)
+
+    def shared(self) -> Iterator[dict]:
+        """This rank's share of each global batch, grouped by stream position."""
+        share, batch, usable = self.ds.share, [], 0
+        for sample in self.fresh():
+            # Grouped by stream position, undecoded: another rank's sample is counted and dropped.
+            if share.owns(usable):
+                batch.append((usable, sample))
+            usable += 1
+            if usable < self.ds.batch_size:
+                continue
+            out, batch, usable = self.ds._rank_share(self.ds._slots(batch), self.decode), [], 0
+            yield self.item(out)
+
+    def grouped(self) -> Iterator[dict]:
+        """Global batches of one group each: the samples queue per group, a full queue is the next global batch."""
+        ds = self.ds
+        queues: dict[Any, list[tuple[int, dict | None]]] = {}  # group -> its queued (position, sample)
+        for sample in self.stream():
+            self.drawn += 1
+            if sample.get("__url__") in self.bad:
+                continue
+            key = ds.group(sample)
+            queue = queues.setdefault(key, [])
+            j = len(queue)  # another rank's sample is counted, not kept
+            queue.append((j, sample if ds.share.owns(j) else None))
+            if len(queue) < ds.batch_size:
+                continue
+            del queues[key]
+            if self.drawn <= self.start["drawn"]:
+                continue  # replayed: handed out before the resume; not decoded
+            out = ds._rank_share(ds._slots([(j, s) for j, s in queue if s is not None]), self.decode)
+            yield self.item(out)
+
+    def planned(self) -> Iterator[dict]:
+        """Windows of ``plan.steps`` global batches, each laid out by its samples' sizes."""
+        window: list[dict] = []  # the raw samples of the window being filled
+        window_start = self.start["drawn"]  # the raw position the window starts after
+        # the corrupt shards known when the window started -- the position of a step handed out mid-window
+        # (a resume replays the window from its start: a shard found corrupt inside it is found again there)
+        window_bad = dict(self.bad)
+        for sample in self.fresh():
+            window.append(sample)
+            if len(window) == self.ds.plan.steps * self.ds.batch_size:
+                yield from self.window_steps(window, window_start, window_bad)
+                window, window_start, window_bad = [], self.drawn, dict(self.bad)
+        if window and len(window) >= self.ds.batch_size:  # the epoch's last window, shorter
+            yield from self.window_steps(window, window_start, window_bad)
+
+    def window_steps(self, window: list[dict], window_start: int, window_bad: dict[str, str]) -> Iterator[dict]:
+        """The window's steps as batch items, each this rank's share; those handed out before a resume skipped."""
+        ds = self.ds
+        steps = len(window) // ds.batch_size
+        layout = ds._plan_window(window[: steps * ds.batch_size], steps)
+        for k, slots in enumerate(layout):
+            if k < self.planned_done:
+                continue  # handed out before the resume; not decoded
+            self.batches += 1
+            last = k == steps - 1
+            yield {
+                "worker": self.worker,
+                "epoch": self.epoch,
+                "drawn": self.drawn if last else window_start,
+                "planned": 0 if last else k + 1,
+                "batches": self.batches,
+                "bad": dict(self.bad if last else window_bad),
+                "failed": dict(self.failed),
+                "batch": ds._rank_share(slots, self.decode),  # decoded after the corrupt shards above are copied
+            }
+        self.planned_done = 0
