@@ -276,6 +276,50 @@ def build_webdataset_loader(
     urls = [str(u) for u in urls]
     if not urls:
         raise ValueError("no shard urls given (empty url list)")
+    _check_args(
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        num_workers=num_workers,
+        shuffle_buffer=shuffle_buffer,
+        max_corrupt_shards=max_corrupt_shards,
+        share=share,
+        group=group,
+        plan=plan,
+    )
+    _check_shards(urls, world_size=world_size, num_workers=num_workers)
+    return ResumableLoader(
+        urls=urls,
+        decode=decode,
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        num_workers=num_workers,
+        seed=seed,
+        shuffle_buffer=shuffle_buffer,
+        shuffle_shards=shuffle_shards,
+        collate=collate,
+        max_corrupt_shards=max_corrupt_shards,
+        pin_memory=pin_memory,
+        share=share,
+        group=group,
+        plan=plan,
+    )
+
+
+def _check_args(
+    *,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    num_workers: int,
+    shuffle_buffer: int,
+    max_corrupt_shards: int,
+    share: RankShare | None,
+    group: Callable[[dict], Any] | None,
+    plan: PackPlan | None,
+) -> None:
+    """`build_webdataset_loader`'s numbers and layout, ValueError for the first one that does not fit."""
     for name, value, low in (
         ("batch_size", batch_size, 1),
         ("world_size", world_size, 1),
@@ -296,6 +340,10 @@ def build_webdataset_loader(
         raise ValueError("grouped batches are made of the global stream: a group needs a share")
     if plan is not None and (share is None or group is not None or plan.steps < 1):
         raise ValueError("a plan lays out the global batches of an ungrouped stream: a share, no group, steps >= 1")
+
+
+def _check_shards(urls: list[str], *, world_size: int, num_workers: int) -> None:
+    """Every local shard exists, and every (rank, worker) reads at least one."""
     missing = [u for u in urls if _is_local(u) and not os.path.isfile(u)]
     if missing:
         raise FileNotFoundError(f"{len(missing)} shard file(s) missing, first: {missing[0]}")
@@ -306,23 +354,6 @@ def build_webdataset_loader(
             f"{len(urls)} shards cannot feed {world_size} ranks x {max(1, num_workers)} workers; "
             f"write more shards or lower data.num_workers"
         )
-    return ResumableLoader(
-        urls=urls,
-        decode=decode,
-        batch_size=batch_size,
-        rank=rank,
-        world_size=world_size,
-        num_workers=num_workers,
-        seed=seed,
-        shuffle_buffer=shuffle_buffer,
-        shuffle_shards=shuffle_shards,
-        collate=collate,
-        max_corrupt_shards=max_corrupt_shards,
-        pin_memory=pin_memory,
-        share=share,
-        group=group,
-        plan=plan,
-    )
 
 
 def train_loader(
