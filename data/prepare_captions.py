@@ -175,6 +175,63 @@ def _settings(meta: dict) -> dict:
     }
 
 
+def _captioned(root: Path, images: list[Path], captions: list, max_bad_samples: int | None):
+    """The images with a caption, as (path, stripped caption), and the skipped ones' names per reason (the dict
+    the shards' writing adds to). ValueError for fewer than two."""
+    skipped: dict[str, list[str]] = {reason: [] for reason in SKIP_REASONS}
+    usable = []
+    for path, caption in zip(images, captions):
+        name = str(path.relative_to(root))
+        if caption is None:
+            skipped["no_caption"].append(name)
+        elif not caption.strip():
+            skipped["empty_caption"].append(name)
+        else:
+            usable.append((path, caption.strip()))
+    check_skipped(skipped, max_bad_samples, "--max-bad-samples")
+    if len(usable) < 2:
+        raise ValueError(
+            f"--input {root}: {len(usable)} captioned image(s); a caption per image is name.txt beside name.png, "
+            f"or a {METADATA} of file_name/text lines"
+        )
+    return usable, skipped
+
+
+def _start_meta(
+    root: Path,
+    image_files: int,
+    image_size: int,
+    seed: int,
+    val_fraction: float,
+    skipped: dict,
+    shapes,
+    buckets,
+    bucket_multiple: int,
+    per_bucket: dict,
+) -> dict[str, Any]:
+    """meta.json before the shards are written (``skipped`` and the buckets' ``samples`` filled while they are)."""
+    bucketed = {}
+    if shapes:
+        bucketed["buckets"] = {
+            "aspect_ratios": list(buckets),
+            "multiple": bucket_multiple,
+            "shapes": [list(s) for s in shapes],
+            "samples": per_bucket,  # {split: {"WxH": samples}}, filled while the shards are written
+        }
+    return {
+        "source": SOURCE,
+        "input": str(root),
+        "image_files": image_files,
+        "image_size": image_size,
+        "channels": 3,
+        "splits": {},
+        "seed": seed,
+        "val_fraction": val_fraction,
+        "skipped": skipped,  # filled while the shards are written
+        **bucketed,
+    }
+
+
 def build_caption_shards(
     out: str | Path,
     *,
@@ -195,22 +252,7 @@ def build_caption_shards(
     per_bucket: dict[str, dict[str, int]] = {}
     out, root = Path(out).absolute(), Path(input).expanduser().absolute()
     images, captions = list_captioned(root)
-    skipped: dict[str, list[str]] = {reason: [] for reason in SKIP_REASONS}
-    usable = []
-    for path, caption in zip(images, captions):
-        name = str(path.relative_to(root))
-        if caption is None:
-            skipped["no_caption"].append(name)
-        elif not caption.strip():
-            skipped["empty_caption"].append(name)
-        else:
-            usable.append((path, caption.strip()))
-    check_skipped(skipped, max_bad_samples, "--max-bad-samples")
-    if len(usable) < 2:
-        raise ValueError(
-            f"--input {root}: {len(usable)} captioned image(s); a caption per image is name.txt beside name.png, "
-            f"or a {METADATA} of file_name/text lines"
-        )
+    usable, skipped = _captioned(root, images, captions, max_bad_samples)
     paths = np.array([p for p, _ in usable], dtype=object)
     texts = np.array([c for _, c in usable], dtype=object)
 
@@ -244,26 +286,9 @@ def build_caption_shards(
         return written
 
     def start_meta(tmp: Path) -> dict[str, Any]:
-        bucketed = {}
-        if shapes:
-            bucketed["buckets"] = {
-                "aspect_ratios": list(buckets),
-                "multiple": bucket_multiple,
-                "shapes": [list(s) for s in shapes],
-                "samples": per_bucket,  # {split: {"WxH": samples}}, filled while the shards are written
-            }
-        return {
-            "source": SOURCE,
-            "input": str(root),
-            "image_files": len(images),
-            "image_size": image_size,
-            "channels": 3,
-            "splits": {},
-            "seed": seed,
-            "val_fraction": val_fraction,
-            "skipped": skipped,  # filled while the shards are written
-            **bucketed,
-        }
+        return _start_meta(
+            root, len(images), image_size, seed, val_fraction, skipped, shapes, buckets, bucket_multiple, per_bucket
+        )
 
     return shards.build_atomically(
         out,

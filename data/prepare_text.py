@@ -234,6 +234,38 @@ def _settings(meta: dict) -> dict:
     }
 
 
+def _start_meta(tmp: Path, built: dict[str, Any], *, seed: int, val_fraction: float, vocab_size: int) -> dict[str, Any]:
+    """The tokenizer saved in ``tmp`` and meta.json before the shards are written, from what load() made (``built``)."""
+    tokenizer, rows, ids = built["tokenizer"], built["rows"], built["ids"]
+    tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+    os.chmod(tmp / TOKENIZER_DIR, 0o755)  # readable by others, like the dataset dir
+    return {
+        "source": SOURCE,
+        "python_version": platform.python_version(),
+        "corpus_sha256": corpus_sha256(built["topics"]),
+        "max_doc_chars": MAX_DOC_CHARS,
+        "splits": {},
+        "seed": seed,
+        "val_fraction": val_fraction,
+        "documents": {s: len(rows[s]) for s in SPLITS},
+        "tokens": {s: int(sum(len(ids[i]) for i in rows[s])) for s in SPLITS},
+        "topics": built["split"],
+        "ids_dtype": np.dtype(ids[0].dtype).name,
+        "vocab_size": len(tokenizer),
+        "requested_vocab_size": vocab_size,
+        "special_tokens": {"pad": PAD, "bos": BOS, "eos": EOS, "unk": UNK},
+        "special_token_ids": {
+            "pad": tokenizer.pad_token_id,
+            "bos": tokenizer.bos_token_id,
+            "eos": tokenizer.eos_token_id,
+            "unk": tokenizer.unk_token_id,
+        },
+        "tokenizer": TOKENIZER_DIR,
+        "tokenizer_files": shards.file_sizes(tmp / TOKENIZER_DIR),
+        "prep_fingerprint": _prep_fingerprint(),
+    }
+
+
 def build_text_shards(
     out: str | Path,
     *,
@@ -277,34 +309,7 @@ def build_text_shards(
         return texts, ids, rows
 
     def start_meta(tmp: Path) -> dict[str, Any]:
-        tokenizer, rows, ids = built["tokenizer"], built["rows"], built["ids"]
-        tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
-        os.chmod(tmp / TOKENIZER_DIR, 0o755)  # readable by others, like the dataset dir
-        return {
-            "source": SOURCE,
-            "python_version": platform.python_version(),
-            "corpus_sha256": corpus_sha256(built["topics"]),
-            "max_doc_chars": MAX_DOC_CHARS,
-            "splits": {},
-            "seed": seed,
-            "val_fraction": val_fraction,
-            "documents": {s: len(rows[s]) for s in SPLITS},
-            "tokens": {s: int(sum(len(ids[i]) for i in rows[s])) for s in SPLITS},
-            "topics": built["split"],
-            "ids_dtype": np.dtype(ids[0].dtype).name,
-            "vocab_size": len(tokenizer),
-            "requested_vocab_size": vocab_size,
-            "special_tokens": {"pad": PAD, "bos": BOS, "eos": EOS, "unk": UNK},
-            "special_token_ids": {
-                "pad": tokenizer.pad_token_id,
-                "bos": tokenizer.bos_token_id,
-                "eos": tokenizer.eos_token_id,
-                "unk": tokenizer.unk_token_id,
-            },
-            "tokenizer": TOKENIZER_DIR,
-            "tokenizer_files": shards.file_sizes(tmp / TOKENIZER_DIR),
-            "prep_fingerprint": _prep_fingerprint(),
-        }
+        return _start_meta(tmp, built, seed=seed, val_fraction=val_fraction, vocab_size=vocab_size)
 
     return shards.build_atomically(
         out,

@@ -81,7 +81,7 @@ def default_out(run_dir: Path, checkpoint: str, step: int) -> Path:
     return export if checkpoint == "auto" and not export.exists() else run_dir / "exports" / f"step_{step}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument(
@@ -106,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="full DiT/VLM runs: the largest safetensors file, what host memory is bounded by (default 1GB)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if not (args.run_dir / "config.yaml").exists():
         return fail(f"{args.run_dir} has no config.yaml (not a Kiln run dir)")
 
@@ -147,23 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         rename_saved(cfg, spec.renamed)  # a run from before a key was renamed reads as a new one
         exporter = spec.exporter()  # recipes/<family>/export.py
         write = exporter.export_checkpoint
-        if lora:  # the checkpoints hold the adapter only: the export loads the base from model.init_from
-            source = cfg.model.get("init_from") or ""
-            if not source:
-                return fail(
-                    f"{args.run_dir} is a finetune=lora run without model.init_from in its config.yaml (the "
-                    "adapter's base)"
-                )
-            if not Path(source).expanduser().is_dir():
-                return fail(
-                    f"the run started from model.init_from={source}, which is gone (its checkpoints hold the "
-                    "adapter only: the export names that base and merges into it)"
-                )
-            problem = changed_base(meta, path, exporter.lora_base(cfg))
-            if problem:
-                return fail(problem)
-            cfg.export.merge_lora = bool(cfg.export.merge_lora or args.merge_lora)
-            write = exporter.export_lora_checkpoint
+        if lora:
+            write = lora_writer(args, cfg, meta, path, exporter)
         shutil.rmtree(tmp, ignore_errors=True)  # a killed export's
         written = write(cfg, path, meta, tmp, max_shard_size=args.max_shard_size)
         shutil.rmtree(out, ignore_errors=True)
@@ -180,6 +169,28 @@ def main(argv: list[str] | None = None) -> int:
     merged = f"; merged model in {out / 'merged'}" if lora and cfg.export.merge_lora else ""
     print(f"export: {path} -> {out} ({written}{merged})")
     return 0
+
+
+def lora_writer(args, cfg, meta: dict, path: Path, exporter):
+    """A finetune=lora run's export function, once its base is found unchanged (UserError otherwise): the checkpoints
+    hold the adapter only, and the export loads the base from model.init_from. Sets ``export.merge_lora``."""
+    from common.errors import UserError
+
+    source = cfg.model.get("init_from") or ""
+    if not source:
+        raise UserError(
+            f"{args.run_dir} is a finetune=lora run without model.init_from in its config.yaml (the adapter's base)"
+        )
+    if not Path(source).expanduser().is_dir():
+        raise UserError(
+            f"the run started from model.init_from={source}, which is gone (its checkpoints hold the "
+            "adapter only: the export names that base and merges into it)"
+        )
+    problem = changed_base(meta, path, exporter.lora_base(cfg))
+    if problem:
+        raise UserError(problem)
+    cfg.export.merge_lora = bool(cfg.export.merge_lora or args.merge_lora)
+    return exporter.export_lora_checkpoint
 
 
 def changed_base(meta: dict, path: Path, base: str) -> str | None:

@@ -70,7 +70,15 @@ def onnx_of(command: str) -> Path:
     return Path(next(a.split("=", 1)[1] for a in shlex.split(command) if a.startswith("--onnx=")))
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Fail(Exception):
+    """An error that ends the export: its message, printed as ``export_dit: error: ...``, and exit code."""
+
+    def __init__(self, msg: str, code: int = 1):
+        super().__init__(msg)
+        self.msg, self.code = msg, code
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("export", type=Path, help="run.dir/export of a DiT run")
     ap.add_argument("--out", type=Path, default=None, help="ONNX path (default: EXPORT_DIR/onnx/model.onnx)")
@@ -92,35 +100,23 @@ def main(argv: list[str] | None = None) -> int:
         help="max relative error of the fp16/bf16 graph vs fp32 PyTorch (default: PARITY_TOL)",
     )
     ap.add_argument("--parity-batches", type=int, nargs=2, default=(1, 4), metavar=("B1", "B2"))
-    args = ap.parse_args(argv)
-    if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with build_trt_engine.sh's
+    return ap
 
-    def fail(msg: str, code: int = 1) -> int:
-        print(f"export_dit: error: {msg}", file=sys.stderr)
-        return code
 
+def _check_args(args: argparse.Namespace) -> None:
     if not (args.export / "kiln.json").exists() or not (args.export / "transformer").is_dir():
-        return fail(f"{args.export} is not a Kiln DiT export (needs kiln.json and transformer/)", 2)
+        raise _Fail(f"{args.export} is not a Kiln DiT export (needs kiln.json and transformer/)", 2)
     if args.max_batch < 1 or (args.opt_batch is not None and not 1 <= args.opt_batch <= args.max_batch):
-        return fail("need 1 <= --opt-batch <= --max-batch", 2)
+        raise _Fail("need 1 <= --opt-batch <= --max-batch", 2)
     if importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnx") is None:
-        return fail("onnx/onnxruntime are not installed (pip install 'kiln[export]')", 2)
+        raise _Fail("onnx/onnxruntime are not installed (pip install 'kiln[export]')", 2)
 
-    from diffusers import DiTTransformer2DModel
 
-    from recipes.dit.onnx import PARITY_TOL, ParityError, check_parity, export_onnx
-
-    info = json.loads((args.export / "kiln.json").read_text())
-    model = DiTTransformer2DModel.from_pretrained(args.export / "transformer").float().eval()
-    # The graph is the transformer: its own input size (the latent size of a latent model).
-    image_size, in_channels = int(model.config.sample_size), int(model.config.in_channels)
-    onnx_path = args.out or args.export / "onnx" / "model.onnx"
-    engine = onnx_path.with_suffix(".plan")
-
-    # The trtexec command per TensorRT version, from build_trt_engine.sh (it reads trtexec's banner
-    # when trtexec is here); the graphs those commands read are the ones to export.
-    have_trtexec = shutil.which("trtexec") is not None
+def _trtexec_commands(
+    args: argparse.Namespace, onnx_path: Path, engine: Path, *, image_size: int, in_channels: int, have_trtexec: bool
+) -> tuple[dict[int | None, list[str]], dict[int | None, str]]:
+    """The trtexec command per TensorRT version, from build_trt_engine.sh (it reads trtexec's banner
+    when trtexec is here): the script's arguments and the printed command of each."""
     versions = [args.trt_version] if args.trt_version else [None] if have_trtexec else list(TRT_VERSIONS)
     build_args = {
         v: trtexec_command(
@@ -139,9 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     for v, build in build_args.items():
         printed = subprocess.run(["bash", str(BUILD_SCRIPT), *build, "--print"], capture_output=True, text=True)
         if printed.returncode != 0:
-            return fail(f"build_trt_engine.sh --print failed: {printed.stderr.strip()}")
+            raise _Fail(f"build_trt_engine.sh --print failed: {printed.stderr.strip()}")
         commands[v] = printed.stdout.strip()
-    graphs = {onnx_path: "fp32"} | {onnx_of(c): args.precision for c in commands.values() if onnx_of(c) != onnx_path}
+    return build_args, commands
+
+
+def _export_graphs(args: argparse.Namespace, model, graphs: dict[Path, str], *, image_size: int, in_channels: int):
+    """Each graph exported and checked against PyTorch: per graph file, its precision, tolerance and errors."""
+    from recipes.dit.onnx import PARITY_TOL, ParityError, check_parity, export_onnx
 
     parity: dict[str, dict] = {}
     for path, precision in graphs.items():
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             errors = check_parity(model, path, batch_sizes=tuple(args.parity_batches), tol=tol, precision=precision)
         except ParityError as exc:
             path.unlink(missing_ok=True)
-            return fail(f"parity check of the {precision} graph failed: {exc}; removed {path}")
+            raise _Fail(f"parity check of the {precision} graph failed: {exc}; removed {path}") from None
         how = " (run widened to fp32: onnxruntime's CPU provider has no bf16 kernels)" if precision == "bf16" else ""
         print(
             f"export_dit: parity onnxruntime ({precision} graph{how}) vs PyTorch fp32 (max rel err): "
@@ -160,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
             + f" (tol {tol:g})"
         )
         parity[path.name] = {"precision": precision, "tol": tol, "rel_err": {str(b): e for b, e in errors.items()}}
+    return parity
 
+
+def _write_manifest(args, info: dict, onnx_path: Path, engine: Path, commands: dict, parity: dict, **sizes) -> Path:
+    """trtexec.txt (the command, or one per version) and onnx.json beside the graph; the command file's path."""
     command_file = onnx_path.parent / "trtexec.txt"
     if len(commands) == 1:
         command_file.write_text(next(iter(commands.values())) + "\n")
@@ -182,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                 "inputs": ["sample", "timestep", "class_labels"],
                 "objective": info.get("objective", "ddpm"),
                 "output": "prediction",
-                "image_size": image_size,
-                "in_channels": in_channels,
+                "image_size": sizes["image_size"],
+                "in_channels": sizes["in_channels"],
                 "max_batch": args.max_batch,
                 "precision": args.precision,
                 "parity_rel_err": parity[onnx_path.name]["rel_err"],
@@ -193,6 +198,38 @@ def main(argv: list[str] | None = None) -> int:
             indent=2,
         )
     )
+    return command_file
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with build_trt_engine.sh's
+    try:
+        return _export(args)
+    except _Fail as exc:
+        print(f"export_dit: error: {exc.msg}", file=sys.stderr)
+        return exc.code
+
+
+def _export(args: argparse.Namespace) -> int:
+    _check_args(args)
+
+    from diffusers import DiTTransformer2DModel
+
+    info = json.loads((args.export / "kiln.json").read_text())
+    model = DiTTransformer2DModel.from_pretrained(args.export / "transformer").float().eval()
+    # The graph is the transformer: its own input size (the latent size of a latent model).
+    sizes = {"image_size": int(model.config.sample_size), "in_channels": int(model.config.in_channels)}
+    onnx_path = args.out or args.export / "onnx" / "model.onnx"
+    engine = onnx_path.with_suffix(".plan")
+
+    # The graphs the trtexec commands read are the ones to export.
+    have_trtexec = shutil.which("trtexec") is not None
+    build_args, commands = _trtexec_commands(args, onnx_path, engine, **sizes, have_trtexec=have_trtexec)
+    graphs = {onnx_path: "fp32"} | {onnx_of(c): args.precision for c in commands.values() if onnx_of(c) != onnx_path}
+    parity = _export_graphs(args, model, graphs, **sizes)
+    command_file = _write_manifest(args, info, onnx_path, engine, commands, parity, **sizes)
     print(f"export_dit: trtexec command in {command_file}")
 
     if not have_trtexec:
@@ -203,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     built = subprocess.run(["bash", str(BUILD_SCRIPT), *next(iter(build_args.values()))])
     if built.returncode != 0:
-        return fail(f"TensorRT engine build failed (build_trt_engine.sh exited {built.returncode})")
+        raise _Fail(f"TensorRT engine build failed (build_trt_engine.sh exited {built.returncode})")
     print(f"export_dit: wrote TensorRT engine {engine}")
     return 0
 

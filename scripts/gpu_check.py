@@ -509,7 +509,7 @@ def newest(check: Check, steps: int) -> dict:
 def throughput(check: Check, steps: int) -> dict:
     import torch
 
-    from common.flops import PEAK_TFLOPS, gpu_model
+    from common.flops import PEAK_TFLOPS
 
     rows = []
     for attention in ("flash", "sdpa"):
@@ -526,21 +526,7 @@ def throughput(check: Check, steps: int) -> dict:
     for row in rows:
         row["planned_bytes"] = llm_plan if "error" not in row else None
     # dit_2b before the bare steps: those run in this process, whose CUDA memory the next subprocess would lack.
-    try:
-        dit = ["recipe=dit_2b", *dit_inputs(check)]
-        records, peak = check.train("dit_2b", dit_run("dit_2b", check, steps))
-        dit_plan = planned_bytes(check.plan("dit_2b", dit), "full")  # one rank: ZeRO has nothing to partition
-        rows.append(
-            {
-                "run": "Kiln dit_2b (bf16, ZeRO-2, full AC)",
-                "step_time_s": median_after_warmup(records, "step_time_s"),
-                "mfu": median_after_warmup(records, "mfu"),
-                "peak_bytes": (peak or {}).get("max_allocated"),
-                "planned_bytes": dit_plan,
-            }
-        )
-    except Exception as exc:
-        rows.append({"run": "Kiln dit_2b", "error": str(exc)})
+    rows.append(_dit_2b_row(check, steps))
 
     for compiled in (False, True):
         try:
@@ -552,6 +538,45 @@ def throughput(check: Check, steps: int) -> dict:
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
+    targets, chip = _throughput_targets(rows)
+    peak = PEAK_TFLOPS.get(chip or "", {}).get("bf16")
+    check.md += [
+        "## Throughput",
+        "",
+        f"{torch.cuda.get_device_name()}, dense bf16 peak {peak or '?'} TFLOP/s; medians "
+        f"of steps {WARMUP_STEPS + 1}-{steps}; token slots include padding (the model computes on it).",
+        "",
+        throughput_table(rows),
+        "",
+        md_table(["target", "measured", ""], targets),
+        "",
+    ]
+    return {"rows": rows, "targets": targets}
+
+
+def _dit_2b_row(check: Check, steps: int) -> dict:
+    """The throughput table's dit_2b row (an error row if it fails)."""
+    try:
+        dit = ["recipe=dit_2b", *dit_inputs(check)]
+        records, peak = check.train("dit_2b", dit_run("dit_2b", check, steps))
+        dit_plan = planned_bytes(check.plan("dit_2b", dit), "full")  # one rank: ZeRO has nothing to partition
+        return {
+            "run": "Kiln dit_2b (bf16, ZeRO-2, full AC)",
+            "step_time_s": median_after_warmup(records, "step_time_s"),
+            "mfu": median_after_warmup(records, "mfu"),
+            "peak_bytes": (peak or {}).get("max_allocated"),
+            "planned_bytes": dit_plan,
+        }
+    except Exception as exc:
+        return {"run": "Kiln dit_2b", "error": str(exc)}
+
+
+def _throughput_targets(rows: list[dict]) -> tuple[list[list[str]], str | None]:
+    """The throughput targets measured by ``rows`` (Kiln vs the bare step; MFU), and the chip's model."""
+    import torch
+
+    from common.flops import gpu_model
+
     targets = []
     for compiled in ("off", "on"):
         kiln = next(
@@ -581,19 +606,7 @@ def throughput(check: Check, steps: int) -> dict:
                 "met" if best >= TARGET_MFU else "**NOT met**",
             ]
         )
-    peak = PEAK_TFLOPS.get(chip or "", {}).get("bf16")
-    check.md += [
-        "## Throughput",
-        "",
-        f"{torch.cuda.get_device_name()}, dense bf16 peak {peak or '?'} TFLOP/s; medians "
-        f"of steps {WARMUP_STEPS + 1}-{steps}; token slots include padding (the model computes on it).",
-        "",
-        throughput_table(rows),
-        "",
-        md_table(["target", "measured", ""], targets),
-        "",
-    ]
-    return {"rows": rows, "targets": targets}
+    return targets, chip
 
 
 def dit_inputs(check: Check) -> list[str]:

@@ -99,31 +99,47 @@ def sample(
             if noise is None
             else noise[start : start + n]
         ).to(device)
-        cond = {
-            key: (
-                value[start : start + n]
-                if unconditional is None
-                else torch.cat([value[start : start + n], unconditional[key].expand(n, *value.shape[1:])])
-            ).to(device)
-            for key, value in conditions.items()
-        }
-        cond = {key: value.to(dtype) if value.is_floating_point() else value for key, value in cond.items()}
+        cond = _chunk_conditions(conditions, unconditional, start, n, device=device, dtype=dtype)
         for t in scheduler.timesteps:
             # DDIM's timesteps are integers, the flow scheduler's floats (sigma * T): the DiT's
             # sinusoidal embedding takes either.
             t_batch = t.to(device).expand(pairs * n)
             row_scales = scale.view(-1).repeat(pairs)
             pred = forward(torch.cat([x] * pairs).to(dtype), t_batch, cond, row_scales).float()
-            if unconditional is None:
-                guided = pred
-            else:
-                pred_cond, pred_uncond = pred.chunk(2)
-                guided = pred_uncond + scale * (pred_cond - pred_uncond)
+            guided = pred if unconditional is None else _guided(pred, scale)
             x = scheduler.step(guided, t, x).prev_sample
             bar.update()
         out.append((decode(x) if decode is not None else x.clamp(-1, 1)).float().cpu())
     bar.close()
     return torch.cat(out)
+
+
+def _chunk_conditions(
+    conditions: dict[str, torch.Tensor],
+    unconditional: dict[str, torch.Tensor] | None,
+    start: int,
+    n: int,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Rows ``start .. start+n`` of the conditions, followed by ``n`` unconditional rows when guided; on ``device``,
+    floating ones in ``dtype``."""
+    cond = {
+        key: (
+            value[start : start + n]
+            if unconditional is None
+            else torch.cat([value[start : start + n], unconditional[key].expand(n, *value.shape[1:])])
+        ).to(device)
+        for key, value in conditions.items()
+    }
+    return {key: value.to(dtype) if value.is_floating_point() else value for key, value in cond.items()}
+
+
+def _guided(pred: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Classifier-free guidance of a prediction on the conditional rows, then the unconditional ones."""
+    pred_cond, pred_uncond = pred.chunk(2)
+    return pred_uncond + scale * (pred_cond - pred_uncond)
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:

@@ -128,7 +128,7 @@ def load_latent_meta(cfg: TrainConfig, vae: dict, images: dict) -> dict:
 
 def build_train_loader(cfg: TrainConfig, urls: list[str], meta: dict, *, rank: int, dp: int):
     """The resumable loader over image shards, or over a latent cache's shards (meta from load_latent_meta): one
-    global sample stream, data-parallel rank `rank`'s share of each step of `dp` (common/data/webdataset.py:
+    global sample stream, data-parallel rank `rank`'s share of each step of `dp` (common/data/webdataset/:
     GlobalBatches; ZeRO's dp is the world size / parallel.cp: the cp ranks of a group read the same samples)."""
     if meta.get("source") == LATENT_SOURCE:
         decode = decode_latent_sample

@@ -352,7 +352,7 @@ def build_train_loader(cfg: TrainConfig, meta: dict, processor, blank: dict, *, 
         measure_llava, processor=processor, image_tokens=len(blank["input_ids"]), conversations=is_conversations(meta)
     )
     # One global sample stream, this rank's share of each step: the same samples whatever the layout, so a
-    # checkpoint resumes under another one (common/data/webdataset.py: GlobalBatches); its micro-batches laid out by
+    # checkpoint resumes under another one (common/data/webdataset/: GlobalBatches); its micro-batches laid out by
     # the samples' sizes (data.pack_buffer).
     return global_train_loader(
         cfg, meta["train_urls"], decode=decode, collate=batches, rank=rank, dp=dp, plan=pack_plan(cfg, measure)

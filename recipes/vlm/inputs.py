@@ -230,7 +230,7 @@ def measure_llava_qwen(
     video_config: VideoConfig,
 ) -> tuple[int, int]:
     """A raw prepare_llava sample's (language-model tokens, tower patches) as `qwen.encode_llava_qwen` will make
-    them, cheaply, for the loader's plan (common/data/webdataset.py: PackPlan): the chat template's text tokenized,
+    them, cheaply, for the loader's plan (common/data/webdataset/: PackPlan): the chat template's text tokenized,
     each image's size read from its header (no pixel decoded) and resized by the processor's own smart_resize, whose
     (h/p) x (w/p) patches merge 2x2 into its tokens, and its video's frame count, rate and size from the container's
     stream metadata or the record and the first frame file's header (recipes/vlm/video.py: measure_llava_video; no

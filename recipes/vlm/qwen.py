@@ -340,24 +340,12 @@ def encode_qwen(
     all empty without videos), ``truncated``.
     """
     image_pad_id, video_pad_id = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VIDEO_PAD])
-    per_video = [video_patches(v.frames, image_processor, video_config) for v in videos]
-    video_values = torch.cat([p for p, _ in per_video]) if videos else torch.zeros(0)
-    video_grid = torch.cat([g for _, g in per_video]) if videos else torch.zeros((0, 3), dtype=torch.long)
+    video_values, video_grid = _videos_patched(videos, image_processor, video_config)
     T = image_processor.temporal_patch_size
     slots = [video_slot(v.times, video_config) for v in videos]
     text, spans = render_turns(qwen_messages(messages, slots), tokenizer)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
-    offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
-    is_label = torch.zeros(len(ids), dtype=torch.bool)
-    for a, b in spans:
-        is_label |= (offsets[:, 0] < b) & (offsets[:, 1] > a)
-    labels = torch.where(is_label & (ids != image_pad_id) & (ids != video_pad_id), ids, IGNORE_INDEX)
-    if images:
-        vision = image_processor(images=images, return_tensors="pt")
-        pixel_values, grid = vision["pixel_values"].float(), vision["image_grid_thw"].long()
-    else:
-        pixel_values, grid = torch.zeros(0), torch.zeros((0, 3), dtype=torch.long)
+    ids, labels = _ids_and_labels(text, spans, tokenizer, (image_pad_id, video_pad_id))
+    pixel_values, grid = _images_patched(images, image_processor)
     seconds = torch.tensor([T / v.fps for v in videos], dtype=torch.float32)
     counts = image_tokens(grid, image_processor.merge_size)
     video_counts = image_tokens(video_grid, image_processor.merge_size)
@@ -367,13 +355,7 @@ def encode_qwen(
     repeats = image_pad_repeats(ids, image_pad_id, counts) * image_pad_repeats(
         ids, video_pad_id, pad_counts, kind="video"
     )
-    # Images and videos in the order of their pads (a video's pads counted once): what a cut keeps whole is a prefix.
-    kinds, pads, frames_left = [], (ids == image_pad_id) | (ids == video_pad_id), iter(groups)
-    at = torch.nonzero(pads).flatten().tolist()
-    while at:
-        k = int(ids[at[0]] == video_pad_id)
-        kinds.append(k)
-        at = at[next(frames_left) if k else 1 :]
+    kinds = _visual_kinds(ids, image_pad_id, video_pad_id, groups)
     ids, labels = ids.repeat_interleave(repeats), labels.repeat_interleave(repeats)
     truncated = max_seq_len is not None and len(ids) > max_seq_len
     if truncated:
@@ -404,6 +386,48 @@ def encode_qwen(
         "second_per_grid_ts": seconds,
         "truncated": truncated,
     }
+
+
+def _videos_patched(videos: Sequence[Video], image_processor, video_config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The videos' patches, concatenated, and their grids [videos, 3] (both empty without videos)."""
+    per_video = [video_patches(v.frames, image_processor, video_config) for v in videos]
+    video_values = torch.cat([p for p, _ in per_video]) if videos else torch.zeros(0)
+    video_grid = torch.cat([g for _, g in per_video]) if videos else torch.zeros((0, 3), dtype=torch.long)
+    return video_values, video_grid
+
+
+def _ids_and_labels(text: str, spans, tokenizer, pad_ids: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rendered text's token ids and labels: a token overlapping a labelled span is its own label unless it is
+    an image or video pad; every other token -100."""
+    image_pad_id, video_pad_id = pad_ids
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+    offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
+    is_label = torch.zeros(len(ids), dtype=torch.bool)
+    for a, b in spans:
+        is_label |= (offsets[:, 0] < b) & (offsets[:, 1] > a)
+    labels = torch.where(is_label & (ids != image_pad_id) & (ids != video_pad_id), ids, IGNORE_INDEX)
+    return ids, labels
+
+
+def _images_patched(images: list, image_processor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images' patches [patches, 3*2*p*p] float32 and grids [images, 3] long (both empty without images)."""
+    if images:
+        vision = image_processor(images=images, return_tensors="pt")
+        return vision["pixel_values"].float(), vision["image_grid_thw"].long()
+    return torch.zeros(0), torch.zeros((0, 3), dtype=torch.long)
+
+
+def _visual_kinds(ids: torch.Tensor, image_pad_id: int, video_pad_id: int, groups: list[int]) -> list[int]:
+    """Images (0) and videos (1) in the order of their pads (a video's ``groups`` pads counted once): what a cut
+    keeps whole is a prefix."""
+    kinds, pads, frames_left = [], (ids == image_pad_id) | (ids == video_pad_id), iter(groups)
+    at = torch.nonzero(pads).flatten().tolist()
+    while at:
+        k = int(ids[at[0]] == video_pad_id)
+        kinds.append(k)
+        at = at[next(frames_left) if k else 1 :]
+    return kinds
 
 
 def qwen_messages(messages: list[dict], video_slots: Sequence[str] = ()) -> list[dict]:

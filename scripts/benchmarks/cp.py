@@ -122,8 +122,36 @@ def run(opts, cfg: Config | None = None) -> Section:
         say(f"cp: llm_tiny {name} on {cp} rank(s), {cfg.warmup}+{cfg.steps} steps")
         work = fresh_dir(opts.work / f"cp{cp}_{method}_results")
         results[name] = spawn_ranks(_layout, (opts, cp, method, cfg), cp, work, opts.threads)
-    one = results["cp=1"][0]
 
+    ratios = _exchange(s, layouts, results)
+    _rates_and_activations(s, layouts, results)
+    s.notes.append(
+        f"Exchange: the bytes each rank's functional collectives over the cp group sent in its {cfg.warmup} warm-up "
+        "step(s), per pass (SentBytes, at dispatch; FSDP2's collectives excluded), against the method's volume on the "
+        "rows of the same steps: allgather layers x 2 (K, V) x rows x L/cp x n_kv_heads x head_dim x 4 bytes x (cp-1) "
+        "(backward: the reduce-scatter of dK, dV, the same); alltoall layers x (2 n_heads + 2 n_kv_heads) x rows x "
+        "L/cp x head_dim x 4 bytes x (cp-1)/cp (q, k, v, output; backward: their gradients). With "
+        "toggles.activation_checkpointing=full the backward's recomputed forward exchanges once more."
+    )
+    s.notes.append(
+        f"tokens/s: global real tokens over the step time (cp={CP}: the slower rank's), {cfg.steps} steps after "
+        f"{cfg.warmup} warm-up, one layout after the other (not interleaved: different process groups), "
+        f"{opts.threads} thread(s) per process, on a shared CPU: an accounting check (equal tokens per step), not a "
+        "speed claim."
+    )
+    s.notes.append(
+        "Activations: storages created by one forward + loss (packing included) and alive when it returns "
+        "(common/activations.py, as the ac section); weights (FSDP2's unsharded root weights under cp), the "
+        "batch and the output excluded. Under cp a rank keeps its L/cp tokens' activations, plus per layer what its "
+        "attention saves: allgather the whole row's gathered keys/values and its [L/cp x L] mask rows, alltoall its "
+        "H/cp heads of the whole row's q, k, v and the whole [L x L] mask."
+    )
+    s.data["exchange_ratio"] = ratios
+    return s
+
+
+def _exchange(s: Section, layouts: dict, results: dict) -> list[float]:
+    """The exchange's table and target; its counted / formula ratios."""
     # (a) the exchange, per rank and pass, beside the method's formula on the rows of the same steps
     exchange, ratios = [], []
     for name, (cp, method) in layouts.items():
@@ -143,7 +171,12 @@ def run(opts, cfg: Config | None = None) -> Section:
             all(abs(x - 1) < 1e-9 for x in ratios),
         )
     )
+    return ratios
 
+
+def _rates_and_activations(s: Section, layouts: dict, results: dict) -> None:
+    """The tokens/s and activation table, its targets, and each layout's data."""
+    one = results["cp=1"][0]
     # (b) tokens/s on the same rows (the same global tokens per step) and (c) activation bytes per rank
     table, worst, same_tokens = [], 0.0, True
     base_rate = None
@@ -181,26 +214,3 @@ def run(opts, cfg: Config | None = None) -> Section:
             same_tokens,
         )
     )
-    s.notes.append(
-        f"Exchange: the bytes each rank's functional collectives over the cp group sent in its {cfg.warmup} warm-up "
-        "step(s), per pass (SentBytes, at dispatch; FSDP2's collectives excluded), against the method's volume on the "
-        "rows of the same steps: allgather layers x 2 (K, V) x rows x L/cp x n_kv_heads x head_dim x 4 bytes x (cp-1) "
-        "(backward: the reduce-scatter of dK, dV, the same); alltoall layers x (2 n_heads + 2 n_kv_heads) x rows x "
-        "L/cp x head_dim x 4 bytes x (cp-1)/cp (q, k, v, output; backward: their gradients). With "
-        "toggles.activation_checkpointing=full the backward's recomputed forward exchanges once more."
-    )
-    s.notes.append(
-        f"tokens/s: global real tokens over the step time (cp={CP}: the slower rank's), {cfg.steps} steps after "
-        f"{cfg.warmup} warm-up, one layout after the other (not interleaved: different process groups), "
-        f"{opts.threads} thread(s) per process, on a shared CPU: an accounting check (equal tokens per step), not a "
-        "speed claim."
-    )
-    s.notes.append(
-        "Activations: storages created by one forward + loss (packing included) and alive when it returns "
-        "(common/activations.py, as the ac section); weights (FSDP2's unsharded root weights under cp), the "
-        "batch and the output excluded. Under cp a rank keeps its L/cp tokens' activations, plus per layer what its "
-        "attention saves: allgather the whole row's gathered keys/values and its [L/cp x L] mask rows, alltoall its "
-        "H/cp heads of the whole row's q, k, v and the whole [L x L] mask."
-    )
-    s.data["exchange_ratio"] = ratios
-    return s

@@ -53,8 +53,6 @@ def dit_trainer(opts, overrides: list[str], run_dir: Path):
 
 
 def ac(opts, s: Section) -> None:
-    from torch.utils.flop_counter import FlopCounterMode
-
     from common.memory import layer_activation_bytes
     from recipes.dit.sizing import memory_spec
 
@@ -66,17 +64,7 @@ def ac(opts, s: Section) -> None:
         for m in MODES
     }
     batches = take(trainers["none"], warmup + steps)
-    kept, flops = {}, {}
-    for mode, trainer in trainers.items():
-        exclude = [*model_tensors(trainer.model), *batches[0].values()]
-        kept[mode], out = kept_for_backward(lambda: trainer.loss(batches[0]), exclude)
-        del out
-        # FLOPs of forward + backward, the recomputation included (ops a selective policy serves from
-        # its cache never reach the counter): what the step time is on a compute-bound device.
-        with FlopCounterMode(display=False) as counter:
-            trainer.engine.ds.backward(trainer.loss(batches[0]))
-        trainer.model.zero_grad(set_to_none=True)  # no step: these gradients are dropped
-        flops[mode] = counter.get_total_flops()
+    kept, flops = _kept_and_flops(trainers, batches[0])
     result = interleaved(trainers, batches, warmup, own_rng=True)
     spec = memory_spec(trainers["none"].cfg)
     shape = dict(seq=spec.seq, batch=spec.micro_batch, act_bytes=spec.act_bytes)
@@ -137,6 +125,24 @@ def ac(opts, s: Section) -> None:
         "flops": flops,
         "step_s": {m: r["times"] for m, r in result.items()},
     }
+
+
+def _kept_and_flops(trainers: dict, batch: dict) -> tuple[dict, dict]:
+    """Per AC mode: the bytes one forward + loss of ``batch`` keeps for backward, and forward + backward FLOPs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    kept, flops = {}, {}
+    for mode, trainer in trainers.items():
+        exclude = [*model_tensors(trainer.model), *batch.values()]
+        kept[mode], out = kept_for_backward(lambda: trainer.loss(batch), exclude)
+        del out
+        # FLOPs of forward + backward, the recomputation included (ops a selective policy serves from
+        # its cache never reach the counter): what the step time is on a compute-bound device.
+        with FlopCounterMode(display=False) as counter:
+            trainer.engine.ds.backward(trainer.loss(batch))
+        trainer.model.zero_grad(set_to_none=True)  # no step: these gradients are dropped
+        flops[mode] = counter.get_total_flops()
+    return kept, flops
 
 
 # ---- latent cache vs on-the-fly encoding -------------------------------------------------------------

@@ -67,8 +67,6 @@ def base_checkpoint(opts) -> Path:
 
 
 def run(opts) -> Section:
-    from scripts.kiln.processes import spawn_ranks
-
     warmup, steps = 1, opts.pick(10, 2)
     s = Section("lora", "LoRA vs full fine-tuning of the same model (llm_tiny from one base checkpoint)")
     say("lora: exporting llm_tiny's seeded init as the base checkpoint")
@@ -82,19 +80,7 @@ def run(opts) -> Section:
     states = {m: state_bytes(t) for m, t in trainers.items()}
     ckpt = {m: checkpoint_bytes(t) for m, t in trainers.items()}
     say("lora: peak memory of each method in a fresh process")
-    peaks = {}
-    for m in METHODS:
-        run_dir = opts.work / f"lora_peak_{m}"
-        argv = [
-            "recipe=llm_tiny",
-            "trainer.progress_bar=false",
-            "trainer.eval=false",
-            "checkpoint.final=false",
-            "run.resume=never",
-            f"trainer.max_steps={warmup + steps}",
-            *args[m],
-        ]
-        peaks[m] = spawn_ranks(_peak_rss, (argv, str(run_dir)), 1, run_dir.parent, threads=opts.threads)[0]["peak"]
+    peaks = _fresh_peaks(opts, args, warmup + steps)
 
     time_ratio = ratio(by_method["lora"]["times"], by_method["full"]["times"])
     ratios = {
@@ -104,40 +90,7 @@ def run(opts) -> Section:
         "model_state_bytes": states["lora"] / states["full"],
         "peak_rss": peaks["lora"] / peaks["full"],
     }
-    rows = [
-        [
-            m,
-            f"{trainable[m]:,} / {params[m]:,} ({trainable[m] / params[m]:.1%})",
-            ms(median(by_method[m]["times"])),
-            f"{ckpt[m]:,}",
-            mib(states[m]),
-            mib(peaks[m]),
-        ]
-        for m in METHODS
-    ]
-    rows.append(
-        [
-            "lora / full",
-            f"{ratios['trainable_fraction']:.3f} of the model",
-            f"{time_ratio:.2f}x",
-            f"{ratios['checkpoint_bytes']:.3f}x",
-            f"{ratios['model_state_bytes']:.3f}x",
-            f"{ratios['peak_rss']:.3f}x",
-        ]
-    )
-    s.tables.append(
-        md_table(
-            [
-                "method",
-                "trainable / all parameters",
-                "step ms (median)",
-                "checkpoint bytes",
-                "weights + grads + Adam",
-                "peak RSS above baseline",
-            ],
-            rows,
-        )
-    )
+    s.tables.append(_table(params, trainable, by_method, ckpt, states, peaks, ratios, time_ratio))
     s.targets += [
         Target(
             f"LoRA checkpoint <= {TARGET_CHECKPOINT}x a full one's bytes",
@@ -167,3 +120,60 @@ def run(opts) -> Section:
         "step_s": {m: r["times"] for m, r in by_method.items()},
     }
     return s
+
+
+def _fresh_peaks(opts, args: dict[str, list[str]], total_steps: int) -> dict[str, int]:
+    """Each method's peak RSS above its baseline, training ``total_steps`` steps in a fresh process."""
+    from scripts.kiln.processes import spawn_ranks
+
+    peaks = {}
+    for m in METHODS:
+        run_dir = opts.work / f"lora_peak_{m}"
+        argv = [
+            "recipe=llm_tiny",
+            "trainer.progress_bar=false",
+            "trainer.eval=false",
+            "checkpoint.final=false",
+            "run.resume=never",
+            f"trainer.max_steps={total_steps}",
+            *args[m],
+        ]
+        peaks[m] = spawn_ranks(_peak_rss, (argv, str(run_dir)), 1, run_dir.parent, threads=opts.threads)[0]["peak"]
+
+    return peaks
+
+
+def _table(params, trainable, by_method, ckpt, states, peaks, ratios, time_ratio: float) -> str:
+    """The section's table: a row per method, then their ratios."""
+    rows = [
+        [
+            m,
+            f"{trainable[m]:,} / {params[m]:,} ({trainable[m] / params[m]:.1%})",
+            ms(median(by_method[m]["times"])),
+            f"{ckpt[m]:,}",
+            mib(states[m]),
+            mib(peaks[m]),
+        ]
+        for m in METHODS
+    ]
+    rows.append(
+        [
+            "lora / full",
+            f"{ratios['trainable_fraction']:.3f} of the model",
+            f"{time_ratio:.2f}x",
+            f"{ratios['checkpoint_bytes']:.3f}x",
+            f"{ratios['model_state_bytes']:.3f}x",
+            f"{ratios['peak_rss']:.3f}x",
+        ]
+    )
+    return md_table(
+        [
+            "method",
+            "trainable / all parameters",
+            "step ms (median)",
+            "checkpoint bytes",
+            "weights + grads + Adam",
+            "peak RSS above baseline",
+        ],
+        rows,
+    )

@@ -227,6 +227,19 @@ def merge_profiles() -> None:
             print(f"kiln: warning: could not merge profiler traces in {out}: {exc!r}", flush=True)
 
 
+def _launch_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The options that start ranks, and the rest of ``argv``; a one-line exit when they are given inside a rank."""
+    try:
+        options, argv = split_launch_options(argv)
+        if options and "LOCAL_RANK" in os.environ:
+            raise ConfigError(
+                f"{options[0]} starts ranks, and this is one already (torchrun): pass only key=value arguments here"
+            )
+    except ConfigError as exc:
+        raise user_error_exit(str(exc)) from None
+    return options, argv
+
+
 def main(argv: list[str], registry=None) -> int:
     """scripts/train.py's command line; `registry`: the table of families (recipes/registry.py), handed in."""
     global _REGISTRY
@@ -239,14 +252,7 @@ def main(argv: list[str], registry=None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.format(recipes=", ".join(_recipes())))
         return 0
-    try:
-        options, argv = split_launch_options(argv)
-        if options and "LOCAL_RANK" in os.environ:
-            raise ConfigError(
-                f"{options[0]} starts ranks, and this is one already (torchrun): pass only key=value arguments here"
-            )
-    except ConfigError as exc:
-        raise user_error_exit(str(exc)) from None
+    options, argv = _launch_options(argv)
     if options:
         return launch_ranks(options, argv)
     print_cfg = "--cfg" in argv
