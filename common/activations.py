@@ -25,15 +25,21 @@ def kept_for_backward(run: Callable[[], Any], exclude: Iterable[torch.Tensor]) -
     return created.alive(skip), out
 
 
-def peak_and_kept(run: Callable[[], Any], exclude: Iterable[torch.Tensor]) -> tuple[int, int, Any]:
+def peak_and_kept(
+    run: Callable[[], Any], exclude: Iterable[torch.Tensor], settle: Callable[[], Any] | None = None
+) -> tuple[int, int, Any]:
     """(the most bytes of the storages created while `run()` executes that were alive at once, the bytes of those
     still alive when it returns, its output), leaving out `exclude` (the inputs: a view of one is an op's output
     too). Their difference is what `run()` held only for a while: the transient buffers of an exchange, say. Sampled
     after every op, which is when a storage is created: the peak is exact for what the ops allocate (a kernel's own
-    workspace, allocated inside one op, is not seen)."""
+    workspace, allocated inside one op, is not seen). `settle` runs between the end of `run()` and the count of what
+    is kept: a collective's buffers are let go by its backend's thread, which on a loaded machine can lag the op's
+    return (a barrier waits for every rank's)."""
     skip = {t.untyped_storage().data_ptr() for t in plain_tensors(exclude)}
     with CreatedStorages(track_peak=True, skip=skip) as created:
         out = run()
+    if settle is not None:
+        settle()
     return created.peak, created.alive(skip), out
 
 

@@ -103,8 +103,19 @@ def _exchange_memory(groups) -> dict:
     g = torch.Generator().manual_seed(3)
     mine = [torch.randn(MEM_B, MEM_S // CP, MEM_H, MEM_D, generator=g).requires_grad_() for _ in range(3)]
     attend = ulysses_kernel(sdpa_kernel, groups.cp_group)
-    peak, kept, out = peak_and_kept(lambda: attend(*mine), mine)
+    # Counted once both ranks' exchanges are through: gloo's thread lets its buffers go (under CI's load, rank 1 once
+    # still held the 64 KiB exchange buffer when the forward returned).
+    peak, kept, out = peak_and_kept(lambda: attend(*mine), mine, settle=_settle)
     return {"peak": peak, "kept": kept}
+
+
+def _settle() -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    gc.collect()
 
 
 def _on_each_rank() -> dict:

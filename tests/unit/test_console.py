@@ -143,7 +143,9 @@ def test_make_serve_env_keeps_the_expected_pip_conflict_off_the_console(tmp_path
     python.chmod(0o755)
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 1\n")  # no GPU: the CPU build's steps
     (bin_dir / "nvidia-smi").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    # A fresh make, as a user's: not a sub-make of `make test` (its MAKELEVEL adds "Entering directory" lines).
+    fresh = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    env = {**fresh, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     proc = subprocess.run(
         ["make", "serve-env", f"SERVE_VENV={venv}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
     )
