@@ -43,6 +43,17 @@ def peak_and_kept(
     return created.peak, created.alive(skip), out
 
 
+def settle_collectives() -> None:
+    """A `settle` for `peak_and_kept` under torch.distributed: wait for every rank's collectives (a barrier), then
+    collect what they let go."""
+    import gc
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    gc.collect()
+
+
 class CreatedStorages:
     """The storages every op creates in this context (on any device but meta), held by weak reference."""
 

@@ -84,12 +84,16 @@ def _exchange_memory(qkv: dict, shard) -> dict:
     once and those alive at its end (what the graph keeps for backward, and the output)."""
     import torch.distributed as tdist
 
-    from common.activations import peak_and_kept
+    from common.activations import peak_and_kept, settle_collectives
     from recipes.llm.model import attend
 
     inputs = {name: t.detach().requires_grad_() for name, t in qkv.items()}
     mask = shard.model_inputs(tdist.group.WORLD, torch.device("cpu"))["attn_mask"]
-    peak, kept, _ = peak_and_kept(lambda: attend(*inputs.values(), mask), [*inputs.values(), mask.mask])
+    # Counted once every rank's exchange is through (a barrier, then gc): gloo's thread lets its buffers go, which on
+    # a loaded machine can lag the op's return.
+    peak, kept, _ = peak_and_kept(
+        lambda: attend(*inputs.values(), mask), [*inputs.values(), mask.mask], settle=settle_collectives
+    )
     return {"peak": peak, "kept": kept}
 
 

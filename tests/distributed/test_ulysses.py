@@ -97,7 +97,7 @@ MEM_B, MEM_S, MEM_H, MEM_D = 2, 64, 8, 16
 def _exchange_memory(groups) -> dict:
     """Bytes of the storages a DistributedAttention forward around SDPA creates (common/activations.py): the most
     alive at once and those alive at its end (what the graph keeps for backward, and the output)."""
-    from common.activations import peak_and_kept
+    from common.activations import peak_and_kept, settle_collectives
     from common.ulysses import sdpa_kernel, ulysses_kernel
 
     g = torch.Generator().manual_seed(3)
@@ -105,17 +105,8 @@ def _exchange_memory(groups) -> dict:
     attend = ulysses_kernel(sdpa_kernel, groups.cp_group)
     # Counted once both ranks' exchanges are through: gloo's thread lets its buffers go (under CI's load, rank 1 once
     # still held the 64 KiB exchange buffer when the forward returned).
-    peak, kept, out = peak_and_kept(lambda: attend(*mine), mine, settle=_settle)
+    peak, kept, out = peak_and_kept(lambda: attend(*mine), mine, settle=settle_collectives)
     return {"peak": peak, "kept": kept}
-
-
-def _settle() -> None:
-    import gc
-
-    import torch.distributed as dist
-
-    dist.barrier()
-    gc.collect()
 
 
 def _on_each_rank() -> dict:
