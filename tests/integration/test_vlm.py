@@ -4,9 +4,11 @@ export loads offline in transformers with the trained model's logits."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from tests.conftest import losses, metrics, run_train
@@ -68,14 +70,71 @@ def test_align_trains_only_the_projector_and_finetune_starts_from_it(align_then_
     assert any(not torch.equal(tuned[k], cfg_fresh[k]) for k in lm)  # finetune moved the LM
 
 
-def test_eval_and_export_load_offline_with_the_trained_logits(align_then_finetune, monkeypatch):
+def held_out_digits(root, limit: int) -> list[tuple]:
+    """(image, question, label) of the first `limit` held-out samples, read with tarfile and PIL alone (not Kiln's
+    shard reader): the data the eval promises to score."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    meta = json.loads((root / "meta.json").read_text())
+    out = []
+    for shard in meta["splits"]["val"]["shards"]:
+        with tarfile.open(root / shard) as tar:
+            files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+        for key in dict.fromkeys(n.rsplit(".", 1)[0] for n in files):  # in the shard's order
+            conv = json.loads(files[f"{key}.json"])
+            image = Image.open(io.BytesIO(files[f"{key}.png"])).convert("L")
+            out.append((image, conv["question"], int(conv["label"])))
+            if len(out) == limit:
+                return out
+    return out
+
+
+def names_only(answer: str, label: int) -> bool:
+    """The answer names the label's digit and no other digit (as a numeral or a word)."""
+    words = "zero one two three four five six seven eight nine".split()
+    tokens = "".join(c if c.isalnum() else " " for c in answer.lower()).split()
+    named = {int(t) for t in tokens if t.isdigit() and len(t) == 1} | {words.index(t) for t in tokens if t in words}
+    return named == {label}
+
+
+def test_eval_scores_the_exports_answers_on_the_held_out_digits(align_then_finetune, monkeypatch):
+    """eval.json's accuracy is the fraction of held-out digit images whose greedy answer names the right digit:
+    recomputed here from the export in transformers, one image at a time (the eval batches with left padding), on
+    samples read without Kiln's data code."""
     _, run_dir = align_then_finetune
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = json.loads((run_dir / "eval.json").read_text())
-    # Measured 0.0 (chance is 0.1, 10 digits): 15 + 15 steps teach the tiny VLM the answer's form, not the digit, so no
-    # bar above chance holds without a longer run (CI time); the number is printed for the record.
-    print(f"vlm_tiny align + finetune, 15 + 15 steps: eval accuracy {result['accuracy']} on {result['num_samples']}")
-    assert result["num_samples"] == 20 and 0.0 <= result["accuracy"] <= 1.0
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    samples = held_out_digits(Path(config["data"]["root"]), result["num_samples"])
+    export = run_dir / "export"
+    model = LlavaForConditionalGeneration.from_pretrained(export).eval()
+    processor = AutoProcessor.from_pretrained(export)
+    from recipes.vlm.data import prompt_messages
+
+    right, answers = 0, []
+    for image, question, label in samples:
+        prompt = processor.apply_chat_template(prompt_messages(question), add_generation_prompt=True, tokenize=False)
+        inputs = processor(text=[prompt], images=[image], return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=config["vlm"]["max_new_tokens"], do_sample=False)
+        answer = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+        answers.append(answer)
+        right += names_only(answer, label)
+    assert len(samples) == result["num_samples"] == 20
+    assert [e["answer"] for e in result["examples"]] == answers[:10]
+    assert [e["label"] for e in result["examples"]] == [label for _, _, label in samples[:10]]
+    assert result["accuracy"] == right / len(samples)
+    # 15 + 15 steps teach the tiny VLM the answer's form, not yet the digit (measured 0.0; chance 0.1): the default
+    # run's bar (0.7, scripts/gpu_check.py) is held on a lent GPU, where the whole demo runs.
+    print(f"vlm_tiny align + finetune, 15 + 15 steps: eval accuracy {result['accuracy']} on {len(samples)}")
+
+
+def test_eval_and_export_load_offline_with_the_trained_logits(align_then_finetune, monkeypatch):
+    _, run_dir = align_then_finetune
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert (run_dir / "samples" / "eval.png").exists()
 
     export = run_dir / "export"
