@@ -165,7 +165,7 @@ def t2i_cache(cfg, device: str):
     from common.data.dataset import load_dataset_meta
     from common.diffusion.vae import load_vae, vae_geometry
     from recipes.t2i.data import cache_settings, check_captions
-    from recipes.t2i.pipeline import COMPUTE_DTYPES, adapter, encoders_identity, pipeline_folder
+    from recipes.t2i.weights import COMPUTE_DTYPES, adapter, encoders_identity, pipeline_folder
 
     if cfg.toggles.precision not in COMPUTE_DTYPES:
         raise ValueError(
