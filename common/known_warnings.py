@@ -74,7 +74,7 @@ def silence_known_warnings() -> None:
     # transformers' tokenizers log "Token indices sequence length is longer than the specified maximum sequence
     # length ..." whenever they encode a text longer than model_max_length without truncation. Kiln encodes whole
     # texts on purpose and cuts them itself: the LLM packs documents into rows of data.max_seq_len, and the
-    # text-to-image encoders truncate prompts with Kiln's own one-line warning (recipes/t2i/pipeline.py).
+    # text-to-image encoders truncate prompts with Kiln's own one-line warning (recipes/t2i/weights.py).
     logging.getLogger("transformers.tokenization_utils_base").addFilter(
         lambda record: not record.getMessage().startswith("Token indices sequence length is longer than the specified")
     )

@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from common.data.dataset import META_NAME, SPLITS, read_meta
-from data import shards
+from data import cli, shards
 
 
 def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -165,7 +165,7 @@ def t2i_cache(cfg, device: str):
     from common.data.dataset import load_dataset_meta
     from common.diffusion.vae import load_vae, vae_geometry
     from recipes.t2i.data import cache_settings, check_captions
-    from recipes.t2i.pipeline import COMPUTE_DTYPES, adapter, encoders_identity, pipeline_folder
+    from recipes.t2i.weights import COMPUTE_DTYPES, adapter, encoders_identity, pipeline_folder
 
     if cfg.toggles.precision not in COMPUTE_DTYPES:
         raise ValueError(
@@ -209,8 +209,7 @@ def build_cache(cfg, out: Path, *, batch_size: int, device: str, force: bool) ->
     existing = read_meta(out)
     if existing is not None and not force:
         if {k: existing.get(k) for k in wanted} == wanted:
-            print(f"{out}/{META_NAME} exists; nothing to do (pass --force to rebuild)")
-            return None, 0
+            return None, cli.nothing_to_do(out)
         print(
             f"error: {out} already holds a latent cache of other images, size or encoders; pass --force to rebuild",
             file=sys.stderr,
@@ -280,8 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         meta, rc = build_cache(cfg, args.out.absolute(), batch_size=args.batch_size, device=device, force=args.force)
     except (UserError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return cli.error(exc)
     if meta is None:
         return rc
     splits, bad = meta["splits"], meta["corrupt_shards"]

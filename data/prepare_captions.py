@@ -43,7 +43,7 @@ import numpy as np
 
 from common.data import dataset as common_dataset
 from common.data.captions import SKIP_REASONS, SOURCE, skip_summary
-from data import shards
+from data import cli, shards
 from data.prepare_images import IMAGE_EXTENSIONS, encode_image
 
 METADATA = "metadata.jsonl"
@@ -332,7 +332,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
             help="stop (nothing written) when more images than this are skipped (default: no limit)",
         )
 
-    parser = shards.arg_parser(
+    parser = cli.arg_parser(
         "python -m data.prepare_captions",
         __doc__.splitlines()[0],
         "output directory (created; must be empty or a previous build)",
@@ -344,18 +344,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    out = args.out.absolute()
-    wanted = {
-        "train_shards": args.train_shards,
-        "val_shards": args.val_shards,
-        "val_fraction": args.val_fraction,
-        "seed": args.seed,
-    }
     with tempfile.TemporaryDirectory(prefix="kiln-captions-") as scratch:
         if args.digits:
-            if common_dataset.read_meta(out) is not None and not args.force:
-                print(f"{out}/{common_dataset.META_NAME} exists; nothing to do (pass --force to rebuild)")
-                return 0
+            if common_dataset.read_meta(args.out.absolute()) is not None and not args.force:
+                return cli.nothing_to_do(args.out.absolute())
             from data.tiny_bases import make_caption_folder
 
             root = make_caption_folder(Path(scratch) / "digits", per_digit=180, size=8, bad=False)
@@ -370,23 +362,26 @@ def main(argv: list[str] | None = None) -> int:
             "buckets": ratios,
             "bucket_multiple": args.bucket_multiple if ratios else None,
         }
-        meta, rc = shards.cli_build(
-            build, out, wanted, force=args.force, settings=_settings, holds="caption shards", show_wanted=True,
-            also_wanted=also,
+
+        def describe(out: Path, meta: dict) -> str:
+            shape = f"{args.image_size}x{args.image_size}"
+            if meta.get("buckets"):
+                train = meta["buckets"]["samples"].get("train", {})
+                shape = "buckets " + ", ".join(f"{k} ({n})" for k, n in train.items())
+            line = f"{cli.summary(out, meta)}; {shape} RGB with captions; {skip_summary(meta)}"
+            if meta["splits"]["val"]["samples"]:
+                return line
+            # its held-out images did not decode (an empty train split stops)
+            return (
+                f"{line}\nnote: {out}'s val split is empty (no held-out image decoded): a text-to-image run samples "
+                "its first training captions instead and skips the held-out eval; fix the undecodable images or "
+                "change --seed"
+            )
+
+        return cli.run(
+            build, args, wanted=cli.split_wanted(args), describe=describe, settings=_settings,
+            holds="caption shards", also_wanted=also,
         )  # fmt: skip
-    if meta is None:
-        return rc
-    shape = f"{args.image_size}x{args.image_size}"
-    if meta.get("buckets"):
-        train = meta["buckets"]["samples"].get("train", {})
-        shape = "buckets " + ", ".join(f"{k} ({n})" for k, n in train.items())
-    print(f"{shards.summary(out, meta)}; {shape} RGB with captions; {skip_summary(meta)}")
-    if not meta["splits"]["val"]["samples"]:  # its held-out images did not decode (an empty train split stops)
-        print(
-            f"note: {out}'s val split is empty (no held-out image decoded): a text-to-image run samples its first "
-            "training captions instead and skips the held-out eval; fix the undecodable images or change --seed"
-        )
-    return 0
 
 
 if __name__ == "__main__":

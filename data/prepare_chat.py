@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from data import shards, user_data
+from data import cli, user_data
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "train with data.max_seq_len >= the longest kept",
         )
 
-    parser = shards.arg_parser(
+    parser = cli.arg_parser(
         "python -m data.prepare_chat",
         __doc__.splitlines()[0],
         "output directory (created; must be empty or a previous chat build)",

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from common.data import dataset as common_dataset
-from data import shards
+from data import cli, shards
 from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
 
 SOURCE = "sklearn.datasets.load_digits"
@@ -163,7 +163,7 @@ def ensure_digits_shards(
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = shards.arg_parser(
+    parser = cli.arg_parser(
         "python -m data.prepare_digits",
         __doc__.splitlines()[0],
         "output directory (created; must be empty or a previous digits build)",
@@ -173,26 +173,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    out = args.out.absolute()
-    wanted = {
-        "train_shards": args.train_shards,
-        "val_shards": args.val_shards,
-        "val_fraction": args.val_fraction,
-        "seed": args.seed,
-    }
-    meta, rc = shards.cli_build(
+    return cli.run(
         build_digits_shards,
-        out,
-        wanted,
-        force=args.force,
+        args,
+        wanted=cli.split_wanted(args),
+        describe=cli.summary,
         settings=shards.split_settings,
         holds="digits shards",
         show_wanted=False,
     )
-    if meta is None:
-        return rc
-    print(shards.summary(out, meta))
-    return 0
 
 
 if __name__ == "__main__":

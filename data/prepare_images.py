@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from common.data import dataset as common_dataset
-from data import shards
+from data import cli, shards
 
 SOURCE = "image_folder"  # recipes.dit.data.IMAGE_FOLDER: what the DiT checks the image size of
 CLASSES_NAME = "classes.json"
@@ -185,7 +185,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument("--input", required=True, type=Path, help="ImageFolder: one subfolder of images per class")
         parser.add_argument("--image-size", required=True, type=positive_int, help="side of the square images written")
 
-    parser = shards.arg_parser(
+    parser = cli.arg_parser(
         "python -m data.prepare_images",
         __doc__.splitlines()[0],
         "output directory (created; must be empty or a previous build)",
@@ -196,40 +196,30 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    out = args.out.absolute()
-    wanted = {
-        "train_shards": args.train_shards,
-        "val_shards": args.val_shards,
-        "val_fraction": args.val_fraction,
-        "seed": args.seed,
-    }
     try:
         root = args.input.expanduser().absolute()
         classes, files = list_image_folder(root)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return cli.error(exc)
     build = lambda out, **kw: build_image_shards(out, input=root, image_size=args.image_size, **kw)  # noqa: E731
-    also = {"input": str(root), "image_files": sum(map(len, files)), "image_size": args.image_size}
-    meta, rc = shards.cli_build(
+
+    def describe(out: Path, meta: dict) -> str:
+        skipped = meta["skipped_undecodable"]
+        return (
+            f"{cli.summary(out, meta)}; {meta['num_classes']} classes ({CLASSES_NAME}), {args.image_size}x"
+            f"{args.image_size} RGB; skipped {len(skipped)} undecodable file(s)"
+            + (f": {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}" if skipped else "")
+        )
+
+    return cli.run(
         build,
-        out,
-        wanted,
-        force=args.force,
+        args,
+        wanted=cli.split_wanted(args),
+        describe=describe,
         settings=_settings,
         holds="image shards",
-        show_wanted=True,
-        also_wanted=also,
+        also_wanted={"input": str(root), "image_files": sum(map(len, files)), "image_size": args.image_size},
     )
-    if meta is None:
-        return rc
-    skipped = meta["skipped_undecodable"]
-    print(
-        f"{shards.summary(out, meta)}; {meta['num_classes']} classes ({CLASSES_NAME}), {args.image_size}x"
-        f"{args.image_size} RGB; skipped {len(skipped)} undecodable file(s)"
-        + (f": {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}" if skipped else "")
-    )
-    return 0
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from common.data import dataset as common_dataset
-from data import shards
+from data import cli, shards
 
 FORMAT = "llava-conversations"  # meta.json "format"; recipes/vlm/data.py reads it
 TRAIN_SHARDS = 64  # --train-shards' default for a set of 64 training samples or more (auto_train_shards)
@@ -364,7 +364,7 @@ def auto_train_shards(train_samples: int) -> int:
 def summary(out: Path, meta: dict) -> str:
     skipped = meta["skipped"]
     lines = [
-        f"{shards.summary(out, meta)}; {meta['usable']:,} of {meta['total']:,} samples usable "
+        f"{cli.summary(out, meta)}; {meta['usable']:,} of {meta['total']:,} samples usable "
         f"({meta['text_only']:,} text-only, {meta['multi_turn']:,} multi-turn"
         + (f", {meta['videos']:,} with a video)" if meta.get("videos") else ")")
     ]
@@ -389,7 +389,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
             help="processes decoding the images and videos to check them",
         )
 
-    parser = shards.arg_parser(
+    parser = cli.arg_parser(
         "python -m data.prepare_llava",
         __doc__.splitlines()[0],
         "output directory (created; must be empty or a previous build)",
@@ -403,19 +403,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     out = args.out.absolute()
-    wanted = {
-        "train_shards": args.train_shards,
-        "val_shards": args.val_shards,
-        "val_fraction": args.val_fraction,
-        "seed": args.seed,
-    }
+    wanted = cli.split_wanted(args)
+    # Not cli.run: with --train-shards auto, what a dataset already there should hold is known from its meta only.
     try:
         meta, built = build_llava(
             out, json_path=args.json, images=args.images, workers=args.workers, force=args.force, **wanted
         )
     except ValueError as exc:
-        print(f"kiln: error: {exc}", file=sys.stderr)
-        return 2
+        return cli.error(exc, "kiln: error")
     if not built:
         if args.train_shards is None:  # auto: what a build of that input makes
             wanted["train_shards"] = auto_train_shards(meta["splits"]["train"]["samples"])
@@ -430,8 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        print(f"{out}/{shards.META_NAME} exists; nothing to do (pass --force to rebuild)")
-        return 0
+        return cli.nothing_to_do(out)
     print(summary(out, meta))
     return 0
 

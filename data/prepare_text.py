@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from common.data import dataset as common_dataset
-from data import shards, user_data
+from data import cli, shards, user_data
 from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
 from data.shards import npy_bytes as encode_ids  # a sample's ids.npy
 from data.user_data import TOKENIZER_DIR, read_meta
@@ -439,7 +439,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
             help="your text: a .txt file is one document, or one per blank-line paragraph, or per line",
         )
 
-    parser = shards.arg_parser(
+    parser = cli.arg_parser(
         "python -m data.prepare_text",
         __doc__.splitlines()[0],
         "output directory (created; must be empty or a previous text build)",
@@ -488,38 +488,29 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.tokenizer is not None:
         return _main_own_text(args)
-    out = args.out.absolute()
-    wanted = {
-        "vocab_size": args.vocab_size,
-        "train_shards": args.train_shards,
-        "val_shards": args.val_shards,
-        "val_fraction": args.val_fraction,
-        "seed": args.seed,
-    }
-    meta, rc = shards.cli_build(
+
+    def describe(out: Path, meta: dict) -> str:
+        note = (
+            ""
+            if meta["vocab_size"] == args.vocab_size
+            else f" (asked for {args.vocab_size}: the corpus has no more merges)"
+        )
+        return (
+            f"{cli.summary(out, meta)}; "
+            f"tokens train {meta['tokens']['train']:,} / val {meta['tokens']['val']:,} "
+            f"from {len(meta['topics']['train'])} / {len(meta['topics']['val'])} topics; "
+            f"tokenizer in {out / TOKENIZER_DIR}: vocab {meta['vocab_size']}{note}"
+        )
+
+    return cli.run(
         build_text_shards,
-        out,
-        wanted,
-        force=args.force,
+        args,
+        wanted=cli.split_wanted(args, vocab_size=args.vocab_size),
+        describe=describe,
         settings=_settings,
         holds="text data",
-        show_wanted=True,
         also_wanted={"prep_fingerprint": _prep_fingerprint()},
     )
-    if meta is None:
-        return rc
-    note = (
-        ""
-        if meta["vocab_size"] == args.vocab_size
-        else f" (asked for {args.vocab_size}: the corpus has no more merges)"
-    )
-    print(
-        f"{shards.summary(out, meta)}; "
-        f"tokens train {meta['tokens']['train']:,} / val {meta['tokens']['val']:,} "
-        f"from {len(meta['topics']['train'])} / {len(meta['topics']['val'])} topics; "
-        f"tokenizer in {out / TOKENIZER_DIR}: vocab {meta['vocab_size']}{note}"
-    )
-    return 0
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.data import dataset as common_dataset
+from data import cli, shards
 from data import prepare_digits as digits
-from data import shards
 from data.shards import META_NAME, SPLITS  # noqa: F401  (re-exported: part of this module's API)
 
 if TYPE_CHECKING:  # transformers is slow to import; load it only where it is used
@@ -373,7 +373,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--patch-size", type=positive_int, default=4, help="vision tower patch size (image tokens = (size/patch)^2)"
         )
 
-    parser = shards.arg_parser(
+    parser = cli.arg_parser(
         "python -m data.prepare_vlm_digits",
         __doc__.splitlines()[0],
         "output directory (created; must be empty or a previous build)",
@@ -388,33 +388,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    out = args.out.absolute()
-    wanted = {
-        "image_size": args.image_size,
-        "patch_size": args.patch_size,
-        "train_shards": args.train_shards,
-        "val_shards": args.val_shards,
-        "val_fraction": args.val_fraction,
-        "seed": args.seed,
-    }
-    meta, rc = shards.cli_build(
+    return cli.run(
         build_vlm_digits,
-        out,
-        wanted,
-        force=args.force,
+        args,
+        wanted=cli.split_wanted(args, image_size=args.image_size, patch_size=args.patch_size),
+        describe=lambda out, meta: (
+            f"{cli.summary(out, meta)}; "
+            f"processor in {out / PROCESSOR_DIR}: vocab {meta['vocab_size']}, {meta['image_size']}px images -> "
+            f"{meta['num_image_tokens']} image tokens"
+        ),
         settings=_settings,
         holds="VLM digits data",
-        show_wanted=True,
         also_wanted={"text_fingerprint": _text_fingerprint()},
     )
-    if meta is None:
-        return rc
-    print(
-        f"{shards.summary(out, meta)}; "
-        f"processor in {out / PROCESSOR_DIR}: vocab {meta['vocab_size']}, {meta['image_size']}px images -> "
-        f"{meta['num_image_tokens']} image tokens"
-    )
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What the train/val WebDataset shard builders in ``data`` share: meta.json bookkeeping, the atomic
-build and the common CLI pieces.
+"""What the train/val WebDataset shard builders in ``data`` share: meta.json bookkeeping and the atomic
+build (their command line is data/cli.py).
 
 A dataset directory holds ``{split}-NNNNNN.tar`` shards for each split in :data:`SPLITS` and a
 ``meta.json`` that records every shard's name, sample count and byte size. The directory is
@@ -12,12 +12,10 @@ the dataset in error messages.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -178,89 +176,3 @@ def move_into_place(
     os.rename(out, trash / "old")
     os.rename(tmp, out)
     shutil.rmtree(trash, ignore_errors=True)
-
-
-# --- CLI -----------------------------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
-    return value
-
-
-def arg_parser(
-    prog: str,
-    description: str,
-    out_help: str,
-    extra: Callable[[argparse.ArgumentParser, Callable[[str], int]], None] | None = None,
-    seed_help: str = "split seed",
-) -> argparse.ArgumentParser:
-    """``--out``, then what ``extra(parser, positive_int)`` adds, then the split arguments and ``--force``."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--out", required=True, type=Path, help=out_help)
-    if extra is not None:
-        extra(parser, _positive_int)
-    parser.add_argument("--train-shards", type=_positive_int, default=8)
-    parser.add_argument("--val-shards", type=_positive_int, default=2)
-    parser.add_argument(
-        "--val-fraction", type=_fraction, default=0.15, help="share of samples held out for val (stratified)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help=seed_help)
-    parser.add_argument(
-        "--force", action="store_true", help="rebuild even if a complete dataset is there (replaces DIR)"
-    )
-    return parser
-
-
-def cli_build(
-    build: Callable[..., tuple[dict, bool]],
-    out: Path,
-    wanted: dict,
-    *,
-    force: bool,
-    settings: Callable[[dict], dict],
-    holds: str,
-    show_wanted: bool,
-    also_wanted: dict | None = None,
-) -> tuple[dict | None, int]:
-    """A CLI's ``build(out, **wanted, force=force)``: (meta, 0) when it built, else (None, exit code).
-
-    Exit codes: 2 after printing a ValueError; for a complete dataset already there, 0 if
-    ``settings(meta)`` equals ``wanted`` plus ``also_wanted``, else 1 (after saying what differs).
-    """
-    try:
-        meta, built = build(out, **wanted, force=force)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return None, 2
-    if built:
-        return meta, 0
-    wanted = {**wanted, **(also_wanted or {})}
-    have = settings(meta)
-    if have != wanted:
-        print(
-            f"error: {out} already holds {holds} built with {mismatch(have, wanted, show_wanted=show_wanted)}; "
-            "pass --force to rebuild",
-            file=sys.stderr,
-        )
-        return None, 1
-    print(f"{out}/{META_NAME} exists; nothing to do (pass --force to rebuild)")
-    return None, 0
-
-
-def summary(out: Path, meta: dict) -> str:
-    """``wrote DIR: train N samples in K shards, val ... (seed S)``."""
-    splits = meta["splits"]
-    return (
-        f"wrote {out}: train {splits['train']['samples']} samples in {len(splits['train']['shards'])} shards, "
-        f"val {splits['val']['samples']} samples in {len(splits['val']['shards'])} shards (seed {meta['seed']})"
-    )

@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from common.data import dataset as common_dataset
-from data import shards
+from data import cli, shards
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -267,7 +266,7 @@ def run_cli(
     describe: Callable[[dict], str],
 ) -> int:
     """Build ``args.out`` from ``args.input`` with ``args.tokenizer``; print one summary line. Exit codes as
-    ``shards.cli_build``: 0 built or already there, 1 there with other settings, 2 a one-line error.
+    ``cli.run``: 0 built or already there, 1 there with other settings, 2 a one-line error.
 
     ``options(tokenizer)`` gives the format's own settings (recorded, and compared on rebuild, with its
     prep fingerprint) or raises ValueError; ``describe(meta)`` adds the format's numbers to the summary.
@@ -277,19 +276,15 @@ def run_cli(
         tokenizer = load_tokenizer(args.tokenizer)
         own = options(tokenizer)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return cli.error(exc)
     files = resolve_inputs(args.input)
-    settings = {
-        "format": fmt,
-        "tokenizer_sha256": common_dataset.tokenizer_sha256(tokenizer),
-        "inputs_digest": inputs_digest(files),
+    settings = cli.split_wanted(
+        args,
+        format=fmt,
+        tokenizer_sha256=common_dataset.tokenizer_sha256(tokenizer),
+        inputs_digest=inputs_digest(files),
         **own,
-        "train_shards": args.train_shards,
-        "val_shards": args.val_shards,
-        "val_fraction": args.val_fraction,
-        "seed": args.seed,
-    }
+    )
 
     def samples() -> tuple[list[dict[str, np.ndarray]], dict]:
         used, inputs = read_files(files, read)
@@ -300,19 +295,14 @@ def run_cli(
     def have(meta: dict) -> dict:  # a dataset of another kind (e.g. the pydoc build) has no settings
         return {k: meta.get("settings", {}).get(k) for k in settings}
 
-    meta, rc = shards.cli_build(
+    return cli.run(
         lambda *_, **__: build(out, settings=settings, samples=samples, tokenizer=tokenizer, force=args.force),
-        out,
-        settings,
-        force=args.force,
+        args,
+        wanted=settings,
+        describe=lambda out, meta: (
+            f"{cli.summary(out, meta)}; {describe(meta)}; {summarize(meta['inputs'])}; "
+            f"tokenizer in {out / TOKENIZER_DIR}: vocab {meta['vocab_size']}"
+        ),
         settings=have,
         holds=f"{fmt} data",
-        show_wanted=True,
     )
-    if meta is None:
-        return rc
-    print(
-        f"{shards.summary(out, meta)}; {describe(meta)}; {summarize(meta['inputs'])}; "
-        f"tokenizer in {out / TOKENIZER_DIR}: vocab {meta['vocab_size']}"
-    )
-    return 0

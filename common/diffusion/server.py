@@ -1,6 +1,6 @@
 """OpenAI's images API for a diffusion export: `POST /v1/images/generations`, on FastAPI + uvicorn; the machinery
-the class-conditional DiT's server (recipes/dit/server.py: the prompt is a class name) and the text-to-image one
-(recipes/t2i/server.py: the prompt is text) share. A recipe's server is a `ServedImages`: what a prompt conditions
+the class-conditional DiT's server (recipes/dit/serve.py: the prompt is a class name) and the text-to-image one
+(recipes/t2i/serve.py: the prompt is text) share. A recipe's server is a `ServedImages`: what a prompt conditions
 on, the starting noise a seed gives, and one sampling call for a batch.
 
 `n`, `size` (the export's own only), `response_format=b64_json` and `output_format=png` are OpenAI's fields, and
@@ -57,7 +57,7 @@ class RequestError(Exception):
 
 
 class ServedImages(Protocol):
-    """What a recipe's images server serves (recipes/dit/server.py, recipes/t2i/server.py)."""
+    """What a recipe's images server serves (recipes/dit/serve.py, recipes/t2i/serve.py)."""
 
     image_size: int  # it draws image_size x image_size images only
     sample_steps: int  # the defaults of num_inference_steps and guidance_scale (the export's kiln.json)

@@ -43,7 +43,7 @@ class DiTModelConfig:
     # The DiT paper's layout: one timestep + class embedding shared by every block (diffusers'
     # layout gives each block its own copy: +2.78M parameters per block at DiT-XL/2's width).
     shared_conditioning: bool = False
-    # A diffusers DiT to start from (recipes/dit/pretrained.py): a DiTPipeline folder, a Kiln DiT export or run dir,
+    # A diffusers DiT to start from (recipes/dit/weights.py): a DiTPipeline folder, a Kiln DiT export or run dir,
     # or a DiTTransformer2DModel folder. Its config.json sets the keys above; finetune=lora adapts it.
     init_from: str = ""
 
@@ -75,7 +75,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     planner see the real model); a key given on the command line that disagrees stops the run. Otherwise the
     DiT's shape is its model.* keys (and diffusion.vae's latents)."""
     from common import ulysses  # torch: here, so that the registry (which serving reads) imports light
-    from recipes.dit.pretrained import CHECKPOINT_KEYS, base_config, transformer_folder
+    from recipes.dit.weights import CHECKPOINT_KEYS, base_config, transformer_folder
 
     ulysses.default_method(cfg, command_line)
     m = cfg.model

@@ -19,7 +19,7 @@ import torch
 
 from common.config import TrainConfig
 from common.lora import apply_lora, merge_into, peft_config, peft_state_dict, write_adapter_folder
-from recipes.dit import pretrained
+from recipes.dit import weights
 from recipes.dit.model import build_model
 
 
@@ -27,7 +27,7 @@ def adapted_model(cfg: TrainConfig, sample_size: int, in_channels: int):
     """A LoRA-wrapped DiT in this process (scripts/export.py), built as the trainer builds it: model.init_from's
     weights, in fp32, the adapter still to be loaded."""
     model = build_model(cfg.model, sample_size, in_channels)
-    pretrained.load_weights(model, pretrained.transformer_folder(cfg.model.init_from))
+    weights.load_weights(model, weights.transformer_folder(cfg.model.init_from))
     return apply_lora(model, cfg.lora)
 
 

@@ -35,7 +35,7 @@ from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
 from common.ulysses import data_parallel_layout
 from recipes.dit import lora as dit_lora
-from recipes.dit import pretrained
+from recipes.dit import weights
 from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
 from recipes.dit.evaluate import fit_classifier
 from recipes.dit.export import write_pipeline
@@ -83,7 +83,7 @@ class DiTTrainer(EMASamples, Trainer):
         seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
         model = build_model(cfg.model, self.sample_size, self.in_channels)
         if cfg.model.init_from:  # model.* came from its config.json (recipes/dit/config.py: complete)
-            n = pretrained.load_weights(model, Path(cfg.model.init_from))
+            n = weights.load_weights(model, Path(cfg.model.init_from))
             if dist.is_main:
                 print(f"kiln: model.init_from: loaded {n:,} weights from {cfg.model.init_from}", flush=True)
         self.null_class = null_class(model)

@@ -130,7 +130,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     m = cfg.model
     if not isinstance(m, LLMModelConfig) or not m.init_from:
         return
-    from recipes.llm.hf import checkpoint_args  # transformers: imported only for init_from runs
+    from recipes.llm.weights import checkpoint_args  # transformers: imported only for init_from runs
 
     m.init_from = str(Path(m.init_from).expanduser().absolute())
     args = checkpoint_args(m.init_from)

@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 from common import lora
 from common.config import TrainConfig
 from common.errors import UserError
-from recipes.llm import hf
 from recipes.llm import lora as llm_lora
+from recipes.llm import weights
 from recipes.llm.config import LLMModelConfig
 from recipes.llm.data import load_tokenizer
 from recipes.llm.model import LlamaArgs
@@ -39,7 +39,7 @@ def _model_args(cfg, path: Path, max_shard_size: str | None):
             f"the run started from model.init_from={source}, which is gone (its config and tokenizer go "
             "into the export)"
         )
-    tokenizer = hf.load_tokenizer(source) if source else load_tokenizer(cfg.data.root)
+    tokenizer = weights.load_tokenizer(source) if source else load_tokenizer(cfg.data.root)
     return llama_args(cfg, len(tokenizer)), tokenizer
 
 
@@ -76,10 +76,10 @@ def export_lora_checkpoint(cfg, path: Path, meta: dict, out: Path, *, max_shard_
 
 def write_export(state: dict, args: LlamaArgs, cfg: TrainConfig, folder: Path, *, tokenizer) -> None:
     """The export folder of a whole model's weights (a full state dict on the host): a Hugging Face folder, with
-    model.init_from in the source's format (recipes/llm/hf.py:write_hf_folder); under LoRA a PEFT adapter folder on
+    model.init_from in the source's format (recipes/llm/weights.py:write_hf_folder); under LoRA a PEFT adapter folder on
     model.init_from (recipes/llm/lora.py). The end of a run and scripts/export.py (recipes/llm/export.py) both write
     through it."""
     if cfg.finetune == "lora":
         llm_lora.write_export(lora.dequantized(state), args, cfg, folder, tokenizer=tokenizer)
     else:
-        hf.write_hf_folder(state, args, folder, tokenizer=tokenizer, source=cfg.model.init_from or None)
+        weights.write_hf_folder(state, args, folder, tokenizer=tokenizer, source=cfg.model.init_from or None)

@@ -15,7 +15,7 @@ import torch
 
 from common.config import TrainConfig
 from common.lora import apply_lora, merge_into, peft_config, peft_state_dict, quantize_base, write_adapter_folder
-from recipes.llm import hf
+from recipes.llm import weights
 from recipes.llm.hf_adapter import to_hf_state_dict
 from recipes.llm.model import LlamaArgs, Transformer
 
@@ -51,7 +51,7 @@ def write_export(state: dict[str, torch.Tensor], args: LlamaArgs, cfg: TrainConf
     write_adapter_folder(out, adapter, config)
     tokenizer.save_pretrained(str(out))
     if cfg.export.merge_lora:
-        hf.write_hf_folder(
+        weights.write_hf_folder(
             merged_state_dict(state, args, cfg), args, out / "merged", tokenizer=tokenizer, source=cfg.model.init_from
         )
 
@@ -64,7 +64,7 @@ def adapted_model(args: LlamaArgs, cfg: TrainConfig) -> Transformer:
     apply_lora(model, cfg.lora)
     model.to_empty(device="cpu")
     model.init_buffers()
-    hf.load_weights(model, args, cfg.model.init_from)
+    weights.load_weights(model, args, cfg.model.init_from)
     if (
         cfg.lora.get("quantize_base", "none") == "nf4"
     ):  # the base the adapter was trained on (the merged export merges into it)

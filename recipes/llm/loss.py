@@ -33,7 +33,7 @@ class NextTokenLoss:
     - calling it: the token sum of a micro-batch's (or pipeline microbatch's) logits, a plain tensor (under loss
       parallel the sum is a replicated DTensor scalar).
 
-    The training step (LLMTrainer.loss), the pipeline schedule's loss (recipes/llm/pipeline.py) and evaluation
+    The training step (LLMTrainer.loss), the pipeline schedule's loss (recipes/llm/pipeline_parallel.py) and evaluation
     (LLMTrainer.evaluate) all call it, so the three compute the same number for the same logits."""
 
     def __init__(self, cfg: TrainConfig, dims: ParallelDims, device: torch.device):

@@ -114,7 +114,7 @@ class MoEAux:
     """A run's MoE auxiliary losses: ``coef * load-balancing loss + coef * z-loss`` of each micro-batch's routing over
     its real tokens (padding left out, as transformers' attention_mask does), weighted by its labelled-token count; with
     the logged terms and the expert load they come with. The plain step (recipes/llm/train.py) and each pipeline stage
-    (recipes/llm/pipeline.py) use it alike.
+    (recipes/llm/pipeline_parallel.py) use it alike.
 
     Global: the token counts (per expert, in all), the weight and the per-layer load are all-reduced over ``group`` (the
     dp ranks, ep included; under context parallelism dp x cp, whose cp ranks route chunks of the same rows) and each

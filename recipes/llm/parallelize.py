@@ -96,7 +96,7 @@ def apply_fsdp(
     if not pipeline:
         fully_shard(model, mesh=dp_mesh, mp_policy=mp)
         return
-    # Under PP the stages run views of this module (recipes/llm/pipeline.py), never its own
+    # Under PP the stages run views of this module (recipes/llm/pipeline_parallel.py), never its own
     # forward, so a root FSDP unit would never unshard: shard the ends as units of their own.
     for name in ("tok_embeddings", "norm", "output"):
         if getattr(model, name) is not None:

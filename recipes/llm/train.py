@@ -27,7 +27,7 @@ from common.engine import NativeEngine
 from common.errors import DataError
 from common.parallel_dims import ParallelDims, batch_mesh
 from common.trainer import Trainer
-from recipes.llm import hf
+from recipes.llm import weights
 from recipes.llm.config import check_qlora_layout
 from recipes.llm.context_parallel import ContextShard
 from recipes.llm.data import (
@@ -46,7 +46,7 @@ from recipes.llm.loss import NextTokenLoss
 from recipes.llm.model import LlamaArgs, MoE, Transformer
 from recipes.llm.moe_losses import MoEAux, expert_load
 from recipes.llm.parallelize import parallelize
-from recipes.llm.pipeline import Pipeline, TiedEmbeddings, split_for_rank, virtual_stages
+from recipes.llm.pipeline_parallel import Pipeline, TiedEmbeddings, split_for_rank, virtual_stages
 from recipes.llm.sizing import llama_args
 
 
@@ -122,9 +122,9 @@ class LLMTrainer(Trainer):
 
         cfg, source = self.cfg, self.cfg.model.init_from
         if source and (self.resume_from is None or self.lora):
-            hf.load_weights(self.model, self.args, source)
+            weights.load_weights(self.model, self.args, source)
             if self.dist.is_main:
-                n = sum(math.prod(shape) for shape, _ in hf.safetensors_weights(Path(source)).values())
+                n = sum(math.prod(shape) for shape, _ in weights.safetensors_weights(Path(source)).values())
                 print(f"kiln: model.init_from: loaded {n:,} weights from {source}", flush=True)
         elif self.resume_from is None:
             full = None
@@ -171,7 +171,7 @@ class LLMTrainer(Trainer):
 
     def build_pipeline(self) -> tuple[Pipeline | None, TiedEmbeddings | None]:
         """Under pipeline parallelism: the rank's stages and schedule, and the tied embeddings that its first and
-        last stages hold twice (gradients summed over the pair: recipes/llm/pipeline.py:TiedEmbeddings)."""
+        last stages hold twice (gradients summed over the pair: recipes/llm/pipeline_parallel.py:TiedEmbeddings)."""
         if self.dims.pp == 1:
             return None, None
         pipeline = Pipeline(self.model, self.cfg, self.mesh, self.device, self.pad_id, self.objective, self.moe_aux)
@@ -184,8 +184,8 @@ class LLMTrainer(Trainer):
         source = self.cfg.model.init_from
         if not source:
             return data_tokenizer
-        tokenizer = hf.load_tokenizer(source)
-        hf.check_same_tokenizer(data_tokenizer, tokenizer, self.cfg.data.root, source)
+        tokenizer = weights.load_tokenizer(source)
+        weights.check_same_tokenizer(data_tokenizer, tokenizer, self.cfg.data.root, source)
         return tokenizer
 
     # ---- the loss (common/trainer.py runs the step) ------------------------------------------
@@ -236,7 +236,7 @@ class LLMTrainer(Trainer):
 
     def forward_backward(self, batch: LocalBatch, inv_count, last, timer) -> torch.Tensor:
         """Under pipeline parallelism the schedule runs the micro-batch's forward and backward itself (calling the
-        same loss on its last stage: recipes/llm/pipeline.py); otherwise the engine runs `loss`."""
+        same loss on its last stage: recipes/llm/pipeline_parallel.py); otherwise the engine runs `loss`."""
         if self.pipeline is None:
             return super().forward_backward(batch, inv_count, last, timer)
         with timer.phase("forward"):  # forward and backward, interleaved by the schedule
@@ -332,7 +332,7 @@ class LLMTrainer(Trainer):
     # ---- export -----------------------------------------------------------------------------
     def export(self) -> Path:
         """A Hugging Face LlamaForCausalLM folder (safetensors + tokenizer) from the sharded model; with
-        model.init_from, in the source's format (recipes/llm/hf.py:write_hf_folder). Under LoRA a PEFT adapter
+        model.init_from, in the source's format (recipes/llm/weights.py:write_hf_folder). Under LoRA a PEFT adapter
         folder on model.init_from, and with export.merge_lora the merged model in export/merged
         (recipes/llm/lora.py)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict

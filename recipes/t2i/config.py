@@ -17,7 +17,7 @@ from common.errors import ConfigError
 @dataclass
 class T2IModelConfig:
     """The pipeline to train: its folder's model_index.json names the transformer, VAE, text encoders, tokenizers
-    and scheduler (recipes/t2i/pipeline.py); nothing about the architecture is a key here."""
+    and scheduler (recipes/t2i/weights.py); nothing about the architecture is a key here."""
 
     # A diffusers StableDiffusion3Pipeline or FluxPipeline folder (save_pretrained / a downloaded
     # stabilityai/stable-diffusion-3.5-*, black-forest-labs/FLUX.1-*).
@@ -78,7 +78,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     keys (diffusion.num_train_timesteps, diffusion.flow_shift) read from its scheduler; a key given on the command
     line that disagrees stops the run."""
     from common import ulysses  # torch: here, so that the registry (which serving reads) imports light
-    from recipes.t2i.pipeline import SCHEDULER_KEYS, pipeline_folder, scheduler_config
+    from recipes.t2i.weights import SCHEDULER_KEYS, pipeline_folder, scheduler_config
 
     for key, why in NOT_READ.items():
         if key in command_line:
@@ -156,8 +156,8 @@ def check_context_parallel(cfg: TrainConfig) -> None:
     what it cannot split, read from model.init_from's transformer (its folder, or a release Kiln knows the shape of).
     Not yet: Flux (its RoPE runs over the joint token ids) and bucketed shards (a token count per bucket)."""
     from common import ulysses
-    from recipes.t2i.pipeline import FLUX_TRANSFORMER
     from recipes.t2i.sizing import architecture
+    from recipes.t2i.weights import FLUX_TRANSFORMER
 
     cp, m = cfg.parallel.cp, cfg.model
     if cp == 1 or not m.init_from:

@@ -92,7 +92,7 @@ def check_buckets(cfg: TrainConfig, meta: dict, dp: int | None) -> None:
         )
     folder = Path(cfg.model.init_from).expanduser()
     if cfg.model.init_from and folder.exists():
-        from recipes.t2i.pipeline import check_patches, pipeline_folder, transformer_config, vae_factor
+        from recipes.t2i.weights import check_patches, pipeline_folder, transformer_config, vae_factor
 
         folder = pipeline_folder(folder)
         for w, h in buckets["shapes"]:
@@ -149,7 +149,7 @@ def build_train_loader(cfg: TrainConfig, meta: dict, *, rank: int, dp: int):
 
 def cache_settings(cfg: TrainConfig, identity: dict) -> dict:
     """What a cache records of the run that may read it, and what that run checks: the pipeline's frozen encoders
-    (recipes/t2i/pipeline.py encoders_identity), the T5 length, the image size and the encoders' compute dtype."""
+    (recipes/t2i/weights.py encoders_identity), the T5 length, the image size and the encoders' compute dtype."""
     return {
         "encoders": identity,
         "max_sequence_length": cfg.model.max_sequence_length,

@@ -14,7 +14,7 @@ from pathlib import Path
 from common.config import TrainConfig
 from common.ds_export import ZeroCheckpoint, export_ema, export_ema_lora, load_ema_adapter, write_ema_module
 from recipes.t2i import lora as t2i_lora
-from recipes.t2i.pipeline import meta_transformer, pipeline_folder, write_pipeline
+from recipes.t2i.weights import meta_transformer, pipeline_folder, write_pipeline
 
 
 def export_checkpoint(cfg: TrainConfig, path: Path, meta: dict, out: Path, *, max_shard_size: str | None) -> str:

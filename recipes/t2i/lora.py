@@ -22,7 +22,7 @@ import torch
 
 from common.config import TrainConfig
 from common.lora import apply_lora, merge_into, peft_config, peft_state_dict
-from recipes.t2i.pipeline import adapter, export_info, load_transformer, write_pipeline
+from recipes.t2i.weights import adapter, export_info, load_transformer, write_pipeline
 
 WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE: what load_lora_weights looks for
 

@@ -1,6 +1,6 @@
 """Text-to-image sampling: prompts -> images with the shared sampler (common/diffusion/sampling.py: Euler on the flow's
 velocity; classifier-free guidance against the empty prompt, or a guidance-distilled model's embedded scale), through
-the pipeline's adapter (recipes/t2i/pipeline.py), for a training run's model and for an export folder (the parity
+the pipeline's adapter (recipes/t2i/weights.py), for a training run's model and for an export folder (the parity
 tests, sample scripts, a server)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from common.diffusion import vae as vae_lib
 from common.diffusion.sampling import sample
-from recipes.t2i.pipeline import Adapter, PromptEncoder, adapter, scheduler_config
+from recipes.t2i.weights import Adapter, PromptEncoder, adapter, scheduler_config
 
 
 class PromptSampler:
@@ -37,7 +37,7 @@ class PromptSampler:
     @classmethod
     def from_export(cls, folder: str | Path, *, image_size: int, device=torch.device("cpu"), max_sequence_length=None):
         """The sampler of a text-to-image export (or any pipeline folder Kiln trains), in fp32."""
-        from recipes.t2i.pipeline import load_transformer
+        from recipes.t2i.weights import load_transformer
 
         folder = Path(folder)
         info = json.loads((folder / "kiln.json").read_text()) if (folder / "kiln.json").exists() else {}

@@ -15,7 +15,7 @@ import torch
 from common.config import TrainConfig
 from common.errors import ConfigError
 from common.memory import GB, GIB, Block, LayerType, ModelSpec, count_params, largest_module_params
-from recipes.t2i.pipeline import (
+from recipes.t2i.weights import (
     FLUX_TRANSFORMER,
     check_patches,
     patch_step,
@@ -23,7 +23,7 @@ from recipes.t2i.pipeline import (
     transformer_config,
     vae_factor,
 )
-from recipes.t2i.pipeline import check_image_size as pipeline_check_image_size
+from recipes.t2i.weights import check_image_size as pipeline_check_image_size
 
 # Each pipeline's frozen text encoders: model_index.json's names and what the note calls them.
 TEXT_ENCODERS = {

@@ -1,5 +1,5 @@
 """Text-to-image recipe: fine-tune a released pipeline's transformer (`model.init_from`: a StableDiffusion3Pipeline
-or FluxPipeline folder; what differs between them is recipes/t2i/pipeline.py's adapter) on captioned images with
+or FluxPipeline folder; what differs between them is recipes/t2i/weights.py's adapter) on captioned images with
 rectified flow, under DeepSpeed ZeRO + activation checkpointing, EMA, sample grids and an export that the diffusers
 pipeline of the base's class loads.
 
@@ -45,7 +45,8 @@ from recipes.t2i.evaluate import (
     through_vae,
 )
 from recipes.t2i.parallelize import parallelize
-from recipes.t2i.pipeline import (
+from recipes.t2i.sampling import PromptSampler
+from recipes.t2i.weights import (
     COMPUTE_DTYPES,
     adapter,
     encoders_identity,
@@ -54,7 +55,6 @@ from recipes.t2i.pipeline import (
     scheduler_config,
     write_pipeline,
 )
-from recipes.t2i.sampling import PromptSampler
 
 SAMPLE_PROMPTS = 8  # a sample grid: this many held-out captions (training ones without a val split), one row each
 EVAL_GRID_COLUMNS = 8  # samples/eval.png: at most this many of each digit's eval samples
@@ -69,7 +69,7 @@ class T2ITrainer(EMASamples, Trainer):
                 "StableDiffusion3Pipeline or FluxPipeline folder>"
             )
         self.base = pipeline_folder(cfg.model.init_from)
-        self.adapter = adapter(self.base)  # what this pipeline class does its own way (recipes/t2i/pipeline.py)
+        self.adapter = adapter(self.base)  # what this pipeline class does its own way (recipes/t2i/weights.py)
         # finetune=lora: adapters on the base pipeline's transformer, the base of every start (common/lora.py).
         self.lora_base = str(self.base) if cfg.finetune == "lora" else ""
         if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base

@@ -1,5 +1,5 @@
 """The Qwen-VL generations the VLM recipe trains through one code path (recipes/vlm/qwen.py), one QwenArch each,
-keyed by the model_type of their folders. json only, no torch: config validation (recipes/vlm/sources.py) and the
+keyed by the model_type of their folders. json only, no torch: config validation (recipes/vlm/weights.py) and the
 packing code (recipes/vlm/qwen.py) both read it."""
 
 from __future__ import annotations

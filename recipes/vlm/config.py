@@ -9,7 +9,7 @@ from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_f
 from common.errors import ConfigError
 from recipes.vlm.archs import QWEN_ARCHS
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig, check_heads
-from recipes.vlm.sources import init_folder, init_model_type, released, released_config, weight_source
+from recipes.vlm.weights import init_folder, init_model_type, released, released_config, weight_source
 
 # finetune=lora (common/lora.py): the language model's linears an adapter may target, all of them by default
 # (transformers' Llama names); the projector still trains in full, the vision tower stays frozen.

@@ -49,7 +49,7 @@ def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
         ) from None
     if is_conversations(meta):
         return meta
-    # The digits: their processor must be there too (recipes/vlm/sources.py: FreshWeights checks it fits `model.*`).
+    # The digits: their processor must be there too (recipes/vlm/weights.py: FreshWeights checks it fits `model.*`).
     return load_dataset_meta(cfg.data.root, asset=PROCESSOR_DIR)
 
 

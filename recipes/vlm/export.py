@@ -22,10 +22,10 @@ from common.ds_export import ZeroCheckpoint, copy_checked, export_zero, export_z
 from common.errors import UserError
 from recipes.vlm import lora as vlm_lora
 from recipes.vlm.data import PROCESSOR_DIR
+from recipes.vlm.llava import llava_hf_state_dict
 from recipes.vlm.model import build_model
 from recipes.vlm.parallelize import trainable_parts
-from recipes.vlm.pretrained import llava_hf_state_dict
-from recipes.vlm.sources import init_folder, load_model, weight_source
+from recipes.vlm.weights import init_folder, load_model, weight_source
 
 
 def dataset_meta(cfg: TrainConfig) -> dict:

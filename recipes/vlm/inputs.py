@@ -17,7 +17,7 @@ from common.config import TrainConfig
 from common.data.packing import IGNORE_INDEX, pad_samples
 from common.data.webdataset import global_train_loader
 from common.errors import ConfigError
-from recipes.vlm import pretrained, qwen
+from recipes.vlm import llava, qwen
 from recipes.vlm.archs import VIDEO_NAMES
 from recipes.vlm.data import (
     blank_sample,
@@ -28,8 +28,8 @@ from recipes.vlm.data import (
     pack_plan,
 )
 from recipes.vlm.model import tower_image_tokens
-from recipes.vlm.sources import QwenWeights, WeightSource
 from recipes.vlm.video import VideoConfig, measure_llava_video
+from recipes.vlm.weights import QwenWeights, WeightSource
 
 
 class LlavaInputs:
@@ -43,7 +43,7 @@ class LlavaInputs:
             )
         self.processor, self.conversations = processor, is_conversations(meta)
         # Processor and tower agree on image tokens (one line if not).
-        pixels = pretrained.check_image_tokens(processor, model.config, source.label)
+        pixels = llava.check_image_tokens(processor, model.config, source.label)
         self.blank = blank_sample(processor.image_token_id, tower_image_tokens(model.config), pixels)
 
     def check_chat_template(self) -> bool:

@@ -19,9 +19,9 @@ import torch
 
 from common.config import TrainConfig
 from common.lora import merge_into, peft_config, peft_state_dict, write_adapter_folder
+from recipes.vlm.llava import llava_hf_state_dict
 from recipes.vlm.model import build_model
 from recipes.vlm.parallelize import vlm_parts
-from recipes.vlm.pretrained import llava_hf_state_dict
 
 LANGUAGE_MODEL = "model.language_model"  # LLaVA's, Qwen2.5-VL's and Qwen3-VL's
 

@@ -1,5 +1,5 @@
 """VLM architecture: transformers' LlavaForConditionalGeneration, its config (from `model.*` or from the
-configs of pretrained parts) and the model built from a config (weights: recipes/vlm/pretrained.py; attention
+configs of pretrained parts) and the model built from a config (weights: recipes/vlm/llava.py; attention
 kernels: recipes/vlm/attention.py)."""
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def load_qwen(folder, attention: str):
     import transformers
 
     from recipes.vlm.attention import attn_implementation, register_varlen_attention
-    from recipes.vlm.pretrained import quiet_loading
+    from recipes.vlm.llava import quiet_loading
 
     if attention == "flash":
         register_varlen_attention()

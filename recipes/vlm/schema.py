@@ -36,7 +36,7 @@ class VLMModelConfig:
     rope_theta: float = 10000.0
     # A LLaVA to continue from (its config.json decides the architecture: `model.*` above are read from it, and one
     # given on the command line must agree): an align run (dir or export) or a llava-hf folder. Empty: built from
-    # vlm.vision_from + vlm.language_from, or fresh weights shaped by `model.*` (recipes/vlm/sources.py).
+    # vlm.vision_from + vlm.language_from, or fresh weights shaped by `model.*` (recipes/vlm/weights.py).
     init_from: str = ""
 
 

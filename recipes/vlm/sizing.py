@@ -24,7 +24,7 @@ from common.memory import Block, LayerType, ModelSpec, count_params, largest_mod
 from recipes.vlm.archs import QWEN_ARCHS, QwenArch
 from recipes.vlm.model import build_model
 from recipes.vlm.parallelize import trainable_parts
-from recipes.vlm.sources import QwenWeights, weight_source
+from recipes.vlm.weights import QwenWeights, weight_source
 
 # Qwen3-VL's learned position embeddings are resampled to each image's grid bilinearly (Qwen3VLVisionModel's
 # interpolation_mode): each patch sums 4 table rows, weighted.

@@ -1,7 +1,7 @@
 """VLM recipe: a LLaVA trained on image–conversation shards with DeepSpeed ZeRO, exact packing,
 two stages (align → finetune), held-out eval, and a Hugging Face export that vLLM serves.
 
-Where the weights come from (`source`, recipes/vlm/sources.py): a vision-tower folder + a language-model
+Where the weights come from (`source`, recipes/vlm/weights.py): a vision-tower folder + a language-model
 folder (`vlm.vision_from` + `vlm.language_from`, LLaVA's stage 1), a LLaVA folder (`model.init_from`: an
 align run or a llava-hf release), a Qwen2.5-VL or Qwen3-VL folder (`model.init_from`, native resolution), or
 fresh weights shaped by `model.*` (the digits demo). The processor comes with them (the dataset's own for the
@@ -33,9 +33,9 @@ from recipes.vlm.attention import eval_attention
 from recipes.vlm.data import prepare_data
 from recipes.vlm.evaluate import conversation_eval, generate_answers, load_eval_samples, save_answer_grid, score
 from recipes.vlm.inputs import inputs_for
+from recipes.vlm.llava import llava_hf_state_dict
 from recipes.vlm.parallelize import parallelize
-from recipes.vlm.pretrained import llava_hf_state_dict
-from recipes.vlm.sources import init_folder, load_model
+from recipes.vlm.weights import init_folder, load_model
 
 
 class VLMTrainer(Trainer):

@@ -8,7 +8,7 @@ checkpoint's bytes. Each measurement runs in fresh processes (scripts/kiln/proce
 torch.multiprocessing spawn, 1 thread each, results back as JSON): a rank records its resident set
 (VmRSS) after imports and process-group start as its baseline, resets the kernel's peak counter
 (/proc/self/clear_refs), builds its part of the model as the trainer does (recipes/llm/train.py:
-build_model: meta, split, parallelize, allocate) and fills it from the checkpoint (recipes/llm/hf.py:
+build_model: meta, split, parallelize, allocate) and fills it from the checkpoint (recipes/llm/weights.py:
 load_weights), reads every weight once, then reads the peak (VmHWM). The peak counts every resident
 page, mapped safetensors pages included.
 
@@ -98,7 +98,7 @@ def _load_kiln(folder: str, extra: list[str]) -> dict:
     import torch
 
     from common.parallel_dims import ParallelDims
-    from recipes.llm import hf
+    from recipes.llm import weights
     from recipes.llm.train import build_model, llama_args
     from scripts.kiln.launch import compose
 
@@ -108,7 +108,7 @@ def _load_kiln(folder: str, extra: list[str]) -> dict:
     baseline = _reset_peak()
     start = time.perf_counter()
     model = build_model(args, cfg, mesh, torch.device("cpu"))
-    hf.load_weights(model, args, folder)
+    weights.load_weights(model, args, folder)
     return _loaded(model, baseline, start)
 
 

@@ -1,7 +1,7 @@
 """The pipeline bubble of the LLM recipe's schedules on CPU (gloo), beside the theory.
 
 Starts ``p = 2`` processes (torch.multiprocessing spawn; they hand their numbers back through a
-queue). Each builds the same Llama, keeps its stage (recipes/llm/pipeline.py's split), and runs
+queue). Each builds the same Llama, keeps its stage (recipes/llm/pipeline_parallel.py's split), and runs
 ``schedule.step`` on a fixed global batch of ``rows`` x ``seq`` tokens split into ``m``
 microbatches. Every stage's forward_one_chunk / backward_one_chunk is timed (compute only: the
 schedule waits for its P2P receives outside those calls), and the step wall time runs from a
@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, port: int, cfg: Config, threads: int, results
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from recipes.llm.model import LlamaArgs, Transformer
-    from recipes.llm.pipeline import _stage_view, split_for_rank, stage_layer_ids
+    from recipes.llm.pipeline_parallel import _stage_view, split_for_rank, stage_layer_ids
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)

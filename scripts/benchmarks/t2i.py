@@ -186,7 +186,7 @@ def kept_share(width: int, height: int, shape: tuple[int, int]) -> float:
 
 
 def buckets(opts, s: Section, pipeline: Path) -> None:
-    from recipes.t2i.pipeline import transformer_config, vae_factor
+    from recipes.t2i.weights import transformer_config, vae_factor
     from scripts.kiln.launch import compose
 
     work, run = opts.work / "t2i_buckets", pick_run(opts)

@@ -1,8 +1,8 @@
 """An MoE under expert x pipeline parallelism (gloo, 4 ranks: parallel.ep=2 x parallel.pp=2, each stage's experts split
 over an ep pair) against one process on the same global batch, fp32: per-step losses, the load-balancing loss (whose
-routing counts cross the stages: recipes/llm/pipeline.py:_CarriedCounts) and the gradient norm (clipped across the
-stages and the experts' mesh) and the held-out eval; its checkpoint resumes in one process (ep=1, pp=1) and continues
-the same run.
+routing counts cross the stages: recipes/llm/pipeline_parallel.py:_CarriedCounts) and the gradient norm (clipped across
+the stages and the experts' mesh) and the held-out eval; its checkpoint resumes in one process (ep=1, pp=1) and
+continues the same run.
 
 Short documents (one packed row each at most) and one pipeline microbatch per step (gpipe, pp_microbatches=1): the
 pipeline then sees the step's whole micro-batch at once, so its aux loss is the one-process step's, not a

@@ -36,7 +36,7 @@ def _stages_worker(rank: int, world: int, port: int, folder: str) -> None:
     from common.engine import DeepSpeedEngine
     from recipes.vlm.data import encode_conversation
     from recipes.vlm.parallelize import parallelize
-    from recipes.vlm.sources import weight_source
+    from recipes.vlm.weights import weight_source
     from scripts.kiln.launch import compose
 
     init_distributed()

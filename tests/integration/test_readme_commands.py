@@ -399,7 +399,7 @@ def test_readme_activates_the_environment_its_commands_run_in():
 def test_the_readme_t2i_sizes_fit_the_demo_pipeline(tmp_path):
     """A reader's text-to-image pipeline is the demo's tiny one (the first t2i command builds it): every size the
     README and docs/ build caption shards at, or train t2i_tiny at, fits it (a size it cannot take stops the run)."""
-    from recipes.t2i.pipeline import check_image_size
+    from recipes.t2i.weights import check_image_size
 
     folder = fixtures.make_sd3_pipeline(tmp_path / "tiny-sd3")  # as the README's first t2i command builds it
     sizes = [int(c[c.index("--image-size") + 1]) for c in COMMANDS if "data.prepare_captions" in c and "--input" in c]

@@ -1,4 +1,4 @@
-"""The DiT images server (scripts/serve.py on a DiT export: recipes/dit/server.py) on the export of a real
+"""The DiT images server (scripts/serve.py on a DiT export: recipes/dit/serve.py) on the export of a real
 dit_tiny run, driven by the official openai client. References: scripts/sample_dit.py with the same seed
 on PyTorch (the model as trained; the server runs the fp32 ONNX graph on onnxruntime), PNG decoding by
 PIL, and the server's own log of the batches it ran."""

@@ -1,4 +1,4 @@
-"""The text-to-image images server (scripts/serve.py on a t2i export: recipes/t2i/server.py over the shared
+"""The text-to-image images server (scripts/serve.py on a t2i export: recipes/t2i/serve.py over the shared
 common/diffusion/server.py) on the export of the shared 12-step t2i_tiny run, driven by the official openai client.
 References: diffusers' own StableDiffusion3Pipeline on the export with the same prompt, seed, steps and guidance;
 the same requests sent one at a time; the server's own log of the batches it ran."""

@@ -94,7 +94,7 @@ def test_a_run_on_the_cache_trains_the_on_the_fly_losses(t2i_world, cache, train
 
 def test_a_cache_made_with_other_settings_stops_the_run_with_one_line(t2i_world, cache, tmp_path, capsys):
     from recipes.t2i.data import load_cache_meta
-    from recipes.t2i.pipeline import encoders_identity
+    from recipes.t2i.weights import encoders_identity
 
     cfg = compose([*t2i_run_args(t2i_world), f"data.latents={cache}", "model.max_sequence_length=16"])
     identity = encoders_identity(t2i_world["pipeline"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.llm import hf
+from recipes.llm import weights
 from recipes.llm.hf_adapter import to_hf_state_dict
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, Transformer, rope_inv_freq
 from recipes.llm.sizing import llama_args, memory_spec
@@ -42,7 +42,7 @@ def loaded(folder: Path, device: str = "cpu") -> tuple[Transformer, LlamaArgs]:
         model = Transformer(args)
     model.to_empty(device=device)
     model.init_buffers()
-    hf.load_weights(model, args, folder)
+    weights.load_weights(model, args, folder)
     return model.eval(), args
 
 
@@ -116,9 +116,9 @@ def test_step0_logits_export_and_generate_match_the_source(folders, variant, tmp
     print(f"{variant}: max |logits - transformers| = {error:.2e}")
     assert error <= 1e-5
 
-    tokenizer = hf.load_tokenizer(source)
+    tokenizer = weights.load_tokenizer(source)
     out = tmp_path / "export"
-    hf.write_hf_folder(model.state_dict(), args, out, tokenizer=tokenizer, source=source)
+    weights.write_hf_folder(model.state_dict(), args, out, tokenizer=tokenizer, source=source)
     want, got = tensors(source), tensors(out)
     assert got.keys() == want.keys()
     for key in want:  # bf16 on disk -> fp32 master -> bf16 again: exact

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import ConfigError
-from recipes.llm import hf
+from recipes.llm import weights
 from recipes.llm.hf_adapter import to_hf_config, to_hf_state_dict
 from recipes.llm.model import GroupedExperts, LlamaArgs, MoE, MoEArgs, Transformer, permute_tokens
 from recipes.llm.moe_losses import load_balancing_loss, model_router_sums, z_loss
@@ -52,7 +52,7 @@ def loaded(folder: Path) -> tuple[Transformer, LlamaArgs]:
         model = Transformer(args)
     model.to_empty(device="cpu")
     model.init_buffers()
-    hf.load_weights(model, args, folder)
+    weights.load_weights(model, args, folder)
     return model.eval(), args
 
 
@@ -122,7 +122,7 @@ def test_checkpoint_logits_aux_loss_and_export_match_transformers(folders, name,
 
     # Round trip with no training: the source's tensors, bit for bit, and its config.json.
     out = tmp_path / "export"
-    hf.write_hf_folder(model.state_dict(), args, out, tokenizer=hf.load_tokenizer(source), source=source)
+    weights.write_hf_folder(model.state_dict(), args, out, tokenizer=weights.load_tokenizer(source), source=source)
     want, got = tensors(source), tensors(out)
     assert got.keys() == want.keys()
     for key in want:
@@ -130,7 +130,7 @@ def test_checkpoint_logits_aux_loss_and_export_match_transformers(folders, name,
     assert json.loads((out / "config.json").read_text()) == json.loads((source / "config.json").read_text())
     # Without a source the config is derived from the model (to_hf_config): transformers loads it the same.
     derived = tmp_path / "derived"
-    hf.write_hf_folder(model.state_dict(), args, derived, tokenizer=hf.load_tokenizer(source))
+    weights.write_hf_folder(model.state_dict(), args, derived, tokenizer=weights.load_tokenizer(source))
     assert json.loads((derived / "config.json").read_text())["architectures"] == reference.config.architectures
     with torch.no_grad():
         for folder in (out, derived):
@@ -253,7 +253,7 @@ def test_unsupported_moe_checkpoints_stop_with_one_line(folders, case, tmp_path)
     shutil.copytree(folders[name], folder)
     _edit_config(folder, **changes)
     with pytest.raises(ConfigError) as exc:
-        hf.checkpoint_args(folder)
+        weights.checkpoint_args(folder)
     line = str(exc.value)
     assert line.startswith(f"model.init_from={folder}: ") and needle in line and "\n" not in line, line
 

@@ -15,7 +15,7 @@ from common.toggles import _save_matmuls
 from recipes.llm import model as llm_model
 from recipes.llm.data import model_inputs
 from recipes.llm.model import LlamaArgs, Transformer
-from recipes.llm.pipeline import _stage_view, _VarlenStage, pad_rows
+from recipes.llm.pipeline_parallel import _stage_view, _VarlenStage, pad_rows
 from recipes.llm.sizing import memory_spec
 from scripts.kiln.launch import compose
 

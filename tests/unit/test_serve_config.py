@@ -418,7 +418,7 @@ def test_dit_dry_run_and_its_refusals(dit_export, tmp_path):
     proc = _serve(f"serve.model={dit_export}", "serve.dry_run=true", "serve.cb_num_blocks=8", tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "as 'dit_tiny'" in proc.stdout and "engine=torch (auto: no ONNX file" in proc.stdout
-    assert "images server (recipes/dit/server.py, in this process): engine=torch max_batch_images=16" in proc.stdout
+    assert "images server (recipes/dit/serve.py, in this process): engine=torch max_batch_images=16" in proc.stdout
     assert "serve.cb_num_blocks not used by engine=torch" in proc.stdout
     for args, message in [
         (["serve.dtype=bfloat16"], "serve.dtype=bfloat16: a DiT export serves in its graph's precision"),
@@ -455,7 +455,7 @@ def test_a_t2i_export_is_served_on_torch_by_its_own_server(t2i_export):
     assert (launch.name, launch.engine) == ("t2i_tiny", "torch")
     assert (
         launch.shown()
-        == "images server (recipes/t2i/server.py, in this process): engine=torch max_batch_images=16 batch_wait_ms=10"
+        == "images server (recipes/t2i/serve.py, in this process): engine=torch max_batch_images=16 batch_wait_ms=10"
     )
     with pytest.raises(ConfigError, match="serve.dtype=bfloat16: a text-to-image export serves in float32"):
         plan(ServeSection(model=str(t2i_export), dtype="bfloat16"))

@@ -14,7 +14,7 @@ from scripts.kiln.launch import compose
 def test_the_flux_prompt_encoder_is_flux_pipelines_encode_prompt(t2i_flux_world):
     from diffusers import FluxPipeline
 
-    from recipes.t2i.pipeline import FluxPromptEncoder, adapter
+    from recipes.t2i.weights import FluxPromptEncoder, adapter
 
     folder = t2i_flux_world["pipeline"]
     prompts = ["a handwritten seven", "the digit 3, drawn by hand", ""]
@@ -77,7 +77,7 @@ def test_a_flux_lora_export_loads_in_flux_pipeline(t2i_flux_world, tmp_path):
     from diffusers import FluxPipeline
 
     from recipes.t2i import lora as t2i_lora
-    from recipes.t2i.pipeline import adapter, load_transformer
+    from recipes.t2i.weights import adapter, load_transformer
 
     base = t2i_flux_world["pipeline"]
     cfg = compose(["recipe=t2i_tiny", f"model.init_from={base}", "finetune=lora", "export.merge_lora=true"])

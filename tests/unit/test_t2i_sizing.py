@@ -66,12 +66,12 @@ def sd3_forward(folder, spec, b: int):
 
 
 def flux_forward(folder, spec, b: int):
-    """The Flux transformer of `folder`, its two AC block types, and the recipe's own call (recipes/t2i/pipeline.py
+    """The Flux transformer of `folder`, its two AC block types, and the recipe's own call (recipes/t2i/weights.py
     Flux.forward: 2x2 packing, RoPE ids, the guidance input) on random latents and prompt embeddings."""
     from diffusers import FluxTransformer2DModel
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
-    from recipes.t2i.pipeline import adapter, vae_factor
+    from recipes.t2i.weights import adapter, vae_factor
 
     config = json.loads((folder / "transformer" / "config.json").read_text())
     torch.manual_seed(0)
@@ -126,7 +126,7 @@ def test_frozen_models_beside_the_engine_are_what_the_trainer_loads(t2i_world):
     """The bytes held whole on every GPU are those of the trainer's own PromptEncoder (text encoders in the compute
     dtype) and VAE (fp32), plus the transformer's buffers, loaded from the pipeline folder; ZeRO-3 shards none of it."""
     from common.diffusion import vae as vae_lib
-    from recipes.t2i.pipeline import SD3PromptEncoder, load_transformer
+    from recipes.t2i.weights import SD3PromptEncoder, load_transformer
 
     folder = t2i_world["pipeline"]
     cfg = tiny_cfg(folder)
@@ -227,7 +227,7 @@ def test_a_cached_run_holds_what_the_trainer_loads_on_a_cache(t2i_world, evaluat
     """data.latents: beside the engine only the VAE (its encoder dropped unless trainer.eval, as recipes/t2i/train.py
     does) and the transformer's buffers, as loaded from the pipeline folder; no text encoder. The cache is not read."""
     from common.diffusion import vae as vae_lib
-    from recipes.t2i.pipeline import load_transformer
+    from recipes.t2i.weights import load_transformer
 
     folder = t2i_world["pipeline"]
     spec = memory_spec(tiny_cfg(folder, "data.latents=/nonexistent/cache", f"trainer.eval={str(evaluate).lower()}"))

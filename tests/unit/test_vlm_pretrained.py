@@ -19,10 +19,10 @@ from transformers import (
 
 from common.data.packing import IGNORE_INDEX
 from common.errors import ConfigError
-from recipes.vlm import pretrained
+from recipes.vlm import llava
 from recipes.vlm.config import VLMModelConfig
 from recipes.vlm.data import blank_sample, chat_prompt, check_chat_template, collate, encode_conversation
-from recipes.vlm.sources import LlavaWeights, PartWeights, llava_folder
+from recipes.vlm.weights import LlavaWeights, PartWeights, llava_folder
 from tests.fixtures import vlm as fx
 
 CONVERSATION = [
@@ -127,18 +127,18 @@ def test_parts_are_the_folders_weights_and_image_rows_the_mean(parts):
 
 def test_processor_and_tower_must_agree(parts):
     model, processor = assemble(parts, "clip", "vicuna")
-    blank = pretrained.check_image_tokens(processor, model.config, "src")
+    blank = llava.check_image_tokens(processor, model.config, "src")
     assert blank.shape == (1, 3, fx.IMAGE_SIZE, fx.IMAGE_SIZE)
     processor.num_additional_image_tokens = 0  # as if the CLS token were forgotten: 15 tokens for 16 features
     with pytest.raises(
         ConfigError, match=r"src: the processor expands <image> to 15 tokens but the vision tower gives 16"
     ):
-        pretrained.check_image_tokens(processor, model.config, "src")
+        llava.check_image_tokens(processor, model.config, "src")
     processor.num_additional_image_tokens = 1
     processor.image_processor.crop_size = {"height": 64, "width": 64}
     processor.image_processor.size = {"shortest_edge": 64}
     with pytest.raises(ConfigError, match="makes 64x64 images, the vision tower takes 32x32"):
-        pretrained.check_image_tokens(processor, model.config, "src")
+        llava.check_image_tokens(processor, model.config, "src")
 
 
 def test_unusable_folders_are_one_line(parts, tmp_path):
@@ -243,8 +243,8 @@ def test_dry_run_sizes_the_parts_not_the_preset(parts):
 
 def test_llava_hf_folder_loads_with_its_processor(parts):
     folder = llava_folder(str(parts["llava_hf"]))
-    model, processor = pretrained.load_llava(folder, "sdpa"), pretrained.llava_processor(folder)
-    pretrained.check_image_tokens(processor, model.config, "model.init_from")
+    model, processor = llava.load_llava(folder, "sdpa"), llava.llava_processor(folder)
+    llava.check_image_tokens(processor, model.config, "model.init_from")
     assert not check_chat_template(processor)  # llava-hf's template has no eos after answers
     ref = LlavaForConditionalGeneration.from_pretrained(parts["llava_hf"])
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
@@ -256,7 +256,7 @@ def test_llava_hf_folder_loads_with_its_processor(parts):
 def expected_pieces(template: str, image: str) -> list[tuple[str, bool]]:
     """The conversation rendered by hand in each template's format: (text, is it an answer?)."""
     if template == "llava-1.5":
-        q = pretrained.LLAVA_SYSTEM
+        q = llava.LLAVA_SYSTEM
         return [
             (f"<s>{q} USER: {image}\nWhat digit is this? ASSISTANT:", False),
             (" Seven.</s>", True),
@@ -287,9 +287,9 @@ def expected_pieces(template: str, image: str) -> list[tuple[str, bool]]:
 )
 def test_multi_turn_labels_are_the_assistant_turns(parts, template, vision, language):
     if vision:
-        processor = pretrained.parts_processor(str(parts[vision]), str(parts[language]), VLMModelConfig())
+        processor = llava.parts_processor(str(parts[vision]), str(parts[language]), VLMModelConfig())
     else:
-        processor = pretrained.llava_processor(parts[language])
+        processor = llava.llava_processor(parts[language])
     tok = processor.tokenizer
     enc = encode_conversation(CONVERSATION, [digit_image()], processor)
     # Independently: each piece tokenized on its own, labels = the answer pieces' ids, -100 elsewhere.
@@ -308,7 +308,7 @@ def test_multi_turn_labels_are_the_assistant_turns(parts, template, vision, lang
 
 
 def test_truncation_never_splits_an_image(parts):
-    processor = pretrained.parts_processor(str(parts["clip"]), str(parts["vicuna"]), VLMModelConfig())
+    processor = llava.parts_processor(str(parts["clip"]), str(parts["vicuna"]), VLMModelConfig())
     two = [
         {"role": "user", "content": "<image>\nWhat digit is this?"},
         {"role": "assistant", "content": "Seven."},
@@ -340,7 +340,7 @@ def test_text_only_micro_batch_gets_a_silent_blank_image(parts, packing):
         tuple(text["pixel_values"].shape) == (0,)
         and processor.tokenizer.decode(text["labels"][text["labels"] >= 0]) == " Five.</s>"
     )
-    blank = blank_sample(processor.image_token_id, 16, pretrained.check_image_tokens(processor, model.config, "src"))
+    blank = blank_sample(processor.image_token_id, 16, llava.check_image_tokens(processor, model.config, "src"))
     short = encode_conversation(
         [{"role": "user", "content": "Thank you!"}, {"role": "assistant", "content": "You are welcome."}], [], processor
     )

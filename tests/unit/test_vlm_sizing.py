@@ -269,7 +269,7 @@ def test_budgets_sizing_cannot_use_and_a_missing_folder_are_one_line(qwen):
     known by name sizes without its folder, and training it without the folder is one line."""
     with pytest.raises(ConfigError, match=r"images of up to 1280 tokens, more than data.max_seq_len=1024"):
         memory_spec(compose(["recipe=qwen2_5_vl_7b", "run.dry_run=true", "data.max_seq_len=1024"]))
-    from recipes.vlm.sources import weight_source
+    from recipes.vlm.weights import weight_source
 
     source = weight_source(compose(["recipe=qwen2_5_vl_7b"]))
     with pytest.raises(ConfigError, match=r"Qwen2.5-VL-7B-Instruct: no such folder .* training reads the downloaded"):

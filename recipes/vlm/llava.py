@@ -1,11 +1,12 @@
-"""Pretrained weights in: a LLaVA assembled from a vision-tower folder and a language-model folder (where
-LLaVA's stage 1 starts), or loaded whole from a LLaVA folder (an align run's export, a llava-hf release);
-the processor each comes with, and the check that processor and tower agree on the image tokens.
+"""LLaVA's weights in: a LLaVA assembled from a vision-tower folder and a language-model folder (where LLaVA's
+stage 1 starts), or loaded whole from a LLaVA folder (an align run's export, a llava-hf release); the processor
+each comes with, the check that processor and tower agree on the image tokens, and the LLaVA state dict out
+(`llava_hf_state_dict`).
 
-The folders are checked from their json, and which of these a run uses is chosen, by recipes/vlm/sources.py
-(while the config is validated, nothing written yet); weights are read by the trainer. Assembling keeps the parts'
-modules as loaded: the tower's and the language model's weights are the folders' tensors (fp32), so after
-`align` they are bit for bit the source weights.
+The folders are checked from their json, and which of these a run uses is chosen, by recipes/vlm/weights.py's
+`weight_source` (while the config is validated, nothing written yet); weights are read by the trainer. Assembling
+keeps the parts' modules as loaded: the tower's and the language model's weights are the folders' tensors (fp32),
+so after `align` they are bit for bit the source weights.
 """
 
 from __future__ import annotations

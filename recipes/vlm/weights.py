@@ -11,7 +11,7 @@
 Each gives its config (LlavaConfig, Qwen2_5_VLConfig or Qwen3VLConfig: json and the tokenizer only, no weights), its
 processor, the model in fp32 on the CPU for an attention backend, and what the log says about it. `weight_source`
 reads json only: config validation calls it, before anything is written. So this module imports nothing heavy at
-its top; the methods that read tokenizers and weights import recipes/vlm's torch/transformers modules (pretrained,
+its top; the methods that read tokenizers and weights import recipes/vlm's torch/transformers modules (llava,
 model, data, qwen) where they run, and composing a config stays free of both.
 """
 
@@ -325,18 +325,18 @@ class PartWeights:
 
     def processor(self):
         if self._processor is None:
-            from recipes.vlm.pretrained import parts_processor
+            from recipes.vlm.llava import parts_processor
 
             self._processor = parts_processor(self.vision_from, self.language_from, self.model)
         return self._processor
 
     def config(self):
-        from recipes.vlm.pretrained import parts_config
+        from recipes.vlm.llava import parts_config
 
         return parts_config(self.vision_from, self.language_from, self.model, self.processor().tokenizer)
 
     def load(self, attention: str):
-        from recipes.vlm.pretrained import load_parts
+        from recipes.vlm.llava import load_parts
 
         return load_parts(self.config(), self.vision_from, self.language_from, attention)
 
@@ -366,7 +366,7 @@ class LlavaWeights:
         self.folder = llava_folder(self.init_from)
 
     def processor(self):
-        from recipes.vlm.pretrained import llava_processor
+        from recipes.vlm.llava import llava_processor
 
         return llava_processor(self.folder)
 
@@ -376,7 +376,7 @@ class LlavaWeights:
         return AutoConfig.from_pretrained(self.folder, local_files_only=True)
 
     def load(self, attention: str):
-        from recipes.vlm.pretrained import load_llava
+        from recipes.vlm.llava import load_llava
 
         return load_llava(self.folder, attention)
 
