@@ -32,17 +32,18 @@ Kiln's supervised fine-tuning trains on the assistant's tokens only.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
+from common.config import PREFERENCE_LOSSES as LOSSES
+from common.config import PREFERENCE_REFERENCE_FREE as REFERENCE_FREE
+from common.config import PREFERENCE_REFERENCES as REFERENCES
+from common.config import PreferenceConfig
 from common.data.packing import IGNORE_INDEX
 from common.errors import ConfigError
 
-LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")
-REFERENCES = ("auto", "model", "none")
+__all__ = ["LOSSES", "REFERENCE_FREE", "PreferenceConfig", "answer_logps", "check_config", "preference_loss"]
+
 # TRL's names (DPOTrainer, CPOTrainer, ORPOTrainer) for what metrics.jsonl logs of a preference step.
 METRICS = (
     "rewards/chosen",
@@ -52,28 +53,6 @@ METRICS = (
     "logps/chosen",
     "logps/rejected",
 )
-
-
-@dataclasses.dataclass
-class PreferenceConfig:
-    """The `preference` section: empty ``loss`` = supervised fine-tuning (the section is not read)."""
-
-    loss: str = ""  # "" (off: SFT) | sigmoid | ipo | hinge | simpo | orpo
-    beta: float = 0.1  # the reward scale (DPO's beta, IPO's tau, ORPO's lambda)
-    label_smoothing: float = 0.0  # sigmoid, simpo: the probability that a pair's label is flipped (cDPO)
-    gamma: float = 0.5  # simpo: the target reward margin
-    # What the log ratios are taken against: auto (the reference-based losses: the frozen start; reference-free ones:
-    # none), model (a frozen copy of the starting weights; under finetune=lora the base with the adapter disabled),
-    # none (only for the reference-free losses)
-    reference: str = "auto"
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.loss)
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.enabled and self.loss not in REFERENCE_FREE
 
 
 def check_config(pref: PreferenceConfig, family: str, offered: bool) -> None:

@@ -232,3 +232,30 @@ def test_a_family_without_preference_training_is_refused():
     with pytest.raises(ConfigError, match="preference.loss=sigmoid: the dit recipes have no preference training"):
         check_config(PreferenceConfig(loss="sigmoid"), "dit", offered=False)
     check_config(PreferenceConfig(), "dit", offered=False)  # off: nothing to refuse
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("recipe=dit_tiny preference.loss=sigmoid", "preference.loss=sigmoid: the dit recipes have no preference"),
+        ("recipe=vlm_tiny preference.loss=simpo", "preference.loss=simpo: the vlm recipes have no preference"),
+        ("recipe=llm_tiny preference.loss=dpo", "preference.loss='dpo' is not allowed"),
+        ("recipe=llm_tiny preference.loss=orpo preference.reference=model", "preference.loss=orpo is reference-free"),
+        ("recipe=llm_tiny preference.loss=ipo parallel.pp=2", "preference.loss=ipo does not run with parallel.pp=2"),
+        ("recipe=llm_tiny preference.loss=hinge parallel.cp=2", "preference.loss=hinge does not run with parallel.cp"),
+        ("recipe=moe_tiny preference.loss=sigmoid", "preference.loss=sigmoid does not run on an MoE model"),
+    ],
+)
+def test_composition_refuses_what_cannot_run(override, needle):
+    from scripts.kiln.launch import compose
+
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(").replace("'", "'")):
+        compose(override.split())
+
+
+def test_preference_composes_on_the_llm_and_is_off_by_default():
+    from scripts.kiln.launch import compose
+
+    assert not compose(["recipe=llm_tiny"]).preference.enabled
+    cfg = compose(["recipe=llm_tiny", "data=preference_shards", "preference.loss=simpo", "preference.gamma=1.0"])
+    assert (cfg.preference.loss, cfg.preference.gamma, cfg.preference.reference) == ("simpo", 1.0, "auto")
