@@ -117,3 +117,29 @@ def test_a_pair_is_two_documents_of_one_row_chosen_first(tokenizer_dir, tmp_path
         mask = batch.packed.attention_mask_4d()[r, 0]
         assert not mask[n:, :n].any()  # the rejected answer never sees the chosen document
         assert torch.equal(batch.packed.position_ids[r, n : n + m], torch.arange(m))
+
+
+def test_the_lora_reference_is_the_base_with_the_adapter_disabled():
+    """finetune=lora's reference: the policy's forward with its adapter off gives the frozen base's logits (a copy
+    of the model before LoRA), and the adapter is back on afterwards."""
+    import copy
+
+    from common.config import LoRAConfig
+    from common.lora import apply_lora
+    from recipes.llm.preference import adapters_disabled
+    from tests.fixtures.flops import tiny_llama
+
+    base, tokens = tiny_llama()
+    model = apply_lora(copy.deepcopy(base), LoRAConfig(rank=4, targets=["wq", "wv", "w2"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.5)  # a trained adapter: B != 0
+        want = base(tokens)
+        adapted = model(tokens)
+        with adapters_disabled(model):
+            off = model(tokens)
+        again = model(tokens)
+    assert not torch.allclose(adapted, want, atol=1e-3)
+    torch.testing.assert_close(off, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(again, adapted)
