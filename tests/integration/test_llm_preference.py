@@ -1,7 +1,8 @@
 """llm_tiny trained on preference pairs as a user runs it: data.prepare_preference on TRL's conversational layout,
 then scripts/train.py with preference.loss=sigmoid (DPO, a live frozen reference). The first step's policy is its
 reference (loss ln 2, every reward 0: the reference holds the start weights); the loss falls and the pairs' reward
-accuracy rises, in training and on held-out pairs; metrics.jsonl carries TRL's names; the export is the SFT one."""
+accuracy rises, in training and on held-out pairs; metrics.jsonl carries TRL's names; the export is the SFT one. A run
+resumed from its step-8 checkpoint takes the same steps 9 and 10: its reference is the start, not the checkpoint."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import metrics
+from tests.conftest import metrics, run_train
 from tests.fixtures.llm import write_llama_tokenizer
 from tests.fixtures.preference import write_pairs
 from tests.support.launcher import run_python
@@ -32,20 +33,20 @@ def pairs_root(tmp_path_factory):
     return root
 
 
-def test_dpo_learns_the_preference(pairs_root, trained):
-    run = trained(
-        [
-            "recipe=llm_tiny",
-            "data=preference_shards",
-            f"data.root={pairs_root}",
-            "data.max_seq_len=128",  # one pair a row: 8 pairs a step
-            "preference.loss=sigmoid",
-            "trainer.max_steps=10",
-            "trainer.log_every=1",
-            "trainer.progress_bar=false",
-            "checkpoint.final=false",
-        ]
-    )
+def test_dpo_learns_the_preference(pairs_root, trained, tmp_path):
+    args = [
+        "recipe=llm_tiny",
+        "data=preference_shards",
+        f"data.root={pairs_root}",
+        "data.max_seq_len=128",  # one pair a row: 8 pairs a step
+        "preference.loss=sigmoid",
+        "trainer.max_steps=10",
+        "trainer.log_every=1",
+        "trainer.progress_bar=false",
+        "checkpoint.final=false",
+        "checkpoint.every=8",
+    ]
+    run = trained(args)
     steps = metrics(run)
     first, last = steps[1], steps[10]
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-4)
@@ -55,3 +56,11 @@ def test_dpo_learns_the_preference(pairs_root, trained):
     held_out = json.loads((run / "eval.json").read_text())
     assert held_out["num_pairs"] == 32 and held_out["rewards/accuracies"] >= 0.9, held_out
     assert (run / "export" / "config.json").exists() and (run / "export" / "tokenizer.json").exists()
+
+    ckpt = run / "checkpoints" / "step_0000008"
+    run_train([*args, "trainer.eval=false", f"run.dir={tmp_path / 'resumed'}", f"run.resume={ckpt}"])
+    resumed = metrics(tmp_path / "resumed")
+    assert sorted(resumed) == [9, 10]
+    for step in (9, 10):
+        assert resumed[step]["loss"] == pytest.approx(steps[step]["loss"], rel=1e-6), step
+        assert resumed[step]["rewards/margins"] == pytest.approx(steps[step]["rewards/margins"], rel=1e-5), step
