@@ -99,7 +99,7 @@ def compose(overrides: list[str], world_size: int | None = None, *, registry) ->
     the entry point: common/ imports nothing above it): its specs() and recipe_spec(family)."""
     from omegaconf.errors import OmegaConfBaseException
 
-    from common import lora
+    from common import lora, preference
 
     families = list(registry.specs().values())
     register(name for spec in families for name in spec.sections)
@@ -114,6 +114,7 @@ def compose(overrides: list[str], world_size: int | None = None, *, registry) ->
     if world_size is not None and not cfg.run.dry_run:
         check_layout(cfg.parallel, world_size)
     validate(cfg)
+    preference.check_config(cfg.preference, cfg.recipe.family, spec.preference)  # one line for what cannot run
     given = command_line_keys(overrides)
     lora.complete(cfg, spec, given)  # finetune=lora: the family's default targets, checked
     spec.config.complete(cfg, given)  # keys filled from files (the LLM: model.init_from)

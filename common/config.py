@@ -152,6 +152,34 @@ class ExportConfig:
     merge_lora: bool = False  # finetune=lora: also write the base with the adapter merged in (export/merged)
 
 
+# preference.loss: the pairwise objectives (common/preference.py); the reference-free ones take no reference.
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+PREFERENCE_REFERENCE_FREE = ("simpo", "orpo")
+PREFERENCE_REFERENCES = ("auto", "model", "none")
+
+
+@dataclass
+class PreferenceConfig:
+    """The `preference` section: empty ``loss`` = supervised fine-tuning (the section is not read)."""
+
+    loss: str = ""  # "" (off: SFT) | sigmoid | ipo | hinge | simpo | orpo
+    beta: float = 0.1  # the reward scale (DPO's beta, IPO's tau, ORPO's lambda)
+    label_smoothing: float = 0.0  # sigmoid, simpo: the probability that a pair's label is flipped (cDPO)
+    gamma: float = 0.5  # simpo: the target reward margin
+    # What the log ratios are taken against: auto (the reference-based losses: the frozen start; reference-free ones:
+    # none), model (a frozen copy of the starting weights; under finetune=lora the base with the adapter disabled),
+    # none (only for the reference-free losses)
+    reference: str = "auto"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.loss)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.enabled and self.loss not in PREFERENCE_REFERENCE_FREE
+
+
 @dataclass
 class TrainConfig:
     recipe: RecipeInfo = field(default_factory=RecipeInfo)
@@ -165,6 +193,7 @@ class TrainConfig:
     finetune: str = "full"  # full | lora (configs/finetune/)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)  # preference optimization (off: SFT)
     data: Any = MISSING  # a DataConfig: the family's schema comes with configs/data/<name>.yaml
     # The family's architecture; its schema comes from recipes/<family>/config.py. Sections only one family has
     # (the DiT's `diffusion`, the VLM's `vlm`) are its spec's `sections`, added by `schema` (recipes/registry.py).

@@ -64,6 +64,7 @@ class RecipeSpec:
     renamed: dict[str, str] = field(default_factory=dict)
     lora_targets: tuple[str, ...] = ()  # finetune=lora: the module names its adapters may target; () = no LoRA
     qlora: bool = False  # lora.quantize_base=nf4 is offered
+    preference: bool = False  # preference.loss (preference optimization: common/preference.py) is offered
     config_dir: Path | None = None  # a folder of config groups (recipe/, model/, ...) beside configs/
     # Serving (scripts/serve.py): a family whose export Kiln's images server serves (common/diffusion/server.py), not
     # vLLM or transformers serve. `is_export(folder)` tells its export apart from every other family's (file checks
@@ -148,6 +149,7 @@ SPECS: dict[str, RecipeSpec] = {
         sizing_module="recipes.llm.sizing",
         lora_targets=llm_config.LORA_TARGETS,
         qlora=True,
+        preference=True,
     ),  # QLoRA on one GPU (check_qlora_layout)
     # Text-to-image on a released SD3 pipeline. It shares the diffusion core with the DiT (common/diffusion: objective,
     # VAE path, sampler, the `diffusion` section), as every family shares common/: no recipe imports another.

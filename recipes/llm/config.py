@@ -159,7 +159,7 @@ def validate(cfg: TrainConfig) -> None:
         layouts="FSDP2 over parallel.dp, tensor, pipeline and expert parallelism "
         "(parallel=mesh: parallel.dp/tp/pp/ep), not DeepSpeed ZeRO",
         data=LLMDataConfig,
-        datasets="pydoc_text, text_shards or chat_shards (token shards)",
+        datasets="pydoc_text, text_shards, chat_shards or preference_shards (token shards)",
     )
     for key in ("tp", "pp", "ep"):
         if getattr(p, key) <= 0:
@@ -181,6 +181,22 @@ def validate(cfg: TrainConfig) -> None:
         source = f" (max_position_embeddings of model.init_from={m.init_from})" if m.init_from else ""
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} exceeds model.max_seq_len={m.max_seq_len}{source}")
     check_finetune_and_toggles(cfg)
+    check_preference_layout(cfg)
+
+
+def check_preference_layout(cfg: TrainConfig) -> None:
+    """Preference optimization (recipes/llm/preference.py) runs where a rank's logits are whole rows of the full
+    vocabulary: not yet split over pipeline stages, context-parallel ranks, or (loss parallel) vocabulary shards."""
+    p, loss = cfg.parallel, cfg.preference.loss
+    if not loss:
+        return
+    for key, degree in (("pp", p.pp), ("cp", p.cp)):
+        if degree > 1:
+            raise ConfigError(f"preference.loss={loss} does not run with parallel.{key}={degree} yet (use dp and tp)")
+    if cfg.model.loss_parallel and p.tp > 1:
+        raise ConfigError(f"preference.loss={loss} does not run with model.loss_parallel=true under tp>1 yet")
+    if cfg.model.moe.num_experts:
+        raise ConfigError(f"preference.loss={loss} does not run on an MoE model (model.moe.num_experts>0) yet")
 
 
 def check_model(cfg: TrainConfig) -> None:

@@ -130,9 +130,10 @@ class RowStream:
         self.loader.close()
 
 
-def build_train_loader(cfg: TrainConfig, urls: list[str], dp: int, *, chat: bool) -> RowStream:
+def build_train_loader(cfg: TrainConfig, urls: list[str], dp: int, *, chat: bool, decode=decode_document) -> RowStream:
+    """``decode``: a sample's decoder (preference pairs: recipes/llm/preference.py:decode_pair, laid whole)."""
     rows = cfg.trainer.micro_batch_size * dp  # the global micro-batch
-    loader = train_loader(cfg, urls, decode=decode_document, collate=list, batch_size=rows, rank=0, world_size=1)
+    loader = train_loader(cfg, urls, decode=decode, collate=list, batch_size=rows, rank=0, world_size=1)
     loader.resume_hints["batch_size"] = (
         f"rows per global micro-batch: trainer.micro_batch_size={cfg.trainer.micro_batch_size} x dp={dp} "
         "data-parallel ranks; set them so that their product is {saved}"

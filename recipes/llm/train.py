@@ -47,6 +47,7 @@ from recipes.llm.model import LlamaArgs, MoE, Transformer
 from recipes.llm.moe_losses import MoEAux, expert_load
 from recipes.llm.parallelize import parallelize
 from recipes.llm.pipeline_parallel import Pipeline, TiedEmbeddings, split_for_rank, virtual_stages
+from recipes.llm.preference import PreferenceTraining, check_data, decode_pair
 from recipes.llm.sizing import llama_args
 
 
@@ -90,7 +91,15 @@ class LLMTrainer(Trainer):
         # Context parallelism: the cp ranks of a dp rank read the same documents and split each row.
         self.cp_rank = self.mesh["cp"].get_local_rank() if self.dims.cp > 1 else 0
         self.chat = self.meta.get("format") == "chat"  # conversations are never cut across rows
-        loader = build_train_loader(cfg, self.meta["train_urls"], self.dims.dp, chat=self.chat)
+        check_data(cfg, self.meta)  # preference pairs with preference.loss, and only then
+        pairs = cfg.preference.enabled  # preference optimization (recipes/llm/preference.py): pairs, laid whole
+        loader = build_train_loader(
+            cfg,
+            self.meta["train_urls"],
+            self.dims.dp,
+            chat=self.chat or pairs,
+            decode=decode_pair if pairs else decode_document,
+        )
         self.args = llama_args(cfg, len(self.tokenizer))
         if len(self.tokenizer) > self.args.vocab_size:
             raise DataError(
@@ -103,6 +112,8 @@ class LLMTrainer(Trainer):
             self.quantize_base()
         self.find_moe_layers()
         self.objective = NextTokenLoss(cfg, self.dims, self.device)  # the one loss: training, pipeline, evaluation
+        # preference.loss: the pairwise objective (and its frozen reference) instead of next-token prediction
+        self.preference = PreferenceTraining(self, build_model) if pairs else None
         self.pipeline, tied = self.build_pipeline()
         self.engine = NativeEngine(self.model, cfg, self.mesh, tied=tied, backward_context=self.objective.backward)
         if self.lora and self.resume_from is None:
@@ -192,6 +203,8 @@ class LLMTrainer(Trainer):
     def prepare(self, rows: list[list[dict]]) -> LocalBatch:
         """This dp rank's rows of the global micro-batch (rows r, r+dp, ...), packed; under context parallelism,
         this cp rank's share of them."""
+        if self.preference is not None:
+            return self.preference.prepare(rows)
         packed = local_batch(
             rows, dp_rank=self.dp_rank, dp=self.dims.dp, max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id
         )
@@ -203,7 +216,9 @@ class LLMTrainer(Trainer):
         return LocalBatch(packed, cp)
 
     def count(self, batch: LocalBatch) -> int:
-        # Only labelled tokens count (chat: the assistant's); under cp this rank's (summed over dp x cp).
+        # Only labelled tokens count (chat: the assistant's); under cp this rank's (summed over dp x cp). Pairs: pairs.
+        if self.preference is not None:
+            return batch.pairs
         return batch.cp.num_labels if batch.cp is not None else batch.packed.num_labels
 
     def tally(self, batch: LocalBatch) -> dict[str, int]:
@@ -212,7 +227,10 @@ class LLMTrainer(Trainer):
         return {"tokens": batch.packed.num_real_tokens, "slots": batch.packed.input_ids.numel()}
 
     def loss(self, batch: LocalBatch) -> torch.Tensor:
-        """The recipe's loss (recipes/llm/loss.py) summed over the labelled tokens, plus an MoE's auxiliary losses."""
+        """The recipe's loss (recipes/llm/loss.py) summed over the labelled tokens, plus an MoE's auxiliary losses;
+        under preference.loss the pairwise loss summed over the pairs (recipes/llm/preference.py)."""
+        if self.preference is not None:
+            return self.preference.loss(batch)
         return self.forward_sum(batch, aux=True)
 
     def forward_sum(self, batch: LocalBatch, aux: bool) -> torch.Tensor:
@@ -243,6 +261,8 @@ class LLMTrainer(Trainer):
             return self.pipeline.step(batch, self.engine.grad_scale(inv_count))
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
+        if self.preference is not None:  # TRL's rewards/* and logps/* (means over the step's pairs)
+            return self.preference.terms()
         return {} if self.moe_aux is None else self.moe_aux.pop_terms(self.device)
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
@@ -296,11 +316,18 @@ class LLMTrainer(Trainer):
         from common.data.webdataset import iter_samples
 
         held_out = iter_samples(self.meta.get("val_urls", []))
-        docs = [decode_document(s) for s, _ in zip(held_out, range(self.cfg.data.eval_docs))]
+        decode = decode_document if self.preference is None else decode_pair
+        docs = [decode(s) for s, _ in zip(held_out, range(self.cfg.data.eval_docs))]
         if not docs:
             if self.dist.is_main:
                 print("kiln: eval: skipped: the val split has no documents", flush=True)
             return None
+        if self.preference is not None:  # held-out pairs: the loss and TRL's rewards/* (recipes/llm/preference.py)
+            result = self.preference.evaluate(docs) | {"step": self.state.step}
+            if not self.dist.is_main:
+                return None
+            (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+            return result
         rows = self.cfg.trainer.micro_batch_size * self.dims.dp
         batches = eval_batches(docs, rows, self.cfg.data.max_seq_len, chat=self.chat)
         self.model.eval()
@@ -367,6 +394,11 @@ class LLMTrainer(Trainer):
         self.log_moe_summary()
 
     def eval_summary(self, result: dict) -> str:
+        if "num_pairs" in result:
+            return (
+                f"kiln: eval preference loss {result['val_loss']:.4f}, rewards/accuracies "
+                f"{result['rewards/accuracies']:.3f} on {result['num_pairs']} held-out pairs"
+            )
         return (
             f"kiln: eval loss {result['val_loss']:.4f} (perplexity {result['val_perplexity']:.1f}) on "
             f"{result['num_samples']} held-out documents ({result['val_tokens']:,} tokens)"

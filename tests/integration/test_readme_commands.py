@@ -99,6 +99,7 @@ DOCS = [
     "docs/text-to-image.md",
     "docs/llm.md",
     "docs/lora.md",
+    "docs/preference.md",
     "docs/long-context.md",
     "docs/vlm.md",
     "docs/serving.md",
