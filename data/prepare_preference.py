@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from data import shards, user_data
+from data import cli, user_data
 from data.prepare_chat import assistant_spans
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             help="a pair (both documents) with more tokens is dropped (and counted); train with data.max_seq_len >= it",
         )
 
-    parser = shards.arg_parser(
+    parser = cli.arg_parser(
         "python -m data.prepare_preference",
         __doc__.splitlines()[0],
         "output directory (created; must be empty or a previous preference build)",
