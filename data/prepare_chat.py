@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from data import cli, user_data
+from data import user_data
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -161,48 +161,23 @@ def encode_chats(
 
 
 def main(argv: list[str] | None = None) -> int:
-    def extra(parser, positive_int) -> None:
-        user_data.add_arguments(parser, required=True)
-        parser.add_argument(
-            "--max-seq-len",
-            type=positive_int,
-            default=DEFAULT_MAX_SEQ_LEN,
-            help="conversations with more tokens are dropped (and counted); "
-            "train with data.max_seq_len >= the longest kept",
-        )
-
-    parser = cli.arg_parser(
-        "python -m data.prepare_chat",
-        __doc__.splitlines()[0],
-        "output directory (created; must be empty or a previous chat build)",
-        extra=extra,
-        seed_help="seed of the train/val split and of the shard order",
-    )
-    parser.set_defaults(val_fraction=user_data.DEFAULT_VAL_FRACTION)
-    args = parser.parse_args(argv)
-
-    def options(tokenizer) -> dict:
-        if not tokenizer.chat_template:
-            raise ValueError(
-                f"--tokenizer {args.tokenizer}: the tokenizer has no chat template to render conversations with"
-            )
-        return {
-            "max_seq_len": args.max_seq_len,
-            "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
-            "prep_fingerprint": hashlib.sha256(json.dumps(CHAT_PREP, sort_keys=True).encode()).hexdigest()[:16],
-        }
-
-    return user_data.run_cli(
-        args,
+    return user_data.templated_cli(
+        argv,
+        module="data.prepare_chat",
+        doc=__doc__,
         fmt="chat",
-        options=options,
+        default_max_seq_len=DEFAULT_MAX_SEQ_LEN,
+        max_seq_len_help="conversations with more tokens are dropped (and counted); "
+        "train with data.max_seq_len >= the longest kept",
+        prep=CHAT_PREP,
         read=read_chat_file,
-        encode=lambda tok, files, rows: encode_chats(tok, files, rows, max_seq_len=args.max_seq_len),
+        encode=encode_chats,
         describe=lambda meta: (
             f"{meta['conversations']:,} conversations ({meta['dropped_too_long']} dropped as longer "
             f"than {meta['max_seq_len']} tokens), {meta['labelled_tokens']:,} assistant tokens of "
             f"{meta['tokens']['train'] + meta['tokens']['val']:,}"
         ),
+        need_template=True,
     )
 
 

@@ -30,7 +30,6 @@ a prompt alone over the length budget (half of ``--max-seq-len``: no room for it
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from data import cli, user_data
+from data import user_data
 from data.prepare_chat import assistant_spans
 
 if TYPE_CHECKING:
@@ -185,43 +184,22 @@ def encode_pairs(
 
 
 def main(argv: list[str] | None = None) -> int:
-    def extra(parser, positive_int) -> None:
-        user_data.add_arguments(parser, required=True)
-        parser.add_argument(
-            "--max-seq-len",
-            type=positive_int,
-            default=DEFAULT_MAX_SEQ_LEN,
-            help="a pair (both documents) with more tokens is dropped (and counted); train with data.max_seq_len >= it",
-        )
-
-    parser = cli.arg_parser(
-        "python -m data.prepare_preference",
-        __doc__.splitlines()[0],
-        "output directory (created; must be empty or a previous preference build)",
-        extra=extra,
-        seed_help="seed of the train/val split and of the shard order",
-    )
-    parser.set_defaults(val_fraction=user_data.DEFAULT_VAL_FRACTION)
-    args = parser.parse_args(argv)
-
-    def options(tokenizer) -> dict:
-        template = tokenizer.chat_template or ""
-        return {
-            "max_seq_len": args.max_seq_len,
-            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
-            "prep_fingerprint": hashlib.sha256(json.dumps(PREFERENCE_PREP, sort_keys=True).encode()).hexdigest()[:16],
-        }
-
-    return user_data.run_cli(
-        args,
+    return user_data.templated_cli(
+        argv,
+        module="data.prepare_preference",
+        doc=__doc__,
         fmt="preference",
-        options=options,
+        default_max_seq_len=DEFAULT_MAX_SEQ_LEN,
+        max_seq_len_help="a pair (both documents) with more tokens is dropped (and counted); "
+        "train with data.max_seq_len >= it",
+        prep=PREFERENCE_PREP,
         read=read_pairs_file,
-        encode=lambda tok, files, rows: encode_pairs(tok, files, rows, max_seq_len=args.max_seq_len),
+        encode=encode_pairs,
         describe=lambda meta: (
             f"{meta['pairs']:,} pairs ({meta['dropped_too_long']} dropped as longer than {meta['max_seq_len']} "
             f"tokens), {meta['answer_tokens']:,} answer tokens of {meta['tokens']['train'] + meta['tokens']['val']:,}"
         ),
+        need_template=False,
     )
 
 

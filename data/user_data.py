@@ -306,3 +306,56 @@ def run_cli(
         settings=have,
         holds=f"{fmt} data",
     )
+
+
+def templated_cli(
+    argv: list[str] | None,
+    *,
+    module: str,
+    doc: str,
+    fmt: str,
+    default_max_seq_len: int,
+    max_seq_len_help: str,
+    prep: dict,
+    read: Reader,
+    encode: Callable[..., tuple],
+    describe: Callable[[dict], str],
+    need_template: bool,
+) -> int:
+    """The command line of a build rendered with the tokenizer's chat template (prepare_chat, prepare_preference):
+    --tokenizer, --input, --max-seq-len and the shared split flags; the template's and the preparation's
+    fingerprints recorded with the settings. ``encode(tokenizer, files, skipped_rows, max_seq_len=...)``."""
+
+    def extra(parser, positive_int) -> None:
+        add_arguments(parser, required=True)
+        parser.add_argument("--max-seq-len", type=positive_int, default=default_max_seq_len, help=max_seq_len_help)
+
+    parser = cli.arg_parser(
+        f"python -m {module}",
+        doc.splitlines()[0],
+        f"output directory (created; must be empty or a previous {fmt} build)",
+        extra=extra,
+        seed_help="seed of the train/val split and of the shard order",
+    )
+    parser.set_defaults(val_fraction=DEFAULT_VAL_FRACTION)
+    args = parser.parse_args(argv)
+
+    def options(tokenizer) -> dict:
+        if need_template and not tokenizer.chat_template:
+            raise ValueError(
+                f"--tokenizer {args.tokenizer}: the tokenizer has no chat template to render conversations with"
+            )
+        return {
+            "max_seq_len": args.max_seq_len,
+            "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
+            "prep_fingerprint": hashlib.sha256(json.dumps(prep, sort_keys=True).encode()).hexdigest()[:16],
+        }
+
+    return run_cli(
+        args,
+        fmt=fmt,
+        options=options,
+        read=read,
+        encode=lambda tok, files, rows: encode(tok, files, rows, max_seq_len=args.max_seq_len),
+        describe=describe,
+    )

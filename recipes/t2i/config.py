@@ -37,7 +37,8 @@ class T2IDataConfig(DataConfig):
     # the run then reads latents' moments and prompt embeddings from it and never loads the text encoders.
     latents: str = ""
     # Aspect-ratio buckets: data.root built with prepare_captions --buckets (shapes of about data.image_size^2 pixels,
-    # each image cropped to its nearest aspect ratio's); every global batch is one bucket's (common/data/webdataset/stream.py).
+    # each image cropped to its nearest aspect ratio's); every global batch is one bucket's
+    # (common/data/webdataset/stream.py).
     # Sample grids, the eval and the export stay square at data.image_size.
     buckets: bool = False
     # The most images prepare_captions may have skipped (meta.json `skipped`: undecodable, no or empty caption);

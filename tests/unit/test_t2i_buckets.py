@@ -1,6 +1,6 @@
 """Aspect-ratio buckets (data/prepare_captions.py --buckets, data.buckets) and data.max_bad_samples: the bucket a
-shape goes to, global batches of one bucket on any layout with an exact resume (common/data/webdataset/stream.py's grouped
-global stream), a short bucketed run, and the one-line refusals."""
+shape goes to, global batches of one bucket on any layout with an exact resume (the grouped global stream of
+common/data/webdataset/stream.py), a short bucketed run, and the one-line refusals."""
 
 from __future__ import annotations
 
