@@ -65,6 +65,11 @@ class RecipeSpec:
     lora_targets: tuple[str, ...] = ()  # finetune=lora: the module names its adapters may target; () = no LoRA
     qlora: bool = False  # lora.quantize_base=nf4 is offered
     config_dir: Path | None = None  # a folder of config groups (recipe/, model/, ...) beside configs/
+    # Context parallelism: parallel.cp_method's choices in this family, its default first (common/compose.py fills the
+    # key with it where no config or command line set one, and refuses any other in one line); () = the family
+    # checks the key itself. `title`: the family in messages ("not in the DiT recipe"; "" = `family`).
+    cp_methods: tuple[str, ...] = ()
+    title: str = ""
     # Serving (scripts/serve.py): a family whose export Kiln's images server serves (common/diffusion/server.py), not
     # vLLM or transformers serve. `is_export(folder)` tells its export apart from every other family's (file checks
     # only: no torch); `server_module` is its server, whose load_export(export, engine, device) builds the model the
@@ -124,6 +129,8 @@ SPECS: dict[str, RecipeSpec] = {
         sections=dit_config.SECTIONS,
         renamed=dit_config.RENAMED,
         lora_targets=dit_config.LORA_TARGETS,
+        cp_methods=dit_config.CP_METHODS,
+        title="DiT",
         is_export=_dit_export,
         server_module="recipes.dit.server",
         serve_engines=("tensorrt", "onnxruntime", "torch"),  # its ONNX graph (scripts/export_dit.py) or PyTorch
@@ -139,6 +146,8 @@ SPECS: dict[str, RecipeSpec] = {
         sections=vlm_config.SECTIONS,
         renamed=vlm_config.RENAMED,
         lora_targets=vlm_config.LORA_TARGETS,
+        cp_methods=vlm_config.CP_METHODS,
+        title="VLM",
     ),
     "llm": RecipeSpec(
         "llm",
@@ -148,6 +157,8 @@ SPECS: dict[str, RecipeSpec] = {
         sizing_module="recipes.llm.sizing",
         lora_targets=llm_config.LORA_TARGETS,
         qlora=True,
+        cp_methods=llm_config.CP_METHODS,
+        title="LLM",
     ),  # QLoRA on one GPU (check_qlora_layout)
     # Text-to-image on a released SD3 pipeline. It shares the diffusion core with the DiT (common/diffusion: objective,
     # VAE path, sampler, the `diffusion` section), as every family shares common/: no recipe imports another.
@@ -159,6 +170,8 @@ SPECS: dict[str, RecipeSpec] = {
         sizing_module="recipes.t2i.sizing",
         sections=t2i_config.SECTIONS,
         lora_targets=t2i_config.LORA_TARGETS,
+        cp_methods=t2i_config.CP_METHODS,
+        title="text-to-image",
         is_export=_t2i_export,
         server_module="recipes.t2i.server",
         serve_engines=("torch",),  # PyTorch only (no ONNX graph of the pipeline yet)
