@@ -93,10 +93,18 @@ def _parse_error(override: str, exc: Exception) -> str:
 
 
 def compose(overrides: list[str], world_size: int | None = None, *, registry) -> TrainConfig:
-    """Composed, typed and validated config (raises ConfigError). With `world_size` (the ranks this job started;
-    not for a dry run, which sizes any layout) the layout is checked first: a job started with the wrong number of
-    ranks hears that before anything else. `registry` is the table of families (recipes/registry.py, handed in by
-    the entry point: common/ imports nothing above it): its specs() and recipe_spec(family)."""
+    """Composed, typed and validated config (raises ConfigError): :func:`compose_run`'s, without its layout."""
+    return compose_run(overrides, world_size, registry=registry)[0]
+
+
+def compose_run(
+    overrides: list[str], world_size: int | None = None, *, registry
+) -> tuple[TrainConfig, ParallelDims | None]:
+    """Composed, typed and validated config (raises ConfigError), and with `world_size` (the ranks this job started;
+    not for a dry run, which sizes any layout) its layout (ParallelDims), checked first: a job started with the wrong
+    number of ranks hears that before anything else. The launcher hands that layout to the trainer: the one
+    ParallelDims of a run. `registry` is the table of families (recipes/registry.py, handed in by the entry point:
+    common/ imports nothing above it): its specs() and recipe_spec(family)."""
     from omegaconf.errors import OmegaConfBaseException
 
     from common import lora, preference
@@ -111,23 +119,39 @@ def compose(overrides: list[str], world_size: int | None = None, *, registry) ->
     except (OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(explain_compose_error(exc)) from None
     spec = registry.recipe_spec(cfg.recipe.family)
-    if world_size is not None and not cfg.run.dry_run:
-        check_layout(cfg.parallel, world_size)
+    dims = check_layout(cfg.parallel, world_size) if world_size is not None and not cfg.run.dry_run else None
     validate(cfg)
     preference.check_config(cfg.preference, cfg.recipe.family, spec.preference)  # one line for what cannot run
+    complete_cp_method(cfg.parallel, spec)
     given = command_line_keys(overrides)
     lora.complete(cfg, spec, given)  # finetune=lora: the family's default targets, checked
     spec.config.complete(cfg, given)  # keys filled from files (the LLM: model.init_from)
     spec.config.validate(cfg)
-    return cfg
+    return cfg, dims
 
 
-def check_layout(p, world_size: int) -> None:
-    """The degrees against the world size (dp * tp * pp * cp == ranks, ep within dp x cp: ParallelDims); a degree
-    that is no degree at all (0, negative) is left to validate(), which names its key."""
+def check_layout(p, world_size: int) -> ParallelDims | None:
+    """The degrees against the world size (dp * tp * pp * cp == ranks, ep within dp x cp): the run's ParallelDims. A
+    degree that is no degree at all (0, negative) is left to validate(), which names its key (None here)."""
     if min(p.tp, p.pp, p.cp, p.ep) < 1 or p.dp == 0 or p.dp < -1:
+        return None
+    return ParallelDims.from_config(p, world_size)
+
+
+def complete_cp_method(p, spec) -> None:
+    """parallel.cp_method from the family: its spec's `cp_methods` (recipes/registry.py), the first its default where
+    no config or command line set one (the shared schema's "" means "the family's default"), any other refused in one
+    line. A family that declares none (a plugin's) is left as it is."""
+    methods = spec.cp_methods
+    if not methods:
         return
-    ParallelDims.from_config(p, world_size)
+    if not p.cp_method:
+        p.cp_method = methods[0]
+    elif p.cp_method not in methods:
+        raise ConfigError(
+            f"parallel.cp_method={p.cp_method!r} is not in the {spec.title or spec.family} recipe; choose one of: "
+            f"{', '.join(methods)}"
+        )
 
 
 def _hydra_compose(overrides: list[str], families) -> DictConfig:

@@ -63,11 +63,13 @@ class ParallelConfig:
 
     dp: int = -1  # data-parallel degree; -1 = world_size / (tp * pp * cp)
     timeout_s: int = 600  # collective timeout: a hang becomes an error
-    # Context parallelism: every family's sequences split over cp ranks (one key, one meaning); the LLM has it
-    # (recipes/llm/context_parallel.py), the DiT and text-to-image (Ulysses: common/ulysses.py); the VLM refuses
-    # cp > 1 (recipes/vlm/config.py).
+    # Context parallelism: every family's sequences split over cp ranks (one key, one meaning): the LLM's rows
+    # (recipes/llm/context_parallel.py), the DiT's and text-to-image's patch tokens (Ulysses: common/ulysses.py), the
+    # VLM's language model (recipes/vlm/context_parallel.py). cp_method: how the cp ranks exchange what attention needs
+    # (allgather: keys and values; alltoall: heads for tokens, Ulysses). "" = the family's default: its spec's
+    # cp_methods (recipes/registry.py; the LLM allgather, the others alltoall), filled in by common/compose.py.
     cp: int = 1
-    cp_method: str = "allgather"  # how the cp ranks exchange what attention needs (allgather | alltoall = Ulysses)
+    cp_method: str = ""
     tp: ClassVar[int] = 1
     pp: ClassVar[int] = 1
     ep: ClassVar[int] = 1

@@ -32,9 +32,10 @@ from torch import nn
 from common import deepspeed as ds
 from common.config import TrainConfig
 from common.optim import adamw_kernel, lr_factor
-from common.parallel_dims import batch_mesh
+from common.parallel_dims import CPGroups, batch_mesh
 from common.profiling import StepTimer
 from common.toggles import unwrapped_name
+from common.ulysses import UlyssesGroups
 
 
 class Engine(ABC):
@@ -102,11 +103,12 @@ class DeepSpeedEngine(Engine):
     Kiln owns the accumulation boundary (`set_gradient_accumulation_boundary`): one backward per
     micro-batch, gradients reduced after the last one, and `engine.step()` called once per optimizer step.
 
-    `cp` (parallel.cp > 1, common/ulysses.py): the cp ranks of each of the `dp` groups split every sample's tokens;
-    DeepSpeed gets them as its sequence-parallel groups (gradients summed over cp, averaged over dp; ZeRO over both)."""
+    `cp` (parallel.cp > 1; common/parallel_dims.py CPGroups, as NativeEngine's): the cp ranks of each of the `dp`
+    groups split every sample's tokens; DeepSpeed gets them as its sequence-parallel groups (common/ulysses.py
+    UlyssesGroups: gradients summed over cp, averaged over dp; ZeRO over both)."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, dp: int, cp=None):
-        self.ds = ds.initialize(model, cfg, dp, mpu=cp)
+    def __init__(self, model: nn.Module, cfg: TrainConfig, dp: int, cp: CPGroups | None = None):
+        self.ds = ds.initialize(model, cfg, dp, mpu=None if cp is None else UlyssesGroups(cp))
         self.model, self.module, self.dp = self.ds, self.ds.module, dp
         self.cp = cp
         self.zero_stage = cfg.parallel.zero_stage
@@ -186,7 +188,8 @@ class NativeEngine(Engine):
     `backward_context`: the context its backward needs (torch's loss_parallel). A pipeline schedule runs forward
     and backward itself: the recipe calls it instead of `forward_backward`, with `grad_scale(inv_count)`.
     `tied`: tied embeddings held by two pipeline stages (gradients summed before clipping, one copy left out of
-    the norm)."""
+    the norm). `cp` (parallel.cp > 1; common/parallel_dims.py CPGroups, as DeepSpeedEngine's): the mesh's cp groups,
+    None without context parallelism."""
 
     def __init__(
         self,
@@ -194,6 +197,7 @@ class NativeEngine(Engine):
         cfg: TrainConfig,
         mesh,
         *,
+        cp: CPGroups | None = None,
         tied=None,
         backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
@@ -204,7 +208,9 @@ class NativeEngine(Engine):
         # The ranks that split a step's tokens (dp, x cp under context parallelism): FSDP2 averages the gradients
         # over them, and the loss and its token count are summed over them.
         self.batch = batch_mesh(mesh)
-        self.cp = self.batch.size() // self.dp
+        self.cp = cp
+        if (1 if cp is None else cp.cp) != self.batch.size() // self.dp:  # the mesh's own groups, or none
+            raise ValueError(f"the mesh has cp={self.batch.size() // self.dp}: pass cp=CPGroups.of(mesh)")
         self.ep = getattr(cfg.parallel, "ep", 1)  # the experts' gradients live on their own ("edp", "ep") mesh
         self.grad_clip = o.grad_clip or float("inf")
         device = next(iter(model.parameters())).device
@@ -312,7 +318,8 @@ class NativeEngine(Engine):
             raise RuntimeError(f"{path} lacks trained weights: {sorted(trainable & set(loaded.missing_keys))[:3]}")
 
     def layout(self):
-        return {"layout": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp}}
+        cp = 1 if self.cp is None else self.cp.cp
+        return {"layout": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": cp}}
 
     def _trained(self, model_sd: dict) -> dict:
         """`model_sd` without frozen weights. `ignore_frozen_params` drops them by `named_parameters()`, which names

@@ -1,9 +1,12 @@
-"""The parallel layout: validates dp * cp * tp * pp == world size (ep inside dp x cp) and builds the one DeviceMesh."""
+"""The parallel layer: the layout (ParallelDims: dp * cp * tp * pp == world size, ep inside dp x cp), built once per
+run (common/compose.py checks it against the job's ranks, scripts/kiln/launch.py hands it to the trainer), the one
+DeviceMesh it builds, and the context-parallel groups (CPGroups) that both engines and every family's split take."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from common.config import ParallelConfig
 from common.errors import ConfigError
@@ -72,6 +75,48 @@ class ParallelDims:
         )
         batch_mesh(mesh)
         return mesh
+
+    def context_groups(self, device_type: str) -> "CPGroups | None":
+        """The cp groups of a run without its own mesh (the DeepSpeed recipes: ZeRO data parallelism, pp = tp = 1):
+        :meth:`build_mesh`'s ("pp", "dp", "cp", "tp") mesh under parallel.cp > 1 (cp innermost: a cp group is
+        consecutive ranks), None otherwise (no mesh: DeepSpeed's own groups). Collective."""
+        return CPGroups.of(self.build_mesh(device_type)) if self.cp > 1 else None
+
+
+@dataclass(frozen=True)
+class CPGroups:
+    """Context parallelism's process groups (parallel.cp > 1), from a mesh with "dp" and "cp" dims: the one form in
+    which both engines (common/engine.py) and every family's sequence split take them.
+
+    ``cp_group``: the ``cp`` ranks that split each sequence (they read the same rows or samples); ``cp_rank``: this
+    rank's share of the tokens; attention exchanges over it (the LLM's all-gather or all-to-all, Ulysses' all-to-all).
+    ``dp_group``: the ranks with the same cp rank, one per data-parallel group (``dp_rank``: which rows this rank's
+    group reads); a DeepSpeed step's loss and sample counts, identical on the cp ranks of a group, are summed over it.
+    ``batch_group``: dp x cp flattened (:func:`batch_mesh`), the ranks that split a step's tokens: FSDP2 and ZeRO
+    shard over them and the gradients are reduced over them."""
+
+    cp: int
+    cp_rank: int
+    cp_group: Any
+    dp: int
+    dp_rank: int
+    dp_group: Any
+    batch_group: Any
+
+    @classmethod
+    def of(cls, mesh) -> "CPGroups | None":
+        """The groups of `mesh` (:meth:`ParallelDims.build_mesh`'s), None where it has no "cp" dim (cp = 1)."""
+        if "cp" not in (mesh.mesh_dim_names or ()):
+            return None
+        return cls(
+            cp=mesh["cp"].size(),
+            cp_rank=mesh.get_local_rank("cp"),
+            cp_group=mesh["cp"].get_group(),
+            dp=mesh["dp"].size(),
+            dp_rank=mesh.get_local_rank("dp"),
+            dp_group=mesh["dp"].get_group(),
+            batch_group=batch_mesh(mesh).get_group(),
+        )
 
 
 def batch_mesh(mesh):

@@ -48,6 +48,7 @@ from common.distributed import DistInfo, heartbeat
 from common.engine import Engine
 from common.errors import ConfigError, UserError
 from common.metrics import MetricsLogger
+from common.parallel_dims import ParallelDims
 from common.profiling import StepTimer, maybe_profile
 from common.seed import rng_state, seed_everything, set_rng_state
 
@@ -161,13 +162,18 @@ class TooManyBadSteps(UserError):
 
 
 class Trainer(ABC):
-    """Base of every recipe's trainer. Subclasses set `self.engine` and call `self.start(loader, ...)` in __init__."""
+    """Base of every recipe's trainer. Subclasses set `self.engine` and call `self.start(loader, ...)` in __init__.
+
+    `dims`: the run's layout (common/parallel_dims.py), checked against the job's ranks when its config was composed
+    and handed down by scripts/kiln/launch.py; built here from parallel.* only for a trainer constructed directly
+    (tests, benchmarks). A recipe builds its mesh and cp groups from `self.dims`, never from parallel.* again."""
 
     state: TrainState
     engine: Engine
 
-    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
+    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path, dims: ParallelDims | None = None):
         self.cfg, self.dist, self.run_dir = cfg, dist, run_dir
+        self.dims = dims if dims is not None else ParallelDims.from_config(cfg.parallel, dist.world_size)
         self.device = dist.device
         self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, dist, async_save=cfg.checkpoint.async_save)
         self.resume_from = self.ckpt.resolve_resume(cfg.run.resume)  # None: a fresh run

@@ -14,7 +14,9 @@ dp x cp ranks and divides by dp (``dp_world_size / sequence_parallel_size`` in i
 reduce-scatter path does not, and common/deepspeed.py keeps ZeRO-3 off it under cp), and ZeRO partitions over all
 dp x cp ranks. The Trainer's loss and sample counts are summed over dp only (DeepSpeedEngine.all_reduce).
 
-Text-to-image (SD3's joint attention) keeps the prompt's text tokens whole on every cp rank: see ulysses_joint_kernel.
+The groups are common/parallel_dims.py's CPGroups (one type for every family and both engines); UlyssesGroups is
+their DeepSpeed view. Text-to-image (SD3's joint attention) keeps the prompt's text tokens whole on every cp rank:
+recipes/t2i/parallelize.py ulysses_joint_kernel, around this module's exchange.
 """
 
 from __future__ import annotations
@@ -24,34 +26,16 @@ from typing import Callable
 import torch
 import torch.distributed as tdist
 
-# parallel.cp_method of the recipes that split sequences this way (the DiT, text-to-image): the name the LLM gives the
-# same exchange of heads (recipes/llm/context_parallel.py), one name for one method.
-METHOD = "alltoall"
+from common.parallel_dims import CPGroups
 
 
-def default_method(cfg, command_line: set[str]) -> None:
-    """parallel.cp_method = alltoall (Ulysses) unless the command line gave one (the shared default is the LLM's)."""
-    if "parallel.cp_method" not in command_line:
-        cfg.parallel.cp_method = METHOD
-
-
-def check_method(cfg, recipe: str) -> None:
+def check_layout(cfg, *, heads: int, tokens: int, heads_from: str, tokens_from: str) -> None:
+    """One line where parallel.cp cannot split this model: cp not dividing the heads (each rank attends with heads/cp
+    whole heads) or a sample's `tokens` (`heads_from`, `tokens_from`: where the numbers come from, for the message).
+    parallel.cp_method is the family's (common/compose.py: its spec's cp_methods); cp dividing the ranks is checked
+    when the job's world size is known (common/parallel_dims.py)."""
     from common.errors import ConfigError
 
-    if cfg.parallel.cp_method != METHOD:
-        raise ConfigError(
-            f"parallel.cp_method={cfg.parallel.cp_method!r} is not in the {recipe} recipe; choose one of: {METHOD}"
-        )
-
-
-def check_layout(cfg, *, heads: int, tokens: int, recipe: str, heads_from: str, tokens_from: str) -> None:
-    """One line where parallel.cp / cp_method cannot split this model: another method, cp not dividing the heads
-    (each rank attends with heads/cp whole heads) or a sample's `tokens` (`heads_from`, `tokens_from`: where the
-    numbers come from, for the message). cp dividing the ranks is checked when the job's world size is known
-    (common/parallel_dims.py)."""
-    from common.errors import ConfigError
-
-    check_method(cfg, recipe)
     cp = cfg.parallel.cp
     if cp > 1 and heads % cp:
         raise ConfigError(
@@ -72,33 +56,15 @@ def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 
 
 class UlyssesGroups:
-    """The ("dp", "cp") mesh of a DeepSpeed run with cp > 1 (cp innermost: a cp group is consecutive ranks), in the
-    form DeepSpeed takes a sequence-parallel layout: the ``mpu`` protocol of its own
-    ``deepspeed.runtime.sequence_parallel.parallel_state_sp`` (what its Ulysses trainers pass to
-    ``deepspeed.initialize``). That module keeps its groups in process-wide globals, created once per process; this
-    builds them from Kiln's mesh, so the mesh stays the one source of the layout.
+    """A run's cp groups (common/parallel_dims.py: CPGroups, from its ("dp", "cp") mesh) in the form DeepSpeed takes a
+    sequence-parallel layout: the ``mpu`` protocol of its own ``deepspeed.runtime.sequence_parallel.parallel_state_sp``
+    (what its Ulysses trainers pass to ``deepspeed.initialize``). That module keeps its groups in process-wide globals,
+    created once per process; this reads them from Kiln's mesh, so the mesh stays the one source of the layout.
+    DeepSpeedEngine builds it from the CPGroups it is given."""
 
-    ``dp_group``: the ranks with the same cp rank, one per data-parallel group: a step's loss and sample counts,
-    identical on the cp ranks of a group, are summed over it (the Trainer's ``engine.all_reduce``)."""
-
-    def __init__(self, dp: int, cp: int, device_type: str):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from common.parallel_dims import batch_mesh
-
-        self.dp, self.cp = dp, cp
-        self.mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
-        self.cp_group = self.mesh["cp"].get_group()
-        self.dp_group = self.mesh["dp"].get_group()
-        self.seq_dp_group = batch_mesh(self.mesh).get_group()  # dp x cp: ZeRO's partitions, gradient reduction
-
-    @property
-    def cp_rank(self) -> int:
-        return self.mesh.get_local_rank("cp")
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh.get_local_rank("dp")
+    def __init__(self, groups: CPGroups):
+        self.groups = groups
+        self.cp = groups.cp
 
     # No get_data_parallel_world_size: DeepSpeed's config then counts world / cp data-parallel ranks in its batch size
     # (deepspeed/runtime/config.py). DeepSpeed tells a sequence-parallel mpu from a Megatron one by this attribute
@@ -108,22 +74,22 @@ class UlyssesGroups:
             raise ValueError(f"these groups split sequences over {self.cp} ranks, not {sequence_parallel_size}")
 
     def get_sequence_parallel_group(self):
-        return self.cp_group
+        return self.groups.cp_group
 
     def get_sequence_parallel_world_size(self) -> int:
         return self.cp
 
     def get_sequence_parallel_rank(self) -> int:
-        return self.cp_rank
+        return self.groups.cp_rank
 
     def get_sequence_data_parallel_group(self):
-        return self.seq_dp_group
+        return self.groups.batch_group  # dp x cp: ZeRO's partitions, gradient reduction
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        return self.dp * self.cp
+        return self.groups.dp * self.cp
 
     def get_sequence_data_parallel_rank(self) -> int:
-        return tdist.get_rank(self.seq_dp_group)
+        return tdist.get_rank(self.groups.batch_group)
 
     # As in parallel_state_sp: the model-parallel queries read as the cp group. DeepSpeed's gradient norms then count
     # a whole (replicated) gradient on cp rank 0 only and sum over the group.
@@ -136,19 +102,6 @@ class UlyssesGroups:
         it before the model-parallel size): read as cp, ds_to_universal would look for cp model-state files and
         refuse to convert a checkpoint written under cp > 1."""
         return 1
-
-
-def data_parallel_layout(parallel, dist):
-    """(ParallelDims, UlyssesGroups or None, this rank's data-parallel rank) of a DeepSpeed recipe: ZeRO data
-    parallelism with dp = world / cp. Under parallel.cp > 1 the cp ranks of each data-parallel group read the same
-    samples (so draw the same noise and timesteps: common/seed.py keys them by sample) and split their tokens."""
-    from common.parallel_dims import ParallelDims
-
-    dims = ParallelDims.from_config(parallel, dist.world_size)
-    if dims.cp == 1:
-        return dims, None, dist.rank
-    groups = UlyssesGroups(dims.dp, dims.cp, dist.device.type)
-    return dims, groups, groups.dp_rank
 
 
 def ulysses_kernel(kernel: Kernel, group) -> Kernel:
@@ -166,42 +119,6 @@ def ulysses_kernel(kernel: Kernel, group) -> Kernel:
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args) -> torch.Tensor:
         return attention(q, k, v, 0, None, *args)  # batch_dim_idx 0, no rotary_pos_emb, then `kernel`'s own
-
-    return attend
-
-
-def ulysses_joint_kernel(kernel: Kernel, group):
-    """Joint attention (SD3's: the image tokens and the prompt's text tokens in one softmax) under the split: this
-    rank's (B, S/cp, H, D) image q, k, v and the whole (B, T, H, D) text q, k, v (the text stream is short and is
-    computed whole on every cp rank) -> (this rank's image output (B, S/cp, H, D), the whole text output (B, T, H, D)).
-
-    The image tokens go through DistributedAttention's all-to-all; inside it, with heads/cp heads of every image
-    token, the rank appends the same heads of the text tokens (the all-to-all hands rank r the r-th block of heads)
-    and runs `kernel` on the joint sequence (key order does not matter without a mask). The text output's heads are
-    all-gathered; its backward sums the ranks' gradients (each rank's text stream carries the gradient of its own
-    heads and image tokens only, like its weights), which DeepSpeed's sum over cp then completes."""
-    import deepspeed
-    from deepspeed.sequence.layer import DistributedAttention
-    from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
-
-    deepspeed.init_distributed(dist_backend=tdist.get_backend(), verbose=False)
-    cp, rank = tdist.get_world_size(group), tdist.get_rank(group)
-
-    def attend(q, k, v, q_text, k_text, v_text):
-        h = q_text.shape[2] // cp
-        mine = [t[:, :, rank * h : (rank + 1) * h] for t in (q_text, k_text, v_text)]
-        text_out = []
-
-        def joint(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor) -> torch.Tensor:
-            n = qi.shape[1]
-            out = kernel(*(torch.cat([a, b], dim=1) for a, b in zip((qi, ki, vi), mine, strict=True)))
-            text_out.append(out[:, n:])
-            return out[:, :n]
-
-        image = DistributedAttention(joint, group, scatter_idx=2, gather_idx=1)(q, k, v, batch_dim_idx=0)
-        heads_first = text_out[0].permute(2, 0, 1, 3).contiguous()  # (H/cp, B, T, D): gathered rank after rank
-        text = wait_tensor(all_gather_single_autograd(heads_first, 0, group)).permute(1, 2, 0, 3)
-        return image, text
 
     return attend
 

@@ -66,6 +66,11 @@ class RecipeSpec:
     qlora: bool = False  # lora.quantize_base=nf4 is offered
     preference: bool = False  # preference.loss (preference optimization: common/preference.py) is offered
     config_dir: Path | None = None  # a folder of config groups (recipe/, model/, ...) beside configs/
+    # Context parallelism: parallel.cp_method's choices in this family, its default first (common/compose.py fills the
+    # key with it where no config or command line set one, and refuses any other in one line); () = the family
+    # checks the key itself. `title`: the family in messages ("not in the DiT recipe"; "" = `family`).
+    cp_methods: tuple[str, ...] = ()
+    title: str = ""
     # Serving (scripts/serve.py): a family whose export Kiln's images server serves (common/diffusion/server.py), not
     # vLLM or transformers serve. `is_export(folder)` tells its export apart from every other family's (file checks
     # only: no torch); `server_module` is its server, whose load_export(export, engine, device) builds the model the
@@ -125,6 +130,8 @@ SPECS: dict[str, RecipeSpec] = {
         sections=dit_config.SECTIONS,
         renamed=dit_config.RENAMED,
         lora_targets=dit_config.LORA_TARGETS,
+        cp_methods=dit_config.CP_METHODS,
+        title="DiT",
         is_export=_dit_export,
         server_module="recipes.dit.serve",
         serve_engines=("tensorrt", "onnxruntime", "torch"),  # its ONNX graph (scripts/export_dit.py) or PyTorch
@@ -140,6 +147,8 @@ SPECS: dict[str, RecipeSpec] = {
         sections=vlm_config.SECTIONS,
         renamed=vlm_config.RENAMED,
         lora_targets=vlm_config.LORA_TARGETS,
+        cp_methods=vlm_config.CP_METHODS,
+        title="VLM",
     ),
     "llm": RecipeSpec(
         "llm",
@@ -150,6 +159,8 @@ SPECS: dict[str, RecipeSpec] = {
         lora_targets=llm_config.LORA_TARGETS,
         qlora=True,
         preference=True,
+        cp_methods=llm_config.CP_METHODS,
+        title="LLM",
     ),  # QLoRA on one GPU (check_qlora_layout)
     # Text-to-image on a released SD3 pipeline. It shares the diffusion core with the DiT (common/diffusion: objective,
     # VAE path, sampler, the `diffusion` section), as every family shares common/: no recipe imports another.
@@ -161,6 +172,8 @@ SPECS: dict[str, RecipeSpec] = {
         sizing_module="recipes.t2i.sizing",
         sections=t2i_config.SECTIONS,
         lora_targets=t2i_config.LORA_TARGETS,
+        cp_methods=t2i_config.CP_METHODS,
+        title="text-to-image",
         is_export=_t2i_export,
         server_module="recipes.t2i.serve",
         serve_engines=("torch",),  # PyTorch only (no ONNX graph of the pipeline yet)

@@ -22,6 +22,9 @@ from common.errors import ConfigError
 OBJECTIVES = ("ddpm", "flow")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 FLOW_TIMESTEPS = ("logit_normal", "uniform")
+# parallel.cp_method (its spec's cp_methods, the default first): Ulysses (common/ulysses.py), named as the LLM names
+# the same exchange of heads for tokens. One method, so the default and the only choice.
+CP_METHODS = ("alltoall",)
 # finetune=lora (common/lora.py): the blocks' attention and feed-forward linears (diffusers' names), all by default.
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
 
@@ -74,10 +77,8 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     """With model.init_from: the model.* keys from its config.json, in place (config.yaml, run.dry_run and the
     planner see the real model); a key given on the command line that disagrees stops the run. Otherwise the
     DiT's shape is its model.* keys (and diffusion.vae's latents)."""
-    from common import ulysses  # torch: here, so that the registry (which serving reads) imports light
     from recipes.dit.weights import CHECKPOINT_KEYS, base_config, transformer_folder
 
-    ulysses.default_method(cfg, command_line)
     m = cfg.model
     if not isinstance(m, DiTModelConfig) or not m.init_from:
         return
@@ -189,14 +190,13 @@ def check_latent_size(cfg: TrainConfig) -> None:
 def check_context_parallel(cfg: TrainConfig, tokens: int) -> None:
     """parallel.cp (Ulysses, common/ulysses.py): what it cannot split, and diffusers' eager processor, which has no
     (B, S, H, D) kernel to wrap (sdpa and flash have)."""
-    from common import ulysses
+    from common import ulysses  # torch: here, so that the registry (which serving reads) imports light
 
     m = cfg.model
     ulysses.check_layout(
         cfg,
         heads=m.num_attention_heads,
         tokens=tokens,
-        recipe="DiT",
         heads_from="model.num_attention_heads",
         tokens_from=f"data.image_size={cfg.data.image_size}, model.patch_size={m.patch_size}",
     )

@@ -13,8 +13,9 @@ from diffusers.models.attention_processor import Attention, AttnProcessor, AttnP
 
 from common.config import TrainConfig
 from common.lora import apply_lora
+from common.parallel_dims import CPGroups
 from common.toggles import apply_toggles
-from common.ulysses import UlyssesGroups, gather_tokens, sdpa_kernel, shard_tokens, ulysses_kernel
+from common.ulysses import gather_tokens, sdpa_kernel, shard_tokens, ulysses_kernel
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -65,7 +66,7 @@ class KernelAttnProcessor:
 KERNELS: dict[str, Kernel] = {"sdpa": sdpa_kernel, "flash": flash_kernel}  # the backends with a (B, S, H, D) kernel
 
 
-def set_attention(model: DiTTransformer2DModel, backend: str, cp: UlyssesGroups | None = None) -> None:
+def set_attention(model: DiTTransformer2DModel, backend: str, cp: CPGroups | None = None) -> None:
     """Every Attention module's processor for `backend`; under context parallelism (`cp`) the backend's kernel
     inside DeepSpeed's Ulysses all-to-all (recipes/dit/config.py refuses eager, which has no such kernel)."""
     if cp is not None:
@@ -80,7 +81,7 @@ def set_attention(model: DiTTransformer2DModel, backend: str, cp: UlyssesGroups 
             module.set_processor(make())
 
 
-def split_sequence(model: DiTTransformer2DModel, cp: UlyssesGroups) -> None:
+def split_sequence(model: DiTTransformer2DModel, cp: CPGroups) -> None:
     """The patch tokens split over the cp ranks from the patch embedding to the output projection: the embedding's
     output is cut to this rank's contiguous share, the output projection's gathered whole again before diffusers
     unpatchifies it (it reads the image size off the token count). The blocks in between (adaLN, the MLP) work token
@@ -89,9 +90,7 @@ def split_sequence(model: DiTTransformer2DModel, cp: UlyssesGroups) -> None:
     model.proj_out_2.register_forward_hook(lambda _m, _args, out: gather_tokens(out, cp.cp_group))
 
 
-def parallelize(
-    model: DiTTransformer2DModel, cfg: TrainConfig, cp: UlyssesGroups | None = None
-) -> DiTTransformer2DModel:
+def parallelize(model: DiTTransformer2DModel, cfg: TrainConfig, cp: CPGroups | None = None) -> DiTTransformer2DModel:
     """`model` with its adapters (finetune=lora: the blocks' attention and feed-forward linears, the rest frozen),
     attention kernel, sequence split over `cp` (parallel.cp > 1) and toggles applied, ready for the engine (DeepSpeed
     ZeRO over what trains, over dp x cp ranks)."""

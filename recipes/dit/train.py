@@ -31,9 +31,9 @@ from common.distributed import DistInfo, barrier
 from common.ema import EMA
 from common.engine import DeepSpeedEngine
 from common.errors import ConfigError, DataError
+from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
-from common.ulysses import data_parallel_layout
 from recipes.dit import lora as dit_lora
 from recipes.dit import weights
 from recipes.dit.data import build_train_loader, channels_of, class_names, load_latent_meta, prepare_data
@@ -45,8 +45,8 @@ from recipes.dit.sizing import model_geometry
 
 
 class DiTTrainer(EMASamples, Trainer):
-    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
-        super().__init__(cfg, dist, run_dir)
+    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path, dims: ParallelDims | None = None):
+        super().__init__(cfg, dist, run_dir, dims)
         # finetune=lora: adapters on model.init_from's transformer, the base of every start (common/lora.py).
         self.lora_base = cfg.model.init_from if cfg.finetune == "lora" else ""
         if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
@@ -75,7 +75,10 @@ class DiTTrainer(EMASamples, Trainer):
                 f"model.in_channels={channels_of(meta)} (or train on latents with diffusion.vae)"
             )
         train = load_latent_meta(cfg, vae_lib.vae_identity(cfg.diffusion.vae), meta) if cfg.data.latents else meta
-        self.dims, self.cp, dp_rank = data_parallel_layout(cfg.parallel, dist)  # dp = world / parallel.cp
+        # parallel.cp > 1: the cp ranks of each data-parallel group (dp = world / cp) read the same samples (so draw the
+        # same noise and timesteps: common/seed.py keys them by sample) and split their tokens.
+        self.cp = self.dims.context_groups(self.device.type)
+        dp_rank = dist.rank if self.cp is None else self.cp.dp_rank
         loader = build_train_loader(cfg, train["train_urls"], train, rank=dp_rank, dp=self.dims.dp)
 
         self.objective = Objective(cfg.diffusion)

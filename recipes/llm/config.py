@@ -15,7 +15,9 @@ from common.errors import ConfigError
 from common.parallel_dims import check_ep_divides_dp
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-CP_METHODS = ("allgather", "alltoall")  # parallel.cp_method: recipes/llm/context_parallel.py
+# parallel.cp_method (its spec's cp_methods, the default first; common/compose.py fills and checks the key):
+# recipes/llm/context_parallel.py.
+CP_METHODS = ("allgather", "alltoall")
 # finetune=lora (common/lora.py): the linears an adapter may target, all of them by default (recipes/llm/model.py's
 # names; the export names them as Hugging Face does: q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj, up_proj).
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -293,12 +295,9 @@ def check_finetune_and_toggles(cfg: TrainConfig) -> None:
 
 
 def check_context_parallel(cfg: TrainConfig) -> None:
-    """parallel.cp / cp_method: what the LLM's context parallelism composes with (one line for what it does not)."""
+    """parallel.cp / cp_method: what the LLM's context parallelism composes with (one line for what it does not); the
+    method is one of CP_METHODS already (common/compose.py)."""
     p, cp = cfg.parallel, cfg.parallel.cp
-    if p.cp_method not in CP_METHODS:
-        raise ConfigError(
-            f"parallel.cp_method={p.cp_method!r} is not in the LLM recipe; choose one of: {', '.join(CP_METHODS)}"
-        )
     if cp == 1:
         return
     if cfg.data.max_seq_len % (2 * cp):

@@ -21,8 +21,8 @@ holds the whole row's ``[L x L]`` mask (SDPA's dense mask, the CPU path).
 
 Under tensor parallelism (cp x tp) each rank exchanges its own heads over its cp group: the
 sequence-parallel regions work on the rank's chunks unchanged. Under pipeline parallelism (cp x pp) each round's rows
-are split as here (``shard_rows``) and every stage attends over its own cp group (recipes/llm/pipeline.py; masked
-SDPA: the varlen kernel under cp x pp is refused at composition). An MoE routes each rank's tokens and sums its
+are split as here (``shard_rows``) and every stage attends over its own cp group
+(recipes/llm/pipeline_parallel.py; masked SDPA: the varlen kernel under cp x pp is refused at composition). An MoE routes each rank's tokens and sums its
 routing statistics over dp x cp before forming the auxiliary losses (recipes/llm/moe_losses.py); expert parallelism
 is refused with cp (recipes/llm/config.py).
 
@@ -240,7 +240,7 @@ def shard_rows(rows: dict[str, Tensor], cp: int, cp_rank: int, method: str = "al
     target first (an MoE pipeline's per-row ``labelled`` counts the rank's targets), and ``attn_mask``
     (``[R, 1, L, L]``) cut to the rows the rank attends with (allgather: its queries'; alltoall: every token's) and
     the keys in the gathered order. The one split of a batch: the training step's (:meth:`ContextShard.of`) and each
-    pipeline round's, padding rows included (recipes/llm/pipeline.py)."""
+    pipeline round's, padding rows included (recipes/llm/pipeline_parallel.py)."""
     seq_len = rows["input_ids"].shape[1]
     idx, keys = chunk_positions(seq_len, cp, cp_rank), gathered_positions(seq_len, cp)
     out = {}

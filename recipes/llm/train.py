@@ -25,7 +25,7 @@ from common.data.packing import PackedBatch
 from common.distributed import DistInfo, barrier
 from common.engine import NativeEngine
 from common.errors import DataError
-from common.parallel_dims import ParallelDims, batch_mesh
+from common.parallel_dims import CPGroups, ParallelDims, batch_mesh
 from common.trainer import Trainer
 from recipes.llm import weights
 from recipes.llm.config import check_qlora_layout
@@ -76,8 +76,8 @@ class LocalBatch:
 
 
 class LLMTrainer(Trainer):
-    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
-        super().__init__(cfg, dist, run_dir)
+    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path, dims: ParallelDims | None = None):
+        super().__init__(cfg, dist, run_dir, dims)
         self.lora = cfg.finetune == "lora"  # adapters on a frozen model.init_from (common/lora.py)
         if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
             lora.check_resume(read_meta(self.resume_from), cfg, cfg.model.init_from, self.resume_from)
@@ -85,11 +85,10 @@ class LLMTrainer(Trainer):
         self.tokenizer = self.resolve_tokenizer()
         # Rows are padded with pad_token_id, else (Llama 3 has none) eos: pad slots are masked either way.
         self.pad_id = pad_id(self.tokenizer)
-        self.dims = ParallelDims.from_config(cfg.parallel, dist.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.mesh["dp"].get_local_rank()
         # Context parallelism: the cp ranks of a dp rank read the same documents and split each row.
-        self.cp_rank = self.mesh["cp"].get_local_rank() if self.dims.cp > 1 else 0
+        self.cp = CPGroups.of(self.mesh)
         self.chat = self.meta.get("format") == "chat"  # conversations are never cut across rows
         check_data(cfg, self.meta)  # preference pairs with preference.loss, and only then
         pairs = cfg.preference.enabled  # preference optimization (recipes/llm/preference.py): pairs, laid whole
@@ -115,7 +114,9 @@ class LLMTrainer(Trainer):
         # preference.loss: the pairwise objective (and its frozen reference) instead of next-token prediction
         self.preference = PreferenceTraining(self, build_model) if pairs else None
         self.pipeline, tied = self.build_pipeline()
-        self.engine = NativeEngine(self.model, cfg, self.mesh, tied=tied, backward_context=self.objective.backward)
+        self.engine = NativeEngine(
+            self.model, cfg, self.mesh, cp=self.cp, tied=tied, backward_context=self.objective.backward
+        )
         if self.lora and self.resume_from is None:
             lora.init_adapter(self.model, cfg.trainer.seed)
         # Layout-independent: one global data stream and no per-rank random draws, so rank 0's copy
@@ -208,12 +209,9 @@ class LLMTrainer(Trainer):
         packed = local_batch(
             rows, dp_rank=self.dp_rank, dp=self.dims.dp, max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id
         )
-        cp = (
-            ContextShard.of(packed, self.dims.cp, self.cp_rank, self.cfg.parallel.cp_method, self.cfg.toggles.attention)
-            if self.dims.cp > 1
-            else None
-        )
-        return LocalBatch(packed, cp)
+        cp, method = self.cp, self.cfg.parallel.cp_method
+        shard = None if cp is None else ContextShard.of(packed, cp.cp, cp.cp_rank, method, self.cfg.toggles.attention)
+        return LocalBatch(packed, shard)
 
     def count(self, batch: LocalBatch) -> int:
         # Only labelled tokens count (chat: the assistant's); under cp this rank's (summed over dp x cp). Pairs: pairs.
@@ -239,7 +237,7 @@ class LLMTrainer(Trainer):
         packed, device = batch.packed, self.device
         if batch.cp is not None:  # this cp rank's chunks of the rows, their next-token targets (shifted)
             input_ids, labels = batch.cp.input_ids, batch.cp.targets
-            inputs = batch.cp.model_inputs(self.mesh["cp"].get_group(), device)
+            inputs = batch.cp.model_inputs(self.cp.cp_group, device)
         else:
             input_ids, labels = packed.input_ids, packed.labels
             inputs = model_inputs(packed, self.cfg.toggles.attention, device)

@@ -46,6 +46,9 @@ class T2IDataConfig(DataConfig):
     max_bad_samples: Optional[int] = None  # noqa: UP045 (OmegaConf's structured configs read Optional)
 
 
+# parallel.cp_method (its spec's cp_methods, the default first): Ulysses (common/ulysses.py), named as the LLM names
+# the same exchange of heads for tokens. One method, so the default and the only choice.
+CP_METHODS = ("alltoall",)
 # finetune=lora (common/lora.py): the joint attention's linears, image and text streams (diffusers' names), all by
 # default, as diffusers' examples/dreambooth/train_dreambooth_lora_sd3.py adapts them (and _flux.py, with its MLPs
 # besides; Flux's single-stream blocks have to_q, to_k, to_v only). A name matches in every block
@@ -78,13 +81,11 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     """With model.init_from: the folder checked (a pipeline Kiln trains, one line otherwise) and the flow schedule's
     keys (diffusion.num_train_timesteps, diffusion.flow_shift) read from its scheduler; a key given on the command
     line that disagrees stops the run."""
-    from common import ulysses  # torch: here, so that the registry (which serving reads) imports light
     from recipes.t2i.weights import SCHEDULER_KEYS, pipeline_folder, scheduler_config
 
     for key, why in NOT_READ.items():
         if key in command_line:
             raise ConfigError(f"{key} is not read by the text-to-image recipe: {why}")
-    ulysses.default_method(cfg, command_line)
     m = cfg.model
     if not isinstance(m, T2IModelConfig) or not m.init_from:
         return
@@ -156,13 +157,12 @@ def check_context_parallel(cfg: TrainConfig) -> None:
     """parallel.cp (Ulysses over SD3's image tokens, common/ulysses.py; the text tokens stay whole on every cp rank):
     what it cannot split, read from model.init_from's transformer (its folder, or a release Kiln knows the shape of).
     Not yet: Flux (its RoPE runs over the joint token ids) and bucketed shards (a token count per bucket)."""
-    from common import ulysses
+    from common import ulysses  # torch: here, so that the registry (which serving reads) imports light
     from recipes.t2i.sizing import architecture
     from recipes.t2i.weights import FLUX_TRANSFORMER
 
     cp, m = cfg.parallel.cp, cfg.model
     if cp == 1 or not m.init_from:
-        ulysses.check_method(cfg, "text-to-image")
         return
     arch = architecture(m.init_from)
     t = arch.transformer
@@ -181,7 +181,6 @@ def check_context_parallel(cfg: TrainConfig) -> None:
         cfg,
         heads=t["num_attention_heads"],
         tokens=side * side,
-        recipe="text-to-image",
         heads_from="model.init_from's transformer",
         tokens_from=f"data.image_size={cfg.data.image_size} / the VAE's {arch.vae_factor} / patch {t['patch_size']}",
     )

@@ -32,9 +32,9 @@ from common.distributed import DistInfo, barrier
 from common.ema import EMA
 from common.engine import DeepSpeedEngine
 from common.errors import ConfigError
+from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
-from common.ulysses import data_parallel_layout
 from recipes.t2i import lora as t2i_lora
 from recipes.t2i.data import CachedPrompts, build_train_loader, load_cache_meta, prepare_data, sample_prompts
 from recipes.t2i.evaluate import (
@@ -61,8 +61,8 @@ EVAL_GRID_COLUMNS = 8  # samples/eval.png: at most this many of each digit's eva
 
 
 class T2ITrainer(EMASamples, Trainer):
-    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
-        super().__init__(cfg, dist, run_dir)
+    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path, dims: ParallelDims | None = None):
+        super().__init__(cfg, dist, run_dir, dims)
         if not cfg.model.init_from:
             raise ConfigError(
                 "the text-to-image recipe fine-tunes a released pipeline: set model.init_from=<a "
@@ -77,7 +77,10 @@ class T2ITrainer(EMASamples, Trainer):
         self.meta = meta = prepare_data(cfg, dist)
         # data.latents: the frozen encoders' outputs read from their cache (data/cache_latents.py), checked first.
         cache = load_cache_meta(cfg, encoders_identity(self.base)) if cfg.data.latents else None
-        self.dims, self.cp, dp_rank = data_parallel_layout(cfg.parallel, dist)  # dp = world / parallel.cp
+        # parallel.cp > 1: the cp ranks of each data-parallel group (dp = world / cp) read the same samples (so draw the
+        # same noise and timesteps: common/seed.py keys them by sample) and split their tokens.
+        self.cp = self.dims.context_groups(self.device.type)
+        dp_rank = dist.rank if self.cp is None else self.cp.dp_rank
         loader = build_train_loader(cfg, cache or meta, rank=dp_rank, dp=self.dims.dp)
         self.prompts, split = sample_prompts(meta, SAMPLE_PROMPTS)
         if split != "val" and dist.is_main:  # a small folder whose held-out images did not decode: still sample

@@ -11,6 +11,9 @@ from recipes.vlm.archs import QWEN_ARCHS
 from recipes.vlm.schema import VLMConfig, VLMDataConfig, VLMModelConfig, check_heads
 from recipes.vlm.weights import init_folder, init_model_type, released, released_config, weight_source
 
+# parallel.cp_method (its spec's cp_methods, the default first): Ulysses over the language model
+# (recipes/vlm/context_parallel.py), named as the LLM names the same exchange of heads for tokens: the only choice.
+CP_METHODS = ("alltoall",)
 # finetune=lora (common/lora.py): the language model's linears an adapter may target, all of them by default
 # (transformers' Llama names); the projector still trains in full, the vision tower stays frozen.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -78,9 +81,6 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     """With model.init_from: the model.* keys from the LLaVA's config, in place (config.yaml and the logs show the
     model that trains); a key given on the command line that disagrees stops the run, as in the DiT and the LLM.
     Otherwise the LLaVA's config is read from its folders when the model is built."""
-    from common import ulysses  # torch: here, so that the registry (which serving reads) imports light
-
-    ulysses.default_method(cfg, command_line)
     m = cfg.model
     if not isinstance(m, VLMModelConfig) or not m.init_from:
         return
@@ -152,10 +152,8 @@ def check_context_parallel(cfg: TrainConfig) -> None:
     """parallel.cp (Ulysses over the language model, recipes/vlm/context_parallel.py): one line for what it cannot
     split. The heads of a language model from vlm.language_from are checked when it is built; cp dividing the ranks
     when the world size is known (common/parallel_dims.py)."""
-    from common import ulysses
     from common.data.packing import ROW_ALIGN
 
-    ulysses.check_method(cfg, "VLM")
     cp = cfg.parallel.cp
     if cp == 1:
         return

@@ -28,7 +28,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from common.errors import ConfigError
-from common.ulysses import UlyssesGroups, gather_tokens, shard_tokens, ulysses_kernel
+from common.parallel_dims import CPGroups
+from common.ulysses import gather_tokens, shard_tokens, ulysses_kernel
 from recipes.vlm.schema import check_heads
 
 ULYSSES_PREFIX = "kiln_ulysses_"  # + the language model's own implementation (transformers' name for it)
@@ -82,7 +83,7 @@ def shard_deepstack(mask: torch.Tensor, features: list[torch.Tensor], cp: int, r
     return mine, [f[rows] for f in features]
 
 
-def split_language_model(model: torch.nn.Module, cp: UlyssesGroups) -> None:
+def split_language_model(model: torch.nn.Module, cp: CPGroups) -> None:
     """`model`'s (a LLaVA, a Qwen2.5-VL or a Qwen3-VL: splittable_types) language model split over the cp ranks
     (module docstring)."""
     if not isinstance(model, splittable_types()):

@@ -10,8 +10,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from common.config import TrainConfig
 from common.lora import apply_lora
+from common.parallel_dims import CPGroups
 from common.toggles import apply_toggles
-from common.ulysses import UlyssesGroups
 from recipes.vlm.context_parallel import split_language_model
 
 
@@ -76,7 +76,7 @@ def trainable_parts(model: LlavaForConditionalGeneration, cfg: TrainConfig) -> N
 
 
 def parallelize(
-    model: LlavaForConditionalGeneration, cfg: TrainConfig, cp: UlyssesGroups | None = None
+    model: LlavaForConditionalGeneration, cfg: TrainConfig, cp: CPGroups | None = None
 ) -> LlavaForConditionalGeneration:
     """`model` frozen for its stage (`trainable_parts`), its language model split over `cp` (parallel.cp > 1), with
     its toggles applied, ready for the engine (DeepSpeed ZeRO over the trainable parameters; the attention kernel

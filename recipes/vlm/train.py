@@ -25,9 +25,9 @@ from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
 from common.engine import DeepSpeedEngine
+from common.parallel_dims import ParallelDims
 from common.seed import seed_everything
 from common.trainer import Trainer
-from common.ulysses import data_parallel_layout
 from recipes.vlm import lora as vlm_lora
 from recipes.vlm.attention import eval_attention
 from recipes.vlm.data import prepare_data
@@ -39,8 +39,8 @@ from recipes.vlm.weights import init_folder, load_model
 
 
 class VLMTrainer(Trainer):
-    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path):
-        super().__init__(cfg, dist, run_dir)
+    def __init__(self, cfg: TrainConfig, dist: DistInfo, run_dir: Path, dims: ParallelDims | None = None):
+        super().__init__(cfg, dist, run_dir, dims)
         # finetune=lora: adapters on the LLaVA (Qwen2.5-VL) of model.init_from, the base of every start
         # (common/lora.py).
         self.lora_base = str(init_folder(cfg.model.init_from)[0]) if cfg.finetune == "lora" else ""
@@ -63,7 +63,9 @@ class VLMTrainer(Trainer):
                 "stop (llava-hf's template drops LLaVA's </s>)",
                 flush=True,
             )
-        self.dims, self.cp, dp_rank = data_parallel_layout(cfg.parallel, dist)  # dp = world / parallel.cp
+        # parallel.cp > 1: the cp ranks of each data-parallel group (dp = world / cp) read the same rows and split them.
+        self.cp = self.dims.context_groups(self.device.type)
+        dp_rank = dist.rank if self.cp is None else self.cp.dp_rank
         loader = self.inputs.train_loader(cfg, self.meta, rank=dp_rank, dp=self.dims.dp)
         self.engine = DeepSpeedEngine(parallelize(model, cfg, self.cp), cfg, self.dims.dp, cp=self.cp)
         self.model = self.engine.module

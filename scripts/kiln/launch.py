@@ -26,6 +26,7 @@ from common.compose import (  # noqa: F401  (part of this module's API: the CLIs
     _recipes,
     check_layout,
     command_line_keys,
+    compose_run,
     explain_compose_error,
     parse_overrides,
     rename_overrides,
@@ -259,7 +260,9 @@ def main(argv: list[str], registry=None) -> int:
     overrides = [a for a in argv if a != "--cfg"]
     try:
         # The layout first (the world size is torchrun's WORLD_SIZE, 1 for one process); --cfg prints any layout.
-        cfg = compose(overrides, None if print_cfg else int(os.environ.get("WORLD_SIZE", "1")))
+        # `dims`: the run's one ParallelDims (None for --cfg and a dry run, which sizes any layout).
+        world_size = None if print_cfg else int(os.environ.get("WORLD_SIZE", "1"))
+        cfg, dims = compose_run(overrides, world_size, registry=current_registry())
         if print_cfg:
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             return 0
@@ -295,7 +298,7 @@ def main(argv: list[str], registry=None) -> int:
                 f"kiln: {cfg.recipe.name} on {dist.world_size} rank(s), device {dist.device}, run.dir={run_dir}",
                 flush=True,
             )
-        run_recipe(spec.trainer(cfg, dist, run_dir))
+        run_recipe(spec.trainer(cfg, dist, run_dir, dims))
         merge_profiles()
         if dist.is_main:
             print(f"kiln: done; outputs in {run_dir}", flush=True)

@@ -112,10 +112,11 @@ def _exchange_memory(groups) -> dict:
 def _on_each_rank() -> dict:
     """This rank's share of the split attention (its tokens' outputs and q/k/v gradients, in its rows) and the max
     differences of the split DiT and SD3 transformer from the unsplit ones, computed here (same seeds)."""
-    from common.ulysses import UlyssesGroups, sdpa_kernel, shard_tokens, ulysses_kernel
+    from common.parallel_dims import ParallelDims
+    from common.ulysses import sdpa_kernel, shard_tokens, ulysses_kernel
     from recipes.dit.parallelize import set_attention, split_sequence
 
-    groups = UlyssesGroups(1, CP, "cpu")
+    groups = ParallelDims(dp=1, tp=1, pp=1, world_size=CP, cp=CP).context_groups("cpu")  # what the trainers build
     q, k, v, upstream = _attention_inputs()
     mine = [shard_tokens(t, CP, groups.cp_rank).clone().requires_grad_() for t in (q, k, v)]
     out = ulysses_kernel(sdpa_kernel, groups.cp_group)(*mine)

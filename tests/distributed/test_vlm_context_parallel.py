@@ -285,13 +285,13 @@ def _deepstack_share(model, inputs: dict, logits: torch.Tensor) -> float:
 
 def _on_each_rank() -> dict:
     from common import varlen
-    from common.ulysses import UlyssesGroups
+    from common.parallel_dims import ParallelDims
     from recipes.vlm.attention import register_varlen_attention
     from tests.fixtures.varlen import cpu_kernel
 
     varlen._kernel = cpu_kernel  # torch's varlen kernel is CUDA only: its CPU stand-in, in this rank's process
     register_varlen_attention()
-    groups = UlyssesGroups(1, CP, "cpu")
+    groups = ParallelDims(dp=1, tp=1, pp=1, world_size=CP, cp=CP).context_groups("cpu")  # the trainer's
     llava, image_tokens = _tiny_llava()
     qwen, qwen3 = _tiny_qwen(), _tiny_qwen3()
     return {

@@ -266,12 +266,22 @@ def test_the_vlm_takes_context_parallelism_with_flash():
     assert (cfg.parallel.cp, cfg.toggles.attention) == (2, "flash")
 
 
+def test_the_llm_declares_its_own_cp_method_default():
+    """The shared schema's parallel.cp_method is "" ("the family's default"): composition fills in the first of the
+    family's spec's cp_methods (the LLM: allgather, docs/long-context.md) and keeps the one a command line gives."""
+    from common.config import ParallelConfig
+
+    assert ParallelConfig().cp_method == ""
+    assert compose(["recipe=llm_tiny"]).parallel.cp_method == "allgather"
+    assert compose(["recipe=llm_tiny", "parallel.cp_method=alltoall"]).parallel.cp_method == "alltoall"
+
+
 @pytest.mark.parametrize("accepted", list(CP_REFUSALS), ids=["sd35_medium", "dit_tiny", "vlm_tiny"])
 def test_the_deepspeed_recipes_take_context_parallelism(accepted):
     recipe, cp = accepted.split()[0], int(accepted.split()[1].split("=")[1])
     cfg = compose(accepted.split())
     assert (cfg.parallel.cp, cfg.parallel.cp_method) == (cp, "alltoall")
-    assert compose([recipe]).parallel.cp_method == "alltoall"
+    assert compose([recipe]).parallel.cp_method == "alltoall"  # the family's default (its spec's cp_methods)
     for overrides, needle in CP_REFUSALS[accepted].items():
         with pytest.raises(ConfigError, match=re.escape(needle)):
             compose([recipe, *overrides.split()])

@@ -1,4 +1,4 @@
-"""Parallel layouts are validated against the world size with one-line errors."""
+"""Parallel layouts are validated against the world size with one-line errors, and built once per run."""
 
 import pytest
 
@@ -94,3 +94,42 @@ def test_expert_mesh_draws_ep_from_dp_x_cp(cp, ep):
             [stage * 4 + b for b in range(mine, mine + ep)],
             [stage * 4 + b for b in range(batch % ep, 4, ep)],
         )
+
+
+def test_the_launcher_hands_its_one_layout_to_the_trainer(tmp_path, monkeypatch):
+    """ParallelDims is built once per run, when the config is composed against the job's ranks (common/compose.py:
+    compose_run), and scripts/kiln/launch.py hands that object to the trainer, which builds its mesh and cp groups
+    from it (common/trainer.py: Trainer.dims); nothing else builds one. A stand-in trainer records what it is given
+    and stops the run with a user error (one line, nothing left behind)."""
+    import torch
+
+    from common import distributed
+    from common import trainer as trainer_module
+    from common.errors import UserError
+    from recipes import registry
+    from recipes.registry import RecipeSpec
+    from scripts.kiln import launch
+
+    built, given = [], []
+    real = ParallelDims.from_config.__func__
+
+    def counted(cls, p, world_size):
+        built.append(real(cls, p, world_size))
+        return built[-1]
+
+    def trainer(cfg, dist, run_dir, dims):
+        given.append(dims)
+        raise UserError("stop here")
+
+    monkeypatch.setattr(ParallelDims, "from_config", classmethod(counted))
+    # One process without a process group, signal handlers or global toggles left behind in this test process.
+    solo = distributed.DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    monkeypatch.setattr(distributed, "init_distributed", lambda timeout_s: solo)
+    monkeypatch.setattr(trainer_module.STOP_SIGNALS, "install", lambda: None)
+    monkeypatch.setattr("common.toggles.apply_global_toggles", lambda toggles: None)
+    monkeypatch.setattr(RecipeSpec, "trainer", property(lambda spec: trainer))
+    with pytest.raises(SystemExit):
+        launch.main(["recipe=llm_tiny", "parallel.cp=1", f"run.dir={tmp_path / 'run'}"], registry=registry)
+    assert len(built) == 1 and given == built and given[0] is built[0]
+    assert (given[0].dp, given[0].cp, given[0].world_size) == (1, 1, 1)
+    assert not (tmp_path / "run").exists()
