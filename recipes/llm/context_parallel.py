@@ -19,12 +19,12 @@ Per layer a rank sends ``(cp-1)/cp`` of its own q, k, v and attention output (a 
 with L/cp fixed), where the all-gather sends its keys and values to each of the ``cp - 1`` others; but every rank
 holds the whole row's ``[L x L]`` mask (SDPA's dense mask, the CPU path).
 
-Under tensor parallelism (cp x tp) each rank exchanges its own heads over its cp group: the
-sequence-parallel regions work on the rank's chunks unchanged. Under pipeline parallelism (cp x pp) each round's rows
-are split as here (``shard_rows``) and every stage attends over its own cp group
-(recipes/llm/pipeline_parallel.py; masked SDPA: the varlen kernel under cp x pp is refused at composition). An MoE
-routes each rank's tokens and sums its routing statistics over dp x cp before forming the auxiliary losses (recipes/llm/moe_losses.py); expert parallelism
-is refused with cp (recipes/llm/config.py).
+Under tensor parallelism (cp x tp) each rank exchanges its own heads over its cp group: the sequence-parallel regions
+work on the rank's chunks unchanged. Under pipeline parallelism (cp x pp) each round's rows are split as here
+(``shard_rows``) and every stage attends over its own cp group (recipes/llm/pipeline_parallel.py; masked SDPA: the
+varlen kernel under cp x pp is refused at composition). An MoE routes each rank's tokens and sums its routing
+statistics over dp x cp before forming the auxiliary losses (recipes/llm/moe_losses.py); expert parallelism is refused
+with cp (recipes/llm/config.py).
 
 Two kernels after the exchange, the same attention: masked SDPA with the dense mask rows above (``sdpa``, the CPU
 path), or torch's varlen FlashAttention kernel (``toggles.attention=flash``, CUDA; common/varlen.py) on segments built
