@@ -70,6 +70,7 @@ from torch import nn
 
 from common.config import TrainConfig
 from common.data.packing import IGNORE_INDEX, PackedBatch, cu_seqlens_of_rows
+from common.parallel_dims import CPGroups
 from recipes.llm.context_parallel import ContextParallelMask, shard_rows
 from recipes.llm.data import real_token_mask
 from recipes.llm.loss import NextTokenLoss
@@ -317,12 +318,12 @@ class Pipeline:
         self.moe = moe_aux is not None
         # Context parallelism: each round's rows are cut into this cp rank's share (shard_rows) before the schedule
         # splits them into microbatches; the stages of a pipeline hold the same cp rank's chunks.
-        self.cp = mesh["cp"].size() if "cp" in (mesh.mesh_dim_names or ()) else 1
-        self.cp_rank, self.cp_method = (mesh["cp"].get_local_rank(), p.cp_method) if self.cp > 1 else (0, "")
+        cp = CPGroups.of(mesh)
+        self.cp, self.cp_rank, self.cp_method = (cp.cp, cp.cp_rank, p.cp_method) if cp else (1, 0, "")
         if self.attention == "flash":  # what turns a stage's microbatch mask input into what attention takes
             masked = _VarlenStage
-        elif self.cp > 1:
-            masked = functools.partial(_ContextParallelStage, group=mesh["cp"].get_group(), method=p.cp_method)
+        elif cp:
+            masked = functools.partial(_ContextParallelStage, group=cp.cp_group, method=p.cp_method)
         else:
             masked = lambda view: view  # noqa: E731  (the dense mask as it is)
 
