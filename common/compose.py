@@ -110,9 +110,10 @@ def compose_run(
     from common import lora, preference
 
     families = list(registry.specs().values())
-    register(name for spec in families for name in spec.sections)
-    for spec in families:
-        spec.config.register()
+    register(
+        (name for spec in families for name in spec.sections),
+        (schema for spec in families for schema in spec.config.SCHEMAS),
+    )
     overrides = rename_overrides(parse_overrides(overrides), families)
     try:
         cfg: TrainConfig = OmegaConf.to_object(_hydra_compose(overrides, families))

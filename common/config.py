@@ -365,8 +365,11 @@ def fill_from_checkpoint(model: Any, values: dict[str, tuple[str, Any]], command
         setattr(owner, leaf, value)
 
 
-def register(sections: Iterable[str] = ()) -> None:
-    """Put the shared schema, with the families' `sections` (their names), into Hydra's ConfigStore (idempotent)."""
+def register(sections: Iterable[str] = (), schemas: Iterable[tuple[str, str, type]] = ()) -> None:
+    """Put the shared schema, with the families' `sections` (their names), and the families' group `schemas`
+    ((group, name, dataclass): each family's config.SCHEMAS) into Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
+    for group, name, node in schemas:
+        cs.store(group=group, name=name, node=node)
     cs.store(name="train_schema", node=schema(sections))
     cs.store(group="parallel", name="zero_schema", node=ZeroParallelConfig)

@@ -4,7 +4,7 @@ Nothing outside recipes/ branches on a family's name: what a CLI needs from a fa
 
 A family is its folder plus one `RecipeSpec` below. It provides:
 
-    recipes/<family>/config.py   its schema: register() (its config groups' schemas in Hydra's ConfigStore),
+    recipes/<family>/config.py   its schema: SCHEMAS (its config groups' schemas, for Hydra's ConfigStore),
                                  complete(cfg, command_line_keys), validate(cfg); the spec names its extra top-level
                                  sections (`sections`), the keys it renamed (`renamed`) and what its LoRA may
                                  target (`lora_targets`, `qlora`)
@@ -48,7 +48,7 @@ from recipes.vlm import config as vlm_config
 @dataclass(frozen=True)
 class RecipeSpec:
     family: str
-    config: ModuleType  # recipes/<family>/config.py: register(), complete(cfg, command_line_keys), validate(cfg)
+    config: ModuleType  # recipes/<family>/config.py: SCHEMAS, complete(cfg, command_line_keys), validate(cfg)
     train_module: str  # recipes/<family>/train.py, imported on demand: TRAINER
     export_module: str  # recipes/<family>/export.py, imported on demand: export from a checkpoint
     # recipes/<family>/sizing.py, imported on demand: memory_spec(cfg) for scripts/plan.py and run.dry_run. "" (a

@@ -6,8 +6,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hydra.core.config_store import ConfigStore
-
 from common.config import (
     ZERO_LAYOUTS,
     DataConfig,
@@ -66,11 +64,13 @@ SECTIONS = {"diffusion": DiffusionConfig}
 RENAMED = {"trainer.sample_every": "diffusion.sample_every"}  # only the DiT draws sample grids
 
 
-def register() -> None:
-    cs = ConfigStore.instance()
-    cs.store(group="data", name="dit_schema", node=DiTDataConfig)
-    cs.store(group="model", name="dit_schema", node=DiTModelConfig)
-    cs.store(group="diffusion", name="dit_schema", node=DiffusionConfig)
+# The schemas of this family's config groups (its spec's `config.SCHEMAS`): (group, name, dataclass), stored in
+# Hydra's ConfigStore by common/compose.py; the group files name them in their defaults (`- dit_schema`).
+SCHEMAS = [
+    ("data", "dit_schema", DiTDataConfig),
+    ("model", "dit_schema", DiTModelConfig),
+    ("diffusion", "dit_schema", DiffusionConfig),
+]
 
 
 def complete(cfg: TrainConfig, command_line: set[str]) -> None:

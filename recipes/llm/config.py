@@ -8,8 +8,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra.core.config_store import ConfigStore
-
 from common.config import DataConfig, ParallelConfig, TrainConfig, check_family_sections, fill_from_checkpoint
 from common.errors import ConfigError
 from common.parallel_dims import check_ep_divides_dp
@@ -118,11 +116,13 @@ CHECKPOINT_KEYS = {
 }
 
 
-def register() -> None:
-    cs = ConfigStore.instance()
-    cs.store(group="model", name="llm_schema", node=LLMModelConfig)
-    cs.store(group="parallel", name="llm_schema", node=MeshParallelConfig)
-    cs.store(group="data", name="llm_schema", node=LLMDataConfig)
+# The schemas of this family's config groups (its spec's `config.SCHEMAS`): (group, name, dataclass), stored in
+# Hydra's ConfigStore by common/compose.py; the group files name them in their defaults (`- llm_schema`).
+SCHEMAS = [
+    ("model", "llm_schema", LLMModelConfig),
+    ("parallel", "llm_schema", MeshParallelConfig),
+    ("data", "llm_schema", LLMDataConfig),
+]
 
 
 def complete(cfg: TrainConfig, command_line: set[str]) -> None:

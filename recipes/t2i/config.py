@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from hydra.core.config_store import ConfigStore
-
 from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
 from common.diffusion.config import DiffusionConfig
 from common.errors import ConfigError
@@ -70,11 +68,13 @@ NOT_READ = {
 }
 
 
-def register() -> None:
-    cs = ConfigStore.instance()
-    cs.store(group="data", name="t2i_schema", node=T2IDataConfig)
-    cs.store(group="model", name="t2i_schema", node=T2IModelConfig)
-    cs.store(group="diffusion", name="dit_schema", node=DiffusionConfig)
+# The schemas of this family's config groups (its spec's `config.SCHEMAS`): (group, name, dataclass), stored in
+# Hydra's ConfigStore by common/compose.py; the group files name them in their defaults (`- t2i_schema`).
+SCHEMAS = [
+    ("data", "t2i_schema", T2IDataConfig),
+    ("model", "t2i_schema", T2IModelConfig),
+    ("diffusion", "dit_schema", DiffusionConfig),
+]
 
 
 def complete(cfg: TrainConfig, command_line: set[str]) -> None:

@@ -3,8 +3,6 @@ schemas (recipes/vlm/schema.py) registered with Hydra, and the composed config v
 
 from __future__ import annotations
 
-from hydra.core.config_store import ConfigStore
-
 from common.config import ZERO_LAYOUTS, TrainConfig, ZeroParallelConfig, check_family_sections, fill_from_checkpoint
 from common.errors import ConfigError
 from recipes.vlm.archs import QWEN_ARCHS
@@ -28,11 +26,13 @@ RENAMED = {
 }
 
 
-def register() -> None:
-    cs = ConfigStore.instance()
-    cs.store(group="data", name="vlm_schema", node=VLMDataConfig)
-    cs.store(group="model", name="vlm_schema", node=VLMModelConfig)
-    cs.store(group="vlm", name="vlm_schema", node=VLMConfig)
+# The schemas of this family's config groups (its spec's `config.SCHEMAS`): (group, name, dataclass), stored in
+# Hydra's ConfigStore by common/compose.py; the group files name them in their defaults (`- vlm_schema`).
+SCHEMAS = [
+    ("data", "vlm_schema", VLMDataConfig),
+    ("model", "vlm_schema", VLMModelConfig),
+    ("vlm", "vlm_schema", VLMConfig),
+]
 
 
 # model.* keys a LLaVA's config sets: model key -> (LlavaConfig's section, its name there). With model.init_from
