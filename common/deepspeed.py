@@ -27,8 +27,8 @@ def zero_stage(cfg: TrainConfig, dp: int) -> int:
     but 0 on one rank. ZeRO partitions optimizer state, gradients (and at stage 3 weights) over the ranks: one rank has
     nothing to partition over, so it would hold the same bytes and pay only ZeRO's bookkeeping (flat partitions,
     bucketed reduce copies: a DiT-XL/2 step on an H100 spent 0.08-0.11 s of 0.31-0.33 s in ZeRO-2's optimizer step).
-    ZeRO-0 instead: DeepSpeed's bf16/fp16 optimizer (fp32 master weights, the same Adam state) or torch's AdamW on
-    the fp32 weights, the fused kernel on CUDA either way. The planner sizes one rank so too (scripts/kiln/planner.py
+    ZeRO-0 instead: DeepSpeed's bf16/fp16 wrapper (FP16_UnfusedOptimizer: fp32 master weights, the same Adam state)
+    or torch's AdamW on the fp32 weights; torch's fused AdamW kernel on CUDA either way. The planner sizes one rank so too (scripts/kiln/planner.py
     _zero_stages)."""
     return 0 if dp * cfg.parallel.cp == 1 else cfg.parallel.zero_stage
 

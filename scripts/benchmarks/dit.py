@@ -394,6 +394,56 @@ def breakdown(opts, s: Section, inputs: dict) -> None:
     s.data["breakdown"] = {"median_s": med, "total_s": total}
 
 
+# ---- a DiT step by hand: what scripts/gpu_check.py measures Kiln's DiT step against on a GPU -----------------------
+
+
+def ddpm_alphas_cumprod(steps: int = 1000):
+    """The DiT paper's DDPM schedule (linear betas 1e-4 .. 0.02 over 1000 steps): cumulative products of 1 - beta."""
+    import torch
+
+    return torch.cumprod(1 - torch.linspace(1e-4, 0.02, steps, dtype=torch.float64), 0).float()
+
+
+def dit_batch(micro: int, num_classes: int, device, *, channels: int = 4, size: int = 32, seed: int = 0) -> dict:
+    """One micro batch as a latent cache gives it: latents x0, the noise, timesteps and class labels."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x0, noise = (torch.randn(micro, channels, size, size, generator=g) for _ in range(2))
+    t, y = torch.randint(0, 1000, (micro,), generator=g), torch.randint(0, num_classes, (micro,), generator=g)
+    return {k: v.to(device) for k, v in {"x0": x0, "noise": noise, "t": t, "y": y}.items()}
+
+
+def bare_dit_step(model, opt, *, grad_clip: float, ema_decay: float, autocast=None):
+    """A hand-written DiT training step: DDPM noising of the batch's latents, the epsilon-prediction MSE under
+    `autocast`, backward, clip, torch's AdamW, and an EMA of the weights (one foreach lerp). It shares none of Kiln's
+    step code (no DeepSpeed, no trainer): the reference scripts/gpu_check.py's dit_mfu rows time Kiln's step against
+    (fp32 weights under bf16 autocast, the fused AdamW: plain PyTorch mixed precision)."""
+    import torch
+    import torch.nn.functional as F
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    ema = [p.detach().clone() for p in params]
+    alphas = ddpm_alphas_cumprod().to(params[0].device)
+
+    def step(batch: dict) -> torch.Tensor:
+        a = alphas[batch["t"]].view(-1, 1, 1, 1)
+        x_t = a.sqrt() * batch["x0"] + (1 - a).sqrt() * batch["noise"]
+        device = x_t.device.type
+        with torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext():
+            pred = model(x_t, timestep=batch["t"], class_labels=batch["y"]).sample
+        loss = F.mse_loss(pred.float(), batch["noise"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - ema_decay)
+        return loss.detach()
+
+    step.ema = ema
+    return step
+
+
 def run(opts) -> Section:
     s = Section("dit", "DiT: selective activation checkpointing; cached vs on-the-fly latents; the step's breakdown")
     ac(opts, s)

@@ -125,3 +125,21 @@ def test_dit_attention_runs_on_torchs_flash_kernel_in_bf16():
         out.float().square().mean().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert torch.isfinite(out).all() and grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_planner_fills_one_gpu_with_the_largest_micro_batch_that_fits():
+    """plan.py --fill: the largest multiple of 8 whose estimate fits the headroom, the next one not; DiT-XL/2 on one
+    H100 fits far more than its preset's 32 (which uses a third of the GPU)."""
+    import dataclasses
+
+    from common.memory import estimate
+    from scripts.kiln.planner import GPUS, fill_micro_batch, plan
+    from scripts.plan import model_spec
+
+    spec = model_spec(compose(["recipe=dit_xl2", "run.dry_run=true"]))
+    gpu = GPUS["h100_80gb"]
+    best = plan(spec, 1, gpu)[0]["layout"]
+    micro = fill_micro_batch(spec, best, gpu)
+    total = {m: estimate(dataclasses.replace(spec, micro_batch=m), best)["total"] for m in (micro, micro + 8)}
+    assert micro > 4 * spec.micro_batch and micro % 8 == 0
+    assert total[micro] <= 0.9 * gpu.memory < total[micro + 8]
