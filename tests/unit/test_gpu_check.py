@@ -161,9 +161,22 @@ def test_dit_table():
 
 
 def _dit_rows(ips=400.0, mfu=0.33, mfu_2b=0.41, bare_ips=410.0, flops=720e9):
-    kiln = {"recipe": "dit_xl2", "kind": "kiln", "filled": True, "micro_batch": 176, "run": "Kiln dit_xl2, micro batch 176"}
+    kiln = {
+        "recipe": "dit_xl2",
+        "kind": "kiln",
+        "filled": True,
+        "micro_batch": 176,
+        "run": "Kiln dit_xl2, micro batch 176",
+    }
     return [
-        {**kiln, "samples_per_s": ips, "mfu": mfu, "flops_per_image": flops},
+        {
+            **kiln,
+            "samples_per_s": ips,
+            "mfu": mfu,
+            "flops_per_image": flops,
+            "optimizer": "X > AdamW (fused)",
+            "phases_s": {"data_wait": 0.001, "forward": 0.1, "backward": 0.2, "optimizer": None},
+        },
         {"recipe": "dit_2b", "kind": "kiln", "filled": True, "micro_batch": 40, "mfu": mfu_2b, "run": "Kiln dit_2b"},
         {"recipe": "dit_xl2", "kind": "kiln", "filled": False, "error": "out of memory"},
         {"recipe": "dit_xl2", "kind": "bare", "micro_batch": 176, "samples_per_s": bare_ips, "run": "bare, micro 176"},
@@ -180,6 +193,12 @@ def test_dit_targets():
     missed = gpu_check.dit_targets(_dit_rows(ips=300.0, mfu=0.2, mfu_2b=0.3, bare_ips=330.0, flops=960e9))
     assert [t[2] for t in missed] == ["**NOT met**"] * 5
     assert gpu_check.dit_targets([{"recipe": "dit_xl2", "kind": "kiln", "filled": True, "error": "x"}]) == []
+    phases = gpu_check.dit_phase_table(_dit_rows()).splitlines()  # the Kiln rows that ran, by phase
+    assert (
+        len(phases) == 4
+        and phases[3] == "| Kiln dit_2b | - | - | - | - | - |"
+        and phases[2] == "| Kiln dit_xl2, micro batch 176 | 0.0010 | 0.1000 | 0.2000 | - | X > AdamW (fused) |"
+    )
 
 
 def test_bare_dit_step_trains_on_cpu():
