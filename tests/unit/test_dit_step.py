@@ -143,3 +143,27 @@ def test_planner_fills_one_gpu_with_the_largest_micro_batch_that_fits():
     total = {m: estimate(dataclasses.replace(spec, micro_batch=m), best)["total"] for m in (micro, micro + 8)}
     assert micro > 4 * spec.micro_batch and micro % 8 == 0
     assert total[micro] <= 0.9 * gpu.memory < total[micro + 8]
+
+
+@pytest.mark.gpu
+def test_one_gpu_steps_the_weights_with_fused_adamw_at_zero0(tmp_path):
+    """A one-process bf16 run asking for ZeRO-2 on CUDA: ZeRO-0, DeepSpeed's bf16 wrapper over torch's fused AdamW
+    (run.dir/memory.json names what stepped), one note line, and the loss stays finite."""
+    from tests.conftest import FAST_DIT, losses
+    from tests.support.launcher import run_train
+
+    proc = run_train(
+        [
+            *FAST_DIT,
+            f"run.dir={tmp_path}",
+            "trainer.max_steps=3",
+            "trainer.eval=false",
+            "checkpoint.final=false",
+            "toggles.precision=bf16",
+            "parallel.zero_stage=2",
+        ]
+    )
+    assert proc.stdout.count("kiln: parallel.zero_stage=2 on one rank") == 1
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    assert memory["zero_stage"] == 0 and memory["optimizer"].endswith("AdamW (fused)")
+    assert all(v == v and abs(v) < 1e3 for v in losses(tmp_path).values())

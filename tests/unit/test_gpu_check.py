@@ -219,3 +219,16 @@ def test_bare_dit_step_trains_on_cpu():
     torch.testing.assert_close(step.ema, [0.5 * (a + p.detach()) for a, p in zip(first, model.parameters())])
     losses += [float(step(batch)) for _ in range(5)]
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_dit_fill_reads_plan_pys_fill(tmp_path):
+    """dit_mfu's micro batch comes from scripts/plan.py --fill --json (a subprocess, as on the GPU node): DiT-XL/2
+    on one H100 fills to 176 at AC none, and the run's overrides with it compose."""
+    from scripts.kiln.launch import compose
+
+    check = gpu_check.Check(tmp_path)
+    check.inputs["dit"] = ["diffusion.vae=/nonexistent/vae", "data.root=/nonexistent/shards"]
+    micro, ac = gpu_check.dit_fill(check, "dit_xl2")
+    assert (micro, ac) == (176, "none")
+    cfg = compose([*gpu_check.dit_run("dit_xl2", check, 30), f"trainer.micro_batch_size={micro}"])
+    assert cfg.trainer.micro_batch_size == 176 and cfg.toggles.compile and cfg.data.latents == ""
