@@ -221,13 +221,22 @@ def test_bare_dit_step_trains_on_cpu():
     assert losses[-1] < 0.7 * losses[0]
 
 
-def test_dit_fill_reads_plan_pys_fill(tmp_path):
-    """dit_mfu's micro batch comes from scripts/plan.py --fill --json (a subprocess, as on the GPU node): DiT-XL/2
-    on one H100 fills to 176 at AC none, and the run's overrides with it compose."""
+def test_dit_fill_reads_plan_pys_fill(tmp_path, capsys, monkeypatch):
+    """dit_mfu's micro batch comes from scripts/plan.py --fill --json (its output fed to Check.plan, in process here):
+    DiT-XL/2 on one H100 fills to 176 at AC none, and the run's overrides with it compose."""
+    import json
+
+    from scripts import plan
     from scripts.kiln.launch import compose
 
     check = gpu_check.Check(tmp_path)
     check.inputs["dit"] = ["diffusion.vae=/nonexistent/vae", "data.root=/nonexistent/shards"]
+
+    def plan_json(name, overrides):
+        assert plan.main([*overrides, "cluster.gpus=1", "cluster.gpu=h100_80gb", "--all", "--json", "--fill"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    monkeypatch.setattr(check, "plan", plan_json)
     micro, ac = gpu_check.dit_fill(check, "dit_xl2")
     assert (micro, ac) == (176, "none")
     cfg = compose([*gpu_check.dit_run("dit_xl2", check, 30), f"trainer.micro_batch_size={micro}"])
