@@ -108,6 +108,7 @@ def compose_run(
     from omegaconf.errors import OmegaConfBaseException
 
     from common import lora, preference
+    from common.diffusion import latents
 
     families = list(registry.specs().values())
     register(
@@ -127,6 +128,11 @@ def compose_run(
     given = command_line_keys(overrides)
     lora.complete(cfg, spec, given)  # finetune=lora: the family's default targets, checked
     spec.config.complete(cfg, given)  # keys filled from files (the LLM: model.init_from)
+    # data.latents=auto: the cache beside data.root if there, else on the fly (one note when a training launch composes)
+    training = world_size is not None and not cfg.run.dry_run
+    latents.resolve(cfg, note=training)
+    if training and (missing := latents.missing_cache(cfg)):
+        raise ConfigError(missing)
     spec.config.validate(cfg)
     return cfg, dims
 

@@ -22,8 +22,30 @@ from common.memory import deepspeed_state_bytes, model_state_bytes
 from common.optim import lr_factor
 
 
+def zero_stage(cfg: TrainConfig, dp: int) -> int:
+    """The ZeRO stage a run on `dp` data-parallel ranks (DeepSpeed's dp, x parallel.cp) runs: parallel.zero_stage,
+    but 0 on one rank. ZeRO partitions optimizer state, gradients (and at stage 3 weights) over the ranks: one rank has
+    nothing to partition over, so it would hold the same bytes and pay only ZeRO's bookkeeping (flat partitions,
+    bucketed reduce copies: a DiT-XL/2 step on an H100 spent 0.08-0.11 s of 0.31-0.33 s in ZeRO-2's optimizer step).
+    ZeRO-0 instead: DeepSpeed's bf16/fp16 wrapper (FP16_UnfusedOptimizer: fp32 master weights, the same Adam state)
+    or torch's AdamW on the fp32 weights; torch's fused AdamW kernel on CUDA either way. The planner sizes one rank so
+    too (scripts/kiln/planner.py _zero_stages)."""
+    return 0 if dp * cfg.parallel.cp == 1 else cfg.parallel.zero_stage
+
+
+def single_rank_note(cfg: TrainConfig, dp: int) -> str | None:
+    """The one line a one-rank run with parallel.zero_stage > 0 prints (`zero_stage`), else None."""
+    if zero_stage(cfg, dp) == cfg.parallel.zero_stage:
+        return None
+    return (
+        f"kiln: parallel.zero_stage={cfg.parallel.zero_stage} on one rank: nothing to partition over, so DeepSpeed "
+        "runs ZeRO-0 (the same weights and Adam state, no partitioning overhead); ZeRO applies from 2 ranks"
+    )
+
+
 def build_deepspeed_config(cfg: TrainConfig, dp: int) -> dict[str, Any]:
     t, o = cfg.trainer, cfg.optim
+    stage = zero_stage(cfg, dp)
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum,
@@ -42,16 +64,16 @@ def build_deepspeed_config(cfg: TrainConfig, dp: int) -> dict[str, Any]:
             },
         },
         "zero_optimization": {
-            "stage": cfg.parallel.zero_stage,
+            "stage": stage,
             "contiguous_gradients": True,
-            "overlap_comm": cfg.parallel.zero_stage >= 2,
+            "overlap_comm": stage >= 2,
             # Resume restores Adam state from the fp32 partitions: bitwise continuation.
             "load_from_fp32_weights": True,
         },
         "steps_per_print": 10**9,  # Kiln logs; keep DeepSpeed's own step logs quiet
         "wall_clock_breakdown": False,
     }
-    if cfg.parallel.zero_stage == 3:
+    if stage == 3:
         # Gather full weights for export/eval (stage3_gather_16bit_weights_on_model_save).
         ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
         # Every parameter partitioned (none kept whole): common/ema.py tracks partitions.
@@ -120,6 +142,8 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, dp: int, mpu=None):
     import deepspeed
 
     config = build_deepspeed_config(cfg, dp)
+    if (note := single_rank_note(cfg, dp)) is not None:
+        print(note, flush=True)  # one rank: it is rank 0
     if mpu is not None:
         name, p = max(
             ((n, q) for n, q in model.named_parameters() if q.requires_grad), key=lambda item: item[1].numel()
@@ -473,6 +497,17 @@ def gathered(model: torch.nn.Module, zero_stage: int):
     return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
 
 
+def optimizer_kind(engine) -> str:
+    """What steps the weights, for memory.json: DeepSpeed's wrapper (ZeRO's, or its bf16/fp16 optimizer at ZeRO-0) and
+    the torch optimizer inside it with its kernel, e.g. "BF16_Optimizer > AdamW (fused)"."""
+    outer = engine.optimizer
+    inner = getattr(outer, "optimizer", outer)
+    defaults = getattr(inner, "defaults", {})
+    kernel = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "torch's default kernel"
+    wrapper = f"{type(outer).__name__} > " if inner is not outer else ""
+    return f"{wrapper}{type(inner).__name__} ({kernel})"
+
+
 def record_state_bytes(engine, cfg: TrainConfig, dist: DistInfo, dp: int, path: Path) -> None:
     """memory.json: measured per-rank weight + optimizer-state bytes beside the memory model's
     prediction (common/memory.py: the bytes DeepSpeed allocates at this stage and precision, frozen
@@ -487,7 +522,7 @@ def record_state_bytes(engine, cfg: TrainConfig, dist: DistInfo, dp: int, path: 
         params = list(engine.module.parameters())
         n = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
         trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params if p.requires_grad)
-        stage, precision = cfg.parallel.zero_stage, cfg.toggles.precision
+        stage, precision = engine.zero_optimization_stage(), cfg.toggles.precision  # 0 on one rank
         states = model_state_bytes(trainable, stage, dp, deepspeed_state_bytes(stage, precision))
         frozen = (n - trainable) * (4 if precision == "fp32" else 2) / (dp if stage == 3 else 1)
         info = {
@@ -498,5 +533,6 @@ def record_state_bytes(engine, cfg: TrainConfig, dist: DistInfo, dp: int, path: 
             "trainable_params": trainable,
             "per_rank_state_bytes": measured,
             "predicted_weights_plus_optimizer_bytes": states["weights"] + states["optimizer"] + frozen,
+            "optimizer": optimizer_kind(engine),
         }
         path.write_text(json.dumps(info, indent=2))

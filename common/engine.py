@@ -111,7 +111,7 @@ class DeepSpeedEngine(Engine):
         self.ds = ds.initialize(model, cfg, dp, mpu=None if cp is None else UlyssesGroups(cp))
         self.model, self.module, self.dp = self.ds, self.ds.module, dp
         self.cp = cp
-        self.zero_stage = cfg.parallel.zero_stage
+        self.zero_stage = self.ds.zero_optimization_stage()  # 0 on one rank (common/deepspeed.py zero_stage)
         # finetune=lora: checkpoints hold what trains (the adapter, a VLM's projector) and its optimizer state; the
         # frozen base comes from its source on every start (common/lora.py checks a resume's base).
         self.frozen_in_checkpoints = cfg.finetune != "lora"

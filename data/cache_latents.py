@@ -1,4 +1,5 @@
-"""Encode a diffusion run's shards once with its frozen encoders into a cache that training reads with data.latents=DIR.
+"""Encode a diffusion run's shards once with its frozen encoders into a cache that training reads with data.latents=DIR
+(the GPU presets' data.latents=auto reads the one at <data.root>_latents, the --out below, by itself).
 
     python -m data.cache_latents recipe=dit_xl2 data.root=data/my_images diffusion.vae=~/models/sd-vae-ft-mse
                                  --out data/my_images_latents [--batch-size 64] [--device cpu|cuda] [--force]

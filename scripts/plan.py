@@ -9,6 +9,8 @@ cluster.headroom  fraction of GPU memory the plan may fill (default 0.9: allocat
                   CUDA context, NCCL and kernel workspaces)
 --all             also list the layouts that do not fit
 --json            print the plan as JSON instead of a table
+--fill            also the largest micro batch (a multiple of 8) at which the first-ranked layout fits: the
+                  micro batch that fills the GPU (JSON: "fill": {"micro_batch": N, "layout": {...}})
 
 Other key=value arguments are recipe overrides (trainer.micro_batch_size=2, data.max_seq_len=4096,
 toggles.precision=fp32, finetune=lora, ...); parallel.* and toggles.activation_checkpointing are what the plan
@@ -31,7 +33,7 @@ from common.deepspeed import check_cp_zero3  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from common.memory import GIB, MEMORY_COLUMNS, Layout, ModelSpec, configured_layout  # noqa: E402
 from recipes.registry import recipe_spec  # noqa: E402
-from scripts.kiln.planner import GPUS, plan  # noqa: E402
+from scripts.kiln.planner import GPUS, fill_micro_batch, plan  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -167,7 +169,26 @@ def table(spec: ModelSpec, rows: list[dict], cluster: Cluster, configured: Layou
     return "\n".join(lines)
 
 
-def as_json(spec: ModelSpec, rows: list[dict], cluster: Cluster) -> str:
+def fill(spec: ModelSpec, rows: list[dict], cluster: Cluster) -> dict | None:
+    """--fill: the first-ranked fitting layout and the largest micro batch it fits at (None where none fits)."""
+    best = next((r["layout"] for r in rows if r["fits"]), None)
+    if best is None:
+        return None
+    micro = fill_micro_batch(spec, best, GPUS[cluster.gpu], cluster.headroom)
+    return {"micro_batch": micro, "layout": dataclasses.asdict(best)}
+
+
+def fill_line(spec: ModelSpec, filled: dict | None) -> str:
+    if filled is None:
+        return "--fill: no layout fits at this micro batch"
+    lay = filled["layout"]
+    return (
+        f"--fill: micro batch {filled['micro_batch']} (a multiple of 8) fills layout #1 (dp {lay['dp']}, ZeRO-"
+        f"{lay['zero_stage']}, AC {lay['ac']}) to the headroom; the recipe's is {spec.micro_batch}"
+    )
+
+
+def as_json(spec: ModelSpec, rows: list[dict], cluster: Cluster, filled: dict | None = None) -> str:
     gpu = GPUS[cluster.gpu]
     layouts = [
         {
@@ -189,6 +210,7 @@ def as_json(spec: ModelSpec, rows: list[dict], cluster: Cluster) -> str:
             "headroom": cluster.headroom,
             "note": spec.note,
             "layouts": layouts,
+            **({"fill": filled} if filled is not None else {}),
         },
         indent=2,
     )
@@ -198,7 +220,7 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.format(gpus=", ".join(GPUS)))
         return 0
-    flags = {a for a in argv if a in ("--all", "--json")}
+    flags = {a for a in argv if a in ("--all", "--json", "--fill")}
     try:
         cluster, overrides = parse_cluster([a for a in argv if a not in flags])
         cfg, refused = compose_for_plan(overrides)
@@ -207,8 +229,9 @@ def main(argv: list[str]) -> int:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 2
     rows = plan(spec, cluster.gpus, GPUS[cluster.gpu], cluster.headroom, allowed=recipe_allows(cfg, spec))
+    filled = fill(spec, rows, cluster) if "--fill" in flags else None
     if "--json" in flags:
-        print(as_json(spec, rows, cluster))
+        print(as_json(spec, rows, cluster, filled))
         return 0
     p = cfg.parallel
     configured = configured_layout(
@@ -224,6 +247,8 @@ def main(argv: list[str]) -> int:
     if refused:
         print(f"kiln: the recipe's own layout is refused here ({refused}); planned from one GPU's layout instead\n")
     print(table(spec, rows, cluster, configured, show_all="--all" in flags))
+    if "--fill" in flags:
+        print(fill_line(spec, filled))
     return 0
 
 

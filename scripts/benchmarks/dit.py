@@ -13,10 +13,17 @@ are DiT-XL/2 and sd-vae-ft-mse's AutoencoderKL with every width divided by the s
 with --quick), which keeps their FLOP ratio (both scale with width^2, but for attention's s^2 term),
 so the measured ratio stands in for the full-size one on a CPU; FLOPs of the full-size pair (counted
 on the meta device) give the compute-bound ratio.
+
+breakdown: the same scaled pair in bf16 with the GPU presets' parallel.zero_stage=2 on one process, a logged step's
+phases (data, VAE, forward, backward, optimizer, EMA, logging) as the step was before (ZeRO-2's partitioned optimizer
+kept on one rank, the VAE encoding every batch) and after (one rank runs ZeRO-0; the presets read the latent cache).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import time
 from pathlib import Path
 
 from common.activations import kept_for_backward
@@ -204,7 +211,9 @@ def write_image_folder(root: Path, n: int, size: int) -> Path:
     return root
 
 
-def latents(opts, s: Section) -> None:
+def latent_inputs(opts) -> dict:
+    """The latents' and the step breakdown's inputs, built once: random 256x256 images as shards, a VAE shaped like
+    SD's at 1/div width, and its latent cache (data.cache_latents); the overrides both sections train with."""
     import torch
     from diffusers import AutoencoderKL
 
@@ -248,6 +257,12 @@ def latents(opts, s: Section) -> None:
         rc = rc or cache_latents.main([*common, "--out", str(cache), "--batch-size", str(mb), "--force"])
     if rc:
         raise RuntimeError("building the bench's image shards or latent cache failed")
+    return dict(common=common, cache=cache, work=work, div=div, mb=mb, warmup=warmup, steps=steps)
+
+
+def latents(opts, s: Section, inputs: dict) -> None:
+    common, cache, work, div = inputs["common"], inputs["cache"], inputs["work"], inputs["div"]
+    mb, warmup, steps = inputs["mb"], inputs["warmup"], inputs["steps"]
     say(f"dit: latents, on-the-fly vs cached, {warmup + steps} steps each, interleaved")
     trainers = {
         "on-the-fly encoding": dit_trainer(opts, common, work / "run_fly"),
@@ -280,8 +295,159 @@ def latents(opts, s: Section) -> None:
     }
 
 
+# ---- the step's breakdown: what a GPU preset's step was (ZeRO-2 on one process, the VAE in the step) and is now ----
+PHASES = ("data", "VAE", "forward", "backward", "optimizer", "EMA", "logging")
+BREAKDOWN = {  # name -> (overrides, keep ZeRO's partitioning on one process: the step before one rank ran ZeRO-0)
+    "before: ZeRO-2, VAE on the fly": ([], True),
+    "ZeRO-0, VAE on the fly": ([], False),
+    "after: ZeRO-0, latent cache": (["data.latents={cache}"], False),
+}
+
+
+@contextlib.contextmanager
+def partitioned_on_one_rank():
+    """The engine as Kiln built it before one rank ran ZeRO-0: parallel.zero_stage as configured (the bench's "before"
+    row; common/deepspeed.py zero_stage)."""
+    from common import deepspeed as ds
+
+    saved = ds.zero_stage
+    ds.zero_stage = lambda cfg, dp: cfg.parallel.zero_stage
+    try:
+        yield
+    finally:
+        ds.zero_stage = saved
+
+
+def timed_phases(trainer, batch, timer) -> dict[str, float]:
+    """One step of `trainer` on `batch` as the loop runs a logged step, seconds per PHASES: train_step's own phases
+    (data_wait, forward, backward, optimizer), the VAE (or the cache's moments -> latents) timed inside the forward
+    and taken out of it, then the EMA update and the logged record (its device-to-host reads)."""
+    clean = trainer.clean_inputs
+
+    def timed_clean(*args):
+        with timer.phase("vae"):
+            return clean(*args)
+
+    trainer.clean_inputs = timed_clean
+    try:
+        start = time.perf_counter()
+        stats = trainer.train_step(iter([batch]), timer)
+        step_time = time.perf_counter() - start
+    finally:
+        trainer.clean_inputs = clean
+    trainer.state.step += 1
+    with timer.phase("ema"):
+        trainer.ema.update()
+    with timer.phase("logging"):
+        json.dumps(stats.record(step_time))
+    t = timer.pop()
+    return {
+        "data": t["data_wait_s"],
+        "VAE": t["vae_s"],
+        "forward": t["forward_s"] - t["vae_s"],
+        "backward": t["backward_s"],
+        "optimizer": t["optimizer_s"],
+        "EMA": t["ema_s"],
+        "logging": t["logging_s"],
+    }
+
+
+def breakdown(opts, s: Section, inputs: dict) -> None:
+    from common.profiling import StepTimer
+    from common.seed import rng_state, set_rng_state
+
+    mb, warmup, steps, div = inputs["mb"], inputs["warmup"], inputs["steps"], inputs["div"]
+    base = [*inputs["common"], "toggles.precision=bf16", "parallel.zero_stage=2"]  # the GPU presets' choices
+    trainers, batches = {}, {}
+    for name, (extra, partitioned) in BREAKDOWN.items():
+        overrides = [*base, *(e.format(cache=inputs["cache"]) for e in extra)]
+        with partitioned_on_one_rank() if partitioned else contextlib.nullcontext():
+            trainers[name] = dit_trainer(opts, overrides, inputs["work"] / f"breakdown_{len(trainers)}")
+        batches[name] = take(trainers[name], warmup + steps)
+    say(f"dit: step breakdown, {len(trainers)} layouts, {warmup + steps} steps each, interleaved")
+    timer, names = StepTimer(), list(trainers)
+    phases = {n: [] for n in names}
+    streams = dict.fromkeys(names, rng_state())
+    for i in range(warmup + steps):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            set_rng_state(streams[name])
+            seconds = timed_phases(trainers[name], batches[name][i], timer)
+            streams[name] = rng_state()
+            if i >= warmup:
+                phases[name].append(seconds)
+    med = {n: {p: median([x[p] for x in phases[n]]) for p in PHASES} for n in names}
+    total = {n: median([sum(x.values()) for x in phases[n]]) for n in names}
+    first = names[0]
+    rows = [[n, *(ms(med[n][p]) for p in PHASES), ms(total[n]), f"{total[first] / total[n]:.2f}x"] for n in names]
+    s.tables.append(md_table(["step", *(f"{p} ms" for p in PHASES), "total ms", "speed-up"], rows))
+    zero2, zero0 = med[first], med[names[1]]
+    opt, bwd = zero2["optimizer"] / zero0["optimizer"], zero2["backward"] / zero0["backward"]
+    s.notes.append(
+        f"step breakdown: DiT-XL/2 + SD-VAE at 1/{div} width, micro batch {mb}, bf16, parallel.zero_stage=2 as the "
+        f"GPU presets set it, one process, {opts.threads} torch thread(s), medians of {steps} steps after {warmup} "
+        f"warm-up, layouts rotating first. ZeRO-2 / ZeRO-0 on one rank: optimizer {opt:.2f}x, backward {bwd:.2f}x "
+        f"(ZeRO-2's gradient hooks copy each gradient into its reduce buckets); the whole step before / after: "
+        f"{total[first] / total[names[-1]]:.2f}x. On this shared 2-core CPU the absolute times "
+        "are noisy (other jobs run beside it): read the ratios. 'data' is the step's batch preparation (the loader's "
+        "decoding runs before it); 'VAE' is the encode on the fly, or the cache's moments -> latent."
+    )
+    s.data["breakdown"] = {"median_s": med, "total_s": total}
+
+
+# ---- a DiT step by hand: what scripts/gpu_check.py measures Kiln's DiT step against on a GPU -----------------------
+
+
+def ddpm_alphas_cumprod(steps: int = 1000):
+    """The DiT paper's DDPM schedule (linear betas 1e-4 .. 0.02 over 1000 steps): cumulative products of 1 - beta."""
+    import torch
+
+    return torch.cumprod(1 - torch.linspace(1e-4, 0.02, steps, dtype=torch.float64), 0).float()
+
+
+def dit_batch(micro: int, num_classes: int, device, *, channels: int = 4, size: int = 32, seed: int = 0) -> dict:
+    """One micro batch as a latent cache gives it: latents x0, the noise, timesteps and class labels."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x0, noise = (torch.randn(micro, channels, size, size, generator=g) for _ in range(2))
+    t, y = torch.randint(0, 1000, (micro,), generator=g), torch.randint(0, num_classes, (micro,), generator=g)
+    return {k: v.to(device) for k, v in {"x0": x0, "noise": noise, "t": t, "y": y}.items()}
+
+
+def bare_dit_step(model, opt, *, grad_clip: float, ema_decay: float, autocast=None):
+    """A hand-written DiT training step: DDPM noising of the batch's latents, the epsilon-prediction MSE under
+    `autocast`, backward, clip, torch's AdamW, and an EMA of the weights (one foreach lerp). It shares none of Kiln's
+    step code (no DeepSpeed, no trainer): the reference scripts/gpu_check.py's dit_mfu rows time Kiln's step against
+    (fp32 weights under bf16 autocast, the fused AdamW: plain PyTorch mixed precision)."""
+    import torch
+    import torch.nn.functional as F
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    ema = [p.detach().clone() for p in params]
+    alphas = ddpm_alphas_cumprod().to(params[0].device)
+
+    def step(batch: dict) -> torch.Tensor:
+        a = alphas[batch["t"]].view(-1, 1, 1, 1)
+        x_t = a.sqrt() * batch["x0"] + (1 - a).sqrt() * batch["noise"]
+        device = x_t.device.type
+        with torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext():
+            pred = model(x_t, timestep=batch["t"], class_labels=batch["y"]).sample
+        loss = F.mse_loss(pred.float(), batch["noise"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - ema_decay)
+        return loss.detach()
+
+    step.ema = ema
+    return step
+
+
 def run(opts) -> Section:
-    s = Section("dit", "DiT: selective activation checkpointing; cached vs on-the-fly latents")
+    s = Section("dit", "DiT: selective activation checkpointing; cached vs on-the-fly latents; the step's breakdown")
     ac(opts, s)
-    latents(opts, s)
+    inputs = latent_inputs(opts)
+    latents(opts, s, inputs)
+    breakdown(opts, s, inputs)
     return s

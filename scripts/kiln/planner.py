@@ -3,6 +3,7 @@ model on N GPUs, the per-GPU estimate of each (common/memory.py), those that fit
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -100,3 +101,24 @@ def plan(
             est = estimate(spec, layout)
             rows.append({"layout": layout, **est, "fits": est["total"] <= budget})
     return sorted(rows, key=lambda r: (not r["fits"], rank_key(r["layout"], r["total"])))
+
+
+FILL_MULTIPLE = 8  # micro batches the fill picks: multiples of 8 (whole tensor-core tiles of rows on any GPU)
+FILL_LIMIT = 4096
+
+
+def fill_micro_batch(spec: ModelSpec, layout: Layout, gpu: GPU, headroom: float = 0.9) -> int:
+    """The largest micro batch (a multiple of FILL_MULTIPLE, at most FILL_LIMIT) at which `layout` of `spec` still fits
+    in headroom x the GPU's memory, by the same estimate as `plan`; 0 where not even FILL_MULTIPLE fits. The estimate
+    grows with the micro batch (activations), so a bisection finds it."""
+    budget = gpu.memory * headroom
+
+    def fits(units: int) -> bool:
+        sized = dataclasses.replace(spec, micro_batch=units * FILL_MULTIPLE)
+        return estimate(sized, layout)["total"] <= budget
+
+    lo, hi = 0, FILL_LIMIT // FILL_MULTIPLE
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo * FILL_MULTIPLE

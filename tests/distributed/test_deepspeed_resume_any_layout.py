@@ -56,7 +56,10 @@ def test_dit_resumes_under_another_layout(layout_runs, tmp_path, source, target)
     "source, target",
     [
         (layout(1, 0), layout(2, 3)),  # 1 rank ZeRO-0 (whole torch AdamW state) -> 2 ranks ZeRO-3, rows packed per rank
-        (layout(2, 3), layout(1, 1)),  # 2 ranks ZeRO-3 (micro-batch 4) -> 1 rank ZeRO-1 (micro-batch 8)
+        (
+            layout(2, 3),
+            layout(1, 1),
+        ),  # 2 ranks ZeRO-3 (micro-batch 4) -> 1 rank asking ZeRO-1 (runs 0; micro 8)
     ],
     ids=["1r-zero0-to-2r-zero3", "2r-zero3-to-1r-zero1"],
 )
@@ -126,10 +129,10 @@ def test_refusals(layout_runs, tmp_path):
     assert tree_digest(stepless.parent) == before
 
 
-# ---- the universal reader, in process: every source stage to every other, both file forms, fp32 and bf16 ----------
+# ---- the universal reader, in process: every source stage into one rank, both file forms, fp32 and bf16 -------------
 # What a resume restores is copied, not computed: the whole fp32 weights, AdamW's moments and step count, the weights
 # the forward reads, the LR schedule. So the loaded engine must hold them bit for bit as the saving one did, which a
-# process per layout (not a training run per layout) shows for all twelve stage pairs; ds_to_universal writes a ZeRO-3
+# process per layout (not a training run per layout) shows for every source stage; ds_to_universal writes a ZeRO-3
 # source's states as bare flat tensors without step.pt, a ZeRO-1/2 source's as shaped {"param": ...} dicts.
 UNIVERSAL_SOURCES = [(stage, "fp32") for stage in range(4)] + [(3, "bf16"), (0, "bf16")]
 
@@ -220,18 +223,19 @@ def _save_sources(root: str) -> dict:
 
 
 def _load_everywhere(root: str) -> dict:
-    """On 1 rank: each source into every other stage (converted); what differs from what the source held."""
+    """On 1 rank, which runs ZeRO-0 whatever parallel.zero_stage asks (common/deepspeed.py zero_stage): each source
+    converted and loaded; what differs from what the source held. (Into ZeRO-1/2/3: the 2-rank resumes above.)"""
     from common import deepspeed as ds
 
     differ = {}
     for stage, precision in UNIVERSAL_SOURCES:
         run = Path(root, f"zero{stage}_{precision}")
         saved = torch.load(run / "state.pt", weights_only=False)
-        for target in sorted({0, 1, 2, 3} - {stage}):
+        for target in (0,):
             engine, _ = _engine(target, precision, 1)
             ds.load_checkpoint(engine.ds, run / "checkpoints" / "step_0000002", scratch=Path(root, "scratch"))
             loaded = _full_state(engine)
-            key = f"zero{stage}_{precision}->zero{target}"
+            key = f"zero{stage}_{precision}->one rank, zero{engine.zero_stage}"
             differ[key] = [
                 name
                 for name, ts in saved["params"].items()
@@ -250,6 +254,6 @@ def test_universal_reader_takes_every_stage_both_forms(tmp_path):
     assert read_meta(three)["zero_stage"] == 3 and read_meta(three)["world_size"] == 2
     assert torch.load(tmp_path / "zero3_fp32" / "state.pt", weights_only=False)["steps"] == [2.0]
     [differ] = spawn_ranks(_load_everywhere, (str(tmp_path),), world=1, out_dir=tmp_path)
-    assert len(differ) == 3 * len(UNIVERSAL_SOURCES)
+    assert len(differ) == len(UNIVERSAL_SOURCES) and all(key.endswith("zero0") for key in differ)
     assert differ == {key: [] for key in differ}
     assert not (tmp_path / "scratch").exists()  # every conversion removed after its load

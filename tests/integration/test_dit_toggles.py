@@ -1,8 +1,9 @@
-"""Toggles on the real recipe: bf16 mixed precision under ZeRO-2, and torch.compile per block."""
+"""Toggles on the real recipe: bf16 mixed precision on one rank (ZeRO-0), and torch.compile per block."""
 
 from __future__ import annotations
 
 import ast
+import json
 import math
 import sys
 
@@ -15,10 +16,17 @@ pytestmark = pytest.mark.integration
 SHORT = [*FAST_DIT, "trainer.eval=false", "checkpoint.final=false", "trainer.micro_batch_size=32"]
 
 
-def test_bf16_zero2_trains(tmp_path):
-    run_train(
+def test_bf16_on_one_rank_trains_at_zero0(tmp_path):
+    """bf16 with parallel.zero_stage=2 (the GPU presets') on one process: nothing to partition, so DeepSpeed runs
+    ZeRO-0 (its bf16 optimizer wrapper: fp32 masters, torch's AdamW) with one line saying so (common/deepspeed.py
+    zero_stage)."""
+    proc = run_train(
         [*SHORT, f"run.dir={tmp_path}", "trainer.max_steps=30", "toggles.precision=bf16", "parallel.zero_stage=2"]
     )
+    assert proc.stdout.count("kiln: parallel.zero_stage=2 on one rank: nothing to partition over") == 1
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    # DeepSpeed's bf16 optimizer at ZeRO-0 (fp32 master copies; no ZeRO partitions) over torch's AdamW
+    assert memory["zero_stage"] == 0 and memory["optimizer"].startswith("FP16_UnfusedOptimizer > AdamW")
     ls = losses(tmp_path)
     assert all(math.isfinite(v) for v in ls.values())
     assert sum(ls[s] for s in range(26, 31)) < 0.7 * sum(ls[s] for s in range(1, 6))
