@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common.data.dataset import META_NAME, SPLITS, read_meta
+from common.data.dataset import META_NAME, SPLITS, read_meta, run_builder
 from data import cli, shards
 
 
@@ -86,127 +86,17 @@ def encode_shard(url: str, out: Path, *, decode, encode, batch_size: int, bar) -
     return {"name": name, "samples": written, "bytes": (out / name).stat().st_size, "error": error}
 
 
-def dit_encoder(vae, image_size: int, channels: int):
-    """(decode, encode) of a DiT's image shards: the image's posterior moments and its class."""
-    import functools
-
-    import torch
-
-    from common.diffusion.vae import MOMENTS, moments_record, posterior
-    from recipes.dit.data import decode_sample
-
-    def encode(batch: list[dict]) -> list[dict]:
-        device = next(vae.parameters()).device
-        mean, std = posterior(vae, torch.stack([b["image"] for b in batch]).to(device))
-        return [{MOMENTS: m, "cls": b["label"]} for b, m in zip(batch, moments_record(mean, std))]
-
-    return functools.partial(decode_sample, image_size=image_size, channels=channels), encode
-
-
-def t2i_encoder(vae, prompts, image_size: int):
-    """(decode, encode) of caption shards: the image's posterior moments, the caption and its prompt embedding."""
-    import functools
-
-    import numpy as np
-    import torch
-
-    from common.diffusion.vae import MOMENTS, moments_record, posterior
-    from recipes.t2i.data import TEXT_FIELDS, decode_captioned
-
-    def encode(batch: list[dict]) -> list[dict]:
-        device = next(vae.parameters()).device
-        mean, std = posterior(vae, torch.stack([b["image"] for b in batch]).to(device))
-        captions = [b["caption"] for b in batch]
-        text = {TEXT_FIELDS[k]: v.float().cpu().numpy() for k, v in prompts(captions).items()}
-        return [
-            {MOMENTS: m, "txt": c, **{name: np.ascontiguousarray(a[i]) for name, a in text.items()}}
-            for i, (c, m) in enumerate(zip(captions, moments_record(mean, std)))
-        ]
-
-    return functools.partial(decode_captioned, image_size=image_size), encode
-
-
-def dit_cache(cfg, device: str):
-    """(images meta, settings, meta fields, decode, encode) of a DiT run's latent cache."""
-    import torch
-
-    from common.data.dataset import load_dataset_meta
-    from common.diffusion.vae import load_vae, vae_geometry, vae_identity
-    from recipes.dit.data import channels_of, check_image_size, class_names
-
-    images = check_image_size(cfg, load_dataset_meta(Path(cfg.data.root).absolute()))
-    geometry = vae_geometry(cfg.diffusion.vae, cfg.data.image_size)
-    if geometry.image_channels != channels_of(images):
-        raise ValueError(
-            f"data.root={cfg.data.root} holds {channels_of(images)}-channel images; the VAE in "
-            f"diffusion.vae={cfg.diffusion.vae} encodes {geometry.image_channels}-channel ones"
-        )
-    settings = {"image_size": cfg.data.image_size, "vae": vae_identity(cfg.diffusion.vae)}
-    fields = {
-        "vae_path": str(geometry.path),
-        "latent_channels": geometry.latent_channels,
-        "latent_size": geometry.latent_size,
-        "scaling_factor": geometry.scaling_factor,
-        "shift_factor": geometry.shift_factor,
-        "num_classes": images["num_classes"],
-        "classes": class_names(images),
-    }
-
-    def encoders():
-        return dit_encoder(load_vae(geometry, torch.device(device)), cfg.data.image_size, channels_of(images)), None
-
-    return images, settings, fields, encoders
-
-
-def t2i_cache(cfg, device: str):
-    """(images meta, settings, meta fields, encoders) of a text-to-image run's cache: model.init_from's VAE and
-    text encoders, run in the compute dtype of toggles.precision (what training on the fly would give)."""
-    import torch
-
-    from common.data.dataset import load_dataset_meta
-    from common.diffusion.vae import load_vae, vae_geometry
-    from recipes.t2i.data import cache_settings, check_captions
-    from recipes.t2i.weights import COMPUTE_DTYPES, adapter, encoders_identity, pipeline_folder
-
-    if cfg.toggles.precision not in COMPUTE_DTYPES:
-        raise ValueError(
-            f"toggles.precision={cfg.toggles.precision}: a cache is made in one of {', '.join(COMPUTE_DTYPES)}"
-        )
-    base = pipeline_folder(cfg.model.init_from)
-    images = check_captions(cfg, load_dataset_meta(Path(cfg.data.root).absolute()))
-    geometry = vae_geometry(base / "vae", cfg.data.image_size)
-    settings = cache_settings(cfg, encoders_identity(base))
-    fields = {
-        "vae_path": str(geometry.path),
-        "latent_channels": geometry.latent_channels,
-        "latent_size": geometry.latent_size,
-    }
-
-    def encoders():
-        prompts = adapter(base).prompt_encoder(
-            device=torch.device(device),
-            dtype=COMPUTE_DTYPES[cfg.toggles.precision],
-            max_sequence_length=cfg.model.max_sequence_length,
-        )
-        empty = {k: v[0].float().cpu().numpy() for k, v in prompts([""]).items()}
-        return t2i_encoder(load_vae(geometry, torch.device(device)), prompts, cfg.data.image_size), empty
-
-    return images, settings, fields, encoders
-
-
-def build_cache(cfg, out: Path, *, batch_size: int, device: str, force: bool) -> tuple[dict | None, int]:
-    """(meta, 0) after building; (None, exit code) when a cache is already there or on an error."""
+def build_cache(cfg, plan, out: Path, *, batch_size: int, force: bool) -> tuple[dict | None, int]:
+    """(meta, 0) after building; (None, exit code) when a cache is already there or on an error. `plan`: the
+    family's common.diffusion.latents.CachePlan for this run."""
     import numpy as np
     from tqdm.auto import tqdm
 
-    from common.data.dataset import run_builder
     from common.diffusion.vae import LATENT_SOURCE
 
     root = Path(cfg.data.root).absolute()
-    if cfg.data.build and read_meta(root) is None:
-        run_builder(cfg.data.build, root)  # e.g. the digits: built on first use, as training does
-    images, settings, fields, encoders = (t2i_cache if cfg.recipe.family == "t2i" else dit_cache)(cfg, device)
-    wanted = {"data_root": str(root), **settings}
+    images = plan.images
+    wanted = {"data_root": str(root), **plan.settings}
     existing = read_meta(out)
     if existing is not None and not force:
         if {k: existing.get(k) for k in wanted} == wanted:
@@ -221,15 +111,13 @@ def build_cache(cfg, out: Path, *, batch_size: int, device: str, force: bool) ->
             f"{out} is not empty and holds no complete latent cache; choose an empty directory or pass --force"
         )
 
-    (decode, encode), empty = encoders()
+    decode, encode, files = plan.encoders()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        meta = {"source": LATENT_SOURCE, **wanted, **fields, "splits": {}, "corrupt_shards": {}}
-        if empty is not None:  # the text-to-image cache: the empty prompt's embedding (caption dropout), once
-            from recipes.t2i.data import EMPTY_PROMPT
-
-            np.savez(tmp / EMPTY_PROMPT, **empty)
+        meta = {"source": LATENT_SOURCE, **wanted, **plan.fields, "splits": {}, "corrupt_shards": {}}
+        for name, arrays in files.items():  # e.g. the text-to-image cache's empty prompt embedding (caption dropout)
+            np.savez(tmp / name, **arrays)
         total = sum(images["splits"][s]["samples"] for s in SPLITS)
         with tqdm(total=total, desc="encoding", unit="image", dynamic_ncols=True) as bar:
             for split in SPLITS:
@@ -263,22 +151,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = compose(overrides, registry=registry)
-        if cfg.recipe.family == "t2i":
-            if not cfg.model.init_from:
-                raise ValueError(
-                    "a text-to-image cache needs model.init_from=<a StableDiffusion3Pipeline or FluxPipeline folder>"
-                )
-        elif getattr(cfg, "diffusion", None) is None or not cfg.diffusion.vae:  # only the diffusion families have it
+        latent_cache = registry.recipe_spec(cfg.recipe.family).latent_cache()
+        if latent_cache is None:
             raise ValueError(
-                "a latent cache needs a DiT recipe with diffusion.vae=<an AutoencoderKL folder>, or a text-to-image "
-                "recipe with model.init_from"
+                f"recipe={cfg.recipe.name} has no latent cache: a DiT recipe with diffusion.vae=<an AutoencoderKL "
+                "folder> or a text-to-image recipe with model.init_from has one"
             )
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
         import torch
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        meta, rc = build_cache(cfg, args.out.absolute(), batch_size=args.batch_size, device=device, force=args.force)
+        root = Path(cfg.data.root).absolute()
+        if cfg.data.build and read_meta(root) is None:
+            run_builder(cfg.data.build, root)  # e.g. the digits: built on first use, as training does
+        plan = latent_cache(cfg, device)
+        meta, rc = build_cache(cfg, plan, args.out.absolute(), batch_size=args.batch_size, force=args.force)
     except (UserError, ValueError, FileNotFoundError) as exc:
         return cli.error(exc)
     if meta is None:
@@ -287,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"wrote {args.out}: train {splits['train']['samples']} and val {splits['val']['samples']} latents "
         f"({meta['latent_channels']}x{meta['latent_size']}x{meta['latent_size']} posterior mean + std"
-        + (", prompt embeddings" if cfg.recipe.family == "t2i" else "")
+        + plan.holds
         + ") from "
         f"{meta['data_root']}"
         + (f"; {len(bad)} corrupt shard(s) cached up to the damage: {', '.join(bad)}" if bad else "")

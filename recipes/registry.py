@@ -64,6 +64,9 @@ class RecipeSpec:
     renamed: dict[str, str] = field(default_factory=dict)
     lora_targets: tuple[str, ...] = ()  # finetune=lora: the module names its adapters may target; () = no LoRA
     qlora: bool = False  # lora.quantize_base=nf4 is offered
+    # data/cache_latents.py: "recipes/<family>/<module>" whose latent_cache(cfg, device) plans the family's latent
+    # cache (common/diffusion/latents.py CachePlan); "" = the family has none.
+    latent_cache_module: str = ""
     preference: bool = False  # preference.loss (preference optimization: common/preference.py) is offered
     config_dir: Path | None = None  # a folder of config groups (recipe/, model/, ...) beside configs/
     # Context parallelism: parallel.cp_method's choices in this family, its default first (common/compose.py fills the
@@ -94,6 +97,10 @@ class RecipeSpec:
     def trainer(self) -> type:
         """The family's Trainer (common/trainer.py)."""
         return self.train().TRAINER
+
+    def latent_cache(self) -> Callable | None:
+        """The family's latent_cache(cfg, device) (data/cache_latents.py), or None."""
+        return importlib.import_module(self.latent_cache_module).latent_cache if self.latent_cache_module else None
 
     def exporter(self) -> ModuleType:
         """recipes/<family>/export.py: export_checkpoint, export_lora_checkpoint, lora_base (module docstring)."""
@@ -133,6 +140,7 @@ SPECS: dict[str, RecipeSpec] = {
         cp_methods=dit_config.CP_METHODS,
         title="DiT",
         is_export=_dit_export,
+        latent_cache_module="recipes.dit.data",
         server_module="recipes.dit.serve",
         serve_engines=("tensorrt", "onnxruntime", "torch"),  # its ONNX graph (scripts/export_dit.py) or PyTorch
         export_kind="DiT",
@@ -175,6 +183,7 @@ SPECS: dict[str, RecipeSpec] = {
         cp_methods=t2i_config.CP_METHODS,
         title="text-to-image",
         is_export=_t2i_export,
+        latent_cache_module="recipes.t2i.data",
         server_module="recipes.t2i.serve",
         serve_engines=("torch",),  # PyTorch only (no ONNX graph of the pipeline yet)
         export_kind="text-to-image",

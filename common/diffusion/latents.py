@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 AUTO = "auto"
@@ -62,3 +64,20 @@ def missing_cache(cfg) -> str | None:
         f"recipe={cfg.recipe.name} data.root={cfg.data.root} ... --out {latents}, or leave data.latents empty to "
         "encode on the fly"
     )
+
+
+@dataclass
+class CachePlan:
+    """What data/cache_latents.py builds for one run (its family's `latent_cache(cfg, device)`, named by the spec's
+    latent_cache_module): `images`, the checked meta of the dataset it encodes; `settings`, what a cache must match to
+    be reused (meta.json keeps them; training compares them); `fields`, more of meta.json (the VAE's geometry, the
+    classes); `encoders()` loads the frozen encoders and gives (decode, encode, files): decode turns a shard sample into
+    the encoders' input, encode a list of those into cache records, files are arrays saved once beside the shards
+    ({name: {array name: array}}, e.g. the empty prompt's embedding); `holds` names what a record holds besides the
+    posterior's moments."""
+
+    images: dict
+    settings: dict
+    fields: dict
+    encoders: Callable[[], tuple[Callable, Callable, dict]]
+    holds: str = ""

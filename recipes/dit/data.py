@@ -135,3 +135,42 @@ def build_train_loader(cfg: TrainConfig, urls: list[str], meta: dict, *, rank: i
     else:
         decode = functools.partial(decode_sample, image_size=cfg.data.image_size, channels=channels_of(meta))
     return global_train_loader(cfg, urls, decode=decode, rank=rank, dp=dp)
+
+
+def latent_cache(cfg: TrainConfig, device: str):
+    """The DiT's latent cache (data/cache_latents.py; the spec's latent_cache_module): diffusion.vae's posterior
+    moments of every image, with its class."""
+    from common.diffusion.latents import CachePlan
+    from common.diffusion.vae import MOMENTS, load_vae, moments_record, posterior, vae_geometry, vae_identity
+
+    if not cfg.diffusion.vae:
+        raise ValueError("a DiT's latent cache needs diffusion.vae=<an AutoencoderKL folder>")
+    images = check_image_size(cfg, load_dataset_meta(Path(cfg.data.root).absolute()))
+    geometry = vae_geometry(cfg.diffusion.vae, cfg.data.image_size)
+    if geometry.image_channels != channels_of(images):
+        raise ValueError(
+            f"data.root={cfg.data.root} holds {channels_of(images)}-channel images; the VAE in "
+            f"diffusion.vae={cfg.diffusion.vae} encodes {geometry.image_channels}-channel ones"
+        )
+    fields = {
+        "vae_path": str(geometry.path),
+        "latent_channels": geometry.latent_channels,
+        "latent_size": geometry.latent_size,
+        "scaling_factor": geometry.scaling_factor,
+        "shift_factor": geometry.shift_factor,
+        "num_classes": images["num_classes"],
+        "classes": class_names(images),
+    }
+
+    def encoders():
+        vae = load_vae(geometry, torch.device(device))
+
+        def encode(batch: list[dict]) -> list[dict]:
+            mean, std = posterior(vae, torch.stack([b["image"] for b in batch]).to(device))
+            return [{MOMENTS: m, "cls": b["label"]} for b, m in zip(batch, moments_record(mean, std))]
+
+        decode = functools.partial(decode_sample, image_size=cfg.data.image_size, channels=channels_of(images))
+        return decode, encode, {}
+
+    settings = {"image_size": cfg.data.image_size, "vae": vae_identity(cfg.diffusion.vae)}
+    return CachePlan(images, settings, fields, encoders)

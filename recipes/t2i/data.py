@@ -227,3 +227,53 @@ def sample_prompts(meta: dict, n: int) -> tuple[list[str], str]:
     """The prompts of sample grids and the split they come from: `first_samples`' captions."""
     samples, split = first_samples(meta, n)
     return [s["txt"].decode("utf-8") if isinstance(s["txt"], bytes) else s["txt"] for s in samples], split
+
+
+def latent_cache(cfg: TrainConfig, device: str):
+    """The text-to-image latent cache (data/cache_latents.py; the spec's latent_cache_module): model.init_from's VAE
+    posterior moments of every image, its caption and the caption's prompt embedding, the text encoders run in the
+    compute dtype of toggles.precision (what training on the fly would give); the empty prompt's embedding once."""
+    from common.diffusion.latents import CachePlan
+    from common.diffusion.vae import MOMENTS, load_vae, moments_record, posterior, vae_geometry
+    from recipes.t2i.weights import COMPUTE_DTYPES, adapter, encoders_identity, pipeline_folder
+
+    if not cfg.model.init_from:
+        raise ValueError(
+            "a text-to-image cache needs model.init_from=<a StableDiffusion3Pipeline or FluxPipeline folder>"
+        )
+    if cfg.toggles.precision not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"toggles.precision={cfg.toggles.precision}: a cache is made in one of {', '.join(COMPUTE_DTYPES)}"
+        )
+    base = pipeline_folder(cfg.model.init_from)
+    images = check_captions(cfg, load_dataset_meta(Path(cfg.data.root).absolute()))
+    geometry = vae_geometry(base / "vae", cfg.data.image_size)
+    fields = {
+        "vae_path": str(geometry.path),
+        "latent_channels": geometry.latent_channels,
+        "latent_size": geometry.latent_size,
+    }
+
+    def encoders():
+        vae = load_vae(geometry, torch.device(device))
+        prompts = adapter(base).prompt_encoder(
+            device=torch.device(device),
+            dtype=COMPUTE_DTYPES[cfg.toggles.precision],
+            max_sequence_length=cfg.model.max_sequence_length,
+        )
+
+        def encode(batch: list[dict]) -> list[dict]:
+            mean, std = posterior(vae, torch.stack([b["image"] for b in batch]).to(device))
+            captions = [b["caption"] for b in batch]
+            text = {TEXT_FIELDS[k]: v.float().cpu().numpy() for k, v in prompts(captions).items()}
+            return [
+                {MOMENTS: m, "txt": c, **{name: np.ascontiguousarray(a[i]) for name, a in text.items()}}
+                for i, (c, m) in enumerate(zip(captions, moments_record(mean, std)))
+            ]
+
+        empty = {k: v[0].float().cpu().numpy() for k, v in prompts([""]).items()}  # caption dropout's prompt
+        decode = functools.partial(decode_captioned, image_size=cfg.data.image_size)
+        return decode, encode, {EMPTY_PROMPT: empty}
+
+    settings = cache_settings(cfg, encoders_identity(base))
+    return CachePlan(images, settings, fields, encoders, holds=", prompt embeddings")

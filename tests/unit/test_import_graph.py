@@ -30,7 +30,6 @@ FAMILIES = ("dit", "t2i", "vlm", "llm")
 # CLIs, a benchmark section per family, the latent cache's decoders). Known and left for now: each should reach its
 # family through the registry (a spec field) and leave this list. No file may join it.
 FAMILY_TOOLS = {
-    "data.cache_latents",
     "scripts.benchmarks.checkpoint",
     "scripts.benchmarks.dit",
     "scripts.benchmarks.export",
