@@ -3,7 +3,7 @@ ImageFolder of images, a Stable Diffusion 3 pipeline folder and a folder of capt
 
     make_vae(dir)              # ~/models/sd-vae-ft-mse: a small random AutoencoderKL (save_pretrained)
     make_image_folder(dir)     # ~/data/my_images: digits upscaled to RGB PNGs, one folder per class, one corrupt file
-    make_sd3_pipeline(dir)     # ~/models/stable-diffusion-3.5-medium: a tiny StableDiffusion3Pipeline (pretrained parts)
+    make_sd3_pipeline(dir)     # ~/models/stable-diffusion-3.5-medium: a tiny StableDiffusion3Pipeline, pretrained parts
     make_flux_pipeline(dir)    # ~/models/FLUX.1-dev: a tiny FluxPipeline (the same pretrained VAE and text encoders)
     make_caption_folder(dir)   # ~/data/captioned: digit PNGs with a caption each (name.txt), in several phrasings
 
@@ -236,11 +236,12 @@ def make_flux_pipeline(
     guidance_embeds: bool = True,
     seed: int = 0,
 ) -> Path:
-    """A tiny FluxPipeline folder (`save_pretrained`), shaped like FLUX.1 but a few hundred kilobytes: a
+    """A tiny FluxPipeline folder (`save_pretrained`), shaped like FLUX.1 but about a megabyte: a random
     FluxTransformer2DModel on 2x2-packed latents (in_channels 64 = 16 latent channels x 4; `guidance_embeds`:
     FLUX.1-dev's guidance-distilled embedding, False: schnell's), the pretrained AutoencoderKL of
     make_sd3_pipeline (16 latent channels), a CLIPTextModel + CLIPTokenizer (CLIP-L's role: the pooled output), a
-    T5EncoderModel + T5Tokenizer (T5-XXL's: the sequence, width joint_attention_dim) and FLUX.1-dev's
+    T5EncoderModel + T5Tokenizer (T5-XXL's: the sequence, width joint_attention_dim), both pretrained as
+    make_sd3_pipeline's, and FLUX.1-dev's
     FlowMatchEulerDiscreteScheduler (dynamic shifting; schnell's shift=1 without it when not `guidance_embeds`)."""
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
@@ -330,8 +331,6 @@ def _clip_text(cls, out: Path, hidden: int, length: int, seed: int):
     to tell the digits' words apart across phrasings (data/tiny_pretrain.py; cached), its CLIPTokenizer of `length`
     tokens) trained offline on the digit captions (make_clip_tokenizer)."""
     from transformers import CLIPTextConfig
-
-    from data import tiny_pretrain
 
     tokenizer = make_clip_tokenizer(out / ".tokenizer", max_length=length)
     config = CLIPTextConfig(

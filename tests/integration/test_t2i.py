@@ -1,7 +1,8 @@
-"""t2i_tiny end to end on a tiny StableDiffusion3Pipeline (pretrained VAE and text encoders): training through the shared engine, then the
-export that diffusers loads, checked against an independent reference: diffusers' own StableDiffusion3Pipeline,
-from the same prompt and seed, must draw the image Kiln's sampler draws; and scripts/export.py from the run's
-checkpoint writes the end of the run's export, tensor for tensor."""
+"""t2i_tiny end to end on a tiny StableDiffusion3Pipeline (pretrained VAE and text encoders): training through the
+shared engine, then the export that diffusers loads, checked against an independent reference: diffusers' own
+StableDiffusion3Pipeline, from the same prompt and seed, must draw the image Kiln's sampler draws; and
+scripts/export.py from the run's checkpoint writes the end of the run's export, tensor for tensor. And the demo
+follows its prompts: on the demo's base, a short run draws the digit a held-out phrasing names."""
 
 from __future__ import annotations
 
