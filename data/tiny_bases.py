@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from pathlib import Path
 
 from common.data.digit_captions import CAPTION_TEMPLATES, HELD_OUT_TEMPLATES, digit_caption
@@ -218,7 +217,6 @@ def make_sd3_pipeline(
     )
     with _no_progress_bars():
         pipe.save_pretrained(out)
-    shutil.rmtree(out / ".tokenizer", ignore_errors=True)
     return out
 
 
@@ -288,7 +286,6 @@ def make_flux_pipeline(
     )
     with _no_progress_bars():
         pipe.save_pretrained(out)
-    shutil.rmtree(out / ".tokenizer", ignore_errors=True)
     return out
 
 
@@ -330,65 +327,85 @@ def _clip_text(cls, out: Path, hidden: int, length: int, seed: int):
     """(a CLIP text encoder of class `cls` -- CLIPTextModel, CLIPTextModelWithProjection -- `hidden` wide, pretrained
     to tell the digits' words apart across phrasings (data/tiny_pretrain.py; cached), its CLIPTokenizer of `length`
     tokens) trained offline on the digit captions (make_clip_tokenizer)."""
-    from transformers import CLIPTextConfig
 
-    tokenizer = make_clip_tokenizer(out / ".tokenizer", max_length=length)
-    config = CLIPTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=length,
-        projection_dim=hidden,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return _pretrained_text(cls, config, tokenizer, length, seed, f"clip-{cls.__name__}"), tokenizer
+    def parts(folder: Path):
+        from transformers import CLIPTextConfig
+
+        tokenizer = make_clip_tokenizer(folder, max_length=length)
+        config = CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=length,
+            projection_dim=hidden,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        return tokenizer, config
+
+    settings = {"class": cls.__name__, "hidden": hidden, "length": length, "seed": seed}
+    return _pretrained_text(cls, parts, settings, length, seed, f"clip-{cls.__name__}")
 
 
-def _pretrained_text(cls, config, tokenizer, length: int, seed: int, part: str):
-    """A text encoder of class `cls` and `config`, random from `seed`, pretrained on the digits' words
-    (data/tiny_pretrain.py pretrain_text) and cached; in eval mode."""
+def _pretrained_text(cls, parts, settings: dict, length: int, seed: int, part: str):
+    """(a text encoder of class `cls`, random from `seed`, pretrained on the digits' words (data/tiny_pretrain.py
+    pretrain_text), in eval mode; its tokenizer), both cached together: `parts(folder)` trains and saves the tokenizer
+    there and returns it with the encoder's config. The tokenizer is cached with its encoder because the `tokenizers`
+    trainers break ties between equally frequent merges differently from one process to the next (the same text gave
+    three vocabularies in three processes): an encoder is only right for the vocabulary it pretrained with. The cache
+    key holds `settings`, the words the tokenizers learn (TOKENIZER_TEXT) and this module's builders' source."""
+    import inspect
+
     import torch
 
     from data import tiny_pretrain
 
     def build(folder: Path) -> None:
+        tokenizer, config = parts(folder / "tokenizer")
         torch.manual_seed(seed)
         encoder = cls(config)
         accuracy = tiny_pretrain.pretrain_text(encoder, tokenizer, length, seed=seed)
         with _no_progress_bars():
-            encoder.save_pretrained(folder)
+            encoder.save_pretrained(folder / "encoder")
         (folder / "pretraining.json").write_text(json.dumps({"accuracy": accuracy}))
 
-    settings = {"config": config.to_dict(), "vocab": tokenizer.get_vocab(), "length": length, "seed": seed}
-    settings["config"].pop("transformers_version", None)
-    folder = tiny_pretrain.cached(part, settings, build)
+    code = [inspect.getsource(f) for f in (parts, make_clip_tokenizer, make_t5_tokenizer)]
+    folder = tiny_pretrain.cached(part, {**settings, "text": TOKENIZER_TEXT, "code": code}, build)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
     with _no_progress_bars():
-        return cls.from_pretrained(folder).eval()
+        return cls.from_pretrained(folder / "encoder").eval(), tokenizer
 
 
 def _t5_text(out: Path, width: int, seed: int, length: int = 32):
     """(a T5EncoderModel `width` wide pretrained to tell the digits' words apart across phrasings
     (data/tiny_pretrain.py; cached), its T5Tokenizer) trained offline on the digit captions."""
-    from transformers import T5Config, T5EncoderModel
+    from transformers import T5EncoderModel
 
-    tokenizer = make_t5_tokenizer(out / ".tokenizer")
-    config = T5Config(
-        vocab_size=len(tokenizer),
-        d_model=width,
-        d_kv=8,
-        d_ff=2 * width,
-        num_layers=2,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        feed_forward_proj="gated-gelu",  # T5 v1.1's, as in T5-XXL
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return _pretrained_text(T5EncoderModel, config, tokenizer, length, seed, "t5"), tokenizer
+    def parts(folder: Path):
+        from transformers import T5Config
+
+        tokenizer = make_t5_tokenizer(folder)
+        config = T5Config(
+            vocab_size=len(tokenizer),
+            d_model=width,
+            d_kv=8,
+            d_ff=2 * width,
+            num_layers=2,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",  # T5 v1.1's, as in T5-XXL
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        return tokenizer, config
+
+    settings = {"width": width, "length": length, "seed": seed}
+    return _pretrained_text(T5EncoderModel, parts, settings, length, seed, "t5")
 
 
 def make_caption_folder(

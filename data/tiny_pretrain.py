@@ -114,7 +114,12 @@ def pretrain_vae(vae, *, steps: int = 400, batch: int = 64, kl_weight: float = 1
         mse = torch.nn.functional.mse_loss(vae.decode(posterior.mean).sample, images).item()
         shift, spread = posterior.mean.mean().item(), posterior.mean.std().item()
     vae.register_to_config(scaling_factor=round(1 / spread, 4), shift_factor=round(shift, 4))
-    return {"mse": mse, "posterior_std": posterior.std.mean().item(), "scaling_factor": 1 / spread, "shift_factor": shift}
+    return {
+        "mse": mse,
+        "posterior_std": posterior.std.mean().item(),
+        "scaling_factor": 1 / spread,
+        "shift_factor": shift,
+    }
 
 
 def pretrain_captions(seed: int = 0) -> tuple[list[str], list[int]]:

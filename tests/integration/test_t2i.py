@@ -123,7 +123,9 @@ def test_a_run_without_held_out_captions_still_samples_and_exports(t2i_world, tm
 # encoders, a random 4-layer 64-wide transformer) trained ADHERENCE_STEPS steps of 32 on 540 captioned digits, ~80 s
 # on one thread of a busy 2-core machine. The README's demo (1,500 steps of 64 on 1,699 digits) prints its own.
 ADHERENCE_STEPS = 400
-MIN_ADHERENCE = 0.3  # chance: 0.1; measured 0.400 (one thread, CPU)
+# chance: 0.1; measured 0.400 and 0.380 on two builds of the text encoders (one thread, CPU): the `tokenizers`
+# trainers give another vocabulary in each process, so a fresh clone pretrains other encoders (tiny_bases.py).
+MIN_ADHERENCE = 0.25
 
 
 def test_t2i_tiny_follows_prompts_in_phrasings_it_never_saw(tmp_path):
