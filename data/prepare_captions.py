@@ -154,13 +154,17 @@ def read_text(path: Path) -> str:
 
 def split_rows(n: int, *, val_fraction: float, seed: int) -> dict[str, np.ndarray]:
     """{split: rows}: the rows shuffled with the seed, the first round(n * val_fraction) to val (at least one,
-    never all), in file order within each split."""
+    never all), each split in that shuffled order. Not in file order: a folder sorted by subject (the digits' is
+    sorted by digit) would give shards of one or two subjects each, which the training loader's streaming shuffle
+    buffer cannot mix across, so every batch would hold one subject and a text-to-image model would learn the
+    batch's subject rather than its prompts (t2i_tiny on the demo's base, 1,000 steps of 64 at lr 1e-3: held-out
+    prompt adherence 0.528 on file-ordered shards, 0.658 on shuffled ones; measured once each)."""
     order = list(range(n))
     random.Random(f"kiln.prepare_captions/{seed}").shuffle(order)
     n_val = min(max(round(n * val_fraction), 1), n - 1)
     return {
-        "val": np.asarray(sorted(order[:n_val]), dtype=np.int64),
-        "train": np.asarray(sorted(order[n_val:]), dtype=np.int64),
+        "val": np.asarray(order[:n_val], dtype=np.int64),
+        "train": np.asarray(order[n_val:], dtype=np.int64),
     }
 
 

@@ -3,10 +3,12 @@ ImageFolder of images, a Stable Diffusion 3 pipeline folder and a folder of capt
 
     make_vae(dir)              # ~/models/sd-vae-ft-mse: a small random AutoencoderKL (save_pretrained)
     make_image_folder(dir)     # ~/data/my_images: digits upscaled to RGB PNGs, one folder per class, one corrupt file
-    make_sd3_pipeline(dir)     # ~/models/stable-diffusion-3.5-medium: a tiny random StableDiffusion3Pipeline
-    make_flux_pipeline(dir)    # ~/models/FLUX.1-dev: a tiny random FluxPipeline
+    make_sd3_pipeline(dir)     # ~/models/stable-diffusion-3.5-medium: a tiny StableDiffusion3Pipeline, pretrained parts
+    make_flux_pipeline(dir)    # ~/models/FLUX.1-dev: a tiny FluxPipeline (the same pretrained VAE and text encoders)
     make_caption_folder(dir)   # ~/data/captioned: digit PNGs with a caption each (name.txt), in several phrasings
 
+The pipelines' VAE and text encoders are pretrained on the digits (data/tiny_pretrain.py: cached, built once), so
+that a text-to-image run on them can follow its prompts as on a release; their transformers are random.
 Each writes into the folder it is given and returns it. scripts/gpu_check.py builds dit_2b's inputs with them
 (a GPU node has no VAE or images either); the tests use them through tests/fixtures/dit.py.
 """
@@ -15,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import shutil
 from pathlib import Path
 
 from common.data.digit_captions import CAPTION_TEMPLATES, HELD_OUT_TEMPLATES, digit_caption
@@ -26,7 +26,6 @@ from common.known_warnings import silence_known_warnings
 # own, silenced like the CLIs before any builder imports transformers/diffusers (and torchao, DeepSpeed with them).
 silence_known_warnings()
 
-POSTERIOR_STD = 0.01  # make_sd3_pipeline's VAE: its posterior's standard deviation, for every input
 CLASS_NAMES = tuple(f"digit_{c}" for c in range(10))  # sorted like the digits they hold
 
 
@@ -164,9 +163,9 @@ def make_sd3_pipeline(
     *,
     sample_size: int = 8,
     patch_size: int = 2,
-    num_layers: int = 2,
-    attention_head_dim: int = 8,
-    num_attention_heads: int = 2,
+    num_layers: int = 4,
+    attention_head_dim: int = 16,
+    num_attention_heads: int = 4,
     joint_attention_dim: int = 32,
     clip_hidden: int = 16,
     text_length: int = 16,
@@ -174,12 +173,15 @@ def make_sd3_pipeline(
     shift: float = 3.0,
     seed: int = 0,
 ) -> Path:
-    """A random StableDiffusion3Pipeline folder (`save_pretrained`, diffusers' and transformers' real classes),
-    shaped like SD3 but a few hundred kilobytes: an SD3Transformer2DModel on `sample_size`^2 latents, an SD3-style
-    AutoencoderKL (16 latent channels, SD3's scaling_factor and shift_factor; it downsamples by
-    2^(len(block_out_channels)-1)), two CLIPTextModelWithProjection + CLIPTokenizer pairs (CLIP-L/G's roles) and a
-    FlowMatchEulerDiscreteScheduler with SD3's shift, and a T5EncoderModel + T5Tokenizer (T5-XXL's role) whose
-    width is the transformer's joint_attention_dim, as in SD3."""
+    """A tiny StableDiffusion3Pipeline folder (`save_pretrained`, diffusers' and transformers' real classes), shaped
+    like SD3 but about 3 MB, whose parts have learned something as a release's have: an SD3Transformer2DModel on
+    `sample_size`^2 latents (random: the part the recipe trains; by default 4 layers 64 wide, which reads a 2x2
+    patch of 16 latent channels -- 64 numbers -- without folding it into fewer), an SD3-style AutoencoderKL (16
+    latent channels; it downsamples by 2^(len(block_out_channels)-1)) pretrained to reconstruct the digits, two
+    CLIPTextModelWithProjection + CLIPTokenizer pairs (CLIP-L/G's roles) and a T5EncoderModel + T5Tokenizer
+    (T5-XXL's role, width the transformer's joint_attention_dim, as in SD3) pretrained to tell the digits' words
+    apart across phrasings, and a FlowMatchEulerDiscreteScheduler with SD3's shift. The pretrained parts come from
+    data/tiny_pretrain.py (built in a minute or two the first time, then cached under data/cache/tiny_bases)."""
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
@@ -199,7 +201,7 @@ def make_sd3_pipeline(
         pooled_projection_dim=2 * clip_hidden,
         pos_embed_max_size=sample_size // patch_size * 2,
     )
-    vae = _latent_vae(block_out_channels, sample_size, scaling_factor=1.5305, shift_factor=0.0609)  # SD3's
+    vae = _latent_vae(block_out_channels)
     clips = [_clip_text(CLIPTextModelWithProjection, out, clip_hidden, text_length, seed + 1 + i) for i in range(2)]
     t5, t5_tokenizer = _t5_text(out, joint_attention_dim, seed + 3)
     pipe = StableDiffusion3Pipeline(
@@ -215,7 +217,6 @@ def make_sd3_pipeline(
     )
     with _no_progress_bars():
         pipe.save_pretrained(out)
-    shutil.rmtree(out / ".tokenizer", ignore_errors=True)
     return out
 
 
@@ -233,11 +234,12 @@ def make_flux_pipeline(
     guidance_embeds: bool = True,
     seed: int = 0,
 ) -> Path:
-    """A random FluxPipeline folder (`save_pretrained`), shaped like FLUX.1 but a few hundred kilobytes: a
+    """A tiny FluxPipeline folder (`save_pretrained`), shaped like FLUX.1 but about a megabyte: a random
     FluxTransformer2DModel on 2x2-packed latents (in_channels 64 = 16 latent channels x 4; `guidance_embeds`:
-    FLUX.1-dev's guidance-distilled embedding, False: schnell's), a Flux-style AutoencoderKL (16 latent channels,
-    Flux's scaling_factor and shift_factor), a CLIPTextModel + CLIPTokenizer (CLIP-L's role: the pooled output), a
-    T5EncoderModel + T5Tokenizer (T5-XXL's: the sequence, width joint_attention_dim) and FLUX.1-dev's
+    FLUX.1-dev's guidance-distilled embedding, False: schnell's), the pretrained AutoencoderKL of
+    make_sd3_pipeline (16 latent channels), a CLIPTextModel + CLIPTokenizer (CLIP-L's role: the pooled output), a
+    T5EncoderModel + T5Tokenizer (T5-XXL's: the sequence, width joint_attention_dim), both pretrained as
+    make_sd3_pipeline's, and FLUX.1-dev's
     FlowMatchEulerDiscreteScheduler (dynamic shifting; schnell's shift=1 without it when not `guidance_embeds`)."""
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
@@ -258,7 +260,7 @@ def make_flux_pipeline(
         guidance_embeds=guidance_embeds,
         axes_dims_rope=(rope, rope, attention_head_dim - 2 * rope),
     )
-    vae = _latent_vae(block_out_channels, 16, scaling_factor=0.3611, shift_factor=0.1159)  # Flux's
+    vae = _latent_vae(block_out_channels)
     clip, clip_tokenizer = _clip_text(CLIPTextModel, out, clip_hidden, text_length, seed + 1)
     t5, t5_tokenizer = _t5_text(out, joint_attention_dim, seed + 3)
     if guidance_embeds:  # black-forest-labs/FLUX.1-dev's scheduler_config.json
@@ -284,75 +286,111 @@ def make_flux_pipeline(
     )
     with _no_progress_bars():
         pipe.save_pretrained(out)
-    shutil.rmtree(out / ".tokenizer", ignore_errors=True)
     return out
 
 
-def _latent_vae(block_out_channels: tuple[int, ...], latent_size: int, *, scaling_factor: float, shift_factor: float):
-    """An SD3/Flux-style AutoencoderKL (16 latent channels, no quant convs) with a sharp posterior."""
-    import torch
+def _latent_vae(block_out_channels: tuple[int, ...], latent_channels: int = 16):
+    """An SD3/Flux-style AutoencoderKL (no quant convs) pretrained to reconstruct the digits, with the
+    scaling_factor and shift_factor its latents call for (data/tiny_pretrain.py; cached)."""
     from diffusers import AutoencoderKL
 
+    from data import tiny_pretrain
+
     n = len(block_out_channels)
-    vae = AutoencoderKL(
+    config = dict(
         in_channels=3,
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * n,
         up_block_types=("UpDecoderBlock2D",) * n,
         block_out_channels=block_out_channels,
         layers_per_block=1,
-        latent_channels=16,
+        latent_channels=latent_channels,
         norm_num_groups=8,
-        sample_size=latent_size * 2 ** (n - 1),
-        scaling_factor=scaling_factor,
-        shift_factor=shift_factor,
+        sample_size=tiny_pretrain.VAE_IMAGE_SIZE,
         use_quant_conv=False,
         use_post_quant_conv=False,
     )
-    # A stand-in for a trained VAE's encoder: a sharp posterior (a trained KL-VAE's std is a small fraction of its
-    # mean's spread; a random one's is ~1.0 against a spread of ~0.2 over the digits, which buries the image in
-    # posterior noise) and latents that vary about as much as SD3's scaled ones (x3: ~0.9 across the digits).
-    with torch.no_grad():
-        conv = vae.encoder.conv_out  # its 2 * latent_channels outputs: the posterior's mean, then its log-variance
-        conv.weight[:16].mul_(3.0)
-        conv.bias[:16].mul_(3.0)
-        conv.weight[16:].zero_()
-        conv.bias[16:].fill_(2 * math.log(POSTERIOR_STD))
-    return vae
+
+    def build(folder: Path) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        vae = AutoencoderKL(**config)
+        report = tiny_pretrain.pretrain_vae(vae)
+        vae.save_pretrained(folder)
+        (folder / "pretraining.json").write_text(json.dumps(report, indent=2))
+
+    return AutoencoderKL.from_pretrained(tiny_pretrain.cached("vae", config, build))
 
 
 def _clip_text(cls, out: Path, hidden: int, length: int, seed: int):
-    """(a random CLIP text encoder of class `cls` -- CLIPTextModel, CLIPTextModelWithProjection -- `hidden` wide, its
-    CLIPTokenizer of `length` tokens) trained offline on the digit captions (make_clip_tokenizer)."""
+    """(a CLIP text encoder of class `cls` -- CLIPTextModel, CLIPTextModelWithProjection -- `hidden` wide, pretrained
+    to tell the digits' words apart across phrasings (data/tiny_pretrain.py; cached), its CLIPTokenizer of `length`
+    tokens) trained offline on the digit captions (make_clip_tokenizer)."""
+
+    def parts(folder: Path):
+        from transformers import CLIPTextConfig
+
+        tokenizer = make_clip_tokenizer(folder, max_length=length)
+        config = CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=length,
+            projection_dim=hidden,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        return tokenizer, config
+
+    settings = {"class": cls.__name__, "hidden": hidden, "length": length, "seed": seed}
+    return _pretrained_text(cls, parts, settings, length, seed, f"clip-{cls.__name__}")
+
+
+def _pretrained_text(cls, parts, settings: dict, length: int, seed: int, part: str):
+    """(a text encoder of class `cls`, random from `seed`, pretrained on the digits' words (data/tiny_pretrain.py
+    pretrain_text), in eval mode; its tokenizer), both cached together: `parts(folder)` trains and saves the tokenizer
+    there and returns it with the encoder's config. The tokenizer is cached with its encoder because the `tokenizers`
+    trainers break ties between equally frequent merges differently from one process to the next (the same text gave
+    three vocabularies in three processes): an encoder is only right for the vocabulary it pretrained with. The cache
+    key holds `settings`, the words the tokenizers learn (TOKENIZER_TEXT) and this module's builders' source."""
+    import inspect
+
     import torch
-    from transformers import CLIPTextConfig
 
-    tokenizer = make_clip_tokenizer(out / ".tokenizer", max_length=length)
-    config = CLIPTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=length,
-        projection_dim=hidden,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    return cls(config).eval(), tokenizer
+    from data import tiny_pretrain
+
+    def build(folder: Path) -> None:
+        tokenizer, config = parts(folder / "tokenizer")
+        torch.manual_seed(seed)
+        encoder = cls(config)
+        accuracy = tiny_pretrain.pretrain_text(encoder, tokenizer, length, seed=seed)
+        with _no_progress_bars():
+            encoder.save_pretrained(folder / "encoder")
+        (folder / "pretraining.json").write_text(json.dumps({"accuracy": accuracy}))
+
+    code = [inspect.getsource(f) for f in (parts, make_clip_tokenizer, make_t5_tokenizer)]
+    folder = tiny_pretrain.cached(part, {**settings, "text": TOKENIZER_TEXT, "code": code}, build)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    with _no_progress_bars():
+        return cls.from_pretrained(folder / "encoder").eval(), tokenizer
 
 
-def _t5_text(out: Path, width: int, seed: int):
-    """(a random T5EncoderModel `width` wide, its T5Tokenizer) trained offline on the digit captions."""
-    import torch
-    from transformers import T5Config, T5EncoderModel
+def _t5_text(out: Path, width: int, seed: int, length: int = 32):
+    """(a T5EncoderModel `width` wide pretrained to tell the digits' words apart across phrasings
+    (data/tiny_pretrain.py; cached), its T5Tokenizer) trained offline on the digit captions."""
+    from transformers import T5EncoderModel
 
-    tokenizer = make_t5_tokenizer(out / ".tokenizer")
-    torch.manual_seed(seed)
-    t5 = T5EncoderModel(
-        T5Config(
+    def parts(folder: Path):
+        from transformers import T5Config
+
+        tokenizer = make_t5_tokenizer(folder)
+        config = T5Config(
             vocab_size=len(tokenizer),
             d_model=width,
             d_kv=8,
@@ -364,8 +402,10 @@ def _t5_text(out: Path, width: int, seed: int):
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-    ).eval()
-    return t5, tokenizer
+        return tokenizer, config
+
+    settings = {"width": width, "length": length, "seed": seed}
+    return _pretrained_text(T5EncoderModel, parts, settings, length, seed, "t5")
 
 
 def make_caption_folder(

@@ -4,9 +4,10 @@
 The score is the share of samples the classifier reads as the prompted digit (chance: 0.1).
 
 The classifier fits on the real images as the pipeline's own VAE renders them (encoded, the posterior mean decoded):
-what a perfect model of the latents would draw. With a released VAE that is the images themselves, near enough; with
-the tests' and the demo's random stand-in VAE it is not (a classifier fitted on the raw digits read the stand-in's
-renderings of real held-out digits as the right digit 0.07 of the time, below chance; fitted on the renderings: 0.99).
+what a perfect model of the latents would draw. With a released VAE, or the demo's pretrained one
+(data/tiny_pretrain.py), that is the images themselves, near enough; with a random stand-in VAE it is not (a
+classifier fitted on the raw digits read a random VAE's renderings of real held-out digits as the right digit 0.07 of
+the time, below chance; fitted on the renderings: 0.99).
 """
 
 from __future__ import annotations
