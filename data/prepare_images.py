@@ -84,7 +84,10 @@ def encode_image(path: Path, size: int) -> bytes:
 
 def split_files(files: list[list[Path]], *, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray, dict]:
     """(paths, labels, {split: rows}): each class's files shuffled with the seed, the first
-    round(n * val_fraction) to val but never all of them."""
+    round(n * val_fraction) to val but never all of them; each split's rows then shuffled with the seed across
+    classes. Not in class order: a folder's classes one after the other would give shards of one or two classes each,
+    which the training loader's streaming shuffle cannot mix (every batch then nearly one class; the captioned digits
+    showed it: data/prepare_captions.py split_rows)."""
     paths, labels, rows = [], [], {"train": [], "val": []}
     for label, class_files in enumerate(files):
         order = list(range(len(class_files)))
@@ -97,8 +100,14 @@ def split_files(files: list[list[Path]], *, val_fraction: float, seed: int) -> t
     return (
         np.array(paths, dtype=object),
         np.asarray(labels, dtype=np.int64),
-        {k: np.asarray(sorted(v), dtype=np.int64) for k, v in rows.items()},
+        {k: np.asarray(_shuffled(v, f"kiln.prepare_images/{seed}/{k}"), dtype=np.int64) for k, v in rows.items()},
     )
+
+
+def _shuffled(rows: list[int], seed: str) -> list[int]:
+    rows = sorted(rows)
+    random.Random(seed).shuffle(rows)
+    return rows
 
 
 def _settings(meta: dict) -> dict:

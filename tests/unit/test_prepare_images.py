@@ -175,3 +175,14 @@ def test_training_refuses_shards_of_another_size(built):
         "or rebuild the shards with prepare_images --image-size 64",
     ):
         check_image_size(compose(["recipe=dit_tiny", "data=images", "data.image_size=64"]), meta)
+
+
+def test_every_training_shard_mixes_the_classes(built):
+    """Rows are written in a seeded shuffled order, not class by class: with 3 classes in 2 training shards, class
+    order would give one shard of digit_0 and digit_1 only and the other of digit_1 and digit_2 (the training
+    loader's streaming shuffle cannot mix across shards, so a batch would hold one or two classes)."""
+    meta = load_dataset_meta(built)
+    for url in meta["train_urls"]:
+        labels = [int(s["cls"]) for s in iter_samples([url])]
+        assert sorted(set(labels)) == [0, 1, 2], (url, labels)
+        assert labels != sorted(labels), (url, labels)
