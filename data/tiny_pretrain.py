@@ -15,6 +15,7 @@ whole config, its tokenizer's vocabulary -- and the library versions), so the de
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -43,7 +44,7 @@ VAE_IMAGE_SIZE = 16  # the demo's image size: the VAE pretrains on the digits at
 
 def cached(part: str, settings: dict, build: Callable[[Path], None]) -> Path:
     """The folder of a pretrained `part` built by `build(folder)` with `settings`, from the cache if it is there
-    (built into a temporary folder and renamed: concurrent builders each finish, one of them wins)."""
+    (built into a temporary folder and renamed, under a lock: a concurrent builder waits and reads the first's)."""
     import diffusers
     import torch
     import transformers
@@ -54,6 +55,18 @@ def cached(part: str, settings: dict, build: Callable[[Path], None]) -> Path:
     folder = CACHE / f"{part}-{digest.hexdigest()[:16]}"
     if (folder / "done").exists():
         return folder
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time (pytest-xdist workers, ranks): the others wait
+        if not (folder / "done").exists():
+            _build(folder, build)
+    return folder
+
+
+def _build(folder: Path, build: Callable[[Path], None]) -> None:
+    """`build` into a temporary folder with one thread, then renamed into place with its `done` mark."""
+    import torch
+
     tmp = CACHE / f".{folder.name}.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -64,11 +77,7 @@ def cached(part: str, settings: dict, build: Callable[[Path], None]) -> Path:
     finally:
         torch.set_num_threads(threads)
     (tmp / "done").write_text("")
-    try:
-        tmp.rename(folder)
-    except OSError:  # another builder finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    tmp.rename(folder)
 
 
 def digit_images(size: int = VAE_IMAGE_SIZE):
