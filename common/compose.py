@@ -131,9 +131,9 @@ def compose_run(
     # data.latents=auto: the cache beside data.root if there, else on the fly (one note when a training launch composes)
     training = world_size is not None and not cfg.run.dry_run
     latents.resolve(cfg, note=training)
+    spec.config.validate(cfg)  # first: what the recipe refuses whatever the folder holds (data.buckets with a cache)
     if training and (missing := latents.missing_cache(cfg)):
         raise ConfigError(missing)
-    spec.config.validate(cfg)
     return cfg, dims
 
 
