@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
 from common.diffusion.config import DiffusionConfig
 from common.seed import per_sample
 
 FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
+UNIPC_SCHEDULER = "UniPCMultistepScheduler"
 
 
 def ddpm_scheduler(d: DiffusionConfig) -> DDPMScheduler:
@@ -47,11 +48,23 @@ def scheduler_config(scheduler) -> dict:
     return {**scheduler.config, "_class_name": type(scheduler).__name__}
 
 
-def scheduler_from_config(config: dict) -> DDIMScheduler | FlowMatchEulerDiscreteScheduler:
-    """A sampler for a saved scheduler config: flow matching's Euler scheduler, else DDIM (from a
-    DDPM or DDIM config: the same noise schedule)."""
+def is_flow_scheduler(config: dict) -> bool:
+    """A saved scheduler config that samples a flow-matching model: FlowMatchEulerDiscreteScheduler, or a
+    UniPCMultistepScheduler on flow sigmas predicting the flow (Wan 2.1's)."""
+    name = config.get("_class_name")
+    unipc = (
+        name == UNIPC_SCHEDULER and config.get("use_flow_sigmas") and config.get("prediction_type") == "flow_prediction"
+    )
+    return name == FLOW_SCHEDULER or bool(unipc)
+
+
+def scheduler_from_config(config: dict):
+    """A sampler for a saved scheduler config: flow matching's Euler scheduler or Wan's flow UniPC as saved, else DDIM
+    (from a DDPM or DDIM config: the same noise schedule)."""
     if config.get("_class_name") == FLOW_SCHEDULER:
         return FlowMatchEulerDiscreteScheduler.from_config(config)
+    if is_flow_scheduler(config):
+        return UniPCMultistepScheduler.from_config(config)
     return DDIMScheduler.from_config(config)
 
 

@@ -42,8 +42,9 @@ def sample(
     conditions: dict[str, torch.Tensor],
     unconditional: dict[str, torch.Tensor] | None,
     *,
-    image_size: int,
-    in_channels: int,
+    image_size: int = 0,
+    in_channels: int = 0,
+    shape: tuple[int, ...] = (),
     steps: int,
     guidance_scale: float | torch.Tensor,
     generator: torch.Generator | None = None,
@@ -67,9 +68,10 @@ def sample(
     at once, or as `forward(x, t, conditioning, scales)` (a transformer that takes its inputs otherwise: FLUX.1's
     packed tokens; `scales`: each row's guidance scale), and the schedule set by `scheduler.set_timesteps(steps)`,
     or `set_timesteps(scheduler, steps)`.
-    It works on `in_channels` x `image_size`^2 inputs (pixels, or VAE latents); the scheduler (`scheduler_config`:
-    DDPM/DDIM or FlowMatchEulerDiscrete, see common.diffusion.objective) picks the sampler. `decode` maps each chunk
-    of final model-space samples to images (a VAE's decoder); None: they are pixels, clamped to [-1, 1].
+    It works on `in_channels` x `image_size`^2 inputs (pixels, or VAE latents), or on inputs of `shape` per sample
+    (a video's [C, F, h, w] latents); the scheduler (`scheduler_config`: DDPM/DDIM, FlowMatchEulerDiscrete or a
+    flow-prediction UniPC, see common.diffusion.objective) picks the sampler. `decode` maps each chunk of final
+    model-space samples to images (a VAE's decoder); None: they are pixels, clamped to [-1, 1].
     `progress`: a progress bar label (None: silent). The starting noise is drawn from `generator` chunk by
     chunk, or given whole as `noise` [N, C, S, S] (an images server batches requests that each drew their own).
     `guidance_scale` is one scale, or one per image."""
@@ -86,7 +88,8 @@ def sample(
     pairs = 1 if unconditional is None else 2  # rows per image in a model call
     total = next(iter(conditions.values())).shape[0]
     starts = range(0, total, batch_size)
-    scales = torch.as_tensor(guidance_scale, dtype=torch.float32).expand(total).reshape(-1, 1, 1, 1)
+    shape = tuple(shape) or (in_channels, image_size, image_size)
+    scales = torch.as_tensor(guidance_scale, dtype=torch.float32).expand(total).reshape(-1, *[1] * len(shape))
     bar = tqdm(total=len(starts) * steps, desc=progress, unit="step", disable=progress is None, dynamic_ncols=True)
     out = []
     for start in starts:
@@ -94,11 +97,7 @@ def sample(
         # (Re)setting the timesteps also resets the flow scheduler's step index.
         scheduler.set_timesteps(steps) if set_timesteps is None else set_timesteps(scheduler, steps)
         n = scale.shape[0]
-        x = (
-            torch.randn((n, in_channels, image_size, image_size), generator=generator)
-            if noise is None
-            else noise[start : start + n]
-        ).to(device)
+        x = (torch.randn((n, *shape), generator=generator) if noise is None else noise[start : start + n]).to(device)
         cond = _chunk_conditions(conditions, unconditional, start, n, device=device, dtype=dtype)
         for t in scheduler.timesteps:
             # DDIM's timesteps are integers, the flow scheduler's floats (sigma * T): the DiT's

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from common import lora
 from common.checkpoint import read_meta
 from common.config import TrainConfig
+from common.diffusion import release
 from common.diffusion import vae as vae_lib
 from common.diffusion.hooks import EMASamples, ema_eval
 from common.diffusion.objective import Objective
@@ -35,7 +36,7 @@ from common.errors import ConfigError
 from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
-from recipes.t2i import lora as t2i_lora
+from recipes.t2i import weights as t2i_weights
 from recipes.t2i.data import CachedPrompts, build_train_loader, load_cache_meta, prepare_data, sample_prompts
 from recipes.t2i.evaluate import (
     NUM_DIGITS,
@@ -244,13 +245,15 @@ class T2ITrainer(EMASamples, Trainer):
     def export(self) -> Path:
         """The base's pipeline folder under run.dir/export/: the EMA transformer, the base's other parts. Under
         finetune=lora: the EMA adapter as diffusers' LoRA file on the base, and with export.merge_lora the merged
-        pipeline in export/merged (recipes/t2i/lora.py)."""
+        pipeline in export/merged (common/diffusion/release.py)."""
         out, tmp = self.run_dir / "export", self.run_dir / ".export.tmp"
         with self.ema.swapped(), self.engine.gathered():
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 if self.lora_base:
-                    t2i_lora.write_export(self.model, self.cfg, tmp, base=self.base, step=self.state.step)
+                    release.write_lora_export(
+                        t2i_weights, self.model, self.cfg, tmp, base=self.base, step=self.state.step
+                    )
                 else:
                     write_pipeline(tmp, self.base, self.cfg, step=self.state.step, transformer=self.model)
                 shutil.rmtree(out, ignore_errors=True)

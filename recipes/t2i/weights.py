@@ -12,15 +12,15 @@ sampler loop are the same for all (recipes/t2i/train.py, common/diffusion/)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from common.config import TrainConfig
+from common.diffusion import release
+from common.diffusion.release import meta_model, part_identity, read_index
 from common.errors import ConfigError
-from common.weights import check_folder
 
 FLUX_TRANSFORMER = "FluxTransformer2DModel"
 # diffusion.* keys and the scheduler_config.json entries they come from.
@@ -29,29 +29,13 @@ SCHEDULER_KEYS = {"num_train_timesteps": "num_train_timesteps", "flow_shift": "s
 
 def pipeline_folder(init_from: str) -> Path:
     """The pipeline folder `model.init_from` names: one line if it is none, or one of a pipeline Kiln does not
-    train, or if its transformer's weights are missing or damaged."""
-    folder = Path(init_from).expanduser().absolute()
-    try:
-        index = json.loads((folder / "model_index.json").read_text())
-    except (OSError, ValueError):
-        raise ConfigError(
-            f"model.init_from={init_from}: no diffusers pipeline folder there (no readable model_index.json; a "
-            f"{' or '.join(ADAPTERS)} saved with save_pretrained or downloaded whole)"
-        ) from None
-    name = index.get("_class_name") if isinstance(index, dict) else None
-    if name not in ADAPTERS:
-        raise ConfigError(
-            f"model.init_from={init_from} is a {name or 'pipeline of no known class'}; the text-to-image recipe "
-            f"trains {', '.join(ADAPTERS)} folders"
-        )
-    expected = ADAPTERS[name].transformer
-    if index.get("transformer", [None, None])[1] != expected:
-        raise ConfigError(f"model.init_from={init_from}: its transformer is not a diffusers {expected}")
-    transformer = folder / "transformer"
-    if not any(transformer.glob("*.safetensors")):
-        raise ConfigError(f"model.init_from={init_from}: no *.safetensors weights in {transformer}")
-    check_folder(transformer, f"model.init_from={init_from}")  # one line for a file cut short
-    return folder
+    train, or if its transformer's weights are missing or damaged (common/diffusion/release.py read_index)."""
+    return read_index(init_from, {name: a.transformer for name, a in ADAPTERS.items()}, "text-to-image")[0]
+
+
+def pipeline_class(folder: Path) -> str:
+    """diffusers' pipeline class of the folder (common/diffusion/release.py)."""
+    return adapter(folder).pipeline
 
 
 def scheduler_config(folder: Path) -> dict:
@@ -119,15 +103,12 @@ def encoders_identity(folder: Path) -> dict:
     """What a cache of the pipeline's frozen encoders records of them (recipes/t2i/data.py): each text encoder's and
     the VAE's config (version stamps left out) and weights fingerprint (common/weights.py), by subfolder name."""
     from common.diffusion.vae import vae_identity
-    from common.weights import fingerprint
 
     index = json.loads((folder / "model_index.json").read_text())
     out = {"vae": vae_identity(folder / "vae")}
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
         if index.get(name, [None, None])[0] is not None:
-            config = json.loads((folder / name / "config.json").read_text())
-            config = {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}
-            out[name] = {"config": config, "weights": fingerprint(folder / name, f"model.init_from={folder}")}
+            out[name] = part_identity(folder, name, f"model.init_from={folder}")
     return out
 
 
@@ -144,23 +125,14 @@ def load_transformer(folder: Path):
 
 
 def meta_transformer(folder: Path):
-    """The pipeline's transformer on the meta device, configured as `load_transformer`'s: the layout and config.json
-    of a streamed export (recipes/t2i/export.py). from_pretrained records where it loaded from (`_name_or_path`, in
-    the config.json save_pretrained writes at the end of a run); from_config does not: recorded here the same way."""
-    with torch.device("meta"):
-        model = transformer_class(folder).from_config(transformer_config(folder))
-    model.register_to_config(_name_or_path=str(folder / "transformer"))
-    return model
+    """The pipeline's transformer on the meta device, configured as `load_transformer`'s (a streamed export)."""
+    return meta_model(transformer_class(folder), folder / "transformer")
 
 
-# ---- out: the export's folder (T2ITrainer.export, recipes/t2i/export.py and lora.py) ----------------------
+# ---- out: the export's folder (T2ITrainer.export, common/diffusion/release.py) -------------------------------
 def write_pipeline(folder: Path, base: Path, cfg: TrainConfig, *, step: int, transformer=None) -> None:
-    """The export: the base pipeline's folder with its transformer replaced (`transformer` saved with
-    save_pretrained, in the dtype it trained in; None: the caller writes transformer/), and kiln.json."""
-    shutil.copytree(base, folder, ignore=lambda d, names: ["transformer"] if Path(d) == base else [])
-    if transformer is not None:
-        transformer.save_pretrained(folder / "transformer", safe_serialization=True)
-    (folder / "kiln.json").write_text(json.dumps(export_info(cfg, base, step), indent=2))
+    """The export: the base pipeline's folder with `transformer` in place, and kiln.json (`export_info`)."""
+    release.write_pipeline(folder, base, export_info(cfg, base, step), transformer)
 
 
 def export_info(cfg: TrainConfig, base: Path, step: int, load: str | None = None):

@@ -32,7 +32,9 @@ def test_t2i_lora_export_loads_in_diffusers_and_samples_like_kiln(trained, t2i_w
 
     from common.ds_export import ZeroCheckpoint, saved_ema
     from common.lora import is_adapter_key
-    from recipes.t2i.lora import WEIGHTS, adapted_model
+    from common.diffusion.release import LORA_WEIGHTS as WEIGHTS
+    from common.diffusion.release import adapted_model
+    from recipes.t2i import weights
     from recipes.t2i.sampling import PromptSampler
 
     run, base = trained(t2i_lora_run_args(t2i_world)), t2i_world["pipeline"]
@@ -55,7 +57,7 @@ def test_t2i_lora_export_loads_in_diffusers_and_samples_like_kiln(trained, t2i_w
     # Kiln's sampler with the adapted transformer: the base's weights, peft's LoRA layers, the checkpoint's EMA
     # adapter (what the end of the run exported: (e) below checks the export from this checkpoint is that one).
     cfg = OmegaConf.load(run / "config.yaml")
-    model = adapted_model(cfg, base).eval()
+    model = adapted_model(weights, cfg, base).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.requires_grad:

@@ -76,12 +76,13 @@ def test_a_flux_lora_export_loads_in_flux_pipeline(t2i_flux_world, tmp_path):
     merged folder, give the transformer output the adapted model gives (and not the base's)."""
     from diffusers import FluxPipeline
 
-    from recipes.t2i import lora as t2i_lora
+    from common.diffusion import release
+    from recipes.t2i import weights
     from recipes.t2i.weights import adapter, load_transformer
 
     base = t2i_flux_world["pipeline"]
     cfg = compose(["recipe=t2i_tiny", f"model.init_from={base}", "finetune=lora", "export.merge_lora=true"])
-    model = t2i_lora.adapted_model(cfg, base).eval()
+    model = release.adapted_model(weights, cfg, base).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # a trained adapter's stand-in (B starts at zero)
         for name, p in model.named_parameters():
@@ -90,7 +91,7 @@ def test_a_flux_lora_export_loads_in_flux_pipeline(t2i_flux_world, tmp_path):
     assert any(n.startswith("single_transformer_blocks.0.attn.to_q.lora_A") for n, _ in model.named_parameters())
     out = tmp_path / "export"
     out.mkdir()
-    t2i_lora.write_export(model, cfg, out, base=base, step=1)
+    release.write_lora_export(weights, model, cfg, out, base=base, step=1)
 
     spec = adapter(base)
     text = spec.prompt_encoder(device="cpu", dtype=torch.float32, max_sequence_length=8)(["a 3", "the digit 5"])
