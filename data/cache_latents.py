@@ -14,9 +14,9 @@ as on the images, and a run on the cache sees the same batches as one that encod
 
 A text-to-image run's cache (recipe=t2i_* model.init_from=<pipeline folder>) also holds each sample's caption and
 its prompt embedding from the pipeline's text encoders, run in toggles.precision's compute dtype (float32 arrays of
-those values: recipes/t2i/data.py TEXT_FIELDS), and the empty prompt's once (EMPTY_PROMPT, caption dropout); its
-meta.json records the text encoders and VAE (config + weights fingerprint), model.max_sequence_length, the image
-size and the precision, and a run with other ones stops with one line. For a DiT,
+those values: recipes/t2i/data.py TEXT_FIELDS), and the empty prompt's once (common/diffusion/prompts.py
+EMPTY_PROMPT, caption dropout); its meta.json records the text encoders and VAE (config + weights fingerprint),
+model.max_sequence_length, the image size and the precision, and a run with other ones stops with one line. For a DiT,
 meta.json records the VAE (its config and a digest of its weights), the image size and the
 classes; training refuses a cache made by another VAE or at another size. A shard that cannot be
 read to its end is cached up to where it broke, counted and named in meta.json (``corrupt_shards``);

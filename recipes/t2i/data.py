@@ -6,7 +6,6 @@ empty prompt's embedding once, beside them."""
 from __future__ import annotations
 
 import functools
-import io
 from pathlib import Path
 
 import numpy as np
@@ -16,17 +15,19 @@ from common.config import TrainConfig
 from common.data import prepare_dataset
 from common.data.captions import SOURCE, skip_summary
 from common.data.dataset import load_dataset_meta
-from common.data.webdataset import global_train_loader, iter_samples
+from common.data.webdataset import global_train_loader
+from common.diffusion import prompts
 from common.diffusion.images import decode_png, to_model_space
-from common.diffusion.vae import LATENT_SOURCE, read_moments
+from common.diffusion.prompts import EMPTY_PROMPT, decode_cached
+from common.diffusion.vae import LATENT_SOURCE
 from common.distributed import DistInfo
 from common.errors import DataError
 
 CAPTIONED = SOURCE  # meta.json "source" of data.prepare_captions' shards (common/data/captions.py)
 # A cache sample's prompt embedding (float32 arrays of the values the encoders gave in the compute dtype, so casting
-# back is exact), by the transformer's argument names; the empty prompt's, once per cache, in EMPTY_PROMPT.
+# back is exact), by the transformer's argument names; the empty prompt's, once per cache, in
+# EMPTY_PROMPT (common/diffusion/prompts.py).
 TEXT_FIELDS = {"encoder_hidden_states": "context.npy", "pooled_projections": "pooled.npy"}
-EMPTY_PROMPT = "empty_prompt.npz"
 
 
 def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
@@ -122,111 +123,26 @@ def decode_captioned(sample: dict, image_size: int | None) -> dict:
     }
 
 
-def decode_cached(sample: dict) -> dict:
-    """A cache sample: {"mean", "std": float [C, h, w], "caption": str, and the prompt embedding's TEXT_FIELDS}."""
-    mean, std = read_moments(sample)
-    text = {key: torch.from_numpy(np.load(io.BytesIO(sample[name]))) for key, name in TEXT_FIELDS.items()}
-    caption = sample["txt"]
-    return {
-        "mean": mean,
-        "std": std,
-        "caption": caption.decode("utf-8") if isinstance(caption, bytes) else caption,
-        **text,
-    }
-
-
 def build_train_loader(cfg: TrainConfig, meta: dict, *, rank: int, dp: int):
     """The resumable loader over the caption shards, or over their cache (meta from load_cache_meta): one global
     sample stream, data-parallel rank `rank`'s share of each step of `dp` (world / parallel.cp: the cp ranks of a
     group read the same samples)."""
     if meta.get("source") == LATENT_SOURCE:
-        decode = decode_cached
+        decode = functools.partial(decode_cached, fields=TEXT_FIELDS)
     else:  # data.buckets: the images as stored, each global batch one bucket's (bucket_of)
         decode = functools.partial(decode_captioned, image_size=None if cfg.data.buckets else cfg.data.image_size)
     group = bucket_of if cfg.data.buckets else None
     return global_train_loader(cfg, meta["train_urls"], decode=decode, rank=rank, dp=dp, group=group)
 
 
-def cache_settings(cfg: TrainConfig, identity: dict) -> dict:
-    """What a cache records of the run that may read it, and what that run checks: the pipeline's frozen encoders
-    (recipes/t2i/weights.py encoders_identity), the T5 length, the image size and the encoders' compute dtype."""
-    return {
-        "encoders": identity,
-        "max_sequence_length": cfg.model.max_sequence_length,
-        "image_size": cfg.data.image_size,
-        "precision": cfg.toggles.precision,
-    }
+# What a cache records of the run that may read it and that run checks, besides the pipeline's frozen encoders
+# (recipes/t2i/weights.py encoders_identity): the T5 length, the image size and the encoders' compute dtype.
+CACHE_KEYS = ("model.max_sequence_length", "data.image_size", "toggles.precision")
 
 
 def load_cache_meta(cfg: TrainConfig, identity: dict) -> dict:
-    """meta.json of the cache at data.latents, checked against this run (`identity`: encoders_identity of
-    model.init_from): one DataError line naming what differs and the rebuild otherwise."""
-    meta = load_dataset_meta(Path(cfg.data.latents).expanduser())
-    if meta.get("source") != LATENT_SOURCE or "encoders" not in meta:
-        raise DataError(
-            f"data.latents={cfg.data.latents} is not a text-to-image cache (meta.json source {meta.get('source')!r}); "
-            "build one with python -m data.cache_latents recipe=<this recipe> ... --out DIR"
-        )
-    want = cache_settings(cfg, identity)
-    differs = [
-        f"model.init_from's {name}"
-        for name in sorted(set(want["encoders"]) | set(meta["encoders"]))
-        if want["encoders"].get(name) != meta["encoders"].get(name)
-    ]
-    differs += [
-        f"{section}.{key}={want[key]} (the cache's: {meta.get(key)})"
-        for section, key in (("model", "max_sequence_length"), ("data", "image_size"), ("toggles", "precision"))
-        if meta.get(key) != want[key]
-    ]
-    if differs:
-        raise DataError(
-            f"data.latents={cfg.data.latents} was made with other settings than this run's: {'; '.join(differs)}; "
-            f"rebuild it: python -m data.cache_latents recipe={cfg.recipe.name} model.init_from={cfg.model.init_from} "
-            f"data.root={cfg.data.root} model.max_sequence_length={cfg.model.max_sequence_length} "
-            f"data.image_size={cfg.data.image_size} toggles.precision={cfg.toggles.precision} --out {cfg.data.latents} "
-            "--force"
-        )
-    return meta
-
-
-class CachedPrompts:
-    """The prompt encoder of a run on a cache: the embeddings of the empty prompt and of the sample grids' prompts
-    (`sample_prompts` on the cache: its first `n` validation captions, or its first `n` training captions when its
-    val split is empty), read from the cache; the text encoders are not loaded for training. A prompt it does not hold
-    (the eval's held-out phrasings) loads them then, once: `load()` -> a PromptEncoder."""
-
-    def __init__(self, root: str | Path, meta: dict, n: int, *, device, dtype: torch.dtype, load):
-        with np.load(Path(root).expanduser() / EMPTY_PROMPT) as empty:
-            self.table = {"": {key: torch.from_numpy(empty[key]) for key in TEXT_FIELDS}}
-        for sample in first_samples(meta, n)[0]:
-            cached = decode_cached(sample)
-            self.table[cached["caption"]] = {key: cached[key] for key in TEXT_FIELDS}
-        self.device, self.dtype, self.load, self.encoder = device, dtype, load, None
-
-    def __call__(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        if any(p not in self.table for p in prompts):
-            if self.encoder is None:
-                self.encoder = self.load()
-            return self.encoder(prompts)
-        return {
-            key: torch.stack([self.table[p][key] for p in prompts]).to(self.device, self.dtype) for key in TEXT_FIELDS
-        }
-
-
-def first_samples(meta: dict, n: int) -> tuple[list[dict], str]:
-    """The first `n` held-out samples (in shard order, the same on every rank) and "val"; when the val split holds
-    none (a small folder whose held-out images did not decode), the first `n` training samples and "train"."""
-    for split in ("val", "train"):
-        samples = [sample for _, sample in zip(range(n), iter_samples(meta[f"{split}_urls"]))]
-        if samples:
-            return samples, split
-    return [], "train"
-
-
-def sample_prompts(meta: dict, n: int) -> tuple[list[str], str]:
-    """The prompts of sample grids and the split they come from: `first_samples`' captions."""
-    samples, split = first_samples(meta, n)
-    return [s["txt"].decode("utf-8") if isinstance(s["txt"], bytes) else s["txt"] for s in samples], split
+    """meta.json of the cache at data.latents, checked against this run (common/diffusion/prompts.py)."""
+    return prompts.load_cache_meta(cfg, identity, CACHE_KEYS, "text-to-image")
 
 
 def latent_cache(cfg: TrainConfig, device: str):
@@ -275,5 +191,5 @@ def latent_cache(cfg: TrainConfig, device: str):
         decode = functools.partial(decode_captioned, image_size=cfg.data.image_size)
         return decode, encode, {EMPTY_PROMPT: empty}
 
-    settings = cache_settings(cfg, encoders_identity(base))
+    settings = prompts.cache_settings(cfg, encoders_identity(base), CACHE_KEYS)
     return CachePlan(images, settings, fields, encoders, holds=", prompt embeddings")

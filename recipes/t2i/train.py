@@ -28,6 +28,7 @@ from common.diffusion import release
 from common.diffusion import vae as vae_lib
 from common.diffusion.hooks import EMASamples, ema_eval
 from common.diffusion.objective import Objective
+from common.diffusion.prompts import CachedPrompts, sample_prompts
 from common.diffusion.sampling import save_grid
 from common.distributed import DistInfo, barrier
 from common.ema import EMA
@@ -37,7 +38,7 @@ from common.parallel_dims import ParallelDims
 from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
 from recipes.t2i import weights as t2i_weights
-from recipes.t2i.data import CachedPrompts, build_train_loader, load_cache_meta, prepare_data, sample_prompts
+from recipes.t2i.data import TEXT_FIELDS, build_train_loader, load_cache_meta, prepare_data
 from recipes.t2i.evaluate import (
     NUM_DIGITS,
     eval_prompts,
@@ -116,7 +117,13 @@ class T2ITrainer(EMASamples, Trainer):
                     "embeddings computed in fp32, bf16 or fp16: train without data.latents"
                 )
             encode = CachedPrompts(
-                cfg.data.latents, cache, SAMPLE_PROMPTS, device=self.device, dtype=self.dtype, load=load_encoders
+                cfg.data.latents,
+                cache,
+                SAMPLE_PROMPTS,
+                TEXT_FIELDS,
+                device=self.device,
+                dtype=self.dtype,
+                load=load_encoders,
             )
         else:
             encode = load_encoders()

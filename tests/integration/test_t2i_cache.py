@@ -39,7 +39,7 @@ def cache(t2i_world, tmp_path_factory):
 def test_cached_embeddings_are_the_text_encoders_output(t2i_world, cache):
     from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
 
-    from recipes.t2i.data import EMPTY_PROMPT
+    from common.diffusion.prompts import EMPTY_PROMPT
 
     cfg = compose(t2i_run_args(t2i_world))
     folder, length = t2i_world["pipeline"], cfg.model.max_sequence_length
