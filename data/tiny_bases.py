@@ -289,6 +289,78 @@ def make_flux_pipeline(
     return out
 
 
+def make_wan_pipeline(
+    out: str | Path,
+    *,
+    num_layers: int = 2,
+    attention_head_dim: int = 16,
+    num_attention_heads: int = 2,
+    text_dim: int = 32,
+    base_dim: int = 8,
+    z_dim: int = 16,
+    flow_shift: float = 3.0,
+    seed: int = 0,
+) -> Path:
+    """A tiny WanPipeline folder (`save_pretrained`, diffusers' and transformers' real classes), shaped like Wan 2.1
+    T2V but a few hundred kilobytes: a random WanTransformer3DModel (patch 1x2x2, `z_dim` latent channels), an
+    AutoencoderKLWan that compresses time by 4 and space by 4 (Wan's compresses space by 8: two spatial stages
+    rather than three keep 32-pixel frames at 8x8 latents), a UMT5EncoderModel + T5Tokenizer (umt5-xxl's role,
+    `text_dim` wide) and Wan 2.1's UniPCMultistepScheduler (flow prediction, flow_shift 3.0, as the 480p release)."""
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    out = Path(out)
+    torch.manual_seed(seed)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=num_attention_heads,
+        attention_head_dim=attention_head_dim,
+        in_channels=z_dim,
+        out_channels=z_dim,
+        text_dim=text_dim,
+        freq_dim=32,
+        ffn_dim=2 * attention_head_dim * num_attention_heads,
+        num_layers=num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+    )
+    vae = AutoencoderKLWan(
+        base_dim=base_dim,
+        z_dim=z_dim,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[True, True],
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
+        scale_factor_spatial=4,
+    )
+    tokenizer = make_t5_tokenizer(out / "tokenizer")
+    config = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=text_dim,
+        d_kv=8,
+        d_ff=2 * text_dim,
+        num_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    text_encoder = UMT5EncoderModel(config).eval()
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=flow_shift
+    )
+    pipe = WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+    )
+    with _no_progress_bars():
+        pipe.save_pretrained(out)
+    return out
+
+
 def _latent_vae(block_out_channels: tuple[int, ...], latent_channels: int = 16):
     """An SD3/Flux-style AutoencoderKL (no quant convs) pretrained to reconstruct the digits, with the
     scaling_factor and shift_factor its latents call for (data/tiny_pretrain.py; cached)."""

@@ -42,6 +42,7 @@ from common.errors import ConfigError
 from recipes.dit import config as dit_config
 from recipes.llm import config as llm_config
 from recipes.t2i import config as t2i_config
+from recipes.video import config as video_config
 from recipes.vlm import config as vlm_config
 
 
@@ -119,12 +120,21 @@ def _names_text_encoder(folder: Path) -> bool:
     return index.exists() and "text_encoder" in json.loads(index.read_text())
 
 
+def _pipeline_class(folder: Path) -> str | None:
+    index = folder / "model_index.json"
+    return json.loads(index.read_text()).get("_class_name") if index.exists() else None
+
+
 def _dit_export(folder: Path) -> bool:
     return _diffusion_export(folder) and not _names_text_encoder(folder)
 
 
 def _t2i_export(folder: Path) -> bool:
-    return _diffusion_export(folder) and _names_text_encoder(folder)
+    return _diffusion_export(folder) and _names_text_encoder(folder) and _pipeline_class(folder) != "WanPipeline"
+
+
+def _video_export(folder: Path) -> bool:
+    return _diffusion_export(folder) and _pipeline_class(folder) == "WanPipeline"
 
 
 SPECS: dict[str, RecipeSpec] = {
@@ -188,6 +198,19 @@ SPECS: dict[str, RecipeSpec] = {
         serve_engines=("torch",),  # PyTorch only (no ONNX graph of the pipeline yet)
         export_kind="text-to-image",
         serve_dtype_note="a text-to-image export serves in float32 (recipes/t2i/sampling.py)",
+    ),
+    # Text-to-video on a released Wan 2.1 pipeline: the same diffusion core (common/diffusion) over clips.
+    "video": RecipeSpec(
+        "video",
+        video_config,
+        "recipes.video.train",
+        "recipes.video.export",
+        sizing_module="recipes.video.sizing",
+        sections=video_config.SECTIONS,
+        lora_targets=video_config.LORA_TARGETS,
+        cp_methods=video_config.CP_METHODS,
+        title="video",
+        latent_cache_module="recipes.video.data",
     ),
 }
 

@@ -98,6 +98,15 @@ def t2i_flux_world(tmp_path_factory, t2i_world):
 
 
 @pytest.fixture(scope="session")
+def video_world(tmp_path_factory):
+    """The video tests' tiny WanPipeline folder and moving-digit shards (tests/fixtures/video.py), built once."""
+    from tests.fixtures.shared import once, shared_root
+    from tests.fixtures.video import make_video_world
+
+    return once(shared_root(tmp_path_factory), "video", make_video_world)
+
+
+@pytest.fixture(scope="session")
 def dit_lora_world(tmp_path_factory, latent_dit_data):
     """The DiT LoRA tests' images, VAE and base run (tests/fixtures/lora.py make_dit_world), built once."""
     from tests.fixtures.lora import DIT_SIZE, make_dit_world

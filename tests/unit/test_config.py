@@ -22,7 +22,8 @@ SCHEMA_RECIPES = {
     "vlm_schema": ["vlm_tiny"],
     "llm_schema": ["llm_tiny"],
     "t2i_schema": ["t2i_tiny"],
-    "zero_schema": ["dit_tiny", "vlm_tiny", "t2i_tiny"],
+    "video_schema": ["video_tiny"],
+    "zero_schema": ["dit_tiny", "vlm_tiny", "t2i_tiny", "video_tiny"],
 }
 
 
@@ -47,7 +48,7 @@ GROUP_OPTIONS = [
 def test_every_recipe_composes(recipe):
     cfg = compose([f"recipe={recipe}"])
     assert cfg.recipe.name == recipe
-    assert cfg.recipe.family in ("dit", "vlm", "llm", "t2i")
+    assert cfg.recipe.family in ("dit", "vlm", "llm", "t2i", "video")
 
 
 @pytest.mark.parametrize("group,option,recipe", GROUP_OPTIONS)
