@@ -241,6 +241,9 @@ def test_moving_digits_build_is_seeded(tmp_path, capsys):
         return out
 
     first, again, other = build("a", 0), build("b", 0), build("c", 1)
+    rebuild = ["--moving-digits", "--clips", "40", "--out", str(first), *FLAGS]
+    assert prepare_videos.main(rebuild) == 0 and "nothing to do" in capsys.readouterr().out
+    assert prepare_videos.main([*rebuild, "--seed", "1"]) == 1 and "seed=0 (wanted 1)" in capsys.readouterr().err
     tars = sorted(p.name for p in first.glob("*.tar"))
     assert tars == sorted(p.name for p in again.glob("*.tar")) and len(tars) == 3
     assert all((first / t).read_bytes() == (again / t).read_bytes() for t in tars)
