@@ -303,26 +303,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         source.add_argument("--input", type=Path, help="a folder of images with name.txt captions or metadata.jsonl")
         source.add_argument("--digits", action="store_true", help="scikit-learn's digits, captioned (the demo)")
         parser.add_argument("--image-size", required=True, type=positive_int, help="side of the square images written")
-        parser.add_argument(
-            "--buckets",
-            nargs="?",
-            const=",".join(ASPECT_RATIOS),
-            default=None,
-            help="aspect-ratio buckets of about --image-size^2 pixels: width:height ratios, comma-separated "
-            f"(default {','.join(ASPECT_RATIOS)})",
-        )
-        parser.add_argument(
-            "--bucket-multiple",
-            type=positive_int,
-            default=BUCKET_MULTIPLE,
-            help="both sides of every bucket are multiples of this: the VAE's downsampling x the patch size",
-        )
-        parser.add_argument(
-            "--max-bad-samples",
-            type=int,
-            default=None,
-            help="stop (nothing written) when more images than this are skipped (default: no limit)",
-        )
+        cli.bucket_args(parser, ASPECT_RATIOS, BUCKET_MULTIPLE, "--image-size^2", "images")
 
     parser = cli.arg_parser(
         "python -m data.prepare_captions",

@@ -311,26 +311,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument("--fps", type=float, default=16.0, help="the rate frames are sampled at (default 16)")
         parser.add_argument("--height", required=True, type=positive_int, help="frame height (pixels)")
         parser.add_argument("--width", required=True, type=positive_int, help="frame width (pixels)")
-        parser.add_argument(
-            "--buckets",
-            nargs="?",
-            const=",".join(ASPECT_RATIOS),
-            default=None,
-            help="aspect-ratio buckets of about --height x --width pixels: width:height ratios, comma-separated "
-            f"(default {','.join(ASPECT_RATIOS)})",
-        )
-        parser.add_argument(
-            "--bucket-multiple",
-            type=positive_int,
-            default=BUCKET_MULTIPLE,
-            help="both sides of every bucket are multiples of this: the VAE's downsampling x the patch size",
-        )
-        parser.add_argument(
-            "--max-bad-samples",
-            type=int,
-            default=None,
-            help="stop (nothing written) when more clips than this are skipped (default: no limit)",
-        )
+        cli.bucket_args(parser, ASPECT_RATIOS, BUCKET_MULTIPLE, "--height x --width", "clips")
 
     parser = cli.arg_parser(
         "python -m data.prepare_videos",
