@@ -175,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = meta.get("latent_shape") or [meta["latent_channels"], meta["latent_size"], meta["latent_size"]]
     print(
         f"wrote {args.out}: train {splits['train']['samples']} and val {splits['val']['samples']} latents "
-        f"({'x'.join(map(str, shape))} posterior mean + std"
-        + plan.holds
-        + ") from "
+        f"({'x'.join(map(str, shape))} posterior mean + std" + plan.holds + ") from "
         f"{meta['data_root']}"
         + (f"; {len(bad)} corrupt shard(s) cached up to the damage: {', '.join(bad)}" if bad else "")
     )

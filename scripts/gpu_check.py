@@ -15,8 +15,9 @@ Without a CUDA GPU it stops with one line (exit 2). With one:
   fp8         the ~1B LLM in fp8 (toggles.precision=fp8: torchao float8 training linears) beside bf16, same seed
               and batches: loss parity and tokens/s (skipped, with Kiln's one-line reason, on a GPU without fp8)
   newest      the newest recipes on CUDA in bf16, from tiny release folders built offline: t2i_tiny on an SD3
-              pipeline, video_tiny on a Wan 2.1 pipeline (moving digits), and the VLM on a Qwen2.5-VL folder at native resolution (toggles.attention=flash: the varlen
-              kernel on the packed language rows): the loss falls, step time, peak memory
+              pipeline, video_tiny on a Wan 2.1 pipeline (moving digits), and the VLM on a Qwen2.5-VL folder at
+              native resolution (toggles.attention=flash: the varlen kernel on the packed language rows): the loss
+              falls, step time, peak memory
   dit_mfu     dit_xl2 (the DiT paper's XL/2) and dit_2b on 256x256 images from their latent cache, at the micro batch
               scripts/plan.py --fill picks (and dit_xl2 at its preset's 32), beside a bare PyTorch DiT-XL/2 step of
               the same batch: images/s, TFLOP/s, MFU, memory; Kiln's FLOP count against the DiT paper's
