@@ -172,11 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     if meta is None:
         return rc
     splits, bad = meta["splits"], meta["corrupt_shards"]
+    shape = meta.get("latent_shape") or [meta["latent_channels"], meta["latent_size"], meta["latent_size"]]
     print(
         f"wrote {args.out}: train {splits['train']['samples']} and val {splits['val']['samples']} latents "
-        f"({meta['latent_channels']}x{meta['latent_size']}x{meta['latent_size']} posterior mean + std"
-        + plan.holds
-        + ") from "
+        f"({'x'.join(map(str, shape))} posterior mean + std" + plan.holds + ") from "
         f"{meta['data_root']}"
         + (f"; {len(bad)} corrupt shard(s) cached up to the damage: {', '.join(bad)}" if bad else "")
     )

@@ -55,6 +55,33 @@ def arg_parser(
     return parser
 
 
+def bucket_args(
+    parser: argparse.ArgumentParser, ratios: tuple[str, ...], multiple: int, pixels: str, what: str
+) -> None:
+    """The aspect-bucket and skip-limit flags of the builders of images and clips: ``--buckets`` (width:height
+    ratios of about `pixels` pixels), ``--bucket-multiple`` and ``--max-bad-samples`` (`what`: "images", "clips")."""
+    parser.add_argument(
+        "--buckets",
+        nargs="?",
+        const=",".join(ratios),
+        default=None,
+        help=f"aspect-ratio buckets of about {pixels} pixels: width:height ratios, comma-separated "
+        f"(default {','.join(ratios)})",
+    )
+    parser.add_argument(
+        "--bucket-multiple",
+        type=_positive_int,
+        default=multiple,
+        help="both sides of every bucket are multiples of this: the VAE's downsampling x the patch size",
+    )
+    parser.add_argument(
+        "--max-bad-samples",
+        type=int,
+        default=None,
+        help=f"stop (nothing written) when more {what} than this are skipped (default: no limit)",
+    )
+
+
 def split_wanted(args: argparse.Namespace, **own) -> dict:
     """The settings the flags ask for: a builder's ``own`` first, then the split flags (compared, in this
     order, with those of a dataset already in ``--out``)."""

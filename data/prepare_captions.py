@@ -43,6 +43,7 @@ import numpy as np
 
 from common.data import dataset as common_dataset
 from common.data.captions import SKIP_REASONS, SOURCE, skip_summary
+from common.data.resize import cover_crop  # the video builder and loaders crop frames the same way
 from data import cli, shards
 from data.prepare_images import IMAGE_EXTENSIONS, encode_image
 
@@ -80,19 +81,6 @@ def bucket_shapes(image_size: int, ratios, multiple: int) -> list[tuple[int, int
 def nearest_bucket(width: int, height: int, shapes: list[tuple[int, int]]) -> tuple[int, int]:
     """The shape whose aspect ratio is nearest width/height in log ratio (the first of equals)."""
     return min(shapes, key=lambda s: abs(math.log(width / height) - math.log(s[0] / s[1])))
-
-
-def cover_crop(image, width: int, height: int):
-    """`image` resized (box-halved while twice the target, then bicubic) to cover width x height, center-cropped."""
-    from PIL import Image
-
-    while image.size[0] >= 2 * width and image.size[1] >= 2 * height:
-        image = image.resize(tuple(x // 2 for x in image.size), resample=Image.BOX)
-    scale = max(width / image.size[0], height / image.size[1])
-    size = (max(width, round(image.size[0] * scale)), max(height, round(image.size[1] * scale)))
-    image = image.resize(size, resample=Image.BICUBIC)
-    left, top = (size[0] - width) // 2, (size[1] - height) // 2
-    return image.crop((left, top, left + width, top + height))
 
 
 def encode_bucketed(path: Path, shapes: list[tuple[int, int]]) -> tuple[bytes, tuple[int, int]]:
@@ -315,26 +303,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         source.add_argument("--input", type=Path, help="a folder of images with name.txt captions or metadata.jsonl")
         source.add_argument("--digits", action="store_true", help="scikit-learn's digits, captioned (the demo)")
         parser.add_argument("--image-size", required=True, type=positive_int, help="side of the square images written")
-        parser.add_argument(
-            "--buckets",
-            nargs="?",
-            const=",".join(ASPECT_RATIOS),
-            default=None,
-            help="aspect-ratio buckets of about --image-size^2 pixels: width:height ratios, comma-separated "
-            f"(default {','.join(ASPECT_RATIOS)})",
-        )
-        parser.add_argument(
-            "--bucket-multiple",
-            type=positive_int,
-            default=BUCKET_MULTIPLE,
-            help="both sides of every bucket are multiples of this: the VAE's downsampling x the patch size",
-        )
-        parser.add_argument(
-            "--max-bad-samples",
-            type=int,
-            default=None,
-            help="stop (nothing written) when more images than this are skipped (default: no limit)",
-        )
+        cli.bucket_args(parser, ASPECT_RATIOS, BUCKET_MULTIPLE, "--image-size^2", "images")
 
     parser = cli.arg_parser(
         "python -m data.prepare_captions",

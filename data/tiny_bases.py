@@ -800,3 +800,76 @@ def make_qwen3_vl(
         vocab_size=vocab_size,
         seed=seed,
     )
+
+
+def _write_mp4(path: Path, frames, fps: int) -> None:
+    """uint8 [F, H, W, 3] frames as an H.264 MP4 in yuv420p, as a camera or a download gives them (lossy)."""
+    import av
+
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.height, stream.width, stream.pix_fmt = frames.shape[1], frames.shape[2], "yuv420p"
+        for frame in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode())
+
+
+def make_clip_folder(
+    out: str | Path,
+    n: int = 24,
+    num_frames: int = 9,
+    size: int = 32,
+    seed: int = 0,
+    *,
+    metadata: str | None = None,
+    bad: bool = True,
+) -> Path:
+    """A folder of captioned clips, as a user brings for data.prepare_videos (~/data/clips): `n` moving digits
+    (common/data/moving_digits.py, captioned in its training phrasings) as H.264 MP4s (yuv420p), half of them in a
+    subfolder; every fourth (from the second) 3:2 landscape, every fourth (from the third) at 32 fps with 2F-1 frames,
+    the others size x size at 16 fps with F = `num_frames`; and one frame folder (PNG frames at 32 fps, its fps.txt,
+    and its caption beside it). Captions in `name.txt` beside each clip, or (`metadata` "jsonl" or "csv") one
+    metadata.jsonl / metadata.csv of file_name,text rows. With `bad`: a corrupt .mp4, a clip without a caption and
+    one too short for `num_frames` at 16 fps (prepare_videos skips and counts them)."""
+    import csv
+    import io
+
+    from PIL import Image
+
+    from common.data.moving_digits import moving_digit_clip
+
+    out = Path(out)
+    (out / "more").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        fast, wide = i % 4 == 2, i % 4 == 1
+        frames = 2 * num_frames - 1 if fast else num_frames
+        clip, caption, _, _ = moving_digit_clip(i, frames, size, size * 3 // 2 if wide else size, seed)
+        name = f"{'more/' if i >= n // 2 else ''}clip_{i:03d}.mp4"
+        _write_mp4(out / name, clip, 32 if fast else 16)
+        rows.append({"file_name": name, "text": caption})
+    clip, caption, _, _ = moving_digit_clip(n, 2 * num_frames - 1, size, size, seed)
+    (out / "frames_0").mkdir(exist_ok=True)
+    for f, frame in enumerate(clip):
+        Image.fromarray(frame).save(out / "frames_0" / f"{f:04d}.png")
+    (out / "frames_0" / "fps.txt").write_text("32\n")
+    rows.append({"file_name": "frames_0", "text": caption})
+    if bad:
+        (out / "broken.mp4").write_bytes(b"this is not a video file")
+        rows.append({"file_name": "broken.mp4", "text": "a broken file"})
+        _write_mp4(out / "uncaptioned.mp4", moving_digit_clip(n + 1, num_frames, size, size, seed)[0], 16)
+        short, caption, _, _ = moving_digit_clip(n + 2, max(2, num_frames // 2), size, size, seed)
+        _write_mp4(out / "short.mp4", short, 16)
+        rows.append({"file_name": "short.mp4", "text": caption})
+    if metadata == "jsonl":
+        (out / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif metadata == "csv":
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=["file_name", "text"])
+        writer.writeheader()
+        writer.writerows(rows)
+        (out / "metadata.csv").write_text(buf.getvalue())
+    else:
+        for r in rows:
+            (out / r["file_name"]).with_suffix(".txt").write_text(r["text"])
+    return out

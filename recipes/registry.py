@@ -109,7 +109,7 @@ class RecipeSpec:
 
 
 def _diffusion_export(folder: Path) -> bool:
-    """A diffusion export (the DiT's or text-to-image's): a kiln.json or a transformer/ folder."""
+    """A diffusion export (the DiT's, text-to-image's or video's): a kiln.json or a transformer/ folder."""
     return (folder / "kiln.json").exists() or (folder / "transformer").is_dir()
 
 
@@ -210,7 +210,12 @@ SPECS: dict[str, RecipeSpec] = {
         lora_targets=video_config.LORA_TARGETS,
         cp_methods=video_config.CP_METHODS,
         title="video",
+        is_export=_video_export,
         latent_cache_module="recipes.video.data",
+        server_module="recipes.video.serve",  # the images server's API at /v1/videos/generations, MP4 clips
+        serve_engines=("torch",),  # PyTorch only, as text-to-image
+        export_kind="video",
+        serve_dtype_note="a video export serves in float32 (recipes/video/sampling.py)",
     ),
 }
 

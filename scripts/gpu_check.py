@@ -14,9 +14,10 @@ Without a CUDA GPU it stops with one line (exit 2). With one:
               tokens/s, MFU, peak memory beside scripts/plan.py's prediction
   fp8         the ~1B LLM in fp8 (toggles.precision=fp8: torchao float8 training linears) beside bf16, same seed
               and batches: loss parity and tokens/s (skipped, with Kiln's one-line reason, on a GPU without fp8)
-  newest      the newest recipes on CUDA in bf16, from tiny random release folders built offline: t2i_tiny on an SD3
-              pipeline, and the VLM on a Qwen2.5-VL folder at native resolution (toggles.attention=flash: the varlen
-              kernel on the packed language rows): the loss falls, step time, peak memory
+  newest      the newest recipes on CUDA in bf16, from tiny release folders built offline: t2i_tiny on an SD3
+              pipeline, video_tiny on a Wan 2.1 pipeline (moving digits), and the VLM on a Qwen2.5-VL folder at
+              native resolution (toggles.attention=flash: the varlen kernel on the packed language rows): the loss
+              falls, step time, peak memory
   dit_mfu     dit_xl2 (the DiT paper's XL/2) and dit_2b on 256x256 images from their latent cache, at the micro batch
               scripts/plan.py --fill picks (and dit_xl2 at its preset's 32), beside a bare PyTorch DiT-XL/2 step of
               the same batch: images/s, TFLOP/s, MFU, memory; Kiln's FLOP count against the DiT paper's
@@ -445,9 +446,10 @@ def llava_digits(folder: Path, n: int) -> Path:
 
 
 def newest(check: Check, steps: int) -> dict:
-    """t2i_tiny (SD3) and the VLM on Qwen2.5-VL, trained on CUDA in bf16 from tiny random folders built here."""
+    """t2i_tiny (SD3), video_tiny (Wan 2.1) and the VLM on Qwen2.5-VL, trained on CUDA in bf16 from tiny random
+    folders built here."""
     from data import prepare_llava
-    from data.tiny_bases import make_qwen2_5_vl, make_sd3_pipeline
+    from data.tiny_bases import make_qwen2_5_vl, make_sd3_pipeline, make_wan_pipeline
 
     world = check.out / "newest"
     common = ["toggles.precision=bf16", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.eval=false"]
@@ -455,6 +457,10 @@ def newest(check: Check, steps: int) -> dict:
 
     def t2i() -> list[str]:
         return ["recipe=t2i_tiny", f"model.init_from={make_sd3_pipeline(world / 'tiny-sd3')}", *common]
+
+    def video() -> list[str]:  # moving digits, built by the recipe's data.build on first use
+        pipeline = make_wan_pipeline(world / "tiny-wan")
+        return ["recipe=video_tiny", f"model.init_from={pipeline}", f"data.root={world / 'moving_digits'}", *common]
 
     def qwen() -> list[str]:
         shards = world / "instruct"
@@ -487,7 +493,7 @@ def newest(check: Check, steps: int) -> dict:
         ]
 
     rows, results = [], {}
-    for name, overrides in (("t2i_tiny (SD3)", t2i), ("vlm Qwen2.5-VL, flash", qwen)):
+    for name, overrides in (("t2i_tiny (SD3)", t2i), ("video_tiny (Wan 2.1)", video), ("vlm Qwen2.5-VL, flash", qwen)):
         try:
             records, peak = check.train(name.split()[0] + ("_qwen" if "Qwen" in name else ""), overrides())
             losses = [r["loss"] for r in records if isinstance(r.get("loss"), float)]

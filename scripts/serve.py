@@ -2,7 +2,8 @@
 """Serve an export with an OpenAI-compatible API: python scripts/serve.py serve.model=<export dir>.
 
 LLM/VLM exports on vLLM or transformers serve (/v1/chat/completions, /v1/completions), DiT and text-to-image
-exports on Kiln's images server (/v1/images/generations)."""
+exports on Kiln's images server (/v1/images/generations), video exports on the same server (/v1/videos/generations,
+MP4 clips)."""
 
 import os
 import sys
@@ -19,7 +20,7 @@ USAGE = """usage: python scripts/serve.py serve.model=<run.dir>/export [serve.KE
            else transformers serve
   DiT:     serve.engine=auto|tensorrt|onnxruntime|torch   auto: TensorRT (CUDA + onnx/model.plan), else onnxruntime
            (onnx/model.onnx from scripts/export_dit.py), else torch; serve.max_batch_images, serve.batch_wait_ms
-  text-to-image: serve.engine=auto|torch, serve.device; serve.max_batch_images, serve.batch_wait_ms
+  text-to-image, video: serve.engine=auto|torch, serve.device; serve.max_batch_images, serve.batch_wait_ms
   serve.host, serve.port, serve.served_model_name, serve.dtype, serve.dry_run=true (print the command, exit)
   beyond loopback (serve.host=0.0.0.0): an API key in $KILN_API_KEY (serve.api_key_env=NAME picks another
   variable; vLLM and the images server check it) or serve.allow_unauthenticated=true; \
@@ -48,7 +49,7 @@ def main(argv: list[str]) -> int:
     print("kiln: " + launch.shown(), flush=True)
     if s.dry_run:
         return 0
-    if launch.run is not None:  # the DiT's images server
+    if launch.run is not None:  # the images server (DiT, text-to-image, video)
         launch.run()
         return 0
     if launch.cwd is not None:

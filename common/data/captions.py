@@ -5,7 +5,12 @@ from __future__ import annotations
 
 SOURCE = "captioned_images"  # meta.json "source" of data.prepare_captions' shards: what the text-to-image recipe reads
 SKIP_REASONS = ("undecodable", "no_caption", "empty_caption")  # meta.json "skipped": {reason: file names}
-_WORDS = {"undecodable": "undecodable", "no_caption": "without a caption", "empty_caption": "with an empty caption"}
+_WORDS = {
+    "undecodable": "undecodable",
+    "no_caption": "without a caption",
+    "empty_caption": "with an empty caption",
+    "too_short": "too short",  # a video clip shorter than the frames asked (data.prepare_videos)
+}
 
 
 def skip_summary(meta: dict) -> str:

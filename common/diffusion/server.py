@@ -1,9 +1,12 @@
 """OpenAI's images API for a diffusion export: `POST /v1/images/generations`, on FastAPI + uvicorn; the machinery
-the class-conditional DiT's server (recipes/dit/serve.py: the prompt is a class name) and the text-to-image one
-(recipes/t2i/serve.py: the prompt is text) share. A recipe's server is a `ServedImages`: what a prompt conditions
-on, the starting noise a seed gives, and one sampling call for a batch.
+the class-conditional DiT's server (recipes/dit/serve.py: the prompt is a class name), the text-to-image one
+(recipes/t2i/serve.py: the prompt is text) and the text-to-video one (recipes/video/serve.py: the same API at
+`POST /v1/videos/generations`, MP4 clips) share. A recipe's server is a `ServedImages`: what a prompt conditions
+on, the starting noise a seed gives, one sampling call for a batch, and its `Media` (the route, the output format
+and its encoder: PNG images, or MP4 videos).
 
-`n`, `size` (the export's own only), `response_format=b64_json` and `output_format=png` are OpenAI's fields, and
+`n`, `size` (the export's own "WxH" only), `response_format=b64_json` and `output_format=png` (a video server:
+mp4) are OpenAI's fields, and
 `seed`, `guidance_scale` and `num_inference_steps` are extra fields (`extra_body` in the openai client). Each request
 draws its starting noise from its own seed, so a seeded request returns the same images whatever else shares its
 batch. Requests that arrive together share one denoising loop: the batcher waits `batch_wait_ms` after the first,
@@ -12,7 +15,7 @@ guidance doubles the model's batch). Per-request guidance scales ride along in t
 with its size.
 
 Also `GET /v1/models` and `GET /health`. With an API key, /v1 answers 401 without `Authorization: Bearer <key>`.
-scripts/serve.py starts this for a DiT or text-to-image export (scripts/kiln/serving.py picks the recipe's server
+scripts/serve.py starts this for a DiT, text-to-image or video export (scripts/kiln/serving.py picks the recipe's server
 and its backend).
 """
 
@@ -27,7 +30,7 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from fastapi import FastAPI, Request
@@ -56,10 +59,37 @@ class RequestError(Exception):
         self.param, self.status = param, status
 
 
-class ServedImages(Protocol):
-    """What a recipe's images server serves (recipes/dit/serve.py, recipes/t2i/serve.py)."""
+def png_bytes(image: torch.Tensor) -> bytes:
+    """One image [C, S, S] in [-1, 1] as a PNG."""
+    buffer = io.BytesIO()
+    Image.fromarray(to_uint8(image[None])[0]).save(buffer, format="PNG")
+    return buffer.getvalue()
 
-    image_size: int  # it draws image_size x image_size images only
+
+@dataclass(frozen=True)
+class Media:
+    """What a server answers with: its noun (its route `/v1/<noun>/generations`, its messages and log), the one
+    `output_format` it writes, how one sample becomes that file's bytes, and the fields every response adds."""
+
+    noun: str
+    output_format: str
+    encode: Callable[[torch.Tensor], bytes]
+    fields: dict = field(default_factory=dict)
+
+    @property
+    def route(self) -> str:
+        return f"/v1/{self.noun}/generations"
+
+
+IMAGES = Media("images", "png", png_bytes)
+
+
+class ServedImages(Protocol):
+    """What a recipe's images (or videos) server serves (recipes/dit/serve.py, recipes/t2i/serve.py,
+    recipes/video/serve.py)."""
+
+    media: Media  # IMAGES, or the family's own (MP4 videos)
+    size: str  # "WxH": the one size it draws
     sample_steps: int  # the defaults of num_inference_steps and guidance_scale (the export's kiln.json)
     guidance_scale: float
     card: dict  # extra fields of its /v1/models entry
@@ -71,7 +101,8 @@ class ServedImages(Protocol):
         """The starting noise of n images of one request, drawn from `seed`."""
 
     def draw(self, conditions: list, noise: torch.Tensor, steps: int, guidance_scale: torch.Tensor) -> torch.Tensor:
-        """Images in [-1, 1] [N, C, S, S], one per condition, from their noise and guidance scales."""
+        """Samples in [-1, 1] (images [N, C, S, S], clips [N, C, F, H, W]), one per condition, from their noise and
+        guidance scales."""
 
 
 @dataclass
@@ -91,6 +122,7 @@ class Batcher:
 
     def __init__(self, model: ServedImages, max_images: int, wait_s: float):
         self.model, self.max_images, self.wait_s = model, max_images, wait_s
+        self.noun = model.media.noun
         self.pending: deque[Job] = deque()
         self.wake = asyncio.Event()
         self.batches: list[int] = []  # images per batch run, for the log and tests
@@ -139,7 +171,7 @@ class Batcher:
                 n = images.shape[0]
                 self.batches.append(n)
                 print(
-                    f"kiln: images batch: {n} images from {len(jobs)} requests, {jobs[0].steps} steps, "
+                    f"kiln: {self.noun} batch: {n} {self.noun} from {len(jobs)} requests, {jobs[0].steps} steps, "
                     f"{time.perf_counter() - start:.2f} s",
                     flush=True,
                 )
@@ -150,14 +182,9 @@ class Batcher:
                 self.wake.set()
 
 
-def png_b64(pixels) -> str:
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
 class ImagesRequest(BaseModel):
-    """The body of POST /v1/images/generations: OpenAI's fields this server honours, then Kiln's extras."""
+    """The body of POST /v1/images/generations (and /v1/videos/generations): OpenAI's fields this server honours,
+    then Kiln's extras."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     prompt: str
@@ -182,25 +209,25 @@ def parse_job(body: dict, name: str, model: ServedImages, max_images: int) -> Jo
         known = ", ".join(ImagesRequest.model_fields)
         hint = f" (fields: {known})" if first["type"] == "extra_forbidden" else ""
         raise RequestError(f"{where}: {first['msg']}{hint}", where) from None
+    noun, media = model.media.noun, model.media
     if r.model not in (None, name):
         raise RequestError(f"The model `{r.model}` does not exist; this server serves `{name}`", "model", 404)
     if not 1 <= r.n <= max_images:
         raise RequestError(
-            f"n={r.n}: this server makes 1 to {max_images} images per request (serve.max_batch_images)", "n"
+            f"n={r.n}: this server makes 1 to {max_images} {noun} per request (serve.max_batch_images)", "n"
         )
     if not r.prompt.strip():
         raise RequestError("prompt is empty", "prompt")
     if len(r.prompt) > MAX_PROMPT_CHARS:
         raise RequestError(f"prompt is {len(r.prompt)} characters; at most {MAX_PROMPT_CHARS}", "prompt")
-    size = f"{model.image_size}x{model.image_size}"
-    if r.size not in (None, "auto", size):
-        raise RequestError(f"size={r.size!r}: this model makes {size} images only", "size")
+    if r.size not in (None, "auto", model.size):
+        raise RequestError(f"size={r.size!r}: this model makes {model.size} {noun} only", "size")
     if r.response_format not in (None, "b64_json"):
         raise RequestError(
             f"response_format={r.response_format!r}: only b64_json (this server keeps no files)", "response_format"
         )
-    if r.output_format not in (None, "png"):
-        raise RequestError(f"output_format={r.output_format!r}: only png", "output_format")
+    if r.output_format not in (None, media.output_format):
+        raise RequestError(f"output_format={r.output_format!r}: only {media.output_format}", "output_format")
     if r.seed is not None and not 0 <= r.seed < 2**63:
         raise RequestError(f"seed={r.seed} must be in 0..2**63-1", "seed")
     if r.guidance_scale is not None and not 0 <= r.guidance_scale <= 100:
@@ -228,13 +255,14 @@ def create_app(
 ):
     """The FastAPI app serving `model` as model `name`."""
     batcher = Batcher(model, max_batch_images, batch_wait_ms / 1000)
+    media = model.media
 
     async def lifespan(app):
         worker = asyncio.create_task(batcher.loop())
         yield
         worker.cancel()
 
-    app = FastAPI(title=f"Kiln images: {name}", lifespan=lifespan)
+    app = FastAPI(title=f"Kiln {media.noun}: {name}", lifespan=lifespan)
     app.state.batcher = batcher
     created = int(time.time())
 
@@ -257,7 +285,7 @@ def create_app(
             "data": [{"id": name, "object": "model", "created": created, "owned_by": "kiln", **model.card}],
         }
 
-    @app.post("/v1/images/generations")
+    @app.post(media.route)
     async def generate(request: Request):
         try:
             body = json.loads(await request.body())
@@ -273,9 +301,16 @@ def create_app(
             images = await batcher.submit(job)
         except Exception as exc:  # a failure inside the model: the server's fault, one line
             return error(500, f"sampling failed: {type(exc).__name__}: {exc}", kind="server_error")
-        data = [{"b64_json": png_b64(pixels)} for pixels in to_uint8(images)]
-        size = f"{model.image_size}x{model.image_size}"
-        return {"created": int(time.time()), "data": data, "output_format": "png", "size": size}
+        # Encoded off the event loop: a clip's MP4 takes a while, and other requests keep arriving meanwhile.
+        files = await asyncio.to_thread(lambda: [media.encode(sample) for sample in images])
+        data = [{"b64_json": base64.b64encode(file).decode()} for file in files]
+        return {
+            "created": int(time.time()),
+            "data": data,
+            "output_format": media.output_format,
+            "size": model.size,
+            **media.fields,
+        }
 
     return app
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from common.diffusion.server import RequestError
+from common.diffusion.server import IMAGES, RequestError
 from recipes.dit.onnx import ExportSampler
 
 
@@ -32,9 +32,12 @@ def resolve_class(prompt: str, classes: list[str]) -> int:
 class ClassImages:
     """A DiT export as the images server serves it (common/diffusion/server.py's ServedImages)."""
 
+    media = IMAGES
+
     def __init__(self, sampler: ExportSampler):
         self.sampler = sampler
         self.image_size = sampler.image_size
+        self.size = f"{self.image_size}x{self.image_size}"
         self.sample_steps = int(sampler.info["sample_steps"])
         self.guidance_scale = float(sampler.info["guidance_scale"])
         self.card = {"classes": sampler.classes}

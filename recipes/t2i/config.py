@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
-from common.diffusion.config import DiffusionConfig
+from common.diffusion.config import DiffusionConfig, check_text_diffusion, refuse_dit_only, take_schedule
 from common.errors import ConfigError
 
 
@@ -57,17 +57,6 @@ LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", 
 SECTIONS = {"diffusion": DiffusionConfig}
 
 
-# The shared diffusion section's keys that only the class-conditional DiT reads: given on a t2i command line they
-# stop the run with one line instead of being ignored.
-NOT_READ = {
-    "diffusion.vae": "the VAE is the one in model.init_from's pipeline folder",
-    "diffusion.class_dropout": "prompts are dropped for guidance by data.caption_dropout",
-    "diffusion.samples_per_class": "sample grids are drawn from the validation captions",
-    "diffusion.beta_schedule": "SD3 and Flux transformers are trained with rectified flow (no DDPM schedule)",
-    "diffusion.prediction_type": "rectified flow always predicts the velocity",
-}
-
-
 # The schemas of this family's config groups (its spec's `config.SCHEMAS`): (group, name, dataclass), stored in
 # Hydra's ConfigStore by common/compose.py; the group files name them in their defaults (`- t2i_schema`).
 SCHEMAS = [
@@ -83,9 +72,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     line that disagrees stops the run."""
     from recipes.t2i.weights import SCHEDULER_KEYS, pipeline_folder, scheduler_config
 
-    for key, why in NOT_READ.items():
-        if key in command_line:
-            raise ConfigError(f"{key} is not read by the text-to-image recipe: {why}")
+    refuse_dit_only(command_line, "text-to-image")
     m = cfg.model
     if not isinstance(m, T2IModelConfig) or not m.init_from:
         return
@@ -96,14 +83,7 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     folder = pipeline_folder(m.init_from)
     m.init_from = str(folder)
     scheduler = scheduler_config(folder)
-    for key, name in SCHEDULER_KEYS.items():
-        value = type(getattr(cfg.diffusion, key))(scheduler[name])
-        if f"diffusion.{key}" in command_line and getattr(cfg.diffusion, key) != value:
-            raise ConfigError(
-                f"diffusion.{key}={getattr(cfg.diffusion, key)} disagrees with model.init_from={folder}, whose "
-                f"scheduler gives {name}={value}; leave diffusion.{key} out of the command line"
-            )
-        setattr(cfg.diffusion, key, value)
+    take_schedule(cfg, command_line, folder, {key: (name, scheduler[name]) for key, name in SCHEDULER_KEYS.items()})
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -118,34 +98,14 @@ def validate(cfg: TrainConfig) -> None:
         data=T2IDataConfig,
         datasets="captions (captioned image shards)",
     )
-    if d.objective != "flow":
-        raise ConfigError(
-            f"diffusion.objective={d.objective}: SD3 and Flux transformers are trained with rectified flow; set "
-            "diffusion.objective=flow"
-        )
-    if cfg.toggles.attention != "sdpa":
-        raise ConfigError(
-            f"toggles.attention={cfg.toggles.attention} is not offered by the text-to-image recipe yet; use "
-            "toggles.attention=sdpa (diffusers' joint attention)"
-        )
+    check_text_diffusion(cfg, "text-to-image")
     if cfg.data.image_size <= 0 or m.max_sequence_length <= 0:
         raise ConfigError("data.image_size and model.max_sequence_length must be > 0")
-    if cfg.data.max_bad_samples is not None and cfg.data.max_bad_samples < 0:
-        raise ConfigError(f"data.max_bad_samples={cfg.data.max_bad_samples} must be >= 0 (or null: no limit)")
     if cfg.data.buckets and cfg.data.latents:
         raise ConfigError(
             "data.buckets=true with data.latents: a latent cache holds square images only; train on the bucketed "
             "shards without data.latents"
         )
-    if not 0.0 <= cfg.data.caption_dropout < 1.0:
-        raise ConfigError(f"data.caption_dropout={cfg.data.caption_dropout} must be in [0, 1)")
-    if not 0.0 <= d.ema_decay < 1.0:
-        raise ConfigError(f"diffusion.ema_decay={d.ema_decay} must be in [0, 1)")
-    if d.sample_every < 0:
-        raise ConfigError(f"diffusion.sample_every={d.sample_every} must be >= 0")
-    for key in ("sample_steps", "flow_logit_std", "flow_shift", "num_train_timesteps", "eval_samples_per_class"):
-        if not getattr(d, key) > 0:
-            raise ConfigError(f"diffusion.{key}={getattr(d, key)} must be > 0")
     if m.init_from:
         from recipes.t2i.sizing import check_image_size
 

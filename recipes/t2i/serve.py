@@ -15,16 +15,19 @@ from pathlib import Path
 
 import torch
 
-from common.diffusion.server import RequestError
+from common.diffusion.server import IMAGES, RequestError
 from recipes.t2i.sampling import PromptSampler
 
 
 class PromptImages:
     """A text-to-image export as the images server serves it (common/diffusion/server.py's ServedImages)."""
 
+    media = IMAGES
+
     def __init__(self, sampler: PromptSampler, info: dict):
         self.sampler = sampler
         self.image_size = int(info["image_size"])
+        self.size = f"{self.image_size}x{self.image_size}"
         self.sample_steps = int(info["sample_steps"])
         self.guidance_scale = float(info["guidance_scale"])
         self.card = {}

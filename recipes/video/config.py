@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from common.config import ZERO_LAYOUTS, DataConfig, TrainConfig, ZeroParallelConfig, check_family_sections
-from common.diffusion.config import DiffusionConfig
+from common.diffusion.config import DiffusionConfig, check_text_diffusion, refuse_dit_only, take_schedule
 from common.errors import ConfigError
 
 
@@ -47,15 +47,6 @@ LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 
 SECTIONS = {"diffusion": DiffusionConfig}
 
-# The shared diffusion section's keys that only the class-conditional DiT reads.
-NOT_READ = {
-    "diffusion.vae": "the VAE is the one in model.init_from's pipeline folder",
-    "diffusion.class_dropout": "prompts are dropped for guidance by data.caption_dropout",
-    "diffusion.samples_per_class": "samples are drawn for the validation captions",
-    "diffusion.beta_schedule": "Wan transformers are trained with flow matching (no DDPM schedule)",
-    "diffusion.prediction_type": "flow matching always predicts the velocity",
-}
-
 SCHEMAS = [
     ("data", "video_schema", VideoDataConfig),
     ("model", "video_schema", VideoModelConfig),
@@ -69,22 +60,13 @@ def complete(cfg: TrainConfig, command_line: set[str]) -> None:
     line that disagrees stops the run."""
     from recipes.video.weights import pipeline_folder, schedule
 
-    for key, why in NOT_READ.items():
-        if key in command_line:
-            raise ConfigError(f"{key} is not read by the video recipe: {why}")
+    refuse_dit_only(command_line, "video")
     m = cfg.model
     if not isinstance(m, VideoModelConfig) or not m.init_from or not Path(m.init_from).expanduser().exists():
         return  # a missing folder is reported when training starts; sizing reads a release's shape (sizing.py)
     folder = pipeline_folder(m.init_from)
     m.init_from = str(folder)
-    for key, (name, value) in schedule(folder).items():
-        value = type(getattr(cfg.diffusion, key))(value)
-        if f"diffusion.{key}" in command_line and getattr(cfg.diffusion, key) != value:
-            raise ConfigError(
-                f"diffusion.{key}={getattr(cfg.diffusion, key)} disagrees with model.init_from={folder}, whose "
-                f"scheduler gives {name}={value}; leave diffusion.{key} out of the command line"
-            )
-        setattr(cfg.diffusion, key, value)
+    take_schedule(cfg, command_line, folder, schedule(folder))
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -99,26 +81,9 @@ def validate(cfg: TrainConfig) -> None:
         data=VideoDataConfig,
         datasets="moving_digits or clips (video-caption shards)",
     )
-    if d.objective != "flow":
-        raise ConfigError(f"diffusion.objective={d.objective}: Wan is trained with flow matching; set diffusion=flow")
-    if cfg.toggles.attention != "sdpa":
-        raise ConfigError(
-            f"toggles.attention={cfg.toggles.attention} is not offered by the video recipe yet; use "
-            "toggles.attention=sdpa (diffusers' Wan attention: torch SDPA, flash on a GPU)"
-        )
+    check_text_diffusion(cfg, "video")
     if min(data.num_frames, data.height, data.width, m.max_sequence_length) <= 0:
         raise ConfigError("data.num_frames, data.height, data.width and model.max_sequence_length must be > 0")
-    if data.max_bad_samples is not None and data.max_bad_samples < 0:
-        raise ConfigError(f"data.max_bad_samples={data.max_bad_samples} must be >= 0 (or null: no limit)")
-    if not 0.0 <= data.caption_dropout < 1.0:
-        raise ConfigError(f"data.caption_dropout={data.caption_dropout} must be in [0, 1)")
-    if not 0.0 <= d.ema_decay < 1.0:
-        raise ConfigError(f"diffusion.ema_decay={d.ema_decay} must be in [0, 1)")
-    if d.sample_every < 0:
-        raise ConfigError(f"diffusion.sample_every={d.sample_every} must be >= 0")
-    for key in ("sample_steps", "flow_logit_std", "flow_shift", "num_train_timesteps", "eval_samples_per_class"):
-        if not getattr(d, key) > 0:
-            raise ConfigError(f"diffusion.{key}={getattr(d, key)} must be > 0")
     from recipes.video.sizing import architecture
 
     arch = architecture(m.init_from) if m.init_from else None

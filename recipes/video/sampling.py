@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -83,15 +84,20 @@ def save_contact_sheet(videos: torch.Tensor, path: str | Path, scale: int = 4) -
     save_grid(videos.permute(0, 2, 1, 3, 4).reshape(n * f, c, h, w), rows=n, path=path, scale=scale)
 
 
-def write_mp4(video: torch.Tensor, path: str | Path, fps: int = 16) -> None:
-    """One clip [3, F, H, W] in [-1, 1] as an H.264 MP4 (PyAV; sides padded to even sizes, as yuv420p needs)."""
+def write_mp4(video: torch.Tensor, path: str | Path | BinaryIO, fps: int = 16) -> None:
+    """One clip [3, F, H, W] in [-1, 1] as an H.264 MP4 (PyAV; sides padded to even sizes, as yuv420p needs), to a
+    file or to a binary file object (a BytesIO: the video server's response)."""
     import av
 
     frames = to_uint8(video.permute(1, 0, 2, 3))  # [F, H, W, 3]
     h, w = frames.shape[1:3]
     frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), mode="w") as container:
+    if isinstance(path, (str, Path)):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        target, options = str(path), {}
+    else:  # a file object has no suffix to name the container
+        target, options = path, {"format": "mp4"}
+    with av.open(target, mode="w", **options) as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         for frame in frames:

@@ -140,10 +140,13 @@ class VideoVae:
 
 
 def load_vae(folder: Path, device):
-    """The pipeline's AutoencoderKLWan in fp32 eval mode with no trainable parameters, on `device`."""
+    """The pipeline's AutoencoderKLWan in fp32 eval mode with no trainable parameters, on `device`; it encodes and
+    decodes a batch one clip at a time (diffusers' slicing: each clip's result as alone, a batch's peak memory one
+    clip's, which at 81 x 480 x 832 is what bounds a batch)."""
     from diffusers import AutoencoderKLWan
 
     vae = AutoencoderKLWan.from_pretrained(Path(folder) / "vae", torch_dtype=torch.float32)
+    vae.enable_slicing()
     return vae.eval().requires_grad_(False).to(device)
 
 

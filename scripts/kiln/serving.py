@@ -1,9 +1,10 @@
 """Serve an export: the `serve` config schema, engine choice, engine command lines.
 
-LLM and VLM exports (Hugging Face folders) are served by an OpenAI-compatible engine, DiT and text-to-image exports by
-Kiln's images server (common/diffusion/server.py: OpenAI's /v1/images/generations on FastAPI + uvicorn, with
-dynamic batching; each such family's spec in recipes/registry.py says what its export looks like, which backends its
-server runs and which module loads it: this module names no family).
+LLM and VLM exports (Hugging Face folders) are served by an OpenAI-compatible engine, DiT, text-to-image and video
+exports by Kiln's images server (common/diffusion/server.py: OpenAI's /v1/images/generations on FastAPI + uvicorn, with
+dynamic batching; a video export's at /v1/videos/generations, MP4 clips; each such family's spec in
+recipes/registry.py says what its export looks like, which backends its server runs and which module loads it: this
+module names no family).
 
 The engines are vLLM -- from its own environment, `.venv-serve` (`make serve-env`: vLLM's CPU build on a
 machine without CUDA, vLLM itself on a GPU machine), or a `vllm` on the PATH -- and `transformers serve` with
@@ -67,7 +68,7 @@ class ServeSection:
     model: str = ""  # the export folder (<run.dir>/export); required
     # LLM/VLM: auto (vLLM from .venv-serve or with CUDA, else transformers) | vllm | transformers.
     # DiT: auto (TensorRT with CUDA and an engine, else onnxruntime with an ONNX file, else torch) | tensorrt |
-    # onnxruntime | torch; the ONNX file and engine come from scripts/export_dit.py. Text-to-image: auto | torch.
+    # onnxruntime | torch; the ONNX file and engine come from scripts/export_dit.py. Text-to-image, video: auto | torch.
     engine: str = "auto"
     host: str = "127.0.0.1"  # 0.0.0.0 to accept connections from other machines (needs an API key)
     # The NAME of the environment variable that holds the API key (the key itself never enters the
@@ -91,15 +92,15 @@ class ServeSection:
     # start takes ~40 s instead of ~80 s), at the compiled graph's speed per token
     enforce_eager: bool = False
     # transformers serve only
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (transformers serve; a DiT on torch or tensorrt; text-to-image)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (transformers serve; a DiT on torch or tensorrt; t2i; video)
     continuous_batching: bool = True  # LLMs only: transformers serve runs VLM requests one at a time
     # KV-cache blocks (of 256 tokens) for continuous batching. 0 sizes it like on a GPU, from free
     # memory: on CPU that is 90% of the RAM, touched at the first request (9 GB here for a 1M-param model).
     cb_num_blocks: int = 64
     cb_max_batch_tokens: int = 0  # tokens per forward pass; 0: transformers' default
     log_level: str = "warning"
-    # Images server only (DiT, text-to-image): requests that arrive within batch_wait_ms of each other share one
-    # denoising loop of up to max_batch_images images (also the most one request may ask for)
+    # Images server only (DiT, text-to-image, video): requests that arrive within batch_wait_ms of each other share
+    # one denoising loop of up to max_batch_images images or clips (also the most one request may ask for)
     max_batch_images: int = 16
     batch_wait_ms: int = 10
 

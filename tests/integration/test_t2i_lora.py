@@ -30,10 +30,10 @@ def test_t2i_lora_export_loads_in_diffusers_and_samples_like_kiln(trained, t2i_w
     from omegaconf import OmegaConf
     from safetensors.torch import load_file
 
-    from common.ds_export import ZeroCheckpoint, saved_ema
-    from common.lora import is_adapter_key
     from common.diffusion.release import LORA_WEIGHTS as WEIGHTS
     from common.diffusion.release import adapted_model
+    from common.ds_export import ZeroCheckpoint, saved_ema
+    from common.lora import is_adapter_key
     from recipes.t2i import weights
     from recipes.t2i.sampling import PromptSampler
 

@@ -465,7 +465,7 @@ def test_a_t2i_export_is_served_on_torch_by_its_own_server(t2i_export):
 
 
 def test_a_t2i_lora_export_is_named_and_its_merged_pipeline_served_instead(tmp_path):
-    export = tmp_path / "run" / "export"  # common/diffusion/release.py write_lora_export: diffusers' LoRA file and kiln.json
+    export = tmp_path / "run" / "export"  # release.py write_lora_export: diffusers' LoRA file and kiln.json
     export.mkdir(parents=True)
     (export / "pytorch_lora_weights.safetensors").write_bytes(b"0")
     (export / "kiln.json").write_text(json.dumps({"diffusers_pipeline": "StableDiffusion3Pipeline", "lora": {}}))
