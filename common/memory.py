@@ -103,7 +103,10 @@ class Block:
     # 0: hidden // heads. A config's head_dim can make heads x head_dim differ from hidden (Qwen3-4B and Qwen3-VL-4B:
     # 32 x 128 = 4096 over 2560; Qwen3-30B-A3B: 4096 over 2048; Gemma): q, k, v and the attention output are that wide.
     head_dim: int = 0
-    norm: str = "layernorm"  # layernorm | rmsnorm (fp32 statistics) | adaln_zero (DiT)
+    # layernorm | rmsnorm (fp32 statistics) | adaln_zero (DiT) | fp32_adaln (Wan's: diffusers' WanTransformerBlock
+    # runs an FP32LayerNorm on an fp32 copy of the residual stream and modulates its fp32 output, then casts it to the
+    # compute dtype for the projections; the attention's gate multiplies its output as it is, the MLP's an fp32 copy)
+    norm: str = "layernorm"
     mlp: str = "gelu"  # gelu: fc1 -> gelu -> fc2 | swiglu: down(silu(gate) * up)
     dropout: bool = True  # on attention probabilities, attention output and MLP output
     attention: str = (
@@ -121,6 +124,15 @@ class Block:
     # diffusers' q/k RMSNorm multiplies its input itself by the fp32 1/rms, so it keeps the input beside the fp32 copy
     # its statistics took; transformers' (Qwen3RMSNorm and its copies) multiplies the fp32 copy: False.
     qk_norm_keeps_input: bool = True
+    # torch.nn.RMSNorm over all heads at once (one 1/rms per token: Wan's rms_norm_across_heads) in place of the above:
+    # "fused" (CUDA: torch's _fused_rms_norm keeps its input and the fp32 1/rms, _fused_rms_norm_backward's inputs) or
+    # "composite" (elsewhere: aten's rms_norm upcasts, keeping an fp32 copy, the fp32 1/rms and the fp32 normalized x,
+    # which the weight multiplies in fp32). "": not torch's.
+    qk_norm_torch: str = ""
+    # A cross-attention sub-block after the self-attention (Wan's attn2) over this many context tokens (the prompt's):
+    # its norm's input, q over the layer's tokens, k and v over the context's (whole on every cp rank: Ulysses splits
+    # only the self-attention), the kernel's output; no gate. 0: none.
+    cross_tokens: int = 0
     # A second adaLN-gated self-attention sub-block (SD3.5's dual attention, `attn2`, over the image tokens only), as
     # the share of layers x tokens it covers: (layers with it / layers) x (its tokens / seq). Its tensors are counted
     # at that share of the layer's (exact in the sum over layers for fused attention, whose tensors are linear in s).
@@ -177,6 +189,16 @@ def _norm_saved(block: Block, where: str, sbh: float, sb: float, e: int) -> list
             Saved(f"{where} norm 1/rms", 4 * sb, True),
             Saved(f"{where} norm normalized", e * sbh, True),
         ]
+    if block.norm == "fp32_adaln":  # Block.norm: the fp32 copy, the fp32 modulated output, the gated output
+        return [
+            Saved(f"{where} norm input (fp32)", 4 * sbh, True),
+            Saved(f"{where} norm output (fp32)", 4 * sbh, True),
+            Saved(
+                f"{where} gated output" + (" (fp32)" if where == "mlp" else ""),
+                (4 if where == "mlp" else e) * sbh,
+                True,
+            ),
+        ]
     # adaLN-Zero (Peebles & Xie 2023): LayerNorm input, its output (kept by the (1 + scale) multiply),
     # and the sub-block's output (kept by the gate multiply).
     return [
@@ -186,18 +208,30 @@ def _norm_saved(block: Block, where: str, sbh: float, sb: float, e: int) -> list
     ]
 
 
-def _qk_norm_saved(block: Block, s: int, b: int, e: int) -> list[Saved]:
+def _qk_norm_saved(block: Block, s: int, b: int, e: int, k_seq: int = 0) -> list[Saved]:
     """diffusers' RMSNorm on q and k: `x.to(float32).pow(2)` keeps an fp32 copy (the input itself in fp32), the
     `x * rsqrt(...)` multiply keeps x and the fp32 1/rms per head, the weight multiply the normalized x. transformers'
-    (Block.qk_norm_keeps_input False) multiplies the fp32 copy instead: x itself is not kept where it is not fp32."""
+    (Block.qk_norm_keeps_input False) multiplies the fp32 copy instead: x itself is not kept where it is not fp32.
+    torch.nn.RMSNorm across heads (Block.qk_norm_torch): one 1/rms per token. `k_seq`: k's tokens where they are not
+    q's `s` (a cross-attention's context)."""
     if not block.qk_norm:
         return []
+    if block.qk_norm_torch:
+        out = []
+        for name, n, width in (("q", s * b, block.attention_width), ("k", (k_seq or s) * b, block.kv_width)):
+            if block.qk_norm_torch == "fused":
+                out.append(Saved(f"{name} norm input", e * n * width, True))
+            else:
+                out.append(Saved(f"{name} norm input (fp32)", 4 * n * width, True))
+                out.append(Saved(f"{name} norm normalized (fp32)", 4 * n * width, True))
+            out.append(Saved(f"{name} norm 1/rms (fp32)", 4 * n, True))
+        return out
     sbq, sba = s * b * block.attention_width, s * b * block.heads  # over q's heads x head_dim
     keeps = block.qk_norm_keeps_input
     kv = (block.kv_heads or block.heads) / block.heads  # k's heads: the norm runs before GQA repeats them
     return [
         Saved(f"{name} norm {what}", nbytes, True)
-        for name, frac in (("q", 1.0), ("k", kv))
+        for name, frac in (("q", 1.0), ("k", kv * (k_seq or s) / s))
         for what, nbytes in (
             ("input", e * sbq * frac if keeps else 0.0),
             ("input (fp32)", 4 * sbq * frac if e != 4 or not keeps else 0.0),
@@ -219,6 +253,37 @@ def _attention2_saved(block: Block, s: int, b: int, e: int, recompute: str) -> l
         inner = [Saved("modulated input", e * sbh, True)] + _attention_saved(block, s, b, e)
         inner += _qk_norm_saved(block, s, b, e) + [Saved("gated output", e * sbh, True)]
     return [t._replace(name=f"second attention {t.name}", nbytes=t.nbytes * block.attention2) for t in inner]
+
+
+def _cross_attention_saved(block: Block, s: int, b: int, e: int, recompute: str) -> list[Saved]:
+    """The cross-attention sub-block (Block.cross_tokens): q over this rank's s tokens, k and v over the context's.
+    Without AC: its norm's input (fp32 under fp32_adaln; its output cast is q's projection input), the projection
+    input, the q/k norms, the kernel's q, k, v, output and logsumexp (its output is the output projection's input; the
+    residual add keeps nothing). With save_matmuls AC: the projections' and the kernel's outputs."""
+    t = block.cross_tokens
+    if not t or recompute == "full":
+        return []
+    sbh, sbq, tbk = s * b * block.hidden, s * b * block.attention_width, t * b * block.kv_width
+    kernel = [
+        Saved("cross attention output", e * sbq, True),
+        Saved("cross logsumexp", 4 * block.heads * s * b, True),
+    ]
+    if recompute == "selective" and block.selective in ("save_matmuls", "save_narrow_matmuls"):
+        return [
+            Saved("cross q projection", e * sbq, True),
+            Saved("cross k, v projections", 2 * e * tbk, True),
+            *kernel,
+            Saved("cross output projection", e * sbh, False),
+        ]
+    norm = 4 if block.norm == "fp32_adaln" else e
+    qk_norm = [kept._replace(name=f"cross {kept.name}") for kept in _qk_norm_saved(block, s, b, e, k_seq=t)]
+    return [
+        Saved("cross norm input" + (" (fp32)" if norm == 4 else ""), norm * sbh, True),
+        Saved("cross q projection input", e * sbh, True),
+        *qk_norm,
+        Saved("cross q, k, v", e * (sbq + 2 * tbk), True),
+        *kernel,
+    ]
 
 
 AFTER_ATTENTION = ("output projection", "gate, up projections", "fc1 output", "down projection")
@@ -325,7 +390,7 @@ def layer_saved(
         if block.parallel:  # the one projection back is the "down projection"
             kept = [t for t in kept if t.name != "output projection"]
         kept = [t._replace(nbytes=t.nbytes * (1 - block.pre_only)) if t.name in AFTER_ATTENTION else t for t in kept]
-        return kept + _attention2_saved(block, s, b, e, recompute)
+        return kept + _attention2_saved(block, s, b, e, recompute) + _cross_attention_saved(block, s, b, e, recompute)
     out = _norm_saved(block, "attention", sbh, sb, e) + [Saved("qkv input", e * sbh, block.megatron_sp)]
     ulysses = cp > 1 and cp_method == "alltoall"
     attention = (
@@ -335,6 +400,7 @@ def layer_saved(
         else _attention_saved(block, s, b, e, kv_seq=cp_varlen_keys(seq, cp) if block.cp_varlen else seq)
     )
     out += attention + _qk_norm_saved(block, s, b, e) + _attention2_saved(block, s, b, e, "")
+    out += _cross_attention_saved(block, s, b, e, "")
     if block.dropout:
         out.append(Saved("attention dropout mask", sbh, True))
     if block.parallel:  # the MLP reads the attention's (modulated) input; the projection's input is a new tensor

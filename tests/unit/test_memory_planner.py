@@ -476,6 +476,7 @@ DRY_RUN_STATES = re.compile(
         ("flux_dev", ["finetune=lora"], dict(dp=8, tp=1, pp=1, zero_stage=3)),  # two layer types, adapter-only states
         ("llm_tiny", ["parallel.cp=2"], dict(dp=4, tp=1, pp=1, cp=2, zero_stage=3)),  # FSDP over dp x cp = 8
         ("llm_8b_128k", [], dict(dp=2, tp=1, pp=1, cp=4, zero_stage=3)),  # the long-context preset's own layout
+        ("wan2_1_14b", [], dict(dp=2, tp=1, pp=1, cp=4, zero_stage=3)),  # Ulysses over a clip's tokens, no folder
     ],
 )
 def test_dry_run_and_plan_report_the_same_model_states(recipe, overrides, layout):
@@ -650,3 +651,147 @@ def test_llm_8b_128k_runs_the_layout_the_planner_picks_for_its_shapes(capsys):
     assert spec == same_model and spec.seq == 131072
     assert plan_script.main(["recipe=llm_8b_128k", "cluster.gpus=8"]) == 0
     assert re.search(r"\n  1\*\s+2\s+1\s+1\s+1\s+4\s+fsdp\s+full ", capsys.readouterr().out)
+
+
+# ---- g) the video family: Wan's blocks (recipes/video/sizing.py) -------------------------------------------------
+
+# A tiny WanTransformer3DModel (no folder: its config): 2 heads of 16, an FFN twice as wide, 9 frames of 64x64 through
+# the VAE's 4x/8x and 1x2x2 patches = 3 x 4 x 4 = 48 video tokens, 32 prompt tokens, 2 clips.
+TINY_WAN = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=16,
+    out_channels=16,
+    text_dim=32,
+    freq_dim=32,
+    ffn_dim=64,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=64,
+)
+
+
+def wan_kept_per_block(ac: str, dtype: torch.dtype, text: int = 32, b: int = 2) -> float:
+    """Bytes one WanTransformerBlock keeps for backward, measured: a 3-block model's minus a 1-block one's, halved
+    (what sits outside the blocks, shared by them, cancels: the patch and prompt embeddings, the RoPE table)."""
+    from diffusers import WanTransformer3DModel
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    from common.activations import kept_for_backward
+    from common.toggles import apply_ac
+
+    def kept(layers: int) -> int:
+        torch.manual_seed(0)
+        model = WanTransformer3DModel(num_layers=layers, **TINY_WAN).to(dtype)  # DeepSpeed's bf16 casts every weight
+        if ac != "none":
+            apply_ac(model, ac, (WanTransformerBlock,), recompute_widening=True)  # recipes/video/parallelize.py
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(b, 16, 3, 8, 8, generator=g).to(dtype)
+        context = torch.randn(b, text, TINY_WAN["text_dim"], generator=g).to(dtype)
+        t = torch.rand(b, generator=g) * 1000
+        run = lambda: model(x, timestep=t, encoder_hidden_states=context).sample  # noqa: E731
+        measured, out = kept_for_backward(run, [*model.parameters(), *model.buffers(), x, context, t])
+        del out
+        return measured
+
+    return (kept(3) - kept(1)) / 2
+
+
+@pytest.mark.parametrize(
+    "ac, dtype",
+    [("none", torch.float32), ("none", torch.bfloat16), ("selective", torch.bfloat16), ("full", torch.bfloat16)],
+)
+def test_wan_block_activations_match_saved_tensors(ac, dtype):
+    """What the memory model says a Wan block keeps (recipes/video/sizing.py wan_block, with the CPU's composite
+    rms_norm for the q/k norms: CUDA's fused kernel keeps its input and 1/rms only) against the bytes diffusers'
+    WanTransformerBlock keeps, in fp32 and in bf16 (where its fp32 LayerNorms, modulation and MLP gate keep fp32
+    copies), with recipes/video/parallelize.py's AC. Not modelled: the LayerNorms' mean and 1/std and the per-block
+    modulation vectors (b x 6h)."""
+    from recipes.video.sizing import wan_block
+
+    measured = wan_kept_per_block(ac, dtype)
+    block = dataclasses.replace(wan_block(TINY_WAN, cross_tokens=32), qk_norm_torch="composite")
+    e = 4 if dtype == torch.float32 else 2
+
+    def predicted(block: Block) -> float:
+        return layer_activation_bytes(block, seq=48, batch=2, act_bytes=e, recompute=ac)
+
+    print(f"wan block {dtype} AC={ac}: predicted {predicted(block):,.0f} B, measured {measured:,.0f} B")
+    assert predicted(block) == pytest.approx(measured, rel=0.03)
+    if ac != "full":  # the prompt's keys and values, and (without AC) Wan's fp32 norms, are what tell the cases apart
+        assert predicted(dataclasses.replace(block, cross_tokens=0)) != pytest.approx(measured, rel=0.03)
+    if ac == "none" and e == 2:
+        assert predicted(dataclasses.replace(block, norm="adaln_zero")) != pytest.approx(measured, rel=0.03)
+
+
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers' and -14B-Diffusers' transformer/config.json, written out here (independently of
+# recipes/video/sizing.py's RELEASED): (heads, ffn_dim, layers).
+WAN_RELEASES = {"wan2_1_1_3b": (12, 8960, 30), "wan2_1_14b": (40, 13824, 40)}
+
+
+@pytest.mark.parametrize(
+    "recipe, params, tokens", [("wan2_1_1_3b", 1_418_996_800, 32760), ("wan2_1_14b", 14_288_491_584, 75600)]
+)
+def test_wan_presets_are_the_releases_sized_without_their_folders(recipe, params, tokens):
+    """recipe=wan2_1_* with model.init_from absent here: the transformer counted equals diffusers'
+    WanTransformer3DModel built on the meta device from the release's published config; 81 frames through the VAE's
+    4x/8x and 1x2x2 patches are 21 x 30 x 52 tokens at 480x832 and 21 x 45 x 80 at 720x1280; beside the engine, on the
+    fly, umt5-xxl (transformers' UMT5EncoderModel on the meta device from google/umt5-xxl's config) in bf16 and
+    diffusers' default AutoencoderKLWan (the release's) in fp32; on a cache, the VAE without its encoder and
+    quant_conv (recipes/video/train.py drops them)."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from recipes.video.sizing import memory_spec as video_spec
+
+    heads, ffn, layers = WAN_RELEASES[recipe]
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    with torch.device("meta"):
+        reference = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=heads,
+            attention_head_dim=128,
+            in_channels=16,
+            out_channels=16,
+            text_dim=4096,
+            freq_dim=256,
+            ffn_dim=ffn,
+            num_layers=layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+            rope_max_seq_len=1024,
+        )
+        umt5 = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=256384,
+                d_model=4096,
+                d_kv=64,
+                d_ff=10240,
+                num_layers=24,
+                num_heads=64,
+                feed_forward_proj="gated-gelu",
+            )
+        )
+        vae = AutoencoderKLWan()
+    buffers = 2 * sum(b.numel() for b in reference.buffers())
+    fly = video_spec(compose([f"recipe={recipe}", "run.dry_run=true"]))
+    assert fly.total_params == n(reference) == params and (fly.seq, fly.layers) == (tokens, layers)
+    assert fly.layer_params == n(reference.blocks[0]) and fly.block.cross_tokens == 512
+    assert fly.unsharded_bytes == 2 * n(umt5) + 4 * n(vae) + buffers
+    cached = video_spec(compose([f"recipe={recipe}", "run.dry_run=true", "data.latents=/nonexistent/cache"]))
+    assert cached.unsharded_bytes == 4 * (n(vae) - n(vae.encoder) - n(vae.quant_conv)) + buffers
+    assert "UMT5 (5.68B) in bf16" in fly.note and "training holds no UMT5" in cached.note
+
+
+@pytest.mark.parametrize("recipe, layout", [("wan2_1_1_3b", (4, 2, 3, "none")), ("wan2_1_14b", (2, 4, 3, "full"))])
+def test_wan_presets_run_the_layout_the_planner_ranks_first(capsys, recipe, layout):
+    """configs/recipe/wan2_1_*.yaml run the layout `scripts/plan.py recipe=... cluster.gpus=8` ranks first on 80 GB
+    H100s (dp, cp, ZeRO stage, AC): the 14B's 75,600 tokens a clip need cp=4 (40 heads: cp 2, 4 or 8 divide them)."""
+    assert plan_script.main([f"recipe={recipe}", "cluster.gpus=8", "--json"]) == 0
+    best = next(r for r in json.loads(capsys.readouterr().out)["layouts"] if r["fits"])
+    preset = compose([f"recipe={recipe}"])
+    p = preset.parallel
+    assert (8 // p.cp, p.cp, p.zero_stage, preset.toggles.activation_checkpointing) == layout
+    assert (best["dp"], best["cp"], best["zero_stage"], best["ac"]) == layout
