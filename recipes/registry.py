@@ -113,28 +113,29 @@ def _diffusion_export(folder: Path) -> bool:
     return (folder / "kiln.json").exists() or (folder / "transformer").is_dir()
 
 
-def _names_text_encoder(folder: Path) -> bool:
-    """A diffusers pipeline folder whose model_index.json names a text encoder (recipes/t2i/train.py write_pipeline;
-    a DiT's DiTPipeline index names none)."""
-    index = folder / "model_index.json"
-    return index.exists() and "text_encoder" in json.loads(index.read_text())
-
-
 def _pipeline_class(folder: Path) -> str | None:
-    index = folder / "model_index.json"
-    return json.loads(index.read_text()).get("_class_name") if index.exists() else None
+    """The diffusers pipeline class an export is (or adapts): its model_index.json's, else its kiln.json's (a LoRA
+    export holds diffusers' LoRA file and kiln.json only); None for neither."""
+    for name, key in (("model_index.json", "_class_name"), ("kiln.json", "diffusers_pipeline")):
+        if (folder / name).exists():
+            return json.loads((folder / name).read_text()).get(key)
+    return None
+
+
+T2I_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")  # recipes/t2i/weights.py ADAPTERS
+VIDEO_PIPELINES = ("WanPipeline",)  # recipes/video/weights.py PIPELINE
 
 
 def _dit_export(folder: Path) -> bool:
-    return _diffusion_export(folder) and not _names_text_encoder(folder)
+    return _diffusion_export(folder) and _pipeline_class(folder) not in (*T2I_PIPELINES, *VIDEO_PIPELINES)
 
 
 def _t2i_export(folder: Path) -> bool:
-    return _diffusion_export(folder) and _names_text_encoder(folder) and _pipeline_class(folder) != "WanPipeline"
+    return _diffusion_export(folder) and _pipeline_class(folder) in T2I_PIPELINES
 
 
 def _video_export(folder: Path) -> bool:
-    return _diffusion_export(folder) and _pipeline_class(folder) == "WanPipeline"
+    return _diffusion_export(folder) and _pipeline_class(folder) in VIDEO_PIPELINES
 
 
 SPECS: dict[str, RecipeSpec] = {

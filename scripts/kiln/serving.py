@@ -175,7 +175,8 @@ def compose(overrides: list[str]) -> ServeSection:
     return cfg.serve
 
 
-T2I_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # a text-to-image finetune=lora export: diffusers' LoRA file
+# A text-to-image or video finetune=lora export: diffusers' LoRA file (common/diffusion/release.py LORA_WEIGHTS).
+PIPELINE_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 
 def image_family(folder: Path):
@@ -212,15 +213,15 @@ def check_export(path: str) -> Path:
             for f in ("kiln.json", "transformer/config.json", "scheduler/scheduler_config.json")
             if not (folder / f).exists()
         ]
-        if missing and (folder / T2I_LORA_WEIGHTS).exists():  # kiln.json beside diffusers' LoRA file
+        if missing and (folder / PIPELINE_LORA_WEIGHTS).exists():  # kiln.json beside diffusers' LoRA file
             merged = (
                 f"serve.model={folder / 'merged'}"
                 if (folder / "merged").is_dir()
                 else "export/merged (export.merge_lora=true or scripts/export.py RUN --merge-lora writes it)"
             )
             raise UserError(
-                f"serve.model={path} is a text-to-image LoRA export (diffusers' {T2I_LORA_WEIGHTS} for its base "
-                f"pipeline's load_lora_weights), not a whole pipeline: serve its merged pipeline, {merged}"
+                f"serve.model={path} is a {image_export_kind(folder)} LoRA export (diffusers' {PIPELINE_LORA_WEIGHTS} "
+                f"for its base pipeline's load_lora_weights), not a whole pipeline: serve its merged pipeline, {merged}"
             )
         if missing:
             kind = image_export_kind(folder)

@@ -49,12 +49,19 @@ TINY = {
         "diffusion.sample_steps=2",
         "diffusion.eval_samples_per_class=1",
     ],
+    "video": [
+        "trainer.max_steps=2",
+        "trainer.log_every=1",
+        "trainer.micro_batch_size=4",
+        "diffusion.sample_steps=2",
+        "diffusion.eval_samples_per_class=1",
+    ],
 }
 COMMON = ["trainer.progress_bar=false", "checkpoint.every=0"]
 # A GPU recipe (dit_xl2, vlm_7b, ...) on its user's parts, here on the tiny stand-ins: CPU toggles and
 # small micro-batches; the datasets of the README's data/my_* folders sit in the temp dir.
 CPU = ["toggles=default"]
-GPU_RECIPE = {"vlm": ["trainer.micro_batch_size=4", "data.num_workers=1"], "dit": [], "llm": [], "t2i": []}
+GPU_RECIPE = {"vlm": ["trainer.micro_batch_size=4", "data.num_workers=1"], "dit": [], "llm": [], "t2i": [], "video": []}
 DATASETS = {"data=images": "data/my_images"}
 GPU_NODE_NPROC = 2  # a README torchrun of a whole GPU node (more than 4 ranks) runs on 2 here
 
@@ -86,6 +93,7 @@ FIXTURES = {
     "~/data/corpus": llm.write_corpus,
     "~/data/chat.jsonl": llm.write_chat,
     "~/data/captioned": fixtures.make_caption_folder,
+    "~/data/clips": fixtures.make_clip_folder,
 }
 
 # The pages whose ```bash blocks run, in this order: the README first, then docs/ in an order where a page's
@@ -97,6 +105,7 @@ DOCS = [
     "docs/data.md",
     "docs/dit.md",
     "docs/text-to-image.md",
+    "docs/video.md",
     "docs/llm.md",
     "docs/lora.md",
     "docs/preference.md",
@@ -177,6 +186,9 @@ TRAINED_ELSEWHERE = {
     "parallel.cp=2": "tests/distributed/test_t2i_zero.py (cp=2 against one rank)",
     "python scripts/train.py --nproc_per_node 2 recipe=vlm_tiny "
     "parallel.cp=2": "tests/distributed/test_vlm_zero2.py (cp=2 against dp=2)",
+    "python scripts/train.py --nproc_per_node 2 recipe=video_tiny model.init_from=outputs/tiny-wan parallel.cp=2 "
+    "parallel.zero_stage=3 toggles.activation_checkpointing=full": "tests/distributed/test_video_context_parallel.py "
+    "(cp=2 under ZeRO-3 against one rank)",
 }
 
 
