@@ -98,6 +98,15 @@ def t2i_flux_world(tmp_path_factory, t2i_world):
 
 
 @pytest.fixture(scope="session")
+def pairs_root(tmp_path_factory):
+    """The preference tests' pair shards (tests/fixtures/preference.py make_pairs_world), built once."""
+    from tests.fixtures.preference import make_pairs_world
+    from tests.fixtures.shared import once, shared_root
+
+    return once(shared_root(tmp_path_factory), "pairs", make_pairs_world)
+
+
+@pytest.fixture(scope="session")
 def video_world(tmp_path_factory):
     """The video tests' tiny WanPipeline folder and moving-digit shards (tests/fixtures/video.py), built once."""
     from tests.fixtures.shared import once, shared_root

@@ -8,44 +8,18 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
 
 from tests.conftest import metrics, run_train
-from tests.fixtures.llm import write_llama_tokenizer
-from tests.fixtures.preference import write_pairs
-from tests.support.launcher import run_python
+from tests.fixtures.preference import dpo_run_args
 
 pytestmark = pytest.mark.integration
 TRL_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen")
 
 
-@pytest.fixture(scope="module")
-def pairs_root(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("preference")
-    tokenizer = write_llama_tokenizer(tmp / "models" / "Llama-3.2-1B")
-    pairs = write_pairs(tmp / "data" / "pairs.jsonl", n=160)
-    root = tmp / "my_pairs"
-    args = ["--tokenizer", str(tokenizer), "--input", str(pairs), "--out", str(root), "--val-fraction", "0.2"]
-    proc = run_python([sys.executable, "-m", "data.prepare_preference", *args], timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return root
-
-
 def test_dpo_learns_the_preference(pairs_root, trained, tmp_path):
-    args = [
-        "recipe=llm_tiny",
-        "data=preference_shards",
-        f"data.root={pairs_root}",
-        "data.max_seq_len=128",  # one pair a row: 8 pairs a step
-        "preference.loss=sigmoid",
-        "trainer.max_steps=10",
-        "trainer.log_every=1",
-        "trainer.progress_bar=false",
-        "checkpoint.final=false",
-        "checkpoint.every=8",
-    ]
+    args = dpo_run_args(pairs_root)
     run = trained(args)
     steps = metrics(run)
     first, last = steps[1], steps[10]
