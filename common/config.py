@@ -157,7 +157,7 @@ class ExportConfig:
 # preference.loss: the pairwise objectives (common/preference.py); the reference-free ones take no reference.
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
 PREFERENCE_REFERENCE_FREE = ("simpo", "orpo")
-PREFERENCE_REFERENCES = ("auto", "model", "none")
+PREFERENCE_REFERENCES = ("auto", "model", "precomputed", "none")
 
 
 @dataclass
@@ -170,7 +170,8 @@ class PreferenceConfig:
     gamma: float = 0.5  # simpo: the target reward margin
     # What the log ratios are taken against: auto (the reference-based losses: the frozen start; reference-free ones:
     # none), model (a frozen copy of the starting weights; under finetune=lora the base with the adapter disabled),
-    # none (only for the reference-free losses)
+    # precomputed (the starting weights' log-probs of every pair, computed once before the first step and kept beside
+    # the data: no reference forward in training), none (only for the reference-free losses)
     reference: str = "auto"
 
     @property

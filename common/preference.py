@@ -70,13 +70,14 @@ def check_config(pref: PreferenceConfig, family: str, offered: bool) -> None:
         raise ConfigError(
             f"preference.reference={pref.reference!r} is not allowed; choose one of: {', '.join(REFERENCES)}"
         )
-    if pref.loss in REFERENCE_FREE and pref.reference == "model":
+    if pref.loss in REFERENCE_FREE and pref.reference in ("model", "precomputed"):
         raise ConfigError(
-            f"preference.loss={pref.loss} is reference-free: it takes no preference.reference (got model); drop it"
+            f"preference.loss={pref.loss} is reference-free: it takes no preference.reference (got "
+            f"{pref.reference}); drop it"
         )
     if pref.loss not in REFERENCE_FREE and pref.reference == "none":
         raise ConfigError(
-            f"preference.loss={pref.loss} needs a reference (preference.reference=auto or model); "
+            f"preference.loss={pref.loss} needs a reference (preference.reference=auto, model or precomputed); "
             f"the reference-free losses are {', '.join(REFERENCE_FREE)}"
         )
     if pref.beta <= 0:

@@ -110,8 +110,8 @@ class RowStream:
             yield lay_rows(self.pending, lambda: next(documents), self.rows, self.row_len, cut=self.cut)
 
     def state_dict(self) -> dict:
-        # clone: a piece is a view, and saving it would save its whole document
-        pending = [{k: v.clone() for k, v in piece.items()} for piece in self.pending]
+        # clone: a piece is a view, and saving it would save its whole document (a pair's key is a str)
+        pending = [{k: v.clone() if torch.is_tensor(v) else v for k, v in piece.items()} for piece in self.pending]
         return {"loader": self.loader.state_dict(), "pending": pending}
 
     def load_state_dict(self, state: dict) -> None:

@@ -26,6 +26,7 @@ from common.config import TrainConfig
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_rows
 from common.errors import DataError
 from common.preference import METRICS, answer_logps, document_index, preference_loss
+from recipes.llm import reference_logps
 from recipes.llm.data import eval_batches, model_inputs
 
 PAIR_FORMAT = "preference"  # meta.json "format" of data/prepare_preference.py's shards
@@ -58,7 +59,8 @@ def decode_pair(sample: dict) -> dict:
         raise ValueError(f"{sample.get('__key__')}: not a preference pair (ids {ids.shape}, mask {mask.shape}, lens)")
     input_ids = torch.from_numpy(ids.astype(np.int64))
     labels = input_ids.masked_fill(torch.from_numpy(mask == 0), IGNORE_INDEX)
-    return {"input_ids": input_ids, "labels": labels, "first": torch.tensor(int(lens[0]))}
+    key = sample.get("__key__", "")  # the pair's name in its shard: preference.reference=precomputed looks it up
+    return {"input_ids": input_ids, "labels": labels, "first": torch.tensor(int(lens[0])), "key": key}
 
 
 def split_pair(pair: dict) -> tuple[dict, dict]:
@@ -75,6 +77,7 @@ class PairBatch:
     packed: PackedBatch
     doc_index: torch.Tensor  # [R, L]: each position's document, -1 on padding
     pairs: int
+    keys: list[str]  # the pairs' keys, in order
     cp: None = None  # no context parallelism under preference training (recipes/llm/config.py)
 
 
@@ -82,7 +85,8 @@ def pack_pairs(rows: list[list[dict]], *, dp_rank: int, dp: int, max_seq_len: in
     """This dp rank's rows of a global micro-batch of pairs (rows r, r+dp, ...), each pair two packed documents."""
     mine = rows[dp_rank::dp]
     packed = pack_rows([[doc for pair in row for doc in split_pair(pair)] for row in mine], max_seq_len, pad_id)
-    return PairBatch(packed, document_index(packed.seq_lens, max_seq_len), sum(len(row) for row in mine))
+    keys = [pair["key"] for row in mine for pair in row]
+    return PairBatch(packed, document_index(packed.seq_lens, max_seq_len), len(keys), keys)
 
 
 def fill_start_weights(model: torch.nn.Module, args, cfg: TrainConfig, is_main: bool) -> None:
@@ -127,12 +131,44 @@ class PreferenceTraining:
         self.trainer, self.pref = trainer, trainer.cfg.preference
         self.reference: torch.nn.Module | None = None
         self.adapter_off = self.pref.needs_reference and trainer.lora
-        if self.pref.needs_reference and not trainer.lora:
+        self.precomputed = self.pref.needs_reference and self.pref.reference == "precomputed"
+        self.table: dict[str, tuple[float, float]] | None = None  # precomputed: key -> the reference's log-probs
+        if self.pref.needs_reference and not trainer.lora and not self.precomputed:
             self.reference = build_model(trainer.args, trainer.cfg, trainer.mesh, trainer.device)
             fill_start_weights(self.reference, trainer.args, trainer.cfg, trainer.dist.is_main)
             self.reference.requires_grad_(False)
             self.reference.eval()
         self.sums: dict[str, torch.Tensor] = {}
+
+    def after_start(self) -> None:
+        """preference.reference=precomputed: the reference's log-probs of every pair, read from beside the data, the
+        shards it lacks computed first by the policy at its starting weights (recipes/llm/reference_logps.py)."""
+        if self.precomputed:
+            self.table = reference_logps.load_or_compute(self.trainer, self.reference_rows)
+
+    @torch.no_grad()
+    def reference_rows(self, pairs: list[dict]) -> list[tuple[str, float, float]]:
+        """(key, chosen, rejected) reference log-probs of `pairs`, laid into global micro-batches as training lays
+        them (every rank the same batches, each dp rank its rows), gathered from every rank."""
+        tr, rows = self.trainer, []
+        tr.model.eval()
+        for global_rows in eval_batches(
+            pairs, tr.cfg.trainer.micro_batch_size * tr.dims.dp, tr.cfg.data.max_seq_len, chat=True
+        ):
+            batch = self.prepare(global_rows)
+            with tr.objective.forward():  # the step's autocast, as the live reference runs
+                logps = self.reference_logps(batch, tr.model).tolist()
+            rows += [(key, logps[2 * i], logps[2 * i + 1]) for i, key in enumerate(batch.keys)]
+        tr.model.train()
+        return reference_logps.gather_rows(rows)
+
+    def reference_logps(self, batch: PairBatch, model: torch.nn.Module) -> torch.Tensor:
+        """The summed answer log-probs of `batch`'s documents by `model` under no_grad, its adapter off under LoRA."""
+        tr, device, packed = self.trainer, self.trainer.device, batch.packed
+        inputs = model_inputs(packed, tr.cfg.toggles.attention, device)
+        with torch.no_grad(), adapters_disabled(model) if self.adapter_off else contextlib.nullcontext():
+            logits = model(packed.input_ids.to(device), **inputs)
+            return answer_logps(logits, packed.labels.to(device), batch.doc_index.to(device), 2 * batch.pairs)[0]
 
     def prepare(self, rows: list[list[dict]]) -> PairBatch:
         tr = self.trainer
@@ -149,11 +185,10 @@ class PreferenceTraining:
         inputs = model_inputs(packed, tr.cfg.toggles.attention, device)
         with tr.objective.forward():
             ref = None
-            if self.pref.needs_reference:
-                with torch.no_grad(), adapters_disabled(tr.model) if self.adapter_off else contextlib.nullcontext():
-                    ref_logits = (tr.model if self.adapter_off else self.reference)(ids, **inputs)
-                    ref = answer_logps(ref_logits, labels, docs, n)[0]
-                    del ref_logits
+            if self.table is not None:
+                ref = reference_logps.lookup(self.table, batch.keys, device)
+            elif self.pref.needs_reference:
+                ref = self.reference_logps(batch, tr.model if self.adapter_off else self.reference)
             logps, counts = answer_logps(tr.model(ids, **inputs), labels, docs, n)
         return preference_loss(self.pref, logps, counts, ref)
 

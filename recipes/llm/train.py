@@ -122,6 +122,8 @@ class LLMTrainer(Trainer):
         # Layout-independent: one global data stream and no per-rank random draws, so rank 0's copy
         # (step, data position, LR schedule) resumes any layout. LoRA dropout draws per rank: its streams are saved.
         self.start(loader, per_rank_rng=self.lora and cfg.lora.dropout > 0)
+        if self.preference is not None:  # preference.reference=precomputed: at the start weights, before step 1
+            self.preference.after_start()
         self.model.train()
 
     # ---- setup steps (in __init__'s order) ------------------------------------------------------

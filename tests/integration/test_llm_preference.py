@@ -38,3 +38,35 @@ def test_dpo_learns_the_preference(pairs_root, trained, tmp_path):
     for step in (9, 10):
         assert resumed[step]["loss"] == pytest.approx(steps[step]["loss"], rel=1e-6), step
         assert resumed[step]["rewards/margins"] == pytest.approx(steps[step]["rewards/margins"], rel=1e-5), step
+
+
+def test_precomputed_reference_logps_train_the_live_references_losses(pairs_root, trained, tmp_path):
+    """preference.reference=precomputed: the starting weights' log-probs of every pair, computed once into
+    <data.root>/reference_logps/<fingerprint>/ (a file per shard), train the losses of the live frozen reference;
+    a second run reads them (nothing computed); a run resumed without them stops with one line."""
+    import shutil
+
+    root = tmp_path / "pairs"
+    shutil.copytree(pairs_root, root)  # the cache is written beside the data: a copy keeps the shared shards clean
+    live = metrics(trained(dpo_run_args(pairs_root)))
+    args = [
+        a for a in dpo_run_args(pairs_root) if not a.startswith(("data.root=", "trainer.max_steps=", "checkpoint."))
+    ]
+    args += [f"data.root={root}", "preference.reference=precomputed", "trainer.max_steps=4", "checkpoint.every=4"]
+    proc = run_train([*args, f"run.dir={tmp_path / 'a'}"])
+    assert "computing the reference's log-probs of 10 shard(s)" in proc.stdout, proc.stdout[-2000:]
+    (folder,) = (root / "reference_logps").iterdir()
+    assert sorted(p.name for p in folder.iterdir()) == [f"train-{i:06d}.npz" for i in range(8)] + [
+        f"val-{i:06d}.npz" for i in range(2)
+    ]
+    got = metrics(tmp_path / "a")
+    for step in range(1, 5):
+        for key in ("loss", "rewards/margins"):
+            assert got[step][key] == pytest.approx(live[step][key], rel=1e-5, abs=1e-7), (step, key)
+    proc = run_train([*args, "trainer.max_steps=1", f"run.dir={tmp_path / 'b'}"])
+    assert "computing" not in proc.stdout
+    shutil.rmtree(folder)
+    ckpt = tmp_path / "a" / "checkpoints" / "step_0000004"
+    proc = run_train([*args, f"run.dir={tmp_path / 'c'}", f"run.resume={ckpt}"], check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "a run resumed at step 4 can no longer compute" in lines[0]
