@@ -30,6 +30,7 @@ from scripts.benchmarks import (
     scaling,
     serving,
     t2i,
+    video,
     zero,
 )
 from scripts.benchmarks.harness import Options  # noqa: E402
@@ -52,6 +53,7 @@ SECTIONS = {
     "export": export.run,
     "lora": lora.run,
     "t2i": t2i.run,
+    "video": video.run,
     "qwen": qwen.run,
 }
 # A quick run is a smoke test: it keeps its own folder so that it never replaces a full run's report.

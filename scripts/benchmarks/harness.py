@@ -32,6 +32,7 @@ RECIPE_ARGS = {
     "llm_tiny": [],
     "moe_tiny": [],
     "t2i_tiny": ["diffusion.sample_every=0", "diffusion.sample_steps=2"],
+    "video_tiny": ["diffusion.sample_every=0", "diffusion.sample_steps=2"],
 }
 
 

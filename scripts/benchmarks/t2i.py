@@ -36,14 +36,16 @@ def pick_run(opts) -> dict:
     return {"steps": opts.pick(80, 20), "rounds": opts.pick(3, 1)}
 
 
-def alternate(opts, common: list[str], variants: dict[str, list[str]], run_dir: Path, rounds: int) -> dict[str, list]:
-    """Each variant's runs (common + its overrides), alternating which goes first each round: name -> one
+def alternate(
+    opts, common: list[str], variants: dict[str, list[str]], run_dir: Path, rounds: int, recipe: str = "t2i_tiny"
+) -> dict[str, list]:
+    """Each variant's runs of `recipe` (common + its overrides), alternating which goes first each round: name -> one
     metrics.jsonl's records per round."""
     names, out = list(variants), {name: [] for name in variants}
     for r in range(rounds):
         for name in names[r % 2 :] + names[: r % 2]:
             slug = name.split(" ")[0]
-            out[name].append(train_run(opts, "t2i_tiny", [*common, *variants[name]], run_dir / f"{slug}_{r}"))
+            out[name].append(train_run(opts, recipe, [*common, *variants[name]], run_dir / f"{slug}_{r}"))
     return out
 
 

@@ -170,3 +170,30 @@ def test_t2i_buckets_pixels_kept_and_throughput():
     assert data["p90_images_per_s_ratio"] == pytest.approx(1.0)  # the fastest steps: 16 images in 0.1 s in both
     assert data["mean_kept_share"] == pytest.approx({t2i.BUCKETED: 1.0, t2i.SQUARE: (0.5 + 1 + 0.5) / 3})
     assert data["pixels_per_image"][t2i.BUCKETED] == pytest.approx((12 * 24 * 82 + 16 * 16 * 44) / 126)
+
+
+def test_video_cache_and_cp_reports():
+    """The video section's tables from made-up records: the cache ratio as t2i's (the median of each round's steady
+    medians) with the on-the-fly runs' data wait; tokens/s from the slower cp rank's step and the clip's tokens; the
+    kept-bytes share against cp=1's (the presets' modelled shares come from the memory model)."""
+    from scripts.benchmarks import video
+
+    s = Section("video", "video")
+    records = {video.FLY: [t2i_run(0.2, images=4), t2i_run(0.4, images=4)], video.CACHED: [t2i_run(0.1, images=4)] * 2}
+    video.cache_report(s, records, where="test")
+    layout = lambda rank, kept, step_s: {  # noqa: E731
+        "rank": rank,
+        "saved_bytes": kept,
+        "step_s": step_s,
+        "clips": [4, 4],
+        "tokens_per_clip": 192,
+    }
+    results = {1: [layout(0, 1000, [0.1, 0.1])], 2: [layout(0, 520, [0.2, 0.1]), layout(1, 540, [0.1, 0.2])]}
+    video.cp_report(s, results, where="test")
+    check(s, "video")
+    assert s.data["cache"]["step_time_ratio"] == pytest.approx(3.0)
+    assert s.data["cache"]["data_wait"][video.FLY] == pytest.approx(0.01)  # t2i_run waits 1% of every step
+    assert s.data["cp"]["tokens_per_s"] == pytest.approx({1: 4 * 192 / 0.1, 2: 4 * 192 / 0.2})
+    assert s.data["cp"]["worst_share"] == pytest.approx(0.54)
+    assert [t.met for t in s.targets] == [True, True, True]
+    assert all(0.45 < x < 0.6 for x in s.data["cp"]["modelled_share"].values())
