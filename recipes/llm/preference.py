@@ -144,7 +144,7 @@ class PreferenceTraining:
         """preference.reference=precomputed: the reference's log-probs of every pair, read from beside the data, the
         shards it lacks computed first by the policy at its starting weights (recipes/llm/reference_logps.py)."""
         if self.precomputed:
-            self.table = reference_logps.load_or_compute(self.trainer, self.reference_rows)
+            self.table = reference_logps.load_or_compute(self.trainer, self.reference_rows, decode_pair)
 
     @torch.no_grad()
     def reference_rows(self, pairs: list[dict]) -> list[tuple[str, float, float]]:

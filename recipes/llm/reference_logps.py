@@ -54,12 +54,11 @@ def shard_file(folder: Path, url: str) -> Path:
     return folder / f"{Path(url).name.removesuffix('.tar')}.npz"
 
 
-def load_or_compute(trainer, logps) -> dict[str, tuple[float, float]]:
+def load_or_compute(trainer, logps, decode) -> dict[str, tuple[float, float]]:
     """key -> (chosen, rejected) reference log-probs of every train and val pair: read from the folder, the shards it
     lacks computed first with `logps(pairs) -> [(key, chosen, rejected)]` (a collective forward: every rank runs it on
-    the same pairs) and written by rank 0."""
+    the same pairs, each shard's samples through `decode`) and written by rank 0."""
     from common.distributed import barrier
-    from recipes.llm.preference import decode_pair
 
     cfg = trainer.cfg
     folder = Path(cfg.data.root).expanduser().absolute() / FOLDER / fingerprint(trainer)
@@ -77,7 +76,7 @@ def load_or_compute(trainer, logps) -> dict[str, tuple[float, float]]:
             flush=True,
         )
     for url in missing:
-        rows = logps([decode_pair(s) | {"key": s["__key__"]} for s in iter_samples([url])])
+        rows = logps([decode(s) for s in iter_samples([url])])
         if trainer.dist.is_main:
             folder.mkdir(parents=True, exist_ok=True)
             tmp = shard_file(folder, url).with_suffix(f".{os.getpid()}.tmp.npz")

@@ -57,10 +57,17 @@ def pair_shards(opts):
 
 
 def as_documents(rows: list[list[dict]]) -> list[list[dict]]:
-    """A pair batch's rows as SFT rows: each pair's chosen and rejected documents, in order."""
-    from recipes.llm.preference import split_pair
-
-    return [[doc for pair in row for doc in split_pair(pair)] for row in rows]
+    """A pair batch's rows as SFT rows: each pair's chosen and rejected documents, in order (a decoded pair holds
+    both documents' ids and labels, and the chosen one's length, `first`)."""
+    out = []
+    for row in rows:
+        docs = []
+        for pair in row:
+            n = int(pair["first"])
+            for part in (slice(0, n), slice(n, None)):
+                docs.append({"input_ids": pair["input_ids"][part], "labels": pair["labels"][part]})
+        out.append(docs)
+    return out
 
 
 def run(opts) -> Section:

@@ -25,7 +25,7 @@ FORBIDDEN = {
     "data": ("scripts", "tests"),
     "scripts": ("tests",),
 }
-FAMILIES = ("dit", "t2i", "vlm", "llm")
+FAMILIES = ("dit", "t2i", "video", "vlm", "llm")
 # Family-specific tools outside recipes/ that import their family's modules by name today (a DiT's export/eval/sample
 # CLIs, a benchmark section per family, the latent cache's decoders). Known and left for now: each should reach its
 # family through the registry (a spec field) and leave this list. No file may join it.
