@@ -13,6 +13,7 @@ import torch
 
 from common.config import TrainConfig
 from common.data import prepare_dataset
+from common.data.buckets import bucket_of, check_batch_fits
 from common.data.captions import SOURCE, skip_summary
 from common.data.dataset import load_dataset_meta
 from common.data.webdataset import global_train_loader
@@ -83,14 +84,7 @@ def check_buckets(cfg: TrainConfig, meta: dict, dp: int | None) -> None:
         )
     if not buckets:
         return
-    t = cfg.trainer
-    need, counts = t.micro_batch_size * t.grad_accum * dp, buckets["samples"].get("train", {})
-    if max(counts.values(), default=0) < need:
-        raise DataError(
-            f"data.buckets: no bucket of data.root={cfg.data.root} holds a global batch of {need} training images "
-            f"(trainer.micro_batch_size x trainer.grad_accum x {dp} ranks; per bucket: "
-            f"{', '.join(f'{k} {n}' for k, n in counts.items())}): lower the batch or build fewer buckets"
-        )
+    check_batch_fits(cfg, buckets, dp, "images")
     folder = Path(cfg.model.init_from).expanduser()
     if cfg.model.init_from and folder.exists():
         from recipes.t2i.weights import check_patches, pipeline_folder, transformer_config, vae_factor
@@ -105,11 +99,6 @@ def check_buckets(cfg: TrainConfig, meta: dict, dp: int | None) -> None:
                     f"model.init_from={folder}",
                     what=f"data.buckets: data.root={cfg.data.root}'s bucket {w}x{h}",
                 )
-
-
-def bucket_of(sample: dict) -> bytes:
-    """The training loader's group under data.buckets: the sample's bucket ("WxH"), read undecoded."""
-    return sample["bucket"]
 
 
 def decode_captioned(sample: dict, image_size: int | None) -> dict:

@@ -35,6 +35,10 @@ class VideoDataConfig(DataConfig):
     # A cache of the frozen VAE's and UMT5's outputs on data.root (python -m data.cache_latents): the run then reads
     # the latents' moments and prompt embeddings from it and loads neither encoder for training.
     latents: str = ""
+    # Aspect-ratio buckets: data.root built with prepare_videos --buckets (shapes of about data.height x data.width
+    # pixels, each clip cropped to its nearest aspect ratio's); every global batch is one bucket's. Sample clips, the
+    # export's kiln.json and the server stay at data.height x data.width.
+    buckets: bool = False
     # The most clips prepare_videos may have skipped (meta.json `skipped`); null: no limit.
     max_bad_samples: Optional[int] = None  # noqa: UP045 (OmegaConf's structured configs read Optional)
 
@@ -84,6 +88,16 @@ def validate(cfg: TrainConfig) -> None:
     check_text_diffusion(cfg, "video")
     if min(data.num_frames, data.height, data.width, m.max_sequence_length) <= 0:
         raise ConfigError("data.num_frames, data.height, data.width and model.max_sequence_length must be > 0")
+    if data.buckets and data.latents:
+        raise ConfigError(
+            "data.buckets=true with data.latents: a latent cache holds one clip shape; train on the bucketed shards "
+            "without data.latents"
+        )
+    if data.buckets and cfg.parallel.cp > 1:
+        raise ConfigError(
+            f"parallel.cp={cfg.parallel.cp} with data.buckets=true: each bucket has its own token count; train one "
+            "clip shape (data.buckets=false) under context parallelism"
+        )
     from recipes.video.sizing import architecture
 
     arch = architecture(m.init_from) if m.init_from else None

@@ -12,6 +12,7 @@ import torch
 
 from common.config import TrainConfig
 from common.data import prepare_dataset
+from common.data.buckets import bucket_of, check_batch_fits
 from common.data.captions import skip_summary
 from common.data.dataset import load_dataset_meta
 from common.data.video import SOURCE, decode_video_sample
@@ -36,14 +37,41 @@ CACHE_KEYS = (
 )
 
 
-def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
-    """The clip shards' meta on every rank (built by data.build if missing), checked against this run."""
-    return check_clips(cfg, prepare_dataset(cfg.data, dist))
+def prepare_data(cfg: TrainConfig, dist: DistInfo, dp: int) -> dict:
+    """The clip shards' meta on every rank (built by data.build if missing), checked against this run (`dp`: its
+    data-parallel ranks)."""
+    meta = check_clips(cfg, prepare_dataset(cfg.data, dist))
+    check_buckets(cfg, meta, dp)
+    return meta
+
+
+def check_buckets(cfg: TrainConfig, meta: dict, dp: int) -> None:
+    """One line unless the shards are bucketed exactly when data.buckets says so, a global batch fits in some bucket
+    and every bucket's shape fits model.init_from's VAE and patches."""
+    buckets, d = meta.get("buckets"), cfg.data
+    if d.buckets and not buckets:
+        raise DataError(
+            f"data.buckets=true but data.root={d.root} holds one clip shape: rebuild it with python -m "
+            "data.prepare_videos ... --buckets, or set data.buckets=false"
+        )
+    if buckets and not d.buckets:
+        raise DataError(
+            f"data.root={d.root} holds aspect-ratio buckets ({', '.join(buckets['samples']['train'])}): set "
+            "data.buckets=true, or rebuild it without --buckets"
+        )
+    if not buckets:
+        return
+    check_batch_fits(cfg, buckets, dp, "clips")
+    from recipes.video.sizing import architecture
+
+    arch = architecture(cfg.model.init_from)
+    for w, h in buckets["shapes"]:
+        arch.check_clip(d.num_frames, h, w)
 
 
 def check_clips(cfg: TrainConfig, meta: dict) -> dict:
-    """`meta` if it is data.prepare_videos' shards of data.num_frames x data.height x data.width clips with no more
-    skipped clips than data.max_bad_samples; one DataError line otherwise."""
+    """`meta` if it is data.prepare_videos' shards of data.num_frames x data.height x data.width clips (of about that
+    many pixels when bucketed) with no more skipped clips than data.max_bad_samples; one DataError line otherwise."""
     d = cfg.data
     if meta.get("source") != SOURCE:
         raise DataError(
@@ -72,9 +100,10 @@ def build_train_loader(cfg: TrainConfig, meta: dict, *, rank: int, dp: int):
     the same samples)."""
     if meta.get("source") == LATENT_SOURCE:
         decode = functools.partial(decode_cached, fields=TEXT_FIELDS)
-    else:
+    else:  # data.buckets: the clips as stored, each global batch one bucket's (bucket_of)
         decode = decode_video_sample
-    return global_train_loader(cfg, meta["train_urls"], decode=decode, rank=rank, dp=dp)
+    group = bucket_of if cfg.data.buckets else None
+    return global_train_loader(cfg, meta["train_urls"], decode=decode, rank=rank, dp=dp, group=group)
 
 
 def load_cache_meta(cfg: TrainConfig, identity: dict) -> dict:
@@ -107,6 +136,11 @@ def latent_cache(cfg: TrainConfig, device: str):
         )
     base = pipeline_folder(cfg.model.init_from)
     clips = check_clips(cfg, load_dataset_meta(Path(cfg.data.root).absolute()))
+    if clips.get("buckets"):
+        raise ConfigError(
+            f"data.root={cfg.data.root} holds aspect-ratio buckets; a latent cache holds one clip shape: train on the "
+            "buckets without data.latents"
+        )
     geometry = VideoVae.of(base)
     fields = {"latent_shape": list(geometry.latent_shape(cfg.data.num_frames, cfg.data.height, cfg.data.width))}
 

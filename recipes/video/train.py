@@ -53,7 +53,7 @@ class VideoTrainer(EMASamples, Trainer):
         self.lora_base = str(self.base) if cfg.finetune == "lora" else ""  # finetune=lora: adapters on its transformer
         if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
             lora.check_resume(read_meta(self.resume_from), cfg, self.lora_base, self.resume_from)
-        self.meta = meta = prepare_data(cfg, dist)
+        self.meta = meta = prepare_data(cfg, dist, self.dims.dp)
         # data.latents: the frozen encoders' outputs read from their cache (data/cache_latents.py), checked first.
         cache = load_cache_meta(cfg, weights.encoders_identity(self.base)) if cfg.data.latents else None
         # parallel.cp > 1: the cp ranks of a data-parallel group read the same clips (so draw the same noise and

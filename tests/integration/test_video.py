@@ -117,3 +117,36 @@ def test_the_latent_cache_holds_the_encoders_output_and_trains_the_same_losses(t
     with pytest.raises(DataError) as err:
         load_cache_meta(cfg, encoders_identity(video_world["pipeline"]))
     assert "data.num_frames=5 (the cache's: 9)" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bucketed_clips_come_in_batches_of_one_shape(video_world, tmp_path):
+    """data.buckets=true on prepare_videos --buckets shards: every global batch is one bucket's clips, each stored
+    at its shape (never squashed), both shapes of the folder among them; unbucketed settings on them are refused."""
+    import pytest
+
+    from common.distributed import DistInfo
+    from common.errors import DataError
+    from data.prepare_videos import build_video_shards
+    from data.tiny_bases import make_clip_folder
+    from recipes.video.data import build_train_loader, prepare_data
+    from scripts.kiln.launch import compose
+
+    clips = make_clip_folder(tmp_path / "clips", n=24, bad=False)
+    root = tmp_path / "buckets"
+    clip = {"num_frames": 9, "height": 48, "width": 48}
+    build_video_shards(
+        root, input=clips, **clip, buckets=["1:1", "3:2"], train_shards=2, val_shards=1, val_fraction=0.2
+    )
+    args = ["recipe=video_tiny", f"model.init_from={video_world['pipeline']}", "data=clips", f"data.root={root}"]
+    args += ["data.build=[]", *(f"data.{k}={v}" for k, v in clip.items()), "trainer.micro_batch_size=2"]
+    cfg = compose([*args, "data.buckets=true"])
+    meta = prepare_data(cfg, DistInfo(0, 1, 0, torch.device("cpu")), dp=1)
+    assert sorted(meta["buckets"]["samples"]["train"]) == ["48x48", "64x32"]
+    shapes = set()
+    for _, batch in zip(range(12), build_train_loader(cfg, meta, rank=0, dp=1)):
+        videos = batch["video"]
+        assert videos.shape[:3] == (2, 3, 9)  # one shape per batch: a stack would fail otherwise
+        shapes.add(tuple(videos.shape[3:]))
+    assert shapes == {(48, 48), (32, 64)}
+    with pytest.raises(DataError, match="holds aspect-ratio buckets"):
+        prepare_data(compose(args), DistInfo(0, 1, 0, torch.device("cpu")), dp=1)
