@@ -105,6 +105,19 @@ class ServedImages(Protocol):
         guidance scales."""
 
 
+class PromptSampled:
+    """A ServedImages whose conditions are the prompts themselves, drawn by a prompt sampler (`self.sampler`:
+    noise(n, seed), and prompts -> samples from given noise): the text-to-image and video servers."""
+
+    sampler: Any
+
+    def noise(self, n: int, seed: int) -> torch.Tensor:
+        return self.sampler.noise(n, seed)
+
+    def draw(self, prompts: list[str], noise: torch.Tensor, steps: int, guidance_scale: torch.Tensor) -> torch.Tensor:
+        return self.sampler(prompts, noise=noise, steps=steps, guidance_scale=guidance_scale)
+
+
 @dataclass
 class Job:
     """One request: n images of one condition."""

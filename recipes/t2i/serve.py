@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from common.diffusion.server import IMAGES, RequestError
+from common.diffusion.server import IMAGES, PromptSampled, RequestError
 from recipes.t2i.sampling import PromptSampler
 
 
-class PromptImages:
+class PromptImages(PromptSampled):
     """A text-to-image export as the images server serves it (common/diffusion/server.py's ServedImages)."""
 
     media = IMAGES
@@ -49,12 +49,6 @@ class PromptImages:
                 "prompt",
             )
         return prompt
-
-    def noise(self, n: int, seed: int) -> torch.Tensor:
-        return self.sampler.noise(n, seed)
-
-    def draw(self, prompts: list[str], noise: torch.Tensor, steps: int, guidance_scale: torch.Tensor) -> torch.Tensor:
-        return self.sampler(prompts, noise=noise, steps=steps, guidance_scale=guidance_scale)
 
 
 def load(export: str | Path, device: str | None) -> PromptImages:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from common.diffusion.server import Media, RequestError
+from common.diffusion.server import Media, PromptSampled, RequestError
 from recipes.video.sampling import VideoSampler, write_mp4
 
 FPS = 16  # Wan 2.1's frame rate (diffusers' export_to_video in its examples; the training samples' MP4s)
@@ -28,7 +28,7 @@ def mp4_bytes(clip: torch.Tensor) -> bytes:
     return buffer.getvalue()
 
 
-class PromptVideos:
+class PromptVideos(PromptSampled):
     """A video export as the videos server serves it (common/diffusion/server.py's ServedImages)."""
 
     def __init__(self, sampler: VideoSampler, info: dict):
@@ -52,12 +52,6 @@ class PromptVideos:
                 "prompt",
             )
         return prompt
-
-    def noise(self, n: int, seed: int) -> torch.Tensor:
-        return self.sampler.noise(n, seed)
-
-    def draw(self, prompts: list[str], noise: torch.Tensor, steps: int, guidance_scale: torch.Tensor) -> torch.Tensor:
-        return self.sampler(prompts, noise=noise, steps=steps, guidance_scale=guidance_scale)
 
 
 def load(export: str | Path, device: str | None) -> PromptVideos:
