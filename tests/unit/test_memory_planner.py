@@ -420,6 +420,86 @@ def test_dit_lora_prices_its_adapters():
     assert est["weights"] == DEEPSPEED_MIXED.weights * trainable + 2 * spec.frozen_params  # bf16: DeepSpeed casts it
 
 
+# llm_tiny on preference pairs, sized without their folder (run.dry_run reads no data)
+PAIRS = ["recipe=llm_tiny", "data=preference_shards", "run.dry_run=true"]
+REFERENCE_LAYOUTS = [
+    Layout(dp=1, tp=1, pp=1, zero_stage=0, ac="full"),
+    Layout(dp=2, tp=1, pp=1, zero_stage=3, ac="none"),
+    Layout(dp=2, tp=2, pp=1, zero_stage=3, ac="selective"),
+    Layout(dp=8, tp=1, pp=1, zero_stage=3, ac="full"),
+]
+
+
+def test_preference_prices_the_live_reference_copy_alone():
+    """preference.reference=model (DPO's sigmoid) holds a frozen copy of the starting weights, built and sharded as
+    the policy: per rank the plan adds exactly its parameters' bytes to the SFT plan of the same rows (counted on
+    transformers' Llama of llm_tiny's shapes, in the dtype Kiln's model holds its parameters) and nothing to the
+    gradients, the optimizer state, the gathered units or the kept activations. Precomputed log-probs, LoRA (the base
+    with its adapter off) and SimPO (reference-free) hold no copy: their plans are those of their SFT runs. Each note
+    says which reference was counted."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from recipes.llm.model import Transformer
+    from recipes.llm.sizing import llama_args
+
+    sft_cfg = compose(PAIRS)
+    m, vocab = sft_cfg.model, 2048  # the vocabulary the planner assumes without a tokenizer (memory_spec)
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=m.dim,
+                num_hidden_layers=m.n_layers,
+                num_attention_heads=m.n_heads,
+                num_key_value_heads=m.n_kv_heads,
+                intermediate_size=m.ffn_dim,
+                vocab_size=vocab,
+                tie_word_embeddings=m.tie_embeddings,
+            )
+        )
+        kiln = Transformer(llama_args(sft_cfg, vocab))
+    (element,) = {p.element_size() for p in kiln.parameters()}  # fp32 whatever toggles.precision
+    reference_bytes = element * hf.num_parameters()
+    sft, dpo = llm_spec(sft_cfg), llm_spec(compose([*PAIRS, "preference.loss=sigmoid", "preference.reference=model"]))
+    assert dpo.total_params == sft.total_params == hf.num_parameters() and element == 4
+    copy = f"reference: a frozen reference copy of {hf.num_parameters() / 1e6:.2f}M in fp32 sharded as the policy"
+    assert copy in dpo.note and sft.note == ""
+    for layout in REFERENCE_LAYOUTS:
+        a, b = estimate(sft, layout), estimate(dpo, layout)
+        shards = layout.dp * layout.tp  # FSDP2 over dp and DTensor over tp, as the policy's
+        assert b["weights"] - a["weights"] == pytest.approx(reference_bytes / shards, rel=1e-12), layout
+        assert all(a[k] == b[k] for k in ("grads", "optimizer", "gathered", "activations")), layout
+        assert b["transient"] >= a["transient"]  # its forward's peak, where larger than the policy's
+    no_copy = {
+        "precomputed reference log-probs: no copy": (
+            ["preference.loss=sigmoid", "preference.reference=precomputed"],
+            [],
+        ),
+        "LoRA: the base with the adapter off, no copy": (["preference.loss=ipo", "finetune=lora"], ["finetune=lora"]),
+        "reference-free loss: none": (["preference.loss=simpo"], []),
+    }
+    for note, (run, without) in no_copy.items():
+        spec, base = llm_spec(compose([*PAIRS, *run])), llm_spec(compose([*PAIRS, *without]))
+        assert spec.note.endswith(f"reference: {note}") and not spec.reference_copy
+        assert all(estimate(spec, lay) == estimate(base, lay) for lay in REFERENCE_LAYOUTS), note
+
+
+def test_llm_8b_dpo_runs_the_layout_the_planner_ranks_first(capsys):
+    """configs/recipe/llm_8b_dpo.yaml (DPO with the live reference at 4096 tokens a row) runs the layout
+    `scripts/plan.py recipe=llm_8b_dpo cluster.gpus=8` ranks first (FSDP over dp=8, no AC on 80 GB H100s); its reference
+    copy costs each of the 8 GPUs an fp32 eighth of the 8.03B weights, which preference.reference=precomputed saves."""
+    assert plan_script.main(["recipe=llm_8b_dpo", "cluster.gpus=8"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\n  1\*\s+8\s+1\s+1\s+1\s+1\s+fsdp\s+none ", out)
+    assert "reference: a frozen reference copy of 8.03B in fp32 sharded as the policy" in out
+    first = {}
+    for ref in ("model", "precomputed"):
+        assert plan_script.main(["recipe=llm_8b_dpo", f"preference.reference={ref}", "cluster.gpus=8", "--json"]) == 0
+        first[ref] = json.loads(capsys.readouterr().out)["layouts"][0]
+    live, precomputed = first["model"], first["precomputed"]
+    assert live["dp"] == precomputed["dp"] == 8 and live["ac"] == precomputed["ac"] == "none"
+    assert live["weights_bytes"] - precomputed["weights_bytes"] == 4 * 8_030_261_248 / 8
+
+
 def test_plan_says_llm_8b_lora_fits_one_h100(capsys):
     """`scripts/plan.py recipe=llm_8b finetune=lora cluster.gpus=1`: llm_8b's tp=8 is refused under LoRA, so the plan
     starts from one GPU's layout; at 8192 tokens x micro batch 1 the adapter fits one 80 GB H100 (full AC), where a
