@@ -498,6 +498,14 @@ def test_llm_8b_dpo_runs_the_layout_the_planner_ranks_first(capsys):
     live, precomputed = first["model"], first["precomputed"]
     assert live["dp"] == precomputed["dp"] == 8 and live["ac"] == precomputed["ac"] == "none"
     assert live["weights_bytes"] - precomputed["weights_bytes"] == 4 * 8_030_261_248 / 8
+    assert live["total_bytes"] - precomputed["total_bytes"] == 4 * 8_030_261_248 / 8  # nothing else differs here
+    # the figures docs/preference.md and docs/planner.md quote
+    assert [f"{r[k] / 2**30:.2f}" for r in (live, precomputed) for k in ("weights_bytes", "total_bytes")] == [
+        "7.48",
+        "54.65",
+        "3.74",
+        "50.91",
+    ]
 
 
 def test_plan_says_llm_8b_lora_fits_one_h100(capsys):
