@@ -483,6 +483,44 @@ def test_preference_prices_the_live_reference_copy_alone():
         assert all(estimate(spec, lay) == estimate(base, lay) for lay in REFERENCE_LAYOUTS), note
 
 
+def test_reference_forward_peaks_at_its_log_probs_under_the_policys_peak():
+    """The live reference's no-grad forward and answer log-probs (common/preference.py answer_logps, as
+    recipes/llm/preference.py runs them) on llm_tiny's fp32 rows, every position labelled: the bytes live at its peak,
+    summed from the profiler's allocation events, are the logits, the labelled rows' copy and logsumexp's working
+    tensor (reference_logps_bytes, within 2%), and under what the plan counts for the policy's own forward and loss
+    (activations + transient) at every AC mode: the copy's forward runs first and frees what it made."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from common.memory import reference_logps_bytes
+    from common.preference import answer_logps
+    from recipes.llm.model import Transformer
+    from recipes.llm.sizing import llama_args
+
+    cfg = compose([*PAIRS, "preference.loss=sigmoid"])
+    spec, (b, s) = llm_spec(cfg), (cfg.trainer.micro_batch_size, cfg.data.max_seq_len)
+    assert cfg.toggles.precision == "fp32"
+    reference = Transformer(llama_args(cfg, spec.vocab))
+    reference.init_weights(seed=0)
+    reference.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, spec.vocab, (b, s), generator=gen) for _ in range(2))
+    mask = torch.ones(b, 1, s, s, dtype=torch.bool).tril()  # one document per row
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits = reference(tokens, position_ids=torch.arange(s).repeat(b, 1), attn_mask=mask)
+        answer_logps(logits, labels, torch.arange(b)[:, None].expand(b, s), b)
+        del logits
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = [0]
+    for _, nbytes in events:
+        live.append(live[-1] + nbytes)
+    predicted = reference_logps_bytes(seq=s, batch=b, vocab=spec.vocab, act_bytes=4)
+    print(f"reference forward peak: predicted {predicted:,.0f} B, measured {max(live):,.0f} B")
+    assert max(live) == pytest.approx(predicted, rel=0.02)
+    for ac in spec.ac_modes:
+        est = estimate(spec, Layout(dp=1, tp=1, pp=1, zero_stage=0, ac=ac))
+        assert est["activations"] + est["transient"] > max(live), ac
+
+
 def test_llm_8b_dpo_runs_the_layout_the_planner_ranks_first(capsys):
     """configs/recipe/llm_8b_dpo.yaml (DPO with the live reference at 4096 tokens a row) runs the layout
     `scripts/plan.py recipe=llm_8b_dpo cluster.gpus=8` ranks first (FSDP over dp=8, no AC on 80 GB H100s); its reference
