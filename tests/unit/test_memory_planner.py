@@ -31,7 +31,7 @@ from common.memory import (
 )
 from recipes.dit.sizing import memory_spec as dit_spec
 from recipes.llm.sizing import memory_spec as llm_spec
-from scripts.kiln.launch import compose
+from scripts.kiln.launch import compose, dry_run
 from scripts.kiln.planner import GPUS, candidate_layouts, plan
 from tests.conftest import REPO, load_script
 
@@ -534,6 +534,10 @@ def test_llm_8b_dpo_runs_the_layout_the_planner_ranks_first(capsys):
         assert plan_script.main(["recipe=llm_8b_dpo", f"preference.reference={ref}", "cluster.gpus=8", "--json"]) == 0
         first[ref] = json.loads(capsys.readouterr().out)["layouts"][0]
     live, precomputed = first["model"], first["precomputed"]
+    dry_run(compose(["recipe=llm_8b_dpo", "run.dry_run=true"]), llm_spec(compose(["recipe=llm_8b_dpo"])), 8)
+    out = capsys.readouterr().out  # what `torchrun --nproc_per_node 8 scripts/train.py ... run.dry_run=true` prints
+    assert "dp=8 tp=1 pp=1, FSDP over dp=8" in out and "total            54.65 GiB" in out
+    assert "reference: a frozen reference copy of 8.03B in fp32" in out
     assert live["dp"] == precomputed["dp"] == 8 and live["ac"] == precomputed["ac"] == "none"
     assert live["weights_bytes"] - precomputed["weights_bytes"] == 4 * 8_030_261_248 / 8
     assert live["total_bytes"] - precomputed["total_bytes"] == 4 * 8_030_261_248 / 8  # nothing else differs here
