@@ -515,6 +515,15 @@ def logits_transient_bytes(
     return seq * batch * vocab * (act_bytes + 4) / (tp if vocab_parallel else 1)
 
 
+def reference_logps_bytes(
+    *, seq: int, batch: int, vocab: int, act_bytes: int, tp: int = 1, vocab_parallel: bool = False
+) -> float:
+    """A no-grad forward's peak at its answers' log-probs (common/preference.py answer_logps): the logits in the compute
+    dtype, the fp32 copy of the labelled positions' rows and logsumexp's fp32 working tensor of the same size, at
+    most every position labelled (nothing is kept for backward)."""
+    return seq * batch * vocab * (act_bytes + 8) / (tp if vocab_parallel else 1)
+
+
 def microbatches_in_flight(schedule: str, pp: int, microbatches: int, rank: int) -> float:
     """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of its layers.
 
@@ -592,6 +601,11 @@ class ModelSpec:
     # features), on the first pipeline stage.
     outside_layers_bytes: float = 0
     note: str = ""  # what the estimate holds and leaves out, printed under it (run.dry_run, scripts/plan.py)
+    # A frozen copy of the trained model beside it (preference optimization's live reference: recipes/llm/sizing.py),
+    # built and sharded as the trained weights: their bytes once more in "weights" (no gradients, no optimizer state),
+    # and its no-grad forward, which runs first on each micro-batch and frees what it made before the trained model's
+    # forward: its peak (one layer's working set, or the logits at the log-probs) is live without the kept activations.
+    reference_copy: bool = False
     # Further layer types after `block` x `layers` (Flux's single-stream blocks after its dual-stream ones), each with
     # its own activations and parameters. Not split over pipeline stages (the planner offers pp = 1 with them).
     more_layers: tuple[LayerType, ...] = ()
@@ -654,6 +668,11 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
         compute_bytes=e,
     )
     states["weights"] += (spec.frozen_bytes or spec.frozen_params * e) / (shard if layout.zero_stage >= 3 else 1)
+    # The reference copy: the trained model's weights again, sharded the same way. Its parameters do not require grad,
+    # so a dp=1 bf16 run caches no bf16 copies of them (autocast caches leaf tensors that require grad only), and its
+    # FSDP units, gathered one at a time in the compute dtype, stay under the trained model's "gathered" (weights and
+    # gradients), which is not live while the reference runs.
+    states["weights"] *= 2 if spec.reference_copy else 1
     states["weights"] += spec.unsharded_bytes
     if spec.ema:  # 4 bytes per trainable parameter, partitioned only where the weights are (ZeRO-3)
         states["optimizer"] += 4 * params / (shard if layout.zero_stage >= 3 else 1)
@@ -687,9 +706,25 @@ def estimate_rank(spec: ModelSpec, layout: Layout, rank: int = 0) -> dict[str, f
             transient, logits_transient_bytes(vocab=spec.vocab, tp=tp, vocab_parallel=spec.vocab_parallel, **shape)
         )
     activations = microbatches_in_flight(spec.pp_schedule, p, microbatches, rank) * per_microbatch
+    if spec.reference_copy:  # its peak replaces activations + transient where it is larger
+        peak = reference_forward_bytes(spec, types, split, own, last=last, tp=tp, **shape)
+        transient = max(transient, peak - (activations if p == 1 else 0.0))  # pp > 1: other micro-batches in flight
     parts = {k: states[k] for k in ("weights", "grads", "optimizer", "gathered")}
     parts.update(activations=activations, transient=transient)
     return {**parts, "total": sum(parts.values()), "rank": rank}
+
+
+def reference_forward_bytes(spec: ModelSpec, types, split: dict, own, *, last: bool, tp: int, **shape) -> float:
+    """The reference copy's no-grad forward at its peak on one GPU: one layer's working set (bounded by what the layer
+    would keep for backward without AC, plus under cp its exchange), or on the last stage the logits of the
+    micro-batch at the log-probs (`shape`: the loss's tokens and this rank's rows)."""
+    layer = max(
+        layer_activation_bytes(t.block, **split, **own(t)) + cp_transient_bytes(t.block, **split, **own(t))
+        for t, _ in types
+    )
+    if not (last and spec.vocab):
+        return layer
+    return max(layer, reference_logps_bytes(vocab=spec.vocab, tp=tp, vocab_parallel=spec.vocab_parallel, **shape))
 
 
 def estimate(spec: ModelSpec, layout: Layout) -> dict[str, float]:

@@ -110,6 +110,7 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
 
     layer, first, last = sizes(count_params)
     gather_unit = max(layer, first + last)  # FSDP units: blocks, root
+    reference_copy, note = preference_reference(cfg, count_params(model))
     # finetune=lora: the adapters train (weights, gradients, Adam state); the base is frozen weights only, in the
     # parameters' dtype (fp32 whatever toggles.precision: FSDP2's policy and autocast cast them per use).
     if cfg.finetune == "lora":
@@ -148,4 +149,29 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         expert_params=experts,
         experts=moe.num_experts if moe else 0,
         top_k=moe.top_k if moe else 0,
+        reference_copy=reference_copy,
+        note=note,
     )
+
+
+def preference_reference(cfg: TrainConfig, params: int) -> tuple[bool, str]:
+    """(whether the run holds a frozen reference copy, the note line saying which reference is counted) under
+    preference.loss, as recipes/llm/preference.py builds it: a copy built and sharded as the policy (build_model), its
+    parameters in fp32 whatever toggles.precision, as the policy's; (False, "") without preference.loss."""
+    pref = cfg.preference
+    if not pref.enabled:
+        return False, ""
+    copy = pref.needs_reference and cfg.finetune != "lora" and pref.reference != "precomputed"
+    if copy:
+        size = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"
+        what = (
+            f"a frozen reference copy of {size} in fp32 sharded as the policy (weights only; its no-grad "
+            "forward's peak, before the policy's, in transient where larger)"
+        )
+    elif not pref.needs_reference:
+        what = "reference-free loss: none"
+    elif cfg.finetune == "lora":
+        what = "LoRA: the base with the adapter off, no copy"
+    else:
+        what = "precomputed reference log-probs: no copy"
+    return copy, f"preference.loss={pref.loss}, reference: {what}"

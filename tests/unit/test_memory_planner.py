@@ -31,7 +31,7 @@ from common.memory import (
 )
 from recipes.dit.sizing import memory_spec as dit_spec
 from recipes.llm.sizing import memory_spec as llm_spec
-from scripts.kiln.launch import compose
+from scripts.kiln.launch import compose, dry_run
 from scripts.kiln.planner import GPUS, candidate_layouts, plan
 from tests.conftest import REPO, load_script
 
@@ -418,6 +418,136 @@ def test_dit_lora_prices_its_adapters():
         (DEEPSPEED_MIXED.optimizer + 4) * trainable,
     )
     assert est["weights"] == DEEPSPEED_MIXED.weights * trainable + 2 * spec.frozen_params  # bf16: DeepSpeed casts it
+
+
+# llm_tiny on preference pairs, sized without their folder (run.dry_run reads no data)
+PAIRS = ["recipe=llm_tiny", "data=preference_shards", "run.dry_run=true"]
+REFERENCE_LAYOUTS = [
+    Layout(dp=1, tp=1, pp=1, zero_stage=0, ac="full"),
+    Layout(dp=2, tp=1, pp=1, zero_stage=3, ac="none"),
+    Layout(dp=2, tp=2, pp=1, zero_stage=3, ac="selective"),
+    Layout(dp=8, tp=1, pp=1, zero_stage=3, ac="full"),
+]
+
+
+def test_preference_prices_the_live_reference_copy_alone():
+    """preference.reference=model (DPO's sigmoid) holds a frozen copy of the starting weights, built and sharded as
+    the policy: per rank the plan adds exactly its parameters' bytes to the SFT plan of the same rows (counted on
+    transformers' Llama of llm_tiny's shapes, in the dtype Kiln's model holds its parameters) and nothing to the
+    gradients, the optimizer state, the gathered units or the kept activations. Precomputed log-probs, LoRA (the base
+    with its adapter off) and SimPO (reference-free) hold no copy: their plans are those of their SFT runs. Each note
+    says which reference was counted."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from recipes.llm.model import Transformer
+    from recipes.llm.sizing import llama_args
+
+    sft_cfg = compose(PAIRS)
+    m, vocab = sft_cfg.model, 2048  # the vocabulary the planner assumes without a tokenizer (memory_spec)
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=m.dim,
+                num_hidden_layers=m.n_layers,
+                num_attention_heads=m.n_heads,
+                num_key_value_heads=m.n_kv_heads,
+                intermediate_size=m.ffn_dim,
+                vocab_size=vocab,
+                tie_word_embeddings=m.tie_embeddings,
+            )
+        )
+        kiln = Transformer(llama_args(sft_cfg, vocab))
+    (element,) = {p.element_size() for p in kiln.parameters()}  # fp32 whatever toggles.precision
+    reference_bytes = element * hf.num_parameters()
+    sft, dpo = llm_spec(sft_cfg), llm_spec(compose([*PAIRS, "preference.loss=sigmoid", "preference.reference=model"]))
+    assert dpo.total_params == sft.total_params == hf.num_parameters() and element == 4
+    copy = f"reference: a frozen reference copy of {hf.num_parameters() / 1e6:.2f}M in fp32 sharded as the policy"
+    assert copy in dpo.note and sft.note == ""
+    for layout in REFERENCE_LAYOUTS:
+        a, b = estimate(sft, layout), estimate(dpo, layout)
+        shards = layout.dp * layout.tp  # FSDP2 over dp and DTensor over tp, as the policy's
+        assert b["weights"] - a["weights"] == pytest.approx(reference_bytes / shards, rel=1e-12), layout
+        assert all(a[k] == b[k] for k in ("grads", "optimizer", "gathered", "activations")), layout
+        assert b["transient"] >= a["transient"]  # its forward's peak, where larger than the policy's
+    no_copy = {
+        "precomputed reference log-probs: no copy": (
+            ["preference.loss=sigmoid", "preference.reference=precomputed"],
+            [],
+        ),
+        "LoRA: the base with the adapter off, no copy": (["preference.loss=ipo", "finetune=lora"], ["finetune=lora"]),
+        "reference-free loss: none": (["preference.loss=simpo"], []),
+    }
+    for note, (run, without) in no_copy.items():
+        spec, base = llm_spec(compose([*PAIRS, *run])), llm_spec(compose([*PAIRS, *without]))
+        assert spec.note.endswith(f"reference: {note}") and not spec.reference_copy
+        assert all(estimate(spec, lay) == estimate(base, lay) for lay in REFERENCE_LAYOUTS), note
+
+
+def test_reference_forward_peaks_at_its_log_probs_under_the_policys_peak():
+    """The live reference's no-grad forward and answer log-probs (common/preference.py answer_logps, as
+    recipes/llm/preference.py runs them) on llm_tiny's fp32 rows, every position labelled: the bytes live at its peak,
+    summed from the profiler's allocation events, are the logits, the labelled rows' copy and logsumexp's working
+    tensor (reference_logps_bytes, within 2%), and under what the plan counts for the policy's own forward and loss
+    (activations + transient) at every AC mode: the copy's forward runs first and frees what it made."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from common.memory import reference_logps_bytes
+    from common.preference import answer_logps
+    from recipes.llm.model import Transformer
+    from recipes.llm.sizing import llama_args
+
+    cfg = compose([*PAIRS, "preference.loss=sigmoid"])
+    spec, (b, s) = llm_spec(cfg), (cfg.trainer.micro_batch_size, cfg.data.max_seq_len)
+    assert cfg.toggles.precision == "fp32"
+    reference = Transformer(llama_args(cfg, spec.vocab))
+    reference.init_weights(seed=0)
+    reference.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, spec.vocab, (b, s), generator=gen) for _ in range(2))
+    mask = torch.ones(b, 1, s, s, dtype=torch.bool).tril()  # one document per row
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits = reference(tokens, position_ids=torch.arange(s).repeat(b, 1), attn_mask=mask)
+        answer_logps(logits, labels, torch.arange(b)[:, None].expand(b, s), b)
+        del logits
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = [0]
+    for _, nbytes in events:
+        live.append(live[-1] + nbytes)
+    predicted = reference_logps_bytes(seq=s, batch=b, vocab=spec.vocab, act_bytes=4)
+    print(f"reference forward peak: predicted {predicted:,.0f} B, measured {max(live):,.0f} B")
+    assert max(live) == pytest.approx(predicted, rel=0.02)
+    for ac in spec.ac_modes:
+        est = estimate(spec, Layout(dp=1, tp=1, pp=1, zero_stage=0, ac=ac))
+        assert est["activations"] + est["transient"] > max(live), ac
+
+
+def test_llm_8b_dpo_runs_the_layout_the_planner_ranks_first(capsys):
+    """configs/recipe/llm_8b_dpo.yaml (DPO with the live reference at 4096 tokens a row) runs the layout
+    `scripts/plan.py recipe=llm_8b_dpo cluster.gpus=8` ranks first (FSDP over dp=8, no AC on 80 GB H100s); its reference
+    copy costs each of the 8 GPUs an fp32 eighth of the 8.03B weights, which preference.reference=precomputed saves."""
+    assert plan_script.main(["recipe=llm_8b_dpo", "cluster.gpus=8"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\n  1\*\s+8\s+1\s+1\s+1\s+1\s+fsdp\s+none ", out)
+    assert "reference: a frozen reference copy of 8.03B in fp32 sharded as the policy" in out
+    first = {}
+    for ref in ("model", "precomputed"):
+        assert plan_script.main(["recipe=llm_8b_dpo", f"preference.reference={ref}", "cluster.gpus=8", "--json"]) == 0
+        first[ref] = json.loads(capsys.readouterr().out)["layouts"][0]
+    live, precomputed = first["model"], first["precomputed"]
+    dry_run(compose(["recipe=llm_8b_dpo", "run.dry_run=true"]), llm_spec(compose(["recipe=llm_8b_dpo"])), 8)
+    out = capsys.readouterr().out  # what `torchrun --nproc_per_node 8 scripts/train.py ... run.dry_run=true` prints
+    assert "dp=8 tp=1 pp=1, FSDP over dp=8" in out and "total            54.65 GiB" in out
+    assert "reference: a frozen reference copy of 8.03B in fp32" in out
+    assert live["dp"] == precomputed["dp"] == 8 and live["ac"] == precomputed["ac"] == "none"
+    assert live["weights_bytes"] - precomputed["weights_bytes"] == 4 * 8_030_261_248 / 8
+    assert live["total_bytes"] - precomputed["total_bytes"] == 4 * 8_030_261_248 / 8  # nothing else differs here
+    # the figures docs/preference.md and docs/planner.md quote
+    assert [f"{r[k] / 2**30:.2f}" for r in (live, precomputed) for k in ("weights_bytes", "total_bytes")] == [
+        "7.48",
+        "54.65",
+        "3.74",
+        "50.91",
+    ]
 
 
 def test_plan_says_llm_8b_lora_fits_one_h100(capsys):
