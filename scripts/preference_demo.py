@@ -38,10 +38,10 @@ EOT = "<|eot_id|>"
 
 
 def load(folder: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{folder}: not an exported model folder (no config.json)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(folder)
 
