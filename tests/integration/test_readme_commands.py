@@ -70,7 +70,8 @@ SCRIPT_ARGS = {
     "scripts/eval_dit.py": ["--per-class", "1", "--steps", "2"],
     "scripts/eval_t2i.py": ["--per-digit", "1", "--steps", "2"],
     "scripts/sample_dit.py": ["steps=2", "per_class=1"],
-    "scripts/serve.py": ["serve.dry_run=true"],  # the servers themselves: tests/integration/test_serve.py
+    "scripts/serve.py": ["serve.dry_run=true"],
+    "scripts/preference_demo.py": ["--max-new-tokens", "4"],  # the servers themselves: tests/integration/test_serve.py
 }
 BENCH_TESTED = {"overhead", "ac"}  # scripts/bench.py's sections that tests/integration/test_bench.py runs
 
