@@ -5,6 +5,7 @@ ImageFolder of images, a Stable Diffusion 3 pipeline folder and a folder of capt
     make_image_folder(dir)     # ~/data/my_images: digits upscaled to RGB PNGs, one folder per class, one corrupt file
     make_sd3_pipeline(dir)     # ~/models/stable-diffusion-3.5-medium: a tiny StableDiffusion3Pipeline, pretrained parts
     make_flux_pipeline(dir)    # ~/models/FLUX.1-dev: a tiny FluxPipeline (the same pretrained VAE and text encoders)
+    make_wan_pipeline(dir)     # ~/models/Wan2.1-T2V-1.3B-Diffusers: a tiny WanPipeline, its VAE and UMT5 pretrained
     make_caption_folder(dir)   # ~/data/captioned: digit PNGs with a caption each (name.txt), in several phrasings
 
 The pipelines' VAE and text encoders are pretrained on the digits (data/tiny_pretrain.py: cached, built once), so
@@ -19,8 +20,10 @@ import contextlib
 import json
 from pathlib import Path
 
+from common.data import moving_digits
 from common.data.digit_captions import CAPTION_TEMPLATES, HELD_OUT_TEMPLATES, digit_caption
 from common.known_warnings import silence_known_warnings
+from data.tiny_pretrain import MOTION_PRETRAIN_TEMPLATES
 
 # A user runs these builders as `python -c "from data.tiny_bases import ..."` (README): an entrypoint of its
 # own, silenced like the CLIs before any builder imports transformers/diffusers (and torchao, DeepSpeed with them).
@@ -115,6 +118,15 @@ TOKENIZER_TEXT = tuple(
 )
 
 
+# The moving digits' (the video demo's): every pair in the training phrasings, the held-out ones and the pretraining's.
+MOTION_TOKENIZER_TEXT = tuple(
+    moving_digits.motion_caption(d, way, p, templates)
+    for templates in (moving_digits.CAPTION_TEMPLATES, moving_digits.HELD_OUT_TEMPLATES, MOTION_PRETRAIN_TEMPLATES)
+    for d, way in moving_digits.PAIRS
+    for p in range(len(templates))
+)
+
+
 def make_clip_tokenizer(out: str | Path, *, max_length: int = 16, vocab_size: int = 300):
     """A CLIPTokenizer on a byte-level BPE trained offline (the `tokenizers` library) on the digit captions:
     CLIP's end-of-word suffix and special tokens, `model_max_length` = `max_length`. Saved to `out`."""
@@ -139,9 +151,9 @@ def make_clip_tokenizer(out: str | Path, *, max_length: int = 16, vocab_size: in
     return tokenizer
 
 
-def make_t5_tokenizer(out: str | Path, *, vocab_size: int = 120):
+def make_t5_tokenizer(out: str | Path, *, vocab_size: int = 120, text: tuple[str, ...] = TOKENIZER_TEXT):
     """A T5Tokenizer (SentencePiece-style Unigram, T5's <pad>/</s>/<unk> at ids 0-2, no extra ids) on a Unigram
-    model trained offline (the `tokenizers` library) on the digit captions. Saved to `out`."""
+    model trained offline (the `tokenizers` library) on `text` (the digit captions). Saved to `out`."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import T5Tokenizer
 
@@ -151,7 +163,7 @@ def make_t5_tokenizer(out: str | Path, *, vocab_size: int = 120):
     trainer = trainers.UnigramTrainer(
         vocab_size=vocab_size, special_tokens=specials, unk_token="<unk>", show_progress=False
     )
-    unigram.train_from_iterator(TOKENIZER_TEXT, trainer)
+    unigram.train_from_iterator(text, trainer)
     vocab = [tuple(v) for v in json.loads(unigram.to_str())["model"]["vocab"]]
     tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
     tokenizer.save_pretrained(out)
@@ -292,23 +304,26 @@ def make_flux_pipeline(
 def make_wan_pipeline(
     out: str | Path,
     *,
-    num_layers: int = 2,
+    num_layers: int = 4,
     attention_head_dim: int = 16,
-    num_attention_heads: int = 2,
+    num_attention_heads: int = 4,
     text_dim: int = 32,
     base_dim: int = 8,
     z_dim: int = 16,
     flow_shift: float = 3.0,
+    pretrained: bool = True,
     seed: int = 0,
 ) -> Path:
     """A tiny WanPipeline folder (`save_pretrained`, diffusers' and transformers' real classes), shaped like Wan 2.1
     T2V but a few hundred kilobytes: a random WanTransformer3DModel (patch 1x2x2, `z_dim` latent channels), an
     AutoencoderKLWan that compresses time by 4 and space by 4 (Wan's compresses space by 8: two spatial stages
     rather than three keep 32-pixel frames at 8x8 latents), a UMT5EncoderModel + T5Tokenizer (umt5-xxl's role,
-    `text_dim` wide) and Wan 2.1's UniPCMultistepScheduler (flow prediction, flow_shift 3.0, as the 480p release)."""
+    `text_dim` wide) and Wan 2.1's UniPCMultistepScheduler (flow prediction, flow_shift 3.0, as the 480p release).
+    `pretrained` (the demo's): the VAE pretrained to reconstruct moving-digit clips and UMT5 to tell their digits
+    and directions apart across phrasings (data/tiny_pretrain.py: built once, then cached under
+    data/cache/tiny_bases); otherwise both random (the tests' quick stand-in)."""
     import torch
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
     out = Path(out)
     torch.manual_seed(seed)
@@ -326,30 +341,13 @@ def make_wan_pipeline(
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=64,
     )
-    vae = AutoencoderKLWan(
-        base_dim=base_dim,
-        z_dim=z_dim,
-        dim_mult=[1, 2, 2],
-        num_res_blocks=1,
-        temperal_downsample=[True, True],
-        latents_mean=[0.0] * z_dim,
-        latents_std=[1.0] * z_dim,
-        scale_factor_spatial=4,
-    )
-    tokenizer = make_t5_tokenizer(out / "tokenizer")
-    config = UMT5Config(
-        vocab_size=len(tokenizer),
-        d_model=text_dim,
-        d_kv=8,
-        d_ff=2 * text_dim,
-        num_layers=2,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        feed_forward_proj="gated-gelu",
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    text_encoder = UMT5EncoderModel(config).eval()
+    if pretrained:
+        vae = _wan_vae(base_dim, z_dim)
+        text_encoder, tokenizer = _umt5_text(text_dim, seed + 3)
+    else:
+        vae = _wan_vae_model(base_dim, z_dim)
+        tokenizer = make_t5_tokenizer(out / "tokenizer")
+        text_encoder = _umt5_model(tokenizer, text_dim).eval()
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=flow_shift
     )
@@ -359,6 +357,83 @@ def make_wan_pipeline(
     with _no_progress_bars():
         pipe.save_pretrained(out)
     return out
+
+
+def _wan_vae_config(base_dim: int, z_dim: int) -> dict:
+    return dict(
+        base_dim=base_dim,
+        z_dim=z_dim,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[True, True],
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
+        scale_factor_spatial=4,
+    )
+
+
+def _wan_vae_model(base_dim: int, z_dim: int):
+    """A random AutoencoderKLWan of make_wan_pipeline's shape."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(**_wan_vae_config(base_dim, z_dim))
+
+
+def _wan_vae(base_dim: int, z_dim: int):
+    """make_wan_pipeline's AutoencoderKLWan pretrained to reconstruct moving-digit clips, with the latents_mean and
+    latents_std its latents call for (data/tiny_pretrain.py; cached)."""
+    from diffusers import AutoencoderKLWan
+
+    from data import tiny_pretrain
+
+    def build(folder: Path) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        vae = _wan_vae_model(base_dim, z_dim)
+        report = tiny_pretrain.pretrain_wan_vae(vae)
+        vae.save_pretrained(folder)
+        (folder / "pretraining.json").write_text(json.dumps(report, indent=2))
+
+    return AutoencoderKLWan.from_pretrained(tiny_pretrain.cached("wan-vae", _wan_vae_config(base_dim, z_dim), build))
+
+
+def _umt5_model(tokenizer, width: int):
+    """A random UMT5EncoderModel `width` wide (umt5-xxl's layout: gated-GELU, relative position buckets) on
+    `tokenizer`'s vocabulary."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=width,
+        d_kv=8,
+        d_ff=2 * width,
+        num_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return UMT5EncoderModel(config)
+
+
+def _umt5_text(width: int, seed: int, length: int = 32):
+    """(a UMT5EncoderModel `width` wide pretrained to tell the moving digits' digits and directions apart across
+    phrasings (data/tiny_pretrain.py; cached), its T5Tokenizer trained offline on the moving digits' captions),
+    `length`: video_tiny's model.max_sequence_length."""
+    from transformers import UMT5EncoderModel
+
+    from data import tiny_pretrain
+
+    def parts(folder: Path):
+        tokenizer = make_t5_tokenizer(folder, text=MOTION_TOKENIZER_TEXT, vocab_size=160)
+        return tokenizer, _umt5_model(tokenizer, width).config
+
+    captions, labels = tiny_pretrain.motion_pretrain_captions()
+    settings = {"width": width, "length": length, "seed": seed, "motion": MOTION_TOKENIZER_TEXT}
+    texts = {"captions": captions, "labels": labels, "steps": 80}  # 80 full batches: every head right on every caption
+    return _pretrained_text(UMT5EncoderModel, parts, settings, length, seed, "umt5", texts=texts)
 
 
 def _latent_vae(block_out_channels: tuple[int, ...], latent_channels: int = 16):
@@ -422,7 +497,7 @@ def _clip_text(cls, out: Path, hidden: int, length: int, seed: int):
     return _pretrained_text(cls, parts, settings, length, seed, f"clip-{cls.__name__}")
 
 
-def _pretrained_text(cls, parts, settings: dict, length: int, seed: int, part: str):
+def _pretrained_text(cls, parts, settings: dict, length: int, seed: int, part: str, texts: dict | None = None):
     """(a text encoder of class `cls`, random from `seed`, pretrained on the digits' words (data/tiny_pretrain.py
     pretrain_text), in eval mode; its tokenizer), both cached together: `parts(folder)` trains and saves the tokenizer
     there and returns it with the encoder's config. The tokenizer is cached with its encoder because the `tokenizers`
@@ -439,12 +514,12 @@ def _pretrained_text(cls, parts, settings: dict, length: int, seed: int, part: s
         tokenizer, config = parts(folder / "tokenizer")
         torch.manual_seed(seed)
         encoder = cls(config)
-        accuracy = tiny_pretrain.pretrain_text(encoder, tokenizer, length, seed=seed)
+        accuracy = tiny_pretrain.pretrain_text(encoder, tokenizer, length, seed=seed, **(texts or {}))
         with _no_progress_bars():
             encoder.save_pretrained(folder / "encoder")
         (folder / "pretraining.json").write_text(json.dumps({"accuracy": accuracy}))
 
-    code = [inspect.getsource(f) for f in (parts, make_clip_tokenizer, make_t5_tokenizer)]
+    code = [inspect.getsource(f) for f in (parts, make_clip_tokenizer, make_t5_tokenizer, _umt5_model)]
     folder = tiny_pretrain.cached(part, {**settings, "text": TOKENIZER_TEXT, "code": code}, build)
     from transformers import AutoTokenizer
 

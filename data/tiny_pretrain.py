@@ -11,6 +11,10 @@ whole config, its tokenizer's vocabulary -- and the library versions), so the de
                    trained with a linear head (thrown away) to name the digit a caption names, in
                    PRETRAIN_TEMPLATES' phrasings: the training captions' and others, never the prompt-adherence
                    eval's held-out ones
+    video VAE      an AutoencoderKLWan trained as an autoencoder on moving-digit clips (MSE + a small KL term), its
+                   latents_mean and latents_std then set per channel from its latents as Wan's were
+    UMT5           as T5, with two heads: the digit and the direction of motion a caption names, in
+                   MOTION_PRETRAIN_TEMPLATES' phrasings (never the video eval's held-out ones)
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from common.data import moving_digits
 from common.data.digit_captions import CAPTION_TEMPLATES, DIGIT_WORDS, digit_caption
 
 CACHE = Path(__file__).resolve().parent / "cache" / "tiny_bases"
@@ -40,6 +45,17 @@ PRETRAIN_TEMPLATES = CAPTION_TEMPLATES + (
     "a drawing of a {name}",
 )
 VAE_IMAGE_SIZE = 16  # the demo's image size: the VAE pretrains on the digits at it
+# The moving digits' phrasings UMT5 pretrains on: the video demo's training captions' and some of their own; never
+# common/data/moving_digits.py's HELD_OUT_TEMPLATES, which the video eval prompts with.
+MOTION_PRETRAIN_TEMPLATES = moving_digits.CAPTION_TEMPLATES + (
+    "{name} moving {way}",
+    "{digit} moves {towards}",
+    "the {name} drifting {way}",
+    "a digit {digit} sliding {way}",
+    "the number {digit} moving {towards}",
+    "{name}, {way}",
+)
+CLIP_SHAPE = (9, 32, 32)  # the video demo's clips (frames, height, width): the video VAE pretrains on them
 
 
 def cached(part: str, settings: dict, build: Callable[[Path], None]) -> Path:
@@ -141,37 +157,130 @@ def pretrain_captions(seed: int = 0) -> tuple[list[str], list[int]]:
     return [c for c, _ in pairs], [d for _, d in pairs]
 
 
+def motion_pretrain_captions(templates: tuple[str, ...] = MOTION_PRETRAIN_TEMPLATES):
+    """Every `templates` phrasing of every (digit, direction) pair, and [the digits, the directions' indices]."""
+    rows = [
+        (moving_digits.motion_caption(d, way, p, templates), d, moving_digits.DIRECTIONS.index(way))
+        for d, way in moving_digits.PAIRS
+        for p in range(len(templates))
+    ]
+    return [r[0] for r in rows], [[r[1] for r in rows], [r[2] for r in rows]]
+
+
 def text_features(encoder, ids, mask):
     """What the pretraining's head reads of a text encoder: CLIP's projected (CLIPTextModelWithProjection) or pooled
-    output (what SD3's and Flux's pooled_projections are), T5's states averaged over the prompt's tokens."""
-    out = encoder(input_ids=ids, attention_mask=mask if encoder.config.model_type == "t5" else None)
-    if encoder.config.model_type == "t5":
+    output (what SD3's and Flux's pooled_projections are), T5's and UMT5's states averaged over the prompt's tokens."""
+    t5 = encoder.config.model_type in ("t5", "umt5")
+    out = encoder(input_ids=ids, attention_mask=mask if t5 else None)
+    if t5:
         m = mask.unsqueeze(-1).to(out.last_hidden_state.dtype)
         return (out.last_hidden_state * m).sum(1) / m.sum(1)
     return out.text_embeds if hasattr(out, "text_embeds") else out.pooler_output
 
 
-def pretrain_text(encoder, tokenizer, length: int, *, steps: int = 300, lr: float = 3e-3, seed: int = 0) -> float:
-    """Train `encoder` (CLIPTextModel, CLIPTextModelWithProjection or T5EncoderModel) with a linear head (thrown
-    away) to name the digit of PRETRAIN_TEMPLATES' captions, padded to `length` as the pipelines pad them. Returns
-    the head's accuracy on the captions at the end."""
+def pretrain_text(
+    encoder, tokenizer, length: int, *, steps: int = 300, lr: float = 3e-3, seed: int = 0, captions=None, labels=None
+) -> float:
+    """Train `encoder` (CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel or UMT5EncoderModel) with a linear
+    head per list of `labels` (thrown away) to name what `captions` name (by default: the digit of
+    PRETRAIN_TEMPLATES' captions), padded to `length` as the pipelines pad them. Returns the share of captions every
+    head names right at the end."""
     import torch
 
     torch.manual_seed(seed)
-    captions, digits = pretrain_captions()
+    if captions is None:
+        captions, digits = pretrain_captions()
+        labels = [digits]
     tokens = tokenizer(captions, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
-    labels = torch.tensor(digits)
+    targets = [torch.tensor(y) for y in labels]
     width = text_features(encoder, tokens.input_ids[:1], tokens.attention_mask[:1]).shape[-1]
-    head = torch.nn.Linear(width, len(DIGIT_WORDS))
-    opt = torch.optim.Adam([*encoder.parameters(), *head.parameters()], lr=lr)
+    heads = torch.nn.ModuleList(torch.nn.Linear(width, int(y.max()) + 1) for y in targets)
+    opt = torch.optim.Adam([*encoder.parameters(), *heads.parameters()], lr=lr)
     encoder.train()
     for _ in range(steps):
-        logits = head(text_features(encoder, tokens.input_ids, tokens.attention_mask))
-        loss = torch.nn.functional.cross_entropy(logits, labels)
+        features = text_features(encoder, tokens.input_ids, tokens.attention_mask)
+        loss = sum(torch.nn.functional.cross_entropy(h(features), y) for h, y in zip(heads, targets))
         opt.zero_grad()
         loss.backward()
         opt.step()
     encoder.eval()
     with torch.no_grad():
-        logits = head(text_features(encoder, tokens.input_ids, tokens.attention_mask))
-    return (logits.argmax(-1) == labels).float().mean().item()
+        features = text_features(encoder, tokens.input_ids, tokens.attention_mask)
+        right = torch.stack([h(features).argmax(-1) == y for h, y in zip(heads, targets)]).all(0)
+    return right.float().mean().item()
+
+
+def motion_clips(n: int, seed: int):
+    """`n` moving-digit clips of CLIP_SHAPE (common/data/moving_digits.py, seeded apart from the demo's shards) as
+    [n, 3, F, H, W] in [-1, 1]."""
+    import torch
+
+    clips = moving_digits.moving_digit_clips(n, *CLIP_SHAPE, seed=seed)[0]
+    return torch.from_numpy(clips).permute(0, 4, 1, 2, 3).float() / 127.5 - 1
+
+
+def _unclamped_decode(vae, z):
+    """AutoencoderKLWan's decoding of latents `z` before its clamp to [-1, 1] (a pixel clamped below -1 passes no
+    gradient: a fresh decoder whose output starts there never learns to draw): the decoder's outputs, chunk by chunk,
+    as its decode() concatenates them."""
+    import torch
+
+    chunks = []
+    hook = vae.decoder.register_forward_hook(lambda module, args, out: chunks.append(out))
+    try:
+        vae.decode(z)
+    finally:
+        hook.remove()
+    return torch.cat(chunks, dim=2)
+
+
+def pretrain_wan_vae(
+    vae, *, steps: int = 400, batch: int = 16, crop: tuple[int, int] = (5, 16), lr: float = 3e-3,
+    kl_weight: float = 1e-4, seed: int = 0,
+) -> dict:  # fmt: skip
+    """Train `vae` (a diffusers AutoencoderKLWan) to reconstruct moving-digit clips: MSE + kl_weight x KL to N(0, 1),
+    Adam (lr decaying to 0 over the second half), on random crops of `crop` = (frames, side) of them (a 4k+1-frame
+    crop keeps the causal first frame and a later group of 4; a quarter of the frame's pixels costs a quarter of the
+    time, and the convolutions see the same strokes). Then sets its latents_mean and latents_std per channel from
+    its posterior means over the clips (as Wan's were chosen: latents of about unit spread). Returns {mse (whole
+    held-out clips, the posterior mean decoded), posterior_std, latents_mean, latents_std}."""
+    import torch
+
+    torch.manual_seed(seed)
+    clips, held_out = motion_clips(512, seed + 1000), motion_clips(64, seed + 2000)
+    frames, side = crop
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(vae.parameters(), lr=lr)
+    # lr constant for the first half, then down linearly to 0: the last steps settle rather than jump
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, 2 * (1 - s / steps)))
+    vae.train()
+    for _ in range(steps):
+        f0, y0, x0 = (
+            int(torch.randint(0, n - c + 1, (), generator=g)) for n, c in zip(CLIP_SHAPE, (frames, side, side))
+        )
+        x = clips[torch.randint(len(clips), (batch,), generator=g)][
+            :, :, f0 : f0 + frames, y0 : y0 + side, x0 : x0 + side
+        ]
+        posterior = vae.encode(x).latent_dist
+        recon = _unclamped_decode(vae, posterior.sample())
+        loss = torch.nn.functional.mse_loss(recon, x) + kl_weight * posterior.kl().mean() / posterior.mean[0].numel()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        decay.step()
+    vae.eval()
+    with torch.no_grad():
+        posterior = vae.encode(held_out).latent_dist
+        mse = torch.nn.functional.mse_loss(vae.decode(posterior.mean).sample, held_out).item()
+        means = torch.cat([vae.encode(c).latent_dist.mean for c in clips[:128].split(32)])
+    channel_mean = means.mean(dim=(0, 2, 3, 4)).tolist()
+    channel_std = means.std(dim=(0, 2, 3, 4)).tolist()
+    vae.register_to_config(
+        latents_mean=[round(v, 4) for v in channel_mean], latents_std=[round(v, 4) for v in channel_std]
+    )
+    return {
+        "mse": mse,
+        "posterior_std": posterior.std.mean().item(),
+        "latents_mean": channel_mean,
+        "latents_std": channel_std,
+    }

@@ -11,6 +11,7 @@ the pipeline folder in and out) and common/'s (the engine, the step); this famil
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from common import lora
 from common.checkpoint import read_meta
 from common.config import TrainConfig
+from common.data.moving_digits import DIRECTIONS, PAIRS
 from common.diffusion import release
 from common.diffusion.hooks import EMASamples, ema_eval
 from common.diffusion.objective import Objective
@@ -35,6 +37,7 @@ from common.seed import per_sample, sample_rngs, seed_everything
 from common.trainer import Trainer
 from recipes.video import weights
 from recipes.video.data import TEXT_FIELDS, build_train_loader, load_cache_meta, prepare_data
+from recipes.video.evaluate import eval_prompts, read_moving_digits, score_prompt_adherence, through_vae
 from recipes.video.parallelize import parallelize
 from recipes.video.sampling import VideoSampler, save_contact_sheet, write_mp4
 from recipes.video.weights import COMPUTE_DTYPES, PromptEncoder, VideoVae, load_transformer, load_vae, posterior
@@ -71,7 +74,7 @@ class VideoTrainer(EMASamples, Trainer):
         # Frozen, eval, fp32 and outside the module DeepSpeed wraps: never trained, never partitioned.
         self.geometry = VideoVae.of(self.base)
         self.vae = load_vae(self.base, self.device)
-        if cache:
+        if cache and not cfg.trainer.eval:  # the eval renders real clips through the VAE: it keeps the encoder
             self.vae.encoder = self.vae.quant_conv = None  # only sample clips decode; the cache holds the moments
 
         self.objective = Objective(cfg.diffusion)  # flow; its schedule's keys came from the base's scheduler
@@ -168,10 +171,52 @@ class VideoTrainer(EMASamples, Trainer):
         self.save_samples("final.png")
 
     def evaluate(self) -> dict | None:
-        return None
+        """Prompt adherence on held-out phrasings (recipes/video/evaluate.py: the digit and the direction), for the
+        moving digits only: every rank samples (in micro-batch-sized chunks), rank 0 scores and writes eval.json,
+        samples/eval.png (a row per (digit, direction)) and a few of the clips as MP4s."""
+        main = self.dist.is_main
+        train = read_moving_digits(self.meta["train_urls"], videos=main)
+        val = read_moving_digits(self.meta["val_urls"], videos=main)
+        if train is None or val is None or not val.captions:  # the same on every rank: the captions are read whole
+            if main:
+                why = "are not the moving digits'" if val is None or train is None else "hold no held-out clips"
+                print(
+                    f"kiln: eval: skipped: the clips in data.root={self.cfg.data.root} {why} (the prompt-adherence "
+                    "eval scores moving digits against held-out real clips)",
+                    flush=True,
+                )
+            return None
+        d = self.cfg.diffusion
+        prompts, digits, directions = eval_prompts(d.eval_samples_per_class)
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 999)
+        chunk = self.cfg.trainer.micro_batch_size
+        videos = torch.cat([self.generate(prompts[i : i + chunk], generator) for i in range(0, len(prompts), chunk)])
+        if not main:
+            return None
+        print(
+            "kiln: eval: fitting a digit classifier on real frames (through the VAE) and scoring the clips", flush=True
+        )
+        render = functools.partial(through_vae, self.vae, self.geometry)
+        result = score_prompt_adherence(
+            videos, digits, directions, prompts, train, val, self.cfg.trainer.seed, render=render
+        )
+        result.update(step=self.state.step, sample_steps=d.sample_steps, guidance_scale=d.guidance_scale)
+        (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+        per = len(prompts) // len(PAIRS)  # the first clip of each (digit, direction), digit-major
+        folder = self.run_dir / "samples"
+        save_contact_sheet(videos[::per], folder / "eval.png", scale=2)
+        for i in range(len(DIRECTIONS)):  # a clip per direction (digits 0-3)
+            write_mp4(videos[(i * len(DIRECTIONS) + i) * per], folder / f"eval_{i}.mp4")
+        return result
 
     def eval_summary(self, result: dict) -> str:
-        return ""
+        return (
+            f"kiln: eval on held-out phrasings: digit {result['digit_accuracy']:.3f} (chance "
+            f"{result['chance_digit']:.2f}), direction {result['direction_accuracy']:.3f} (chance "
+            f"{result['chance_direction']:.2f}); real held-out clips: digit {result['real_val_digit_accuracy']:.3f} "
+            f"({result['classifier_frame_accuracy_on_real_val']:.3f} per frame), direction "
+            f"{result['real_val_direction_accuracy']:.3f}"
+        )
 
     def export(self) -> Path:
         """The base's pipeline folder under run.dir/export/: the EMA transformer, the base's other parts. Under

@@ -6,6 +6,7 @@ the last checkpoint, tensor for tensor."""
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
@@ -37,6 +38,15 @@ def test_video_trains_exports_and_samples_like_wanpipeline(trained, video_world,
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(frames) == CLIP["num_frames"] and frames[0].shape == (CLIP["height"], CLIP["width"], 3)
 
+    # The prompt-adherence eval (recipes/video/evaluate.py) ran on the held-out phrasings: one prompt per (digit,
+    # direction), none a training caption; the mean is the per-digit shares' mean (4 clips each). (The scorer's own
+    # check on real clips is tests/unit/test_video_eval.py: this world's random VAE renders them unreadable.)
+    result = json.loads((run / "eval.json").read_text())
+    assert result["num_samples"] == 40 and result["prompts_seen_in_training"] == 0 and result["step"] == 10
+    assert (result["chance_digit"], result["chance_direction"]) == (0.1, 0.25)
+    assert math.isclose(sum(result["per_digit_accuracy"].values()) / 10, result["digit_accuracy"])
+    assert 0 <= result["real_val_digit_accuracy"] <= 1 and 0 <= result["real_val_direction_accuracy"] <= 1
+    assert (samples / "eval.png").is_file() and len(list(samples.glob("eval_*.mp4"))) == 4
     # The export: diffusers' WanPipeline draws, for the same prompts and seed, the frames Kiln's sampler draws.
     export = run / "export"
     info = json.loads((export / "kiln.json").read_text())
@@ -106,6 +116,7 @@ def test_the_latent_cache_holds_the_encoders_output_and_trains_the_same_losses(t
     short = [a for a in args if not a.startswith(("trainer.max_steps=", "checkpoint.every="))]
     proc = run_train(
         [*short, f"trainer.max_steps={steps}", "checkpoint.every=0", f"data.latents={cache}", f"run.dir={run}"]
+        + ["trainer.eval=false"]  # the eval's held-out prompts are no cached caption: it would load UMT5
     )
     assert "Loading weights" not in proc.stdout + proc.stderr  # UMT5 never loaded: its sample prompts are cached too
     fly, on_cache = losses(trained(args)), losses(run)
