@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -55,6 +56,7 @@ MOTION_PRETRAIN_TEMPLATES = moving_digits.CAPTION_TEMPLATES + (
     "the number {digit} moving {towards}",
     "{name}, {way}",
 )
+POSTERIOR_STD_SCALE = 0.05  # pretrain_wan_vae: the posterior's width, scaled after training
 CLIP_SHAPE = (9, 32, 32)  # the video demo's clips (frames, height, width): the video VAE pretrains on them
 
 
@@ -241,7 +243,8 @@ def pretrain_wan_vae(
     """Train `vae` (a diffusers AutoencoderKLWan) to reconstruct moving-digit clips: MSE + kl_weight x KL to N(0, 1),
     Adam (lr decaying to 0 over the second half), on random crops of `crop` = (frames, side) of them (a 4k+1-frame
     crop keeps the causal first frame and a later group of 4; a quarter of the frame's pixels costs a quarter of the
-    time, and the convolutions see the same strokes). Then sets its latents_mean and latents_std per channel from
+    time, and the convolutions see the same strokes). Then narrows its posterior (POSTERIOR_STD_SCALE) and sets its
+    latents_mean and latents_std per channel from
     its posterior means over the clips (as Wan's were chosen: latents of about unit spread). Returns {mse (whole
     held-out clips, the posterior mean decoded), posterior_std, latents_mean, latents_std}."""
     import torch
@@ -270,6 +273,11 @@ def pretrain_wan_vae(
         decay.step()
     vae.eval()
     with torch.no_grad():
+        # A few hundred steps leave the posterior's noise about as wide as its means' spread (the encoder is slow to
+        # narrow it), which would bury a diffusion model's latents in noise; the decoder, trained on samples about
+        # the mean, decodes the mean best. So the posterior narrows to POSTERIOR_STD_SCALE of its width (its
+        # log-variance lowered by a constant), as nearly deterministic as Wan's own.
+        vae.quant_conv.bias[vae.config.z_dim :] += 2 * math.log(POSTERIOR_STD_SCALE)
         posterior = vae.encode(held_out).latent_dist
         mse = torch.nn.functional.mse_loss(vae.decode(posterior.mean).sample, held_out).item()
         means = torch.cat([vae.encode(c).latent_dist.mean for c in clips[:128].split(32)])
