@@ -54,7 +54,7 @@ TINY = {
         "trainer.log_every=1",
         "trainer.micro_batch_size=4",
         "diffusion.sample_steps=2",
-        "diffusion.eval_samples_per_class=1",
+        "trainer.eval=false",  # the eval (a classifier fit on real clips): tests/integration/test_video.py runs it
     ],
 }
 COMMON = ["trainer.progress_bar=false", "checkpoint.every=0"]

@@ -197,14 +197,3 @@ def test_video_cache_and_cp_reports():
     assert s.data["cp"]["worst_share"] == pytest.approx(0.54)
     assert [t.met for t in s.targets] == [True, True, True]
     assert all(0.45 < x < 0.6 for x in s.data["cp"]["modelled_share"].values())
-
-
-def test_preference_section_against_sft(tmp_path):
-    """The preference section runs quick: three trainers, the live reference's weights counted in its states."""
-    from scripts.benchmarks import preference
-
-    s = preference.run(Options(quick=True, threads=1, out=tmp_path))
-    check(s, "preference")
-    states = s.data["state_bytes"]
-    assert states["dpo_precomputed"] == states["sft"] < states["dpo_live"]
-    assert set(s.data["ratios"]) == {"dpo_live", "dpo_precomputed"}
