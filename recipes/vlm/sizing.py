@@ -197,8 +197,9 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         outside_layers_bytes=outside,
         note=note,
         more_layers=tuple(tower),
-        # parallel.cp: Ulysses over the language model, the logits gathered (recipes/vlm/context_parallel.py).
-        context_parallel=True,  # the planner varies parallel.cp
+        # parallel.cp: Ulysses over the language model, the logits gathered (recipes/vlm/context_parallel.py); the
+        # planner varies it, but for preference pairs, which do not run with it yet (recipes/vlm/config.py).
+        context_parallel=not cfg.preference.enabled,
         cp_method=cfg.parallel.cp_method,
         cp_whole_loss=True,
         reference_copy=copy,
