@@ -33,8 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_llm(args: argparse.Namespace):
     # One process: vLLM's engine core in this one (VLLM_ENABLE_V1_MULTIPROCESSING=0) and its worker too (the "uni"
-    # executor), not three processes. On 2 CPU cores the start took ~13 s instead of ~31 s and the stop ~5 s
-    # instead of ~8 s, and a killed engine leaves no orphan behind. Set before vLLM is imported.
+    # executor), not three processes: on 2 CPU cores the start took ~10 s instead of ~31 s, and an engine that dies
+    # leaves no orphan behind. Set before vLLM is imported.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 

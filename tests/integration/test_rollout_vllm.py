@@ -102,6 +102,16 @@ def test_generate_gives_g_samples_with_transformers_logprobs(engine, policy, hf_
         assert len(texts) > 1  # G samples, not one sample G times
     again = engine.generate(prompts, **settings)  # the request's seed: the same samples
     assert [[s.token_ids for s in g.samples] for g in again] == [[s.token_ids for s in g.samples] for g in groups]
+    # Stop strings: the same samples, cut before the first occurrence of a string one of them contains.
+    text = groups[1].samples[0].text
+    stop = text[len(text) // 2 :][:3]
+    cut = engine.generate(prompts[1:], **settings, stop=[stop])[0].samples
+    assert stop and cut[0].finish_reason == "stop"
+    for full, short in zip(groups[1].samples, cut):
+        if stop in full.text:
+            assert (short.text, short.finish_reason) == (full.text[: full.text.index(stop)], "stop")
+        else:
+            assert short.token_ids == full.token_ids
 
 
 def test_a_sync_moves_the_running_engine_onto_the_trainers_weights(engine, policy, hf_model):
