@@ -25,9 +25,9 @@ import torch
 from common.errors import WeightSyncError
 
 ENGINE_SCRIPT = Path(__file__).with_name("vllm_process.py")
-# The largest |engine - trainer| log-prob of the probe allowed after a sync, in float32. Measured on llm_tiny: 9.5e-7
-# at most (two fp32 implementations of the same model, vLLM's CPU kernels and PyTorch's; docs/rl.md), while a sync
-# that skipped one tensor moved the probe by 0.19. 1e-4 leaves room for larger models and longer probes.
+# The largest |engine - trainer| log-prob of the probe allowed after a sync, in float32. Measured on llm_tiny: ~1e-6
+# (two fp32 implementations of the same model, vLLM's CPU kernels and PyTorch's), while a sync that skipped one
+# tensor moved the probe by ~0.2 (docs/rl.md). 1e-4 leaves room for larger models and longer probes.
 PROBE_BOUND = 1e-4
 
 
