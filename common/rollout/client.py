@@ -5,7 +5,8 @@ prove after every push that the engine now computes what the trainer computes (t
 The probe check: after a push the engine scores a fixed token sequence (the probe) and its log-probs must equal
 the trainer's own on the same weights within `bound`; a push that did not take (the engine still on old weights,
 a tensor skipped) stops the run with one line (WeightSyncError). Weights travel as one safetensors file in Hugging
-Face names, written to shared memory (/dev/shm where it exists) and read in place by the engine.
+Face names, written to shared memory (/dev/shm where it has room, else the temporary folder) and read in place by
+the engine.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits[:-1].float(), dim=-1).gather(-1, ids[1:, None].long()).squeeze(-1)
 
 
+def weights_folder(nbytes: int) -> Path:
+    """A new folder for one push's file: in shared memory (/dev/shm, a RAM file system) where it has room for it
+    (a container's is often 64 MiB), else in the temporary folder."""
+    shm = Path("/dev/shm")
+    room = shm.is_dir() and shutil.disk_usage(shm).free > nbytes + (64 << 20)
+    return Path(tempfile.mkdtemp(prefix="kiln-rollout-", dir=shm if room else None))
+
+
 @dataclass
 class RolloutEngine:
     """vLLM on `export` in a separate process (`python`: vLLM's environment's interpreter). A context manager:
@@ -77,7 +86,6 @@ class RolloutEngine:
     startup_s: float = 420
     start_s: float = 0.0  # how long the last start took
     _proc: subprocess.Popen | None = None
-    _scratch: Path | None = None
 
     def __enter__(self) -> RolloutEngine:
         self.start()
@@ -93,8 +101,6 @@ class RolloutEngine:
 
     def start(self) -> None:
         began = time.monotonic()
-        shm = Path("/dev/shm")
-        self._scratch = Path(tempfile.mkdtemp(prefix="kiln-rollout-", dir=shm if shm.is_dir() else None))
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kvcache_gib), "HF_HUB_OFFLINE": "1"}
         env.pop("PYTHONPATH", None)  # Kiln's checkout is not vLLM's environment's business
         with open(self.log_path, "w") as log:
@@ -115,9 +121,6 @@ class RolloutEngine:
             except (OSError, subprocess.TimeoutExpired):
                 proc.kill()
                 proc.wait()
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            self._scratch = None
 
     def _read(self, timeout_s: float, what: str) -> dict:
         # The engine answers every request with one line; an empty read is the process gone.
@@ -168,15 +171,15 @@ class RolloutEngine:
         from safetensors.torch import save_file
 
         began = time.perf_counter()
-        folder = self._scratch / "weights"
-        folder.mkdir(exist_ok=True)
-        path = folder / "model.safetensors"
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in hf_state.items()}, str(path))
-        size, wrote = path.stat().st_size, time.perf_counter()
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in hf_state.items()}
+        folder = weights_folder(sum(t.numel() * t.element_size() for t in tensors.values()))
         try:
+            path = folder / "model.safetensors"
+            save_file(tensors, str(path))
+            size, wrote = path.stat().st_size, time.perf_counter()
             self.request("load_weights", path=str(folder))
         finally:
-            path.unlink()
+            shutil.rmtree(folder, ignore_errors=True)
         return size, wrote - began, time.perf_counter() - wrote
 
     def sync(self, hf_state: dict[str, torch.Tensor], trainer_probe: torch.Tensor | list[float]) -> SyncReport:

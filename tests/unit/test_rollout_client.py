@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ for line in sys.stdin:
     elif req["cmd"] == "load_weights":
         state = load_file(req["path"] + "/model.safetensors")
         answer = {{"ok": True, "loaded": {{k: float(v.sum()) for k, v in state.items()}}}}
-        open({record!r}, "w").write(json.dumps(answer["loaded"]))
+        open({record!r}, "w").write(json.dumps({{"path": req["path"], **answer["loaded"]}}))
     else:
         answer = {{"ok": False, "error": "generate: ValueError: max_tokens must be at least 1"}}
     out.write(json.dumps(answer) + "\\n"); out.flush()
@@ -64,12 +65,11 @@ def test_a_sync_within_the_bound_passes_and_the_engine_gets_the_state(tmp_path):
     state = {"model.norm.weight": torch.ones(3), "lm_head.weight": torch.full((2, 3), 2.0)}
     with fake_engine(tmp_path) as engine:
         report = engine.sync(state, [x + 5e-5 for x in ENGINE_LOGPROBS])
-        scratch = engine._scratch
-        assert scratch.is_dir() and not list(scratch.rglob("*.safetensors"))  # the file goes once loaded
     assert report.gap == pytest.approx(5e-5, rel=1e-6)
     assert report.bytes > 4 * 9
-    assert json.loads((tmp_path / "loaded.json").read_text()) == {"model.norm.weight": 3.0, "lm_head.weight": 12.0}
-    assert not scratch.exists()  # the stop removed the scratch folder
+    loaded = json.loads((tmp_path / "loaded.json").read_text())
+    assert not Path(loaded.pop("path")).exists()  # the push's folder goes once the engine has loaded it
+    assert loaded == {"model.norm.weight": 3.0, "lm_head.weight": 12.0}
 
 
 @pytest.mark.parametrize("shift", [0.5, float("nan")])
@@ -85,3 +85,19 @@ def test_an_engine_that_dies_or_refuses_is_one_error_with_its_reason(tmp_path):
         fake_engine(tmp_path, die_at_start=True).start()
     with fake_engine(tmp_path) as engine, pytest.raises(RuntimeError, match="max_tokens must be at least 1"):
         engine.generate([[1, 2]], n=2, max_tokens=0)
+
+
+def test_a_push_without_room_in_shared_memory_goes_to_the_temporary_folder(monkeypatch, tmp_path):
+    import shutil
+    import tempfile
+
+    from common.rollout.client import weights_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 << 20, 64 << 20, 0))
+    assert weights_folder(1).parent == tmp_path  # a full /dev/shm (or none): the temporary folder
+    if Path("/dev/shm").is_dir():
+        monkeypatch.undo()
+        folder = weights_folder(1)
+        shutil.rmtree(folder)
+        assert folder.parent == Path("/dev/shm")
