@@ -84,8 +84,8 @@ class RolloutEngine:
     cpu_kvcache_gib: int = 1
     seed: int = 0
     startup_s: float = 420
-    start_s: float = 0.0  # how long the last start took
-    _proc: subprocess.Popen | None = None
+    start_s: float = field(default=0.0, init=False)  # how long the last start took
+    _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
     def __enter__(self) -> RolloutEngine:
         self.start()
@@ -101,13 +101,18 @@ class RolloutEngine:
 
     def start(self) -> None:
         began = time.monotonic()
+        # The export is a local folder: nothing is downloaded at run time.
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kvcache_gib), "HF_HUB_OFFLINE": "1"}
         env.pop("PYTHONPATH", None)  # Kiln's checkout is not vLLM's environment's business
         with open(self.log_path, "w") as log:
             self._proc = subprocess.Popen(
                 self.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env
             )
-        self._read(self.startup_s, "start")
+        try:
+            self._read(self.startup_s, "start")
+        except BaseException:
+            self.stop()
+            raise
         self.start_s = time.monotonic() - began
 
     def stop(self) -> None:
