@@ -7,6 +7,7 @@ its two reward functions fixed rewards (one group all equal, a None somewhere), 
 ``_compute_loss`` then takes that batch with old and reference log-probs added, and runs the model itself. Kiln's
 side scores the same tokens with :func:`token_logps` on the model's logits and feeds :func:`grpo_loss`; the loss and
 the gradient it sends into the model's weights must agree, for each loss_type, both importance levels, beta 0 and not.
+``pytest -s`` prints each case's gaps (docs/rl.md quotes them).
 """
 
 from __future__ import annotations
@@ -127,6 +128,10 @@ def scored(world, tmp_path_factory):
     return trainer, batch, logged
 
 
+def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
 def per_function() -> torch.Tensor:
     return torch.tensor([[a, math.nan if b is None else b] for a, b in zip(REWARDS_A, REWARDS_B)])
 
@@ -144,6 +149,7 @@ def test_advantages_and_reward_metrics_equal_trl(world, tmp_path, scored, scale)
     total = weighted_sum(rewards, torch.tensor(WEIGHTS))
     advantages, zero_std = group_advantages(total, G, scale)
     torch.testing.assert_close(advantages, batch["advantages"], **TOL)
+    print(f"grpo parity: advantages scale_rewards={scale} max |kiln - trl| {gap(advantages, batch['advantages']):.1e}")
     got = reward_metrics(rewards, torch.tensor(WEIGHTS), ["reward_a", "reward_b"], zero_std)
     for name, value in got.items():
         assert value == pytest.approx(logged[name], rel=1e-6, abs=1e-6), name
@@ -214,6 +220,11 @@ def test_loss_gradient_and_metrics_equal_trl_compute_loss(world, scored, loss_ty
         num_items=batch["num_items_in_batch"],
     )
     got.backward()
+    grad_gap = max(gap(p.grad, theirs) for p, theirs in zip(model.parameters(), want_grad))
+    print(
+        f"grpo parity: {loss_type} {level} beta={beta}: loss {want.item():.6f}, |kiln - trl| {gap(got, want):.1e}, "
+        f"gradient max |kiln - trl| {grad_gap:.1e} (max |gradient| {max(t.abs().max().item() for t in want_grad):.2e})"
+    )
     torch.testing.assert_close(got, want, **TOL)
     for mine, theirs in zip((p.grad for p in model.parameters()), want_grad):
         torch.testing.assert_close(mine, theirs, **TOL)
