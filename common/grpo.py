@@ -7,8 +7,9 @@ become advantages by :func:`group_advantages` (TRL's ``scale_rewards``):
     A_i = A_i / (std + 1e-4)     std: of the group (group) or of the whole batch (batch), unbiased as TRL's nanstd
 
 A reward that is NaN (every reward function returned None for the sample: common/rewards.py) is left out of the
-group's mean and std and gets advantage 0. A group whose rewards have std 0 teaches nothing under any scaling: its
-advantages are 0; ``frac_reward_zero_std`` counts those samples.
+group's mean and std and gets advantage 0. A group whose rewards are all equal teaches nothing under any scaling:
+its advantages are 0. ``frac_reward_zero_std`` is the share of samples whose std is 0: their group's (the batch's
+under scale_rewards=batch), as TRL logs it.
 
 :func:`grpo_loss` is TRL's ``GRPOTrainer._compute_loss`` (trl 1.16) on given log-probs. Per completion token t, with
 ``logp`` the policy's log-prob (of the logits / temperature, as TRL takes it: :func:`token_logps`), ``old`` the
@@ -90,8 +91,10 @@ def group_advantages(
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
     if scale_rewards == "batch":
         std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-    else:  # group; under none the group's std only counts the groups that teach nothing
-        std = _nanstd(grouped, dim=1).repeat_interleave(num_generations) if num_generations > 1 else rewards * 0
+    elif num_generations > 1:  # group; under none the group's std only counts the groups that teach nothing
+        std = _nanstd(grouped, dim=1).repeat_interleave(num_generations)
+    else:
+        std = torch.zeros_like(rewards)
     advantages = rewards - mean
     if scale_rewards != "none":
         advantages = advantages / (std + STD_EPS)
