@@ -183,7 +183,7 @@ class PreferenceConfig:
         return self.enabled and self.loss not in PREFERENCE_REFERENCE_FREE
 
 
-# grpo.*: online RL with verifiable rewards (issue 46; common/grpo.py, common/rewards.py), TRL's GRPOConfig names.
+# grpo.* and reward.*: online RL with verifiable rewards (issue 46; common/grpo.py, common/rewards.py), TRL's names.
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 GRPO_SCALE_REWARDS = ("group", "batch", "none")
 GRPO_IMPORTANCE_LEVELS = ("token", "sequence")
@@ -191,7 +191,7 @@ GRPO_IMPORTANCE_LEVELS = ("token", "sequence")
 
 @dataclass
 class RewardConfig:
-    """``grpo.reward``: the reward functions, "module:function" each (common/rewards.py), and their weights."""
+    """The ``reward`` section: the reward functions, "module:function" each (common/rewards.py), and their weights."""
 
     functions: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # [] = 1.0 each, as TRL's reward_weights=None
@@ -212,15 +212,15 @@ class GRPOConfig:
     loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (common/grpo.py says each normalization)
     scale_rewards: str = "group"  # group | batch | none: what the advantages are divided by (std + 1e-4)
     importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sequence)
-    reward: RewardConfig = field(default_factory=RewardConfig)
 
     @property
     def clip_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
-def check_grpo(grpo: GRPOConfig) -> None:
-    """One line for a grpo.* value that cannot run (the reward functions themselves are loaded by common/rewards.py)."""
+def check_grpo(grpo: GRPOConfig, reward: RewardConfig) -> None:
+    """One line for a grpo.* or reward.* value that cannot run (the reward functions themselves are loaded by
+    common/rewards.py)."""
     for key, value, allowed in (
         ("loss_type", grpo.loss_type, GRPO_LOSS_TYPES),
         ("scale_rewards", grpo.scale_rewards, GRPO_SCALE_REWARDS),
@@ -244,20 +244,17 @@ def check_grpo(grpo: GRPOConfig) -> None:
         raise ConfigError(f"grpo.epsilon_high={grpo.epsilon_high} must be >= 0 (or null: equal to grpo.epsilon)")
     if grpo.beta < 0:
         raise ConfigError(f"grpo.beta={grpo.beta} must be >= 0 (0: no reference)")
-    reward = grpo.reward
     if not reward.functions:
-        raise ConfigError('grpo.reward.functions is empty; name at least one, e.g. ["common.rewards:exact_match"]')
+        raise ConfigError('reward.functions is empty; name at least one, e.g. ["common.rewards:exact_match"]')
     if reward.weights and len(reward.weights) != len(reward.functions):
         raise ConfigError(
-            f"grpo.reward.weights has {len(reward.weights)} values for {len(reward.functions)} grpo.reward.functions; "
+            f"reward.weights has {len(reward.weights)} values for {len(reward.functions)} reward.functions; "
             "give one per function (or none: 1.0 each)"
         )
     for name in reward.functions:
         module, _, function = str(name).partition(":")
         if not module or not function:
-            raise ConfigError(
-                f"grpo.reward.functions: {name!r} is not module:function (e.g. common.rewards:exact_match)"
-            )
+            raise ConfigError(f"reward.functions: {name!r} is not module:function (e.g. common.rewards:exact_match)")
 
 
 @dataclass

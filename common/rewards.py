@@ -1,7 +1,7 @@
 """Rewards as plain Python, TRL's reward-function convention: ``fn(completions, **fields) -> list[float | None]``.
 
-``grpo.reward.functions`` names them as "module:function" (any importable module: ``common.rewards:exact_match``,
-``my_rewards:brevity`` from the working directory); ``grpo.reward.weights`` weighs them (1.0 each when empty). A
+``reward.functions`` names them as "module:function" (any importable module: ``common.rewards:exact_match``,
+``my_rewards:brevity`` from the working directory); ``reward.weights`` weighs them (1.0 each when empty). A
 function is called once per batch with keyword arguments, as TRL's GRPOTrainer calls it:
 
     completions     list[str], the decoded completions (B x G, a prompt's G consecutive)
@@ -68,19 +68,19 @@ def load_function(name: str) -> RewardFn:
     """The function a "module:function" string names; ConfigError (one line) when it cannot be had."""
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
-        raise ConfigError(f"grpo.reward.functions: {name!r} is not module:function (e.g. common.rewards:exact_match)")
+        raise ConfigError(f"reward.functions: {name!r} is not module:function (e.g. common.rewards:exact_match)")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 (a user's module: any error while importing it is one line)
         raise ConfigError(
-            f"grpo.reward.functions: {name}: module {module_name!r} cannot be imported ({type(exc).__name__}: "
+            f"reward.functions: {name}: module {module_name!r} cannot be imported ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''})"
         ) from None
     fn = getattr(module, attr, None)
     if fn is None:
-        raise ConfigError(f"grpo.reward.functions: {name}: module {module_name!r} has no {attr!r}")
+        raise ConfigError(f"reward.functions: {name}: module {module_name!r} has no {attr!r}")
     if not callable(fn):
-        raise ConfigError(f"grpo.reward.functions: {name}: {attr!r} is not callable ({type(fn).__name__})")
+        raise ConfigError(f"reward.functions: {name}: {attr!r} is not callable ({type(fn).__name__})")
     return fn
 
 
@@ -124,9 +124,7 @@ class Rewards:
         functions = [load_function(n) for n in reward.functions]
         weights = list(reward.weights) or [1.0] * len(functions)
         if len(weights) != len(functions):
-            raise ConfigError(
-                f"grpo.reward.weights has {len(weights)} values for {len(functions)} grpo.reward.functions"
-            )
+            raise ConfigError(f"reward.weights has {len(weights)} values for {len(functions)} reward.functions")
         return cls(list(reward.functions), functions, torch.tensor(weights, dtype=torch.float32), max_completion_length)
 
     def _call(self, i: int, completions: list[str], kwargs: dict) -> list[float]:

@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 
+from common.config import RewardConfig
 from common.errors import ConfigError
 from common.grpo import (
     GRPOConfig,
@@ -275,37 +276,27 @@ def test_the_default_config_is_trls():
     assert mine.clip_high == mine.epsilon  # None: the upper bound is epsilon's, as TRL's __post_init__ sets it
 
 
-def valid(**kw) -> GRPOConfig:
-    cfg = GRPOConfig(**kw)
-    cfg.reward.functions = cfg.reward.functions or ["common.rewards:exact_match"]
-    return cfg
+REWARD = RewardConfig(functions=["common.rewards:exact_match"])
 
 
 @pytest.mark.parametrize(
-    "cfg, message",
+    "grpo, reward, message",
     [
-        (valid(loss_type="ppo"), "grpo.loss_type='ppo' is not allowed; choose one of: grpo, bnpo, dr_grpo, dapo"),
-        (valid(scale_rewards="std"), "grpo.scale_rewards='std' is not allowed; choose one of: group, batch, none"),
-        (valid(importance_sampling_level="seq"), "grpo.importance_sampling_level='seq' is not allowed"),
-        (valid(num_generations=1), "grpo.num_generations=1 must be >= 2"),
-        (valid(temperature=0.0), "grpo.temperature=0.0 must be > 0"),
-        (valid(top_p=1.5), "grpo.top_p=1.5 must be in (0, 1]"),
-        (valid(epsilon=1.0), "grpo.epsilon=1.0 must be in [0, 1)"),
-        (valid(beta=-0.1), "grpo.beta=-0.1 must be >= 0"),
-        (GRPOConfig(), "grpo.reward.functions is empty"),
+        (GRPOConfig(loss_type="ppo"), REWARD, "grpo.loss_type='ppo' is not allowed; choose one of: grpo, bnpo,"),
+        (GRPOConfig(scale_rewards="std"), REWARD, "grpo.scale_rewards='std' is not allowed; choose one of: group,"),
+        (GRPOConfig(importance_sampling_level="seq"), REWARD, "grpo.importance_sampling_level='seq' is not allowed"),
+        (GRPOConfig(num_generations=1), REWARD, "grpo.num_generations=1 must be >= 2"),
+        (GRPOConfig(temperature=0.0), REWARD, "grpo.temperature=0.0 must be > 0"),
+        (GRPOConfig(top_p=1.5), REWARD, "grpo.top_p=1.5 must be in (0, 1]"),
+        (GRPOConfig(epsilon=1.0), REWARD, "grpo.epsilon=1.0 must be in [0, 1)"),
+        (GRPOConfig(beta=-0.1), REWARD, "grpo.beta=-0.1 must be >= 0"),
+        (GRPOConfig(), RewardConfig(), "reward.functions is empty"),
+        (GRPOConfig(), RewardConfig(REWARD.functions, [1.0, 2.0]), "reward.weights has 2 values for 1 reward."),
+        (GRPOConfig(), RewardConfig(["common.rewards.exact_match"]), "is not module:function"),
     ],
 )
-def test_bad_settings_get_one_line(cfg, message):
+def test_bad_settings_get_one_line(grpo, reward, message):
+    check_grpo(GRPOConfig(), REWARD)  # the defaults pass
     with pytest.raises(ConfigError) as err:
-        check_grpo(cfg)
+        check_grpo(grpo, reward)
     assert message in str(err.value) and "\n" not in str(err.value)
-
-
-def test_reward_weights_and_names_are_checked():
-    cfg = valid()
-    cfg.reward.weights = [1.0, 2.0]
-    with pytest.raises(ConfigError, match="grpo.reward.weights has 2 values for 1 grpo.reward.functions"):
-        check_grpo(cfg)
-    cfg.reward.weights, cfg.reward.functions = [], ["common.rewards.exact_match"]
-    with pytest.raises(ConfigError, match="is not module:function"):
-        check_grpo(cfg)

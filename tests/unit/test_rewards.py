@@ -94,7 +94,7 @@ def test_a_reward_that_raises_is_one_line_naming_it_and_the_sample(user_module):
         rewards("my_rewards:miscounted").score(["a", "b"])
     with pytest.raises(RewardError, match=r"my_rewards:wordy returned 'good' for sample 0, not a number or None"):
         rewards("my_rewards:wordy").score(["a", "b"])
-    with pytest.raises(ConfigError, match="grpo.reward.weights has 1 values for 2"):
+    with pytest.raises(ConfigError, match="reward.weights has 1 values for 2"):
         rewards("my_rewards:picky", "my_rewards:wordy", weights=[1.0])
 
 
