@@ -107,7 +107,7 @@ def compose_run(
     common/ imports nothing above it): its specs() and recipe_spec(family)."""
     from omegaconf.errors import OmegaConfBaseException
 
-    from common import lora, preference
+    from common import grpo, lora, preference
     from common.diffusion import latents
 
     families = list(registry.specs().values())
@@ -124,6 +124,7 @@ def compose_run(
     dims = check_layout(cfg.parallel, world_size) if world_size is not None and not cfg.run.dry_run else None
     validate(cfg)
     preference.check_config(cfg.preference, cfg.recipe.family, spec.preference)  # one line for what cannot run
+    grpo.check_config(cfg.grpo, cfg.reward, cfg.recipe.family, spec.grpo)
     complete_cp_method(cfg.parallel, spec)
     given = command_line_keys(overrides)
     lora.complete(cfg, spec, given)  # finetune=lora: the family's default targets, checked

@@ -199,8 +199,11 @@ class RewardConfig:
 
 @dataclass
 class GRPOConfig:
-    """The ``grpo`` section: TRL's GRPOConfig keys with TRL's meanings and defaults (trl 1.16)."""
+    """The ``grpo`` section: TRL's GRPOConfig keys with TRL's meanings and defaults (trl 1.16). ``enabled`` is the
+    switch: true trains by GRPO (recipes/llm/grpo.py) on prompt shards; false (the default) leaves the section and
+    ``reward`` unread."""
 
+    enabled: bool = False  # train by GRPO on prompt shards (data=prompt_shards) instead of next-token prediction
     num_generations: int = 8  # G completions sampled per prompt; advantages are normalized within each group
     max_completion_length: int = 512  # new tokens per completion; dr_grpo divides its loss by it
     temperature: float = 1.0  # sampling temperature; the log-probs are taken of logits / temperature, as TRL does
@@ -271,6 +274,8 @@ class TrainConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)  # preference optimization (off: SFT)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)  # online RL with verifiable rewards (off: grpo.enabled=false)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # GRPO's reward functions (read under grpo.enabled)
     data: Any = MISSING  # a DataConfig: the family's schema comes with configs/data/<name>.yaml
     # The family's architecture; its schema comes from recipes/<family>/config.py. Sections only one family has
     # (the DiT's `diffusion`, the VLM's `vlm`) are its spec's `sections`, added by `schema` (recipes/registry.py).

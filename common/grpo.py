@@ -45,10 +45,19 @@ from __future__ import annotations
 
 import torch
 
-from common.config import GRPO_IMPORTANCE_LEVELS, GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS, GRPOConfig, check_grpo
+from common.config import (
+    GRPO_IMPORTANCE_LEVELS,
+    GRPO_LOSS_TYPES,
+    GRPO_SCALE_REWARDS,
+    GRPOConfig,
+    RewardConfig,
+    check_grpo,
+)
+from common.errors import ConfigError
 
 __all__ = [
     "GRPOConfig",
+    "check_config",
     "check_grpo",
     "completion_metrics",
     "group_advantages",
@@ -56,6 +65,21 @@ __all__ = [
     "reward_metrics",
     "token_logps",
 ]
+
+def check_config(grpo: GRPOConfig, reward: RewardConfig, family: str, offered: bool) -> None:
+    """One line for a grpo/reward setting that cannot run: reward functions without grpo.enabled, GRPO in a family
+    that has no GRPO training, and every value check_grpo refuses."""
+    if not grpo.enabled:
+        if reward.functions:
+            raise ConfigError(
+                "reward.functions is set but grpo.enabled=false: the reward functions are read only by GRPO training "
+                "(set grpo.enabled=true, or drop reward.functions)"
+            )
+        return
+    if not offered:
+        raise ConfigError(f"grpo.enabled=true: the {family} recipes have no GRPO training (the llm recipe does)")
+    check_grpo(grpo, reward)
+
 
 STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
 

@@ -69,6 +69,7 @@ class RecipeSpec:
     # cache (common/diffusion/latents.py CachePlan); "" = the family has none.
     latent_cache_module: str = ""
     preference: bool = False  # preference.loss (preference optimization: common/preference.py) is offered
+    grpo: bool = False  # grpo.enabled (online RL with verifiable rewards: common/grpo.py) is offered
     config_dir: Path | None = None  # a folder of config groups (recipe/, model/, ...) beside configs/
     # Context parallelism: parallel.cp_method's choices in this family, its default first (common/compose.py fills the
     # key with it where no config or command line set one, and refuses any other in one line); () = the family
@@ -179,6 +180,7 @@ SPECS: dict[str, RecipeSpec] = {
         lora_targets=llm_config.LORA_TARGETS,
         qlora=True,
         preference=True,
+        grpo=True,
         cp_methods=llm_config.CP_METHODS,
         title="LLM",
     ),  # QLoRA on one GPU (check_qlora_layout)

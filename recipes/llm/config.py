@@ -161,7 +161,7 @@ def validate(cfg: TrainConfig) -> None:
         layouts="FSDP2 over parallel.dp, tensor, pipeline and expert parallelism "
         "(parallel=mesh: parallel.dp/tp/pp/ep), not DeepSpeed ZeRO",
         data=LLMDataConfig,
-        datasets="pydoc_text, text_shards, chat_shards or preference_shards (token shards)",
+        datasets="pydoc_text, text_shards, chat_shards, preference_shards or prompt_shards (token shards)",
     )
     for key in ("tp", "pp", "ep"):
         if getattr(p, key) <= 0:
@@ -184,6 +184,31 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} exceeds model.max_seq_len={m.max_seq_len}{source}")
     check_finetune_and_toggles(cfg)
     check_preference_layout(cfg)
+    check_grpo_layout(cfg)
+
+
+def check_grpo_layout(cfg: TrainConfig) -> None:
+    """GRPO (recipes/llm/grpo.py) runs on one rank for now, in float32 (the engine's dtype: the probe check compares
+    float32 log-probs), full fine-tuning of a dense model, one micro-batch a step and no reference (grpo.beta=0)."""
+    if not cfg.grpo.enabled:
+        return
+    p, m = cfg.parallel, cfg.model
+    if cfg.preference.enabled:
+        raise ConfigError(f"grpo.enabled=true and preference.loss={cfg.preference.loss}: choose one objective")
+    for key, degree in (("dp", p.dp), ("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
+        if degree > 1:
+            raise ConfigError(f"grpo.enabled=true does not run with parallel.{key}={degree} yet (one rank)")
+    not_yet = {
+        "finetune=lora": cfg.finetune == "lora",
+        f"toggles.precision={cfg.toggles.precision} (float32 only: the engine's dtype)": cfg.toggles.precision
+        != "fp32",
+        f"trainer.grad_accum={cfg.trainer.grad_accum}": cfg.trainer.grad_accum > 1,
+        f"grpo.beta={cfg.grpo.beta} (no KL reference)": cfg.grpo.beta > 0,
+        "an MoE model (model.moe.num_experts>0)": bool(m.moe.num_experts),
+    }
+    for what, refused in not_yet.items():
+        if refused:
+            raise ConfigError(f"grpo.enabled=true does not run with {what} yet")
 
 
 def check_preference_layout(cfg: TrainConfig) -> None:

@@ -300,3 +300,44 @@ def test_bad_settings_get_one_line(grpo, reward, message):
     with pytest.raises(ConfigError) as err:
         check_grpo(grpo, reward)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- the switch and what composition refuses (recipes/llm/config.py:check_grpo_layout, common/grpo.py:check_config)
+ON = "grpo.enabled=true reward.functions=[common.rewards:exact_match]"
+
+
+def test_grpo_composes_on_the_llm_and_is_off_by_default():
+    from scripts.kiln.launch import compose
+
+    off = compose(["recipe=llm_tiny"])
+    assert not off.grpo.enabled and off.reward.functions == []
+    cfg = compose(["recipe=llm_tiny", "data=prompt_shards", *ON.split(), "grpo.num_generations=4"])
+    assert cfg.grpo.enabled and cfg.grpo.num_generations == 4 and cfg.data.name == "prompt_shards"
+    assert cfg.reward.functions == ["common.rewards:exact_match"]
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("recipe=dit_tiny " + ON, "grpo.enabled=true: the dit recipes have no GRPO training"),
+        ("recipe=vlm_tiny " + ON, "grpo.enabled=true: the vlm recipes have no GRPO training"),
+        ("recipe=llm_tiny reward.functions=[common.rewards:exact_match]", "reward.functions is set but grpo.enabled"),
+        ("recipe=llm_tiny grpo.enabled=true", "reward.functions is empty"),
+        ("recipe=llm_tiny grpo.loss_type=ppo " + ON, "grpo.loss_type='ppo' is not allowed"),
+        ("recipe=llm_tiny preference.loss=simpo " + ON, "grpo.enabled=true and preference.loss=simpo: choose one"),
+        ("recipe=llm_tiny parallel.dp=2 " + ON, "grpo.enabled=true does not run with parallel.dp=2 yet"),
+        ("recipe=llm_tiny parallel.tp=2 " + ON, "grpo.enabled=true does not run with parallel.tp=2 yet"),
+        ("recipe=llm_tiny parallel.pp=2 " + ON, "grpo.enabled=true does not run with parallel.pp=2 yet"),
+        ("recipe=llm_tiny parallel.cp=2 " + ON, "grpo.enabled=true does not run with parallel.cp=2 yet"),
+        ("recipe=llm_tiny toggles.precision=bf16 " + ON, "grpo.enabled=true does not run with toggles.precision=bf16"),
+        ("recipe=llm_tiny trainer.grad_accum=2 " + ON, "grpo.enabled=true does not run with trainer.grad_accum=2"),
+        ("recipe=llm_tiny grpo.beta=0.04 " + ON, "grpo.enabled=true does not run with grpo.beta=0.04"),
+        ("recipe=moe_tiny " + ON, "grpo.enabled=true does not run with an MoE model"),
+    ],
+)
+def test_composition_refuses_what_grpo_cannot_run(override, needle):
+    from scripts.kiln.launch import compose
+
+    with pytest.raises(ConfigError) as err:
+        compose(override.split())
+    assert needle in str(err.value) and "\n" not in str(err.value)
