@@ -159,9 +159,10 @@ class RolloutEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         stop: list[str] | None = None,
-        seed: int | None = None,
+        seed: int | list[int] | None = None,
     ) -> list[Group]:
-        """`n` samples for each prompt (token ids or text), with the engine's log-prob of every generated token."""
+        """`n` samples for each prompt (token ids or text), with the engine's log-prob of every generated token.
+        `seed`: one for every prompt, or one per prompt (vLLM seeds a prompt's i-th sample with its seed + i)."""
         settings = {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
         answer = self.request("generate", prompts=prompts, stop=stop or [], seed=seed, **settings)
         return [Group(g["prompt_token_ids"], [Sample(**s) for s in g["samples"]]) for g in answer["groups"]]

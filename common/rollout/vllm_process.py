@@ -60,15 +60,20 @@ def prompt_input(prompt):
 def generate(llm, req: dict) -> dict:
     from vllm import SamplingParams
 
-    params = SamplingParams(
-        n=int(req.get("n", 1)),
-        temperature=float(req.get("temperature", 1.0)),
-        top_p=float(req.get("top_p", 1.0)),
-        max_tokens=int(req["max_tokens"]),
-        stop=req.get("stop") or None,
-        seed=req.get("seed"),
-        logprobs=0,  # the sampled token's own log-prob only
-    )
+    def sampling(seed):
+        return SamplingParams(
+            n=int(req.get("n", 1)),
+            temperature=float(req.get("temperature", 1.0)),
+            top_p=float(req.get("top_p", 1.0)),
+            max_tokens=int(req["max_tokens"]),
+            stop=req.get("stop") or None,
+            seed=seed,
+            logprobs=0,  # the sampled token's own log-prob only
+        )
+
+    # One seed for every prompt, or one per prompt (vLLM seeds a prompt's i-th sample with its seed + i).
+    seed = req.get("seed")
+    params = [sampling(s) for s in seed] if isinstance(seed, list) else sampling(seed)
     outputs = llm.generate([prompt_input(p) for p in req["prompts"]], params, use_tqdm=False)
     groups = []
     for out in outputs:

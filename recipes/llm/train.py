@@ -22,6 +22,7 @@ from common import lora
 from common.checkpoint import read_meta
 from common.config import TrainConfig
 from common.data.packing import PackedBatch
+from common.data.webdataset import train_loader
 from common.distributed import DistInfo, barrier
 from common.engine import NativeEngine
 from common.errors import DataError
@@ -43,6 +44,8 @@ from recipes.llm.data import (
     real_token_mask,
 )
 from recipes.llm.export import write_export
+from recipes.llm.grpo import GRPOTraining, decode_prompt
+from recipes.llm.grpo import check_data as check_prompts
 from recipes.llm.loss import NextTokenLoss
 from recipes.llm.model import LlamaArgs, MoE, Transformer
 from recipes.llm.moe_losses import MoEAux, expert_load
@@ -92,14 +95,20 @@ class LLMTrainer(Trainer):
         self.cp = CPGroups.of(self.mesh)
         self.chat = self.meta.get("format") == "chat"  # conversations are never cut across rows
         check_data(cfg, self.meta)  # preference pairs with preference.loss, and only then
+        check_prompts(cfg, self.meta)  # prompts with grpo.enabled, and only then
         pairs = cfg.preference.enabled  # preference optimization (recipes/llm/preference.py): pairs, laid whole
-        loader = build_train_loader(
-            cfg,
-            self.meta["train_urls"],
-            self.dims.dp,
-            chat=self.chat or pairs,
-            decode=decode_pair if pairs else decode_document,
-        )
+        if cfg.grpo.enabled:  # GRPO (recipes/llm/grpo.py): trainer.micro_batch_size prompts a step
+            loader = train_loader(
+                cfg, self.meta["train_urls"], decode=decode_prompt, collate=list, rank=0, world_size=1
+            )
+        else:
+            loader = build_train_loader(
+                cfg,
+                self.meta["train_urls"],
+                self.dims.dp,
+                chat=self.chat or pairs,
+                decode=decode_pair if pairs else decode_document,
+            )
         self.args = llama_args(cfg, len(self.tokenizer))
         if len(self.tokenizer) > self.args.vocab_size:
             raise DataError(
@@ -114,6 +123,8 @@ class LLMTrainer(Trainer):
         self.objective = NextTokenLoss(cfg, self.dims, self.device)  # the one loss: training, pipeline, evaluation
         # preference.loss: the pairwise objective (and its frozen reference) instead of next-token prediction
         self.preference = PreferenceTraining(self, build_model) if pairs else None
+        # grpo.enabled: samples from the rollout engine scored by the reward functions, the GRPO loss on them
+        self.grpo = GRPOTraining(self) if cfg.grpo.enabled else None
         self.pipeline, tied = self.build_pipeline()
         self.engine = NativeEngine(
             self.model, cfg, self.mesh, cp=self.cp, tied=tied, backward_context=self.objective.backward
@@ -209,6 +220,8 @@ class LLMTrainer(Trainer):
         this cp rank's share of them."""
         if self.preference is not None:
             return self.preference.prepare(rows)
+        if self.grpo is not None:  # here `rows` are the step's prompts
+            return self.grpo.prepare(rows)
         packed = local_batch(
             rows, dp_rank=self.dp_rank, dp=self.dims.dp, max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id
         )
@@ -220,9 +233,13 @@ class LLMTrainer(Trainer):
         # Only labelled tokens count (chat: the assistant's); under cp this rank's (summed over dp x cp). Pairs: pairs.
         if self.preference is not None:
             return batch.pairs
+        if self.grpo is not None:
+            return self.grpo.count(batch)
         return batch.cp.num_labels if batch.cp is not None else batch.packed.num_labels
 
     def tally(self, batch: LocalBatch) -> dict[str, int]:
+        if self.grpo is not None:
+            return self.grpo.tally(batch)
         if batch.cp is not None:
             return {"tokens": batch.cp.num_real_tokens, "slots": batch.cp.input_ids.numel()}
         return {"tokens": batch.packed.num_real_tokens, "slots": batch.packed.input_ids.numel()}
@@ -232,6 +249,8 @@ class LLMTrainer(Trainer):
         under preference.loss the pairwise loss summed over the pairs (recipes/llm/preference.py)."""
         if self.preference is not None:
             return self.preference.loss(batch)
+        if self.grpo is not None:
+            return self.grpo.loss(batch)
         return self.forward_sum(batch, aux=True)
 
     def forward_sum(self, batch: LocalBatch, aux: bool) -> torch.Tensor:
@@ -273,6 +292,8 @@ class LLMTrainer(Trainer):
         token-expert pairs) and sent to other ranks (`moe.all_to_all_bytes`: dispatch and combine). On the device;
         the run's worst is kept for the summary (log_moe_summary). Under pipeline parallelism each stage holds its
         layers' load (global over dp): one all-reduce over pp gathers them."""
+        if self.grpo is not None:  # TRL's reward, completion and clip metrics; the sync's gap; seconds per part
+            return self.grpo.step_metrics()
         if self.moe_aux is None:
             return {}
         load = self.moe_aux.pop_load(self.moe_layer_ids, self.args.moe.num_experts, self.device)
@@ -316,6 +337,10 @@ class LLMTrainer(Trainer):
         pipeline parallelism are collective). Rank 0 writes RUN_DIR/eval.json and returns it."""
         from common.data.webdataset import iter_samples
 
+        if self.grpo is not None:
+            if self.dist.is_main:
+                print("kiln: eval: skipped: grpo.enabled has no held-out evaluation yet", flush=True)
+            return None
         held_out = iter_samples(self.meta.get("val_urls", []))
         decode = decode_document if self.preference is None else decode_pair
         docs = [decode(s) for s, _ in zip(held_out, range(self.cfg.data.eval_docs))]
@@ -390,6 +415,14 @@ class LLMTrainer(Trainer):
             tmp.rename(out)
         barrier()
         return out
+
+    def fit(self, batches=None) -> None:
+        """common/trainer.py's loop; under grpo.enabled the rollout engine stops when it ends, or fails."""
+        try:
+            super().fit(batches)
+        finally:
+            if self.grpo is not None:
+                self.grpo.close()
 
     def after_fit(self) -> None:
         self.log_moe_summary()

@@ -41,6 +41,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 
 from common.errors import ConfigError, UserError
+from common.rollout.venv import serve_venv
 from common.weights import check_folder
 
 TEXT_ENGINES = ("vllm", "transformers")  # Hugging Face LLM/VLM exports
@@ -438,12 +439,6 @@ def has_chat_template(export: Path) -> bool:
         return True
     tokenizer_config = export / "tokenizer_config.json"
     return tokenizer_config.exists() and bool(json.loads(tokenizer_config.read_text()).get("chat_template"))
-
-
-def serve_venv() -> Path:
-    """vLLM's own environment (it pins its own torch and transformers): $KILN_SERVE_VENV, else .venv-serve in
-    the checkout, which `make serve-env` builds."""
-    return Path(os.environ.get("KILN_SERVE_VENV") or REPO / ".venv-serve")
 
 
 def serve_env() -> str | None:

@@ -1,0 +1,263 @@
+"""GRPO in the LLM recipe (grpo.enabled): what LLMTrainer runs instead of next-token prediction. The objective and the
+rewards are common/grpo.py's and common/rewards.py's; the rollout engine (vLLM in its own process) is
+common/rollout/client.py's.
+
+One optimizer step (trainer.grad_accum=1, one rank: recipes/llm/config.py:check_grpo_layout refuses the rest):
+
+1. ``trainer.micro_batch_size`` prompts from the prompt shards (data/prepare_prompts.py), the loader's position
+   saved in every checkpoint as any loader's;
+2. the policy's weights pushed into the running engine (RolloutEngine.sync), then the probe check: the engine's
+   log-probs of a fixed token sequence against the trainer's own (``sync/logprob_gap``; beyond 1e-4 the run stops);
+3. ``grpo.num_generations`` samples per prompt from the engine, seeded from ``trainer.seed + step`` (sample_seeds:
+   a resumed run draws the same samples at the same step);
+4. the rewards (common/rewards.py), the group-normalized advantages and the loss (common/grpo.py). The old
+   log-probs the ratio is taken against: at ``grpo.temperature`` 1 the engine's (vLLM's raw log-probs); at any other
+   temperature the trainer's own forward before the update, as TRL takes them when it steps once per generation
+   (the same forward as the loss's, detached: the engine's raw log-probs are not of logits / temperature).
+
+The engine starts once per run, after the model's weights are loaded (and resumed), on an export of them written to
+RUN_DIR/rollout/start (removed when it stops), and stops at the end of training or on an error (LLMTrainer.fit).
+Its log is RUN_DIR/rollout/engine.log; every completion, with its prompt and rewards, is a line of
+RUN_DIR/rollout/samples.jsonl.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import shutil
+import time
+
+import numpy as np
+import torch
+
+from common.config import TrainConfig
+from common.errors import ConfigError, DataError
+from common.grpo import completion_metrics, group_advantages, grpo_loss, token_logps, weighted_sum
+from common.rewards import Rewards
+
+PROMPTS_FORMAT = "prompts"  # meta.json "format" of data/prepare_prompts.py's shards
+PROBE_LEN = 32  # tokens of the fixed sequence the engine and the trainer score after every sync
+
+
+def check_data(cfg: TrainConfig, meta: dict) -> None:
+    """One line for prompt shards without grpo.enabled, other shards with it, or prompts that leave no room for
+    grpo.max_completion_length in data.max_seq_len (the engine's context and the trainer's row)."""
+    prompts, on = meta.get("format") == PROMPTS_FORMAT, cfg.grpo.enabled
+    if prompts and not on:
+        raise DataError(f"data.root={cfg.data.root} holds prompts: train them with grpo.enabled=true (docs/rl.md)")
+    if on and not prompts:
+        raise DataError(
+            f"grpo.enabled=true trains on prompts; data.root={cfg.data.root} holds {meta.get('format') or 'text'} "
+            "data: build prompts with python -m data.prepare_prompts"
+        )
+    if on and meta["longest_sample"] + cfg.grpo.max_completion_length > cfg.data.max_seq_len:
+        raise DataError(
+            f"data.root={cfg.data.root} holds prompts of up to {meta['longest_sample']} tokens: with "
+            f"grpo.max_completion_length={cfg.grpo.max_completion_length} they need data.max_seq_len >= "
+            f"{meta['longest_sample'] + cfg.grpo.max_completion_length} (it is {cfg.data.max_seq_len})"
+        )
+
+
+def decode_prompt(sample: dict) -> dict:
+    """A raw shard sample -> ``{"ids": [token ids], "prompt": ..., <the row's other fields>}`` (data/prepare_prompts.py
+    writes them). Module-level: picklable for the loader's workers."""
+    ids = np.load(io.BytesIO(sample["ids.npy"]), allow_pickle=False)
+    return {"ids": ids.astype(np.int64).tolist(), **json.loads(sample["json"])}
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """A step's samples, laid for the policy's forward: ``ids`` [N, T] (prompt then completion, right-padded),
+    ``mask`` [N, T-1] on the targets that are completion tokens, ``old_logps`` [N, T-1] the engine's (None: the
+    trainer's own, temperature != 1), ``advantages`` [N]."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    old_logps: torch.Tensor | None
+    advantages: torch.Tensor
+    prompts: int
+    tokens: int  # prompt and completion tokens, padding left out
+
+
+def sample_seeds(step_seed: int, prompts: int, generations: int) -> list[int]:
+    """The step's seed per prompt, from ``trainer.seed + step``: vLLM seeds sample i of a prompt with its seed + i, so
+    the seeds are spaced by ``generations`` and no two samples of a run share one (below 65,537 prompts a step)."""
+    return [(step_seed * 65_537 + j) * generations for j in range(prompts)]
+
+
+def lay_samples(rows: list[tuple[list[int], list[int], list[float]]], pad_id: int):
+    """(ids [N, T], completion mask [N, T-1], engine log-probs [N, T-1]) of (prompt ids, completion ids, log-probs)."""
+    width = max(len(p) + len(c) for p, c, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width - 1)
+    logps = torch.zeros(len(rows), width - 1)
+    for i, (prompt, completion, lp) in enumerate(rows):
+        p, c = len(prompt), len(completion)
+        ids[i, : p + c] = torch.tensor(prompt + completion)
+        mask[i, p - 1 : p - 1 + c] = 1.0  # target t+1 is predicted at position t
+        logps[i, p - 1 : p - 1 + c] = torch.tensor(lp, dtype=torch.float32)
+    return ids, mask, logps
+
+
+class GRPOTraining:
+    """What LLMTrainer runs when grpo.enabled (recipes/llm/train.py): prepare (sync, generate, score), loss, metrics."""
+
+    def __init__(self, trainer):
+        if trainer.dims.world_size != 1:
+            raise ConfigError(f"grpo.enabled=true runs on one rank for now (this job has {trainer.dims.world_size})")
+        self.trainer, self.cfg = trainer, trainer.cfg.grpo
+        self.rewards = Rewards.from_config(trainer.cfg.reward, self.cfg.max_completion_length)
+        gen = torch.Generator().manual_seed(0)
+        self.probe = torch.randint(0, trainer.args.vocab_size, (PROBE_LEN,), generator=gen).tolist()
+        self.engine = None
+        self.metrics: dict[str, float] = {}
+        self.prepared_at = 0.0
+
+    # ---- the engine ------------------------------------------------------------------------------
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The policy's whole weights in Hugging Face names (what the export writes)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from recipes.llm.hf_adapter import to_hf_state_dict
+
+        tr = self.trainer
+        full = get_model_state_dict(tr.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return to_hf_state_dict(full, tr.args)
+
+    def start_engine(self) -> None:
+        """vLLM on an export of the weights the run starts from (after a resume, the checkpoint's)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from common.rollout.client import RolloutEngine
+        from common.rollout.venv import serve_venv
+        from recipes.llm.export import write_export
+
+        tr = self.trainer
+        python = serve_venv() / "bin" / "python"
+        if not python.exists():
+            raise ConfigError(f"grpo.enabled=true needs vLLM's environment ({python} is missing): run make serve-env")
+        folder = tr.run_dir / "rollout" / "start"
+        shutil.rmtree(folder, ignore_errors=True)
+        full = get_model_state_dict(tr.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        write_export(full, tr.args, tr.cfg, folder, tokenizer=tr.tokenizer)
+        engine = RolloutEngine(
+            folder,
+            python=python,
+            log_path=tr.run_dir / "rollout" / "engine.log",
+            probe=self.probe,
+            max_model_len=tr.cfg.data.max_seq_len,
+            seed=tr.cfg.trainer.seed,
+        )
+        engine.start()
+        self.engine = engine
+        print(f"kiln: grpo: rollout engine started in {engine.start_s:.1f} s (log: {engine.log_path})", flush=True)
+
+    def close(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.stop()
+            shutil.rmtree(engine.export, ignore_errors=True)  # the start's export, read once by the engine
+
+    @torch.no_grad()
+    def probe_logps(self) -> torch.Tensor:
+        from common.rollout.client import token_logprobs
+
+        tr = self.trainer
+        ids = torch.tensor(self.probe, device=tr.device)
+        return token_logprobs(tr.model(ids[None])[0], ids).cpu()
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def prepare(self, prompts: list[dict]) -> RolloutBatch:
+        """Sync, generate, score: the step's samples with their advantages."""
+        if self.engine is None:
+            self.start_engine()
+        tr, g = self.trainer, self.cfg
+        step = tr.state.step + 1
+        began = time.perf_counter()
+        sync = self.engine.sync(self.hf_state(), self.probe_logps())
+        synced = time.perf_counter()
+        groups = self.engine.generate(
+            [p["ids"] for p in prompts],
+            n=g.num_generations,
+            max_tokens=g.max_completion_length,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            seed=sample_seeds(tr.cfg.trainer.seed + step, len(prompts), g.num_generations),
+        )
+        generated = time.perf_counter()
+        samples = [(row, group, s) for row, group in zip(prompts, groups) for s in group.samples]
+        per_function = self.score(samples)
+        scored = time.perf_counter()
+        self.log_samples(step, samples, per_function)
+        advantages, zero_std = group_advantages(
+            weighted_sum(per_function, self.rewards.weights), g.num_generations, g.scale_rewards
+        )
+        ids, mask, logps = lay_samples(
+            [(gr.prompt_token_ids, s.token_ids, s.logprobs) for _, gr, s in samples], tr.pad_id
+        )
+        lengths = [len(s.token_ids) for _, _, s in samples]
+        self.metrics = {
+            **self.rewards.metrics(per_function, zero_std),
+            **completion_metrics(lengths, [s.finish_reason == "stop" for _, _, s in samples]),
+            "advantages/mean": advantages.mean().item(),
+            "advantages/std": advantages.std().item(),
+            "num_tokens_generated": float(sum(lengths)),
+            "sync/logprob_gap": sync.gap,
+            "sync/bytes": float(sync.bytes),
+            "time/sync_s": synced - began,
+            "time/generate_s": generated - synced,
+            "time/reward_s": scored - generated,
+        }
+        self.prepared_at = time.perf_counter()
+        old = logps if g.temperature == 1.0 else None
+        tokens = sum(len(gr.prompt_token_ids) for _, gr, _ in samples) + sum(lengths)
+        return RolloutBatch(ids, mask, old, advantages, len(prompts), tokens)
+
+    def score(self, samples: list) -> torch.Tensor:
+        """[N, F] rewards: each function called once on the step's completions with every field of their prompts."""
+        fields = sorted({k for row, _, _ in samples for k in row if k not in ("ids", "prompt")})
+        return self.rewards.score(
+            [s.text for _, _, s in samples],
+            prompts=[row.get("prompt") for row, _, _ in samples],
+            completion_ids=[list(s.token_ids) for _, _, s in samples],
+            **{k: [row.get(k) for row, _, _ in samples] for k in fields},
+        )
+
+    def log_samples(self, step: int, samples: list, per_function: torch.Tensor) -> None:
+        """Each completion of the step with its prompt and rewards, one JSON line each in RUN_DIR/rollout/samples.jsonl
+        (TRL's completions table)."""
+        names = [n.rpartition(":")[2] for n in self.rewards.names]
+        with open(self.trainer.run_dir / "rollout" / "samples.jsonl", "a") as out:
+            for (row, _, s), values in zip(samples, per_function.tolist()):
+                rewards = {n: None if v != v else v for n, v in zip(names, values)}  # NaN: the function said None
+                line = {"step": step, "prompt": row.get("prompt"), "completion": s.text, "token_ids": s.token_ids}
+                out.write(json.dumps(line | {"rewards": rewards}) + "\n")
+
+    def count(self, batch: RolloutBatch) -> int:
+        """What the loss is summed over: completion tokens (dapo, bnpo) or completions (grpo, dr_grpo), so that the
+        step's division by it gives common/grpo.py's loss."""
+        if self.cfg.loss_type in ("dapo", "bnpo"):
+            return int(batch.mask.sum().item())
+        return batch.ids.shape[0]
+
+    def tally(self, batch: RolloutBatch) -> dict[str, int]:
+        return {"samples": batch.prompts, "tokens": batch.tokens, "slots": batch.ids.numel()}
+
+    def loss(self, batch: RolloutBatch) -> torch.Tensor:
+        """The loss times count(batch) (the step divides by it), the policy's forward at the sampling temperature."""
+        tr, device = self.trainer, self.trainer.device
+        ids, mask = batch.ids.to(device), batch.mask.to(device)
+        with tr.objective.forward():
+            logits = tr.model(ids)
+        logps = token_logps(logits[:, :-1], ids[:, 1:], self.cfg.temperature)
+        old = logps.detach() if batch.old_logps is None else batch.old_logps.to(device)
+        loss, metrics = grpo_loss(self.cfg, logps, old, batch.advantages.to(device), mask)
+        self.metrics |= metrics
+        return loss * self.count(batch)
+
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        out, self.metrics = self.metrics, {}
+        out["time/train_s"] = time.perf_counter() - self.prepared_at
+        return {k: torch.tensor(float(v), dtype=torch.float64) for k, v in out.items()}

@@ -1,0 +1,126 @@
+"""GRPO end to end (recipes/llm/grpo.py, grpo.enabled=true): llm_tiny's export (the run test_rollout_vllm serves)
+trained 3 GRPO steps on 8 tiny prompts, its samples drawn by vLLM's CPU build with the trainer's weights pushed in
+before every step. Two runs for the module (~30 s each on 2 cores, most of it the engine's start): 3 steps, and a
+resume of its step-2 checkpoint to step 3.
+
+Independent references: the export the run started from (the weights must have moved), the probe check's bound
+(the engine computes what the trainer computes after every sync), and the uninterrupted run's step 3 (a resume draws
+the same samples and rewards).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.rollout.client import PROBE_BOUND
+from tests.fixtures.llm import tensors
+from tests.fixtures.runs import LLM_SERVED
+from tests.fixtures.vllm import NEEDS_VLLM
+from tests.support.launcher import run_train
+
+pytestmark = NEEDS_VLLM
+
+WORDS = ["The with statement", "A list comprehension", "The import system", "Exceptions are"]
+# format_match on "^ ": a completion that opens with a space. llm_tiny's samples do about half the time, so the groups'
+# rewards differ and the advantages (and the gradient) are not zero.
+PROMPTS = [{"prompt": w, "answer": "1", "format_pattern": "^ "} for w in [*WORDS, *(w.lower() for w in WORDS)]]
+GRPO = [
+    "recipe=llm_tiny",
+    "data=prompt_shards",
+    "grpo.enabled=true",
+    "reward.functions=[common.rewards:format_match]",
+    "grpo.num_generations=4",
+    "grpo.max_completion_length=8",
+    "data.max_seq_len=64",
+    "data.num_workers=0",
+    "trainer.micro_batch_size=2",
+    "trainer.max_steps=3",
+    "trainer.log_every=1",
+    "trainer.eval=false",
+    "trainer.progress_bar=false",
+    "checkpoint.every=2",
+    "optim.weight_decay=0",  # the weights move by the GRPO gradient only
+    "optim.warmup_steps=0",
+]
+# TRL's names (GRPOTrainer) and the loop's own: the sync's gap and bytes, seconds per part of the step
+KEYS = [
+    "loss",
+    "reward",
+    "reward_std",
+    "rewards/format_match/mean",
+    "rewards/format_match/std",
+    "frac_reward_zero_std",
+    "advantages/mean",
+    "advantages/std",
+    "clip_ratio/region_mean",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "num_tokens_generated",
+    "sync/logprob_gap",
+    "sync/bytes",
+    "time/sync_s",
+    "time/generate_s",
+    "time/reward_s",
+    "time/train_s",
+]
+
+
+@pytest.fixture(scope="module")
+def export(trained):
+    return trained(LLM_SERVED) / "export"
+
+
+@pytest.fixture(scope="module")
+def prompts(export, tmp_path_factory):
+    from data.prepare_prompts import main
+
+    folder = tmp_path_factory.mktemp("prompts")
+    source = folder / "prompts.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    assert main(["--tokenizer", str(export), "--input", str(source), "--out", str(folder / "shards")]) == 0
+    return folder / "shards"
+
+
+@pytest.fixture(scope="module")
+def run(export, prompts, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("grpo") / "run"
+    run_train([*GRPO, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={run_dir}"])
+    return run_dir
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def samples(run_dir, step: int) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "rollout" / "samples.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["step"] == step]
+
+
+def test_three_grpo_steps_log_trl_metrics_sync_every_step_and_move_the_weights(run, export):
+    records = metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert not [k for k in KEYS if k not in r], r
+        assert r["sync/logprob_gap"] <= PROBE_BOUND
+        print(f"step {r['step']}: sync/logprob_gap {r['sync/logprob_gap']:.3g}, reward {r['reward']:.3f}")
+    # 2 prompts x 4 samples a step, each scored 0 or 1 by the reward; some group's rewards differ (else no gradient)
+    assert all(len(samples(run, step)) == 8 for step in (1, 2, 3))
+    assert min(r["frac_reward_zero_std"] for r in records) < 1.0
+    start, end = tensors(export), tensors(run / "export")
+    moved = [k for k in start if not (start[k] == end[k]).all()]
+    assert moved, "no weight changed"
+    assert not (run / "rollout" / "start").exists()  # the engine's starting export goes with it
+
+
+def test_a_resume_draws_the_same_samples_and_rewards(run, export, prompts, tmp_path):
+    resumed = tmp_path / "resumed"
+    ckpt = run / "checkpoints" / "step_0000002"
+    run_train([*GRPO, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={resumed}", f"run.resume={ckpt}"])
+    assert [r["step"] for r in metrics(resumed)] == [3]
+    assert samples(resumed, 3) == samples(run, 3)
+    again, first = metrics(resumed)[0], metrics(run)[2]
+    for key in ("reward", "reward_std", "rewards/format_match/mean", "completions/mean_length"):
+        assert again[key] == first[key], key
