@@ -66,6 +66,7 @@ __all__ = [
     "token_logps",
 ]
 
+
 def check_config(grpo: GRPOConfig, reward: RewardConfig, family: str, offered: bool) -> None:
     """One line for a grpo/reward setting that cannot run: reward functions without grpo.enabled, GRPO in a family
     that has no GRPO training, and every value check_grpo refuses."""

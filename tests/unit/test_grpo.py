@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from common.config import RewardConfig
-from common.errors import ConfigError
+from common.errors import ConfigError, DataError
 from common.grpo import (
     GRPOConfig,
     check_grpo,
@@ -341,3 +341,35 @@ def test_composition_refuses_what_grpo_cannot_run(override, needle):
     with pytest.raises(ConfigError) as err:
         compose(override.split())
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_prompt_shards_and_grpo_go_together():
+    from recipes.llm.grpo import check_data
+    from scripts.kiln.launch import compose
+
+    on = compose(["recipe=llm_tiny", "data=prompt_shards", *ON.split(), "grpo.max_completion_length=16"])
+    off = compose(["recipe=llm_tiny"])
+    prompts = {"format": "prompts", "longest_sample": 40}
+    check_data(on, prompts)  # 40 + 16 <= 256
+    check_data(off, {"format": "text"})
+    for cfg, meta, needle in [
+        (off, prompts, "holds prompts: train them with grpo.enabled=true"),
+        (on, {"format": "text"}, "grpo.enabled=true trains on prompts; data.root=data/my_prompts holds text data"),
+        (on, {"format": "prompts", "longest_sample": 250}, "they need data.max_seq_len >= 266 (it is 256)"),
+    ]:
+        with pytest.raises(DataError) as err:
+            check_data(cfg, meta)
+        assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_samples_are_laid_with_the_mask_on_their_completion_tokens():
+    from recipes.llm.grpo import lay_samples, sample_seeds
+
+    rows = [([1, 5, 6], [7, 8], [-0.1, -0.2]), ([1, 9], [3, 4, 2], [-0.3, -0.4, -0.5])]
+    ids, mask, logps = lay_samples(rows, pad_id=0)
+    assert ids.tolist() == [[1, 5, 6, 7, 8], [1, 9, 3, 4, 2]]
+    for i, (_, completion, lp) in enumerate(rows):  # the targets under the mask are the completion, in order
+        assert ids[i, 1:][mask[i] == 1].tolist() == completion
+        assert logps[i][mask[i] == 1].tolist() == pytest.approx(lp)
+    seeds = [s + k for step in (1, 2) for s in sample_seeds(step, 3, 4) for k in range(4)]
+    assert len(set(seeds)) == len(seeds) == 24  # no two samples of two steps share a seed
