@@ -2,11 +2,13 @@
 
 Faults come from the environment so that no user config carries them:
 
-    KILN_FAULTS="nan_loss@5,nan_loss@6,crash@7:1,hang@4:1,slow_checkpoint@8,kill_in_checkpoint@10"
+    KILN_FAULTS="nan_loss@5,nan_loss@6,crash@7:1,hang@4:1,slow_checkpoint@8,kill_in_checkpoint@10,stale_sync@2"
 
 `kind@STEP[:RANK]`: STEP is the optimizer step being computed (1-based, as logged); RANK
 defaults to every rank. `crash` fires only in the first attempt of a torchrun job
-(TORCHELASTIC_RESTART_COUNT=0), so a restarted worker gets past it.
+(TORCHELASTIC_RESTART_COUNT=0), so a restarted worker gets past it. `stale_sync`: GRPO's push into the rollout
+engine leaves out the largest tensor of a transformer layer (the engine keeps its old copy), which the probe check
+must catch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-KINDS = ("nan_loss", "crash", "hang", "slow_checkpoint", "kill_in_checkpoint")
+KINDS = ("nan_loss", "crash", "hang", "slow_checkpoint", "kill_in_checkpoint", "stale_sync")
 SLOW_CHECKPOINT_S = 5.0  # how much longer a `slow_checkpoint` write takes (a synchronous save)
 HELD_CHECKPOINT_S = 120.0  # the longest an async save's `slow_checkpoint` write is held for the training loop
 _waited_for = threading.Event()  # the training loop waits for the async save in flight
@@ -73,6 +75,17 @@ class _PoisonLosses(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         return out * float("nan") if func in self.LOSSES else out
+
+
+def pushed_weights(step: int, state: dict) -> dict:
+    """The weights a sync pushes into the rollout engine at `step`: on an injected `stale_sync` step all but the
+    largest tensor of a transformer layer (the engine keeps its old copy of it; a layer's weights act on every token,
+    whereas an embedding row the probe's tokens do not read would go unseen)."""
+    if not _active("stale_sync", step):
+        return state
+    largest = max((k for k in state if ".layers." in k), key=lambda k: state[k].numel())
+    print(f"kiln: fault injection: the sync at step {step} leaves out {largest}", flush=True)
+    return {k: v for k, v in state.items() if k != largest}
 
 
 def poisoned_losses(step: int):

@@ -32,6 +32,7 @@ import time
 import numpy as np
 import torch
 
+from common import faults
 from common.config import TrainConfig
 from common.errors import ConfigError, DataError
 from common.grpo import completion_metrics, group_advantages, grpo_loss, token_logps, weighted_sum
@@ -176,7 +177,7 @@ class GRPOTraining:
         tr, g = self.trainer, self.cfg
         step = tr.state.step + 1
         began = time.perf_counter()
-        sync = self.engine.sync(self.hf_state(), self.probe_logps())
+        sync = self.engine.sync(faults.pushed_weights(step, self.hf_state()), self.probe_logps())
         synced = time.perf_counter()
         groups = self.engine.generate(
             [p["ids"] for p in prompts],

@@ -1,7 +1,7 @@
 """GRPO end to end (recipes/llm/grpo.py, grpo.enabled=true): llm_tiny's export (the run test_rollout_vllm serves)
 trained 3 GRPO steps on 8 tiny prompts, its samples drawn by vLLM's CPU build with the trainer's weights pushed in
-before every step. Two runs for the module (~30 s each on 2 cores, most of it the engine's start): 3 steps, and a
-resume of its step-2 checkpoint to step 3.
+before every step. Three runs for the module (~15-25 s each on 2 cores, most of it the engine's start): 3 steps, a
+resume of its step-2 checkpoint to step 3, and a run whose step-2 sync is broken on purpose.
 
 Independent references: the export the run started from (the weights must have moved), the probe check's bound
 (the engine computes what the trainer computes after every sync), and the uninterrupted run's step 3 (a resume draws
@@ -124,3 +124,15 @@ def test_a_resume_draws_the_same_samples_and_rewards(run, export, prompts, tmp_p
     again, first = metrics(resumed)[0], metrics(run)[2]
     for key in ("reward", "reward_std", "rewards/format_match/mean", "completions/mean_length"):
         assert again[key] == first[key], key
+
+
+def test_a_sync_that_did_not_take_stops_the_run_in_one_line(export, prompts, tmp_path):
+    """KILN_FAULTS=stale_sync@2 (common/faults.py): step 2's push leaves out the largest tensor of a layer, which step 1
+    moved; the probe check stops the run before step 2 trains."""
+    args = [*GRPO, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={tmp_path / 'run'}"]
+    args = [a for a in args if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=2"]
+    proc = run_train(args, check=False, env={"KILN_FAULTS": "stale_sync@2"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("kiln: error:")]
+    assert len(errors) == 1 and "the rollout engine did not take the trainer's weights" in errors[0], errors
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1]  # step 2 never trained
