@@ -135,4 +135,5 @@ def test_a_sync_that_did_not_take_stops_the_run_in_one_line(export, prompts, tmp
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("kiln: error:")]
     assert len(errors) == 1 and "the rollout engine did not take the trainer's weights" in errors[0], errors
+    print(errors[0])
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1]  # step 2 never trained
