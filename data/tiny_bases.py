@@ -308,7 +308,7 @@ def make_wan_pipeline(
     attention_head_dim: int = 16,
     num_attention_heads: int = 4,
     text_dim: int = 32,
-    base_dim: int = 8,
+    base_dim: int = 16,
     z_dim: int = 16,
     flow_shift: float = 3.0,
     pretrained: bool = False,
@@ -320,7 +320,7 @@ def make_wan_pipeline(
     rather than three keep 32-pixel frames at 8x8 latents), a UMT5EncoderModel + T5Tokenizer (umt5-xxl's role,
     `text_dim` wide) and Wan 2.1's UniPCMultistepScheduler (flow prediction, flow_shift 3.0, as the 480p release).
     `pretrained=True`: the VAE pretrained to reconstruct moving-digit clips and UMT5 to tell their digits and
-    directions apart across phrasings (data/tiny_pretrain.py: a minute or two once, then cached under
+    directions apart across phrasings (data/tiny_pretrain.py: several minutes once, then cached under
     data/cache/tiny_bases); by default both random, in seconds (the demo does not yet learn enough from the pretrained
     parts to be worth their build in every README check: docs/video.md)."""
     import torch
@@ -396,7 +396,9 @@ def _wan_vae(base_dim: int, z_dim: int):
         vae.save_pretrained(folder)
         (folder / "pretraining.json").write_text(json.dumps(report, indent=2))
 
-    return AutoencoderKLWan.from_pretrained(tiny_pretrain.cached("wan-vae", _wan_vae_config(base_dim, z_dim), build))
+    # The key holds the digits' size too: a VAE pretrained on other clips is not this one.
+    settings = {**_wan_vae_config(base_dim, z_dim), "sprite_fraction": moving_digits.SPRITE_FRACTION}
+    return AutoencoderKLWan.from_pretrained(tiny_pretrain.cached("wan-vae", settings, build))
 
 
 def _umt5_model(tokenizer, width: int):
