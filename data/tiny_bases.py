@@ -305,7 +305,7 @@ def make_wan_pipeline(
     out: str | Path,
     *,
     num_layers: int = 4,
-    attention_head_dim: int = 16,
+    attention_head_dim: int = 32,
     num_attention_heads: int = 4,
     text_dim: int = 32,
     base_dim: int = 16,
@@ -321,8 +321,8 @@ def make_wan_pipeline(
     `text_dim` wide) and Wan 2.1's UniPCMultistepScheduler (flow prediction, flow_shift 3.0, as the 480p release).
     `pretrained=True`: the VAE pretrained to reconstruct moving-digit clips and UMT5 to tell their digits and
     directions apart across phrasings (data/tiny_pretrain.py: several minutes once, then cached under
-    data/cache/tiny_bases); by default both random, in seconds (the demo does not yet learn enough from the pretrained
-    parts to be worth their build in every README check: docs/video.md)."""
+    data/cache/tiny_bases); by default both random, in seconds (the pretrained parts take minutes, too long for every
+    README check; the demo learns on them: docs/video.md)."""
     import torch
     from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
