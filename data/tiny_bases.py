@@ -315,7 +315,7 @@ def make_wan_pipeline(
     seed: int = 0,
 ) -> Path:
     """A tiny WanPipeline folder (`save_pretrained`, diffusers' and transformers' real classes), shaped like Wan 2.1
-    T2V but a few hundred kilobytes: a random WanTransformer3DModel (patch 1x2x2, `z_dim` latent channels), an
+    T2V but a few megabytes: a random WanTransformer3DModel (patch 1x2x2, `z_dim` latent channels), an
     AutoencoderKLWan that compresses time by 4 and space by 4 (Wan's compresses space by 8: two spatial stages
     rather than three keep 32-pixel frames at 8x8 latents), a UMT5EncoderModel + T5Tokenizer (umt5-xxl's role,
     `text_dim` wide) and Wan 2.1's UniPCMultistepScheduler (flow prediction, flow_shift 3.0, as the 480p release).
