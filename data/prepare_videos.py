@@ -46,7 +46,7 @@ import numpy as np
 
 from common.data import dataset as common_dataset
 from common.data.captions import skip_summary
-from common.data.moving_digits import moving_digit_clip
+from common.data.moving_digits import SPRITE_FRACTION, moving_digit_clip
 from common.data.video import (
     FPS_FILE,
     FRAME_EXTENSIONS,
@@ -231,6 +231,8 @@ def build_video_shards(
             "shapes": [list(s) for s in shapes],
             "samples": {},  # {split: {"WxH": samples}}, filled while the shards are written
         }
+    if moving_digits is not None:  # the digit's size: shards drawn at another are refused, not read
+        meta_start["sprite_fraction"] = SPRITE_FRACTION
     size = (lambda h, w: nearest_bucket(w, h, shapes)[::-1]) if shapes else (height, width)
 
     def write_shards(tmp: Path, split: str, rows: np.ndarray, _clips, _unused, num_shards: int) -> list[dict]:
@@ -294,6 +296,7 @@ def _settings(meta: dict) -> dict:
     return {
         "input": meta.get("input"),
         "clips": meta.get("clip_files") if meta.get("input") == MOVING_DIGITS else None,
+        "sprite_fraction": meta.get("sprite_fraction"),
         **{key: meta.get(key) for key in ("num_frames", "fps", "height", "width")},
         **shards.split_settings(meta),
         "buckets": buckets.get("aspect_ratios"),
@@ -336,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     also = {
         "input": MOVING_DIGITS if args.moving_digits else str(source["input"]),
         "clips": args.clips if args.moving_digits else None,
+        "sprite_fraction": SPRITE_FRACTION if args.moving_digits else None,
         **{key: extra[key] for key in ("num_frames", "fps", "height", "width")},
         "buckets": ratios,
         "bucket_multiple": args.bucket_multiple if ratios else None,

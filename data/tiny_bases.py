@@ -305,24 +305,24 @@ def make_wan_pipeline(
     out: str | Path,
     *,
     num_layers: int = 4,
-    attention_head_dim: int = 16,
+    attention_head_dim: int = 32,
     num_attention_heads: int = 4,
     text_dim: int = 32,
-    base_dim: int = 8,
+    base_dim: int = 16,
     z_dim: int = 16,
     flow_shift: float = 3.0,
     pretrained: bool = False,
     seed: int = 0,
 ) -> Path:
     """A tiny WanPipeline folder (`save_pretrained`, diffusers' and transformers' real classes), shaped like Wan 2.1
-    T2V but a few hundred kilobytes: a random WanTransformer3DModel (patch 1x2x2, `z_dim` latent channels), an
+    T2V but a few megabytes: a random WanTransformer3DModel (patch 1x2x2, `z_dim` latent channels), an
     AutoencoderKLWan that compresses time by 4 and space by 4 (Wan's compresses space by 8: two spatial stages
     rather than three keep 32-pixel frames at 8x8 latents), a UMT5EncoderModel + T5Tokenizer (umt5-xxl's role,
     `text_dim` wide) and Wan 2.1's UniPCMultistepScheduler (flow prediction, flow_shift 3.0, as the 480p release).
     `pretrained=True`: the VAE pretrained to reconstruct moving-digit clips and UMT5 to tell their digits and
-    directions apart across phrasings (data/tiny_pretrain.py: a minute or two once, then cached under
-    data/cache/tiny_bases); by default both random, in seconds (the demo does not yet learn enough from the pretrained
-    parts to be worth their build in every README check: docs/video.md)."""
+    directions apart across phrasings (data/tiny_pretrain.py: several minutes once, then cached under
+    data/cache/tiny_bases); by default both random, in seconds (the pretrained parts take minutes, too long for every
+    README check; the demo learns on them: docs/video.md)."""
     import torch
     from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
@@ -396,7 +396,9 @@ def _wan_vae(base_dim: int, z_dim: int):
         vae.save_pretrained(folder)
         (folder / "pretraining.json").write_text(json.dumps(report, indent=2))
 
-    return AutoencoderKLWan.from_pretrained(tiny_pretrain.cached("wan-vae", _wan_vae_config(base_dim, z_dim), build))
+    # The key holds the digits' size too: a VAE pretrained on other clips is not this one.
+    settings = {**_wan_vae_config(base_dim, z_dim), "sprite_fraction": moving_digits.SPRITE_FRACTION}
+    return AutoencoderKLWan.from_pretrained(tiny_pretrain.cached("wan-vae", settings, build))
 
 
 def _umt5_model(tokenizer, width: int):

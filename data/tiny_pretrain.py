@@ -56,7 +56,7 @@ MOTION_PRETRAIN_TEMPLATES = moving_digits.CAPTION_TEMPLATES + (
     "the number {digit} moving {towards}",
     "{name}, {way}",
 )
-POSTERIOR_STD_SCALE = 0.05  # pretrain_wan_vae: the posterior's width, scaled after training
+POSTERIOR_STD_SCALE = 0.05  # pretrain_wan_vae: the posterior's width, scaled before training
 CLIP_SHAPE = (9, 32, 32)  # the video demo's clips (frames, height, width): the video VAE pretrains on them
 
 
@@ -237,16 +237,16 @@ def _unclamped_decode(vae, z):
 
 
 def pretrain_wan_vae(
-    vae, *, steps: int = 400, batch: int = 16, crop: tuple[int, int] = (5, 16), lr: float = 3e-3,
+    vae, *, steps: int = 600, batch: int = 16, crop: tuple[int, int] = (5, 24), lr: float = 1e-3,
     kl_weight: float = 1e-4, seed: int = 0,
 ) -> dict:  # fmt: skip
     """Train `vae` (a diffusers AutoencoderKLWan) to reconstruct moving-digit clips: MSE + kl_weight x KL to N(0, 1),
     Adam (lr decaying to 0 over the second half), on random crops of `crop` = (frames, side) of them (a 4k+1-frame
-    crop keeps the causal first frame and a later group of 4; a quarter of the frame's pixels costs a quarter of the
-    time, and the convolutions see the same strokes). Then narrows its posterior (POSTERIOR_STD_SCALE) and sets its
-    latents_mean and latents_std per channel from
-    its posterior means over the clips (as Wan's were chosen: latents of about unit spread). Returns {mse (whole
-    held-out clips, the posterior mean decoded), posterior_std, latents_mean, latents_std}."""
+    crop keeps the causal first frame and a later group of 4; part of the frame costs part of the time, and the
+    convolutions see the same strokes), its posterior narrowed (POSTERIOR_STD_SCALE) before the first step. Then sets
+    its latents_mean and latents_std per channel from its posterior means over the clips (as Wan's were chosen:
+    latents of about unit spread). Returns {mse (whole held-out clips, the posterior mean decoded), posterior_std,
+    latents_mean, latents_std}."""
     import torch
 
     torch.manual_seed(seed)
@@ -256,6 +256,12 @@ def pretrain_wan_vae(
     opt = torch.optim.Adam(vae.parameters(), lr=lr)
     # lr constant for the first half, then down linearly to 0: the last steps settle rather than jump
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, 2 * (1 - s / steps)))
+    # A fresh posterior's noise is about as wide as its means' spread, and the encoder is slow to narrow it: a decoder
+    # trained on such samples learns to draw their average (a blob, not the digit), and a diffusion model's latents
+    # would be buried in that noise. So the posterior starts at POSTERIOR_STD_SCALE of its width (its log-variance
+    # lowered by a constant), as nearly deterministic as Wan's own, and the decoder learns from it.
+    with torch.no_grad():
+        vae.quant_conv.bias[vae.config.z_dim :] += 2 * math.log(POSTERIOR_STD_SCALE)
     vae.train()
     for _ in range(steps):
         f0, y0, x0 = (
@@ -273,11 +279,6 @@ def pretrain_wan_vae(
         decay.step()
     vae.eval()
     with torch.no_grad():
-        # A few hundred steps leave the posterior's noise about as wide as its means' spread (the encoder is slow to
-        # narrow it), which would bury a diffusion model's latents in noise; the decoder, trained on samples about
-        # the mean, decodes the mean best. So the posterior narrows to POSTERIOR_STD_SCALE of its width (its
-        # log-variance lowered by a constant), as nearly deterministic as Wan's own.
-        vae.quant_conv.bias[vae.config.z_dim :] += 2 * math.log(POSTERIOR_STD_SCALE)
         posterior = vae.encode(held_out).latent_dist
         mse = torch.nn.functional.mse_loss(vae.decode(posterior.mean).sample, held_out).item()
         means = torch.cat([vae.encode(c).latent_dist.mean for c in clips[:128].split(32)])

@@ -31,6 +31,12 @@ HELD_OUT_TEMPLATES = (
     "a number {digit} drifting {way}",
 )
 PAIRS = tuple((d, way) for d in range(len(DIGIT_WORDS)) for way in DIRECTIONS)
+SPRITE_FRACTION = 1 / 2  # the digit's sprite: this share of the frame's shorter side
+
+
+def sprite_side(height: int, width: int) -> int:
+    """The side in pixels of a moving digit's square sprite in frames of height x width."""
+    return max(3, round(min(height, width) * SPRITE_FRACTION))
 
 
 def motion_caption(digit: int, direction: str, phrasing: int, templates: tuple[str, ...] = CAPTION_TEMPLATES) -> str:
@@ -119,7 +125,7 @@ def moving_digit_clip(
     """Clip `index` of the seeded sequence (uint8 [F, H, W, 3], white on black), its caption, digit and direction:
     the (digit, direction) pairs cycle through all 40 in a shuffled order per cycle, the caption takes the training
     phrasings in turn per cycle, the digit image is drawn from scikit-learn's digits of that class and its sprite is
-    about a third of the frame's shorter side. Each clip depends only on (seed, index), so a builder reads any row
+    half the frame's shorter side (SPRITE_FRACTION). Each clip depends only on (seed, index), so a builder reads any row
     without generating the ones before it."""
     if min(height, width) < 6 or num_frames < 2:
         raise ValueError(
@@ -129,7 +135,7 @@ def moving_digit_clip(
     cycle, place = divmod(index, len(PAIRS))
     digit, direction = PAIRS[np.random.default_rng([seed, cycle]).permutation(len(PAIRS))[place]]
     rng = np.random.default_rng([seed, cycle, place, 1])
-    side = max(3, round(min(height, width) / 3))
+    side = sprite_side(height, width)
     sprite = _sprite(images[rng.choice(np.flatnonzero(targets == digit))], side)
     clip = np.zeros((num_frames, height, width, 3), dtype=np.uint8)
     for f, (y, x) in enumerate(_path(direction, num_frames, height, width, side, rng)):

@@ -23,7 +23,14 @@ import numpy as np
 import torch
 
 from common.data.digit_captions import DIGIT_WORDS
-from common.data.moving_digits import DIRECTIONS, HELD_OUT_TEMPLATES, caption_motion, held_out_prompts, track_direction
+from common.data.moving_digits import (
+    DIRECTIONS,
+    HELD_OUT_TEMPLATES,
+    caption_motion,
+    held_out_prompts,
+    sprite_side,
+    track_direction,
+)
 from common.data.video import decode_video_sample
 from common.data.webdataset import iter_samples
 from common.diffusion.evaluate import fit_image_classifier
@@ -74,11 +81,11 @@ def eval_prompts(per_pair: int) -> tuple[list[str], torch.Tensor, list[str]]:
 
 def digit_crops(videos: torch.Tensor) -> torch.Tensor:
     """Each frame of clips [N, 3, F, H, W] in [-1, 1] as a window [N * F, 1, S, S] about its digit: gray, centered on
-    the centroid of what is brighter than the frame's median (track_direction's centroid), S a third of the shorter
-    side plus 4 (the moving digits' sprite and a margin), the background (-1) beyond the frame's edge."""
+    the centroid of what is brighter than the frame's median (track_direction's centroid), S the moving digits'
+    sprite's side plus 4 (a margin), the background (-1) beyond the frame's edge."""
     gray = videos.float().mean(dim=1).flatten(0, 1)  # [N * F, H, W]
     h, w = gray.shape[1:]
-    side = round(min(h, w) / 3) + 4
+    side = sprite_side(h, w) + 4
     weights = (gray - gray.flatten(1).median(dim=1).values.view(-1, 1, 1)).clamp(min=0)
     mass = weights.sum(dim=(1, 2)).clamp(min=1e-6)
     cy = (weights.sum(dim=2) * torch.arange(h)).sum(1) / mass

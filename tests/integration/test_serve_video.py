@@ -40,7 +40,13 @@ def export(tmp_path_factory):
     from recipes.video.weights import export_info
     from scripts.kiln.launch import compose
 
-    folder = make_wan_pipeline(tmp_path_factory.mktemp("video_serve") / "export", num_layers=2, num_attention_heads=2)
+    folder = make_wan_pipeline(
+        tmp_path_factory.mktemp("video_serve") / "export",
+        num_layers=2,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        base_dim=8,
+    )
     cfg = compose(
         ["recipe=video_tiny", f"model.init_from={folder}", f"data.num_frames={FRAMES}", f"data.width={WIDTH}"]
     )

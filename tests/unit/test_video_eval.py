@@ -27,11 +27,11 @@ def test_the_scorer_reads_real_clips_right_and_noise_at_chance():
 
     # A window about the digit: the same sprite wherever it is in the frame.
     crops = digit_crops(val.videos[:1])
-    assert crops.shape == (9, 1, 15, 15) and (crops[0] - crops[-1]).abs().mean() < 0.1
+    assert crops.shape == (9, 1, 20, 20) and (crops[0] - crops[-1]).abs().mean() < 0.1
 
     real = score_prompt_adherence(val.videos, val.digits, val.directions, prompts, train, val)
     print({k: v for k, v in real.items() if not isinstance(v, (dict, list))})
-    assert real["digit_accuracy"] >= 0.9 and real["direction_accuracy"] == 1.0  # measured 0.963, 1.0
+    assert real["digit_accuracy"] >= 0.9 and real["direction_accuracy"] == 1.0  # measured 0.938, 1.0
     assert real["classifier_frame_accuracy_on_real_val"] >= 0.9 and real["prompts_seen_in_training"] == 0
     assert real["real_val_digit_accuracy"] == real["digit_accuracy"]
     assert (real["chance_digit"], real["chance_direction"]) == (0.1, 0.25)

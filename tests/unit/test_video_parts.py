@@ -20,9 +20,14 @@ from scripts.kiln.launch import compose
 def wan(tmp_path_factory):
     from data.tiny_bases import make_wan_pipeline
 
-    # Random parts and the smallest transformer (the demo's pretrained parts are no part of what these check).
+    # Random parts, the smallest transformer and VAE (the demo's pretrained parts are no part of what these check).
     return make_wan_pipeline(
-        tmp_path_factory.mktemp("wan") / "wan", num_layers=2, num_attention_heads=2, pretrained=False
+        tmp_path_factory.mktemp("wan") / "wan",
+        num_layers=2,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        base_dim=8,
+        pretrained=False,
     )
 
 
