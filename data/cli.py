@@ -111,24 +111,26 @@ def build_or_check(
     holds: str,
     show_wanted: bool,
     also_wanted: dict | None = None,
+    error_prefix: str = "error",
 ) -> tuple[dict | None, int]:
     """A CLI's ``build(out, **wanted, force=force)``: (meta, 0) when it built, else (None, exit code).
 
     Exit codes: 2 after printing a ValueError; for a complete dataset already there, 0 if
-    ``settings(meta)`` equals ``wanted`` plus ``also_wanted``, else 1 (after saying what differs).
+    ``settings(meta)`` equals ``wanted`` plus ``also_wanted``, else 1 (after saying what differs). Both lines
+    start with ``error_prefix``.
     """
     try:
         meta, built = build(out, **wanted, force=force)
     except ValueError as exc:
-        return None, error(exc)
+        return None, error(exc, error_prefix)
     if built:
         return meta, 0
     wanted = {**wanted, **(also_wanted or {})}
     have = settings(meta)
     if have != wanted:
+        differ = mismatch(have, wanted, show_wanted=show_wanted)
         print(
-            f"error: {out} already holds {holds} built with {mismatch(have, wanted, show_wanted=show_wanted)}; "
-            "pass --force to rebuild",
+            f"{error_prefix}: {out} already holds {holds} built with {differ}; pass --force to rebuild",
             file=sys.stderr,
         )
         return None, 1
@@ -145,13 +147,14 @@ def run(
     holds: str,
     show_wanted: bool = True,
     also_wanted: dict | None = None,
+    error_prefix: str = "error",
 ) -> int:
     """A builder's main once its flags are parsed: build ``args.out`` (:func:`build_or_check`), then print
     ``describe(out, meta)``. Returns the exit code."""
     out = args.out.absolute()
     meta, rc = build_or_check(
         build, out, wanted, force=args.force, settings=settings, holds=holds, show_wanted=show_wanted,
-        also_wanted=also_wanted,
+        also_wanted=also_wanted, error_prefix=error_prefix,
     )  # fmt: skip
     if meta is None:
         return rc

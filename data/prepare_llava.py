@@ -206,9 +206,7 @@ def load_records(json_path: Path, images_dir: Path, workers: int) -> tuple[list[
             else:
                 video = {"container": images_dir / video["container"]}
         parsed.append({"id": rid, "messages": messages, "images": [images_dir / p for p in images], "video": video})
-    # Full decodes dominate (LLaVA-Pretrain: 558K images): spread them over processes.
-    paths = [p for r in parsed for p in r["images"]]
-    verdict = dict(zip(paths, _in_chunks(_check_images, paths, 256, workers)))
+    verdict = image_verdicts([p for r in parsed for p in r["images"]], workers)
     videos = [r["video"] for r in parsed if r["video"] is not None]
     video_verdicts = iter(_in_chunks(_check_videos, videos, 8, workers))
     usable = []
@@ -228,6 +226,12 @@ def load_records(json_path: Path, images_dir: Path, workers: int) -> tuple[list[
     }
 
 
+def image_verdicts(paths: list[Path], workers: int) -> dict[Path, str | None]:
+    """``check_image`` of every path (None: it decodes). Full decodes dominate (LLaVA-Pretrain: 558K images): they
+    are spread over ``workers`` processes."""
+    return dict(zip(paths, _in_chunks(_check_images, paths, 256, workers)))
+
+
 def _in_chunks(check, items: list, size: int, workers: int) -> list:
     """``check`` over ``items`` in chunks of ``size``, on ``workers`` processes when there is more than one chunk."""
     chunks = [items[i : i + size] for i in range(0, len(items), size)]
@@ -244,30 +248,48 @@ def split_rows(n: int, *, val_fraction: float, val_shards: int, seed: int) -> di
     return {"train": np.sort(order[n_val:]), "val": np.sort(order[:n_val])}
 
 
+def split_filled(
+    n: int, *, train_shards: int | None, val_shards: int, val_fraction: float, seed: int
+) -> dict[str, np.ndarray]:
+    """``split_rows`` of ``n`` usable samples, or ValueError when they cannot fill the shards asked for
+    (``train_shards`` None: as many as there are training samples, at least one)."""
+    needed = (train_shards or 1) + max(val_shards, round(val_fraction * n))
+    if n < needed:
+        raise ValueError(
+            f"{n} usable samples cannot fill {train_shards or 1} train + {val_shards} val shards; "
+            "lower --train-shards / --val-shards"
+        )
+    return split_rows(n, val_fraction=val_fraction, val_shards=val_shards, seed=seed)
+
+
+def image_members(paths: list[Path]) -> dict[str, bytes]:
+    """A sample's ``image0``, ``image1``, ...: the image files' bytes as they are, in order."""
+    return {f"image{i}": path.read_bytes() for i, path in enumerate(paths)}
+
+
 def _write_shards(
     out: Path, split: str, rows: np.ndarray, records: list[dict], labels: None, num_shards: int
 ) -> list[dict]:
     """One split's shards (a data.shards.ShardWriter; `labels` unused: conversations carry their text)."""
-    import webdataset as wds
 
-    written = []
-    for shard_id, chunk in enumerate(np.array_split(rows, num_shards)):
-        name = f"{split}-{shard_id:06d}.tar"
-        with wds.TarWriter(str(out / name), mtime=0) as sink:  # mtime fixed: same input, same bytes
-            for row in chunk:
-                r = records[row]
-                record = {"id": r["id"], "messages": r["messages"], "num_images": len(r["images"])}
-                sample = {f"image{i}": path.read_bytes() for i, path in enumerate(r["images"])}
-                video = r.get("video")
-                if video is not None and "frames" in video:
-                    record["video"] = {"frames": len(video["frames"]), "fps": video["fps"]}
-                    sample.update({f"frame{i}": path.read_bytes() for i, path in enumerate(video["frames"])})
-                elif video is not None:
-                    record["video"] = {"container": video["container"].suffix.lstrip(".").lower()}
-                    sample["video"] = video["container"].read_bytes()
-                sink.write({"__key__": f"{split}_{row:09d}", "json": json.dumps(record), **sample})
-        written.append({"name": name, "samples": len(chunk), "bytes": (out / name).stat().st_size})
-    return written
+    def sample(row: int) -> dict:
+        r = records[row]
+        record = {"id": r["id"], "messages": r["messages"], "num_images": len(r["images"])}
+        sample = image_members(r["images"])
+        video = r.get("video")
+        if video is not None and "frames" in video:
+            record["video"] = {"frames": len(video["frames"]), "fps": video["fps"]}
+            sample.update({f"frame{i}": path.read_bytes() for i, path in enumerate(video["frames"])})
+        elif video is not None:
+            record["video"] = {"container": video["container"].suffix.lstrip(".").lower()}
+            sample["video"] = video["container"].read_bytes()
+        return {"__key__": sample_key(split, row), "json": json.dumps(record), **sample}
+
+    return shards.write_split(out, split, rows, sample, num_shards)
+
+
+def sample_key(split: str, row: int) -> str:
+    return f"{split}_{row:09d}"
 
 
 def _sha256(path: Path) -> str:
@@ -313,14 +335,11 @@ def build_llava(
                 f"--json {json_path}: none of its {report['total']} samples is usable ({counts})"
                 + (f"; first: {first}" if first else "")
             )
-        needed = (train_shards or 1) + max(val_shards, round(val_fraction * len(records)))
-        if len(records) < needed:
-            raise ValueError(
-                f"{len(records)} usable samples cannot fill {train_shards or 1} train + {val_shards} val shards; "
-                "lower --train-shards / --val-shards"
-            )
+        rows = split_filled(
+            len(records), train_shards=train_shards, val_shards=val_shards, val_fraction=val_fraction, seed=seed
+        )
         found.update(report, records=records)
-        return records, None, split_rows(len(records), val_fraction=val_fraction, val_shards=val_shards, seed=seed)
+        return records, None, rows
 
     def start_meta(tmp: Path) -> dict[str, Any]:
         records = found["records"]

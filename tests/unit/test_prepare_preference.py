@@ -143,3 +143,145 @@ def test_the_lora_reference_is_the_base_with_the_adapter_disabled():
     assert not torch.allclose(adapted, want, atol=1e-3)
     torch.testing.assert_close(off, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(again, adapted)
+
+
+# --- pairs with images: the VLM's layout (--images), stored as text with the image files' bytes ---------------
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def _assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def _parts(*parts: str) -> list[dict]:
+    """OpenAI/TRL content parts: "<image>" an image part, anything else a text part."""
+    return [{"type": "image"} if p == "<image>" else {"type": "text", "text": p} for p in parts]
+
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+# id -> (row, the stored prompt, chosen, rejected, the images in order), the stored text written out by hand
+IMAGE_PAIRS = {
+    "strings": (
+        {"images": ["a.png"], "prompt": "<image>What colour?", "chosen": "Red.", "rejected": "Blue."},
+        [_user("<image>What colour?")], "Red.", "Blue.", ["a.png"],
+    ),
+    "one image, no placeholder": (
+        {"image": "b.png", "prompt": "What colour?", "chosen": "Blue.", "rejected": "Red."},
+        [_user("<image>What colour?")], "Blue.", "Red.", ["b.png"],
+    ),
+    "rlaif-v parts": (
+        {
+            "images": ["a.png", "b.png"],
+            "prompt": [{"role": "user", "content": _parts("<image>", "Left or", "<image>", " right?")}],
+            "chosen": [{"role": "assistant", "content": _parts("Left.")}],
+            "rejected": [{"role": "assistant", "content": _parts("Right.")}],
+        },
+        [_user("<image>Left or<image> right?")], "Left.", "Right.", ["a.png", "b.png"],
+    ),
+    "messages, no placeholder": (
+        {
+            "images": ["b.png", "a.png"],
+            "prompt": [SYSTEM, _user("First?"), _assistant("Blue."), _user("Next?")],
+            "chosen": [_assistant("Red.")],
+            "rejected": "Green.",
+        },
+        [SYSTEM, _user("<image><image>First?"), _assistant("Blue."), _user("Next?")],
+        "Red.", "Green.", ["b.png", "a.png"],
+    ),
+    "implicit prompt": (
+        {"images": ["a.png"], "chosen": [_user("Colour?<image>"), _assistant("Red.")],
+         "rejected": [_user("Colour?<image>"), _assistant("Pink.")]},
+        [_user("Colour?<image>")], "Red.", "Pink.", ["a.png"],
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture
+def images(tmp_path):
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.new("RGB", (4, 4), "red").save(folder / "a.png")
+    Image.new("RGB", (6, 2), "blue").save(folder / "b.png")
+    (folder / "bad.png").write_bytes(b"\x89PNG not an image")
+    return folder
+
+
+def build_image_pairs(capsys, images, rows: list | None, out, *extra) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the build of ``rows`` (written to ``out``.jsonl unless None: as they are)."""
+    pairs_file = out.parent / f"{out.name}.jsonl"
+    if rows is not None:
+        pairs_file.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    argv = ["--input", str(pairs_file), "--images", str(images), "--out", str(out), "--val-shards", "1"]
+    rc = prepare_preference.main([*argv, "--workers", "1", *extra])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_each_image_layout_is_stored_as_the_prompt_turns_the_answers_and_the_image_bytes(capsys, images, tmp_path):
+    rows = [{"id": name, **row} for name, (row, *_) in IMAGE_PAIRS.items()]
+    rc, out, _ = build_image_pairs(capsys, images, rows, tmp_path / "vpairs")
+    assert rc == 0 and "5 pairs with 7 images" in out
+    meta = load_dataset_meta(tmp_path / "vpairs")
+    assert meta["format"] == prepare_preference.VLM_FORMAT == "llava-preference"
+    assert (meta["pairs"], meta["text_only"], meta["multi_turn"]) == (5, 0, 1)
+    assert meta["splits"]["train"]["samples"] == 4 and meta["splits"]["val"]["samples"] == 1
+    samples = list(iter_samples([*meta["train_urls"], *meta["val_urls"]]))
+    assert len({s["__key__"] for s in samples}) == 5
+    for s in samples:
+        record = json.loads(s["json"])
+        _, prompt, chosen, rejected, files = IMAGE_PAIRS[record["id"]]
+        assert record == {"id": record["id"], "prompt": prompt, "chosen": chosen, "rejected": rejected,
+                          "num_images": len(files)}  # fmt: skip
+        assert sorted(k for k in s if k.startswith("image")) == [f"image{i}" for i in range(len(files))]
+        assert [s[f"image{i}"] for i in range(len(files))] == [(images / f).read_bytes() for f in files]
+    # the same command again finds the dataset there
+    assert build_image_pairs(capsys, images, None, tmp_path / "vpairs")[:2] == (
+        0, f"{tmp_path / 'vpairs'}/meta.json exists; nothing to do (pass --force to rebuild)\n"
+    )  # fmt: skip
+
+
+def test_image_pairs_that_cannot_be_used_are_skipped_and_counted(capsys, images, tmp_path):
+    good = {"images": ["a.png"], "prompt": "<image>Colour?", "chosen": "Red.", "rejected": "Blue."}
+    rows = [
+        good,
+        good,
+        {**good, "images": ["none.png"]},
+        {**good, "images": ["bad.png"]},
+        {**good, "prompt": "<image><image>Colour?"},
+        {**good, "chosen": "Red.<image>"},
+        {k: v for k, v in good.items() if k != "rejected"},
+        {**good, "rejected": "Red."},
+        {**good, "chosen": [_user("Red.")], "rejected": [_assistant("Blue.")]},
+        "{not json",
+        {**good, "prompt": [{"role": "user", "content": [{"type": "video"}]}]},
+    ]
+    rc, out, _ = build_image_pairs(capsys, images, rows, tmp_path / "vpairs")
+    assert rc == 0
+    meta = load_dataset_meta(tmp_path / "vpairs")
+    assert meta["pairs"] == 2
+    assert meta["inputs"]["skipped_rows"] == {
+        "missing image": 1,
+        "undecodable image": 1,
+        "<image> count mismatch": 2,
+        "a missing side (chosen or rejected)": 1,
+        "chosen equals rejected": 1,
+        "an answer that is not one final assistant turn after a prompt": 1,
+        "bad JSON": 1,
+        "malformed": 1,
+    }
+    assert f"first missing image: vpairs.jsonl:3: {images / 'none.png'}" in out
+    assert "skipped rows: 2 <image> count mismatch" in out
+
+
+def test_image_pairs_bad_input_is_one_line(capsys, images, tmp_path):
+    bad = {"images": ["none.png"], "prompt": "Colour?", "chosen": "Red.", "rejected": "Blue."}
+    rc, out, err = build_image_pairs(capsys, images, [bad, bad], tmp_path / "vpairs")
+    assert rc == 2 and err == "kiln: error: no pair could be used (2 missing image)\n" and not out
+    assert not (tmp_path / "vpairs").exists()
+    rc, _, err = build_image_pairs(capsys, images, [bad], tmp_path / "vpairs", "--tokenizer", str(tmp_path))
+    assert rc == 2 and err.startswith("kiln: error: --tokenizer with --images") and err.count("\n") == 1
