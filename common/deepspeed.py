@@ -168,6 +168,21 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, dp: int, mpu=None):
     return engine
 
 
+def frozen_copy(model: torch.nn.Module, cfg: TrainConfig, dp: int, like: torch.Tensor) -> torch.nn.Module:
+    """A frozen model beside the trained one (preference training's reference), in ``like``'s dtype and device (a
+    parameter of the trained model): under ZeRO-3 sharded over the `dp` ranks as the trained model is, by a DeepSpeed
+    engine without an optimizer (its weights gathered for each forward, as TRL prepares its reference), else whole on
+    every rank (ZeRO 0-2 keep whole weights too)."""
+    model = model.to(like.device, like.dtype)
+    if zero_stage(cfg, dp) != 3:
+        return model
+    import deepspeed
+
+    config = build_deepspeed_config(cfg, dp)
+    del config["optimizer"]
+    return deepspeed.initialize(model=model, config=config)[0].module
+
+
 def _drop_grads_when_skipped(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if getattr(optimizer, "kiln_skip", False):
         for group in optimizer.param_groups:

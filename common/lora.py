@@ -13,6 +13,7 @@ Two names change, which is all the recipes see: a wrapped weight `<linear>.weigh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -305,3 +306,19 @@ def peft_key(module: str, fqn: str) -> str:
     `...lora_A.default.weight` -> `base_model.model.<module>.lora_A.weight`."""
     part = "lora_A" if ".lora_A." in fqn else "lora_B"
     return f"base_model.model.{module}.{part}.weight"
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module):
+    """The model's LoRA adapters off (peft's own flag, read by every LoRA layer's forward): the frozen base."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, before):
+            m._disable_adapters = was

@@ -42,7 +42,16 @@ from common.config import PreferenceConfig
 from common.data.packing import IGNORE_INDEX
 from common.errors import ConfigError
 
-__all__ = ["LOSSES", "REFERENCE_FREE", "PreferenceConfig", "answer_logps", "check_config", "preference_loss"]
+__all__ = [
+    "LOSSES",
+    "REFERENCE_FREE",
+    "PreferenceConfig",
+    "answer_logps",
+    "check_config",
+    "eval_summary",
+    "preference_loss",
+    "sample_index",
+]
 
 # TRL's names (DPOTrainer, CPOTrainer, ORPOTrainer) for what metrics.jsonl logs of a preference step.
 METRICS = (
@@ -64,7 +73,8 @@ def check_config(pref: PreferenceConfig, family: str, offered: bool) -> None:
         raise ConfigError(f"preference.loss={pref.loss!r} is not allowed; choose one of: {', '.join(LOSSES)}")
     if not offered:
         raise ConfigError(
-            f"preference.loss={pref.loss}: the {family} recipes have no preference training (the llm recipes do)"
+            f"preference.loss={pref.loss}: the {family} recipes have no preference training (the llm and vlm "
+            "recipes do)"
         )
     if pref.reference not in REFERENCES:
         raise ConfigError(
@@ -124,6 +134,14 @@ def document_index(seq_lens: list[list[int]], row_len: int) -> torch.Tensor:
             out[r, start : start + n] = doc
             start, doc = start + n, doc + 1
     return out
+
+
+def sample_index(seq_lens: list[list[int]], order: list[int], row_len: int, num_samples: int) -> torch.Tensor:
+    """``[R, L]`` long: each position's sample, for a batch packed in any order (a PackedBatch's ``seq_lens`` and
+    ``order``: the samples of its segments in row-major order); -1 on padding and on the samples numbered
+    ``num_samples`` or more (a stand-in a collate added, which holds no labels)."""
+    owner = torch.tensor([i if i < num_samples else -1 for i in order] + [-1], dtype=torch.long)
+    return owner[document_index(seq_lens, row_len)]  # a padding position's -1 picks the appended -1
 
 
 def pairs(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,3 +205,11 @@ def preference_loss(
         "logps/rejected": seen_r.detach(),
     }
     return loss, metrics
+
+
+def eval_summary(result: dict) -> str:
+    """The line a held-out preference evaluation prints (any family)."""
+    return (
+        f"kiln: eval preference loss {result['val_loss']:.4f}, rewards/accuracies "
+        f"{result['rewards/accuracies']:.3f} on {result['num_pairs']} held-out pairs"
+    )

@@ -166,6 +166,7 @@ SPECS: dict[str, RecipeSpec] = {
         sections=vlm_config.SECTIONS,
         renamed=vlm_config.RENAMED,
         lora_targets=vlm_config.LORA_TARGETS,
+        preference=True,
         cp_methods=vlm_config.CP_METHODS,
         title="VLM",
     ),

@@ -107,6 +107,15 @@ def pairs_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vlm_pairs_world(tmp_path_factory):
+    """The VLM preference tests' pairs with images and tiny llava-hf base (tests/fixtures/preference.py), built once."""
+    from tests.fixtures.preference import make_vlm_pairs_world
+    from tests.fixtures.shared import once, shared_root
+
+    return once(shared_root(tmp_path_factory), "vlm_pairs", make_vlm_pairs_world)
+
+
+@pytest.fixture(scope="session")
 def video_world(tmp_path_factory):
     """The video tests' tiny WanPipeline folder and moving-digit shards (tests/fixtures/video.py), built once."""
     from tests.fixtures.shared import once, shared_root

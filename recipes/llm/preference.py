@@ -25,6 +25,7 @@ import torch
 from common.config import TrainConfig
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_rows
 from common.errors import DataError
+from common.lora import adapters_disabled
 from common.preference import METRICS, answer_logps, document_index, preference_loss
 from recipes.llm import reference_logps
 from recipes.llm.data import eval_batches, model_inputs
@@ -106,22 +107,6 @@ def fill_start_weights(model: torch.nn.Module, args, cfg: TrainConfig, is_main: 
         start.init_weights(seed=cfg.trainer.seed)
         full = start.state_dict()
     set_model_state_dict(model, full or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-
-
-@contextlib.contextmanager
-def adapters_disabled(model: torch.nn.Module):
-    """The model's LoRA adapters off (peft's own flag, read by every LoRA layer's forward): the frozen base."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    before = [m._disable_adapters for m in layers]
-    for m in layers:
-        m._disable_adapters = True
-    try:
-        yield
-    finally:
-        for m, was in zip(layers, before):
-            m._disable_adapters = was
 
 
 class PreferenceTraining:

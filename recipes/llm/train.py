@@ -26,6 +26,7 @@ from common.distributed import DistInfo, barrier
 from common.engine import NativeEngine
 from common.errors import DataError
 from common.parallel_dims import CPGroups, ParallelDims, batch_mesh
+from common.preference import eval_summary as preference_summary
 from common.trainer import Trainer
 from recipes.llm import weights
 from recipes.llm.config import check_qlora_layout
@@ -395,10 +396,7 @@ class LLMTrainer(Trainer):
 
     def eval_summary(self, result: dict) -> str:
         if "num_pairs" in result:
-            return (
-                f"kiln: eval preference loss {result['val_loss']:.4f}, rewards/accuracies "
-                f"{result['rewards/accuracies']:.3f} on {result['num_pairs']} held-out pairs"
-            )
+            return preference_summary(result)
         return (
             f"kiln: eval loss {result['val_loss']:.4f} (perplexity {result['val_perplexity']:.1f}) on "
             f"{result['num_samples']} held-out documents ({result['val_tokens']:,} tokens)"

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # transformers is slow to import; load it only where it is us
 PROCESSOR_DIR = "processor"  # the dataset's side folder holding the processor (meta.json: "processor")
 NUM_CLASSES = 10  # digits 0-9
 CONVERSATIONS = "llava-conversations"  # meta.json "format" of a prepare_llava dataset
+PAIRS = "llava-preference"  # meta.json "format" of prepare_preference's pairs with images (recipes/vlm/preference.py)
 IMAGE_TOKEN = "<image>"
 
 
@@ -54,7 +55,9 @@ def prepare_data(cfg: TrainConfig, dist: DistInfo) -> dict:
 
 
 def is_conversations(meta: dict) -> bool:
-    return meta.get("format") == CONVERSATIONS
+    """Whether the data is conversations the model's processor tokenizes (prepare_llava's, or preference pairs with
+    images), not the digits demo's questions."""
+    return meta.get("format") in (CONVERSATIONS, PAIRS)
 
 
 def load_processor(root: str | Path) -> LlavaProcessor:

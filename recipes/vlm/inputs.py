@@ -23,8 +23,11 @@ from recipes.vlm.data import (
     blank_sample,
     build_train_loader,
     check_chat_template,
+    collate,
+    encode_conversation,
     encode_llava,
     is_conversations,
+    measure_llava,
     pack_plan,
 )
 from recipes.vlm.model import tower_image_tokens
@@ -53,6 +56,30 @@ class LlavaInputs:
     def train_loader(self, cfg: TrainConfig, meta: dict, *, rank: int, dp: int):
         """Data-parallel rank `rank` of `dp`'s loader (the cp ranks of a group read the same samples)."""
         return build_train_loader(cfg, meta, self.processor, self.blank, rank=rank, dp=dp)
+
+    # ---- preference pairs (recipes/vlm/preference.py): each side a conversation, a pair's documents one batch ----
+    def conversation_encoder(self, max_seq_len: int):
+        """``encode(messages, images)``: a conversation's training sequence, cut at ``max_seq_len`` (picklable)."""
+        return functools.partial(encode_conversation, processor=self.processor, max_seq_len=max_seq_len)
+
+    def collate_documents(self, cfg: TrainConfig):
+        """The micro-batch of encoded documents, packed or padded as data.packing says (picklable)."""
+        return functools.partial(
+            collate,
+            packing=cfg.data.packing,
+            max_seq_len=cfg.data.max_seq_len,
+            pad_id=self.processor.tokenizer.pad_token_id,
+            blank=self.blank,
+        )
+
+    def labels(self, batch: dict) -> torch.Tensor:
+        return batch["packed"].labels
+
+    def measure(self):
+        """A raw conversation sample's (language-model tokens, tower patches), for data.pack_buffer's plan."""
+        return functools.partial(
+            measure_llava, processor=self.processor, image_tokens=len(self.blank["input_ids"]), conversations=True
+        )
 
     def model_inputs(self, batch: dict, attention: str, device, dtype) -> dict:
         inputs = batch["packed"].model_inputs(attention, device=device)
@@ -149,17 +176,34 @@ class QwenInputs:
     def train_loader(self, cfg: TrainConfig, meta: dict, *, rank: int, dp: int):
         decode = self._decode(cfg.data.max_seq_len)
         collate = self.collate(packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len, blank=True)
-        p = self.processor
-        measure = functools.partial(
-            measure_llava_qwen,
-            tokenizer=p.tokenizer,
-            image_processor=p.image_processor,
-            video_config=self.video,
-        )
+        measure = self.measure()
         # One global sample stream, this rank's share of each step (as LLaVA's: recipes/vlm/data.py), its micro-batches
         # laid out by the samples' tokens and patches (data.pack_buffer).
         return global_train_loader(
             cfg, meta["train_urls"], decode=decode, collate=collate, rank=rank, dp=dp, plan=pack_plan(cfg, measure)
+        )
+
+    # ---- preference pairs (recipes/vlm/preference.py) ----
+    def conversation_encoder(self, max_seq_len: int):
+        p = self.processor
+        return functools.partial(
+            qwen.encode_qwen,
+            tokenizer=p.tokenizer,
+            image_processor=p.image_processor,
+            max_seq_len=max_seq_len,
+            video_config=self.video,
+        )
+
+    def collate_documents(self, cfg: TrainConfig):
+        return self.collate(packing=cfg.data.packing, max_seq_len=cfg.data.max_seq_len, blank=True)
+
+    def labels(self, batch: dict) -> torch.Tensor:
+        return batch["batch"].packed.labels
+
+    def measure(self):
+        p = self.processor
+        return functools.partial(
+            measure_llava_qwen, tokenizer=p.tokenizer, image_processor=p.image_processor, video_config=self.video
         )
 
     def model_inputs(self, batch: dict, attention: str, device, dtype) -> dict:

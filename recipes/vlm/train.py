@@ -26,6 +26,7 @@ from common.config import TrainConfig
 from common.distributed import DistInfo, barrier
 from common.engine import DeepSpeedEngine
 from common.parallel_dims import ParallelDims
+from common.preference import eval_summary as preference_summary
 from common.seed import seed_everything
 from common.trainer import Trainer
 from recipes.vlm import lora as vlm_lora
@@ -35,6 +36,7 @@ from recipes.vlm.evaluate import conversation_eval, generate_answers, load_eval_
 from recipes.vlm.inputs import inputs_for
 from recipes.vlm.llava import llava_hf_state_dict
 from recipes.vlm.parallelize import parallelize
+from recipes.vlm.preference import PreferenceTraining, check_data
 from recipes.vlm.weights import init_folder, load_model
 
 
@@ -47,6 +49,7 @@ class VLMTrainer(Trainer):
         if self.resume_from is not None:  # one line for a checkpoint of another method, adapter or base
             lora.check_resume(read_meta(self.resume_from), cfg, self.lora_base, self.resume_from)
         self.meta = prepare_data(cfg, dist)
+        check_data(cfg, self.meta)  # preference pairs with preference.loss, and only then
         seed_everything(cfg.trainer.seed)  # identical initial weights (a fresh projector) on every rank
         model, self.processor, source = load_model(cfg, self.meta)
         # The architecture's inputs: processor and tower agree on image tokens, and the chat template trains
@@ -66,29 +69,46 @@ class VLMTrainer(Trainer):
         # parallel.cp > 1: the cp ranks of each data-parallel group (dp = world / cp) read the same rows and split them.
         self.cp = self.dims.context_groups(self.device.type)
         dp_rank = dist.rank if self.cp is None else self.cp.dp_rank
-        loader = self.inputs.train_loader(cfg, self.meta, rank=dp_rank, dp=self.dims.dp)
         self.engine = DeepSpeedEngine(parallelize(model, cfg, self.cp), cfg, self.dims.dp, cp=self.cp)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype
+        # preference.loss: pairs and the pairwise objective (and its frozen reference) instead of supervised turns.
+        self.preference = PreferenceTraining(self) if cfg.preference.enabled else None
+        if self.preference is None:
+            loader = self.inputs.train_loader(cfg, self.meta, rank=dp_rank, dp=self.dims.dp)
+        else:
+            loader = self.preference.loader(self.inputs, rank=dp_rank, dp=self.dims.dp)
         # Nothing random per rank in a step but LoRA's dropout: the rest of the state is the same on every rank.
         self.start(loader, per_rank_rng=bool(self.lora_base) and cfg.lora.dropout > 0)
         self.model.train()
 
     # ---- the loss (common/trainer.py runs the step) ------------------------------------------
-    def loss(self, batch: dict) -> torch.Tensor:
-        """Cross-entropy summed over the micro-batch's labelled tokens (the assistant's answers), by
-        transformers' own loss: with `num_items_in_batch` it sums and divides by it."""
+    def model_inputs(self, batch: dict) -> dict:
         inputs = self.inputs.model_inputs(batch, self.cfg.toggles.attention, self.device, self.dtype)
         if "attention_mask" in inputs and inputs["attention_mask"].dtype != torch.bool:
             inputs["attention_mask"] = inputs["attention_mask"].to(self.dtype)
+        return inputs
+
+    def loss(self, batch: dict) -> torch.Tensor:
+        """Cross-entropy summed over the micro-batch's labelled tokens (the assistant's answers), by
+        transformers' own loss: with `num_items_in_batch` it sums and divides by it. Under preference.loss the
+        pairwise loss summed over the pairs (recipes/vlm/preference.py)."""
+        if self.preference is not None:
+            return self.preference.loss(batch)
         # No KV cache in training (and none recomputed).
-        return self.engine.model(**inputs, use_cache=False, num_items_in_batch=1).loss
+        return self.engine.model(**self.model_inputs(batch), use_cache=False, num_items_in_batch=1).loss
 
     def count(self, batch: dict) -> int:
-        return self.inputs.count(batch)
+        return self.inputs.count(batch) if self.preference is None else batch["pairs"]
 
     def tally(self, batch: dict) -> dict[str, int]:
-        return self.inputs.tally(batch)
+        counts = self.inputs.tally(batch)
+        if self.preference is not None:  # the documents are the samples; the pairs, and those dropped whole
+            counts |= {"pairs": batch["pairs"], "skipped_pairs": batch["skipped_pairs"]}
+        return counts
+
+    def loss_terms(self) -> dict[str, torch.Tensor]:
+        return {} if self.preference is None else self.preference.terms()  # TRL's rewards/* and logps/*
 
     def checkpoint_meta(self) -> dict:
         return {"stage": self.cfg.vlm.stage, **lora.checkpoint_meta(self.cfg, self.lora_base)}
@@ -103,7 +123,10 @@ class VLMTrainer(Trainer):
         """Every rank evaluates (ZeRO-3 gathers weights collectively); rank 0 scores and writes."""
         self.model.eval()
         with eval_attention(self.model, self.cfg.toggles.attention):
-            if self.conversations:
+            if self.preference is not None:  # held-out pairs: the loss and TRL's rewards/*
+                result = self.preference.evaluate(self.inputs, self.cfg.vlm.eval_samples) | {"step": self.state.step}
+                result = result if self.dist.is_main else None
+            elif self.conversations:
                 result = self.evaluate_conversations()
             else:
                 result = self.evaluate_digits()
@@ -143,6 +166,8 @@ class VLMTrainer(Trainer):
         return {**result, "step": self.state.step, "stage": self.cfg.vlm.stage} if self.dist.is_main else None
 
     def eval_summary(self, result: dict) -> str:
+        if "num_pairs" in result:
+            return preference_summary(result)
         if "accuracy" in result:
             return (
                 f"kiln: eval accuracy {result['accuracy']:.3f} on {result['num_samples']} held-out digits "

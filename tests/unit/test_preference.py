@@ -238,7 +238,9 @@ def test_a_family_without_preference_training_is_refused():
     "override, needle",
     [
         ("recipe=dit_tiny preference.loss=sigmoid", "preference.loss=sigmoid: the dit recipes have no preference"),
-        ("recipe=vlm_tiny preference.loss=simpo", "preference.loss=simpo: the vlm recipes have no preference"),
+        ("recipe=t2i_tiny preference.loss=simpo", "preference.loss=simpo: the t2i recipes have no preference"),
+        ("recipe=vlm_tiny preference.loss=sigmoid preference.reference=precomputed", "precomputed is not offered by"),
+        ("recipe=vlm_tiny preference.loss=sigmoid parallel.cp=2", "preference.loss=sigmoid does not run with parallel"),
         ("recipe=llm_tiny preference.loss=dpo", "preference.loss='dpo' is not allowed"),
         ("recipe=llm_tiny preference.loss=orpo preference.reference=model", "preference.loss=orpo is reference-free"),
         ("recipe=llm_tiny preference.loss=ipo parallel.pp=2", "preference.loss=ipo does not run with parallel.pp=2"),

@@ -125,8 +125,7 @@ def test_the_lora_reference_is_the_base_with_the_adapter_disabled():
     import copy
 
     from common.config import LoRAConfig
-    from common.lora import apply_lora
-    from recipes.llm.preference import adapters_disabled
+    from common.lora import adapters_disabled, apply_lora
     from tests.fixtures.flops import tiny_llama
 
     base, tokens = tiny_llama()
