@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -181,6 +181,80 @@ class PreferenceConfig:
     @property
     def needs_reference(self) -> bool:
         return self.enabled and self.loss not in PREFERENCE_REFERENCE_FREE
+
+
+# grpo.* and reward.*: online RL with verifiable rewards (issue 46; common/grpo.py, common/rewards.py), TRL's names.
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_SCALE_REWARDS = ("group", "batch", "none")
+GRPO_IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class RewardConfig:
+    """The ``reward`` section: the reward functions, "module:function" each (common/rewards.py), and their weights."""
+
+    functions: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # [] = 1.0 each, as TRL's reward_weights=None
+
+
+@dataclass
+class GRPOConfig:
+    """The ``grpo`` section: TRL's GRPOConfig keys with TRL's meanings and defaults (trl 1.16)."""
+
+    num_generations: int = 8  # G completions sampled per prompt; advantages are normalized within each group
+    max_completion_length: int = 512  # new tokens per completion; dr_grpo divides its loss by it
+    temperature: float = 1.0  # sampling temperature; the log-probs are taken of logits / temperature, as TRL does
+    top_p: float = 1.0  # nucleus sampling, in (0, 1]
+    epsilon: float = 0.2  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    # None = epsilon; DAPO's clip-higher takes 0.28
+    epsilon_high: Optional[float] = None  # noqa: UP045 (OmegaConf's structured configs read Optional)
+    beta: float = 0.0  # KL to the frozen reference (k3 estimator); 0 = none, no reference kept (TRL's default)
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (common/grpo.py says each normalization)
+    scale_rewards: str = "group"  # group | batch | none: what the advantages are divided by (std + 1e-4)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sequence)
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def check_grpo(grpo: GRPOConfig, reward: RewardConfig) -> None:
+    """One line for a grpo.* or reward.* value that cannot run (the reward functions themselves are loaded by
+    common/rewards.py)."""
+    for key, value, allowed in (
+        ("loss_type", grpo.loss_type, GRPO_LOSS_TYPES),
+        ("scale_rewards", grpo.scale_rewards, GRPO_SCALE_REWARDS),
+        ("importance_sampling_level", grpo.importance_sampling_level, GRPO_IMPORTANCE_LEVELS),
+    ):
+        if value not in allowed:
+            raise ConfigError(f"grpo.{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+    if grpo.num_generations < 2:
+        raise ConfigError(
+            f"grpo.num_generations={grpo.num_generations} must be >= 2 (advantages compare the completions of a prompt)"
+        )
+    if grpo.max_completion_length < 1:
+        raise ConfigError(f"grpo.max_completion_length={grpo.max_completion_length} must be >= 1")
+    if grpo.temperature <= 0:
+        raise ConfigError(f"grpo.temperature={grpo.temperature} must be > 0")
+    if not 0.0 < grpo.top_p <= 1.0:
+        raise ConfigError(f"grpo.top_p={grpo.top_p} must be in (0, 1]")
+    if not 0.0 <= grpo.epsilon < 1.0:
+        raise ConfigError(f"grpo.epsilon={grpo.epsilon} must be in [0, 1) (the ratio's lower bound is 1 - epsilon)")
+    if grpo.epsilon_high is not None and grpo.epsilon_high < 0:
+        raise ConfigError(f"grpo.epsilon_high={grpo.epsilon_high} must be >= 0 (or null: equal to grpo.epsilon)")
+    if grpo.beta < 0:
+        raise ConfigError(f"grpo.beta={grpo.beta} must be >= 0 (0: no reference)")
+    if not reward.functions:
+        raise ConfigError('reward.functions is empty; name at least one, e.g. ["common.rewards:exact_match"]')
+    if reward.weights and len(reward.weights) != len(reward.functions):
+        raise ConfigError(
+            f"reward.weights has {len(reward.weights)} values for {len(reward.functions)} reward.functions; "
+            "give one per function (or none: 1.0 each)"
+        )
+    for name in reward.functions:
+        module, _, function = str(name).partition(":")
+        if not module or not function:
+            raise ConfigError(f"reward.functions: {name!r} is not module:function (e.g. common.rewards:exact_match)")
 
 
 @dataclass

@@ -12,3 +12,9 @@ class ConfigError(UserError, ValueError):
 class DataError(UserError):
     """Unusable input data: too few shards for the layout, too many corrupt shards, a loader
     position that does not fit the data it is resumed on."""
+
+
+class WeightSyncError(UserError):
+    """The rollout engine did not take the trainer's weights (its log-probs of the probe differ from the trainer's
+    after a sync). Not a user's mistake, but it stops the run with one line as one does: the run must not go on
+    learning from samples of weights it is not training."""

@@ -776,6 +776,30 @@ def dry_run_report(spec: ModelSpec, layout: Layout) -> str:
 MEMORY_COLUMNS = ("weights", "grads", "optimizer", "gathered", "activations", "transient", "total")
 
 
+def preference_reference(cfg, params: int, copy: str) -> tuple[bool, str]:
+    """(whether a run holds a live frozen reference copy, the note line saying which reference is counted) under
+    ``cfg.preference.loss`` (a TrainConfig): a copy of the ``params`` weights unless the loss takes no reference,
+    finetune=lora runs the base with its adapter off, or preference.reference=precomputed; ``copy`` says how the
+    family holds it (dtype, sharding). (False, "") without preference.loss."""
+    pref = cfg.preference
+    if not pref.enabled:
+        return False, ""
+    held = pref.needs_reference and cfg.finetune != "lora" and pref.reference != "precomputed"
+    if held:
+        size = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"
+        what = (
+            f"a frozen reference copy of {size} {copy} (weights only; its no-grad "
+            "forward's peak, before the policy's, in transient where larger)"
+        )
+    elif not pref.needs_reference:
+        what = "reference-free loss: none"
+    elif cfg.finetune == "lora":
+        what = "LoRA: the base with the adapter off, no copy"
+    else:
+        what = "precomputed reference log-probs: no copy"
+    return held, f"preference.loss={pref.loss}, reference: {what}"
+
+
 def count_params(module, trainable_only: bool = False) -> int:
     """Parameters of a module (0 for None: a pipeline stage may lack its ends)."""
     if module is None:

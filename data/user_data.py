@@ -174,7 +174,8 @@ def build(
     """Write the dataset in ``out`` unless a complete one is there. Returns (meta, built_now).
 
     ``samples()`` reads and encodes the inputs (only when building): a list of ``{"ids": ..., ["mask": ...]}``
-    arrays and the meta entries that describe them. ``settings`` go to ``meta["settings"]``.
+    arrays (and, for prompts, a ``"json"`` string) and the meta entries that describe them. ``settings`` go to
+    ``meta["settings"]``.
     """
     built: dict[str, Any] = {}
 
@@ -212,10 +213,15 @@ def build(
     def write(tmp: Path, split: str, rows: np.ndarray, _images, _labels, num_shards: int) -> list[dict]:
         encoded = built["encoded"]
 
-        def sample(row: int) -> dict:
+        def sample(row: int) -> dict:  # arrays as KEY.npy; any other member (a prompt's "json") as it is
             return {
                 "__key__": f"{split}_{row:08d}",
-                **{f"{k}.npy": shards.npy_bytes(v) for k, v in encoded[row].items()},
+                **{
+                    (f"{k}.npy" if isinstance(v, np.ndarray) else k): (
+                        shards.npy_bytes(v) if isinstance(v, np.ndarray) else v
+                    )
+                    for k, v in encoded[row].items()
+                },
             }
 
         return shards.write_split(tmp, split, rows, sample, num_shards)

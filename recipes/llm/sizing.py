@@ -10,7 +10,7 @@ import torch
 
 from common import lora
 from common.config import TrainConfig
-from common.memory import Block, ModelSpec, count_params, nf4_bytes
+from common.memory import Block, ModelSpec, count_params, nf4_bytes, preference_reference
 from recipes.llm.model import Llama3RopeScaling, LlamaArgs, MoE, MoEArgs, Transformer
 
 
@@ -110,7 +110,9 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
 
     layer, first, last = sizes(count_params)
     gather_unit = max(layer, first + last)  # FSDP units: blocks, root
-    reference_copy, note = preference_reference(cfg, count_params(model))
+    # preference.loss's live reference, as recipes/llm/preference.py builds it: a copy built and sharded as the policy
+    # (build_model), its parameters in fp32 whatever toggles.precision, as the policy's.
+    reference_copy, note = preference_reference(cfg, count_params(model), "in fp32 sharded as the policy")
     # finetune=lora: the adapters train (weights, gradients, Adam state); the base is frozen weights only, in the
     # parameters' dtype (fp32 whatever toggles.precision: FSDP2's policy and autocast cast them per use).
     if cfg.finetune == "lora":
@@ -152,26 +154,3 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         reference_copy=reference_copy,
         note=note,
     )
-
-
-def preference_reference(cfg: TrainConfig, params: int) -> tuple[bool, str]:
-    """(whether the run holds a frozen reference copy, the note line saying which reference is counted) under
-    preference.loss, as recipes/llm/preference.py builds it: a copy built and sharded as the policy (build_model), its
-    parameters in fp32 whatever toggles.precision, as the policy's; (False, "") without preference.loss."""
-    pref = cfg.preference
-    if not pref.enabled:
-        return False, ""
-    copy = pref.needs_reference and cfg.finetune != "lora" and pref.reference != "precomputed"
-    if copy:
-        size = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"
-        what = (
-            f"a frozen reference copy of {size} in fp32 sharded as the policy (weights only; its no-grad "
-            "forward's peak, before the policy's, in transient where larger)"
-        )
-    elif not pref.needs_reference:
-        what = "reference-free loss: none"
-    elif cfg.finetune == "lora":
-        what = "LoRA: the base with the adapter off, no copy"
-    else:
-        what = "precomputed reference log-probs: no copy"
-    return copy, f"preference.loss={pref.loss}, reference: {what}"

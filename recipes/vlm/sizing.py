@@ -20,7 +20,15 @@ import torch
 
 from common.config import TrainConfig
 from common.errors import ConfigError
-from common.memory import Block, LayerType, ModelSpec, count_params, largest_module_params, largest_trainable
+from common.memory import (
+    Block,
+    LayerType,
+    ModelSpec,
+    count_params,
+    largest_module_params,
+    largest_trainable,
+    preference_reference,
+)
 from recipes.vlm.archs import QWEN_ARCHS, QwenArch
 from recipes.vlm.model import build_model
 from recipes.vlm.parallelize import trainable_parts
@@ -79,15 +87,16 @@ def merger_bytes(norm: str, ph: int, rows: int, e: int, *, input_grad: bool, inp
     return mlp + e * ph + ((4 * ph + 4 * rows) if input_grad else 0)
 
 
-def qwen_vision(model, cfg, max_pixels: int, act_bytes: int) -> tuple[list[LayerType], float, str]:
+def qwen_vision(model, cfg, max_pixels: int, act_bytes: int, rows: int) -> tuple[list[LayerType], float, str]:
     """(the tower's layer types, empty when it is frozen: without gradients it keeps nothing; the mergers' bytes
-    kept for backward; the note's sentence on the images) for the worst micro-batch of `cfg` (module docstring)."""
+    kept for backward; the note's sentence on the images) for the worst micro-batch of `cfg` (module docstring):
+    `rows` samples (documents) of data.max_seq_len tokens."""
     visual = model.model.visual
     v, e, arch = model.config.vision_config, act_bytes, QWEN_ARCHS[model.config.model_type]
     tokens, images = image_budget(v, max_pixels, cfg.data.max_seq_len)
     merge, unit = v.spatial_merge_size**2, v.patch_size * v.spatial_merge_size
     per_image = tokens * merge  # patches
-    n_images = cfg.trainer.micro_batch_size * images
+    n_images = rows * images
     patches = n_images * per_image
     # Windows where the config has them (Qwen2.5-VL: all blocks but fullatt_block_indexes); none: whole images.
     full = len(set(v.fullatt_block_indexes)) if getattr(v, "window_size", 0) else v.depth
@@ -128,18 +137,25 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     """The VLM for the memory model (common/memory.py): built on the meta device from its config (the folders', a
     RELEASED Qwen-VL's by name, or `model.*` with an assumed vocabulary when model.vocab_size is 0: no weights nor
     tokenizer read), frozen per stage, counted. A Qwen2.5-VL or Qwen3-VL adds its tower and merger(s) over the pixel
-    budget's images (qwen_vision)."""
+    budget's images (qwen_vision). Under preference.loss (recipes/vlm/preference.py) a micro-batch of pairs is twice
+    as many documents, each with its images (chosen and rejected go through one forward), and the live reference is
+    a frozen copy of the whole model in the policy's dtype: partitioned over dp as the policy under ZeRO-3, whole on
+    every GPU under stages 0-2 (common/deepspeed.py frozen_copy), none under finetune=lora or a reference-free loss."""
     source = weight_source(cfg)
     config = source.config()
     t = config.text_config
     with torch.device("meta"):
         model = build_model(config, "sdpa")
+    copy, reference = preference_reference(
+        cfg, count_params(model), "in the compute dtype, partitioned as the policy under ZeRO-3, whole under 0-2"
+    )
+    rows = cfg.trainer.micro_batch_size * (2 if cfg.preference.enabled else 1)
     trainable_parts(model, cfg)
     first_layer = model.model.language_model.layers[0]
     layer = count_params(first_layer, trainable_only=True)
     trainable = count_params(model, trainable_only=True)
     # A LLaVA's frozen vision tower runs without autograd: it keeps nothing. The text rows are taken at their
-    # longest, micro_batch x max_seq_len tokens (image tokens included).
+    # longest, `rows` x max_seq_len tokens (image tokens included).
     block = Block(
         hidden=t.hidden_size,
         heads=t.num_attention_heads,
@@ -159,15 +175,18 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
     e = 4 if cfg.toggles.precision == "fp32" else 2
     tower, outside, note = [], 0.0, ""
     if isinstance(source, QwenWeights):
-        tower, outside, note = qwen_vision(model, cfg, source.pixel_budget()[1], e)
+        tower, outside, note = qwen_vision(model, cfg, source.pixel_budget()[1], e, rows)
         note = f"{source.arch.name} from {source.label}; {note}"
+    if reference:
+        pairs = f"{cfg.trainer.micro_batch_size} pair(s) a micro-batch: {rows} documents with their images"
+        note = "\n".join(filter(None, (note, f"{reference}; {pairs}")))
     first = trainable - t.num_hidden_layers * layer - sum(ty.layers * ty.params for ty in tower)
     return ModelSpec(
         cfg.recipe.name,
         block,
         layers=t.num_hidden_layers,
         seq=cfg.data.max_seq_len,
-        micro_batch=cfg.trainer.micro_batch_size,
+        micro_batch=rows,
         layer_params=layer,
         first_params=first,
         frozen_params=count_params(model) - trainable,
@@ -178,8 +197,10 @@ def memory_spec(cfg: TrainConfig) -> ModelSpec:
         outside_layers_bytes=outside,
         note=note,
         more_layers=tuple(tower),
-        # parallel.cp: Ulysses over the language model, the logits gathered (recipes/vlm/context_parallel.py).
-        context_parallel=True,  # the planner varies parallel.cp
+        # parallel.cp: Ulysses over the language model, the logits gathered (recipes/vlm/context_parallel.py); the
+        # planner varies it, but for preference pairs, which do not run with it yet (recipes/vlm/config.py).
+        context_parallel=not cfg.preference.enabled,
         cp_method=cfg.parallel.cp_method,
         cp_whole_loss=True,
+        reference_copy=copy,
     )

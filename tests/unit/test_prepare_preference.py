@@ -226,7 +226,9 @@ def test_each_image_layout_is_stored_as_the_prompt_turns_the_answers_and_the_ima
     rc, out, _ = build_image_pairs(capsys, images, rows, tmp_path / "vpairs")
     assert rc == 0 and "5 pairs with 7 images" in out
     meta = load_dataset_meta(tmp_path / "vpairs")
-    assert meta["format"] == prepare_preference.VLM_FORMAT == "llava-preference"
+    from recipes.vlm.data import PAIRS  # the format the VLM's preference training reads
+
+    assert meta["format"] == prepare_preference.VLM_FORMAT == PAIRS == "llava-preference"
     assert (meta["pairs"], meta["text_only"], meta["multi_turn"]) == (5, 0, 1)
     assert meta["splits"]["train"]["samples"] == 4 and meta["splits"]["val"]["samples"] == 1
     samples = list(iter_samples([*meta["train_urls"], *meta["val_urls"]]))

@@ -5,6 +5,7 @@ two a pair, through the trainer's own collate and forward; and the pair decoder'
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import json
 import types
@@ -69,11 +70,13 @@ def kiln_documents(batch: dict) -> list[dict]:
     return docs
 
 
-def kiln_trainer(policy, reference, pref: PreferenceConfig) -> PreferenceTraining:
-    """PreferenceTraining on the parts of a VLMTrainer it reads: LLaVA's inputs adapter, the policy, the reference."""
-    from recipes.vlm.inputs import LlavaInputs
+def kiln_trainer(policy, reference, pref: PreferenceConfig, adapter="LlavaInputs") -> PreferenceTraining:
+    """PreferenceTraining on the parts of a VLMTrainer it reads: the architecture's inputs adapter, the policy, the
+    reference."""
+    from recipes.vlm import inputs as vlm_inputs
 
-    inputs = LlavaInputs.__new__(LlavaInputs)  # its model_inputs and labels read the batch only
+    kind = getattr(vlm_inputs, adapter)
+    inputs = kind.__new__(kind)  # its model_inputs and labels read the batch only
     tr = types.SimpleNamespace(
         cfg=types.SimpleNamespace(preference=pref),
         lora_base="",
@@ -121,12 +124,92 @@ def test_vlm_dpo_loss_and_rewards_equal_dpo_trainer(world, tmp_path, packing):
     assert 0 < logged["rewards/accuracies"] < 1  # one pair each way: the accuracy's test can fail
 
 
+def test_qwen_vl_dpo_loss_and_rewards_equal_dpo_trainer_on_the_same_tokens(tmp_path):
+    """Qwen2.5-VL (mRoPE positions per packed document): Kiln's decoded pairs (its own encoder) packed, against
+    DPOTrainer's loss on the same documents padded one a row, chosen rows first (TRL's layout), its positions computed
+    by transformers from the padding."""
+    from datasets import Dataset
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from data.tiny_qwen_vl import build
+    from recipes.vlm import qwen
+
+    folder = build(tmp_path / "qwen", "qwen2.5-vl")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    image_processor = AutoImageProcessor.from_pretrained(folder, min_pixels=56 * 56, max_pixels=112 * 112)
+    policy = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    reference = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rng = np.random.default_rng(0)
+    encode = functools.partial(
+        qwen.encode_qwen, tokenizer=tokenizer, image_processor=image_processor, max_seq_len=512, video_config=None
+    )
+    pairs = []
+    for k, (question, (chosen, rejected)) in enumerate(zip(PROMPTS, ANSWERS)):
+        image = Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8))
+        record = {"id": str(k), "prompt": [{"role": "user", "content": "<image>" + question}], "num_images": 1}
+        record |= {"chosen": chosen, "rejected": rejected}
+        pairs.append(decode_pair({"json": json.dumps(record), "image0": png(image)}, encode))
+    rows = [pair["docs"][side] for side in (0, 1) for pair in pairs]  # TRL's [chosen..., rejected...]
+    width = max(len(d["input_ids"]) for d in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    attention, completion = torch.zeros_like(ids), torch.zeros_like(ids)
+    for r, doc in enumerate(rows):
+        n = len(doc["input_ids"])
+        ids[r, :n], attention[r, :n], completion[r, :n] = doc["input_ids"], 1, doc["labels"] != IGNORE_INDEX
+    pads = tokenizer.convert_tokens_to_ids([qwen.IMAGE_PAD, qwen.VIDEO_PAD])
+    batch = {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "completion_mask": completion,
+        "pixel_values": torch.cat([d["pixel_values"] for d in rows]),
+        "image_grid_thw": torch.cat([d["image_grid_thw"] for d in rows]),
+        "mm_token_type_ids": qwen.modality_types(ids, *pads),
+    }
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.3, report_to=[], use_cpu=True, bf16=False)
+    text = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])  # TRL needs one; the batch is ours
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=text, processing_class=tokenizer)
+    mode = "train" if trainer.model.training else "eval"
+    trainer._metrics[mode].clear()
+    with torch.no_grad():
+        want = trainer._compute_loss(trainer.model, batch, return_outputs=False)
+    logged = {k: v[-1] for k, v in trainer._metrics[mode].items()}
+
+    docs_collate = functools.partial(
+        qwen.collate_qwen,
+        rope_index=qwen.rope_index_for(policy.config),
+        packing=True,
+        max_seq_len=512,
+        pad_id=tokenizer.pad_token_id,
+        image_pad_id=pads[0],
+        video_pad_id=pads[1],
+    )
+    kiln = collate_pairs(pairs, docs_collate)
+    assert len(kiln["batch"].packed.seq_lens) == 1  # all four documents in one row
+    training = kiln_trainer(policy, reference, PreferenceConfig(loss="sigmoid", beta=0.3), "QwenInputs")
+    with torch.no_grad():
+        losses, metrics = training.forward(kiln)
+    torch.testing.assert_close(losses.mean(), want, **TOL)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+        assert metrics[name].mean().item() == pytest.approx(logged[name], rel=1e-5, abs=1e-5), name
+    assert 0 < logged["rewards/accuracies"] < 1
+
+
+def png(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def test_a_pair_decodes_into_two_documents_labelled_on_their_final_answers_only(world):
     """A multi-turn prompt's earlier answer is prompt: each document's labels spell its final answer and nothing
     else; a side over data.max_seq_len drops the pair whole."""
     processor, _, _, images = world
-    buffer = io.BytesIO()
-    images[0].save(buffer, format="PNG")
     prompt = [
         {"role": "user", "content": "<image>What is this?"},
         {"role": "assistant", "content": "A digit."},
@@ -139,7 +222,7 @@ def test_a_pair_decodes_into_two_documents_labelled_on_their_final_answers_only(
         "rejected": "The digit seven, I believe.",
         "num_images": 1,
     }
-    sample = {"json": json.dumps(record).encode(), "image0": buffer.getvalue()}
+    sample = {"json": json.dumps(record).encode(), "image0": png(images[0])}
     encode = lambda messages, imgs: encode_conversation(messages, imgs, processor, max_seq_len=256)  # noqa: E731
     pair = decode_pair(sample, encode)
     assert pair["key"] == "p0" and len(pair["docs"]) == 2

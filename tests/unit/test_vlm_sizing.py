@@ -274,3 +274,36 @@ def test_budgets_sizing_cannot_use_and_a_missing_folder_are_one_line(qwen):
     source = weight_source(compose(["recipe=qwen2_5_vl_7b"]))
     with pytest.raises(ConfigError, match=r"Qwen2.5-VL-7B-Instruct: no such folder .* training reads the downloaded"):
         source.load("sdpa")
+
+
+def test_qwen2_5_vl_7b_dpo_sizes_two_documents_a_pair_and_the_reference_copy(capsys):
+    """configs/recipe/qwen2_5_vl_7b_dpo.yaml sized without its folder (run.dry_run composes it): a micro-batch of one
+    pair is two documents of 8192 tokens with their images (recipes/vlm/preference.py), so a reference-free loss
+    (simpo) keeps twice the SFT preset's activations and transient; the live reference adds to each GPU's weights a
+    copy of the release's 8,292,166,656 parameters in bf16, whole under ZeRO 0-2 and an eighth under ZeRO-3 at dp=8
+    (common/deepspeed.py frozen_copy), and nothing else there. `scripts/plan.py recipe=qwen2_5_vl_7b_dpo
+    cluster.gpus=8` finds one layout to fit 8 x 80 GB, the preset's: ZeRO-3 with full AC, 49.23 GiB (docs/planner.md),
+    and offers no cp (not run with preference pairs yet)."""
+    from common.memory import Layout, estimate
+
+    dpo = memory_spec(compose(["recipe=qwen2_5_vl_7b_dpo", "run.dry_run=true"]))
+    free = memory_spec(compose(["recipe=qwen2_5_vl_7b_dpo", "preference.loss=simpo", "preference.reference=auto"]))
+    sft = memory_spec(compose(["recipe=qwen2_5_vl_7b", "run.dry_run=true"]))
+    assert (dpo.micro_batch, free.micro_batch, sft.micro_batch) == (2, 2, 1)
+    assert "61,440 patches a micro-batch" in dpo.note  # twice the SFT preset's 30,720
+    assert dpo.reference_copy and not free.reference_copy
+    assert "reference: a frozen reference copy of 8.29B in the compute dtype" in dpo.note
+    assert free.note.endswith(
+        "reference: reference-free loss: none; 1 pair(s) a micro-batch: 2 documents with their images"
+    )
+    for stage in range(4):
+        for ac in ("none", "full"):
+            layout = Layout(dp=8, tp=1, pp=1, zero_stage=stage, ac=ac)
+            ref, no_ref, one = estimate(dpo, layout), estimate(free, layout), estimate(sft, layout)
+            assert ref["weights"] - no_ref["weights"] == 2 * PRESETS["qwen2_5_vl_7b"][2] / (8 if stage == 3 else 1)
+            assert all(ref[k] == no_ref[k] for k in ("grads", "optimizer", "gathered", "activations", "transient"))
+            assert (no_ref["activations"], no_ref["transient"]) == (2 * one["activations"], 2 * one["transient"])
+    assert load_script("plan").main(["recipe=qwen2_5_vl_7b_dpo", "cluster.gpus=8", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "micro batch 2 x 8192 tokens" in out and "1 of 8 layouts the recipe allows fit" in out
+    assert re.search(r"\n  1\*\s+8\s+1\s+1\s+1\s+1\s+zero3\s+full\s+3\.86 .* 49\.23\s+62%\n", out), out
