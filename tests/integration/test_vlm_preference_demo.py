@@ -18,7 +18,9 @@ import pytest
 from tests.conftest import metrics, run_train
 from tests.support.launcher import run_python
 
-pytestmark = pytest.mark.integration
+# Two 300-step vlm_tiny runs and an ORPO run: ~10 CPU-minutes, more than CI's budget holds, so `make test` leaves it out
+# (pyproject.toml: -m 'not slow'); `pytest -m slow tests/integration/test_vlm_preference_demo.py` runs it.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 RUN = ["recipe=vlm_tiny", "trainer.progress_bar=false", "checkpoint.every=0", "checkpoint.final=false"]
 # The docs' commands, the evals the test does not read left out (the base's digit eval, the SFT's held-out loss).
 BASE = [*RUN, "trainer.max_steps=300", "trainer.eval=false"]
