@@ -44,6 +44,7 @@ from common.errors import ConfigError
 
 __all__ = [
     "LOSSES",
+    "PairTraining",
     "REFERENCE_FREE",
     "PreferenceConfig",
     "answer_logps",
@@ -213,3 +214,26 @@ def eval_summary(result: dict) -> str:
         f"kiln: eval preference loss {result['val_loss']:.4f}, rewards/accuracies "
         f"{result['rewards/accuracies']:.3f} on {result['num_pairs']} held-out pairs"
     )
+
+
+class PairTraining:
+    """What a family's preference training shares (recipes/llm/preference.py, recipes/vlm/preference.py): the step's
+    loss summed over a micro-batch's pairs, and TRL's metrics summed beside it. The family gives ``forward(batch) ->
+    (per-pair losses, metrics)``."""
+
+    sums: dict[str, torch.Tensor]
+
+    def forward(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def loss(self, batch) -> torch.Tensor:
+        """The micro-batch's loss summed over its pairs; its metrics summed into the step's (``terms``)."""
+        losses, metrics = self.forward(batch)
+        for name in METRICS:
+            self.sums[name] = self.sums.get(name, 0.0) + metrics[name].sum().double()
+        return losses.sum()
+
+    def terms(self) -> dict[str, torch.Tensor]:
+        """The step's metric sums over this rank's pairs (the step divides them by the global count of pairs)."""
+        out, self.sums = self.sums, {}
+        return out

@@ -26,7 +26,7 @@ from common.config import TrainConfig
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_rows
 from common.errors import DataError
 from common.lora import adapters_disabled
-from common.preference import METRICS, answer_logps, document_index, preference_loss
+from common.preference import METRICS, PairTraining, answer_logps, document_index, preference_loss
 from recipes.llm import reference_logps
 from recipes.llm.data import eval_batches, model_inputs
 
@@ -109,7 +109,7 @@ def fill_start_weights(model: torch.nn.Module, args, cfg: TrainConfig, is_main: 
     set_model_state_dict(model, full or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
-class PreferenceTraining:
+class PreferenceTraining(PairTraining):
     """What LLMTrainer runs instead of next-token prediction when preference.loss is set (recipes/llm/train.py)."""
 
     def __init__(self, trainer, build_model):
@@ -176,18 +176,6 @@ class PreferenceTraining:
                 ref = self.reference_logps(batch, tr.model if self.adapter_off else self.reference)
             logps, counts = answer_logps(tr.model(ids, **inputs), labels, docs, n)
         return preference_loss(self.pref, logps, counts, ref)
-
-    def loss(self, batch: PairBatch) -> torch.Tensor:
-        """The micro-batch's loss summed over its pairs; its metrics summed into the step's (``terms``)."""
-        losses, metrics = self.forward(batch)
-        for name in METRICS:
-            self.sums[name] = self.sums.get(name, 0.0) + metrics[name].sum().double()
-        return losses.sum()
-
-    def terms(self) -> dict[str, torch.Tensor]:
-        """The step's metric sums over this rank's pairs (the step divides them by the global count of pairs)."""
-        out, self.sums = self.sums, {}
-        return out
 
     @torch.no_grad()
     def evaluate(self, pairs: list[dict]) -> dict:

@@ -31,7 +31,7 @@ from common.config import TrainConfig
 from common.data.webdataset import global_train_loader, iter_samples
 from common.errors import DataError
 from common.lora import adapters_disabled
-from common.preference import METRICS, answer_logps, preference_loss, sample_index
+from common.preference import METRICS, PairTraining, answer_logps, preference_loss, sample_index
 from common.seed import seed_everything
 from recipes.vlm.data import PAIRS as PAIR_FORMAT
 from recipes.vlm.data import decode_image, pack_plan
@@ -125,7 +125,7 @@ def frozen_reference(cfg: TrainConfig, meta: dict, engine, dp: int) -> torch.nn.
     return ds.frozen_copy(model, cfg, dp, next(engine.module.parameters()))
 
 
-class PreferenceTraining:
+class PreferenceTraining(PairTraining):
     """What VLMTrainer runs instead of supervised fine-tuning when preference.loss is set (recipes/vlm/train.py)."""
 
     def __init__(self, trainer, reference: torch.nn.Module | None = None):
@@ -164,17 +164,6 @@ class PreferenceTraining:
                 ref = self.logps(reference, batch, inputs)[0]
         logps, counts = self.logps(tr.engine.model, batch, inputs)
         return preference_loss(self.pref, logps, counts, ref)
-
-    def loss(self, batch: dict) -> torch.Tensor:
-        """The micro-batch's loss summed over its pairs; its metrics summed into the step's (``terms``)."""
-        losses, metrics = self.forward(batch)
-        for name in METRICS:
-            self.sums[name] = self.sums.get(name, 0.0) + metrics[name].sum().double()
-        return losses.sum()
-
-    def terms(self) -> dict[str, torch.Tensor]:
-        out, self.sums = self.sums, {}
-        return out
 
     @torch.no_grad()
     def evaluate(self, inputs, limit: int) -> dict:
