@@ -32,6 +32,8 @@ Kiln's supervised fine-tuning trains on the assistant's tokens only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -222,9 +224,7 @@ class PairTraining:
     (per-pair losses, metrics)``."""
 
     sums: dict[str, torch.Tensor]
-
-    def forward(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        raise NotImplementedError
+    forward: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]  # the family's own method
 
     def loss(self, batch) -> torch.Tensor:
         """The micro-batch's loss summed over its pairs; its metrics summed into the step's (``terms``)."""
