@@ -42,7 +42,7 @@ from common.config import PREFERENCE_REFERENCE_FREE as REFERENCE_FREE
 from common.config import PREFERENCE_REFERENCES as REFERENCES
 from common.config import PreferenceConfig
 from common.data.packing import IGNORE_INDEX
-from common.errors import ConfigError
+from common.errors import ConfigError, DataError
 
 __all__ = [
     "LOSSES",
@@ -50,6 +50,7 @@ __all__ = [
     "REFERENCE_FREE",
     "PreferenceConfig",
     "answer_logps",
+    "check_pair_data",
     "check_config",
     "eval_summary",
     "preference_loss",
@@ -101,6 +102,20 @@ def check_config(pref: PreferenceConfig, family: str, offered: bool) -> None:
         raise ConfigError(
             f"preference.label_smoothing={pref.label_smoothing} applies to the sigmoid and simpo losses only "
             f"(preference.loss={pref.loss})"
+        )
+
+
+def check_pair_data(root: str, loss: str, meta: dict, pair_format: str, *, other: str, builder: str) -> None:
+    """One line (DataError) for pair data without preference.loss (``loss`` empty), or preference.loss on other data:
+    ``meta`` is the dataset's meta.json, ``pair_format`` the family's pair format, ``other`` what its other data is
+    called when meta names no format, ``builder`` the command that builds pairs."""
+    pairs = meta.get("format") == pair_format
+    if pairs and not loss:
+        raise DataError(f"data.root={root} holds preference pairs: set preference.loss ({', '.join(LOSSES)})")
+    if loss and not pairs:
+        raise DataError(
+            f"preference.loss={loss} trains on preference pairs; data.root={root} holds "
+            f"{meta.get('format') or other} data: build pairs with {builder}"
         )
 
 

@@ -26,7 +26,7 @@ from common.config import TrainConfig
 from common.data.packing import IGNORE_INDEX, PackedBatch, pack_rows
 from common.errors import DataError
 from common.lora import adapters_disabled
-from common.preference import METRICS, PairTraining, answer_logps, document_index, preference_loss
+from common.preference import METRICS, PairTraining, answer_logps, check_pair_data, document_index, preference_loss
 from recipes.llm import reference_logps
 from recipes.llm.data import eval_batches, model_inputs
 
@@ -35,16 +35,9 @@ PAIR_FORMAT = "preference"  # meta.json "format" of data/prepare_preference.py's
 
 def check_data(cfg: TrainConfig, meta: dict) -> None:
     """One line for pair shards without preference.loss, other shards with it, or pairs longer than a row."""
-    pairs, loss = meta.get("format") == PAIR_FORMAT, cfg.preference.loss
-    if pairs and not loss:
-        raise DataError(
-            f"data.root={cfg.data.root} holds preference pairs: set preference.loss (sigmoid, ipo, hinge, simpo, orpo)"
-        )
-    if loss and not pairs:
-        raise DataError(
-            f"preference.loss={loss} trains on preference pairs; data.root={cfg.data.root} holds "
-            f"{meta.get('format') or 'text'} data: build pairs with python -m data.prepare_preference"
-        )
+    loss = cfg.preference.loss
+    check_pair_data(cfg.data.root, loss, meta, PAIR_FORMAT, other="text", builder="python -m data.prepare_preference")
+    pairs = meta.get("format") == PAIR_FORMAT
     if pairs and meta["longest_sample"] > cfg.data.max_seq_len:
         raise DataError(
             f"data.root={cfg.data.root} holds pairs of up to {meta['longest_sample']} tokens (both answers), more than "

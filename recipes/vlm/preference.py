@@ -29,9 +29,8 @@ import torch
 
 from common.config import TrainConfig
 from common.data.webdataset import global_train_loader, iter_samples
-from common.errors import DataError
 from common.lora import adapters_disabled
-from common.preference import METRICS, PairTraining, answer_logps, preference_loss, sample_index
+from common.preference import METRICS, PairTraining, answer_logps, check_pair_data, preference_loss, sample_index
 from common.seed import seed_everything
 from recipes.vlm.data import PAIRS as PAIR_FORMAT
 from recipes.vlm.data import decode_image, pack_plan
@@ -40,16 +39,8 @@ from recipes.vlm.qwen import ImageTokensExceed
 
 def check_data(cfg: TrainConfig, meta: dict) -> None:
     """One line for pairs without preference.loss, or preference.loss on other data."""
-    pairs, loss = meta.get("format") == PAIR_FORMAT, cfg.preference.loss
-    if pairs and not loss:
-        raise DataError(
-            f"data.root={cfg.data.root} holds preference pairs: set preference.loss (sigmoid, ipo, hinge, simpo, orpo)"
-        )
-    if loss and not pairs:
-        raise DataError(
-            f"preference.loss={loss} trains on preference pairs; data.root={cfg.data.root} holds "
-            f"{meta.get('format') or 'digits'} data: build pairs with python -m data.prepare_preference --images"
-        )
+    builder = "python -m data.prepare_preference --images"
+    check_pair_data(cfg.data.root, cfg.preference.loss, meta, PAIR_FORMAT, other="digits", builder=builder)
 
 
 def final_answer(labels: torch.Tensor) -> torch.Tensor:

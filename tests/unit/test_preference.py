@@ -261,3 +261,25 @@ def test_preference_composes_on_the_llm_and_is_off_by_default():
     assert not compose(["recipe=llm_tiny"]).preference.enabled
     cfg = compose(["recipe=llm_tiny", "data=preference_shards", "preference.loss=simpo", "preference.gamma=1.0"])
     assert (cfg.preference.loss, cfg.preference.gamma, cfg.preference.reference) == ("simpo", 1.0, "auto")
+
+
+@pytest.mark.parametrize("family", ["llm", "vlm"])
+def test_pairs_and_preference_loss_go_together_or_get_one_line(family):
+    """Each family's check of its data: pairs without preference.loss, and preference.loss on other data."""
+    import importlib
+
+    from common.errors import DataError
+
+    module = importlib.import_module(f"recipes.{family}.preference")
+    pair_meta = {"format": module.PAIR_FORMAT, "longest_sample": 10}
+
+    def cfg(loss: str):
+        data = types.SimpleNamespace(root="data/x", max_seq_len=64)
+        return types.SimpleNamespace(preference=PreferenceConfig(loss=loss), data=data)
+
+    with pytest.raises(DataError, match="data.root=data/x holds preference pairs: set preference.loss"):
+        module.check_data(cfg(""), pair_meta)
+    with pytest.raises(DataError, match="preference.loss=sigmoid trains on preference pairs; .* build pairs with"):
+        module.check_data(cfg("sigmoid"), {"format": "something-else"})
+    module.check_data(cfg("sigmoid"), pair_meta)  # pairs with a loss: nothing to say
+    module.check_data(cfg(""), {"format": "something-else"})  # neither: supervised training
