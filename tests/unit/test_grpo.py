@@ -42,23 +42,10 @@ WEIGHTS = [1.0, 0.5]
 
 @pytest.fixture(scope="module")
 def world():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.fixtures.llm import tiny_llamas
 
-    from tests.fixtures.llm import train_tokenizer
-
-    tokenizer = train_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(0)
-    return tokenizer, LlamaForCausalLM(config).eval()
+    tokenizer, (model,) = tiny_llamas(1)
+    return tokenizer, model
 
 
 def completions(tokenizer) -> list[list[int]]:
