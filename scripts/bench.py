@@ -19,6 +19,7 @@ from scripts.benchmarks import (
     data_wait,
     dit,
     export,
+    grpo,
     loading,
     lora,
     moe,  # noqa: E402
@@ -54,6 +55,7 @@ SECTIONS = {
     "export": export.run,
     "lora": lora.run,
     "preference": preference.run,
+    "grpo": grpo.run,
     "t2i": t2i.run,
     "video": video.run,
     "qwen": qwen.run,
