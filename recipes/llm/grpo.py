@@ -226,15 +226,45 @@ class GRPOTraining:
             **{k: [row.get(k) for row, _, _ in samples] for k in fields},
         )
 
-    def log_samples(self, step: int, samples: list, per_function: torch.Tensor) -> None:
+    def log_samples(self, step: int, samples: list, per_function: torch.Tensor, file: str = "samples.jsonl") -> None:
         """Each completion of the step with its prompt and rewards, one JSON line each in RUN_DIR/rollout/samples.jsonl
-        (TRL's completions table)."""
+        (TRL's completions table; the held-out evaluation's: eval_samples.jsonl)."""
         names = [n.rpartition(":")[2] for n in self.rewards.names]
-        with open(self.trainer.run_dir / "rollout" / "samples.jsonl", "a") as out:
+        with open(self.trainer.run_dir / "rollout" / file, "a") as out:
             for (row, _, s), values in zip(samples, per_function.tolist()):
                 rewards = {n: None if v != v else v for n, v in zip(names, values)}  # NaN: the function said None
                 line = {"step": step, "prompt": row.get("prompt"), "completion": s.text, "token_ids": s.token_ids}
                 out.write(json.dumps(line | {"rewards": rewards}) + "\n")
+
+    # ---- the held-out evaluation (trainer.eval) ---------------------------------------------------
+    def evaluate(self, prompts: list[dict]) -> dict[str, float]:
+        """The held-out reward of the policy's current weights: pushed into the engine (the probe check as every
+        step's), which answers each of ``prompts`` (the val split's) once, greedily (temperature 0, seeded with
+        trainer.seed), scored by reward.functions. ``eval/reward`` is the weighted sum's mean (as ``reward``),
+        ``eval/rewards/<function>/mean`` each function's; every answer is a line of RUN_DIR/rollout/eval_samples.jsonl
+        with the step it was taken at (0: the weights the run started from)."""
+        if self.engine is None:
+            self.start_engine()
+        tr = self.trainer
+        sync = self.engine.sync(self.hf_state(), self.probe_logps())
+        groups = self.engine.generate(
+            [p["ids"] for p in prompts],
+            n=1,
+            max_tokens=self.cfg.max_completion_length,
+            temperature=0.0,
+            seed=tr.cfg.trainer.seed,
+        )
+        samples = [(row, group, s) for row, group in zip(prompts, groups) for s in group.samples]
+        per_function = self.score(samples)
+        self.log_samples(tr.state.step, samples, per_function, file="eval_samples.jsonl")
+        metrics = self.rewards.metrics(per_function, torch.zeros(len(samples)))
+        means = {f"eval/{k}": v for k, v in metrics.items() if k.startswith("rewards/") and k.endswith("/mean")}
+        return {
+            "eval/reward": metrics["reward"],
+            **means,
+            "eval/num_prompts": len(prompts),
+            "eval/sync/logprob_gap": sync.gap,
+        }
 
     def count(self, batch: RolloutBatch) -> int:
         """What the loss is summed over: completion tokens (dapo, bnpo) or completions (grpo, dr_grpo), so that the

@@ -125,6 +125,7 @@ class LLMTrainer(Trainer):
         self.preference = PreferenceTraining(self, build_model) if pairs else None
         # grpo.enabled: samples from the rollout engine scored by the reward functions, the GRPO loss on them
         self.grpo = GRPOTraining(self) if cfg.grpo.enabled else None
+        self.grpo_eval = None  # its held-out reward, taken at the end of fit (evaluate_grpo)
         self.pipeline, tied = self.build_pipeline()
         self.engine = NativeEngine(
             self.model, cfg, self.mesh, cp=self.cp, tied=tied, backward_context=self.objective.backward
@@ -337,10 +338,8 @@ class LLMTrainer(Trainer):
         pipeline parallelism are collective). Rank 0 writes RUN_DIR/eval.json and returns it."""
         from common.data.webdataset import iter_samples
 
-        if self.grpo is not None:
-            if self.dist.is_main:
-                print("kiln: eval: skipped: grpo.enabled has no held-out evaluation yet", flush=True)
-            return None
+        if self.grpo is not None:  # taken at the end of fit, the rollout engine still up (evaluate_grpo)
+            return self.grpo_eval
         held_out = iter_samples(self.meta.get("val_urls", []))
         decode = decode_document if self.preference is None else decode_pair
         docs = [decode(s) for s, _ in zip(held_out, range(self.cfg.data.eval_docs))]
@@ -417,12 +416,36 @@ class LLMTrainer(Trainer):
         return out
 
     def fit(self, batches=None) -> None:
-        """common/trainer.py's loop; under grpo.enabled the rollout engine stops when it ends, or fails."""
+        """common/trainer.py's loop; under grpo.enabled with trainer.eval, the held-out reward before a fresh run's
+        first step (step 0) and after its last (evaluate_grpo), while the rollout engine is up; it stops when training
+        ends, or fails."""
+        on = self.grpo is not None and self.cfg.trainer.eval
         try:
+            if on and self.state.step == 0 < self.cfg.trainer.max_steps:
+                self.evaluate_grpo()
             super().fit(batches)
+            if on:
+                self.grpo_eval = self.evaluate_grpo()
         finally:
             if self.grpo is not None:
                 self.grpo.close()
+
+    def evaluate_grpo(self) -> dict | None:
+        """grpo.enabled's held-out evaluation (recipes/llm/grpo.py:GRPOTraining.evaluate) on the val split's first
+        data.eval_docs prompts: one record in metrics.jsonl (``eval/reward``, ``eval/rewards/<function>/mean``) at the
+        step the weights are of, and RUN_DIR/eval.json. One rank (GRPO refuses more)."""
+        from common.data.webdataset import iter_samples
+
+        held_out = iter_samples(self.meta.get("val_urls", []))
+        prompts = [decode_prompt(s) for s, _ in zip(held_out, range(self.cfg.data.eval_docs))]
+        if not prompts:
+            print("kiln: eval: skipped: the val split has no prompts", flush=True)
+            return None
+        result = {"step": self.state.step, **self.grpo.evaluate(prompts)}
+        with open(self.run_dir / "metrics.jsonl", "a") as out:  # the loop's logger is closed (or not yet open)
+            out.write(json.dumps(result) + "\n")
+        (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+        return result
 
     def after_fit(self) -> None:
         self.log_moe_summary()
@@ -430,6 +453,11 @@ class LLMTrainer(Trainer):
     def eval_summary(self, result: dict) -> str:
         if "num_pairs" in result:
             return preference_summary(result)
+        if "eval/reward" in result:
+            return (
+                f"kiln: eval reward {result['eval/reward']:.4f} on {result['eval/num_prompts']} held-out prompts "
+                f"(greedy; step {result['step']})"
+            )
         return (
             f"kiln: eval loss {result['val_loss']:.4f} (perplexity {result['val_perplexity']:.1f}) on "
             f"{result['num_samples']} held-out documents ({result['val_tokens']:,} tokens)"

@@ -79,19 +79,36 @@ def prompts(export, tmp_path_factory):
     folder = tmp_path_factory.mktemp("prompts")
     source = folder / "prompts.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
-    assert main(["--tokenizer", str(export), "--input", str(source), "--out", str(folder / "shards")]) == 0
+    args = [
+        "--tokenizer",
+        str(export),
+        "--input",
+        str(source),
+        "--out",
+        str(folder / "shards"),
+        "--val-fraction",
+        "0.25",
+    ]
+    assert main(args) == 0
     return folder / "shards"
 
 
 @pytest.fixture(scope="module")
 def run(export, prompts, tmp_path_factory):
+    """The 3 steps with the held-out evaluation (trainer.eval): before step 1 and after step 3, on the val split."""
     run_dir = tmp_path_factory.mktemp("grpo") / "run"
-    run_train([*GRPO, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={run_dir}"])
+    args = [a for a in GRPO if a != "trainer.eval=false"] + ["trainer.eval=true"]
+    run_train([*args, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={run_dir}"])
     return run_dir
 
 
 def metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The training steps' records (the held-out evaluation's are eval_records')."""
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def eval_records(run_dir) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval/reward" in r]
 
 
 def samples(run_dir, step: int) -> list[dict]:
@@ -137,3 +154,36 @@ def test_a_sync_that_did_not_take_stops_the_run_in_one_line(export, prompts, tmp
     assert len(errors) == 1 and "the rollout engine did not take the trainer's weights" in errors[0], errors
     print(errors[0])
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1]  # step 2 never trained
+
+
+def test_the_held_out_reward_scores_greedy_answers_before_and_after_training(run, export, prompts):
+    """trainer.eval under grpo.enabled: the engine's greedy answer to each val prompt, before step 1 (step 0) and after
+    step 3, scored by the run's reward. References: format_match's rule applied here to the logged answers, and
+    transformers' own greedy generation from the export the run started from (step 0's weights)."""
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.data.dataset import load_dataset_meta
+    from common.data.webdataset import iter_samples
+    from recipes.llm.grpo import decode_prompt
+
+    val = [decode_prompt(s) for s in iter_samples(load_dataset_meta(prompts)["val_urls"])]
+    records = eval_records(run)
+    assert [r["step"] for r in records] == [0, 3] and len(val) >= 2
+    assert json.loads((run / "eval.json").read_text()) == records[-1]
+    rows = [json.loads(line) for line in (run / "rollout" / "eval_samples.jsonl").read_text().splitlines()]
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    for r in records:
+        answers = [row for row in rows if row["step"] == r["step"]]
+        assert [a["prompt"] for a in answers] == [p["prompt"] for p in val]
+        rescored = [1.0 if re.match("^ ", a["completion"]) else 0.0 for a in answers]
+        assert r["eval/reward"] == pytest.approx(sum(rescored) / len(rescored), abs=1e-6), (r, answers)
+        assert r["eval/rewards/format_match/mean"] == r["eval/reward"] and r["eval/num_prompts"] == len(val)
+        assert r["eval/sync/logprob_gap"] <= PROBE_BOUND
+        print(f"step {r['step']}: eval/reward {r['eval/reward']:.3f} on {len(val)} held-out prompts")
+    for p, a in zip(val, [row for row in rows if row["step"] == 0]):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p["ids"]]), max_new_tokens=8, do_sample=False)
+        assert a["token_ids"] == out[0, len(p["ids"]) :].tolist()[: len(a["token_ids"])], (p["prompt"], a)
