@@ -14,6 +14,10 @@ One optimizer step (trainer.grad_accum=1, one rank: recipes/llm/config.py:check_
    log-probs the ratio is taken against: at ``grpo.temperature`` 1 the engine's (vLLM's raw log-probs); at any other
    temperature the trainer's own forward before the update, as TRL takes them when it steps once per generation
    (the same forward as the loss's, detached: the engine's raw log-probs are not of logits / temperature).
+   With ``grpo.beta`` > 0 the loss adds beta x the KL to a reference whose per-token log-probs of the samples are
+   taken first, under no_grad, at the sampling temperature: a frozen copy of the starting weights (as preference
+   training builds it: model.init_from, else the seeded init, whatever the run resumed), or under finetune=lora the
+   policy itself with its adapter off (no copy).
 
 The engine starts once per run, after the model's weights are loaded (and resumed), on an export of them written to
 RUN_DIR/rollout/start (removed when it stops), and stops at the end of training or on an error (LLMTrainer.fit).
@@ -23,6 +27,7 @@ RUN_DIR/rollout/samples.jsonl.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -36,7 +41,9 @@ from common import faults
 from common.config import TrainConfig
 from common.errors import ConfigError, DataError
 from common.grpo import completion_metrics, group_advantages, grpo_loss, token_logps, weighted_sum
+from common.lora import adapters_disabled
 from common.rewards import Rewards
+from recipes.llm.preference import fill_start_weights
 
 PROMPTS_FORMAT = "prompts"  # meta.json "format" of data/prepare_prompts.py's shards
 PROBE_LEN = 32  # tokens of the fixed sequence the engine and the trainer score after every sync
@@ -105,10 +112,18 @@ def lay_samples(rows: list[tuple[list[int], list[int], list[float]]], pad_id: in
 class GRPOTraining:
     """What LLMTrainer runs when grpo.enabled (recipes/llm/train.py): prepare (sync, generate, score), loss, metrics."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, build_model):
         if trainer.dims.world_size != 1:
             raise ConfigError(f"grpo.enabled=true runs on one rank for now (this job has {trainer.dims.world_size})")
         self.trainer, self.cfg = trainer, trainer.cfg.grpo
+        # grpo.beta > 0: the KL's reference, a frozen copy of the starting weights (under LoRA: the policy with its
+        # adapter off, reference_logps)
+        self.reference: torch.nn.Module | None = None
+        if self.cfg.beta > 0 and not trainer.lora:
+            self.reference = build_model(trainer.args, trainer.cfg, trainer.mesh, trainer.device)
+            fill_start_weights(self.reference, trainer.args, trainer.cfg, trainer.dist.is_main)
+            self.reference.requires_grad_(False)
+            self.reference.eval()
         self.rewards = Rewards.from_config(trainer.cfg.reward, self.cfg.max_completion_length)
         gen = torch.Generator().manual_seed(0)
         self.probe = torch.randint(0, trainer.args.vocab_size, (PROBE_LEN,), generator=gen).tolist()
@@ -284,9 +299,20 @@ class GRPOTraining:
             logits = tr.model(ids)
         logps = token_logps(logits[:, :-1], ids[:, 1:], self.cfg.temperature)
         old = logps.detach() if batch.old_logps is None else batch.old_logps.to(device)
-        loss, metrics = grpo_loss(self.cfg, logps, old, batch.advantages.to(device), mask)
+        ref = self.reference_logps(ids) if self.cfg.beta > 0 else None
+        loss, metrics = grpo_loss(self.cfg, logps, old, batch.advantages.to(device), mask, ref)
         self.metrics |= metrics
         return loss * self.count(batch)
+
+    @torch.no_grad()
+    def reference_logps(self, ids: torch.Tensor) -> torch.Tensor:
+        """The KL reference's per-token log-probs of ``ids`` [N, T] at the sampling temperature (as TRL takes them):
+        the frozen start, or under LoRA the policy with its adapter off."""
+        tr = self.trainer
+        model = tr.model if self.reference is None else self.reference
+        with adapters_disabled(model) if tr.lora else contextlib.nullcontext(), tr.objective.forward():
+            logits = model(ids)
+        return token_logps(logits[:, :-1], ids[:, 1:], self.cfg.temperature)
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
         out, self.metrics = self.metrics, {}

@@ -124,7 +124,7 @@ class LLMTrainer(Trainer):
         # preference.loss: the pairwise objective (and its frozen reference) instead of next-token prediction
         self.preference = PreferenceTraining(self, build_model) if pairs else None
         # grpo.enabled: samples from the rollout engine scored by the reward functions, the GRPO loss on them
-        self.grpo = GRPOTraining(self) if cfg.grpo.enabled else None
+        self.grpo = GRPOTraining(self, build_model) if cfg.grpo.enabled else None
         self.grpo_eval = None  # its held-out reward, taken at the end of fit (evaluate_grpo)
         self.pipeline, tied = self.build_pipeline()
         self.engine = NativeEngine(

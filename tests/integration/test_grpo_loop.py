@@ -1,11 +1,12 @@
 """GRPO end to end (recipes/llm/grpo.py, grpo.enabled=true): llm_tiny's export (the run test_rollout_vllm serves)
-trained 3 GRPO steps on 8 tiny prompts, its samples drawn by vLLM's CPU build with the trainer's weights pushed in
-before every step. Three runs for the module (~15-25 s each on 2 cores, most of it the engine's start): 3 steps, a
-resume of its step-2 checkpoint to step 3, and a run whose step-2 sync is broken on purpose.
+trained 3 GRPO steps on 8 tiny prompts with a KL reference (grpo.beta=0.04), its samples drawn by vLLM's CPU build
+with the trainer's weights pushed in before every step. Three runs for the module (~15-25 s each on 2 cores, most of
+it the engine's start): 3 steps, a resume of its step-2 checkpoint to step 3, and a run (beta 0, the default) whose
+step-2 sync is broken on purpose.
 
-Independent references: the export the run started from (the weights must have moved), the probe check's bound
-(the engine computes what the trainer computes after every sync), and the uninterrupted run's step 3 (a resume draws
-the same samples and rewards).
+Independent references: the export the run started from (the weights must have moved; transformers' forward of it is
+the KL's reference), the probe check's bound (the engine computes what the trainer computes after every sync), and
+the uninterrupted run's step 3 (a resume draws the same samples and rewards, against the same reference).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from common.rollout.client import PROBE_BOUND
 from tests.fixtures.llm import tensors
@@ -44,6 +46,7 @@ GRPO = [
     "optim.weight_decay=0",  # the weights move by the GRPO gradient only
     "optim.warmup_steps=0",
 ]
+BETA = ["grpo.beta=0.04"]  # the KL to the starting weights (TRL's default when it is on: 0.04)
 # TRL's names (GRPOTrainer) and the loop's own: the sync's gap and bytes, seconds per part of the step
 KEYS = [
     "loss",
@@ -64,6 +67,7 @@ KEYS = [
     "time/generate_s",
     "time/reward_s",
     "time/train_s",
+    "kl",
 ]
 
 
@@ -98,7 +102,7 @@ def run(export, prompts, tmp_path_factory):
     """The 3 steps with the held-out evaluation (trainer.eval): before step 1 and after step 3, on the val split."""
     run_dir = tmp_path_factory.mktemp("grpo") / "run"
     args = [a for a in GRPO if a != "trainer.eval=false"] + ["trainer.eval=true"]
-    run_train([*args, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={run_dir}"])
+    run_train([*args, *BETA, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={run_dir}"])
     return run_dir
 
 
@@ -135,12 +139,57 @@ def test_three_grpo_steps_log_trl_metrics_sync_every_step_and_move_the_weights(r
 def test_a_resume_draws_the_same_samples_and_rewards(run, export, prompts, tmp_path):
     resumed = tmp_path / "resumed"
     ckpt = run / "checkpoints" / "step_0000002"
-    run_train([*GRPO, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={resumed}", f"run.resume={ckpt}"])
+    run_train(
+        [*GRPO, *BETA, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={resumed}", f"run.resume={ckpt}"]
+    )
     assert [r["step"] for r in metrics(resumed)] == [3]
     assert samples(resumed, 3) == samples(run, 3)
     again, first = metrics(resumed)[0], metrics(run)[2]
     for key in ("reward", "reward_std", "rewards/format_match/mean", "completions/mean_length"):
         assert again[key] == first[key], key
+    # the reference is the start, not the checkpoint resumed: the same KL as the run that went on
+    assert again["kl"] == pytest.approx(first["kl"], rel=1e-5, abs=1e-9)
+
+
+def hf_logps(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """transformers' log-probs of `completion`'s tokens after `prompt` (fp32, temperature 1)."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_the_kl_is_to_the_starting_weights(run, export):
+    """grpo.beta > 0: step 1's policy is its reference (KL 0); step 3's KL equals TRL's k3 estimate computed by
+    transformers from the starting export (the reference) and the step-2 checkpoint (the policy that step 3 scored)
+    on step 3's samples. The ratio to the rollout's log-probs, which TRL's KL is weighted by, is 1 within the probe's
+    gap (temperature 1: the engine holds the same weights)."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recipes.llm import weights
+    from recipes.llm.hf_adapter import to_hf_state_dict
+    from recipes.llm.model import Transformer
+
+    records = metrics(run)
+    assert abs(records[0]["kl"]) <= 1e-6
+    assert all(r["kl"] > 0 for r in records[1:])
+    reference = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    policy = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    args = weights.checkpoint_args(export)
+    state = {"model": Transformer(args).state_dict()}
+    dcp.load(state, checkpoint_id=str(run / "checkpoints" / "step_0000002" / "dcp"))
+    policy.load_state_dict(to_hf_state_dict(state["model"], args), strict=True)
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    k3 = []
+    for row in samples(run, 3):
+        prompt = list(tokenizer(row["prompt"])["input_ids"])
+        delta = hf_logps(reference, prompt, row["token_ids"]) - hf_logps(policy, prompt, row["token_ids"])
+        k3.append(torch.exp(delta) - delta - 1)
+    want = torch.cat(k3).mean().item()  # the step's completion tokens' mean (TRL's kl metric)
+    gap = abs(records[2]["kl"] - want)
+    print(f"grpo kl: step 1 {records[0]['kl']:.3g}; step 3 {records[2]['kl']:.6g}, transformers' {want:.6g} (gap {gap:.2g})")
+    assert gap <= 1e-5
 
 
 def test_a_sync_that_did_not_take_stops_the_run_in_one_line(export, prompts, tmp_path):
