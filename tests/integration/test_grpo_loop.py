@@ -188,7 +188,8 @@ def test_the_kl_is_to_the_starting_weights(run, export):
         k3.append(torch.exp(delta) - delta - 1)
     want = torch.cat(k3).mean().item()  # the step's completion tokens' mean (TRL's kl metric)
     gap = abs(records[2]["kl"] - want)
-    print(f"grpo kl: step 1 {records[0]['kl']:.3g}; step 3 {records[2]['kl']:.6g}, transformers' {want:.6g} (gap {gap:.2g})")
+    kl1, kl3 = records[0]["kl"], records[2]["kl"]
+    print(f"grpo kl: step 1 {kl1:.3g}; step 3 {kl3:.6g}, transformers' {want:.6g} (gap {gap:.2g})")
     assert gap <= 1e-5
 
 
