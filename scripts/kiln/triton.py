@@ -76,7 +76,7 @@ def command(s, repo: Path, venv: Path) -> list[str]:
         f"--http-port={s.port}",
         "--allow-grpc=false",
         "--allow-metrics=false",
-        "--exit-timeout-secs=5",  # a stop (SIGTERM) waits this long for requests in flight
+        "--exit-timeout-secs=1",  # a stop (SIGTERM) waits this long for requests in flight
         f"--log-verbose={1 if s.log_level == 'debug' else 0}",
     ]
 
