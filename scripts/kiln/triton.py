@@ -9,7 +9,9 @@ run Kiln's own code from this checkout and this environment (the repository's mo
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -121,3 +123,31 @@ def plan(s, export: Path, name: str, image_family) -> dict:
     if problem:
         notes.append(problem)
     return {"argv": command(s, repo, venv), "why": "requested", "notes": notes}
+
+
+def ask(venv: Path, base: str, model: str, pairs: list, out: Path, *, steps: int = 0, concurrency: int = 1) -> dict:
+    """tritonclient's answers to one-image requests `pairs` ([[class, seed], ...]), sent by scripts/triton_client.py
+    from Triton's environment (tritonclient is installed there, not in Kiln's): {"images" [N, C, S, S] (NaN where one
+    failed), "status" [N] (200 or Triton's HTTP status), "seconds" (all of them, wall clock), "stderr"}."""
+    import numpy as np
+
+    proc = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            str(REPO / "scripts" / "triton_client.py"),
+            base.removeprefix("http://"),
+            model,
+            f"--requests={json.dumps(pairs)}",
+            f"--steps={steps}",
+            f"--concurrency={concurrency}",
+            f"--out={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode not in (0, 1):  # 1: some requests failed, as the answers say
+        raise RuntimeError(f"scripts/triton_client.py exited {proc.returncode}: {proc.stderr[-2000:]}")
+    with np.load(out) as got:
+        answers = {"images": got["images"], "status": got["status"], "seconds": float(got["seconds"])}
+    return answers | {"stderr": proc.stderr}

@@ -17,10 +17,10 @@ import torch
 
 from recipes.dit.onnx import ExportSampler
 from scripts.kiln.serving import http, running_server
-from scripts.kiln.triton import HEALTH
+from scripts.kiln.triton import HEALTH, ask
 from tests.conftest import load_script
 from tests.fixtures.layouts import DIT, layout
-from tests.fixtures.triton import NEEDS_TRITON, ask
+from tests.fixtures.triton import NEEDS_TRITON
 
 pytestmark = NEEDS_TRITON
 
