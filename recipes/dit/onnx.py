@@ -413,6 +413,9 @@ class ExportSampler:
 
         sampler = ExportSampler(export, "onnxruntime")
         images = sampler(labels, generator=torch.Generator().manual_seed(0))   # [-1, 1], [N, C, S, S]
+
+    `model`, where given, is the denoiser instead of the backend's (same call signature, on the CPU): Triton's BLS
+    model calls its denoiser model through it (recipes/dit/triton.py).
     """
 
     def __init__(self, export: str | Path, backend: str = "torch", model=None, **backend_kwargs):
