@@ -25,6 +25,7 @@ below. A bad request (a class out of range, a negative seed, steps out of range)
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -115,15 +116,14 @@ def write_repository(
         + batching
         + '\noptimization { execution_accelerators { gpu_execution_accelerator: [ { name: "tensorrt" } ] } }\n',
     )
+    shutil.rmtree(repo, ignore_errors=True)  # Triton loads every model it finds: none left from another name
     for model, config, cls in ((name, sampler_cfg, "SamplerModel"), (denoiser, denoiser_cfg, "DenoiserModel")):
         (repo / model / "1").mkdir(parents=True, exist_ok=True)
         (repo / model / "config.pbtxt").write_text(config)
         (repo / model / "1" / "model.py").write_text(SHIM.format(cls=cls, paths=list(sys_path)))
     (repo / denoiser / "configs").mkdir(exist_ok=True)
     (repo / denoiser / "configs" / "gpu.pbtxt").write_text(gpu_cfg)
-    link = repo / denoiser / "1" / "model.onnx"
-    link.unlink(missing_ok=True)
-    link.symlink_to(onnx)
+    (repo / denoiser / "1" / "model.onnx").symlink_to(onnx)
     return [name, denoiser]
 
 

@@ -696,11 +696,13 @@ def test_triton_writes_a_model_repository_and_refuses_what_it_cannot_serve(dit_e
     (dit_export / "onnx" / "model.onnx").write_bytes(b"0")
     with pytest.raises(UserError, match="serve.engine=triton: Triton's environment is not built .*make triton-env"):
         plan(ServeSection(model=str(dit_export), engine="triton"))
+    plan(ServeSection(model=str(dit_export), engine="triton", dry_run=True, served_model_name="other"))
     launch = plan(ServeSection(model=str(dit_export), engine="triton", dry_run=True, max_batch_images=8, port=8123))
     assert (launch.engine, launch.name, launch.api) == ("triton", "dit_tiny", "/v2")
     repo = dit_export / "triton"
     assert launch.argv[0] == "env" and launch.argv[2].endswith("pytriton/tritonserver/bin/tritonserver")
     assert {f"--model-repository={repo}", "--http-port=8123", "--http-address=127.0.0.1"} <= set(launch.argv)
+    assert sorted(p.name for p in repo.iterdir()) == ["dit_tiny", "dit_tiny_denoiser"]  # none left from "other"
     sampler, denoiser = (repo / m / "config.pbtxt" for m in ("dit_tiny", "dit_tiny_denoiser"))
     assert "max_batch_size: 8" in sampler.read_text() and "max_batch_size: 16" in denoiser.read_text()
     assert "dynamic_batching { max_queue_delay_microseconds: 10000 }" in sampler.read_text()
