@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kiln-installed
 # CPU installs pin torch to the release on this machine's disk (an unpinned torch pulls CUDA).
 PIP_INSTALL := $(PY) -m pip install -q -c constraints/cpu.txt
 
-.PHONY: install demo test data clean bench gpu-check serve-env
+.PHONY: install demo test data clean bench gpu-check serve-env triton-env
 # Extra arguments for the command behind `demo` and `bench`, e.g. make demo ARGS="trainer.max_steps=200".
 ARGS ?=
 
@@ -50,6 +50,23 @@ $(SERVE_STAMP):
 		echo cpu > $(SERVE_STAMP).tmp; \
 	fi
 	mv $(SERVE_STAMP).tmp $(SERVE_STAMP)
+
+# Triton Inference Server in its own environment (scripts/serve.py serve.engine=triton, scripts/kiln/triton.py): the
+# nvidia-pytriton wheel (55 MB) bundles a real tritonserver binary and its Python backend, tritonclient speaks its HTTP
+# protocol (scripts/triton_client.py). PyTriton's own Triton().bind() is not used (it fails on this Python 3.11.7); the
+# binary runs an ordinary model repository. The backend's stub for this Python goes beside the backend, and the stamp
+# records that version: the stub runs Kiln's code from .venv, which has to be the same Python.
+TRITON_VENV  := .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.kiln-installed
+triton-env: $(TRITON_STAMP)
+
+$(TRITON_STAMP):
+	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install -q nvidia-pytriton==0.7.0 'tritonclient[http]==2.73.0'
+	version=$$($(TRITON_VENV)/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])') && \
+	root=$(TRITON_VENV)/lib/python$$version/site-packages/pytriton/tritonserver && \
+	cp $$root/python_backend_stubs/$$version/triton_python_backend_stub $$root/backends/python/ && \
+	echo $$version > $(TRITON_STAMP)
 
 data: install
 	$(PY) -m data.prepare_digits --out data/cache/digits

@@ -86,6 +86,9 @@ class RecipeSpec:
     serve_engines: tuple[str, ...] = ()
     export_kind: str = ""
     serve_dtype_note: str = ""
+    # serve.engine=triton (scripts/kiln/triton.py): the module whose write_repository(export, repo, name=, sys_path=,
+    # max_batch=, wait_us=) writes a Triton model repository from the export; None: the family has no Triton path.
+    triton_module: str | None = None
 
     def train(self) -> ModuleType:
         """recipes/<family>/train.py: TRAINER."""
@@ -157,6 +160,7 @@ SPECS: dict[str, RecipeSpec] = {
         serve_engines=("tensorrt", "onnxruntime", "torch"),  # its ONNX graph (scripts/export_dit.py) or PyTorch
         export_kind="DiT",
         serve_dtype_note="a DiT export serves in its graph's precision (scripts/export_dit.py --precision)",
+        triton_module="recipes.dit.triton",  # its ONNX graph on ONNX Runtime, Kiln's sampler as a BLS model
     ),
     "vlm": RecipeSpec(
         "vlm",

@@ -32,6 +32,7 @@ from scripts.benchmarks import (
     scaling,
     serving,
     t2i,
+    triton,
     video,
     zero,
 )
@@ -59,6 +60,7 @@ SECTIONS = {
     "t2i": t2i.run,
     "video": video.run,
     "qwen": qwen.run,
+    "triton": triton.run,
 }
 # A quick run is a smoke test: it keeps its own folder so that it never replaces a full run's report.
 FULL_OUT, QUICK_OUT = REPO / "outputs" / "bench", REPO / "outputs" / "bench" / "quick"

@@ -3,7 +3,7 @@
 
 LLM/VLM exports on vLLM or transformers serve (/v1/chat/completions, /v1/completions), DiT and text-to-image
 exports on Kiln's images server (/v1/images/generations), video exports on the same server (/v1/videos/generations,
-MP4 clips)."""
+MP4 clips); a DiT export on Triton Inference Server with serve.engine=triton (its KServe v2 API, docs/deploy.md)."""
 
 import os
 import sys
@@ -20,6 +20,8 @@ USAGE = """usage: python scripts/serve.py serve.model=<run.dir>/export [serve.KE
            else transformers serve
   DiT:     serve.engine=auto|tensorrt|onnxruntime|torch   auto: TensorRT (CUDA + onnx/model.plan), else onnxruntime
            (onnx/model.onnx from scripts/export_dit.py), else torch; serve.max_batch_images, serve.batch_wait_ms
+  DiT on Triton Inference Server: serve.engine=triton (make triton-env; writes <export>/triton, a model repository;
+           loopback only unless serve.allow_unauthenticated=true); serve.max_batch_images, serve.batch_wait_ms
   text-to-image, video: serve.engine=auto|torch, serve.device; serve.max_batch_images, serve.batch_wait_ms
   serve.host, serve.port, serve.served_model_name, serve.dtype, serve.dry_run=true (print the command, exit)
   beyond loopback (serve.host=0.0.0.0): an API key in $KILN_API_KEY (serve.api_key_env=NAME picks another
@@ -40,7 +42,7 @@ def main(argv: list[str]) -> int:
     except UserError as exc:
         raise user_error_exit(str(exc)) from None
     print(
-        f"kiln: serving {s.model} as '{launch.name}' on http://{s.host}:{s.port}/v1 "
+        f"kiln: serving {s.model} as '{launch.name}' on http://{s.host}:{s.port}{launch.api} "
         f"with engine={launch.engine} ({launch.why})",
         flush=True,
     )

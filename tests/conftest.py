@@ -173,6 +173,17 @@ def vllm_env():
     return serve_env()
 
 
+@pytest.fixture(scope="session")
+def triton_env():
+    """Triton's environment (make triton-env, .venv-triton): skips without it, fails under CI=true (fixtures/ci.py)."""
+    from scripts.kiln.triton import check_env, triton_venv
+    from tests.fixtures.ci import missing
+
+    if problem := check_env(triton_venv()):
+        missing("triton-env", f"needs Triton's environment: {problem}")
+    return triton_venv()
+
+
 def kiln_error(argv: list[str], capsys) -> str:
     """scripts/train.py's main(argv) in process stops with exit code 2 and one `kiln: error:` line: that line."""
     from scripts.kiln.launch import main

@@ -413,9 +413,12 @@ class ExportSampler:
 
         sampler = ExportSampler(export, "onnxruntime")
         images = sampler(labels, generator=torch.Generator().manual_seed(0))   # [-1, 1], [N, C, S, S]
+
+    `model`, where given, is the denoiser instead of the backend's (same call signature, on the CPU): Triton's BLS
+    model calls its denoiser model through it (recipes/dit/triton.py).
     """
 
-    def __init__(self, export: str | Path, backend: str = "torch", **backend_kwargs):
+    def __init__(self, export: str | Path, backend: str = "torch", model=None, **backend_kwargs):
         import json
 
         from common.diffusion.vae import folder_decoder
@@ -428,7 +431,10 @@ class ExportSampler:
         self.sample_size, self.in_channels = transformer["sample_size"], transformer["in_channels"]
         self.image_size = int(self.info["image_size"])
         self.classes = [str(c) for c in self.info.get("classes") or range(self.info["num_classes"])]
-        self.model, self.device = load_backend(backend, self.export, **backend_kwargs)
+        # `model`: a denoiser in the same call signature, given (Triton's BLS model: recipes/dit/triton.py)
+        self.model, self.device = (
+            (model, torch.device("cpu")) if model is not None else load_backend(backend, self.export, **backend_kwargs)
+        )
         self.decode = (
             folder_decoder(self.export / "vae", self.image_size, self.device)
             if (self.export / "vae").is_dir()

@@ -185,6 +185,20 @@ def write_dit_export(model, recipe, folder: Path) -> Path:
     )
 
 
+def dit_tiny_export(folder: Path) -> Path:
+    """dit_tiny built from its recipe config (seed 0) as an export (write_dit_export): the DiT the serving benchmarks
+    serve."""
+    import torch
+
+    from recipes.dit.model import build_model
+    from scripts.kiln.launch import compose
+
+    recipe = compose(["recipe=dit_tiny"])
+    torch.manual_seed(0)
+    write_dit_export(build_model(recipe.model, recipe.data.image_size).eval(), recipe, folder)
+    return folder
+
+
 def images_per_s(base: str, requests: int, steps: int, concurrency: int) -> float:
     """Images/s of `requests` one-image requests to the images server, `concurrency` at a time."""
     from concurrent.futures import ThreadPoolExecutor

@@ -46,7 +46,10 @@ from common.weights import check_folder
 
 TEXT_ENGINES = ("vllm", "transformers")  # Hugging Face LLM/VLM exports
 IMAGE_ENGINES = ("tensorrt", "onnxruntime", "torch")  # the backends under the images server (each family's subset)
-ENGINES = ("auto", *TEXT_ENGINES, *IMAGE_ENGINES)
+# Triton Inference Server on a model repository written from the export (scripts/kiln/triton.py): a family with a
+# Triton path (its spec's triton_module: the DiT), never chosen by auto.
+TRITON = "triton"
+ENGINES = ("auto", *TEXT_ENGINES, *IMAGE_ENGINES, TRITON)
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # spelled the same by both engines
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -69,7 +72,8 @@ class ServeSection:
     model: str = ""  # the export folder (<run.dir>/export); required
     # LLM/VLM: auto (vLLM from .venv-serve or with CUDA, else transformers) | vllm | transformers.
     # DiT: auto (TensorRT with CUDA and an engine, else onnxruntime with an ONNX file, else torch) | tensorrt |
-    # onnxruntime | torch; the ONNX file and engine come from scripts/export_dit.py. Text-to-image, video: auto | torch.
+    # onnxruntime | torch | triton (Triton Inference Server: make triton-env); the ONNX file and engine come from
+    # scripts/export_dit.py. Text-to-image, video: auto | torch.
     engine: str = "auto"
     host: str = "127.0.0.1"  # 0.0.0.0 to accept connections from other machines (needs an API key)
     # The NAME of the environment variable that holds the API key (the key itself never enters the
@@ -100,8 +104,9 @@ class ServeSection:
     cb_num_blocks: int = 64
     cb_max_batch_tokens: int = 0  # tokens per forward pass; 0: transformers' default
     log_level: str = "warning"
-    # Images server only (DiT, text-to-image, video): requests that arrive within batch_wait_ms of each other share
-    # one denoising loop of up to max_batch_images images or clips (also the most one request may ask for)
+    # Images server (DiT, text-to-image, video) and Triton (its dynamic batcher's max_batch_size and queue delay):
+    # requests that arrive within batch_wait_ms of each other share one denoising loop of up to max_batch_images
+    # images or clips (also the most one request may ask for)
     max_batch_images: int = 16
     batch_wait_ms: int = 10
 
@@ -740,6 +745,7 @@ class Launch:
     notes: list[str]
     secret_env: tuple[str, ...] = ()  # names in env whose values are secrets
     run: Callable[[], None] | None = None  # an in-process server (the images server) instead of argv
+    api: str = "/v1"  # the API's base path (Triton's KServe v2: /v2)
 
     def shown(self) -> str:
         """The command line as printed: secret environment values masked."""
@@ -762,6 +768,7 @@ ENGINE_KEYS = {
     "onnxruntime": ("log_level", "max_batch_images", "batch_wait_ms"),
     "tensorrt": ("device", "log_level", "max_batch_images", "batch_wait_ms"),
     "torch": ("device", "log_level", "max_batch_images", "batch_wait_ms"),
+    TRITON: ("log_level", "max_batch_images", "batch_wait_ms"),
 }
 
 
@@ -827,10 +834,31 @@ def plan_images(s: ServeSection, export: Path, name: str) -> Launch:
     )
 
 
+def plan_triton(s: ServeSection, export: Path, name: str) -> Launch:
+    """tritonserver on a model repository written from the export (scripts/kiln/triton.py). Triton's HTTP endpoint
+    checks no API key: loopback only, unless serve.allow_unauthenticated=true."""
+    from scripts.kiln import triton
+
+    planned = triton.plan(s, export, name, image_family)
+    notes = [f"{', '.join(keys)} not used by engine={TRITON}"] if (keys := ignored_keys(s, TRITON)) else []
+    if not is_loopback(s.host):
+        if not s.allow_unauthenticated:
+            raise UserError(
+                f"serve.host={s.host} with serve.engine=triton: Triton's HTTP endpoint checks no API key, so it serves "
+                "on loopback only (serve.host=127.0.0.1), or with serve.allow_unauthenticated=true"
+            )
+        notes.append(f"serve.allow_unauthenticated=true: anyone who reaches {s.host}:{s.port} can use the model")
+    if os.environ.get(s.api_key_env):
+        notes.append(f"${s.api_key_env} is set but Triton does not check API keys")
+    return Launch(TRITON, planned["why"], name, planned["argv"], {}, None, notes + planned["notes"], api="/v2")
+
+
 def plan(s: ServeSection) -> Launch:
     """Everything needed to exec the server (raises UserError/ConfigError with one line)."""
     export = check_export(s.model)
     name = s.served_model_name or default_served_name(export)
+    if s.engine == TRITON:
+        return plan_triton(s, export, name)
     if is_image_export(export):
         return plan_images(s, export, name)
     engine, why = choose_engine(s.engine, multimodal=is_multimodal(export), cpu_refusal=vllm_cpu_refuses(export))
@@ -905,10 +933,15 @@ def http(url: str, body: bytes | None = None, timeout: float = 60) -> tuple[int,
 
 @contextmanager
 def running_server(
-    export: str | Path, *overrides: str, log_path: str | Path, startup_s: float = 180, env: dict[str, str] | None = None
+    export: str | Path,
+    *overrides: str,
+    log_path: str | Path,
+    startup_s: float = 180,
+    env: dict[str, str] | None = None,
+    health: str = "/health",
 ) -> Iterator[str]:
-    """scripts/serve.py on a free local port, up once /health answers 200; yields the base URL and
-    always stops the server (SIGTERM: uvicorn's graceful shutdown; SIGKILL after 20 s)."""
+    """scripts/serve.py on a free local port, up once `health` answers 200 (Triton's: /v2/health/ready); yields the
+    base URL and always stops the server (SIGTERM: uvicorn's graceful shutdown; SIGKILL after 20 s)."""
     from common.distributed import free_port  # imports torch, which the rest of this module does only where needed
 
     port = free_port()
@@ -928,7 +961,7 @@ def running_server(
                 if proc.poll() is not None:
                     raise RuntimeError(f"server exited {proc.returncode}:\n{Path(log_path).read_text()[-4000:]}")
                 try:
-                    if http(f"{base}/health", timeout=5)[0] == 200:
+                    if http(f"{base}{health}", timeout=5)[0] == 200:
                         break
                 except OSError:  # not listening yet
                     pass

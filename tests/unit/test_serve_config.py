@@ -681,3 +681,43 @@ def test_a_vlm_that_transformers_serve_cannot_load_here_is_one_line_before_it_st
     line = proc.stderr.strip()
     assert line.startswith(f"kiln: error: transformers serve cannot load {qwen_world['qwen']} here: ")
     assert "Qwen2VLVideoProcessor requires the Torchvision library" in line and "make serve-env" in line
+
+
+def test_triton_writes_a_model_repository_and_refuses_what_it_cannot_serve(dit_export, export, tmp_path, monkeypatch):
+    """serve.engine=triton: the repository written from the export, the tritonserver command line; each refusal is
+    one line (the repository's models run in the real server in tests/integration/test_serve_triton.py)."""
+    monkeypatch.setenv("KILN_TRITON_VENV", str(tmp_path / "no-triton"))
+    info = {"image_size": 16, "num_classes": 10, "null_class": 10, "sample_steps": 5, "guidance_scale": 2.0}
+    (dit_export / "kiln.json").write_text(json.dumps(info))
+    (dit_export / "transformer" / "config.json").write_text(json.dumps({"in_channels": 1, "sample_size": 16}))
+    with pytest.raises(UserError, match="onnx/model.onnx is missing: python scripts/export_dit.py"):
+        plan(ServeSection(model=str(dit_export), engine="triton", dry_run=True))
+    (dit_export / "onnx").mkdir()
+    (dit_export / "onnx" / "model.onnx").write_bytes(b"0")
+    with pytest.raises(UserError, match="serve.engine=triton: Triton's environment is not built .*make triton-env"):
+        plan(ServeSection(model=str(dit_export), engine="triton"))
+    plan(ServeSection(model=str(dit_export), engine="triton", dry_run=True, served_model_name="other"))
+    launch = plan(ServeSection(model=str(dit_export), engine="triton", dry_run=True, max_batch_images=8, port=8123))
+    assert (launch.engine, launch.name, launch.api) == ("triton", "dit_tiny", "/v2")
+    repo = dit_export / "triton"
+    assert launch.argv[0] == "env" and launch.argv[2].endswith("pytriton/tritonserver/bin/tritonserver")
+    assert {f"--model-repository={repo}", "--http-port=8123", "--http-address=127.0.0.1"} <= set(launch.argv)
+    assert sorted(p.name for p in repo.iterdir()) == ["dit_tiny", "dit_tiny_denoiser"]  # none left from "other"
+    sampler, denoiser = (repo / m / "config.pbtxt" for m in ("dit_tiny", "dit_tiny_denoiser"))
+    assert "max_batch_size: 8" in sampler.read_text() and "max_batch_size: 16" in denoiser.read_text()
+    assert "dynamic_batching { max_queue_delay_microseconds: 10000 }" in sampler.read_text()
+    assert 'name: "image", data_type: TYPE_FP32, dims: [1, 16, 16]' in sampler.read_text()
+    assert 'backend: "onnxruntime"' in (repo / "dit_tiny_denoiser" / "configs" / "gpu.pbtxt").read_text()
+    assert (repo / "dit_tiny_denoiser" / "1" / "model.onnx").resolve() == dit_export / "onnx" / "model.onnx"
+    shim = (repo / "dit_tiny" / "1" / "model.py").read_text()
+    assert "SamplerModel as TritonPythonModel" in shim and repr(str(REPO)) in shim
+    for model, message in [
+        (export, f"serve.engine=triton serves DiT exports; {export} is a Hugging Face LLM/VLM export"),
+        (dit_export, "serve.host=0.0.0.0 with serve.engine=triton: Triton's HTTP endpoint checks no API key"),
+    ]:
+        proc = _serve(f"serve.model={model}", "serve.engine=triton", "serve.host=0.0.0.0", "serve.dry_run=true")
+        assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    index = {"_class_name": "StableDiffusion3Pipeline"}
+    (dit_export / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match="serve.engine=triton serves DiT exports; .* is a text-to-image export"):
+        plan(ServeSection(model=str(dit_export), engine="triton", dry_run=True))
