@@ -15,9 +15,9 @@ One optimizer step (trainer.grad_accum=1, one rank: recipes/llm/config.py:check_
    temperature the trainer's own forward before the update, as TRL takes them when it steps once per generation
    (the same forward as the loss's, detached: the engine's raw log-probs are not of logits / temperature).
    With ``grpo.beta`` > 0 the loss adds beta x the KL to a reference whose per-token log-probs of the samples are
-   taken in the same step, under no_grad, at the sampling temperature: a frozen copy of the starting weights (as preference
-   training builds it: model.init_from, else the seeded init, whatever the run resumed), or under finetune=lora the
-   policy itself with its adapter off (no copy).
+   taken in the same step, under no_grad, at the sampling temperature: a frozen copy of the starting weights (as
+   preference training builds it: model.init_from, else the seeded init, whatever the run resumed), or under
+   finetune=lora the policy itself with its adapter off (no copy).
 
 The engine starts once per run, after the model's weights are loaded (and resumed), on an export of them written to
 RUN_DIR/rollout/start (removed when it stops), and stops at the end of training or on an error (LLMTrainer.fit).
