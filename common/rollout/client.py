@@ -6,7 +6,8 @@ The probe check: after a push the engine scores a fixed token sequence (the prob
 the trainer's own on the same weights within `bound`; a push that did not take (the engine still on old weights,
 a tensor skipped) stops the run with one line (WeightSyncError). Weights travel as one safetensors file in Hugging
 Face names, written to shared memory (/dev/shm where it has room, else the temporary folder) and read in place by
-the engine.
+the engine. Under LoRA (`lora_rank` > 0) the engine holds the base it started on, and a sync sends the adapter only:
+a PEFT folder that becomes the engine's current adapter (a new id each sync); the probe check then runs through it.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Group:
 @dataclass
 class SyncReport:
     gap: float  # max |engine - trainer| over the probe's log-probs
-    bytes: int  # the safetensors file's size
+    bytes: int  # the safetensors file's size (under LoRA: the adapter's)
     write_s: float  # the trainer writing it
     load_s: float  # the engine loading it in place (vLLM's reload_weights)
     check_s: float  # the engine scoring the probe
@@ -83,8 +84,10 @@ class RolloutEngine:
     enforce_eager: bool = True
     cpu_kvcache_gib: int = 1
     seed: int = 0
+    lora_rank: int = 0  # > 0: the engine serves LoRA adapters of up to this rank over its base; syncs send adapters
     startup_s: float = 420
     start_s: float = field(default=0.0, init=False)  # how long the last start took
+    adapter_id: int = field(default=0, init=False)  # the engine's current adapter (0: none yet)
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
     def __enter__(self) -> RolloutEngine:
@@ -97,6 +100,7 @@ class RolloutEngine:
     def command(self) -> list[str]:
         cmd = [str(self.python), str(ENGINE_SCRIPT), "--model", str(self.export), "--dtype", self.dtype]
         cmd += ["--max-model-len", str(self.max_model_len), "--seed", str(self.seed)]
+        cmd += ["--max-lora-rank", str(self.lora_rank)] if self.lora_rank > 0 else []
         return cmd + (["--enforce-eager"] if self.enforce_eager else [])
 
     def start(self) -> None:
@@ -188,10 +192,45 @@ class RolloutEngine:
             shutil.rmtree(folder, ignore_errors=True)
         return size, wrote - began, time.perf_counter() - wrote
 
-    def sync(self, hf_state: dict[str, torch.Tensor], trainer_probe: torch.Tensor | list[float]) -> SyncReport:
-        """Push `hf_state`, then check that the engine's log-probs of the probe equal `trainer_probe` (the trainer's
-        own on the same weights, token_logprobs over self.probe) within self.bound; WeightSyncError otherwise."""
-        size, write_s, load_s = self.push(hf_state)
+    def push_adapter(self, adapter: dict[str, torch.Tensor], config) -> tuple[int, float, float]:
+        """Make a LoRA adapter (`adapter`: peft's saved names -> tensors; `config`: peft's LoraConfig) the running
+        engine's current one: written as a PEFT folder (common/lora.py, as the export writes it), loaded under a new
+        id, the one before it dropped; the base is not sent. Returns (the adapter file's bytes, seconds writing,
+        seconds loading)."""
+        from common.lora import write_adapter_folder
+
+        if self.lora_rank <= 0:
+            raise RuntimeError("the rollout engine was started without LoRA (lora_rank=0)")
+        began = time.perf_counter()
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}
+        folder = weights_folder(sum(t.numel() * t.element_size() for t in tensors.values()))
+        try:
+            write_adapter_folder(folder, tensors, config)
+            size, wrote = (folder / "adapter_model.safetensors").stat().st_size, time.perf_counter()
+            try:
+                self.request("load_adapter", path=str(folder), id=self.adapter_id + 1)
+            except RuntimeError as exc:
+                if self._proc is None or self._proc.poll() is not None:
+                    raise  # the engine is gone: its own error
+                # vLLM refused the folder (a tensor missing, a shape it does not take): it keeps its old adapter
+                raise WeightSyncError(
+                    f"the rollout engine did not take the trainer's adapter: {exc} (log: {self.log_path})"
+                ) from None
+            self.adapter_id += 1
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return size, wrote - began, time.perf_counter() - wrote
+
+    def sync(
+        self, hf_state: dict[str, torch.Tensor], trainer_probe: torch.Tensor | list[float], adapter_config=None
+    ) -> SyncReport:
+        """Push `hf_state` (with `adapter_config`, peft's LoraConfig: a LoRA adapter in peft's names, push_adapter),
+        then check that the engine's log-probs of the probe equal `trainer_probe` (the trainer's own on the same
+        weights, token_logprobs over self.probe) within self.bound; WeightSyncError otherwise."""
+        if adapter_config is None:
+            size, write_s, load_s = self.push(hf_state)
+        else:
+            size, write_s, load_s = self.push_adapter(hf_state, adapter_config)
         began = time.perf_counter()
         gap = self.probe_gap(trainer_probe)
         report = SyncReport(gap, size, write_s, load_s, time.perf_counter() - began)

@@ -4,9 +4,10 @@ stdout; everything else the process prints goes to stderr), so the trainer's env
 
 Requests (`cmd`): `generate` (G samples per prompt with the sampling settings: token ids, text, the engine's
 log-probs), `load_weights` (a folder of safetensors in Hugging Face names, loaded IN PLACE into the running engine:
-vLLM's `reload_weights`, reached through `LLM.collective_rpc`), `score` (the log-probs of a fixed sequence: vLLM's
-prompt_logprobs), `stop`. Every answer has `ok`; a failed request answers `{"ok": false, "error": one line}` and
-the engine keeps serving.
+vLLM's `reload_weights`, reached through `LLM.collective_rpc`), `load_adapter` (with `--max-lora-rank`: a PEFT LoRA
+folder loaded as a new adapter, which `generate` and `score` then use; the one before it is dropped), `score` (the
+log-probs of a fixed sequence: vLLM's prompt_logprobs), `stop`. Every answer has `ok`; a failed request answers
+`{"ok": false, "error": one line}` and the engine keeps serving.
 
 Imports only the standard library, torch and vLLM: this file runs outside Kiln's environment.
 """
@@ -18,6 +19,10 @@ import json
 import os
 import sys
 import time
+import typing
+
+# The LoRA adapter that `generate` and `score` use (load_adapter sets it): vLLM's LoRARequest, None for the base.
+ADAPTER: dict = {"request": None}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,7 +33,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--max-lora-rank", type=int, default=0, help="> 0: LoRA enabled, adapters of up to this rank")
     return p.parse_args(argv)
+
+
+def lora_settings(rank: int) -> dict:
+    """LLM(...)'s LoRA keys for adapters of rank `rank` (0: none): one adapter at a time, vLLM's max_lora_rank the
+    smallest of its allowed values (vllm/config/lora.py MaxLoRARanks) that holds it."""
+    if rank <= 0:
+        return {}
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(typing.get_args(MaxLoRARanks))
+    fits = [r for r in allowed if r >= rank]
+    if not fits:
+        raise SystemExit(f"vLLM serves LoRA ranks up to {allowed[-1]}; this adapter's is {rank}")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
 
 
 def build_llm(args: argparse.Namespace):
@@ -49,6 +69,7 @@ def build_llm(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization,
         logprobs_mode="raw_logprobs",
         distributed_executor_backend="uni",  # the model runs in this process (see main)
+        **lora_settings(args.max_lora_rank),
     )
 
 
@@ -74,7 +95,8 @@ def generate(llm, req: dict) -> dict:
     # One seed for every prompt, or one per prompt (vLLM seeds a prompt's i-th sample with its seed + i).
     seed = req.get("seed")
     params = [sampling(s) for s in seed] if isinstance(seed, list) else sampling(seed)
-    outputs = llm.generate([prompt_input(p) for p in req["prompts"]], params, use_tqdm=False)
+    prompts = [prompt_input(p) for p in req["prompts"]]
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=ADAPTER["request"])
     groups = []
     for out in outputs:
         samples = []
@@ -92,7 +114,7 @@ def score(llm, req: dict) -> dict:
 
     ids = [int(t) for t in req["ids"]]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False, lora_request=ADAPTER["request"])
     return {"logprobs": [step[t].logprob for t, step in zip(ids[1:], out.prompt_logprobs[1:])]}
 
 
@@ -106,7 +128,23 @@ def load_weights(llm, req: dict) -> dict:
     return {"seconds": time.perf_counter() - start}
 
 
-COMMANDS = {"generate": generate, "score": score, "load_weights": load_weights}
+def load_adapter(llm, req: dict) -> dict:
+    """A PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) as the adapter `generate` and `score` use
+    from now on: loaded at once under the id the trainer gives (a new one each sync: vLLM keeps an adapter by its id
+    and would not read a folder again under an id it holds), then the one before it removed. The base stays."""
+    from vllm.lora.request import LoRARequest
+
+    start = time.perf_counter()
+    new, old = int(req["id"]), ADAPTER["request"]
+    request = LoRARequest(f"policy-{new}", new, req["path"])
+    llm.llm_engine.add_lora(request)
+    ADAPTER["request"] = request
+    if old is not None and old.lora_int_id != new:
+        llm.llm_engine.remove_lora(old.lora_int_id)
+    return {"seconds": time.perf_counter() - start, "loaded": sorted(llm.llm_engine.list_loras())}
+
+
+COMMANDS = {"generate": generate, "score": score, "load_weights": load_weights, "load_adapter": load_adapter}
 
 
 def serve(llm, channel) -> None:

@@ -189,7 +189,7 @@ def validate(cfg: TrainConfig) -> None:
 
 def check_grpo_layout(cfg: TrainConfig) -> None:
     """GRPO (recipes/llm/grpo.py) runs on one rank for now, in float32 (the engine's dtype: the probe check compares
-    float32 log-probs), full fine-tuning of a dense model, one micro-batch a step."""
+    float32 log-probs), full fine-tuning or LoRA (not QLoRA) of a dense model, one micro-batch a step."""
     if not cfg.grpo.enabled:
         return
     p, m = cfg.parallel, cfg.model
@@ -199,7 +199,7 @@ def check_grpo_layout(cfg: TrainConfig) -> None:
         if degree > 1:
             raise ConfigError(f"grpo.enabled=true does not run with parallel.{key}={degree} yet (one rank)")
     not_yet = {
-        "finetune=lora": cfg.finetune == "lora",
+        "lora.quantize_base=nf4 (the engine serves the base unquantized)": cfg.lora.quantize_base != "none",
         f"toggles.precision={cfg.toggles.precision} (float32 only: the engine's dtype)": cfg.toggles.precision
         != "fp32",
         f"trainer.grad_accum={cfg.trainer.grad_accum}": cfg.trainer.grad_accum > 1,

@@ -15,12 +15,14 @@ One optimizer step (trainer.grad_accum=1, one rank: recipes/llm/config.py:check_
    temperature the trainer's own forward before the update, as TRL takes them when it steps once per generation
    (the same forward as the loss's, detached: the engine's raw log-probs are not of logits / temperature).
    With ``grpo.beta`` > 0 the loss adds beta x the KL to a reference whose per-token log-probs of the samples are
-   taken first, under no_grad, at the sampling temperature: a frozen copy of the starting weights (as preference
-   training builds it: model.init_from, else the seeded init, whatever the run resumed), or under finetune=lora the
-   policy itself with its adapter off (no copy).
+   taken in the same step, under no_grad, at the sampling temperature: a frozen copy of the starting weights (as
+   preference training builds it: model.init_from, else the seeded init, whatever the run resumed), or under
+   finetune=lora the policy itself with its adapter off (no copy).
 
 The engine starts once per run, after the model's weights are loaded (and resumed), on an export of them written to
 RUN_DIR/rollout/start (removed when it stops), and stops at the end of training or on an error (LLMTrainer.fit).
+Under finetune=lora it starts on model.init_from itself (the frozen base) with LoRA enabled, and every sync sends the
+adapter only, as a PEFT folder that becomes the engine's current adapter; the probe check runs through it.
 Its log is RUN_DIR/rollout/engine.log; every completion, with its prompt and rewards, is a line of
 RUN_DIR/rollout/samples.jsonl.
 """
@@ -33,6 +35,7 @@ import io
 import json
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -41,8 +44,9 @@ from common import faults
 from common.config import TrainConfig
 from common.errors import ConfigError, DataError
 from common.grpo import completion_metrics, group_advantages, grpo_loss, token_logps, weighted_sum
-from common.lora import adapters_disabled
+from common.lora import adapters_disabled, is_adapter_key
 from common.rewards import Rewards
+from recipes.llm.lora import peft_adapter
 from recipes.llm.preference import fill_start_weights
 
 PROMPTS_FORMAT = "prompts"  # meta.json "format" of data/prepare_prompts.py's shards
@@ -113,6 +117,8 @@ class GRPOTraining:
     """What LLMTrainer runs when grpo.enabled (recipes/llm/train.py): prepare (sync, generate, score), loss, metrics."""
 
     def __init__(self, trainer, build_model):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         if trainer.dims.world_size != 1:
             raise ConfigError(f"grpo.enabled=true runs on one rank for now (this job has {trainer.dims.world_size})")
         self.trainer, self.cfg = trainer, trainer.cfg.grpo
@@ -128,36 +134,41 @@ class GRPOTraining:
         gen = torch.Generator().manual_seed(0)
         self.probe = torch.randint(0, trainer.args.vocab_size, (PROBE_LEN,), generator=gen).tolist()
         self.engine = None
+        # finetune=lora: the adapter's peft LoraConfig, which every sync's folder carries (None: whole weights)
+        self.adapter_config = self.adapter(get_model_state_dict(trainer.model))[1] if trainer.lora else None
         self.metrics: dict[str, float] = {}
         self.prepared_at = 0.0
 
     # ---- the engine ------------------------------------------------------------------------------
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """The policy's whole weights in Hugging Face names (what the export writes)."""
+        """The policy's whole weights in Hugging Face names (what the export writes); under LoRA its adapter only,
+        in peft's names (the base never moves)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from recipes.llm.hf_adapter import to_hf_state_dict
 
         tr = self.trainer
         full = get_model_state_dict(tr.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return to_hf_state_dict(full, tr.args)
+        return self.adapter(full)[0] if tr.lora else to_hf_state_dict(full, tr.args)
+
+    def adapter(self, state: dict[str, torch.Tensor]):
+        """(the adapter's tensors in peft's names, peft's LoraConfig) of a LoRA policy's state dict."""
+        tr = self.trainer
+        adapter = {k: v for k, v in state.items() if is_adapter_key(k)}
+        return peft_adapter(adapter, tr.args, tr.cfg.lora, tr.cfg.model.init_from)
 
     def start_engine(self) -> None:
-        """vLLM on an export of the weights the run starts from (after a resume, the checkpoint's)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+        """vLLM on an export of the weights the run starts from (after a resume, the checkpoint's); under LoRA on
+        model.init_from (the frozen base), LoRA enabled: the first sync sends the adapter."""
         from common.rollout.client import RolloutEngine
         from common.rollout.venv import serve_venv
-        from recipes.llm.export import write_export
 
         tr = self.trainer
         python = serve_venv() / "bin" / "python"
         if not python.exists():
             raise ConfigError(f"grpo.enabled=true needs vLLM's environment ({python} is missing): run make serve-env")
-        folder = tr.run_dir / "rollout" / "start"
-        shutil.rmtree(folder, ignore_errors=True)
-        full = get_model_state_dict(tr.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        write_export(full, tr.args, tr.cfg, folder, tokenizer=tr.tokenizer)
+        (tr.run_dir / "rollout").mkdir(parents=True, exist_ok=True)
+        folder = Path(tr.cfg.model.init_from) if tr.lora else self.write_start()
         engine = RolloutEngine(
             folder,
             python=python,
@@ -165,16 +176,31 @@ class GRPOTraining:
             probe=self.probe,
             max_model_len=tr.cfg.data.max_seq_len,
             seed=tr.cfg.trainer.seed,
+            lora_rank=tr.cfg.lora.rank if tr.lora else 0,
         )
         engine.start()
         self.engine = engine
         print(f"kiln: grpo: rollout engine started in {engine.start_s:.1f} s (log: {engine.log_path})", flush=True)
 
+    def write_start(self) -> Path:
+        """RUN_DIR/rollout/start: the export of the policy's whole weights the engine starts on."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from recipes.llm.export import write_export
+
+        tr = self.trainer
+        folder = tr.run_dir / "rollout" / "start"
+        shutil.rmtree(folder, ignore_errors=True)
+        full = get_model_state_dict(tr.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        write_export(full, tr.args, tr.cfg, folder, tokenizer=tr.tokenizer)
+        return folder
+
     def close(self) -> None:
         engine, self.engine = self.engine, None
         if engine is not None:
             engine.stop()
-            shutil.rmtree(engine.export, ignore_errors=True)  # the start's export, read once by the engine
+            if not self.trainer.lora:  # the start's export, read once by the engine (under LoRA: model.init_from)
+                shutil.rmtree(engine.export, ignore_errors=True)
 
     @torch.no_grad()
     def probe_logps(self) -> torch.Tensor:
@@ -182,7 +208,11 @@ class GRPOTraining:
 
         tr = self.trainer
         ids = torch.tensor(self.probe, device=tr.device)
-        return token_logprobs(tr.model(ids[None])[0], ids).cpu()
+        training, _ = tr.model.training, tr.model.eval()  # the engine's forward: no LoRA dropout
+        try:
+            return token_logprobs(tr.model(ids[None])[0], ids).cpu()
+        finally:
+            tr.model.train(training)
 
     # ---- the step ---------------------------------------------------------------------------------
     def prepare(self, prompts: list[dict]) -> RolloutBatch:
@@ -192,7 +222,8 @@ class GRPOTraining:
         tr, g = self.trainer, self.cfg
         step = tr.state.step + 1
         began = time.perf_counter()
-        sync = self.engine.sync(faults.pushed_weights(step, self.hf_state()), self.probe_logps())
+        pushed = faults.pushed_weights(step, self.hf_state())
+        sync = self.engine.sync(pushed, self.probe_logps(), self.adapter_config)
         synced = time.perf_counter()
         groups = self.engine.generate(
             [p["ids"] for p in prompts],

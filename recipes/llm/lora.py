@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import TrainConfig
+from common.config import LoRAConfig, TrainConfig
 from common.lora import apply_lora, merge_into, peft_config, peft_state_dict, quantize_base, write_adapter_folder
 from recipes.llm import weights
 from recipes.llm.hf_adapter import to_hf_state_dict
@@ -32,6 +32,16 @@ def hf_adapter_state_dict(state: dict[str, torch.Tensor], args: LlamaArgs) -> di
     return peft_state_dict(state, lambda module: hf_module(module, args))
 
 
+def peft_adapter(state: dict[str, torch.Tensor], args: LlamaArgs, lora: LoRAConfig, base: str):
+    """(the adapter's tensors under peft's saved names, peft's LoraConfig naming `base` and the targets in Hugging
+    Face's names) of an adapted Kiln state dict: what a PEFT adapter folder holds (write_export; GRPO's sync)."""
+    adapter = hf_adapter_state_dict(state, args)
+    targets = sorted({key.split(".lora_")[0].rpartition(".")[2] for key in adapter})
+    config = peft_config(lora, targets, base=base)
+    config.task_type, config.inference_mode = "CAUSAL_LM", True  # as PeftModel.save_pretrained writes it
+    return adapter, config
+
+
 def merged_state_dict(state: dict[str, torch.Tensor], args: LlamaArgs, cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """A full Kiln state dict (base + adapter, on the CPU) merged by peft (W + B A * alpha / rank): a plain
     Transformer's state dict. The caller's tensors are copied, not merged in place."""
@@ -44,11 +54,7 @@ def write_export(state: dict[str, torch.Tensor], args: LlamaArgs, cfg: TrainConf
     """The export of a finetune=lora run into ``out``: the PEFT adapter folder naming model.init_from as its base,
     with the tokenizer; with export.merge_lora, ``out/merged`` holds the merged model in the base's format.
     ``state``: the adapter's full tensors (the base's too for merging), Kiln names."""
-    adapter = hf_adapter_state_dict(state, args)
-    targets = sorted({key.split(".lora_")[0].rpartition(".")[2] for key in adapter})
-    config = peft_config(cfg.lora, targets, base=cfg.model.init_from)
-    config.task_type, config.inference_mode = "CAUSAL_LM", True  # as PeftModel.save_pretrained writes it
-    write_adapter_folder(out, adapter, config)
+    write_adapter_folder(out, *peft_adapter(state, args, cfg.lora, cfg.model.init_from))
     tokenizer.save_pretrained(str(out))
     if cfg.export.merge_lora:
         weights.write_hf_folder(

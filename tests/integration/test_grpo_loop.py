@@ -1,8 +1,8 @@
 """GRPO end to end (recipes/llm/grpo.py, grpo.enabled=true): llm_tiny's export (the run test_rollout_vllm serves)
 trained 3 GRPO steps on 8 tiny prompts with a KL reference (grpo.beta=0.04), its samples drawn by vLLM's CPU build
-with the trainer's weights pushed in before every step. Three runs for the module (~15-25 s each on 2 cores, most of
-it the engine's start): 3 steps, a resume of its step-2 checkpoint to step 3, and a run (beta 0, the default) whose
-step-2 sync is broken on purpose.
+with the trainer's weights pushed in before every step. Four runs for the module (~15-25 s each on 2 cores, most of
+it the engine's start): 3 steps, a resume of its step-2 checkpoint to step 3, 2 steps under finetune=lora (the
+adapter moves), and a run (beta 0, the default) whose step-2 sync is broken on purpose.
 
 Independent references: the export the run started from (the weights must have moved; transformers' forward of it is
 the KL's reference), the probe check's bound (the engine computes what the trainer computes after every sync), and
@@ -191,6 +191,24 @@ def test_the_kl_is_to_the_starting_weights(run, export):
     kl1, kl3 = records[0]["kl"], records[2]["kl"]
     print(f"grpo kl: step 1 {kl1:.3g}; step 3 {kl3:.6g}, transformers' {want:.6g} (gap {gap:.2g})")
     assert gap <= 1e-5
+
+
+def test_under_lora_the_adapter_moves_and_the_reference_is_the_base(export, prompts, tmp_path):
+    """finetune=lora: the engine starts on model.init_from itself with LoRA enabled, each sync sends the adapter only
+    (sync/bytes: the adapter file the export writes) and the probe check runs through it; grpo.beta's reference is the
+    policy with its adapter off: kl 0 at step 1 (peft's B starts at 0), > 0 once the adapter moved."""
+    run_dir = tmp_path / "run"
+    args = [a for a in GRPO if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=2", "finetune=lora"]
+    run_train([*args, *BETA, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={run_dir}"])
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    adapter = (run_dir / "export" / "adapter_model.safetensors").stat().st_size
+    for r in records:
+        assert r["sync/logprob_gap"] <= PROBE_BOUND and r["sync/bytes"] == adapter, r
+    gaps, kls = ([f"{r[k]:.3g}" for r in records] for k in ("sync/logprob_gap", "kl"))
+    print(f"grpo lora: sync/bytes {adapter:,}; gap {', '.join(gaps)}; kl {', '.join(kls)} (steps 1, 2)")
+    assert abs(records[0]["kl"]) <= 1e-6 and records[1]["kl"] > 0
+    assert not (run_dir / "rollout" / "start").exists() and export.is_dir()  # no start export; the base stays
 
 
 def test_a_sync_that_did_not_take_stops_the_run_in_one_line(export, prompts, tmp_path):

@@ -1,10 +1,14 @@
 """The rollout engine (common/rollout: vLLM's CPU build in its own process) on llm_tiny's export: G samples per
 prompt whose log-probs equal transformers' on the same tokens, the trainer's weights pushed into the running engine
 in place (the engine's probe log-probs then equal the trainer's own, Kiln's model, and no longer the old weights'),
-and a push broken on purpose stopped with one line. One engine start (~45 s on 2 cores) for the whole module.
+and a push broken on purpose stopped with one line. Under LoRA (a second engine, LoRA enabled, on the same export):
+a sync sends the adapter only (the PEFT folder the export writes), which the engine then scores through, and an
+adapter that did not take (the old one still in use, a tensor left out) stops with one line. One engine start (~45 s
+on 2 cores) for the whole-weights tests, one for the LoRA tests.
 
 Independent references: transformers' LlamaForCausalLM on the same weights and tokens (the samples, the probe after
-a sync); the trainer's side is Kiln's own Transformer, as the RL trainer will hold it. Both in float32.
+a sync), and peft's PeftModel over it for an adapter; the trainer's side is Kiln's own Transformer (with peft's LoRA
+layers), as the RL trainer holds it. All in float32.
 """
 
 from __future__ import annotations
@@ -12,10 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.config import LoRAConfig
 from common.errors import WeightSyncError
+from common.lora import apply_lora, write_adapter_folder
 from common.rollout.client import PROBE_BOUND, RolloutEngine, token_logprobs
 from recipes.llm import weights
+from recipes.llm.config import LORA_TARGETS
 from recipes.llm.hf_adapter import to_hf_state_dict
+from recipes.llm.lora import peft_adapter
 from recipes.llm.model import Transformer
 from scripts.kiln.serving import serve_venv
 from tests.fixtures.runs import LLM_SERVED
@@ -28,6 +36,7 @@ pytestmark = NEEDS_VLLM
 # allows more, for larger models and longer probes; a sync that did not take moved the probe by 0.2.
 SAME = 1e-5
 PROBE = [1, *range(40, 100, 2)]  # 31 tokens: BOS, then ids of the 2048-token tokenizer
+LORA = LoRAConfig(rank=8, alpha=16.0, targets=list(LORA_TARGETS))  # every linear, as finetune=lora's default
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +158,78 @@ def test_a_sync_that_did_not_take_stops_with_one_line(engine, policy):
     assert "\n" not in message and "did not take the trainer's weights" in message
     assert f"bound {PROBE_BOUND:g}" in message
     assert engine.sync(state, trainer).gap <= SAME  # the whole state again: the engine catches up, in place
+
+
+# ---- LoRA: the adapter moves, the base stays ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lora_engine(export, tmp_path_factory):
+    log = tmp_path_factory.mktemp("rollout-lora") / "engine.log"
+    python = serve_venv() / "bin" / "python"
+    with RolloutEngine(export, python=python, log_path=log, probe=PROBE, lora_rank=LORA.rank) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def lora_policy(export):
+    """The trainer's finetune=lora model: Kiln's Transformer on the export with peft's adapters on every linear."""
+    args = weights.checkpoint_args(export)
+    model = Transformer(args)
+    weights.load_weights(model, args, export)
+    return apply_lora(model, LORA).eval(), args
+
+
+def new_adapter(lora_policy, export, seed: int):
+    """Draw the policy's adapter afresh (B non-zero: it changes the probe) and return it as a sync sends it."""
+    model, args = lora_policy
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0.0, 0.05)
+    return peft_adapter(model.state_dict(), args, LORA, str(export))
+
+
+def test_a_lora_sync_sends_the_adapter_only_and_the_engine_scores_it(lora_engine, lora_policy, export, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = torch.tensor(lora_engine.score(PROBE))  # no adapter yet: the base
+    adapter, config = new_adapter(lora_policy, export, seed=3)
+    trainer = kiln_logprobs(lora_policy, PROBE)
+    assert trainer.sub(base).abs().max().item() > 0.05  # the adapter scores the probe differently
+    report = lora_engine.sync(adapter, trainer, config)
+    write_adapter_folder(tmp_path / "adapter", adapter, config)  # the export's writer, the same folder
+    size = (tmp_path / "adapter" / "adapter_model.safetensors").stat().st_size
+    whole = (export / "model.safetensors").stat().st_size
+    print(
+        f"rollout LoRA sync: {report.bytes:,} bytes (the base: {whole:,}); write {report.write_s * 1e3:.1f} ms, "
+        f"adapter load {report.load_s * 1e3:.1f} ms, probe check {report.check_s * 1e3:.1f} ms; gap {report.gap:.2g}"
+    )
+    assert report.gap <= SAME
+    assert report.bytes == size  # the adapter's bytes: the base is not sent
+    hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids = torch.tensor(PROBE)
+    with torch.no_grad():
+        want = token_logprobs(peft_model(ids[None]).logits[0], ids)
+    assert torch.tensor(lora_engine.score(PROBE)).sub(want).abs().max().item() <= SAME  # peft agrees
+    adapter, config = new_adapter(lora_policy, export, seed=4)  # the next sync's adapter replaces this one
+    assert lora_engine.sync(adapter, kiln_logprobs(lora_policy, PROBE), config).gap <= SAME
+
+
+def test_a_lora_sync_that_did_not_take_stops_with_one_line(lora_engine, lora_policy, export):
+    adapter, config = new_adapter(lora_policy, export, seed=5)
+    trainer = kiln_logprobs(lora_policy, PROBE)
+    # The old adapter still in use: the new folder under the id the engine holds, which vLLM does not read again.
+    lora_engine.adapter_id -= 1
+    with pytest.raises(WeightSyncError) as stale:
+        lora_engine.sync(adapter, trainer, config)
+    # An adapter tensor left out: vLLM refuses the folder and keeps the adapter it has.
+    left_out = {k: v for k, v in adapter.items() if k != "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"}
+    with pytest.raises(WeightSyncError) as partial:
+        lora_engine.sync(left_out, trainer, config)
+    for raised in (stale, partial):
+        message = str(raised.value)
+        print(f"rollout broken LoRA sync: {message}")
+        assert "\n" not in message and "did not take the trainer's" in message
+    assert lora_engine.sync(adapter, trainer, config).gap <= SAME  # the whole adapter under a new id: taken

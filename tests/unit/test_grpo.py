@@ -319,6 +319,10 @@ def test_grpo_composes_on_the_llm_and_is_off_by_default():
         ("recipe=llm_tiny toggles.precision=bf16 " + ON, "grpo.enabled=true does not run with toggles.precision=bf16"),
         ("recipe=llm_tiny trainer.grad_accum=2 " + ON, "grpo.enabled=true does not run with trainer.grad_accum=2"),
         ("recipe=moe_tiny " + ON, "grpo.enabled=true does not run with an MoE model"),
+        (
+            "recipe=llm_tiny finetune=lora lora.quantize_base=nf4 run.dry_run=true " + ON,
+            "grpo.enabled=true does not run with lora.quantize_base=nf4 (the engine serves the base unquantized)",
+        ),
     ],
 )
 def test_composition_refuses_what_grpo_cannot_run(override, needle):

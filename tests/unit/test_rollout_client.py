@@ -21,7 +21,7 @@ ENGINE_LOGPROBS = [-1.0, -2.0, -3.0]
 # Stands in for vLLM's interpreter running vllm_process.py: ready, then an answer per request. It records what
 # load_weights was handed (the tensors' names and sums) and dies on "generate" when told to.
 FAKE = """#!{python}
-import json, sys
+import json, os, sys
 from safetensors.numpy import load_file  # not torch: the stand-in starts in a blink
 if {die_at_start}:
     print("engine: no such model", file=sys.stderr)
@@ -38,6 +38,15 @@ for line in sys.stdin:
         state = load_file(req["path"] + "/model.safetensors")
         answer = {{"ok": True, "loaded": {{k: float(v.sum()) for k, v in state.items()}}}}
         open({record!r}, "w").write(json.dumps({{"path": req["path"], **answer["loaded"]}}))
+    elif req["cmd"] == "load_adapter":  # vLLM refuses an adapter with a lora_B missing
+        files = sorted(os.listdir(req["path"]))
+        state = load_file(req["path"] + "/adapter_model.safetensors")
+        if len(state) % 2:
+            answer = {{"ok": False, "error": "load_adapter: TypeError: unsupported operand type(s)"}}
+        else:
+            answer = {{"ok": True}}
+            sums = {{k: float(v.sum()) for k, v in state.items()}}
+            open({record!r}, "w").write(json.dumps({{"id": req["id"], "files": files, **sums}}))
     else:
         answer = {{"ok": False, "error": "generate: ValueError: max_tokens must be at least 1"}}
     out.write(json.dumps(answer) + "\\n"); out.flush()
@@ -85,6 +94,33 @@ def test_an_engine_that_dies_or_refuses_is_one_error_with_its_reason(tmp_path):
         fake_engine(tmp_path, die_at_start=True).start()
     with fake_engine(tmp_path) as engine, pytest.raises(RuntimeError, match="max_tokens must be at least 1"):
         engine.generate([[1, 2]], n=2, max_tokens=0)
+
+
+def test_a_lora_sync_sends_a_peft_folder_under_a_new_id_and_a_refused_one_stops_in_one_line(tmp_path):
+    from common.config import LoRAConfig
+    from common.lora import peft_config
+
+    config = peft_config(LoRAConfig(rank=2), ["q_proj"])
+    names = [f"base_model.model.model.layers.0.self_attn.q_proj.lora_{p}.weight" for p in "AB"]
+    adapter = {names[0]: torch.ones(2, 3), names[1]: torch.full((3, 2), 2.0)}
+    record = tmp_path / "loaded.json"
+    engine = fake_engine(tmp_path)
+    engine.lora_rank = 2
+    assert engine.command()[-3:-1] == ["--max-lora-rank", "2"]
+    with engine:
+        for want_id in (1, 2):  # a new id each sync: vLLM would not read a folder again under an id it holds
+            report = engine.sync(adapter, ENGINE_LOGPROBS, config)
+            loaded = json.loads(record.read_text())
+            assert loaded == {"id": want_id, "files": ["adapter_config.json", "adapter_model.safetensors"]} | {
+                names[0]: 6.0,
+                names[1]: 12.0,
+            }
+            assert 4 * 12 < report.bytes < 4 * 12 + 1024  # the adapter's file: its tensors and a short header
+        with pytest.raises(WeightSyncError) as raised:
+            engine.sync({names[0]: adapter[names[0]]}, ENGINE_LOGPROBS, config)
+    message = str(raised.value)
+    assert "\n" not in message and "did not take the trainer's adapter" in message and "TypeError" in message
+    assert engine.adapter_id == 2  # the refused adapter's id is not the engine's
 
 
 def test_a_push_without_room_in_shared_memory_goes_to_the_temporary_folder(monkeypatch, tmp_path):
