@@ -97,9 +97,10 @@ class LLMTrainer(Trainer):
         check_data(cfg, self.meta)  # preference pairs with preference.loss, and only then
         check_prompts(cfg, self.meta)  # prompts with grpo.enabled, and only then
         pairs = cfg.preference.enabled  # preference optimization (recipes/llm/preference.py): pairs, laid whole
-        if cfg.grpo.enabled:  # GRPO (recipes/llm/grpo.py): trainer.micro_batch_size prompts a step
+        if cfg.grpo.enabled:  # GRPO (recipes/llm/grpo.py): global micro-batches of micro_batch_size x dp prompts
+            rows = cfg.trainer.micro_batch_size * self.dims.dp
             loader = train_loader(
-                cfg, self.meta["train_urls"], decode=decode_prompt, collate=list, rank=0, world_size=1
+                cfg, self.meta["train_urls"], decode=decode_prompt, collate=list, batch_size=rows, rank=0, world_size=1
             )
         else:
             loader = build_train_loader(
@@ -220,14 +221,18 @@ class LLMTrainer(Trainer):
         this cp rank's share of them."""
         if self.preference is not None:
             return self.preference.prepare(rows)
-        if self.grpo is not None:  # here `rows` are the step's prompts
-            return self.grpo.prepare(rows)
         packed = local_batch(
             rows, dp_rank=self.dp_rank, dp=self.dims.dp, max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id
         )
         cp, method = self.cp, self.cfg.parallel.cp_method
         shard = None if cp is None else ContextShard.of(packed, cp.cp, cp.cp_rank, method, self.cfg.toggles.attention)
         return LocalBatch(packed, shard)
+
+    def prepare_step(self, batches: list) -> list:
+        """Under grpo.enabled the step's prompts are synced, generated and scored once (recipes/llm/grpo.py)."""
+        if self.grpo is not None:
+            return self.grpo.prepare_step(batches)
+        return super().prepare_step(batches)
 
     def count(self, batch: LocalBatch) -> int:
         # Only labelled tokens count (chat: the assistant's); under cp this rank's (summed over dp x cp). Pairs: pairs.

@@ -1,7 +1,9 @@
 """GRPO end to end (recipes/llm/grpo.py, grpo.enabled=true): llm_tiny's export (the run test_rollout_vllm serves)
-trained 3 GRPO steps on 8 tiny prompts, its samples drawn by vLLM's CPU build with the trainer's weights pushed in
-before every step. Three runs for the module (~15-25 s each on 2 cores, most of it the engine's start): 3 steps, a
-resume of its step-2 checkpoint to step 3, and a run whose step-2 sync is broken on purpose.
+trained 3 GRPO steps on 8 tiny prompts (tests/fixtures/grpo.py), its samples drawn by vLLM's CPU build with the
+trainer's weights pushed in before every step, each step's 2 prompts in 2 micro-batches (trainer.grad_accum=2: one sync
+and one generation a step). Three runs for the module (~15-25 s each on 2 cores, most of it the engine's start): 3
+steps (in the run cache: tests/distributed/test_grpo_layouts.py compares a 2-rank run with it), a resume of its step-2
+checkpoint to step 3, and a run whose step-2 sync is broken on purpose.
 
 Independent references: the export the run started from (the weights must have moved), the probe check's bound
 (the engine computes what the trainer computes after every sync), and the uninterrupted run's step 3 (a resume draws
@@ -15,35 +17,13 @@ import json
 import pytest
 
 from common.rollout.client import PROBE_BOUND
+from tests.fixtures.grpo import ONE_RANK, grpo_args
 from tests.fixtures.llm import tensors
-from tests.fixtures.runs import LLM_SERVED
 from tests.fixtures.vllm import NEEDS_VLLM
 from tests.support.launcher import run_train
 
 pytestmark = NEEDS_VLLM
 
-WORDS = ["The with statement", "A list comprehension", "The import system", "Exceptions are"]
-# format_match on "^ ": a completion that opens with a space. llm_tiny's samples do about half the time, so the groups'
-# rewards differ and the advantages (and the gradient) are not zero.
-PROMPTS = [{"prompt": w, "answer": "1", "format_pattern": "^ "} for w in [*WORDS, *(w.lower() for w in WORDS)]]
-GRPO = [
-    "recipe=llm_tiny",
-    "data=prompt_shards",
-    "grpo.enabled=true",
-    "reward.functions=[common.rewards:format_match]",
-    "grpo.num_generations=4",
-    "grpo.max_completion_length=8",
-    "data.max_seq_len=64",
-    "data.num_workers=0",
-    "trainer.micro_batch_size=2",
-    "trainer.max_steps=3",
-    "trainer.log_every=1",
-    "trainer.eval=false",
-    "trainer.progress_bar=false",
-    "checkpoint.every=2",
-    "optim.weight_decay=0",  # the weights move by the GRPO gradient only
-    "optim.warmup_steps=0",
-]
 # TRL's names (GRPOTrainer) and the loop's own: the sync's gap and bytes, seconds per part of the step
 KEYS = [
     "loss",
@@ -68,26 +48,13 @@ KEYS = [
 
 
 @pytest.fixture(scope="module")
-def export(trained):
-    return trained(LLM_SERVED) / "export"
+def export(grpo_world):
+    return grpo_world["export"]
 
 
 @pytest.fixture(scope="module")
-def prompts(export, tmp_path_factory):
-    from data.prepare_prompts import main
-
-    folder = tmp_path_factory.mktemp("prompts")
-    source = folder / "prompts.jsonl"
-    source.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
-    assert main(["--tokenizer", str(export), "--input", str(source), "--out", str(folder / "shards")]) == 0
-    return folder / "shards"
-
-
-@pytest.fixture(scope="module")
-def run(export, prompts, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("grpo") / "run"
-    run_train([*GRPO, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={run_dir}"])
-    return run_dir
+def run(grpo_world, trained):
+    return trained(grpo_args(grpo_world, *ONE_RANK))
 
 
 def metrics(run_dir) -> list[dict]:
@@ -115,10 +82,10 @@ def test_three_grpo_steps_log_trl_metrics_sync_every_step_and_move_the_weights(r
     assert not (run / "rollout" / "start").exists()  # the engine's starting export goes with it
 
 
-def test_a_resume_draws_the_same_samples_and_rewards(run, export, prompts, tmp_path):
+def test_a_resume_draws_the_same_samples_and_rewards(run, grpo_world, tmp_path):
     resumed = tmp_path / "resumed"
     ckpt = run / "checkpoints" / "step_0000002"
-    run_train([*GRPO, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={resumed}", f"run.resume={ckpt}"])
+    run_train(grpo_args(grpo_world, *ONE_RANK, f"run.dir={resumed}", f"run.resume={ckpt}"))
     assert [r["step"] for r in metrics(resumed)] == [3]
     assert samples(resumed, 3) == samples(run, 3)
     again, first = metrics(resumed)[0], metrics(run)[2]
@@ -126,11 +93,10 @@ def test_a_resume_draws_the_same_samples_and_rewards(run, export, prompts, tmp_p
         assert again[key] == first[key], key
 
 
-def test_a_sync_that_did_not_take_stops_the_run_in_one_line(export, prompts, tmp_path):
+def test_a_sync_that_did_not_take_stops_the_run_in_one_line(grpo_world, tmp_path):
     """KILN_FAULTS=stale_sync@2 (common/faults.py): step 2's push leaves out the largest tensor of a layer, which step 1
     moved; the probe check stops the run before step 2 trains."""
-    args = [*GRPO, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={tmp_path / 'run'}"]
-    args = [a for a in args if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=2"]
+    args = grpo_args(grpo_world, *ONE_RANK, f"run.dir={tmp_path / 'run'}", "trainer.max_steps=2")
     proc = run_train(args, check=False, env={"KILN_FAULTS": "stale_sync@2"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("kiln: error:")]
