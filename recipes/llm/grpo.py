@@ -18,10 +18,10 @@ One optimizer step, on dp (FSDP2) x tp ranks (recipes/llm/config.py:check_grpo_l
    its prompts' whole groups (a prompt's G samples on one rank: the advantages need no communication), the tp ranks
    of a dp rank the same ones;
 4. the rewards (common/rewards.py), the group-normalized advantages and the loss (common/grpo.py), one forward and
-   backward per micro-batch. The old
-   log-probs the ratio is taken against: at ``grpo.temperature`` 1 the engine's (vLLM's raw log-probs); at any other
-   temperature the trainer's own forward before the update, as TRL takes them when it steps once per generation
-   (the same forward as the loss's, detached: the engine's raw log-probs are not of logits / temperature).
+   backward per micro-batch. The old log-probs the ratio is taken against: at ``grpo.temperature`` 1 the engine's
+   (vLLM's raw log-probs); at any other temperature the trainer's own forward before the update, as TRL takes them
+   when it steps once per generation (the same forward as the loss's, detached: the engine's raw log-probs are not
+   of logits / temperature).
 
 The engine starts once per run, after the model's weights are loaded (and resumed), on an export of them written to
 RUN_DIR/rollout/start (removed when it stops), and stops at the end of training or on an error (LLMTrainer.fit).
@@ -211,6 +211,7 @@ class GRPOTraining:
             except Exception as exc:  # sent to every rank: a user's error as it is, any other named in one line
                 failure = exc
                 rollout = exc if isinstance(exc, UserError) else RuntimeError(f"rank 0's rollout failed: {exc!r}")
+                self.close()  # before the other ranks hear of it: they stop at once, rank 0 then has its line to say
         rollout = broadcast_object(rollout)
         if isinstance(rollout, Exception):
             raise failure or rollout
