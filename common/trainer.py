@@ -13,6 +13,7 @@ checkpoints of the model and optimizer. What a recipe supplies:
     loss(batch) -> Tensor               the forward: the loss summed over those tokens or samples
     tally(batch) -> dict                host counts logged per step (samples, tokens, packed slots, ...)
     prepare(batch)                      host work on a loader's batch (the LLM packs its share); optional
+    prepare_step(batches)               the same on the step's micro-batches together; optional
     after_first_step(), after_step()    hooks; no-ops unless the recipe overrides them
     export() -> Path                    the servable artifact; after training, scripts/kiln/launch.py:run_recipe calls
                                         after_fit(), evaluate() + eval_summary(result), export(), after_export(out)
@@ -195,6 +196,11 @@ class Trainer(ABC):
         """Host-side work on one of the loader's batches before the step uses it (default: none)."""
         return batch
 
+    def prepare_step(self, batches: list) -> list:
+        """The step's `trainer.grad_accum` loader batches prepared together, before any forward (default: `prepare`
+        on each). A recipe whose host work spans the step overrides it (GRPO generates once a step)."""
+        return [self.prepare(b) for b in batches]
+
     @abstractmethod
     def count(self, batch) -> int:
         """What `loss(batch)` is summed over on this rank (labelled tokens or samples): a host number."""
@@ -259,7 +265,7 @@ class Trainer(ABC):
         """One optimizer step over `trainer.grad_accum` micro-batches drawn from `batches`."""
         accum = self.cfg.trainer.grad_accum
         with timer.phase("data_wait"):
-            micro = [self.prepare(next(batches)) for _ in range(accum)]
+            micro = self.prepare_step([next(batches) for _ in range(accum)])
         tally: dict[str, float] = {}
         for batch in micro:
             for name, n in self.tally(batch).items():

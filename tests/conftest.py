@@ -107,6 +107,17 @@ def pairs_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def grpo_world(trained, tmp_path_factory):
+    """The GRPO tests' export (LLM_SERVED's) and prompts tokenized with it (tests/fixtures/grpo.py), built once."""
+    from tests.fixtures.grpo import make_prompts
+    from tests.fixtures.runs import LLM_SERVED
+    from tests.fixtures.shared import once, shared_root
+
+    export = trained(LLM_SERVED) / "export"
+    return {"export": export, "prompts": once(shared_root(tmp_path_factory), "grpo", lambda f: make_prompts(export, f))}
+
+
+@pytest.fixture(scope="session")
 def vlm_pairs_world(tmp_path_factory):
     """The VLM preference tests' pairs with images and tiny llava-hf base (tests/fixtures/preference.py), built once."""
     from tests.fixtures.preference import make_vlm_pairs_world

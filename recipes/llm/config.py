@@ -188,21 +188,23 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def check_grpo_layout(cfg: TrainConfig) -> None:
-    """GRPO (recipes/llm/grpo.py) runs on one rank for now, in float32 (the engine's dtype: the probe check compares
-    float32 log-probs), full fine-tuning or LoRA (not QLoRA) of a dense model, one micro-batch a step."""
+    """GRPO (recipes/llm/grpo.py) runs on dp (FSDP2) x tp ranks, with any trainer.grad_accum, where a rank's logits
+    are whole rows of the full vocabulary (not split over pipeline stages, context-parallel ranks or, under loss
+    parallel, vocabulary shards), in float32 (the engine's dtype: the probe check compares float32 log-probs), full
+    fine-tuning or LoRA (not QLoRA) of a dense model."""
     if not cfg.grpo.enabled:
         return
     p, m = cfg.parallel, cfg.model
     if cfg.preference.enabled:
         raise ConfigError(f"grpo.enabled=true and preference.loss={cfg.preference.loss}: choose one objective")
-    for key, degree in (("dp", p.dp), ("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
+    for key, degree in (("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
         if degree > 1:
-            raise ConfigError(f"grpo.enabled=true does not run with parallel.{key}={degree} yet (one rank)")
+            raise ConfigError(f"grpo.enabled=true does not run with parallel.{key}={degree} yet (use dp and tp)")
     not_yet = {
+        "model.loss_parallel=true under tp>1": m.loss_parallel and p.tp > 1,
         "lora.quantize_base=nf4 (the engine serves the base unquantized)": cfg.lora.quantize_base != "none",
         f"toggles.precision={cfg.toggles.precision} (float32 only: the engine's dtype)": cfg.toggles.precision
         != "fp32",
-        f"trainer.grad_accum={cfg.trainer.grad_accum}": cfg.trainer.grad_accum > 1,
         "an MoE model (model.moe.num_experts>0)": bool(m.moe.num_experts),
     }
     for what, refused in not_yet.items():

@@ -97,9 +97,10 @@ class LLMTrainer(Trainer):
         check_data(cfg, self.meta)  # preference pairs with preference.loss, and only then
         check_prompts(cfg, self.meta)  # prompts with grpo.enabled, and only then
         pairs = cfg.preference.enabled  # preference optimization (recipes/llm/preference.py): pairs, laid whole
-        if cfg.grpo.enabled:  # GRPO (recipes/llm/grpo.py): trainer.micro_batch_size prompts a step
+        if cfg.grpo.enabled:  # GRPO (recipes/llm/grpo.py): global micro-batches of micro_batch_size x dp prompts
+            rows = cfg.trainer.micro_batch_size * self.dims.dp
             loader = train_loader(
-                cfg, self.meta["train_urls"], decode=decode_prompt, collate=list, rank=0, world_size=1
+                cfg, self.meta["train_urls"], decode=decode_prompt, collate=list, batch_size=rows, rank=0, world_size=1
             )
         else:
             loader = build_train_loader(
@@ -221,14 +222,18 @@ class LLMTrainer(Trainer):
         this cp rank's share of them."""
         if self.preference is not None:
             return self.preference.prepare(rows)
-        if self.grpo is not None:  # here `rows` are the step's prompts
-            return self.grpo.prepare(rows)
         packed = local_batch(
             rows, dp_rank=self.dp_rank, dp=self.dims.dp, max_seq_len=self.cfg.data.max_seq_len, pad_id=self.pad_id
         )
         cp, method = self.cp, self.cfg.parallel.cp_method
         shard = None if cp is None else ContextShard.of(packed, cp.cp, cp.cp_rank, method, self.cfg.toggles.attention)
         return LocalBatch(packed, shard)
+
+    def prepare_step(self, batches: list) -> list:
+        """Under grpo.enabled the step's prompts are synced, generated and scored once (recipes/llm/grpo.py)."""
+        if self.grpo is not None:
+            return self.grpo.prepare_step(batches)
+        return super().prepare_step(batches)
 
     def count(self, batch: LocalBatch) -> int:
         # Only labelled tokens count (chat: the assistant's); under cp this rank's (summed over dp x cp). Pairs: pairs.
@@ -433,7 +438,7 @@ class LLMTrainer(Trainer):
     def evaluate_grpo(self) -> dict | None:
         """grpo.enabled's held-out evaluation (recipes/llm/grpo.py:GRPOTraining.evaluate) on the val split's first
         data.eval_docs prompts: one record in metrics.jsonl (``eval/reward``, ``eval/rewards/<function>/mean``) at the
-        step the weights are of, and RUN_DIR/eval.json. One rank (GRPO refuses more)."""
+        step the weights are of, and RUN_DIR/eval.json (rank 0 writes them)."""
         from common.data.webdataset import iter_samples
 
         held_out = iter_samples(self.meta.get("val_urls", []))
@@ -441,10 +446,11 @@ class LLMTrainer(Trainer):
         if not prompts:
             print("kiln: eval: skipped: the val split has no prompts", flush=True)
             return None
-        result = {"step": self.state.step, **self.grpo.evaluate(prompts)}
-        with open(self.run_dir / "metrics.jsonl", "a") as out:  # the loop's logger is closed (or not yet open)
-            out.write(json.dumps(result) + "\n")
-        (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+        result = {"step": self.state.step, **self.grpo.evaluate(prompts)}  # every rank calls it
+        if self.dist.is_main:
+            with open(self.run_dir / "metrics.jsonl", "a") as out:  # the loop's logger is closed (or not yet open)
+                out.write(json.dumps(result) + "\n")
+            (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
         return result
 
     def after_fit(self) -> None:

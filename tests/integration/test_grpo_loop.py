@@ -1,8 +1,10 @@
 """GRPO end to end (recipes/llm/grpo.py, grpo.enabled=true): llm_tiny's export (the run test_rollout_vllm serves)
-trained 3 GRPO steps on 8 tiny prompts with a KL reference (grpo.beta=0.04), its samples drawn by vLLM's CPU build
-with the trainer's weights pushed in before every step. Four runs for the module (~15-25 s each on 2 cores, most of
-it the engine's start): 3 steps, a resume of its step-2 checkpoint to step 3, 2 steps under finetune=lora (the
-adapter moves), and a run (beta 0, the default) whose step-2 sync is broken on purpose.
+trained 3 GRPO steps on 6 tiny prompts, 2 more held out (tests/fixtures/grpo.py), with a KL reference
+(grpo.beta=0.04), its samples drawn by vLLM's CPU build with the trainer's weights pushed in before every step, each
+step's 2 prompts in 2 micro-batches (trainer.grad_accum=2: one sync and one generation a step). Three runs for the
+module (~15-25 s each on 2 cores, most of it the engine's start): 3 steps (in the run cache:
+tests/distributed/test_grpo_layouts.py compares a 2-rank run with it), a resume of its step-2 checkpoint to step 3,
+and 2 steps under finetune=lora (the adapter moves). The sync broken on purpose is test_grpo_layouts' 2-rank run.
 
 Independent references: the export the run started from (the weights must have moved; transformers' forward of it is
 the KL's reference), the probe check's bound (the engine computes what the trainer computes after every sync), and
@@ -17,36 +19,13 @@ import pytest
 import torch
 
 from common.rollout.client import PROBE_BOUND
+from tests.fixtures.grpo import ONE_RANK, grpo_args
 from tests.fixtures.llm import tensors
-from tests.fixtures.runs import LLM_SERVED
 from tests.fixtures.vllm import NEEDS_VLLM
 from tests.support.launcher import run_train
 
 pytestmark = NEEDS_VLLM
 
-WORDS = ["The with statement", "A list comprehension", "The import system", "Exceptions are"]
-# format_match on "^ ": a completion that opens with a space. llm_tiny's samples do about half the time, so the groups'
-# rewards differ and the advantages (and the gradient) are not zero.
-PROMPTS = [{"prompt": w, "answer": "1", "format_pattern": "^ "} for w in [*WORDS, *(w.lower() for w in WORDS)]]
-GRPO = [
-    "recipe=llm_tiny",
-    "data=prompt_shards",
-    "grpo.enabled=true",
-    "reward.functions=[common.rewards:format_match]",
-    "grpo.num_generations=4",
-    "grpo.max_completion_length=8",
-    "data.max_seq_len=64",
-    "data.num_workers=0",
-    "trainer.micro_batch_size=2",
-    "trainer.max_steps=3",
-    "trainer.log_every=1",
-    "trainer.eval=false",
-    "trainer.progress_bar=false",
-    "checkpoint.every=2",
-    "optim.weight_decay=0",  # the weights move by the GRPO gradient only
-    "optim.warmup_steps=0",
-]
-BETA = ["grpo.beta=0.04"]  # the KL to the starting weights (TRL's default when it is on: 0.04)
 # TRL's names (GRPOTrainer) and the loop's own: the sync's gap and bytes, seconds per part of the step
 KEYS = [
     "loss",
@@ -72,38 +51,19 @@ KEYS = [
 
 
 @pytest.fixture(scope="module")
-def export(trained):
-    return trained(LLM_SERVED) / "export"
+def export(grpo_world):
+    return grpo_world["export"]
 
 
 @pytest.fixture(scope="module")
-def prompts(export, tmp_path_factory):
-    from data.prepare_prompts import main
-
-    folder = tmp_path_factory.mktemp("prompts")
-    source = folder / "prompts.jsonl"
-    source.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
-    args = [
-        "--tokenizer",
-        str(export),
-        "--input",
-        str(source),
-        "--out",
-        str(folder / "shards"),
-        "--val-fraction",
-        "0.25",
-    ]
-    assert main(args) == 0
-    return folder / "shards"
+def prompts(grpo_world):
+    return grpo_world["prompts"]
 
 
 @pytest.fixture(scope="module")
-def run(export, prompts, tmp_path_factory):
+def run(grpo_world, trained):
     """The 3 steps with the held-out evaluation (trainer.eval): before step 1 and after step 3, on the val split."""
-    run_dir = tmp_path_factory.mktemp("grpo") / "run"
-    args = [a for a in GRPO if a != "trainer.eval=false"] + ["trainer.eval=true"]
-    run_train([*args, *BETA, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={run_dir}"])
-    return run_dir
+    return trained(grpo_args(grpo_world, *ONE_RANK))
 
 
 def metrics(run_dir) -> list[dict]:
@@ -136,12 +96,10 @@ def test_three_grpo_steps_log_trl_metrics_sync_every_step_and_move_the_weights(r
     assert not (run / "rollout" / "start").exists()  # the engine's starting export goes with it
 
 
-def test_a_resume_draws_the_same_samples_and_rewards(run, export, prompts, tmp_path):
+def test_a_resume_draws_the_same_samples_and_rewards(run, grpo_world, tmp_path):
     resumed = tmp_path / "resumed"
     ckpt = run / "checkpoints" / "step_0000002"
-    run_train(
-        [*GRPO, *BETA, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={resumed}", f"run.resume={ckpt}"]
-    )
+    run_train(grpo_args(grpo_world, *ONE_RANK, f"run.dir={resumed}", f"run.resume={ckpt}"))
     assert [r["step"] for r in metrics(resumed)] == [3]
     assert samples(resumed, 3) == samples(run, 3)
     again, first = metrics(resumed)[0], metrics(run)[2]
@@ -193,13 +151,14 @@ def test_the_kl_is_to_the_starting_weights(run, export):
     assert gap <= 1e-5
 
 
-def test_under_lora_the_adapter_moves_and_the_reference_is_the_base(export, prompts, tmp_path):
+def test_under_lora_the_adapter_moves_and_the_reference_is_the_base(grpo_world, tmp_path):
     """finetune=lora: the engine starts on model.init_from itself with LoRA enabled, each sync sends the adapter only
     (sync/bytes: the adapter file the export writes) and the probe check runs through it; grpo.beta's reference is the
     policy with its adapter off: kl 0 at step 1 (peft's B starts at 0), > 0 once the adapter moved."""
     run_dir = tmp_path / "run"
-    args = [a for a in GRPO if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=2", "finetune=lora"]
-    run_train([*args, *BETA, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={run_dir}"])
+    export = grpo_world["export"]
+    args = ["trainer.max_steps=2", "finetune=lora", "trainer.micro_batch_size=2", "trainer.eval=false"]
+    run_train(grpo_args(grpo_world, *args, f"run.dir={run_dir}"))
     records = metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     adapter = (run_dir / "export" / "adapter_model.safetensors").stat().st_size
@@ -209,19 +168,6 @@ def test_under_lora_the_adapter_moves_and_the_reference_is_the_base(export, prom
     print(f"grpo lora: sync/bytes {adapter:,}; gap {', '.join(gaps)}; kl {', '.join(kls)} (steps 1, 2)")
     assert abs(records[0]["kl"]) <= 1e-6 and records[1]["kl"] > 0
     assert not (run_dir / "rollout" / "start").exists() and export.is_dir()  # no start export; the base stays
-
-
-def test_a_sync_that_did_not_take_stops_the_run_in_one_line(export, prompts, tmp_path):
-    """KILN_FAULTS=stale_sync@2 (common/faults.py): step 2's push leaves out the largest tensor of a layer, which step 1
-    moved; the probe check stops the run before step 2 trains."""
-    args = [*GRPO, f"data.root={prompts}", f"model.init_from={export}", f"run.dir={tmp_path / 'run'}"]
-    args = [a for a in args if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=2"]
-    proc = run_train(args, check=False, env={"KILN_FAULTS": "stale_sync@2"})
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("kiln: error:")]
-    assert len(errors) == 1 and "the rollout engine did not take the trainer's weights" in errors[0], errors
-    print(errors[0])
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [1]  # step 2 never trained
 
 
 def test_the_held_out_reward_scores_greedy_answers_before_and_after_training(run, export, prompts):

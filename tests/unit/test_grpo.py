@@ -312,12 +312,14 @@ def test_grpo_composes_on_the_llm_and_is_off_by_default():
         ("recipe=llm_tiny grpo.enabled=true", "reward.functions is empty"),
         ("recipe=llm_tiny grpo.loss_type=ppo " + ON, "grpo.loss_type='ppo' is not allowed"),
         ("recipe=llm_tiny preference.loss=simpo " + ON, "grpo.enabled=true and preference.loss=simpo: choose one"),
-        ("recipe=llm_tiny parallel.dp=2 " + ON, "grpo.enabled=true does not run with parallel.dp=2 yet"),
-        ("recipe=llm_tiny parallel.tp=2 " + ON, "grpo.enabled=true does not run with parallel.tp=2 yet"),
-        ("recipe=llm_tiny parallel.pp=2 " + ON, "grpo.enabled=true does not run with parallel.pp=2 yet"),
-        ("recipe=llm_tiny parallel.cp=2 " + ON, "grpo.enabled=true does not run with parallel.cp=2 yet"),
+        ("recipe=llm_tiny parallel.pp=2 " + ON, "does not run with parallel.pp=2 yet (use dp and tp)"),
+        ("recipe=llm_tiny parallel.cp=2 " + ON, "does not run with parallel.cp=2 yet (use dp and tp)"),
+        ("recipe=moe_tiny parallel.ep=2 " + ON, "does not run with parallel.ep=2 yet (use dp and tp)"),
+        (
+            "recipe=llm_tiny parallel.tp=2 model.loss_parallel=true " + ON,
+            "grpo.enabled=true does not run with model.loss_parallel=true under tp>1 yet",
+        ),
         ("recipe=llm_tiny toggles.precision=bf16 " + ON, "grpo.enabled=true does not run with toggles.precision=bf16"),
-        ("recipe=llm_tiny trainer.grad_accum=2 " + ON, "grpo.enabled=true does not run with trainer.grad_accum=2"),
         ("recipe=moe_tiny " + ON, "grpo.enabled=true does not run with an MoE model"),
         (
             "recipe=llm_tiny finetune=lora lora.quantize_base=nf4 run.dry_run=true " + ON,
@@ -331,6 +333,15 @@ def test_composition_refuses_what_grpo_cannot_run(override, needle):
     with pytest.raises(ConfigError) as err:
         compose(override.split())
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_grpo_composes_on_dp_and_tp_ranks_with_several_micro_batches():
+    """What check_grpo_layout lets through (recipes/llm/grpo.py runs it: tests/distributed/test_grpo_layouts.py)."""
+    from scripts.kiln.launch import compose
+
+    for layout in ("parallel.dp=2", "parallel.tp=2", "parallel.dp=2 parallel.tp=2", "trainer.grad_accum=2"):
+        cfg = compose(["recipe=llm_tiny", "data=prompt_shards", *ON.split(), *layout.split()])
+        assert cfg.grpo.enabled, layout
 
 
 def test_prompt_shards_and_grpo_go_together():
