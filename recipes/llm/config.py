@@ -185,6 +185,30 @@ def validate(cfg: TrainConfig) -> None:
     check_finetune_and_toggles(cfg)
     check_preference_layout(cfg)
     check_grpo_layout(cfg)
+    check_gguf_export(cfg)
+
+
+def check_gguf_export(cfg: TrainConfig) -> None:
+    """export.gguf_type, and export.formats=[gguf] against the model: what recipes/llm/gguf_export.py writes (a dense
+    Llama; under finetune=lora the merged model)."""
+    from recipes.llm.gguf_export import check_type
+
+    check_type(cfg.export.gguf_type)
+    if "gguf" not in cfg.export.formats:
+        return
+    m = cfg.model
+    kinds = {"an MoE": m.moe.num_experts, "a Qwen3 (model.qk_norm)": m.qk_norm, "a Qwen2": m.qkv_bias}
+    kind = next((name for name, present in kinds.items() if present), None)
+    if kind:
+        raise ConfigError(
+            f"export.formats=[gguf]: this run's model is {kind}; only a dense Llama is written as GGUF here "
+            "(llama.cpp's convert_hf_to_gguf.py converts the export folder)"
+        )
+    if cfg.finetune == "lora" and not cfg.export.merge_lora:
+        raise ConfigError(
+            "export.formats=[gguf] on a finetune=lora run needs export.merge_lora=true: the GGUF is the merged "
+            "model's (GGUF LoRA adapters are not written yet)"
+        )
 
 
 def check_grpo_layout(cfg: TrainConfig) -> None:
