@@ -1,0 +1,121 @@
+"""The GGUF export checked by llama.cpp itself (llama-cpp-python, tests/fixtures/llamacpp.py): the tests' tiny Llamas
+(Llama 3's tokenizer and chat template; tied embeddings with Llama 3 RoPE scaling in fp32, and GQA with an untied
+output in bf16) and an llm_tiny run exported by scripts/export.py --format gguf (its byte-level BPE with GPT-2's
+split). In F16 llama.cpp's prompt logits are within F16_LOGITS of transformers' (float32, on the Hugging Face folder),
+its greedy answers are transformers' token for token, llama.cpp tokenizes text and the chat template's prompt into
+transformers' ids, and create_chat_completion answers as transformers' greedy chat does. Q8_0 moves the logits
+further (within Q8_0_LOGITS): the drift is printed. Without llama.cpp's bindings those checks skip; the export itself
+(scripts/export.py --format gguf) is checked either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recipes.llm.gguf_export import write_gguf
+from tests.conftest import load_script
+from tests.fixtures.llamacpp import llamacpp_python, probe, reference
+from tests.fixtures.llm import EOT, write_llama_folder
+from tests.fixtures.runs import LLM_10_STEPS
+
+pytestmark = pytest.mark.integration
+
+F16_LOGITS = 2e-2  # max |llama.cpp - transformers| over the prompt's logits, F16 weights
+Q8_0_LOGITS = 1e-1
+NEW_TOKENS = 12
+TEXTS = [
+    "What is the opposite of hot? The opposite of hot is cold.",
+    "  two spaces, tabs\tand\nnew lines\n\n, digits 12345 and 3.14, 'quotes' don't",
+    "Unicode: café, naïve, 東京, emoji 🙂 and <|eot_id|> as plain text",
+]
+CHAT = [
+    {"role": "system", "content": "You answer with one word."},
+    {"role": "user", "content": "What is the opposite of up?"},
+]
+
+
+@pytest.fixture(scope="module")
+def llamacpp():
+    python = llamacpp_python()
+    if python is None:
+        pytest.skip("needs llama.cpp's Python bindings: .venv-llamacpp with llama-cpp-python (docs/deploy.md)")
+    return python
+
+
+def request_for(folder) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = tokenizer("The opposite of hot is")["input_ids"]
+    stop = [tokenizer.eos_token_id, *([tokenizer.convert_tokens_to_ids(EOT)] if EOT in tokenizer.get_vocab() else [])]
+    return {"prompt": prompt, "new_tokens": NEW_TOKENS, "stop": stop, "texts": TEXTS, "chat": CHAT, "chat_tokens": 8}
+
+
+def compare(theirs: dict, ours: dict, bound: float, exact: bool = True) -> float:
+    """The max logit difference (asserted within `bound`); with `exact`, the greedy tokens and the chat answer too.
+    The tokenizer and the chat prompt always match: they do not depend on the weights' type."""
+    drift = (torch.tensor(ours["logits"]) - theirs["logits"]).abs().max().item()
+    assert drift <= bound, drift
+    assert ours["tokens"] == theirs["tokens"]
+    assert ours["chat_prompt"] == theirs["chat_prompt"]
+    if exact:
+        assert ours["greedy"] == theirs["greedy"]
+        assert ours["chat_answer"] == theirs["chat_answer"]
+    return drift
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_llamacpp")
+    folders = {v: write_llama_folder(root / v, v) for v in ("tied", "gqa")}
+    return root, folders, {v: reference(f, request_for(f)) for v, f in folders.items()}
+
+
+@pytest.mark.parametrize("variant", ["tied", "gqa"])
+def test_llamacpp_answers_as_transformers(tiny, variant, llamacpp, capsys):
+    root, folders, references = tiny
+    drifts = {}
+    for gguf_type, bound, exact in (("f16", F16_LOGITS, True), ("q8_0", Q8_0_LOGITS, False)):
+        path = write_gguf(folders[variant], root / f"{variant}-{gguf_type}", gguf_type)
+        ours = probe(llamacpp, path, request_for(folders[variant]))
+        drifts[gguf_type] = compare(references[variant], ours, bound, exact)
+        assert ours["metadata"]["general.architecture"] == "llama"
+    with capsys.disabled():
+        print(f"\nllama.cpp vs transformers, {variant}: max prompt-logit difference {drifts}")
+
+
+@pytest.fixture(scope="module")
+def run_export(trained, tmp_path_factory):
+    """The 1-rank llm_tiny run of the layout tests (tests/distributed/test_llm_layouts.py), exported from its last
+    checkpoint by scripts/export.py --format gguf."""
+    run_dir = trained([*LLM_10_STEPS, "trainer.micro_batch_size=8"], 1)
+    out = tmp_path_factory.mktemp("gguf_run") / "export"
+    assert load_script("export").main([str(run_dir), "--out", str(out), "--format", "gguf"]) == 0
+    return out
+
+
+def test_scripts_export_writes_the_gguf_and_modelfile(run_export):
+    import gguf
+
+    assert sorted(p.name for p in (run_export / "gguf").iterdir()) == ["Modelfile", "model-f16.gguf"]
+    reader = gguf.GGUFReader(run_export / "gguf" / "model-f16.gguf")
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "gpt-2"  # the run's own byte-level BPE
+    assert (run_export / "gguf" / "Modelfile").read_text().startswith("FROM ./model-f16.gguf\n")
+
+
+def test_llamacpp_answers_as_transformers_on_a_run(run_export, llamacpp, capsys):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(run_export)
+    request = {
+        "prompt": tokenizer("The with statement is used to wrap")["input_ids"],
+        "new_tokens": NEW_TOKENS,
+        "stop": [tokenizer.eos_token_id],
+        "texts": TEXTS[:2],
+        "chat": [],
+        "chat_tokens": 0,
+    }
+    ours = probe(llamacpp, run_export / "gguf" / "model-f16.gguf", request)
+    drift = compare(reference(run_export, request), ours, F16_LOGITS)
+    with capsys.disabled():
+        print(f"\nllama.cpp vs transformers, llm_tiny run: max prompt-logit difference {drift}")
