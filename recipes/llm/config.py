@@ -189,19 +189,23 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def check_gguf_export(cfg: TrainConfig) -> None:
-    """export.gguf_type, and export.formats=[gguf] against the model: what recipes/llm/gguf_export.py writes (a dense
-    Llama; under finetune=lora the merged model)."""
+    """export.gguf_type, and export.formats=[gguf] against the model: what recipes/llm/gguf_export.py writes (a Llama
+    or a Mixtral; under finetune=lora the merged model)."""
     from recipes.llm.gguf_export import check_type
 
     check_type(cfg.export.gguf_type)
     if "gguf" not in cfg.export.formats:
         return
-    m = cfg.model
-    kinds = {"an MoE": m.moe.num_experts, "a Qwen3 (model.qk_norm)": m.qk_norm, "a Qwen2": m.qkv_bias}
-    kind = next((name for name, present in kinds.items() if present), None)
-    if kind:
+    m, moe = cfg.model, cfg.model.moe
+    if moe.num_experts:  # Mixtral's: no shared expert, no dense layers, top-k renormalized, no q/k norm or bias
+        mixtral = not (moe.shared_ffn_dim or moe.first_dense_layers or m.qk_norm or m.qkv_bias)
+        unsupported = not (mixtral and moe.interval == 1 and moe.norm_topk_prob)
+        kind = "an MoE other than Mixtral's layout"
+    else:
+        unsupported, kind = m.qk_norm or m.qkv_bias, "a Qwen model (model.qk_norm/qkv_bias)"
+    if unsupported:
         raise ConfigError(
-            f"export.formats=[gguf]: this run's model is {kind}; only a dense Llama is written as GGUF here "
+            f"export.formats=[gguf]: this run's model is {kind}; only Llama and Mixtral are written as GGUF here "
             "(llama.cpp's convert_hf_to_gguf.py converts the export folder)"
         )
     if cfg.finetune == "lora" and not cfg.export.merge_lora:

@@ -6,15 +6,16 @@
 
 What goes in, as the converter writes it:
 - the tensors under llama.cpp's names (the gguf package's own TensorNameMap), q_proj/k_proj rows reordered for
-  llama.cpp's RoPE (Hugging Face rotates the two halves of each head, llama.cpp adjacent pairs: `_permute`), norms in
-  F32, the rest in F16, BF16 or Q8_0 (gguf's quants module; a tensor whose rows do not split into Q8_0's 32-wide blocks
-  stays F16, as the converter does); Llama 3's RoPE scaling as the `rope_freqs` factors;
+  llama.cpp's RoPE (Hugging Face rotates the two halves of each head, llama.cpp adjacent pairs: `_permute`), a Mixtral
+  layer's experts stacked per projection (llama.cpp's llama architecture with experts), norms and the router in F32, the
+  rest in F16, BF16 or Q8_0 (gguf's quants module; a tensor whose rows do not split into Q8_0's 32-wide blocks stays
+  F16, as the converter does); Llama 3's RoPE scaling as the `rope_freqs` factors;
 - the tokenizer as tokenizer.ggml.* (a byte-level BPE: its tokens, types, merges, special ids, add_bos) and the chat
   template (gguf's SpecialVocab reads both from the folder's tokenizer files).
 
-Refused in one line (ConfigError): an architecture other than Llama (llama.cpp has Qwen3 and the MoEs, this writer
-does not yet), a quant type gguf cannot write in numpy (K-quants need llama.cpp's llama-quantize), a tokenizer whose
-pre-tokenizer llama.cpp would not split the same way.
+Refused in one line (ConfigError): an architecture other than Llama and Mixtral (llama.cpp has Qwen3 and the Qwen MoEs,
+this writer does not yet), a quant type gguf cannot write in numpy (K-quants need llama.cpp's llama-quantize), a
+tokenizer whose pre-tokenizer llama.cpp would not split the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 from common.errors import ConfigError
@@ -51,17 +53,18 @@ def check_type(gguf_type: str) -> None:
 
 
 def write_gguf(export: Path, out: Path, gguf_type: str = "f16") -> Path:
-    """export (a Hugging Face Llama folder) as out/model-<type>.gguf with out/Modelfile beside it; returns the file."""
+    """export (a Hugging Face Llama or Mixtral folder) as out/model-<type>.gguf with out/Modelfile beside it; returns
+    the file."""
     import gguf
 
     check_type(gguf_type)
     export, out = Path(export), Path(out)
     config = json.loads((export / "config.json").read_text())
-    if config.get("model_type") != "llama":
+    if config.get("model_type") not in ("llama", "mixtral"):
         raise _error(
             export,
-            f"model_type={config.get('model_type')!r}: only Llama is written as GGUF here (llama.cpp's converter "
-            "handles Qwen3 and the MoEs: convert_hf_to_gguf.py on this folder)",
+            f"model_type={config.get('model_type')!r}: only Llama and Mixtral are written as GGUF here (llama.cpp's "
+            "converter, convert_hf_to_gguf.py, takes the Qwen3 folders)",
         )
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"model-{gguf_type}.gguf"
@@ -101,6 +104,9 @@ def _write_parameters(writer, config: dict, export: Path, gguf_type: str) -> Non
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    if config.get("num_local_experts"):  # Mixtral: llama.cpp's llama architecture with experts
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
     writer.add_file_type(getattr(gguf.LlamaFileType, file_types[gguf_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -179,15 +185,38 @@ def unpermute(weight, n_heads: int):
 
 
 def _tensors(export: Path, config: dict, gguf_type: str):
-    """(llama.cpp name, numpy data, GGML type) of every tensor: the folder's safetensors renamed, q/k permuted,
-    quantized; Llama 3's rope_freqs last."""
+    """(llama.cpp name, numpy data, GGML type) of every tensor: the folder's safetensors renamed, q/k permuted, a
+    Mixtral layer's experts stacked into one tensor each (ffn_gate_exps, ffn_down_exps, ffn_up_exps, [experts, out,
+    in], as the converter merges them), quantized; Llama 3's rope_freqs last."""
     import gguf
     import numpy as np
-    from safetensors import safe_open
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
-    wanted = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}
-    wanted["q8_0"] = gguf.GGMLQuantizationType.Q8_0
+    experts: dict[str, dict[int, np.ndarray]] = {}  # merged name -> expert -> weight, until every expert is read
+    for key, data in _hf_tensors(export, config):
+        merged = _EXPERT.sub(".experts.", key)
+        if merged != key:  # one expert's weight: stacked once the layer's last expert is read
+            experts.setdefault(merged, {})[int(_EXPERT.search(key)[1])] = data
+            if len(experts[merged]) < config["num_local_experts"]:
+                continue
+            key, data = merged, np.stack([w for _, w in sorted(experts.pop(merged).items())])
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise _error(export, f"tensor {key} has no llama.cpp name")
+        yield (name, *_quantized(data, gguf_type, router=name.endswith("ffn_gate_inp.weight")))
+    factors = rope_factors(config)
+    if factors is not None:
+        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+        yield name, np.asarray(factors, np.float32), gguf.GGMLQuantizationType.F32
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _hf_tensors(export: Path, config: dict):
+    """(Hugging Face name, float32 numpy) of the folder's weights, q_proj/k_proj rows in llama.cpp's order."""
+    from safetensors import safe_open
+
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     for file in sorted(export.glob("*.safetensors")):
@@ -195,26 +224,27 @@ def _tensors(export: Path, config: dict, gguf_type: str):
             for key in f.keys():
                 if key.endswith("rotary_emb.inv_freq"):
                     continue
-                name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-                if name is None:
-                    raise _error(export, f"tensor {key} has no llama.cpp name")
                 data = f.get_tensor(key).float().numpy()
                 if key.endswith("q_proj.weight"):
                     data = _permute(data, heads)
                 elif key.endswith("k_proj.weight"):
                     data = _permute(data, kv_heads)
-                qtype = wanted[gguf_type] if data.ndim > 1 else gguf.GGMLQuantizationType.F32
-                try:
-                    yield name, gguf.quants.quantize(data, qtype), qtype
-                except gguf.QuantError:  # rows not a multiple of Q8_0's block: F16, as the converter falls back
-                    yield name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.F16), gguf.GGMLQuantizationType.F16
-    factors = rope_factors(config)
-    if factors is not None:
-        yield (
-            gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
-            np.asarray(factors, np.float32),
-            (gguf.GGMLQuantizationType.F32),
-        )
+                yield key, data
+
+
+def _quantized(data, gguf_type: str, router: bool = False):
+    """(data, GGML type): vectors and the MoE router in F32 (as the converter keeps them), the rest in gguf_type; a
+    tensor whose rows do not split into Q8_0's 32-wide blocks in F16, the converter's fallback."""
+    import gguf
+
+    types = gguf.GGMLQuantizationType
+    qtype = {"f16": types.F16, "bf16": types.BF16, "q8_0": types.Q8_0}[gguf_type]
+    if data.ndim == 1 or router:
+        qtype = types.F32
+    try:
+        return gguf.quants.quantize(data, qtype), qtype
+    except gguf.QuantError:
+        return gguf.quants.quantize(data, types.F16), types.F16
 
 
 def rope_factors(config: dict) -> list[float] | None:

@@ -1,11 +1,11 @@
 """The GGUF export checked by llama.cpp itself (llama-cpp-python, tests/fixtures/llamacpp.py): the tests' tiny Llamas
-(Llama 3's tokenizer and chat template; tied embeddings with Llama 3 RoPE scaling in fp32, and GQA with an untied
-output in bf16) and an llm_tiny run exported by scripts/export.py --format gguf (its byte-level BPE with GPT-2's
-split). In F16 llama.cpp's prompt logits are within F16_LOGITS of transformers' (float32, on the Hugging Face folder),
-its greedy answers are transformers' token for token, llama.cpp tokenizes text and the chat template's prompt into
-transformers' ids, and create_chat_completion answers as transformers' greedy chat does. Q8_0 moves the logits
-further (within Q8_0_LOGITS): the drift is printed. Without llama.cpp's bindings those checks skip; the export itself
-(scripts/export.py --format gguf) is checked either way."""
+(Llama 3's tokenizer and chat template; tied embeddings with Llama 3 RoPE scaling in fp32, and GQA with an untied output
+in bf16), their tiny Mixtral (4 experts, top-2) and an llm_tiny run exported by scripts/export.py --format gguf (its
+byte-level BPE with GPT-2's split). In F16 llama.cpp's prompt logits are within F16_LOGITS of transformers' (float32, on
+the Hugging Face folder), its greedy answers are transformers' token for token, llama.cpp tokenizes text and the chat
+template's prompt into transformers' ids, and create_chat_completion answers as transformers' greedy chat does. Q8_0
+moves the logits further (within Q8_0_LOGITS): the drift is printed. Without llama.cpp's bindings those checks skip; the
+export itself (scripts/export.py --format gguf) is checked either way."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from recipes.llm.gguf_export import write_gguf
 from tests.conftest import load_script
 from tests.fixtures.llamacpp import llamacpp_python, probe, reference
-from tests.fixtures.llm import EOT, write_llama_folder
+from tests.fixtures.llm import EOT, write_llama_folder, write_moe_folder
 from tests.fixtures.runs import LLM_10_STEPS
 
 pytestmark = pytest.mark.integration
@@ -68,10 +68,11 @@ def compare(theirs: dict, ours: dict, bound: float, exact: bool = True) -> float
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_llamacpp")
     folders = {v: write_llama_folder(root / v, v) for v in ("tied", "gqa")}
+    folders["mixtral"] = write_moe_folder(root / "mixtral", "mixtral")
     return root, folders, {v: reference(f, request_for(f)) for v, f in folders.items()}
 
 
-@pytest.mark.parametrize("variant", ["tied", "gqa"])
+@pytest.mark.parametrize("variant", ["tied", "gqa", "mixtral"])
 def test_llamacpp_answers_as_transformers(tiny, variant, llamacpp, capsys):
     root, folders, references = tiny
     drifts = {}

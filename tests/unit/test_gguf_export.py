@@ -103,6 +103,29 @@ def test_every_tensor_reads_back_as_the_folders(folders, variant, gguf_type, tmp
             assert (np.abs(ours.reshape(-1, 32) - blocks) <= step * (0.5 + 127 * 2**-11)).all(), name
 
 
+def test_mixtral_experts_are_stacked_as_llamacpps(tmp_path):
+    """A Mixtral folder: llama.cpp's llama architecture with experts, each layer's experts one [experts, out, in]
+    tensor per projection (w1 gate, w2 down, w3 up), the router in F32."""
+    folder = write_moe_folder(tmp_path / "mixtral", "mixtral")
+    config = json.loads((folder / "config.json").read_text())
+    fields, tensors = read(write_gguf(folder, tmp_path / "out", "f16"))
+    assert (fields["llama.expert_count"], fields["llama.expert_used_count"]) == (4, 2)
+    theirs = hf_tensors(folder)
+    for layer in range(config["num_hidden_layers"]):
+        router = tensors[f"blk.{layer}.ffn_gate_inp.weight"]
+        assert router.tensor_type == gguf.GGMLQuantizationType.F32
+        np.testing.assert_array_equal(
+            back_to_hf("router", router, config), theirs[f"model.layers.{layer}.block_sparse_moe.gate.weight"].numpy()
+        )
+        for w, part in (("w1", "gate"), ("w2", "down"), ("w3", "up")):
+            stacked = torch.stack(
+                [theirs[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"] for e in range(4)]
+            )
+            ours = back_to_hf(part, tensors[f"blk.{layer}.ffn_{part}_exps.weight"], config)
+            np.testing.assert_array_equal(ours, stacked.to(torch.float16).float().numpy())
+    assert not any(".experts." in name for name in tensors)
+
+
 def test_the_metadata_is_the_folders(folders, tmp_path):
     from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -161,8 +184,8 @@ def test_the_modelfile_names_the_file_its_template_and_stops(folders, tmp_path):
 def test_what_is_not_written_stops_with_one_line(folders, tmp_path):
     with pytest.raises(ConfigError, match=r"export.gguf_type='q4_k_m' .*llama-quantize.*f16, bf16, q8_0$"):
         write_gguf(folders["tied"], tmp_path, "q4_k_m")
-    moe = write_moe_folder(tmp_path / "mixtral", "mixtral")
-    with pytest.raises(ConfigError, match=r"model_type='mixtral': only Llama is written as GGUF"):
+    moe = write_moe_folder(tmp_path / "qwen3_moe", "qwen3_moe")
+    with pytest.raises(ConfigError, match=r"model_type='qwen3_moe': only Llama and Mixtral are written as GGUF"):
         write_gguf(moe, tmp_path / "out", "f16")
     assert not (tmp_path / "out").exists()
 
@@ -173,7 +196,14 @@ def test_what_is_not_written_stops_with_one_line(folders, tmp_path):
         (["recipe=dit_tiny", "export.formats=[gguf]"], "export.formats: the DiT recipes do not write 'gguf'"),
         (["recipe=llm_tiny", "export.formats=[onnx]"], "export.formats: the LLM recipes do not write 'onnx'"),
         (["recipe=llm_tiny", "export.gguf_type=q4_0"], "export.gguf_type='q4_0' is not written here"),
-        (["recipe=moe_tiny", "export.formats=[gguf]"], "export.formats=[gguf]: this run's model is an MoE"),
+        (  # moe_tiny is a Qwen3-MoE
+            ["recipe=moe_tiny", "export.formats=[gguf]"],
+            "export.formats=[gguf]: this run's model is an MoE other than Mixtral's layout",
+        ),
+        (
+            ["recipe=llm_tiny", "export.formats=[gguf]", "model.qk_norm=true"],
+            "export.formats=[gguf]: this run's model is a Qwen",
+        ),
     ],
 )
 def test_the_config_refuses_what_is_not_written(overrides, message):
