@@ -8,6 +8,8 @@ the file in tests/integration/test_gguf_llamacpp.py."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 
 import gguf  # a declared dependency (pyproject's export extra, which make install installs)
 import numpy as np
@@ -17,6 +19,7 @@ import torch
 from common.errors import ConfigError
 from recipes.llm.gguf_export import rope_factors, unpermute, write_gguf
 from scripts.kiln.launch import compose
+from tests.conftest import REPO
 from tests.fixtures.llm import EOT, write_llama_folder, write_moe_folder
 
 
@@ -179,6 +182,37 @@ def test_the_modelfile_names_the_file_its_template_and_stops(folders, tmp_path):
         'PARAMETER stop "<|end_of_text|>"',
         f'PARAMETER stop "{EOT}"',
     ]
+
+
+def test_the_modelfile_template_renders_the_chat_templates_prompt(folders, tmp_path):
+    """ollama renders a Modelfile's TEMPLATE with Go's text/template on the request's .Messages: on a system turn, an
+    earlier exchange and a question it gives transformers' apply_chat_template prompt (with the generation prompt),
+    less the leading bos, which ollama's tokenizer adds (tokenizer.ggml.add_bos_token). Needs Go (skipped without)."""
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("needs Go: its text/template is what ollama renders a Modelfile's TEMPLATE with")
+    from transformers import AutoTokenizer
+
+    write_gguf(folders["gqa"], tmp_path, "f16")
+    template = (tmp_path / "Modelfile").read_text().split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    messages = [
+        {"role": "system", "content": "You answer with one word."},
+        {"role": "user", "content": "What is the opposite of up?"},
+        {"role": "assistant", "content": "down"},
+        {"role": "user", "content": "And of hot?"},
+    ]
+    proc = subprocess.run(
+        [go, "run", str(REPO / "tests" / "support" / "go_template.go")],
+        input=json.dumps({"template": template, "messages": messages}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    tokenizer = AutoTokenizer.from_pretrained(folders["gqa"])
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert expected.startswith(tokenizer.bos_token)
+    assert proc.stdout == expected.removeprefix(tokenizer.bos_token)
 
 
 def test_what_is_not_written_stops_with_one_line(folders, tmp_path):
