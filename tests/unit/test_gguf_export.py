@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import gguf  # a declared dependency (pyproject's export extra, which make install installs)
 import numpy as np
@@ -184,16 +185,29 @@ def test_the_modelfile_names_the_file_its_template_and_stops(folders, tmp_path):
     ]
 
 
-def test_the_modelfile_template_renders_the_chat_templates_prompt(folders, tmp_path):
+# ChatML as Hugging Face's chat templating docs print it (Qwen's adds a default system prompt and tools).
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+    "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("chat", ["llama3", "chatml"])
+def test_the_modelfile_template_renders_the_chat_templates_prompt(folders, chat, tmp_path):
     """ollama renders a Modelfile's TEMPLATE with Go's text/template on the request's .Messages: on a system turn, an
     earlier exchange and a question it gives transformers' apply_chat_template prompt (with the generation prompt),
-    less the leading bos, which ollama's tokenizer adds (tokenizer.ggml.add_bos_token). Needs Go (skipped without)."""
+    less Llama 3's leading bos, which ollama's tokenizer adds (tokenizer.ggml.add_bos_token). Needs Go (skipped
+    without)."""
     go = shutil.which("go")
     if go is None:
         pytest.skip("needs Go: its text/template is what ollama renders a Modelfile's TEMPLATE with")
     from transformers import AutoTokenizer
 
-    write_gguf(folders["gqa"], tmp_path, "f16")
+    folder = folders["gqa"]
+    if chat == "chatml":
+        folder = Path(shutil.copytree(folder, tmp_path / "chatml"))
+        (folder / "chat_template.jinja").write_text(CHATML)
+    write_gguf(folder, tmp_path, "f16")
     template = (tmp_path / "Modelfile").read_text().split('TEMPLATE """', 1)[1].split('"""', 1)[0]
     messages = [
         {"role": "system", "content": "You answer with one word."},
@@ -209,9 +223,9 @@ def test_the_modelfile_template_renders_the_chat_templates_prompt(folders, tmp_p
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
-    tokenizer = AutoTokenizer.from_pretrained(folders["gqa"])
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert expected.startswith(tokenizer.bos_token)
+    assert expected.startswith(tokenizer.bos_token) == (chat == "llama3")
     assert proc.stdout == expected.removeprefix(tokenizer.bos_token)
 
 
