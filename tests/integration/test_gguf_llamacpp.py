@@ -1,11 +1,11 @@
 """The GGUF export checked by llama.cpp itself (llama-cpp-python, tests/fixtures/llamacpp.py): the tests' tiny Llamas
 (Llama 3's tokenizer and chat template; tied embeddings with Llama 3 RoPE scaling in fp32, and GQA with an untied output
 in bf16), their tiny Mixtral (4 experts, top-2) and an llm_tiny run exported by scripts/export.py --format gguf (its
-byte-level BPE with GPT-2's split). In F16 llama.cpp's prompt logits are within F16_LOGITS of transformers' (float32, on
-the Hugging Face folder), its greedy answers are transformers' token for token, llama.cpp tokenizes text and the chat
-template's prompt into transformers' ids, and create_chat_completion answers as transformers' greedy chat does. Q8_0
-moves the logits further (within Q8_0_LOGITS): the drift is printed. Without llama.cpp's bindings those checks skip; the
-export itself (scripts/export.py --format gguf) is checked either way."""
+byte-level BPE with GPT-2's split). In F16 llama.cpp's prompt logits are within BOUNDS['f16'] of transformers' (float32,
+on the Hugging Face folder), its greedy answers are transformers' token for token, llama.cpp tokenizes text and the chat
+template's prompt into transformers' ids, and the greedy answer to that chat prompt is transformers'. BF16 and Q8_0 move
+the logits further (within their BOUNDS; tokens and chat prompt still equal): the drifts are printed. Without
+llama.cpp's bindings those checks skip; the export itself (scripts/export.py --format gguf) is checked either way."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from tests.fixtures.runs import LLM_10_STEPS
 
 pytestmark = pytest.mark.integration
 
-F16_LOGITS = 2e-2  # max |llama.cpp - transformers| over the prompt's logits, F16 weights
-Q8_0_LOGITS = 1e-1
+# max |llama.cpp - transformers| over the prompt's logits (the tiny models' logits reach about 3): measured 0.0034 to
+# 0.0059 in F16, 0.020 to 0.059 in BF16, 0.093 to 0.150 in Q8_0 (llama-cpp-python 0.3.36, CPU)
+BOUNDS = {"f16": 1e-2, "bf16": 1e-1, "q8_0": 0.25}
 NEW_TOKENS = 12
 TEXTS = [
     "What is the opposite of hot? The opposite of hot is cold.",
@@ -76,10 +77,10 @@ def tiny(tmp_path_factory):
 def test_llamacpp_answers_as_transformers(tiny, variant, llamacpp, capsys):
     root, folders, references = tiny
     drifts = {}
-    for gguf_type, bound, exact in (("f16", F16_LOGITS, True), ("q8_0", Q8_0_LOGITS, False)):
+    for gguf_type, bound in BOUNDS.items():
         path = write_gguf(folders[variant], root / f"{variant}-{gguf_type}", gguf_type)
         ours = probe(llamacpp, path, request_for(folders[variant]))
-        drifts[gguf_type] = compare(references[variant], ours, bound, exact)
+        drifts[gguf_type] = round(compare(references[variant], ours, bound, exact=gguf_type == "f16"), 4)
         assert ours["metadata"]["general.architecture"] == "llama"
     with capsys.disabled():
         print(f"\nllama.cpp vs transformers, {variant}: max prompt-logit difference {drifts}")
@@ -117,6 +118,6 @@ def test_llamacpp_answers_as_transformers_on_a_run(run_export, llamacpp, capsys)
         "chat_tokens": 0,
     }
     ours = probe(llamacpp, run_export / "gguf" / "model-f16.gguf", request)
-    drift = compare(reference(run_export, request), ours, F16_LOGITS)
+    drift = compare(reference(run_export, request), ours, BOUNDS["f16"])
     with capsys.disabled():
         print(f"\nllama.cpp vs transformers, llm_tiny run: max prompt-logit difference {drift}")

@@ -113,6 +113,7 @@ DOCS = [
     "docs/long-context.md",
     "docs/vlm.md",
     "docs/serving.md",
+    "docs/deploy.md",
     "docs/rl.md",
     "docs/profiling.md",
     "docs/planner.md",
