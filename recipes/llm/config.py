@@ -191,7 +191,7 @@ def validate(cfg: TrainConfig) -> None:
 def check_gguf_export(cfg: TrainConfig) -> None:
     """export.gguf_type, and export.formats=[gguf] against the model: what recipes/llm/gguf_export.py writes (a Llama
     or a Mixtral; under finetune=lora the merged model)."""
-    from recipes.llm.gguf_export import check_type
+    from recipes.llm.gguf_export import check_type, pre_tokenizer
 
     check_type(cfg.export.gguf_type)
     if "gguf" not in cfg.export.formats:
@@ -208,6 +208,8 @@ def check_gguf_export(cfg: TrainConfig) -> None:
             f"export.formats=[gguf]: this run's model is {kind}; only Llama and Mixtral are written as GGUF here "
             "(llama.cpp's convert_hf_to_gguf.py converts the export folder)"
         )
+    if m.init_from and Path(m.init_from).expanduser().is_dir():  # its tokenizer goes into the file: one llama.cpp has
+        pre_tokenizer(Path(m.init_from).expanduser())
     if cfg.finetune == "lora" and not cfg.export.merge_lora:
         raise ConfigError(
             "export.formats=[gguf] on a finetune=lora run needs export.merge_lora=true: the GGUF is the merged "

@@ -66,11 +66,12 @@ def write_gguf(export: Path, out: Path, gguf_type: str = "f16") -> Path:
             f"model_type={config.get('model_type')!r}: only Llama and Mixtral are written as GGUF here (llama.cpp's "
             "converter, convert_hf_to_gguf.py, takes the Qwen3 folders)",
         )
+    pre = pre_tokenizer(export)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"model-{gguf_type}.gguf"
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     _write_parameters(writer, config, export, gguf_type)
-    _write_vocab(writer, export, config)
+    _write_vocab(writer, export, config, pre)
     for name, data, qtype in _tensors(export, config, gguf_type):
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
@@ -111,7 +112,7 @@ def _write_parameters(writer, config: dict, export: Path, gguf_type: str) -> Non
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _write_vocab(writer, export: Path, config: dict) -> None:
+def _write_vocab(writer, export: Path, config: dict, pre: str) -> None:
     """tokenizer.ggml.*: a byte-level BPE's tokens and types as the converter lists them (every id below vocab_size;
     added tokens CONTROL when special, USER_DEFINED otherwise; ids without a token [PADn], UNUSED), its merges,
     special ids, add_bos/add_eos and the chat template (gguf.SpecialVocab)."""
@@ -120,7 +121,7 @@ def _write_vocab(writer, export: Path, config: dict) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(export, local_files_only=True)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(_pre_tokenizer(export))
+    writer.add_tokenizer_pre(pre)
     reverse = {i: token for token, i in tokenizer.get_vocab().items()}
     added = tokenizer.added_tokens_decoder
     tokens, types = [], []
@@ -148,8 +149,9 @@ def _write_vocab(writer, export: Path, config: dict) -> None:
     special.add_to_gguf(writer, quiet=True)
 
 
-def _pre_tokenizer(export: Path) -> str:
-    """llama.cpp's name for the tokenizer's pre-tokenizer split (PRE_TOKENIZERS), or ConfigError."""
+def pre_tokenizer(export: Path) -> str:
+    """llama.cpp's name for the split of the folder's tokenizer (PRE_TOKENIZERS), or ConfigError: a byte-level BPE
+    split by Llama 3's regex, or by ByteLevel's own (GPT-2's)."""
     path = export / "tokenizer.json"
     if not path.is_file():
         raise _error(export, "no tokenizer.json (only byte-level BPE tokenizers are written)")
@@ -160,8 +162,11 @@ def _pre_tokenizer(export: Path) -> str:
     steps = pre.get("pretokenizers", [pre])
     regexes = [s["pattern"].get("Regex") for s in steps if s.get("type") == "Split"]
     byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
-    if len(byte_level) == 1 and not regexes and byte_level[0].get("use_regex", True):
+    own_regex = len(byte_level) == 1 and byte_level[0].get("use_regex", True)
+    if own_regex and not regexes:
         regexes = ["gpt2"]
+    elif own_regex:  # a Split, then ByteLevel splitting again: not a split llama.cpp has
+        regexes = []
     if len(byte_level) != 1 or len(regexes) != 1 or regexes[0] not in PRE_TOKENIZERS:
         raise _error(
             export,
@@ -284,8 +289,8 @@ CHATML_TEMPLATE = (
 
 def modelfile(export: Path, gguf_name: str) -> str:
     """The ollama Modelfile of the GGUF beside it: FROM, the chat template in Go template syntax where the folder's
-    is a known format (Llama 3, ChatML; otherwise ollama reads tokenizer.chat_template from the file), a stop per
-    end-of-turn or end-of-text token, and the sampling parameters of generation_config.json."""
+    is a known format (Llama 3, ChatML; another ollama reads from the file's tokenizer.chat_template; none: the prompt
+    as it is), a stop per end-of-turn or end-of-text token, and the sampling parameters of generation_config.json."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(export, local_files_only=True)
@@ -295,8 +300,10 @@ def modelfile(export: Path, gguf_name: str) -> str:
         lines.append(f'TEMPLATE """{LLAMA3_TEMPLATE}"""')
     elif "<|im_start|>" in chat:
         lines.append(f'TEMPLATE """{CHATML_TEMPLATE}"""')
-    else:
+    elif chat:
         lines.append("# no TEMPLATE: ollama takes the chat template from the GGUF's tokenizer.chat_template")
+    else:  # no chat template: the prompt as it is
+        lines.append('TEMPLATE """{{ .Prompt }}"""')
     generation = {}
     if (export / "generation_config.json").is_file():
         generation = json.loads((export / "generation_config.json").read_text())

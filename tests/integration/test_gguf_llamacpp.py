@@ -102,7 +102,8 @@ def test_scripts_export_writes_the_gguf_and_modelfile(run_export):
     assert sorted(p.name for p in (run_export / "gguf").iterdir()) == ["Modelfile", "model-f16.gguf"]
     reader = gguf.GGUFReader(run_export / "gguf" / "model-f16.gguf")
     assert reader.fields["tokenizer.ggml.pre"].contents() == "gpt-2"  # the run's own byte-level BPE
-    assert (run_export / "gguf" / "Modelfile").read_text().startswith("FROM ./model-f16.gguf\n")
+    modelfile = (run_export / "gguf" / "Modelfile").read_text().splitlines()
+    assert modelfile[:2] == ["FROM ./model-f16.gguf", 'TEMPLATE """{{ .Prompt }}"""']  # no chat template: the prompt
 
 
 def test_llamacpp_answers_as_transformers_on_a_run(run_export, llamacpp, capsys):

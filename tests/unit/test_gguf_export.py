@@ -232,6 +232,12 @@ def test_the_modelfile_template_renders_the_chat_templates_prompt(folders, chat,
 def test_what_is_not_written_stops_with_one_line(folders, tmp_path):
     with pytest.raises(ConfigError, match=r"export.gguf_type='q4_k_m' .*llama-quantize.*f16, bf16, q8_0$"):
         write_gguf(folders["tied"], tmp_path, "q4_k_m")
+    other = Path(shutil.copytree(folders["tied"], tmp_path / "other_split"))
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\s+|\S+"
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match=r"its pre-tokenizer is not one llama.cpp splits the same way here"):
+        write_gguf(other, tmp_path / "out", "f16")
     moe = write_moe_folder(tmp_path / "qwen3_moe", "qwen3_moe")
     with pytest.raises(ConfigError, match=r"model_type='qwen3_moe': only Llama and Mixtral are written as GGUF"):
         write_gguf(moe, tmp_path / "out", "f16")
@@ -244,6 +250,10 @@ def test_what_is_not_written_stops_with_one_line(folders, tmp_path):
         (["recipe=dit_tiny", "export.formats=[gguf]"], "export.formats: the DiT recipes do not write 'gguf'"),
         (["recipe=llm_tiny", "export.formats=[onnx]"], "export.formats: the LLM recipes do not write 'onnx'"),
         (["recipe=llm_tiny", "export.gguf_type=q4_0"], "export.gguf_type='q4_0' is not written here"),
+        (
+            ["recipe=llm_tiny", "finetune=lora", "run.dry_run=true", "export.formats=[gguf]"],
+            "export.formats=[gguf] on a finetune=lora run needs export.merge_lora=true",
+        ),
         (  # moe_tiny is a Qwen3-MoE
             ["recipe=moe_tiny", "export.formats=[gguf]"],
             "export.formats=[gguf]: this run's model is an MoE other than Mixtral's layout",
