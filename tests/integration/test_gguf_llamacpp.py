@@ -90,10 +90,13 @@ def test_llamacpp_answers_as_transformers(tiny, variant, llamacpp, capsys):
 def run_export(trained, tmp_path_factory):
     """The 1-rank llm_tiny run of the layout tests (tests/distributed/test_llm_layouts.py), exported from its last
     checkpoint by scripts/export.py --format gguf."""
-    run_dir = trained([*LLM_10_STEPS, "trainer.micro_batch_size=8"], 1)
     out = tmp_path_factory.mktemp("gguf_run") / "export"
-    assert load_script("export").main([str(run_dir), "--out", str(out), "--format", "gguf"]) == 0
+    assert load_script("export").main([str(layout_run(trained)), "--out", str(out), "--format", "gguf"]) == 0
     return out
+
+
+def layout_run(trained):
+    return trained([*LLM_10_STEPS, "trainer.micro_batch_size=8"], 1)
 
 
 def test_scripts_export_writes_the_gguf_and_modelfile(run_export):
@@ -104,6 +107,22 @@ def test_scripts_export_writes_the_gguf_and_modelfile(run_export):
     assert reader.fields["tokenizer.ggml.pre"].contents() == "gpt-2"  # the run's own byte-level BPE
     modelfile = (run_export / "gguf" / "Modelfile").read_text().splitlines()
     assert modelfile[:2] == ["FROM ./model-f16.gguf", 'TEMPLATE """{{ .Prompt }}"""']  # no chat template: the prompt
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gguf-type", "q8_0"], "--gguf-type is for a GGUF export: add --format gguf"),
+        (["--format", "onnx"], "export.formats: the LLM recipes do not write 'onnx' (they write: gguf)"),
+        (["--format", "gguf", "--gguf-type", "q4_k_m"], "export.gguf_type='q4_k_m' is not written here (K-quants"),
+    ],
+)
+def test_scripts_export_refuses_what_it_does_not_write(trained, args, message, tmp_path, capsys):
+    out = tmp_path / "export"
+    assert load_script("export").main([str(layout_run(trained)), "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"export: error: {message}"), err
+    assert not out.exists() and not any(tmp_path.iterdir())  # nothing left behind
 
 
 def test_llamacpp_answers_as_transformers_on_a_run(run_export, llamacpp, capsys):
