@@ -125,6 +125,7 @@ def compose_run(
     validate(cfg)
     preference.check_config(cfg.preference, cfg.recipe.family, spec.preference)  # one line for what cannot run
     grpo.check_config(cfg.grpo, cfg.reward, cfg.recipe.family, spec.grpo)
+    check_export_formats(cfg.export.formats, spec)
     complete_cp_method(cfg.parallel, spec)
     given = command_line_keys(overrides)
     lora.complete(cfg, spec, given)  # finetune=lora: the family's default targets, checked
@@ -144,6 +145,15 @@ def check_layout(p, world_size: int) -> ParallelDims | None:
     if min(p.tp, p.pp, p.cp, p.ep) < 1 or p.dp == 0 or p.dp < -1:
         return None
     return ParallelDims.from_config(p, world_size)
+
+
+def check_export_formats(formats: list[str], spec) -> None:
+    """One line for an export.formats entry the family does not write (its spec's export_formats)."""
+    for name in formats:
+        if name not in spec.export_formats:
+            title = spec.title or spec.family
+            offered = ", ".join(spec.export_formats) or "none"
+            raise ConfigError(f"export.formats: the {title} recipes do not write {name!r} (they write: {offered})")
 
 
 def complete_cp_method(p, spec) -> None:

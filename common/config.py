@@ -152,6 +152,11 @@ class LoRAConfig:
 @dataclass
 class ExportConfig:
     merge_lora: bool = False  # finetune=lora: also write the base with the adapter merged in (export/merged)
+    # More artifacts written from the export at the end of a run (and by scripts/export.py --format): the formats its
+    # family's spec offers (recipes/registry.py export_formats), e.g. the LLM's gguf (export/gguf/: a GGUF file for
+    # llama.cpp and an ollama Modelfile, recipes/llm/gguf_export.py)
+    formats: list[str] = field(default_factory=list)
+    gguf_type: str = "f16"  # export.formats=[gguf]: the GGUF's tensor type, f16 | bf16 | q8_0
 
 
 # preference.loss: the pairwise objectives (common/preference.py); the reference-free ones take no reference.

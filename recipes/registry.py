@@ -76,6 +76,9 @@ class RecipeSpec:
     # checks the key itself. `title`: the family in messages ("not in the DiT recipe"; "" = `family`).
     cp_methods: tuple[str, ...] = ()
     title: str = ""
+    # export.formats: what the family writes from its export besides the export itself (its export_checkpoint's
+    # writer writes them); () = none.
+    export_formats: tuple[str, ...] = ()
     # Serving (scripts/serve.py): a family whose export Kiln's images server serves (common/diffusion/server.py), not
     # vLLM or transformers serve. `is_export(folder)` tells its export apart from every other family's (file checks
     # only: no torch); `server_module` is its server, whose load_export(export, engine, device) builds the model the
@@ -187,6 +190,7 @@ SPECS: dict[str, RecipeSpec] = {
         grpo=True,
         cp_methods=llm_config.CP_METHODS,
         title="LLM",
+        export_formats=("gguf",),  # export/gguf/ (recipes/llm/gguf_export.py)
     ),  # QLoRA on one GPU (check_qlora_layout)
     # Text-to-image on a released SD3 pipeline. It shares the diffusion core with the DiT (common/diffusion: objective,
     # VAE path, sampler, the `diffusion` section), as every family shares common/: no recipe imports another.

@@ -2,6 +2,7 @@
 """Export a run's checkpoint (any step, any layout) to the folder its family serves from, in one process.
 
     python scripts/export.py RUN_DIR [--checkpoint step_N|PATH] [--out DIR] [--merge-lora] [--max-shard-size 1GB]
+                             [--format gguf [--gguf-type f16|bf16|q8_0]]
 
 The folder equals the end-of-run export of the same step, tensor for tensor. Without --out it is RUN_DIR/export when
 exporting the latest checkpoint of a run that has no export yet (a preempted run), else RUN_DIR/exports/step_N: an
@@ -16,6 +17,10 @@ DiT and VLM runs (DeepSpeed checkpoints, ZeRO 0-3, any number of ranks): the DiT
 a DiTPipeline for latent DDPM models) or the VLM's llava-hf folder. Tensors stream from the checkpoint's files
 to safetensors shards of at most --max-shard-size, so host memory stays near one shard, not the model
 (common/ds_export.py).
+
+--format adds what export.formats adds at the end of a run (the run's own export.formats are written too): the LLM's
+gguf, OUT/gguf/model-<type>.gguf for llama.cpp with an ollama Modelfile beside it (recipes/llm/gguf_export.py; under
+finetune=lora the merged model's, so with --merge-lora). --gguf-type sets export.gguf_type.
 
 finetune=lora runs of every family (their checkpoints hold the adapter only): the PEFT adapter folder on
 model.init_from the end of the run writes -- the LLM's adapter with its tokenizer, the VLM's language-model adapter
@@ -106,6 +111,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="full DiT/VLM runs: the largest safetensors file, what host memory is bounded by (default 1GB)",
     )
+    ap.add_argument(
+        "--format",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also write this export.formats entry (the LLM: gguf); repeatable",
+    )
+    ap.add_argument("--gguf-type", default=None, help="with --format gguf: export.gguf_type (f16, bf16, q8_0)")
     return ap
 
 
@@ -149,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = recipe_spec(cfg.recipe.family)
         rename_saved(cfg, spec.renamed)  # a run from before a key was renamed reads as a new one
+        add_formats(cfg, args, spec)
         exporter = spec.exporter()  # recipes/<family>/export.py
         write = exporter.export_checkpoint
         if lora:
@@ -169,6 +183,24 @@ def main(argv: list[str] | None = None) -> int:
     merged = f"; merged model in {out / 'merged'}" if lora and cfg.export.merge_lora else ""
     print(f"export: {path} -> {out} ({written}{merged})")
     return 0
+
+
+def add_formats(cfg, args, spec) -> None:
+    """cfg.export with this version's keys (a run from before export.formats existed has none), --format's entries
+    and --gguf-type in it; UserError for a format the family does not write."""
+    from omegaconf import OmegaConf
+
+    from common.compose import check_export_formats
+    from common.config import ExportConfig
+    from common.errors import UserError
+
+    cfg.export = OmegaConf.merge(OmegaConf.structured(ExportConfig), cfg.get("export") or {})
+    cfg.export.formats = list(dict.fromkeys([*cfg.export.formats, *args.format]))
+    if args.gguf_type is not None:
+        if "gguf" not in cfg.export.formats:
+            raise UserError("--gguf-type is for a GGUF export: add --format gguf")
+        cfg.export.gguf_type = args.gguf_type
+    check_export_formats(list(cfg.export.formats), spec)
 
 
 def lora_writer(args, cfg, meta: dict, path: Path, exporter):

@@ -185,6 +185,36 @@ def validate(cfg: TrainConfig) -> None:
     check_finetune_and_toggles(cfg)
     check_preference_layout(cfg)
     check_grpo_layout(cfg)
+    check_gguf_export(cfg)
+
+
+def check_gguf_export(cfg: TrainConfig) -> None:
+    """export.gguf_type, and export.formats=[gguf] against the model: what recipes/llm/gguf_export.py writes (a Llama
+    or a Mixtral; under finetune=lora the merged model)."""
+    from recipes.llm.gguf_export import check_type, pre_tokenizer
+
+    check_type(cfg.export.gguf_type)
+    if "gguf" not in cfg.export.formats:
+        return
+    m, moe = cfg.model, cfg.model.moe
+    if moe.num_experts:  # Mixtral's: no shared expert, no dense layers, top-k renormalized, no q/k norm or bias
+        mixtral = not (moe.shared_ffn_dim or moe.first_dense_layers or m.qk_norm or m.qkv_bias)
+        unsupported = not (mixtral and moe.interval == 1 and moe.norm_topk_prob)
+        kind = "an MoE other than Mixtral's layout"
+    else:
+        unsupported, kind = m.qk_norm or m.qkv_bias, "a Qwen model (model.qk_norm/qkv_bias)"
+    if unsupported:
+        raise ConfigError(
+            f"export.formats=[gguf]: this run's model is {kind}; only Llama and Mixtral are written as GGUF here "
+            "(llama.cpp's convert_hf_to_gguf.py converts the export folder)"
+        )
+    if m.init_from and Path(m.init_from).expanduser().is_dir():  # its tokenizer goes into the file: one llama.cpp has
+        pre_tokenizer(Path(m.init_from).expanduser())
+    if cfg.finetune == "lora" and not cfg.export.merge_lora:
+        raise ConfigError(
+            "export.formats=[gguf] on a finetune=lora run needs export.merge_lora=true: the GGUF is the merged "
+            "model's (GGUF LoRA adapters are not written yet)"
+        )
 
 
 def check_grpo_layout(cfg: TrainConfig) -> None:

@@ -83,3 +83,17 @@ def write_export(state: dict, args: LlamaArgs, cfg: TrainConfig, folder: Path, *
         llm_lora.write_export(lora.dequantized(state), args, cfg, folder, tokenizer=tokenizer)
     else:
         weights.write_hf_folder(state, args, folder, tokenizer=tokenizer, source=cfg.model.init_from or None)
+    write_formats(cfg, folder)
+
+
+def write_formats(cfg, folder: Path) -> None:
+    """export.formats from the Hugging Face folder just written: gguf, folder/gguf/ (a GGUF file and an ollama
+    Modelfile, recipes/llm/gguf_export.py) of the model, or under finetune=lora of the merged model (folder/merged)."""
+    if "gguf" not in cfg.export.formats:
+        return
+    from recipes.llm.config import check_gguf_export
+    from recipes.llm.gguf_export import write_gguf
+
+    check_gguf_export(cfg)  # a run composed before the key existed, or scripts/export.py --format gguf
+    source = folder / "merged" if cfg.finetune == "lora" else folder
+    write_gguf(source, folder / "gguf", cfg.export.gguf_type)

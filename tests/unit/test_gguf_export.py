@@ -1,0 +1,274 @@
+"""The GGUF export (recipes/llm/gguf_export.py) read back with gguf's own GGUFReader, without llama.cpp: every tensor
+equals the Hugging Face folder's once the q/k row order is undone (F16 and BF16 bit for bit after the cast, Q8_0 within
+half a quantization step), the hyperparameters, Llama 3's RoPE factors (against transformers' own llama3 frequencies),
+the tokenizer (tokens in id order, types, merges, special ids) and the chat template are in the file, and the Modelfile
+names the file, the template and the stop tokens. What it cannot write stops with one line. llama.cpp itself loads
+the file in tests/integration/test_gguf_llamacpp.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import gguf  # a declared dependency (pyproject's export extra, which make install installs)
+import numpy as np
+import pytest
+import torch
+
+from common.errors import ConfigError
+from recipes.llm.gguf_export import rope_factors, unpermute, write_gguf
+from scripts.kiln.launch import compose
+from tests.conftest import REPO
+from tests.fixtures.llm import EOT, write_llama_folder, write_moe_folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    # tied: fp32, tied embeddings, llama3 RoPE scaling; gqa: bf16 shards, 2 kv heads, untied output.
+    return {v: write_llama_folder(root / v, v) for v in ("tied", "gqa")}
+
+
+def read(path):
+    reader = gguf.GGUFReader(path)
+    fields = {name: f.contents() for name, f in reader.fields.items()}
+    return fields, {t.name: t for t in reader.tensors}
+
+
+def hf_tensors(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def back_to_hf(name: str, tensor, config: dict) -> np.ndarray:
+    """A GGUF tensor as float32 in Hugging Face's layout (numpy shape = the safetensors' shape)."""
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    data = data.reshape([int(n) for n in reversed(tensor.shape)])
+    heads = config["num_attention_heads"]
+    if name.endswith("attn_q.weight"):
+        data = unpermute(data, heads)
+    elif name.endswith("attn_k.weight"):
+        data = unpermute(data, config["num_key_value_heads"])
+    return data
+
+
+HF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_up": "mlp.up_proj",
+}
+
+
+def hf_name(name: str) -> str:
+    """llama.cpp's tensor name as Hugging Face's (written out here, not taken from gguf's map the export uses)."""
+    stem = name.removesuffix(".weight")
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        return f"model.layers.{layer}.{HF_NAMES[part]}.weight"
+    return f"{HF_NAMES[stem]}.weight"
+
+
+@pytest.mark.parametrize("variant", ["tied", "gqa"])
+@pytest.mark.parametrize("gguf_type", ["f16", "bf16", "q8_0"])
+def test_every_tensor_reads_back_as_the_folders(folders, variant, gguf_type, tmp_path):
+    folder = folders[variant]
+    config = json.loads((folder / "config.json").read_text())
+    path = write_gguf(folder, tmp_path, gguf_type)
+    assert path == tmp_path / f"model-{gguf_type}.gguf"
+    _, tensors = read(path)
+    theirs = hf_tensors(folder)
+    weights = {n: t for n, t in tensors.items() if n != "rope_freqs.weight"}
+    assert sorted(hf_name(n) for n in weights) == sorted(theirs)  # tied: no output.weight (llama.cpp reuses token_embd)
+    cast = {"f16": torch.float16, "bf16": torch.bfloat16}
+    for name, tensor in weights.items():
+        ours, reference = back_to_hf(name, tensor, config), theirs[hf_name(name)].float()
+        if reference.ndim == 1:  # norms stay F32: bit for bit
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.F32
+            np.testing.assert_array_equal(ours, reference.numpy())
+        elif gguf_type in cast:  # the folder's weights cast to the type, bit for bit
+            np.testing.assert_array_equal(ours, reference.to(cast[gguf_type]).float().numpy(), err_msg=name)
+        else:  # Q8_0: blocks of 32 values, one step (amax / 127) each, the step stored in f16: within half a step
+            # plus 127 x the f16 step's rounding (2^-11 of it)
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            blocks = reference.numpy().reshape(-1, 32)
+            step = np.abs(blocks).max(axis=1, keepdims=True) / 127
+            assert (np.abs(ours.reshape(-1, 32) - blocks) <= step * (0.5 + 127 * 2**-11)).all(), name
+
+
+def test_mixtral_experts_are_stacked_as_llamacpps(tmp_path):
+    """A Mixtral folder: llama.cpp's llama architecture with experts, each layer's experts one [experts, out, in]
+    tensor per projection (w1 gate, w2 down, w3 up), the router in F32."""
+    folder = write_moe_folder(tmp_path / "mixtral", "mixtral")
+    config = json.loads((folder / "config.json").read_text())
+    fields, tensors = read(write_gguf(folder, tmp_path / "out", "f16"))
+    assert (fields["llama.expert_count"], fields["llama.expert_used_count"]) == (4, 2)
+    theirs = hf_tensors(folder)
+    for layer in range(config["num_hidden_layers"]):
+        router = tensors[f"blk.{layer}.ffn_gate_inp.weight"]
+        assert router.tensor_type == gguf.GGMLQuantizationType.F32
+        np.testing.assert_array_equal(
+            back_to_hf("router", router, config), theirs[f"model.layers.{layer}.block_sparse_moe.gate.weight"].numpy()
+        )
+        for w, part in (("w1", "gate"), ("w2", "down"), ("w3", "up")):
+            stacked = torch.stack(
+                [theirs[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"] for e in range(4)]
+            )
+            ours = back_to_hf(part, tensors[f"blk.{layer}.ffn_{part}_exps.weight"], config)
+            np.testing.assert_array_equal(ours, stacked.to(torch.float16).float().numpy())
+    assert not any(".experts." in name for name in tensors)
+
+
+def test_the_metadata_is_the_folders(folders, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    folder = folders["tied"]
+    config = json.loads((folder / "config.json").read_text())
+    fields, tensors = read(write_gguf(folder, tmp_path, "f16"))
+    expected = {
+        "general.architecture": "llama",
+        "llama.block_count": 4,
+        "llama.context_length": 2048,
+        "llama.embedding_length": 64,
+        "llama.feed_forward_length": 160,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 4,
+        "llama.rope.dimension_count": 16,
+        "llama.vocab_size": config["vocab_size"],
+        "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "llama-bpe",
+    }
+    assert {k: fields[k] for k in expected} == expected
+    assert fields["llama.rope.freq_base"] == 500000.0
+    assert fields["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert fields["tokenizer.ggml.tokens"] == tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    control = [i for i, t in enumerate(fields["tokenizer.ggml.token_type"]) if t == gguf.TokenType.CONTROL]
+    assert control == sorted(tokenizer.all_special_ids)
+    merges = json.loads((folder / "tokenizer.json").read_text())["model"]["merges"]
+    assert fields["tokenizer.ggml.merges"] == [" ".join(m) if isinstance(m, list) else m for m in merges]
+    assert fields["tokenizer.ggml.bos_token_id"] == tokenizer.bos_token_id
+    assert fields["tokenizer.ggml.eos_token_id"] == tokenizer.eos_token_id
+    assert fields["tokenizer.ggml.add_bos_token"] is True  # the post-processor adds <|begin_of_text|>
+    assert fields["tokenizer.chat_template"] == tokenizer.chat_template
+    # Llama 3's RoPE: llama.cpp divides each default frequency by its factor; transformers computes the scaled ones.
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.from_pretrained(folder), "cpu")
+    default = 1.0 / 500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    factors = gguf.quants.dequantize(tensors["rope_freqs.weight"].data, gguf.GGMLQuantizationType.F32)
+    np.testing.assert_allclose(default / factors, inv_freq.double(), rtol=1e-6)
+    assert rope_factors(json.loads((folders["gqa"] / "config.json").read_text())) is None
+
+
+def test_the_modelfile_names_the_file_its_template_and_stops(folders, tmp_path):
+    write_gguf(folders["gqa"], tmp_path, "q8_0")
+    lines = (tmp_path / "Modelfile").read_text().splitlines()
+    assert lines[0] == "FROM ./model-q8_0.gguf"
+    text = "\n".join(lines)
+    assert 'TEMPLATE """{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>' in text
+    # generation_config.json's two eos ids (<|end_of_text|>, <|eot_id|>), each once
+    assert [line for line in lines if line.startswith("PARAMETER stop")] == [
+        'PARAMETER stop "<|end_of_text|>"',
+        f'PARAMETER stop "{EOT}"',
+    ]
+
+
+# ChatML as Hugging Face's chat templating docs print it (Qwen's adds a default system prompt and tools).
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+    "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("chat", ["llama3", "chatml"])
+def test_the_modelfile_template_renders_the_chat_templates_prompt(folders, chat, tmp_path):
+    """ollama renders a Modelfile's TEMPLATE with Go's text/template on the request's .Messages: on a system turn, an
+    earlier exchange and a question it gives transformers' apply_chat_template prompt (with the generation prompt),
+    less Llama 3's leading bos, which ollama's tokenizer adds (tokenizer.ggml.add_bos_token). Needs Go (skipped
+    without)."""
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("needs Go: its text/template is what ollama renders a Modelfile's TEMPLATE with")
+    from transformers import AutoTokenizer
+
+    folder = folders["gqa"]
+    if chat == "chatml":
+        folder = Path(shutil.copytree(folder, tmp_path / "chatml"))
+        (folder / "chat_template.jinja").write_text(CHATML)
+    write_gguf(folder, tmp_path, "f16")
+    template = (tmp_path / "Modelfile").read_text().split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    messages = [
+        {"role": "system", "content": "You answer with one word."},
+        {"role": "user", "content": "What is the opposite of up?"},
+        {"role": "assistant", "content": "down"},
+        {"role": "user", "content": "And of hot?"},
+    ]
+    proc = subprocess.run(
+        [go, "run", str(REPO / "tests" / "support" / "go_template.go")],
+        input=json.dumps({"template": template, "messages": messages}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert expected.startswith(tokenizer.bos_token) == (chat == "llama3")
+    assert proc.stdout == expected.removeprefix(tokenizer.bos_token)
+
+
+def test_what_is_not_written_stops_with_one_line(folders, tmp_path):
+    with pytest.raises(ConfigError, match=r"export.gguf_type='q4_k_m' .*llama-quantize.*f16, bf16, q8_0$"):
+        write_gguf(folders["tied"], tmp_path, "q4_k_m")
+    other = Path(shutil.copytree(folders["tied"], tmp_path / "other_split"))
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\s+|\S+"
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match=r"its pre-tokenizer is not one llama.cpp splits the same way here"):
+        write_gguf(other, tmp_path / "out", "f16")
+    moe = write_moe_folder(tmp_path / "qwen3_moe", "qwen3_moe")
+    with pytest.raises(ConfigError, match=r"model_type='qwen3_moe': only Llama and Mixtral are written as GGUF"):
+        write_gguf(moe, tmp_path / "out", "f16")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["recipe=dit_tiny", "export.formats=[gguf]"], "export.formats: the DiT recipes do not write 'gguf'"),
+        (["recipe=llm_tiny", "export.formats=[onnx]"], "export.formats: the LLM recipes do not write 'onnx'"),
+        (["recipe=llm_tiny", "export.gguf_type=q4_0"], "export.gguf_type='q4_0' is not written here"),
+        (
+            ["recipe=llm_tiny", "finetune=lora", "run.dry_run=true", "export.formats=[gguf]"],
+            "export.formats=[gguf] on a finetune=lora run needs export.merge_lora=true",
+        ),
+        (  # moe_tiny is a Qwen3-MoE
+            ["recipe=moe_tiny", "export.formats=[gguf]"],
+            "export.formats=[gguf]: this run's model is an MoE other than Mixtral's layout",
+        ),
+        (
+            ["recipe=llm_tiny", "export.formats=[gguf]", "model.qk_norm=true"],
+            "export.formats=[gguf]: this run's model is a Qwen",
+        ),
+    ],
+)
+def test_the_config_refuses_what_is_not_written(overrides, message):
+    with pytest.raises(ConfigError, match="^" + message.replace("[", r"\[").replace("]", r"\]")):
+        compose(overrides)
+
+
+def test_the_llm_composes_with_gguf():
+    cfg = compose(["recipe=llm_tiny", "export.formats=[gguf]", "export.gguf_type=q8_0"])
+    assert (cfg.export.formats, cfg.export.gguf_type) == (["gguf"], "q8_0")
