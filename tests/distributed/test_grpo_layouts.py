@@ -30,9 +30,9 @@ WEIGHT_BOUND = 1e-6  # absolute, weights up to ~5
 
 
 def metrics(run_dir) -> dict[int, dict]:
-    """The training steps' records by step (the held-out evaluation's, at step 0 and the last step, are left out)."""
+    """The training steps' records by step (those with a loss: the held-out evaluation's step 0 is left out)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "eval/reward" not in r}
+    return {r["step"]: r for r in rows if "loss" in r}
 
 
 def samples(run_dir, step: int) -> list[dict]:
