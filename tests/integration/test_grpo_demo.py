@@ -5,8 +5,9 @@ right opposite ending in "!", and the policy learns from the rewards alone.
 
 The figures are the run's held-out evaluation (greedy answers to the prompts' val split, before step 1 and after the
 last), each held to the test's own scoring of the logged answers with the prompts' patterns: before <= 0.3, after
->= 0.8. Two runs, one of them with a vLLM engine (~10 minutes on 2 shared cores): more than CI's budget holds, so
-`make test` leaves it out (pyproject.toml: -m 'not slow'); `pytest -m slow tests/integration/test_grpo_demo.py`."""
+>= 0.8. Two runs, one of them with a vLLM engine (the docs' commands took 3 minutes at a load average below 4; this
+test 12 at a load average of 11): more than CI's budget holds, so `make test` leaves it out (pyproject.toml:
+-m 'not slow'); `pytest -m slow tests/integration/test_grpo_demo.py` runs it."""
 
 from __future__ import annotations
 
