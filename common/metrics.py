@@ -77,6 +77,20 @@ class MetricsLogger:
         plot_loss_curve(self.path, self.png)
 
 
+def add_to_step(path: Path, step: int, values: dict[str, Any]) -> None:
+    """Values taken after the loop's logger closed (or before it opened), e.g. an evaluation: merged into the record of
+    ``step`` when it is the file's last one, else appended as a record of their own, so that no step is logged twice."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    last = json.loads(lines[-1]) if lines else None
+    if last is not None and last["step"] == step:
+        lines[-1] = json.dumps(last | values)
+    else:
+        lines.append(json.dumps({"step": step, **values}))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    tmp.replace(path)
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
@@ -102,6 +116,34 @@ def plot_loss_curve(metrics_path: Path, png_path: Path) -> None:
         lr_ax.plot(steps, [r["lr"] for r in records], color="tab:orange", alpha=0.6, label="lr")
         lr_ax.set_ylabel("lr", color="tab:orange")
     ax.set_title(f"training loss ({png_path.parent.name})")
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+
+
+def plot_reward_curve(metrics_path: Path, png_path: Path) -> None:
+    """GRPO's reward curve: the training reward per step (``reward``: the mean over the step's samples) and the
+    held-out reward (``eval/reward``: greedy answers to the val prompts, where it was taken) against the step."""
+    records = read_metrics(metrics_path) if metrics_path.exists() else []
+    train = [(r["step"], r["reward"]) for r in records if "reward" in r and "loss" in r]
+    held_out = [(r["step"], r["eval/reward"]) for r in records if "eval/reward" in r]
+    if not train and not held_out:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="reward (training samples)", color="tab:blue", alpha=0.8)
+    if held_out:
+        ax.plot(*zip(*held_out), "o", label="eval/reward (held-out, greedy)", color="tab:red")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(f"GRPO reward ({png_path.parent.name})")
     fig.tight_layout()
     fig.savefig(png_path)
     plt.close(fig)

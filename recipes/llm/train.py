@@ -26,6 +26,7 @@ from common.data.webdataset import train_loader
 from common.distributed import DistInfo, barrier
 from common.engine import NativeEngine
 from common.errors import DataError
+from common.metrics import add_to_step, plot_reward_curve
 from common.parallel_dims import CPGroups, ParallelDims, batch_mesh
 from common.preference import eval_summary as preference_summary
 from common.trainer import Trainer
@@ -422,8 +423,8 @@ class LLMTrainer(Trainer):
 
     def fit(self, batches=None) -> None:
         """common/trainer.py's loop; under grpo.enabled with trainer.eval, the held-out reward before a fresh run's
-        first step (step 0) and after its last (evaluate_grpo), while the rollout engine is up; it stops when training
-        ends, or fails."""
+        first step (step 0) and after its last (evaluate_grpo), while the rollout engine is up, then RUN_DIR/reward.png;
+        the engine stops when training ends, or fails."""
         on = self.grpo is not None and self.cfg.trainer.eval
         try:
             if on and self.state.step == 0 < self.cfg.trainer.max_steps:
@@ -431,14 +432,17 @@ class LLMTrainer(Trainer):
             super().fit(batches)
             if on:
                 self.grpo_eval = self.evaluate_grpo()
+            if self.grpo is not None and self.dist.is_main:  # the training reward per step, the held-out reward
+                plot_reward_curve(self.run_dir / "metrics.jsonl", self.run_dir / "reward.png")
         finally:
             if self.grpo is not None:
                 self.grpo.close()
 
     def evaluate_grpo(self) -> dict | None:
         """grpo.enabled's held-out evaluation (recipes/llm/grpo.py:GRPOTraining.evaluate) on the val split's first
-        data.eval_docs prompts: one record in metrics.jsonl (``eval/reward``, ``eval/rewards/<function>/mean``) at the
-        step the weights are of, and RUN_DIR/eval.json (rank 0 writes them)."""
+        data.eval_docs prompts: ``eval/reward`` and ``eval/rewards/<function>/mean`` in metrics.jsonl at the step the
+        weights are of (0, or the last step's record), and RUN_DIR/eval.json (rank 0 writes them; every rank calls it).
+        """
         from common.data.webdataset import iter_samples
 
         held_out = iter_samples(self.meta.get("val_urls", []))
@@ -448,8 +452,7 @@ class LLMTrainer(Trainer):
             return None
         result = {"step": self.state.step, **self.grpo.evaluate(prompts)}  # every rank calls it
         if self.dist.is_main:
-            with open(self.run_dir / "metrics.jsonl", "a") as out:  # the loop's logger is closed (or not yet open)
-                out.write(json.dumps(result) + "\n")
+            add_to_step(self.run_dir / "metrics.jsonl", self.state.step, result)  # the loop's logger is closed
             (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2))
         return result
 

@@ -186,7 +186,7 @@ def test_the_held_out_reward_scores_greedy_answers_before_and_after_training(run
     val = [decode_prompt(s) for s in iter_samples(load_dataset_meta(prompts)["val_urls"])]
     records = eval_records(run)
     assert [r["step"] for r in records] == [0, 3] and len(val) >= 2
-    assert json.loads((run / "eval.json").read_text()) == records[-1]
+    assert records[-1].items() >= json.loads((run / "eval.json").read_text()).items()  # merged into step 3's record
     rows = [json.loads(line) for line in (run / "rollout" / "eval_samples.jsonl").read_text().splitlines()]
     model = AutoModelForCausalLM.from_pretrained(export).eval()
     for r in records:

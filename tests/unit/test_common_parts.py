@@ -10,7 +10,7 @@ import torch
 from common.config import OptimConfig, TogglesConfig
 from common.ema import EMA
 from common.errors import ConfigError
-from common.metrics import plot_loss_curve, rewind_jsonl
+from common.metrics import add_to_step, plot_loss_curve, plot_reward_curve, rewind_jsonl
 from common.optim import lr_factor
 from common.toggles import check_toggles
 
@@ -50,6 +50,27 @@ def test_metrics_rewind_and_plot(tmp_path):
     from PIL import Image
 
     assert Image.open(tmp_path / "loss.png").size[0] > 100
+
+
+def test_a_late_evaluation_joins_its_step_or_gets_a_record(tmp_path):
+    """add_to_step: GRPO's held-out reward after the loop (step 10: the last record's) and before it (step 0: its own
+    record, which rewind_jsonl keeps); plot_reward_curve draws both series."""
+    path = tmp_path / "metrics.jsonl"
+    add_to_step(path, 0, {"eval/reward": 0.0})
+    with open(path, "a") as out:
+        out.write("".join(json.dumps({"step": s, "loss": 0.1, "reward": s / 10}) + "\n" for s in range(1, 11)))
+    add_to_step(path, 10, {"eval/reward": 1.0})
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(11))
+    assert records[0] == {"step": 0, "eval/reward": 0.0}
+    assert records[-1] == {"step": 10, "loss": 0.1, "reward": 1.0, "eval/reward": 1.0}
+    rewind_jsonl(path, 0)
+    assert path.read_text() == json.dumps({"step": 0, "eval/reward": 0.0}) + "\n"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot_reward_curve(path, tmp_path / "reward.png")
+    from PIL import Image
+
+    assert Image.open(tmp_path / "reward.png").size[0] > 100
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only expectations")

@@ -146,3 +146,27 @@ def test_length_penalty_is_dapos_soft_overlong_punishment_as_trl():
     assert length_penalty(ids, max_completion_length=10)[2:6] == [0.0, -0.5, -1.0, -1.0]
     scores = rewards("common.rewards:length_penalty").score(["x"] * 2, completion_ids=[[1] * 9, [1] * 3])
     assert scores[:, 0].tolist() == [-0.5, 0.0]  # the run's max_completion_length (10) is passed in
+
+
+def test_the_grpo_demo_rewards_the_right_answer_ending_in_an_exclamation_mark():
+    """data.grpo_demo's prompts through format_match: 1 for the prompt's own answer ending in "!" (whatever follows it:
+    the engine runs on past the chat's end of turn), 0 for it ending in ".", for another word's answer, or a cut one."""
+    from data.grpo_demo import prompt_rows
+    from data.preference_demo import HELD_OUT_WORDS, TRAIN_WORDS
+
+    rows = prompt_rows()
+    words = [*TRAIN_WORDS, *HELD_OUT_WORDS]
+    assert len(rows) == 51 == len({row["prompt"][0]["content"] for row in rows})
+    for i, row in enumerate(rows):
+        a, b = words[i // 3]
+        other = words[(i // 3 + 1) % len(words)][1]
+        assert a in row["prompt"][0]["content"]
+        completions = [
+            f"The opposite of {a} is {b}!",
+            f"The opposite of {a} is {b}! is thin!",
+            f"The opposite of {a} is {b}.",
+            f"The opposite of {a} is {other}!",
+            f"The opposite of {a} is",
+            f" The opposite of {a} is {b}!",
+        ]
+        assert format_match(completions, format_pattern=[row["format_pattern"]] * 6) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
