@@ -159,6 +159,7 @@ class GRPOTraining:
         self.metrics: dict[str, float] = {}
         self.loss_metrics: list[dict[str, float]] = []  # grpo_loss's, one per micro-batch of the step
         self.prepared_at = 0.0
+        self.gather_s = 0.0  # the last sync's trainer side (on_rank0)
 
     # ---- the engine ------------------------------------------------------------------------------
     def full_state(self) -> dict[str, torch.Tensor]:
@@ -248,7 +249,9 @@ class GRPOTraining:
         tr = self.trainer
         start = None if self.started else self.full_state()
         self.started = True
+        began = time.perf_counter()
         state, probe = self.hf_state(), self.probe_logps()
+        self.gather_s = time.perf_counter() - began  # the sync's trainer side: the weights gathered, the probe scored
         result = failure = None
         if tr.dist.is_main:
             try:
@@ -309,7 +312,11 @@ class GRPOTraining:
             "num_tokens_generated": float(sum(lengths)),
             "sync/logprob_gap": sync.gap,
             "sync/bytes": float(sync.bytes),
-            "time/sync_s": synced - began,
+            "sync/gather_s": self.gather_s,
+            "sync/write_s": sync.write_s,
+            "sync/load_s": sync.load_s,
+            "sync/check_s": sync.check_s,
+            "time/sync_s": self.gather_s + synced - began,
             "time/generate_s": generated - synced,
             "time/reward_s": scored - generated,
         }

@@ -30,6 +30,7 @@ RECIPE_ARGS = {
     "dit_tiny": ["diffusion.sample_every=0", "diffusion.sample_steps=2", "diffusion.samples_per_class=1"],
     "vlm_tiny": [],
     "llm_tiny": [],
+    "llm_tiny_grpo_demo": [],
     "moe_tiny": [],
     "t2i_tiny": ["diffusion.sample_every=0", "diffusion.sample_steps=2"],
     "video_tiny": ["diffusion.sample_every=0", "diffusion.sample_steps=2"],
