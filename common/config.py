@@ -192,6 +192,7 @@ class PreferenceConfig:
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 GRPO_SCALE_REWARDS = ("group", "batch", "none")
 GRPO_IMPORTANCE_LEVELS = ("token", "sequence")
+GRPO_VLLM_MODES = ("server", "colocate")  # where the rollout engine runs (colocate: refused, not built)
 
 
 @dataclass
@@ -220,6 +221,10 @@ class GRPOConfig:
     loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (common/grpo.py says each normalization)
     scale_rewards: str = "group"  # group | batch | none: what the advantages are divided by (std + 1e-4)
     importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sequence)
+    # where the rollout engine runs: server (vLLM in its own process, from its own environment .venv-serve, beside
+    # the trainer's rank 0) | colocate (vLLM inside the trainer's process: refused, not built; docs/rl.md). TRL's
+    # name; its default is colocate, Kiln's server
+    vllm_mode: str = "server"
 
     @property
     def clip_high(self) -> float:
@@ -233,9 +238,15 @@ def check_grpo(grpo: GRPOConfig, reward: RewardConfig) -> None:
         ("loss_type", grpo.loss_type, GRPO_LOSS_TYPES),
         ("scale_rewards", grpo.scale_rewards, GRPO_SCALE_REWARDS),
         ("importance_sampling_level", grpo.importance_sampling_level, GRPO_IMPORTANCE_LEVELS),
+        ("vllm_mode", grpo.vllm_mode, GRPO_VLLM_MODES),
     ):
         if value not in allowed:
             raise ConfigError(f"grpo.{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+    if grpo.vllm_mode == "colocate":
+        raise ConfigError(
+            "grpo.vllm_mode=colocate is not built: vLLM pins its own torch, so Kiln runs it in its own environment "
+            "(.venv-serve) and process; use grpo.vllm_mode=server (docs/rl.md)"
+        )
     if grpo.num_generations < 2:
         raise ConfigError(
             f"grpo.num_generations={grpo.num_generations} must be >= 2 (advantages compare the completions of a prompt)"

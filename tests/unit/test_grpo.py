@@ -277,6 +277,8 @@ REWARD = RewardConfig(functions=["common.rewards:exact_match"])
         (GRPOConfig(top_p=1.5), REWARD, "grpo.top_p=1.5 must be in (0, 1]"),
         (GRPOConfig(epsilon=1.0), REWARD, "grpo.epsilon=1.0 must be in [0, 1)"),
         (GRPOConfig(beta=-0.1), REWARD, "grpo.beta=-0.1 must be >= 0"),
+        (GRPOConfig(vllm_mode="local"), REWARD, "grpo.vllm_mode='local' is not allowed; choose one of: server,"),
+        (GRPOConfig(vllm_mode="colocate"), REWARD, "grpo.vllm_mode=colocate is not built: vLLM pins its own torch"),
         (GRPOConfig(), RewardConfig(), "reward.functions is empty"),
         (GRPOConfig(), RewardConfig(REWARD.functions, [1.0, 2.0]), "reward.weights has 2 values for 1 reward."),
         (GRPOConfig(), RewardConfig(["common.rewards.exact_match"]), "is not module:function"),
