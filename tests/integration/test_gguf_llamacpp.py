@@ -11,6 +11,8 @@ itself (scripts/export.py --format gguf) is checked either way."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -143,3 +145,33 @@ def test_llamacpp_answers_as_transformers_on_a_run(run_export, llamacpp, capsys)
     drift = compare(reference(run_export, request), ours, BOUNDS["f16"])
     with capsys.disabled():
         print(f"\nllama.cpp vs transformers, llm_tiny run: max prompt log-probability difference {drift}")
+
+
+def test_serve_llamacpp_answers_as_transformers_and_checks_the_key(run_export, llamacpp, tmp_path):
+    """scripts/serve.py serve.engine=llamacpp on the llm_tiny run's GGUF (export/gguf) with $KILN_API_KEY set, through
+    the official openai client: the chat completion is transformers' greedy answer on the Hugging Face export to the
+    same prompt (the run is a base LM: both get the plain chat template that joins the messages' text), and a request
+    without the key gets 401."""
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scripts.kiln.serving import BASE_LM_CHAT_TEMPLATE, http, running_server
+
+    chat = [{"role": "user", "content": "The with statement is used to wrap"}]
+    tokenizer = AutoTokenizer.from_pretrained(run_export)
+    model = AutoModelForCausalLM.from_pretrained(run_export, dtype=torch.float32).eval()
+    prompt = tokenizer(tokenizer.apply_chat_template(chat, chat_template=BASE_LM_CHAT_TEMPLATE, tokenize=False))
+    prompt = torch.tensor([prompt["input_ids"]])
+    with torch.no_grad():
+        ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = tokenizer.decode(ids[0, prompt.shape[1] :], skip_special_tokens=True)
+    body = json.dumps({"model": "tiny", "messages": chat, "max_tokens": NEW_TOKENS}).encode()
+    overrides = ("serve.engine=llamacpp", "serve.threads=1", "serve.served_model_name=tiny")
+    env = {"KILN_API_KEY": "test-key"}
+    with running_server(run_export / "gguf", *overrides, log_path=tmp_path / "server.log", env=env) as base:
+        refused = http(f"{base}/v1/chat/completions", body)
+        client = OpenAI(base_url=f"{base}/v1", api_key="test-key")
+        answer = client.chat.completions.create(model="tiny", messages=chat, max_tokens=NEW_TOKENS, temperature=0)
+    assert refused[0] == 401, refused
+    assert answer.usage.prompt_tokens == prompt.shape[1]
+    assert answer.choices[0].message.content == expected, (answer.choices[0].message.content, expected)
