@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kiln-installed
 # CPU installs pin torch to the release on this machine's disk (an unpinned torch pulls CUDA).
 PIP_INSTALL := $(PY) -m pip install -q -c constraints/cpu.txt
 
-.PHONY: install demo test data clean bench gpu-check serve-env triton-env
+.PHONY: install demo test data clean bench gpu-check serve-env triton-env llamacpp-env
 # Extra arguments for the command behind `demo` and `bench`, e.g. make demo ARGS="trainer.max_steps=200".
 ARGS ?=
 
@@ -67,6 +67,20 @@ $(TRITON_STAMP):
 	root=$(TRITON_VENV)/lib/python$$version/site-packages/pytriton/tritonserver && \
 	cp $$root/python_backend_stubs/$$version/triton_python_backend_stub $$root/backends/python/ && \
 	echo $$version > $(TRITON_STAMP)
+
+# llama.cpp in its own environment (scripts/serve.py serve.engine=llamacpp, tests/support/llamacpp_probe.py):
+# xllamacpp, a prebuilt abi3 wheel (34 MB, no dependencies) of llama.cpp's library and its own OpenAI-compatible server,
+# run in process. llama-cpp-python is an sdist that compiles llama.cpp (~10 CPU-minutes): too slow for CI. numpy for
+# the probe's arrays. The stamp records the pinned version.
+LLAMACPP_VENV    := .venv-llamacpp
+LLAMACPP_STAMP   := $(LLAMACPP_VENV)/.kiln-installed
+LLAMACPP_VERSION := 2026.10.11549
+llamacpp-env: $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP):
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q xllamacpp==$(LLAMACPP_VERSION) numpy==2.4.6
+	$(LLAMACPP_VENV)/bin/python -c 'import xllamacpp, numpy' && echo xllamacpp==$(LLAMACPP_VERSION) > $(LLAMACPP_STAMP)
 
 data: install
 	$(PY) -m data.prepare_digits --out data/cache/digits

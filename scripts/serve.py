@@ -3,7 +3,8 @@
 
 LLM/VLM exports on vLLM or transformers serve (/v1/chat/completions, /v1/completions), DiT and text-to-image
 exports on Kiln's images server (/v1/images/generations), video exports on the same server (/v1/videos/generations,
-MP4 clips); a DiT export on Triton Inference Server with serve.engine=triton (its KServe v2 API, docs/deploy.md)."""
+MP4 clips); a DiT export on Triton Inference Server with serve.engine=triton (its KServe v2 API, docs/deploy.md);
+an LLM's GGUF file (scripts/export.py --format gguf) on llama.cpp's own server with serve.engine=llamacpp."""
 
 import os
 import sys
@@ -23,9 +24,11 @@ USAGE = """usage: python scripts/serve.py serve.model=<run.dir>/export [serve.KE
   DiT on Triton Inference Server: serve.engine=triton (make triton-env; writes <export>/triton, a model repository;
            loopback only unless serve.allow_unauthenticated=true); serve.max_batch_images, serve.batch_wait_ms
   text-to-image, video: serve.engine=auto|torch, serve.device; serve.max_batch_images, serve.batch_wait_ms
+  GGUF on llama.cpp's server: serve.engine=llamacpp serve.model=<out>/gguf (or the .gguf file; make llamacpp-env);
+           serve.max_model_len (its context), serve.threads; the API key as vLLM's
   serve.host, serve.port, serve.served_model_name, serve.dtype, serve.dry_run=true (print the command, exit)
   beyond loopback (serve.host=0.0.0.0): an API key in $KILN_API_KEY (serve.api_key_env=NAME picks another
-  variable; vLLM and the images server check it) or serve.allow_unauthenticated=true; \
+  variable; vLLM, llama.cpp and the images server check it) or serve.allow_unauthenticated=true; \
 transformers serve only with the latter
   vllm: serve.tensor_parallel_size, serve.max_model_len, serve.gpu_memory_utilization
   transformers: serve.device, serve.continuous_batching, serve.cb_num_blocks, serve.cb_max_batch_tokens

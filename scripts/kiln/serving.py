@@ -49,7 +49,9 @@ IMAGE_ENGINES = ("tensorrt", "onnxruntime", "torch")  # the backends under the i
 # Triton Inference Server on a model repository written from the export (scripts/kiln/triton.py): a family with a
 # Triton path (its spec's triton_module: the DiT), never chosen by auto.
 TRITON = "triton"
-ENGINES = ("auto", *TEXT_ENGINES, *IMAGE_ENGINES, TRITON)
+# llama.cpp's own server on a GGUF file (scripts/export.py --format gguf; scripts/kiln/llamacpp.py): never auto
+LLAMACPP = "llamacpp"
+ENGINES = ("auto", *TEXT_ENGINES, *IMAGE_ENGINES, TRITON, LLAMACPP)
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # spelled the same by both engines
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -73,7 +75,8 @@ class ServeSection:
     # LLM/VLM: auto (vLLM from .venv-serve or with CUDA, else transformers) | vllm | transformers.
     # DiT: auto (TensorRT with CUDA and an engine, else onnxruntime with an ONNX file, else torch) | tensorrt |
     # onnxruntime | torch | triton (Triton Inference Server: make triton-env); the ONNX file and engine come from
-    # scripts/export_dit.py. Text-to-image, video: auto | torch.
+    # scripts/export_dit.py. Text-to-image, video: auto | torch. A GGUF file (scripts/export.py --format gguf; the
+    # file, or the folder holding it): llamacpp (llama.cpp's server: make llamacpp-env).
     engine: str = "auto"
     host: str = "127.0.0.1"  # 0.0.0.0 to accept connections from other machines (needs an API key)
     # The NAME of the environment variable that holds the API key (the key itself never enters the
@@ -96,6 +99,7 @@ class ServeSection:
     # vLLM runs the model eagerly, without torch.compile: a start without the compile (on CPU, a tiny model's
     # start takes ~40 s instead of ~80 s), at the compiled graph's speed per token
     enforce_eager: bool = False
+    threads: int = 0  # llamacpp only: CPU threads (0: llama.cpp's default, one per core)
     # transformers serve only
     device: str = "auto"  # auto | cpu | cuda | cuda:N (transformers serve; a DiT on torch or tensorrt; t2i; video)
     continuous_batching: bool = True  # LLMs only: transformers serve runs VLM requests one at a time
@@ -150,6 +154,8 @@ def validate(s: ServeSection) -> None:
         raise ConfigError(f"serve.gpu_memory_utilization={s.gpu_memory_utilization} must be in (0, 1]")
     if s.cpu_kvcache_gib < 1:
         raise ConfigError(f"serve.cpu_kvcache_gib={s.cpu_kvcache_gib} must be >= 1")
+    if s.threads < 0:
+        raise ConfigError(f"serve.threads={s.threads} must be >= 0 (0: llama.cpp's default)")
     if s.max_batch_images < 1:
         raise ConfigError(f"serve.max_batch_images={s.max_batch_images} must be >= 1")
     for key in ("max_model_len", "cb_num_blocks", "cb_max_batch_tokens", "batch_wait_ms"):
@@ -769,6 +775,7 @@ ENGINE_KEYS = {
     "tensorrt": ("device", "log_level", "max_batch_images", "batch_wait_ms"),
     "torch": ("device", "log_level", "max_batch_images", "batch_wait_ms"),
     TRITON: ("log_level", "max_batch_images", "batch_wait_ms"),
+    LLAMACPP: ("dtype", "lora", "max_model_len", "threads"),
 }
 
 
@@ -853,8 +860,26 @@ def plan_triton(s: ServeSection, export: Path, name: str) -> Launch:
     return Launch(TRITON, planned["why"], name, planned["argv"], {}, None, notes + planned["notes"], api="/v2")
 
 
+def plan_llamacpp(s: ServeSection) -> Launch:
+    """llama.cpp's server on a GGUF file (scripts/kiln/llamacpp.py). It checks an API key as vLLM does (given in
+    $LLAMA_API_KEY, never on its command line): the same rules off loopback."""
+    from scripts.kiln import llamacpp
+
+    scratch = state_dir(Path(s.model).expanduser().resolve(), s)
+    planned = llamacpp.plan(s, default_served_name, BASE_LM_CHAT_TEMPLATE, scratch)
+    notes = [f"{', '.join(keys)} not used by engine={LLAMACPP}"] if (keys := ignored_keys(s, LLAMACPP)) else []
+    key = api_key(s, LLAMACPP)
+    if key is None and not is_loopback(s.host):
+        notes.append(f"serve.allow_unauthenticated=true: anyone who reaches {s.host}:{s.port} can use the model")
+    env = {llamacpp.KEY_ENV: key} if key else {}
+    why = "requested"
+    return Launch(LLAMACPP, why, planned["name"], planned["argv"], env, None, notes + planned["notes"], tuple(env))
+
+
 def plan(s: ServeSection) -> Launch:
     """Everything needed to exec the server (raises UserError/ConfigError with one line)."""
+    if s.engine == LLAMACPP:
+        return plan_llamacpp(s)
     export = check_export(s.model)
     name = s.served_model_name or default_served_name(export)
     if s.engine == TRITON:

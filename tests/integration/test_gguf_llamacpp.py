@@ -1,13 +1,17 @@
-"""The GGUF export checked by llama.cpp itself (llama-cpp-python, tests/fixtures/llamacpp.py): the tests' tiny Llamas
-(Llama 3's tokenizer and chat template; tied embeddings with Llama 3 RoPE scaling in fp32, and GQA with an untied output
-in bf16), their tiny Mixtral (4 experts, top-2) and an llm_tiny run exported by scripts/export.py --format gguf (its
-byte-level BPE with GPT-2's split). In F16 llama.cpp's prompt logits are within BOUNDS['f16'] of transformers' (float32,
-on the Hugging Face folder), its greedy answers are transformers' token for token, llama.cpp tokenizes text and the chat
-template's prompt into transformers' ids, and the greedy answer to that chat prompt is transformers'. BF16 and Q8_0 move
-the logits further (within their BOUNDS; tokens and chat prompt still equal): the drifts are printed. Without
-llama.cpp's bindings those checks skip; the export itself (scripts/export.py --format gguf) is checked either way."""
+"""The GGUF export checked by llama.cpp itself (xllamacpp's llama.cpp and its own server, tests/fixtures/llamacpp.py):
+the tests' tiny Llamas (Llama 3's tokenizer and chat template; tied embeddings with Llama 3 RoPE scaling in fp32, and
+GQA with an untied output in bf16), their tiny Mixtral (4 experts, top-2) and an llm_tiny run exported by
+scripts/export.py --format gguf (its byte-level BPE with GPT-2's split). llama.cpp's server gives log-probabilities, not
+raw logits: in F16 its prompt log-probabilities (the whole vocabulary at each position) are within BOUNDS['f16'] of
+transformers' (float32, on the Hugging Face folder), its greedy answers are transformers' token for token, it tokenizes
+text and the chat template's prompt into transformers' ids, and the greedy answer to that chat prompt is transformers'.
+BF16 and Q8_0 move the log-probabilities further (within their BOUNDS; tokens and chat prompt still equal): the drifts
+are printed. Without llama.cpp's environment (make llamacpp-env) those checks skip, and fail under CI=true; the export
+itself (scripts/export.py --format gguf) is checked either way."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -20,9 +24,12 @@ from tests.fixtures.runs import LLM_10_STEPS
 
 pytestmark = pytest.mark.integration
 
-# max |llama.cpp - transformers| over the prompt's logits (the tiny models' logits reach about 3): measured 0.0034 to
-# 0.0059 in F16, 0.020 to 0.059 in BF16, 0.093 to 0.150 in Q8_0 (llama-cpp-python 0.3.36, CPU)
-BOUNDS = {"f16": 1e-2, "bf16": 1e-1, "q8_0": 0.25}
+# max |llama.cpp - transformers| over the prompt's log-probabilities (whole vocabulary, every position), measured
+# with xllamacpp 2026.10.11549 (CPU): 0.0038 to 0.0086 in F16, 0.020 to 0.036 in BF16, 0.106 to 0.130 in Q8_0 (the
+# log-softmax of llama-cpp-python 0.3.36's raw logits: 0.0033 to 0.0059, 0.020 to 0.058, 0.088 to 0.146). F16's bound
+# is 2e-2: the newer llama.cpp's 0.0086 is near the 1e-2 that held for the older one.
+BOUNDS = {"f16": 2e-2, "bf16": 1e-1, "q8_0": 0.25}
+FTYPE = {"f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}  # the file's type as llama.cpp reads it
 NEW_TOKENS = 12
 TEXTS = [
     "What is the opposite of hot? The opposite of hot is cold.",
@@ -37,10 +44,7 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def llamacpp():
-    python = llamacpp_python()
-    if python is None:
-        pytest.skip("needs llama.cpp's Python bindings: .venv-llamacpp with llama-cpp-python (docs/deploy.md)")
-    return python
+    return llamacpp_python()  # skips without make llamacpp-env, fails under CI=true
 
 
 def request_for(folder) -> dict:
@@ -53,9 +57,9 @@ def request_for(folder) -> dict:
 
 
 def compare(theirs: dict, ours: dict, bound: float, exact: bool = True) -> float:
-    """The max logit difference (asserted within `bound`); with `exact`, the greedy tokens and the chat answer too.
-    The tokenizer and the chat prompt always match: they do not depend on the weights' type."""
-    drift = (torch.tensor(ours["logits"]) - theirs["logits"]).abs().max().item()
+    """The max log-probability difference (asserted within `bound`); with `exact`, the greedy tokens and the chat
+    answer too. The tokenizer and the chat prompt always match: they do not depend on the weights' type."""
+    drift = (torch.tensor(ours["logprobs"]) - theirs["logprobs"]).abs().max().item()
     assert drift <= bound, drift
     assert ours["tokens"] == theirs["tokens"]
     assert ours["chat_prompt"] == theirs["chat_prompt"]
@@ -81,9 +85,9 @@ def test_llamacpp_answers_as_transformers(tiny, variant, llamacpp, capsys):
         path = write_gguf(folders[variant], root / f"{variant}-{gguf_type}", gguf_type)
         ours = probe(llamacpp, path, request_for(folders[variant]))
         drifts[gguf_type] = round(compare(references[variant], ours, bound, exact=gguf_type == "f16"), 4)
-        assert ours["metadata"]["general.architecture"] == "llama"
+        assert ours["metadata"] == {"ftype": FTYPE[gguf_type], "n_vocab": references[variant]["logprobs"].shape[-1]}
     with capsys.disabled():
-        print(f"\nllama.cpp vs transformers, {variant}: max prompt-logit difference {drifts}")
+        print(f"\nllama.cpp vs transformers, {variant}: max prompt log-probability difference {drifts}")
 
 
 @pytest.fixture(scope="module")
@@ -140,4 +144,34 @@ def test_llamacpp_answers_as_transformers_on_a_run(run_export, llamacpp, capsys)
     ours = probe(llamacpp, run_export / "gguf" / "model-f16.gguf", request)
     drift = compare(reference(run_export, request), ours, BOUNDS["f16"])
     with capsys.disabled():
-        print(f"\nllama.cpp vs transformers, llm_tiny run: max prompt-logit difference {drift}")
+        print(f"\nllama.cpp vs transformers, llm_tiny run: max prompt log-probability difference {drift}")
+
+
+def test_serve_llamacpp_answers_as_transformers_and_checks_the_key(run_export, llamacpp, tmp_path):
+    """scripts/serve.py serve.engine=llamacpp on the llm_tiny run's GGUF (export/gguf) with $KILN_API_KEY set, through
+    the official openai client: the chat completion is transformers' greedy answer on the Hugging Face export to the
+    same prompt (the run is a base LM: both get the plain chat template that joins the messages' text), and a request
+    without the key gets 401."""
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scripts.kiln.serving import BASE_LM_CHAT_TEMPLATE, http, running_server
+
+    chat = [{"role": "user", "content": "The with statement is used to wrap"}]
+    tokenizer = AutoTokenizer.from_pretrained(run_export)
+    model = AutoModelForCausalLM.from_pretrained(run_export, dtype=torch.float32).eval()
+    prompt = tokenizer(tokenizer.apply_chat_template(chat, chat_template=BASE_LM_CHAT_TEMPLATE, tokenize=False))
+    prompt = torch.tensor([prompt["input_ids"]])
+    with torch.no_grad():
+        ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = tokenizer.decode(ids[0, prompt.shape[1] :], skip_special_tokens=True)
+    body = json.dumps({"model": "tiny", "messages": chat, "max_tokens": NEW_TOKENS}).encode()
+    overrides = ("serve.engine=llamacpp", "serve.threads=1", "serve.served_model_name=tiny")
+    env = {"KILN_API_KEY": "test-key"}
+    with running_server(run_export / "gguf", *overrides, log_path=tmp_path / "server.log", env=env) as base:
+        refused = http(f"{base}/v1/chat/completions", body)
+        client = OpenAI(base_url=f"{base}/v1", api_key="test-key")
+        answer = client.chat.completions.create(model="tiny", messages=chat, max_tokens=NEW_TOKENS, temperature=0)
+    assert refused[0] == 401, refused
+    assert answer.usage.prompt_tokens == prompt.shape[1]
+    assert answer.choices[0].message.content == expected, (answer.choices[0].message.content, expected)

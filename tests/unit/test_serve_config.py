@@ -721,3 +721,70 @@ def test_triton_writes_a_model_repository_and_refuses_what_it_cannot_serve(dit_e
     (dit_export / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match="serve.engine=triton serves DiT exports; .* is a text-to-image export"):
         plan(ServeSection(model=str(dit_export), engine="triton", dry_run=True))
+
+
+def write_gguf_header(path, chat_template: str | None = None):
+    """A GGUF file with metadata only (no tensors), written by llama.cpp's own gguf package."""
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_llamacpp_serves_the_gguf_with_the_key_in_its_environment(export, tmp_path, monkeypatch):
+    """serve.engine=llamacpp: llama.cpp's server (scripts/llamacpp_server.py, run by .venv-llamacpp's Python) on the
+    export's gguf/ file, named after the run's recipe; the API key in its environment (masked when printed), never on
+    its command line; a file without a chat template (a base LM's) gets the plain one the other engines get; each
+    refusal is one line (the real server answers in tests/integration/test_gguf_llamacpp.py)."""
+    from scripts.kiln.serving import BASE_LM_CHAT_TEMPLATE
+
+    monkeypatch.setenv("KILN_LLAMACPP_VENV", str(tmp_path / "no-llamacpp"))
+    with pytest.raises(UserError, match=f"serve.engine=llamacpp serves a GGUF file and {export} has none"):
+        plan(ServeSection(model=str(export), engine="llamacpp", dry_run=True))
+    gguf_file = write_gguf_header(export / "gguf" / "model-f16.gguf")
+    with pytest.raises(UserError, match="serve.engine=llamacpp: llama.cpp's environment is not built .*make llamacpp"):
+        plan(ServeSection(model=str(export), engine="llamacpp"))
+    monkeypatch.setenv("KILN_API_KEY", "sekret")
+    with monkeypatch.context() as patch:  # where state_dir puts the per-server chat template
+        patch.setattr(tempfile, "tempdir", str(tmp_path))
+        launch = plan(ServeSection(model=str(export), engine="llamacpp", dry_run=True, host="0.0.0.0", threads=1))
+    assert (launch.engine, launch.name, launch.api, launch.env) == (
+        "llamacpp",
+        "llm_tiny",
+        "/v1",
+        {"LLAMA_API_KEY": "sekret"},
+    )
+    assert launch.argv[:2] == [
+        str(tmp_path / "no-llamacpp" / "bin" / "python"),
+        str(REPO / "scripts" / "llamacpp_server.py"),
+    ]
+    flags = dict(zip(launch.argv[2::2], launch.argv[3::2]))
+    assert {k: flags[k] for k in ("--model", "--alias", "--host", "--threads", "--ctx-size")} == {
+        "--model": str(gguf_file),
+        "--alias": "llm_tiny",
+        "--host": "0.0.0.0",
+        "--threads": "1",
+        "--ctx-size": "0",
+    }
+    assert flags["--chat-template-file"].startswith(str(tmp_path))
+    assert open(flags["--chat-template-file"]).read() == BASE_LM_CHAT_TEMPLATE
+    assert "sekret" not in launch.shown() and launch.shown().startswith("LLAMA_API_KEY=******** ")
+    llama3 = write_gguf_header(tmp_path / "chat" / "model.gguf", chat_template="{{ messages }}")
+    launch = plan(ServeSection(model=str(llama3), engine="llamacpp", dry_run=True, served_model_name="chat-model"))
+    assert "--chat-template-file" not in launch.argv and launch.name == "chat-model"
+    write_gguf_header(export / "gguf" / "model-q8_0.gguf")
+    for overrides, message in [
+        ([f"serve.model={export}"], "holds 2 GGUF files (model-f16.gguf, model-q8_0.gguf): name one"),
+        ([f"serve.model={gguf_file}", "serve.dtype=bfloat16"], "serve.dtype=bfloat16: llama.cpp runs the GGUF file's"),
+        ([f"serve.model={export}/config.json"], "serve.engine=llamacpp serves a .gguf file; "),
+        ([f"serve.model={gguf_file}", "serve.host=0.0.0.0"], "serve.host=0.0.0.0 accepts connections from other"),
+    ]:
+        proc = _serve(*overrides, "serve.engine=llamacpp", "serve.dry_run=true", tmp=tmp_path)
+        assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
