@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError
-from recipes.llm.export import write_formats
+from recipes.llm.export import write_export
 from recipes.llm.gguf_export import rope_factors, unpermute, write_gguf
 from scripts.kiln.launch import compose
 from tests.conftest import REPO
@@ -353,25 +353,43 @@ def test_a_lora_reads_back_as_peft_and_merges_as_peft(folders, adapters, variant
     assert lines[:2] == ["FROM ./model-bf16.gguf", "ADAPTER ./adapter-f32.gguf"]
 
 
-def test_a_lora_runs_export_writes_the_base_and_the_adapter(folders, adapters, tmp_path):
-    """finetune=lora with export.formats=[gguf]: export/gguf holds model.init_from's GGUF and the adapter's, which
-    the Modelfile names; with export.merge_lora the merged model's GGUF alone, as before."""
-    adapter, _ = adapters["plain"]
-    export = Path(shutil.copytree(adapter, tmp_path / "export"))
-    cfg = compose(["recipe=llm_tiny", "finetune=lora", f"model.init_from={folders['gqa']}", "export.formats=[gguf]"])
-    write_formats(cfg, export)
-    assert sorted(p.name for p in (export / "gguf").iterdir()) == ["Modelfile", "adapter-f32.gguf", "model-f16.gguf"]
-    fields, _ = read(export / "gguf" / "model-f16.gguf")
-    assert fields["general.name"] == folders["gqa"].name  # the base's file, not a merged model's
-    assert (export / "gguf" / "Modelfile").read_text().splitlines()[:2] == [
+def test_a_lora_runs_export_writes_the_base_and_the_adapter(folders, tmp_path):
+    """finetune=lora with export.formats=[gguf], through the export's own writer (recipes/llm/export.py write_export,
+    a LoRA-wrapped Kiln model on model.init_from): export/gguf holds model.init_from's GGUF and the adapter's, every
+    adapted linear's A and B, which the Modelfile names; with export.merge_lora the merged model's GGUF alone."""
+    from omegaconf import OmegaConf
+
+    from recipes.llm import lora as llm_lora
+    from recipes.llm import weights
+    from recipes.llm.sizing import llama_args
+
+    base = folders["gqa"]
+    cfg = compose(["recipe=llm_tiny", "finetune=lora", f"model.init_from={base}", "export.formats=[gguf]"])
+    cfg = OmegaConf.structured(cfg)  # as scripts/export.py reads config.yaml
+    tokenizer = weights.load_tokenizer(str(base))
+    args = llama_args(cfg, len(tokenizer))
+    model = llm_lora.adapted_model(args, cfg)  # the adapter still to be loaded: A and B drawn here
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0, 0.02)
+    write_export(model.state_dict(), args, cfg, tmp_path / "export", tokenizer=tokenizer)
+    gguf_dir = tmp_path / "export" / "gguf"
+    assert sorted(p.name for p in gguf_dir.iterdir()) == ["Modelfile", "adapter-f32.gguf", "model-f16.gguf"]
+    fields, _ = read(gguf_dir / "model-f16.gguf")
+    assert fields["general.name"] == base.name  # the base's file, not a merged model's
+    _, tensors = read(gguf_dir / "adapter-f32.gguf")
+    assert len(tensors) == len(lora_tensors(tmp_path / "export")) == 2 * 7 * args.n_layers
+    assert (gguf_dir / "Modelfile").read_text().splitlines()[:2] == [
         "FROM ./model-f16.gguf",
         "ADAPTER ./adapter-f32.gguf",
     ]
     cfg.export.merge_lora = True
-    shutil.copytree(folders["gqa"], export / "merged")  # stands in for the merged model's folder
-    shutil.rmtree(export / "gguf")
-    write_formats(cfg, export)
-    assert sorted(p.name for p in (export / "gguf").iterdir()) == ["Modelfile", "model-f16.gguf"]
+    write_export(model.state_dict(), args, cfg, tmp_path / "merged_export", tokenizer=tokenizer)
+    gguf_dir = tmp_path / "merged_export" / "gguf"
+    assert sorted(p.name for p in gguf_dir.iterdir()) == ["Modelfile", "model-f16.gguf"]
+    assert read(gguf_dir / "model-f16.gguf")[0]["general.name"] == "merged"
 
 
 def test_what_a_gguf_lora_cannot_hold_stops_with_one_line(folders, adapters, tmp_path):
