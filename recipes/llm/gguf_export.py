@@ -22,7 +22,8 @@ scales B A by alpha / rank (rank: lora_b's width); rsLoRA's alpha / sqrt(rank) i
 
 Refused in one line (ConfigError): an architecture other than Llama and Mixtral (llama.cpp has Qwen3 and the Qwen MoEs,
 this writer does not yet), a quant type gguf cannot write in numpy (K-quants need llama.cpp's llama-quantize), a
-tokenizer whose pre-tokenizer llama.cpp would not split the same way.
+tokenizer whose pre-tokenizer llama.cpp would not split the same way; an adapter with more than LoRA's A and B (bias,
+modules_to_save), DoRA, a rank or alpha per module, or a LoRA on a module llama.cpp has no tensor for.
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ def write_gguf(export: Path, out: Path, gguf_type: str = "f16", *, adapter: Path
 
     check_type(gguf_type)
     export, out = Path(export), Path(out)
-    lora = _lora_tensors(Path(adapter), json.loads((export / "config.json").read_text())) if adapter else None
     config = json.loads((export / "config.json").read_text())
     if config.get("model_type") not in ("llama", "mixtral"):
         raise _error(
@@ -75,6 +75,7 @@ def write_gguf(export: Path, out: Path, gguf_type: str = "f16", *, adapter: Path
             f"model_type={config.get('model_type')!r}: only Llama and Mixtral are written as GGUF here (llama.cpp's "
             "converter, convert_hf_to_gguf.py, takes the Qwen3 folders)",
         )
+    lora = _lora_tensors(Path(adapter), config) if adapter else None  # before anything is written
     pre = pre_tokenizer(export)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"model-{gguf_type}.gguf"
