@@ -20,7 +20,8 @@ to safetensors shards of at most --max-shard-size, so host memory stays near one
 
 --format adds what export.formats adds at the end of a run (the run's own export.formats are written too): the LLM's
 gguf, OUT/gguf/model-<type>.gguf for llama.cpp with an ollama Modelfile beside it (recipes/llm/gguf_export.py; under
-finetune=lora the merged model's, so with --merge-lora). --gguf-type sets export.gguf_type.
+finetune=lora with --merge-lora the merged model's, else model.init_from's with the adapter beside it as a GGUF LoRA,
+OUT/gguf/adapter-f32.gguf, which the Modelfile's ADAPTER names). --gguf-type sets export.gguf_type.
 
 finetune=lora runs of every family (their checkpoints hold the adapter only): the PEFT adapter folder on
 model.init_from the end of the run writes -- the LLM's adapter with its tokenizer, the VLM's language-model adapter

@@ -190,7 +190,8 @@ def validate(cfg: TrainConfig) -> None:
 
 def check_gguf_export(cfg: TrainConfig) -> None:
     """export.gguf_type, and export.formats=[gguf] against the model: what recipes/llm/gguf_export.py writes (a Llama
-    or a Mixtral; under finetune=lora the merged model)."""
+    or a Mixtral; under finetune=lora the merged model with export.merge_lora, else the base and the adapter as a GGUF
+    LoRA)."""
     from recipes.llm.gguf_export import check_type, pre_tokenizer
 
     check_type(cfg.export.gguf_type)
@@ -210,11 +211,6 @@ def check_gguf_export(cfg: TrainConfig) -> None:
         )
     if m.init_from and Path(m.init_from).expanduser().is_dir():  # its tokenizer goes into the file: one llama.cpp has
         pre_tokenizer(Path(m.init_from).expanduser())
-    if cfg.finetune == "lora" and not cfg.export.merge_lora:
-        raise ConfigError(
-            "export.formats=[gguf] on a finetune=lora run needs export.merge_lora=true: the GGUF is the merged "
-            "model's (GGUF LoRA adapters are not written yet)"
-        )
 
 
 def check_grpo_layout(cfg: TrainConfig) -> None:

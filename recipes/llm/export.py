@@ -88,12 +88,17 @@ def write_export(state: dict, args: LlamaArgs, cfg: TrainConfig, folder: Path, *
 
 def write_formats(cfg, folder: Path) -> None:
     """export.formats from the Hugging Face folder just written: gguf, folder/gguf/ (a GGUF file and an ollama
-    Modelfile, recipes/llm/gguf_export.py) of the model, or under finetune=lora of the merged model (folder/merged)."""
+    Modelfile, recipes/llm/gguf_export.py) of the model; under finetune=lora of the merged model (folder/merged) with
+    export.merge_lora; else of the base (model.init_from), the adapter (the PEFT folder) beside it as a GGUF LoRA."""
     if "gguf" not in cfg.export.formats:
         return
     from recipes.llm.config import check_gguf_export
     from recipes.llm.gguf_export import write_gguf
 
     check_gguf_export(cfg)  # a run composed before the key existed, or scripts/export.py --format gguf
+    if cfg.finetune == "lora" and not cfg.export.merge_lora:
+        base = Path(cfg.model.init_from).expanduser()
+        write_gguf(base, folder / "gguf", cfg.export.gguf_type, adapter=folder)
+        return
     source = folder / "merged" if cfg.finetune == "lora" else folder
     write_gguf(source, folder / "gguf", cfg.export.gguf_type)

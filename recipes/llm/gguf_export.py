@@ -3,6 +3,7 @@
 `Modelfile` beside it, so that `ollama create NAME -f Modelfile` takes the folder as it is.
 
     write_gguf(export, out, "f16")   # out/model-f16.gguf + out/Modelfile
+    write_gguf(base, out, "f16", adapter=peft_folder)   # + out/adapter-f32.gguf, the Modelfile's ADAPTER
 
 What goes in, as the converter writes it:
 - the tensors under llama.cpp's names (the gguf package's own TensorNameMap), q_proj/k_proj rows reordered for
@@ -13,9 +14,16 @@ What goes in, as the converter writes it:
 - the tokenizer as tokenizer.ggml.* (a byte-level BPE: its tokens, types, merges, special ids, add_bos) and the chat
   template (gguf's SpecialVocab reads both from the folder's tokenizer files).
 
+A PEFT LoRA folder on the base (`adapter=`) is written as llama.cpp's LoRA adapter file, as its convert_lora_to_gguf.py
+writes one: general.type "adapter", adapter.type "lora", adapter.lora.alpha, and per adapted linear
+`<base tensor name>.lora_a` (A, [rank, in]) and `.lora_b` (B, [out, rank]; q/k's rows reordered as the base's: A
+unchanged), in F32 (the converter's default --outtype: the adapter as trained, bit for bit; it is small). llama.cpp
+scales B A by alpha / rank (rank: lora_b's width); rsLoRA's alpha / sqrt(rank) is written as alpha x sqrt(rank).
+
 Refused in one line (ConfigError): an architecture other than Llama and Mixtral (llama.cpp has Qwen3 and the Qwen MoEs,
 this writer does not yet), a quant type gguf cannot write in numpy (K-quants need llama.cpp's llama-quantize), a
-tokenizer whose pre-tokenizer llama.cpp would not split the same way.
+tokenizer whose pre-tokenizer llama.cpp would not split the same way; an adapter with more than LoRA's A and B (bias,
+modules_to_save), DoRA, a rank or alpha per module, or a LoRA on a module llama.cpp has no tensor for.
 """
 
 from __future__ import annotations
@@ -52,9 +60,10 @@ def check_type(gguf_type: str) -> None:
         )
 
 
-def write_gguf(export: Path, out: Path, gguf_type: str = "f16") -> Path:
-    """export (a Hugging Face Llama or Mixtral folder) as out/model-<type>.gguf with out/Modelfile beside it; returns
-    the file."""
+def write_gguf(export: Path, out: Path, gguf_type: str = "f16", *, adapter: Path | None = None) -> Path:
+    """export (a Hugging Face Llama or Mixtral folder) as out/model-<type>.gguf with out/Modelfile beside it; with
+    `adapter` (a PEFT LoRA folder on export) also out/adapter-f32.gguf, named by the Modelfile's ADAPTER; returns the
+    model's file."""
     import gguf
 
     check_type(gguf_type)
@@ -66,6 +75,7 @@ def write_gguf(export: Path, out: Path, gguf_type: str = "f16") -> Path:
             f"model_type={config.get('model_type')!r}: only Llama and Mixtral are written as GGUF here (llama.cpp's "
             "converter, convert_hf_to_gguf.py, takes the Qwen3 folders)",
         )
+    lora = _lora_tensors(Path(adapter), config) if adapter else None  # before anything is written
     pre = pre_tokenizer(export)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"model-{gguf_type}.gguf"
@@ -78,7 +88,8 @@ def write_gguf(export: Path, out: Path, gguf_type: str = "f16") -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    (out / "Modelfile").write_text(modelfile(export, path.name))
+    adapter_name = _write_lora(Path(adapter), out, *lora).name if adapter else None
+    (out / "Modelfile").write_text(modelfile(export, path.name, adapter_name))
     return path
 
 
@@ -274,6 +285,88 @@ def rope_factors(config: dict) -> list[float] | None:
     return factors
 
 
+# ---- a LoRA adapter ------------------------------------------------------------------------------
+
+_PEFT_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
+
+
+def _lora_alpha(adapter: Path, lora: dict) -> float:
+    """adapter.lora.alpha: what llama.cpp divides by the rank to scale B A as peft does (rsLoRA: alpha x sqrt(rank));
+    one line for what llama.cpp's scale cannot say."""
+    not_written = {
+        "use_dora": "DoRA's magnitude vectors",
+        "rank_pattern": "a rank per module",
+        "alpha_pattern": "an alpha per module (llama.cpp has one alpha per adapter)",
+    }
+    for key, what in not_written.items():
+        if lora.get(key):
+            raise _error(adapter, f"{key}: {what} is not written as a GGUF LoRA")
+    if lora.get("bias", "none") != "none" or lora.get("modules_to_save"):
+        raise _error(adapter, "it trains weights besides LoRA's A and B (bias, modules_to_save): not a GGUF LoRA")
+    alpha, rank = float(lora["lora_alpha"]), int(lora["r"])  # > 0 (lora.alpha's check): llama.cpp reads 0 as none
+    return alpha * math.sqrt(rank) if lora.get("use_rslora") else alpha
+
+
+def _lora_tensors(adapter: Path, config: dict):
+    """(alpha, [(llama.cpp name, float32 numpy)]) of a PEFT LoRA folder on a Llama: each adapted linear's A and B
+    under its base tensor's name + .lora_a / .lora_b, B's rows in llama.cpp's q/k order. Read before anything is
+    written: one line for a folder llama.cpp cannot take."""
+    import gguf
+    from safetensors import safe_open
+
+    if config.get("model_type") != "llama":
+        raise _error(adapter, f"a LoRA on model_type={config.get('model_type')!r}: only a Llama's is written as GGUF")
+    if not (adapter / "adapter_config.json").is_file() or not (adapter / "adapter_model.safetensors").is_file():
+        raise _error(adapter, "not a PEFT LoRA folder (adapter_config.json, adapter_model.safetensors)")
+    alpha = _lora_alpha(adapter, json.loads((adapter / "adapter_config.json").read_text()))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    heads = {"q_proj": config["num_attention_heads"]}
+    heads["k_proj"] = config.get("num_key_value_heads") or heads["q_proj"]
+    pairs: dict[str, dict[str, object]] = {}
+    with safe_open(adapter / "adapter_model.safetensors", framework="pt") as f:
+        for key in sorted(f.keys()):
+            match = _PEFT_KEY.fullmatch(key)
+            if match is None:
+                raise _error(adapter, f"tensor {key} is not a LoRA A or B weight (all a GGUF LoRA holds)")
+            module, part = match.groups()
+            name = names.get_name(module + ".weight", try_suffixes=(".weight",))
+            if name is None or (name == "output.weight" and config.get("tie_word_embeddings")):
+                raise _error(adapter, f"a LoRA on {module}: llama.cpp has no tensor for it")
+            data = f.get_tensor(key).float().numpy()
+            if part == "B" and module.rpartition(".")[2] in heads:
+                data = _permute(data, heads[module.rpartition(".")[2]])
+            pairs.setdefault(name, {})[part] = data
+    if not pairs:
+        raise _error(adapter, "its adapter_model.safetensors holds no LoRA weights")
+    tensors = []
+    for name, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise _error(adapter, f"the LoRA on {name} lacks its {'B' if 'A' in pair else 'A'}")
+        tensors += [(f"{name}.lora_a", pair["A"]), (f"{name}.lora_b", pair["B"])]
+    return alpha, tensors
+
+
+def _write_lora(adapter: Path, out: Path, alpha: float, tensors: list) -> Path:
+    """out/adapter-f32.gguf: llama.cpp's LoRA adapter file of `tensors` (_lora_tensors), for a Llama base."""
+    import gguf
+
+    path = out / "adapter-f32.gguf"
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    writer.add_name(adapter.resolve().parent.name if adapter.name == "export" else adapter.name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for name, data in tensors:
+        writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 # ---- the ollama Modelfile ------------------------------------------------------------------------
 
 # ollama's Go template for Llama 3's chat format (the tests' tokenizer and Meta's): a header per message, the
@@ -287,15 +380,16 @@ CHATML_TEMPLATE = (
 )
 
 
-def modelfile(export: Path, gguf_name: str) -> str:
-    """The ollama Modelfile of the GGUF beside it: FROM, the chat template in Go template syntax where the folder's
+def modelfile(export: Path, gguf_name: str, adapter_name: str | None = None) -> str:
+    """The ollama Modelfile of the GGUF beside it: FROM, ADAPTER (the LoRA adapter's GGUF, where there is one), the
+    chat template in Go template syntax where the folder's
     is a known format (Llama 3, ChatML; another ollama reads from the file's tokenizer.chat_template; none: the prompt
     as it is), a stop per end-of-turn or end-of-text token, and the sampling parameters of generation_config.json."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(export, local_files_only=True)
     chat = tokenizer.chat_template or ""
-    lines = [f"FROM ./{gguf_name}"]
+    lines = [f"FROM ./{gguf_name}"] + ([f"ADAPTER ./{adapter_name}"] if adapter_name else [])
     if "<|start_header_id|>" in chat and "<|eot_id|>" in chat:
         lines.append(f'TEMPLATE """{LLAMA3_TEMPLATE}"""')
     elif "<|im_start|>" in chat:

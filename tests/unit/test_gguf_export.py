@@ -2,8 +2,10 @@
 equals the Hugging Face folder's once the q/k row order is undone (F16 and BF16 bit for bit after the cast, Q8_0 within
 half a quantization step), the hyperparameters, Llama 3's RoPE factors (against transformers' own llama3 frequencies),
 the tokenizer (tokens in id order, types, merges, special ids) and the chat template are in the file, and the Modelfile
-names the file, the template and the stop tokens. What it cannot write stops with one line. llama.cpp itself loads
-the file in tests/integration/test_gguf_llamacpp.py."""
+names the file, the template and the stop tokens. A PEFT LoRA folder is written as llama.cpp's GGUF LoRA: its metadata,
+every A and B equal to peft's (B's q/k rows in llama.cpp's order), and the base GGUF + the file's B A x alpha / rank
+equal to peft's merge_and_unload of the adapter on transformers. What it cannot write stops with one line. llama.cpp
+itself loads the file in tests/integration/test_gguf_llamacpp.py."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError
+from recipes.llm.export import write_export
 from recipes.llm.gguf_export import rope_factors, unpermute, write_gguf
 from scripts.kiln.launch import compose
 from tests.conftest import REPO
@@ -250,10 +253,6 @@ def test_what_is_not_written_stops_with_one_line(folders, tmp_path):
         (["recipe=dit_tiny", "export.formats=[gguf]"], "export.formats: the DiT recipes do not write 'gguf'"),
         (["recipe=llm_tiny", "export.formats=[onnx]"], "export.formats: the LLM recipes do not write 'onnx'"),
         (["recipe=llm_tiny", "export.gguf_type=q4_0"], "export.gguf_type='q4_0' is not written here"),
-        (
-            ["recipe=llm_tiny", "finetune=lora", "run.dry_run=true", "export.formats=[gguf]"],
-            "export.formats=[gguf] on a finetune=lora run needs export.merge_lora=true",
-        ),
         (  # moe_tiny is a Qwen3-MoE
             ["recipe=moe_tiny", "export.formats=[gguf]"],
             "export.formats=[gguf]: this run's model is an MoE other than Mixtral's layout",
@@ -272,3 +271,142 @@ def test_the_config_refuses_what_is_not_written(overrides, message):
 def test_the_llm_composes_with_gguf():
     cfg = compose(["recipe=llm_tiny", "export.formats=[gguf]", "export.gguf_type=q8_0"])
     assert (cfg.export.formats, cfg.export.gguf_type) == (["gguf"], "q8_0")
+    cfg = compose(["recipe=llm_tiny", "finetune=lora", "run.dry_run=true", "export.formats=[gguf]"])
+    assert (cfg.finetune, cfg.export.merge_lora, cfg.export.formats) == ("lora", False, ["gguf"])
+
+
+# ---- a LoRA adapter as a GGUF LoRA ------------------------------------------------------------------
+
+LORA_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # Kiln's LORA_TARGETS
+RANK, ALPHA = 4, 8.0
+
+
+@pytest.fixture(scope="module")
+def adapters(folders, tmp_path_factory):
+    """A PEFT LoRA (rank 4, alpha 8) on every linear of the gqa folder (bf16, 2 kv heads: q and k permute by other
+    head counts), A and B random (peft's init_lora_weights=False), as PeftModel.save_pretrained writes it; plain and
+    rsLoRA. {variant: (adapter folder, peft's merge_and_unload state dict in float32)}."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    root, out = tmp_path_factory.mktemp("lora"), {}
+    for seed, variant in enumerate(("plain", "rslora")):
+        model = LlamaForCausalLM.from_pretrained(folders["gqa"], dtype=torch.float32)
+        torch.manual_seed(seed)
+        config = LoraConfig(
+            r=RANK,
+            lora_alpha=ALPHA,
+            target_modules=list(LORA_PARTS),
+            init_lora_weights=False,
+            use_rslora=variant == "rslora",
+        )
+        peft_model = get_peft_model(model, config)
+        peft_model.save_pretrained(root / variant)
+        merged = {k: v.detach().clone() for k, v in peft_model.merge_and_unload().state_dict().items()}
+        out[variant] = root / variant, merged
+    return out
+
+
+def lora_tensors(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("variant", ["plain", "rslora"])
+def test_a_lora_reads_back_as_peft_and_merges_as_peft(folders, adapters, variant, tmp_path):
+    """The adapter file: llama.cpp's adapter metadata (rsLoRA's alpha / sqrt(rank) as an alpha over the rank), every A
+    and B as peft saved it in F32 (q/k's B rows reordered), and, as llama.cpp applies it (W + B A x alpha / rank, rank
+    lora_b's width), the base GGUF plus the adapter's delta equal to peft's merged weights, tensor by tensor."""
+    adapter, merged = adapters[variant]
+    config = json.loads((folders["gqa"] / "config.json").read_text())
+    write_gguf(folders["gqa"], tmp_path, "bf16", adapter=adapter)  # bf16: the bf16 base's weights bit for bit
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "adapter-f32.gguf", "model-bf16.gguf"]
+    fields, tensors = read(tmp_path / "adapter-f32.gguf")
+    alpha = ALPHA * RANK**0.5 if variant == "rslora" else ALPHA  # scale alpha / sqrt(r) = (alpha sqrt(r)) / r
+    expected = {"general.architecture": "llama", "general.type": "adapter", "adapter.type": "lora"}
+    assert {k: fields[k] for k in expected} == expected
+    assert fields["adapter.lora.alpha"] == pytest.approx(alpha, rel=1e-7)
+    layers = range(config["num_hidden_layers"])
+    parts = [n for n in HF_NAMES if n.startswith(("attn_", "ffn_")) and not n.endswith("norm")]
+    assert sorted(tensors) == sorted(f"blk.{i}.{p}.weight.lora_{ab}" for i in layers for p in parts for ab in "ab")
+    theirs = lora_tensors(adapter)
+    _, base = read(tmp_path / "model-bf16.gguf")
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    for layer in layers:
+        for part in parts:
+            name = f"blk.{layer}.{part}.weight"
+            module = hf_name(name).removesuffix(".weight")
+            a, b = (tensors[f"{name}.lora_{ab}"] for ab in "ab")
+            assert a.tensor_type == b.tensor_type == gguf.GGMLQuantizationType.F32
+            a, b = (t.data.reshape([int(n) for n in reversed(t.shape)]) for t in (a, b))
+            peft_a, peft_b = (theirs[f"base_model.model.{module}.lora_{ab}.weight"].numpy() for ab in "AB")
+            np.testing.assert_array_equal(a, peft_a, err_msg=name)
+            unpermuted = unpermute(b, heads[part]) if part in heads else b
+            np.testing.assert_array_equal(unpermuted, peft_b, err_msg=name)
+            if part in heads:  # the reorder is there, and not the identity
+                assert not np.array_equal(b, peft_b)
+            delta = (b @ a) * (fields["adapter.lora.alpha"] / b.shape[1])  # llama.cpp's layout
+            ours = back_to_hf(name, base[name], config) + (unpermute(delta, heads[part]) if part in heads else delta)
+            np.testing.assert_allclose(ours, merged[hf_name(name)].numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    lines = (tmp_path / "Modelfile").read_text().splitlines()
+    assert lines[:2] == ["FROM ./model-bf16.gguf", "ADAPTER ./adapter-f32.gguf"]
+
+
+def test_a_lora_runs_export_writes_the_base_and_the_adapter(folders, tmp_path):
+    """finetune=lora with export.formats=[gguf], through the export's own writer (recipes/llm/export.py write_export,
+    a LoRA-wrapped Kiln model on model.init_from): export/gguf holds model.init_from's GGUF and the adapter's, every
+    adapted linear's A and B, which the Modelfile names; with export.merge_lora the merged model's GGUF alone."""
+    from omegaconf import OmegaConf
+
+    from recipes.llm import lora as llm_lora
+    from recipes.llm import weights
+    from recipes.llm.sizing import llama_args
+
+    base = folders["gqa"]
+    cfg = compose(["recipe=llm_tiny", "finetune=lora", f"model.init_from={base}", "export.formats=[gguf]"])
+    cfg = OmegaConf.structured(cfg)  # as scripts/export.py reads config.yaml
+    tokenizer = weights.load_tokenizer(str(base))
+    args = llama_args(cfg, len(tokenizer))
+    model = llm_lora.adapted_model(args, cfg)  # the adapter still to be loaded: A and B drawn here
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0, 0.02)
+    write_export(model.state_dict(), args, cfg, tmp_path / "export", tokenizer=tokenizer)
+    gguf_dir = tmp_path / "export" / "gguf"
+    assert sorted(p.name for p in gguf_dir.iterdir()) == ["Modelfile", "adapter-f32.gguf", "model-f16.gguf"]
+    fields, _ = read(gguf_dir / "model-f16.gguf")
+    assert fields["general.name"] == base.name  # the base's file, not a merged model's
+    _, tensors = read(gguf_dir / "adapter-f32.gguf")
+    assert len(tensors) == len(lora_tensors(tmp_path / "export")) == 2 * 7 * args.n_layers
+    assert (gguf_dir / "Modelfile").read_text().splitlines()[:2] == [
+        "FROM ./model-f16.gguf",
+        "ADAPTER ./adapter-f32.gguf",
+    ]
+    cfg.export.merge_lora = True
+    write_export(model.state_dict(), args, cfg, tmp_path / "merged_export", tokenizer=tokenizer)
+    gguf_dir = tmp_path / "merged_export" / "gguf"
+    assert sorted(p.name for p in gguf_dir.iterdir()) == ["Modelfile", "model-f16.gguf"]
+    assert read(gguf_dir / "model-f16.gguf")[0]["general.name"] == "merged"
+
+
+def test_what_a_gguf_lora_cannot_hold_stops_with_one_line(folders, adapters, tmp_path):
+    from safetensors.torch import save_file
+
+    adapter, _ = adapters["plain"]
+    dora = Path(shutil.copytree(adapter, tmp_path / "dora"))
+    spec = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**spec, "use_dora": True}))
+    with pytest.raises(ConfigError, match=r"use_dora: DoRA's magnitude vectors is not written as a GGUF LoRA$"):
+        write_gguf(folders["gqa"], tmp_path / "out", "f16", adapter=dora)
+    head = Path(shutil.copytree(adapter, tmp_path / "lm_head"))  # the tied base has no output tensor in llama.cpp
+    extra = {
+        "base_model.model.lm_head.lora_A.weight": torch.zeros(RANK, 64),
+        "base_model.model.lm_head.lora_B.weight": torch.zeros(512, RANK),
+    }
+    save_file({**lora_tensors(adapter), **extra}, head / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match=r"a LoRA on lm_head: llama.cpp has no tensor for it$"):
+        write_gguf(folders["tied"], tmp_path / "out", "f16", adapter=head)
+    assert not (tmp_path / "out").exists()
