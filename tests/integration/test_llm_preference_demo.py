@@ -5,7 +5,10 @@ the answer that ends in "!", then scripts/preference_demo.py on held-out pairs (
 The figures come from the exports loaded by transformers, not from the trainer: each answer's log-prob summed over
 its tokens, greedy generations by transformers' generate. Before DPO the model never ends an answer in "!" and
 prefers the rejected answer on every held-out pair (its TRL reward accuracy is 0: it is its own reference); after,
-the reward accuracy and the "!" rate in greedy generations are near 1 and the answers still say the opposite."""
+the reward accuracy and the "!" rate in greedy generations are near 1 and the answers still say the opposite.
+
+Marked slow (57 s in CI): `make test` leaves it out, `pytest -m slow tests/integration/test_llm_preference_demo.py`
+runs it; tests/integration/test_llm_preference.py holds DPO learning the preference in CI."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import pytest
 from tests.conftest import metrics, run_train
 from tests.support.launcher import run_python
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # ~1 CPU-minute: more than CI holds now
 RUN = ["recipe=llm_tiny", "trainer.progress_bar=false", "checkpoint.every=0", "checkpoint.final=false"]
 # Shorter than the docs' 150 supervised steps: rows of 128 tokens (two chats a row, half the step's compute) at twice
 # the learning rate; the DPO run is the docs' own.

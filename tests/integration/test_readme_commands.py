@@ -179,6 +179,8 @@ TRAINED_ELSEWHERE = {
     "run.dir=outputs/qwen_finetune": "tests/integration/test_vlm_qwen_train.py (on vlm_tiny)",
     "python scripts/train.py recipe=vlm_tiny model.init_from=outputs/tiny-qwen2.5-vl data=llava "
     "data.root=data/my_qwen_instruct": "tests/integration/test_vlm_qwen_train.py (its base: conftest's qwen_world)",
+    "python scripts/train.py recipe=video_tiny model.init_from=outputs/tiny-wan": "tests/integration/test_video.py "
+    "(video_tiny on moving-digit clips and a tiny Wan 2.1 pipeline, exported and sampled against WanPipeline)",
     "python scripts/train.py recipe=dit_tiny profile.enabled=true "
     "run.dir=outputs/prof": "tests/integration/test_profile_report.py",
     "python scripts/train.py --nproc_per_node 2 recipe=llm_tiny "
