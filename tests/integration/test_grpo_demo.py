@@ -13,33 +13,28 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import pytest
 
 from tests.fixtures.vllm import NEEDS_VLLM
-from tests.support.launcher import run_python, run_train
+from tests.support.launcher import python_ok, run_train
 
 pytestmark = [*NEEDS_VLLM, pytest.mark.slow]
 RUN = ["trainer.progress_bar=false", "checkpoint.every=0", "checkpoint.final=false"]
 SFT = ["recipe=llm_tiny", "data=chat_shards", "trainer.max_steps=100", "data.max_seq_len=128", "optim.lr=6e-3"]
 
 
-def _python(*cmd: str) -> str:
-    proc = run_python([sys.executable, *cmd], timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_grpo_teaches_the_format_by_reward_alone(tmp_path):
     src, chat, prompts = tmp_path / "my_grpo_demo", tmp_path / "my_grpo_chat", tmp_path / "my_grpo_prompts"
-    _python("-m", "data.grpo_demo", "--out", str(src))
+    python_ok("-m", "data.grpo_demo", "--out", str(src))
     tokenizer = str(src / "tokenizer")
-    _python("-m", "data.prepare_chat", "--tokenizer", tokenizer, "--input", str(src / "chat.jsonl"), "--out", str(chat))
+    python_ok(
+        "-m", "data.prepare_chat", "--tokenizer", tokenizer, "--input", str(src / "chat.jsonl"), "--out", str(chat)
+    )
     sft, grpo = tmp_path / "grpo_sft", tmp_path / "grpo_demo"
     run_train([*SFT, *RUN, f"data.root={chat}", f"run.dir={sft}"], timeout=900)
     args = ["--tokenizer", tokenizer, "--input", str(src / "prompts.jsonl"), "--out", str(prompts)]
-    _python("-m", "data.prepare_prompts", *args, "--val-fraction", "0.3")
+    python_ok("-m", "data.prepare_prompts", *args, "--val-fraction", "0.3")
     run_train(
         [
             "recipe=llm_tiny_grpo_demo",

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from tests.conftest import metrics, run_train
-from tests.support.launcher import run_python
+from tests.support.launcher import python_ok, run_python
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # ~1 CPU-minute: more than CI holds now
 RUN = ["recipe=llm_tiny", "trainer.progress_bar=false", "checkpoint.every=0", "checkpoint.final=false"]
@@ -27,21 +27,17 @@ RUN = ["recipe=llm_tiny", "trainer.progress_bar=false", "checkpoint.every=0", "c
 SFT = ["trainer.max_steps=100", "data.max_seq_len=128", "optim.lr=6e-3"]
 
 
-def _python(*cmd: str) -> str:
-    proc = run_python([sys.executable, *cmd], timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_dpo_teaches_the_property_on_held_out_prompts(tmp_path):
     src, chat, pairs = tmp_path / "my_pref_demo", tmp_path / "my_pref_chat", tmp_path / "my_pref_pairs"
-    _python("-m", "data.preference_demo", "--out", str(src))
+    python_ok("-m", "data.preference_demo", "--out", str(src))
     tokenizer = str(src / "tokenizer")
-    _python("-m", "data.prepare_chat", "--tokenizer", tokenizer, "--input", str(src / "chat.jsonl"), "--out", str(chat))
+    python_ok(
+        "-m", "data.prepare_chat", "--tokenizer", tokenizer, "--input", str(src / "chat.jsonl"), "--out", str(chat)
+    )
     sft = tmp_path / "sft"
     run_train([*RUN, "data=chat_shards", f"data.root={chat}", *SFT, f"run.dir={sft}"])
     args = ["--tokenizer", tokenizer, "--input", str(src / "pairs.jsonl"), "--out", str(pairs), "--val-fraction", "0.1"]
-    _python("-m", "data.prepare_preference", *args)
+    python_ok("-m", "data.prepare_preference", *args)
     dpo = tmp_path / "dpo"
     run_train(
         [
@@ -62,7 +58,7 @@ def test_dpo_teaches_the_property_on_held_out_prompts(tmp_path):
     assert json.loads((dpo / "eval.json").read_text())["rewards/accuracies"] >= 0.9  # the trainer's own val pairs
     out = tmp_path / "samples"
     held_out = str(src / "held_out.jsonl")
-    _python(
+    python_ok(
         "scripts/preference_demo.py",
         "--before",
         str(sft / "export"),

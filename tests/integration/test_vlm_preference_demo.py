@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from tests.conftest import metrics, run_train
-from tests.support.launcher import run_python
+from tests.support.launcher import python_ok, run_python
 
 # Two 300-step vlm_tiny runs and an ORPO run: ~10 CPU-minutes, more than CI's budget holds, so `make test` leaves it out
 # (pyproject.toml: -m 'not slow'); `pytest -m slow tests/integration/test_vlm_preference_demo.py` runs it.
@@ -30,17 +30,11 @@ PAIRS = ["data=llava", "data.max_seq_len=256", "data.num_workers=1"]
 ORPO = ["preference.loss=orpo", "preference.beta=0.1", "optim.lr=2e-4", "optim.warmup_steps=5", "trainer.max_steps=40"]
 
 
-def _python(*cmd: str) -> str:
-    proc = run_python([sys.executable, *cmd], timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_preference_training_teaches_the_word_on_held_out_images(tmp_path, trained):
     src, chat, pairs = tmp_path / "my_vpref_demo", tmp_path / "my_vpref_chat", tmp_path / "my_vpref_pairs"
-    _python("-m", "data.preference_demo", "--vlm", "--out", str(src), "--held-out", "50")
+    python_ok("-m", "data.preference_demo", "--vlm", "--out", str(src), "--held-out", "50")
     images = str(src / "images")
-    _python("-m", "data.prepare_llava", "--json", str(src / "chat.json"), "--images", images, "--out", str(chat))
+    python_ok("-m", "data.prepare_llava", "--json", str(src / "chat.json"), "--images", images, "--out", str(chat))
     base = trained(BASE)
     sft = tmp_path / "sft"
     init = [f"model.init_from={base / 'export'}"]
@@ -48,7 +42,7 @@ def test_preference_training_teaches_the_word_on_held_out_images(tmp_path, train
         [*RUN, *PAIRS, f"data.root={chat}", *init, "trainer.max_steps=300", "trainer.eval=false", f"run.dir={sft}"]
     )
     args = ["--input", str(src / "pairs.jsonl"), "--images", images, "--out", str(pairs), "--val-fraction", "0.1"]
-    _python("-m", "data.prepare_preference", *args)
+    python_ok("-m", "data.prepare_preference", *args)
     dpo = tmp_path / "orpo"
     init = [f"model.init_from={sft / 'export'}", "trainer.micro_batch_size=16", "trainer.log_every=1"]
     run_train([*RUN, *PAIRS, f"data.root={pairs}", *ORPO, *init, f"run.dir={dpo}"])
@@ -57,7 +51,7 @@ def test_preference_training_teaches_the_word_on_held_out_images(tmp_path, train
     out = tmp_path / "samples"
     held_out = str(src / "held_out.jsonl")
     cmd = ["--before", str(sft / "export"), "--after", str(dpo / "export"), "--held-out", held_out, "--out", str(out)]
-    _python("scripts/preference_demo.py", *cmd)
+    python_ok("scripts/preference_demo.py", *cmd)
     result = json.loads((out / "eval.json").read_text())
     before, after = result["before"], result["after"]
     assert result["num_pairs"] == 50

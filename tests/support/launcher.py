@@ -91,6 +91,13 @@ def run_python(
     return _run_preloaded(cmd, (kind, name, args, str(cwd)), nproc, dict(os.environ if env is None else env), timeout)
 
 
+def python_ok(*cmd: str, timeout: float = 600) -> str:
+    """`python CMD...` (run_python) that must succeed: its stdout, or the test fails with its stderr's tail."""
+    proc = run_python([sys.executable, *cmd], timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def run_train(args: list[str], nproc: int = 1, **kw) -> subprocess.CompletedProcess:
     """scripts/kiln/processes.py's run_train, its command line run by run_python (forked preloaded after preload())."""
     return processes.run_train(args, nproc, runner=run_python, **kw)
