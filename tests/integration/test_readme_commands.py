@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from common.distributed import free_port
 from data import tiny_bases as fixtures
 from tests.conftest import REPO
-from tests.fixtures import llm, vlm
+from tests.fixtures import grpo, llm, vlm
 from tests.support.launcher import launch_env, run_python
 
 pytestmark = pytest.mark.integration
@@ -93,6 +93,7 @@ FIXTURES = {
     "~/data/my_images": fixtures.make_image_folder,
     "~/data/corpus": llm.write_corpus,
     "~/data/chat.jsonl": llm.write_chat,
+    "~/data/prompts.jsonl": grpo.write_prompts,
     "~/data/captioned": fixtures.make_caption_folder,
     "~/data/clips": fixtures.make_clip_folder,
 }
@@ -179,6 +180,10 @@ TRAINED_ELSEWHERE = {
     "run.dir=outputs/qwen_finetune": "tests/integration/test_vlm_qwen_train.py (on vlm_tiny)",
     "python scripts/train.py recipe=vlm_tiny model.init_from=outputs/tiny-qwen2.5-vl data=llava "
     "data.root=data/my_qwen_instruct": "tests/integration/test_vlm_qwen_train.py (its base: conftest's qwen_world)",
+    "python scripts/train.py recipe=llm_tiny data=prompt_shards data.root=data/my_prompts "
+    "model.init_from=outputs/llm_tiny/<run>/export grpo.enabled=true reward.functions=[common.rewards:exact_match] "
+    "grpo.num_generations=4 grpo.max_completion_length=32 trainer.micro_batch_size=2": "tests/integration/"
+    "test_grpo_loop.py (GRPO on llm_tiny's export, its samples from vLLM's CPU build)",
     "python scripts/train.py recipe=video_tiny model.init_from=outputs/tiny-wan": "tests/integration/test_video.py "
     "(video_tiny on moving-digit clips and a tiny Wan 2.1 pipeline, exported and sampled against WanPipeline)",
     "python scripts/train.py recipe=dit_tiny profile.enabled=true "
