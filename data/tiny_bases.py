@@ -146,7 +146,14 @@ def make_clip_tokenizer(out: str | Path, *, max_length: int = 16, vocab_size: in
     bpe.train_from_iterator(TOKENIZER_TEXT, trainer)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    tokenizer = CLIPTokenizer(vocab=model["vocab"], merges=merges, model_max_length=max_length)
+    # The trainer learns the same merges in the same order in every process, but numbers the tokens in the order of a
+    # hash map it iterates, which Rust seeds per process: the ids are renumbered here, the special tokens, then the
+    # tokens no merge makes (sorted), then each merge's token in merge order, so every clone builds one vocabulary.
+    made = ["".join(m) for m in merges]
+    first = sorted(set(model["vocab"]) - set(specials) - set(made))
+    vocab = {token: i for i, token in enumerate([*specials, *first, *made])}
+    assert len(vocab) == len(model["vocab"])
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
     tokenizer.save_pretrained(out)
     return tokenizer
 
@@ -164,7 +171,13 @@ def make_t5_tokenizer(out: str | Path, *, vocab_size: int = 120, text: tuple[str
         vocab_size=vocab_size, special_tokens=specials, unk_token="<unk>", show_progress=False
     )
     unigram.train_from_iterator(text, trainer)
-    vocab = [tuple(v) for v in json.loads(unigram.to_str())["model"]["vocab"]]
+    # The trainer keeps the same pieces in every process, but their scores carry its threads' rounding (last digits)
+    # and the pieces it must keep get scores stepped in a per-process hash order (1e-4 apart): the scores are rounded
+    # to 3 decimals and the pieces ordered by score, then name, so every clone builds one vocabulary.
+    pieces = [(piece, round(score, 3)) for piece, score in json.loads(unigram.to_str())["model"]["vocab"]]
+    vocab = [p for p in pieces if p[0] in specials] + sorted(
+        (p for p in pieces if p[0] not in specials), key=lambda p: (-p[1], p[0])
+    )
     tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
     tokenizer.save_pretrained(out)
     return tokenizer
@@ -503,9 +516,9 @@ def _clip_text(cls, out: Path, hidden: int, length: int, seed: int):
 def _pretrained_text(cls, parts, settings: dict, length: int, seed: int, part: str, texts: dict | None = None):
     """(a text encoder of class `cls`, random from `seed`, pretrained on the digits' words (data/tiny_pretrain.py
     pretrain_text), in eval mode; its tokenizer), both cached together: `parts(folder)` trains and saves the tokenizer
-    there and returns it with the encoder's config. The tokenizer is cached with its encoder because the `tokenizers`
-    trainers break ties between equally frequent merges differently from one process to the next (the same text gave
-    three vocabularies in three processes): an encoder is only right for the vocabulary it pretrained with. The cache
+    there and returns it with the encoder's config. The tokenizer is cached with its encoder: an encoder is only right
+    for the vocabulary it pretrained with (make_clip_tokenizer and make_t5_tokenizer number theirs alike in every
+    process, where the `tokenizers` trainers alone gave three vocabularies in three processes). The cache
     key holds `settings`, the words the tokenizers learn (TOKENIZER_TEXT) and this module's builders' source."""
     import inspect
 

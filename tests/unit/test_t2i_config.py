@@ -118,3 +118,23 @@ def test_t2i_lora_targets_and_refusals(tmp_path, capsys):
     assert trainable == [f"transformer_blocks.0.attn.{m}.lora_{ab}.default.weight" for m in ("add_q_proj", "to_q")
                          for ab in "AB"]  # fmt: skip
     assert torch.equal(adapted.transformer_blocks[0].attn.to_q.lora_B.default.weight, torch.zeros(16, 8))
+
+
+def test_the_demo_tokenizers_are_the_same_in_every_process(tmp_path):
+    """The tiny bases' CLIP and T5 tokenizers (data/tiny_bases.py) are trained in each clone: two processes write
+    them byte for byte alike (the `tokenizers` trainers alone numbered and scored them differently in each process,
+    so each clone pretrained other text encoders and its demo scored other adherences)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from data.tiny_bases import MOTION_TOKENIZER_TEXT, make_clip_tokenizer, make_t5_tokenizer; "
+        "out = sys.argv[1]; make_clip_tokenizer(out + '/clip'); make_t5_tokenizer(out + '/t5'); "
+        "make_t5_tokenizer(out + '/umt5', text=MOTION_TOKENIZER_TEXT, vocab_size=160)"
+    )
+    for name in ("a", "b"):
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], check=True, capture_output=True)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert len(files) >= 6
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
