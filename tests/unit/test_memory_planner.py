@@ -609,38 +609,42 @@ DRY_RUN_STATES = re.compile(
         ("wan2_1_14b", [], dict(dp=2, tp=1, pp=1, cp=4, zero_stage=3)),  # Ulysses over a clip's tokens, no folder
     ],
 )
-def test_dry_run_and_plan_report_the_same_model_states(recipe, overrides, layout):
+def test_dry_run_and_plan_report_the_same_model_states(recipe, overrides, layout, capsys):
     """`scripts/train.py run.dry_run=true` (what a user sizes a run with) and `scripts/plan.py` print the
-    same per-GPU weights, grads and optimizer bytes for the same layout, to the byte."""
-    dry = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "train.py"),
-            f"recipe={recipe}",
-            "run.dry_run=true",
-            f"parallel.dp={layout['dp']}",
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert dry.returncode == 0, dry.stderr[-2000:]
-    assert not IMPORT_NOISE.search(dry.stderr), dry.stderr
-    found = DRY_RUN_STATES.search(dry.stdout)
-    assert found, dry.stdout
+    same per-GPU weights, grads and optimizer bytes for the same layout, to the byte. (In process: the CLIs' own
+    processes are test_the_sizing_clis_print_no_import_noise's.)"""
+    from recipes import registry
+    from scripts.kiln.launch import main as train
+
+    assert train([f"recipe={recipe}", "run.dry_run=true", f"parallel.dp={layout['dp']}", *overrides], registry) == 0
+    dry = capsys.readouterr().out
+    found = DRY_RUN_STATES.search(dry)
+    assert found, dry
     total, weights, grads, optimizer, gathered = (int(g.replace(",", "")) for g in found.groups())
-    planned = run_plan(f"recipe={recipe}", "cluster.gpus=8", "--json", *overrides)
-    assert planned.returncode == 0, planned.stderr
-    assert not IMPORT_NOISE.search(planned.stderr), planned.stderr  # the DiT imports diffusers, the LLM transformers
+    assert plan_script.main([f"recipe={recipe}", "cluster.gpus=8", "--json", *overrides]) == 0
+    planned = json.loads(capsys.readouterr().out)
     ac = compose([f"recipe={recipe}"]).toggles.activation_checkpointing
-    row = next(
-        r for r in json.loads(planned.stdout)["layouts"] if {k: r[k] for k in layout} == layout and r["ac"] == ac
-    )
+    row = next(r for r in planned["layouts"] if {k: r[k] for k in layout} == layout and r["ac"] == ac)
     assert (weights, grads, optimizer, gathered) == tuple(
         round(row[f"{k}_bytes"]) for k in ("weights", "grads", "optimizer", "gathered")
     )
     assert total == weights + grads + optimizer + gathered
+
+
+def test_the_sizing_clis_print_no_import_noise():
+    """A user's `run.dry_run` and `scripts/plan.py` print their sizes and nothing a user cannot act on: the DiT's
+    dry run imports diffusers and peft, the LLM's plan transformers."""
+    dry = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train.py"), "recipe=flux_dev", "finetune=lora", "run.dry_run=true"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert dry.returncode == 0 and DRY_RUN_STATES.search(dry.stdout), dry.stderr[-2000:]
+    planned = run_plan("recipe=llm_8b", "cluster.gpus=8", "--json")
+    assert planned.returncode == 0 and json.loads(planned.stdout)["layouts"], planned.stderr
+    for proc in (dry, planned):
+        assert not IMPORT_NOISE.search(proc.stderr), proc.stderr
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
