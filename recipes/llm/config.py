@@ -189,8 +189,9 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def check_gguf_export(cfg: TrainConfig) -> None:
-    """export.gguf_type, and export.formats=[gguf] against the model: what recipes/llm/gguf_export.py writes (a Llama
-    or a Mixtral; under finetune=lora the merged model with export.merge_lora, else the base and the adapter as a GGUF
+    """export.gguf_type, and export.formats=[gguf] against the model: what recipes/llm/gguf_export.py writes (a Llama,
+    a Mixtral, a Qwen3 or a Qwen3-MoE with experts in every layer and the top-k renormalized, as llama.cpp's qwen3moe
+    computes it; under finetune=lora the merged model with export.merge_lora, else the base and the adapter as a GGUF
     LoRA)."""
     from recipes.llm.gguf_export import check_type, pre_tokenizer
 
@@ -198,16 +199,19 @@ def check_gguf_export(cfg: TrainConfig) -> None:
     if "gguf" not in cfg.export.formats:
         return
     m, moe = cfg.model, cfg.model.moe
-    if moe.num_experts:  # Mixtral's: no shared expert, no dense layers, top-k renormalized, no q/k norm or bias
-        mixtral = not (moe.shared_ffn_dim or moe.first_dense_layers or m.qk_norm or m.qkv_bias)
-        unsupported = not (mixtral and moe.interval == 1 and moe.norm_topk_prob)
-        kind = "an MoE other than Mixtral's layout"
-    else:
-        unsupported, kind = m.qk_norm or m.qkv_bias, "a Qwen model (model.qk_norm/qkv_bias)"
-    if unsupported:
+    kind = None
+    if m.qkv_bias or moe.shared_ffn_dim:
+        kind = "a Qwen2-MoE (model.qkv_bias, model.moe.shared_ffn_dim)"
+    elif moe.num_experts and (moe.first_dense_layers or moe.interval != 1):
+        kind = "an MoE with dense layers (model.moe.first_dense_layers, model.moe.interval), which llama.cpp's "
+        kind += "qwen3moe and Mixtral's layout do not have"
+    elif moe.num_experts and not moe.norm_topk_prob:
+        kind = "an MoE without top-k renormalization (model.moe.norm_topk_prob=false), which llama.cpp's qwen3moe and "
+        kind += "Mixtral's layout always do"
+    if kind:
         raise ConfigError(
-            f"export.formats=[gguf]: this run's model is {kind}; only Llama and Mixtral are written as GGUF here "
-            "(llama.cpp's convert_hf_to_gguf.py converts the export folder)"
+            f"export.formats=[gguf]: this run's model is {kind}; only Llama, Mixtral, Qwen3 and Qwen3-MoE are written "
+            "as GGUF here (llama.cpp's convert_hf_to_gguf.py converts the export folder)"
         )
     if m.init_from and Path(m.init_from).expanduser().is_dir():  # its tokenizer goes into the file: one llama.cpp has
         pre_tokenizer(Path(m.init_from).expanduser())

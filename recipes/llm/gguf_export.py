@@ -1,29 +1,39 @@
 """GGUF for llama.cpp and ollama from an LLM export (a Hugging Face folder): the file llama.cpp's own converter
-(convert_hf_to_gguf.py) writes for a Llama, written with the `gguf` package (llama.cpp's writer), and an ollama
-`Modelfile` beside it, so that `ollama create NAME -f Modelfile` takes the folder as it is.
+(convert_hf_to_gguf.py) writes for a Llama, a Mixtral, a Qwen3 or a Qwen3-MoE, written with the `gguf` package
+(llama.cpp's writer), and an ollama `Modelfile` beside it, so that `ollama create NAME -f Modelfile` takes the folder
+as it is.
 
     write_gguf(export, out, "f16")   # out/model-f16.gguf + out/Modelfile
     write_gguf(base, out, "f16", adapter=peft_folder)   # + out/adapter-f32.gguf, the Modelfile's ADAPTER
 
 What goes in, as the converter writes it:
-- the tensors under llama.cpp's names (the gguf package's own TensorNameMap), q_proj/k_proj rows reordered for
-  llama.cpp's RoPE (Hugging Face rotates the two halves of each head, llama.cpp adjacent pairs: `_permute`), a Mixtral
-  layer's experts stacked per projection (llama.cpp's llama architecture with experts), norms and the router in F32, the
-  rest in F16, BF16 or Q8_0 (gguf's quants module; a tensor whose rows do not split into Q8_0's 32-wide blocks stays
-  F16, as the converter does); Llama 3's RoPE scaling as the `rope_freqs` factors;
+- the tensors under llama.cpp's names for its architecture (the gguf package's own TensorNameMap: llama for Llama and
+  Mixtral, qwen3, qwen3moe), a Llama's q_proj/k_proj rows reordered for llama.cpp's RoPE (Hugging Face rotates the two
+  halves of each head, llama.cpp's llama adjacent pairs: `_permute`; its qwen3 and qwen3moe rotate the halves, NeoX
+  style, so a Qwen's rows stay as they are), an MoE layer's experts stacked per projection (Mixtral: llama.cpp's
+  llama architecture with experts; Qwen3-MoE: qwen3moe's ffn_*_exps), norms (Qwen3's q/k norms too) and the router in
+  F32, the rest in F16, BF16 or Q8_0 (gguf's quants module; a tensor whose rows do not split into Q8_0's 32-wide
+  blocks stays F16, as the converter does); Llama 3's RoPE scaling as the `rope_freqs` factors; a tied output
+  projection is not written (llama.cpp reuses token_embd);
+- the hyperparameters the converter writes for the architecture (a Qwen3's explicit head_dim as key_length and
+  value_length; a Qwen3-MoE's expert count, experts per token and expert width, expert_feed_forward_length);
 - the tokenizer as tokenizer.ggml.* (a byte-level BPE: its tokens, types, merges, special ids, add_bos) and the chat
   template (gguf's SpecialVocab reads both from the folder's tokenizer files).
 
 A PEFT LoRA folder on the base (`adapter=`) is written as llama.cpp's LoRA adapter file, as its convert_lora_to_gguf.py
 writes one: general.type "adapter", adapter.type "lora", adapter.lora.alpha, and per adapted linear
-`<base tensor name>.lora_a` (A, [rank, in]) and `.lora_b` (B, [out, rank]; q/k's rows reordered as the base's: A
-unchanged), in F32 (the converter's default --outtype: the adapter as trained, bit for bit; it is small). llama.cpp
-scales B A by alpha / rank (rank: lora_b's width); rsLoRA's alpha / sqrt(rank) is written as alpha x sqrt(rank).
+`<base tensor name>.lora_a` (A, [rank, in]) and `.lora_b` (B, [out, rank]; on a Llama q/k's rows reordered as the
+base's, A unchanged; on a Qwen3 as peft saved them), in F32 (the converter's default --outtype: the adapter as
+trained, bit for bit; it is small). llama.cpp scales B A by alpha / rank (rank: lora_b's width); rsLoRA's
+alpha / sqrt(rank) is written as alpha x sqrt(rank). A LoRA on an MoE (Mixtral, Qwen3-MoE) is not written.
 
-Refused in one line (ConfigError): an architecture other than Llama and Mixtral (llama.cpp has Qwen3 and the Qwen MoEs,
-this writer does not yet), a quant type gguf cannot write in numpy (K-quants need llama.cpp's llama-quantize), a
-tokenizer whose pre-tokenizer llama.cpp would not split the same way; an adapter with more than LoRA's A and B (bias,
-modules_to_save), DoRA, a rank or alpha per module, or a LoRA on a module llama.cpp has no tensor for.
+Refused in one line (ConfigError): an architecture other than Llama, Mixtral, Qwen3 and Qwen3-MoE (Qwen2-MoE's shared
+expert and q/k/v biases among them: llama.cpp's converter takes those folders), a Qwen3-MoE that llama.cpp's qwen3moe
+cannot compute as transformers does (dense layers: mlp_only_layers or decoder_sparse_step != 1; top-k probabilities not
+renormalized, norm_topk_prob=false: qwen3moe always renormalizes them), a Qwen with RoPE scaling, a quant type gguf
+cannot write in numpy (K-quants need llama.cpp's llama-quantize), a tokenizer whose pre-tokenizer llama.cpp would not
+split the same way; an adapter on an MoE, or with more than LoRA's A and B (bias, modules_to_save), DoRA, a rank or
+alpha per module, or a LoRA on a module llama.cpp has no tensor for.
 """
 
 from __future__ import annotations
@@ -45,7 +55,14 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
     r"\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe", "gpt2": "gpt-2"}
+# Qwen2's split (transformers' Qwen2Tokenizer PRETOKENIZE_REGEX, the Qwen2/2.5/3 releases'): digits one at a time.
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2", "gpt2": "gpt-2"}
+# Hugging Face model_type -> llama.cpp's architecture (gguf.MODEL_ARCH), as convert_hf_to_gguf.py maps them.
+ARCHITECTURES = {"llama": "LLAMA", "mixtral": "LLAMA", "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE"}
 
 
 def _error(folder: Path, what: str) -> ConfigError:
@@ -61,25 +78,20 @@ def check_type(gguf_type: str) -> None:
 
 
 def write_gguf(export: Path, out: Path, gguf_type: str = "f16", *, adapter: Path | None = None) -> Path:
-    """export (a Hugging Face Llama or Mixtral folder) as out/model-<type>.gguf with out/Modelfile beside it; with
-    `adapter` (a PEFT LoRA folder on export) also out/adapter-f32.gguf, named by the Modelfile's ADAPTER; returns the
-    model's file."""
+    """export (a Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE folder) as out/model-<type>.gguf with out/Modelfile
+    beside it; with `adapter` (a PEFT LoRA folder on export) also out/adapter-f32.gguf, named by the Modelfile's
+    ADAPTER; returns the model's file."""
     import gguf
 
     check_type(gguf_type)
     export, out = Path(export), Path(out)
     config = json.loads((export / "config.json").read_text())
-    if config.get("model_type") not in ("llama", "mixtral"):
-        raise _error(
-            export,
-            f"model_type={config.get('model_type')!r}: only Llama and Mixtral are written as GGUF here (llama.cpp's "
-            "converter, convert_hf_to_gguf.py, takes the Qwen3 folders)",
-        )
+    arch = architecture(export, config)  # before anything is written
     lora = _lora_tensors(Path(adapter), config) if adapter else None  # before anything is written
     pre = pre_tokenizer(export)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"model-{gguf_type}.gguf"
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     _write_parameters(writer, config, export, gguf_type)
     _write_vocab(writer, export, config, pre)
     for name, data, qtype in _tensors(export, config, gguf_type):
@@ -88,9 +100,47 @@ def write_gguf(export: Path, out: Path, gguf_type: str = "f16", *, adapter: Path
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    adapter_name = _write_lora(Path(adapter), out, *lora).name if adapter else None
+    adapter_name = _write_lora(Path(adapter), out, arch, *lora).name if adapter else None
     (out / "Modelfile").write_text(modelfile(export, path.name, adapter_name))
     return path
+
+
+def architecture(folder: Path, config: dict):
+    """llama.cpp's architecture (a gguf.MODEL_ARCH) for the folder's config.json, or one line for what this writer or
+    llama.cpp's architecture cannot say as transformers computes it."""
+    import gguf
+
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise _error(
+            folder,
+            f"model_type={model_type!r}: only Llama, Mixtral, Qwen3 and Qwen3-MoE are written as GGUF here "
+            "(llama.cpp's converter, convert_hf_to_gguf.py, takes the other folders it knows)",
+        )
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if model_type.startswith("qwen3") and rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise _error(folder, f"a Qwen with rope_type={rope.get('rope_type', rope.get('type'))!r} is not written here")
+    if model_type == "qwen3_moe":  # llama.cpp's qwen3moe: experts in every layer, top-k renormalized, no shared expert
+        not_written = {
+            "mlp_only_layers": (config.get("mlp_only_layers") or [], "dense layers"),
+            "decoder_sparse_step": (config.get("decoder_sparse_step", 1), "dense layers between the MoE ones"),
+            "shared_expert_intermediate_size": (config.get("shared_expert_intermediate_size") or 0, "a shared expert"),
+        }
+        for key, (value, what) in not_written.items():
+            if value not in ([], 1, 0):
+                raise _error(folder, f"{key}={value!r}: {what}, which llama.cpp's qwen3moe does not have")
+        if not config.get("norm_topk_prob", False):
+            raise _error(
+                folder,
+                "norm_topk_prob=false: llama.cpp's qwen3moe always renormalizes the top-k router probabilities",
+            )
+    return getattr(gguf.MODEL_ARCH, ARCHITECTURES[model_type])
+
+
+def _experts(config: dict) -> int:
+    """The routed expert count (Mixtral's num_local_experts; a Qwen MoE's num_experts, which transformers 5 saves
+    as num_local_experts); 0 for a dense model."""
+    return config.get("num_local_experts") or config.get("num_experts") or 0
 
 
 def _head_dim(config: dict) -> int:
@@ -112,13 +162,16 @@ def _write_parameters(writer, config: dict, export: Path, gguf_type: str) -> Non
     writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
     writer.add_key_length(_head_dim(config))
     writer.add_value_length(_head_dim(config))
-    writer.add_rope_dimension_count(_head_dim(config))
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_vocab_size(config["vocab_size"])
-    if config.get("num_local_experts"):  # Mixtral: llama.cpp's llama architecture with experts
-        writer.add_expert_count(config["num_local_experts"])
+    if config["model_type"] in ("llama", "mixtral"):  # the converter's LlamaModel adds these; its Qwen models do not
+        writer.add_rope_dimension_count(_head_dim(config))
+        writer.add_vocab_size(config["vocab_size"])
+    if _experts(config):  # Mixtral: llama.cpp's llama architecture with experts; Qwen3-MoE: qwen3moe
+        writer.add_expert_count(_experts(config))
         writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("moe_intermediate_size"):  # Qwen3-MoE's experts are narrower than intermediate_size
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_file_type(getattr(gguf.LlamaFileType, file_types[gguf_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -162,7 +215,7 @@ def _write_vocab(writer, export: Path, config: dict, pre: str) -> None:
 
 def pre_tokenizer(export: Path) -> str:
     """llama.cpp's name for the split of the folder's tokenizer (PRE_TOKENIZERS), or ConfigError: a byte-level BPE
-    split by Llama 3's regex, or by ByteLevel's own (GPT-2's)."""
+    split by Llama 3's regex, Qwen2's, or by ByteLevel's own (GPT-2's)."""
     path = export / "tokenizer.json"
     if not path.is_file():
         raise _error(export, "no tokenizer.json (only byte-level BPE tokenizers are written)")
@@ -181,8 +234,8 @@ def pre_tokenizer(export: Path) -> str:
     if len(byte_level) != 1 or len(regexes) != 1 or regexes[0] not in PRE_TOKENIZERS:
         raise _error(
             export,
-            "its pre-tokenizer is not one llama.cpp splits the same way here (Llama 3's split or byte-level BPE's "
-            "GPT-2 regex)",
+            "its pre-tokenizer is not one llama.cpp splits the same way here (Llama 3's split, Qwen2's, or byte-level "
+            "BPE's GPT-2 regex)",
         )
     return PRE_TOKENIZERS[regexes[0]]
 
@@ -201,19 +254,19 @@ def unpermute(weight, n_heads: int):
 
 
 def _tensors(export: Path, config: dict, gguf_type: str):
-    """(llama.cpp name, numpy data, GGML type) of every tensor: the folder's safetensors renamed, q/k permuted, a
-    Mixtral layer's experts stacked into one tensor each (ffn_gate_exps, ffn_down_exps, ffn_up_exps, [experts, out,
-    in], as the converter merges them), quantized; Llama 3's rope_freqs last."""
+    """(llama.cpp name, numpy data, GGML type) of every tensor: the folder's safetensors renamed, a Llama's q/k
+    permuted, an MoE layer's experts stacked into one tensor each (ffn_gate_exps, ffn_down_exps, ffn_up_exps,
+    [experts, out, in], as the converter merges them), quantized; Llama 3's rope_freqs last."""
     import gguf
     import numpy as np
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(architecture(export, config), config["num_hidden_layers"])
     experts: dict[str, dict[int, np.ndarray]] = {}  # merged name -> expert -> weight, until every expert is read
     for key, data in _hf_tensors(export, config):
         merged = _EXPERT.sub(".experts.", key)
         if merged != key:  # one expert's weight: stacked once the layer's last expert is read
             experts.setdefault(merged, {})[int(_EXPERT.search(key)[1])] = data
-            if len(experts[merged]) < config["num_local_experts"]:
+            if len(experts[merged]) < _experts(config):
                 continue
             key, data = merged, np.stack([w for _, w in sorted(experts.pop(merged).items())])
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
@@ -230,9 +283,11 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 def _hf_tensors(export: Path, config: dict):
-    """(Hugging Face name, float32 numpy) of the folder's weights, q_proj/k_proj rows in llama.cpp's order."""
+    """(Hugging Face name, float32 numpy) of the folder's weights, a Llama's q_proj/k_proj rows in llama.cpp's order
+    (a Qwen's as they are: llama.cpp's qwen3 and qwen3moe rotate NeoX style, as transformers)."""
     from safetensors import safe_open
 
+    permute = config["model_type"] in ("llama", "mixtral")
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     for file in sorted(export.glob("*.safetensors")):
@@ -241,9 +296,9 @@ def _hf_tensors(export: Path, config: dict):
                 if key.endswith("rotary_emb.inv_freq"):
                     continue
                 data = f.get_tensor(key).float().numpy()
-                if key.endswith("q_proj.weight"):
+                if permute and key.endswith("q_proj.weight"):
                     data = _permute(data, heads)
-                elif key.endswith("k_proj.weight"):
+                elif permute and key.endswith("k_proj.weight"):
                     data = _permute(data, kv_heads)
                 yield key, data
 
@@ -308,20 +363,23 @@ def _lora_alpha(adapter: Path, lora: dict) -> float:
 
 
 def _lora_tensors(adapter: Path, config: dict):
-    """(alpha, [(llama.cpp name, float32 numpy)]) of a PEFT LoRA folder on a Llama: each adapted linear's A and B
-    under its base tensor's name + .lora_a / .lora_b, B's rows in llama.cpp's q/k order. Read before anything is
-    written: one line for a folder llama.cpp cannot take."""
+    """(alpha, [(llama.cpp name, float32 numpy)]) of a PEFT LoRA folder on a Llama or a Qwen3: each adapted linear's A
+    and B under its base tensor's name + .lora_a / .lora_b, a Llama's B rows in llama.cpp's q/k order (a Qwen3's as
+    peft saved them, as its base's). Read before anything is written: one line for a folder llama.cpp cannot take."""
     import gguf
     from safetensors import safe_open
 
-    if config.get("model_type") != "llama":
-        raise _error(adapter, f"a LoRA on model_type={config.get('model_type')!r}: only a Llama's is written as GGUF")
+    if config.get("model_type") not in ("llama", "qwen3"):
+        kind = config.get("model_type")
+        raise _error(adapter, f"a LoRA on model_type={kind!r}: only a Llama's or a Qwen3's is written as GGUF")
     if not (adapter / "adapter_config.json").is_file() or not (adapter / "adapter_model.safetensors").is_file():
         raise _error(adapter, "not a PEFT LoRA folder (adapter_config.json, adapter_model.safetensors)")
     alpha = _lora_alpha(adapter, json.loads((adapter / "adapter_config.json").read_text()))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(architecture(adapter, config), config["num_hidden_layers"])
     heads = {"q_proj": config["num_attention_heads"]}
     heads["k_proj"] = config.get("num_key_value_heads") or heads["q_proj"]
+    if config["model_type"] != "llama":  # a Qwen3's q/k rows stay in Hugging Face's order
+        heads = {}
     pairs: dict[str, dict[str, object]] = {}
     with safe_open(adapter / "adapter_model.safetensors", framework="pt") as f:
         for key in sorted(f.keys()):
@@ -346,12 +404,13 @@ def _lora_tensors(adapter: Path, config: dict):
     return alpha, tensors
 
 
-def _write_lora(adapter: Path, out: Path, alpha: float, tensors: list) -> Path:
-    """out/adapter-f32.gguf: llama.cpp's LoRA adapter file of `tensors` (_lora_tensors), for a Llama base."""
+def _write_lora(adapter: Path, out: Path, arch, alpha: float, tensors: list) -> Path:
+    """out/adapter-f32.gguf: llama.cpp's LoRA adapter file of `tensors` (_lora_tensors), for a base of llama.cpp's
+    architecture `arch` (llama.cpp refuses an adapter of another)."""
     import gguf
 
     path = out / "adapter-f32.gguf"
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
