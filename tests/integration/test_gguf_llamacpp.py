@@ -1,13 +1,15 @@
 """The GGUF export checked by llama.cpp itself (xllamacpp's llama.cpp and its own server, tests/fixtures/llamacpp.py):
 the tests' tiny Llamas (Llama 3's tokenizer and chat template; tied embeddings with Llama 3 RoPE scaling in fp32, and
-GQA with an untied output in bf16), their tiny Mixtral (4 experts, top-2) and an llm_tiny run exported by
-scripts/export.py --format gguf (its byte-level BPE with GPT-2's split). llama.cpp's server gives log-probabilities, not
-raw logits: in F16 its prompt log-probabilities (the whole vocabulary at each position) are within BOUNDS['f16'] of
-transformers' (float32, on the Hugging Face folder), its greedy answers are transformers' token for token, it tokenizes
-text and the chat template's prompt into transformers' ids, and the greedy answer to that chat prompt is transformers'.
-BF16 and Q8_0 move the log-probabilities further (within their BOUNDS; tokens and chat prompt still equal): the drifts
-are printed. Without llama.cpp's environment (make llamacpp-env) those checks skip, and fail under CI=true; the export
-itself (scripts/export.py --format gguf) is checked either way."""
+GQA with an untied output in bf16), their tiny Mixtral (4 experts, top-2), a tiny Qwen3 (tied, bf16, head_dim 32 != 64 /
+4 heads) and Qwen3-MoE (8 experts, top-2 renormalized, in every layer), both with a Qwen2Tokenizer (Qwen2's split) and
+ChatML, and an llm_tiny run exported by scripts/export.py --format gguf (its byte-level BPE with GPT-2's split).
+llama.cpp's server gives log-probabilities, not raw logits: in F16 its prompt log-probabilities (the whole vocabulary at
+each position) are within BOUNDS['f16'] of transformers' (float32, on the Hugging Face folder), its greedy answers are
+transformers' token for token, it tokenizes text and the chat template's prompt into transformers' ids, and the greedy
+answer to that chat prompt is transformers'. BF16 and Q8_0 move the log-probabilities further (within their BOUNDS;
+tokens and chat prompt still equal): the drifts are printed. The Qwens are checked in F16 only (BF16 and Q8_0 quantize
+as for the Llamas; CI's time). Without llama.cpp's environment (make llamacpp-env) those checks skip, and fail under
+CI=true; the export itself (scripts/export.py --format gguf) is checked either way."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 from recipes.llm.gguf_export import write_gguf
 from tests.conftest import load_script
 from tests.fixtures.llamacpp import llamacpp_python, probe, reference
-from tests.fixtures.llm import EOT, write_llama_folder, write_moe_folder
+from tests.fixtures.llm import EOT, write_llama_folder, write_moe_folder, write_qwen3_folder
 from tests.fixtures.runs import LLM_10_STEPS
 
 pytestmark = pytest.mark.integration
@@ -27,8 +29,9 @@ pytestmark = pytest.mark.integration
 # max |llama.cpp - transformers| over the prompt's log-probabilities (whole vocabulary, every position), measured
 # with xllamacpp 2026.10.11549 (CPU): 0.0038 to 0.0086 in F16, 0.020 to 0.036 in BF16, 0.106 to 0.130 in Q8_0 (the
 # log-softmax of llama-cpp-python 0.3.36's raw logits: 0.0033 to 0.0059, 0.020 to 0.058, 0.088 to 0.146). F16's bound
-# is 2e-2: the newer llama.cpp's 0.0086 is near the 1e-2 that held for the older one.
+# is 2e-2: the newer llama.cpp's 0.0086 is near the 1e-2 that held for the older one. The Qwens share F16's bound.
 BOUNDS = {"f16": 2e-2, "bf16": 1e-1, "q8_0": 0.25}
+QWENS = ("qwen3", "qwen3_moe")  # checked in F16 only
 FTYPE = {"f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}  # the file's type as llama.cpp reads it
 NEW_TOKENS = 12
 TEXTS = [
@@ -74,14 +77,20 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_llamacpp")
     folders = {v: write_llama_folder(root / v, v) for v in ("tied", "gqa")}
     folders["mixtral"] = write_moe_folder(root / "mixtral", "mixtral")
+    folders["qwen3"] = write_qwen3_folder(root / "qwen3")
+    # llama.cpp's qwen3moe: experts in every layer, top-k renormalized (the fixture's default has neither)
+    moe = dict(tokenizer="qwen", mlp_only_layers=[], norm_topk_prob=True)
+    folders["qwen3_moe"] = write_moe_folder(root / "qwen3_moe", "qwen3_moe", **moe)
     return root, folders, {v: reference(f, request_for(f)) for v, f in folders.items()}
 
 
-@pytest.mark.parametrize("variant", ["tied", "gqa", "mixtral"])
+@pytest.mark.parametrize("variant", ["tied", "gqa", "mixtral", *QWENS])
 def test_llamacpp_answers_as_transformers(tiny, variant, llamacpp, capsys):
     root, folders, references = tiny
     drifts = {}
     for gguf_type, bound in BOUNDS.items():
+        if variant in QWENS and gguf_type != "f16":
+            continue
         path = write_gguf(folders[variant], root / f"{variant}-{gguf_type}", gguf_type)
         ours = probe(llamacpp, path, request_for(folders[variant]))
         drifts[gguf_type] = round(compare(references[variant], ours, bound, exact=gguf_type == "f16"), 4)
