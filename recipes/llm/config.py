@@ -201,7 +201,7 @@ def check_gguf_export(cfg: TrainConfig) -> None:
     m, moe = cfg.model, cfg.model.moe
     kind = None
     if m.qkv_bias or moe.shared_ffn_dim:
-        kind = "a Qwen2-MoE (model.qkv_bias, model.moe.shared_ffn_dim)"
+        kind = "a Qwen2 or Qwen2-MoE (model.qkv_bias, model.moe.shared_ffn_dim)"
     elif moe.num_experts and (moe.first_dense_layers or moe.interval != 1):
         kind = "an MoE with dense layers (model.moe.first_dense_layers, model.moe.interval), which llama.cpp's "
         kind += "qwen3moe and Mixtral's layout do not have"

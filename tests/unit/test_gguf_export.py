@@ -360,7 +360,7 @@ def test_what_is_not_written_stops_with_one_line(folders, qwens, tmp_path):
         (
             ["recipe=moe_tiny", "export.formats=[gguf]", "model.moe.first_dense_layers=0", "model.qk_norm=false"]
             + ["model.moe.shared_ffn_dim=64", "model.qkv_bias=true"],
-            "export.formats=[gguf]: this run's model is a Qwen2-MoE",
+            "export.formats=[gguf]: this run's model is a Qwen2 or Qwen2-MoE",
         ),
     ],
 )
