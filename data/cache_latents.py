@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         root = Path(cfg.data.root).absolute()
-        if cfg.data.build and read_meta(root) is None:
-            run_builder(cfg.data.build, root)  # e.g. the digits: built on first use, as training does
+        if cfg.data.build:  # as training does, on every start: built on first use, shards of other settings refused
+            run_builder(cfg.data.build, root)
         plan = latent_cache(cfg, device)
         meta, rc = build_cache(cfg, plan, args.out.absolute(), batch_size=args.batch_size, force=args.force)
     except (UserError, ValueError, FileNotFoundError) as exc:

@@ -187,3 +187,18 @@ def test_cache_counts_a_corrupt_shard(setup, tmp_path):
     cache = read_meta(tmp_path / "latents")
     assert list(cache["corrupt_shards"]) == [first.name]
     assert 0 < cache["splits"]["train"]["shard_samples"][0] < meta["splits"]["train"]["shard_samples"][0]
+
+
+def test_cache_refuses_shards_its_builder_did_not_build(setup, tmp_path, capsys):
+    """data.build runs on every start, as training runs it: shards built with other settings (another split seed)
+    stop the cache with the builder's one line, rather than being cached as if they were the recipe's."""
+    from common.data.dataset import run_builder
+
+    root = tmp_path / "digits"
+    run_builder(["data.prepare_digits", "--seed", "1"], root)
+    common = [a for a in setup["common"] if not a.startswith(("data=", "data.root="))]
+    argv = [*common, "data=digits", f"data.root={root}", "--out", str(tmp_path / "latents")]
+    assert cache_latents.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds" in err and "--force" in err, err
+    assert not (tmp_path / "latents").exists()
